@@ -1,0 +1,191 @@
+"""metald configuration: a TOML file, validated, with environment overrides.
+
+Every section is a pydantic model that forbids unknown keys, so a typo in the file is an error
+that names the key instead of a silently ignored setting. Environment variables override file
+values: ``METALD_<SECTION>__<KEY>`` (for example ``METALD_API__LISTEN=0.0.0.0:8080``); values
+are parsed as TOML scalars when they can be (numbers, booleans, quoted strings, arrays).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from ipaddress import IPv4Address, IPv4Network
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class ConfigError(Exception):
+    """The configuration cannot be used; the message names the key and the problem."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class StoreConfig(_Section):
+    #: SQLAlchemy URL. Empty means SQLite at ``<state_dir>/metald.db`` (WAL mode).
+    url: str = ""
+
+
+class ApiConfig(_Section):
+    #: host:port the HTTP API (and HTTP boot) listens on.
+    listen: str = "127.0.0.1:8080"
+    #: URL machines and agents use to reach this API (rendered into iPXE scripts).
+    public_url: str = ""
+    #: Largest accepted request body, in bytes.
+    max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    #: Default and maximum page size of list endpoints.
+    page_size: int = Field(default=100, ge=1, le=1000)
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, v: str) -> str:
+        split_hostport(v)
+        return v
+
+
+class LogConfig(_Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["text", "json"] = "text"
+
+
+class AuthConfig(_Section):
+    #: Where the first admin token is written (0600) on first start. Empty: <state_dir>/admin.token
+    admin_token_file: str = ""
+
+
+class DhcpNetwork(_Section):
+    """One provisioning network (a subnet) the DHCP server hands addresses on."""
+
+    name: str
+    subnet: IPv4Network
+    #: Inclusive address range handed out dynamically.
+    pool_start: IPv4Address
+    pool_end: IPv4Address
+    router: IPv4Address | None = None
+    dns: list[IPv4Address] = []
+    lease_seconds: int = Field(default=3600, ge=60)
+    #: Interface this network is served on directly (no relay). Empty: reached through relays only.
+    interface: str = ""
+    #: MAC -> fixed address.
+    reservations: dict[str, IPv4Address] = {}
+
+
+class BootConfig(_Section):
+    """The boot plane: DHCP, TFTP, HTTP boot, Router Advertisements."""
+
+    enabled: bool = False
+    #: full: metald owns addresses. proxy: someone else does; metald only answers boot options.
+    dhcp_mode: Literal["full", "proxy", "off"] = "full"
+    #: Interfaces the DHCP, TFTP and RA servers are bound to. Never answers elsewhere.
+    interfaces: list[str] = []
+    #: Address this server is reached at on the provisioning network (siaddr, TFTP, HTTP).
+    server_address: IPv4Address | None = None
+    dhcp_port: int = Field(default=67, ge=1, le=65535)
+    proxy_port: int = Field(default=4011, ge=1, le=65535)
+    tftp_port: int = Field(default=69, ge=1, le=65535)
+    #: Folder with iPXE binaries and boot images, served by TFTP and HTTP (read-only).
+    assets_dir: str = ""
+    #: Answer IPv6 Router Solicitations on the boot interfaces (removes iPXE's ~16 s IPv6 wait).
+    router_advertisements: bool = True
+    networks: list[DhcpNetwork] = []
+
+
+class BmcConfig(_Section):
+    """BMC command scheduling."""
+
+    max_concurrency: int = Field(default=256, ge=1)
+    min_interval_ms: int = Field(default=200, ge=0)
+    timeout_s: float = Field(default=10.0, gt=0)
+    retries: int = Field(default=3, ge=0)
+    power_sync_interval_s: float = Field(default=60.0, ge=0)
+
+
+class Config(_Section):
+    #: Folder for the SQLite database, the secrets key and the first admin token.
+    state_dir: str = "/var/lib/metald"
+    #: Name of this metald instance (one per rack or provisioning network); shows in events.
+    instance: str = "metald"
+    store: StoreConfig = StoreConfig()
+    api: ApiConfig = ApiConfig()
+    log: LogConfig = LogConfig()
+    auth: AuthConfig = AuthConfig()
+    boot: BootConfig = BootConfig()
+    bmc: BmcConfig = BmcConfig()
+
+    @property
+    def store_url(self) -> str:
+        return self.store.url or f"sqlite:///{Path(self.state_dir) / 'metald.db'}"
+
+    @property
+    def admin_token_path(self) -> Path:
+        return Path(self.auth.admin_token_file or Path(self.state_dir) / "admin.token")
+
+    @property
+    def secrets_key_path(self) -> Path:
+        return Path(self.state_dir) / "secrets.key"
+
+
+def split_hostport(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected host:port, got {value!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def _parse_env_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _apply_env(data: dict[str, Any], environ: dict[str, str]) -> None:
+    for name, raw in environ.items():
+        if not name.startswith("METALD_") or name in ("METALD_URL", "METALD_TOKEN"):
+            continue
+        path = name[len("METALD_") :].lower().split("__")
+        node = data
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{name}: {'.'.join(path[:-1])} is not a section")
+        node[path[-1]] = _parse_env_value(raw)
+
+
+def _describe(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        lines.append(f"{key}: {msg}")
+    return "; ".join(lines)
+
+
+def load_config(path: str | os.PathLike[str] | None, environ: dict[str, str] | None = None) -> Config:
+    """Read, merge with environment overrides, and validate. Raises ConfigError."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    _apply_env(data, dict(os.environ if environ is None else environ))
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(f"invalid config: {_describe(e)}") from None
+    for net in cfg.boot.networks:
+        for key in ("pool_start", "pool_end"):
+            if getattr(net, key) not in net.subnet:
+                raise ConfigError(
+                    f"invalid config: boot.networks[{net.name}].{key}: {getattr(net, key)} is outside {net.subnet}"
+                )
+        if int(net.pool_start) > int(net.pool_end):
+            raise ConfigError(f"invalid config: boot.networks[{net.name}].pool_start is after pool_end")
+    return cfg

@@ -1,0 +1,140 @@
+"""The machine lifecycle: one table of legal transitions, and nothing else.
+
+Everything that can change a machine's state is a ``Trigger``; ``TRANSITIONS`` maps
+(state, trigger) to the next state. This module is pure: it knows no database, no API and no
+roles. ``metald.machines`` applies a transition atomically with its event row.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class State(StrEnum):
+    DISCOVERED = "discovered"
+    INSPECTING = "inspecting"
+    INSPECT_FAILED = "inspect-failed"
+    READY = "ready"
+    CLAIMED = "claimed"
+    PROVISIONING = "provisioning"
+    PROVISION_FAILED = "provision-failed"
+    PROVISIONED = "provisioned"
+    JOINING = "joining"
+    JOIN_FAILED = "join-failed"
+    ACTIVE = "active"
+    RELEASING = "releasing"
+    WIPING = "wiping"
+    WIPE_FAILED = "wipe-failed"
+    MAINTENANCE = "maintenance"
+    BROKEN = "broken"
+    RETIRED = "retired"
+
+
+class Trigger(StrEnum):
+    INSPECT = "inspect"  # start (re-)inspection: boot the discovery image
+    INSPECTED = "inspected"  # the agent posted a valid inventory
+    INSPECT_FAIL = "inspect-fail"  # agent error or watchdog timeout
+    CLAIM = "claim"  # allocated to a tenant's claim
+    PROVISION = "provision"  # start installing the claim's image (also a retry)
+    PROVISIONED = "provisioned"  # image written/booted
+    PROVISION_FAIL = "provision-fail"
+    JOIN = "join"  # node started joining its tenant's cluster (also a retry)
+    JOINED = "joined"  # handshake seen and the scheduler reports the node
+    JOIN_FAIL = "join-fail"
+    RELEASE = "release"  # the tenant gives the machine back
+    WIPE = "wipe"  # start wiping (also a retry)
+    WIPED = "wiped"  # wipe verified: back to the pool
+    WIPE_FAIL = "wipe-fail"
+    MAINTENANCE_ON = "maintenance-on"
+    MAINTENANCE_OFF = "maintenance-off"
+    MARK_BROKEN = "mark-broken"
+    REPAIR = "repair"  # broken -> maintenance, for the technician to work on it
+    RETIRE = "retire"
+
+
+S, T = State, Trigger
+
+#: States in which a machine belongs to a tenant.
+ALLOCATED = frozenset(
+    {S.CLAIMED, S.PROVISIONING, S.PROVISION_FAILED, S.PROVISIONED, S.JOINING, S.JOIN_FAILED, S.ACTIVE}
+)
+#: States in which a machine is not allocated and no operation is under way.
+IDLE = frozenset({S.DISCOVERED, S.READY, S.INSPECT_FAILED, S.WIPE_FAILED})
+#: States a watchdog times out of, and where it sends them.
+TIMEOUTS: dict[State, Trigger] = {
+    S.INSPECTING: T.INSPECT_FAIL,
+    S.PROVISIONING: T.PROVISION_FAIL,
+    S.JOINING: T.JOIN_FAIL,
+    S.WIPING: T.WIPE_FAIL,
+}
+
+
+def _table() -> dict[tuple[State, Trigger], State]:
+    t: dict[tuple[State, Trigger], State] = {}
+
+    def add(sources: object, trigger: Trigger, target: State) -> None:
+        for src in sources if isinstance(sources, (set, frozenset, tuple, list)) else (sources,):
+            assert (src, trigger) not in t, (src, trigger)
+            t[(src, trigger)] = target
+
+    # Inspection
+    add({S.DISCOVERED, S.READY, S.INSPECT_FAILED, S.MAINTENANCE}, T.INSPECT, S.INSPECTING)
+    add(S.INSPECTING, T.INSPECTED, S.READY)
+    add(S.INSPECTING, T.INSPECT_FAIL, S.INSPECT_FAILED)
+    # Allocation and provisioning
+    add(S.READY, T.CLAIM, S.CLAIMED)
+    add({S.CLAIMED, S.PROVISION_FAILED}, T.PROVISION, S.PROVISIONING)
+    add(S.PROVISIONING, T.PROVISIONED, S.PROVISIONED)
+    add(S.PROVISIONING, T.PROVISION_FAIL, S.PROVISION_FAILED)
+    # Joining the tenant's cluster
+    add({S.PROVISIONED, S.JOIN_FAILED}, T.JOIN, S.JOINING)
+    add(S.JOINING, T.JOINED, S.ACTIVE)
+    add(S.JOINING, T.JOIN_FAIL, S.JOIN_FAILED)
+    # Release and wipe
+    add(ALLOCATED, T.RELEASE, S.RELEASING)
+    add({S.RELEASING, S.WIPE_FAILED}, T.WIPE, S.WIPING)
+    add(S.WIPING, T.WIPED, S.READY)
+    add(S.WIPING, T.WIPE_FAIL, S.WIPE_FAILED)
+    # Technician operations
+    add(IDLE | {S.BROKEN}, T.MAINTENANCE_ON, S.MAINTENANCE)
+    add(S.MAINTENANCE, T.MAINTENANCE_OFF, S.READY)
+    add(set(State) - {S.BROKEN, S.RETIRED}, T.MARK_BROKEN, S.BROKEN)
+    add(S.BROKEN, T.REPAIR, S.MAINTENANCE)
+    add(IDLE | {S.MAINTENANCE, S.BROKEN}, T.RETIRE, S.RETIRED)
+    return t
+
+
+TRANSITIONS: dict[tuple[State, Trigger], State] = _table()
+
+
+class IllegalTransition(Exception):
+    """The trigger is not allowed in the machine's current state. Nothing was changed."""
+
+    def __init__(self, state: State, trigger: Trigger) -> None:
+        self.state = state
+        self.trigger = trigger
+        self.allowed_from = sorted(s.value for (s, t) in TRANSITIONS if t == trigger)
+        self.allowed_triggers = allowed_triggers(state)
+        hint = ""
+        if state in ALLOCATED and trigger in (T.RETIRE, T.MAINTENANCE_ON, T.INSPECT):
+            hint = " The machine belongs to a tenant: release it first."
+        elif state is S.RETIRED:
+            hint = " A retired machine cannot change state."
+        super().__init__(
+            f"cannot {trigger.value} a machine that is {state.value}; "
+            f"{trigger.value} is allowed only from: {', '.join(self.allowed_from)}.{hint}"
+        )
+
+
+def next_state(state: State | str, trigger: Trigger | str) -> State:
+    """The state ``trigger`` leads to from ``state``; raises IllegalTransition."""
+    s, t = State(state), Trigger(trigger)
+    try:
+        return TRANSITIONS[(s, t)]
+    except KeyError:
+        raise IllegalTransition(s, t) from None
+
+
+def allowed_triggers(state: State | str) -> list[str]:
+    s = State(state)
+    return sorted(t.value for (src, t) in TRANSITIONS if src == s)

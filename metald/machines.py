@@ -1,0 +1,227 @@
+"""Machine records and the one place that changes a machine's state.
+
+Every function takes an open ``Session`` and commits what it does as one transaction: a state
+change and its event row land together or not at all. State changes compare-and-swap on the
+``version`` column, so of two writers racing on one machine exactly one wins and the other gets
+``ConcurrentUpdate`` (a 409 at the API) with nothing written.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from sqlalchemy import func, update
+from sqlmodel import Session, select
+
+from metald.errors import Conflict, NotFound, Unprocessable
+from metald.lifecycle import State, Trigger, next_state
+from metald.store.models import Event, Machine, Nic, utcnow
+
+_MAC_RE = re.compile(r"^[0-9a-f]{2}([:-]?[0-9a-f]{2}){5}$")
+
+
+class ConcurrentUpdate(Conflict):
+    title = "Concurrent update"
+
+
+def normalize_mac(mac: str) -> str:
+    """``AA-BB-CC-DD-EE-FF`` / ``aabb.ccdd.eeff`` / ``aabbccddeeff`` -> ``aa:bb:cc:dd:ee:ff``."""
+    m = mac.strip().lower().replace(".", "")
+    if not _MAC_RE.match(m):
+        raise Unprocessable(f"{mac!r} is not a MAC address (expected aa:bb:cc:dd:ee:ff)")
+    hexdigits = m.replace(":", "").replace("-", "")
+    return ":".join(hexdigits[i : i + 2] for i in range(0, 12, 2))
+
+
+def add_event(
+    session: Session,
+    kind: str,
+    actor: str,
+    *,
+    machine_id: str | None = None,
+    tenant_id: str | None = None,
+    from_state: str | None = None,
+    to_state: str | None = None,
+    reason: str | None = None,
+    data: dict[str, Any] | None = None,
+    instance: str | None = None,
+) -> Event:
+    ev = Event(
+        kind=kind,
+        actor=actor,
+        machine_id=machine_id,
+        tenant_id=tenant_id,
+        from_state=from_state,
+        to_state=to_state,
+        reason=reason,
+        data=data,
+        instance=instance,
+    )
+    session.add(ev)
+    return ev
+
+
+def get_machine(session: Session, machine_id: str) -> Machine:
+    m = session.get(Machine, machine_id)
+    if m is None:
+        raise NotFound(f"no machine with id {machine_id!r}")
+    return m
+
+
+def find_by_mac(session: Session, mac: str) -> Machine | None:
+    nic = session.exec(select(Nic).where(Nic.mac == normalize_mac(mac))).first()
+    return session.get(Machine, nic.machine_id) if nic else None
+
+
+def create_machine(
+    session: Session,
+    *,
+    macs: list[str],
+    actor: str,
+    name: str | None = None,
+    labels: dict[str, str] | None = None,
+    rack: str | None = None,
+    rack_position: str | None = None,
+    reason: str = "registered",
+    instance: str | None = None,
+    commit: bool = True,
+) -> Machine:
+    """A new machine in ``discovered``, with its NICs. Refuses MACs or names already known."""
+    norm = [normalize_mac(m) for m in macs]
+    if len(set(norm)) != len(norm):
+        raise Unprocessable("the same MAC address is listed twice")
+    if norm:
+        taken = session.exec(select(Nic).where(Nic.mac.in_(norm))).all()  # type: ignore[attr-defined]
+        if taken:
+            raise Conflict(
+                f"MAC {taken[0].mac} already belongs to machine {taken[0].machine_id}",
+                machine_id=taken[0].machine_id,
+            )
+    if name and session.exec(select(Machine).where(Machine.name == name)).first():
+        raise Conflict(f"a machine named {name!r} already exists")
+    m = Machine(
+        name=name,
+        state=State.DISCOVERED.value,
+        labels=dict(labels or {}),
+        rack=rack,
+        rack_position=rack_position,
+    )
+    session.add(m)
+    session.flush()
+    for i, mac in enumerate(norm):
+        session.add(Nic(machine_id=m.id, mac=mac, pxe=i == 0))
+    add_event(
+        session,
+        "machine.created",
+        actor,
+        machine_id=m.id,
+        to_state=m.state,
+        reason=reason,
+        data={"macs": norm},
+        instance=instance,
+    )
+    if commit:
+        session.commit()
+    return m
+
+
+def transition(
+    session: Session,
+    machine_id: str,
+    trigger: Trigger | str,
+    *,
+    actor: str,
+    reason: str | None = None,
+    data: dict[str, Any] | None = None,
+    expected_version: int | None = None,
+    updates: dict[str, Any] | None = None,
+    instance: str | None = None,
+    commit: bool = True,
+) -> Machine:
+    """Apply ``trigger`` to the machine, with its event, atomically.
+
+    ``expected_version`` makes the caller's read part of the check (optimistic concurrency);
+    without it the version just read here is used. ``updates`` are further column changes that
+    belong to the same transition (tenant, boot intent, last error ...).
+    """
+    m = get_machine(session, machine_id)
+    version = m.version if expected_version is None else expected_version
+    if m.version != version:
+        raise ConcurrentUpdate(
+            f"machine {machine_id} changed since it was read (version {version}, now {m.version}); "
+            "read it again and retry"
+        )
+    src = State(m.state)
+    dst = next_state(src, trigger)
+    now = utcnow()
+    values: dict[str, Any] = {
+        "state": dst.value,
+        "version": version + 1,
+        "state_changed_at": now,
+        "updated_at": now,
+    }
+    values.update(updates or {})
+    result = session.execute(
+        update(Machine)
+        .where(Machine.id == machine_id, Machine.version == version)  # type: ignore[arg-type]
+        .values(**values)
+    )
+    if result.rowcount != 1:  # type: ignore[attr-defined]
+        session.rollback()
+        raise ConcurrentUpdate(
+            f"machine {machine_id} was changed by another writer at the same time; "
+            "read it again and retry"
+        )
+    add_event(
+        session,
+        "machine.state",
+        actor,
+        machine_id=machine_id,
+        tenant_id=values.get("tenant_id", m.tenant_id),
+        from_state=src.value,
+        to_state=dst.value,
+        reason=reason or Trigger(trigger).value,
+        data={"trigger": Trigger(trigger).value, **(data or {})},
+        instance=instance,
+    )
+    if commit:
+        session.commit()
+    session.refresh(m)
+    return m
+
+
+def update_fields(
+    session: Session,
+    machine_id: str,
+    *,
+    actor: str,
+    kind: str,
+    values: dict[str, Any],
+    expected_version: int | None = None,
+    data: dict[str, Any] | None = None,
+    instance: str | None = None,
+) -> Machine:
+    """Change non-state columns (labels, inventory ...) with an event, compare-and-swap."""
+    m = get_machine(session, machine_id)
+    version = m.version if expected_version is None else expected_version
+    res = session.execute(
+        update(Machine)
+        .where(Machine.id == machine_id, Machine.version == version)  # type: ignore[arg-type]
+        .values(**values, version=version + 1, updated_at=utcnow())
+    )
+    if res.rowcount != 1:  # type: ignore[attr-defined]
+        session.rollback()
+        raise ConcurrentUpdate(
+            f"machine {machine_id} changed since it was read; read it again and retry"
+        )
+    add_event(session, kind, actor, machine_id=machine_id, tenant_id=m.tenant_id, data=data,
+              instance=instance)
+    session.commit()
+    session.refresh(m)
+    return m
+
+
+def count_by_state(session: Session) -> dict[str, int]:
+    rows = session.exec(select(Machine.state, func.count()).group_by(Machine.state)).all()
+    return {state: n for state, n in rows}

@@ -1,0 +1,114 @@
+"""The engine and the Store handle the daemon passes around.
+
+SQLite is the embedded default: WAL mode, a busy timeout, foreign keys on, and write
+transactions opened with ``BEGIN IMMEDIATE`` so two writers queue instead of failing on a
+read-to-write upgrade. PostgreSQL is used by URL for several metald instances sharing one
+database. Blocking database work runs in a thread pool so the asyncio loop never waits on I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlmodel import Session
+
+T = TypeVar("T")
+
+MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+
+
+def make_engine(url: str, *, echo: bool = False) -> Engine:
+    u = make_url(url)
+    if u.drivername.startswith("sqlite"):
+        if u.database and u.database != ":memory:":
+            Path(u.database).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(
+            url,
+            echo=echo,
+            connect_args={"check_same_thread": False, "timeout": 30},
+            pool_size=8,
+            max_overflow=8,
+        )
+
+        @event.listens_for(engine, "connect")
+        def _on_connect(dbapi_conn: Any, _rec: Any) -> None:
+            # Autocommit at the driver level: we issue BEGIN ourselves (below).
+            dbapi_conn.isolation_level = None
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            # NORMAL in WAL survives a killed process (only power loss can drop the last commits).
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _on_begin(conn: Any) -> None:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return engine
+    if u.drivername == "postgresql":
+        u = u.set(drivername="postgresql+psycopg")
+    return create_engine(u, echo=echo, pool_size=10, max_overflow=20, pool_pre_ping=True)
+
+
+class Store:
+    """Owns the engine and the thread pool that database calls run on."""
+
+    def __init__(self, url: str, *, workers: int = 8) -> None:
+        self.url = url
+        self.engine = make_engine(url)
+        self.is_sqlite = self.engine.dialect.name == "sqlite"
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="store")
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        with Session(self.engine, expire_on_commit=False) as s:
+            yield s
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn(session, *args, **kwargs)`` in the pool with a fresh session."""
+
+        def call() -> T:
+            with self.session() as s:
+                return fn(s, *args, **kwargs)
+
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(call))
+
+    def migrate(self, revision: str = "head") -> None:
+        upgrade(self.engine, revision)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.engine.dispose()
+
+
+def alembic_config(engine: Engine) -> Any:
+    from alembic.config import Config as AlembicConfig
+
+    cfg = AlembicConfig()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.attributes["engine"] = engine
+    return cfg
+
+
+def upgrade(engine: Engine, revision: str = "head") -> None:
+    from alembic import command
+
+    command.upgrade(alembic_config(engine), revision)
+
+
+def current_revision(engine: Engine) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()

@@ -1,0 +1,25 @@
+"""Alembic environment: metald passes its engine in; no alembic.ini URL is used."""
+
+from alembic import context
+from sqlmodel import SQLModel
+
+import metald.store.models  # noqa: F401  (registers the tables on SQLModel.metadata)
+
+target_metadata = SQLModel.metadata
+
+
+def run_migrations_online() -> None:
+    engine = context.config.attributes["engine"]
+    with engine.connect() as connection:
+        context.configure(
+            connection=connection,
+            target_metadata=target_metadata,
+            render_as_batch=connection.dialect.name == "sqlite",
+            compare_type=True,
+        )
+        with context.begin_transaction():
+            context.run_migrations()
+        connection.commit()
+
+
+run_migrations_online()

@@ -1,0 +1,206 @@
+"""The tables metald keeps. One module so the schema (and its Alembic migrations) has one home.
+
+Conventions: string UUID primary keys (safe across several metald instances on one database),
+timezone-aware UTC timestamps, JSON columns for open-ended data (labels, inventory), and a
+``version`` column on rows that several writers race on (machines, claims).
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import JSON, Column, DateTime, Index, LargeBinary, UniqueConstraint
+from sqlmodel import Field, SQLModel
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def new_id() -> str:
+    return str(uuid.uuid4())
+
+
+def _ts(**kw: Any) -> Any:
+    return Field(default_factory=utcnow, sa_column_kwargs={}, sa_type=DateTime(timezone=True), **kw)
+
+
+class Machine(SQLModel, table=True):
+    __tablename__ = "machines"
+
+    id: str = Field(default_factory=new_id, primary_key=True)
+    name: str | None = Field(default=None, unique=True)
+    state: str = Field(index=True)
+    #: Bumped by every write; writers compare-and-swap on it so two racing writers cannot both win.
+    version: int = Field(default=1)
+    labels: dict[str, str] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    rack: str | None = Field(default=None, index=True)
+    #: Switch port (DHCP option 82 / LLDP), which is the machine's rack position.
+    rack_position: str | None = None
+    system_uuid: str | None = Field(default=None, index=True)
+    serial: str | None = Field(default=None, index=True)
+    vendor: str | None = None
+    product: str | None = None
+    cpu_model: str | None = None
+    cpu_count: int | None = None
+    memory_mb: int | None = None
+    gpu_model: str | None = Field(default=None, index=True)
+    gpu_count: int = Field(default=0, index=True)
+    inventory: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    inventory_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    power_state: str | None = None
+    #: What the next network boot should do (discovery, provision image, local disk, wipe).
+    boot_intent: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    tenant_id: str | None = Field(default=None, foreign_key="tenants.id", index=True)
+    claim_id: str | None = Field(default=None, foreign_key="claims.id", index=True)
+    last_error: str | None = None
+    state_changed_at: datetime = _ts()
+    created_at: datetime = _ts()
+    updated_at: datetime = _ts()
+
+
+class Nic(SQLModel, table=True):
+    __tablename__ = "nics"
+
+    id: str = Field(default_factory=new_id, primary_key=True)
+    machine_id: str = Field(foreign_key="machines.id", index=True)
+    #: Lower-case colon form, aa:bb:cc:dd:ee:ff.
+    mac: str = Field(unique=True)
+    name: str | None = None
+    driver: str | None = None
+    speed_mbps: int | None = None
+    link: bool | None = None
+    pxe: bool = False
+
+
+class Bmc(SQLModel, table=True):
+    __tablename__ = "bmcs"
+
+    id: str = Field(default_factory=new_id, primary_key=True)
+    machine_id: str | None = Field(default=None, foreign_key="machines.id", unique=True)
+    address: str
+    port: int | None = None
+    #: ipmi or redfish.
+    protocol: str
+    username: str
+    #: Encrypted with the secrets key (metald.secrets); never returned or logged.
+    password_enc: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+    verify_tls: bool = True
+    ca_cert: str | None = None
+    #: ok, auth-failed, unreachable, error, unknown.
+    health: str = "unknown"
+    health_detail: str | None = None
+    power_state: str | None = None
+    system_uuid: str | None = None
+    serial: str | None = None
+    macs: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    last_seen_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    created_at: datetime = _ts()
+
+    __table_args__ = (UniqueConstraint("address", "port", name="uq_bmcs_address_port"),)
+
+
+class Lease(SQLModel, table=True):
+    """A DHCP lease. (network, ip) is unique, so no address is ever held by two clients."""
+
+    __tablename__ = "leases"
+
+    id: int | None = Field(default=None, primary_key=True)
+    network: str
+    ip: str
+    mac: str = Field(index=True)
+    client_id: str | None = None
+    hostname: str | None = None
+    #: offered, bound, released, declined.
+    state: str
+    expires_at: datetime = Field(sa_type=DateTime(timezone=True))
+    updated_at: datetime = _ts()
+
+    __table_args__ = (UniqueConstraint("network", "ip", name="uq_leases_network_ip"),)
+
+
+class Tenant(SQLModel, table=True):
+    __tablename__ = "tenants"
+
+    id: str = Field(default_factory=new_id, primary_key=True)
+    name: str = Field(unique=True)
+    #: slurm or kubernetes.
+    cluster_kind: str = "slurm"
+    control_plane: str | None = None
+    #: Encrypted JSON blob of scheduler secrets (munge key, CA key, ...).
+    secrets_enc: bytes | None = Field(default=None, sa_column=Column(LargeBinary))
+    overlay_prefix: str | None = Field(default=None, unique=True)
+    created_at: datetime = _ts()
+
+
+class Claim(SQLModel, table=True):
+    __tablename__ = "claims"
+
+    id: str = Field(default_factory=new_id, primary_key=True)
+    tenant_id: str = Field(foreign_key="tenants.id", index=True)
+    #: Idempotency key, unique per tenant: a retried request returns the same claim.
+    idempotency_key: str | None = None
+    count: int
+    selector: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    image: str | None = None
+    #: pending, allocated, released, failed.
+    state: str = "pending"
+    version: int = 1
+    created_by: str | None = None
+    created_at: datetime = _ts()
+    updated_at: datetime = _ts()
+
+    __table_args__ = (
+        UniqueConstraint("tenant_id", "idempotency_key", name="uq_claims_tenant_idem"),
+    )
+
+
+class Event(SQLModel, table=True):
+    """Append-only record of what happened: transitions, actions, drift, progress."""
+
+    __tablename__ = "events"
+
+    id: int | None = Field(default=None, primary_key=True)
+    at: datetime = _ts()
+    kind: str = Field(index=True)
+    machine_id: str | None = Field(default=None, index=True)
+    tenant_id: str | None = Field(default=None, index=True)
+    from_state: str | None = None
+    to_state: str | None = None
+    #: Who did it: token name/role, or "metald:<instance>" for the daemon itself.
+    actor: str
+    #: The metald instance that recorded it (several may share one database).
+    instance: str | None = None
+    reason: str | None = None
+    data: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+
+    __table_args__ = (Index("ix_events_machine_id_id", "machine_id", "id"),)
+
+
+class ApiToken(SQLModel, table=True):
+    __tablename__ = "api_tokens"
+
+    id: str = Field(default_factory=new_id, primary_key=True)
+    name: str
+    #: admin, technician, orchestrator, agent.
+    role: str
+    #: orchestrator: tenant ids; agent: [machine id].
+    scope: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    #: sha256 of the secret; the secret itself is shown once, at creation.
+    token_hash: str = Field(unique=True)
+    created_by: str | None = None
+    created_at: datetime = _ts()
+    expires_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    revoked_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    last_used_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+
+
+class Meta(SQLModel, table=True):
+    """Small key/value facts about the installation (e.g. when it was initialised)."""
+
+    __tablename__ = "meta"
+
+    key: str = Field(primary_key=True)
+    value: str
