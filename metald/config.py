@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import tomllib
-from ipaddress import IPv4Address, IPv4Network
+from ipaddress import IPv4Address, IPv4Network, IPv6Network
 from pathlib import Path
 from typing import Any, Literal
 
@@ -91,6 +91,20 @@ class BootConfig(_Section):
     assets_dir: str = ""
     #: Answer IPv6 Router Solicitations on the boot interfaces (removes iPXE's ~16 s IPv6 wait).
     router_advertisements: bool = True
+    #: IPv6 prefix advertised as on-link and autonomous in RAs (e.g. "fd00:10::/64"). Empty:
+    #: RAs carry no prefix (enough to end iPXE's wait; no IPv6 addresses are configured).
+    ra_prefix: IPv6Network | None = None
+    #: Boot file for legacy BIOS PXE clients (option 93 arch 0), under assets_dir.
+    bios_file: str = "undionly.kpxe"
+    #: Boot file for x86-64 UEFI PXE and UEFI HTTP boot clients (arch 7, 9, 16).
+    uefi_x64_file: str = "snponly.efi"
+    #: Boot file for 32-bit x86 UEFI clients (arch 6).
+    uefi_ia32_file: str = "ipxe-i386.efi"
+    #: Boot file for arm64 UEFI clients (arch 11, 19).
+    uefi_arm64_file: str = "snponly-arm64.efi"
+    #: Base URL iPXE uses for scripts and assets. Empty: api.public_url, else
+    #: http://<server_address>:<api port>.
+    http_url: str = ""
     networks: list[DhcpNetwork] = []
 
 

@@ -1,0 +1,68 @@
+"""Run the boot plane on its own: ``python -m metald.boot --config metald.toml``.
+
+DHCP, TFTP and RA from the config, plus HTTP boot on ``api.listen``, over the store the config
+names (migrated on start), with ``StoreBootHooks``. The daemon hosts the same parts; this entry
+point is what the tests and benchmarks start inside network namespaces. Prints ``READY`` once
+every socket is bound; stops on SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+from metald.boot.hooks import StoreBootHooks
+from metald.boot.http import boot_routes
+from metald.boot.plane import BootPlane, http_base_url
+from metald.config import load_config, split_hostport
+from metald.store.db import Store
+
+
+async def run(config_path: str) -> None:
+    cfg = load_config(config_path)
+    store = Store(cfg.store_url)
+    store.migrate()
+    hooks = StoreBootHooks(store, cfg.instance)
+    plane = BootPlane(cfg, store, hooks)
+    app = web.Application()
+    if cfg.boot.assets_dir:
+        app.add_routes(boot_routes(hooks, Path(cfg.boot.assets_dir), http_base_url(cfg)))
+    runner = web.AppRunner(app, access_log=logging.getLogger("metald.boot.http.access"))
+    await runner.setup()
+    host, port = split_hostport(cfg.api.listen)
+    site = web.TCPSite(runner, host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await plane.start()
+    await site.start()
+    print("READY", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        await plane.stop()
+        store.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m metald.boot")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--log-level", default="warning")
+    args = ap.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    asyncio.run(run(args.config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""DHCPv4: codec (``packet``), decision handlers (``full``, ``proxy``), asyncio shell (``server``)."""

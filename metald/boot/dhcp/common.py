@@ -1,0 +1,180 @@
+"""What full and proxy mode share: per-network plans, network choice, reply skeletons and
+RFC 2131 section 4.1 reply addressing. Pure."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from ipaddress import IPv4Address, IPv4Network
+
+from metald.boot.dhcp.bootfile import BootFiles, ClientKind, boot_file_for
+from metald.boot.dhcp.packet import (
+    BROADCAST_FLAG,
+    ZERO,
+    DhcpPacket,
+    MessageType,
+    Op,
+    Opt,
+    RelaySub,
+    encode_tlv,
+)
+from metald.boot.leases import LeaseRecord
+
+CLIENT_PORT = 68
+SERVER_PORT = 67
+LIMITED_BROADCAST = IPv4Address("255.255.255.255")
+
+
+def _norm_mac(mac: str) -> str:
+    h = mac.lower().replace(":", "").replace("-", "").replace(".", "")
+    return ":".join(h[i : i + 2] for i in range(0, 12, 2))
+
+
+@dataclass
+class NetworkPlan:
+    """One provisioning network with everything a reply needs precomputed."""
+
+    name: str
+    subnet: IPv4Network
+    pool_start: IPv4Address
+    pool_end: IPv4Address
+    lease_seconds: int
+    interface: str = ""
+    router: IPv4Address | None = None
+    dns: list[IPv4Address] = field(default_factory=list)
+    reservations: dict[str, IPv4Address] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.reservations = {_norm_mac(k): v for k, v in self.reservations.items()}
+        self.reserved = frozenset(self.reservations.values())
+        self.base_options: dict[int, bytes] = {Opt.SUBNET_MASK: self.subnet.netmask.packed}
+        if self.router:
+            self.base_options[Opt.ROUTER] = self.router.packed
+        if self.dns:
+            self.base_options[Opt.DNS] = b"".join(a.packed for a in self.dns)
+
+    @classmethod
+    def from_config(cls, net: object) -> NetworkPlan:
+        return cls(
+            name=net.name,  # type: ignore[attr-defined]
+            subnet=net.subnet,  # type: ignore[attr-defined]
+            pool_start=net.pool_start,  # type: ignore[attr-defined]
+            pool_end=net.pool_end,  # type: ignore[attr-defined]
+            lease_seconds=net.lease_seconds,  # type: ignore[attr-defined]
+            interface=net.interface,  # type: ignore[attr-defined]
+            router=net.router,  # type: ignore[attr-defined]
+            dns=list(net.dns),  # type: ignore[attr-defined]
+            reservations=dict(net.reservations),  # type: ignore[attr-defined]
+        )
+
+    def in_pool(self, ip: IPv4Address) -> bool:
+        return int(self.pool_start) <= int(ip) <= int(self.pool_end)
+
+    def assignable(self, ip: IPv4Address, mac: str) -> bool:
+        """May ``mac`` hold ``ip`` here (ignoring other clients' leases)?"""
+        reserved = self.reservations.get(mac)
+        if reserved is not None:
+            return ip == reserved
+        return self.in_pool(ip) and ip not in self.reserved
+
+
+@dataclass
+class Decision:
+    """What to do with one packet. ``reply`` waits for ``write`` to commit when there is one;
+    if the write loses a race with another instance, ``on_conflict`` is sent instead."""
+
+    reply: DhcpPacket | None = None
+    dest: tuple[str, int] | None = None
+    write: LeaseRecord | None = None
+    extra_writes: list[LeaseRecord] = field(default_factory=list)
+    on_conflict: DhcpPacket | None = None
+    #: Metric label when nothing is sent: why.
+    ignored: str | None = None
+    network: str | None = None
+    kind: ClientKind | None = None
+
+
+def choose_network(
+    pkt: DhcpPacket, interface: str, networks: list[NetworkPlan]
+) -> NetworkPlan | None:
+    """Relay link selection (option 82 sub-option 5), else giaddr, else the receiving
+    interface. A network not configured for that path is never answered on."""
+    if pkt.giaddr != ZERO:
+        link = pkt.giaddr
+        ra = pkt.relay_agent
+        if ra and len(ra.get(RelaySub.LINK_SELECTION, b"")) == 4:
+            link = IPv4Address(ra[RelaySub.LINK_SELECTION])
+        for net in networks:
+            if link in net.subnet:
+                return net
+        return None
+    direct = [n for n in networks if n.interface and n.interface == interface]
+    if len(direct) > 1 and pkt.ciaddr != ZERO:
+        for net in direct:
+            if pkt.ciaddr in net.subnet:
+                return net
+    return direct[0] if direct else None
+
+
+def reply_skeleton(req: DhcpPacket, mtype: MessageType, server_id: IPv4Address) -> DhcpPacket:
+    opts: dict[int, bytes] = {Opt.MESSAGE_TYPE: bytes((mtype,)), Opt.SERVER_ID: server_id.packed}
+    return DhcpPacket(
+        op=Op.REPLY,
+        htype=req.htype,
+        hlen=req.hlen,
+        xid=req.xid,
+        flags=req.flags,
+        giaddr=req.giaddr,
+        chaddr=req.chaddr,
+        options=opts,
+    )
+
+
+def add_boot(
+    reply: DhcpPacket,
+    kind: ClientKind,
+    mac: str,
+    files: BootFiles,
+    server: IPv4Address,
+) -> bool:
+    """Put the boot file (and next-server) in ``reply``. False if the client gets none."""
+    bootfile = boot_file_for(kind, mac, files)
+    if bootfile is None:
+        return False
+    raw = bootfile.encode()
+    reply.siaddr = server
+    if len(raw) <= 127:
+        reply.file = raw
+    reply.options[Opt.BOOTFILE] = raw
+    if kind.http:
+        reply.options[Opt.VENDOR_CLASS] = b"HTTPClient"
+    elif kind.pxe and not kind.ipxe:
+        reply.options[Opt.VENDOR_CLASS] = b"PXEClient"
+    return True
+
+
+def echo_relay_info(req: DhcpPacket, reply: DhcpPacket) -> None:
+    """RFC 3046: the server copies option 82 back, last, for the relay to strip."""
+    v = req.options.get(Opt.RELAY_AGENT)
+    if v is not None:
+        reply.options.pop(Opt.RELAY_AGENT, None)
+        reply.options[Opt.RELAY_AGENT] = v
+
+
+def destination(req: DhcpPacket, reply: DhcpPacket) -> tuple[str, int]:
+    """RFC 2131 4.1. A server with no raw socket cannot unicast to an address the client
+    does not have yet; 4.1 allows broadcasting then."""
+    if req.giaddr != ZERO:
+        if reply.options.get(Opt.MESSAGE_TYPE) == bytes((MessageType.NAK,)):
+            reply.flags |= BROADCAST_FLAG
+        return str(req.giaddr), SERVER_PORT
+    if reply.options.get(Opt.MESSAGE_TYPE) == bytes((MessageType.NAK,)):
+        return str(LIMITED_BROADCAST), CLIENT_PORT
+    if req.ciaddr != ZERO:
+        return str(req.ciaddr), CLIENT_PORT
+    return str(LIMITED_BROADCAST), CLIENT_PORT
+
+
+def pxe_vendor_options() -> bytes:
+    """Option 43 for PXE clients: discovery control 8 = boot the file named in this packet,
+    no boot server discovery or menu (PXE 2.1 spec)."""
+    return encode_tlv({6: b"\x08"}) + b"\xff"

@@ -1,0 +1,193 @@
+"""Full-mode DHCP: metald owns the addresses. Decisions from a packet and the lease table; no I/O.
+
+Offers live only in memory (short hold, so two DISCOVERs never get the same address); an ACK
+is a durable write that must commit before the ACK is sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from ipaddress import IPv4Address
+
+from metald.boot.dhcp.bootfile import BootFiles, classify
+from metald.boot.dhcp.common import (
+    Decision,
+    NetworkPlan,
+    add_boot,
+    destination,
+    echo_relay_info,
+    reply_skeleton,
+)
+from metald.boot.dhcp.packet import ZERO, DhcpPacket, MessageType, Opt
+from metald.boot.leases import LeaseRecord, LeaseState, LeaseTable
+
+#: How long an offered address is held for the client's REQUEST.
+OFFER_HOLD_SECONDS = 30
+
+
+@dataclass
+class FullHandler:
+    server_id: IPv4Address
+    files: BootFiles
+
+    def handle(self, pkt: DhcpPacket, net: NetworkPlan, table: LeaseTable, now: float) -> Decision:
+        mtype = pkt.message_type
+        if mtype is MessageType.DISCOVER:
+            return self._discover(pkt, net, table, now)
+        if mtype is MessageType.REQUEST:
+            return self._request(pkt, net, table, now)
+        if mtype is MessageType.DECLINE:
+            return self._decline(pkt, net, table, now)
+        if mtype is MessageType.RELEASE:
+            return self._release(pkt, net, table, now)
+        if mtype is MessageType.INFORM:
+            return self._inform(pkt, net)
+        return Decision(ignored="not-a-client-message", network=net.name)
+
+    # -- DISCOVER -> OFFER ------------------------------------------------------------
+
+    def _pick(
+        self, pkt: DhcpPacket, net: NetworkPlan, table: LeaseTable, now: float
+    ) -> IPv4Address | None:
+        mac = pkt.mac
+        reserved = net.reservations.get(mac)
+        if reserved is not None:
+            return reserved if table.available_to(net.name, reserved, mac, now) else None
+        mine = table.for_mac(net.name, mac)
+        if (
+            mine is not None
+            and net.assignable(mine.ip, mac)
+            and table.available_to(net.name, mine.ip, mac, now)
+        ):
+            return mine.ip
+        want = pkt.requested_ip
+        if (
+            want is not None
+            and net.assignable(want, mac)
+            and table.available_to(net.name, want, mac, now)
+        ):
+            return want
+        return table.find_free(net.name, net.pool_start, net.pool_end, now, net.reserved)
+
+    def _discover(
+        self, pkt: DhcpPacket, net: NetworkPlan, table: LeaseTable, now: float
+    ) -> Decision:
+        kind = classify(pkt)
+        ip = self._pick(pkt, net, table, now)
+        if ip is None:
+            return Decision(ignored="pool-exhausted", network=net.name, kind=kind)
+        cur = table.get(net.name, ip)
+        if not (cur and cur.mac == pkt.mac and cur.state == LeaseState.BOUND and cur.holds(now)):
+            table.put(
+                LeaseRecord(net.name, ip, pkt.mac, LeaseState.OFFERED, now + OFFER_HOLD_SECONDS)
+            )
+        reply = self._lease_reply(pkt, MessageType.OFFER, net, ip, kind)
+        return Decision(reply=reply, dest=destination(pkt, reply), network=net.name, kind=kind)
+
+    # -- REQUEST -> ACK / NAK -----------------------------------------------------------
+
+    def _request(
+        self, pkt: DhcpPacket, net: NetworkPlan, table: LeaseTable, now: float
+    ) -> Decision:
+        mac = pkt.mac
+        sid = pkt.server_id
+        if sid is not None and sid != self.server_id:
+            # The client took another server's offer: free ours now, not in 30 s.
+            rec = table.for_mac(net.name, mac)
+            if rec is not None and rec.state == LeaseState.OFFERED:
+                rec.expires_at = now
+            return Decision(ignored="other-server", network=net.name)
+        # SELECTING / INIT-REBOOT name the address in option 50; RENEWING / REBINDING in ciaddr.
+        ip = pkt.requested_ip if sid is not None or pkt.ciaddr == ZERO else pkt.ciaddr
+        if ip is None:
+            return Decision(ignored="request-without-address", network=net.name)
+        if (
+            ip not in net.subnet
+            or not net.assignable(ip, mac)
+            or not table.available_to(net.name, ip, mac, now)
+        ):
+            return self._nak(pkt, net)
+        kind = classify(pkt)
+        writes: list[LeaseRecord] = []
+        old = table.for_mac(net.name, mac)
+        if old is not None and old.ip != ip and old.state == LeaseState.BOUND:
+            old.state, old.expires_at = LeaseState.RELEASED, now
+            writes.append(old)
+        rec = LeaseRecord(
+            net.name,
+            ip,
+            mac,
+            LeaseState.BOUND,
+            now + net.lease_seconds,
+            client_id=(pkt.options.get(Opt.CLIENT_ID) or b"").hex() or None,
+            hostname=pkt.hostname,
+        )
+        table.put(rec)
+        reply = self._lease_reply(pkt, MessageType.ACK, net, ip, kind)
+        nak = self._nak(pkt, net).reply
+        return Decision(
+            reply=reply,
+            dest=destination(pkt, reply),
+            write=rec,
+            extra_writes=writes,
+            on_conflict=nak,
+            network=net.name,
+            kind=kind,
+        )
+
+    def _nak(self, pkt: DhcpPacket, net: NetworkPlan) -> Decision:
+        reply = reply_skeleton(pkt, MessageType.NAK, self.server_id)
+        reply.flags = pkt.flags
+        echo_relay_info(pkt, reply)
+        return Decision(reply=reply, dest=destination(pkt, reply), network=net.name)
+
+    # -- DECLINE, RELEASE, INFORM ----------------------------------------------------
+
+    def _decline(
+        self, pkt: DhcpPacket, net: NetworkPlan, table: LeaseTable, now: float
+    ) -> Decision:
+        ip = pkt.requested_ip
+        rec = table.get(net.name, ip) if ip is not None else None
+        if rec is None or rec.mac != pkt.mac:
+            return Decision(ignored="decline-unknown", network=net.name)
+        # Someone else answers for this address: quarantine it for one lease time.
+        rec.state, rec.expires_at = LeaseState.DECLINED, now + net.lease_seconds
+        return Decision(write=rec, network=net.name)
+
+    def _release(
+        self, pkt: DhcpPacket, net: NetworkPlan, table: LeaseTable, now: float
+    ) -> Decision:
+        rec = table.get(net.name, pkt.ciaddr)
+        if rec is None or rec.mac != pkt.mac or rec.state != LeaseState.BOUND:
+            return Decision(ignored="release-unknown", network=net.name)
+        rec.state, rec.expires_at = LeaseState.RELEASED, now
+        return Decision(write=rec, network=net.name)
+
+    def _inform(self, pkt: DhcpPacket, net: NetworkPlan) -> Decision:
+        reply = reply_skeleton(pkt, MessageType.ACK, self.server_id)
+        reply.ciaddr = pkt.ciaddr
+        reply.options.update(net.base_options)
+        kind = classify(pkt)
+        add_boot(reply, kind, pkt.mac, self.files, self.server_id)
+        echo_relay_info(pkt, reply)
+        return Decision(reply=reply, dest=destination(pkt, reply), network=net.name, kind=kind)
+
+    def _lease_reply(
+        self,
+        pkt: DhcpPacket,
+        mtype: MessageType,
+        net: NetworkPlan,
+        ip: IPv4Address,
+        kind: object,
+    ) -> DhcpPacket:
+        reply = reply_skeleton(pkt, mtype, self.server_id)
+        reply.yiaddr = ip
+        reply.ciaddr = pkt.ciaddr if mtype is MessageType.ACK else ZERO
+        t = net.lease_seconds
+        reply.options[Opt.LEASE_TIME] = t.to_bytes(4, "big")
+        reply.options[Opt.RENEWAL_TIME] = (t // 2).to_bytes(4, "big")
+        reply.options[Opt.REBINDING_TIME] = (t * 7 // 8).to_bytes(4, "big")
+        reply.options.update(net.base_options)
+        add_boot(reply, kind, pkt.mac, self.files, self.server_id)  # type: ignore[arg-type]
+        echo_relay_info(pkt, reply)
+        return reply

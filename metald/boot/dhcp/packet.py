@@ -1,0 +1,337 @@
+"""DHCPv4 codec (RFC 2131/2132): bytes to ``DhcpPacket`` and back, no I/O.
+
+Parsing is strict about structure (lengths, cookie, option framing) and raises
+``MalformedPacket`` with a short, stable ``reason`` that the server counts in /metrics. It is
+lenient only where real clients need it: a missing END option, and repeated options, which
+RFC 3396 says to concatenate.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from enum import IntEnum
+from ipaddress import IPv4Address
+
+MAGIC_COOKIE = b"\x63\x82\x53\x63"
+#: Fixed BOOTP header (236 bytes) plus the cookie.
+HEADER_LEN = 240
+#: Largest datagram we accept; bigger is an attack or a bug, never a client.
+MAX_PACKET = 4096
+ZERO = IPv4Address(0)
+BROADCAST_FLAG = 0x8000
+
+_HEADER = struct.Struct("!BBBBIHH4s4s4s4s16s64s128s")
+
+
+class MalformedPacket(ValueError):
+    """The bytes are not a DHCPv4 packet we can act on. ``reason`` is a metric label."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+class Op(IntEnum):
+    REQUEST = 1
+    REPLY = 2
+
+
+class MessageType(IntEnum):
+    DISCOVER = 1
+    OFFER = 2
+    REQUEST = 3
+    DECLINE = 4
+    ACK = 5
+    NAK = 6
+    RELEASE = 7
+    INFORM = 8
+
+
+class Opt(IntEnum):
+    PAD = 0
+    SUBNET_MASK = 1
+    ROUTER = 3
+    DNS = 6
+    HOSTNAME = 12
+    VENDOR_SPECIFIC = 43
+    REQUESTED_IP = 50
+    LEASE_TIME = 51
+    OVERLOAD = 52
+    MESSAGE_TYPE = 53
+    SERVER_ID = 54
+    PARAM_REQUEST = 55
+    MESSAGE = 56
+    MAX_MESSAGE_SIZE = 57
+    RENEWAL_TIME = 58
+    REBINDING_TIME = 59
+    VENDOR_CLASS = 60
+    CLIENT_ID = 61
+    TFTP_SERVER = 66
+    BOOTFILE = 67
+    USER_CLASS = 77
+    RELAY_AGENT = 82
+    CLIENT_ARCH = 93
+    CLIENT_NDI = 94
+    CLIENT_UUID = 97
+    END = 255
+
+
+class RelaySub(IntEnum):
+    """Option 82 sub-options (RFC 3046, RFC 3527)."""
+
+    CIRCUIT_ID = 1
+    REMOTE_ID = 2
+    LINK_SELECTION = 5
+
+
+@dataclass
+class DhcpPacket:
+    op: int = Op.REQUEST
+    htype: int = 1
+    hlen: int = 6
+    hops: int = 0
+    xid: int = 0
+    secs: int = 0
+    flags: int = 0
+    ciaddr: IPv4Address = ZERO
+    yiaddr: IPv4Address = ZERO
+    siaddr: IPv4Address = ZERO
+    giaddr: IPv4Address = ZERO
+    chaddr: bytes = b"\x00" * 6
+    sname: bytes = b""
+    file: bytes = b""
+    #: Option code -> value, in wire order. Repeated options are concatenated (RFC 3396).
+    options: dict[int, bytes] = field(default_factory=dict)
+
+    # -- typed views of the options a server acts on ------------------------------------
+
+    @property
+    def message_type(self) -> MessageType | None:
+        v = self.options.get(Opt.MESSAGE_TYPE)
+        if v is None:
+            return None
+        if len(v) != 1 or not 1 <= v[0] <= 8:
+            raise MalformedPacket("bad-message-type", repr(v))
+        return MessageType(v[0])
+
+    @property
+    def mac(self) -> str:
+        return ":".join(f"{b:02x}" for b in self.chaddr[: self.hlen])
+
+    @property
+    def broadcast(self) -> bool:
+        return bool(self.flags & BROADCAST_FLAG)
+
+    def ip_option(self, code: int) -> IPv4Address | None:
+        v = self.options.get(code)
+        if v is None:
+            return None
+        if len(v) != 4:
+            raise MalformedPacket("bad-option-length", f"option {code} has {len(v)} bytes, not 4")
+        return IPv4Address(v)
+
+    @property
+    def requested_ip(self) -> IPv4Address | None:
+        return self.ip_option(Opt.REQUESTED_IP)
+
+    @property
+    def server_id(self) -> IPv4Address | None:
+        return self.ip_option(Opt.SERVER_ID)
+
+    @property
+    def client_archs(self) -> list[int]:
+        """Option 93: the client's system architectures (RFC 4578), in preference order."""
+        v = self.options.get(Opt.CLIENT_ARCH)
+        if v is None:
+            return []
+        if not v or len(v) % 2:
+            raise MalformedPacket("bad-option-length", f"option 93 has {len(v)} bytes")
+        return [int.from_bytes(v[i : i + 2], "big") for i in range(0, len(v), 2)]
+
+    @property
+    def vendor_class(self) -> str:
+        return self.options.get(Opt.VENDOR_CLASS, b"").decode("ascii", "replace")
+
+    @property
+    def user_classes(self) -> list[bytes]:
+        """Option 77. iPXE sends its class as raw text ("iPXE"), RFC 3004 clients as
+        length-prefixed items; both readings are returned so either matches."""
+        v = self.options.get(Opt.USER_CLASS)
+        if not v:
+            return []
+        items = [v]
+        i, parsed = 0, []
+        while i < len(v):
+            n = v[i]
+            if n == 0 or i + 1 + n > len(v):
+                parsed = []
+                break
+            parsed.append(v[i + 1 : i + 1 + n])
+            i += 1 + n
+        return items + parsed
+
+    @property
+    def client_uuid(self) -> str | None:
+        v = self.options.get(Opt.CLIENT_UUID)
+        if v is None:
+            return None
+        if len(v) != 17 or v[0] != 0:
+            raise MalformedPacket("bad-option-length", "option 97 is not type 0 + 16 bytes")
+        return v[1:].hex()
+
+    @property
+    def relay_agent(self) -> dict[int, bytes] | None:
+        """Option 82 sub-options, or None when no relay added it."""
+        v = self.options.get(Opt.RELAY_AGENT)
+        if v is None:
+            return None
+        return parse_tlv(v, what="option 82")
+
+    @property
+    def hostname(self) -> str | None:
+        v = self.options.get(Opt.HOSTNAME)
+        return v.decode("ascii", "replace") if v else None
+
+
+def parse_tlv(data: bytes, *, what: str) -> dict[int, bytes]:
+    """Code/length/value items with no PAD or END (option 43 and 82 sub-options)."""
+    out: dict[int, bytes] = {}
+    i = 0
+    while i < len(data):
+        if i + 2 > len(data):
+            raise MalformedPacket("truncated-option", f"{what}: sub-option header cut off")
+        code, n = data[i], data[i + 1]
+        if i + 2 + n > len(data):
+            raise MalformedPacket("truncated-option", f"{what}: sub-option {code} overruns")
+        out[code] = out.get(code, b"") + data[i + 2 : i + 2 + n]
+        i += 2 + n
+    return out
+
+
+def _parse_options(data: bytes, out: dict[int, bytes], *, where: str) -> None:
+    i, n = 0, len(data)
+    while i < n:
+        code = data[i]
+        if code == Opt.PAD:
+            i += 1
+            continue
+        if code == Opt.END:
+            return
+        if i + 1 >= n:
+            raise MalformedPacket("truncated-option", f"{where}: option {code} has no length")
+        length = data[i + 1]
+        end = i + 2 + length
+        if end > n:
+            raise MalformedPacket(
+                "truncated-option",
+                f"{where}: option {code} claims {length} bytes, {n - i - 2} left",
+            )
+        prev = out.get(code)
+        out[code] = data[i + 2 : end] if prev is None else prev + data[i + 2 : end]
+        i = end
+    # No END: tolerated (some ROMs pad the packet with zeros instead).
+
+
+def parse(data: bytes) -> DhcpPacket:
+    """Decode one DHCPv4 datagram. Raises ``MalformedPacket``."""
+    if len(data) > MAX_PACKET:
+        raise MalformedPacket("oversized", f"{len(data)} bytes")
+    if len(data) < HEADER_LEN:
+        raise MalformedPacket("truncated-header", f"{len(data)} bytes")
+    if data[236:240] != MAGIC_COOKIE:
+        raise MalformedPacket("no-magic-cookie")
+    (op, htype, hlen, hops, xid, secs, flags, ci, yi, si, gi, chaddr, sname, file) = (
+        _HEADER.unpack_from(data)
+    )
+    if op not in (1, 2):
+        raise MalformedPacket("bad-op", str(op))
+    if hlen > 16:
+        raise MalformedPacket("bad-hlen", str(hlen))
+    options: dict[int, bytes] = {}
+    _parse_options(data[HEADER_LEN:], options, where="options")
+    overload = options.pop(Opt.OVERLOAD, None)
+    if overload is not None:
+        # Options continued in the file and/or sname fields. Those fields are parsed once
+        # each and an OVERLOAD inside them is ignored, so overload cannot loop.
+        if len(overload) != 1 or overload[0] not in (1, 2, 3):
+            raise MalformedPacket("bad-overload", repr(overload))
+        if overload[0] & 1:
+            _parse_options(file, options, where="file")
+            file = b""
+        if overload[0] & 2:
+            _parse_options(sname, options, where="sname")
+            sname = b""
+        options.pop(Opt.OVERLOAD, None)
+    pkt = DhcpPacket(
+        op=op,
+        htype=htype,
+        hlen=hlen,
+        hops=hops,
+        xid=xid,
+        secs=secs,
+        flags=flags,
+        ciaddr=IPv4Address(ci),
+        yiaddr=IPv4Address(yi),
+        siaddr=IPv4Address(si),
+        giaddr=IPv4Address(gi),
+        chaddr=chaddr,
+        sname=sname.split(b"\x00", 1)[0],
+        file=file.split(b"\x00", 1)[0],
+        options=options,
+    )
+    pkt.message_type  # noqa: B018 - validates option 53 now, so handlers can trust it
+    return pkt
+
+
+def _encode_option(code: int, value: bytes) -> bytes:
+    # Values over 255 bytes are split into several instances of the option (RFC 3396).
+    if not value:
+        return bytes((code, 0))
+    return b"".join(
+        bytes((code, len(value[i : i + 255]))) + value[i : i + 255]
+        for i in range(0, len(value), 255)
+    )
+
+
+def serialize(pkt: DhcpPacket, *, min_size: int = 300) -> bytes:
+    """Encode a packet. Message type goes first (some ROMs expect it there); the result is
+    padded to ``min_size`` because old BOOTP relays and clients drop shorter datagrams."""
+    if len(pkt.sname) > 63 or len(pkt.file) > 127:
+        raise ValueError("sname or file too long for the fixed fields")
+    parts = [
+        _HEADER.pack(
+            pkt.op,
+            pkt.htype,
+            pkt.hlen,
+            pkt.hops,
+            pkt.xid,
+            pkt.secs,
+            pkt.flags,
+            pkt.ciaddr.packed,
+            pkt.yiaddr.packed,
+            pkt.siaddr.packed,
+            pkt.giaddr.packed,
+            pkt.chaddr.ljust(16, b"\x00")[:16],
+            pkt.sname,
+            pkt.file,
+        ),
+        MAGIC_COOKIE,
+    ]
+    mt = pkt.options.get(Opt.MESSAGE_TYPE)
+    if mt is not None:
+        parts.append(_encode_option(Opt.MESSAGE_TYPE, mt))
+    for code, value in pkt.options.items():
+        if code != Opt.MESSAGE_TYPE:
+            parts.append(_encode_option(code, value))
+    parts.append(b"\xff")
+    out = b"".join(parts)
+    return out.ljust(min_size, b"\x00")
+
+
+def encode_tlv(items: dict[int, bytes]) -> bytes:
+    return b"".join(bytes((k, len(v))) + v for k, v in items.items())
+
+
+def mac_to_bytes(mac: str) -> bytes:
+    return bytes.fromhex(mac.replace(":", "").replace("-", ""))

@@ -1,0 +1,251 @@
+"""The DHCP server's asyncio shell: sockets in, handler decisions out.
+
+One socket per configured interface (SO_BINDTODEVICE), so metald never answers on a network it
+was not given. Reads are drained in a loop per wake-up; an ACK is sent from the lease store's
+commit callback, so it leaves only after its lease is durable. Nothing a client sends can raise
+out of here: malformed packets are counted by reason and dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from ipaddress import IPv4Address
+
+from metald.boot import metrics
+from metald.boot.dhcp.bootfile import BootFiles
+from metald.boot.dhcp.common import SERVER_PORT, Decision, NetworkPlan, choose_network
+from metald.boot.dhcp.full import FullHandler
+from metald.boot.dhcp.packet import DhcpPacket, MalformedPacket, Op, RelaySub, parse, serialize
+from metald.boot.dhcp.proxy import ProxyHandler
+from metald.boot.hooks import BootHooks
+from metald.boot.leases import LeaseStore, WriteResult
+from metald.boot.netutil import udp_socket
+
+log = logging.getLogger(__name__)
+
+#: A MAC is reported to the hooks again after this long (or when its option 82 changes).
+SEEN_TTL_SECONDS = 300.0
+#: Hook calls in flight at most; beyond it a sighting is skipped (the next DHCP retry reports).
+MAX_HOOK_CALLS = 64
+
+
+@dataclass
+class _Listener:
+    sock: socket.socket
+    interface: str
+    proxy_port: bool
+
+
+def relay_agent_view(pkt: DhcpPacket) -> dict[str, str] | None:
+    ra = pkt.relay_agent
+    if not ra:
+        return None
+    out: dict[str, str] = {}
+    for key, sub in (("circuit_id", RelaySub.CIRCUIT_ID), ("remote_id", RelaySub.REMOTE_ID)):
+        v = ra.get(sub)
+        if v is not None:
+            out[key] = v.decode() if v.isascii() and v.decode().isprintable() else v.hex()
+    return out or None
+
+
+class DhcpServer:
+    name = "dhcp"
+
+    def __init__(
+        self,
+        *,
+        mode: str,
+        interfaces: list[str],
+        networks: list[NetworkPlan],
+        server_id: IPv4Address,
+        files: BootFiles,
+        leases: LeaseStore | None,
+        hooks: BootHooks | None = None,
+        port: int = 67,
+        proxy_port: int = 4011,
+        bind_host: str = "0.0.0.0",
+        clock: Callable[[], float] = time.time,
+        relay_port: int = SERVER_PORT,
+    ) -> None:
+        if mode not in ("full", "proxy"):
+            raise ValueError(f"DHCP mode {mode!r}")
+        if mode == "full" and leases is None:
+            raise ValueError("full mode needs a lease store")
+        self.mode = mode
+        self.interfaces = interfaces
+        self.networks = networks
+        self.server_id = server_id
+        self.leases = leases
+        self.hooks = hooks
+        self.port = port
+        self.proxy_port = proxy_port
+        self.bind_host = bind_host
+        self.clock = clock
+        #: Where replies to relays go; 67 except in tests that cannot hold port 67.
+        self.relay_port = relay_port
+        self.full = FullHandler(server_id, files)
+        self.proxy = ProxyHandler(server_id, files)
+        self._listeners: list[_Listener] = []
+        self._seen: dict[str, tuple[float, object]] = {}
+        self._hook_tasks: set[asyncio.Task[None]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        try:
+            for iface in self.interfaces:
+                self._listen(iface, self.port, proxy_port=False)
+                if self.mode == "proxy":
+                    self._listen(iface, self.proxy_port, proxy_port=True)
+        except BaseException:
+            await self.stop()
+            raise
+        log.info("DHCP (%s) on %s port %d", self.mode, ",".join(self.interfaces), self.port)
+
+    def _listen(self, iface: str, port: int, *, proxy_port: bool) -> None:
+        assert self._loop is not None
+        sock = udp_socket(self.bind_host, port, interface=iface, broadcast=True)
+        lst = _Listener(sock, iface, proxy_port)
+        self._listeners.append(lst)
+        self._loop.add_reader(sock.fileno(), self._readable, lst)
+
+    async def stop(self) -> None:
+        for lst in self._listeners:
+            if self._loop is not None:
+                self._loop.remove_reader(lst.sock.fileno())
+            lst.sock.close()
+        self._listeners.clear()
+        for t in list(self._hook_tasks):
+            t.cancel()
+        if self._hook_tasks:
+            await asyncio.gather(*self._hook_tasks, return_exceptions=True)
+        if self.leases is not None:
+            await self.leases.drain()
+
+    # -- receive path -------------------------------------------------------------------
+
+    def _readable(self, lst: _Listener) -> None:
+        for _ in range(256):  # bounded, so one busy socket cannot starve the loop
+            try:
+                data, src = lst.sock.recvfrom(65535)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                log.warning("DHCP receive on %s: %s", lst.interface, e)
+                return
+            self.handle_datagram(data, src, lst)
+
+    def handle_datagram(self, data: bytes, src: tuple[str, int], lst: _Listener) -> None:
+        try:
+            pkt = parse(data)
+            if pkt.op != Op.REQUEST:
+                metrics.dhcp_dropped.labels("not-a-request").inc()
+                return
+            mtype = pkt.message_type
+            if mtype is None:
+                metrics.dhcp_dropped.labels("no-message-type").inc()
+                return
+            metrics.dhcp_packets.labels(mtype.name.lower()).inc()
+            decision = self._decide(pkt, src, lst)
+        except MalformedPacket as e:
+            metrics.dhcp_dropped.labels(e.reason).inc()
+            return
+        except Exception:
+            log.exception("DHCP packet from %s crashed the handler; dropped", src)
+            metrics.dhcp_dropped.labels("handler-error").inc()
+            return
+        if decision is None:
+            return
+        if decision.kind is not None and decision.kind.boots and self.hooks is not None:
+            self._report(pkt, decision)
+        if decision.ignored:
+            metrics.dhcp_ignored.labels(decision.ignored).inc()
+        for extra in decision.extra_writes:
+            if self.leases is not None:
+                self.leases.submit(extra, _ignore_result)
+        if decision.write is not None and self.leases is not None:
+            self.leases.submit(
+                decision.write, lambda res, d=decision, s=lst.sock: self._committed(res, d, s)
+            )
+        elif decision.reply is not None:
+            self._send(lst.sock, decision.reply, decision.dest)
+
+    def _decide(self, pkt: DhcpPacket, src: tuple[str, int], lst: _Listener) -> Decision | None:
+        net = choose_network(pkt, lst.interface, self.networks)
+        if self.mode == "proxy":
+            return self.proxy.handle(pkt, net, src, on_proxy_port=lst.proxy_port)
+        if net is None:
+            metrics.dhcp_dropped.labels("no-network").inc()
+            return None
+        assert self.leases is not None
+        return self.full.handle(pkt, net, self.leases.table, self.clock())
+
+    def _committed(self, res: WriteResult, d: Decision, sock: socket.socket) -> None:
+        if res is WriteResult.OK:
+            if d.reply is not None:
+                self._send(sock, d.reply, d.dest)
+        elif res is WriteResult.CONFLICT:
+            metrics.dhcp_ignored.labels("lease-conflict").inc()
+            if d.write is not None:
+                # Another instance holds it: remember that so we do not offer it again.
+                d.write.mac, d.write.expires_at = "", self.clock() + 60
+            if d.on_conflict is not None:
+                self._send(sock, d.on_conflict, d.dest)
+        else:
+            metrics.dhcp_dropped.labels("lease-write-failed").inc()
+
+    def _send(self, sock: socket.socket, reply: DhcpPacket, dest: tuple[str, int] | None) -> None:
+        if dest is None or sock.fileno() < 0:
+            return
+        if dest[1] == SERVER_PORT:
+            dest = (dest[0], self.relay_port)
+        try:
+            sock.sendto(serialize(reply), dest)
+        except (BlockingIOError, InterruptedError):
+            metrics.dhcp_dropped.labels("send-queue-full").inc()
+            return
+        except OSError as e:
+            log.warning("DHCP send to %s failed: %s", dest, e)
+            metrics.dhcp_dropped.labels("send-failed").inc()
+            return
+        mt = reply.message_type
+        metrics.dhcp_replies.labels(mt.name.lower() if mt else "bootp").inc()
+
+    # -- hooks --------------------------------------------------------------------------
+
+    def _report(self, pkt: DhcpPacket, d: Decision) -> None:
+        try:
+            relay = relay_agent_view(pkt)
+        except MalformedPacket:
+            relay = None
+        now = self.clock()
+        prev = self._seen.get(pkt.mac)
+        if prev is not None and prev[1] == relay and now - prev[0] < SEEN_TTL_SECONDS:
+            return
+        if len(self._hook_tasks) >= MAX_HOOK_CALLS or self._loop is None:
+            metrics.dhcp_ignored.labels("hook-backlog").inc()
+            return
+        self._seen[pkt.mac] = (now, relay)
+        assert self.hooks is not None and d.kind is not None
+        task = self._loop.create_task(self._call_hook(pkt.mac, d.kind.arch.value, d.network, relay))
+        self._hook_tasks.add(task)
+        task.add_done_callback(self._hook_tasks.discard)
+
+    async def _call_hook(
+        self, mac: str, arch: str, network: str | None, relay: dict[str, str] | None
+    ) -> None:
+        assert self.hooks is not None
+        try:
+            await self.hooks.client_seen(mac, arch=arch, network=network, relay_agent=relay)
+        except Exception:
+            self._seen.pop(mac, None)  # try again on the client's next packet
+            log.exception("client_seen(%s) failed", mac)
+
+
+def _ignore_result(_res: WriteResult) -> None:
+    pass

@@ -1,0 +1,34 @@
+"""iPXE scripts from a boot target. Pure: the same target always renders the same script."""
+
+from __future__ import annotations
+
+from metald.boot.hooks import BootAction, BootTarget
+
+
+def _url(base: str, ref: str) -> str:
+    return ref if "://" in ref else f"{base}/boot/assets/{ref.lstrip('/')}"
+
+
+def render_boot_script(target: BootTarget, *, mac: str, public_url: str) -> str:
+    """``public_url`` is how machines reach metald's HTTP API (no trailing slash)."""
+    base = public_url.rstrip("/")
+    lines = ["#!ipxe", f"# metald: {target.action.value} for {mac}"]
+    if target.action is BootAction.LOCAL or not target.kernel:
+        lines += ["echo metald: booting from local disk", "exit 0"]
+        return "\n".join(lines) + "\n"
+    args = {"metald.url": base, "metald.mac": mac, "metald.action": target.action.value}
+    args.update(target.kernel_args)
+    cmdline = " ".join(f"{k}={v}" for k, v in args.items())
+    lines.append(f"echo metald: {target.action.value} image for {mac}")
+    kernel = f"kernel {_url(base, target.kernel)} initrd=initrd.img {cmdline}"
+    lines.append(f"{kernel} || goto failed")
+    if target.initrd:
+        lines.append(f"initrd --name initrd.img {_url(base, target.initrd)} || goto failed")
+    lines += [
+        "boot || goto failed",
+        ":failed",
+        "echo metald: boot failed, retrying in 10 s",
+        "sleep 10",
+        f"chain --autofree {base}/boot/${{mac:hexhyp}}.ipxe",
+    ]
+    return "\n".join(lines) + "\n"

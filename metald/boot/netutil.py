@@ -1,0 +1,29 @@
+"""Socket helpers shared by the DHCP, TFTP and RA shells (Linux only)."""
+
+from __future__ import annotations
+
+import socket
+
+SO_BINDTODEVICE = getattr(socket, "SO_BINDTODEVICE", 25)
+
+
+def udp_socket(
+    host: str, port: int, *, interface: str = "", broadcast: bool = False
+) -> socket.socket:
+    """A non-blocking UDP socket; with ``interface`` it only sees and sends on that device,
+    so several interfaces can each hold the same port and nothing arrives from elsewhere."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if broadcast:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
+        if interface:
+            s.setsockopt(socket.SOL_SOCKET, SO_BINDTODEVICE, interface.encode())
+        # A rack powering on bursts; a deep receive queue absorbs it instead of dropping.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        s.setblocking(False)
+        s.bind((host, port))
+    except BaseException:
+        s.close()
+        raise
+    return s

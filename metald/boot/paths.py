@@ -1,0 +1,39 @@
+"""Resolving a client-supplied path under the assets root, refusing every way out of it.
+
+Shared by TFTP and HTTP so both refuse the same things: ``..`` components, absolute paths,
+NUL bytes, and symlinks (or anything else) that resolve outside the root.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class PathRefused(Exception):
+    """The path is not served. ``reason`` is a metric label."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def safe_path(root: Path, name: str) -> Path:
+    """The regular file ``name`` under ``root`` (already resolved), or PathRefused."""
+    if not name or "\x00" in name:
+        raise PathRefused("bad-name")
+    if name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":"):
+        raise PathRefused("absolute-path")
+    parts = name.replace("\\", "/").split("/")
+    if any(p == ".." for p in parts):
+        raise PathRefused("dot-dot")
+    try:
+        resolved = (root / name).resolve(strict=True)
+    except (FileNotFoundError, NotADirectoryError):
+        raise PathRefused("not-found") from None
+    except (OSError, RuntimeError):  # symlink loops, permission
+        raise PathRefused("unreadable") from None
+    if not resolved.is_relative_to(root):
+        raise PathRefused("outside-root")
+    if not resolved.is_file():
+        raise PathRefused("not-a-file")
+    return resolved

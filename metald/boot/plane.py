@@ -1,0 +1,102 @@
+"""``BootPlane``: the DHCP, TFTP and RA services as one metald service.
+
+HTTP boot is not hosted here: ``metald.boot.http.boot_routes`` are mounted on the API app.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from metald.boot.dhcp.bootfile import BootFiles
+from metald.boot.dhcp.common import NetworkPlan
+from metald.boot.dhcp.server import DhcpServer
+from metald.boot.hooks import BootHooks
+from metald.boot.leases import LeaseStore
+from metald.boot.ra import RaResponder
+from metald.boot.tftp.server import TftpServer
+from metald.config import Config, ConfigError, split_hostport
+from metald.store.db import Store
+
+log = logging.getLogger(__name__)
+
+
+def http_base_url(cfg: Config) -> str:
+    """How machines reach HTTP boot: boot.http_url, api.public_url, or server_address:port."""
+    if cfg.boot.http_url:
+        return cfg.boot.http_url.rstrip("/")
+    if cfg.api.public_url:
+        return cfg.api.public_url.rstrip("/")
+    _, port = split_hostport(cfg.api.listen)
+    return f"http://{cfg.boot.server_address}:{port}"
+
+
+def boot_files(cfg: Config) -> BootFiles:
+    b = cfg.boot
+    return BootFiles(
+        bios=b.bios_file,
+        uefi_x64=b.uefi_x64_file,
+        uefi_ia32=b.uefi_ia32_file,
+        uefi_arm64=b.uefi_arm64_file,
+        http_base=http_base_url(cfg),
+    )
+
+
+class BootPlane:
+    name = "boot"
+
+    def __init__(self, cfg: Config, store: Store, hooks: BootHooks) -> None:
+        b = cfg.boot
+        if b.enabled and b.server_address is None:
+            raise ConfigError("invalid config: boot.server_address is required when boot.enabled")
+        self.cfg = cfg
+        self.store = store
+        self.hooks = hooks
+        self.leases = LeaseStore(store)
+        self.services: list[Any] = []
+        if not b.enabled:
+            return
+        assert b.server_address is not None
+        if b.dhcp_mode != "off":
+            self.dhcp: DhcpServer | None = DhcpServer(
+                mode=b.dhcp_mode,
+                interfaces=list(b.interfaces),
+                networks=[NetworkPlan.from_config(n) for n in b.networks],
+                server_id=b.server_address,
+                files=boot_files(cfg),
+                leases=self.leases if b.dhcp_mode == "full" else None,
+                hooks=hooks,
+                port=b.dhcp_port,
+                proxy_port=b.proxy_port,
+            )
+            self.services.append(self.dhcp)
+        if b.assets_dir and b.interfaces:
+            self.services.append(
+                TftpServer(Path(b.assets_dir), interfaces=list(b.interfaces), port=b.tftp_port)
+            )
+        if b.router_advertisements and b.interfaces:
+            self.services.append(RaResponder(list(b.interfaces), b.ra_prefix))
+
+    async def start(self) -> None:
+        if not self.cfg.boot.enabled:
+            return
+        if self.cfg.boot.dhcp_mode == "full":
+            n = await self.leases.load()
+            log.info("loaded %d DHCP leases", n)
+        started: list[Any] = []
+        try:
+            for svc in self.services:
+                await svc.start()
+                started.append(svc)
+        except BaseException:
+            for svc in reversed(started):
+                await svc.stop()
+            raise
+
+    async def stop(self) -> None:
+        for svc in reversed(self.services):
+            try:
+                await svc.stop()
+            except Exception:
+                log.exception("stopping %s", svc.name)

@@ -1,0 +1,121 @@
+"""Network namespaces for boot-plane tests: created per test, always deleted afterwards.
+
+Nothing here sends traffic outside the namespaces it made: there is no default route and the
+veth/bridge ends live only inside them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = os.geteuid() == 0
+NEED_ROOT = "needs root for network namespaces (run the suite as root)"
+_seq = itertools.count()
+
+
+def sh(*cmd: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, check=check, capture_output=True, text=True, timeout=timeout)
+
+
+class Netns:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def cmd(self, *cmd: str) -> list[str]:
+        return ["ip", "netns", "exec", self.name, *cmd]
+
+    def run(self, *cmd: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+        return sh(*self.cmd(*cmd), check=check, timeout=timeout)
+
+    def popen(self, *cmd: str, **kw: object) -> subprocess.Popen[str]:
+        return subprocess.Popen(self.cmd(*cmd), text=True, **kw)  # type: ignore[call-overload]
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}{os.getpid() % 100000}x{next(_seq)}"
+
+
+@contextmanager
+def namespaces(*roles: str) -> Iterator[dict[str, Netns]]:
+    made: list[Netns] = []
+    try:
+        for role in roles:
+            ns = Netns(unique(f"mb{role[:3]}"))
+            sh("ip", "netns", "add", ns.name)
+            ns.run("ip", "link", "set", "lo", "up")
+            made.append(ns)
+        yield {role: ns for role, ns in zip(roles, made, strict=True)}
+    finally:
+        for ns in made:
+            sh("ip", "netns", "del", ns.name, check=False)
+
+
+def veth(a: Netns, a_if: str, a_addr: str, b: Netns, b_if: str, b_addr: str) -> None:
+    """A veth pair between two namespaces, with addresses (CIDR) on each end."""
+    tmp_a, tmp_b = unique("vta"), unique("vtb")
+    sh("ip", "link", "add", tmp_a, "type", "veth", "peer", "name", tmp_b)
+    sh("ip", "link", "set", tmp_a, "netns", a.name)
+    sh("ip", "link", "set", tmp_b, "netns", b.name)
+    for ns, tmp, name, addr in ((a, tmp_a, a_if, a_addr), (b, tmp_b, b_if, b_addr)):
+        ns.run("ip", "link", "set", tmp, "name", name)
+        if addr:
+            ns.run("ip", "addr", "add", addr, "dev", name)
+        ns.run("ip", "link", "set", name, "up")
+
+
+def write_config(path: Path, *, state_dir: Path, boot: str, listen: str = "127.0.0.1:8080") -> Path:
+    path.write_text(
+        f'state_dir = "{state_dir}"\ninstance = "test"\n[api]\nlisten = "{listen}"\n' + boot
+    )
+    return path
+
+
+class BootProcess:
+    """``python -m metald.boot`` inside a namespace; waits for READY."""
+
+    def __init__(self, ns: Netns, config: Path, log: Path) -> None:
+        self.ns = ns
+        self.config = config
+        self.log = log
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self, timeout: float = 30) -> BootProcess:
+        self._logf = open(self.log, "a")  # noqa: SIM115 - lives as long as the process
+        self.proc = self.ns.popen(
+            sys.executable, "-m", "metald.boot", "--config", str(self.config), "--log-level", "info",
+            stdout=subprocess.PIPE, stderr=self._logf, cwd=str(Path(__file__).parents[2]),
+        )
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            r, _, _ = select.select([self.proc.stdout], [], [], 0.2)
+            if r:
+                line = self.proc.stdout.readline()
+                if line.strip() == "READY":
+                    return self
+                if not line and self.proc.poll() is not None:
+                    break
+        raise RuntimeError(f"metald.boot did not start; log:\n{self.log.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if getattr(self, "_logf", None):
+            self._logf.close()
