@@ -21,6 +21,13 @@ class ConfigError(Exception):
     """The configuration cannot be used; the message names the key and the problem."""
 
 
+def split_hostport(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected host:port, got {value!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
@@ -111,11 +118,24 @@ class BootConfig(_Section):
 class BmcConfig(_Section):
     """BMC command scheduling."""
 
+    #: Most BMC commands in flight at once across the whole fleet.
     max_concurrency: int = Field(default=256, ge=1)
+    #: Least time between the end of one command to a BMC and the start of the next to it.
     min_interval_ms: int = Field(default=200, ge=0)
+    #: Deadline of one attempt of one command, login included.
     timeout_s: float = Field(default=10.0, gt=0)
+    #: Further attempts after a retryable failure (timeouts, unreachable, bad replies; never auth).
     retries: int = Field(default=3, ge=0)
+    #: First backoff ceiling before a retry; doubles each attempt, delays drawn uniformly below it.
+    backoff_base_ms: int = Field(default=250, ge=0)
+    #: Largest backoff ceiling, in seconds.
+    backoff_max_s: float = Field(default=8.0, ge=0)
+    #: IPMI over UDP: re-send an unanswered request after this long (same sequence number).
+    ipmi_resend_ms: int = Field(default=500, ge=10)
+    #: Seconds between power-state reads of every BMC; 0 turns the sync off.
     power_sync_interval_s: float = Field(default=60.0, ge=0)
+    #: After a metald power command, how long a different reading is expected, not drift.
+    drift_grace_s: float = Field(default=120.0, ge=0)
 
 
 class Config(_Section):
@@ -141,13 +161,6 @@ class Config(_Section):
     @property
     def secrets_key_path(self) -> Path:
         return Path(self.state_dir) / "secrets.key"
-
-
-def split_hostport(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"expected host:port, got {value!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
 
 
 def _parse_env_value(raw: str) -> Any:

@@ -63,7 +63,8 @@ def add_event(
 
 
 def get_machine(session: Session, machine_id: str) -> Machine:
-    m = session.get(Machine, machine_id)
+    # populate_existing: always read the row as stored now, never a stale identity-map copy.
+    m = session.get(Machine, machine_id, populate_existing=True)
     if m is None:
         raise NotFound(f"no machine with id {machine_id!r}")
     return m

@@ -1,0 +1,43 @@
+# metald: the front door. Every target installs what it needs first (scripts/bootstrap).
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+MACHINES ?= 3
+
+.PHONY: all setup demo test test-fast lint format bench bootassets lab-up lab-down clean
+
+all: test
+
+setup:
+	@./scripts/bootstrap
+
+demo: setup
+	$(PY) -m metald.demo
+
+test: setup
+	$(VENV)/bin/pytest -q -rs --durations=15 $(PYTEST_ARGS)
+
+test-fast: setup
+	$(VENV)/bin/pytest -q -m "not lab" $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff format .
+
+bench: setup
+	@for b in bench/*_bench.py bench/bmc_fanout.py; do [ -f $$b ] && { echo "== $$b"; $(PY) $$b || exit 1; }; done; true
+
+bootassets: setup
+	$(PY) -m bootassets build
+
+lab-up: setup
+	$(PY) vm-lab/vm-lab up --machines $(MACHINES)
+
+lab-down: setup
+	$(PY) vm-lab/vm-lab down --all
+
+clean:
+	rm -rf .pytest_cache .ruff_cache var

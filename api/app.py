@@ -1,0 +1,80 @@
+"""Build the aiohttp application: every route module, problem+json for the rest, OpenAPI."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from api import routes_events, routes_machines, routes_system, routes_tokens
+from api.context import AppContext
+from api.openapi import build_openapi
+from api.problem import problem
+from api.routing import Router, RouteSpec, add_routes
+from metald.lifecycle import IllegalTransition
+
+log = logging.getLogger("metald.api")
+
+ROUTERS: list[Router] = [
+    routes_system.router,
+    routes_machines.router,
+    routes_events.router,
+    routes_tokens.router,
+]
+
+
+def extra_routers() -> list[Router]:
+    """Route modules owned by optional subsystems, mounted when importable."""
+    found = []
+    for mod in ("api.routes_bmc", "api.routes_agent", "api.routes_claims"):
+        try:
+            module = __import__(mod, fromlist=["router"])
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+            continue
+        found.append(module.router)
+    return found
+
+
+@web.middleware
+async def errors_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except IllegalTransition as e:
+        return problem(409, "Illegal transition", str(e), instance=request.path,
+                       state=e.state.value, allowed_actions=e.allowed_triggers)
+    except web.HTTPNotFound:
+        return problem(404, "Not found", f"there is no resource at {request.path}", instance=request.path)
+    except web.HTTPMethodNotAllowed as e:
+        return problem(405, "Method not allowed", f"{request.method} is not allowed here; use {', '.join(sorted(e.allowed_methods))}", instance=request.path)
+    except web.HTTPException:
+        raise
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return problem(500, "Internal error", "metald hit an unexpected error; it is logged with this path", instance=request.path)
+
+
+def all_specs(routers: list[Router]) -> list[RouteSpec]:
+    return [s for r in routers for s in r.specs]
+
+
+def create_app(ctx: AppContext, *, extra: list[web.RouteDef] | None = None) -> web.Application:
+    app = web.Application(middlewares=[errors_middleware], client_max_size=ctx.cfg.api.max_body_bytes)
+    routers = ROUTERS + extra_routers()
+    for r in routers:
+        add_routes(app, r, ctx)
+    document = build_openapi(all_specs(routers))
+
+    async def openapi(_request: web.Request) -> web.Response:
+        return web.json_response(document)
+
+    app.router.add_get("/api/v1/openapi.json", openapi)
+    if extra:
+        app.add_routes(extra)
+    app["ctx"] = ctx
+    app["openapi"] = document
+    return app

@@ -1,0 +1,100 @@
+"""Generate the OpenAPI 3.1 document from the route declarations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from api.routing import RouteSpec
+from metald import __version__
+
+REF = "#/components/schemas/{model}"
+
+
+def build_openapi(specs: list[RouteSpec]) -> dict[str, Any]:
+    models: set[type[BaseModel]] = set()
+    for s in specs:
+        for m in (s.body, s.response):
+            if m is not None:
+                models.add(m)
+    keyed = [(m, "validation" if any(s.body is m for s in specs) else "serialization") for m in sorted(models, key=lambda m: m.__name__)]
+    refs, defs = models_json_schema(keyed, ref_template=REF)  # type: ignore[arg-type]
+    schemas = defs.get("$defs", {})
+    paths: dict[str, dict[str, Any]] = {}
+    for s in specs:
+        op: dict[str, Any] = {
+            "summary": s.summary,
+            "operationId": s.handler.__name__,
+            "tags": [s.tag] if s.tag else [],
+            "responses": {},
+        }
+        if s.description:
+            op["description"] = s.description
+        if s.roles is not None:
+            op["security"] = [{"bearer": []}]
+            op["x-roles"] = sorted(r.value for r in s.roles)
+        params = [
+            {"name": p, "in": "path", "required": True, "schema": {"type": "string"}} for p in s.path_params
+        ]
+        if s.query is not None:
+            qschema = s.query.model_json_schema(ref_template=REF)
+            for k, v in qschema.get("properties", {}).items():
+                param: dict[str, Any] = {"name": k, "in": "query", "required": k in qschema.get("required", []), "schema": v}
+                if "description" in v:
+                    param["description"] = v["description"]
+                params.append(param)
+            schemas.update(qschema.get("$defs", {}))
+        if params:
+            op["parameters"] = params
+        if s.body is not None:
+            op["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": refs[(s.body, "validation")]}},
+            }
+        ok: dict[str, Any] = {"description": "Success"}
+        if s.response is not None:
+            mode = "validation" if (s.response, "validation") in refs else "serialization"
+            ok["content"] = {"application/json": {"schema": refs[(s.response, mode)]}}
+        elif s.raw_response:
+            ok["content"] = {s.raw_response: {"schema": {"type": "string"}}}
+        op["responses"][str(s.status)] = ok
+        errs = set(s.errors)
+        if s.roles is not None:
+            errs |= {401, 403}
+        if s.body is not None or s.query is not None:
+            errs |= {400, 422} if s.body is not None else {422}
+        if s.body is not None:
+            errs |= {413, 415}
+        for code in sorted(errs):
+            op["responses"][str(code)] = {"$ref": "#/components/responses/Problem"}
+        paths.setdefault(s.openapi_path, {})[s.method.lower()] = op
+    schemas["Problem"] = {
+        "type": "object",
+        "description": "RFC 9457 problem details",
+        "properties": {
+            "type": {"type": "string"},
+            "title": {"type": "string"},
+            "status": {"type": "integer"},
+            "detail": {"type": "string"},
+            "instance": {"type": "string"},
+            "errors": {"type": "array", "items": {"type": "object"}},
+        },
+        "required": ["type", "title", "status", "detail"],
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "metald API", "version": __version__},
+        "paths": paths,
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "responses": {
+                "Problem": {
+                    "description": "Error (RFC 9457 problem details)",
+                    "content": {"application/problem+json": {"schema": {"$ref": "#/components/schemas/Problem"}}},
+                }
+            },
+        },
+    }

@@ -1,0 +1,48 @@
+"""/healthz, /metrics and /api/v1/openapi.json."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from sqlalchemy import text
+from sqlmodel import Session
+
+from api.routing import ApiRequest, Router
+from api.schemas import Health
+from metald import __version__, metrics
+from metald.machines import count_by_state
+
+router = Router()
+
+
+@router.route("GET", "/healthz", summary="Check health", roles=None, response=Health, tag="system")
+async def healthz(req: ApiRequest) -> web.StreamResponse:
+    """200 when the database answers, 503 otherwise. No authentication (for load balancers)."""
+
+    def ping(s: Session) -> None:
+        s.exec(text("SELECT 1"))  # type: ignore[call-overload]
+
+    try:
+        await req.ctx.store.run(ping)
+        db = "ok"
+    except Exception as e:  # noqa: BLE001 - any database failure is "unhealthy"
+        db = f"error: {type(e).__name__}"
+    services = {name: getattr(svc, "health", lambda: "running")() for name, svc in req.ctx.services.items()}
+    body = Health(
+        status="ok" if db == "ok" else "degraded",
+        database=db,
+        version=__version__,
+        instance=req.ctx.instance,
+        services=services,
+    )
+    return web.json_response(body.model_dump(), status=200 if db == "ok" else 503)
+
+
+@router.route("GET", "/metrics", summary="Export Prometheus metrics", roles=None, tag="system", raw_response="text/plain")
+async def prometheus(req: ApiRequest) -> web.Response:
+    """Prometheus text format: API, lifecycle, DHCP/TFTP and BMC counters."""
+    counts = await req.ctx.store.run(count_by_state)
+    from metald.lifecycle import State
+
+    for st in State:
+        metrics.machines_by_state.labels(st.value).set(counts.get(st.value, 0))
+    return web.Response(body=metrics.render(), content_type="text/plain", charset="utf-8")

@@ -1,0 +1,132 @@
+"""/api/v1/tokens, /api/v1/tenants and /api/v1/whoami: who may do what."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from sqlmodel import Session, select
+
+from api.routing import ALL_ROLES, ApiRequest, Router
+from api.schemas import (
+    TenantCreate,
+    TenantList,
+    TenantOut,
+    TokenCreate,
+    TokenCreated,
+    TokenList,
+    TokenOut,
+    WhoAmI,
+)
+from metald.auth import Role, issue_token, revoke_token
+from metald.errors import Conflict, NotFound, Unprocessable
+from metald.machines import add_event
+from metald.store.models import ApiToken, Machine, Tenant
+
+router = Router()
+ADMIN = frozenset({Role.ADMIN})
+
+
+def _check_scope(s: Session, role: Role, scope: list[str]) -> None:
+    if role is Role.ORCHESTRATOR:
+        known = {t.id for t in s.exec(select(Tenant).where(Tenant.id.in_(scope)))}  # type: ignore[attr-defined]
+        missing = [x for x in scope if x not in known]
+        if missing:
+            raise Unprocessable(f"scope names tenants that do not exist: {', '.join(missing)}")
+    if role is Role.AGENT and scope and s.get(Machine, scope[0]) is None:
+        raise Unprocessable(f"scope names a machine that does not exist: {scope[0]}")
+
+
+@router.route("POST", "/api/v1/tokens", summary="Create a token", roles=ADMIN, body=TokenCreate, response=TokenCreated, status=201, tag="tokens", errors=(422,))
+async def create_token(req: ApiRequest) -> TokenCreated:
+    """Issue a token with a role and scope. The secret is in the response and nowhere else."""
+    b: TokenCreate = req.body
+
+    def run(s: Session) -> TokenCreated:
+        _check_scope(s, b.role, b.scope)
+        row, secret = issue_token(
+            s, name=b.name, role=b.role, scope=b.scope, created_by=req.actor,
+            ttl=timedelta(seconds=b.ttl_seconds) if b.ttl_seconds else None, commit=False,
+        )
+        add_event(s, "token.created", req.actor, data={"token_id": row.id, "name": row.name, "role": row.role, "scope": row.scope}, instance=req.ctx.instance)
+        s.commit()
+        return TokenCreated(**TokenOut.model_validate(row.model_dump()).model_dump(), token=secret)
+
+    return await req.ctx.store.run(run)
+
+
+@router.route("GET", "/api/v1/tokens", summary="List tokens", roles=ADMIN, response=TokenList, tag="tokens")
+async def list_tokens(req: ApiRequest) -> TokenList:
+    """All tokens (never their secrets or hashes)."""
+
+    def run(s: Session) -> TokenList:
+        rows = s.exec(select(ApiToken).order_by(ApiToken.created_at)).all()  # type: ignore[arg-type]
+        return TokenList(items=[TokenOut.model_validate(r.model_dump()) for r in rows])
+
+    return await req.ctx.store.run(run)
+
+
+@router.route("DELETE", "/api/v1/tokens/{id}", summary="Revoke a token", roles=ADMIN, response=TokenOut, tag="tokens", errors=(404, 409))
+async def delete_token(req: ApiRequest) -> TokenOut:
+    """Revoke a token at once. Revoking the token in use by this very request is refused."""
+    p = req.require_principal()
+    if req.params["id"] == p.token_id:
+        raise Conflict("refusing to revoke the token making this request; use another admin token")
+
+    def run(s: Session) -> TokenOut:
+        row = revoke_token(s, req.params["id"])
+        add_event(s, "token.revoked", req.actor, data={"token_id": row.id, "name": row.name}, instance=req.ctx.instance)
+        s.commit()
+        return TokenOut.model_validate(row.model_dump())
+
+    return await req.ctx.store.run(run)
+
+
+@router.route("GET", "/api/v1/whoami", summary="Show the calling token", roles=ALL_ROLES, response=WhoAmI, tag="tokens")
+async def whoami(req: ApiRequest) -> WhoAmI:
+    """The caller's token id, name, role and scope."""
+    p = req.require_principal()
+    return WhoAmI(token_id=p.token_id, name=p.name, role=p.role.value, scope=sorted(p.scope))
+
+
+@router.route("POST", "/api/v1/tenants", summary="Create a tenant", roles=ADMIN, body=TenantCreate, response=TenantOut, status=201, tag="tenants", errors=(409, 422))
+async def create_tenant(req: ApiRequest) -> TenantOut:
+    """A tenant that orchestrator tokens can be scoped to."""
+    b: TenantCreate = req.body
+
+    def run(s: Session) -> TenantOut:
+        if s.exec(select(Tenant).where(Tenant.name == b.name)).first():
+            raise Conflict(f"a tenant named {b.name!r} already exists")
+        t = Tenant(name=b.name, cluster_kind=b.cluster_kind, control_plane=b.control_plane)
+        s.add(t)
+        s.flush()
+        add_event(s, "tenant.created", req.actor, tenant_id=t.id, data={"name": t.name}, instance=req.ctx.instance)
+        s.commit()
+        return TenantOut.model_validate(t.model_dump())
+
+    return await req.ctx.store.run(run)
+
+
+@router.route("GET", "/api/v1/tenants", summary="List tenants", roles=frozenset({Role.ADMIN, Role.TECHNICIAN, Role.ORCHESTRATOR}), response=TenantList, tag="tenants")
+async def list_tenants(req: ApiRequest) -> TenantList:
+    """Tenants; an orchestrator sees only those in its scope."""
+    p = req.require_principal()
+
+    def run(s: Session) -> TenantList:
+        rows = s.exec(select(Tenant).order_by(Tenant.name)).all()
+        return TenantList(items=[TenantOut.model_validate(t.model_dump()) for t in rows if p.can_see_tenant(t.id)])
+
+    return await req.ctx.store.run(run)
+
+
+@router.route("GET", "/api/v1/tenants/{id}", summary="Show a tenant", roles=frozenset({Role.ADMIN, Role.TECHNICIAN, Role.ORCHESTRATOR}), response=TenantOut, tag="tenants", errors=(404,))
+async def show_tenant(req: ApiRequest) -> TenantOut:
+    """One tenant (never its secrets)."""
+    p = req.require_principal()
+
+    def run(s: Session) -> TenantOut:
+        t = s.get(Tenant, req.params["id"])
+        if t is None or not p.can_see_tenant(t.id):
+            raise NotFound(f"no tenant with id {req.params['id']!r}")
+        return TenantOut.model_validate(t.model_dump())
+
+    return await req.ctx.store.run(run)

@@ -1,0 +1,226 @@
+"""Route definitions that carry their own contract: roles, body, query and response models.
+
+Every API handler is declared with ``Router.route(...)``. The declaration is used three times:
+to wire the aiohttp route, to enforce authentication/role/body/query rules before the handler
+runs, and to generate ``/api/v1/openapi.json`` — so the document cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from api.problem import problem, validation_problem
+from metald import metrics
+from metald.auth import Principal, Role, authenticate
+from metald.errors import MetaldError
+
+if TYPE_CHECKING:
+    from api.context import AppContext
+
+Handler = Callable[["ApiRequest"], Awaitable[Any]]
+
+ALL_ROLES = frozenset(Role)
+STAFF = frozenset({Role.ADMIN, Role.TECHNICIAN})
+
+
+@dataclass
+class RouteSpec:
+    method: str
+    path: str
+    handler: Handler
+    summary: str
+    roles: frozenset[Role] | None  # None: no authentication (firmware, health probes)
+    body: type[BaseModel] | None = None
+    query: type[BaseModel] | None = None
+    response: type[BaseModel] | None = None
+    status: int = 200
+    tag: str = ""
+    description: str = ""
+    raw_response: str | None = None  # media type for non-JSON responses
+    errors: tuple[int, ...] = ()
+
+    @property
+    def path_params(self) -> list[str]:
+        return re.findall(r"{(\w+)(?::[^}]*)?}", self.path)
+
+    @property
+    def openapi_path(self) -> str:
+        return re.sub(r"{(\w+):[^}]*}", r"{\1}", self.path)
+
+
+@dataclass
+class ApiRequest:
+    raw: web.Request
+    ctx: AppContext
+    principal: Principal | None
+    body: Any = None
+    query: Any = None
+    params: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def actor(self) -> str:
+        return self.principal.actor if self.principal else "anonymous"
+
+    def require_principal(self) -> Principal:
+        assert self.principal is not None
+        return self.principal
+
+
+class Router:
+    def __init__(self) -> None:
+        self.specs: list[RouteSpec] = []
+
+    def route(
+        self,
+        method: str,
+        path: str,
+        *,
+        summary: str,
+        roles: Iterable[Role] | None,
+        body: type[BaseModel] | None = None,
+        query: type[BaseModel] | None = None,
+        response: type[BaseModel] | None = None,
+        status: int = 200,
+        tag: str = "",
+        raw_response: str | None = None,
+        errors: tuple[int, ...] = (),
+    ) -> Callable[[Handler], Handler]:
+        def deco(fn: Handler) -> Handler:
+            self.specs.append(
+                RouteSpec(
+                    method=method.upper(),
+                    path=path,
+                    handler=fn,
+                    summary=summary,
+                    roles=frozenset(roles) if roles is not None else None,
+                    body=body,
+                    query=query,
+                    response=response,
+                    status=status,
+                    tag=tag,
+                    description=(fn.__doc__ or "").strip(),
+                    raw_response=raw_response,
+                    errors=errors,
+                )
+            )
+            return fn
+
+        return deco
+
+
+def bearer_token(request: web.Request) -> str | None:
+    header = request.headers.get("Authorization", "")
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() != "bearer" or not value.strip():
+        return None
+    return value.strip()
+
+
+async def _principal(request: web.Request, ctx: AppContext) -> Principal | None:
+    secret = bearer_token(request)
+    if secret is None:
+        return None
+    return await ctx.store.run(authenticate, secret)
+
+
+async def _read_body(request: web.Request, spec: RouteSpec, limit: int) -> Any:
+    assert spec.body is not None
+    if request.content_length is not None and request.content_length > limit:
+        raise _Problem(413, "Request body too large", f"the body is {request.content_length} bytes; the limit is {limit}")
+    ctype = request.content_type
+    if ctype not in ("application/json", "application/merge-patch+json"):
+        raise _Problem(415, "Unsupported media type", f"send the body as application/json (got {ctype or 'nothing'})")
+    raw = await request.content.read(limit + 1)
+    if len(raw) > limit:
+        raise _Problem(413, "Request body too large", f"the body is larger than the limit of {limit} bytes")
+    try:
+        data = json.loads(raw or b"null")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _Problem(400, "Malformed JSON", f"the body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise _Problem(400, "Malformed JSON", "the body must be a JSON object")
+    return spec.body.model_validate(data)
+
+
+def _query(request: web.Request, spec: RouteSpec) -> Any:
+    assert spec.query is not None
+    data: dict[str, Any] = {}
+    for key in request.query:
+        values = request.query.getall(key)
+        fld = spec.query.model_fields.get(key)
+        is_list = fld is not None and "list" in str(fld.annotation)
+        data[key] = values if is_list else values[-1]
+    return spec.query.model_validate(data)
+
+
+class _Problem(Exception):
+    def __init__(self, status: int, title: str, detail: str) -> None:
+        self.status, self.title, self.detail = status, title, detail
+
+
+def _serialize(spec: RouteSpec, result: Any) -> web.StreamResponse:
+    if isinstance(result, web.StreamResponse):
+        return result
+    if result is None:
+        return web.Response(status=204 if spec.status == 200 else spec.status)
+    if isinstance(result, BaseModel):
+        payload = result.model_dump(mode="json")
+    else:
+        payload = result
+    return web.json_response(payload, status=spec.status, dumps=lambda o: json.dumps(o, default=str))
+
+
+def make_handler(spec: RouteSpec, ctx: AppContext) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    route_label = f"{spec.method} {spec.openapi_path}"
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        started = time.perf_counter()
+        status = 500
+        try:
+            principal = None
+            if spec.roles is not None:
+                principal = await _principal(request, ctx)
+                if principal is None:
+                    raise _Problem(
+                        401,
+                        "Unauthorized",
+                        "send a valid, unexpired token as 'Authorization: Bearer <token>'",
+                    )
+                if principal.role not in spec.roles:
+                    allowed = ", ".join(sorted(r.value for r in spec.roles))
+                    raise _Problem(
+                        403,
+                        "Forbidden",
+                        f"a {principal.role.value} token cannot {spec.summary.lower()}; this needs one of: {allowed}",
+                    )
+            areq = ApiRequest(request, ctx, principal, params=dict(request.match_info))
+            if spec.query is not None:
+                areq.query = _query(request, spec)
+            if spec.body is not None:
+                areq.body = await _read_body(request, spec, ctx.cfg.api.max_body_bytes)
+            resp = _serialize(spec, await spec.handler(areq))
+        except _Problem as p:
+            resp = problem(p.status, p.title, p.detail, instance=request.path)
+        except ValidationError as e:
+            resp = validation_problem(e, instance=request.path)
+        except MetaldError as e:
+            resp = problem(e.status, e.title, e.detail, instance=request.path, **e.extra)
+        status = resp.status
+        metrics.api_requests.labels(spec.method, spec.openapi_path, str(status)).inc()
+        metrics.api_latency.labels(route_label).observe(time.perf_counter() - started)
+        return resp
+
+    return handle
+
+
+def add_routes(app: web.Application, router: Router, ctx: AppContext) -> None:
+    for spec in router.specs:
+        app.router.add_route(spec.method, spec.path, make_handler(spec, ctx))

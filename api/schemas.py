@@ -1,0 +1,204 @@
+"""Request and response models of the API. Requests forbid unknown fields."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+
+from metald.auth import Role
+from metald.lifecycle import State
+
+LabelKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")]
+LabelValue = Annotated[str, StringConstraints(max_length=253)]
+Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")]
+
+
+class In(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Query(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---- machines ---------------------------------------------------------------------------
+
+
+class MachineQuery(Query):
+    state: list[State] = Field(default=[], description="Filter by state (repeatable).")
+    label: list[str] = Field(default=[], description="key=value (repeatable; all must match).")
+    gpu_model: str | None = Field(default=None, description="Exact GPU model name, e.g. 'NVIDIA H100 80GB HBM3'.")
+    gpu_count: int | None = Field(default=None, ge=0, description="Exact number of GPUs.")
+    min_gpu_count: int | None = Field(default=None, ge=0, description="At least this many GPUs.")
+    rack: str | None = None
+    tenant_id: str | None = None
+    limit: int = Field(default=100, ge=1, le=1000)
+    offset: int = Field(default=0, ge=0)
+
+    @field_validator("label")
+    @classmethod
+    def _labels(cls, v: list[str]) -> list[str]:
+        for item in v:
+            if "=" not in item:
+                raise ValueError(f"label filter {item!r} must be key=value")
+        return v
+
+
+class MachineCreate(In):
+    macs: list[str] = Field(min_length=1, max_length=16, description="NIC MACs; the first is the PXE NIC.")
+    name: Name | None = None
+    labels: dict[LabelKey, LabelValue] = {}
+    rack: Name | None = None
+
+
+class LabelsPatch(In):
+    """JSON merge patch of labels: a string sets a label, null removes it."""
+
+    labels: dict[LabelKey, LabelValue | None] = Field(max_length=64)
+    version: int | None = Field(default=None, description="Fail with 409 unless the machine is at this version.")
+
+
+class MachineAction(In):
+    action: Literal["inspect", "maintenance-on", "maintenance-off", "mark-broken", "repair", "retire"]
+    reason: Annotated[str, StringConstraints(max_length=500)] | None = None
+    version: int | None = Field(default=None, description="Fail with 409 unless the machine is at this version.")
+
+
+class NicOut(BaseModel):
+    mac: str
+    name: str | None = None
+    driver: str | None = None
+    speed_mbps: int | None = None
+    link: bool | None = None
+    pxe: bool = False
+
+
+class MachineOut(BaseModel):
+    id: str
+    name: str | None
+    state: str
+    version: int
+    labels: dict[str, str]
+    rack: str | None
+    rack_position: str | None
+    system_uuid: str | None
+    serial: str | None
+    vendor: str | None
+    product: str | None
+    cpu_model: str | None
+    cpu_count: int | None
+    memory_mb: int | None
+    gpu_model: str | None
+    gpu_count: int
+    power_state: str | None
+    tenant_id: str | None
+    claim_id: str | None
+    last_error: str | None
+    allowed_actions: list[str]
+    nics: list[NicOut] = []
+    inventory: dict[str, Any] | None = None
+    inventory_at: datetime | None
+    state_changed_at: datetime
+    created_at: datetime
+    updated_at: datetime
+
+
+class MachinePage(BaseModel):
+    items: list[MachineOut]
+    total: int
+    limit: int
+    offset: int
+
+
+# ---- events -----------------------------------------------------------------------------
+
+
+class EventQuery(Query):
+    machine_id: str | None = None
+    kind: str | None = None
+    after: int = Field(default=0, ge=0, description="Only events with id greater than this.")
+    limit: int = Field(default=100, ge=1, le=1000)
+
+
+class EventOut(BaseModel):
+    id: int
+    at: datetime
+    kind: str
+    machine_id: str | None
+    tenant_id: str | None
+    from_state: str | None
+    to_state: str | None
+    actor: str
+    instance: str | None
+    reason: str | None
+    data: dict[str, Any] | None
+
+
+class EventPage(BaseModel):
+    items: list[EventOut]
+    next_after: int
+
+
+# ---- tokens and tenants -----------------------------------------------------------------
+
+
+class TokenCreate(In):
+    name: Name
+    role: Role
+    scope: list[str] = Field(default=[], max_length=256, description="orchestrator: tenant ids; agent: one machine id.")
+    ttl_seconds: int | None = Field(default=None, ge=60, le=10 * 365 * 86400)
+
+
+class TokenOut(BaseModel):
+    id: str
+    name: str
+    role: str
+    scope: list[str]
+    created_by: str | None
+    created_at: datetime
+    expires_at: datetime | None
+    revoked_at: datetime | None
+
+
+class TokenCreated(TokenOut):
+    token: str = Field(description="The secret. Shown once; store it now.")
+
+
+class TokenList(BaseModel):
+    items: list[TokenOut]
+
+
+class WhoAmI(BaseModel):
+    token_id: str
+    name: str
+    role: str
+    scope: list[str]
+
+
+class TenantCreate(In):
+    name: Name
+    cluster_kind: Literal["slurm", "kubernetes"] = "slurm"
+    control_plane: Annotated[str, StringConstraints(max_length=253)] | None = None
+
+
+class TenantOut(BaseModel):
+    id: str
+    name: str
+    cluster_kind: str
+    control_plane: str | None
+    overlay_prefix: str | None
+    created_at: datetime
+
+
+class TenantList(BaseModel):
+    items: list[TenantOut]
+
+
+class Health(BaseModel):
+    status: Literal["ok", "degraded"]
+    database: str
+    version: str
+    instance: str
+    services: dict[str, str]

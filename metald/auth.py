@@ -1,0 +1,177 @@
+"""API tokens: issue, hash, verify, and the roles and scopes they carry.
+
+A token is ``mtd_<random>``; only its SHA-256 is stored (the secret has 256 bits of entropy, so
+a fast hash is enough and lookups stay O(1)). The secret is shown once, when it is issued.
+Roles:
+
+- ``admin``: everything, including tokens.
+- ``technician``: the fleet (machines, BMCs, power, events); not tokens, not tenants' claims.
+- ``orchestrator``: claims for the tenants in its scope, and those tenants' machines.
+- ``agent``: the one machine in its scope (inventory, progress, next instruction).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from enum import StrEnum
+from pathlib import Path
+
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session, select
+
+from metald.errors import NotFound, Unprocessable
+from metald.store.models import ApiToken, Meta, utcnow
+
+TOKEN_PREFIX = "mtd_"
+
+
+class Role(StrEnum):
+    ADMIN = "admin"
+    TECHNICIAN = "technician"
+    ORCHESTRATOR = "orchestrator"
+    AGENT = "agent"
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: the token's identity, role and scope."""
+
+    token_id: str
+    name: str
+    role: Role
+    scope: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def actor(self) -> str:
+        return f"{self.role.value}:{self.name}"
+
+    def can_see_tenant(self, tenant_id: str | None) -> bool:
+        if self.role in (Role.ADMIN, Role.TECHNICIAN):
+            return True
+        if self.role is Role.ORCHESTRATOR:
+            return tenant_id is not None and tenant_id in self.scope
+        return False
+
+    def can_see_machine(self, machine_id: str, tenant_id: str | None) -> bool:
+        if self.role in (Role.ADMIN, Role.TECHNICIAN):
+            return True
+        if self.role is Role.AGENT:
+            return machine_id in self.scope
+        return self.can_see_tenant(tenant_id)
+
+
+def hash_token(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def issue_token(
+    session: Session,
+    *,
+    name: str,
+    role: Role | str,
+    scope: list[str] | None = None,
+    created_by: str | None = None,
+    ttl: timedelta | None = None,
+    commit: bool = True,
+) -> tuple[ApiToken, str]:
+    """Create a token; returns the row and the secret (which is not stored)."""
+    role = Role(role)
+    scope = list(scope or [])
+    if role is Role.AGENT and len(scope) != 1:
+        raise Unprocessable("an agent token is scoped to exactly one machine id")
+    if role is Role.ORCHESTRATOR and not scope:
+        raise Unprocessable("an orchestrator token needs at least one tenant id in its scope")
+    if role in (Role.ADMIN, Role.TECHNICIAN) and scope:
+        raise Unprocessable(f"a {role.value} token is not scoped; leave scope empty")
+    secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    row = ApiToken(
+        name=name,
+        role=role.value,
+        scope=scope,
+        token_hash=hash_token(secret),
+        created_by=created_by,
+        expires_at=utcnow() + ttl if ttl else None,
+    )
+    session.add(row)
+    if commit:
+        session.commit()
+    return row, secret
+
+
+def authenticate(session: Session, secret: str) -> Principal | None:
+    """The principal for a presented secret, or None if unknown, revoked or expired."""
+    if not secret.startswith(TOKEN_PREFIX):
+        return None
+    row = session.exec(select(ApiToken).where(ApiToken.token_hash == hash_token(secret))).first()
+    if row is None or row.revoked_at is not None:
+        return None
+    if row.expires_at is not None and _aware(row.expires_at) <= utcnow():
+        return None
+    return Principal(row.id, row.name, Role(row.role), frozenset(row.scope))
+
+
+def _aware(ts: datetime) -> datetime:
+    # SQLite returns naive datetimes; everything metald writes is UTC.
+    from datetime import UTC
+
+    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
+
+
+def revoke_token(session: Session, token_id: str) -> ApiToken:
+    row = session.get(ApiToken, token_id)
+    if row is None:
+        raise NotFound(f"no token with id {token_id!r}")
+    if row.revoked_at is None:
+        row.revoked_at = utcnow()
+        session.add(row)
+        session.commit()
+    return row
+
+
+def revoke_machine_tokens(session: Session, machine_id: str, *, commit: bool = True) -> int:
+    """Revoke every agent token scoped to the machine (on release, on re-inspection)."""
+    n = 0
+    for row in session.exec(
+        select(ApiToken).where(ApiToken.role == Role.AGENT.value, ApiToken.revoked_at.is_(None))  # type: ignore[union-attr]
+    ):
+        if machine_id in row.scope:
+            row.revoked_at = utcnow()
+            session.add(row)
+            n += 1
+    if commit:
+        session.commit()
+    return n
+
+
+def bootstrap_admin(session: Session, path: Path) -> Path | None:
+    """On first start, create an admin token and write it to ``path`` (0600).
+
+    Returns the path if a token was created. Idempotent: a ``meta`` row records that the
+    installation was bootstrapped, so deleting the file does not mint a second admin silently.
+    """
+    if session.get(Meta, "admin_bootstrapped") is not None:
+        return None
+    _row, secret = issue_token(session, name="bootstrap-admin", role=Role.ADMIN, commit=False)
+    session.add(Meta(key="admin_bootstrapped", value=utcnow().isoformat()))
+    try:
+        session.commit()
+    except IntegrityError:  # another instance on the same database bootstrapped first
+        session.rollback()
+        return None
+    write_secret_file(Path(path), secret)
+    return Path(path)
+
+
+def write_secret_file(path: Path, secret: str) -> None:
+    """Write a secret to ``path`` atomically, readable by its owner only."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)

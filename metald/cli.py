@@ -1,0 +1,79 @@
+"""``metald``: run the daemon, and offline administration against the store."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from metald import __version__
+from metald.config import ConfigError, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="metald", description="Bare-metal provisioning daemon")
+    ap.add_argument("--version", action="version", version=f"metald {__version__}")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p_serve = sub.add_parser("serve", help="run the daemon")
+    p_check = sub.add_parser("check-config", help="validate a config file and exit")
+    p_mig = sub.add_parser("migrate", help="upgrade the database schema and exit")
+    p_tok = sub.add_parser("create-token", help="mint a token directly in the store (recovery)")
+    p_tok.add_argument("--name", required=True)
+    p_tok.add_argument("--role", required=True, choices=["admin", "technician", "orchestrator", "agent"])
+    p_tok.add_argument("--scope", action="append", default=[])
+    for p in (p_serve, p_check, p_mig, p_tok):
+        p.add_argument("--config", "-c", help="TOML config file (env METALD_* overrides apply)")
+    args = ap.parse_args(argv)
+
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as e:
+        print(f"metald: {e}", file=sys.stderr)
+        return 2
+
+    from metald.logs import setup_logging
+
+    setup_logging(cfg.log.level, cfg.log.format)
+    if args.cmd == "check-config":
+        print("config ok")
+        return 0
+    if args.cmd == "migrate":
+        from metald.store import Store
+
+        Store(cfg.store_url).migrate()
+        print("schema is up to date")
+        return 0
+    if args.cmd == "create-token":
+        from metald.auth import issue_token
+        from metald.errors import MetaldError
+        from metald.store import Store
+
+        store = Store(cfg.store_url)
+        store.migrate()
+        with store.session() as s:
+            try:
+                _row, secret = issue_token(s, name=args.name, role=args.role, scope=args.scope, created_by="metald-cli")
+            except MetaldError as e:
+                print(f"metald: {e}", file=sys.stderr)
+                return 2
+        print(secret)
+        return 0
+
+    from metald.daemon import Daemon
+    from metald.secrets import SecretError
+
+    try:
+        daemon = Daemon(cfg)
+    except SecretError as e:
+        print(f"metald: {e}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(daemon.run_forever())
+    except OSError as e:
+        print(f"metald: cannot start: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Logging: human text or one JSON object per line, and a filter that keeps secrets out."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+from datetime import UTC, datetime
+
+# Bearer tokens and anything that looks like a password assignment never reach a log line.
+_REDACT = [
+    (re.compile(r"mtd_[A-Za-z0-9_-]{10,}"), "mtd_<redacted>"),
+    (re.compile(r"(?i)(password|passwd|secret|private_key|token)(['\"]?\s*[:=]\s*['\"]?)[^\s'\",}]+"), r"\1\2<redacted>"),
+]
+
+
+def redact(text: str) -> str:
+    for pat, repl in _REDACT:
+        text = pat.sub(repl, text)
+    return text
+
+
+class RedactingFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        clean = redact(msg)
+        if clean != msg:
+            record.msg, record.args = clean, None
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key in ("machine_id", "mac", "bmc_id", "event"):
+            if hasattr(record, key):
+                out[key] = getattr(record, key)
+        if record.exc_info:
+            out["exc"] = redact(self.formatException(record.exc_info))
+        return json.dumps(out, default=str)
+
+
+def setup_logging(level: str = "info", fmt: str = "text") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(RedactingFilter())
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # Third-party chatter at DEBUG can include request bodies; keep it at WARNING.
+    for noisy in ("aiohttp.access", "pyghmi", "tftpy", "sqlalchemy.engine", "alembic"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
