@@ -16,6 +16,8 @@ from metald.lifecycle import IllegalTransition
 
 log = logging.getLogger("metald.api")
 
+CTX_KEY = web.AppKey("ctx", AppContext)
+
 ROUTERS: list[Router] = [
     routes_system.router,
     routes_machines.router,
@@ -75,6 +77,5 @@ def create_app(ctx: AppContext, *, extra: list[web.RouteDef] | None = None) -> w
     app.router.add_get("/api/v1/openapi.json", openapi)
     if extra:
         app.add_routes(extra)
-    app["ctx"] = ctx
-    app["openapi"] = document
+    app[CTX_KEY] = ctx
     return app
