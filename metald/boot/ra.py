@@ -9,12 +9,12 @@ advertise now and then unsolicited. ``build_ra``/``is_router_solicitation`` are 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import socket
 import struct
 import time
 from ipaddress import IPv6Network
-from pathlib import Path
 
 from metald.boot import metrics
 from metald.boot.netutil import SO_BINDTODEVICE
@@ -31,6 +31,7 @@ MIN_RA_GAP = 0.5
 UNSOLICITED_INTERVAL = 30.0
 IPV6_RECVHOPLIMIT = getattr(socket, "IPV6_RECVHOPLIMIT", 51)
 IPV6_HOPLIMIT = getattr(socket, "IPV6_HOPLIMIT", 52)
+SIOCGIFHWADDR = 0x8927
 
 
 def build_ra(mac: bytes | None, prefix: IPv6Network | None = None, *, lifetime: int = 0) -> bytes:
@@ -58,12 +59,13 @@ def is_router_solicitation(data: bytes, hop_limit: int | None) -> bool:
     )
 
 
-def _iface_mac(iface: str) -> bytes | None:
+def _iface_mac(sock: socket.socket, iface: str) -> bytes | None:
+    """The interface's hardware address, asked through the socket (so in its namespace;
+    /sys may show another one)."""
     try:
-        return bytes.fromhex(
-            Path(f"/sys/class/net/{iface}/address").read_text().strip().replace(":", "")
-        )
-    except (OSError, ValueError):
+        req = struct.pack("256s", iface.encode()[:15])
+        return fcntl.ioctl(sock.fileno(), SIOCGIFHWADDR, req)[18:24]
+    except OSError:
         return None
 
 
@@ -160,7 +162,7 @@ class RaResponder:
         s = self._socks.get(iface)
         if s is None:
             return
-        msg = build_ra(_iface_mac(iface), self.prefix)
+        msg = build_ra(_iface_mac(s, iface), self.prefix)
         try:
             s.sendto(msg, (ALL_NODES, 0, 0, socket.if_nametoindex(iface)))
         except OSError as e:

@@ -32,7 +32,9 @@ class Netns:
     def cmd(self, *cmd: str) -> list[str]:
         return ["ip", "netns", "exec", self.name, *cmd]
 
-    def run(self, *cmd: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, *cmd: str, check: bool = True, timeout: float = 30
+    ) -> subprocess.CompletedProcess[str]:
         return sh(*self.cmd(*cmd), check=check, timeout=timeout)
 
     def popen(self, *cmd: str, **kw: object) -> subprocess.Popen[str]:
@@ -90,8 +92,16 @@ class BootProcess:
     def start(self, timeout: float = 30) -> BootProcess:
         self._logf = open(self.log, "a")  # noqa: SIM115 - lives as long as the process
         self.proc = self.ns.popen(
-            sys.executable, "-m", "metald.boot", "--config", str(self.config), "--log-level", "info",
-            stdout=subprocess.PIPE, stderr=self._logf, cwd=str(Path(__file__).parents[2]),
+            sys.executable,
+            "-m",
+            "metald.boot",
+            "--config",
+            str(self.config),
+            "--log-level",
+            "info",
+            stdout=subprocess.PIPE,
+            stderr=self._logf,
+            cwd=str(Path(__file__).parents[2]),
         )
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout

@@ -69,8 +69,23 @@ def udhcpc(ns, tmp: Path, *extra: str) -> dict[str, str]:  # type: ignore[no-unt
     script = tmp / "udhcpc.sh"
     script.write_text(UDHCPC_SCRIPT.format(out=out))
     script.chmod(0o755)
-    ns.run("busybox", "udhcpc", "-i", "vc", "-n", "-q", "-f", "-t", "4", "-T", "1",
-           "-s", str(script), *extra, timeout=30)
+    ns.run(
+        "busybox",
+        "udhcpc",
+        "-i",
+        "vc",
+        "-n",
+        "-q",
+        "-f",
+        "-t",
+        "4",
+        "-T",
+        "1",
+        "-s",
+        str(script),
+        *extra,
+        timeout=30,
+    )
     return dict(line.split("=", 1) for line in out.read_text().split())
 
 
@@ -123,8 +138,21 @@ def test_dhclient_bind_renew_release(lab) -> None:  # type: ignore[no-untyped-de
 
 
 def perfdhcp(ns, rate: int, clients: int, seconds: int) -> dict[str, int]:  # type: ignore[no-untyped-def]
-    r = ns.run("perfdhcp", "-4", "-l", "10.77.0.2", "-r", str(rate), "-R", str(clients),
-               "-p", str(seconds), "10.77.0.1", check=False, timeout=seconds + 30)
+    r = ns.run(
+        "perfdhcp",
+        "-4",
+        "-l",
+        "10.77.0.2",
+        "-r",
+        str(rate),
+        "-R",
+        str(clients),
+        "-p",
+        str(seconds),
+        "10.77.0.1",
+        check=False,
+        timeout=seconds + 30,
+    )
     stats: dict[str, int] = {}
     for key in ("sent packets", "received packets", "drops"):
         stats[key] = sum(int(m) for m in re.findall(rf"{key}: (\d+)", r.stdout))
@@ -141,8 +169,14 @@ def test_perfdhcp_relay_all_answered(lab) -> None:  # type: ignore[no-untyped-de
 
 def test_acked_leases_survive_kill_9_and_restart(lab) -> None:  # type: ignore[no-untyped-def]
     ns, proc, tmp = lab
-    client = ns["cli"].popen(sys.executable, str(HERE / "relay_client.py"), "10.77.0.1",
-                             "10.77.0.2", "100000", stdout=subprocess.PIPE)
+    client = ns["cli"].popen(
+        sys.executable,
+        str(HERE / "relay_client.py"),
+        "10.77.0.1",
+        "10.77.0.2",
+        "100000",
+        stdout=subprocess.PIPE,
+    )
     acked: list[tuple[str, str]] = []
     assert client.stdout is not None
     while len(acked) < 300:
@@ -155,15 +189,20 @@ def test_acked_leases_survive_kill_9_and_restart(lab) -> None:  # type: ignore[n
     rest, _ = client.communicate()
     acked += [tuple(ln.split()) for ln in rest.splitlines()]  # type: ignore[misc]
     with sqlite3.connect(tmp / "state" / "metald.db") as c:
-        rows = {(mac, ip) for mac, ip in c.execute("select mac, ip from leases where state='bound'")}
+        rows = {
+            (mac, ip) for mac, ip in c.execute("select mac, ip from leases where state='bound'")
+        }
         ips = [ip for (ip,) in c.execute("select ip from leases")]
     missing = [a for a in acked if a not in rows]
     assert not missing, f"{len(missing)} ACKed leases lost, e.g. {missing[:3]}"
     assert len(ips) == len(set(ips))
     # Restarted, the server still knows them: the first client renews its own address.
     proc.start()
-    again = ns["cli"].run(sys.executable, str(HERE / "relay_client.py"), "10.77.0.1",
-                          "10.77.0.2", "3").stdout.split()
+    again = (
+        ns["cli"]
+        .run(sys.executable, str(HERE / "relay_client.py"), "10.77.0.1", "10.77.0.2", "3")
+        .stdout.split()
+    )
     assert again[1] == acked[0][1] and again[3] == acked[1][1]
 
 
@@ -197,8 +236,9 @@ def test_proxy_mode_answers_pxe_clients_only(tmp_path: Path, assets: Path) -> No
     boot = BOOT_FULL.format(assets=assets).replace('dhcp_mode = "full"', 'dhcp_mode = "proxy"')
     with namespaces("srv", "cli") as ns:
         veth(ns["srv"], "vs", "10.77.0.1/16", ns["cli"], "vc", "10.77.0.2/16")
-        cfg = write_config(tmp_path / "m.toml", state_dir=tmp_path / "st", boot=boot,
-                           listen="10.77.0.1:8080")
+        cfg = write_config(
+            tmp_path / "m.toml", state_dir=tmp_path / "st", boot=boot, listen="10.77.0.1:8080"
+        )
         proc = BootProcess(ns["srv"], cfg, tmp_path / "m.log").start()
         try:
             out = ns["cli"].run(sys.executable, "-c", PXE_PROBE, str(HERE.parents[1])).stdout
@@ -207,8 +247,21 @@ def test_proxy_mode_answers_pxe_clients_only(tmp_path: Path, assets: Path) -> No
             assert offer.split()[5] == "060108ff"
             assert ack.split() == ["ack", "ACK", "0.0.0.0", "snponly.efi", "10.77.0.1"]
             # A client that is not network-booting gets nothing from a proxy.
-            r = ns["cli"].run("busybox", "udhcpc", "-i", "vc", "-n", "-q", "-t", "2", "-T", "1",
-                              "-s", "/bin/true", check=False)
+            r = ns["cli"].run(
+                "busybox",
+                "udhcpc",
+                "-i",
+                "vc",
+                "-n",
+                "-q",
+                "-t",
+                "2",
+                "-T",
+                "1",
+                "-s",
+                "/bin/true",
+                check=False,
+            )
             assert r.returncode != 0
         finally:
             proc.stop()

@@ -41,8 +41,14 @@ def dora(h: FullHandler, n: NetworkPlan, t: LeaseTable, mac: str, now: float = 1
     req = client_packet(
         MessageType.REQUEST,
         mac,
-        **{**kw, "options": {**kw.get("options", {}), Opt.REQUESTED_IP: ip.packed,
-                             Opt.SERVER_ID: SERVER.packed}},
+        **{
+            **kw,
+            "options": {
+                **kw.get("options", {}),
+                Opt.REQUESTED_IP: ip.packed,
+                Opt.SERVER_ID: SERVER.packed,
+            },
+        },
     )
     return offer, h.handle(req, n, t, now)
 
@@ -88,7 +94,9 @@ def test_reservation_is_given_only_to_its_owner() -> None:
     _, ack = dora(h, n, t, "52:54:00:00:00:aa")
     assert ack.reply.yiaddr == IPv4Address("10.0.0.50")
     req = client_packet(
-        MessageType.REQUEST, "52:54:00:00:00:bb", options={Opt.REQUESTED_IP: IPv4Address("10.0.0.50").packed}
+        MessageType.REQUEST,
+        "52:54:00:00:00:bb",
+        options={Opt.REQUESTED_IP: IPv4Address("10.0.0.50").packed},
     )
     assert h.handle(req, n, t, 1000).reply.message_type is MessageType.NAK
 
@@ -128,7 +136,10 @@ def test_decline_quarantines_and_release_frees() -> None:
     assert again.reply.yiaddr != ip  # not even to the client that declined it
     _, ack2 = dora(h, n, t, "52:54:00:00:00:02", now=1003)
     rel = h.handle(
-        client_packet(MessageType.RELEASE, "52:54:00:00:00:02", ciaddr=ack2.reply.yiaddr), n, t, 1004
+        client_packet(MessageType.RELEASE, "52:54:00:00:00:02", ciaddr=ack2.reply.yiaddr),
+        n,
+        t,
+        1004,
     )
     assert rel.write.state is LeaseState.RELEASED
     assert t.available_to("prov", ack2.reply.yiaddr, "52:54:00:00:00:77", 1004)
@@ -136,15 +147,22 @@ def test_decline_quarantines_and_release_frees() -> None:
 
 def test_relay_selects_network_by_giaddr_and_link_selection_and_echoes_82() -> None:
     a = net()
-    b = net(name="rack2", subnet=IPv4Network("10.2.0.0/24"), pool_start=IPv4Address("10.2.0.10"),
-            pool_end=IPv4Address("10.2.0.20"), interface="")
+    b = net(
+        name="rack2",
+        subnet=IPv4Network("10.2.0.0/24"),
+        pool_start=IPv4Address("10.2.0.10"),
+        pool_end=IPv4Address("10.2.0.20"),
+        interface="",
+    )
     opt82 = encode_tlv({1: b"Eth1/7", 2: b"leaf-3"})
-    pkt = client_packet(MessageType.DISCOVER, giaddr=IPv4Address("10.2.0.1"),
-                        options={Opt.RELAY_AGENT: opt82})
+    pkt = client_packet(
+        MessageType.DISCOVER, giaddr=IPv4Address("10.2.0.1"), options={Opt.RELAY_AGENT: opt82}
+    )
     assert choose_network(pkt, "eth1", [a, b]) is b
     ls = encode_tlv({5: IPv4Address("10.0.0.1").packed})
-    pkt2 = client_packet(MessageType.DISCOVER, giaddr=IPv4Address("10.2.0.1"),
-                         options={Opt.RELAY_AGENT: ls})
+    pkt2 = client_packet(
+        MessageType.DISCOVER, giaddr=IPv4Address("10.2.0.1"), options={Opt.RELAY_AGENT: ls}
+    )
     assert choose_network(pkt2, "eth1", [a, b]) is a
     unknown = client_packet(MessageType.DISCOVER, giaddr=IPv4Address("192.168.9.1"))
     assert choose_network(unknown, "eth1", [a, b]) is None
@@ -161,8 +179,11 @@ def test_broadcast_flag_and_relay_nak_flags() -> None:
     d = h.handle(client_packet(MessageType.DISCOVER, flags=BROADCAST_FLAG), n, t, 1000)
     assert d.dest == ("255.255.255.255", 68) and d.reply.broadcast
     relay_n = net(interface="")
-    req = client_packet(MessageType.REQUEST, giaddr=IPv4Address("10.0.0.254"),
-                        options={Opt.REQUESTED_IP: b"\x0a\x00\x00\xfa"})
+    req = client_packet(
+        MessageType.REQUEST,
+        giaddr=IPv4Address("10.0.0.254"),
+        options={Opt.REQUESTED_IP: b"\x0a\x00\x00\xfa"},
+    )
     nak = h.handle(req, relay_n, t, 1000)
     assert nak.reply.message_type is MessageType.NAK and nak.reply.broadcast
     assert nak.dest == ("10.0.0.254", 67)

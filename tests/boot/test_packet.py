@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from ipaddress import IPv4Address
 
 import pytest
@@ -18,6 +19,7 @@ from metald.boot.dhcp.packet import (
     parse,
     serialize,
 )
+
 from .dhcp_helpers import IPXE_BIOS, client_packet
 
 
@@ -116,8 +118,10 @@ def test_fuzz_random_bytes_only_raise_malformed(data: bytes) -> None:
 
 
 @settings(max_examples=3000, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, len(_valid) - 1), st.integers(0, 255)), max_size=12),
-       st.integers(0, len(_valid)))
+@given(
+    st.lists(st.tuples(st.integers(0, len(_valid) - 1), st.integers(0, 255)), max_size=12),
+    st.integers(0, len(_valid)),
+)
 def test_fuzz_mutated_packets_only_raise_malformed(flips, cut) -> None:  # type: ignore[no-untyped-def]
     b = bytearray(_valid)
     for i, v in flips:
@@ -125,9 +129,7 @@ def test_fuzz_mutated_packets_only_raise_malformed(flips, cut) -> None:  # type:
     try:
         p = parse(bytes(b[:cut] if cut > 240 else b))
         _ = (p.client_archs, p.user_classes, p.vendor_class, p.hostname)
-        try:
+        with contextlib.suppress(MalformedPacket):
             _ = (p.relay_agent, p.requested_ip, p.server_id, p.client_uuid)
-        except MalformedPacket:
-            pass
     except MalformedPacket:
         pass
