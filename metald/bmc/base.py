@@ -1,0 +1,147 @@
+"""The one narrow interface every BMC driver implements, its value types and its errors.
+
+Drivers know one protocol and nothing else: no store, no retries, no scheduling. The scheduler
+(``metald.bmc.scheduler``) wraps them with serialisation, timeouts, retries and health; the
+service (``metald.bmc.service``) maps them onto machines. Errors are precise so the scheduler can
+decide what is worth retrying: an auth failure never is, a timeout usually is.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+
+class PowerState(StrEnum):
+    ON = "on"
+    OFF = "off"
+
+
+class PowerAction(StrEnum):
+    ON = "on"
+    OFF = "off"  # hard off, immediately
+    CYCLE = "cycle"  # off then on (a reset where the BMC has no real cycle)
+    SOFT_OFF = "soft-off"  # ask the OS to shut down (ACPI)
+
+
+class BootTarget(StrEnum):
+    PXE = "pxe"
+    DISK = "disk"
+
+
+@dataclass(frozen=True)
+class BootDevice:
+    device: BootTarget
+    #: False: the next boot only (then the BMC forgets it); True: every boot.
+    persistent: bool = False
+    #: UEFI boot; False means legacy BIOS.
+    uefi: bool = True
+
+
+@dataclass(frozen=True)
+class Sensor:
+    name: str
+    #: temperature, fan, power, voltage, current, other.
+    kind: str
+    value: float | None
+    unit: str | None
+    #: ok, warning, critical, unknown.
+    health: str = "unknown"
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    id: str
+    at: datetime | None
+    severity: str
+    message: str
+
+
+@dataclass(frozen=True)
+class SystemIdentity:
+    """What a BMC says about the system it manages: what registration links a machine by."""
+
+    system_uuid: str | None = None
+    serial: str | None = None
+    macs: list[str] = field(default_factory=list)
+    #: Reset types the BMC advertised (Redfish) or None where the protocol has a fixed set.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class BmcError(Exception):
+    """A BMC command failed. Messages name the BMC and the cause, and never carry credentials."""
+
+    #: Whether trying the same command again may succeed.
+    retryable = False
+    #: Whether the BMC may have received (and acted on) the command despite the failure.
+    maybe_delivered = False
+
+
+class BmcAuthError(BmcError):
+    """The BMC refused the credentials. Never retried: it would only lock the account."""
+
+
+class BmcUnreachable(BmcError):
+    """No answer at the transport level (refused, no route, TLS failure, no reply at all)."""
+
+    retryable = True
+
+
+class BmcTimeout(BmcError):
+    """The BMC accepted the conversation but did not finish the command in time."""
+
+    retryable = True
+
+
+class BmcProtocolError(BmcError):
+    """The BMC answered something this driver cannot use (bad reply, error completion code)."""
+
+    retryable = True
+
+
+class BmcUnsupported(BmcError):
+    """The BMC does not offer this operation (e.g. a reset type it does not advertise)."""
+
+
+class BmcDriver(abc.ABC):
+    """One BMC, one protocol. Methods are coroutines; none of them retries."""
+
+    protocol: str = ""
+
+    @abc.abstractmethod
+    async def identify(self) -> SystemIdentity:
+        """Connect and log in (proving address and credentials), and say what system it manages."""
+
+    @abc.abstractmethod
+    async def get_power(self) -> PowerState: ...
+
+    @abc.abstractmethod
+    async def set_power(self, action: PowerAction) -> None: ...
+
+    @abc.abstractmethod
+    async def set_boot_device(self, boot: BootDevice) -> None: ...
+
+    async def sensors(self) -> list[Sensor]:
+        raise BmcUnsupported(f"{self.protocol} driver cannot read sensors")
+
+    async def event_log(self) -> list[LogEntry]:
+        raise BmcUnsupported(f"{self.protocol} driver cannot read the event log")
+
+    async def close(self) -> None:  # noqa: B027 - optional: drivers without sessions need none
+        """Release sessions and sockets. Safe to call twice."""
+
+
+@dataclass(frozen=True)
+class BmcEndpoint:
+    """How to reach one BMC. ``__repr__`` hides the password so it cannot leak into logs."""
+
+    address: str
+    port: int | None
+    username: str
+    password: str = field(repr=False)
+    verify_tls: bool = True
+    #: PEM of a CA to trust for this BMC only (pinned), instead of the system store.
+    ca_cert: str | None = field(default=None, repr=False)

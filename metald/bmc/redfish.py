@@ -1,0 +1,406 @@
+"""The ``redfish`` driver on aiohttp.
+
+Finds its ComputerSystem through the Systems collection (the first member unless one is
+named), resets it only with the ResetType values the BMC advertises, sets a boot source
+override Once or Continuous, and follows 202 task monitors to their end. It logs in with a
+Redfish session (X-Auth-Token) and falls back to HTTP basic auth where the BMC has no session
+service or refuses to create one. TLS is verified against the system store, a pinned per-BMC CA,
+or not at all when the BMC is registered with verify off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from typing import Any
+
+import aiohttp
+
+from metald.bmc.base import (
+    BmcAuthError,
+    BmcDriver,
+    BmcEndpoint,
+    BmcProtocolError,
+    BmcTimeout,
+    BmcUnreachable,
+    BmcUnsupported,
+    BootDevice,
+    BootTarget,
+    LogEntry,
+    PowerAction,
+    PowerState,
+    Sensor,
+    SystemIdentity,
+)
+
+log = logging.getLogger(__name__)
+
+#: Preferred ResetType values per action, best first; the first one the BMC advertises wins.
+RESET_CHOICES: dict[PowerAction, tuple[str, ...]] = {
+    PowerAction.ON: ("On", "ForceOn"),
+    PowerAction.OFF: ("ForceOff",),
+    PowerAction.SOFT_OFF: ("GracefulShutdown",),
+    PowerAction.CYCLE: ("PowerCycle", "ForceRestart", "GracefulRestart"),
+}
+_TASK_DONE = {"Completed", "Exception", "Killed", "Cancelled"}
+
+
+class RedfishDriver(BmcDriver):
+    protocol = "redfish"
+
+    def __init__(
+        self,
+        endpoint: BmcEndpoint,
+        *,
+        scheme: str = "https",
+        system: str | None = None,
+        request_timeout_s: float = 10.0,
+        task_poll_s: float = 0.5,
+    ) -> None:
+        self.ep = endpoint
+        port = endpoint.port or (443 if scheme == "https" else 80)
+        self.base = f"{scheme}://{endpoint.address}:{port}"
+        self.system_hint = system
+        self.request_timeout_s = request_timeout_s
+        self.task_poll_s = task_poll_s
+        self._http: aiohttp.ClientSession | None = None
+        self._token: str | None = None
+        self._session_uri: str | None = None
+        self._basic = False
+        self._system: dict[str, Any] | None = None
+        self._system_uri: str | None = None
+
+    def __repr__(self) -> str:
+        return f"RedfishDriver({self.base})"
+
+    @property
+    def _where(self) -> str:
+        return f"Redfish BMC {self.base}"
+
+    def _ssl(self) -> ssl.SSLContext | bool:
+        if not self.base.startswith("https"):
+            return True
+        if not self.ep.verify_tls:
+            return False
+        if self.ep.ca_cert:
+            return ssl.create_default_context(cadata=self.ep.ca_cert)
+        return ssl.create_default_context()
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._http is None or self._http.closed:
+            self._http = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(ssl=self._ssl(), limit=4),
+                timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
+            )
+        return self._http
+
+    # --- HTTP with auth ---
+
+    async def _raw(
+        self, method: str, path: str, body: Any = None, auth: bool = True
+    ) -> tuple[int, dict[str, str], Any]:
+        headers = {"Accept": "application/json", "OData-Version": "4.0"}
+        basic = None
+        if auth:
+            if self._token:
+                headers["X-Auth-Token"] = self._token
+            elif self._basic:
+                basic = aiohttp.BasicAuth(self.ep.username, self.ep.password)
+        url = path if path.startswith("http") else self.base + path
+        try:
+            async with self._client().request(
+                method, url, json=body, headers=headers, auth=basic, allow_redirects=False
+            ) as r:
+                data: Any = None
+                if r.content_type == "application/json":
+                    data = await r.json()
+                else:
+                    await r.read()
+                return r.status, dict(r.headers), data
+        except TimeoutError:
+            err = BmcTimeout(
+                f"{self._where}: no reply to {method} {path} within {self.request_timeout_s:g} s"
+            )
+            err.maybe_delivered = method != "GET"
+            raise err from None
+        except aiohttp.ClientConnectorCertificateError as e:
+            raise BmcUnreachable(
+                f"{self._where}: TLS certificate not trusted ({e.certificate_error})"
+            ) from None
+        except aiohttp.ClientSSLError as e:
+            raise BmcUnreachable(
+                f"{self._where}: TLS handshake failed ({type(e).__name__})"
+            ) from None
+        except (aiohttp.ClientConnectionError, OSError) as e:
+            raise BmcUnreachable(f"{self._where}: {_conn_text(e)}") from None
+        except aiohttp.ClientResponseError as e:
+            raise BmcProtocolError(f"{self._where}: bad HTTP reply ({e.status})") from None
+
+    async def _login(self) -> None:
+        status, _, root = await self._raw("GET", "/redfish/v1/", auth=False)
+        if status != 200 or not isinstance(root, dict):
+            raise BmcProtocolError(
+                f"{self._where}: /redfish/v1/ answered {status}, not a service root"
+            )
+        sessions = (root.get("Links") or {}).get("Sessions", {}).get("@odata.id")
+        if sessions:
+            body = {"UserName": self.ep.username, "Password": self.ep.password}
+            status, headers, _ = await self._raw("POST", sessions, body, auth=False)
+            token = headers.get("X-Auth-Token")
+            if status in (200, 201) and token:
+                self._token, self._session_uri = token, headers.get("Location")
+                return
+            if status == 401:
+                raise BmcAuthError(f"{self._where}: login refused (HTTP 401)")
+            log.debug("%s: session refused (HTTP %s); using basic auth", self._where, status)
+        self._basic = True
+
+    async def _req(
+        self, method: str, path: str, body: Any = None
+    ) -> tuple[int, dict[str, str], Any]:
+        if not self._token and not self._basic:
+            await self._login()
+        status, headers, data = await self._raw(method, path, body)
+        if status == 401 and self._token:
+            self._token = None  # the session expired: log in once more
+            await self._login()
+            status, headers, data = await self._raw(method, path, body)
+        if status == 401:
+            raise BmcAuthError(f"{self._where}: credentials refused (HTTP 401)")
+        if status == 403:
+            raise BmcAuthError(f"{self._where}: user lacks the privilege for {method} {path}")
+        if status >= 500:
+            raise BmcProtocolError(
+                f"{self._where}: {method} {path} failed: HTTP {status}{_msg(data)}"
+            )
+        return status, headers, data
+
+    async def _get(self, path: str) -> dict[str, Any]:
+        status, _, data = await self._req("GET", path)
+        if status == 404:
+            raise BmcUnsupported(f"{self._where}: {path} does not exist")
+        if status != 200 or not isinstance(data, dict):
+            raise BmcProtocolError(f"{self._where}: GET {path} answered HTTP {status}{_msg(data)}")
+        return data
+
+    async def _act(self, method: str, path: str, body: Any) -> None:
+        status, headers, data = await self._req(method, path, body)
+        if status == 202 and headers.get("Location"):
+            await self._wait_task(headers["Location"])
+            return
+        if status in (400, 405, 501):
+            raise BmcUnsupported(
+                f"{self._where}: {method} {path} refused: HTTP {status}{_msg(data)}"
+            )
+        if status not in (200, 202, 204):
+            raise BmcProtocolError(
+                f"{self._where}: {method} {path} answered HTTP {status}{_msg(data)}"
+            )
+
+    async def _wait_task(self, monitor: str) -> None:
+        """Poll a task monitor until the task ends; the caller's timeout bounds the wait."""
+        while True:
+            status, _, data = await self._req("GET", monitor)
+            state = data.get("TaskState") if isinstance(data, dict) else None
+            if status in (200, 201, 204) and (state is None or state in _TASK_DONE):
+                if state in ("Exception", "Killed", "Cancelled"):
+                    raise BmcProtocolError(f"{self._where}: task ended {state}{_msg(data)}")
+                return
+            if status not in (200, 202):
+                raise BmcProtocolError(f"{self._where}: task monitor answered HTTP {status}")
+            await asyncio.sleep(self.task_poll_s)
+
+    async def _system_resource(self, refresh: bool = False) -> dict[str, Any]:
+        if self._system_uri is None:
+            coll = await self._get("/redfish/v1/Systems")
+            members = [m["@odata.id"] for m in coll.get("Members", []) if "@odata.id" in m]
+            if not members:
+                raise BmcProtocolError(f"{self._where}: the Systems collection is empty")
+            if self.system_hint:
+                members = [m for m in members if m.rstrip("/").endswith("/" + self.system_hint)]
+                if not members:
+                    raise BmcProtocolError(f"{self._where}: no system {self.system_hint!r}")
+            self._system_uri = members[0]
+        if self._system is None or refresh:
+            self._system = await self._get(self._system_uri)
+        return self._system
+
+    # --- the driver interface ---
+
+    async def identify(self) -> SystemIdentity:
+        s = await self._system_resource(refresh=True)
+        macs: list[str] = []
+        nics = (s.get("EthernetInterfaces") or {}).get("@odata.id")
+        if nics:
+            try:
+                coll = await self._get(nics)
+                for m in coll.get("Members", [])[:16]:
+                    nic = await self._get(m["@odata.id"])
+                    if nic.get("MACAddress"):
+                        macs.append(nic["MACAddress"].lower())
+            except BmcUnsupported:
+                pass
+        return SystemIdentity(
+            system_uuid=(s.get("UUID") or None),
+            serial=s.get("SerialNumber") or None,
+            macs=macs,
+            extra={"reset_types": self._reset_types(s), "system": self._system_uri},
+        )
+
+    @staticmethod
+    def _reset_types(s: dict[str, Any]) -> list[str]:
+        action = (s.get("Actions") or {}).get("#ComputerSystem.Reset") or {}
+        return list(action.get("ResetType@Redfish.AllowableValues") or [])
+
+    async def get_power(self) -> PowerState:
+        s = await self._system_resource(refresh=True)
+        state = s.get("PowerState")
+        if state in ("On", "PoweringOff"):
+            return PowerState.ON
+        if state in ("Off", "PoweringOn"):
+            return PowerState.OFF
+        raise BmcProtocolError(f"{self._where}: PowerState is {state!r}")
+
+    async def set_power(self, action: PowerAction) -> None:
+        s = await self._system_resource()
+        action_obj = (s.get("Actions") or {}).get("#ComputerSystem.Reset")
+        if not action_obj or "target" not in action_obj:
+            raise BmcUnsupported(f"{self._where}: the system offers no ComputerSystem.Reset")
+        allowed = self._reset_types(s)
+        choices = RESET_CHOICES[PowerAction(action)]
+        # A BMC that lists no allowable values is taken to accept the standard ones.
+        chosen = next((c for c in choices if not allowed or c in allowed), None)
+        if chosen is None:
+            raise BmcUnsupported(
+                f"{self._where}: cannot {action.value}: it offers only {', '.join(allowed)}"
+            )
+        await self._act("POST", action_obj["target"], {"ResetType": chosen})
+
+    async def set_boot_device(self, boot: BootDevice) -> None:
+        s = await self._system_resource()
+        target = "Pxe" if boot.device is BootTarget.PXE else "Hdd"
+        allowed = (s.get("Boot") or {}).get("BootSourceOverrideTarget@Redfish.AllowableValues")
+        if allowed and target not in allowed:
+            raise BmcUnsupported(f"{self._where}: boot target {target} not offered ({allowed})")
+        body = {
+            "Boot": {
+                "BootSourceOverrideTarget": target,
+                "BootSourceOverrideEnabled": "Continuous" if boot.persistent else "Once",
+                "BootSourceOverrideMode": "UEFI" if boot.uefi else "Legacy",
+            }
+        }
+        assert self._system_uri is not None
+        await self._act("PATCH", self._system_uri, body)
+
+    async def sensors(self) -> list[Sensor]:
+        s = await self._system_resource()
+        out: list[Sensor] = []
+        for link in (s.get("Links") or {}).get("Chassis", [])[:4]:
+            chassis = await self._get(link["@odata.id"])
+            if thermal := (chassis.get("Thermal") or {}).get("@odata.id"):
+                t = await self._get(thermal)
+                for x in t.get("Temperatures", []):
+                    out.append(
+                        Sensor(
+                            x.get("Name", "?"),
+                            "temperature",
+                            x.get("ReadingCelsius"),
+                            "C",
+                            _health(x),
+                        )
+                    )
+                for x in t.get("Fans", []):
+                    out.append(
+                        Sensor(
+                            x.get("Name") or x.get("FanName", "?"),
+                            "fan",
+                            x.get("Reading"),
+                            x.get("ReadingUnits", "RPM"),
+                            _health(x),
+                        )
+                    )
+            if power := (chassis.get("Power") or {}).get("@odata.id"):
+                try:
+                    p = await self._get(power)
+                except BmcUnsupported:
+                    continue
+                for x in p.get("PowerControl", []):
+                    out.append(
+                        Sensor(
+                            x.get("Name", "power"),
+                            "power",
+                            x.get("PowerConsumedWatts"),
+                            "W",
+                            _health(x),
+                        )
+                    )
+        return out
+
+    async def event_log(self) -> list[LogEntry]:
+        s = await self._system_resource()
+        managers = (s.get("Links") or {}).get("ManagedBy", [])
+        for m in managers[:2]:
+            mgr = await self._get(m["@odata.id"])
+            services = (mgr.get("LogServices") or {}).get("@odata.id")
+            if not services:
+                continue
+            coll = await self._get(services)
+            for svc in coll.get("Members", []):
+                service = await self._get(svc["@odata.id"])
+                entries_uri = (service.get("Entries") or {}).get("@odata.id")
+                if not entries_uri:
+                    continue
+                entries = await self._get(entries_uri)
+                return [
+                    LogEntry(
+                        id=str(e.get("Id", "")),
+                        at=_parse_time(e.get("Created")),
+                        severity=str(e.get("Severity", "OK")).lower(),
+                        message=str(e.get("Message", "")),
+                    )
+                    for e in entries.get("Members", [])
+                ]
+        raise BmcUnsupported(f"{self._where}: the BMC exposes no log service")
+
+    async def close(self) -> None:
+        if self._http is not None and not self._http.closed:
+            if self._token and self._session_uri:
+                try:
+                    await self._raw("DELETE", self._session_uri)
+                except Exception as e:  # best effort: the BMC expires idle sessions anyway
+                    log.debug("%s: session delete failed: %s", self._where, type(e).__name__)
+            await self._http.close()
+        self._http = None
+        self._token = None
+
+
+def _health(x: dict[str, Any]) -> str:
+    h = (x.get("Status") or {}).get("Health")
+    return {"OK": "ok", "Warning": "warning", "Critical": "critical"}.get(h, "unknown")
+
+
+def _msg(data: Any) -> str:
+    if isinstance(data, dict):
+        err = data.get("error") or {}
+        info = err.get("@Message.ExtendedInfo") or []
+        text = info[0].get("Message") if info and isinstance(info[0], dict) else err.get("message")
+        if text:
+            return f": {str(text)[:200]}"
+    return ""
+
+
+def _conn_text(e: BaseException) -> str:
+    os_err = getattr(e, "os_error", None)
+    if isinstance(os_err, OSError) and os_err.strerror:
+        return os_err.strerror
+    return type(e).__name__
+
+
+def _parse_time(v: Any) -> Any:
+    from datetime import datetime
+
+    try:
+        return datetime.fromisoformat(str(v)) if v else None
+    except ValueError:
+        return None

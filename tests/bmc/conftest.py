@@ -1,0 +1,318 @@
+"""Real BMC peers for the tests, each started fresh per test on a free loopback port:
+OpenIPMI ``ipmi_sim`` (lanplus), sushy-tools' ``sushy-emulator`` with its fake driver (with and
+without basic auth), and pyghmi BMC servers that misbehave on purpose (``fault_bmc.py``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+PASSWORD = "s3cr3t-Pa55word-x9"
+SYSTEM_UUID = "a1234567-89ab-cdef-0123-456789abcdef"
+
+
+def free_port(kind: int = socket.SOCK_DGRAM) -> int:
+    with socket.socket(socket.AF_INET, kind) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_udp_bound(port: int, proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"peer exited with {proc.returncode}")
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return  # taken: the peer holds it
+        time.sleep(0.05)
+    raise RuntimeError("peer did not bind its port")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _full_sensor_record(number: int, name: str) -> str:
+    """An SDR type 0x01 (full sensor record, IPMI spec table 43-1): a threshold temperature
+    sensor in degrees C with reading = raw (M=1, B=0)."""
+    body = [
+        0x20,
+        0x00,
+        number,
+        0x03,
+        0x01,
+        0x7F,
+        0x68,
+        0x01,
+        0x01,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0x00,
+        0x01,
+        0x00,
+        0x00,
+        0x01,
+        0x00,
+        0x00,
+        0x00,
+        0x00,
+        0x00,
+        0x00,
+        0x28,
+        0x50,
+        0x0A,
+        0xFF,
+        0x00,
+        0x64,
+        0x5A,
+        0x50,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0xC0 | len(name),
+        *name.encode(),
+    ]
+    return " ".join(f"0x{b:02x}" for b in [0, 0, 0x51, 0x01, len(body), *body])
+
+
+#: The simulated BMC: one temperature sensor reading 45 C, and one SEL entry.
+EMU = f"""mc_setbmc 0x20
+mc_add 0x20 0 no-device-sdrs 0x23 9 8 0x9f 0x1291 0xf02
+main_sdr_add 0x20 {_full_sensor_record(1, "CPU Temp")}
+sensor_add 0x20 0 1 0x01 0x01
+sensor_set_value 0x20 0 1 45 0
+sel_enable 0x20 1000 0x0a
+sel_add 0x20 0x02 0x00 0x00 0x00 0x60 0x20 0x00 0x04 0x01 0x01 0x01 0x59 0x5a 0x5a
+mc_enable 0x20
+"""
+
+
+@dataclass
+class IpmiSim:
+    port: int
+    username: str
+    password: str
+    calls_file: Path
+    system_uuid: str
+
+    def calls(self) -> list[str]:
+        return self.calls_file.read_text().splitlines() if self.calls_file.exists() else []
+
+
+@pytest.fixture
+def ipmi_sim(tmp_path: Path) -> Iterator[IpmiSim]:
+    if shutil.which("ipmi_sim") is None:
+        pytest.skip("ipmi_sim (Debian package openipmi) is not installed")
+    port = free_port()
+    calls, power = tmp_path / "calls.log", tmp_path / "power"
+    script = tmp_path / "chassis.sh"
+    # ipmi_sim runs this for every chassis command: the test reads what the BMC was asked.
+    script.write_text(
+        textwrap.dedent(f"""\
+        #!/bin/sh
+        echo "$@" >> {calls}
+        if [ "$1" = get ]; then
+          shift
+          for p in "$@"; do
+            [ "$p" = power ] && echo "power:$(cat {power} 2>/dev/null || echo 0)"
+            [ "$p" = boot ] && echo "boot:default"
+          done
+        elif [ "$1" = set ] && [ "$2" = power ]; then
+          echo "$3" > {power}
+        fi
+        exit 0
+        """)
+    )
+    script.chmod(0o755)
+    guid = SYSTEM_UUID.replace("-", "")
+    (tmp_path / "lan.conf").write_text(
+        textwrap.dedent(f"""\
+        name "sim"
+        set_working_mc 0x20
+          startlan 1
+            addr 127.0.0.1 {port}
+            priv_limit admin
+            allowed_auths_callback none md2 md5 straight
+            allowed_auths_user none md2 md5 straight
+            allowed_auths_operator none md2 md5 straight
+            allowed_auths_admin none md2 md5 straight
+            guid {guid}
+          endlan
+          chassis_control "{script}"
+          user 2 true  "admin" "{PASSWORD}" admin 10 none md2 md5 straight
+        """)
+    )
+    (tmp_path / "bmc.emu").write_text(EMU)
+    (tmp_path / "state").mkdir()
+    proc = subprocess.Popen(
+        [
+            "ipmi_sim",
+            "-n",
+            "-c",
+            str(tmp_path / "lan.conf"),
+            "-f",
+            str(tmp_path / "bmc.emu"),
+            "-s",
+            str(tmp_path / "state"),
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait_udp_bound(port, proc)
+        yield IpmiSim(port, "admin", PASSWORD, calls, SYSTEM_UUID)
+    finally:
+        _stop(proc)
+
+
+@dataclass
+class Sushy:
+    port: int
+    username: str | None
+    password: str | None
+    system_uuid: str
+    mac: str
+
+
+_SUSHY_MAIN = """
+import sys
+import sushy_tools.emulator.resources.systems.fakedriver as fake
+# The fake driver applies power changes 1-11 s later, at random; tests want them at once.
+fake.random.randint = lambda a, b: 0
+from sushy_tools.emulator.main import main
+sys.argv = ["sushy-emulator", "--config", sys.argv[1]]
+sys.exit(main())
+"""
+
+
+def _start_sushy(tmp_path: Path, auth: bool) -> tuple[subprocess.Popen, Sushy]:
+    port = free_port(socket.SOCK_STREAM)
+    sys_uuid = str(uuid.uuid4())
+    mac = "52:54:00:aa:bb:01"
+    conf = tmp_path / "sushy.conf"
+    lines = [
+        "SUSHY_EMULATOR_FAKE_DRIVER = True",
+        f"SUSHY_EMULATOR_FAKE_SYSTEMS = [{{'uuid': '{sys_uuid}', 'name': 'node-1', "
+        f"'power_state': 'Off', 'nics': [{{'mac': '{mac}', 'ip': '10.0.0.5'}}]}}]",
+        "SUSHY_EMULATOR_LISTEN_IP = '127.0.0.1'",
+        f"SUSHY_EMULATOR_LISTEN_PORT = {port}",
+        f"SUSHY_EMULATOR_STATE_DIR = '{tmp_path / 'sushy-state'}'",
+    ]
+    user = pw = None
+    if auth:
+        import bcrypt
+
+        user, pw = "admin", PASSWORD
+        htpasswd = tmp_path / "htpasswd"
+        htpasswd.write_text(f"{user}:{bcrypt.hashpw(pw.encode(), bcrypt.gensalt(4)).decode()}\n")
+        lines.append(f"SUSHY_EMULATOR_AUTH_FILE = '{htpasswd}'")
+    conf.write_text("\n".join(lines) + "\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SUSHY_MAIN, str(conf)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    end = time.monotonic() + 15
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError("sushy-emulator exited")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            if time.monotonic() > end:
+                _stop(proc)
+                raise RuntimeError("sushy-emulator did not start") from None
+            time.sleep(0.1)
+    return proc, Sushy(port, user, pw, sys_uuid, mac)
+
+
+@pytest.fixture
+def sushy(tmp_path: Path) -> Iterator[Sushy]:
+    proc, peer = _start_sushy(tmp_path, auth=False)
+    try:
+        yield peer
+    finally:
+        _stop(proc)
+
+
+@pytest.fixture
+def sushy_auth(tmp_path: Path) -> Iterator[Sushy]:
+    proc, peer = _start_sushy(tmp_path, auth=True)
+    try:
+        yield peer
+    finally:
+        _stop(proc)
+
+
+class FaultBmc:
+    """A pyghmi BMC server in its own process; ``controls()`` lists the chassis controls it ran."""
+
+    def __init__(self, tmp_path: Path, mode: str, password: str = PASSWORD) -> None:
+        self.port = free_port()
+        self.password = password
+        self.out = tmp_path / f"fault-{mode}-{self.port}.out"
+        self._fh = self.out.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "fault_bmc.py"), str(self.port), mode, password],
+            stdin=subprocess.DEVNULL,
+            stdout=self._fh,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        _wait_udp_bound(self.port, self.proc)
+
+    def controls(self) -> list[str]:
+        return [ln for ln in self.out.read_text().splitlines() if ln.startswith("control")]
+
+    def stop(self) -> None:
+        _stop(self.proc)
+        self._fh.close()
+
+
+@pytest.fixture
+def fault_bmc(tmp_path: Path) -> Iterator:
+    started: list[FaultBmc] = []
+
+    def start(mode: str, password: str = PASSWORD) -> FaultBmc:
+        b = FaultBmc(tmp_path, mode, password)
+        started.append(b)
+        return b
+
+    try:
+        yield start
+    finally:
+        for b in started:
+            b.stop()
