@@ -11,6 +11,7 @@ or not at all when the BMC is registered with verify off.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import ssl
 from typing import Any
@@ -101,16 +102,15 @@ class RedfishDriver(BmcDriver):
         self, method: str, path: str, body: Any = None, auth: bool = True
     ) -> tuple[int, dict[str, str], Any]:
         headers = {"Accept": "application/json", "OData-Version": "4.0"}
-        basic = None
         if auth:
             if self._token:
                 headers["X-Auth-Token"] = self._token
             elif self._basic:
-                basic = aiohttp.BasicAuth(self.ep.username, self.ep.password)
+                headers["Authorization"] = _basic_auth(self.ep.username, self.ep.password)
         url = path if path.startswith("http") else self.base + path
         try:
             async with self._client().request(
-                method, url, json=body, headers=headers, auth=basic, allow_redirects=False
+                method, url, json=body, headers=headers, allow_redirects=False
             ) as r:
                 data: Any = None
                 if r.content_type == "application/json":
@@ -373,6 +373,10 @@ class RedfishDriver(BmcDriver):
             await self._http.close()
         self._http = None
         self._token = None
+
+
+def _basic_auth(user: str, password: str) -> str:
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
 
 
 def _health(x: dict[str, Any]) -> str:

@@ -216,7 +216,60 @@ sys.exit(main())
 """
 
 
-def _start_sushy(tmp_path: Path, auth: bool) -> tuple[subprocess.Popen, Sushy]:
+def make_tls_pair(tmp_path: Path) -> tuple[Path, Path, str]:
+    """A CA and a server certificate for 127.0.0.1 signed by it: (cert file, key file, CA PEM)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "test BMC CA")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    cert_file, key_file = tmp_path / "bmc.crt", tmp_path / "bmc.key"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_file, key_file, ca.public_bytes(serialization.Encoding.PEM).decode()
+
+
+def _start_sushy(
+    tmp_path: Path, auth: bool, tls: tuple[Path, Path] | None = None
+) -> tuple[subprocess.Popen, Sushy]:
     port = free_port(socket.SOCK_STREAM)
     sys_uuid = str(uuid.uuid4())
     mac = "52:54:00:aa:bb:01"
@@ -237,6 +290,9 @@ def _start_sushy(tmp_path: Path, auth: bool) -> tuple[subprocess.Popen, Sushy]:
         htpasswd = tmp_path / "htpasswd"
         htpasswd.write_text(f"{user}:{bcrypt.hashpw(pw.encode(), bcrypt.gensalt(4)).decode()}\n")
         lines.append(f"SUSHY_EMULATOR_AUTH_FILE = '{htpasswd}'")
+    if tls:
+        lines.append(f"SUSHY_EMULATOR_SSL_CERT = '{tls[0]}'")
+        lines.append(f"SUSHY_EMULATOR_SSL_KEY = '{tls[1]}'")
     conf.write_text("\n".join(lines) + "\n")
     proc = subprocess.Popen(
         [sys.executable, "-c", _SUSHY_MAIN, str(conf)],
@@ -264,6 +320,16 @@ def sushy(tmp_path: Path) -> Iterator[Sushy]:
     proc, peer = _start_sushy(tmp_path, auth=False)
     try:
         yield peer
+    finally:
+        _stop(proc)
+
+
+@pytest.fixture
+def sushy_tls(tmp_path: Path) -> Iterator[tuple[Sushy, str]]:
+    cert, key, ca_pem = make_tls_pair(tmp_path)
+    proc, peer = _start_sushy(tmp_path, auth=True, tls=(cert, key))
+    try:
+        yield peer, ca_pem
     finally:
         _stop(proc)
 

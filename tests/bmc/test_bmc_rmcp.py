@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -75,7 +77,5 @@ def test_request_and_response_framing() -> None:
 def test_decoding_garbage_only_raises_rmcp_error(data: bytes) -> None:
     keys = rmcp.SessionKeys.from_sik(b"k" * 20)
     for k in (None, keys):
-        try:
+        with contextlib.suppress(rmcp.RmcpError):
             rmcp.decode_packet(rmcp.RMCP_HEADER + b"\x06" + data, k)
-        except rmcp.RmcpError:
-            pass
