@@ -183,8 +183,8 @@ class IpmiDriver(BmcDriver):
                     self._admin = True
                 try:
                     rsp = await self._call(netfn, cmd, data, deadline)
-                except BmcTimeout as e:
-                    e.maybe_delivered = True  # sent at least once; the reply may have been lost
+                except (BmcTimeout, BmcUnreachable) as e:
+                    e.maybe_delivered = True  # sent at least once; the BMC may have acted on it
                     raise
             except BaseException:
                 self._drop_session()
