@@ -1,0 +1,1 @@
+"""What machines boot: the discovery image (Debian kernel + small initramfs + agent) and iPXE."""

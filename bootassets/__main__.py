@@ -1,0 +1,35 @@
+"""``python -m bootassets build [--cache DIR] [--force]``: build (or reuse) the boot assets."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from bootassets.build import BuildError, ensure_built
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bootassets")
+    sub = parser.add_subparsers(dest="command", required=True)
+    build = sub.add_parser("build", help="build the discovery image and copy the iPXE binaries")
+    build.add_argument("--cache", help="cache folder (default: <repo>/.cache/bootassets)")
+    build.add_argument(
+        "--force", action="store_true", help="rebuild even if the inputs are unchanged"
+    )
+    args = parser.parse_args(argv)
+    try:
+        path = ensure_built(args.cache, force=args.force)
+    except BuildError as e:
+        print(f"bootassets: {e}", file=sys.stderr)
+        return 1
+    manifest = json.loads((path / "manifest.json").read_text())
+    for rel, meta in manifest["files"].items():
+        print(f"{meta['size']:>10}  {rel}")
+    print(f"{manifest['total_bytes']:>10}  total, kernel {manifest['kernel_version']}")
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

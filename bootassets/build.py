@@ -1,0 +1,279 @@
+"""Build the boot assets metald serves: the discovery image and the iPXE binaries.
+
+Everything comes from Debian packages fetched with ``apt-get download`` and unpacked with
+``dpkg-deb -x`` (never the build host's /boot or installed files), so a fresh Debian 12 machine
+with only apt builds the same thing. Output goes to ``<cache>/<inputs-hash>/``:
+
+    discovery/vmlinuz       Debian's linux-image-amd64 kernel
+    discovery/initrd.img    cpio.gz: busybox-static, drivers, /init, the agent
+    undionly.kpxe ipxe.efi snponly.efi
+    manifest.json           inputs, their hash, sha256 and size of every file
+
+``<cache>/current`` points at the latest build. The inputs hash covers the package versions and
+every file that goes into the image, so an unchanged input set reuses the cached build.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import gzip
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from bootassets import cpio, kmod
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_CACHE = HERE.parent / ".cache" / "bootassets"
+
+AGENT = HERE / "agent" / "metald-agent"
+INIT = HERE / "initramfs" / "init"
+UDHCPC_SCRIPT = HERE / "initramfs" / "udhcpc.script"
+
+#: Drivers the image loads, in this order after their dependencies. QEMU: virtio, e1000.
+#: Servers: Intel (e1000e, igb, ixgbe, i40e, ice), Broadcom (bnxt_en, tg3), NVIDIA/Mellanox
+#: (mlx5_core) NICs; NVMe and SATA/SAS disks; the IPMI system interface for ipmitool.
+MODULES = [
+    "virtio_pci",
+    "virtio_net",
+    "virtio_blk",
+    "e1000",
+    "e1000e",
+    "igb",
+    "ixgbe",
+    "i40e",
+    "ice",
+    "bnxt_en",
+    "tg3",
+    "mlx5_core",
+    "nvme",
+    "ahci",
+    "sd_mod",
+    "ipmi_si",
+    "ipmi_devintf",
+]
+KERNEL_META = "linux-image-amd64"
+BUSYBOX = "busybox-static"
+IPXE = "ipxe"
+IPXE_FILES = ("undionly.kpxe", "ipxe.efi", "snponly.efi")
+#: The whole asset folder must stay below this (the issue's budget for the discovery image).
+SIZE_LIMIT = 64 * 1024 * 1024
+
+
+class BuildError(Exception):
+    pass
+
+
+def _run(*args: str, cwd: Path | None = None) -> str:
+    try:
+        res = subprocess.run(args, cwd=cwd, capture_output=True, text=True, check=False)
+    except FileNotFoundError:
+        raise BuildError(f"{args[0]} is not installed (this builds on Debian with apt)") from None
+    if res.returncode != 0:
+        raise BuildError(f"{' '.join(args)} failed: {res.stderr.strip() or res.stdout.strip()}")
+    return res.stdout
+
+
+def _candidate(package: str) -> tuple[str, str]:
+    """(name, version) apt would install; follows the kernel meta-package to the real image."""
+    out = _run("apt-cache", "show", "--no-all-versions", package)
+    fields = dict(
+        line.split(": ", 1)
+        for line in out.splitlines()
+        if ": " in line and not line.startswith(" ")
+    )
+    if "Version" not in fields:
+        raise BuildError(f"apt knows no package {package} (run apt-get update?)")
+    if package == KERNEL_META:
+        image = next(
+            (
+                d.strip().split()[0]
+                for d in fields.get("Depends", "").split(",")
+                if d.strip().startswith("linux-image-")
+            ),
+            None,
+        )
+        if not image:
+            raise BuildError(f"{KERNEL_META} depends on no linux-image package")
+        return _candidate(image)
+    return package, fields["Version"]
+
+
+def resolve_inputs() -> dict[str, object]:
+    """Everything the build depends on: package versions and the hashes of our own files."""
+    packages = {
+        role: "=".join(_candidate(pkg))
+        for role, pkg in (("kernel", KERNEL_META), ("busybox", BUSYBOX), ("ipxe", IPXE))
+    }
+    files = {
+        str(p.relative_to(HERE)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in (AGENT, INIT, UDHCPC_SCRIPT, HERE / "build.py", HERE / "cpio.py", HERE / "kmod.py")
+    }
+    return {"packages": packages, "files": files, "modules": MODULES}
+
+
+def inputs_hash(inputs: dict[str, object]) -> str:
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _download(package_eq_version: str, into: Path) -> Path:
+    """apt-get download + dpkg-deb -x; returns the unpacked tree."""
+    into.mkdir(parents=True, exist_ok=True)
+    os.chmod(into, 0o755)  # so apt's sandbox user may write there
+    _run("apt-get", "download", "-q", package_eq_version, cwd=into)
+    debs = list(into.glob("*.deb"))
+    if len(debs) != 1:
+        raise BuildError(f"apt-get download {package_eq_version} gave {len(debs)} .deb files")
+    tree = into / "root"
+    _run("dpkg-deb", "-x", str(debs[0]), str(tree))
+    return tree
+
+
+def build_initramfs(
+    kernel_tree: Path, busybox: bytes, kernel_version: str
+) -> tuple[bytes, list[str]]:
+    """The initramfs (gzip'd cpio) and the module load order it carries."""
+    moddir = kernel_tree / "lib" / "modules" / kernel_version
+    index = kmod.index_modules(moddir / "kernel")
+    order = kmod.load_order(MODULES, index)
+    entries = [
+        cpio.directory(d)
+        for d in (
+            "bin",
+            "dev",
+            "etc",
+            "lib",
+            "lib/modules",
+            f"lib/modules/{kernel_version}",
+            "proc",
+            "run",
+            "sys",
+            "tmp",
+            "usr",
+            "usr/bin",
+            "usr/share",
+            "usr/share/udhcpc",
+        )
+    ]
+    entries += [
+        cpio.char_device("dev/console", 5, 1),
+        cpio.char_device("dev/null", 1, 3, 0o666),
+        cpio.file("bin/busybox", busybox, 0o755),
+        cpio.symlink("bin/sh", "busybox"),
+        cpio.file("init", INIT.read_bytes(), 0o755),
+        cpio.file("usr/bin/metald-agent", AGENT.read_bytes(), 0o755),
+        cpio.file("usr/share/udhcpc/default.script", UDHCPC_SCRIPT.read_bytes(), 0o755),
+        cpio.file("lib/modules/load-order", "".join(f"{m}\n" for m in order).encode()),
+    ]
+    for name in order:
+        data = kmod._read_module(index[name])  # insmod wants plain ELF
+        entries.append(cpio.file(f"lib/modules/{kernel_version}/{name}.ko", data))
+    # mtime=0: the same inputs give the same bytes
+    return gzip.compress(cpio.pack(entries), compresslevel=9, mtime=0), order
+
+
+@contextmanager
+def _locked(cache: Path) -> Iterator[None]:
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two test runs building at once wait for each other
+        yield
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def verify(assets: Path) -> dict[str, object]:
+    """The manifest of a finished build, after checking every file against it."""
+    manifest = json.loads((assets / "manifest.json").read_text())
+    for rel, meta in manifest["files"].items():
+        if _sha256(assets / rel) != meta["sha256"]:
+            raise BuildError(
+                f"{assets / rel} does not match its manifest; delete {assets} and rebuild"
+            )
+    return manifest
+
+
+def _build(target: Path, inputs: dict[str, object], digest: str) -> None:
+    packages: dict[str, str] = inputs["packages"]  # type: ignore[assignment]
+    with tempfile.TemporaryDirectory(prefix="metald-bootassets-") as tmp:
+        work = Path(tmp)
+        kernel = _download(packages["kernel"], work / "kernel")
+        busybox = _download(packages["busybox"], work / "busybox")
+        ipxe = _download(packages["ipxe"], work / "ipxe")
+        vmlinuz = sorted((kernel / "boot").glob("vmlinuz-*"))
+        if len(vmlinuz) != 1:
+            raise BuildError("the kernel package holds no single vmlinuz")
+        kernel_version = vmlinuz[0].name.removeprefix("vmlinuz-")
+        initrd, order = build_initramfs(
+            kernel, (busybox / "bin" / "busybox").read_bytes(), kernel_version
+        )
+
+        out = work / "out"
+        (out / "discovery").mkdir(parents=True)
+        shutil.copyfile(vmlinuz[0], out / "discovery" / "vmlinuz")
+        (out / "discovery" / "initrd.img").write_bytes(initrd)
+        for name in IPXE_FILES:
+            shutil.copyfile(ipxe / "usr" / "lib" / "ipxe" / name, out / name)
+        files = {
+            str(p.relative_to(out)): {"sha256": _sha256(p), "size": p.stat().st_size}
+            for p in sorted(out.rglob("*"))
+            if p.is_file()
+        }
+        total = sum(f["size"] for f in files.values())
+        if total > SIZE_LIMIT:
+            raise BuildError(f"boot assets are {total} bytes, over the {SIZE_LIMIT} byte budget")
+        manifest = {
+            "inputs_hash": digest,
+            "inputs": inputs,
+            "kernel_version": kernel_version,
+            "modules": order,
+            "files": files,
+            "total_bytes": total,
+        }
+        (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        if target.exists():
+            shutil.rmtree(target)
+        shutil.move(str(out), target)
+
+
+def _point_current(cache: Path, digest: str) -> None:
+    link = cache / "current"
+    tmp = cache / f".current-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(digest)
+    tmp.replace(link)  # atomic: readers see the old or the new build, never none
+
+
+def ensure_built(cache_dir: Path | str | None = None, *, force: bool = False) -> Path:
+    """The assets folder for the current inputs, building it only when missing or changed.
+
+    ``cache_dir`` defaults to $METALD_BOOTASSETS_CACHE or <repo>/.cache/bootassets. When apt
+    cannot resolve package versions (no package lists) an existing ``current`` build is used.
+    """
+    cache = Path(cache_dir or os.environ.get("METALD_BOOTASSETS_CACHE") or DEFAULT_CACHE)
+    try:
+        inputs = resolve_inputs()
+    except BuildError as e:
+        current = cache / "current"
+        if current.exists() and not force:
+            print(f"bootassets: {e}; using the existing build {current.resolve()}", file=sys.stderr)
+            verify(current)
+            return current.resolve()
+        raise
+    digest = inputs_hash(inputs)
+    target = cache / digest
+    with _locked(cache):
+        if force or not (target / "manifest.json").exists():
+            _build(target, inputs, digest)
+        verify(target)
+        _point_current(cache, digest)
+    return target

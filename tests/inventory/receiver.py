@@ -1,0 +1,63 @@
+"""A stand-in for metald's agent endpoints: records inventory posts, hands out actions.
+
+Used in-process by the host agent tests and as a script inside the QEMU test's network
+namespace (``python receiver.py HOST PORT OUTFILE``), where it writes each post to OUTFILE.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+
+@dataclass
+class Receiver:
+    token: str = "agent-token"
+    #: HTTP statuses for the first posts (then 200): exercises the agent's retries.
+    post_statuses: list[int] = field(default_factory=list)
+    #: Actions /next hands out in turn; the last one repeats.
+    actions: list[dict[str, Any]] = field(default_factory=lambda: [{"action": "poweroff"}])
+    posts: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    next_calls: int = 0
+    out: Path | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=2 << 20)
+        app.router.add_post("/api/v1/agent/inventory", self.inventory)
+        app.router.add_get("/api/v1/agent/next", self.next_action)
+        return app
+
+    def _authorised(self, request: web.Request) -> bool:
+        return request.headers.get("Authorization") == f"Bearer {self.token}"
+
+    async def inventory(self, request: web.Request) -> web.Response:
+        if not self._authorised(request):
+            return web.json_response({"title": "Unauthorized"}, status=401)
+        body = await request.read()
+        self.headers.append(dict(request.headers))
+        status = self.post_statuses.pop(0) if self.post_statuses else 200
+        record = {"status": status, "at": time.time(), "body": json.loads(body)}
+        self.posts.append(record)
+        if self.out:
+            with self.out.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        return web.json_response({"ok": status == 200}, status=status)
+
+    async def next_action(self, request: web.Request) -> web.Response:
+        if not self._authorised(request):
+            return web.json_response({"title": "Unauthorized"}, status=401)
+        action = self.actions[min(self.next_calls, len(self.actions) - 1)]
+        self.next_calls += 1
+        return web.json_response(action)
+
+
+if __name__ == "__main__":
+    host, port, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+    web.run_app(Receiver(out=out).app(), host=host, port=port, print=None)
