@@ -124,6 +124,8 @@ class BmcConfig(_Section):
     min_interval_ms: int = Field(default=200, ge=0)
     #: Deadline of one attempt of one command, login included.
     timeout_s: float = Field(default=10.0, gt=0)
+    #: Deadline of sensor and event-log reads, which walk many records (IPMI SDR, SEL).
+    sensors_timeout_s: float = Field(default=30.0, gt=0)
     #: Further attempts after a retryable failure (timeouts, unreachable, bad replies; never auth).
     retries: int = Field(default=3, ge=0)
     #: First backoff ceiling before a retry; doubles each attempt, delays drawn uniformly below it.

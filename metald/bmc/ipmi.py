@@ -244,7 +244,12 @@ class IpmiDriver(BmcDriver):
     # --- the driver interface ---
 
     async def identify(self) -> SystemIdentity:
-        guid = await self._request(NETFN_APP, 0x37)  # Get System GUID
+        try:
+            guid = await self._request(NETFN_APP, 0x37)  # Get System GUID
+        except BmcProtocolError:
+            # Optional command: a BMC without it still proves the login by a status read.
+            await self.get_power()
+            return SystemIdentity()
         if len(guid) != 16:
             return SystemIdentity()
         # BMCs disagree on the GUID's byte order (the spec says least significant byte first,

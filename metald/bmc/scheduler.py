@@ -133,13 +133,16 @@ class BmcScheduler:
         *,
         name: str,
         idempotent: bool = True,
+        timeout_s: float | None = None,
     ) -> T:
         """Run ``op`` for the BMC ``key`` under the rules above; raises the last BmcError."""
         lane = self._lanes.setdefault(key, _Lane())
         started = time.monotonic()
         async with lane.lock:
             try:
-                result = await self._attempts(lane, op, name, idempotent)
+                result = await self._attempts(
+                    lane, op, name, idempotent, timeout_s or self.timeout_s
+                )
             except BaseException as e:
                 self._set_health(key, lane, e)
                 commands.labels(name, type(e).__name__).inc()
@@ -152,7 +155,12 @@ class BmcScheduler:
             return result
 
     async def _attempts(
-        self, lane: _Lane, op: Callable[[], Awaitable[T]], name: str, idempotent: bool
+        self,
+        lane: _Lane,
+        op: Callable[[], Awaitable[T]],
+        name: str,
+        idempotent: bool,
+        timeout_s: float,
     ) -> T:
         loop = asyncio.get_running_loop()
         attempt = 0
@@ -165,12 +173,12 @@ class BmcScheduler:
                     self.in_flight += 1
                     self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
                     try:
-                        return await asyncio.wait_for(op(), self.timeout_s)
+                        return await asyncio.wait_for(op(), timeout_s)
                     finally:
                         self.in_flight -= 1
                         lane.last_end = loop.time()
             except TimeoutError:
-                err: BmcError = BmcTimeout(f"no answer within {self.timeout_s:g} s")
+                err: BmcError = BmcTimeout(f"no answer within {timeout_s:g} s")
                 err.maybe_delivered = True
             except BmcError as e:
                 err = e

@@ -117,11 +117,19 @@ class BmcService:
             d = self._drivers[row.id] = self._make_driver(row.protocol, ep)
         return d
 
-    async def _run(self, row: Bmc, op_name: str, fn: Any, *, idempotent: bool = True) -> Any:
+    async def _run(
+        self,
+        row: Bmc,
+        op_name: str,
+        fn: Any,
+        *,
+        idempotent: bool = True,
+        timeout_s: float | None = None,
+    ) -> Any:
         driver = self._driver_for(row)
         try:
             return await self.scheduler.run(
-                row.id, lambda: fn(driver), name=op_name, idempotent=idempotent
+                row.id, lambda: fn(driver), name=op_name, idempotent=idempotent, timeout_s=timeout_s
             )
         finally:
             await self._persist_health(row.id)
@@ -168,7 +176,16 @@ class BmcService:
         if ca_cert is not None and "BEGIN CERTIFICATE" not in ca_cert:
             raise Unprocessable("ca_cert must be a PEM certificate")
         if machine_id is not None:
-            await self.store.run(get_machine, machine_id)
+
+            def has_bmc(s: Session) -> Bmc | None:
+                get_machine(s, machine_id)
+                return s.exec(select(Bmc).where(Bmc.machine_id == machine_id)).first()
+
+            if (other := await self.store.run(has_bmc)) is not None:
+                raise Conflict(
+                    f"machine {machine_id} already has BMC {other.id}; unlink it first",
+                    bmc_id=other.id,
+                )
 
         def taken(s: Session) -> Bmc | None:
             return s.exec(select(Bmc).where(Bmc.address == address, Bmc.port == port)).first()
@@ -458,7 +475,9 @@ class BmcService:
 
     async def sensors(self, machine_id: str) -> list[dict[str, Any]]:
         row = await self._row_for_machine(machine_id)
-        sensors = await self._command(row, "sensors", lambda d: d.sensors())
+        sensors = await self._command(
+            row, "sensors", lambda d: d.sensors(), timeout_s=self.cfg.sensors_timeout_s
+        )
         return [
             {"name": x.name, "kind": x.kind, "value": x.value, "unit": x.unit, "health": x.health}
             for x in sensors
@@ -466,7 +485,9 @@ class BmcService:
 
     async def event_log(self, machine_id: str) -> list[dict[str, Any]]:
         row = await self._row_for_machine(machine_id)
-        entries = await self._command(row, "event_log", lambda d: d.event_log())
+        entries = await self._command(
+            row, "event_log", lambda d: d.event_log(), timeout_s=self.cfg.sensors_timeout_s
+        )
         return [
             {
                 "id": e.id,
@@ -477,9 +498,17 @@ class BmcService:
             for e in entries
         ]
 
-    async def _command(self, row: Bmc, name: str, fn: Any, *, idempotent: bool = True) -> Any:
+    async def _command(
+        self,
+        row: Bmc,
+        name: str,
+        fn: Any,
+        *,
+        idempotent: bool = True,
+        timeout_s: float | None = None,
+    ) -> Any:
         try:
-            return await self._run(row, name, fn, idempotent=idempotent)
+            return await self._run(row, name, fn, idempotent=idempotent, timeout_s=timeout_s)
         except BmcUnsupported as e:
             raise Unprocessable(f"{_cause(e)}", bmc_id=row.id) from None
         except BmcError as e:

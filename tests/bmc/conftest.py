@@ -173,7 +173,7 @@ def ipmi_sim(tmp_path: Path) -> Iterator[IpmiSim]:
         """)
     )
     (tmp_path / "bmc.emu").write_text(EMU)
-    (tmp_path / "state").mkdir()
+    (tmp_path / "ipmi-sim-state").mkdir()
     proc = subprocess.Popen(
         [
             "ipmi_sim",
@@ -183,7 +183,7 @@ def ipmi_sim(tmp_path: Path) -> Iterator[IpmiSim]:
             "-f",
             str(tmp_path / "bmc.emu"),
             "-s",
-            str(tmp_path / "state"),
+            str(tmp_path / "ipmi-sim-state"),
         ],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
