@@ -117,7 +117,7 @@ def test_fuzz_random_bytes_only_raise_malformed(data: bytes) -> None:
     assert parse(serialize(p)).options == p.options
 
 
-@settings(max_examples=3000, deadline=None)
+@settings(max_examples=1500, deadline=None)
 @given(
     st.lists(st.tuples(st.integers(0, len(_valid) - 1), st.integers(0, 255)), max_size=12),
     st.integers(0, len(_valid)),

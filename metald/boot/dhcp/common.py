@@ -147,8 +147,6 @@ def add_boot(
     reply.options[Opt.BOOTFILE] = raw
     if kind.http:
         reply.options[Opt.VENDOR_CLASS] = b"HTTPClient"
-    elif kind.pxe and not kind.ipxe:
-        reply.options[Opt.VENDOR_CLASS] = b"PXEClient"
     return True
 
 

@@ -60,7 +60,8 @@ class ProxyHandler:
     def _boot_reply(self, pkt: DhcpPacket, mtype: MessageType, kind: object) -> DhcpPacket:
         reply = reply_skeleton(pkt, mtype, self.server_id)
         add_boot(reply, kind, pkt.mac, self.files, self.server_id)  # type: ignore[arg-type]
-        # A proxy reply must say PXEClient or firmware ignores it (HTTPClient likewise).
+        # A proxy reply must say PXEClient or firmware ignores it (HTTPClient likewise). Full
+        # mode must NOT say it: EDK2 then takes the offer as "BINL" and asks port 4011 again.
         reply.options.setdefault(Opt.VENDOR_CLASS, b"PXEClient")
         if reply.options[Opt.VENDOR_CLASS] == b"PXEClient":
             reply.options[Opt.VENDOR_SPECIFIC] = pxe_vendor_options()

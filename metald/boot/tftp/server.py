@@ -227,7 +227,9 @@ class TftpServer:
             content = to_netascii(content)
         neg = negotiate(req.options, len(content), default_timeout=self.timeout)
         assert self._loop is not None
-        task = self._loop.create_task(self._serve(ReadTransfer(content, neg), peer, local, iface))
+        task = self._loop.create_task(
+            self._serve(ReadTransfer(content, neg, name=req.filename), peer, local, iface)
+        )
         self._transfers.add(task)
         task.add_done_callback(self._transfers.discard)
 
@@ -253,6 +255,7 @@ class TftpServer:
         finally:
             transport.close()
         metrics.tftp_transfers.labels(result.value).inc()
+        log.info("TFTP %s to %s: %s", machine.name, peer[0], result.value)
 
     def _reply_error(
         self, sock: socket.socket, peer: tuple[str, int], code: ErrorCode, msg: str

@@ -30,7 +30,8 @@ class Result(StrEnum):
 
 
 class ReadTransfer:
-    def __init__(self, data: bytes, neg: Negotiated) -> None:
+    def __init__(self, data: bytes, neg: Negotiated, *, name: str = "") -> None:
+        self.name = name
         self.data = data
         self.neg = neg
         self.blksize = neg.blksize
