@@ -1,0 +1,107 @@
+"""The lab plan (names, subnets, MACs) and the QEMU command line, without building anything."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+
+import pytest
+
+from .labtools import plan, qemu
+
+
+def test_interface_names_fit_the_kernel_limit_and_differ_across_labs() -> None:
+    names = set()
+    for slot in (1, 99, plan.MAX_SLOT):
+        names.add(plan.bridge_name(slot))
+        for index in range(plan.MAX_MACHINES):
+            names.add(plan.tap_name(slot, index))
+    assert all(len(n) <= 15 for n in names)
+    assert len(names) == 3 * (plan.MAX_MACHINES + 1)
+
+
+def test_address_plan_of_a_slot() -> None:
+    net = plan.subnet(7)
+    assert str(net) == "10.7.0.0/24"
+    assert str(plan.boot_address(7)) == "10.7.0.1"
+    bmcs = [plan.bmc_address(7, i) for i in range(plan.MAX_MACHINES)]
+    assert str(bmcs[0]) == "10.7.0.2" and str(bmcs[-1]) == "10.7.0.99"
+    low, high = plan.dhcp_range(7)
+    assert all(a < low for a in bmcs) and high in net
+    assert not net.overlaps(plan.subnet(8))
+    assert net.subnet_of(plan.lab_supernet(7))
+    with pytest.raises(plan.PlanError):
+        plan.bmc_address(7, plan.MAX_MACHINES)
+
+
+def test_machines_mix_bios_and_uefi_with_unique_macs() -> None:
+    machines = plan.plan_machines(3, 4, 1)
+    assert [m.firmware for m in machines] == ["bios", "bios", "bios", "uefi"]
+    macs = {m.mac for m in machines} | {m.mac for m in plan.plan_machines(4, 4, 1)}
+    assert len(macs) == 8
+    for m in machines:
+        assert ipaddress.IPv4Address(m.bmc_address) in plan.subnet(3)
+        assert int(m.mac.split(":")[0], 16) & 1 == 0  # unicast
+
+
+@pytest.mark.parametrize(
+    ("machines", "uefi"), [(0, 0), (plan.MAX_MACHINES + 1, 0), (2, 3), (2, -1)]
+)
+def test_impossible_labs_are_refused(machines: int, uefi: int) -> None:
+    with pytest.raises(plan.PlanError):
+        plan.plan_machines(1, machines, uefi)
+
+
+@pytest.mark.parametrize("name", ["", "Upper", "has space", "-lead", "a" * 32, "x/y"])
+def test_bad_lab_names_are_refused(name: str) -> None:
+    with pytest.raises(plan.PlanError):
+        plan.netns_name(name)
+
+
+def _spec(firmware: str, tmp_path: Path) -> qemu.MachineSpec:
+    return qemu.MachineSpec(
+        name="lab-m0",
+        firmware=firmware,
+        uuid="9f0c3a52-51a4-4d57-8d2b-7a3e0c1f7a11",
+        mac="52:54:00:6c:01:00",
+        tap="mlab1t0",
+        disk=tmp_path / "m0.qcow2",
+        serial_log=tmp_path / "m0.serial.log",
+        qmp_bmc=tmp_path / "m0.qmp-bmc",
+        qmp=tmp_path / "m0.qmp",
+        uefi_vars=tmp_path / "m0.vars.fd" if firmware == "uefi" else None,
+    )
+
+
+def test_command_line_starts_paused_with_ipxe_nic_and_both_boot_devices(tmp_path: Path) -> None:
+    argv = qemu.command_line(_spec("bios", tmp_path), "tcg")
+    joined = " ".join(argv)
+    assert "-S" in argv and "-no-shutdown" in argv
+    assert "virtio-net-pci,id=nic0,netdev=net0,mac=52:54:00:6c:01:00,bootindex=2" in joined
+    assert "virtio-blk-pci,id=disk0,drive=drive0,bootindex=1" in joined
+    assert "romfile=" not in joined  # the default ROM of virtio-net-pci is iPXE
+    assert "pflash" not in joined
+    assert joined.count("-qmp unix:") == 2
+
+
+def test_uefi_machines_get_ovmf_with_their_own_variable_store(tmp_path: Path) -> None:
+    joined = " ".join(qemu.command_line(_spec("uefi", tmp_path), "tcg"))
+    assert f"readonly=on,file={qemu.OVMF_CODE}" in joined
+    assert f"unit=1,file={tmp_path / 'm0.vars.fd'}" in joined
+    spec = _spec("uefi", tmp_path)
+    with pytest.raises(qemu.QemuError):
+        qemu.command_line(
+            qemu.MachineSpec(**{**spec.__dict__, "uefi_vars": None}),
+            "tcg",
+        )
+
+
+def test_accelerator_override_and_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VMLAB_ACCEL", "kvm")
+    assert qemu.choose_accelerator(tmp_path) == "kvm"
+    monkeypatch.delenv("VMLAB_ACCEL")
+    # A cached answer for this QEMU and kernel is used without probing again.
+    monkeypatch.setattr(qemu, "_kvm_boots_probe", lambda timeout: pytest.fail("probed"))
+    key = f"{qemu._qemu_version()} | {__import__('platform').release()}"
+    (tmp_path / "accel.json").write_text(f'{{"key": "{key}", "accel": "tcg"}}')
+    assert qemu.choose_accelerator(tmp_path) == "tcg"

@@ -1,0 +1,406 @@
+"""A lab: build it, describe it in a state file, and tear it down from that file alone.
+
+Layout under the lab home (default ``<repo>/.cache/vm-lab``, or ``$VMLAB_HOME``)::
+
+    <home>/accel.json            which accelerator works here (probed once)
+    <home>/<name>/state.json     everything the lab owns (0600: holds BMC credentials)
+    <home>/<name>/m0.qcow2, m0.serial.log, m0.qmp, m0.qmp-bmc, m0.bmc.log, ...
+
+Every resource is written to the state file before it is made, so ``down`` works after the
+process that ran ``up`` was killed at any point. ``down`` also kills any other process still
+living in the lab's namespace (metald, for instance) before deleting the namespace.
+Slots (which give each lab its subnet and interface names) are claimed host-wide as files in
+/run/vm-lab/slots, so labs with different homes never pick the same one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from . import netns, plan, procs, qemu
+
+VMLAB_DIR = Path(__file__).resolve().parent.parent  # the folder holding the vmlab package
+REPO_ROOT = VMLAB_DIR.parent
+SLOTS_DIR = Path("/run/vm-lab/slots")
+STATE_VERSION = 1
+BMC_USER = "admin"
+BMC_READY_TIMEOUT = 30.0
+
+
+class LabError(RuntimeError):
+    """The lab could not be built, found or removed."""
+
+
+def default_home() -> Path:
+    return Path(os.environ.get("VMLAB_HOME") or REPO_ROOT / ".cache" / "vm-lab")
+
+
+# ---- state file --------------------------------------------------------------------------------
+
+
+def write_state(path: Path, state: dict[str, Any]) -> None:
+    """Atomically replace the state file, readable by root only (it holds BMC passwords)."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(state, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+# ---- slots -------------------------------------------------------------------------------------
+
+
+def _slot_is_stale(slot_file: Path) -> bool:
+    try:
+        claim = json.loads(slot_file.read_text())
+    except (OSError, ValueError):
+        return True
+    ns = plan.netns_name(claim["name"])
+    return not netns.exists(ns) and not Path(claim.get("state", "/nonexistent")).exists()
+
+
+def claim_slot(name: str, state_path: Path) -> int:
+    SLOTS_DIR.mkdir(parents=True, exist_ok=True)
+    for slot in range(1, plan.MAX_SLOT + 1):
+        slot_file = SLOTS_DIR / str(slot)
+        if slot_file.exists() and _slot_is_stale(slot_file):
+            with contextlib.suppress(FileNotFoundError):
+                slot_file.unlink()
+        try:
+            fd = os.open(slot_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump({"name": name, "state": str(state_path)}, f)
+        return slot
+    raise LabError(f"all {plan.MAX_SLOT} lab slots are taken")
+
+
+def release_slots(name: str) -> None:
+    if not SLOTS_DIR.is_dir():
+        return
+    for slot_file in SLOTS_DIR.iterdir():
+        try:
+            claim = json.loads(slot_file.read_text())
+        except (OSError, ValueError):
+            continue
+        if claim.get("name") == name:
+            with contextlib.suppress(FileNotFoundError):
+                slot_file.unlink()
+
+
+# ---- the lab -----------------------------------------------------------------------------------
+
+
+class Lab:
+    """A virtual rack: ``Lab("demo", machines=4, uefi=2).up()``, later ``.down()``."""
+
+    def __init__(
+        self,
+        name: str,
+        machines: int = 2,
+        uefi: int | None = None,
+        workdir: Path | None = None,
+        memory_mb: int = 1024,
+        cpus: int = 2,
+        disk_size: str = "2G",
+    ) -> None:
+        self.name = plan.check_name(name)
+        self.machines = machines
+        self.uefi = machines // 2 if uefi is None else uefi
+        self.home = Path(workdir) if workdir else default_home()
+        self.dir = self.home / name
+        self.state_path = self.dir / "state.json"
+        self.netns = plan.netns_name(name)
+        self.memory_mb = memory_mb
+        self.cpus = cpus
+        self.disk_size = disk_size
+        self.state: dict[str, Any] = {}
+
+    @classmethod
+    def load(cls, name: str, workdir: Path | None = None) -> Lab:
+        lab = cls(name, workdir=workdir)
+        if not lab.state_path.exists():
+            raise LabError(f"no lab {name} under {lab.home}")
+        lab.state = read_state(lab.state_path)
+        lab.machines = len(lab.state["machines"])
+        lab.uefi = sum(m["firmware"] == "uefi" for m in lab.state["machines"])
+        return lab
+
+    # ---- up ------------------------------------------------------------------------------------
+
+    def up(self) -> dict[str, Any]:
+        if self.state_path.exists():
+            raise LabError(f"lab {self.name} exists ({self.state_path}); run down first")
+        if netns.exists(self.netns):
+            raise LabError(f"namespace {self.netns} exists; run 'vm-lab down --name {self.name}'")
+        plan.plan_machines(1, self.machines, self.uefi)  # reject bad sizes before touching anything
+        # One probe per host, whatever the lab's home (tests use throwaway homes).
+        accel = qemu.choose_accelerator(default_home())
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            slot = claim_slot(self.name, self.state_path)
+            self.state = self._planned_state(slot, accel)
+            self._save()
+            self._build()
+        except BaseException:
+            self.down()
+            raise
+        return self.state
+
+    def _planned_state(self, slot: int, accel: str) -> dict[str, Any]:
+        machines = []
+        for m in plan.plan_machines(slot, self.machines, self.uefi):
+            base = self.dir / m.name
+            machines.append(
+                {
+                    "name": m.name,
+                    "index": m.index,
+                    "firmware": m.firmware,
+                    "uuid": str(uuid.uuid4()),
+                    "serial_number": f"VMLAB-{self.name}-{m.name}".upper(),
+                    "mac": m.mac,
+                    "tap": m.tap,
+                    "memory_mb": self.memory_mb,
+                    "cpus": self.cpus,
+                    "disk": f"{base}.qcow2",
+                    "uefi_vars": f"{base}.vars.fd" if m.firmware == "uefi" else None,
+                    "serial_log": f"{base}.serial.log",
+                    "qemu_log": f"{base}.qemu.log",
+                    "qmp": f"{base}.qmp",
+                    "qmp_bmc": f"{base}.qmp-bmc",
+                    "bmc_log": f"{base}.bmc.log",
+                    "bmc_ready": f"{base}.bmc.ready",
+                    "bmc": {
+                        "address": m.bmc_address,
+                        "ipmi_port": plan.IPMI_PORT,
+                        "redfish_port": plan.REDFISH_PORT,
+                        "redfish_url": f"http://{m.bmc_address}:{plan.REDFISH_PORT}",
+                        "username": BMC_USER,
+                        # IPMI 2.0 passwords are at most 20 bytes: 16 characters fit.
+                        "password": secrets.token_urlsafe(12),
+                    },
+                }
+            )
+        low, high = plan.dhcp_range(slot)
+        return {
+            "version": STATE_VERSION,
+            "name": self.name,
+            "status": "building",
+            "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "driver_pid": os.getpid(),
+            "slot": slot,
+            "netns": self.netns,
+            "bridge": plan.bridge_name(slot),
+            "subnet": str(plan.subnet(slot)),
+            "lab_supernet": str(plan.lab_supernet(slot)),
+            "boot_address": str(plan.boot_address(slot)),
+            "dhcp_range": [str(low), str(high)],
+            "accel": accel,
+            "dir": str(self.dir),
+            "processes": [],
+            "machines": machines,
+        }
+
+    def _build(self) -> None:
+        s = self.state
+        prefix = plan.subnet(s["slot"]).prefixlen
+        netns.create(self.netns)
+        addresses = [s["boot_address"]] + [m["bmc"]["address"] for m in s["machines"]]
+        netns.add_bridge(self.netns, s["bridge"], addresses, prefix)
+        netns.add_taps(self.netns, s["bridge"], [m["tap"] for m in s["machines"]])
+
+        started = []
+        for m in s["machines"]:
+            qemu.create_disk(Path(m["disk"]), self.disk_size)
+            if m["uefi_vars"]:
+                qemu.create_uefi_vars(Path(m["uefi_vars"]))
+            spec = self._spec(m)
+            log = Path(m["qemu_log"])
+            proc = self.spawn(qemu.command_line(spec, s["accel"]), role="qemu", log=log, machine=m)
+            started.append((m, proc))
+        for m, proc in started:
+            qemu.wait_for_socket(Path(m["qmp_bmc"]), proc, Path(m["qemu_log"]))
+            qemu.wait_for_socket(Path(m["qmp"]), proc, Path(m["qemu_log"]))
+
+        bmcs = []
+        for m in s["machines"]:
+            argv = [sys.executable, "-m", "vmlab.vbmc", "--state", str(self.state_path)]
+            argv += ["--machine", m["name"]]
+            bmcs.append((m, self.spawn(argv, role="bmc", log=Path(m["bmc_log"]), machine=m)))
+        for m, proc in bmcs:
+            _wait_ready(Path(m["bmc_ready"]), proc, Path(m["bmc_log"]))
+        s["status"] = "up"
+        self._save()
+
+    def _spec(self, m: dict[str, Any]) -> qemu.MachineSpec:
+        return qemu.MachineSpec(
+            name=f"{self.name}-{m['name']}",
+            firmware=m["firmware"],
+            uuid=m["uuid"],
+            mac=m["mac"],
+            tap=m["tap"],
+            disk=Path(m["disk"]),
+            serial_log=Path(m["serial_log"]),
+            qmp_bmc=Path(m["qmp_bmc"]),
+            qmp=Path(m["qmp"]),
+            uefi_vars=Path(m["uefi_vars"]) if m["uefi_vars"] else None,
+            memory_mb=m["memory_mb"],
+            cpus=m["cpus"],
+            serial_number=m["serial_number"],
+        )
+
+    # ---- processes in the namespace ------------------------------------------------------------
+
+    def exec_argv(self, argv: Sequence[str]) -> list[str]:
+        """argv that runs ``argv`` inside the lab's namespace (for metald and tests)."""
+        return netns.exec_argv(self.netns, argv)
+
+    def spawn(
+        self,
+        argv: Sequence[str],
+        role: str,
+        log: Path | None = None,
+        machine: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> subprocess.Popen:
+        """Start a process inside the namespace, in its own session, recorded in the state file.
+
+        ``down`` stops it (SIGTERM to its process group, then SIGKILL).
+        """
+        out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - handed to the child
+        full_env = dict(os.environ if env is None else env)
+        full_env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(VMLAB_DIR), full_env.get("PYTHONPATH", "")) if p
+        )
+        try:
+            proc = subprocess.Popen(
+                self.exec_argv(argv),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=full_env,
+            )
+        finally:
+            if log:
+                out.close()
+        entry = {"role": role, "pid": proc.pid, "start_time": procs.start_time(proc.pid)}
+        if machine is not None:
+            entry["machine"] = machine["name"]
+        self.state.setdefault("processes", []).append(entry)
+        self._save()
+        return proc
+
+    def run(self, argv: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess:
+        """Run a command inside the namespace and wait for it (``subprocess.run`` arguments)."""
+        return subprocess.run(self.exec_argv(argv), **kwargs)
+
+    # ---- down ----------------------------------------------------------------------------------
+
+    def down(self, keep_logs: bool = False) -> None:
+        """Remove everything the lab owns; safe to call on a half-built or already-removed lab."""
+        state = self.state
+        if not state and self.state_path.exists():
+            with contextlib.suppress(OSError, ValueError):
+                state = read_state(self.state_path)
+        teardown(self.name, state, self.dir, keep_logs=keep_logs)
+        self.state = {}
+
+    def _save(self) -> None:
+        write_state(self.state_path, self.state)
+
+    # ---- views ---------------------------------------------------------------------------------
+
+    def machine(self, name: str) -> dict[str, Any]:
+        for m in self.state["machines"]:
+            if m["name"] == name:
+                return m
+        raise LabError(f"lab {self.name} has no machine {name}")
+
+
+def _wait_ready(ready: Path, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + BMC_READY_TIMEOUT
+    while time.monotonic() < deadline:
+        if ready.exists():
+            return
+        if proc.poll() is not None:
+            raise LabError(f"virtual BMC exited with {proc.returncode}: {_tail(log)}")
+        time.sleep(0.05)
+    raise LabError(f"virtual BMC not ready in {BMC_READY_TIMEOUT:.0f} s: {_tail(log)}")
+
+
+def _tail(log: Path, size: int = 3000) -> str:
+    try:
+        return log.read_text(errors="replace")[-size:]
+    except OSError:
+        return "(no log)"
+
+
+def teardown(name: str, state: dict[str, Any], lab_dir: Path, keep_logs: bool = False) -> None:
+    """Stop the lab's processes, delete its namespace (and so its bridge and taps), its files
+    and its slot. Needs nothing but the lab's name; the state file adds the recorded pids."""
+    ns = plan.netns_name(name)
+    recorded = [
+        p["pid"]
+        for p in state.get("processes", [])
+        if procs.same_process(p["pid"], p.get("start_time"))
+    ]
+    left = procs.terminate(recorded, groups=True)
+    # Anything else still in the namespace (metald, a test's helper) goes too, but only itself:
+    # its process group may hold processes outside the lab.
+    left += procs.terminate(netns.pids(ns), groups=False)
+    if left:
+        raise LabError(f"lab {name}: processes {left} did not stop")
+    netns.delete(ns)
+    release_slots(name)
+    if lab_dir.exists():
+        if keep_logs:
+            for path in lab_dir.iterdir():
+                if not path.name.endswith(".log"):
+                    _remove(path)
+        else:
+            shutil.rmtree(lab_dir, ignore_errors=True)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def list_labs(home: Path | None = None) -> list[str]:
+    """Labs with a state directory under ``home``, plus any lab namespace left on the host."""
+    home = home or default_home()
+    names = set()
+    if home.is_dir():
+        names |= {p.name for p in home.iterdir() if (p / "state.json").exists()}
+    names |= {ns[len(plan.NETNS_PREFIX) :] for ns in netns.list_namespaces(plan.NETNS_PREFIX)}
+    return sorted(n for n in names if plan.NAME_RE.match(n))
+
+
+def down_all(home: Path | None = None) -> list[str]:
+    names = list_labs(home)
+    for name in names:
+        Lab(name, workdir=home).down()
+    return names

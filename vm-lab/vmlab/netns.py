@@ -1,0 +1,108 @@
+"""The lab's network namespace: its bridge, its taps and its addresses.
+
+Everything lives inside the namespace, so deleting the namespace (after its processes are gone)
+removes the bridge and the taps with it. The namespace has no route out: only the lab's own
+subnet is reachable from inside.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from pyroute2 import IPRoute, netns
+
+NETNS_DIR = Path("/run/netns")
+
+
+class NetnsError(RuntimeError):
+    """Creating or changing the lab network failed."""
+
+
+def exists(ns: str) -> bool:
+    return (NETNS_DIR / ns).exists()
+
+
+def list_namespaces(prefix: str) -> list[str]:
+    if not NETNS_DIR.is_dir():
+        return []
+    return sorted(p.name for p in NETNS_DIR.iterdir() if p.name.startswith(prefix))
+
+
+def create(ns: str) -> None:
+    if exists(ns):
+        raise NetnsError(f"network namespace {ns} already exists")
+    netns.create(ns)
+    with IPRoute(netns=ns) as ipr:
+        (lo,) = ipr.link_lookup(ifname="lo")
+        ipr.link("set", index=lo, state="up")
+
+
+def add_bridge(ns: str, bridge: str, addresses: Iterable[str], prefixlen: int) -> None:
+    """A bridge that forwards at once (forward_delay 0, no STP) holding the lab's addresses."""
+    with IPRoute(netns=ns) as ipr:
+        # Multicast snooping off: Router Solicitations/Advertisements and DHCPv6 must reach
+        # every port even though no MLD querier runs on the lab segment.
+        ipr.link(
+            "add",
+            ifname=bridge,
+            kind="bridge",
+            br_forward_delay=0,
+            br_stp_state=0,
+            br_mcast_snooping=0,
+        )
+        (index,) = ipr.link_lookup(ifname=bridge)
+        for address in addresses:
+            ipr.addr("add", index=index, address=address, prefixlen=prefixlen)
+        ipr.link("set", index=index, state="up")
+
+
+def add_taps(ns: str, bridge: str, taps: Sequence[str]) -> None:
+    """Persistent taps on the bridge, created inside the namespace so QEMU there opens them."""
+    with IPRoute(netns=ns) as ipr:
+        (br_index,) = ipr.link_lookup(ifname=bridge)
+        for tap in taps:
+            ipr.link("add", ifname=tap, kind="tuntap", mode="tap")
+            (index,) = ipr.link_lookup(ifname=tap)
+            ipr.link("set", index=index, master=br_index, state="up")
+
+
+def links(ns: str) -> list[str]:
+    with IPRoute(netns=ns) as ipr:
+        return [link.get("ifname") for link in ipr.get_links()]
+
+
+def delete(ns: str) -> None:
+    """Remove the namespace's name; the kernel frees it (and its links) once no process uses it."""
+    if exists(ns):
+        netns.remove(ns)
+
+
+def _inode(path: str | Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def pids(ns: str) -> list[int]:
+    """Processes whose network namespace is ``ns`` (what ``ip netns pids`` reports)."""
+    target = _inode(NETNS_DIR / ns)
+    if target is None:
+        return []
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and _inode(f"/proc/{entry}/ns/net") == target:
+            found.append(int(entry))
+    return found
+
+
+def exec_argv(ns: str, argv: Sequence[str]) -> list[str]:
+    """argv that runs ``argv`` inside the namespace.
+
+    nsenter changes only the network namespace; unlike ``ip netns exec`` it does not remount
+    /sys, which some daemons (slurmd) do not survive.
+    """
+    return ["nsenter", f"--net={NETNS_DIR / ns}", "--", *argv]

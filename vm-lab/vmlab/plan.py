@@ -1,0 +1,114 @@
+"""The lab's plan: names, addresses, MACs and ports, computed from the lab's name and slot.
+
+Pure functions, no I/O. A slot ``k`` (1..250) is unique among the labs running on a host; it
+makes every interface name, subnet and MAC of one lab distinct from every other lab's, so two
+labs never collide even if they are later joined by veth pairs.
+
+Address plan of slot k (one /16 per lab, of which the first /24 is the boot network):
+  10.k.0.1        metald's boot plane (DHCP/TFTP/HTTP), on the lab bridge
+  10.k.0.2-99     virtual BMCs, one per machine, extra addresses on the same bridge
+  10.k.0.100-250  left to metald's DHCP for the machines
+  10.k.1.0/24 ... free for later networks of the lab (tenant control planes, ...)
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass
+
+NETNS_PREFIX = "mlab-"
+MAX_SLOT = 250
+MAX_MACHINES = 98  # BMC addresses .2 to .99
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,30}$")
+IPMI_PORT = 623
+REDFISH_PORT = 8000
+
+
+class PlanError(ValueError):
+    """The requested lab cannot be laid out (bad name, too many machines, ...)."""
+
+
+def check_name(name: str) -> str:
+    if not NAME_RE.match(name):
+        raise PlanError(
+            f"lab name {name!r} must be 1-31 characters of a-z, 0-9 and '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+def netns_name(name: str) -> str:
+    return NETNS_PREFIX + check_name(name)
+
+
+def bridge_name(slot: int) -> str:
+    # Interface names must be unique host-wide and at most 15 characters: "mlab250br" is 9.
+    return f"mlab{slot}br"
+
+
+def tap_name(slot: int, index: int) -> str:
+    return f"mlab{slot}t{index}"  # at most "mlab250t97" (10 characters)
+
+
+def subnet(slot: int) -> ipaddress.IPv4Network:
+    return ipaddress.IPv4Network(f"10.{slot}.0.0/24")
+
+
+def lab_supernet(slot: int) -> ipaddress.IPv4Network:
+    return ipaddress.IPv4Network(f"10.{slot}.0.0/16")
+
+
+def boot_address(slot: int) -> ipaddress.IPv4Address:
+    return subnet(slot).network_address + 1
+
+
+def bmc_address(slot: int, index: int) -> ipaddress.IPv4Address:
+    if not 0 <= index < MAX_MACHINES:
+        raise PlanError(f"machine index {index} outside 0..{MAX_MACHINES - 1}")
+    return subnet(slot).network_address + 2 + index
+
+
+def dhcp_range(slot: int) -> tuple[ipaddress.IPv4Address, ipaddress.IPv4Address]:
+    base = subnet(slot).network_address
+    return base + 100, base + 250
+
+
+def machine_mac(slot: int, index: int) -> str:
+    # 52:54:00 is QEMU's prefix; slot and index make it unique across labs on the host.
+    return f"52:54:00:6c:{slot:02x}:{index:02x}"
+
+
+def machine_name(index: int) -> str:
+    return f"m{index}"
+
+
+@dataclass(frozen=True)
+class MachinePlan:
+    index: int
+    name: str
+    firmware: str  # "bios" or "uefi"
+    tap: str
+    mac: str
+    bmc_address: str
+
+
+def plan_machines(slot: int, machines: int, uefi: int) -> list[MachinePlan]:
+    """Machines 0..N-1; the last ``uefi`` of them boot OVMF, the others SeaBIOS."""
+    if not 1 <= slot <= MAX_SLOT:
+        raise PlanError(f"slot {slot} outside 1..{MAX_SLOT}")
+    if not 1 <= machines <= MAX_MACHINES:
+        raise PlanError(f"machines must be 1..{MAX_MACHINES}, not {machines}")
+    if not 0 <= uefi <= machines:
+        raise PlanError(f"uefi must be 0..{machines}, not {uefi}")
+    return [
+        MachinePlan(
+            index=i,
+            name=machine_name(i),
+            firmware="uefi" if i >= machines - uefi else "bios",
+            tap=tap_name(slot, i),
+            mac=machine_mac(slot, i),
+            bmc_address=str(bmc_address(slot, i)),
+        )
+        for i in range(machines)
+    ]

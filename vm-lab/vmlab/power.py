@@ -1,0 +1,178 @@
+"""One machine's power and boot device, as a BMC sees them, carried out through QMP.
+
+Both faces of the virtual BMC (IPMI and Redfish) call this class, so they share one boot
+override and agree on the power state.
+
+  off            the VM is paused (prelaunch, paused, or a guest poweroff under -no-shutdown)
+  on             the VM runs
+  power on       set boot order -> system_reset -> wait for RESET -> cont
+  power off      stop (instant, like pulling power)
+  soft off       system_powerdown: ACPI power button, the guest decides
+  reset          set boot order -> system_reset (the machine keeps running)
+  power cycle    stop, then power on
+
+Boot override (Redfish BootSourceOverride*, IPMI boot flags): target pxe or hdd, once or
+continuous. QEMU rebuilds the firmware's boot order from the devices' ``bootindex`` at each
+reset, so the override is applied just before a BMC-driven reset; a "once" override is then
+consumed, and the standing order is put back once that reset has settled, so later reboots
+made by the guest itself boot the standing way, as with real firmware.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from .qemu import DISK_ID, NIC_ID
+from .qmp import QmpClient
+
+TARGETS = ("none", "pxe", "hdd")
+MODES = ("disabled", "once", "continuous")
+DEFAULT_ORDER = ("hdd", "pxe")  # firmware default: disk first, network as fallback
+DEVICE_OF = {"pxe": NIC_ID, "hdd": DISK_ID}
+RUNNING = "running"
+ONCE_SETTLE_S = 3.0
+
+
+@dataclass
+class BootOverride:
+    target: str = "none"
+    mode: str = "disabled"
+
+    @property
+    def active(self) -> bool:
+        return self.mode != "disabled" and self.target != "none"
+
+
+class MachineControl:
+    def __init__(self, qmp_path: str) -> None:
+        self.qmp = QmpClient(qmp_path)
+        self.override = BootOverride()
+        self._lock = asyncio.Lock()
+        self._generation = 0  # bumped by every change, so a late restore never undoes one
+        self._restore: asyncio.Task[None] | None = None
+
+    async def connect(self) -> None:
+        await self.qmp.connect()
+
+    async def close(self) -> None:
+        if self._restore is not None:
+            self._restore.cancel()
+        await self.qmp.close()
+
+    # ---- power ---------------------------------------------------------------------------------
+
+    async def is_on(self) -> bool:
+        status = await self.qmp.execute("query-status")
+        return status["status"] == RUNNING
+
+    async def power_on(self) -> None:
+        async with self._lock:
+            if not await self.is_on():
+                await self._reset_with_override()
+                await self.qmp.execute("cont")
+
+    async def power_off(self) -> None:
+        async with self._lock:
+            await self.qmp.execute("stop")
+
+    async def soft_off(self) -> None:
+        async with self._lock:
+            if await self.is_on():
+                await self.qmp.execute("system_powerdown")
+
+    async def reset(self) -> None:
+        """Hard reset; a machine that is off is powered on (what BMCs commonly do)."""
+        async with self._lock:
+            was_on = await self.is_on()
+            await self._reset_with_override()
+            if not was_on:
+                await self.qmp.execute("cont")
+
+    async def power_cycle(self) -> None:
+        async with self._lock:
+            await self.qmp.execute("stop")
+            await self._reset_with_override()
+            await self.qmp.execute("cont")
+
+    async def nmi(self) -> None:
+        async with self._lock:
+            await self.qmp.execute("inject-nmi")
+
+    # ---- boot device ---------------------------------------------------------------------------
+
+    async def set_boot_override(self, target: str, mode: str) -> None:
+        if target not in TARGETS or mode not in MODES:
+            raise ValueError(f"boot override {target}/{mode} not one of {TARGETS} x {MODES}")
+        async with self._lock:
+            self._generation += 1
+            if target == "none" or mode == "disabled":
+                self.override = BootOverride()
+            else:
+                self.override = BootOverride(target, mode)
+            # Persistent choices show up in QEMU at once (a guest reboot honours them too).
+            await self._set_order(self._standing_order())
+
+    async def boot_order(self) -> list[str]:
+        """Devices by QEMU's current bootindex, first to boot first."""
+        ranked = []
+        for target, device in DEVICE_OF.items():
+            index = await self.qmp.execute(
+                "qom-get", {"path": f"/machine/peripheral/{device}", "property": "bootindex"}
+            )
+            if index >= 0:
+                ranked.append((index, target))
+        return [target for _, target in sorted(ranked)]
+
+    def _standing_order(self) -> tuple[str, ...]:
+        if self.override.mode == "continuous":
+            return _first(self.override.target)
+        return DEFAULT_ORDER
+
+    async def _reset_with_override(self) -> None:
+        self._generation += 1
+        once = self.override.mode == "once"
+        if self.override.active:
+            await self._set_order(_first(self.override.target))
+        with self.qmp.subscribe() as events:
+            await self.qmp.execute("system_reset")
+            await events.wait("RESET", guest=False, reason="host-qmp-system-reset")
+        if once:
+            # The BMC reports a one-time override as used as soon as the machine resets.
+            self.override = BootOverride()
+            self._restore = asyncio.create_task(self._restore_when_quiet(self._generation))
+
+    async def _restore_when_quiet(self, generation: int) -> None:
+        """Put the standing boot order back once the firmware has taken the one-time one.
+
+        The firmware's boot order is fixed at each reset, and SeaBIOS resets the machine
+        itself a few times right after a reset from outside: restoring at once would let
+        those resets pick up the standing order. So wait until no reset has come for
+        ONCE_SETTLE_S; a guest's own reboot (an OS restarting) comes much later than that.
+        """
+        with self.qmp.subscribe() as events:
+            while True:
+                try:
+                    await events.wait("RESET", timeout=ONCE_SETTLE_S)
+                except TimeoutError:
+                    break
+        async with self._lock:
+            if generation == self._generation:  # nothing newer was asked for meanwhile
+                await self._set_order(self._standing_order())
+
+    async def _set_order(self, order: tuple[str, ...]) -> None:
+        # QEMU refuses two devices with one bootindex, so clear all before assigning.
+        for device in DEVICE_OF.values():
+            await self._set_bootindex(device, -1)
+        for rank, target in enumerate(order, start=1):
+            await self._set_bootindex(DEVICE_OF[target], rank)
+
+    async def _set_bootindex(self, device: str, index: int) -> None:
+        await self.qmp.execute(
+            "qom-set",
+            {"path": f"/machine/peripheral/{device}", "property": "bootindex", "value": index},
+        )
+
+
+def _first(target: str) -> tuple[str, ...]:
+    return (target,) + tuple(t for t in DEFAULT_ORDER if t != target)

@@ -1,0 +1,202 @@
+"""QEMU machines of the lab: accelerator choice, command line, start.
+
+Power model: each machine's QEMU process runs for the whole life of the lab and starts paused
+(``-S``). "Off" is a paused VM, "on" is a running one, and power-on is always reset-then-run,
+so a machine powers on from its reset vector exactly like a real one. Keeping the process means
+the tap, the QMP sockets, the serial log and the pid stay the same for the lab's life, which makes
+teardown after a crash simple (the pids in the state file are the only processes), and lets the
+boot order be changed at run time: QEMU rebuilds the firmware's ``bootorder`` file from the
+devices' ``bootindex`` at every reset, so the BMC sets ``bootindex`` over QMP and resets.
+``-no-shutdown`` turns a guest's own poweroff into a stopped (off) VM instead of an exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+QEMU = "qemu-system-x86_64"
+OVMF_CODE = Path("/usr/share/OVMF/OVMF_CODE.fd")
+OVMF_VARS = Path("/usr/share/OVMF/OVMF_VARS.fd")
+PROBE_KERNEL = Path("/usr/lib/ipxe/ipxe.lkrn")
+NIC_ID = "nic0"
+DISK_ID = "disk0"
+
+
+class QemuError(RuntimeError):
+    """A machine could not be created or started."""
+
+
+@dataclass(frozen=True)
+class MachineSpec:
+    """What one QEMU machine is made of; paths are absolute."""
+
+    name: str
+    firmware: str  # "bios" or "uefi"
+    uuid: str
+    mac: str
+    tap: str
+    disk: Path
+    serial_log: Path
+    qmp_bmc: Path  # the virtual BMC's own QMP connection
+    qmp: Path  # a second QMP socket for tests, people and tools
+    uefi_vars: Path | None = None
+    memory_mb: int = 1024
+    cpus: int = 2
+    serial_number: str = ""
+
+
+# ---- accelerator -------------------------------------------------------------------------------
+
+
+def _qemu_version() -> str:
+    out = subprocess.run([QEMU, "--version"], capture_output=True, text=True, check=True).stdout
+    return out.splitlines()[0].strip()
+
+
+def _kvm_boots_probe(timeout: float) -> bool:
+    """Whether a KVM guest gets through a real-mode to protected-mode kernel entry.
+
+    Here KVM guests hang right there (nested virtualisation is broken), so "/dev/kvm opens"
+    proves nothing. iPXE's ``ipxe.lkrn`` is booted as a Linux kernel with no NIC: it finds
+    nothing to boot and returns to SeaBIOS, which then logs "Booting from Hard Disk" on its
+    debug port. Seeing that line after the ROM entry means the guest ran; a timeout means not.
+    """
+    if not os.access("/dev/kvm", os.R_OK | os.W_OK) or not PROBE_KERNEL.exists():
+        return False
+    argv = [
+        QEMU, "-accel", "kvm", "-m", "64", "-display", "none", "-vga", "none",
+        "-serial", "none", "-monitor", "none", "-nic", "none", "-no-reboot",
+        "-kernel", str(PROBE_KERNEL),
+        # SeaBIOS logs to the debug port 0x402 (not -debugcon's default 0xe9).
+        "-chardev", "stdio,id=dbg", "-device", "isa-debugcon,iobase=0x402,chardev=dbg",
+    ]  # fmt: skip
+    try:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    except OSError:
+        return False
+    seen = b""
+    deadline = time.monotonic() + timeout
+    try:
+        assert proc.stdout is not None
+        os.set_blocking(proc.stdout.fileno(), False)
+        while time.monotonic() < deadline and proc.poll() is None:
+            chunk = proc.stdout.read(65536)
+            if chunk:
+                seen += chunk
+                after_rom = seen.partition(b"Booting from ROM")[2]
+                if b"Booting from Hard Disk" in after_rom:
+                    return True
+            else:
+                time.sleep(0.05)
+        return False
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def choose_accelerator(cache_dir: Path, probe_timeout: float = 10.0) -> str:
+    """Return "kvm" if a KVM guest really runs here, else "tcg"; probed once per QEMU and kernel.
+
+    ``VMLAB_ACCEL=kvm|tcg`` overrides the probe.
+    """
+    forced = os.environ.get("VMLAB_ACCEL")
+    if forced in ("kvm", "tcg"):
+        return forced
+    key = f"{_qemu_version()} | {platform.release()}"
+    cache = cache_dir / "accel.json"
+    try:
+        cached = json.loads(cache.read_text())
+        if cached.get("key") == key and cached.get("accel") in ("kvm", "tcg"):
+            return cached["accel"]
+    except (OSError, ValueError):
+        pass
+    accel = "kvm" if _kvm_boots_probe(probe_timeout) else "tcg"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, "accel": accel}))
+    tmp.replace(cache)
+    return accel
+
+
+# ---- machine -----------------------------------------------------------------------------------
+
+
+def create_disk(path: Path, size: str = "2G") -> None:
+    # qcow2 grows on write: a "2G" disk costs a few hundred KB until the guest writes to it.
+    subprocess.run(
+        ["qemu-img", "create", "-q", "-f", "qcow2", str(path), size],
+        check=True,
+        capture_output=True,
+    )
+
+
+def create_uefi_vars(path: Path) -> None:
+    """Each UEFI machine gets its own copy of the variable store, as a real board has."""
+    shutil.copyfile(OVMF_VARS, path)
+
+
+def command_line(spec: MachineSpec, accel: str) -> list[str]:
+    machine_type = "q35" if spec.firmware == "uefi" else "pc"
+    argv = [
+        QEMU,
+        "-name", f"{spec.name},process=vmlab-{spec.name}",
+        "-accel", accel,
+        # graphics=off makes SeaBIOS use the serial port as its console (sercon).
+        "-machine", f"{machine_type},graphics=off",
+        "-m", str(spec.memory_mb),
+        "-smp", str(spec.cpus),
+        "-uuid", spec.uuid,
+        "-smbios", f"type=1,manufacturer=vm-lab,product=vm-lab {spec.firmware},"
+                   f"serial={spec.serial_number or spec.name},uuid={spec.uuid}",
+        "-nodefaults", "-display", "none", "-vga", "none",
+        "-S", "-no-shutdown",
+        "-chardev", f"file,id=serial0,path={spec.serial_log},append=on",
+        "-serial", "chardev:serial0",
+        "-monitor", "none",
+        "-qmp", f"unix:{spec.qmp_bmc},server=on,wait=off",
+        "-qmp", f"unix:{spec.qmp},server=on,wait=off",
+        "-netdev", f"tap,id=net0,ifname={spec.tap},script=no,downscript=no",
+        # Firmware default: disk first, then network, like a server with PXE fallback.
+        "-device", f"virtio-net-pci,id={NIC_ID},netdev=net0,mac={spec.mac},bootindex=2",
+        "-drive", f"file={spec.disk},if=none,id=drive0,format=qcow2,cache=unsafe",
+        "-device", f"virtio-blk-pci,id={DISK_ID},drive=drive0,bootindex=1",
+    ]  # fmt: skip
+    if spec.firmware == "uefi":
+        if spec.uefi_vars is None:
+            raise QemuError(f"{spec.name}: a UEFI machine needs its variable store")
+        argv += [
+            "-drive", f"if=pflash,format=raw,unit=0,readonly=on,file={OVMF_CODE}",
+            "-drive", f"if=pflash,format=raw,unit=1,file={spec.uefi_vars}",
+        ]  # fmt: skip
+    else:
+        # SeaBIOS halts on "No bootable device"; retry like a server that loops on PXE.
+        argv += ["-boot", "reboot-timeout=5000"]
+    return argv
+
+
+def wait_for_socket(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise QemuError(f"QEMU exited with {proc.returncode}: {_tail(log)}")
+        if path.exists():
+            return
+        time.sleep(0.05)
+    raise QemuError(f"QEMU made no QMP socket {path} in {timeout:.0f} s: {_tail(log)}")
+
+
+def _tail(log: Path, size: int = 2000) -> str:
+    try:
+        text = log.read_text(errors="replace")[-size:]
+    except OSError:
+        return "(no log)"
+    # QEMU warns about CPU features TCG lacks on every start; they only hide the real error.
+    return "\n".join(ln for ln in text.splitlines() if not re.search(r"warning: TCG", ln))

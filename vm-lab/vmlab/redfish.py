@@ -1,0 +1,324 @@
+"""A minimal Redfish service for one lab machine (aiohttp), mapped onto MachineControl.
+
+Served: the service root, the Systems collection with one ComputerSystem (power state, boot
+override, reset action), its EthernetInterfaces (the machine's MAC, which lets a client match
+this BMC to the host that PXE-boots), and one Manager. Everything but the service root needs
+HTTP basic auth with the machine's BMC credentials.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from .power import MachineControl
+
+RESET_TYPES = ["On", "ForceOff", "GracefulShutdown", "ForceRestart", "PowerCycle", "Nmi"]
+BOOT_TARGETS = {"None": "none", "Pxe": "pxe", "Hdd": "hdd"}
+BOOT_ENABLED = {"Disabled": "disabled", "Once": "once", "Continuous": "continuous"}
+ODATA_VERSION = "4.0"
+
+
+@dataclass(frozen=True)
+class SystemInfo:
+    system_id: str
+    uuid: str
+    mac: str
+    firmware: str  # "bios" or "uefi"
+    memory_mb: int
+    cpus: int
+    serial_number: str
+    username: str
+    password: str
+
+    @property
+    def boot_mode(self) -> str:
+        return "UEFI" if self.firmware == "uefi" else "Legacy"
+
+
+CONTROL = web.AppKey("control", MachineControl)
+INFO = web.AppKey("info", SystemInfo)
+
+
+def error(status: int, message_id: str, message: str) -> web.Response:
+    body = {
+        "error": {
+            "code": f"Base.1.8.{message_id}",
+            "message": message,
+            "@Message.ExtendedInfo": [
+                {
+                    "@odata.type": "#Message.v1_1_1.Message",
+                    "MessageId": f"Base.1.8.{message_id}",
+                    "Message": message,
+                    "Severity": "Warning",
+                }
+            ],
+        }
+    }
+    return web.json_response(body, status=status, headers={"OData-Version": ODATA_VERSION})
+
+
+def _json(body: dict[str, Any]) -> web.Response:
+    return web.json_response(body, headers={"OData-Version": ODATA_VERSION})
+
+
+@web.middleware
+async def basic_auth(request: web.Request, handler: Any) -> web.StreamResponse:
+    if request.path.rstrip("/") in ("/redfish", "/redfish/v1"):
+        return await handler(request)  # the service root is public, as the spec asks
+    info = request.app[INFO]
+    if not _credentials_ok(request.headers.get("Authorization", ""), info):
+        response = error(401, "InsufficientPrivilege", "valid credentials are required")
+        response.headers["WWW-Authenticate"] = 'Basic realm="vm-lab BMC"'
+        return response
+    return await handler(request)
+
+
+def _credentials_ok(header: str, info: SystemInfo) -> bool:
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() != "basic":
+        return False
+    try:
+        user, sep, password = base64.b64decode(value, validate=True).decode().partition(":")
+    except (binascii.Error, UnicodeDecodeError):
+        return False
+    given = f"{user}:{password}".encode()
+    wanted = f"{info.username}:{info.password}".encode()
+    return bool(sep) and hmac.compare_digest(given, wanted)
+
+
+def _system_path(info: SystemInfo) -> str:
+    return f"/redfish/v1/Systems/{info.system_id}"
+
+
+async def redfish_version(request: web.Request) -> web.Response:
+    return _json({"v1": "/redfish/v1/"})
+
+
+async def service_root(request: web.Request) -> web.Response:
+    info = request.app[INFO]
+    return _json(
+        {
+            "@odata.type": "#ServiceRoot.v1_5_0.ServiceRoot",
+            "@odata.id": "/redfish/v1/",
+            "Id": "RootService",
+            "Name": "vm-lab Redfish service",
+            "RedfishVersion": "1.6.0",
+            "UUID": info.uuid,
+            "Systems": {"@odata.id": "/redfish/v1/Systems"},
+            "Managers": {"@odata.id": "/redfish/v1/Managers"},
+        }
+    )
+
+
+async def systems(request: web.Request) -> web.Response:
+    info = request.app[INFO]
+    return _json(
+        {
+            "@odata.type": "#ComputerSystemCollection.ComputerSystemCollection",
+            "@odata.id": "/redfish/v1/Systems",
+            "Name": "Computer System Collection",
+            "Members@odata.count": 1,
+            "Members": [{"@odata.id": _system_path(info)}],
+        }
+    )
+
+
+def _check_system(request: web.Request) -> None:
+    if request.match_info["system_id"] != request.app[INFO].system_id:
+        raise web.HTTPNotFound()
+
+
+async def get_system(request: web.Request) -> web.Response:
+    _check_system(request)
+    info = request.app[INFO]
+    control = request.app[CONTROL]
+    on = await control.is_on()
+    override = control.override
+    path = _system_path(info)
+    target = next(k for k, v in BOOT_TARGETS.items() if v == override.target)
+    enabled = next(k for k, v in BOOT_ENABLED.items() if v == override.mode)
+    return _json(
+        {
+            "@odata.type": "#ComputerSystem.v1_10_0.ComputerSystem",
+            "@odata.id": path,
+            "Id": info.system_id,
+            "Name": info.system_id,
+            "UUID": info.uuid,
+            "Manufacturer": "vm-lab",
+            "Model": f"vm-lab {info.firmware}",
+            "SerialNumber": info.serial_number,
+            "SystemType": "Physical",
+            "PowerState": "On" if on else "Off",
+            "Status": {"State": "Enabled", "Health": "OK"},
+            "ProcessorSummary": {"Count": info.cpus},
+            "MemorySummary": {"TotalSystemMemoryGiB": round(info.memory_mb / 1024, 2)},
+            "Boot": {
+                "BootSourceOverrideTarget": target,
+                "BootSourceOverrideEnabled": enabled,
+                "BootSourceOverrideMode": info.boot_mode,
+                "BootSourceOverrideTarget@Redfish.AllowableValues": list(BOOT_TARGETS),
+                "BootSourceOverrideMode@Redfish.AllowableValues": [info.boot_mode],
+            },
+            "EthernetInterfaces": {"@odata.id": f"{path}/EthernetInterfaces"},
+            "Actions": {
+                "#ComputerSystem.Reset": {
+                    "target": f"{path}/Actions/ComputerSystem.Reset",
+                    "ResetType@Redfish.AllowableValues": RESET_TYPES,
+                }
+            },
+            "Links": {"ManagedBy": [{"@odata.id": "/redfish/v1/Managers/BMC"}]},
+        }
+    )
+
+
+async def patch_system(request: web.Request) -> web.Response:
+    _check_system(request)
+    info = request.app[INFO]
+    control = request.app[CONTROL]
+    try:
+        body = await request.json()
+    except ValueError:
+        return error(400, "MalformedJSON", "the request body is not valid JSON")
+    if not isinstance(body, dict) or set(body) - {"Boot"} or not isinstance(body.get("Boot"), dict):
+        return error(400, "PropertyNotWritable", "only Boot can be changed on this system")
+    boot = body["Boot"]
+    unknown = set(boot) - {
+        "BootSourceOverrideTarget",
+        "BootSourceOverrideEnabled",
+        "BootSourceOverrideMode",
+    }
+    if unknown:
+        return error(400, "PropertyUnknown", f"unknown Boot properties: {sorted(unknown)}")
+    target_name = boot.get("BootSourceOverrideTarget")
+    enabled_name = boot.get("BootSourceOverrideEnabled")
+    mode_name = boot.get("BootSourceOverrideMode")
+    if target_name is not None and target_name not in BOOT_TARGETS:
+        return error(400, "PropertyValueNotInList", f"BootSourceOverrideTarget {target_name!r}")
+    if enabled_name is not None and enabled_name not in BOOT_ENABLED:
+        return error(400, "PropertyValueNotInList", f"BootSourceOverrideEnabled {enabled_name!r}")
+    if mode_name is not None and mode_name != info.boot_mode:
+        # The firmware is fixed when the machine is made (SeaBIOS or OVMF).
+        return error(
+            400,
+            "PropertyValueNotInList",
+            f"BootSourceOverrideMode {mode_name!r}: this machine boots {info.boot_mode} only",
+        )
+    current = control.override
+    target = BOOT_TARGETS[target_name] if target_name is not None else current.target
+    if enabled_name is not None:
+        mode = BOOT_ENABLED[enabled_name]
+    else:
+        # A target alone means "next boot" unless an override is already standing.
+        mode = current.mode if current.mode != "disabled" else "once"
+    await control.set_boot_override(target, mode)
+    return await get_system(request)
+
+
+async def reset_action(request: web.Request) -> web.Response:
+    _check_system(request)
+    control = request.app[CONTROL]
+    try:
+        body = await request.json()
+    except ValueError:
+        return error(400, "MalformedJSON", "the request body is not valid JSON")
+    reset_type = body.get("ResetType") if isinstance(body, dict) else None
+    if reset_type not in RESET_TYPES:
+        return error(
+            400,
+            "ActionParameterValueNotInList",
+            f"ResetType {reset_type!r} not one of {RESET_TYPES}",
+        )
+    action = {
+        "On": control.power_on,
+        "ForceOff": control.power_off,
+        "GracefulShutdown": control.soft_off,
+        "ForceRestart": control.reset,
+        "PowerCycle": control.power_cycle,
+        "Nmi": control.nmi,
+    }[reset_type]
+    await action()
+    return web.Response(status=204, headers={"OData-Version": ODATA_VERSION})
+
+
+async def ethernet_interfaces(request: web.Request) -> web.Response:
+    _check_system(request)
+    path = f"{_system_path(request.app[INFO])}/EthernetInterfaces"
+    return _json(
+        {
+            "@odata.type": "#EthernetInterfaceCollection.EthernetInterfaceCollection",
+            "@odata.id": path,
+            "Name": "Ethernet Interface Collection",
+            "Members@odata.count": 1,
+            "Members": [{"@odata.id": f"{path}/nic0"}],
+        }
+    )
+
+
+async def ethernet_interface(request: web.Request) -> web.Response:
+    _check_system(request)
+    if request.match_info["nic_id"] != "nic0":
+        raise web.HTTPNotFound()
+    info = request.app[INFO]
+    return _json(
+        {
+            "@odata.type": "#EthernetInterface.v1_4_0.EthernetInterface",
+            "@odata.id": f"{_system_path(info)}/EthernetInterfaces/nic0",
+            "Id": "nic0",
+            "Name": "nic0",
+            "MACAddress": info.mac,
+            "PermanentMACAddress": info.mac,
+        }
+    )
+
+
+async def managers(request: web.Request) -> web.Response:
+    return _json(
+        {
+            "@odata.type": "#ManagerCollection.ManagerCollection",
+            "@odata.id": "/redfish/v1/Managers",
+            "Name": "Manager Collection",
+            "Members@odata.count": 1,
+            "Members": [{"@odata.id": "/redfish/v1/Managers/BMC"}],
+        }
+    )
+
+
+async def manager(request: web.Request) -> web.Response:
+    if request.match_info["manager_id"] != "BMC":
+        raise web.HTTPNotFound()
+    info = request.app[INFO]
+    return _json(
+        {
+            "@odata.type": "#Manager.v1_5_0.Manager",
+            "@odata.id": "/redfish/v1/Managers/BMC",
+            "Id": "BMC",
+            "Name": "vm-lab virtual BMC",
+            "ManagerType": "BMC",
+            "Links": {"ManagerForServers": [{"@odata.id": _system_path(info)}]},
+        }
+    )
+
+
+def make_app(control: MachineControl, info: SystemInfo) -> web.Application:
+    app = web.Application(middlewares=[basic_auth])
+    app[CONTROL] = control
+    app[INFO] = info
+    system = "/redfish/v1/Systems/{system_id}"
+    app.router.add_get("/redfish", redfish_version)
+    app.router.add_get("/redfish/v1", service_root)
+    app.router.add_get("/redfish/v1/", service_root)
+    app.router.add_get("/redfish/v1/Systems", systems)
+    app.router.add_get(system, get_system)
+    app.router.add_patch(system, patch_system)
+    app.router.add_post(system + "/Actions/ComputerSystem.Reset", reset_action)
+    app.router.add_get(system + "/EthernetInterfaces", ethernet_interfaces)
+    app.router.add_get(system + "/EthernetInterfaces/{nic_id}", ethernet_interface)
+    app.router.add_get("/redfish/v1/Managers", managers)
+    app.router.add_get("/redfish/v1/Managers/{manager_id}", manager)
+    return app
