@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import fcntl
 import json
 import os
 import secrets
@@ -78,20 +79,26 @@ def _slot_is_stale(slot_file: Path) -> bool:
 
 
 def claim_slot(name: str, state_path: Path) -> int:
+    """Claim the lowest free slot for ``name``; refuse a name another live lab holds."""
     SLOTS_DIR.mkdir(parents=True, exist_ok=True)
-    for slot in range(1, plan.MAX_SLOT + 1):
-        slot_file = SLOTS_DIR / str(slot)
-        if slot_file.exists() and _slot_is_stale(slot_file):
-            with contextlib.suppress(FileNotFoundError):
-                slot_file.unlink()
-        try:
-            fd = os.open(slot_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            continue
-        with os.fdopen(fd, "w") as f:
-            json.dump({"name": name, "state": str(state_path)}, f)
-        return slot
-    raise LabError(f"all {plan.MAX_SLOT} lab slots are taken")
+    with open(SLOTS_DIR.parent / "slots.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two `up`s at once must not pick one slot or name
+        free = None
+        for slot in range(1, plan.MAX_SLOT + 1):
+            slot_file = SLOTS_DIR / str(slot)
+            if slot_file.exists() and _slot_is_stale(slot_file):
+                with contextlib.suppress(FileNotFoundError):
+                    slot_file.unlink()
+            if not slot_file.exists():
+                free = slot if free is None else free
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                if json.loads(slot_file.read_text()).get("name") == name:
+                    raise LabError(f"lab name {name} is in use (slot {slot})")
+        if free is None:
+            raise LabError(f"all {plan.MAX_SLOT} lab slots are taken")
+        (SLOTS_DIR / str(free)).write_text(json.dumps({"name": name, "state": str(state_path)}))
+        return free
 
 
 def release_slots(name: str) -> None:
@@ -155,9 +162,11 @@ class Lab:
         plan.plan_machines(1, self.machines, self.uefi)  # reject bad sizes before touching anything
         # One probe per host, whatever the lab's home (tests use throwaway homes).
         accel = qemu.choose_accelerator(default_home())
-        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # Claimed outside the clean-up below: failing here must not tear down a lab that
+        # another process is building under the same name.
+        slot = claim_slot(self.name, self.state_path)
         try:
-            slot = claim_slot(self.name, self.state_path)
+            self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             self.state = self._planned_state(slot, accel)
             self._save()
             self._build()

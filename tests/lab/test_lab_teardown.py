@@ -1,0 +1,173 @@
+"""Teardown after crashes, and labs side by side.
+
+``down`` must remove everything (processes, namespace, bridge, taps, files, slot) using only
+what the state file and the namespace tell it, whatever killed the process that built the lab.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .conftest import lab_prerequisites
+from .labtools import (
+    VM_LAB,
+    assert_lab_gone,
+    ipmitool,
+    netns,
+    procs,
+    redfish,
+    system_path,
+    vlab,
+    wait_state,
+)
+
+pytestmark = [pytest.mark.lab, pytest.mark.root]
+
+
+@pytest.fixture(autouse=True)
+def _prerequisites() -> None:
+    reason = lab_prerequisites()
+    if reason:
+        pytest.skip(reason)
+
+
+def _cli(home: Path, *args: str, **kwargs: Any) -> subprocess.Popen:
+    return subprocess.Popen(
+        [*VM_LAB, "--home", str(home), *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        **kwargs,
+    )
+
+
+def _down(home: Path, name: str) -> None:
+    done = subprocess.run(
+        [*VM_LAB, "--home", str(home), "down", "--name", name],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def _recorded_alive(state: dict[str, Any]) -> list[int]:
+    return [
+        p["pid"]
+        for p in state["processes"]
+        if procs.same_process(p["pid"], p["start_time"]) and procs.is_running(p["pid"])
+    ]
+
+
+def test_down_after_kill_9_of_the_lab_driver_and_of_a_daemon_inside(tmp_path: Path) -> None:
+    name = f"t{os.getpid()}k"
+    driver = _cli(tmp_path, "up", "--machines", "2", "--uefi", "1", "--name", name, "--foreground")
+    state_path = tmp_path / name / "state.json"
+    try:
+        state = wait_state(state_path, lambda s: s["status"] == "up")
+        # A stand-in for metald: started inside the lab, recorded nowhere, then killed -9.
+        daemon = subprocess.Popen(
+            netns.exec_argv(state["netns"], ["sleep", "600"]), start_new_session=True
+        )
+        crashed = subprocess.Popen(netns.exec_argv(state["netns"], ["sleep", "600"]))
+        crashed.kill()
+        crashed.wait()
+
+        driver.kill()
+        driver.wait()
+        # The lab outlives its driver: QEMU and the BMCs still run, the namespace is there.
+        assert len(_recorded_alive(state)) == 4
+        assert netns.exists(state["netns"])
+        assert daemon.pid in netns.pids(state["netns"])
+
+        _down(tmp_path, name)
+        assert_lab_gone(name, state, tmp_path / name)
+        assert daemon.wait(timeout=10) is not None
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        vlab.Lab(name, workdir=tmp_path).down()
+
+
+def test_down_after_kill_9_in_the_middle_of_up(tmp_path: Path) -> None:
+    name = f"t{os.getpid()}m"
+    driver = _cli(tmp_path, "up", "--machines", "2", "--uefi", "1", "--name", name)
+    state_path = tmp_path / name / "state.json"
+    try:
+        # Kill it as soon as it has started its first process, long before the lab is up.
+        state = wait_state(state_path, lambda s: len(s["processes"]) >= 1)
+        driver.kill()
+        driver.wait()
+        state = vlab.read_state(state_path)
+        assert state["status"] == "building"
+        _down(tmp_path, name)
+        assert_lab_gone(name, state, tmp_path / name)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        vlab.Lab(name, workdir=tmp_path).down()
+
+
+def test_foreground_lab_goes_down_on_sigterm(tmp_path: Path) -> None:
+    name = f"t{os.getpid()}f"
+    driver = _cli(tmp_path, "up", "--machines", "1", "--uefi", "0", "--name", name, "--foreground")
+    try:
+        state = wait_state(tmp_path / name / "state.json", lambda s: s["status"] == "up")
+        driver.send_signal(signal.SIGTERM)
+        assert driver.wait(timeout=60) == 0
+        assert_lab_gone(name, state, tmp_path / name)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        vlab.Lab(name, workdir=tmp_path).down()
+
+
+def test_second_lab_runs_beside_the_first(lab: vlab.Lab, tmp_path: Path) -> None:
+    first = lab.state
+    second = vlab.Lab(f"t{os.getpid()}b", machines=1, uefi=0, workdir=tmp_path, cpus=1)
+    second.up()
+    try:
+        other = second.state
+        assert other["slot"] != first["slot"]
+        assert other["netns"] != first["netns"]
+        assert other["bridge"] != first["bridge"]
+        assert other["subnet"] != first["subnet"]
+        first_macs = {m["mac"] for m in first["machines"]}
+        assert not first_macs & {m["mac"] for m in other["machines"]}
+
+        m_new = other["machines"][0]
+        assert "Chassis Power is off" in ipmitool(other, m_new, "power", "status")
+        assert redfish(other, m_new, "GET", system_path(m_new))[0] == 200
+        # The second lab's BMC addresses are not reachable from the first lab's namespace.
+        code = subprocess.run(
+            ["ip", "netns", "exec", first["netns"], "curl", "-s", "-m", "3",
+             m_new["bmc"]["redfish_url"] + "/redfish/v1/"],
+            capture_output=True,
+        ).returncode  # fmt: skip
+        assert code != 0
+    finally:
+        second_state = second.state
+        second.down()
+    assert_lab_gone(second.name, second_state, tmp_path / second.name)
+    # Taking the second lab down left the first one alone.
+    m_old = first["machines"][0]
+    assert netns.exists(first["netns"])
+    assert "Chassis Power" in ipmitool(first, m_old, "power", "status")
+
+
+def test_down_of_a_lab_that_never_existed_is_harmless(tmp_path: Path) -> None:
+    vlab.Lab(f"t{os.getpid()}n", workdir=tmp_path).down()
+    assert not (tmp_path / f"t{os.getpid()}n").exists()
+
+
+def test_up_refuses_a_name_already_in_use(lab: vlab.Lab, tmp_path: Path) -> None:
+    # Another home, same name: the namespace name is host-wide, so this must be refused.
+    with pytest.raises(vlab.LabError):
+        vlab.Lab(lab.name, machines=1, workdir=tmp_path).up()
+    assert netns.exists(lab.netns)
