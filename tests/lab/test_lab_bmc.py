@@ -162,6 +162,9 @@ async def test_redfish_reset_powers_uefi_machine_and_it_boots_ipxe(
     assert await qemu_running(uefi)
     wait_for_text(uefi["serial_log"], ["iPXE", uefi["mac"]], offset)
 
+    # GracefulShutdown only presses the ACPI button; firmware and iPXE ignore it.
+    assert redfish(state, uefi, "POST", reset, {"ResetType": "GracefulShutdown"})[0] == 204
+    assert await qemu_running(uefi)
     assert redfish(state, uefi, "POST", reset, {"ResetType": "ForceOff"})[0] == 204
     assert redfish(state, uefi, "GET", system_path(uefi))[1]["PowerState"] == "Off"
     assert not await qemu_running(uefi)
@@ -178,6 +181,8 @@ def test_redfish_rejects_unknown_reset_and_foreign_boot_mode(
     assert code == 400 and "Legacy" in body["error"]["message"]
     code, _ = redfish(state, bios, "PATCH", system_path(bios), {"Boot": {"Nope": 1}})
     assert code == 400
+    code, body = redfish(state, bios, "GET", "/redfish/v1/Systems/not-" + bios["name"])
+    assert code == 404 and "ResourceMissingAtURI" in body["error"]["code"]
 
 
 async def test_redfish_boot_override_changes_qemu_boot_order(

@@ -65,11 +65,15 @@ def _status(args: argparse.Namespace) -> int:
 
 def _power(qmp_path: str) -> str:
     async def query() -> str:
+        qmp = QmpClient(qmp_path)
         try:
-            async with QmpClient(qmp_path) as qmp:
-                status = await qmp.execute("query-status")
+            # QEMU serves one client per QMP socket: if a tool holds it, do not wait long.
+            await qmp.connect(timeout=2.0)
+            status = await qmp.execute("query-status", timeout=2.0)
         except (OSError, QmpError, TimeoutError):
             return "?"
+        finally:
+            await qmp.close()
         return "on" if status["status"] == "running" else "off"
 
     return asyncio.run(query())

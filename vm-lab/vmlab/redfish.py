@@ -129,9 +129,16 @@ async def systems(request: web.Request) -> web.Response:
     )
 
 
+def not_found(request: web.Request) -> web.HTTPNotFound:
+    body = error(404, "ResourceMissingAtURI", f"no resource at {request.path}")
+    return web.HTTPNotFound(
+        body=body.body, content_type="application/json", headers={"OData-Version": ODATA_VERSION}
+    )
+
+
 def _check_system(request: web.Request) -> None:
     if request.match_info["system_id"] != request.app[INFO].system_id:
-        raise web.HTTPNotFound()
+        raise not_found(request)
 
 
 async def get_system(request: web.Request) -> web.Response:
@@ -263,7 +270,7 @@ async def ethernet_interfaces(request: web.Request) -> web.Response:
 async def ethernet_interface(request: web.Request) -> web.Response:
     _check_system(request)
     if request.match_info["nic_id"] != "nic0":
-        raise web.HTTPNotFound()
+        raise not_found(request)
     info = request.app[INFO]
     return _json(
         {
@@ -291,7 +298,7 @@ async def managers(request: web.Request) -> web.Response:
 
 async def manager(request: web.Request) -> web.Response:
     if request.match_info["manager_id"] != "BMC":
-        raise web.HTTPNotFound()
+        raise not_found(request)
     info = request.app[INFO]
     return _json(
         {
