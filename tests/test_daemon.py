@@ -1,0 +1,152 @@
+"""The ``metald`` and ``metalctl`` programs, run as real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from metald.config import ConfigError, load_config
+
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(port: int, proc: subprocess.Popen, timeout: float = 30) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"metald exited with {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1).read()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError("metald did not come up")
+
+
+@pytest.fixture
+def daemon(tmp_path: Path):  # type: ignore[no-untyped-def]
+    port = free_port()
+    conf = tmp_path / "metald.toml"
+    conf.write_text(f'state_dir = "{tmp_path / "state"}"\ninstance = "test-1"\n[api]\nlisten = "127.0.0.1:{port}"\n[log]\nformat = "json"\n')
+    proc = subprocess.Popen([BIN / "metald", "serve", "--config", conf], stderr=subprocess.PIPE, text=True)
+    try:
+        wait_http(port, proc)
+        yield proc, port, tmp_path / "state"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def test_first_start_writes_admin_token_0600_and_sigterm_stops(daemon) -> None:  # type: ignore[no-untyped-def]
+    proc, port, state = daemon
+    token_file = state / "admin.token"
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    assert stat.S_IMODE((state / "secrets.key").stat().st_mode) == 0o600
+    secret = token_file.read_text().strip()
+    env = {**os.environ, "METALD_URL": f"http://127.0.0.1:{port}", "METALD_TOKEN": secret}
+    out = subprocess.run([BIN / "metalctl", "whoami"], env=env, capture_output=True, text=True, check=True)
+    assert "bootstrap-admin (admin)" in out.stdout
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=15) == 0
+    logs = proc.stderr.read()
+    lines = [json.loads(x) for x in logs.splitlines() if x.startswith("{")]
+    assert any("admin token was written" in x["msg"] for x in lines)
+    assert any(x["msg"] == "metald stopped" for x in lines)
+    assert secret not in logs
+
+
+def test_metalctl_operates_the_fleet(daemon) -> None:  # type: ignore[no-untyped-def]
+    _proc, port, state = daemon
+    env = {**os.environ, "METALD_URL": f"http://127.0.0.1:{port}", "METALD_TOKEN": (state / "admin.token").read_text().strip()}
+
+    def ctl(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
+        r = subprocess.run([BIN / "metalctl", *args], env=env, capture_output=True, text=True, timeout=30)
+        if ok:
+            assert r.returncode == 0, r.stderr
+        return r
+
+    out = ctl("--json", "machines", "register", "--mac", "52:54:00:aa:00:01", "--name", "gpu-01", "--label", "pool=train")
+    mid = json.loads(out.stdout)["id"]
+    assert "gpu-01" in ctl("machines", "list").stdout
+    assert "pool=train" in ctl("machines", "list", "--label", "pool=train").stdout
+    assert "(0 of 0)" in ctl("machines", "list", "--state", "ready").stdout
+    ctl("machines", "maintenance-on", mid, "--reason", "reseat GPU")
+    r = ctl("machines", "maintenance-off", mid, ok=False)
+    assert r.returncode == 1 and "never been inspected" in r.stderr
+    assert "maintenance" in ctl("machines", "show", mid).stdout
+    events = ctl("events", "--machine", mid).stdout
+    assert "discovered -> maintenance" in events and "reseat GPU" in events
+    tok = ctl("tokens", "create", "--name", "tech1", "--role", "technician").stdout.splitlines()[-1]
+    env2 = {**env, "METALD_TOKEN": tok}
+    r = subprocess.run([BIN / "metalctl", "tokens", "list"], env=env2, capture_output=True, text=True)
+    assert r.returncode == 1 and "technician token cannot list tokens" in r.stderr
+    # --follow streams new events as they happen.
+    follower = subprocess.Popen([BIN / "metalctl", "events", "--follow", "--machine", mid], env=env, stdout=subprocess.PIPE, bufsize=0)
+    try:
+        time.sleep(1.0)
+        ctl("machines", "label", mid, "rack=r1")
+        out = ""
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and "machine.labels" not in out:
+            ready, _, _ = select.select([follower.stdout], [], [], 1.0)
+            if ready:
+                out += os.read(follower.stdout.fileno(), 65536).decode()  # type: ignore[union-attr]
+        seen = out.splitlines()
+        assert any("machine.created" in x for x in seen), seen  # history first
+        assert any("machine.labels" in x for x in seen), seen  # then live events
+    finally:
+        follower.kill()
+        follower.wait()
+
+
+def test_invalid_config_names_the_key(tmp_path: Path) -> None:
+    conf = tmp_path / "bad.toml"
+    conf.write_text('[api]\nlisten = "nowhere"\nlistn = "x"\n')
+    r = subprocess.run([BIN / "metald", "check-config", "--config", conf], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "api.listen" in r.stderr and "api.listn: unknown key" in r.stderr
+
+
+def test_config_env_overrides_and_errors(tmp_path: Path) -> None:
+    conf = tmp_path / "c.toml"
+    conf.write_text('state_dir = "/srv/metald"\n[api]\nlisten = "127.0.0.1:9000"\n')
+    cfg = load_config(conf, environ={"METALD_API__LISTEN": "0.0.0.0:8081", "METALD_LOG__FORMAT": "json", "METALD_BMC__RETRIES": "5"})
+    assert (cfg.api.listen, cfg.log.format, cfg.bmc.retries, cfg.state_dir) == ("0.0.0.0:8081", "json", 5, "/srv/metald")
+    with pytest.raises(ConfigError, match="log.level"):
+        load_config(conf, environ={"METALD_LOG__LEVEL": "loud"})
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        (tmp_path / "x.toml").write_text("[api\n")
+        load_config(tmp_path / "x.toml", environ={})
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml", environ={})
+
+
+def test_version() -> None:
+    from metald import __version__
+
+    r = subprocess.run([BIN / "metald", "--version"], capture_output=True, text=True)
+    assert r.stdout.strip() == f"metald {__version__}"
+
+
+def test_example_config_is_valid() -> None:
+    example = Path(__file__).parent.parent / "examples" / "metald.toml"
+    load_config(example, environ={})
