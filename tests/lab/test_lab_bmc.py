@@ -131,6 +131,25 @@ def test_ipmi_refuses_wrong_password(state: dict[str, Any], bios: dict[str, Any]
     assert "Chassis Power" not in done.stdout
 
 
+def test_ipmi_refuses_cipher_suites_other_than_3(
+    state: dict[str, Any], bios: dict[str, Any]
+) -> None:
+    # SHA-256 (suite 17) is refused in the open-session response instead of being answered
+    # with SHA-1, which is what lets pyghmi's client fall back to suite 3.
+    bmc = bios["bmc"]
+    argv = ["ipmitool", "-I", "lanplus", "-C", "17", "-H", bmc["address"]]
+    argv += ["-U", bmc["username"], "-P", bmc["password"], "power", "status"]
+    done = in_ns(state["netns"], argv)
+    assert done.returncode != 0
+    assert "no matching cipher suite" in done.stderr
+
+
+def test_redfish_refuses_wrong_password(state: dict[str, Any], bios: dict[str, Any]) -> None:
+    wrong = {**bios, "bmc": {**bios["bmc"], "password": bios["bmc"]["password"] + "x"}}
+    code, body = redfish(state, wrong, "GET", system_path(bios))
+    assert code == 401 and "PowerState" not in json.dumps(body)
+
+
 def test_redfish_service_root_is_public_and_system_needs_auth(
     state: dict[str, Any], uefi: dict[str, Any]
 ) -> None:

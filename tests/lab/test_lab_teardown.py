@@ -20,6 +20,7 @@ from .labtools import (
     assert_lab_gone,
     ipmitool,
     netns,
+    plan,
     procs,
     redfish,
     system_path,
@@ -171,3 +172,21 @@ def test_up_refuses_a_name_already_in_use(lab: vlab.Lab, tmp_path: Path) -> None
     with pytest.raises(vlab.LabError):
         vlab.Lab(lab.name, machines=1, workdir=tmp_path).up()
     assert netns.exists(lab.netns)
+
+
+def test_down_by_name_removes_a_namespace_left_without_state(tmp_path: Path) -> None:
+    # As after a crash that also lost the lab's files: only the namespace and a process in it.
+    name = f"t{os.getpid()}o"
+    ns = plan.netns_name(name)
+    netns.create(ns)
+    sleeper = subprocess.Popen(netns.exec_argv(ns, ["sleep", "600"]))
+    try:
+        assert name in vlab.list_labs(tmp_path)
+        vlab.Lab(name, workdir=tmp_path).down()
+        assert sleeper.wait(timeout=10) is not None
+        assert not netns.exists(ns)
+        assert name not in vlab.list_labs(tmp_path)
+    finally:
+        if sleeper.poll() is None:
+            sleeper.kill()
+        netns.delete(ns)
