@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import struct
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -47,15 +48,38 @@ _CONTROL = {PowerAction.OFF: 0, PowerAction.ON: 1, PowerAction.CYCLE: 2, PowerAc
 
 
 class _Datagrams(asyncio.DatagramProtocol):
+    """Replies in arrival order, with one waiter: cheaper than a Queue plus wait_for per packet,
+    which matters when one loop carries thousands of BMCs."""
+
     def __init__(self) -> None:
-        self.queue: asyncio.Queue[bytes | Exception] = asyncio.Queue()
+        self.inbox: deque[bytes | Exception] = deque()
+        self.waiter: asyncio.Future[None] | None = None
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
-        self.queue.put_nowait(data)
+        self.inbox.append(data)
+        self._wake()
 
     def error_received(self, exc: Exception) -> None:
         # A connected UDP socket reports ICMP port unreachable here: nothing listens there.
-        self.queue.put_nowait(exc)
+        self.inbox.append(exc)
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def next(self, timeout: float) -> bytes | Exception | None:
+        """The next datagram or socket error, or None after ``timeout`` seconds."""
+        if not self.inbox:
+            loop = asyncio.get_running_loop()
+            fut = self.waiter = loop.create_future()
+            timer = loop.call_later(timeout, self._wake)
+            try:
+                await fut
+            finally:
+                timer.cancel()
+                self.waiter = None
+        return self.inbox.popleft() if self.inbox else None
 
 
 class IpmiDriver(BmcDriver):
@@ -122,9 +146,8 @@ class IpmiDriver(BmcDriver):
             self._transport.sendto(packet_for_try())
             wait_until = min(deadline, now + self.resend_s)
             while (left := wait_until - loop.time()) > 0:
-                try:
-                    item = await asyncio.wait_for(self._proto.queue.get(), left)
-                except TimeoutError:
+                item = await self._proto.next(left)
+                if item is None:
                     break
                 if isinstance(item, Exception):
                     raise BmcUnreachable(f"{self._where}: {_oserror_text(item)}")

@@ -173,7 +173,9 @@ class BmcScheduler:
                     self.in_flight += 1
                     self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
                     try:
-                        return await asyncio.wait_for(op(), timeout_s)
+                        # asyncio.timeout, not wait_for: no extra task per command.
+                        async with asyncio.timeout(timeout_s):
+                            return await op()
                     finally:
                         self.in_flight -= 1
                         lane.last_end = loop.time()
