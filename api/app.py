@@ -47,17 +47,35 @@ async def errors_middleware(
     try:
         return await handler(request)
     except IllegalTransition as e:
-        return problem(409, "Illegal transition", str(e), instance=request.path,
-                       state=e.state.value, allowed_actions=e.allowed_triggers)
+        return problem(
+            409,
+            "Illegal transition",
+            str(e),
+            instance=request.path,
+            state=e.state.value,
+            allowed_actions=e.allowed_triggers,
+        )
     except web.HTTPNotFound:
-        return problem(404, "Not found", f"there is no resource at {request.path}", instance=request.path)
+        return problem(
+            404, "Not found", f"there is no resource at {request.path}", instance=request.path
+        )
     except web.HTTPMethodNotAllowed as e:
-        return problem(405, "Method not allowed", f"{request.method} is not allowed here; use {', '.join(sorted(e.allowed_methods))}", instance=request.path)
+        return problem(
+            405,
+            "Method not allowed",
+            f"{request.method} is not allowed here; use {', '.join(sorted(e.allowed_methods))}",
+            instance=request.path,
+        )
     except web.HTTPException:
         raise
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
-        return problem(500, "Internal error", "metald hit an unexpected error; it is logged with this path", instance=request.path)
+        return problem(
+            500,
+            "Internal error",
+            "metald hit an unexpected error; it is logged with this path",
+            instance=request.path,
+        )
 
 
 def all_specs(routers: list[Router]) -> list[RouteSpec]:
@@ -65,7 +83,9 @@ def all_specs(routers: list[Router]) -> list[RouteSpec]:
 
 
 def create_app(ctx: AppContext, *, extra: list[web.RouteDef] | None = None) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware], client_max_size=ctx.cfg.api.max_body_bytes)
+    app = web.Application(
+        middlewares=[errors_middleware], client_max_size=ctx.cfg.api.max_body_bytes
+    )
     routers = ROUTERS + extra_routers()
     for r in routers:
         add_routes(app, r, ctx)

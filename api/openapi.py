@@ -19,7 +19,10 @@ def build_openapi(specs: list[RouteSpec]) -> dict[str, Any]:
         for m in (s.body, s.response):
             if m is not None:
                 models.add(m)
-    keyed = [(m, "validation" if any(s.body is m for s in specs) else "serialization") for m in sorted(models, key=lambda m: m.__name__)]
+    keyed = [
+        (m, "validation" if any(s.body is m for s in specs) else "serialization")
+        for m in sorted(models, key=lambda m: m.__name__)
+    ]
     refs, defs = models_json_schema(keyed, ref_template=REF)  # type: ignore[arg-type]
     schemas = defs.get("$defs", {})
     paths: dict[str, dict[str, Any]] = {}
@@ -36,12 +39,18 @@ def build_openapi(specs: list[RouteSpec]) -> dict[str, Any]:
             op["security"] = [{"bearer": []}]
             op["x-roles"] = sorted(r.value for r in s.roles)
         params = [
-            {"name": p, "in": "path", "required": True, "schema": {"type": "string"}} for p in s.path_params
+            {"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
+            for p in s.path_params
         ]
         if s.query is not None:
             qschema = s.query.model_json_schema(ref_template=REF)
             for k, v in qschema.get("properties", {}).items():
-                param: dict[str, Any] = {"name": k, "in": "query", "required": k in qschema.get("required", []), "schema": v}
+                param: dict[str, Any] = {
+                    "name": k,
+                    "in": "query",
+                    "required": k in qschema.get("required", []),
+                    "schema": v,
+                }
                 if "description" in v:
                     param["description"] = v["description"]
                 params.append(param)
@@ -93,7 +102,11 @@ def build_openapi(specs: list[RouteSpec]) -> dict[str, Any]:
             "responses": {
                 "Problem": {
                     "description": "Error (RFC 9457 problem details)",
-                    "content": {"application/problem+json": {"schema": {"$ref": "#/components/schemas/Problem"}}},
+                    "content": {
+                        "application/problem+json": {
+                            "schema": {"$ref": "#/components/schemas/Problem"}
+                        }
+                    },
                 }
             },
         },

@@ -25,7 +25,9 @@ _TYPES = {
 }
 
 
-def problem(status: int, title: str, detail: str, *, instance: str | None = None, **extra: Any) -> web.Response:
+def problem(
+    status: int, title: str, detail: str, *, instance: str | None = None, **extra: Any
+) -> web.Response:
     body: dict[str, Any] = {
         "type": f"https://metald.dev/problems/{_TYPES.get(status, 'error')}",
         "title": title,
@@ -61,4 +63,10 @@ def describe_validation(e: ValidationError) -> tuple[str, list[dict[str, Any]]]:
 
 def validation_problem(e: ValidationError, *, instance: str | None = None) -> web.Response:
     sentence, errors = describe_validation(e)
-    return problem(422, "Invalid request", f"the request does not validate: {sentence}", instance=instance, errors=errors)
+    return problem(
+        422,
+        "Invalid request",
+        f"the request does not validate: {sentence}",
+        instance=instance,
+        errors=errors,
+    )

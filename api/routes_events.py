@@ -47,7 +47,15 @@ def _check_machine_scope(s: Session, p: Principal, machine_id: str | None) -> No
             raise NotFound(f"no machine with id {machine_id!r}")
 
 
-@router.route("GET", "/api/v1/events", summary="List events", roles=READERS, query=EventQuery, response=EventPage, tag=TAG)
+@router.route(
+    "GET",
+    "/api/v1/events",
+    summary="List events",
+    roles=READERS,
+    query=EventQuery,
+    response=EventPage,
+    tag=TAG,
+)
 async def list_events(req: ApiRequest) -> EventPage:
     """Events in id order after the ``after`` cursor. Orchestrators see their tenants' events."""
     p = req.require_principal()
@@ -60,7 +68,15 @@ async def list_events(req: ApiRequest) -> EventPage:
     return await req.ctx.store.run(run)
 
 
-@router.route("GET", "/api/v1/events/stream", summary="Stream events", roles=READERS, query=EventQuery, tag=TAG, raw_response="text/event-stream")
+@router.route(
+    "GET",
+    "/api/v1/events/stream",
+    summary="Stream events",
+    roles=READERS,
+    query=EventQuery,
+    tag=TAG,
+    raw_response="text/event-stream",
+)
 async def stream_events(req: ApiRequest) -> web.StreamResponse:
     """Server-Sent Events: each event as ``id:``/``event:``/``data:``. Resumes after
     ``Last-Event-ID`` or ``after``; ``after=-1`` is not allowed, use the list call's cursor."""
@@ -72,7 +88,11 @@ async def stream_events(req: ApiRequest) -> web.StreamResponse:
         after = int(last_id)
     await req.ctx.store.run(_check_machine_scope, p, q.machine_id)
     resp = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+        }
     )
     await resp.prepare(req.raw)
     await resp.write(b": metald event stream\n\n")

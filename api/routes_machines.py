@@ -41,7 +41,9 @@ ACTIONS: dict[str, Trigger] = {
 def machine_out(m: Machine, nics: list[Nic], *, with_inventory: bool = False) -> MachineOut:
     data: dict[str, Any] = m.model_dump()
     data["labels"] = dict(m.labels or {})
-    data["allowed_actions"] = [a for a, t in ACTIONS.items() if t.value in allowed_triggers(m.state)]
+    data["allowed_actions"] = [
+        a for a, t in ACTIONS.items() if t.value in allowed_triggers(m.state)
+    ]
     data["nics"] = [NicOut.model_validate(n.model_dump()) for n in nics]
     if not with_inventory:
         data["inventory"] = None
@@ -69,7 +71,15 @@ def _nics(session: Session, machine_ids: list[str]) -> dict[str, list[Nic]]:
     return out
 
 
-@router.route("GET", "/api/v1/machines", summary="List machines", roles=ALL_ROLES, query=MachineQuery, response=MachinePage, tag=TAG)
+@router.route(
+    "GET",
+    "/api/v1/machines",
+    summary="List machines",
+    roles=ALL_ROLES,
+    query=MachineQuery,
+    response=MachinePage,
+    tag=TAG,
+)
 async def list_machines(req: ApiRequest) -> MachinePage:
     """Machines visible to the caller, filtered and paginated (newest first)."""
     q: MachineQuery = req.query
@@ -102,20 +112,38 @@ async def list_machines(req: ApiRequest) -> MachinePage:
         ).all()
         nics = _nics(s, [m.id for m in rows])
         return MachinePage(
-            items=[machine_out(m, nics[m.id]) for m in rows], total=total, limit=q.limit, offset=q.offset
+            items=[machine_out(m, nics[m.id]) for m in rows],
+            total=total,
+            limit=q.limit,
+            offset=q.offset,
         )
 
     return await req.ctx.store.run(run)
 
 
-@router.route("POST", "/api/v1/machines", summary="Register a machine", roles=STAFF, body=MachineCreate, response=MachineOut, status=201, tag=TAG, errors=(409, 422))
+@router.route(
+    "POST",
+    "/api/v1/machines",
+    summary="Register a machine",
+    roles=STAFF,
+    body=MachineCreate,
+    response=MachineOut,
+    status=201,
+    tag=TAG,
+    errors=(409, 422),
+)
 async def create_machine(req: ApiRequest) -> MachineOut:
     """Pre-register a machine by its MACs (machines that PXE-boot are registered on their own)."""
     b: MachineCreate = req.body
 
     def run(s: Session) -> MachineOut:
         m = svc.create_machine(
-            s, macs=b.macs, actor=req.actor, name=b.name, labels=b.labels, rack=b.rack,
+            s,
+            macs=b.macs,
+            actor=req.actor,
+            name=b.name,
+            labels=b.labels,
+            rack=b.rack,
             instance=req.ctx.instance,
         )
         return machine_out(m, _nics(s, [m.id])[m.id])
@@ -125,7 +153,15 @@ async def create_machine(req: ApiRequest) -> MachineOut:
     return out
 
 
-@router.route("GET", "/api/v1/machines/{id}", summary="Show a machine", roles=ALL_ROLES, response=MachineOut, tag=TAG, errors=(404,))
+@router.route(
+    "GET",
+    "/api/v1/machines/{id}",
+    summary="Show a machine",
+    roles=ALL_ROLES,
+    response=MachineOut,
+    tag=TAG,
+    errors=(404,),
+)
 async def show_machine(req: ApiRequest) -> MachineOut:
     """One machine with its NICs and full inventory."""
     p = req.require_principal()
@@ -137,7 +173,16 @@ async def show_machine(req: ApiRequest) -> MachineOut:
     return await req.ctx.store.run(run)
 
 
-@router.route("PATCH", "/api/v1/machines/{id}/labels", summary="Edit a machine's labels", roles=STAFF, body=LabelsPatch, response=MachineOut, tag=TAG, errors=(404, 409, 422))
+@router.route(
+    "PATCH",
+    "/api/v1/machines/{id}/labels",
+    summary="Edit a machine's labels",
+    roles=STAFF,
+    body=LabelsPatch,
+    response=MachineOut,
+    tag=TAG,
+    errors=(404, 409, 422),
+)
 async def patch_labels(req: ApiRequest) -> MachineOut:
     """Merge-patch labels: a string value sets the label, null removes it."""
     b: LabelsPatch = req.body
@@ -154,8 +199,14 @@ async def patch_labels(req: ApiRequest) -> MachineOut:
         if len(labels) > 64:
             raise Conflict("a machine can carry at most 64 labels")
         m = svc.update_fields(
-            s, m.id, actor=req.actor, kind="machine.labels", values={"labels": labels},
-            expected_version=b.version, data={"patch": b.labels}, instance=req.ctx.instance,
+            s,
+            m.id,
+            actor=req.actor,
+            kind="machine.labels",
+            values={"labels": labels},
+            expected_version=b.version,
+            data={"patch": b.labels},
+            instance=req.ctx.instance,
         )
         return machine_out(m, _nics(s, [m.id])[m.id])
 
@@ -164,7 +215,16 @@ async def patch_labels(req: ApiRequest) -> MachineOut:
     return out
 
 
-@router.route("POST", "/api/v1/machines/{id}/actions", summary="Act on a machine", roles=STAFF, body=MachineAction, response=MachineOut, tag=TAG, errors=(404, 409, 422))
+@router.route(
+    "POST",
+    "/api/v1/machines/{id}/actions",
+    summary="Act on a machine",
+    roles=STAFF,
+    body=MachineAction,
+    response=MachineOut,
+    tag=TAG,
+    errors=(404, 409, 422),
+)
 async def machine_action(req: ApiRequest) -> MachineOut:
     """inspect, maintenance-on/off, mark-broken, repair, retire. Illegal in the current state: 409."""
     b: MachineAction = req.body
@@ -186,8 +246,14 @@ async def machine_action(req: ApiRequest) -> MachineOut:
             updates["boot_intent"] = {"kind": "none"}
             revoke_machine_tokens(s, m.id, commit=False)
         m = svc.transition(
-            s, m.id, trigger, actor=req.actor, reason=b.reason, expected_version=b.version,
-            updates=updates, instance=req.ctx.instance,
+            s,
+            m.id,
+            trigger,
+            actor=req.actor,
+            reason=b.reason,
+            expected_version=b.version,
+            updates=updates,
+            instance=req.ctx.instance,
         )
         return machine_out(m, _nics(s, [m.id])[m.id])
 

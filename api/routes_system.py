@@ -26,7 +26,9 @@ async def healthz(req: ApiRequest) -> web.StreamResponse:
         db = "ok"
     except Exception as e:  # noqa: BLE001 - any database failure is "unhealthy"
         db = f"error: {type(e).__name__}"
-    services = {name: getattr(svc, "health", lambda: "running")() for name, svc in req.ctx.services.items()}
+    services = {
+        name: getattr(svc, "health", lambda: "running")() for name, svc in req.ctx.services.items()
+    }
     body = Health(
         status="ok" if db == "ok" else "degraded",
         database=db,
@@ -37,7 +39,14 @@ async def healthz(req: ApiRequest) -> web.StreamResponse:
     return web.json_response(body.model_dump(), status=200 if db == "ok" else 503)
 
 
-@router.route("GET", "/metrics", summary="Export Prometheus metrics", roles=None, tag="system", raw_response="text/plain")
+@router.route(
+    "GET",
+    "/metrics",
+    summary="Export Prometheus metrics",
+    roles=None,
+    tag="system",
+    raw_response="text/plain",
+)
 async def prometheus(req: ApiRequest) -> web.Response:
     """Prometheus text format: API, lifecycle, DHCP/TFTP and BMC counters."""
     counts = await req.ctx.store.run(count_by_state)

@@ -36,7 +36,17 @@ def _check_scope(s: Session, role: Role, scope: list[str]) -> None:
         raise Unprocessable(f"scope names a machine that does not exist: {scope[0]}")
 
 
-@router.route("POST", "/api/v1/tokens", summary="Create a token", roles=ADMIN, body=TokenCreate, response=TokenCreated, status=201, tag="tokens", errors=(422,))
+@router.route(
+    "POST",
+    "/api/v1/tokens",
+    summary="Create a token",
+    roles=ADMIN,
+    body=TokenCreate,
+    response=TokenCreated,
+    status=201,
+    tag="tokens",
+    errors=(422,),
+)
 async def create_token(req: ApiRequest) -> TokenCreated:
     """Issue a token with a role and scope. The secret is in the response and nowhere else."""
     b: TokenCreate = req.body
@@ -44,17 +54,30 @@ async def create_token(req: ApiRequest) -> TokenCreated:
     def run(s: Session) -> TokenCreated:
         _check_scope(s, b.role, b.scope)
         row, secret = issue_token(
-            s, name=b.name, role=b.role, scope=b.scope, created_by=req.actor,
-            ttl=timedelta(seconds=b.ttl_seconds) if b.ttl_seconds else None, commit=False,
+            s,
+            name=b.name,
+            role=b.role,
+            scope=b.scope,
+            created_by=req.actor,
+            ttl=timedelta(seconds=b.ttl_seconds) if b.ttl_seconds else None,
+            commit=False,
         )
-        add_event(s, "token.created", req.actor, data={"token_id": row.id, "name": row.name, "role": row.role, "scope": row.scope}, instance=req.ctx.instance)
+        add_event(
+            s,
+            "token.created",
+            req.actor,
+            data={"token_id": row.id, "name": row.name, "role": row.role, "scope": row.scope},
+            instance=req.ctx.instance,
+        )
         s.commit()
         return TokenCreated(**TokenOut.model_validate(row.model_dump()).model_dump(), token=secret)
 
     return await req.ctx.store.run(run)
 
 
-@router.route("GET", "/api/v1/tokens", summary="List tokens", roles=ADMIN, response=TokenList, tag="tokens")
+@router.route(
+    "GET", "/api/v1/tokens", summary="List tokens", roles=ADMIN, response=TokenList, tag="tokens"
+)
 async def list_tokens(req: ApiRequest) -> TokenList:
     """All tokens (never their secrets or hashes)."""
 
@@ -65,7 +88,15 @@ async def list_tokens(req: ApiRequest) -> TokenList:
     return await req.ctx.store.run(run)
 
 
-@router.route("DELETE", "/api/v1/tokens/{id}", summary="Revoke a token", roles=ADMIN, response=TokenOut, tag="tokens", errors=(404, 409))
+@router.route(
+    "DELETE",
+    "/api/v1/tokens/{id}",
+    summary="Revoke a token",
+    roles=ADMIN,
+    response=TokenOut,
+    tag="tokens",
+    errors=(404, 409),
+)
 async def delete_token(req: ApiRequest) -> TokenOut:
     """Revoke a token at once. Revoking the token in use by this very request is refused."""
     p = req.require_principal()
@@ -74,21 +105,44 @@ async def delete_token(req: ApiRequest) -> TokenOut:
 
     def run(s: Session) -> TokenOut:
         row = revoke_token(s, req.params["id"])
-        add_event(s, "token.revoked", req.actor, data={"token_id": row.id, "name": row.name}, instance=req.ctx.instance)
+        add_event(
+            s,
+            "token.revoked",
+            req.actor,
+            data={"token_id": row.id, "name": row.name},
+            instance=req.ctx.instance,
+        )
         s.commit()
         return TokenOut.model_validate(row.model_dump())
 
     return await req.ctx.store.run(run)
 
 
-@router.route("GET", "/api/v1/whoami", summary="Show the calling token", roles=ALL_ROLES, response=WhoAmI, tag="tokens")
+@router.route(
+    "GET",
+    "/api/v1/whoami",
+    summary="Show the calling token",
+    roles=ALL_ROLES,
+    response=WhoAmI,
+    tag="tokens",
+)
 async def whoami(req: ApiRequest) -> WhoAmI:
     """The caller's token id, name, role and scope."""
     p = req.require_principal()
     return WhoAmI(token_id=p.token_id, name=p.name, role=p.role.value, scope=sorted(p.scope))
 
 
-@router.route("POST", "/api/v1/tenants", summary="Create a tenant", roles=ADMIN, body=TenantCreate, response=TenantOut, status=201, tag="tenants", errors=(409, 422))
+@router.route(
+    "POST",
+    "/api/v1/tenants",
+    summary="Create a tenant",
+    roles=ADMIN,
+    body=TenantCreate,
+    response=TenantOut,
+    status=201,
+    tag="tenants",
+    errors=(409, 422),
+)
 async def create_tenant(req: ApiRequest) -> TenantOut:
     """A tenant that orchestrator tokens can be scoped to."""
     b: TenantCreate = req.body
@@ -99,26 +153,50 @@ async def create_tenant(req: ApiRequest) -> TenantOut:
         t = Tenant(name=b.name, cluster_kind=b.cluster_kind, control_plane=b.control_plane)
         s.add(t)
         s.flush()
-        add_event(s, "tenant.created", req.actor, tenant_id=t.id, data={"name": t.name}, instance=req.ctx.instance)
+        add_event(
+            s,
+            "tenant.created",
+            req.actor,
+            tenant_id=t.id,
+            data={"name": t.name},
+            instance=req.ctx.instance,
+        )
         s.commit()
         return TenantOut.model_validate(t.model_dump())
 
     return await req.ctx.store.run(run)
 
 
-@router.route("GET", "/api/v1/tenants", summary="List tenants", roles=frozenset({Role.ADMIN, Role.TECHNICIAN, Role.ORCHESTRATOR}), response=TenantList, tag="tenants")
+@router.route(
+    "GET",
+    "/api/v1/tenants",
+    summary="List tenants",
+    roles=frozenset({Role.ADMIN, Role.TECHNICIAN, Role.ORCHESTRATOR}),
+    response=TenantList,
+    tag="tenants",
+)
 async def list_tenants(req: ApiRequest) -> TenantList:
     """Tenants; an orchestrator sees only those in its scope."""
     p = req.require_principal()
 
     def run(s: Session) -> TenantList:
         rows = s.exec(select(Tenant).order_by(Tenant.name)).all()
-        return TenantList(items=[TenantOut.model_validate(t.model_dump()) for t in rows if p.can_see_tenant(t.id)])
+        return TenantList(
+            items=[TenantOut.model_validate(t.model_dump()) for t in rows if p.can_see_tenant(t.id)]
+        )
 
     return await req.ctx.store.run(run)
 
 
-@router.route("GET", "/api/v1/tenants/{id}", summary="Show a tenant", roles=frozenset({Role.ADMIN, Role.TECHNICIAN, Role.ORCHESTRATOR}), response=TenantOut, tag="tenants", errors=(404,))
+@router.route(
+    "GET",
+    "/api/v1/tenants/{id}",
+    summary="Show a tenant",
+    roles=frozenset({Role.ADMIN, Role.TECHNICIAN, Role.ORCHESTRATOR}),
+    response=TenantOut,
+    tag="tenants",
+    errors=(404,),
+)
 async def show_tenant(req: ApiRequest) -> TenantOut:
     """One tenant (never its secrets)."""
     p = req.require_principal()

@@ -116,6 +116,10 @@ class Router:
         return deco
 
 
+def _article(word: str) -> str:
+    return "an" if word[:1] in "aeiou" else "a"
+
+
 def bearer_token(request: web.Request) -> str | None:
     header = request.headers.get("Authorization", "")
     scheme, _, value = header.partition(" ")
@@ -134,13 +138,23 @@ async def _principal(request: web.Request, ctx: AppContext) -> Principal | None:
 async def _read_body(request: web.Request, spec: RouteSpec, limit: int) -> Any:
     assert spec.body is not None
     if request.content_length is not None and request.content_length > limit:
-        raise _Problem(413, "Request body too large", f"the body is {request.content_length} bytes; the limit is {limit}")
+        raise _Problem(
+            413,
+            "Request body too large",
+            f"the body is {request.content_length} bytes; the limit is {limit}",
+        )
     ctype = request.content_type
     if ctype not in ("application/json", "application/merge-patch+json"):
-        raise _Problem(415, "Unsupported media type", f"send the body as application/json (got {ctype or 'nothing'})")
+        raise _Problem(
+            415,
+            "Unsupported media type",
+            f"send the body as application/json (got {ctype or 'nothing'})",
+        )
     raw = await request.content.read(limit + 1)
     if len(raw) > limit:
-        raise _Problem(413, "Request body too large", f"the body is larger than the limit of {limit} bytes")
+        raise _Problem(
+            413, "Request body too large", f"the body is larger than the limit of {limit} bytes"
+        )
     try:
         data = json.loads(raw or b"null")
     except (ValueError, UnicodeDecodeError) as e:
@@ -171,14 +185,15 @@ def _serialize(spec: RouteSpec, result: Any) -> web.StreamResponse:
         return result
     if result is None:
         return web.Response(status=204 if spec.status == 200 else spec.status)
-    if isinstance(result, BaseModel):
-        payload = result.model_dump(mode="json")
-    else:
-        payload = result
-    return web.json_response(payload, status=spec.status, dumps=lambda o: json.dumps(o, default=str))
+    payload = result.model_dump(mode="json") if isinstance(result, BaseModel) else result
+    return web.json_response(
+        payload, status=spec.status, dumps=lambda o: json.dumps(o, default=str)
+    )
 
 
-def make_handler(spec: RouteSpec, ctx: AppContext) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+def make_handler(
+    spec: RouteSpec, ctx: AppContext
+) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     route_label = f"{spec.method} {spec.openapi_path}"
 
     async def handle(request: web.Request) -> web.StreamResponse:
@@ -199,7 +214,7 @@ def make_handler(spec: RouteSpec, ctx: AppContext) -> Callable[[web.Request], Aw
                     raise _Problem(
                         403,
                         "Forbidden",
-                        f"a {principal.role.value} token cannot {spec.summary.lower()}; this needs one of: {allowed}",
+                        f"{_article(principal.role.value)} {principal.role.value} token cannot {spec.summary.lower()}; this needs one of: {allowed}",
                     )
             areq = ApiRequest(request, ctx, principal, params=dict(request.match_info))
             if spec.query is not None:

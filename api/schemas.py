@@ -29,7 +29,9 @@ class Query(BaseModel):
 class MachineQuery(Query):
     state: list[State] = Field(default=[], description="Filter by state (repeatable).")
     label: list[str] = Field(default=[], description="key=value (repeatable; all must match).")
-    gpu_model: str | None = Field(default=None, description="Exact GPU model name, e.g. 'NVIDIA H100 80GB HBM3'.")
+    gpu_model: str | None = Field(
+        default=None, description="Exact GPU model name, e.g. 'NVIDIA H100 80GB HBM3'."
+    )
     gpu_count: int | None = Field(default=None, ge=0, description="Exact number of GPUs.")
     min_gpu_count: int | None = Field(default=None, ge=0, description="At least this many GPUs.")
     rack: str | None = None
@@ -47,7 +49,9 @@ class MachineQuery(Query):
 
 
 class MachineCreate(In):
-    macs: list[str] = Field(min_length=1, max_length=16, description="NIC MACs; the first is the PXE NIC.")
+    macs: list[str] = Field(
+        min_length=1, max_length=16, description="NIC MACs; the first is the PXE NIC."
+    )
     name: Name | None = None
     labels: dict[LabelKey, LabelValue] = {}
     rack: Name | None = None
@@ -57,13 +61,19 @@ class LabelsPatch(In):
     """JSON merge patch of labels: a string sets a label, null removes it."""
 
     labels: dict[LabelKey, LabelValue | None] = Field(max_length=64)
-    version: int | None = Field(default=None, description="Fail with 409 unless the machine is at this version.")
+    version: int | None = Field(
+        default=None, description="Fail with 409 unless the machine is at this version."
+    )
 
 
 class MachineAction(In):
-    action: Literal["inspect", "maintenance-on", "maintenance-off", "mark-broken", "repair", "retire"]
+    action: Literal[
+        "inspect", "maintenance-on", "maintenance-off", "mark-broken", "repair", "retire"
+    ]
     reason: Annotated[str, StringConstraints(max_length=500)] | None = None
-    version: int | None = Field(default=None, description="Fail with 409 unless the machine is at this version.")
+    version: int | None = Field(
+        default=None, description="Fail with 409 unless the machine is at this version."
+    )
 
 
 class NicOut(BaseModel):
@@ -147,7 +157,9 @@ class EventPage(BaseModel):
 class TokenCreate(In):
     name: Name
     role: Role
-    scope: list[str] = Field(default=[], max_length=256, description="orchestrator: tenant ids; agent: one machine id.")
+    scope: list[str] = Field(
+        default=[], max_length=256, description="orchestrator: tenant ids; agent: one machine id."
+    )
     ttl_seconds: int | None = Field(default=None, ge=60, le=10 * 365 * 86400)
 
 

@@ -19,7 +19,9 @@ def main(argv: list[str] | None = None) -> int:
     p_mig = sub.add_parser("migrate", help="upgrade the database schema and exit")
     p_tok = sub.add_parser("create-token", help="mint a token directly in the store (recovery)")
     p_tok.add_argument("--name", required=True)
-    p_tok.add_argument("--role", required=True, choices=["admin", "technician", "orchestrator", "agent"])
+    p_tok.add_argument(
+        "--role", required=True, choices=["admin", "technician", "orchestrator", "agent"]
+    )
     p_tok.add_argument("--scope", action="append", default=[])
     for p in (p_serve, p_check, p_mig, p_tok):
         p.add_argument("--config", "-c", help="TOML config file (env METALD_* overrides apply)")
@@ -52,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         store.migrate()
         with store.session() as s:
             try:
-                _row, secret = issue_token(s, name=args.name, role=args.role, scope=args.scope, created_by="metald-cli")
+                _row, secret = issue_token(
+                    s, name=args.name, role=args.role, scope=args.scope, created_by="metald-cli"
+                )
             except MetaldError as e:
                 print(f"metald: {e}", file=sys.stderr)
                 return 2

@@ -194,7 +194,9 @@ def _describe(err: ValidationError) -> str:
     return "; ".join(lines)
 
 
-def load_config(path: str | os.PathLike[str] | None, environ: dict[str, str] | None = None) -> Config:
+def load_config(
+    path: str | os.PathLike[str] | None, environ: dict[str, str] | None = None
+) -> Config:
     """Read, merge with environment overrides, and validate. Raises ConfigError."""
     data: dict[str, Any] = {}
     if path is not None:
@@ -216,5 +218,7 @@ def load_config(path: str | os.PathLike[str] | None, environ: dict[str, str] | N
                     f"invalid config: boot.networks[{net.name}].{key}: {getattr(net, key)} is outside {net.subnet}"
                 )
         if int(net.pool_start) > int(net.pool_end):
-            raise ConfigError(f"invalid config: boot.networks[{net.name}].pool_start is after pool_end")
+            raise ConfigError(
+                f"invalid config: boot.networks[{net.name}].pool_start is after pool_end"
+            )
     return cfg

@@ -32,7 +32,9 @@ class Client:
         self.token = token
         self.timeout = timeout
 
-    def _request(self, method: str, path: str, body: Any = None, query: list[tuple[str, str]] | None = None) -> urllib.request.Request:
+    def _request(
+        self, method: str, path: str, body: Any = None, query: list[tuple[str, str]] | None = None
+    ) -> urllib.request.Request:
         url = self.url + path
         if query:
             url += "?" + urllib.parse.urlencode(query)
@@ -44,9 +46,13 @@ class Client:
             req.add_header("Authorization", f"Bearer {self.token}")
         return req
 
-    def call(self, method: str, path: str, body: Any = None, query: list[tuple[str, str]] | None = None) -> Any:
+    def call(
+        self, method: str, path: str, body: Any = None, query: list[tuple[str, str]] | None = None
+    ) -> Any:
         try:
-            with urllib.request.urlopen(self._request(method, path, body, query), timeout=self.timeout) as r:
+            with urllib.request.urlopen(
+                self._request(method, path, body, query), timeout=self.timeout
+            ) as r:
                 raw = r.read()
                 return json.loads(raw) if raw else None
         except urllib.error.HTTPError as e:
@@ -74,9 +80,13 @@ class Client:
 
 
 def table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
-    cells = [[h for h, _ in columns]] + [["" if r.get(k) is None else str(r.get(k)) for _, k in columns] for r in rows]
+    cells = [[h for h, _ in columns]] + [
+        ["" if r.get(k) is None else str(r.get(k)) for _, k in columns] for r in rows
+    ]
     widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
-    return "\n".join("  ".join(c[i].ljust(widths[i]) for i in range(len(columns))).rstrip() for c in cells)
+    return "\n".join(
+        "  ".join(c[i].ljust(widths[i]) for i in range(len(columns))).rstrip() for c in cells
+    )
 
 
 def _kv(items: list[str]) -> dict[str, str | None]:
@@ -96,10 +106,22 @@ def _print_event(ev: dict[str, Any]) -> None:
     what = ev["kind"]
     if ev.get("from_state") or ev.get("to_state"):
         what += f" {ev.get('from_state') or '-'} -> {ev.get('to_state')}"
-    print(f"{ev['id']:>6} {ev['at'][:19]} {(ev.get('machine_id') or '-')[:8]:8} {what:40} {ev['actor']}  {ev.get('reason') or ''}".rstrip(), flush=True)
+    print(
+        f"{ev['id']:>6} {ev['at'][:19]} {(ev.get('machine_id') or '-')[:8]:8} {what:40} {ev['actor']}  {ev.get('reason') or ''}".rstrip(),
+        flush=True,
+    )
 
 
-MACHINE_COLUMNS = [("ID", "id"), ("NAME", "name"), ("STATE", "state"), ("GPUS", "gpus"), ("MEM_GB", "mem"), ("RACK", "rack"), ("LABELS", "labels_s"), ("TENANT", "tenant_id")]
+MACHINE_COLUMNS = [
+    ("ID", "id"),
+    ("NAME", "name"),
+    ("STATE", "state"),
+    ("GPUS", "gpus"),
+    ("MEM_GB", "mem"),
+    ("RACK", "rack"),
+    ("LABELS", "labels_s"),
+    ("TENANT", "tenant_id"),
+]
 
 
 def _machine_row(m: dict[str, Any]) -> dict[str, Any]:
@@ -130,10 +152,33 @@ def run(args: argparse.Namespace, c: Client) -> int:
             if out_json:
                 print(json.dumps(m, indent=2))
             else:
-                for k in ("id", "name", "state", "version", "rack", "rack_position", "vendor", "product", "serial", "system_uuid", "cpu_model", "cpu_count", "memory_mb", "gpu_model", "gpu_count", "power_state", "tenant_id", "last_error"):
+                for k in (
+                    "id",
+                    "name",
+                    "state",
+                    "version",
+                    "rack",
+                    "rack_position",
+                    "vendor",
+                    "product",
+                    "serial",
+                    "system_uuid",
+                    "cpu_model",
+                    "cpu_count",
+                    "memory_mb",
+                    "gpu_model",
+                    "gpu_count",
+                    "power_state",
+                    "tenant_id",
+                    "last_error",
+                ):
                     print(f"{k + ':':15} {'' if m.get(k) is None else m[k]}")
-                print(f"{'labels:':15} {', '.join(f'{k}={v}' for k, v in sorted(m['labels'].items()))}")
-                print(f"{'nics:':15} {', '.join(n['mac'] + (' (pxe)' if n['pxe'] else '') for n in m['nics'])}")
+                print(
+                    f"{'labels:':15} {', '.join(f'{k}={v}' for k, v in sorted(m['labels'].items()))}"
+                )
+                print(
+                    f"{'nics:':15} {', '.join(n['mac'] + (' (pxe)' if n['pxe'] else '') for n in m['nics'])}"
+                )
                 print(f"{'actions:':15} {', '.join(m['allowed_actions'])}")
         elif args.sub == "register":
             body: dict[str, Any] = {"macs": args.mac}
@@ -176,8 +221,27 @@ def run(args: argparse.Namespace, c: Client) -> int:
             if out_json:
                 print(json.dumps(page, indent=2))
             else:
-                rows = [dict(t, scope_s=",".join(t["scope"]), status="revoked" if t["revoked_at"] else "active") for t in page["items"]]
-                print(table(rows, [("ID", "id"), ("NAME", "name"), ("ROLE", "role"), ("SCOPE", "scope_s"), ("STATUS", "status"), ("EXPIRES", "expires_at")]))
+                rows = [
+                    dict(
+                        t,
+                        scope_s=",".join(t["scope"]),
+                        status="revoked" if t["revoked_at"] else "active",
+                    )
+                    for t in page["items"]
+                ]
+                print(
+                    table(
+                        rows,
+                        [
+                            ("ID", "id"),
+                            ("NAME", "name"),
+                            ("ROLE", "role"),
+                            ("SCOPE", "scope_s"),
+                            ("STATUS", "status"),
+                            ("EXPIRES", "expires_at"),
+                        ],
+                    )
+                )
         elif args.sub == "create":
             body = {"name": args.name, "role": args.role, "scope": args.scope}
             if args.ttl:
@@ -194,13 +258,31 @@ def run(args: argparse.Namespace, c: Client) -> int:
     elif cmd == "tenants":
         if args.sub == "list":
             page = c.call("GET", "/api/v1/tenants")
-            print(json.dumps(page, indent=2) if out_json else table(page["items"], [("ID", "id"), ("NAME", "name"), ("KIND", "cluster_kind"), ("CONTROL PLANE", "control_plane")]))
+            print(
+                json.dumps(page, indent=2)
+                if out_json
+                else table(
+                    page["items"],
+                    [
+                        ("ID", "id"),
+                        ("NAME", "name"),
+                        ("KIND", "cluster_kind"),
+                        ("CONTROL PLANE", "control_plane"),
+                    ],
+                )
+            )
         else:
             t = c.call("POST", "/api/v1/tenants", {"name": args.name, "cluster_kind": args.kind})
-            print(json.dumps(t, indent=2) if out_json else f"tenant {t['id']} ({t['name']}) created")
+            print(
+                json.dumps(t, indent=2) if out_json else f"tenant {t['id']} ({t['name']}) created"
+            )
     elif cmd == "whoami":
         w = c.call("GET", "/api/v1/whoami")
-        print(json.dumps(w, indent=2) if out_json else f"{w['name']} ({w['role']}) scope={','.join(w['scope']) or '-'}")
+        print(
+            json.dumps(w, indent=2)
+            if out_json
+            else f"{w['name']} ({w['role']}) scope={','.join(w['scope']) or '-'}"
+        )
     else:
         from metald.ctl_ext import run_extension
 
@@ -209,7 +291,9 @@ def run(args: argparse.Namespace, c: Client) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="metalctl", description="Operate a metald fleet (METALD_URL, METALD_TOKEN)")
+    ap = argparse.ArgumentParser(
+        prog="metalctl", description="Operate a metald fleet (METALD_URL, METALD_TOKEN)"
+    )
     ap.add_argument("--version", action="version", version=f"metalctl {__version__}")
     ap.add_argument("--url", default=os.environ.get("METALD_URL", "http://127.0.0.1:8080"))
     ap.add_argument("--json", action="store_true", help="print the API's JSON")
@@ -234,7 +318,14 @@ def build_parser() -> argparse.ArgumentParser:
     mlab = msub.add_parser("label", help="key=value sets, key- removes")
     mlab.add_argument("id")
     mlab.add_argument("labels", nargs="+")
-    for action in ("inspect", "maintenance-on", "maintenance-off", "mark-broken", "repair", "retire"):
+    for action in (
+        "inspect",
+        "maintenance-on",
+        "maintenance-off",
+        "mark-broken",
+        "repair",
+        "retire",
+    ):
         pa = msub.add_parser(action)
         pa.add_argument("id")
         pa.add_argument("--reason")
@@ -250,7 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
     tsub.add_parser("list")
     tc = tsub.add_parser("create")
     tc.add_argument("--name", required=True)
-    tc.add_argument("--role", required=True, choices=["admin", "technician", "orchestrator", "agent"])
+    tc.add_argument(
+        "--role", required=True, choices=["admin", "technician", "orchestrator", "agent"]
+    )
     tc.add_argument("--scope", action="append", default=[])
     tc.add_argument("--ttl", type=int, help="seconds")
     tsub.add_parser("revoke").add_argument("id")

@@ -61,8 +61,13 @@ class Daemon:
         for svc in self.services:
             await svc.start()
             log.info("service %s started", svc.name)
-        log.info("metald %s (%s) listening on %s, store %s", __version__, self.cfg.instance,
-                 self.cfg.api.listen, "sqlite" if self.store.is_sqlite else "postgresql")
+        log.info(
+            "metald %s (%s) listening on %s, store %s",
+            __version__,
+            self.cfg.instance,
+            self.cfg.api.listen,
+            "sqlite" if self.store.is_sqlite else "postgresql",
+        )
 
     async def stop(self) -> None:
         for svc in reversed(self.services):

@@ -8,6 +8,7 @@ stream also sees events written by other metald instances (at the polling interv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 
 class EventBus:
@@ -32,7 +33,5 @@ class EventBus:
     async def wait(self, timeout: float) -> None:
         cond = self._condition()
         async with cond:
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(cond.wait(), timeout)
-            except TimeoutError:
-                pass

@@ -56,7 +56,15 @@ S, T = State, Trigger
 
 #: States in which a machine belongs to a tenant.
 ALLOCATED = frozenset(
-    {S.CLAIMED, S.PROVISIONING, S.PROVISION_FAILED, S.PROVISIONED, S.JOINING, S.JOIN_FAILED, S.ACTIVE}
+    {
+        S.CLAIMED,
+        S.PROVISIONING,
+        S.PROVISION_FAILED,
+        S.PROVISIONED,
+        S.JOINING,
+        S.JOIN_FAILED,
+        S.ACTIVE,
+    }
 )
 #: States in which a machine is not allocated and no operation is under way.
 IDLE = frozenset({S.DISCOVERED, S.READY, S.INSPECT_FAILED, S.WIPE_FAILED})

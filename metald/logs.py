@@ -11,7 +11,12 @@ from datetime import UTC, datetime
 # Bearer tokens and anything that looks like a password assignment never reach a log line.
 _REDACT = [
     (re.compile(r"mtd_[A-Za-z0-9_-]{10,}"), "mtd_<redacted>"),
-    (re.compile(r"(?i)(password|passwd|secret|private_key|token)(['\"]?\s*[:=]\s*['\"]?)[^\s'\",}]+"), r"\1\2<redacted>"),
+    (
+        re.compile(
+            r"(?i)(password|passwd|secret|private_key|token)(['\"]?\s*[:=]\s*['\"]?)[^\s'\",}]+"
+        ),
+        r"\1\2<redacted>",
+    ),
 ]
 
 

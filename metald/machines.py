@@ -216,8 +216,15 @@ def update_fields(
         raise ConcurrentUpdate(
             f"machine {machine_id} changed since it was read; read it again and retry"
         )
-    add_event(session, kind, actor, machine_id=machine_id, tenant_id=m.tenant_id, data=data,
-              instance=instance)
+    add_event(
+        session,
+        kind,
+        actor,
+        machine_id=machine_id,
+        tenant_id=m.tenant_id,
+        data=data,
+        instance=instance,
+    )
     session.commit()
     session.refresh(m)
     return m

@@ -11,7 +11,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 REGISTRY = CollectorRegistry(auto_describe=True)
 
 api_requests = Counter(
-    "metald_api_requests_total", "HTTP API requests", ["method", "route", "status"], registry=REGISTRY
+    "metald_api_requests_total",
+    "HTTP API requests",
+    ["method", "route", "status"],
+    registry=REGISTRY,
 )
 api_latency = Histogram(
     "metald_api_request_seconds", "HTTP API request latency", ["route"], registry=REGISTRY
@@ -20,7 +23,10 @@ machines_by_state = Gauge(
     "metald_machines", "Machines by lifecycle state", ["state"], registry=REGISTRY
 )
 transitions = Counter(
-    "metald_machine_transitions_total", "Lifecycle transitions applied", ["trigger"], registry=REGISTRY
+    "metald_machine_transitions_total",
+    "Lifecycle transitions applied",
+    ["trigger"],
+    registry=REGISTRY,
 )
 
 

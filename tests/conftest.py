@@ -48,7 +48,9 @@ def store(db_url: str) -> Iterator[Store]:
 
 @pytest.fixture
 def cfg(tmp_path: Path, db_url: str) -> Config:
-    return load_config(None, environ={"METALD_STATE_DIR": str(tmp_path / "state"), "METALD_STORE__URL": db_url})
+    return load_config(
+        None, environ={"METALD_STATE_DIR": str(tmp_path / "state"), "METALD_STORE__URL": db_url}
+    )
 
 
 @dataclass
@@ -82,11 +84,25 @@ def seed(store: Store) -> Tokens:
         s.commit()
         ids = []
         for i, tenant in enumerate([ta, tb, None]):
-            m = machines.create_machine(s, macs=[f"52:54:00:00:00:{i + 1:02x}"], actor="test", name=f"node{i}")
+            m = machines.create_machine(
+                s, macs=[f"52:54:00:00:00:{i + 1:02x}"], actor="test", name=f"node{i}"
+            )
             machines.transition(s, m.id, Trigger.INSPECT, actor="test")
-            machines.transition(s, m.id, Trigger.INSPECTED, actor="test", updates={"inventory": {"schema_version": 1}, "gpu_model": "NVIDIA H100 80GB HBM3", "gpu_count": 8 - i})
+            machines.transition(
+                s,
+                m.id,
+                Trigger.INSPECTED,
+                actor="test",
+                updates={
+                    "inventory": {"schema_version": 1},
+                    "gpu_model": "NVIDIA H100 80GB HBM3",
+                    "gpu_count": 8 - i,
+                },
+            )
             if tenant is not None:
-                machines.transition(s, m.id, Trigger.CLAIM, actor="test", updates={"tenant_id": tenant.id})
+                machines.transition(
+                    s, m.id, Trigger.CLAIM, actor="test", updates={"tenant_id": tenant.id}
+                )
             ids.append(m.id)
         toks = {}
         for role, scope in [
@@ -96,9 +112,18 @@ def seed(store: Store) -> Tokens:
             ("orchestrator_other", [tb.id]),
             ("agent", [ids[0]]),
         ]:
-            _row, secret = issue_token(s, name=role.replace("_", "-"), role=role.split("_")[0], scope=scope)
+            _row, secret = issue_token(
+                s, name=role.replace("_", "-"), role=role.split("_")[0], scope=scope
+            )
             toks[role] = secret
-        return Tokens(**toks, tenant_a=ta.id, tenant_b=tb.id, machine_a=ids[0], machine_b=ids[1], machine_free=ids[2])
+        return Tokens(
+            **toks,
+            tenant_a=ta.id,
+            tenant_b=tb.id,
+            machine_a=ids[0],
+            machine_b=ids[1],
+            machine_free=ids[2],
+        )
 
 
 @pytest.fixture
@@ -108,7 +133,9 @@ async def api(cfg: Config, store: Store, aiohttp_client):  # type: ignore[no-unt
     from api.context import AppContext
     from metald.events import EventBus
 
-    ctx = AppContext(cfg=cfg, store=store, secrets=SecretBox.from_file(cfg.secrets_key_path), bus=EventBus())
+    ctx = AppContext(
+        cfg=cfg, store=store, secrets=SecretBox.from_file(cfg.secrets_key_path), bus=EventBus()
+    )
     tokens = seed(store)
     client = await aiohttp_client(create_app(ctx))
     return client, tokens, store
@@ -117,7 +144,9 @@ async def api(cfg: Config, store: Store, aiohttp_client):  # type: ignore[no-unt
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if IS_ROOT:
         return
-    skip = pytest.mark.skip(reason="needs root (network namespaces, tap devices, QEMU); CI runs as root")
+    skip = pytest.mark.skip(
+        reason="needs root (network namespaces, tap devices, QEMU); CI runs as root"
+    )
     for item in items:
         if "root" in item.keywords or "lab" in item.keywords:
             item.add_marker(skip)

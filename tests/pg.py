@@ -42,9 +42,24 @@ class PgServer:
         if os.geteuid() == 0:
             pw = pwd.getpwnam("postgres")
             os.chown(self.dir, pw.pw_uid, pw.pw_gid)
-        self._run(["initdb", "-D", str(self.data), "-U", "metald", "-A", "trust", "--no-sync", "-E", "UTF8"])
+        self._run(
+            [
+                "initdb",
+                "-D",
+                str(self.data),
+                "-U",
+                "metald",
+                "-A",
+                "trust",
+                "--no-sync",
+                "-E",
+                "UTF8",
+            ]
+        )
         opts = f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.dir} -c fsync=off -c max_connections=200"
-        self._run(["pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(self.dir / "log"), "-w", "start"])
+        self._run(
+            ["pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(self.dir / "log"), "-w", "start"]
+        )
         for _ in range(100):
             try:
                 socket.create_connection(("127.0.0.1", self.port), 0.2).close()
@@ -66,7 +81,9 @@ class PgServer:
         import psycopg
 
         name = "t_" + uuid.uuid4().hex[:12]
-        with psycopg.connect(f"host=127.0.0.1 port={self.port} user=metald dbname=postgres", autocommit=True) as c:
+        with psycopg.connect(
+            f"host=127.0.0.1 port={self.port} user=metald dbname=postgres", autocommit=True
+        ) as c:
             c.execute(f'CREATE DATABASE "{name}"')
         return f"postgresql+psycopg://metald@127.0.0.1:{self.port}/{name}"
 

@@ -27,7 +27,10 @@ def _snapshot(store):  # type: ignore[no-untyped-def]
     with store.session() as s:
         return (
             s.exec(select(func.count()).select_from(Event)).one(),
-            sorted((m.id, m.state, m.version, json.dumps(m.labels, sort_keys=True)) for m in s.exec(select(Machine))),
+            sorted(
+                (m.id, m.state, m.version, json.dumps(m.labels, sort_keys=True))
+                for m in s.exec(select(Machine))
+            ),
             s.exec(select(func.count()).select_from(ApiToken)).one(),
         )
 
@@ -49,7 +52,9 @@ async def test_every_endpoint_every_role(api) -> None:  # type: ignore[no-untype
         r = await client.request(spec.method, path, json=body)
         assert r.status == 401, (spec.method, spec.path)
         assert r.headers["Content-Type"].startswith("application/problem+json")
-        r = await client.request(spec.method, path, json=body, headers={"Authorization": "Bearer mtd_forged"})
+        r = await client.request(
+            spec.method, path, json=body, headers={"Authorization": "Bearer mtd_forged"}
+        )
         assert r.status == 401
         for role in ROLES:
             before = _snapshot(store)
@@ -70,16 +75,22 @@ async def test_orchestrator_sees_only_its_tenants(api) -> None:  # type: ignore[
     r = await client.get("/api/v1/machines", headers=tokens.header("orchestrator"))
     page = await r.json()
     assert [m["id"] for m in page["items"]] == [tokens.machine_a]
-    r = await client.get(f"/api/v1/machines/{tokens.machine_b}", headers=tokens.header("orchestrator"))
+    r = await client.get(
+        f"/api/v1/machines/{tokens.machine_b}", headers=tokens.header("orchestrator")
+    )
     assert r.status == 404
-    r = await client.get(f"/api/v1/machines/{tokens.machine_b}", headers=tokens.header("orchestrator_other"))
+    r = await client.get(
+        f"/api/v1/machines/{tokens.machine_b}", headers=tokens.header("orchestrator_other")
+    )
     assert r.status == 200
     r = await client.get("/api/v1/events", headers=tokens.header("orchestrator"))
     evs = (await r.json())["items"]
     assert evs and all(e["tenant_id"] == tokens.tenant_a for e in evs)
     r = await client.get("/api/v1/tenants", headers=tokens.header("orchestrator"))
     assert [t["id"] for t in (await r.json())["items"]] == [tokens.tenant_a]
-    r = await client.get(f"/api/v1/tenants/{tokens.tenant_b}", headers=tokens.header("orchestrator"))
+    r = await client.get(
+        f"/api/v1/tenants/{tokens.tenant_b}", headers=tokens.header("orchestrator")
+    )
     assert r.status == 404
 
 
@@ -96,28 +107,122 @@ async def test_agent_sees_only_its_machine(api) -> None:  # type: ignore[no-unty
 
 BAD_REQUESTS = [
     # (description, method, path, kwargs, status, phrase in detail)
-    ("malformed json", "POST", "/api/v1/machines", {"data": b"{not json", "headers": {"Content-Type": "application/json"}}, 400, "not valid JSON"),
+    (
+        "malformed json",
+        "POST",
+        "/api/v1/machines",
+        {"data": b"{not json", "headers": {"Content-Type": "application/json"}},
+        400,
+        "not valid JSON",
+    ),
     ("json array", "POST", "/api/v1/machines", {"json": [1, 2]}, 400, "JSON object"),
-    ("unknown field", "POST", "/api/v1/machines", {"json": {"macs": ["02:00:00:00:09:01"], "colour": "red"}}, 422, "colour: unknown field"),
-    ("wrong type", "POST", "/api/v1/machines", {"json": {"macs": "02:00:00:00:09:01"}}, 422, "macs"),
+    (
+        "unknown field",
+        "POST",
+        "/api/v1/machines",
+        {"json": {"macs": ["02:00:00:00:09:01"], "colour": "red"}},
+        422,
+        "colour: unknown field",
+    ),
+    (
+        "wrong type",
+        "POST",
+        "/api/v1/machines",
+        {"json": {"macs": "02:00:00:00:09:01"}},
+        422,
+        "macs",
+    ),
     ("missing field", "POST", "/api/v1/machines", {"json": {}}, 422, "macs: is required"),
-    ("bad mac", "POST", "/api/v1/machines", {"json": {"macs": ["zz:00:00:00:00:01"]}}, 422, "not a MAC"),
-    ("duplicate mac", "POST", "/api/v1/machines", {"json": {"macs": ["52:54:00:00:00:01"]}}, 409, "already belongs"),
-    ("oversized", "POST", "/api/v1/machines", {"data": b'{"macs": ["' + b"a" * (2 << 20) + b'"]}', "headers": {"Content-Type": "application/json"}}, 413, "limit"),
-    ("form body", "POST", "/api/v1/machines", {"data": b"macs=1", "headers": {"Content-Type": "application/x-www-form-urlencoded"}}, 415, "application/json"),
+    (
+        "bad mac",
+        "POST",
+        "/api/v1/machines",
+        {"json": {"macs": ["zz:00:00:00:00:01"]}},
+        422,
+        "not a MAC",
+    ),
+    (
+        "duplicate mac",
+        "POST",
+        "/api/v1/machines",
+        {"json": {"macs": ["52:54:00:00:00:01"]}},
+        409,
+        "already belongs",
+    ),
+    (
+        "oversized",
+        "POST",
+        "/api/v1/machines",
+        {
+            "data": b'{"macs": ["' + b"a" * (2 << 20) + b'"]}',
+            "headers": {"Content-Type": "application/json"},
+        },
+        413,
+        "limit",
+    ),
+    (
+        "form body",
+        "POST",
+        "/api/v1/machines",
+        {"data": b"macs=1", "headers": {"Content-Type": "application/x-www-form-urlencoded"}},
+        415,
+        "application/json",
+    ),
     ("unknown machine", "GET", "/api/v1/machines/nope", {}, 404, "no machine"),
-    ("unknown action", "POST", "/api/v1/machines/{free}/actions", {"json": {"action": "explode"}}, 422, "action"),
-    ("illegal transition", "POST", "/api/v1/machines/{a}/actions", {"json": {"action": "retire"}}, 409, "release it first"),
-    ("stale version", "POST", "/api/v1/machines/{free}/actions", {"json": {"action": "maintenance-on", "version": 1}}, 409, "changed since it was read"),
-    ("bad label key", "PATCH", "/api/v1/machines/{free}/labels", {"json": {"labels": {"bad key!": "x"}}}, 422, "labels"),
+    (
+        "unknown action",
+        "POST",
+        "/api/v1/machines/{free}/actions",
+        {"json": {"action": "explode"}},
+        422,
+        "action",
+    ),
+    (
+        "illegal transition",
+        "POST",
+        "/api/v1/machines/{a}/actions",
+        {"json": {"action": "retire"}},
+        409,
+        "release it first",
+    ),
+    (
+        "stale version",
+        "POST",
+        "/api/v1/machines/{free}/actions",
+        {"json": {"action": "maintenance-on", "version": 1}},
+        409,
+        "changed since it was read",
+    ),
+    (
+        "bad label key",
+        "PATCH",
+        "/api/v1/machines/{free}/labels",
+        {"json": {"labels": {"bad key!": "x"}}},
+        422,
+        "labels",
+    ),
     ("bad filter", "GET", "/api/v1/machines?state=flying", {}, 422, "state"),
     ("bad label filter", "GET", "/api/v1/machines?label=novalue", {}, 422, "key=value"),
     ("unknown query param", "GET", "/api/v1/machines?colour=red", {}, 422, "colour"),
     ("negative limit", "GET", "/api/v1/machines?limit=-1", {}, 422, "limit"),
     ("unknown route", "GET", "/api/v1/nothing-here", {}, 404, "no resource"),
     ("wrong method", "DELETE", "/api/v1/machines", {}, 405, "not allowed"),
-    ("token scope to missing tenant", "POST", "/api/v1/tokens", {"json": {"name": "o", "role": "orchestrator", "scope": ["nope"]}}, 422, "do not exist"),
-    ("agent token without machine", "POST", "/api/v1/tokens", {"json": {"name": "a", "role": "agent"}}, 422, "exactly one machine"),
+    (
+        "token scope to missing tenant",
+        "POST",
+        "/api/v1/tokens",
+        {"json": {"name": "o", "role": "orchestrator", "scope": ["nope"]}},
+        422,
+        "do not exist",
+    ),
+    (
+        "agent token without machine",
+        "POST",
+        "/api/v1/tokens",
+        {"json": {"name": "a", "role": "agent"}},
+        422,
+        "exactly one machine",
+    ),
     ("revoke self", "DELETE", "/api/v1/tokens/{admin_id}", {}, 409, "refusing"),
 ]
 
@@ -143,9 +248,15 @@ async def test_bad_input_gets_problem_and_changes_nothing(api, case) -> None:  #
 async def test_actions_labels_filters_and_pagination(api) -> None:  # type: ignore[no-untyped-def]
     client, tokens, _ = api
     h = tokens.header("technician")
-    r = await client.patch(f"/api/v1/machines/{tokens.machine_free}/labels", json={"labels": {"pool": "train", "gen": "h100"}}, headers=h)
+    r = await client.patch(
+        f"/api/v1/machines/{tokens.machine_free}/labels",
+        json={"labels": {"pool": "train", "gen": "h100"}},
+        headers=h,
+    )
     assert r.status == 200 and (await r.json())["labels"] == {"pool": "train", "gen": "h100"}
-    r = await client.patch(f"/api/v1/machines/{tokens.machine_free}/labels", json={"labels": {"gen": None}}, headers=h)
+    r = await client.patch(
+        f"/api/v1/machines/{tokens.machine_free}/labels", json={"labels": {"gen": None}}, headers=h
+    )
     assert (await r.json())["labels"] == {"pool": "train"}
     r = await client.get("/api/v1/machines?label=pool=train", headers=h)
     assert [m["id"] for m in (await r.json())["items"]] == [tokens.machine_free]
@@ -158,8 +269,18 @@ async def test_actions_labels_filters_and_pagination(api) -> None:  # type: igno
     r = await client.get("/api/v1/machines?limit=2&offset=2", headers=h)
     page = await r.json()
     assert page["total"] == 3 and len(page["items"]) == 1
-    for action, state in [("maintenance-on", "maintenance"), ("maintenance-off", "ready"), ("mark-broken", "broken"), ("repair", "maintenance"), ("retire", "retired")]:
-        r = await client.post(f"/api/v1/machines/{tokens.machine_free}/actions", json={"action": action, "reason": "test"}, headers=h)
+    for action, state in [
+        ("maintenance-on", "maintenance"),
+        ("maintenance-off", "ready"),
+        ("mark-broken", "broken"),
+        ("repair", "maintenance"),
+        ("retire", "retired"),
+    ]:
+        r = await client.post(
+            f"/api/v1/machines/{tokens.machine_free}/actions",
+            json={"action": action, "reason": "test"},
+            headers=h,
+        )
         assert r.status == 200, await r.text()
         assert (await r.json())["state"] == state
     r = await client.get(f"/api/v1/events?machine_id={tokens.machine_free}", headers=h)
@@ -169,7 +290,9 @@ async def test_actions_labels_filters_and_pagination(api) -> None:  # type: igno
 
 async def test_token_lifecycle(api) -> None:  # type: ignore[no-untyped-def]
     client, tokens, _ = api
-    r = await client.post("/api/v1/tokens", json={"name": "ops", "role": "technician"}, headers=tokens.header("admin"))
+    r = await client.post(
+        "/api/v1/tokens", json={"name": "ops", "role": "technician"}, headers=tokens.header("admin")
+    )
     assert r.status == 201
     created = await r.json()
     secret = created["token"]
@@ -188,9 +311,15 @@ async def test_event_stream_delivers_live_events(api) -> None:  # type: ignore[n
     client, tokens, _ = api
     r = await client.get("/api/v1/events", headers=tokens.header("admin"))
     cursor = (await r.json())["next_after"]
-    stream = await client.get(f"/api/v1/events/stream?after={cursor}", headers=tokens.header("technician"))
+    stream = await client.get(
+        f"/api/v1/events/stream?after={cursor}", headers=tokens.header("technician")
+    )
     assert stream.headers["Content-Type"] == "text/event-stream"
-    await client.post(f"/api/v1/machines/{tokens.machine_free}/actions", json={"action": "maintenance-on"}, headers=tokens.header("technician"))
+    await client.post(
+        f"/api/v1/machines/{tokens.machine_free}/actions",
+        json={"action": "maintenance-on"},
+        headers=tokens.header("technician"),
+    )
 
     async def first_event() -> dict:
         data = None
@@ -216,7 +345,9 @@ async def test_openapi_is_generated_from_routes(api) -> None:  # type: ignore[no
     op = doc["paths"]["/api/v1/machines/{id}/actions"]["post"]
     assert op["x-roles"] == ["admin", "technician"]
     assert "409" in op["responses"] and "requestBody" in op
-    schema_name = op["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+    schema_name = op["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[
+        1
+    ]
     assert "retire" in json.dumps(doc["components"]["schemas"][schema_name])
 
 
@@ -228,3 +359,12 @@ async def test_health_and_metrics(api) -> None:  # type: ignore[no-untyped-def]
     text = await (await client.get("/metrics")).text()
     assert 'metald_machines{state="claimed"} 2.0' in text
     assert "metald_api_requests_total" in text
+
+
+def test_docs_api_md_is_current() -> None:
+    from pathlib import Path
+
+    from api.docs import render
+
+    doc = Path(__file__).parent.parent / "docs" / "api.md"
+    assert doc.read_text() == render(), "docs/api.md is stale: run python -m api.docs > docs/api.md"

@@ -32,7 +32,9 @@ def wait_http(port: int, proc: subprocess.Popen, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"metald exited with {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}")
+            raise AssertionError(
+                f"metald exited with {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}"
+            )
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1).read()
             return
@@ -45,8 +47,12 @@ def wait_http(port: int, proc: subprocess.Popen, timeout: float = 30) -> None:
 def daemon(tmp_path: Path):  # type: ignore[no-untyped-def]
     port = free_port()
     conf = tmp_path / "metald.toml"
-    conf.write_text(f'state_dir = "{tmp_path / "state"}"\ninstance = "test-1"\n[api]\nlisten = "127.0.0.1:{port}"\n[log]\nformat = "json"\n')
-    proc = subprocess.Popen([BIN / "metald", "serve", "--config", conf], stderr=subprocess.PIPE, text=True)
+    conf.write_text(
+        f'state_dir = "{tmp_path / "state"}"\ninstance = "test-1"\n[api]\nlisten = "127.0.0.1:{port}"\n[log]\nformat = "json"\n'
+    )
+    proc = subprocess.Popen(
+        [BIN / "metald", "serve", "--config", conf], stderr=subprocess.PIPE, text=True
+    )
     try:
         wait_http(port, proc)
         yield proc, port, tmp_path / "state"
@@ -63,7 +69,9 @@ def test_first_start_writes_admin_token_0600_and_sigterm_stops(daemon) -> None: 
     assert stat.S_IMODE((state / "secrets.key").stat().st_mode) == 0o600
     secret = token_file.read_text().strip()
     env = {**os.environ, "METALD_URL": f"http://127.0.0.1:{port}", "METALD_TOKEN": secret}
-    out = subprocess.run([BIN / "metalctl", "whoami"], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [BIN / "metalctl", "whoami"], env=env, capture_output=True, text=True, check=True
+    )
     assert "bootstrap-admin (admin)" in out.stdout
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=15) == 0
@@ -76,15 +84,31 @@ def test_first_start_writes_admin_token_0600_and_sigterm_stops(daemon) -> None: 
 
 def test_metalctl_operates_the_fleet(daemon) -> None:  # type: ignore[no-untyped-def]
     _proc, port, state = daemon
-    env = {**os.environ, "METALD_URL": f"http://127.0.0.1:{port}", "METALD_TOKEN": (state / "admin.token").read_text().strip()}
+    env = {
+        **os.environ,
+        "METALD_URL": f"http://127.0.0.1:{port}",
+        "METALD_TOKEN": (state / "admin.token").read_text().strip(),
+    }
 
     def ctl(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
-        r = subprocess.run([BIN / "metalctl", *args], env=env, capture_output=True, text=True, timeout=30)
+        r = subprocess.run(
+            [BIN / "metalctl", *args], env=env, capture_output=True, text=True, timeout=30
+        )
         if ok:
             assert r.returncode == 0, r.stderr
         return r
 
-    out = ctl("--json", "machines", "register", "--mac", "52:54:00:aa:00:01", "--name", "gpu-01", "--label", "pool=train")
+    out = ctl(
+        "--json",
+        "machines",
+        "register",
+        "--mac",
+        "52:54:00:aa:00:01",
+        "--name",
+        "gpu-01",
+        "--label",
+        "pool=train",
+    )
     mid = json.loads(out.stdout)["id"]
     assert "gpu-01" in ctl("machines", "list").stdout
     assert "pool=train" in ctl("machines", "list", "--label", "pool=train").stdout
@@ -97,10 +121,17 @@ def test_metalctl_operates_the_fleet(daemon) -> None:  # type: ignore[no-untyped
     assert "discovered -> maintenance" in events and "reseat GPU" in events
     tok = ctl("tokens", "create", "--name", "tech1", "--role", "technician").stdout.splitlines()[-1]
     env2 = {**env, "METALD_TOKEN": tok}
-    r = subprocess.run([BIN / "metalctl", "tokens", "list"], env=env2, capture_output=True, text=True)
+    r = subprocess.run(
+        [BIN / "metalctl", "tokens", "list"], env=env2, capture_output=True, text=True
+    )
     assert r.returncode == 1 and "technician token cannot list tokens" in r.stderr
     # --follow streams new events as they happen.
-    follower = subprocess.Popen([BIN / "metalctl", "events", "--follow", "--machine", mid], env=env, stdout=subprocess.PIPE, bufsize=0)
+    follower = subprocess.Popen(
+        [BIN / "metalctl", "events", "--follow", "--machine", mid],
+        env=env,
+        stdout=subprocess.PIPE,
+        bufsize=0,
+    )
     try:
         time.sleep(1.0)
         ctl("machines", "label", mid, "rack=r1")
@@ -121,7 +152,9 @@ def test_metalctl_operates_the_fleet(daemon) -> None:  # type: ignore[no-untyped
 def test_invalid_config_names_the_key(tmp_path: Path) -> None:
     conf = tmp_path / "bad.toml"
     conf.write_text('[api]\nlisten = "nowhere"\nlistn = "x"\n')
-    r = subprocess.run([BIN / "metald", "check-config", "--config", conf], capture_output=True, text=True)
+    r = subprocess.run(
+        [BIN / "metald", "check-config", "--config", conf], capture_output=True, text=True
+    )
     assert r.returncode == 2
     assert "api.listen" in r.stderr and "api.listn: unknown key" in r.stderr
 
@@ -129,8 +162,20 @@ def test_invalid_config_names_the_key(tmp_path: Path) -> None:
 def test_config_env_overrides_and_errors(tmp_path: Path) -> None:
     conf = tmp_path / "c.toml"
     conf.write_text('state_dir = "/srv/metald"\n[api]\nlisten = "127.0.0.1:9000"\n')
-    cfg = load_config(conf, environ={"METALD_API__LISTEN": "0.0.0.0:8081", "METALD_LOG__FORMAT": "json", "METALD_BMC__RETRIES": "5"})
-    assert (cfg.api.listen, cfg.log.format, cfg.bmc.retries, cfg.state_dir) == ("0.0.0.0:8081", "json", 5, "/srv/metald")
+    cfg = load_config(
+        conf,
+        environ={
+            "METALD_API__LISTEN": "0.0.0.0:8081",
+            "METALD_LOG__FORMAT": "json",
+            "METALD_BMC__RETRIES": "5",
+        },
+    )
+    assert (cfg.api.listen, cfg.log.format, cfg.bmc.retries, cfg.state_dir) == (
+        "0.0.0.0:8081",
+        "json",
+        5,
+        "/srv/metald",
+    )
     with pytest.raises(ConfigError, match="log.level"):
         load_config(conf, environ={"METALD_LOG__LEVEL": "loud"})
     with pytest.raises(ConfigError, match="not valid TOML"):

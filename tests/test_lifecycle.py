@@ -44,7 +44,9 @@ def test_every_pair_applied_to_stored_machine(store) -> None:  # type: ignore[no
     with store.session() as s:
         m = machines.create_machine(s, macs=["02:00:00:00:00:01"], actor="test")
         for state, trigger in ALL_PAIRS:
-            s.execute(Machine.__table__.update().where(Machine.id == m.id).values(state=state.value))  # type: ignore[attr-defined]
+            s.execute(
+                Machine.__table__.update().where(Machine.id == m.id).values(state=state.value)
+            )  # type: ignore[attr-defined]
             s.commit()
             before = s.exec(select(Event).where(Event.machine_id == m.id)).all()
             version = s.get(Machine, m.id).version  # type: ignore[union-attr]
@@ -55,7 +57,11 @@ def test_every_pair_applied_to_stored_machine(store) -> None:  # type: ignore[no
                 events = s.exec(select(Event).where(Event.machine_id == m.id)).all()
                 assert len(events) == len(before) + 1
                 last = events[-1]
-                assert (last.from_state, last.to_state, last.actor) == (state.value, out.state, "test")
+                assert (last.from_state, last.to_state, last.actor) == (
+                    state.value,
+                    out.state,
+                    "test",
+                )
             else:
                 with pytest.raises(IllegalTransition):
                     machines.transition(s, m.id, trigger, actor="test")
@@ -63,7 +69,9 @@ def test_every_pair_applied_to_stored_machine(store) -> None:  # type: ignore[no
                 row = s.get(Machine, m.id)
                 s.refresh(row)
                 assert row.state == state.value and row.version == version  # type: ignore[union-attr]
-                assert len(s.exec(select(Event).where(Event.machine_id == m.id)).all()) == len(before)
+                assert len(s.exec(select(Event).where(Event.machine_id == m.id)).all()) == len(
+                    before
+                )
 
 
 def test_allocated_set_is_release_sources() -> None:

@@ -56,7 +56,9 @@ def test_racing_writers_one_wins(store: Store) -> None:
     with store.session() as s:
         row = s.get(Machine, m.id)
         assert row.version == version + 1  # type: ignore[union-attr]
-        evs = s.exec(select(Event).where(Event.machine_id == m.id, Event.from_state == State.READY.value)).all()
+        evs = s.exec(
+            select(Event).where(Event.machine_id == m.id, Event.from_state == State.READY.value)
+        ).all()
         assert len(evs) == 1 and evs[0].to_state == row.state  # type: ignore[union-attr]
 
 
@@ -77,19 +79,40 @@ def test_upgrade_keeps_data(db_url: str) -> None:
         upgrade(store.engine, "0001")
         assert current_revision(store.engine) == "0001"
         with store.engine.begin() as c:
-            c.execute(sa.text("INSERT INTO tenants (id, name, cluster_kind, created_at) VALUES ('t1', 'acme', 'slurm', CURRENT_TIMESTAMP)"))
-            c.execute(sa.text(
-                "INSERT INTO machines (id, name, state, version, labels, gpu_count, state_changed_at, created_at, updated_at, tenant_id) "
-                "VALUES ('m1', 'node1', 'active', 7, '{\"gpu\": \"h100\"}', 8, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP, 't1')"
-            ))
-            c.execute(sa.text("INSERT INTO nics (id, machine_id, mac, pxe) VALUES ('n1', 'm1', '02:00:00:00:03:01', true)"))
-            c.execute(sa.text("INSERT INTO events (at, kind, machine_id, actor, to_state) VALUES (CURRENT_TIMESTAMP, 'machine.created', 'm1', 'test', 'discovered')"))
+            c.execute(
+                sa.text(
+                    "INSERT INTO tenants (id, name, cluster_kind, created_at) VALUES ('t1', 'acme', 'slurm', CURRENT_TIMESTAMP)"
+                )
+            )
+            c.execute(
+                sa.text(
+                    "INSERT INTO machines (id, name, state, version, labels, gpu_count, state_changed_at, created_at, updated_at, tenant_id) "
+                    "VALUES ('m1', 'node1', 'active', 7, '{\"gpu\": \"h100\"}', 8, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP, 't1')"
+                )
+            )
+            c.execute(
+                sa.text(
+                    "INSERT INTO nics (id, machine_id, mac, pxe) VALUES ('n1', 'm1', '02:00:00:00:03:01', true)"
+                )
+            )
+            c.execute(
+                sa.text(
+                    "INSERT INTO events (at, kind, machine_id, actor, to_state) VALUES (CURRENT_TIMESTAMP, 'machine.created', 'm1', 'test', 'discovered')"
+                )
+            )
         store.migrate()
         assert current_revision(store.engine) != "0001"
         with store.session() as s:
             m = s.get(Machine, "m1")
             assert m is not None
-            assert (m.name, m.state, m.version, m.labels, m.gpu_count, m.tenant_id) == ("node1", "active", 7, {"gpu": "h100"}, 8, "t1")
+            assert (m.name, m.state, m.version, m.labels, m.gpu_count, m.tenant_id) == (
+                "node1",
+                "active",
+                7,
+                {"gpu": "h100"},
+                8,
+                "t1",
+            )
             assert m.rack_position is None  # column added by 0002
             assert machines.find_by_mac(s, "02:00:00:00:03:01").id == "m1"  # type: ignore[union-attr]
             ev = s.exec(select(Event)).one()
