@@ -44,6 +44,19 @@ def test_machines_mix_bios_and_uefi_with_unique_macs() -> None:
         assert int(m.mac.split(":")[0], 16) & 1 == 0  # unicast
 
 
+def test_attached_namespaces_belong_to_their_lab() -> None:
+    ns = plan.attached_netns_name("demo", "hub")
+    assert plan.lab_of_netns(ns) == "demo" and plan.lab_of_netns(plan.netns_name("demo")) == "demo"
+    assert plan.lab_of_netns("other-ns") is None
+    low, high = plan.dhcp_range(5)
+    hubs = [plan.attached_address(5, i) for i in range(plan.MAX_ATTACHED)]
+    assert high < hubs[0] and hubs[-1] < plan.subnet(5).broadcast_address
+    names = [n for i in range(plan.MAX_ATTACHED) for n in plan.attached_veth_names(250, i)]
+    assert len(set(names)) == len(names) and all(len(n) <= 15 for n in names)
+    with pytest.raises(plan.PlanError):
+        plan.attached_netns_name("demo", "Bad+suffix")
+
+
 @pytest.mark.parametrize(
     ("machines", "uefi"), [(0, 0), (plan.MAX_MACHINES + 1, 0), (2, 3), (2, -1)]
 )

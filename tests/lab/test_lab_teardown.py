@@ -6,6 +6,7 @@ what the state file and the namespace tell it, whatever killed the process that 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +19,8 @@ from .conftest import lab_prerequisites
 from .labtools import (
     VM_LAB,
     assert_lab_gone,
+    host_links,
+    in_ns,
     ipmitool,
     netns,
     plan,
@@ -190,3 +193,28 @@ def test_down_by_name_removes_a_namespace_left_without_state(tmp_path: Path) -> 
         if sleeper.poll() is None:
             sleeper.kill()
         netns.delete(ns)
+
+
+def test_attached_namespace_reaches_the_bmcs_and_goes_with_the_lab(tmp_path: Path) -> None:
+    rack = vlab.Lab(f"t{os.getpid()}h", machines=1, uefi=0, workdir=tmp_path, cpus=1)
+    rack.up()
+    try:
+        hub = rack.add_namespace("hub")
+        assert hub["netns"] == f"{rack.netns}+hub"
+        assert hub["address"].endswith(".240") and hub["peer"] in netns.links(hub["netns"])
+        assert hub["veth"] in netns.links(rack.netns) and hub["veth"] not in host_links()
+        # From the attached namespace the machines' BMCs are on-link.
+        m0 = rack.state["machines"][0]
+        url = m0["bmc"]["redfish_url"] + "/redfish/v1/"
+        done = in_ns(hub["netns"], ["curl", "-s", "-m", "10", url])
+        assert done.returncode == 0 and json.loads(done.stdout)["Systems"]
+        daemon = subprocess.Popen(netns.exec_argv(hub["netns"], ["sleep", "600"]))
+        with pytest.raises(vlab.LabError):
+            rack.add_namespace("hub")
+        state = dict(rack.state)
+    finally:
+        rack.down()
+    assert daemon.wait(timeout=10) is not None
+    assert not netns.exists(hub["netns"])
+    assert hub["veth"] not in host_links() and hub["peer"] not in host_links()
+    assert_lab_gone(rack.name, state, tmp_path / rack.name)

@@ -323,6 +323,34 @@ class Lab:
         """Run a command inside the namespace and wait for it (``subprocess.run`` arguments)."""
         return subprocess.run(self.exec_argv(argv), **kwargs)
 
+    def add_namespace(self, suffix: str) -> dict[str, Any]:
+        """A namespace joined to the lab bridge by a veth pair, with an address in the boot
+        network (10.k.0.240 and up): room for a tenant control plane or a WireGuard hub.
+        Start processes in it with ``netns.exec_argv(entry["netns"], argv)``; ``down`` stops
+        them and deletes it.
+        """
+        s = self.state
+        attached = s.setdefault("namespaces", [])
+        index = len(attached)
+        outer, inner = plan.attached_veth_names(s["slot"], index)
+        entry = {
+            "suffix": suffix,
+            "netns": plan.attached_netns_name(self.name, suffix),
+            "veth": outer,
+            "peer": inner,
+            "address": str(plan.attached_address(s["slot"], index)),
+        }
+        if any(a["suffix"] == suffix for a in attached):
+            raise LabError(f"lab {self.name} already has a namespace {suffix}")
+        attached.append(entry)
+        self._save()  # recorded before it exists, like everything else
+        netns.create(entry["netns"])
+        prefix = plan.subnet(s["slot"]).prefixlen
+        netns.add_veth_to_bridge(
+            self.netns, s["bridge"], outer, inner, entry["netns"], entry["address"], prefix
+        )
+        return entry
+
     # ---- down ----------------------------------------------------------------------------------
 
     def down(self, keep_logs: bool = False) -> None:
@@ -368,18 +396,25 @@ def teardown(name: str, state: dict[str, Any], lab_dir: Path, keep_logs: bool = 
     """Stop the lab's processes, delete its namespace (and so its bridge and taps), its files
     and its slot. Needs nothing but the lab's name; the state file adds the recorded pids."""
     ns = plan.netns_name(name)
+    # The lab's own namespace and those attached to it, found by name as well as in the state.
+    namespaces = [ns] + sorted(
+        {a["netns"] for a in state.get("namespaces", [])}
+        | {n for n in netns.list_namespaces(ns + "+")}
+    )
     recorded = [
         p["pid"]
         for p in state.get("processes", [])
         if procs.same_process(p["pid"], p.get("start_time"))
     ]
     left = procs.terminate(recorded, groups=True)
-    # Anything else still in the namespace (metald, a test's helper) goes too, but only itself:
-    # its process group may hold processes outside the lab.
-    left += procs.terminate(netns.pids(ns), groups=False)
+    # Anything else still in these namespaces (metald, a test's helper) goes too, but only
+    # itself: its process group may hold processes outside the lab.
+    for name_ns in namespaces:
+        left += procs.terminate(netns.pids(name_ns), groups=False)
     if left:
         raise LabError(f"lab {name}: processes {left} did not stop")
-    netns.delete(ns)
+    for name_ns in reversed(namespaces):
+        netns.delete(name_ns)  # an attached namespace's veth pair goes with it
     release_slots(name)
     if lab_dir.exists():
         if keep_logs:
@@ -404,8 +439,8 @@ def list_labs(home: Path | None = None) -> list[str]:
     names = set()
     if home.is_dir():
         names |= {p.name for p in home.iterdir() if (p / "state.json").exists()}
-    names |= {ns[len(plan.NETNS_PREFIX) :] for ns in netns.list_namespaces(plan.NETNS_PREFIX)}
-    return sorted(n for n in names if plan.NAME_RE.match(n))
+    names |= {plan.lab_of_netns(ns) for ns in netns.list_namespaces(plan.NETNS_PREFIX)}
+    return sorted(n for n in names if n and plan.NAME_RE.match(n))
 
 
 def down_all(home: Path | None = None) -> list[str]:

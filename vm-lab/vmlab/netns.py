@@ -68,6 +68,23 @@ def add_taps(ns: str, bridge: str, taps: Sequence[str]) -> None:
             ipr.link("set", index=index, master=br_index, state="up")
 
 
+def add_veth_to_bridge(
+    ns: str, bridge: str, outer: str, inner: str, peer_ns: str, address: str, prefixlen: int
+) -> None:
+    """A veth pair: ``outer`` on the bridge in ``ns``, ``inner`` in ``peer_ns`` with ``address``."""
+    with IPRoute(netns=ns) as ipr:
+        ipr.link("add", ifname=outer, kind="veth", peer=inner)
+        (br_index,) = ipr.link_lookup(ifname=bridge)
+        (outer_index,) = ipr.link_lookup(ifname=outer)
+        (inner_index,) = ipr.link_lookup(ifname=inner)
+        ipr.link("set", index=inner_index, net_ns_fd=peer_ns)
+        ipr.link("set", index=outer_index, master=br_index, state="up")
+    with IPRoute(netns=peer_ns) as ipr:
+        (index,) = ipr.link_lookup(ifname=inner)
+        ipr.addr("add", index=index, address=address, prefixlen=prefixlen)
+        ipr.link("set", index=index, state="up")
+
+
 def links(ns: str) -> list[str]:
     with IPRoute(netns=ns) as ipr:
         return [link.get("ifname") for link in ipr.get_links()]

@@ -7,7 +7,8 @@ labs never collide even if they are later joined by veth pairs.
 Address plan of slot k (one /16 per lab, of which the first /24 is the boot network):
   10.k.0.1        metald's boot plane (DHCP/TFTP/HTTP), on the lab bridge
   10.k.0.2-99     virtual BMCs, one per machine, extra addresses on the same bridge
-  10.k.0.100-250  left to metald's DHCP for the machines
+  10.k.0.100-239  left to metald's DHCP for the machines
+  10.k.0.240-254  namespaces attached to the lab (tenant control planes, WireGuard hubs, ...)
   10.k.1.0/24 ... free for later networks of the lab (tenant control planes, ...)
 """
 
@@ -71,7 +72,37 @@ def bmc_address(slot: int, index: int) -> ipaddress.IPv4Address:
 
 def dhcp_range(slot: int) -> tuple[ipaddress.IPv4Address, ipaddress.IPv4Address]:
     base = subnet(slot).network_address
-    return base + 100, base + 250
+    return base + 100, base + 239
+
+
+MAX_ATTACHED = 15  # addresses .240 to .254
+SUFFIX_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,19}$")
+
+
+def attached_netns_name(name: str, suffix: str) -> str:
+    """``mlab-<lab>+<suffix>``: '+' cannot occur in a lab name, so the owner is unambiguous."""
+    if not SUFFIX_RE.match(suffix):
+        raise PlanError(f"namespace suffix {suffix!r} must be 1-20 characters of a-z, 0-9, '-'")
+    return f"{netns_name(name)}+{suffix}"
+
+
+def lab_of_netns(ns: str) -> str | None:
+    """The lab a namespace belongs to (its own or an attached one), or None."""
+    if not ns.startswith(NETNS_PREFIX):
+        return None
+    name = ns[len(NETNS_PREFIX) :].partition("+")[0]
+    return name if NAME_RE.match(name) else None
+
+
+def attached_veth_names(slot: int, index: int) -> tuple[str, str]:
+    """(end on the lab bridge, end inside the attached namespace)."""
+    return f"mlab{slot}v{index}", f"mlab{slot}p{index}"
+
+
+def attached_address(slot: int, index: int) -> ipaddress.IPv4Address:
+    if not 0 <= index < MAX_ATTACHED:
+        raise PlanError(f"at most {MAX_ATTACHED} namespaces can be attached to a lab")
+    return subnet(slot).network_address + 240 + index
 
 
 def machine_mac(slot: int, index: int) -> str:
