@@ -4,7 +4,6 @@ out, answer slowly, hold another password, or vanish in the middle of a command.
 from __future__ import annotations
 
 import pytest
-from conftest import PASSWORD
 
 from metald.bmc.base import (
     BmcAuthError,
@@ -16,6 +15,7 @@ from metald.bmc.base import (
 )
 from metald.bmc.ipmi import IpmiDriver
 from metald.bmc.scheduler import BmcScheduler, Health, attempts_retried
+from tests.bmc.peers import PASSWORD
 
 
 def _driver(port: int, password: str = PASSWORD, timeout: float = 3.0) -> IpmiDriver:

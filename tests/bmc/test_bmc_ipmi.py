@@ -7,7 +7,6 @@ import subprocess
 import time
 
 import pytest
-from conftest import IpmiSim, free_port
 
 from metald.bmc.base import (
     BmcAuthError,
@@ -19,6 +18,7 @@ from metald.bmc.base import (
     PowerState,
 )
 from metald.bmc.ipmi import IpmiDriver
+from tests.bmc.peers import IpmiSim, free_port
 
 
 def _driver(sim: IpmiSim, password: str | None = None, user: str | None = None) -> IpmiDriver:

@@ -7,7 +7,6 @@ import base64
 
 import aiohttp
 import pytest
-from conftest import Sushy
 
 from metald.bmc.base import (
     BmcAuthError,
@@ -20,6 +19,7 @@ from metald.bmc.base import (
     PowerState,
 )
 from metald.bmc.redfish import RedfishDriver
+from tests.bmc.peers import Sushy
 
 
 def _driver(peer: Sushy, password: str | None = None, **kw: object) -> RedfishDriver:
@@ -123,7 +123,7 @@ async def test_tls_with_pinned_ca_verify_off_and_untrusted(sushy_tls: tuple[Sush
 async def test_closed_port_is_unreachable() -> None:
     import socket
 
-    from conftest import free_port
+    from tests.bmc.peers import free_port
 
     port = free_port(socket.SOCK_STREAM)
     d = RedfishDriver(BmcEndpoint("127.0.0.1", port, "a", "b"), scheme="http")

@@ -9,7 +9,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import PASSWORD, IpmiSim, Sushy, free_port
 from sqlmodel import select
 
 from metald.bmc.service import BmcCommandFailed, BmcService
@@ -19,6 +18,7 @@ from metald.machines import create_machine
 from metald.secrets import SecretBox
 from metald.store.db import Store
 from metald.store.models import Bmc, Event, Machine
+from tests.bmc.peers import PASSWORD, IpmiSim, Sushy, free_port
 
 
 @pytest.fixture
@@ -268,14 +268,14 @@ async def test_the_password_never_reaches_logs_events_or_answers(
 
 def _restart_with_password(fault_bmc, port: int, password: str):
     """A new BMC process on the old port with another password (the BMC's password changed)."""
-    import conftest
+    from tests.bmc import peers
 
-    original = conftest.free_port
-    conftest.free_port = lambda *a: port
+    original = peers.free_port
+    peers.free_port = lambda *a: port
     try:
         return fault_bmc("ok", password=password)
     finally:
-        conftest.free_port = original
+        peers.free_port = original
 
 
 def test_key_file_is_created_private(tmp_path: Path) -> None:
