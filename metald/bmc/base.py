@@ -24,6 +24,7 @@ class PowerAction(StrEnum):
     ON = "on"
     OFF = "off"  # hard off, immediately
     CYCLE = "cycle"  # off then on (a reset where the BMC has no real cycle)
+    RESET = "reset"  # hard reset without removing power
     SOFT_OFF = "soft-off"  # ask the OS to shut down (ACPI)
 
 

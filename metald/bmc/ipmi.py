@@ -44,7 +44,13 @@ log = logging.getLogger(__name__)
 DEFAULT_PORT = 623
 NETFN_CHASSIS = 0x00
 NETFN_APP = 0x06
-_CONTROL = {PowerAction.OFF: 0, PowerAction.ON: 1, PowerAction.CYCLE: 2, PowerAction.SOFT_OFF: 5}
+_CONTROL = {
+    PowerAction.OFF: 0,
+    PowerAction.ON: 1,
+    PowerAction.CYCLE: 2,
+    PowerAction.RESET: 3,
+    PowerAction.SOFT_OFF: 5,
+}
 
 
 class _Datagrams(asyncio.DatagramProtocol):

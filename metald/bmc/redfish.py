@@ -43,6 +43,7 @@ RESET_CHOICES: dict[PowerAction, tuple[str, ...]] = {
     PowerAction.OFF: ("ForceOff",),
     PowerAction.SOFT_OFF: ("GracefulShutdown",),
     PowerAction.CYCLE: ("PowerCycle", "ForceRestart", "GracefulRestart"),
+    PowerAction.RESET: ("ForceRestart", "PowerCycle"),
 }
 _TASK_DONE = {"Completed", "Exception", "Killed", "Cancelled"}
 

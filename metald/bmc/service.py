@@ -410,7 +410,7 @@ class BmcService:
             row,
             f"power_{act.value}",
             lambda d: d.set_power(act),
-            idempotent=act is not PowerAction.CYCLE,
+            idempotent=act not in (PowerAction.CYCLE, PowerAction.RESET),
         )
 
         def record(s: Session) -> None:
@@ -479,7 +479,7 @@ class BmcService:
             row, "sensors", lambda d: d.sensors(), timeout_s=self.cfg.sensors_timeout_s
         )
         return [
-            {"name": x.name, "kind": x.kind, "value": x.value, "unit": x.unit, "health": x.health}
+            {"name": x.name, "kind": x.kind, "value": x.value, "units": x.unit, "health": x.health}
             for x in sensors
         ]
 

@@ -54,10 +54,12 @@ async def test_power_control_and_status(ipmi_sim: IpmiSim) -> None:
         assert await d.get_power() is PowerState.ON
         # A second, independent client sees the same BMC state.
         assert "on" in (await asyncio.to_thread(_ipmitool, ipmi_sim, "power", "status")).lower()
+        await d.set_power(PowerAction.RESET)
         await d.set_power(PowerAction.OFF)
         assert await d.get_power() is PowerState.OFF
     finally:
         await d.close()
+    assert "set reset 1" in ipmi_sim.calls()
     assert "set power 1" in ipmi_sim.calls()
     assert "set power 0" in ipmi_sim.calls()
 
