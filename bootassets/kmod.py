@@ -16,7 +16,7 @@ class ModuleError(Exception):
     pass
 
 
-def _read_module(path: Path) -> bytes:
+def read_module(path: Path) -> bytes:
     data = path.read_bytes()
     return lzma.decompress(data) if path.name.endswith(".xz") else data
 
@@ -77,7 +77,7 @@ def load_order(wanted: list[str], index: dict[str, Path]) -> list[str]:
                 f"module {name!r} not found (needed by {' -> '.join(chain) or 'the image'})"
             )
         state[name] = "visiting"
-        deps = modinfo(_read_module(index[name])).get("depends", [""])[0]
+        deps = modinfo(read_module(index[name])).get("depends", [""])[0]
         for dep in filter(None, deps.split(",")):
             visit(dep.replace("-", "_"), (*chain, name))
         state[name] = "done"

@@ -84,3 +84,15 @@ def payload(**over: Any) -> dict[str, Any]:
 @pytest.fixture
 def valid_payload() -> dict[str, Any]:
     return payload()
+
+
+@pytest.fixture(scope="session")
+def built_assets() -> Path:
+    """The discovery image, built once into the cache (about 25 s the first time, then reused)."""
+    import shutil
+
+    if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
+        pytest.skip("building boot assets needs apt-get and dpkg-deb (Debian)")
+    from bootassets.build import ensure_built
+
+    return ensure_built()

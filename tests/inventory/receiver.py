@@ -59,5 +59,12 @@ class Receiver:
 
 
 if __name__ == "__main__":
-    host, port, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
-    web.run_app(Receiver(out=out).app(), host=host, port=port, print=None)
+    # python receiver.py HOST PORT OUTFILE READYFILE: READYFILE appears once it listens
+    host, port, out, ready = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4])
+    app = Receiver(out=out).app()
+
+    async def _ready(_: web.Application) -> None:
+        ready.touch()
+
+    app.on_startup.append(_ready)
+    web.run_app(app, host=host, port=port, print=None)

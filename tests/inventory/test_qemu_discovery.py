@@ -1,0 +1,172 @@
+"""Boot the built discovery image in QEMU (TCG) on a bridge inside a network namespace this
+test creates, with busybox udhcpd and a receiver there, and check the posted inventory against
+the QEMU configuration. Nothing leaves the namespace."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from metald.inventory import normalize, parse_payload
+from tests.inventory.conftest import ROOT
+
+pytestmark = [
+    pytest.mark.lab,
+    pytest.mark.root,
+    pytest.mark.skipif(
+        os.geteuid() != 0, reason="needs root for network namespaces and tap devices"
+    ),
+    pytest.mark.skipif(
+        shutil.which("qemu-system-x86_64") is None, reason="qemu-system-x86 is not installed"
+    ),
+    pytest.mark.skipif(shutil.which("busybox") is None, reason="busybox is not installed (udhcpd)"),
+]
+
+SERVER = "10.77.0.1"
+PORT = 8080
+MAC = "52:54:00:6d:64:01"
+MAC2 = "52:54:00:6d:64:02"
+SYSTEM_UUID = "6d657461-6c64-4000-8000-000000000001"
+VDA_BYTES = 1 << 30
+NVME_BYTES = 256 << 20
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def netns() -> Iterator[str]:
+    name = f"mdinv{os.getpid()}"
+    ip("netns", "add", name)
+    try:
+        ip("-n", name, "link", "set", "lo", "up")
+        ip("-n", name, "link", "add", "br0", "type", "bridge", "forward_delay", "0")
+        ip("-n", name, "addr", "add", f"{SERVER}/24", "dev", "br0")
+        for tap in ("tap0", "tap1"):
+            ip("-n", name, "tuntap", "add", "dev", tap, "mode", "tap")
+            ip("-n", name, "link", "set", tap, "master", "br0", "up")
+        ip("-n", name, "link", "set", "br0", "up")
+        yield name
+    finally:
+        ip("netns", "del", name)
+
+
+def start(ns: str, args: list[str], log: Path, **kw: object) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        ["ip", "netns", "exec", ns, *args],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        **kw,
+    )
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_discovery_image_posts_what_qemu_has(built_assets, netns, tmp_path):
+    conf = tmp_path / "udhcpd.conf"
+    conf.write_text(
+        f"start 10.77.0.100\nend 10.77.0.150\ninterface br0\nmax_leases 50\n"
+        f"lease_file {tmp_path / 'leases'}\npidfile {tmp_path / 'udhcpd.pid'}\noption subnet 255.255.255.0\n"
+    )
+    (tmp_path / "leases").touch()
+    posts, ready = tmp_path / "posts.jsonl", tmp_path / "ready"
+    for name, size in (("vda.img", VDA_BYTES), ("nvme.img", NVME_BYTES)):
+        with open(tmp_path / name, "wb") as f:
+            f.truncate(size)
+    console = tmp_path / "console.log"
+    procs = [
+        start(netns, ["busybox", "udhcpd", "-f", str(conf)], tmp_path / "udhcpd.log"),
+        start(
+            netns,
+            [
+                sys.executable,
+                str(ROOT / "tests/inventory/receiver.py"),
+                SERVER,
+                str(PORT),
+                str(posts),
+                str(ready),
+            ],
+            tmp_path / "receiver.log",
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        ),
+    ]
+    try:
+        deadline = time.monotonic() + 20
+        while not ready.exists():
+            assert time.monotonic() < deadline, (tmp_path / "receiver.log").read_text()
+            time.sleep(0.1)
+        disc = built_assets / "discovery"
+        qemu = [
+            "qemu-system-x86_64", "-accel", "tcg", "-m", "512", "-smp", "2",
+            "-kernel", str(disc / "vmlinuz"), "-initrd", str(disc / "initrd.img"),
+            "-append", f"console=ttyS0 quiet metald.url=http://{SERVER}:{PORT} metald.token=agent-token metald.machine=lab-1",
+            "-display", "none", "-monitor", "none", "-serial", f"file:{console}", "-no-reboot",
+            "-smbios", f"type=1,manufacturer=metald-lab,product=discovery-vm,serial=LAB-0001,uuid={SYSTEM_UUID}",
+            "-netdev", "tap,id=n0,ifname=tap0,script=no,downscript=no", "-device", f"virtio-net-pci,netdev=n0,mac={MAC}",
+            "-netdev", "tap,id=n1,ifname=tap1,script=no,downscript=no", "-device", f"e1000,netdev=n1,mac={MAC2}",
+            "-drive", f"file={tmp_path / 'vda.img'},format=raw,if=virtio",
+            "-drive", f"file={tmp_path / 'nvme.img'},format=raw,if=none,id=nv0", "-device", "nvme,drive=nv0,serial=NVME-LAB-1",
+        ]  # fmt: skip
+        t0 = time.time()
+        vm = start(netns, qemu, tmp_path / "qemu.log")
+        procs.append(vm)
+        try:
+            # the agent is told to power off: QEMU exits by itself
+            rc = vm.wait(timeout=150)
+        except subprocess.TimeoutExpired:
+            pytest.fail(
+                f"the VM did not power off; console:\n{console.read_text(errors='replace')}"
+            )
+        log = console.read_text(errors="replace")
+        assert rc == 0, (tmp_path / "qemu.log").read_text()
+        assert "] inventory posted (" in log, log
+        assert "] next action: poweroff" in log, log
+        print("\n" + "\n".join(line for line in log.splitlines() if "metald-agent:" in line))
+    finally:
+        for p in procs:
+            stop(p)
+
+    records = [json.loads(line) for line in posts.read_text().splitlines()]
+    assert len(records) == 1
+    print(
+        f"\nboot to inventory post: {records[0]['at'] - t0:.1f} s (QEMU TCG start to POST received)"
+    )
+    payload = parse_payload(records[0]["body"])
+    assert payload.machine_id == "lab-1" and payload.sequence == 1
+    inv = normalize(payload)
+    assert (inv.vendor, inv.product, inv.serial, inv.system_uuid) == (
+        "metald-lab",
+        "discovery-vm",
+        "LAB-0001",
+        SYSTEM_UUID,
+    )
+    assert inv.cpu_count == 2
+    assert inv.memory_mb == 512
+    nics = {n.mac: n for n in inv.nics}
+    assert set(nics) == {MAC, MAC2}
+    assert (nics[MAC].driver, nics[MAC].link) == ("virtio_net", True)
+    assert nics[MAC2].driver == "e1000"
+    disks = {d.name: d for d in inv.disks}
+    assert disks["vda"].size_bytes == VDA_BYTES
+    assert (disks["nvme0n1"].size_bytes, disks["nvme0n1"].serial) == (NVME_BYTES, "NVME-LAB-1")
+    assert inv.gpu_count == 0
+    assert any(d.vendor == "0x1af4" for d in payload.pci)  # virtio devices seen on the PCI bus
