@@ -100,3 +100,5 @@ class BootPlane:
                 await svc.stop()
             except Exception:
                 log.exception("stopping %s", svc.name)
+        await self.leases.drain()
+        self.leases.close()

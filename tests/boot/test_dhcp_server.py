@@ -100,6 +100,7 @@ async def test_flood_of_garbage_is_counted_and_service_continues(store) -> None:
         assert ack.message_type is MessageType.ACK
     finally:
         await srv.stop()
+        leases.close()
         relay.close()
 
 
@@ -114,6 +115,7 @@ async def test_ack_is_sent_only_after_commit_and_option82_reaches_hooks(store) -
         # The ACK left after its commit: a fresh store reading the database has the lease.
         fresh = LeaseStore(store)
         await fresh.load()
+        fresh.close()
         rec = fresh.table.for_mac("lo", "52:54:00:00:00:0a")
         assert rec is not None and rec.ip == ack.yiaddr and rec.state == "bound"
         await asyncio.sleep(0.05)
@@ -131,6 +133,7 @@ async def test_ack_is_sent_only_after_commit_and_option82_reaches_hooks(store) -
         assert len(hooks.seen) == 1
     finally:
         await srv.stop()
+        leases.close()
         relay.close()
 
 
@@ -151,6 +154,7 @@ async def test_two_instances_on_one_database_never_share_an_address(store) -> No
     finally:
         for s, r in ((a, ra), (b, rb)):
             await s.stop()
+            s.leases.close()
             r.close()
 
 

@@ -3,8 +3,10 @@ RFC 2131 section 4.1 reply addressing. Pure."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network
+from socket import inet_ntoa  # str(IPv4Address) is ~10x slower on the hot path
 
 from metald.boot.dhcp.bootfile import BootFiles, ClientKind, boot_file_for
 from metald.boot.dhcp.packet import (
@@ -86,7 +88,7 @@ class Decision:
     dest: tuple[str, int] | None = None
     write: LeaseRecord | None = None
     extra_writes: list[LeaseRecord] = field(default_factory=list)
-    on_conflict: DhcpPacket | None = None
+    on_conflict: Callable[[], DhcpPacket | None] | None = None
     #: Metric label when nothing is sent: why.
     ignored: str | None = None
     network: str | None = None
@@ -164,11 +166,11 @@ def destination(req: DhcpPacket, reply: DhcpPacket) -> tuple[str, int]:
     if req.giaddr != ZERO:
         if reply.options.get(Opt.MESSAGE_TYPE) == bytes((MessageType.NAK,)):
             reply.flags |= BROADCAST_FLAG
-        return str(req.giaddr), SERVER_PORT
+        return inet_ntoa(req.giaddr.packed), SERVER_PORT
     if reply.options.get(Opt.MESSAGE_TYPE) == bytes((MessageType.NAK,)):
         return str(LIMITED_BROADCAST), CLIENT_PORT
     if req.ciaddr != ZERO:
-        return str(req.ciaddr), CLIENT_PORT
+        return inet_ntoa(req.ciaddr.packed), CLIENT_PORT
     return str(LIMITED_BROADCAST), CLIENT_PORT
 
 

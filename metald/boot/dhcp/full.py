@@ -124,13 +124,13 @@ class FullHandler:
         )
         table.put(rec)
         reply = self._lease_reply(pkt, MessageType.ACK, net, ip, kind)
-        nak = self._nak(pkt, net).reply
         return Decision(
             reply=reply,
             dest=destination(pkt, reply),
             write=rec,
             extra_writes=writes,
-            on_conflict=nak,
+            # Built only if the write loses a race, off the hot path.
+            on_conflict=lambda: self._nak(pkt, net).reply,
             network=net.name,
             kind=kind,
         )

@@ -85,6 +85,16 @@ class RelaySub(IntEnum):
     LINK_SELECTION = 5
 
 
+#: Option 53 value -> type, so the hot path does one dict lookup instead of an enum call.
+_MESSAGE_TYPES = {bytes((t,)): t for t in MessageType}
+_ZERO_BYTES = b"\x00\x00\x00\x00"
+
+
+def _addr(raw: bytes) -> IPv4Address:
+    # Most header addresses in client packets are 0.0.0.0: reuse one object for those.
+    return ZERO if raw == _ZERO_BYTES else IPv4Address(raw)
+
+
 @dataclass
 class DhcpPacket:
     op: int = Op.REQUEST
@@ -111,13 +121,14 @@ class DhcpPacket:
         v = self.options.get(Opt.MESSAGE_TYPE)
         if v is None:
             return None
-        if len(v) != 1 or not 1 <= v[0] <= 8:
+        mt = _MESSAGE_TYPES.get(v)
+        if mt is None:
             raise MalformedPacket("bad-message-type", repr(v))
-        return MessageType(v[0])
+        return mt
 
     @property
     def mac(self) -> str:
-        return ":".join(f"{b:02x}" for b in self.chaddr[: self.hlen])
+        return self.chaddr[: self.hlen].hex(":")
 
     @property
     def broadcast(self) -> bool:
@@ -271,10 +282,10 @@ def parse(data: bytes) -> DhcpPacket:
         xid=xid,
         secs=secs,
         flags=flags,
-        ciaddr=IPv4Address(ci),
-        yiaddr=IPv4Address(yi),
-        siaddr=IPv4Address(si),
-        giaddr=IPv4Address(gi),
+        ciaddr=_addr(ci),
+        yiaddr=_addr(yi),
+        siaddr=_addr(si),
+        giaddr=_addr(gi),
         chaddr=chaddr,
         sname=sname.split(b"\x00", 1)[0],
         file=file.split(b"\x00", 1)[0],
@@ -286,8 +297,8 @@ def parse(data: bytes) -> DhcpPacket:
 
 def _encode_option(code: int, value: bytes) -> bytes:
     # Values over 255 bytes are split into several instances of the option (RFC 3396).
-    if not value:
-        return bytes((code, 0))
+    if len(value) <= 255:
+        return bytes((code, len(value))) + value
     return b"".join(
         bytes((code, len(value[i : i + 255]))) + value[i : i + 255]
         for i in range(0, len(value), 255)
@@ -318,15 +329,16 @@ def serialize(pkt: DhcpPacket, *, min_size: int = 300) -> bytes:
         ),
         MAGIC_COOKIE,
     ]
-    mt = pkt.options.get(Opt.MESSAGE_TYPE)
+    opts = pkt.options
+    mt = opts.get(Opt.MESSAGE_TYPE)
     if mt is not None:
         parts.append(_encode_option(Opt.MESSAGE_TYPE, mt))
-    for code, value in pkt.options.items():
+    for code, value in opts.items():
         if code != Opt.MESSAGE_TYPE:
             parts.append(_encode_option(code, value))
     parts.append(b"\xff")
     out = b"".join(parts)
-    return out.ljust(min_size, b"\x00")
+    return out if len(out) >= min_size else out + bytes(min_size - len(out))
 
 
 def encode_tlv(items: dict[int, bytes]) -> bytes:

@@ -144,27 +144,27 @@ class DhcpServer:
         try:
             pkt = parse(data)
             if pkt.op != Op.REQUEST:
-                metrics.dhcp_dropped.labels("not-a-request").inc()
+                metrics.inc(metrics.dhcp_dropped, "not-a-request")
                 return
             mtype = pkt.message_type
             if mtype is None:
-                metrics.dhcp_dropped.labels("no-message-type").inc()
+                metrics.inc(metrics.dhcp_dropped, "no-message-type")
                 return
-            metrics.dhcp_packets.labels(mtype.name.lower()).inc()
+            metrics.inc(metrics.dhcp_packets, mtype.name.lower())
             decision = self._decide(pkt, src, lst)
         except MalformedPacket as e:
-            metrics.dhcp_dropped.labels(e.reason).inc()
+            metrics.inc(metrics.dhcp_dropped, e.reason)
             return
         except Exception:
             log.exception("DHCP packet from %s crashed the handler; dropped", src)
-            metrics.dhcp_dropped.labels("handler-error").inc()
+            metrics.inc(metrics.dhcp_dropped, "handler-error")
             return
         if decision is None:
             return
         if decision.kind is not None and decision.kind.boots and self.hooks is not None:
             self._report(pkt, decision)
         if decision.ignored:
-            metrics.dhcp_ignored.labels(decision.ignored).inc()
+            metrics.inc(metrics.dhcp_ignored, decision.ignored)
         for extra in decision.extra_writes:
             if self.leases is not None:
                 self.leases.submit(extra, _ignore_result)
@@ -180,7 +180,7 @@ class DhcpServer:
         if self.mode == "proxy":
             return self.proxy.handle(pkt, net, src, on_proxy_port=lst.proxy_port)
         if net is None:
-            metrics.dhcp_dropped.labels("no-network").inc()
+            metrics.inc(metrics.dhcp_dropped, "no-network")
             return None
         assert self.leases is not None
         return self.full.handle(pkt, net, self.leases.table, self.clock())
@@ -190,14 +190,15 @@ class DhcpServer:
             if d.reply is not None:
                 self._send(sock, d.reply, d.dest)
         elif res is WriteResult.CONFLICT:
-            metrics.dhcp_ignored.labels("lease-conflict").inc()
+            metrics.inc(metrics.dhcp_ignored, "lease-conflict")
             if d.write is not None:
                 # Another instance holds it: remember that so we do not offer it again.
                 d.write.mac, d.write.expires_at = "", self.clock() + 60
-            if d.on_conflict is not None:
-                self._send(sock, d.on_conflict, d.dest)
+            nak = d.on_conflict() if d.on_conflict is not None else None
+            if nak is not None:
+                self._send(sock, nak, d.dest)
         else:
-            metrics.dhcp_dropped.labels("lease-write-failed").inc()
+            metrics.inc(metrics.dhcp_dropped, "lease-write-failed")
 
     def _send(self, sock: socket.socket, reply: DhcpPacket, dest: tuple[str, int] | None) -> None:
         if dest is None or sock.fileno() < 0:
@@ -207,14 +208,14 @@ class DhcpServer:
         try:
             sock.sendto(serialize(reply), dest)
         except (BlockingIOError, InterruptedError):
-            metrics.dhcp_dropped.labels("send-queue-full").inc()
+            metrics.inc(metrics.dhcp_dropped, "send-queue-full")
             return
         except OSError as e:
             log.warning("DHCP send to %s failed: %s", dest, e)
-            metrics.dhcp_dropped.labels("send-failed").inc()
+            metrics.inc(metrics.dhcp_dropped, "send-failed")
             return
         mt = reply.message_type
-        metrics.dhcp_replies.labels(mt.name.lower() if mt else "bootp").inc()
+        metrics.inc(metrics.dhcp_replies, mt.name.lower() if mt else "bootp")
 
     # -- hooks --------------------------------------------------------------------------
 
@@ -228,7 +229,7 @@ class DhcpServer:
         if prev is not None and prev[1] == relay and now - prev[0] < SEEN_TTL_SECONDS:
             return
         if len(self._hook_tasks) >= MAX_HOOK_CALLS or self._loop is None:
-            metrics.dhcp_ignored.labels("hook-backlog").inc()
+            metrics.inc(metrics.dhcp_ignored, "hook-backlog")
             return
         self._seen[pkt.mac] = (now, relay)
         assert self.hooks is not None and d.kind is not None

@@ -77,14 +77,14 @@ class _TransferProtocol(asyncio.DatagramProtocol):
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
         if addr != self.peer:
             # RFC 1350: a packet from another TID gets an error; the transfer goes on.
-            metrics.tftp_dropped.labels("unknown-tid").inc()
+            metrics.inc(metrics.tftp_dropped, "unknown-tid")
             assert self.transport is not None
             self.transport.sendto(error_packet(ErrorCode.UNKNOWN_TID, "unknown transfer id"), addr)
             return
         try:
             out = self.machine.on_packet(data)
         except MalformedTftp as e:
-            metrics.tftp_dropped.labels(e.reason).inc()
+            metrics.inc(metrics.tftp_dropped, e.reason)
             return
         self._send(out)
 
@@ -193,24 +193,24 @@ class TftpServer:
         try:
             req = parse_request(data)
         except MalformedTftp as e:
-            metrics.tftp_dropped.labels(e.reason).inc()
+            metrics.inc(metrics.tftp_dropped, e.reason)
             if e.reason == "not-a-request":
                 return  # stray ACK/DATA to port 69: no answer, it is not ours
             self._reply_error(sock, peer, ErrorCode.ILLEGAL_OPERATION, "malformed request")
             return
         if req.opcode == Opcode.WRQ:
-            metrics.tftp_transfers.labels("refused-write").inc()
+            metrics.inc(metrics.tftp_transfers, "refused-write")
             self._reply_error(sock, peer, ErrorCode.ACCESS_VIOLATION, "read-only server")
             return
         if len(self._transfers) >= self.max_transfers:
-            metrics.tftp_transfers.labels("busy").inc()
+            metrics.inc(metrics.tftp_transfers, "busy")
             self._reply_error(sock, peer, ErrorCode.UNDEFINED, "server busy, retry")
             return
         try:
             path = safe_path(self.root, req.filename)
             content = self.cache.read(path)
         except PathRefused as e:
-            metrics.tftp_transfers.labels(f"refused-{e.reason}").inc()
+            metrics.inc(metrics.tftp_transfers, f"refused-{e.reason}")
             code = ErrorCode.NOT_FOUND if e.reason == "not-found" else ErrorCode.ACCESS_VIOLATION
             self._reply_error(
                 sock,
@@ -220,7 +220,7 @@ class TftpServer:
             )
             return
         except OSError:
-            metrics.tftp_transfers.labels("refused-unreadable").inc()
+            metrics.inc(metrics.tftp_transfers, "refused-unreadable")
             self._reply_error(sock, peer, ErrorCode.ACCESS_VIOLATION, "unreadable")
             return
         if req.mode == "netascii":
@@ -245,7 +245,7 @@ class TftpServer:
             s.bind((local, 0))
         except OSError:
             s.close()
-            metrics.tftp_transfers.labels("socket-error").inc()
+            metrics.inc(metrics.tftp_transfers, "socket-error")
             return
         transport, proto = await self._loop.create_datagram_endpoint(
             lambda: _TransferProtocol(self, machine, peer), sock=s
@@ -254,7 +254,7 @@ class TftpServer:
             result = await proto.finished
         finally:
             transport.close()
-        metrics.tftp_transfers.labels(result.value).inc()
+        metrics.inc(metrics.tftp_transfers, result.value)
         log.info("TFTP %s to %s: %s", machine.name, peer[0], result.value)
 
     def _reply_error(
