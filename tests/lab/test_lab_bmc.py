@@ -6,11 +6,13 @@ side is read over the machine's spare QMP socket and its serial console log.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import stat
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from .labtools import (
     netns,
     qemu_boot_order,
     qemu_running,
+    qmp,
     redfish,
     system_path,
     wait_boot_order,
@@ -226,11 +229,36 @@ async def test_redfish_boot_override_changes_qemu_boot_order(
     text = wait_for_text(bios["serial_log"], ["SeaBIOS (version", "Booting from "], offset)
     assert first_seabios_boot_device(text) == "Hard Disk"
 
-    # A one-time PXE override is used by the next reset, then gone.
+    # A one-time PXE override is in QEMU at once and used by the next reset, then gone.
+    await _pxe_once_then_reset(state, bios, lambda: redfish_reset(state, bios, "ForceRestart"))
+    # The same when the reset does not come from the BMC (as when the OS reboots itself).
+    await _pxe_once_then_reset(state, bios, lambda: qmp(bios, "system_reset"))
+
+    offset = log_size(bios["serial_log"])
+    assert redfish_reset(state, bios, "PowerCycle") == 204
+    text = wait_for_text(bios["serial_log"], ["SeaBIOS (version", "Booting from "], offset)
+    assert first_seabios_boot_device(text) == "Hard Disk"
+    assert redfish_reset(state, bios, "ForceOff") == 204
+
+
+def redfish_reset(state: dict[str, Any], machine: dict[str, Any], reset_type: str) -> int:
+    path = system_path(machine) + "/Actions/ComputerSystem.Reset"
+    return redfish(state, machine, "POST", path, {"ResetType": reset_type})[0]
+
+
+async def _pxe_once_then_reset(
+    state: dict[str, Any], bios: dict[str, Any], reset: Callable[[], Any]
+) -> None:
+    path = system_path(bios)
     body = {"Boot": {"BootSourceOverrideTarget": "Pxe", "BootSourceOverrideEnabled": "Once"}}
     assert redfish(state, bios, "PATCH", path, body)[0] == 200
+    assert await qemu_boot_order(bios) == ["pxe", "hdd"]
+    assert redfish(state, bios, "GET", path)[1]["Boot"]["BootSourceOverrideEnabled"] == "Once"
     offset = log_size(bios["serial_log"])
-    assert redfish(state, bios, "POST", reset, {"ResetType": "ForceRestart"})[0] == 204
+    result = reset()
+    if inspect.isawaitable(result):
+        result = await result
+    assert result in (204, {})
     text = wait_for_text(bios["serial_log"], ["SeaBIOS (version", "Booting from "], offset)
     assert first_seabios_boot_device(text) == "ROM"  # the NIC's option ROM: iPXE
     boot = redfish(state, bios, "GET", path)[1]["Boot"]
@@ -238,12 +266,6 @@ async def test_redfish_boot_override_changes_qemu_boot_order(
     assert boot["BootSourceOverrideTarget"] == "None"
     # QEMU gets the standing order back once the firmware's own resets have settled.
     await wait_boot_order(bios, ["hdd", "pxe"])
-
-    offset = log_size(bios["serial_log"])
-    assert redfish(state, bios, "POST", reset, {"ResetType": "PowerCycle"})[0] == 204
-    text = wait_for_text(bios["serial_log"], ["SeaBIOS (version", "Booting from "], offset)
-    assert first_seabios_boot_device(text) == "Hard Disk"
-    assert redfish(state, bios, "POST", reset, {"ResetType": "ForceOff"})[0] == 204
 
 
 def test_lab_runs_commands_inside_its_namespace(lab: Any, state: dict[str, Any]) -> None:

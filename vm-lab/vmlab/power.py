@@ -5,17 +5,18 @@ override and agree on the power state.
 
   off            the VM is paused (prelaunch, paused, or a guest poweroff under -no-shutdown)
   on             the VM runs
-  power on       set boot order -> system_reset -> wait for RESET -> cont
+  power on       system_reset -> wait for its RESET event -> cont
   power off      stop (instant, like pulling power)
   soft off       system_powerdown: ACPI power button, the guest decides
-  reset          set boot order -> system_reset (the machine keeps running)
+  reset          system_reset (the machine keeps running; one that is off comes on)
   power cycle    stop, then power on
 
 Boot override (Redfish BootSourceOverride*, IPMI boot flags): target pxe or hdd, once or
 continuous. QEMU rebuilds the firmware's boot order from the devices' ``bootindex`` at each
-reset, so the override is applied just before a BMC-driven reset; a "once" override is then
-consumed, and the standing order is put back once that reset has settled, so later reboots
-made by the guest itself boot the standing way, as with real firmware.
+reset, whoever causes it, so an override is written to ``bootindex`` as soon as it is set. A
+"once" override is consumed by the next reset (from the BMC, from the guest rebooting, or
+from anyone else), and the standing order is put back when that reset has settled, as with real
+firmware.
 """
 
 from __future__ import annotations
@@ -50,14 +51,14 @@ class MachineControl:
         self.override = BootOverride()
         self._lock = asyncio.Lock()
         self._generation = 0  # bumped by every change, so a late restore never undoes one
-        self._restore: asyncio.Task[None] | None = None
+        self._once_watch: asyncio.Task[None] | None = None
 
     async def connect(self) -> None:
         await self.qmp.connect()
 
     async def close(self) -> None:
-        if self._restore is not None:
-            self._restore.cancel()
+        if self._once_watch is not None:
+            self._once_watch.cancel()
         await self.qmp.close()
 
     # ---- power ---------------------------------------------------------------------------------
@@ -69,7 +70,7 @@ class MachineControl:
     async def power_on(self) -> None:
         async with self._lock:
             if not await self.is_on():
-                await self._reset_with_override()
+                await self._reset()
                 await self.qmp.execute("cont")
 
     async def power_off(self) -> None:
@@ -85,14 +86,14 @@ class MachineControl:
         """Hard reset; a machine that is off is powered on (what BMCs commonly do)."""
         async with self._lock:
             was_on = await self.is_on()
-            await self._reset_with_override()
+            await self._reset()
             if not was_on:
                 await self.qmp.execute("cont")
 
     async def power_cycle(self) -> None:
         async with self._lock:
             await self.qmp.execute("stop")
-            await self._reset_with_override()
+            await self._reset()
             await self.qmp.execute("cont")
 
     async def nmi(self) -> None:
@@ -106,12 +107,17 @@ class MachineControl:
             raise ValueError(f"boot override {target}/{mode} not one of {TARGETS} x {MODES}")
         async with self._lock:
             self._generation += 1
+            if self._once_watch is not None:
+                self._once_watch.cancel()
+                self._once_watch = None
             if target == "none" or mode == "disabled":
                 self.override = BootOverride()
-            else:
-                self.override = BootOverride(target, mode)
-            # Persistent choices show up in QEMU at once (a guest reboot honours them too).
-            await self._set_order(self._standing_order())
+                await self._set_order(DEFAULT_ORDER)
+                return
+            self.override = BootOverride(target, mode)
+            await self._set_order(_first(target))
+            if mode == "once":
+                self._once_watch = asyncio.create_task(self._consume_once(self._generation))
 
     async def boot_order(self) -> list[str]:
         """Devices by QEMU's current bootindex, first to boot first."""
@@ -129,28 +135,26 @@ class MachineControl:
             return _first(self.override.target)
         return DEFAULT_ORDER
 
-    async def _reset_with_override(self) -> None:
-        self._generation += 1
-        once = self.override.mode == "once"
-        if self.override.active:
-            await self._set_order(_first(self.override.target))
+    async def _reset(self) -> None:
         with self.qmp.subscribe() as events:
             await self.qmp.execute("system_reset")
+            # Wait for this very reset before going on (a `cont` must not run the old state).
             await events.wait("RESET", guest=False, reason="host-qmp-system-reset")
-        if once:
-            # The BMC reports a one-time override as used as soon as the machine resets.
-            self.override = BootOverride()
-            self._restore = asyncio.create_task(self._restore_when_quiet(self._generation))
 
-    async def _restore_when_quiet(self, generation: int) -> None:
-        """Put the standing boot order back once the firmware has taken the one-time one.
+    async def _consume_once(self, generation: int) -> None:
+        """Use up a one-time override at the next reset, then put the standing order back.
 
         The firmware's boot order is fixed at each reset, and SeaBIOS resets the machine
-        itself a few times right after a reset from outside: restoring at once would let
-        those resets pick up the standing order. So wait until no reset has come for
-        ONCE_SETTLE_S; a guest's own reboot (an OS restarting) comes much later than that.
+        itself a few times right after a reset from outside: restoring at the first reset
+        would let those later ones pick up the standing order. So the order is restored only
+        after ONCE_SETTLE_S without a reset; an OS rebooting comes much later than that.
         """
         with self.qmp.subscribe() as events:
+            await events.wait("RESET", timeout=None)
+            async with self._lock:
+                if generation != self._generation:
+                    return
+                self.override = BootOverride()  # BMCs report a one-time override used now
             while True:
                 try:
                     await events.wait("RESET", timeout=ONCE_SETTLE_S)

@@ -28,7 +28,7 @@ class EventStream:
             self.queue.get_nowait()  # a slow reader loses the oldest events, not the newest
         self.queue.put_nowait(event)
 
-    async def wait(self, name: str, timeout: float = 10.0, **data: Any) -> dict[str, Any]:
+    async def wait(self, name: str, timeout: float | None = 10.0, **data: Any) -> dict[str, Any]:
         """The next event called ``name`` whose data holds ``data``; others are skipped."""
         async with asyncio.timeout(timeout):
             while True:
