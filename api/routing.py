@@ -46,6 +46,9 @@ class RouteSpec:
     description: str = ""
     raw_response: str | None = None  # media type for non-JSON responses
     errors: tuple[int, ...] = ()
+    #: Pass the decoded JSON object to the handler unvalidated (it validates itself, e.g. to
+    #: record refusals); ``body`` then only documents the shape.
+    raw_body: bool = False
 
     @property
     def path_params(self) -> list[str]:
@@ -92,6 +95,7 @@ class Router:
         tag: str = "",
         raw_response: str | None = None,
         errors: tuple[int, ...] = (),
+        raw_body: bool = False,
     ) -> Callable[[Handler], Handler]:
         def deco(fn: Handler) -> Handler:
             self.specs.append(
@@ -109,6 +113,7 @@ class Router:
                     description=(fn.__doc__ or "").strip(),
                     raw_response=raw_response,
                     errors=errors,
+                    raw_body=raw_body,
                 )
             )
             return fn
@@ -161,7 +166,7 @@ async def _read_body(request: web.Request, spec: RouteSpec, limit: int) -> Any:
         raise _Problem(400, "Malformed JSON", f"the body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise _Problem(400, "Malformed JSON", "the body must be a JSON object")
-    return spec.body.model_validate(data)
+    return data if spec.raw_body else spec.body.model_validate(data)
 
 
 def _query(request: web.Request, spec: RouteSpec) -> Any:

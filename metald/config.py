@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from metald.inventory.enroll import EnrollmentRule
+
 
 class ConfigError(Exception):
     """The configuration cannot be used; the message names the key and the problem."""
@@ -140,6 +142,18 @@ class BmcConfig(_Section):
     drift_grace_s: float = Field(default=120.0, ge=0)
 
 
+class EnrollConfig(_Section):
+    """Zero-touch enrollment: what the discovery agent may do and the rules applied to it."""
+
+    #: Lifetime of the machine-scoped agent token put on the discovery kernel's command line.
+    agent_token_ttl_s: int = Field(default=7200, ge=60)
+    #: What a machine does once inspected: "poweroff" (wait for a claim powered off) or "wait".
+    after_inspection: Literal["poweroff", "wait"] = "poweroff"
+    #: Rules that set labels and rack from inventory and switch port, applied in order:
+    #: [[enroll.rules]] match = { gpu_model = "NVIDIA H100*" } labels = { pool = "train" }
+    rules: list[EnrollmentRule] = []
+
+
 class Config(_Section):
     #: Folder for the SQLite database, the secrets key and the first admin token.
     state_dir: str = "/var/lib/metald"
@@ -151,6 +165,7 @@ class Config(_Section):
     auth: AuthConfig = AuthConfig()
     boot: BootConfig = BootConfig()
     bmc: BmcConfig = BmcConfig()
+    enroll: EnrollConfig = EnrollConfig()
 
     @property
     def store_url(self) -> str:

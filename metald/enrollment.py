@@ -1,0 +1,208 @@
+"""Zero-touch enrollment: from a MAC on the wire to a ``ready`` machine with its inventory.
+
+- ``EnrollmentBootHooks`` (the boot plane's hooks): an unknown MAC that fetches its iPXE script
+  becomes a ``discovered`` machine; a machine booting the discovery image moves to
+  ``inspecting`` and gets a fresh machine-scoped agent token on its kernel command line.
+- ``accept_inventory``: the agent's post, validated, checked against its token's machine and
+  against replays, normalised, run through the enrollment rules, and stored with the
+  ``inspected`` transition in one transaction. A refused post writes only an event.
+- ``next_instruction``: what the agent should do now (post inventory, power off, wait).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from sqlmodel import Session, select
+
+from metald import machines
+from metald.auth import Role, issue_token, revoke_machine_tokens
+from metald.boot.hooks import BootTarget, StoreBootHooks
+from metald.config import EnrollConfig
+from metald.errors import MetaldError
+from metald.inventory.enroll import apply_rules, diff
+from metald.inventory.normalize import inventory_document, normalize
+from metald.inventory.schema import check_machine, check_replay, parse_payload
+from metald.lifecycle import State, Trigger
+from metald.store.models import Machine, Nic, utcnow
+
+#: States in which a machine's agent may post inventory.
+INSPECT_STATES = {State.INSPECTING}
+
+
+def mint_agent_token(
+    s: Session, m: Machine, *, actor: str, ttl_s: int, instance: str | None = None
+) -> str:
+    """A fresh agent token for ``m`` (older ones revoked). A discovered machine that is about to
+    boot the discovery image moves to ``inspecting`` in the same transaction."""
+    revoke_machine_tokens(s, m.id, commit=False)
+    if m.state in (State.DISCOVERED.value, State.INSPECT_FAILED.value):
+        machines.transition(
+            s,
+            m.id,
+            Trigger.INSPECT,
+            actor=actor,
+            reason="booting the discovery image",
+            instance=instance,
+            commit=False,
+        )
+    _row, secret = issue_token(
+        s,
+        name=f"agent-{m.id[:8]}",
+        role=Role.AGENT,
+        scope=[m.id],
+        created_by=actor,
+        ttl=timedelta(seconds=ttl_s),
+        commit=False,
+    )
+    s.commit()
+    return secret
+
+
+class EnrollmentBootHooks(StoreBootHooks):
+    """Store hooks that also enroll MACs first seen over HTTP and mint agent tokens."""
+
+    def __init__(self, store: Any, instance: str, cfg: EnrollConfig) -> None:
+        actor = f"metald:{instance}"
+        super().__init__(
+            store,
+            instance,
+            mint_agent_token=lambda s, m: mint_agent_token(
+                s, m, actor=actor, ttl_s=cfg.agent_token_ttl_s, instance=instance
+            ),
+        )
+
+    def _target(self, s: Session, mac: str) -> BootTarget:
+        if machines.find_by_mac(s, mac) is None:
+            try:
+                machines.create_machine(
+                    s,
+                    macs=[mac],
+                    actor=self.actor,
+                    reason="asked for its boot script",
+                    instance=self.instance,
+                )
+            except MetaldError:
+                s.rollback()  # created concurrently by DHCP or another instance
+        return super()._target(s, mac)
+
+
+def record_refusal(
+    s: Session, machine_id: str, actor: str, err: MetaldError, instance: str | None
+) -> None:
+    s.rollback()
+    machines.add_event(
+        s,
+        "inventory.refused",
+        actor,
+        machine_id=machine_id,
+        reason=err.detail,
+        data={"status": err.status, "error": type(err).__name__},
+        instance=instance,
+    )
+    s.commit()
+
+
+def accept_inventory(
+    s: Session,
+    machine_id: str,
+    data: Any,
+    *,
+    actor: str,
+    cfg: EnrollConfig,
+    instance: str | None = None,
+) -> Machine:
+    """Validate and store an agent's inventory post. On refusal: an event, nothing else."""
+    try:
+        payload = parse_payload(data)
+        check_machine(payload, machine_id)
+        m = machines.get_machine(s, machine_id)
+        old_doc = m.inventory or {}
+        replay = check_replay(old_doc.get("replay"), payload)
+        if State(m.state) not in INSPECT_STATES:
+            from metald.errors import Conflict
+
+            raise Conflict(
+                f"machine {machine_id} is {m.state}, not inspecting; run the 'inspect' action to re-inspect it"
+            )
+    except MetaldError as e:
+        record_refusal(s, machine_id, actor, e, instance)
+        raise
+    norm = normalize(payload)
+    doc = inventory_document(payload, norm)
+    doc["replay"] = replay.model_dump()
+    rule_labels, rule_rack = apply_rules(cfg.rules, norm, m.rack_position)
+    labels = {**rule_labels, **(m.labels or {})}  # labels set by people win over rules
+    updates: dict[str, Any] = {
+        **norm.machine_fields(),
+        "inventory": doc,
+        "inventory_at": utcnow(),
+        "labels": labels,
+        "last_error": None,
+        "boot_intent": None,
+    }
+    if rule_rack and not m.rack:
+        updates["rack"] = rule_rack
+    if not m.rack_position and norm.rack_position_hint:
+        updates["rack_position"] = norm.rack_position_hint
+    changes = diff(old_doc or None, norm) if old_doc.get("normalized") else []
+    _sync_nics(s, m.id, norm)
+    machines.transition(
+        s,
+        m.id,
+        Trigger.INSPECTED,
+        actor=actor,
+        reason="inventory accepted",
+        updates=updates,
+        data={
+            "gpu_model": norm.gpu_model,
+            "gpu_count": norm.gpu_count,
+            "memory_mb": norm.memory_mb,
+            "cpu_count": norm.cpu_count,
+        },
+        instance=instance,
+        commit=False,
+    )
+    if changes:
+        machines.add_event(
+            s,
+            "inventory.changed",
+            actor,
+            machine_id=m.id,
+            reason="; ".join(changes)[:500],
+            data={"changes": changes},
+            instance=instance,
+        )
+    s.commit()
+    return machines.get_machine(s, m.id)
+
+
+def _sync_nics(s: Session, machine_id: str, norm: Any) -> None:
+    macs = [machines.normalize_mac(x.mac) for x in norm.nics]
+    known = {n.mac: n for n in s.exec(select(Nic).where(Nic.mac.in_(macs)))}  # type: ignore[attr-defined]
+    for mac, nic in zip(macs, norm.nics, strict=True):
+        row = known.get(mac)
+        if row is not None and row.machine_id != machine_id:
+            continue  # belongs to another machine: left alone (an event would be noise per boot)
+        if row is None:
+            row = Nic(machine_id=machine_id, mac=mac)
+        row.name, row.driver, row.speed_mbps, row.link = (
+            nic.name,
+            nic.driver,
+            nic.speed_mbps,
+            nic.link,
+        )
+        s.add(row)
+
+
+def next_instruction(m: Machine, cfg: EnrollConfig) -> dict[str, Any]:
+    """What the agent in the discovery image should do now."""
+    state = State(m.state)
+    if state in INSPECT_STATES:
+        return {"action": "inspect", "reason": "post the inventory"}
+    if state is State.READY:
+        return {"action": cfg.after_inspection, "reason": "inspected; waiting for a claim"}
+    if state in (State.MAINTENANCE, State.BROKEN, State.RETIRED):
+        return {"action": "poweroff", "reason": f"machine is {state.value}"}
+    return {"action": "wait", "retry_after_s": 10, "reason": f"machine is {state.value}"}
