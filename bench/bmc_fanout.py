@@ -268,10 +268,13 @@ def _ask(conn: Any, what: str) -> Any:
     return conn.recv()
 
 
-async def _run(kind: str, conn: Any, base_port: int, n: int) -> list[dict[str, Any]]:
+async def _run(
+    kind: str, conn: Any, base_port: int, n: int, concurrency: int = 256
+) -> list[dict[str, Any]]:
     _ask(conn, "reset")
     drivers = _drivers(base_port, n)
-    sched = BmcScheduler(max_concurrency=256, min_interval_s=0.2, timeout_s=10.0, retries=3)
+    # metald's defaults (BmcConfig): global bound 256, 200 ms between commands to one BMC.
+    sched = BmcScheduler(max_concurrency=concurrency, min_interval_s=0.2, timeout_s=10.0, retries=3)
     rows = []
     sim_cpu = _ask(conn, "counts")["cpu"]
     try:
@@ -320,7 +323,9 @@ def main() -> None:
     ap.add_argument("--delay-ms", default="20,50")
     ap.add_argument("--drop", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--concurrency", type=int, default=256, help="metald's global bound")
     args = ap.parse_args()
+    args.load_before = os.getloadavg()[0]
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, args.bmcs * 2 + 256)), hard))
     lo, hi = (float(x) / 1000 for x in args.delay_ms.split(","))
@@ -332,7 +337,7 @@ def main() -> None:
     proc.start()
     try:
         assert parent.recv() == "ready"
-        rows = asyncio.run(_run("metald", parent, args.base_port, args.bmcs))
+        rows = asyncio.run(_run("metald", parent, args.base_port, args.bmcs, args.concurrency))
         rows += asyncio.run(_run("pool-8", parent, args.base_port, args.bmcs))
     finally:
         parent.send("stop")
@@ -345,7 +350,10 @@ def _print(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         f"# BMC fan-out: {args.bmcs} simulated IPMI BMCs, replies delayed {args.delay_ms} ms, "
         f"{args.drop:.0%} of packets dropped each way; {os.cpu_count()} CPUs"
     )
-    print(f"# command: .venv/bin/python bench/bmc_fanout.py --bmcs {args.bmcs} --seed {args.seed}")
+    print(
+        f"# command: .venv/bin/python bench/bmc_fanout.py --bmcs {args.bmcs} --seed {args.seed} "
+        f"--concurrency {args.concurrency}; 1-min load average before {args.load_before:.2f}, after {os.getloadavg()[0]:.2f}"
+    )
     head = (
         "run",
         "phase",

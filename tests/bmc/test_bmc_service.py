@@ -1,4 +1,5 @@
-"""BmcService end to end on a real store, against ipmi_sim, sushy-emulator and pyghmi BMCs."""
+"""BmcService end to end on a real store (SQLite and PostgreSQL: the shared ``store`` fixture),
+against ipmi_sim, sushy-emulator and pyghmi BMCs."""
 
 from __future__ import annotations
 
@@ -19,14 +20,6 @@ from metald.secrets import SecretBox
 from metald.store.db import Store
 from metald.store.models import Bmc, Event, Machine
 from tests.bmc.peers import PASSWORD, IpmiSim, Sushy, free_port
-
-
-@pytest.fixture
-def store(tmp_path: Path):
-    s = Store(f"sqlite:///{tmp_path / 'metald.db'}")
-    s.migrate()
-    yield s
-    s.close()
 
 
 @pytest.fixture
