@@ -92,14 +92,21 @@ class Daemon:
 
 
 def _boot_plane(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
+    """DHCP, TFTP and RA as a service; HTTP boot as routes on the API's port."""
     if not d.cfg.boot.enabled:
         return None, []
-    try:
-        from metald.boot.plane import build_boot_plane
-    except ImportError:
-        log.error("boot.enabled is set but this build has no boot plane")
-        return None, []
-    return build_boot_plane(d.cfg, d.store, d.ctx)
+    from pathlib import Path
+
+    from metald.boot.http import boot_routes
+    from metald.boot.plane import BootPlane, http_base_url
+    from metald.enrollment import EnrollmentBootHooks
+
+    hooks = EnrollmentBootHooks(d.store, d.cfg.instance, d.cfg.enroll)
+    plane = BootPlane(d.cfg, d.store, hooks)
+    routes = boot_routes(
+        hooks, Path(d.cfg.boot.assets_dir or d.cfg.state_dir), http_base_url(d.cfg)
+    )
+    return plane, routes
 
 
 def _bmc(d: Daemon) -> tuple[Any, list[web.RouteDef]]:

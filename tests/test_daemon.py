@@ -195,3 +195,55 @@ def test_version() -> None:
 def test_example_config_is_valid() -> None:
     example = Path(__file__).parent.parent / "examples" / "metald.toml"
     load_config(example, environ={})
+
+
+def test_two_instances_share_one_postgresql(tmp_path: Path, pg_server) -> None:  # type: ignore[no-untyped-def]
+    """Two metald processes started at the same moment on one empty PostgreSQL database: the
+    schema is migrated once, exactly one admin token is minted, and both serve the same fleet."""
+    url = pg_server.new_database()
+    procs, ports = [], []
+    for i in range(2):
+        port = free_port()
+        conf = tmp_path / f"m{i}.toml"
+        conf.write_text(
+            f'state_dir = "{tmp_path / f"s{i}"}"\ninstance = "rack{i}"\n[store]\nurl = "{url}"\n[api]\nlisten = "127.0.0.1:{port}"\n'
+        )
+        procs.append(
+            subprocess.Popen(
+                [BIN / "metald", "serve", "--config", conf], stderr=subprocess.PIPE, text=True
+            )
+        )
+        ports.append(port)
+    try:
+        for p, port in zip(procs, ports, strict=True):
+            wait_http(port, p)
+        tokens = [
+            f
+            for f in (tmp_path / "s0" / "admin.token", tmp_path / "s1" / "admin.token")
+            if f.exists()
+        ]
+        assert len(tokens) == 1
+        env = {
+            **os.environ,
+            "METALD_URL": f"http://127.0.0.1:{ports[0]}",
+            "METALD_TOKEN": tokens[0].read_text().strip(),
+        }
+        subprocess.run(
+            [BIN / "metalctl", "machines", "register", "--mac", "52:54:00:bb:00:01"],
+            env=env,
+            check=True,
+            capture_output=True,
+        )
+        env["METALD_URL"] = f"http://127.0.0.1:{ports[1]}"
+        out = subprocess.run(
+            [BIN / "metalctl", "machines", "list"],
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        assert "(1 of 1)" in out
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(timeout=15)

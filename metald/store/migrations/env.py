@@ -18,6 +18,10 @@ def run_migrations_online() -> None:
             compare_type=True,
         )
         with context.begin_transaction():
+            if connection.dialect.name == "postgresql":
+                # Several metald instances may start at once on one database: one migrates,
+                # the others wait here and then find the schema current.
+                connection.exec_driver_sql("SELECT pg_advisory_xact_lock(7215330912)")
             context.run_migrations()
         connection.commit()
 
