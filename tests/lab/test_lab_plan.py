@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import shutil
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,7 @@ def test_uefi_machines_get_ovmf_with_their_own_variable_store(tmp_path: Path) ->
         )
 
 
+@pytest.mark.skipif(shutil.which(qemu.QEMU) is None, reason="needs qemu-system-x86")
 def test_accelerator_override_and_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VMLAB_ACCEL", "kvm")
     assert qemu.choose_accelerator(tmp_path) == "kvm"
