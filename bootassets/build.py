@@ -315,10 +315,11 @@ def _point_current(cache: Path, digest: str) -> None:
 def ensure_built(cache_dir: Path | str | None = None, *, force: bool = False) -> Path:
     """The assets folder for the current inputs, building it only when missing or changed.
 
-    ``cache_dir`` defaults to $METALD_BOOTASSETS_CACHE or <repo>/.cache/bootassets. When apt
+    ``cache_dir`` defaults to $BOOTASSETS_CACHE or <repo>/.cache/bootassets (not a METALD_
+    variable: metald's config reads every METALD_* variable as a setting). When apt
     cannot resolve package versions (no package lists) an existing ``current`` build is used.
     """
-    cache = Path(cache_dir or os.environ.get("METALD_BOOTASSETS_CACHE") or DEFAULT_CACHE)
+    cache = Path(cache_dir or os.environ.get("BOOTASSETS_CACHE") or DEFAULT_CACHE)
     try:
         inputs = resolve_inputs()
     except BuildError as e:

@@ -114,8 +114,8 @@ async def test_agent_posts_the_inventory_of_a_gpu_server(tmp_path, busybox_bin, 
     fake_tool(busybox_bin, "ipmitool", _write(tmp_path / "lan.txt", IPMITOOL))
     rc, log = await run_agent(xe9680(tmp_path / "root"), busybox_bin, server.port)
     assert rc == 0, log
-    assert "metald-agent: inventory posted" in log
-    assert "metald-agent: dry run: would poweroff" in log
+    assert "] inventory posted (" in log
+    assert "] dry run: would poweroff" in log
     assert rec.next_calls == 2  # "wait" was followed by asking again
     (post,) = rec.posts
     assert rec.headers[0]["Authorization"] == "Bearer agent-token"
@@ -242,3 +242,28 @@ async def test_agent_without_url_does_nothing(tmp_path, busybox_bin):
 def _write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
+
+
+async def test_oversized_or_failing_tool_output_is_left_out(tmp_path, busybox_bin, aiohttp_server):
+    rec = Receiver()
+    server = await aiohttp_server(rec.app())
+    fs = FakeSys(tmp_path / "root")
+    fs.cpus("x", 1, 1, 1)
+    fake_tool(
+        busybox_bin, "nvidia-smi", _write(tmp_path / "big.xml", "<x>" + "a" * 800_000 + "</x>\n")
+    )
+    failing = busybox_bin / "ipmitool"
+    failing.write_text(f"#!{BUSYBOX} sh\necho 'Could not open device' ; exit 1\n")
+    failing.chmod(0o755)
+    fake_tool(
+        busybox_bin,
+        "lldpctl",
+        _write(
+            tmp_path / "lldp.txt", "lldp.eth0.chassis.name=leaf-1\nlldp.eth0.port.ifname=swp3\n"
+        ),
+    )
+    rc, log = await run_agent(fs, busybox_bin, server.port)
+    assert rc == 0, log
+    p = parse_payload(rec.posts[0]["body"])  # still a valid payload
+    assert (p.raw.nvidia_smi_xml, p.raw.ipmitool_lan_print) == (None, None)
+    assert normalize(p).rack_position_hint == "leaf-1/swp3"
