@@ -3,6 +3,7 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 MACHINES ?= 3
+LAB ?= lab
 
 .PHONY: all setup demo test test-fast lint format bench bootassets lab-up lab-down clean
 
@@ -34,10 +35,10 @@ bootassets: setup
 	$(PY) -m bootassets build
 
 lab-up: setup
-	$(PY) vm-lab/vm-lab up --machines $(MACHINES)
+	$(PY) vm-lab/vm-lab up --machines $(MACHINES) --name $(LAB)
 
 lab-down: setup
-	$(PY) vm-lab/vm-lab down --all
+	$(PY) vm-lab/vm-lab down --name $(LAB)
 
 clean:
 	rm -rf .pytest_cache .ruff_cache var

@@ -65,9 +65,14 @@ async def post_inventory(req: ApiRequest) -> InventoryAccepted:
         )
 
     try:
-        return await req.ctx.store.run(run)
+        out = await req.ctx.store.run(run)
     finally:
         req.ctx.bus.notify()
+    bmc = req.ctx.services.get("bmc")
+    if bmc is not None:
+        # A BMC registered before its machine was known is linked by UUID, serial or MAC now.
+        await bmc.link_by_identity(mid, actor=f"metald:{req.ctx.instance}")
+    return out
 
 
 @router.route(

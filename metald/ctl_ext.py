@@ -26,6 +26,9 @@ def add_extension_parsers(sub: Any) -> None:
     bm = sub.add_parser("bmcs", help="list or register BMCs")
     bsub = bm.add_subparsers(dest="sub", required=True)
     bsub.add_parser("list")
+    bp = bsub.add_parser("power", help="power a BMC's host (before its machine has enrolled)")
+    bp.add_argument("id", help="BMC id")
+    bp.add_argument("action", nargs="?", choices=["status", "on", "off", "cycle", "soft-off", "reset"], default="status")
     br = bsub.add_parser("register")
     br.add_argument("address")
     br.add_argument("--port", type=int)
@@ -75,7 +78,13 @@ def run_extension(args: argparse.Namespace, c: Any) -> int:
             )
         )
     elif args.cmd == "bmcs":
-        if args.sub == "list":
+        if args.sub == "power":
+            if args.action == "status":
+                r = c.call("GET", f"/api/v1/bmcs/{args.id}/power")
+            else:
+                r = c.call("POST", f"/api/v1/bmcs/{args.id}/power", {"action": args.action})
+            print(json.dumps(r, indent=2) if args.json else f"bmc {args.id}: power {r.get('power_state')}")
+        elif args.sub == "list":
             r = c.call("GET", "/api/v1/bmcs")
             print(
                 json.dumps(r, indent=2)
