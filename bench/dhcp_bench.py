@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import signal
 import sqlite3
@@ -156,6 +157,20 @@ class Dnsmasq(Server):
         time.sleep(0.5)
 
 
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process: a load-independent cost figure on a shared box."""
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_pid(srv: Server) -> int:
+    proc = getattr(srv, "proc", None) or srv.bp.proc  # type: ignore[attr-defined]
+    return proc.pid
+
+
 def perfdhcp(ns: Netns, rate: int, seconds: int) -> dict[str, float]:
     r = ns.run(
         "perfdhcp",
@@ -206,7 +221,9 @@ def main() -> int:
                 state = Path(tmp)
                 srv.start(ns["srv"], state)
                 try:
+                    c0 = cpu_seconds(server_pid(srv))
                     res = perfdhcp(ns["cli"], rate, args.seconds)
+                    res["cpu_us"] = (cpu_seconds(server_pid(srv)) - c0) / max(1, res["acks"]) * 1e6
                 finally:
                     srv.stop()
                 kept = srv.durable(state)
