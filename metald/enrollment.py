@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -85,7 +86,11 @@ class EnrollmentBootHooks(StoreBootHooks):
                 )
             except MetaldError:
                 s.rollback()  # created concurrently by DHCP or another instance
-        return super()._target(s, mac)
+        t = super()._target(s, mac)
+        if t.kernel and "console" not in t.kernel_args:
+            # The agent reports on the serial console too (people and tests read it there).
+            t = replace(t, kernel_args={"console": "ttyS0,115200", **t.kernel_args})
+        return t
 
 
 def record_refusal(

@@ -1,0 +1,149 @@
+"""metald inside a vm-lab virtual rack: used by ``make demo`` and the lab end-to-end tests.
+
+Builds the boot assets (cached), brings up a lab, writes a metald config for the lab network,
+starts ``metald serve`` inside the lab's namespace, and drives it with ``metalctl`` run inside
+the namespace too (the API listens on the lab's boot address, which only the lab can reach).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+if str(ROOT / "vm-lab") not in sys.path:
+    sys.path.insert(0, str(ROOT / "vm-lab"))
+
+
+class LabRack:
+    def __init__(
+        self, name: str, workdir: Path, *, machines: int = 3, uefi: int = 1, extra_config: str = ""
+    ) -> None:
+        from bootassets.build import ensure_built
+        from vmlab.lab import Lab
+
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.assets = ensure_built()
+        self.lab = Lab(name, machines=machines, uefi=uefi, workdir=self.workdir / "lab")
+        try:
+            self.state: dict[str, Any] = self.lab.up()
+            self._start_metald(extra_config)
+        except BaseException:
+            self.lab.down(keep_logs=True)
+            raise
+
+    @property
+    def machines(self) -> list[dict[str, Any]]:
+        return self.state["machines"]
+
+    def _start_metald(self, extra_config: str) -> None:
+        st = self.state
+        addr, bridge = st["boot_address"], st["bridge"]
+        lo, hi = st["dhcp_range"]
+        self.url = f"http://{addr}:8080"
+        self.state_dir = self.workdir / "metald"
+        self.log = self.workdir / "metald.log"
+        conf = self.workdir / "metald.toml"
+        conf.write_text(
+            f'state_dir = "{self.state_dir}"\ninstance = "{self.lab.name}"\n'
+            f'[api]\nlisten = "{addr}:8080"\n'
+            "[bmc]\npower_sync_interval_s = 0\nmin_interval_ms = 0\n"
+            f'[boot]\nenabled = true\ninterfaces = ["{bridge}"]\nserver_address = "{addr}"\n'
+            f'assets_dir = "{self.assets}"\nrouter_advertisements = true\n'
+            f'[[boot.networks]]\nname = "lab"\nsubnet = "{st["subnet"]}"\npool_start = "{lo}"\n'
+            f'pool_end = "{hi}"\ninterface = "{bridge}"\nlease_seconds = 600\n' + extra_config
+        )
+        self.metald = self.lab.spawn(
+            [str(BIN / "metald"), "serve", "--config", str(conf)], role="metald", log=self.log
+        )
+        deadline = time.monotonic() + 60
+        while (
+            not (self.state_dir / "admin.token").exists() or self.ctl("whoami", check=False)[0] != 0
+        ):
+            if time.monotonic() > deadline:
+                raise RuntimeError("metald did not start:\n" + self.log.read_text()[-3000:])
+            time.sleep(0.3)
+
+    @property
+    def token(self) -> str:
+        return (self.state_dir / "admin.token").read_text().strip()
+
+    def ctl(
+        self, *args: str, check: bool = True, env: dict[str, str] | None = None
+    ) -> tuple[int, str]:
+        """Run metalctl inside the lab; returns (exit status, stdout)."""
+        token = self.token if (self.state_dir / "admin.token").exists() else ""
+        full = {**os.environ, "METALD_URL": self.url, "METALD_TOKEN": token, **(env or {})}
+        r = self.lab.run(
+            [str(BIN / "metalctl"), *args], capture_output=True, text=True, env=full, timeout=120
+        )
+        if check and r.returncode != 0:
+            raise RuntimeError(
+                f"metalctl {' '.join(args)} failed ({r.returncode}): {r.stderr.strip()}"
+            )
+        return r.returncode, r.stdout
+
+    def json(self, *args: str, env: dict[str, str] | None = None) -> Any:
+        return json.loads(self.ctl("--json", *args, env=env)[1])
+
+    def register_bmcs(self, protocols: list[str] | None = None) -> dict[str, dict[str, Any]]:
+        """Register every machine's BMC by address only; returns machine name -> BMC."""
+        protocols = protocols or ["ipmi", "redfish", "auto"]
+        out = {}
+        for i, m in enumerate(self.machines):
+            b, proto = m["bmc"], protocols[i % len(protocols)]
+            args = [
+                "bmcs",
+                "register",
+                b["address"],
+                "--protocol",
+                proto,
+                "--username",
+                b["username"],
+            ]
+            if proto == "ipmi":
+                args += ["--port", str(b["ipmi_port"])]
+            elif proto == "redfish":
+                args += ["--port", str(b["redfish_port"])]
+            out[m["name"]] = self.json(*args, env={"BMC_PASSWORD": b["password"]})
+        return out
+
+    def machine_by_mac(self, mac: str) -> dict[str, Any] | None:
+        for item in self.json("machines", "list", "--limit", "1000")["items"]:
+            if any(n["mac"] == mac for n in item["nics"]):
+                return item
+        return None
+
+    def wait_state(self, macs: list[str], state: str, timeout: float) -> dict[str, float]:
+        """Wait until every MAC's machine is in ``state``; returns monotonic arrival times."""
+        arrived: dict[str, float] = {}
+        deadline = time.monotonic() + timeout
+        while len(arrived) < len(macs):
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{len(arrived)} of {len(macs)} machines reached {state}\n{self.diagnostics()}"
+                )
+            for item in self.json("machines", "list", "--state", state, "--limit", "1000")["items"]:
+                for nic in item["nics"]:
+                    if nic["mac"] in macs and nic["mac"] not in arrived:
+                        arrived[nic["mac"]] = time.monotonic()
+            time.sleep(1)
+        return arrived
+
+    def diagnostics(self) -> str:
+        parts = []
+        for m in self.machines:
+            log = Path(m["serial_log"])
+            tail = log.read_text(errors="replace")[-1500:] if log.exists() else "(no log)"
+            parts.append(f"--- {m['name']} ({m['firmware']}) serial\n{tail}")
+        parts.append("--- metald\n" + (self.log.read_text()[-3000:] if self.log.exists() else ""))
+        return "\n".join(parts)
+
+    def down(self) -> None:
+        self.lab.down(keep_logs=True)
