@@ -24,8 +24,9 @@ class LabRack:
     def __init__(
         self, name: str, workdir: Path, *, machines: int = 3, uefi: int = 1, extra_config: str = ""
     ) -> None:
-        from bootassets.build import ensure_built
         from vmlab.lab import Lab
+
+        from bootassets.build import ensure_built
 
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
