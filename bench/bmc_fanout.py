@@ -100,6 +100,8 @@ class _SimBmc(asyncio.DatagramProtocol):
             self.transport.sendto(reply, addr)
 
     def _handle(self, data: bytes) -> bytes | None:
+        if len(data) >= 14 and data[:4] == rmcp.RMCP_HEADER and data[4] == 0x00:
+            return self._ipmi15(data)
         if len(data) < 16 or data[4] != rmcp.AUTH_RMCPP:
             return None
         ptype = data[5] & 0x3F
@@ -112,6 +114,10 @@ class _SimBmc(asyncio.DatagramProtocol):
             return self._command(sid, sess, rmcp.decode_request(p.payload))
         p = rmcp.decode_packet(data)
         if ptype == rmcp.PAYLOAD_OPEN_REQ:
+            if len(p.payload) < 32 or p.payload[12] != 1 or p.payload[20] != 1:
+                # Only suite 3 (SHA-1): refuse other proposals so clients fall back to it.
+                refusal = bytes([p.payload[0], 0x11, 0, 0]) + p.payload[4:8]
+                return rmcp.encode_packet(rmcp.PAYLOAD_OPEN_RSP, 0, 0, refusal)
             hs = rmcp.ServerHandshake({USER: PASSWORD}, self.guid)
             self.pending[hs.bmc_sid] = hs
             return rmcp.encode_packet(rmcp.PAYLOAD_OPEN_RSP, 0, 0, hs.on_open_request(p.payload))
@@ -128,6 +134,15 @@ class _SimBmc(asyncio.DatagramProtocol):
                 self.sessions.setdefault(sid, _Session(keys, console))
             return rmcp.encode_packet(rmcp.PAYLOAD_RAKP4, 0, 0, rakp4)
         return None
+
+    def _ipmi15(self, data: bytes) -> bytes | None:
+        """Session-less IPMI 1.5: only Get Channel Authentication Capabilities, which clients
+        such as pyghmi and ipmitool send before RMCP+ (IPMI 2.0 only, suite 3)."""
+        req = rmcp.decode_request(data[14 : 14 + data[13]])
+        if (req.netfn, req.cmd) != (0x06, 0x38):
+            return None
+        body = rmcp.encode_response(req, 0, bytes([1, 0x80, 0x04, 0x02, 0, 0, 0, 0]))
+        return data[:4] + bytes(9) + bytes([len(body)]) + body
 
     def _command(self, sid: int, sess: _Session, req: rmcp.IpmiRequest) -> bytes:
         f, i = self.fleet, self.idx
@@ -147,6 +162,8 @@ class _SimBmc(asyncio.DatagramProtocol):
                 data = req.data[:1]
             elif (req.netfn, req.cmd) == (0x06, 0x37):
                 data = self.guid
+            elif (req.netfn, req.cmd) == (0x06, 0x01):  # Get Device ID
+                data = bytes([0x20, 0x01, 0x01, 0x00, 0x02, 0x9F, 0, 0, 0, 0, 0])
             elif (req.netfn, req.cmd) == (0x06, 0x3C):  # Close Session
                 self.sessions.pop(sid, None)
             else:
@@ -263,6 +280,87 @@ async def _pool_phase(drivers: list[IpmiDriver], phase: str, workers: int = 8) -
     return out
 
 
+def _pyghmi_phase(
+    base_port: int, n: int, phase: str, threads: int, commands: dict[int, Any]
+) -> list[Any]:
+    """pyghmi's client, a pool of threads each running one BMC command at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pyghmi.ipmi.command import Command
+
+    def one(i: int) -> Any:
+        t0 = time.perf_counter()
+        try:
+            cmd = commands.get(i)
+            if cmd is None:
+                cmd = commands[i] = Command(
+                    bmc="127.0.0.1",
+                    userid=USER.decode(),
+                    password=PASSWORD.decode(),
+                    port=base_port + i,
+                    keepalive=False,
+                )
+            if phase == "status":
+                r: Any = PowerState(cmd.get_power()["powerstate"])
+            else:
+                r = cmd.raw_command(netfn=0x00, command=0x02, data=(2,))
+                if r.get("code"):
+                    r = RuntimeError(r.get("error", "failed"))
+        except Exception as e:
+            r = e
+        return r, time.perf_counter() - t0
+
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(one, range(n)))
+
+
+def _pyghmi_run(conn: Any, base_port: int, n: int, threads: int) -> list[dict[str, Any]]:
+    _ask(conn, "reset")
+    commands: dict[int, Any] = {}
+    rows = []
+    sim_cpu = _ask(conn, "counts")["cpu"]
+    for phase in ("status", "cycle"):
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        results = _pyghmi_phase(base_port, n, phase, threads, commands)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        counts = _ask(conn, "counts")
+        sim_used, sim_cpu = counts["cpu"] - sim_cpu, counts["cpu"]
+        rows.append(_row(f"pyghmi-{threads}", phase, results, counts, wall, cpu, sim_used))
+    return rows
+
+
+def _row(
+    kind: str,
+    phase: str,
+    results: list[Any],
+    counts: dict[str, Any],
+    wall: float,
+    cpu: float,
+    sim_used: float,
+) -> dict[str, Any]:
+    executed = counts["status"] if phase == "status" else counts["controls"]
+    ok = [r for r, _ in results if not isinstance(r, Exception)]
+    if phase == "status":
+        ok = [r for r in ok if r is PowerState.OFF]
+    lat = sorted(t for _, t in results)
+    return {
+        "run": kind,
+        "phase": phase,
+        "answered": len(ok),
+        "wall_s": wall,
+        "p50_ms": statistics.median(lat) * 1000,
+        "p99_ms": lat[int(len(lat) * 0.99) - 1] * 1000,
+        "once": sum(1 for c in executed if c == 1),
+        "lost": sum(1 for c in executed if c == 0),
+        "twice": sum(1 for c in executed if c > 1),
+        "rx": counts["rx"],
+        "dropped": counts["dropped"],
+        "cached": counts["cached"],
+        "cpu": cpu,
+        "sim_cpu": sim_used,
+    }
+
+
 def _ask(conn: Any, what: str) -> Any:
     conn.send(what)
     return conn.recv()
@@ -287,29 +385,7 @@ async def _run(
             wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
             counts = _ask(conn, "counts")
             sim_used, sim_cpu = counts["cpu"] - sim_cpu, counts["cpu"]
-            executed = counts["status"] if phase == "status" else counts["controls"]
-            ok = [r for r, _ in results if not isinstance(r, Exception)]
-            if phase == "status":
-                ok = [r for r in ok if r is PowerState.OFF]
-            lat = sorted(t for _, t in results)
-            rows.append(
-                {
-                    "run": kind,
-                    "phase": phase,
-                    "answered": len(ok),
-                    "wall_s": wall,
-                    "p50_ms": statistics.median(lat) * 1000,
-                    "p99_ms": lat[int(len(lat) * 0.99) - 1] * 1000,
-                    "once": sum(1 for c in executed if c == 1),
-                    "lost": sum(1 for c in executed if c == 0),
-                    "twice": sum(1 for c in executed if c > 1),
-                    "rx": counts["rx"],
-                    "dropped": counts["dropped"],
-                    "cached": counts["cached"],
-                    "cpu": cpu,
-                    "sim_cpu": sim_used,
-                }
-            )
+            rows.append(_row(kind, phase, results, counts, wall, cpu, sim_used))
     finally:
         for d in drivers:
             await d.close()
@@ -324,6 +400,11 @@ def main() -> None:
     ap.add_argument("--drop", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--concurrency", type=int, default=256, help="metald's global bound")
+    ap.add_argument(
+        "--pyghmi",
+        default="",
+        help="also run pyghmi's client with these thread counts, comma-separated (e.g. 8,64)",
+    )
     args = ap.parse_args()
     args.load_before = os.getloadavg()[0]
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -339,6 +420,8 @@ def main() -> None:
         assert parent.recv() == "ready"
         rows = asyncio.run(_run("metald", parent, args.base_port, args.bmcs, args.concurrency))
         rows += asyncio.run(_run("pool-8", parent, args.base_port, args.bmcs))
+        for threads in filter(None, args.pyghmi.split(",")):
+            rows += _pyghmi_run(parent, args.base_port, args.bmcs, int(threads))
     finally:
         parent.send("stop")
         proc.join(10)
@@ -380,15 +463,20 @@ def _print(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
             f"{r['rx']} | {r['dropped']} | {r['cached']} |"
         )
     by = {(r["run"], r["phase"]): r["wall_s"] for r in rows}
+    others = [r for r in dict.fromkeys(r["run"] for r in rows) if r != "metald"]
     print()
-    print("| phase | metald s | pool-8 s | speed-up |")
-    print("|---|---|---|---|")
-    for phase in ("status", "cycle"):
-        m, b = by[("metald", phase)], by[("pool-8", phase)]
-        print(f"| {phase} | {m:.2f} | {b:.2f} | {b / m:.1f}x |")
-    m = sum(v for (run, _), v in by.items() if run == "metald")
-    b = sum(v for (run, _), v in by.items() if run == "pool-8")
-    print(f"| both | {m:.2f} | {b:.2f} | {b / m:.1f}x |")
+    print("| phase | metald s | " + " | ".join(f"{o} s | {o} / metald" for o in others) + " |")
+    print("|---|---|" + "---|---|" * len(others))
+    for phase in ("status", "cycle", "both"):
+
+        def wall(run: str, phase: str = phase) -> float:
+            if phase == "both":
+                return by[(run, "status")] + by[(run, "cycle")]
+            return by[(run, phase)]
+
+        m = wall("metald")
+        cells = " | ".join(f"{wall(o):.2f} | {wall(o) / m:.1f}x" for o in others)
+        print(f"| {phase} | {m:.2f} | {cells} |")
 
 
 if __name__ == "__main__":
