@@ -1,8 +1,11 @@
-"""``make demo``: run metald on the embedded default (SQLite) and walk through operating it.
+"""``make demo``: metald's main job on the embedded default (SQLite) and a virtual rack.
 
-Starts a real ``metald serve`` process in ./var/demo, then uses ``metalctl`` and the HTTP API as
-a technician and an orchestrator would, printing each step and its output. ``KEEP=1`` leaves
-the daemon running afterwards (its URL and admin token are printed).
+As root with QEMU (what ``scripts/bootstrap`` installs): builds the discovery image (cached),
+brings up a vm-lab rack of 3 machines (2 BIOS, 1 UEFI) with virtual BMCs, starts metald inside
+it, registers the BMCs by address, powers the machines on through metald, and watches them
+PXE-boot, post their inventory and become ``ready`` with nobody typing a MAC. Then it operates
+the fleet as a technician and an orchestrator would. Without root it runs the operating
+walk-through alone on a local metald (as does ``RACK=0``). ``KEEP=1`` leaves everything up.
 """
 
 from __future__ import annotations
@@ -15,147 +18,267 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+Ctl = Callable[..., tuple[int, str]]
 
 
 def step(title: str) -> None:
     print(f"\n\033[1m== {title}\033[0m", flush=True)
 
 
-def sh(args: list[str], env: dict[str, str], ok: bool = True) -> str:
-    print(
-        "$ " + " ".join(a if " " not in a else repr(a) for a in ["metalctl", *args[1:]] if a),
-        flush=True,
+def show(ctl: Ctl, *args: str, ok: bool = True, env: dict[str, str] | None = None) -> str:
+    print("$ metalctl " + " ".join(args), flush=True)
+    rc, out = ctl(*args, check=False, env=env)
+    if out.strip():
+        print(out.rstrip(), flush=True)
+    if ok and rc != 0:
+        raise SystemExit(f"demo: metalctl {' '.join(args)} failed ({rc})")
+    return out
+
+
+def local_ctl(url: str, token: str) -> Ctl:
+    def ctl(*args: str, check: bool = True, env: dict[str, str] | None = None) -> tuple[int, str]:
+        full = {**os.environ, "METALD_URL": url, "METALD_TOKEN": token, **(env or {})}
+        r = subprocess.run([str(BIN / "metalctl"), *args], env=full, capture_output=True, text=True)
+        if r.returncode and r.stderr:
+            print(r.stderr.rstrip(), flush=True)
+        if check and r.returncode:
+            raise SystemExit(f"demo: metalctl {' '.join(args)} failed")
+        return r.returncode, r.stdout
+
+    return ctl
+
+
+def rack_ctl(rack) -> Ctl:  # type: ignore[no-untyped-def]
+    def ctl(*args: str, check: bool = True, env: dict[str, str] | None = None) -> tuple[int, str]:
+        token = rack.token
+        full = {**os.environ, "METALD_URL": rack.url, "METALD_TOKEN": token, **(env or {})}
+        r = rack.lab.run(
+            [str(BIN / "metalctl"), *args], capture_output=True, text=True, env=full, timeout=120
+        )
+        if r.returncode and r.stderr:
+            print(r.stderr.rstrip(), flush=True)
+        if check and r.returncode:
+            raise SystemExit(f"demo: metalctl {' '.join(args)} failed")
+        return r.returncode, r.stdout
+
+    return ctl
+
+
+def can_run_rack() -> str | None:
+    if os.environ.get("RACK") == "0":
+        return "RACK=0 was given"
+    if os.geteuid() != 0:
+        return "not root (a virtual rack needs network namespaces, taps and QEMU)"
+    for tool in ("qemu-system-x86_64", "qemu-img", "busybox"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed (run scripts/bootstrap as root)"
+    return None
+
+
+def run_rack(workdir: Path) -> tuple[Ctl, Callable[[], None], dict[str, float]]:
+    from metald.labrack import LabRack
+
+    timings: dict[str, float] = {}
+    step("Build the discovery image from Debian packages (cached in .cache/bootassets)")
+    t = time.monotonic()
+    from bootassets.build import ensure_built
+
+    assets = ensure_built()
+    timings["discovery image (build or cache)"] = time.monotonic() - t
+    sizes = {p.name: p.stat().st_size for p in (assets / "discovery").iterdir()}
+    print(f"{assets}: " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sorted(sizes.items())))
+
+    step(
+        "Bring up a virtual rack: 3 QEMU machines (2 BIOS, 1 UEFI), a virtual BMC each, metald inside"
     )
-    r = subprocess.run(args, env=env, capture_output=True, text=True)
-    out = (r.stdout + r.stderr).rstrip()
-    if out:
-        print(out, flush=True)
-    if ok and r.returncode != 0:
-        raise SystemExit(f"demo: step failed ({r.returncode})")
-    return r.stdout
+    t = time.monotonic()
+    rack = LabRack(
+        "demo",
+        workdir,
+        machines=3,
+        uefi=1,
+        extra_config='[[enroll.rules]]\nmatch = { vendor = "QEMU*" }\nlabels = { pool = "demo" }\n',
+    )
+    timings["rack up + metald started"] = time.monotonic() - t
+    print(
+        f"lab namespace {rack.state['netns']}, accelerator {rack.state['accel']}, metald at {rack.url} (SQLite)"
+    )
+    for m in rack.machines:
+        print(
+            f"  {m['name']} {m['firmware']:4} mac {m['mac']}  BMC {m['bmc']['address']} (IPMI :{m['bmc']['ipmi_port']}, Redfish :{m['bmc']['redfish_port']})"
+        )
+    ctl = rack_ctl(rack)
+
+    step("A technician registers the BMCs by address only (IPMI, Redfish, auto-detect)")
+    bmcs = {}
+    for i, m in enumerate(rack.machines):
+        proto = ["ipmi", "redfish", "auto"][i]
+        b = m["bmc"]
+        args = ["bmcs", "register", b["address"], "--protocol", proto, "--username", b["username"]]
+        if proto != "auto":
+            args += ["--port", str(b["ipmi_port"] if proto == "ipmi" else b["redfish_port"])]
+        out = show(ctl, *args, env={"BMC_PASSWORD": b["password"]})
+        bmcs[m["name"]] = out.split()[1]
+    show(ctl, "bmcs", "list")
+
+    step("Power the rack on through metald; the machines PXE-boot and enroll themselves")
+    t_on = {}
+    for m in rack.machines:
+        show(ctl, "bmcs", "power", bmcs[m["name"]], "on")
+        t_on[m["mac"]] = time.monotonic()
+    t0 = min(t_on.values())
+    ready: dict[str, float] = {}
+    last = ""
+    deadline = time.monotonic() + 600
+    while len(ready) < len(t_on):
+        if time.monotonic() > deadline:
+            print(rack.diagnostics())
+            raise SystemExit("demo: the rack did not enroll in 10 minutes")
+        items = json.loads(ctl("--json", "machines", "list")[1])["items"]
+        states = {n["mac"]: x["state"] for x in items for n in x["nics"]}
+        line = "  ".join(
+            f"{m['name']}:{states.get(m['mac'], 'off/booting')}" for m in rack.machines
+        )
+        if line != last:
+            print(f"  +{time.monotonic() - t0:5.1f}s  {line}", flush=True)
+            last = line
+        for mac, st in states.items():
+            if st == "ready" and mac in t_on and mac not in ready:
+                ready[mac] = time.monotonic()
+        time.sleep(1)
+    for m in rack.machines:
+        timings[f"{m['name']} ({m['firmware']}) power-on to ready"] = (
+            ready[m["mac"]] - t_on[m["mac"]]
+        )
+    timings["whole rack power-on to ready"] = max(ready.values()) - t0
+    show(ctl, "machines", "list")
+    show(ctl, "bmcs", "list")
+    return ctl, rack.down if os.environ.get("KEEP") != "1" else (lambda: None), timings
 
 
-def free_port() -> int:
+def run_local(workdir: Path) -> tuple[Ctl, Callable[[], None], dict[str, float]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def main() -> int:
-    state = ROOT / "var" / "demo"
-    shutil.rmtree(state, ignore_errors=True)
-    state.mkdir(parents=True)
-    port = free_port()
-    conf = state / "metald.toml"
+        port = s.getsockname()[1]
+    conf = workdir / "metald.toml"
     conf.write_text(
-        f'state_dir = "{state}"\ninstance = "demo"\n[api]\nlisten = "127.0.0.1:{port}"\n'
-        "[bmc]\npower_sync_interval_s = 0\n"
+        f'state_dir = "{workdir}"\ninstance = "demo"\n[api]\nlisten = "127.0.0.1:{port}"\n[bmc]\npower_sync_interval_s = 0\n'
     )
-    step(f"Start metald (SQLite in {state})")
-    log = open(state / "metald.log", "w")  # noqa: SIM115 - lives as long as the daemon
+    step(f"Start metald (SQLite in {workdir})")
+    log = open(workdir / "metald.log", "w")  # noqa: SIM115 - lives as long as the daemon
     proc = subprocess.Popen([BIN / "metald", "serve", "--config", conf], stderr=log)
     url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
     while True:
         try:
-            health = json.loads(urllib.request.urlopen(url + "/healthz", timeout=1).read())
+            urllib.request.urlopen(url + "/healthz", timeout=1).read()
             break
         except OSError:
             if proc.poll() is not None or time.monotonic() - t0 > 30:
-                print((state / "metald.log").read_text())
+                print((workdir / "metald.log").read_text())
                 raise SystemExit("demo: metald did not start") from None
             time.sleep(0.1)
-    print(
-        f"metald {health['version']} up in {time.monotonic() - t0:.1f}s at {url}; database {health['database']}"
+    print(f"metald up in {time.monotonic() - t0:.1f}s at {url}")
+    ctl = local_ctl(url, (workdir / "admin.token").read_text().strip())
+    step(
+        "A technician registers three machines by MAC (with a virtual rack they enroll themselves)"
     )
-    admin = (state / "admin.token").read_text().strip()
-    print(f"first-start admin token written to {state / 'admin.token'} (mode 0600)")
-    env = {**os.environ, "METALD_URL": url, "METALD_TOKEN": admin}
-    ctl = str(BIN / "metalctl")
-    try:
-        step("A technician registers three machines by MAC")
-        ids = []
-        for i, labels in enumerate(["pool=train", "pool=train", "pool=infer"]):
-            out = sh(
-                [
-                    ctl,
-                    "--json",
-                    "machines",
-                    "register",
-                    "--mac",
-                    f"52:54:00:de:00:0{i + 1}",
-                    "--name",
-                    f"gpu-0{i + 1}",
-                    "--label",
-                    labels,
-                ],
-                env,
-            )
-            ids.append(json.loads(out)["id"])
-        sh([ctl, "machines", "list"], env)
-
-        step("Operate: maintenance, labels, broken, repair")
-        sh([ctl, "machines", "maintenance-on", ids[0], "--reason", "reseat GPU 3"], env)
-        sh([ctl, "machines", "label", ids[1], "rack=r07", "pool-"], env)
-        sh([ctl, "machines", "mark-broken", ids[2], "--reason", "PSU fault"], env)
-        sh([ctl, "machines", "repair", ids[2]], env)
-        sh([ctl, "machines", "list", "--state", "maintenance"], env)
-
-        step("The lifecycle refuses what it must (exit 1, a problem+json sentence)")
-        sh([ctl, "machines", "maintenance-off", ids[0]], env, ok=False)
-        sh([ctl, "machines", "repair", ids[1]], env, ok=False)
-
-        step("Tokens: an orchestrator scoped to one tenant sees only that tenant's machines")
-        tenant = json.loads(sh([ctl, "--json", "tenants", "create", "acme"], env))["id"]
-        orch = sh(
-            [
-                ctl,
-                "tokens",
-                "create",
-                "--name",
-                "acme-orch",
-                "--role",
-                "orchestrator",
-                "--scope",
-                tenant,
-            ],
-            env,
-        ).splitlines()[-1]
-        sh([ctl, "tokens", "list"], env)
-        sh([ctl, "machines", "list"], {**env, "METALD_TOKEN": orch})
-        sh([ctl, "tokens", "list"], {**env, "METALD_TOKEN": orch}, ok=False)
-
-        step("Bad input gets RFC 9457 problem+json")
-        req = urllib.request.Request(
-            url + "/api/v1/machines",
-            data=b'{"macs": "nope", "colour": 1}',
-            method="POST",
-            headers={"Authorization": f"Bearer {admin}", "Content-Type": "application/json"},
+    for i in range(3):
+        show(
+            ctl,
+            "machines",
+            "register",
+            "--mac",
+            f"52:54:00:de:00:0{i + 1}",
+            "--name",
+            f"gpu-0{i + 1}",
+            "--label",
+            "pool=demo",
         )
-        try:
-            urllib.request.urlopen(req)
-        except urllib.error.HTTPError as e:
-            print(
-                f"HTTP {e.code} {e.headers['Content-Type']}\n{json.dumps(json.loads(e.read()), indent=2)}"
-            )
 
-        step("The audit trail (every transition with who, why, from, to)")
-        sh([ctl, "events"], env)
-        print(f"\nOpenAPI: {url}/api/v1/openapi.json   metrics: {url}/metrics")
+    def stop() -> None:
+        if os.environ.get("KEEP") == "1":
+            print(f"KEEP=1: metald stays up (pid {proc.pid}) at {url}")
+            return
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=15)
+
+    return ctl, stop, {"metald start": time.monotonic() - t0}
+
+
+def operate(ctl: Ctl) -> None:
+    items = json.loads(ctl("--json", "machines", "list")[1])["items"]
+    ids = [x["id"] for x in sorted(items, key=lambda x: x["nics"][0]["mac"])]
+
+    step("Operate the fleet: maintenance, labels, broken, repair")
+    show(ctl, "machines", "maintenance-on", ids[0], "--reason", "reseat GPU 3")
+    show(ctl, "machines", "label", ids[1], "rack=r07")
+    show(ctl, "machines", "mark-broken", ids[2], "--reason", "PSU fault")
+    show(ctl, "machines", "repair", ids[2])
+    show(ctl, "machines", "list")
+
+    step("The lifecycle refuses what it must (exit 1 and a problem+json sentence)")
+    show(ctl, "machines", "repair", ids[1], ok=False)
+    show(ctl, "machines", "show", "no-such-machine", ok=False)
+
+    step("Scoped tokens: an orchestrator of tenant acme sees only acme's machines, and no tokens")
+    tenant = json.loads(show(ctl, "--json", "tenants", "create", "acme"))["id"]
+    orch = show(
+        ctl, "tokens", "create", "--name", "acme-orch", "--role", "orchestrator", "--scope", tenant
+    ).splitlines()[-1]
+    show(ctl, "machines", "list", env={"METALD_TOKEN": orch})
+    show(ctl, "tokens", "list", env={"METALD_TOKEN": orch}, ok=False)
+
+    step("The audit trail: every change with who, why, from and to")
+    show(ctl, "events", "--limit", "40")
+
+
+def main() -> int:
+    workdir = ROOT / "var" / "demo"
+    if workdir.exists():
+        if (workdir / "lab").exists():
+            subprocess.run(
+                [
+                    sys.executable,
+                    str(ROOT / "vm-lab" / "vm-lab"),
+                    "--home",
+                    str(workdir / "lab"),
+                    "down",
+                    "--all",
+                ],
+                capture_output=True,
+            )
+        shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    why_not = can_run_rack()
+    started = time.monotonic()
+    if why_not:
+        print(f"demo: no virtual rack: {why_not}; running the API walk-through on a local metald")
+        ctl, stop, timings = run_local(workdir)
+    else:
+        ctl, stop, timings = run_rack(workdir)
+    try:
+        operate(ctl)
     finally:
+        step("Summary")
+        width = max(len(k) for k in timings)
+        for k, v in timings.items():
+            print(f"  {k:<{width}}  {v:7.1f} s")
+        print(f"  {'demo total':<{width}}  {time.monotonic() - started:7.1f} s")
+        stop()
         if os.environ.get("KEEP") == "1":
             print(
-                f"\nKEEP=1: metald stays up (pid {proc.pid}). export METALD_URL={url} METALD_TOKEN=$(cat {state / 'admin.token'})"
+                f"KEEP=1: everything is still up; take it down with: vm-lab --home {workdir / 'lab'} down --all"
             )
         else:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=15)
-            print("\nmetald stopped (SIGTERM). Re-run with KEEP=1 to leave it running.")
+            print("Everything was taken down. KEEP=1 make demo leaves it up.")
     return 0
 
 
