@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from bootassets import cpio, kmod
+from bootassets import cpio, elf, kmod
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CACHE = HERE.parent / ".cache" / "bootassets"
@@ -67,6 +67,21 @@ KERNEL_META = "linux-image-amd64"
 BUSYBOX = "busybox-static"
 IPXE = "ipxe"
 IPXE_FILES = ("undionly.kpxe", "ipxe.efi", "snponly.efi")
+#: ipmitool (the BMC's address and MAC, so metald can pair BMC and host) and the packages that
+#: hold the libraries it loads. Debian 12 names; the build checks the library closure and names
+#: any library it cannot find.
+TOOL_PACKAGES = (
+    "ipmitool",
+    "libc6",
+    "libfreeipmi17",
+    "libreadline8",
+    "libtinfo6",
+    "libssl3",
+    "libgcrypt20",
+    "libgpg-error0",
+)
+TOOLS = ("usr/bin/ipmitool",)
+MULTIARCH_LIB = "lib/x86_64-linux-gnu"
 #: The whole asset folder must stay below this (the issue's budget for the discovery image).
 SIZE_LIMIT = 64 * 1024 * 1024
 
@@ -105,7 +120,7 @@ def _apt_show(*packages: str) -> dict[str, dict[str, str]]:
 
 def resolve_inputs() -> dict[str, object]:
     """Everything the build depends on: package versions and the hashes of our own files."""
-    shown = _apt_show(KERNEL_META, BUSYBOX, IPXE)
+    shown = _apt_show(KERNEL_META, BUSYBOX, IPXE, *TOOL_PACKAGES)
     # the meta-package names the versioned kernel package that holds the image
     image = next(
         (
@@ -122,6 +137,7 @@ def resolve_inputs() -> dict[str, object]:
         "kernel": f"{image}={kernel['Version']}",
         "busybox": f"{BUSYBOX}={shown[BUSYBOX]['Version']}",
         "ipxe": f"{IPXE}={shown[IPXE]['Version']}",
+        "tools": " ".join(f"{p}={shown[p]['Version']}" for p in TOOL_PACKAGES),
     }
     files = {
         str(p.relative_to(HERE)): hashlib.sha256(p.read_bytes()).hexdigest()
@@ -133,6 +149,7 @@ def resolve_inputs() -> dict[str, object]:
             HERE / "build.py",
             HERE / "cpio.py",
             HERE / "kmod.py",
+            HERE / "elf.py",
         )
     }
     return {"packages": packages, "files": files, "modules": MODULES}
@@ -142,17 +159,39 @@ def inputs_hash(inputs: dict[str, object]) -> str:
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _download(package_eq_version: str, into: Path) -> Path:
-    """apt-get download + dpkg-deb -x; returns the unpacked tree."""
+def _download(packages: str, into: Path) -> Path:
+    """apt-get download + dpkg-deb -x of "name=version ..." into one tree; returns the tree."""
     into.mkdir(parents=True, exist_ok=True)
     os.chmod(into, 0o755)  # so apt's sandbox user may write there
-    _run("apt-get", "download", "-q", package_eq_version, cwd=into)
-    debs = list(into.glob("*.deb"))
-    if len(debs) != 1:
-        raise BuildError(f"apt-get download {package_eq_version} gave {len(debs)} .deb files")
+    wanted = packages.split()
+    _run("apt-get", "download", "-q", *wanted, cwd=into)
+    debs = sorted(into.glob("*.deb"))
+    if len(debs) != len(wanted):
+        raise BuildError(f"apt-get download {packages} gave {len(debs)} .deb files")
     tree = into / "root"
-    _run("dpkg-deb", "-x", str(debs[0]), str(tree))
+    for deb in debs:
+        _run("dpkg-deb", "-x", str(deb), str(tree))
     return tree
+
+
+def tool_entries(tree: Path) -> list[cpio.Entry]:
+    """The tools and every shared library they load (DT_NEEDED closure), laid out as Debian
+    does (/lib/x86_64-linux-gnu, the loader at /lib64), so the programs run unchanged."""
+    lib_dirs = [tree / MULTIARCH_LIB, tree / "usr" / MULTIARCH_LIB]
+    entries: list[cpio.Entry] = []
+    libs: dict[str, Path] = {}
+    for rel in TOOLS:
+        entries.append(cpio.file(rel, (tree / rel).read_bytes(), 0o755))
+        try:
+            libs.update(elf.library_closure(tree / rel, lib_dirs))
+        except elf.ElfError as e:
+            raise BuildError(str(e)) from None
+    for soname, path in sorted(libs.items()):
+        entries.append(cpio.file(f"{MULTIARCH_LIB}/{soname}", path.read_bytes(), 0o755))
+    entries.append(
+        cpio.symlink("lib64/ld-linux-x86-64.so.2", f"/{MULTIARCH_LIB}/ld-linux-x86-64.so.2")
+    )
+    return entries
 
 
 def _alias_line(driver: str, alias: str) -> str:
@@ -193,7 +232,7 @@ def driver_plan(index: dict[str, Path]) -> tuple[list[str], str, str]:
 
 
 def build_initramfs(
-    kernel_tree: Path, busybox: bytes, kernel_version: str
+    kernel_tree: Path, busybox: bytes, kernel_version: str, tools: list[cpio.Entry] | None = None
 ) -> tuple[bytes, list[str]]:
     """The initramfs (gzip'd cpio) and the module load order it carries."""
     moddir = kernel_tree / "lib" / "modules" / kernel_version
@@ -231,6 +270,7 @@ def build_initramfs(
         cpio.file("lib/modules/aliases", aliases.encode()),
         cpio.file("lib/modules/closures", closures.encode()),
     ]
+    entries += [cpio.directory(d) for d in ("lib/x86_64-linux-gnu", "lib64")] + list(tools or [])
     for name in order:
         data = kmod.read_module(index[name])  # insmod wants plain ELF
         entries.append(cpio.file(f"lib/modules/{kernel_version}/{name}.ko", data))
@@ -272,8 +312,9 @@ def _build(target: Path, inputs: dict[str, object], digest: str) -> None:
         if len(vmlinuz) != 1:
             raise BuildError("the kernel package holds no single vmlinuz")
         kernel_version = vmlinuz[0].name.removeprefix("vmlinuz-")
+        tools = tool_entries(_download(packages["tools"], work / "tools"))
         initrd, order = build_initramfs(
-            kernel, (busybox / "bin" / "busybox").read_bytes(), kernel_version
+            kernel, (busybox / "bin" / "busybox").read_bytes(), kernel_version, tools
         )
 
         out = work / "out"

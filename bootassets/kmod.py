@@ -8,8 +8,9 @@ every ``.ko`` carries ``depends=a,b`` in its ``.modinfo`` section.
 from __future__ import annotations
 
 import lzma
-import struct
 from pathlib import Path
+
+from bootassets import elf
 
 
 class ModuleError(Exception):
@@ -21,32 +22,20 @@ def read_module(path: Path) -> bytes:
     return lzma.decompress(data) if path.name.endswith(".xz") else data
 
 
-def modinfo(elf: bytes) -> dict[str, list[str]]:
-    """Key -> values of an ELF64 module's ``.modinfo`` section (a key may repeat: alias=...)."""
-    if elf[:4] != b"\x7fELF" or elf[4] != 2:
-        raise ModuleError("not an ELF64 kernel module")
-    endian = "<" if elf[5] == 1 else ">"
-    shoff = struct.unpack_from(endian + "Q", elf, 0x28)[0]
-    shentsize, shnum, shstrndx = struct.unpack_from(endian + "HHH", elf, 0x3A)
-
-    def section(i: int) -> tuple[int, int, int]:
-        base = shoff + i * shentsize
-        name = struct.unpack_from(endian + "I", elf, base)[0]
-        offset, size = struct.unpack_from(endian + "QQ", elf, base + 0x18)
-        return name, offset, size
-
-    _, str_off, _ = section(shstrndx)
-    for i in range(shnum):
-        name_off, offset, size = section(i)
-        end = elf.index(b"\0", str_off + name_off)
-        if elf[str_off + name_off : end] == b".modinfo":
-            info: dict[str, list[str]] = {}
-            for item in elf[offset : offset + size].split(b"\0"):
-                key, sep, value = item.decode(errors="replace").partition("=")
-                if sep:
-                    info.setdefault(key, []).append(value)
-            return info
-    raise ModuleError("no .modinfo section")
+def modinfo(elf_bytes: bytes) -> dict[str, list[str]]:
+    """Key -> values of a module's ``.modinfo`` section (a key may repeat: alias=...)."""
+    try:
+        data = elf.section(elf_bytes, ".modinfo")
+    except elf.ElfError as e:
+        raise ModuleError(str(e)) from None
+    if data is None:
+        raise ModuleError("no .modinfo section")
+    info: dict[str, list[str]] = {}
+    for item in data.split(b"\0"):
+        key, sep, value = item.decode(errors="replace").partition("=")
+        if sep:
+            info.setdefault(key, []).append(value)
+    return info
 
 
 def module_name(path: Path) -> str:

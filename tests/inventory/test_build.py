@@ -179,3 +179,18 @@ def test_drivers_are_chosen_by_what_is_on_the_pci_bus(built_assets, tmp_path):
     bare = set(select())
     assert always <= bare
     assert not {"e1000", "virtio_pci", "mlx5_core", "nvme", "ahci", "igb"} & bare
+
+
+def test_ipmitool_runs_from_the_image(built_assets, tmp_path):
+    """ipmitool and its library closure, as laid out in the initrd, run (chroot, root only)."""
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("chroot needs root")
+    root = tmp_path / "initrd"
+    extract(gzip.decompress((built_assets / "discovery/initrd.img").read_bytes()), root)
+    out = subprocess.run(
+        ["chroot", str(root), "/usr/bin/ipmitool", "-V"], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ipmitool version")

@@ -125,6 +125,8 @@ def test_discovery_image_posts_what_qemu_has(built_assets, netns, tmp_path):
             "-netdev", "tap,id=n1,ifname=tap1,script=no,downscript=no", "-device", f"e1000,netdev=n1,mac={MAC2}",
             "-drive", f"file={tmp_path / 'vda.img'},format=raw,if=virtio",
             "-drive", f"file={tmp_path / 'nvme.img'},format=raw,if=none,id=nv0", "-device", "nvme,drive=nv0,serial=NVME-LAB-1",
+            # QEMU's own BMC simulator on a KCS interface: ipmitool in the image talks to it
+            "-device", "ipmi-bmc-sim,id=bmc0", "-device", "isa-ipmi-kcs,bmc=bmc0",
         ]  # fmt: skip
         t0 = time.time()
         vm = start(netns, qemu, tmp_path / "qemu.log")
@@ -140,6 +142,10 @@ def test_discovery_image_posts_what_qemu_has(built_assets, netns, tmp_path):
         assert rc == 0, (tmp_path / "qemu.log").read_text()
         assert "] inventory posted (" in log, log
         assert "] next action: poweroff" in log, log
+        drivers = next(line for line in log.splitlines() if "drivers loaded:" in line).split()
+        # matched to the devices QEMU has: virtio, e1000, NVMe, the BMC's KCS; no server NICs
+        assert {"virtio_net", "virtio_pci", "e1000", "nvme", "ipmi_si"} <= set(drivers)
+        assert not {"mlx5_core", "ice", "igb", "ahci"} & set(drivers)
         print("\n" + "\n".join(line for line in log.splitlines() if "metald-agent:" in line))
     finally:
         for p in procs:
