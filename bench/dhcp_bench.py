@@ -201,7 +201,7 @@ def perfdhcp(ns: Netns, rate: int, seconds: int) -> dict[str, float]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=int, default=4)
-    ap.add_argument("--rates", default="500,1000,1500,2000,2500,3000,3500,4000,5000,6000")
+    ap.add_argument("--rates", default="500,1000,1250,1500,1750,2000,2500,3000,3500,4000,5000,6000")
     ap.add_argument("--servers", default="metald,kea,dnsmasq")
     args = ap.parse_args()
     rates = [int(r) for r in args.rates.split(",")]
@@ -247,17 +247,30 @@ def main() -> int:
                     f"{res['rate']:.0f}",
                     f"{res['drop'] * 100:.2f}",
                     int(res["acks"]),
+                    f"{res.get('cpu_us', 0):.0f}",
                     "" if kept is None else kept,
                 ]
             )
             print(
                 f"{srv.name:14} asked {rate:5}/s got {res['rate']:7.0f}/s drops "
-                f"{res['drop'] * 100:6.2f} %  acks {int(res['acks'])}  durable {kept}",
+                f"{res['drop'] * 100:6.2f} %  acks {int(res['acks'])}  "
+                f"cpu {res.get('cpu_us', 0):.0f} us/DORA  durable {kept}",
                 flush=True,
             )
     print("\nAll steps:")
     print(
-        table(["server", "asked/s", "DORA/s", "drops %", "ACKs", "durable after kill -9"], log_rows)
+        table(
+            [
+                "server",
+                "asked/s",
+                "DORA/s",
+                "drops %",
+                "ACKs",
+                "server CPU us/DORA",
+                "durable leases after SIGKILL",
+            ],
+            log_rows,
+        )
     )
     ref = best.get("kea (memfile)") or 1.0
     rows = [[n, f"{best[n]:.0f}", f"{peak[n]:.0f}", f"{best[n] / ref:.2f}"] for n in best]

@@ -1,0 +1,159 @@
+"""HTTP boot benchmark: 100 concurrent downloads of kernel plus initrd, metald vs nginx.
+
+    sudo .venv/bin/python bench/http_bench.py [--clients 100] [--kernel-mb 8] [--initrd-mb 32]
+
+Both servers run in one network namespace on its loopback and serve the same folder: metald's
+``/boot/assets/`` route (aiohttp FileResponse, sendfile) and nginx (sendfile on, 2 workers =
+the box's cores). Each client is one curl fetching the kernel then the initrd, as iPXE does;
+the files are random bytes of Debian-like sizes (the stock initrd is ~31 MB). Wall time from
+the first start to the last exit; a failure is a non-200 or a short body.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _lab import BootProcess, namespaces, table, write_config
+
+DRIVER = r"""
+import asyncio, sys, time
+n, k_url, i_url, k_size, i_size = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+async def one():
+    p = await asyncio.create_subprocess_exec(
+        "curl", "-s", "-w", "%{http_code} %{size_download}\n", "-o", "/dev/null", k_url,
+        "-o", "/dev/null", i_url, stdout=asyncio.subprocess.PIPE)
+    out, _ = await p.communicate()
+    lines = out.decode().split()
+    return p.returncode == 0 and lines == ["200", str(k_size), "200", str(i_size)]
+async def main():
+    t0 = time.perf_counter()
+    oks = await asyncio.gather(*[one() for _ in range(n)])
+    print(f"{time.perf_counter() - t0:.3f} {oks.count(False)}")
+asyncio.run(main())
+"""
+
+NGINX = """
+daemon off;
+worker_processes 2;
+pid {tmp}/nginx.pid;
+error_log {tmp}/nginx-error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+    access_log off;
+    sendfile on;
+    tcp_nopush on;
+    client_body_temp_path {tmp}/body;
+    proxy_temp_path {tmp}/proxy;
+    fastcgi_temp_path {tmp}/fastcgi;
+    uwsgi_temp_path {tmp}/uwsgi;
+    scgi_temp_path {tmp}/scgi;
+    server {{
+        listen 127.0.0.1:8081;
+        location /boot/assets/ {{ alias {root}/; }}
+    }}
+}}
+"""
+
+BOOT = """
+[boot]
+enabled = true
+dhcp_mode = "off"
+interfaces = ["lo"]
+server_address = "127.0.0.1"
+tftp_port = 6969
+assets_dir = "{root}"
+router_advertisements = false
+"""
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--clients", type=int, default=100)
+    ap.add_argument("--kernel-mb", type=int, default=8)
+    ap.add_argument("--initrd-mb", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    if shutil.which("nginx") is None:
+        print("nginx is not installed (Debian package nginx-light)", file=sys.stderr)
+        return 2
+    res: dict[str, list[tuple[float, int]]] = {"metald": [], "nginx": []}
+    with tempfile.TemporaryDirectory() as tmp_s:
+        tmp = Path(tmp_s)
+        root = tmp / "assets"
+        root.mkdir()
+        k, i = root / "vmlinuz", root / "initrd.img"
+        k.write_bytes(os.urandom(args.kernel_mb << 20))
+        i.write_bytes(os.urandom(args.initrd_mb << 20))
+        (tmp / "nginx.conf").write_text(NGINX.format(tmp=tmp, root=root))
+        with namespaces("http") as ns:
+            lab = ns["http"]
+            cfg = write_config(
+                tmp / "m.toml",
+                state_dir=tmp / "st",
+                boot=BOOT.format(root=root),
+                listen="127.0.0.1:8080",
+            )
+            bp = BootProcess(lab, cfg, tmp / "metald.log").start()
+            ng = lab.popen(
+                "nginx",
+                "-c",
+                str(tmp / "nginx.conf"),
+                "-e",
+                str(tmp / "nginx-error.log"),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            time.sleep(1.0)
+            try:
+                for rnd in range(args.rounds):
+                    for name, port in (("metald", 8080), ("nginx", 8081)):
+                        base = f"http://127.0.0.1:{port}/boot/assets"
+                        r = lab.run(
+                            sys.executable,
+                            "-c",
+                            DRIVER,
+                            str(args.clients),
+                            f"{base}/vmlinuz",
+                            f"{base}/initrd.img",
+                            str(k.stat().st_size),
+                            str(i.stat().st_size),
+                            timeout=600,
+                        )
+                        wall, bad = r.stdout.split()
+                        res[name].append((float(wall), int(bad)))
+                        print(f"round {rnd} {name}: {wall} s, {bad} failed", flush=True)
+            finally:
+                ng.terminate()
+                ng.wait(10)
+                bp.stop()
+    total_mb = args.clients * (args.kernel_mb + args.initrd_mb)
+    ref = min(w for w, _ in res["nginx"])
+    rows = []
+    for name in ("metald", "nginx"):
+        best = min(w for w, _ in res[name])
+        rows.append(
+            [
+                name,
+                f"{best:.2f}",
+                f"{total_mb / best:.0f}",
+                sum(b for _, b in res[name]),
+                f"{best / ref:.2f}",
+            ]
+        )
+    print(
+        f"\nHTTP: {args.clients} concurrent clients x (kernel {args.kernel_mb} MiB + initrd "
+        f"{args.initrd_mb} MiB), loopback in a netns, best of {args.rounds} rounds"
+    )
+    print(table(["server", "wall s", "MiB/s", "failed (all rounds)", "time vs nginx"], rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
