@@ -92,6 +92,11 @@ def main() -> int:
         k.write_bytes(os.urandom(args.kernel_mb << 20))
         i.write_bytes(os.urandom(args.initrd_mb << 20))
         (tmp / "nginx.conf").write_text(NGINX.format(tmp=tmp, root=root))
+        # nginx workers run as www-data: they must reach and read the files.
+        for p in (tmp, root):
+            p.chmod(0o755)
+        for f in (k, i):
+            f.chmod(0o644)
         with namespaces("http") as ns:
             lab = ns["http"]
             cfg = write_config(
