@@ -353,6 +353,19 @@ def _point_current(cache: Path, digest: str) -> None:
     tmp.replace(link)  # atomic: readers see the old or the new build, never none
 
 
+def _prune(cache: Path, keep: int = 3) -> None:
+    """Remove all but the ``keep`` newest builds (the current one always stays)."""
+    current = (cache / "current").resolve()
+    builds = sorted(
+        (p for p in cache.iterdir() if p.is_dir() and (p / "manifest.json").exists()),
+        key=lambda p: p.stat().st_mtime,
+        reverse=True,
+    )
+    for old in builds[keep:]:
+        if old != current:
+            shutil.rmtree(old, ignore_errors=True)
+
+
 def ensure_built(cache_dir: Path | str | None = None, *, force: bool = False) -> Path:
     """The assets folder for the current inputs, building it only when missing or changed.
 
@@ -377,4 +390,5 @@ def ensure_built(cache_dir: Path | str | None = None, *, force: bool = False) ->
             _build(target, inputs, digest)
         verify(target)
         _point_current(cache, digest)
+        _prune(cache)
     return target
