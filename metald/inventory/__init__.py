@@ -1,6 +1,7 @@
 """Machine inventory: the agent's payload schema, its normalisation, and enrollment rules."""
 
 from metald.inventory.enroll import EnrollmentRule, apply_rules, diff
+from metald.inventory.intake import AcceptedInventory, accept_inventory
 from metald.inventory.normalize import NormalizedInventory, inventory_document, normalize
 from metald.inventory.schema import (
     InventoryError,
@@ -14,6 +15,8 @@ from metald.inventory.schema import (
 )
 
 __all__ = [
+    "AcceptedInventory",
+    "accept_inventory",
     "EnrollmentRule",
     "InventoryError",
     "InventoryPayload",
