@@ -84,7 +84,7 @@ def all_specs(routers: list[Router]) -> list[RouteSpec]:
 
 def create_app(ctx: AppContext, *, extra: list[web.RouteDef] | None = None) -> web.Application:
     app = web.Application(
-        middlewares=[errors_middleware], client_max_size=ctx.cfg.api.max_body_bytes
+        middlewares=[errors_middleware], client_max_size=max(ctx.cfg.api.max_body_bytes, 4 << 20)
     )
     routers = ROUTERS + extra_routers()
     for r in routers:

@@ -49,6 +49,8 @@ class RouteSpec:
     #: Pass the decoded JSON object to the handler unvalidated (it validates itself, e.g. to
     #: record refusals); ``body`` then only documents the shape.
     raw_body: bool = False
+    #: Body limit for this route when it differs from api.max_body_bytes.
+    max_body: int | None = None
 
     @property
     def path_params(self) -> list[str]:
@@ -96,6 +98,7 @@ class Router:
         raw_response: str | None = None,
         errors: tuple[int, ...] = (),
         raw_body: bool = False,
+        max_body: int | None = None,
     ) -> Callable[[Handler], Handler]:
         def deco(fn: Handler) -> Handler:
             self.specs.append(
@@ -114,6 +117,7 @@ class Router:
                     raw_response=raw_response,
                     errors=errors,
                     raw_body=raw_body,
+                    max_body=max_body,
                 )
             )
             return fn
@@ -225,7 +229,9 @@ def make_handler(
             if spec.query is not None:
                 areq.query = _query(request, spec)
             if spec.body is not None:
-                areq.body = await _read_body(request, spec, ctx.cfg.api.max_body_bytes)
+                areq.body = await _read_body(
+                    request, spec, spec.max_body or ctx.cfg.api.max_body_bytes
+                )
             resp = _serialize(spec, await spec.handler(areq))
         except _Problem as p:
             resp = problem(p.status, p.title, p.detail, instance=request.path)

@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from datetime import timedelta
+from datetime import UTC, timedelta
 from typing import Any
 
 from sqlmodel import Session, select
@@ -21,12 +21,11 @@ from metald import machines
 from metald.auth import Role, issue_token, revoke_machine_tokens
 from metald.boot.hooks import BootTarget, StoreBootHooks
 from metald.config import EnrollConfig
-from metald.errors import MetaldError
-from metald.inventory.enroll import apply_rules, diff
-from metald.inventory.normalize import inventory_document, normalize
-from metald.inventory.schema import check_machine, check_replay, parse_payload
+from metald.errors import Conflict, MetaldError
+from metald.inventory import accept_inventory as intake
+from metald.inventory.enroll import apply_rules
 from metald.lifecycle import State, Trigger
-from metald.store.models import Machine, Nic, utcnow
+from metald.store.models import Event, Machine, Nic, utcnow
 
 #: States in which a machine's agent may post inventory.
 INSPECT_STATES = {State.INSPECTING}
@@ -89,7 +88,11 @@ class EnrollmentBootHooks(StoreBootHooks):
         t = super()._target(s, mac)
         if t.kernel and "console" not in t.kernel_args:
             # The agent reports on the serial console too (people and tests read it there).
-            t = replace(t, kernel_args={"console": "ttyS0,115200", **t.kernel_args})
+            # quiet: the kernel would otherwise print its command line, agent token included.
+            args = {"console": "ttyS0,115200", "quiet": "", **t.kernel_args}
+            if t.machine_id:
+                args["metald.machine"] = t.machine_id
+            t = replace(t, kernel_args=args)
         return t
 
 
@@ -97,6 +100,18 @@ def record_refusal(
     s: Session, machine_id: str, actor: str, err: MetaldError, instance: str | None
 ) -> None:
     s.rollback()
+    last = s.exec(
+        select(Event)
+        .where(Event.machine_id == machine_id, Event.kind == "inventory.refused")
+        .order_by(Event.id.desc())  # type: ignore[union-attr]
+        .limit(1)
+    ).first()
+    if last is not None and last.reason == err.detail:
+        age = (
+            utcnow() - (last.at if last.at.tzinfo else last.at.replace(tzinfo=UTC))
+        ).total_seconds()
+        if age < REFUSAL_EVENT_INTERVAL_S:
+            return
     machines.add_event(
         s,
         "inventory.refused",
@@ -107,6 +122,10 @@ def record_refusal(
         instance=instance,
     )
     s.commit()
+
+
+#: A refusal repeated within this many seconds (the agent retries forever) is not recorded again.
+REFUSAL_EVENT_INTERVAL_S = 60
 
 
 def accept_inventory(
@@ -120,28 +139,21 @@ def accept_inventory(
 ) -> Machine:
     """Validate and store an agent's inventory post. On refusal: an event, nothing else."""
     try:
-        payload = parse_payload(data)
-        check_machine(payload, machine_id)
         m = machines.get_machine(s, machine_id)
-        old_doc = m.inventory or {}
-        replay = check_replay(old_doc.get("replay"), payload)
+        accepted = intake(data, token_machine_id=machine_id, stored=m.inventory)
         if State(m.state) not in INSPECT_STATES:
-            from metald.errors import Conflict
-
             raise Conflict(
                 f"machine {machine_id} is {m.state}, not inspecting; run the 'inspect' action to re-inspect it"
             )
     except MetaldError as e:
         record_refusal(s, machine_id, actor, e, instance)
         raise
-    norm = normalize(payload)
-    doc = inventory_document(payload, norm)
-    doc["replay"] = replay.model_dump()
+    norm = accepted.normalized
     rule_labels, rule_rack = apply_rules(cfg.rules, norm, m.rack_position)
     labels = {**rule_labels, **(m.labels or {})}  # labels set by people win over rules
     updates: dict[str, Any] = {
-        **norm.machine_fields(),
-        "inventory": doc,
+        **accepted.machine_fields,
+        "inventory": accepted.document,
         "inventory_at": utcnow(),
         "labels": labels,
         "last_error": None,
@@ -151,7 +163,6 @@ def accept_inventory(
         updates["rack"] = rule_rack
     if not m.rack_position and norm.rack_position_hint:
         updates["rack_position"] = norm.rack_position_hint
-    changes = diff(old_doc or None, norm) if old_doc.get("normalized") else []
     _sync_nics(s, m.id, norm)
     machines.transition(
         s,
@@ -169,14 +180,14 @@ def accept_inventory(
         instance=instance,
         commit=False,
     )
-    if changes:
+    if accepted.changes:
         machines.add_event(
             s,
             "inventory.changed",
             actor,
             machine_id=m.id,
-            reason="; ".join(changes)[:500],
-            data={"changes": changes},
+            reason="; ".join(accepted.changes)[:500],
+            data={"changes": accepted.changes},
             instance=instance,
         )
     s.commit()

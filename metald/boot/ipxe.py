@@ -18,7 +18,7 @@ def render_boot_script(target: BootTarget, *, mac: str, public_url: str) -> str:
         return "\n".join(lines) + "\n"
     args = {"metald.url": base, "metald.mac": mac, "metald.action": target.action.value}
     args.update(target.kernel_args)
-    cmdline = " ".join(f"{k}={v}" for k, v in args.items())
+    cmdline = " ".join(f"{k}={v}" if v != "" else k for k, v in args.items())
     lines.append(f"echo metald: {target.action.value} image for {mac}")
     kernel = f"kernel {_url(base, target.kernel)} initrd=initrd.img {cmdline}"
     lines.append(f"{kernel} || goto failed")
