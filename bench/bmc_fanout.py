@@ -419,13 +419,25 @@ def main() -> None:
     try:
         assert parent.recv() == "ready"
         rows = asyncio.run(_run("metald", parent, args.base_port, args.bmcs, args.concurrency))
+        _progress(rows)
         rows += asyncio.run(_run("pool-8", parent, args.base_port, args.bmcs))
+        _progress(rows)
         for threads in filter(None, args.pyghmi.split(",")):
             rows += _pyghmi_run(parent, args.base_port, args.bmcs, int(threads))
+            _progress(rows)
     finally:
         parent.send("stop")
         proc.join(10)
     _print(rows, args)
+
+
+def _progress(rows: list[dict[str, Any]]) -> None:
+    for r in rows[-2:]:
+        print(
+            f"# {r['run']} {r['phase']}: {r['answered']} answered in {r['wall_s']:.2f} s",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _print(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:

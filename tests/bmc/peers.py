@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -382,3 +383,112 @@ def fault_bmc(tmp_path: Path) -> Iterator:
     finally:
         for b in started:
             b.stop()
+
+
+class SessionRedfish:
+    """A small Redfish service for the two paths sushy-emulator lacks: a SessionService
+    (X-Auth-Token sessions, expiry) and actions answered 202 with a task monitor. It also
+    advertises a narrow ResetType list, so the driver's choice of reset types is exercised."""
+
+    def __init__(
+        self,
+        password: str = PASSWORD,
+        reset_types: tuple[str, ...] = ("On", "PowerCycle"),
+        task_polls: int = 2,
+    ) -> None:
+        self.password = password
+        self.reset_types = reset_types
+        self.task_polls = task_polls
+        self.tokens: set[str] = set()
+        self.resets: list[str] = []
+        self.logins = 0
+        self.deleted = 0
+        self.power = "Off"
+        self._polls = 0
+
+    def app(self) -> Any:
+        from aiohttp import web
+
+        sysp = "/redfish/v1/Systems/1"
+
+        def authed(request: web.Request) -> bool:
+            return request.headers.get("X-Auth-Token") in self.tokens
+
+        async def root(request: web.Request) -> web.Response:
+            return web.json_response(
+                {
+                    "@odata.id": "/redfish/v1/",
+                    "Systems": {"@odata.id": "/redfish/v1/Systems"},
+                    "Links": {"Sessions": {"@odata.id": "/redfish/v1/SessionService/Sessions"}},
+                }
+            )
+
+        async def login(request: web.Request) -> web.Response:
+            body = await request.json()
+            if body.get("UserName") != "admin" or body.get("Password") != self.password:
+                return web.json_response({"error": {"message": "bad credentials"}}, status=401)
+            self.logins += 1
+            token = f"tok-{self.logins}"
+            self.tokens.add(token)
+            return web.json_response(
+                {},
+                status=201,
+                headers={
+                    "X-Auth-Token": token,
+                    "Location": f"/redfish/v1/SessionService/Sessions/{self.logins}",
+                },
+            )
+
+        async def logout(request: web.Request) -> web.Response:
+            self.deleted += 1
+            return web.Response(status=204)
+
+        async def systems(request: web.Request) -> web.Response:
+            if not authed(request):
+                return web.Response(status=401)
+            return web.json_response({"Members": [{"@odata.id": sysp}]})
+
+        async def system(request: web.Request) -> web.Response:
+            if not authed(request):
+                return web.Response(status=401)
+            return web.json_response(
+                {
+                    "@odata.id": sysp,
+                    "UUID": SYSTEM_UUID,
+                    "SerialNumber": "SN-1",
+                    "PowerState": self.power,
+                    "Actions": {
+                        "#ComputerSystem.Reset": {
+                            "target": f"{sysp}/Actions/ComputerSystem.Reset",
+                            "ResetType@Redfish.AllowableValues": list(self.reset_types),
+                        }
+                    },
+                }
+            )
+
+        async def reset(request: web.Request) -> web.Response:
+            if not authed(request):
+                return web.Response(status=401)
+            kind = (await request.json())["ResetType"]
+            self.resets.append(kind)
+            self._polls = 0
+            return web.Response(status=202, headers={"Location": "/redfish/v1/TaskService/Tasks/7"})
+
+        async def task(request: web.Request) -> web.Response:
+            if not authed(request):
+                return web.Response(status=401)
+            self._polls += 1
+            if self._polls < self.task_polls:
+                return web.json_response({"TaskState": "Running"}, status=202)
+            self.power = "On"
+            return web.json_response({"TaskState": "Completed"})
+
+        app = web.Application()
+        app.router.add_get("/redfish/v1/", root)
+        app.router.add_post("/redfish/v1/SessionService/Sessions", login)
+        app.router.add_delete("/redfish/v1/SessionService/Sessions/{n}", logout)
+        app.router.add_get("/redfish/v1/Systems", systems)
+        app.router.add_get(sysp, system)
+        app.router.add_post(f"{sysp}/Actions/ComputerSystem.Reset", reset)
+        app.router.add_get("/redfish/v1/TaskService/Tasks/7", task)
+        return app

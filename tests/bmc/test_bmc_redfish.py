@@ -19,7 +19,7 @@ from metald.bmc.base import (
     PowerState,
 )
 from metald.bmc.redfish import RedfishDriver
-from tests.bmc.peers import Sushy
+from tests.bmc.peers import PASSWORD, SessionRedfish, Sushy
 
 
 def _driver(peer: Sushy, password: str | None = None, **kw: object) -> RedfishDriver:
@@ -129,6 +129,36 @@ async def test_closed_port_is_unreachable() -> None:
     d = RedfishDriver(BmcEndpoint("127.0.0.1", port, "a", "b"), scheme="http")
     try:
         with pytest.raises(BmcUnreachable):
+            await d.get_power()
+    finally:
+        await d.close()
+
+
+async def test_sessions_202_tasks_and_advertised_reset_types(aiohttp_server) -> None:  # type: ignore[no-untyped-def]
+    """sushy-emulator has no SessionService and never answers 202: a small service does."""
+    peer = SessionRedfish()
+    server = await aiohttp_server(peer.app())
+    d = RedfishDriver(BmcEndpoint("127.0.0.1", server.port, "admin", PASSWORD), scheme="http")
+    d.task_poll_s = 0.01
+    try:
+        assert await d.get_power() is PowerState.OFF
+        await d.set_power(PowerAction.CYCLE)  # PowerCycle is advertised: preferred
+        assert await d.get_power() is PowerState.ON  # the task ran to Completed first
+        with pytest.raises(BmcUnsupported, match="offers only On, PowerCycle"):
+            await d.set_power(PowerAction.OFF)
+        peer.tokens.clear()  # the session expired on the BMC: one new login, then on
+        await d.set_power(PowerAction.ON)
+    finally:
+        await d.close()
+    assert peer.resets == ["PowerCycle", "On"]
+    assert peer.logins == 2 and peer.deleted == 1
+
+
+async def test_session_login_with_wrong_password_is_auth_error(aiohttp_server) -> None:  # type: ignore[no-untyped-def]
+    server = await aiohttp_server(SessionRedfish().app())
+    d = RedfishDriver(BmcEndpoint("127.0.0.1", server.port, "admin", "nope-123"), scheme="http")
+    try:
+        with pytest.raises(BmcAuthError, match="login refused"):
             await d.get_power()
     finally:
         await d.close()
