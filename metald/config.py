@@ -154,6 +154,31 @@ class EnrollConfig(_Section):
     rules: list[EnrollmentRule] = []
 
 
+class ProvisionConfig(_Section):
+    """Claims, provisioning, wipe and the watchdog over transitional states."""
+
+    #: Seconds between watchdog sweeps; 0 turns the watchdog off.
+    watchdog_interval_s: float = Field(default=30.0, ge=0)
+    #: Longest time a machine may stay in each transitional state before the watchdog moves it
+    #: to the matching failed state (0: never). Inspecting -> inspect-failed.
+    inspecting_timeout_s: int = Field(default=1800, ge=0)
+    #: provisioning -> provision-failed (a disk image is downloaded and written in this time).
+    provisioning_timeout_s: int = Field(default=3600, ge=0)
+    #: joining -> join-failed.
+    joining_timeout_s: int = Field(default=1800, ge=0)
+    #: wiping -> wipe-failed (large NVMe drives take a while to wipe).
+    wiping_timeout_s: int = Field(default=14400, ge=0)
+    #: A claimed machine not yet provisioning after this many seconds (metald restarted between
+    #: claim and provision) is provisioned by the watchdog; 0: never.
+    claimed_resume_s: int = Field(default=120, ge=0)
+    #: Kernel and initrd (under boot.assets_dir, or URLs) of the image that writes disk images
+    #: and wipes disks: the discovery image's agent in deploy/wipe mode.
+    deploy_kernel: str = "discovery/vmlinuz"
+    deploy_initrd: str = "discovery/initrd.img"
+    #: Use the BMC (when the machine has one) to set a one-time PXE boot and power-cycle.
+    use_bmc: bool = True
+
+
 class Config(_Section):
     #: Folder for the SQLite database, the secrets key and the first admin token.
     state_dir: str = "/var/lib/metald"
@@ -166,6 +191,7 @@ class Config(_Section):
     boot: BootConfig = BootConfig()
     bmc: BmcConfig = BmcConfig()
     enroll: EnrollConfig = EnrollConfig()
+    provision: ProvisionConfig = ProvisionConfig()
 
     @property
     def store_url(self) -> str:

@@ -117,4 +117,11 @@ def _bmc(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
     return BmcService(d.store, d.secrets, d.cfg.bmc, d.cfg.instance), []
 
 
-_SERVICE_FACTORIES = [_boot_plane, _bmc]
+def _provision_watchdog(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
+    """Times out stuck machines and resumes claims interrupted by a restart."""
+    from metald.provision.watchdog import Watchdog
+
+    return Watchdog(d.store, d.cfg.provision, d.cfg.instance, services=d.ctx.services), []
+
+
+_SERVICE_FACTORIES = [_boot_plane, _bmc, _provision_watchdog]

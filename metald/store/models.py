@@ -157,6 +157,21 @@ class Claim(SQLModel, table=True):
     )
 
 
+class Image(SQLModel, table=True):
+    """What a claim installs: ``stateless`` (kernel + initrd/rootfs in RAM) or ``disk`` (a raw
+    or qcow2 image streamed to disk by the agent). ``spec`` is validated by metald.provision."""
+
+    __tablename__ = "images"
+
+    id: str = Field(default_factory=new_id, primary_key=True)
+    name: str = Field(unique=True)
+    #: stateless or disk.
+    kind: str
+    spec: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    created_by: str | None = None
+    created_at: datetime = _ts()
+
+
 class Event(SQLModel, table=True):
     """Append-only record of what happened: transitions, actions, drift, progress."""
 

@@ -1,0 +1,368 @@
+"""Claims: a tenant asks for N machines matching a selector, and gets all N or none.
+
+Allocation runs in one transaction. Candidates are read, then locked and moved to ``claimed``
+with a compare-and-swap on each machine's version (``machines.transition``) guarded by
+``state = 'ready' AND tenant_id IS NULL``. On PostgreSQL the lock is ``FOR UPDATE SKIP
+LOCKED``, so concurrent claims (from any number of metald processes) never wait on each other
+and never take the same machine; on SQLite the transaction holds the write lock from its first
+statement (``BEGIN IMMEDIATE``), so claims run one after another. If fewer than ``count``
+machines could be taken, nothing is written and the refusal says how many matched.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, TypeVar
+
+from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlmodel import Session, col, select
+
+from metald import machines
+from metald.auth import revoke_machine_tokens
+from metald.errors import Conflict, NotFound, Unprocessable
+from metald.lifecycle import ALLOCATED, State, Trigger
+from metald.provision.intents import DeployImage, provision_intent, wipe_intent
+from metald.store.models import Claim, Event, Image, Machine, Tenant, utcnow
+
+T = TypeVar("T")
+
+#: How long a claim may wait for machines locked by other in-flight claims before refusing.
+CONTENDED_WAIT_S = 10.0
+#: Whole-transaction retries after losing a race (a CAS miss or a PostgreSQL deadlock abort).
+ATTEMPTS = 4
+
+
+class _Shortfall(Exception):
+    """Fewer free machines could be locked than the claim asks for."""
+
+
+@dataclass(frozen=True)
+class Selector:
+    """Which machines a claim accepts. Every given criterion must hold."""
+
+    #: Exact model name, or a glob (``NVIDIA H100*``).
+    gpu_model: str | None = None
+    min_gpu_count: int = 0
+    min_memory_mb: int | None = None
+    #: Every label must be present with exactly this value.
+    labels: dict[str, str] = field(default_factory=dict)
+    rack: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> Selector:
+        d = dict(d or {})
+        return cls(
+            gpu_model=d.get("gpu_model") or None,
+            min_gpu_count=int(d.get("min_gpu_count") or 0),
+            min_memory_mb=d.get("min_memory_mb"),
+            labels={str(k): str(v) for k, v in (d.get("labels") or {}).items()},
+            rack=d.get("rack") or None,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def _glob(self) -> bool:
+        return self.gpu_model is not None and any(c in self.gpu_model for c in "*?[")
+
+    def matches(self, m: Machine) -> bool:
+        """Pure check of one machine against every criterion (state is not considered)."""
+        if self.gpu_model is not None and (
+            m.gpu_model is None or not fnmatch.fnmatchcase(m.gpu_model, self.gpu_model)
+        ):
+            return False
+        if m.gpu_count < self.min_gpu_count:
+            return False
+        if self.min_memory_mb is not None and (m.memory_mb or 0) < self.min_memory_mb:
+            return False
+        if self.rack is not None and m.rack != self.rack:
+            return False
+        labels = m.labels or {}
+        return all(labels.get(k) == v for k, v in self.labels.items())
+
+    def prefilter(self, stmt: Any) -> Any:
+        """Narrow a machines query in SQL by the criteria SQL can check on every backend; labels
+        and globs are checked by ``matches`` afterwards."""
+        if self.gpu_model is not None and not self._glob:
+            stmt = stmt.where(Machine.gpu_model == self.gpu_model)
+        if self.min_gpu_count:
+            stmt = stmt.where(Machine.gpu_count >= self.min_gpu_count)
+        if self.min_memory_mb is not None:
+            stmt = stmt.where(Machine.memory_mb >= self.min_memory_mb)  # type: ignore[operator]
+        if self.rack is not None:
+            stmt = stmt.where(Machine.rack == self.rack)
+        return stmt
+
+
+def _free(stmt: Any) -> Any:
+    return stmt.where(Machine.state == State.READY.value, col(Machine.tenant_id).is_(None))
+
+
+def count_matching(session: Session, selector: Selector) -> tuple[int, int]:
+    """(machines matching the selector in any state but retired, of those ready and free)."""
+    rows = session.exec(
+        selector.prefilter(select(Machine).where(Machine.state != State.RETIRED.value))
+    ).all()
+    hits = [m for m in rows if selector.matches(m)]
+    free = [m for m in hits if m.state == State.READY.value and m.tenant_id is None]
+    return len(hits), len(free)
+
+
+def _retrying(session: Session, fn: Callable[[], T]) -> T:
+    """Run ``fn`` (one whole transaction) again after losing a race to another writer."""
+    for attempt in range(ATTEMPTS):
+        try:
+            return fn()
+        except (machines.ConcurrentUpdate, OperationalError):
+            # A CAS miss already rolled back; a PostgreSQL deadlock/serialisation abort has not.
+            session.rollback()
+            if attempt == ATTEMPTS - 1:
+                raise Conflict(
+                    "other writers kept changing these machines; retry the request"
+                ) from None
+    raise AssertionError("unreachable")
+
+
+def get_image(session: Session, image_id: str) -> Image:
+    img = session.get(Image, image_id)
+    if img is None:
+        raise Unprocessable(f"no image with id {image_id!r}; list images with GET /api/v1/images")
+    return img
+
+
+def _same_request(c: Claim, count: int, selector: Selector, image_id: str) -> bool:
+    return c.count == count and Selector.from_dict(c.selector) == selector and c.image == image_id
+
+
+def _existing(session: Session, tenant_id: str, key: str) -> Claim | None:
+    return session.exec(
+        select(Claim).where(Claim.tenant_id == tenant_id, Claim.idempotency_key == key)
+    ).first()
+
+
+def _replay(c: Claim, count: int, selector: Selector, image_id: str) -> Claim:
+    if not _same_request(c, count, selector, image_id):
+        raise Conflict(
+            f"idempotency key {c.idempotency_key!r} was already used for claim {c.id} with a "
+            "different request; use a new key for a new claim",
+            claim_id=c.id,
+        )
+    return c
+
+
+def create_claim(
+    session: Session,
+    tenant_id: str,
+    count: int,
+    selector: Selector,
+    image_id: str,
+    idempotency_key: str | None,
+    actor: str,
+    *,
+    deploy: DeployImage,
+    instance: str | None = None,
+) -> tuple[Claim, bool]:
+    """Allocate ``count`` machines to the tenant, all or none. Returns (claim, replayed):
+    a repeated idempotency key with the same request returns the first claim unchanged."""
+    if count < 1:
+        raise Unprocessable("count must be at least 1")
+    if session.get(Tenant, tenant_id) is None:
+        raise NotFound(f"no tenant with id {tenant_id!r}")
+    if idempotency_key and (c := _existing(session, tenant_id, idempotency_key)):
+        return _replay(c, count, selector, image_id), True
+    image = get_image(session, image_id)
+    intent = provision_intent(image.id, image.kind, image.spec, deploy)
+
+    def allocate() -> Claim:
+        claim = Claim(
+            tenant_id=tenant_id,
+            idempotency_key=idempotency_key,
+            count=count,
+            selector=selector.to_dict(),
+            image=image.id,
+            state="allocated",
+            created_by=actor,
+        )
+        session.add(claim)
+        session.flush()
+        stmt = selector.prefilter(_free(select(Machine)))
+        candidates = [m.id for m in session.exec(stmt).all() if selector.matches(m)]
+        # Best fit first, so the big machines stay free for the claims that need them.
+        # populate_existing: the rows as locked now, not as the candidate read saw them.
+        locked = session.exec(
+            _free(select(Machine).where(col(Machine.id).in_(candidates)))
+            .order_by(col(Machine.gpu_count), col(Machine.memory_mb), col(Machine.id))
+            .limit(count)
+            .with_for_update(skip_locked=True)
+            .execution_options(populate_existing=True)
+        ).all()
+        if len(locked) < count or not all(selector.matches(m) for m in locked):
+            raise _Shortfall
+        for m in locked:
+            machines.transition(
+                session,
+                m.id,
+                Trigger.CLAIM,
+                actor=actor,
+                reason=f"claim {claim.id}",
+                expected_version=m.version,
+                updates={"tenant_id": tenant_id, "claim_id": claim.id, "boot_intent": intent},
+                data={"claim_id": claim.id},
+                instance=instance,
+                commit=False,
+            )
+        machines.add_event(
+            session,
+            "claim.created",
+            actor,
+            tenant_id=tenant_id,
+            data={
+                "claim_id": claim.id,
+                "count": count,
+                "machines": [m.id for m in locked],
+                "image_id": image.id,
+            },
+            instance=instance,
+        )
+        session.commit()
+        return claim
+
+    try:
+        return _allocate_or_explain(session, allocate, selector, count), False
+    except IntegrityError:
+        # The same idempotency key committed by a concurrent request a moment ago.
+        session.rollback()
+        c = _existing(session, tenant_id, idempotency_key) if idempotency_key else None
+        if c is None:
+            raise
+        return _replay(c, count, selector, image_id), True
+
+
+def _allocate_or_explain(
+    session: Session, allocate: Callable[[], Claim], selector: Selector, count: int
+) -> Claim:
+    """Run ``allocate``; when it falls short, wait briefly if machines held by in-flight claims
+    (locked, not yet committed) might still come free, else refuse with the numbers."""
+    deadline = time.monotonic() + CONTENDED_WAIT_S
+    while True:
+        try:
+            return _retrying(session, allocate)
+        except _Shortfall:
+            session.rollback()
+        matched, available = count_matching(session, selector)
+        session.rollback()
+        if available < count or time.monotonic() > deadline:
+            raise Unprocessable(
+                f"cannot claim {count} machine(s): {matched} match the selector and "
+                f"{available} of them are ready and unallocated; ask for fewer, widen the "
+                "selector, or wait for machines to be released",
+                matched=matched,
+                available=available,
+                requested=count,
+            )
+        # Some are locked by claims still in flight (PostgreSQL, SKIP LOCKED): they commit or
+        # roll back within milliseconds, so look again shortly.
+        time.sleep(random.uniform(0.005, 0.05))
+
+
+def claim_machines(session: Session, claim_id: str) -> list[Machine]:
+    return list(
+        session.exec(
+            select(Machine).where(Machine.claim_id == claim_id).order_by(col(Machine.id))
+        ).all()
+    )
+
+
+def release_claim(
+    session: Session,
+    claim: Claim,
+    actor: str,
+    *,
+    deploy: DeployImage,
+    reason: str | None = None,
+    instance: str | None = None,
+) -> list[str]:
+    """End the claim: every machine still allocated is released (its tokens revoked) and starts
+    wiping. Returns the ids of the machines that now wipe. Releasing twice changes nothing."""
+    claim_id = claim.id
+
+    def release() -> list[str]:
+        c = session.get(Claim, claim_id, populate_existing=True)
+        assert c is not None
+        if c.state == "released":
+            return []
+        wiping = []
+        for m in claim_machines(session, claim_id):
+            if State(m.state) not in ALLOCATED:
+                continue  # already released, or broken: a technician deals with it
+            revoke_machine_tokens(session, m.id, commit=False)
+            machines.transition(
+                session,
+                m.id,
+                Trigger.RELEASE,
+                actor=actor,
+                reason=reason or f"claim {claim_id} released",
+                expected_version=m.version,
+                data={"claim_id": claim_id},
+                instance=instance,
+                commit=False,
+            )
+            machines.transition(
+                session,
+                m.id,
+                Trigger.WIPE,
+                actor=actor,
+                reason="wipe after release",
+                updates={"boot_intent": wipe_intent(deploy), "last_error": None},
+                instance=instance,
+                commit=False,
+            )
+            wiping.append(m.id)
+        c.state = "released"
+        c.version += 1
+        c.updated_at = utcnow()
+        session.add(c)
+        machines.add_event(
+            session,
+            "claim.released",
+            actor,
+            tenant_id=c.tenant_id,
+            reason=reason,
+            data={"claim_id": claim_id, "machines": wiping},
+            instance=instance,
+        )
+        session.commit()
+        return wiping
+
+    return _retrying(session, release)
+
+
+def latest_progress(session: Session, ms: list[Machine]) -> dict[str, dict[str, Any]]:
+    """The newest ``provision.progress`` data per machine, since it entered its state."""
+    out: dict[str, dict[str, Any]] = {}
+    if not ms:
+        return out
+    since = {m.id: m.state_changed_at for m in ms}
+    rows = session.exec(
+        select(Event)
+        .where(Event.kind == "provision.progress", col(Event.machine_id).in_(list(since)))
+        .order_by(col(Event.id).desc())
+        .limit(50 * len(ms))
+    ).all()
+    for ev in rows:
+        mid = ev.machine_id or ""
+        if mid in out or _aware(ev.at) < _aware(since[mid]):
+            continue
+        out[mid] = {**(ev.data or {}), "at": ev.at}
+    return out
+
+
+def _aware(ts: Any) -> Any:
+    from datetime import UTC
+
+    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)

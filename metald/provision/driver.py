@@ -1,0 +1,173 @@
+"""The step after a claim or release: move machines into provisioning or wiping, then make them
+network-boot through their BMC (one-time PXE boot, then power cycle or on).
+
+Database steps are plain Session functions; BMC steps are async and run in the background
+(``spawn``), so an API request never waits on a slow BMC. A BMC failure moves the machine to
+the failed state with ``last_error``; a machine without a BMC is left to boot when someone
+powers it (the watchdog times it out otherwise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+from sqlmodel import Session
+
+from metald import machines
+from metald.errors import Conflict, MetaldError, NotFound
+from metald.lifecycle import IllegalTransition, State, Trigger
+from metald.provision.intents import DeployImage, inspect_intent, wipe_intent
+from metald.store.db import Store
+
+log = logging.getLogger(__name__)
+
+#: The retry action: which trigger starts a failed operation again.
+RETRY: dict[State, Trigger] = {
+    State.INSPECT_FAILED: Trigger.INSPECT,
+    State.PROVISION_FAILED: Trigger.PROVISION,
+    State.WIPE_FAILED: Trigger.WIPE,
+    State.JOIN_FAILED: Trigger.JOIN,
+}
+#: Where a failed BMC step sends a machine, by the state it was started in.
+_FAIL: dict[State, Trigger] = {
+    State.PROVISIONING: Trigger.PROVISION_FAIL,
+    State.WIPING: Trigger.WIPE_FAIL,
+}
+
+_tasks: set[asyncio.Task[Any]] = set()
+
+
+def spawn(coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+    """Run ``coro`` in the background, keeping a reference until it ends."""
+    task = asyncio.get_running_loop().create_task(coro)
+    _tasks.add(task)
+    task.add_done_callback(_tasks.discard)
+    return task
+
+
+async def drain() -> None:
+    """Wait for every background step (tests, shutdown)."""
+    while _tasks:
+        await asyncio.gather(*list(_tasks), return_exceptions=True)
+
+
+def start_provisioning(
+    session: Session, machine_ids: list[str], *, actor: str, instance: str | None = None
+) -> list[str]:
+    """PROVISION each claimed machine (its boot intent was set with the claim). Returns those
+    moved; one already moved by someone else is skipped."""
+    moved = []
+    for mid in machine_ids:
+        try:
+            machines.transition(
+                session,
+                mid,
+                Trigger.PROVISION,
+                actor=actor,
+                reason="installing the claim's image",
+                updates={"last_error": None},
+                instance=instance,
+            )
+            moved.append(mid)
+        except (IllegalTransition, machines.ConcurrentUpdate):
+            session.rollback()
+    return moved
+
+
+def retry(
+    session: Session,
+    machine_id: str,
+    *,
+    actor: str,
+    deploy: DeployImage,
+    reason: str | None = None,
+    version: int | None = None,
+    instance: str | None = None,
+) -> Any:
+    """Start a failed operation again (provision-failed -> provisioning, ...)."""
+    m = machines.get_machine(session, machine_id)
+    trigger = RETRY.get(State(m.state))
+    if trigger is None:
+        failed = ", ".join(s.value for s in RETRY)
+        raise Conflict(
+            f"machine {m.id} is {m.state}; retry applies only to a failed state ({failed})",
+            state=m.state,
+        )
+    updates: dict[str, Any] = {"last_error": None}
+    if trigger is Trigger.INSPECT:
+        updates["boot_intent"] = inspect_intent()
+    elif trigger is Trigger.WIPE:
+        updates["boot_intent"] = wipe_intent(deploy)
+    return machines.transition(
+        session,
+        m.id,
+        trigger,
+        actor=actor,
+        reason=reason or f"retry after {m.state}",
+        expected_version=version,
+        updates=updates,
+        data={"retry": True, "previous_error": m.last_error},
+        instance=instance,
+    )
+
+
+def _fail(session: Session, machine_id: str, error: str, actor: str, instance: str | None) -> None:
+    m = machines.get_machine(session, machine_id)
+    trigger = _FAIL.get(State(m.state))
+    if trigger is None:
+        return  # it moved on meanwhile (the agent reported, or someone released it)
+    try:
+        machines.transition(
+            session,
+            machine_id,
+            trigger,
+            actor=actor,
+            reason=error,
+            expected_version=m.version,
+            updates={"last_error": error},
+            instance=instance,
+        )
+    except (IllegalTransition, machines.ConcurrentUpdate):
+        session.rollback()
+
+
+def _note(
+    session: Session, machine_id: str, kind: str, reason: str, actor: str, instance: Any
+) -> None:
+    machines.add_event(
+        session, kind, actor, machine_id=machine_id, reason=reason, instance=instance
+    )
+    session.commit()
+
+
+async def boot_from_network(
+    store: Store, bmc: Any, machine_id: str, *, actor: str, instance: str | None = None
+) -> bool:
+    """One-time PXE boot and a power cycle (or power on, if off). False if it failed."""
+    try:
+        await bmc.set_boot_device(machine_id, "pxe", persistent=False, uefi=True, actor=actor)
+        status = await bmc.power(machine_id, "status", actor=actor)
+        action = "cycle" if status.get("power_state") == "on" else "on"
+        await bmc.power(machine_id, action, actor=actor)
+        return True
+    except NotFound as e:
+        await store.run(_note, machine_id, "provision.no-bmc", e.detail, actor, instance)
+        return False
+    except Exception as e:  # any BMC failure ends the operation visibly, never silently
+        detail = e.detail if isinstance(e, MetaldError) else f"{type(e).__name__}: {e}"
+        log.warning("machine %s: network boot through the BMC failed: %s", machine_id, detail)
+        await store.run(_fail, machine_id, f"BMC: {detail}", actor, instance)
+        return False
+
+
+async def reboot_all(
+    store: Store, bmc: Any, machine_ids: list[str], *, actor: str, instance: str | None = None
+) -> None:
+    if bmc is None or not machine_ids:
+        return
+    await asyncio.gather(
+        *(boot_from_network(store, bmc, mid, actor=actor, instance=instance) for mid in machine_ids)
+    )

@@ -1,0 +1,100 @@
+"""What a machine's agent reports while it installs an image or wipes disks.
+
+Every report is a ``provision.progress`` event (phase, percent, bytes, rate). A report with
+``done`` or ``error`` also ends the operation with its transition, in the same transaction:
+provisioning -> provisioned / provision-failed, wiping -> ready / wipe-failed. A wiped machine
+leaves its tenant and claim and loses its boot intent and agent tokens; a failed wipe never
+reaches ready.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from sqlmodel import Session
+
+from metald import machines
+from metald.auth import revoke_machine_tokens
+from metald.errors import Conflict, Unprocessable
+from metald.lifecycle import State, Trigger
+from metald.provision.intents import after_provisioned
+from metald.store.models import Machine
+
+#: Longest error text kept on the machine (the event keeps the same).
+MAX_ERROR = 1000
+
+
+@dataclass(frozen=True)
+class Progress:
+    phase: str
+    percent: float | None = None
+    bytes: int | None = None
+    rate_bps: float | None = None
+    done: bool = False
+    error: str | None = None
+
+
+def outcome(state: State, p: Progress) -> tuple[Trigger | None, dict[str, Any]]:
+    """Pure: the transition (if any) and column updates a report leads to in ``state``."""
+    if state not in (State.PROVISIONING, State.WIPING):
+        raise Conflict(
+            f"the machine is {state.value}; progress is accepted only while it is "
+            "provisioning or wiping"
+        )
+    if p.done and p.error:
+        raise Unprocessable("a report cannot be both done and an error; send one or the other")
+    if p.error:
+        trig = Trigger.PROVISION_FAIL if state is State.PROVISIONING else Trigger.WIPE_FAIL
+        return trig, {"last_error": p.error[:MAX_ERROR]}
+    if not p.done:
+        return None, {}
+    if state is State.PROVISIONING:
+        return Trigger.PROVISIONED, {"last_error": None}
+    return Trigger.WIPED, {
+        "tenant_id": None,
+        "claim_id": None,
+        "boot_intent": None,
+        "last_error": None,
+    }
+
+
+def record_progress(
+    session: Session,
+    machine_id: str,
+    p: Progress,
+    *,
+    actor: str,
+    instance: str | None = None,
+) -> Machine:
+    """Store one report (and its transition, if it ends the operation) atomically."""
+    m = machines.get_machine(session, machine_id)
+    state = State(m.state)
+    trigger, updates = outcome(state, p)
+    machines.add_event(
+        session,
+        "provision.progress",
+        actor,
+        machine_id=m.id,
+        tenant_id=m.tenant_id,
+        data={k: v for k, v in asdict(p).items() if v is not None and v is not False},
+        instance=instance,
+    )
+    if trigger is None:
+        session.commit()
+        return m
+    if trigger is Trigger.PROVISIONED:
+        updates["boot_intent"] = after_provisioned(m.boot_intent)
+    if trigger is Trigger.WIPED:
+        # The wipe image's token has done its job; nothing may act as this machine now.
+        revoke_machine_tokens(session, m.id, commit=False)
+    return machines.transition(
+        session,
+        m.id,
+        trigger,
+        actor=actor,
+        reason=p.error[:MAX_ERROR] if p.error else f"agent reported {p.phase} done",
+        expected_version=m.version,
+        updates=updates,
+        instance=instance,
+    )

@@ -1,0 +1,169 @@
+"""The watchdog: no machine stays in a transitional state forever.
+
+Every sweep moves machines that have been in a state of ``lifecycle.TIMEOUTS`` longer than its
+configured timeout to the matching failed state (a ``watchdog.timeout`` event beside the
+transition), and provisions claimed machines that never started (metald stopped between claim
+and provision). Safe with several metald instances on one database: each move is a
+compare-and-swap, so a machine is moved once whoever sweeps first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlmodel import Session, col, select
+
+from metald import machines
+from metald.config import ProvisionConfig
+from metald.lifecycle import TIMEOUTS, IllegalTransition, State
+from metald.provision import driver
+from metald.store.db import Store
+from metald.store.models import Machine, utcnow
+
+log = logging.getLogger(__name__)
+
+
+def timeouts(cfg: ProvisionConfig) -> dict[State, int]:
+    """Seconds allowed in each watched state (states with 0 are not watched)."""
+    out = {
+        State.INSPECTING: cfg.inspecting_timeout_s,
+        State.PROVISIONING: cfg.provisioning_timeout_s,
+        State.JOINING: cfg.joining_timeout_s,
+        State.WIPING: cfg.wiping_timeout_s,
+    }
+    assert set(out) == set(TIMEOUTS), "a watched state has no timeout setting"
+    return {s: t for s, t in out.items() if t > 0}
+
+
+def _aware(ts: datetime) -> datetime:
+    # SQLite hands back naive datetimes; metald writes UTC only.
+    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
+
+
+def overdue(rows: list[Machine], limits: dict[State, int], now: datetime) -> list[Machine]:
+    """Pure: the machines past their state's limit."""
+    return [
+        m
+        for m in rows
+        if State(m.state) in limits
+        and now - _aware(m.state_changed_at) > timedelta(seconds=limits[State(m.state)])
+    ]
+
+
+def sweep(
+    session: Session,
+    limits: dict[State, int],
+    *,
+    actor: str,
+    now: datetime | None = None,
+    instance: str | None = None,
+) -> list[str]:
+    """Move every overdue machine to its failed state. Returns the ids moved."""
+    now = now or utcnow()
+    rows = session.exec(
+        select(Machine).where(col(Machine.state).in_([s.value for s in limits]))
+    ).all()
+    moved = []
+    for m in overdue(list(rows), limits, now):
+        state, limit = State(m.state), limits[State(m.state)]
+        reason = f"stuck in {state.value} for more than {limit} s (watchdog)"
+        try:
+            machines.transition(
+                session,
+                m.id,
+                TIMEOUTS[state],
+                actor=actor,
+                reason=reason,
+                expected_version=m.version,
+                updates={"last_error": reason},
+                instance=instance,
+                commit=False,
+            )
+        except (machines.ConcurrentUpdate, IllegalTransition):
+            session.rollback()  # another instance or the agent got there first
+            continue
+        machines.add_event(
+            session,
+            "watchdog.timeout",
+            actor,
+            machine_id=m.id,
+            tenant_id=m.tenant_id,
+            from_state=state.value,
+            reason=reason,
+            data={"timeout_s": limit},
+            instance=instance,
+        )
+        session.commit()
+        moved.append(m.id)
+    return moved
+
+
+def stalled_claims(session: Session, after_s: int, now: datetime | None = None) -> list[str]:
+    """Claimed machines that have waited ``after_s`` seconds without provisioning starting."""
+    now = now or utcnow()
+    rows = session.exec(
+        select(Machine).where(
+            Machine.state == State.CLAIMED.value, col(Machine.claim_id).is_not(None)
+        )
+    ).all()
+    return [m.id for m in rows if now - _aware(m.state_changed_at) > timedelta(seconds=after_s)]
+
+
+class Watchdog:
+    """The sweep as a daemon service. ``services`` is the daemon's registry (for the BMC)."""
+
+    name = "watchdog"
+
+    def __init__(
+        self,
+        store: Store,
+        cfg: ProvisionConfig,
+        instance: str,
+        services: dict[str, Any] | None = None,
+    ) -> None:
+        self.store = store
+        self.cfg = cfg
+        self.instance = instance
+        self.actor = f"metald:{instance}"
+        self.services = services if services is not None else {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self.cfg.watchdog_interval_s > 0:
+            self._task = asyncio.create_task(self._loop(), name="provision-watchdog")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def sweep_once(self) -> list[str]:
+        """One sweep: time out stuck machines, resume stalled claims. Returns ids touched."""
+        moved = await self.store.run(
+            sweep, timeouts(self.cfg), actor=self.actor, instance=self.instance
+        )
+        resumed: list[str] = []
+        if self.cfg.claimed_resume_s > 0:
+            stalled = await self.store.run(stalled_claims, self.cfg.claimed_resume_s)
+            resumed = await self.store.run(
+                driver.start_provisioning, stalled, actor=self.actor, instance=self.instance
+            )
+            bmc = self.services.get("bmc") if self.cfg.use_bmc else None
+            await driver.reboot_all(
+                self.store, bmc, resumed, actor=self.actor, instance=self.instance
+            )
+        return moved + resumed
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.sweep_once()
+            except Exception:
+                log.exception("watchdog sweep failed; trying again next interval")
+            await asyncio.sleep(self.cfg.watchdog_interval_s)
