@@ -23,7 +23,9 @@ def assets(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def store(tmp_path: Path):
+def sqlite_store(tmp_path: Path):
+    """SQLite only, for what is SQLite-specific (a busy database file). Everything else uses
+    the suite-wide ``store`` fixture, which runs on SQLite and PostgreSQL."""
     s = Store(f"sqlite:///{tmp_path / 'metald.db'}")
     s.migrate()
     yield s

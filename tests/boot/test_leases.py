@@ -47,7 +47,8 @@ async def test_an_address_held_by_another_instance_is_a_conflict(store) -> None:
     b.close()
 
 
-async def test_busy_database_is_waited_for_off_the_loop(store) -> None:  # type: ignore[no-untyped-def]
+async def test_busy_database_is_waited_for_off_the_loop(sqlite_store) -> None:  # type: ignore[no-untyped-def]
+    store = sqlite_store
     ls = LeaseStore(store)
     other = sqlite3.connect(store.engine.url.database, isolation_level=None)
     other.execute("BEGIN IMMEDIATE")  # another writer (the API, another instance) holds it
