@@ -130,4 +130,10 @@ def test_uefi_firmware_pxe_tftp_chainload_to_script(tmp_path: Path, assets: Path
     # Firmware PXE took snponly.efi by TFTP (OVMF falls back to UEFI HTTP boot otherwise).
     assert "TFTP snponly.efi to 10.79.0.100" in log, log[-2000:]
     assert "GET /boot/assets/snponly.efi" not in log
-    print(f"UEFI (OVMF PXE -> TFTP snponly.efi -> iPXE -> HTTP) with RA: {took:.1f} s")
+    without = boot_vm(
+        tmp_path / "no-ra", assets, firmware="uefi", ra=False, mac="52:54:00:79:00:04"
+    )
+    print(
+        f"UEFI (OVMF PXE -> TFTP snponly.efi -> iPXE -> HTTP): with RA {took:.1f} s, "
+        f"without {without:.1f} s, ratio {without / took:.2f}"
+    )
