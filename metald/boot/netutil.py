@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 
 SO_BINDTODEVICE = getattr(socket, "SO_BINDTODEVICE", 25)
+SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 
 
 def udp_socket(
@@ -20,7 +21,12 @@ def udp_socket(
         if interface:
             s.setsockopt(socket.SOL_SOCKET, SO_BINDTODEVICE, interface.encode())
         # A rack powering on bursts; a deep receive queue absorbs it instead of dropping.
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        # SO_RCVBUF is capped by net.core.rmem_max (~200 KB by default, a few hundred
+        # packets); as root (which port 67 needs anyway) SO_RCVBUFFORCE is not.
+        try:
+            s.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 4 << 20)
+        except OSError:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
         s.setblocking(False)
         s.bind((host, port))
     except BaseException:
