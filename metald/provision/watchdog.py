@@ -67,18 +67,20 @@ def sweep(
     rows = session.exec(
         select(Machine).where(col(Machine.state).in_([s.value for s in limits]))
     ).all()
+    # Plain values: a lost race rolls the session back, which expires the rows read here.
+    due = [(m.id, State(m.state), m.version, m.tenant_id) for m in overdue(list(rows), limits, now)]
     moved = []
-    for m in overdue(list(rows), limits, now):
-        state, limit = State(m.state), limits[State(m.state)]
+    for mid, state, version, tenant_id in due:
+        limit = limits[state]
         reason = f"stuck in {state.value} for more than {limit} s (watchdog)"
         try:
             machines.transition(
                 session,
-                m.id,
+                mid,
                 TIMEOUTS[state],
                 actor=actor,
                 reason=reason,
-                expected_version=m.version,
+                expected_version=version,
                 updates={"last_error": reason},
                 instance=instance,
                 commit=False,
@@ -90,15 +92,15 @@ def sweep(
             session,
             "watchdog.timeout",
             actor,
-            machine_id=m.id,
-            tenant_id=m.tenant_id,
+            machine_id=mid,
+            tenant_id=tenant_id,
             from_state=state.value,
             reason=reason,
             data={"timeout_s": limit},
             instance=instance,
         )
         session.commit()
-        moved.append(m.id)
+        moved.append(mid)
     return moved
 
 

@@ -1,0 +1,145 @@
+"""Watchdog timeouts, the retry action, the driver's BMC failure path, and resuming after a
+restart (state and boot intent are all in the database). Both backends."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+from sqlalchemy import update
+from sqlmodel import select
+
+from metald.boot.hooks import BootAction, target_for_machine
+from metald.claims import Selector, create_claim
+from metald.config import ProvisionConfig
+from metald.lifecycle import State
+from metald.provision import driver
+from metald.provision.intents import DeployImage
+from metald.provision.watchdog import Watchdog, sweep, timeouts
+from metald.store import Store
+from metald.store.models import Event, Machine, utcnow
+from tests.claims.fakes import FakeBmc
+from tests.claims.helpers import add_image, add_ready, add_tenant
+
+DEPLOY = DeployImage("discovery/vmlinuz", "discovery/initrd.img")
+CFG = ProvisionConfig(provisioning_timeout_s=600, claimed_resume_s=60)
+
+
+def _claimed(store: Store, n: int = 1, *, provision: bool = True) -> list[str]:
+    add_ready(store, n)
+    tenant = add_tenant(store, "acme")
+    with store.session() as s:
+        claim, _ = create_claim(
+            s, tenant, n, Selector(), add_image(store), None, "test", deploy=DEPLOY
+        )
+        ids = [m.id for m in s.exec(select(Machine).where(Machine.claim_id == claim.id))]
+        if provision:
+            assert driver.start_provisioning(s, ids, actor="test") == ids
+        return ids
+
+
+def _age(store: Store, ids: list[str], seconds: int) -> None:
+    with store.session() as s:
+        s.execute(
+            update(Machine)
+            .where(Machine.id.in_(ids))  # type: ignore[attr-defined]
+            .values(state_changed_at=utcnow() - timedelta(seconds=seconds))
+        )
+        s.commit()
+
+
+def _get(store: Store, mid: str) -> Machine:
+    with store.session() as s:
+        m = s.get(Machine, mid)
+        assert m is not None
+        return m
+
+
+def test_stuck_provisioning_times_out_then_retry_resumes(store: Store) -> None:
+    fresh, stale = _claimed(store, 2)
+    _age(store, [stale], 601)
+    with store.session() as s:
+        assert sweep(s, timeouts(CFG), actor="metald:test") == [stale]
+        assert sweep(s, timeouts(CFG), actor="metald:test") == []  # idempotent
+        ev = s.exec(select(Event).where(Event.kind == "watchdog.timeout")).one()
+        assert ev.machine_id == stale and ev.from_state == "provisioning"
+    m = _get(store, stale)
+    assert m.state == State.PROVISION_FAILED.value and "more than 600 s" in (m.last_error or "")
+    assert _get(store, fresh).state == State.PROVISIONING.value
+    with store.session() as s:
+        m = driver.retry(s, stale, actor="tech", deploy=DEPLOY)
+    assert m.state == State.PROVISIONING.value and m.last_error is None
+    assert target_for_machine(m).action is BootAction.PROVISION
+
+
+def test_racing_sweeps_move_each_machine_once(store: Store) -> None:
+    ids = _claimed(store, 4)
+    _age(store, ids, 3600)
+    moved: list[str] = []
+    barrier = threading.Barrier(4)
+
+    def sweeper(i: int) -> None:
+        barrier.wait()
+        with store.session() as s:
+            moved.extend(sweep(s, timeouts(CFG), actor=f"metald:i{i}"))
+
+    threads = [threading.Thread(target=sweeper, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(moved) == sorted(ids)
+    with store.session() as s:
+        assert len(s.exec(select(Event).where(Event.kind == "watchdog.timeout")).all()) == 4
+
+
+async def test_bmc_failure_fails_provisioning_and_no_bmc_leaves_it(store: Store) -> None:
+    failing, absent = _claimed(store, 2)
+    assert not await driver.boot_from_network(store, FakeBmc(fail="error"), failing, actor="t")
+    m = _get(store, failing)
+    assert m.state == State.PROVISION_FAILED.value
+    assert m.last_error == "BMC: the BMC did not answer within 10 s"
+    assert not await driver.boot_from_network(store, FakeBmc(fail="absent"), absent, actor="t")
+    assert _get(store, absent).state == State.PROVISIONING.value
+    with store.session() as s:
+        assert (
+            s.exec(select(Event).where(Event.kind == "provision.no-bmc")).one().machine_id == absent
+        )
+
+
+async def test_restart_resumes_where_it_was(db_url: str) -> None:
+    """A new Store (a restarted metald) on the same database: a provisioning machine still
+    boots its image, and a claim interrupted before provisioning is provisioned and rebooted
+    by the watchdog."""
+    store = Store(db_url)
+    store.migrate()
+    provisioning = _claimed(store, 1)[0]
+    add_ready(store, 1, prefix="late")
+    with store.session() as s:
+        tenant = add_tenant(store, "globex")
+        claim, _ = create_claim(
+            s, tenant, 1, Selector(), add_image(store, "n2"), None, "t", deploy=DEPLOY
+        )
+        stalled = s.exec(select(Machine).where(Machine.claim_id == claim.id)).one().id
+    store.close()
+
+    store = Store(db_url)
+    try:
+        target = target_for_machine(_get(store, provisioning))
+        assert target.action is BootAction.PROVISION and target.kernel == DEPLOY.kernel
+        assert target.kernel_args["metald.image.url"].startswith("http://images.test/")
+        bmc = FakeBmc()
+        dog = Watchdog(store, CFG, "restarted", services={"bmc": bmc})
+        assert await dog.sweep_once() == []  # claimed only moments ago: not stalled yet
+        _age(store, [stalled], 61)
+        assert await dog.sweep_once() == [stalled]
+        assert _get(store, stalled).state == State.PROVISIONING.value
+        assert bmc.calls == [
+            (stalled, "boot", "pxe"),
+            (stalled, "power", "status"),
+            (stalled, "power", "cycle"),
+        ]
+        await dog.start()
+        await dog.stop()
+    finally:
+        store.close()
