@@ -134,12 +134,10 @@ class IpmiDriver(BmcDriver):
         except OSError as e:
             raise BmcUnreachable(f"{self._where}: {e.strerror or e}") from None
 
-    def _drop_session(self, *, close_socket: bool = False) -> None:
-        # The socket outlives sessions (no new socket per login on a fleet-wide sync); replies
-        # of an old session that arrive later fail decoding and are ignored.
-        if close_socket and self._transport is not None:
+    def _drop_session(self) -> None:
+        if self._transport is not None:
             self._transport.close()
-            self._transport = self._proto = None
+        self._transport = self._proto = None
         self._keys = None
         self._admin = False
 
@@ -173,10 +171,7 @@ class IpmiDriver(BmcDriver):
 
     async def _login(self, deadline: float) -> None:
         self._drop_session()
-        if self._transport is None or self._transport.is_closing():
-            await self._open_socket()
-        assert self._proto is not None
-        self._proto.inbox.clear()
+        await self._open_socket()
         try:
             hs = rmcp.ClientHandshake(self.ep.username.encode(), self.ep.password.encode())
         except ValueError as e:
@@ -273,7 +268,7 @@ class IpmiDriver(BmcDriver):
                 self._transport.sendto(
                     rmcp.encode_packet(rmcp.PAYLOAD_IPMI, self._bmc_sid, self._seq, msg, self._keys)
                 )
-        self._drop_session(close_socket=True)
+        self._drop_session()
 
     # --- the driver interface ---
 
