@@ -53,6 +53,10 @@ _CONTROL = {
 }
 
 
+class CompletionCodeError(BmcProtocolError):
+    """The BMC answered the command with a non-zero completion code."""
+
+
 class _Datagrams(asyncio.DatagramProtocol):
     """Replies in arrival order, with one waiter: cheaper than a Queue plus wait_for per packet,
     which matters when one loop carries thousands of BMCs."""
@@ -215,7 +219,11 @@ class IpmiDriver(BmcDriver):
                 except (BmcTimeout, BmcUnreachable) as e:
                     e.maybe_delivered = True  # sent at least once; the BMC may have acted on it
                     raise
+            except CompletionCodeError:
+                raise  # the BMC answered, with an error code: the session itself is fine
             except BaseException:
+                # Log in again next time, from a new socket: some BMCs (pyghmi's among them) key
+                # sessions by the client's address and port and trip over a second login.
                 self._drop_session()
                 raise
             self._idle = loop.call_later(self.idle_s, self._expire)
@@ -245,7 +253,7 @@ class IpmiDriver(BmcDriver):
             what = rmcp.COMPLETION.get(r.code, "error")
             if r.code == 0xD4:
                 raise BmcAuthError(f"{self._where}: user lacks the privilege for this command")
-            raise BmcProtocolError(
+            raise CompletionCodeError(
                 f"{self._where}: command 0x{netfn:02x}/0x{cmd:02x} failed: {what} (0x{r.code:02x})"
             )
         return r.data
