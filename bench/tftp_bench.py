@@ -98,6 +98,10 @@ def main() -> int:
                         stop = bp.stop
                     else:
                         if name == "tftpd-hpa":
+                            # in.tftpd resolves its bind address with AI_ADDRCONFIG, which fails
+                            # in a namespace whose only address is loopback ("cannot resolve
+                            # local IPv4 bind address"): give the namespace one more address.
+                            lab.run("ip", "addr", "add", "10.254.0.1/32", "dev", "lo")
                             cmd = ["in.tftpd", "-L", "-s", str(root), "-a", "127.0.0.1:69"]
                         else:
                             cmd = [
