@@ -473,7 +473,12 @@ async def post_progress(req: ApiRequest) -> ProgressAccepted:
 
     def run(s: Session) -> ProgressAccepted:
         m: Machine = record_progress(
-            s, mid, Progress(**b.model_dump()), actor=req.actor, instance=req.ctx.instance
+            s,
+            mid,
+            Progress(**b.model_dump()),
+            actor=req.actor,
+            instance=req.ctx.instance,
+            min_interval_s=req.ctx.cfg.provision.progress_event_interval_s,
         )
         return ProgressAccepted(machine_id=m.id, state=m.state)
 

@@ -177,6 +177,9 @@ class ProvisionConfig(_Section):
     deploy_initrd: str = "discovery/initrd.img"
     #: Use the BMC (when the machine has one) to set a one-time PXE boot and power-cycle.
     use_bmc: bool = True
+    #: Agent progress reports closer together than this (same phase) are accepted but not
+    #: stored as events, so a chatty agent cannot flood the event log. 0 stores every one.
+    progress_event_interval_s: float = Field(default=2.0, ge=0)
 
 
 class Config(_Section):

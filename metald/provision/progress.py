@@ -10,16 +10,17 @@ reaches ready.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from datetime import UTC, timedelta
 from typing import Any
 
-from sqlmodel import Session
+from sqlmodel import Session, col, select
 
 from metald import machines
 from metald.auth import revoke_machine_tokens
 from metald.errors import Conflict, Unprocessable
 from metald.lifecycle import State, Trigger
 from metald.provision.intents import after_provisioned
-from metald.store.models import Machine
+from metald.store.models import Event, Machine, utcnow
 
 #: Longest error text kept on the machine (the event keeps the same).
 MAX_ERROR = 1000
@@ -59,6 +60,21 @@ def outcome(state: State, p: Progress) -> tuple[Trigger | None, dict[str, Any]]:
     }
 
 
+def _recently_reported(session: Session, machine_id: str, phase: str, interval_s: float) -> bool:
+    if interval_s <= 0:
+        return False
+    last = session.exec(
+        select(Event)
+        .where(Event.machine_id == machine_id, Event.kind == "provision.progress")
+        .order_by(col(Event.id).desc())
+        .limit(1)
+    ).first()
+    if last is None or (last.data or {}).get("phase") != phase:
+        return False
+    at = last.at if last.at.tzinfo else last.at.replace(tzinfo=UTC)
+    return utcnow() - at < timedelta(seconds=interval_s)
+
+
 def record_progress(
     session: Session,
     machine_id: str,
@@ -66,11 +82,16 @@ def record_progress(
     *,
     actor: str,
     instance: str | None = None,
+    min_interval_s: float = 0.0,
 ) -> Machine:
-    """Store one report (and its transition, if it ends the operation) atomically."""
+    """Store one report (and its transition, if it ends the operation) atomically. A report
+    that ends nothing, in the same phase as one stored less than ``min_interval_s`` ago, is
+    accepted without an event."""
     m = machines.get_machine(session, machine_id)
     state = State(m.state)
     trigger, updates = outcome(state, p)
+    if trigger is None and _recently_reported(session, m.id, p.phase, min_interval_s):
+        return m  # accepted, not stored: an agent reporting every second would flood events
     machines.add_event(
         session,
         "provision.progress",

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from sqlmodel import select
+
+from metald.claims import Selector, create_claim
 from metald.lifecycle import State
+from metald.provision import driver
+from metald.provision.intents import DeployImage
 from metald.store import Store
 from metald.store.models import Image, Machine, Tenant
+
+DEPLOY = DeployImage("discovery/vmlinuz", "discovery/initrd.img")
 
 DISK_SPEC = {"url": "http://images.test/node.raw", "sha256": "ab" * 32, "format": "raw"}
 STATELESS_SPEC = {
@@ -64,3 +71,17 @@ def add_image(store: Store, name: str = "node", kind: str = "disk", spec: Any = 
         s.add(img)
         s.commit()
         return img.id
+
+
+def claimed(store: Store, n: int = 1, *, provision: bool = True) -> list[str]:
+    """``n`` machines claimed for a new tenant, and (by default) provisioning."""
+    add_ready(store, n)
+    tenant = add_tenant(store, "acme")
+    with store.session() as s:
+        claim, _ = create_claim(
+            s, tenant, n, Selector(), add_image(store), None, "test", deploy=DEPLOY
+        )
+        ids = [m.id for m in s.exec(select(Machine).where(Machine.claim_id == claim.id))]
+        if provision:
+            assert driver.start_provisioning(s, ids, actor="test") == ids
+        return ids

@@ -99,6 +99,11 @@ async def test_claim_progress_release_wipe(api) -> None:  # type: ignore[no-unty
     r = await client.post("/api/v1/claims", json=body, headers=orch)
     again = await r.json()
     assert again["id"] == claim["id"] and again["replayed"]
+    header_key = {k: v for k, v in body.items() if k != "idempotency_key"}
+    r = await client.post(
+        "/api/v1/claims", json=header_key, headers={**orch, "Idempotency-Key": "job-1"}
+    )
+    assert (await r.json())["id"] == claim["id"]
     r = await client.post("/api/v1/claims", json={**body, "count": 1}, headers=orch)
     assert r.status == 409 and "different request" in (await r.json())["detail"]
     r = await client.post(

@@ -14,28 +14,13 @@ from metald.claims import Selector, create_claim
 from metald.config import ProvisionConfig
 from metald.lifecycle import State
 from metald.provision import driver
-from metald.provision.intents import DeployImage
 from metald.provision.watchdog import Watchdog, sweep, timeouts
 from metald.store import Store
 from metald.store.models import Event, Machine, utcnow
 from tests.claims.fakes import FakeBmc
-from tests.claims.helpers import add_image, add_ready, add_tenant
+from tests.claims.helpers import DEPLOY, add_image, add_ready, add_tenant, claimed
 
-DEPLOY = DeployImage("discovery/vmlinuz", "discovery/initrd.img")
 CFG = ProvisionConfig(provisioning_timeout_s=600, claimed_resume_s=60)
-
-
-def _claimed(store: Store, n: int = 1, *, provision: bool = True) -> list[str]:
-    add_ready(store, n)
-    tenant = add_tenant(store, "acme")
-    with store.session() as s:
-        claim, _ = create_claim(
-            s, tenant, n, Selector(), add_image(store), None, "test", deploy=DEPLOY
-        )
-        ids = [m.id for m in s.exec(select(Machine).where(Machine.claim_id == claim.id))]
-        if provision:
-            assert driver.start_provisioning(s, ids, actor="test") == ids
-        return ids
 
 
 def _age(store: Store, ids: list[str], seconds: int) -> None:
@@ -56,7 +41,7 @@ def _get(store: Store, mid: str) -> Machine:
 
 
 def test_stuck_provisioning_times_out_then_retry_resumes(store: Store) -> None:
-    fresh, stale = _claimed(store, 2)
+    fresh, stale = claimed(store, 2)
     _age(store, [stale], 601)
     with store.session() as s:
         assert sweep(s, timeouts(CFG), actor="metald:test") == [stale]
@@ -73,7 +58,7 @@ def test_stuck_provisioning_times_out_then_retry_resumes(store: Store) -> None:
 
 
 def test_racing_sweeps_move_each_machine_once(store: Store) -> None:
-    ids = _claimed(store, 4)
+    ids = claimed(store, 4)
     _age(store, ids, 3600)
     moved: list[str] = []
     barrier = threading.Barrier(4)
@@ -94,7 +79,7 @@ def test_racing_sweeps_move_each_machine_once(store: Store) -> None:
 
 
 async def test_bmc_failure_fails_provisioning_and_no_bmc_leaves_it(store: Store) -> None:
-    failing, absent = _claimed(store, 2)
+    failing, absent = claimed(store, 2)
     assert not await driver.boot_from_network(store, FakeBmc(fail="error"), failing, actor="t")
     m = _get(store, failing)
     assert m.state == State.PROVISION_FAILED.value
@@ -113,7 +98,7 @@ async def test_restart_resumes_where_it_was(db_url: str) -> None:
     by the watchdog."""
     store = Store(db_url)
     store.migrate()
-    provisioning = _claimed(store, 1)[0]
+    provisioning = claimed(store, 1)[0]
     add_ready(store, 1, prefix="late")
     with store.session() as s:
         tenant = add_tenant(store, "globex")
