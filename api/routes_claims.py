@@ -25,6 +25,7 @@ from metald.machines import add_event
 from metald.provision import driver
 from metald.provision.images import normalize_spec
 from metald.provision.intents import DeployImage
+from metald.provision.metadata import nocloud
 from metald.provision.progress import Progress, record_progress
 from metald.store.models import Claim, Image, Machine, Nic
 
@@ -35,6 +36,14 @@ READERS = frozenset({Role.ADMIN, Role.TECHNICIAN, Role.ORCHESTRATOR})
 STAFF = frozenset({Role.ADMIN, Role.TECHNICIAN})
 AGENT = frozenset({Role.AGENT})
 Text = Annotated[str, StringConstraints(min_length=1, max_length=500)]
+SshKey = Annotated[
+    str,
+    StringConstraints(
+        max_length=16384,
+        pattern=r"^(ssh-(rsa|ed25519|dss)|ecdsa-sha2-nistp(256|384|521)|"
+        r"sk-(ssh-ed25519|ecdsa-sha2-nistp256)@openssh\.com) [A-Za-z0-9+/=]+( [^\r\n]*)?$",
+    ),
+]
 
 
 # ---- models -----------------------------------------------------------------------------
@@ -55,6 +64,9 @@ class ClaimCreate(In):
     count: int = Field(ge=1, le=1024)
     selector: SelectorIn = SelectorIn()
     image_id: Text
+    ssh_authorized_keys: list[SshKey] = Field(
+        default=[], max_length=32, description="Public keys for the machines' first boot."
+    )
     idempotency_key: Annotated[str, StringConstraints(min_length=1, max_length=200)] | None = Field(
         default=None, description="A retried request with the same key gets the same claim."
     )
@@ -86,6 +98,7 @@ class ClaimOut(BaseModel):
     count: int
     selector: dict[str, Any]
     image_id: str | None
+    ssh_authorized_keys: list[str] = []
     state: str
     idempotency_key: str | None
     created_by: str | None
@@ -155,6 +168,15 @@ class ProgressAccepted(BaseModel):
     state: str
 
 
+class ProvisionInstruction(BaseModel):
+    #: provision (write ``image``, then ``nocloud``), wipe, or none.
+    action: Literal["provision", "wipe", "none"]
+    machine_id: str
+    image: dict[str, Any] | None = None
+    #: cloud-init NoCloud files: meta-data, user-data, network-config.
+    nocloud: dict[str, str] | None = None
+
+
 # ---- helpers ----------------------------------------------------------------------------
 
 
@@ -171,8 +193,9 @@ def claim_out(s: Session, c: Claim, *, replayed: bool = False) -> ClaimOut:
     ms = svc.claim_machines(s, c.id)
     progress = svc.latest_progress(s, ms)
     return ClaimOut(
-        **c.model_dump(exclude={"image", "version"}),
+        **c.model_dump(exclude={"image", "version", "ssh_authorized_keys"}),
         image_id=c.image,
+        ssh_authorized_keys=list(c.ssh_authorized_keys or []),
         replayed=replayed,
         machines=[
             ClaimMachineOut(
@@ -232,6 +255,7 @@ async def create_claim(req: ApiRequest) -> ClaimOut:
             key,
             req.actor,
             deploy=_deploy(req),
+            ssh_authorized_keys=b.ssh_authorized_keys,
             instance=req.ctx.instance,
         )
         started: list[str] = []
@@ -485,3 +509,44 @@ async def post_progress(req: ApiRequest) -> ProgressAccepted:
     out = await req.ctx.store.run(run)
     req.ctx.bus.notify()
     return out
+
+
+@router.route(
+    "GET",
+    "/api/v1/agent/provision",
+    summary="Get what to install",
+    roles=AGENT,
+    response=ProvisionInstruction,
+    tag="agent",
+)
+async def provision_instruction(req: ApiRequest) -> ProvisionInstruction:
+    """For the deploy agent: while provisioning, the image to write (kind, url, sha256, format)
+    and the first-boot metadata (cloud-init NoCloud: hostname, SSH keys, network config);
+    while wiping, ``wipe``; otherwise ``none``."""
+    mid = next(iter(req.require_principal().scope))
+
+    def run(s: Session) -> ProvisionInstruction:
+        m = s.get(Machine, mid)
+        if m is None or m.state not in (State.PROVISIONING, State.WIPING):
+            return ProvisionInstruction(action="none", machine_id=mid)
+        if m.state == State.WIPING:
+            return ProvisionInstruction(action="wipe", machine_id=mid)
+        c = s.get(Claim, m.claim_id) if m.claim_id else None
+        img = s.get(Image, c.image) if c and c.image else None
+        if img is None:
+            return ProvisionInstruction(action="none", machine_id=mid)
+        pxe = s.exec(select(Nic).where(Nic.machine_id == mid, col(Nic.pxe))).first()
+        files = nocloud(
+            machine_id=mid,
+            name=m.name,
+            pxe_mac=pxe.mac if pxe else None,
+            ssh_authorized_keys=list(c.ssh_authorized_keys or []) if c else [],
+        )
+        return ProvisionInstruction(
+            action="provision",
+            machine_id=mid,
+            image={"id": img.id, "kind": img.kind, **img.spec},
+            nocloud=files,
+        )
+
+    return await req.ctx.store.run(run)

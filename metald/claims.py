@@ -135,8 +135,13 @@ def get_image(session: Session, image_id: str) -> Image:
     return img
 
 
-def _same_request(c: Claim, count: int, selector: Selector, image_id: str) -> bool:
-    return c.count == count and Selector.from_dict(c.selector) == selector and c.image == image_id
+def _same_request(c: Claim, count: int, selector: Selector, image_id: str, keys: list[str]) -> bool:
+    return (
+        c.count == count
+        and Selector.from_dict(c.selector) == selector
+        and c.image == image_id
+        and list(c.ssh_authorized_keys or []) == keys
+    )
 
 
 def _existing(session: Session, tenant_id: str, key: str) -> Claim | None:
@@ -145,8 +150,8 @@ def _existing(session: Session, tenant_id: str, key: str) -> Claim | None:
     ).first()
 
 
-def _replay(c: Claim, count: int, selector: Selector, image_id: str) -> Claim:
-    if not _same_request(c, count, selector, image_id):
+def _replay(c: Claim, count: int, selector: Selector, image_id: str, keys: list[str]) -> Claim:
+    if not _same_request(c, count, selector, image_id, keys):
         raise Conflict(
             f"idempotency key {c.idempotency_key!r} was already used for claim {c.id} with a "
             "different request; use a new key for a new claim",
@@ -165,16 +170,18 @@ def create_claim(
     actor: str,
     *,
     deploy: DeployImage,
+    ssh_authorized_keys: list[str] | None = None,
     instance: str | None = None,
 ) -> tuple[Claim, bool]:
     """Allocate ``count`` machines to the tenant, all or none. Returns (claim, replayed):
     a repeated idempotency key with the same request returns the first claim unchanged."""
     if count < 1:
         raise Unprocessable("count must be at least 1")
+    keys = list(ssh_authorized_keys or [])
     if session.get(Tenant, tenant_id) is None:
         raise NotFound(f"no tenant with id {tenant_id!r}")
     if idempotency_key and (c := _existing(session, tenant_id, idempotency_key)):
-        return _replay(c, count, selector, image_id), True
+        return _replay(c, count, selector, image_id, keys), True
     image = get_image(session, image_id)
     intent = provision_intent(image.id, image.kind, image.spec, deploy)
 
@@ -185,6 +192,7 @@ def create_claim(
             count=count,
             selector=selector.to_dict(),
             image=image.id,
+            ssh_authorized_keys=keys,
             state="allocated",
             created_by=actor,
         )
@@ -240,7 +248,7 @@ def create_claim(
         c = _existing(session, tenant_id, idempotency_key) if idempotency_key else None
         if c is None:
             raise
-        return _replay(c, count, selector, image_id), True
+        return _replay(c, count, selector, image_id, keys), True
 
 
 def _allocate_or_explain(

@@ -145,6 +145,8 @@ class Claim(SQLModel, table=True):
     count: int
     selector: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     image: str | None = None
+    #: Public SSH keys written into each machine's first-boot metadata (cloud-init NoCloud).
+    ssh_authorized_keys: list[str] | None = Field(default=None, sa_column=Column(JSON))
     #: pending, allocated, released, failed.
     state: str = "pending"
     version: int = 1

@@ -3,6 +3,8 @@ wipe, retry, and the BMC steps (with a fake BMC service)."""
 
 from __future__ import annotations
 
+import json
+
 from sqlmodel import select
 
 from api.app import CTX_KEY
@@ -11,6 +13,8 @@ from metald.provision import driver
 from metald.store.models import ApiToken, Machine
 from tests.claims.fakes import FakeBmc
 from tests.claims.helpers import DISK_SPEC, add_ready
+
+KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGJ0ZXN0a2V5 ops@example"
 
 
 def _agent(store, machine_id: str) -> dict[str, str]:  # type: ignore[no-untyped-def]
@@ -80,6 +84,7 @@ async def test_claim_progress_release_wipe(api) -> None:  # type: ignore[no-unty
         "selector": {"gpu_model": "NVIDIA H100*", "min_gpu_count": 8, "labels": {"pool": "train"}},
         "image_id": image_id,
         "idempotency_key": "job-1",
+        "ssh_authorized_keys": [KEY],
     }
     orch = tokens.header("orchestrator")
     r = await client.post("/api/v1/claims", json=body, headers=orch)
@@ -111,9 +116,24 @@ async def test_claim_progress_release_wipe(api) -> None:  # type: ignore[no-unty
     )
     problem = await r.json()
     assert r.status == 422 and problem["matched"] == 3 and problem["available"] == 1
+    r = await client.post(
+        "/api/v1/claims",
+        json={**body, "idempotency_key": "y", "ssh_authorized_keys": ["rm -rf /"]},
+        headers=orch,
+    )
+    assert r.status == 422 and "ssh_authorized_keys" in (await r.json())["detail"]
+
+    # The deploy agent asks what to write, and the first-boot metadata.
+    agent = _agent(store, ids[0])
+    r = await client.get("/api/v1/agent/provision", headers=agent)
+    todo = await r.json()
+    assert todo["action"] == "provision" and todo["image"]["sha256"] == DISK_SPEC["sha256"]
+    user_data = todo["nocloud"]["user-data"]
+    assert user_data.startswith("#cloud-config\n")
+    assert json.loads(user_data.split("\n", 1)[1])["ssh_authorized_keys"] == [KEY]
+    assert json.loads(todo["nocloud"]["meta-data"])["instance-id"] == ids[0]
 
     # Progress, then done: provisioned, booting from disk from now on.
-    agent = _agent(store, ids[0])
     r = await client.post(
         "/api/v1/agent/progress",
         json={"phase": "write", "percent": 42.5, "bytes": 1 << 30, "rate_bps": 5e8},
@@ -130,6 +150,8 @@ async def test_claim_progress_release_wipe(api) -> None:  # type: ignore[no-unty
     )
     assert (await r.json())["state"] == "provisioned"
     assert _machine(store, ids[0]).boot_intent == {"action": "local"}
+    r = await client.get("/api/v1/agent/provision", headers=agent)
+    assert (await r.json())["action"] == "none"
     r = await client.post("/api/v1/agent/progress", json={"phase": "write"}, headers=agent)
     assert r.status == 409 and "only while it is provisioning" in (await r.json())["detail"]
 

@@ -144,3 +144,33 @@ def test_watchdog_limits_and_overdue() -> None:
         ),
     ]
     assert [m.id for m in overdue(rows, limits, now)] == ["a", "e"]
+
+
+def test_nocloud_metadata() -> None:
+    import json
+
+    from metald.provision.metadata import nocloud
+
+    files = nocloud(
+        machine_id="0123456789ab",
+        name=None,
+        pxe_mac="52:54:00:00:00:01",
+        ssh_authorized_keys=["ssh-ed25519 AAAA x@y"],
+        join_token="jt-1",
+    )
+    assert json.loads(files["meta-data"]) == {
+        "instance-id": "0123456789ab",
+        "local-hostname": "node-01234567",
+    }
+    header, body = files["user-data"].split("\n", 1)
+    user = json.loads(body)
+    assert header == "#cloud-config" and user["ssh_authorized_keys"] == ["ssh-ed25519 AAAA x@y"]
+    assert user["write_files"][0] == {
+        "path": "/etc/metald/join-token",
+        "permissions": "0600",
+        "content": "jt-1",
+    }
+    net = json.loads(files["network-config"])
+    assert net["ethernets"]["pxe0"]["match"] == {"macaddress": "52:54:00:00:00:01"}
+    bare = nocloud(machine_id="m", name="gpu1", pxe_mac=None, ssh_authorized_keys=[])
+    assert "write_files" not in json.loads(bare["user-data"].split("\n", 1)[1])

@@ -1,4 +1,4 @@
-"""claims: the image catalog
+"""claims: the image catalog, SSH keys for first-boot metadata
 
 Revision ID: 0006
 Revises: 0005
@@ -26,7 +26,11 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id"),
         sa.UniqueConstraint("name"),
     )
+    with op.batch_alter_table("claims", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("ssh_authorized_keys", sa.JSON(), nullable=True))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("claims", schema=None) as batch_op:
+        batch_op.drop_column("ssh_authorized_keys")
     op.drop_table("images")

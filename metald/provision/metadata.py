@@ -1,0 +1,51 @@
+"""First-boot metadata for a provisioned disk: cloud-init NoCloud files. Pure.
+
+The agent writes these three files to a ``cidata`` volume (or the seed folder) after the image
+is verified. JSON is valid YAML, so every file is rendered with ``json.dumps`` (user-data behind
+its ``#cloud-config`` header line): no YAML library, and no quoting mistakes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def hostname(machine_id: str, name: str | None) -> str:
+    return name or f"node-{machine_id[:8]}"
+
+
+def nocloud(
+    *,
+    machine_id: str,
+    name: str | None,
+    pxe_mac: str | None,
+    ssh_authorized_keys: list[str],
+    join_token: str | None = None,
+) -> dict[str, str]:
+    """``meta-data``, ``user-data`` and ``network-config`` for one machine."""
+    host = hostname(machine_id, name)
+    meta = {"instance-id": machine_id, "local-hostname": host}
+    user: dict[str, Any] = {
+        "hostname": host,
+        "preserve_hostname": False,
+        "ssh_authorized_keys": list(ssh_authorized_keys),
+        "disable_root": False,
+    }
+    if join_token:
+        # Read by the node's join service (tenants module) on first boot, then deleted by it.
+        user["write_files"] = [
+            {"path": "/etc/metald/join-token", "permissions": "0600", "content": join_token}
+        ]
+    net: dict[str, Any] = {"version": 2, "ethernets": {}}
+    if pxe_mac:
+        net["ethernets"]["pxe0"] = {
+            "match": {"macaddress": pxe_mac},
+            "set-name": "pxe0",
+            "dhcp4": True,
+        }
+    return {
+        "meta-data": json.dumps(meta, indent=2) + "\n",
+        "user-data": "#cloud-config\n" + json.dumps(user, indent=2) + "\n",
+        "network-config": json.dumps(net, indent=2) + "\n",
+    }
