@@ -16,6 +16,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from sqlalchemy.exc import IntegrityError, OperationalError
@@ -370,7 +371,6 @@ def latest_progress(session: Session, ms: list[Machine]) -> dict[str, dict[str, 
     return out
 
 
-def _aware(ts: Any) -> Any:
-    from datetime import UTC
-
+def _aware(ts: datetime) -> datetime:
+    # SQLite hands back naive datetimes; metald writes UTC only.
     return ts if ts.tzinfo else ts.replace(tzinfo=UTC)

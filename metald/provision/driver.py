@@ -49,9 +49,18 @@ def spawn(coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
 
 
 async def drain() -> None:
-    """Wait for every background step (tests, shutdown)."""
+    """Wait for every background step (tests)."""
     while _tasks:
         await asyncio.gather(*list(_tasks), return_exceptions=True)
+
+
+async def cancel_all() -> None:
+    """Stop every background step (shutdown). A machine left mid-reboot stays in its state;
+    the watchdog times it out and the retry action starts it again."""
+    tasks = list(_tasks)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def start_provisioning(
@@ -135,7 +144,7 @@ def _fail(session: Session, machine_id: str, error: str, actor: str, instance: s
 
 
 def _note(
-    session: Session, machine_id: str, kind: str, reason: str, actor: str, instance: Any
+    session: Session, machine_id: str, kind: str, reason: str, actor: str, instance: str | None
 ) -> None:
     machines.add_event(
         session, kind, actor, machine_id=machine_id, reason=reason, instance=instance

@@ -144,6 +144,7 @@ class Watchdog:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        await driver.cancel_all()
 
     async def sweep_once(self) -> list[str]:
         """One sweep: time out stuck machines, resume stalled claims. Returns ids touched."""
