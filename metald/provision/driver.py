@@ -21,6 +21,7 @@ from metald.errors import Conflict, MetaldError, NotFound
 from metald.lifecycle import IllegalTransition, State, Trigger
 from metald.provision.intents import DeployImage, inspect_intent, wipe_intent
 from metald.store.db import Store
+from metald.store.models import Machine
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ def retry(
     reason: str | None = None,
     version: int | None = None,
     instance: str | None = None,
-) -> Any:
+) -> Machine:
     """Start a failed operation again (provision-failed -> provisioning, ...)."""
     m = machines.get_machine(session, machine_id)
     trigger = RETRY.get(State(m.state))

@@ -128,3 +128,15 @@ async def test_restart_resumes_where_it_was(db_url: str) -> None:
         await dog.stop()
     finally:
         store.close()
+
+
+def test_daemon_mounts_the_watchdog(cfg) -> None:  # type: ignore[no-untyped-def]
+    from metald.daemon import Daemon
+
+    d = Daemon(cfg)
+    try:
+        d._build_services()
+        dog = d.ctx.services["watchdog"]
+        assert isinstance(dog, Watchdog) and dog.services is d.ctx.services
+    finally:
+        d.store.close()
