@@ -240,10 +240,10 @@ async def machine_action(req: ApiRequest) -> MachineOut:
                 "use the 'inspect' action instead"
             )
         if trigger is Trigger.INSPECT:
-            updates["boot_intent"] = {"kind": "inspect"}
+            updates["boot_intent"] = {"action": "inspect"}
         if trigger is Trigger.RETIRE:
             # A retired machine must not boot anything from us again.
-            updates["boot_intent"] = {"kind": "none"}
+            updates["boot_intent"] = {"action": "local"}
             revoke_machine_tokens(s, m.id, commit=False)
         m = svc.transition(
             s,
