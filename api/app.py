@@ -29,7 +29,12 @@ ROUTERS: list[Router] = [
 def extra_routers() -> list[Router]:
     """Route modules owned by optional subsystems, mounted when importable."""
     found = []
-    for mod in ("api.routes_bmc", "api.routes_agent", "api.routes_claims"):
+    for mod in (
+        "api.routes_bmc",
+        "api.routes_agent",
+        "api.routes_claims",
+        "api.routes_tenancy",
+    ):
         try:
             module = __import__(mod, fromlist=["router"])
         except ModuleNotFoundError as e:
