@@ -1,0 +1,306 @@
+"""/api/v1/bmcs and what a BMC does for a machine: power, next boot device, sensors, event log.
+
+Thin: validation and roles here, everything else in ``metald.bmc.service.BmcService`` (the
+daemon hosts it as ``ctx.services["bmc"]``). No answer carries a BMC password.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, SecretStr, StringConstraints
+
+from api.routing import STAFF, ApiRequest, Router
+from api.schemas import In
+from metald.errors import MetaldError
+
+router = Router()
+TAG = "bmc"
+
+
+class ServiceUnavailable(MetaldError):
+    status = 503
+    title = "Service unavailable"
+
+
+# ---- models -------------------------------------------------------------------------------
+
+
+class BmcCreate(In):
+    address: Annotated[str, StringConstraints(min_length=1, max_length=255)] = Field(
+        description="Host name or IP; for Redfish also http(s)://host. TLS is the default."
+    )
+    port: int | None = Field(default=None, ge=1, le=65535, description="Default 623 / 443.")
+    protocol: Literal["auto", "ipmi", "redfish"] = Field(
+        default="auto", description="auto tries Redfish, then IPMI."
+    )
+    username: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    #: SecretStr: never echoed back, not even in a validation error.
+    password: SecretStr = Field(min_length=1, max_length=256)
+    machine_id: str | None = Field(
+        default=None, description="Link by hand; otherwise linked by system UUID, serial or MAC."
+    )
+    verify_tls: bool = True
+    ca_cert: Annotated[str, StringConstraints(max_length=65536)] | None = Field(
+        default=None, description="PEM CA to trust for this BMC only (pinned)."
+    )
+
+
+class BmcOut(BaseModel):
+    id: str
+    machine_id: str | None
+    address: str
+    port: int | None
+    protocol: str
+    username: str
+    verify_tls: bool
+    ca_pinned: bool
+    health: str = Field(description="ok, auth-failed, unreachable, error, unknown")
+    health_detail: str | None
+    power_state: str | None
+    system_uuid: str | None
+    serial: str | None
+    macs: list[str]
+    last_seen_at: str | None
+    created_at: str | None
+
+
+class BmcList(BaseModel):
+    items: list[BmcOut]
+
+
+class BmcLink(In):
+    machine_id: str | None = Field(description="The machine to link to; null unlinks.")
+
+
+class PowerRequest(In):
+    action: Literal["on", "off", "cycle", "reset", "soft-off", "status"]
+
+
+class PowerOut(BaseModel):
+    machine_id: str
+    bmc_id: str
+    action: str | None = None
+    power_state: str
+
+
+class BootDeviceRequest(In):
+    device: Literal["pxe", "disk"]
+    persistent: bool = Field(default=False, description="false: the next boot only.")
+    uefi: bool = Field(default=True, description="false: legacy BIOS boot.")
+
+
+class BootDeviceOut(BaseModel):
+    machine_id: str
+    device: str
+    persistent: bool
+    uefi: bool
+
+
+class SensorOut(BaseModel):
+    name: str
+    kind: str
+    value: float | None
+    units: str | None
+    health: str
+
+
+class SensorList(BaseModel):
+    items: list[SensorOut]
+
+
+class LogEntryOut(BaseModel):
+    id: str
+    at: str | None
+    severity: str
+    message: str
+
+
+class LogList(BaseModel):
+    items: list[LogEntryOut]
+
+
+def _bmc(req: ApiRequest) -> Any:
+    svc = req.ctx.services.get("bmc")
+    if svc is None:
+        raise ServiceUnavailable("BMC control is not running in this metald instance")
+    return svc
+
+
+# ---- BMCs -----------------------------------------------------------------------------------
+
+
+@router.route(
+    "POST",
+    "/api/v1/bmcs",
+    summary="Register a BMC",
+    roles=STAFF,
+    body=BmcCreate,
+    response=BmcOut,
+    status=201,
+    tag=TAG,
+    errors=(404, 409, 422, 503),
+)
+async def register_bmc(req: ApiRequest) -> BmcOut:
+    """Connects first (422 with the reason if refused or unreachable); links it to its machine."""
+    b: BmcCreate = req.body
+    out = await _bmc(req).register(
+        b.address,
+        b.port,
+        b.protocol,
+        b.username,
+        b.password.get_secret_value(),
+        machine_id=b.machine_id,
+        verify_tls=b.verify_tls,
+        ca_cert=b.ca_cert,
+        actor=req.actor,
+    )
+    req.ctx.bus.notify()
+    return BmcOut.model_validate(out)
+
+
+@router.route(
+    "GET",
+    "/api/v1/bmcs",
+    summary="List BMCs",
+    roles=STAFF,
+    response=BmcList,
+    tag=TAG,
+    errors=(503,),
+)
+async def list_bmcs(req: ApiRequest) -> BmcList:
+    """Every registered BMC with its health and last known power state."""
+    return BmcList(items=[BmcOut.model_validate(x) for x in await _bmc(req).list()])
+
+
+@router.route(
+    "GET",
+    "/api/v1/bmcs/{bmc_id}",
+    summary="Show a BMC",
+    roles=STAFF,
+    response=BmcOut,
+    tag=TAG,
+    errors=(404, 503),
+)
+async def show_bmc(req: ApiRequest) -> BmcOut:
+    """One BMC; health_detail says why it is not ok."""
+    return BmcOut.model_validate(await _bmc(req).get(req.params["bmc_id"]))
+
+
+@router.route(
+    "PUT",
+    "/api/v1/bmcs/{bmc_id}/machine",
+    summary="Link a BMC to a machine",
+    roles=STAFF,
+    body=BmcLink,
+    response=BmcOut,
+    tag=TAG,
+    errors=(404, 409, 503),
+)
+async def link_bmc(req: ApiRequest) -> BmcOut:
+    """Link by hand (or unlink with null) when automatic matching could not decide."""
+    b: BmcLink = req.body
+    out = await _bmc(req).link(req.params["bmc_id"], b.machine_id, actor=req.actor)
+    req.ctx.bus.notify()
+    return BmcOut.model_validate(out)
+
+
+@router.route(
+    "DELETE",
+    "/api/v1/bmcs/{bmc_id}",
+    summary="Remove a BMC",
+    roles=STAFF,
+    tag=TAG,
+    errors=(404, 503),
+)
+async def remove_bmc(req: ApiRequest) -> None:
+    """Forget the BMC and its stored credentials."""
+    await _bmc(req).remove(req.params["bmc_id"], actor=req.actor)
+    req.ctx.bus.notify()
+
+
+# ---- what a BMC does for a machine -------------------------------------------------------------
+
+_MACHINE_ERRORS = (404, 422, 502, 503)
+
+
+@router.route(
+    "GET",
+    "/api/v1/machines/{id}/power",
+    summary="Read a machine's power state",
+    roles=STAFF,
+    response=PowerOut,
+    tag=TAG,
+    errors=_MACHINE_ERRORS,
+)
+async def power_status(req: ApiRequest) -> PowerOut:
+    """Asks the BMC now (not a cached value)."""
+    return PowerOut.model_validate(await _bmc(req).power(req.params["id"], "status"))
+
+
+@router.route(
+    "POST",
+    "/api/v1/machines/{id}/power",
+    summary="Power a machine",
+    roles=STAFF,
+    body=PowerRequest,
+    response=PowerOut,
+    tag=TAG,
+    errors=_MACHINE_ERRORS,
+)
+async def power_action(req: ApiRequest) -> PowerOut:
+    """on, off, soft-off, cycle, reset or status; a failure is a 502 naming the BMC's health."""
+    b: PowerRequest = req.body
+    out = await _bmc(req).power(req.params["id"], b.action, actor=req.actor)
+    req.ctx.bus.notify()
+    return PowerOut.model_validate(out)
+
+
+@router.route(
+    "PUT",
+    "/api/v1/machines/{id}/boot-device",
+    summary="Set a machine's next boot device",
+    roles=STAFF,
+    body=BootDeviceRequest,
+    response=BootDeviceOut,
+    tag=TAG,
+    errors=_MACHINE_ERRORS,
+)
+async def boot_device(req: ApiRequest) -> BootDeviceOut:
+    """PXE or disk, for the next boot only or every boot, UEFI or legacy."""
+    b: BootDeviceRequest = req.body
+    out = await _bmc(req).set_boot_device(
+        req.params["id"], b.device, persistent=b.persistent, uefi=b.uefi, actor=req.actor
+    )
+    req.ctx.bus.notify()
+    return BootDeviceOut.model_validate(out)
+
+
+@router.route(
+    "GET",
+    "/api/v1/machines/{id}/sensors",
+    summary="Read a machine's sensors",
+    roles=STAFF,
+    response=SensorList,
+    tag=TAG,
+    errors=_MACHINE_ERRORS,
+)
+async def sensors(req: ApiRequest) -> SensorList:
+    """Temperatures, fans, power draw and the rest, as the BMC reports them now."""
+    items = await _bmc(req).sensors(req.params["id"])
+    return SensorList(items=[SensorOut.model_validate(x) for x in items])
+
+
+@router.route(
+    "GET",
+    "/api/v1/machines/{id}/bmc-log",
+    summary="Read a machine's BMC event log",
+    roles=STAFF,
+    response=LogList,
+    tag=TAG,
+    errors=_MACHINE_ERRORS,
+)
+async def event_log(req: ApiRequest) -> LogList:
+    """The BMC's own event log (IPMI SEL, Redfish LogService entries)."""
+    items = await _bmc(req).event_log(req.params["id"])
+    return LogList(items=[LogEntryOut.model_validate(x) for x in items])

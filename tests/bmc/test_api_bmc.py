@@ -1,0 +1,120 @@
+"""The BMC routes over HTTP, with a real BmcService behind them and ipmi_sim as the BMC."""
+
+from __future__ import annotations
+
+import pytest
+
+from metald.bmc.service import BmcService
+from metald.config import Config
+from metald.secrets import SecretBox
+from metald.store import Store
+from tests.bmc.peers import IpmiSim, free_port
+from tests.conftest import seed
+
+
+@pytest.fixture
+async def bmc_api(cfg: Config, store: Store, aiohttp_client):  # type: ignore[no-untyped-def]
+    from api.app import create_app
+    from api.context import AppContext
+    from metald.events import EventBus
+
+    secrets = SecretBox.from_file(cfg.secrets_key_path)
+    cfg.bmc.min_interval_ms = 0
+    cfg.bmc.timeout_s = 3
+    cfg.bmc.retries = 1
+    svc = BmcService(store, secrets, cfg.bmc, cfg.instance)
+    ctx = AppContext(cfg=cfg, store=store, secrets=secrets, bus=EventBus(), services={"bmc": svc})
+    tokens = seed(store)
+    client = await aiohttp_client(create_app(ctx))
+    yield client, tokens
+    await svc.stop()
+
+
+async def test_register_power_boot_sensors_over_http(bmc_api, ipmi_sim: IpmiSim) -> None:  # type: ignore[no-untyped-def]
+    client, tokens = bmc_api
+    tech = tokens.header("technician")
+    mid = tokens.machine_free
+    body = {
+        "address": "127.0.0.1",
+        "port": ipmi_sim.port,
+        "protocol": "ipmi",
+        "username": "admin",
+        "password": ipmi_sim.password,
+        "machine_id": mid,
+    }
+    r = await client.post("/api/v1/bmcs", json=body, headers=tech)
+    text = await r.text()
+    assert r.status == 201, text
+    assert ipmi_sim.password not in text
+    bmc = await r.json()
+    assert bmc["machine_id"] == mid and bmc["health"] == "ok"
+
+    r = await client.get("/api/v1/bmcs", headers=tech)
+    listing = await r.text()
+    assert r.status == 200 and ipmi_sim.password not in listing
+    assert [b["id"] for b in (await r.json())["items"]] == [bmc["id"]]
+
+    r = await client.post(f"/api/v1/machines/{mid}/power", json={"action": "on"}, headers=tech)
+    assert r.status == 200, await r.text()
+    assert (await r.json())["power_state"] == "on"
+    r = await client.get(f"/api/v1/machines/{mid}/power", headers=tech)
+    assert (await r.json())["power_state"] == "on"
+    r = await client.put(
+        f"/api/v1/machines/{mid}/boot-device",
+        json={"device": "pxe", "persistent": False, "uefi": True},
+        headers=tech,
+    )
+    assert r.status == 200, await r.text()
+    assert "set power 1" in ipmi_sim.calls() and "set boot pxe" in ipmi_sim.calls()
+
+    r = await client.get(f"/api/v1/machines/{mid}/sensors", headers=tech)
+    assert r.status == 200, await r.text()
+    assert any(s["name"] == "CPU Temp" and s["units"] for s in (await r.json())["items"])
+    r = await client.get(f"/api/v1/machines/{mid}/bmc-log", headers=tech)
+    assert len((await r.json())["items"]) == 1
+
+    # Orchestrators and agents do not drive BMCs.
+    r = await client.post(
+        f"/api/v1/machines/{mid}/power", json={"action": "off"}, headers=tokens.header("agent")
+    )
+    assert r.status == 403
+
+
+async def test_errors_are_problems_without_secrets(bmc_api, ipmi_sim: IpmiSim) -> None:  # type: ignore[no-untyped-def]
+    client, tokens = bmc_api
+    tech = tokens.header("technician")
+    wrong = {
+        "address": "127.0.0.1",
+        "port": ipmi_sim.port,
+        "protocol": "ipmi",
+        "username": "admin",
+        "password": "Wrong-Pass-77",
+    }
+    r = await client.post("/api/v1/bmcs", json=wrong, headers=tech)
+    text = await r.text()
+    assert r.status == 422 and "refused these credentials" in text and "Wrong-Pass-77" not in text
+    assert r.headers["Content-Type"].startswith("application/problem+json")
+
+    too_long = {**wrong, "password": "X" * 300 + "Secret-Tail"}
+    r = await client.post("/api/v1/bmcs", json=too_long, headers=tech)
+    assert r.status == 422 and "Secret-Tail" not in await r.text()
+
+    dead = {**wrong, "port": free_port(), "password": "x"}
+    r = await client.post("/api/v1/bmcs", json=dead, headers=tech)
+    assert r.status == 422 and "could not talk" in (await r.json())["detail"]
+
+    r = await client.post(
+        f"/api/v1/machines/{tokens.machine_a}/power", json={"action": "on"}, headers=tech
+    )
+    assert r.status == 404 and "has no BMC" in (await r.json())["detail"]
+    r = await client.post(
+        f"/api/v1/machines/{tokens.machine_a}/power", json={"action": "explode"}, headers=tech
+    )
+    assert r.status == 422
+
+
+async def test_without_the_service_routes_answer_503(api) -> None:  # type: ignore[no-untyped-def]
+    client, tokens, _ = api
+    r = await client.get("/api/v1/bmcs", headers=tokens.header("admin"))
+    assert r.status == 503
+    assert "not running" in (await r.json(content_type=None))["detail"]
