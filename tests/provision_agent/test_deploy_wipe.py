@@ -1,0 +1,225 @@
+"""The agent's deploy and wipe modes run on the host under busybox sh, against a stand-in for
+metald's agent API on 127.0.0.1, with loop devices as the disks."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+
+import pytest
+
+from metald.provision.metadata import nocloud
+from tests.provision_agent.conftest import (
+    MIB,
+    cloud_image,
+    debugfs_cat,
+    needs_root_and_busybox,
+    run_agent,
+)
+from tests.provision_agent.server import AgentApi
+
+pytestmark = needs_root_and_busybox
+
+SEED = "/var/lib/cloud/seed/nocloud"
+
+
+def provision(port: int, image: bytes, *, path: str = "/image", **over: object) -> dict:
+    files = nocloud(
+        machine_id="m1",
+        name="nœud-1",  # non-ASCII: json.dumps writes \u escapes the agent must decode
+        pxe_mac="52:54:00:00:00:01",
+        ssh_authorized_keys=['ssh-ed25519 AAAAC3Nz "quoted" comment\\with\\backslashes'],
+        join_token="tok-123",
+    )
+    img = {
+        "id": "img1",
+        "kind": "disk",
+        "url": f"http://127.0.0.1:{port}{path}",
+        "sha256": hashlib.sha256(image).hexdigest(),
+        "format": "raw",
+        "size_bytes": len(image),
+        **over,
+    }
+    return {"action": "provision", "machine_id": "m1", "image": img, "nocloud": files}
+
+
+@pytest.mark.parametrize("compressed", [False, True], ids=["raw", "gzip"])
+async def test_deploy_writes_verifies_and_seeds(
+    tmp_path, busybox_bin, aiohttp_server, loops, compressed
+):
+    image = cloud_image(tmp_path)
+    api = AgentApi(image=gzip.compress(image) if compressed else image)
+    server = await aiohttp_server(api.app())
+    api.provision = provision(server.port, image, path="/image.gz" if compressed else "/image")
+    disk = tmp_path / "disk.img"
+    disk.write_bytes(os.urandom(8 * MIB))  # old data everywhere, a larger disk than the image
+    dev = loops.attach(disk)
+    # the root partition as its own device: this kernel does not scan loop partitions
+    part = loops.attach(disk, "-o", str(MIB), "--sizelimit", str(4 * MIB))
+
+    rc, log = await run_agent(
+        tmp_path,
+        busybox_bin,
+        server.port,
+        "deploy",
+        METALD_DISKS=dev,
+        METALD_PARTITIONS=part,
+        METALD_CHUNK_MB="1",
+        METALD_PROGRESS_S="0",
+    )
+    assert rc == 0, log
+    assert "dry run: would reboot" in log
+    writes = [p for p in api.progress if p["phase"] == "write"]
+    sizes = [p["bytes"] for p in writes]
+    # one report per 1 MiB chunk, growing; the last one (the exact total) may repeat the 6th
+    assert sizes == sorted(sizes) and len(set(sizes)) >= 6, api.progress
+    assert sizes[-1] == len(image)
+    assert writes[-1]["percent"] == 100
+    assert all(p["rate_bps"] > 0 for p in writes)
+    assert [p["phase"] for p in api.progress[-3:]] == ["verify", "verify", "deploy"]
+    assert api.progress[-1] == {"phase": "deploy", "done": True}
+    assert not any("error" in p for p in api.progress)
+
+    loops.detach_all()
+    data = disk.read_bytes()
+    # outside the root file system (which now holds the seed) the disk is the image
+    assert data[:MIB] == image[:MIB]
+    assert data[5 * MIB : 6 * MIB] == image[5 * MIB :]
+    # the old disk's last MiB (where a stale backup GPT would sit) is zeroed
+    assert data[-MIB:] == bytes(MIB)
+    for name in ("meta-data", "user-data", "network-config"):
+        got = debugfs_cat(disk, MIB, 4 * MIB, f"{SEED}/{name}")
+        assert got.decode() == api.provision["nocloud"][name]
+    meta = json.loads(debugfs_cat(disk, MIB, 4 * MIB, f"{SEED}/meta-data"))
+    assert meta["local-hostname"] == "nœud-1"
+
+
+async def test_deploy_with_a_wrong_sha256_reports_an_error_and_stops(
+    tmp_path, busybox_bin, aiohttp_server, loops
+):
+    image = cloud_image(tmp_path)
+    api = AgentApi(image=image)
+    server = await aiohttp_server(api.app())
+    api.provision = provision(server.port, image, sha256="ab" * 32)
+    disk = tmp_path / "disk.img"
+    disk.write_bytes(bytes(8 * MIB))
+    rc, log = await run_agent(
+        tmp_path, busybox_bin, server.port, "deploy", METALD_DISKS=loops.attach(disk)
+    )
+    errors = [p for p in api.progress if "error" in p]
+    assert len(errors) == 1, api.progress
+    assert errors[0]["phase"] == "verify"
+    assert "ab" * 32 in errors[0]["error"]
+    assert hashlib.sha256(image).hexdigest() in errors[0]["error"]
+    assert not any(p.get("done") for p in api.progress)
+    # no reboot into a bad disk: the agent asks metald what next instead
+    assert "would reboot" not in log
+    assert api.next_calls >= 1
+
+
+async def test_deploy_to_a_disk_that_refuses_writes_reports_an_error(
+    tmp_path, busybox_bin, aiohttp_server, loops
+):
+    image = cloud_image(tmp_path)
+    api = AgentApi(image=image)
+    server = await aiohttp_server(api.app())
+    api.provision = provision(server.port, image)
+    disk = tmp_path / "disk.img"
+    disk.write_bytes(bytes(8 * MIB))
+    dev = loops.attach(disk, "-r")
+    rc, log = await run_agent(tmp_path, busybox_bin, server.port, "deploy", METALD_DISKS=dev)
+    errors = [p for p in api.progress if "error" in p]
+    assert len(errors) == 1, (api.progress, log)
+    assert dev in errors[0]["error"]
+    assert not any(p.get("done") for p in api.progress)
+    assert "would reboot" not in log
+
+
+async def test_a_broken_download_is_reported(tmp_path, busybox_bin, aiohttp_server, loops):
+    image = cloud_image(tmp_path)
+    api = AgentApi(image=image, cut_after=3 * MIB)
+    server = await aiohttp_server(api.app())
+    api.provision = provision(server.port, image)
+    disk = tmp_path / "disk.img"
+    disk.write_bytes(bytes(8 * MIB))
+    rc, log = await run_agent(
+        tmp_path, busybox_bin, server.port, "deploy", METALD_DISKS=loops.attach(disk)
+    )
+    errors = [p for p in api.progress if "error" in p]
+    assert len(errors) == 1, (api.progress, log)
+    assert errors[0]["phase"] == "write"
+    assert not any(p.get("done") for p in api.progress)
+
+
+async def test_qcow2_is_refused_with_a_clear_error(tmp_path, busybox_bin, aiohttp_server, loops):
+    api = AgentApi()
+    server = await aiohttp_server(api.app())
+    api.provision = provision(server.port, b"x", format="qcow2")
+    disk = tmp_path / "disk.img"
+    old = os.urandom(4 * MIB)
+    disk.write_bytes(old)
+    rc, log = await run_agent(
+        tmp_path, busybox_bin, server.port, "deploy", METALD_DISKS=loops.attach(disk)
+    )
+    assert len(api.progress) == 1, api.progress
+    assert "qcow2" in api.progress[0]["error"] and "raw" in api.progress[0]["error"]
+    loops.detach_all()
+    assert disk.read_bytes() == old  # refused before touching the disk
+
+
+async def test_an_image_without_a_seed_place_is_reported(
+    tmp_path, busybox_bin, aiohttp_server, loops
+):
+    image = os.urandom(2 * MIB)  # no partition table, no file system
+    api = AgentApi(image=image)
+    server = await aiohttp_server(api.app())
+    api.provision = provision(server.port, image)
+    disk = tmp_path / "disk.img"
+    disk.write_bytes(bytes(4 * MIB))
+    rc, log = await run_agent(
+        tmp_path, busybox_bin, server.port, "deploy", METALD_DISKS=loops.attach(disk)
+    )
+    phases = [p["phase"] for p in api.progress]
+    assert "verify" in phases  # the image itself was written and verified
+    assert api.progress[-1]["phase"] == "metadata"
+    assert "cidata" in api.progress[-1]["error"]
+
+
+async def test_wipe_zeroes_and_verifies_the_ends_of_every_disk(
+    tmp_path, busybox_bin, aiohttp_server, loops
+):
+    api = AgentApi()
+    server = await aiohttp_server(api.app())
+    files = [tmp_path / "a.img", tmp_path / "b.img"]
+    files[0].write_bytes(os.urandom(8 * MIB))
+    files[1].write_bytes(os.urandom(3 * MIB + 512))  # not a whole number of MiB
+    devs = [loops.attach(f) for f in files]
+    rc, log = await run_agent(
+        tmp_path, busybox_bin, server.port, "wipe", METALD_DISKS=" ".join(devs)
+    )
+    assert rc == 0, log
+    assert "dry run: would poweroff" in log
+    assert [p.get("percent") for p in api.progress[:2]] == [50, 100]
+    assert api.progress[-1] == {"phase": "wipe", "done": True}
+    loops.detach_all()
+    for f in files:
+        data = f.read_bytes()
+        assert data[:MIB] == bytes(MIB), f
+        assert data[-MIB:] == bytes(MIB), f
+
+
+async def test_a_failed_wipe_is_reported_and_never_done(
+    tmp_path, busybox_bin, aiohttp_server, loops
+):
+    api = AgentApi()
+    server = await aiohttp_server(api.app())
+    disk = tmp_path / "a.img"
+    disk.write_bytes(os.urandom(4 * MIB))
+    dev = loops.attach(disk, "-r")
+    rc, log = await run_agent(tmp_path, busybox_bin, server.port, "wipe", METALD_DISKS=dev)
+    assert len(api.progress) == 1, (api.progress, log)
+    assert api.progress[0]["phase"] == "wipe" and dev in api.progress[0]["error"]
+    # a machine that could not be wiped is still powered off (metald holds it in wipe-failed)
+    assert "dry run: would poweroff" in log
