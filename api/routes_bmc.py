@@ -78,7 +78,8 @@ class PowerRequest(In):
 
 
 class PowerOut(BaseModel):
-    machine_id: str
+    #: None while the BMC is not linked to a machine yet.
+    machine_id: str | None
     bmc_id: str
     action: str | None = None
     power_state: str
@@ -217,6 +218,39 @@ async def remove_bmc(req: ApiRequest) -> None:
     """Forget the BMC and its stored credentials."""
     await _bmc(req).remove(req.params["bmc_id"], actor=req.actor)
     req.ctx.bus.notify()
+
+
+@router.route(
+    "GET",
+    "/api/v1/bmcs/{bmc_id}/power",
+    summary="Read a BMC host's power state",
+    roles=STAFF,
+    response=PowerOut,
+    tag=TAG,
+    errors=(404, 502, 503),
+)
+async def bmc_power_status(req: ApiRequest) -> PowerOut:
+    """Asks the BMC now; works before the host has enrolled as a machine."""
+    return PowerOut.model_validate(await _bmc(req).power_bmc(req.params["bmc_id"], "status"))
+
+
+@router.route(
+    "POST",
+    "/api/v1/bmcs/{bmc_id}/power",
+    summary="Power a BMC's host",
+    roles=STAFF,
+    body=PowerRequest,
+    response=PowerOut,
+    tag=TAG,
+    errors=(404, 422, 502, 503),
+)
+async def bmc_power_action(req: ApiRequest) -> PowerOut:
+    """Zero-touch: power on racks whose machines are not enrolled yet; they PXE-boot, enroll
+    themselves, and the BMC is linked to its machine by system UUID, serial or MAC."""
+    b: PowerRequest = req.body
+    out = await _bmc(req).power_bmc(req.params["bmc_id"], b.action, actor=req.actor)
+    req.ctx.bus.notify()
+    return PowerOut.model_validate(out)
 
 
 # ---- what a BMC does for a machine -------------------------------------------------------------

@@ -104,7 +104,7 @@ def run_rack(workdir: Path) -> tuple[Ctl, Callable[[], None], dict[str, float]]:
         workdir,
         machines=3,
         uefi=1,
-        extra_config='[[enroll.rules]]\nmatch = { vendor = "QEMU*" }\nlabels = { pool = "demo" }\n',
+        extra_config='[[enroll.rules]]\nmatch = { vendor = "vm-lab" }\nlabels = { pool = "demo" }\n',
     )
     timings["rack up + metald started"] = time.monotonic() - t
     print(
@@ -121,7 +121,8 @@ def run_rack(workdir: Path) -> tuple[Ctl, Callable[[], None], dict[str, float]]:
     for i, m in enumerate(rack.machines):
         proto = ["ipmi", "redfish", "auto"][i]
         b = m["bmc"]
-        args = ["bmcs", "register", b["address"], "--protocol", proto, "--username", b["username"]]
+        address = f"http://{b['address']}" if proto == "redfish" else b["address"]
+        args = ["bmcs", "register", address, "--protocol", proto, "--username", b["username"]]
         if proto != "auto":
             args += ["--port", str(b["ipmi_port"] if proto == "ipmi" else b["redfish_port"])]
         out = show(ctl, *args, env={"BMC_PASSWORD": b["password"]})

@@ -99,10 +99,12 @@ class LabRack:
         out = {}
         for i, m in enumerate(self.machines):
             b, proto = m["bmc"], protocols[i % len(protocols)]
+            # The lab's Redfish service is plain HTTP (metald assumes https for a bare address).
+            address = f"http://{b['address']}" if proto == "redfish" else b["address"]
             args = [
                 "bmcs",
                 "register",
-                b["address"],
+                address,
                 "--protocol",
                 proto,
                 "--username",

@@ -291,7 +291,7 @@ class IpmiDriver(BmcDriver):
             return SystemIdentity()
         # BMCs disagree on the GUID's byte order (the spec says least significant byte first,
         # SMBIOS mixes orders): keep every reading so linking finds the machine whichever it is.
-        full, mixed, raw = _guid_readings(guid)
+        full, mixed, raw = guid_readings(guid)
         return SystemIdentity(system_uuid=full, extra={"uuid_candidates": [mixed, raw]})
 
     async def get_power(self) -> PowerState:
@@ -368,7 +368,7 @@ async def _in_pyghmi_thread(fn: Any) -> Any:
     return await asyncio.get_running_loop().run_in_executor(_PYGHMI_THREAD, fn)
 
 
-def _guid_readings(guid: bytes) -> tuple[str, str, str]:
+def guid_readings(guid: bytes) -> tuple[str, str, str]:
     """The GUID read as fully reversed (IPMI spec), SMBIOS mixed-endian, and as sent."""
     import uuid
 

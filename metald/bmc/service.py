@@ -30,7 +30,7 @@ from metald.bmc.base import (
     PowerState,
     SystemIdentity,
 )
-from metald.bmc.ipmi import IpmiDriver
+from metald.bmc.ipmi import IpmiDriver, guid_readings
 from metald.bmc.redfish import RedfishDriver
 from metald.bmc.scheduler import BmcScheduler, Health
 from metald.config import BmcConfig
@@ -321,11 +321,7 @@ class BmcService:
             macs = set(s.exec(select(Nic.mac).where(Nic.machine_id == machine_id)).all())
             for row in s.exec(select(Bmc).where(Bmc.machine_id.is_(None))).all():  # type: ignore[union-attr]
                 if (
-                    (
-                        m.system_uuid
-                        and row.system_uuid
-                        and m.system_uuid.lower() == row.system_uuid.lower()
-                    )
+                    (m.system_uuid and m.system_uuid.lower() in _uuid_variants(row.system_uuid))
                     or (m.serial and row.serial == m.serial)
                     or macs & set(row.macs)
                 ):
@@ -392,6 +388,17 @@ class BmcService:
     async def power(self, machine_id: str, action: str, actor: str = "system") -> dict[str, Any]:
         """Run a power action (on, off, cycle, soft-off) or ``status``; returns the state."""
         row = await self._row_for_machine(machine_id)
+        return await self._power(row, machine_id, action, actor)
+
+    async def power_bmc(self, bmc_id: str, action: str, actor: str = "system") -> dict[str, Any]:
+        """The same through the BMC itself: powers on hosts that have not enrolled yet (their
+        machine appears when they PXE-boot, and the BMC is then linked by identity)."""
+        row = await self.store.run(_get_bmc, bmc_id)
+        return await self._power(row, row.machine_id, action, actor)
+
+    async def _power(
+        self, row: Bmc, machine_id: str | None, action: str, actor: str
+    ) -> dict[str, Any]:
         if action == "status":
             state = await self._command(row, "get_power", lambda d: d.get_power())
             await self._record_power(row, state.value, drift_check=False)
@@ -601,6 +608,18 @@ def _get_bmc(s: Session, bmc_id: str) -> Bmc:
     if row is None:
         raise NotFound(f"no BMC with id {bmc_id!r}")
     return row
+
+
+def _uuid_variants(stored: str | None) -> set[str]:
+    """Every reading of a stored BMC UUID: IPMI GUIDs come in three byte orders (see
+    ipmi.guid_readings), and only one was stored at registration."""
+    if not stored:
+        return set()
+    try:
+        guid = bytes(reversed(uuid.UUID(stored).bytes))
+    except ValueError:
+        return {stored.lower()}
+    return {stored.lower(), *(u.lower() for u in guid_readings(guid))}
 
 
 def _match_machine(s: Session, row: Bmc, uuid_candidates: list[str]) -> tuple[str | None, str]:

@@ -35,7 +35,7 @@ def rack(tmp_path: Path):  # type: ignore[no-untyped-def]
         tmp_path,
         machines=3,
         uefi=1,
-        extra_config='[[enroll.rules]]\nmatch = { vendor = "QEMU*" }\nlabels = { pool = "lab" }\n',
+        extra_config='[[enroll.rules]]\nmatch = { vendor = "vm-lab" }\nlabels = { pool = "lab" }\n',
     )
     try:
         yield r

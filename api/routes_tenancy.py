@@ -1,0 +1,205 @@
+"""Tenant clusters: WireGuard hubs, one-time join tokens, and the node's join call."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from sqlmodel import Session
+
+from api.routing import STAFF, ApiRequest, Router
+from metald.auth import Role
+from metald.errors import NotFound
+from metald.machines import get_machine
+from metald.store.models import Tenant
+from metald.tenants import service
+
+router = Router()
+ADMIN = frozenset({Role.ADMIN})
+FLEET_AND_TENANTS = STAFF | {Role.ORCHESTRATOR}
+
+Key = Annotated[str, StringConstraints(min_length=1, max_length=64)]
+
+
+class In(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class HubCreate(In):
+    #: Underlay address (or DNS name) nodes dial; the hub listens on listen_port there.
+    endpoint_host: Annotated[str, StringConstraints(min_length=1, max_length=253)]
+    listen_port: int = Field(default=service.DEFAULT_LISTEN_PORT, ge=1, le=65535)
+
+
+class PeerOut(BaseModel):
+    machine_id: str
+    address: str
+    public_key: str
+    last_handshake_at: datetime | None
+
+
+class HubOut(BaseModel):
+    tenant_id: str
+    cluster_kind: str
+    ifname: str
+    public_key: str
+    endpoint: str
+    listen_port: int
+    address: str
+    overlay_prefix: str
+    peers: list[PeerOut]
+
+
+class JoinTokenCreate(In):
+    ttl_seconds: int = Field(default=1800, ge=60, le=86400)
+
+
+class JoinTokenCreated(BaseModel):
+    machine_id: str
+    token: str
+    expires_at: datetime
+
+
+class JoinRequest(In):
+    token: Annotated[str, StringConstraints(min_length=1, max_length=200)]
+    public_key: Key
+
+
+class HubInfo(BaseModel):
+    endpoint: str
+    public_key: str
+    address: str
+
+
+class JoinResponse(BaseModel):
+    overlay_address: str
+    hub: HubInfo
+    allowed_ips: list[str]
+    persistent_keepalive: int
+    cluster: dict[str, Any]
+
+
+def _hub_out(s: Session, tenant: Tenant) -> HubOut:
+    hub = service.get_hub(s, tenant.id)
+    return HubOut(
+        tenant_id=tenant.id,
+        cluster_kind=tenant.cluster_kind,
+        ifname=hub.ifname,
+        public_key=hub.public_key,
+        endpoint=hub.endpoint,
+        listen_port=hub.listen_port,
+        address=hub.address,
+        overlay_prefix=tenant.overlay_prefix or "",
+        peers=[PeerOut.model_validate(p.model_dump()) for p in service.peers(s, tenant.id)],
+    )
+
+
+def _tenant(s: Session, req: ApiRequest) -> Tenant:
+    t = s.get(Tenant, req.params["id"])
+    if t is None or not req.require_principal().can_see_tenant(t.id):
+        raise NotFound(f"no tenant with id {req.params['id']!r}")
+    return t
+
+
+@router.route(
+    "POST",
+    "/api/v1/tenants/{id}/hub",
+    summary="Create a tenant's hub",
+    roles=ADMIN,
+    body=HubCreate,
+    response=HubOut,
+    status=201,
+    tag="tenants",
+    errors=(404, 409, 422),
+)
+async def create_hub(req: ApiRequest) -> HubOut:
+    """Give the tenant its WireGuard hub (key pair, overlay prefix no other tenant overlaps,
+    listen endpoint) and its scheduler secrets (munge key, or a Kubernetes CA), encrypted."""
+    b: HubCreate = req.body
+
+    def run(s: Session) -> HubOut:
+        t = _tenant(s, req)
+        service.setup_hub(
+            s, req.ctx.secrets, t.id, endpoint_host=b.endpoint_host, listen_port=b.listen_port
+        )
+        return _hub_out(s, t)
+
+    return await req.ctx.store.run(run)
+
+
+@router.route(
+    "GET",
+    "/api/v1/tenants/{id}/hub",
+    summary="Show a tenant's hub",
+    roles=FLEET_AND_TENANTS,
+    response=HubOut,
+    tag="tenants",
+    errors=(404,),
+)
+async def show_hub(req: ApiRequest) -> HubOut:
+    """The hub's public key, endpoint, overlay prefix and peers (never a private key)."""
+
+    def run(s: Session) -> HubOut:
+        return _hub_out(s, _tenant(s, req))
+
+    return await req.ctx.store.run(run)
+
+
+@router.route(
+    "POST",
+    "/api/v1/machines/{id}/join-token",
+    summary="Issue a join token",
+    roles=FLEET_AND_TENANTS,
+    body=JoinTokenCreate,
+    response=JoinTokenCreated,
+    status=201,
+    tag="tenants",
+    errors=(404, 409),
+)
+async def create_join_token(req: ApiRequest) -> JoinTokenCreated:
+    """A one-time, short-lived token for the machine's first-boot metadata. The secret is in
+    this response and nowhere else."""
+    b: JoinTokenCreate = req.body
+    p = req.require_principal()
+
+    def run(s: Session) -> JoinTokenCreated:
+        m = get_machine(s, req.params["id"])
+        if not p.can_see_machine(m.id, m.tenant_id):
+            raise NotFound(f"no machine with id {req.params['id']!r}")
+        secret, expires = service.issue_join_token(
+            s,
+            m.id,
+            actor=req.actor,
+            ttl=timedelta(seconds=b.ttl_seconds),
+            instance=req.ctx.instance,
+        )
+        return JoinTokenCreated(machine_id=m.id, token=secret, expires_at=expires)
+
+    return await req.ctx.store.run(run)
+
+
+@router.route(
+    "POST",
+    "/api/v1/join",
+    summary="Join a tenant's cluster",
+    roles=None,
+    body=JoinRequest,
+    response=JoinResponse,
+    tag="tenants",
+    errors=(401, 409, 422),
+)
+async def join(req: ApiRequest) -> JoinResponse:
+    """Called by a node on first boot with its one-time join token (no bearer token) and the
+    WireGuard public key it generated. Returns its overlay address, the hub's endpoint and
+    public key, allowed IPs, keepalive and the cluster's join material; the token is burned."""
+    b: JoinRequest = req.body
+    result = await req.ctx.store.run(
+        service.join, req.ctx.secrets, b.token, b.public_key, instance=req.ctx.instance
+    )
+    hubs = req.ctx.services.get("tenant_hubs")
+    if hubs is not None:  # else the stored peer is applied when the hub is (re)started
+        if result.replaced_public_key:
+            hubs.remove_peer(result.hub.tenant_id, result.replaced_public_key)
+        hubs.add_peer(result.hub.tenant_id, result.peer.public_key, result.peer.address)
+    return JoinResponse.model_validate(result.response())
