@@ -221,3 +221,58 @@ class Meta(SQLModel, table=True):
 
     key: str = Field(primary_key=True)
     value: str
+
+
+class WgHub(SQLModel, table=True):
+    """A tenant's WireGuard hub: the one end every node of that tenant tunnels to."""
+
+    __tablename__ = "wg_hubs"
+
+    id: str = Field(default_factory=new_id, primary_key=True)
+    tenant_id: str = Field(foreign_key="tenants.id", unique=True)
+    #: Interface name, unique host-wide (wireguard-go control sockets are global).
+    ifname: str = Field(unique=True)
+    public_key: str
+    #: Encrypted with the secrets key; never returned or logged.
+    private_key_enc: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+    #: host:port nodes dial (the hub's underlay address).
+    endpoint: str
+    listen_port: int
+    #: The hub's own overlay address (first host of the tenant's overlay prefix).
+    address: str
+    created_at: datetime = _ts()
+
+
+class WgPeer(SQLModel, table=True):
+    """A node on a tenant's hub. (tenant, address) is unique: no address is held twice."""
+
+    __tablename__ = "wg_peers"
+
+    id: str = Field(default_factory=new_id, primary_key=True)
+    tenant_id: str = Field(foreign_key="tenants.id", index=True)
+    machine_id: str = Field(foreign_key="machines.id", unique=True)
+    public_key: str = Field(unique=True)
+    address: str
+    last_handshake_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    created_at: datetime = _ts()
+
+    __table_args__ = (UniqueConstraint("tenant_id", "address", name="uq_wg_peers_tenant_address"),)
+
+
+class JoinToken(SQLModel, table=True):
+    """A one-time, short-lived token a node presents to join its tenant's cluster.
+
+    Only the sha256 of the secret is stored; ``used_at`` is set by a compare-and-swap UPDATE.
+    """
+
+    __tablename__ = "join_tokens"
+
+    id: str = Field(default_factory=new_id, primary_key=True)
+    token_hash: str = Field(unique=True)
+    machine_id: str = Field(foreign_key="machines.id", index=True)
+    tenant_id: str = Field(foreign_key="tenants.id", index=True)
+    expires_at: datetime = Field(sa_type=DateTime(timezone=True))
+    used_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    revoked_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    created_by: str | None = None
+    created_at: datetime = _ts()

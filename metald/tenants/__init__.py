@@ -1,0 +1,1 @@
+"""Tenant clusters: WireGuard hubs, overlay addresses, one-time joins, scheduler join material."""

@@ -1,0 +1,59 @@
+"""Running hubs: the thin I/O shell between stored hubs/peers and netconfig's devices.
+
+``LocalHubs`` runs each tenant's hub in its own network namespace on this host (wireguard-go;
+kernel WireGuard is not wired yet). The API calls ``add_peer``/``remove_peer`` after the
+database commit, so the store stays the record and ``start`` can rebuild a hub from it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from datetime import datetime
+from typing import Protocol
+
+from netconfig.uapi import PeerConfig
+from netconfig.wireguard import Hub
+
+
+class HubRuntime(Protocol):
+    def add_peer(self, tenant_id: str, public_key: str, address: str) -> None: ...
+    def remove_peer(self, tenant_id: str, public_key: str) -> None: ...
+    def handshakes(self, tenant_id: str) -> dict[str, datetime | None]: ...
+
+
+class LocalHubs:
+    def __init__(self) -> None:
+        self._hubs: dict[str, Hub] = {}
+
+    def start(
+        self,
+        *,
+        tenant_id: str,
+        ns: str,
+        ifname: str,
+        address: str,
+        prefix: str,
+        listen_port: int,
+        private_key: str,
+        peers: list[tuple[str, str]] = (),  # type: ignore[assignment]
+    ) -> Hub:
+        """Bring the hub up with its stored peers ((public key, overlay address) pairs)."""
+        plen = ipaddress.ip_network(prefix).prefixlen
+        hub = Hub(ns, ifname, f"{address}/{plen}", listen_port)
+        hub.up(private_key, [PeerConfig(k, [f"{a}/32"]) for k, a in peers])
+        self._hubs[tenant_id] = hub
+        return hub
+
+    def add_peer(self, tenant_id: str, public_key: str, address: str) -> None:
+        self._hubs[tenant_id].add_peer(public_key, address)
+
+    def remove_peer(self, tenant_id: str, public_key: str) -> None:
+        self._hubs[tenant_id].remove_peer(public_key)
+
+    def handshakes(self, tenant_id: str) -> dict[str, datetime | None]:
+        return {p.public_key: p.last_handshake for p in self._hubs[tenant_id].peers()}
+
+    def stop(self) -> None:
+        for hub in self._hubs.values():
+            hub.down()
+        self._hubs.clear()

@@ -1,0 +1,50 @@
+"""Overlay address management. Pure: callers pass what is taken, the database's unique
+constraints (tenant overlay prefix; tenant + peer address) settle any race.
+
+Each tenant gets one prefix (default a /24) carved from a supernet (default 100.64.0.0/10,
+RFC 6598 shared space). In a tenant's prefix the hub takes the first host; nodes take the next
+free host, and an address is never handed out while a peer holds it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+
+DEFAULT_SUPERNET = "100.64.0.0/10"
+DEFAULT_PREFIXLEN = 24
+
+
+class IpamExhausted(Exception):
+    pass
+
+
+def allocate_prefix(
+    taken: Iterable[str],
+    *,
+    supernet: str = DEFAULT_SUPERNET,
+    prefixlen: int = DEFAULT_PREFIXLEN,
+) -> str:
+    """The first ``/prefixlen`` of ``supernet`` that overlaps none of ``taken``."""
+    net = ipaddress.ip_network(supernet)
+    used = [ipaddress.ip_network(t) for t in taken]
+    for candidate in net.subnets(new_prefix=prefixlen):
+        if not any(candidate.overlaps(u) for u in used):
+            return str(candidate)
+    raise IpamExhausted(f"no free /{prefixlen} left in {supernet}")
+
+
+def hub_address(prefix: str) -> str:
+    """The hub's overlay address: the first host of the tenant's prefix."""
+    return str(next(ipaddress.ip_network(prefix).hosts()))
+
+
+def allocate_address(prefix: str, taken: Iterable[str]) -> str:
+    """The first host of ``prefix`` that is neither the hub's nor in ``taken``."""
+    net = ipaddress.ip_network(prefix)
+    used = {ipaddress.ip_address(a) for a in taken}
+    used.add(ipaddress.ip_address(hub_address(prefix)))
+    for host in net.hosts():
+        if host not in used:
+            return str(host)
+    raise IpamExhausted(f"no free address left in {prefix}")

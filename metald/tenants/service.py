@@ -1,0 +1,342 @@
+"""Tenant clusters over the store: hubs, join tokens, joins and releases.
+
+Database work only; each function works in the caller's session and says whether it commits.
+Bringing hubs and peers up on the host is netconfig's job (see ``metald.tenants.hubs``): a join
+commits first, then the caller applies the peer to the running hub.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session, col, select
+
+from metald import machines
+from metald.errors import Conflict, NotFound, Unprocessable
+from metald.lifecycle import State, Trigger
+from metald.provision.metadata import hostname
+from metald.secrets import SecretBox
+from metald.store.models import Machine, Tenant, WgHub, WgPeer
+from metald.tenants import ipam, keys, kubernetes, slurm, tokens
+
+DEFAULT_LISTEN_PORT = 51820
+PERSISTENT_KEEPALIVE = 25
+#: Machines in these states may be handed a join token (they belong to a tenant).
+JOINABLE = {State.CLAIMED, State.PROVISIONING, State.PROVISIONED, State.JOINING, State.JOIN_FAILED}
+
+
+@dataclass
+class JoinResult:
+    peer: WgPeer
+    hub: WgHub
+    prefix: str
+    material: dict[str, Any]
+    #: The machine's previous key, if it joined before: remove it from the hub.
+    replaced_public_key: str | None = None
+
+    def response(self) -> dict[str, Any]:
+        """What the node receives: everything it needs, no secret of anyone else's but the
+        scheduler's shared join material."""
+        plen = self.prefix.split("/")[1]
+        return {
+            "overlay_address": f"{self.peer.address}/{plen}",
+            "hub": {
+                "endpoint": self.hub.endpoint,
+                "public_key": self.hub.public_key,
+                "address": self.hub.address,
+            },
+            "allowed_ips": [self.prefix],
+            "persistent_keepalive": PERSISTENT_KEEPALIVE,
+            "cluster": self.material,
+        }
+
+
+def hub_ifname(tenant_id: str) -> str:
+    """Unique host-wide (wireguard-go's control sockets are global), at most 15 characters."""
+    return "mh" + tenant_id.replace("-", "")[:12]
+
+
+def load_secrets(box: SecretBox, tenant: Tenant) -> dict[str, str]:
+    return json.loads(box.decrypt(tenant.secrets_enc)) if tenant.secrets_enc else {}
+
+
+def _scheduler_secrets(tenant: Tenant) -> dict[str, str]:
+    if tenant.cluster_kind == "slurm":
+        return {"munge_key": base64.b64encode(slurm.generate_munge_key()).decode()}
+    if tenant.cluster_kind == "kubernetes":
+        cert, key = kubernetes.generate_ca(f"{tenant.name}-kubernetes-ca")
+        return {"ca_cert": cert, "ca_key": key}
+    raise Unprocessable(f"unknown cluster kind {tenant.cluster_kind!r}")
+
+
+def setup_hub(
+    session: Session,
+    box: SecretBox,
+    tenant_id: str,
+    *,
+    endpoint_host: str,
+    listen_port: int = DEFAULT_LISTEN_PORT,
+    supernet: str = ipam.DEFAULT_SUPERNET,
+    prefixlen: int = ipam.DEFAULT_PREFIXLEN,
+    commit: bool = True,
+) -> WgHub:
+    """Give a tenant its hub (keys, overlay prefix, endpoint) and scheduler secrets."""
+    tenant = session.get(Tenant, tenant_id)
+    if tenant is None:
+        raise NotFound(f"no tenant with id {tenant_id!r}")
+    if session.exec(select(WgHub).where(WgHub.tenant_id == tenant_id)).first():
+        raise Conflict(f"tenant {tenant.name!r} already has a hub")
+    taken = [p for p in session.exec(select(Tenant.overlay_prefix)) if p]
+    tenant.overlay_prefix = ipam.allocate_prefix(taken, supernet=supernet, prefixlen=prefixlen)
+    stored = load_secrets(box, tenant)
+    stored.update({k: v for k, v in _scheduler_secrets(tenant).items() if k not in stored})
+    tenant.secrets_enc = box.encrypt(json.dumps(stored))
+    private = keys.generate_private_key()
+    hub = WgHub(
+        tenant_id=tenant_id,
+        ifname=hub_ifname(tenant_id),
+        public_key=keys.public_key(private),
+        private_key_enc=box.encrypt(private),
+        endpoint=f"{endpoint_host}:{listen_port}",
+        listen_port=listen_port,
+        address=ipam.hub_address(tenant.overlay_prefix),
+    )
+    session.add(tenant)
+    session.add(hub)
+    if commit:
+        try:
+            session.commit()
+        except IntegrityError:  # another tenant took the same prefix at the same moment
+            session.rollback()
+            raise Conflict("another hub was created at the same moment; try again") from None
+    return hub
+
+
+def create_tenant(
+    session: Session,
+    box: SecretBox,
+    *,
+    name: str,
+    cluster_kind: str,
+    control_plane: str | None = None,
+    endpoint_host: str,
+    listen_port: int = DEFAULT_LISTEN_PORT,
+    supernet: str = ipam.DEFAULT_SUPERNET,
+) -> tuple[Tenant, WgHub]:
+    tenant = Tenant(name=name, cluster_kind=cluster_kind, control_plane=control_plane)
+    session.add(tenant)
+    session.flush()
+    hub = setup_hub(
+        session,
+        box,
+        tenant.id,
+        endpoint_host=endpoint_host,
+        listen_port=listen_port,
+        supernet=supernet,
+    )
+    return tenant, hub
+
+
+def hub_private_key(box: SecretBox, hub: WgHub) -> str:
+    return box.decrypt(hub.private_key_enc)
+
+
+def get_hub(session: Session, tenant_id: str) -> WgHub:
+    hub = session.exec(select(WgHub).where(WgHub.tenant_id == tenant_id)).first()
+    if hub is None:
+        raise NotFound("this tenant has no WireGuard hub yet")
+    return hub
+
+
+def issue_join_token(
+    session: Session,
+    machine_id: str,
+    *,
+    actor: str,
+    ttl: timedelta = tokens.DEFAULT_TTL,
+    instance: str | None = None,
+) -> tuple[str, datetime]:
+    """A one-time token for the machine's first boot; returns (secret, expiry). Commits."""
+    m = machines.get_machine(session, machine_id)
+    if m.tenant_id is None or State(m.state) not in JOINABLE:
+        raise Conflict(
+            f"machine {m.id} is {m.state} and belongs to no tenant's cluster; "
+            "only a claimed machine can be given a join token"
+        )
+    get_hub_or_conflict(session, m.tenant_id)
+    row, secret = tokens.issue(
+        session, machine_id=m.id, tenant_id=m.tenant_id, ttl=ttl, created_by=actor
+    )
+    machines.add_event(
+        session,
+        "tenant.join_token.issued",
+        actor,
+        machine_id=m.id,
+        tenant_id=m.tenant_id,
+        data={"token_id": row.id, "expires_at": row.expires_at.isoformat()},
+        instance=instance,
+    )
+    session.commit()
+    return secret, row.expires_at
+
+
+def get_hub_or_conflict(session: Session, tenant_id: str) -> WgHub:
+    hub = session.exec(select(WgHub).where(WgHub.tenant_id == tenant_id)).first()
+    if hub is None:
+        raise Conflict("the machine's tenant has no WireGuard hub; create it first")
+    return hub
+
+
+def _material(
+    box: SecretBox, tenant: Tenant, hub: WgHub, m: Machine, address: str
+) -> dict[str, Any]:
+    stored = load_secrets(box, tenant)
+    name = hostname(m.id, m.name)
+    if tenant.cluster_kind == "slurm":
+        features = [m.gpu_model] if m.gpu_model else []
+        features += [f"{k}_{v}" for k, v in sorted(m.labels.items())]
+        return slurm.join_material(
+            hub_address=hub.address,
+            munge_key=base64.b64decode(stored["munge_key"]),
+            node_name=name,
+            gpu_count=m.gpu_count,
+            gpu_type=None,
+            features=features,
+        )
+    return kubernetes.join_material(
+        control_plane=tenant.control_plane or hub.address,
+        ca_cert_pem=stored["ca_cert"],
+        node_name=name,
+        node_ip=address,
+        labels=dict(m.labels),
+    )
+
+
+def join(
+    session: Session,
+    box: SecretBox,
+    secret: str,
+    public_key: str,
+    *,
+    now: datetime | None = None,
+    instance: str | None = None,
+) -> JoinResult:
+    """Burn the token, record the peer, and build the node's join material. Commits once."""
+    try:
+        public_key = keys.validate_public_key(public_key)
+    except (keys.BadKey, ValueError) as e:
+        raise Unprocessable(f"public_key: {e}") from None
+    token = tokens.burn(session, secret, now=now)
+    m = machines.get_machine(session, token.machine_id)
+    if m.tenant_id != token.tenant_id:
+        session.rollback()
+        raise Conflict("the machine no longer belongs to the tenant this token was issued for")
+    tenant = session.get(Tenant, token.tenant_id)
+    assert tenant is not None and tenant.overlay_prefix is not None
+    hub = get_hub_or_conflict(session, tenant.id)
+    other = session.exec(select(WgPeer).where(WgPeer.public_key == public_key)).first()
+    if other is not None and other.machine_id != m.id:
+        session.rollback()
+        raise Conflict("this public key is already used by another node; generate a fresh one")
+    old = session.exec(select(WgPeer).where(WgPeer.machine_id == m.id)).first()
+    replaced = old.public_key if old is not None else None
+    if old is not None:
+        session.delete(old)
+        session.flush()
+    peer = _add_peer(session, tenant, m.id, public_key)
+    material = _material(box, tenant, hub, m, peer.address)
+    if State(m.state) in (State.PROVISIONED, State.JOIN_FAILED):
+        machines.transition(
+            session, m.id, Trigger.JOIN, actor=f"node:{m.id}", instance=instance, commit=False
+        )
+    machines.add_event(
+        session,
+        "tenant.peer.added",
+        f"node:{m.id}",
+        machine_id=m.id,
+        tenant_id=tenant.id,
+        data={"address": peer.address, "public_key": public_key, "token_id": token.id},
+        instance=instance,
+    )
+    session.commit()
+    return JoinResult(peer, hub, tenant.overlay_prefix, material, replaced)
+
+
+def _add_peer(session: Session, tenant: Tenant, machine_id: str, public_key: str) -> WgPeer:
+    assert tenant.overlay_prefix is not None
+    for _ in range(8):
+        held = session.exec(select(WgPeer.address).where(WgPeer.tenant_id == tenant.id)).all()
+        peer = WgPeer(
+            tenant_id=tenant.id,
+            machine_id=machine_id,
+            public_key=public_key,
+            address=ipam.allocate_address(tenant.overlay_prefix, held),
+        )
+        try:
+            with session.begin_nested():  # a racing join took the address: pick the next one
+                session.add(peer)
+            return peer
+        except IntegrityError:
+            continue
+    raise Conflict("could not allocate an overlay address; try again")
+
+
+def remove_peer(
+    session: Session, machine_id: str, *, actor: str = "metald", instance: str | None = None
+) -> WgPeer | None:
+    """On release: drop the machine's peer and revoke its unused join tokens. Not committed;
+    returns the removed peer so the caller can take it off the running hub after commit."""
+    tokens.revoke_for_machine(session, machine_id)
+    peer = session.exec(select(WgPeer).where(WgPeer.machine_id == machine_id)).first()
+    if peer is None:
+        return None
+    session.delete(peer)
+    machines.add_event(
+        session,
+        "tenant.peer.removed",
+        actor,
+        machine_id=machine_id,
+        tenant_id=peer.tenant_id,
+        data={"address": peer.address, "public_key": peer.public_key},
+        instance=instance,
+    )
+    return peer
+
+
+def observe(
+    session: Session,
+    machine_id: str,
+    *,
+    handshake_at: datetime | None,
+    scheduler_reports_node: bool,
+    instance: str | None = None,
+) -> Machine:
+    """Record what the hub and scheduler see; a joining machine becomes active when both the
+    WireGuard handshake and the scheduler's report of the node are there. Commits."""
+    m = machines.get_machine(session, machine_id)
+    peer = session.exec(select(WgPeer).where(WgPeer.machine_id == machine_id)).first()
+    if peer is not None and handshake_at is not None:
+        peer.last_handshake_at = handshake_at
+        session.add(peer)
+    if (
+        State(m.state) is State.JOINING
+        and peer is not None
+        and handshake_at is not None
+        and scheduler_reports_node
+    ):
+        return machines.transition(session, m.id, Trigger.JOINED, actor="metald", instance=instance)
+    session.commit()
+    return m
+
+
+def peers(session: Session, tenant_id: str) -> list[WgPeer]:
+    return list(
+        session.exec(
+            select(WgPeer).where(WgPeer.tenant_id == tenant_id).order_by(col(WgPeer.address))
+        )
+    )

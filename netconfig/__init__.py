@@ -1,0 +1,1 @@
+"""Host networking with pyroute2: namespaces, veths, addresses, WireGuard devices."""

@@ -1,0 +1,50 @@
+"""The tenancy routes through HTTP on both backends."""
+
+from __future__ import annotations
+
+from metald.tenants import keys
+from tests.tenants.conftest import provisioned
+
+
+async def test_hub_token_join_flow(api) -> None:  # type: ignore[no-untyped-def]
+    client, tokens, store = api
+    admin, orch = tokens.header("admin"), tokens.header("orchestrator")
+    hub_url = f"/api/v1/tenants/{tokens.tenant_a}/hub"
+    r = await client.get(hub_url, headers=admin)
+    assert r.status == 404
+    r = await client.post(hub_url, json={"endpoint_host": "10.99.0.1"}, headers=admin)
+    assert r.status == 201, await r.text()
+    hub = await r.json()
+    assert "private" not in str(hub).lower()
+    r = await client.post(hub_url, json={"endpoint_host": "10.99.0.1"}, headers=admin)
+    assert r.status == 409
+    r = await client.get(hub_url, headers=tokens.header("orchestrator_other"))
+    assert r.status == 404
+    provisioned(store, tokens.machine_a)
+    url = f"/api/v1/machines/{tokens.machine_a}/join-token"
+    r = await client.post(url, json={}, headers=tokens.header("orchestrator_other"))
+    assert r.status == 404
+    r = await client.post(url, json={"ttl_seconds": 600}, headers=orch)
+    assert r.status == 201
+    secret = (await r.json())["token"]
+    assert secret.startswith("mjt_")
+
+    r = await client.post("/api/v1/join", json={"token": secret, "public_key": "nope"})
+    assert r.status == 422
+    assert "public_key" in (await r.json())["detail"]
+    pub = keys.public_key(keys.generate_private_key())
+    r = await client.post("/api/v1/join", json={"token": secret, "public_key": pub})
+    assert r.status == 200, await r.text()
+    body = await r.json()
+    assert body["hub"]["public_key"] == hub["public_key"]
+    assert body["overlay_address"].endswith("/24")
+    assert body["cluster"]["kind"] == "slurm"
+    r = await client.post("/api/v1/join", json={"token": secret, "public_key": pub})
+    assert r.status == 409
+    assert "already used" in (await r.json())["detail"]
+
+    r = await client.get(hub_url, headers=orch)
+    peers = (await r.json())["peers"]
+    assert [(p["machine_id"], p["public_key"]) for p in peers] == [(tokens.machine_a, pub)]
+    r = await client.get("/api/v1/openapi.json")
+    assert "/api/v1/join" in (await r.json())["paths"]
