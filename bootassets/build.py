@@ -39,7 +39,14 @@ INIT = HERE / "initramfs" / "init"
 UDHCPC_SCRIPT = HERE / "initramfs" / "udhcpc.script"
 SELECT_DRIVERS = HERE / "initramfs" / "select-drivers"
 
-#: Drivers the image loads, in this order after their dependencies. QEMU: virtio, e1000.
+#: Not loaded at boot: the agent's deploy mode loads these (with their closures) to write
+#: cloud-init's NoCloud seed into the image it just wrote: its ext4 root (crc32c for metadata
+#: checksums is asked for through the crypto API, not a module dependency) or a vfat "cidata"
+#: partition (the default codepage and iocharset tables). Loading them on every discovery boot
+#: cost ~0.7 s under TCG.
+ON_DEMAND = ("ext4", "crc32c_generic", "vfat", "nls_cp437", "nls_utf8")
+#: Modules the image carries, loaded in this order after their dependencies (ON_DEMAND only when
+#: asked for). QEMU: virtio, e1000.
 #: Servers: Intel (e1000e, igb, ixgbe, i40e, ice), Broadcom (bnxt_en, tg3), NVIDIA/Mellanox
 #: (mlx5_core) NICs; NVMe and SATA/SAS disks; the IPMI system interface for ipmitool.
 MODULES = [
@@ -60,6 +67,7 @@ MODULES = [
     "sd_mod",
     "ipmi_si",
     "ipmi_devintf",
+    *ON_DEMAND,
 ]
 #: Loaded whatever the PCI bus shows: the IPMI system interface is found through ACPI/SMBIOS.
 ALWAYS_LOAD = frozenset({"ipmi_si", "ipmi_devintf"})
@@ -218,6 +226,8 @@ def driver_plan(index: dict[str, Path]) -> tuple[list[str], str, str]:
     aliases, closures = [], []
     for leaf in MODULES:
         closures.append(" ".join([leaf, *kmod.load_order([leaf], index)]))
+        if leaf in ON_DEMAND:
+            continue  # no alias line: select-drivers never picks it
         info = kmod.modinfo(kmod.read_module(index[leaf]))
         pci = [a for a in info.get("alias", []) if a.startswith("pci:")]
         if leaf in ALWAYS_LOAD or not pci:

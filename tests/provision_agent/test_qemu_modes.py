@@ -1,9 +1,10 @@
-"""Boot the built discovery image in QEMU (TCG) with metald.mode=wipe, inside a network
-namespace this test creates (busybox udhcpd and the agent API stand-in there), against two
-virtio disks whose first and last MiB hold random data. Nothing leaves the namespace."""
+"""Boot the built discovery image in QEMU (TCG) with metald.mode=wipe and metald.mode=deploy,
+inside a network namespace this test creates (busybox udhcpd and the agent API stand-in
+there), then read the disk files. Nothing leaves the namespace."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.provision_agent.conftest import MIB, ROOT
+from metald.provision.metadata import nocloud
+from tests.provision_agent.conftest import MIB, ROOT, cloud_image, debugfs_cat
 
 pytestmark = [
     pytest.mark.lab,
@@ -84,7 +86,11 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def test_wipe_mode_erases_both_ends_of_every_disk(built_assets, netns, tmp_path):
+def boot(
+    ns: str, tmp_path: Path, assets: Path, mode: str, drives: list[str], config: dict | None = None
+) -> tuple[list[dict], str]:
+    """Boot the discovery image in ``mode`` until it powers off or reboots (QEMU runs with
+    -no-reboot, so both end it); the progress reports and the console log."""
     conf = tmp_path / "udhcpd.conf"
     conf.write_text(
         f"start 10.78.0.100\nend 10.78.0.150\ninterface br0\nmax_leases 50\n"
@@ -93,6 +99,49 @@ def test_wipe_mode_erases_both_ends_of_every_disk(built_assets, netns, tmp_path)
     )
     (tmp_path / "leases").touch()
     reports, ready = tmp_path / "progress.jsonl", tmp_path / "ready"
+    server = [sys.executable, str(ROOT / "tests/provision_agent/server.py")]
+    server += [SERVER, str(PORT), str(reports), str(ready)]
+    if config is not None:
+        (tmp_path / "server.json").write_text(json.dumps(config))
+        server.append(str(tmp_path / "server.json"))
+    console = tmp_path / "console.log"
+    procs = [
+        start(ns, ["busybox", "udhcpd", "-f", str(conf)], tmp_path / "udhcpd.log"),
+        start(ns, server, tmp_path / "server.log", env={**os.environ, "PYTHONPATH": str(ROOT)}),
+    ]
+    try:
+        deadline = time.monotonic() + 20
+        while not ready.exists():
+            assert time.monotonic() < deadline, (tmp_path / "server.log").read_text()
+            time.sleep(0.1)
+        disc = assets / "discovery"
+        qemu = [
+            "qemu-system-x86_64", "-accel", "tcg", "-m", "384", "-smp", "2",
+            "-kernel", str(disc / "vmlinuz"), "-initrd", str(disc / "initrd.img"),
+            "-append", f"console=ttyS0 quiet metald.url=http://{SERVER}:{PORT} metald.token=agent-token metald.machine=lab-1 metald.mode={mode}",
+            "-display", "none", "-monitor", "none", "-serial", f"file:{console}", "-no-reboot",
+            "-netdev", "tap,id=n0,ifname=tap0,script=no,downscript=no", "-device", f"virtio-net-pci,netdev=n0,mac={MAC}",
+            *drives,
+        ]  # fmt: skip
+        t0 = time.monotonic()
+        vm = start(ns, qemu, tmp_path / "qemu.log")
+        procs.append(vm)
+        try:
+            rc = vm.wait(timeout=100)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the VM did not stop; console:\n{console.read_text(errors='replace')}")
+        elapsed = time.monotonic() - t0
+        log = console.read_text(errors="replace")
+        assert rc == 0, (tmp_path / "qemu.log").read_text()
+        print("\n" + "\n".join(line for line in log.splitlines() if "metald-agent:" in line))
+        print(f"QEMU start to its end ({mode}): {elapsed:.1f} s")
+    finally:
+        for p in procs:
+            stop(p)
+    return [json.loads(line) for line in reports.read_text().splitlines()], log
+
+
+def test_wipe_mode_erases_both_ends_of_every_disk(built_assets, netns, tmp_path):
     disks = {"vda.img": 64 * MIB, "vdb.img": 16 * MIB}
     middles = {}
     for name, size in disks.items():
@@ -104,60 +153,15 @@ def test_wipe_mode_erases_both_ends_of_every_disk(built_assets, netns, tmp_path)
             f.write(middles[name])
             f.seek(size - MIB)
             f.write(os.urandom(MIB))
-    console = tmp_path / "console.log"
-    procs = [
-        start(netns, ["busybox", "udhcpd", "-f", str(conf)], tmp_path / "udhcpd.log"),
-        start(
-            netns,
-            [
-                sys.executable,
-                str(ROOT / "tests/provision_agent/server.py"),
-                SERVER,
-                str(PORT),
-                str(reports),
-                str(ready),
-            ],
-            tmp_path / "server.log",
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        ),
-    ]
-    try:
-        deadline = time.monotonic() + 20
-        while not ready.exists():
-            assert time.monotonic() < deadline, (tmp_path / "server.log").read_text()
-            time.sleep(0.1)
-        disc = built_assets / "discovery"
-        qemu = [
-            "qemu-system-x86_64", "-accel", "tcg", "-m", "384", "-smp", "2",
-            "-kernel", str(disc / "vmlinuz"), "-initrd", str(disc / "initrd.img"),
-            "-append", f"console=ttyS0 quiet metald.url=http://{SERVER}:{PORT} metald.token=agent-token metald.machine=lab-1 metald.mode=wipe",
-            "-display", "none", "-monitor", "none", "-serial", f"file:{console}", "-no-reboot",
-            "-netdev", "tap,id=n0,ifname=tap0,script=no,downscript=no", "-device", f"virtio-net-pci,netdev=n0,mac={MAC}",
-            # vda passes discards through (holes punched in the file); vdb has no discard at all
-            "-drive", f"file={tmp_path / 'vda.img'},format=raw,if=none,id=d0,discard=unmap",
-            "-device", "virtio-blk-pci,drive=d0",
-            "-drive", f"file={tmp_path / 'vdb.img'},format=raw,if=none,id=d1",
-            "-device", "virtio-blk-pci,drive=d1,discard=off",
-        ]  # fmt: skip
-        t0 = time.monotonic()
-        vm = start(netns, qemu, tmp_path / "qemu.log")
-        procs.append(vm)
-        try:
-            rc = vm.wait(timeout=100)  # the agent powers the machine off when done
-        except subprocess.TimeoutExpired:
-            pytest.fail(
-                f"the VM did not power off; console:\n{console.read_text(errors='replace')}"
-            )
-        elapsed = time.monotonic() - t0
-        log = console.read_text(errors="replace")
-        assert rc == 0, (tmp_path / "qemu.log").read_text()
-        print("\n" + "\n".join(line for line in log.splitlines() if "metald-agent:" in line))
-        print(f"QEMU start to power off: {elapsed:.1f} s")
-    finally:
-        for p in procs:
-            stop(p)
-
-    got = [json.loads(line) for line in reports.read_text().splitlines()]
+    drives = [
+        # vda passes discards through (holes punched in the file); vdb has no discard at all
+        "-drive", f"file={tmp_path / 'vda.img'},format=raw,if=none,id=d0,discard=unmap",
+        "-device", "virtio-blk-pci,drive=d0",
+        "-drive", f"file={tmp_path / 'vdb.img'},format=raw,if=none,id=d1",
+        "-device", "virtio-blk-pci,drive=d1,discard=off",
+    ]  # fmt: skip
+    got, log = boot(netns, tmp_path, built_assets, "wipe", drives)
+    assert "reboot: Power down" in log
     assert got[-1] == {"phase": "wipe", "done": True}, got
     assert [r.get("percent") for r in got[:-1]] == [50, 100]
     assert "wiped /dev/vda (67108864 bytes): discarded, zeroed first and last MiB, verified" in log
@@ -171,3 +175,45 @@ def test_wipe_mode_erases_both_ends_of_every_disk(built_assets, netns, tmp_path)
     # middle (the wipe promises the ends, partition tables and signatures, not every byte)
     assert (tmp_path / "vda.img").read_bytes()[32 * MIB : 32 * MIB + 4096] == bytes(4096)
     assert (tmp_path / "vdb.img").read_bytes()[8 * MIB : 8 * MIB + 4096] == middles["vdb.img"]
+
+
+def test_deploy_mode_writes_verifies_seeds_and_reboots(built_assets, netns, tmp_path):
+    image = cloud_image(tmp_path)
+    (tmp_path / "image.raw").write_bytes(image)
+    files = nocloud(
+        machine_id="lab-1",
+        name="lab-node-1",
+        pxe_mac=MAC,
+        ssh_authorized_keys=["ssh-ed25519 AAAA x"],
+    )
+    config = {
+        "image_file": str(tmp_path / "image.raw"),
+        "provision": {
+            "action": "provision",
+            "machine_id": "lab-1",
+            "image": {
+                "id": "img1",
+                "kind": "disk",
+                "url": f"http://{SERVER}:{PORT}/image",
+                "sha256": hashlib.sha256(image).hexdigest(),
+                "format": "raw",
+                "size_bytes": len(image),
+            },
+            "nocloud": files,
+        },
+    }
+    disk = tmp_path / "vda.img"
+    disk.write_bytes(os.urandom(16 * MIB))
+    drives = ["-drive", f"file={disk},format=raw,if=virtio"]
+    got, log = boot(netns, tmp_path, built_assets, "deploy", drives, config)
+    assert "reboot: Restarting system" in log
+    assert got[-1] == {"phase": "deploy", "done": True}, got
+    writes = [r for r in got if r["phase"] == "write"]
+    assert writes and writes[-1]["bytes"] == len(image) and writes[-1]["percent"] == 100
+    assert "first-boot metadata written to /dev/vda1" in log
+    data = disk.read_bytes()
+    assert data[:MIB] == image[:MIB] and data[5 * MIB : 6 * MIB] == image[5 * MIB :]
+    assert data[-MIB:] == bytes(MIB)
+    for name in ("meta-data", "user-data", "network-config"):
+        got_file = debugfs_cat(disk, MIB, 4 * MIB, f"/var/lib/cloud/seed/nocloud/{name}")
+        assert got_file.decode() == files[name]
