@@ -64,10 +64,7 @@ async def post_inventory(req: ApiRequest) -> InventoryAccepted:
             next=enrollment.next_instruction(m, cfg),
         )
 
-    try:
-        out = await req.ctx.store.run(run)
-    finally:
-        req.ctx.bus.notify()
+    out = await req.write(run)
     bmc = req.ctx.services.get("bmc")
     if bmc is not None:
         # A BMC registered before its machine was known is linked by UUID, serial or MAC now.

@@ -148,9 +148,7 @@ async def create_machine(req: ApiRequest) -> MachineOut:
         )
         return machine_out(m, _nics(s, [m.id])[m.id])
 
-    out = await req.ctx.store.run(run)
-    req.ctx.bus.notify()
-    return out
+    return await req.write(run)
 
 
 @router.route(
@@ -210,9 +208,7 @@ async def patch_labels(req: ApiRequest) -> MachineOut:
         )
         return machine_out(m, _nics(s, [m.id])[m.id])
 
-    out = await req.ctx.store.run(run)
-    req.ctx.bus.notify()
-    return out
+    return await req.write(run)
 
 
 @router.route(
@@ -257,9 +253,8 @@ async def machine_action(req: ApiRequest) -> MachineOut:
         )
         return machine_out(m, _nics(s, [m.id])[m.id])
 
-    out = await req.ctx.store.run(run)
+    out = await req.write(run)
     metrics.transitions.labels(trigger.value).inc()
-    req.ctx.bus.notify()
     return out
 
 

@@ -74,6 +74,13 @@ class ApiRequest:
     def actor(self) -> str:
         return self.principal.actor if self.principal else "anonymous"
 
+    async def write(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a store write and wake live event streams (every write records events)."""
+        try:
+            return await self.ctx.store.run(fn, *args)
+        finally:
+            self.ctx.bus.notify()
+
     def require_principal(self) -> Principal:
         assert self.principal is not None
         return self.principal
