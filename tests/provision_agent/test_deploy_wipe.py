@@ -7,11 +7,13 @@ import gzip
 import hashlib
 import json
 import os
+import subprocess
 
 import pytest
 
 from metald.provision.metadata import nocloud
 from tests.provision_agent.conftest import (
+    AGENT,
     MIB,
     cloud_image,
     debugfs_cat,
@@ -223,3 +225,36 @@ async def test_a_failed_wipe_is_reported_and_never_done(
     assert api.progress[0]["phase"] == "wipe" and dev in api.progress[0]["error"]
     # a machine that could not be wiped is still powered off (metald holds it in wipe-failed)
     assert "dry run: would poweroff" in log
+
+
+async def test_wipe_with_no_disks_is_a_failure(tmp_path, busybox_bin, aiohttp_server):
+    api = AgentApi()
+    server = await aiohttp_server(api.app())
+    (tmp_path / "sysroot" / "sys" / "block").mkdir(parents=True)
+    rc, log = await run_agent(tmp_path, busybox_bin, server.port, "wipe")
+    assert len(api.progress) == 1, (api.progress, log)
+    assert "no disks found" in api.progress[0]["error"]
+
+
+def test_disks_are_the_fixed_ones_in_sys_block(tmp_path, busybox_bin):
+    block = tmp_path / "sys" / "block"
+    for name, size, removable in (
+        ("nvme0n1", "7814037168", "0"),
+        ("sda", "3750748848", "0"),
+        ("sdb", "62914560", "1"),  # a USB stick
+        ("loop0", "2048", "0"),
+        ("sr0", "2097152", "1"),
+        ("nvme1n1", "0", "0"),  # no medium / size
+    ):
+        (block / name).mkdir(parents=True)
+        (block / name / "size").write_text(size + "\n")
+        (block / name / "removable").write_text(removable + "\n")
+    script = f'METALD_AGENT_LIB=1 . "{AGENT}"; list_disks'
+    out = subprocess.run(
+        [str(busybox_bin / "sh"), "-c", script],
+        env={"PATH": str(busybox_bin), "METALD_SYSROOT": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.split() == ["/dev/nvme0n1", "/dev/sda"]
