@@ -87,6 +87,7 @@ def render_slurm_conf(cp: ControlPlane) -> str:
         f"SlurmctldPort={SLURMCTLD_PORT}",
         "SlurmdPort=6818",
         "AuthType=auth/munge",
+        "MpiDefault=none",
         "CryptoType=crypto/munge",
         f"MaxNodeCount={cp.max_nodes}",
         # 22.05 needs this for dynamic nodes (no fan-out tree over unknown nodes).
