@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from datetime import datetime, timedelta
 from typing import Annotated, Any
 
@@ -14,7 +16,9 @@ from metald.errors import NotFound
 from metald.machines import get_machine
 from metald.store.models import Tenant
 from metald.tenants import service
+from metald.tenants.hubs import HubRuntime
 
+log = logging.getLogger("metald.tenants")
 router = Router()
 ADMIN = frozenset({Role.ADMIN})
 FLEET_AND_TENANTS = STAFF | {Role.ORCHESTRATOR}
@@ -78,6 +82,12 @@ class JoinResponse(BaseModel):
     allowed_ips: list[str]
     persistent_keepalive: int
     cluster: dict[str, Any]
+
+
+def _apply_peer(hubs: HubRuntime, result: service.JoinResult) -> None:
+    if result.replaced_public_key:
+        hubs.remove_peer(result.hub.tenant_id, result.replaced_public_key)
+    hubs.add_peer(result.hub.tenant_id, result.peer.public_key, result.peer.address)
 
 
 def _hub_out(s: Session, tenant: Tenant) -> HubOut:
@@ -199,7 +209,8 @@ async def join(req: ApiRequest) -> JoinResponse:
     )
     hubs = req.ctx.services.get("tenant_hubs")
     if hubs is not None:  # else the stored peer is applied when the hub is (re)started
-        if result.replaced_public_key:
-            hubs.remove_peer(result.hub.tenant_id, result.replaced_public_key)
-        hubs.add_peer(result.hub.tenant_id, result.peer.public_key, result.peer.address)
+        try:
+            await asyncio.to_thread(_apply_peer, hubs, result)
+        except Exception:  # the peer is stored; the hub picks it up when it is restarted
+            log.exception("could not add the peer of machine %s to its hub", result.peer.machine_id)
     return JoinResponse.model_validate(result.response())

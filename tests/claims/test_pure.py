@@ -37,7 +37,12 @@ def test_disk_spec_normalised() -> None:
     [
         ("disk", {"url": "ftp://x/y", "sha256": "ab" * 32}, "http:// or https://"),
         ("disk", {"url": "http://x/y", "sha256": "ab" * 31}, "64 hexadecimal"),
-        ("disk", {"url": "http://x/y", "sha256": "ab" * 32, "format": "vmdk"}, "raw, qcow2"),
+        (
+            "disk",
+            {"url": "http://x/y", "sha256": "ab" * 32, "format": "vmdk"},
+            "must be one of raw",
+        ),
+        ("disk", {"url": "http://x/y", "sha256": "ab" * 32, "format": "qcow2"}, "qemu-img convert"),
         ("disk", {"url": "http://x/y", "sha256": "ab" * 32, "kernel": "k"}, "does not take"),
         ("stateless", {"kernel": "k"}, "initrd or a rootfs"),
         ("stateless", {"initrd": "i"}, "needs a kernel"),
