@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from api.app import CTX_KEY
 from metald.tenants import keys
 from tests.tenants.conftest import provisioned
 
@@ -32,10 +33,22 @@ async def test_hub_token_join_flow(api) -> None:  # type: ignore[no-untyped-def]
     r = await client.post("/api/v1/join", json={"token": secret, "public_key": "nope"})
     assert r.status == 422
     assert "public_key" in (await r.json())["detail"]
+    calls: list[tuple[str, ...]] = []
+
+    class RecordingHubs:
+        def add_peer(self, tenant_id: str, public_key: str, address: str) -> None:
+            calls.append(("add", tenant_id, public_key, address))
+
+        def remove_peer(self, tenant_id: str, public_key: str) -> None:
+            calls.append(("remove", tenant_id, public_key))
+
+    client.app[CTX_KEY].services["tenant_hubs"] = RecordingHubs()
     pub = keys.public_key(keys.generate_private_key())
     r = await client.post("/api/v1/join", json={"token": secret, "public_key": pub})
     assert r.status == 200, await r.text()
     body = await r.json()
+    address = body["overlay_address"].split("/")[0]
+    assert calls == [("add", tokens.tenant_a, pub, address)]
     assert body["hub"]["public_key"] == hub["public_key"]
     assert body["overlay_address"].endswith("/24")
     assert body["cluster"]["kind"] == "slurm"

@@ -87,3 +87,14 @@ def test_slurm_node_conf() -> None:
         slurm.node_conf(gpu_count=8, features=["NVIDIA H100 80GB HBM3", "rack=a"], gpu_type="H100")
         == "Gres=gpu:h100:8 Feature=nvidia_h100_80gb_hbm3,rack_a"
     )
+
+
+def test_guard_ruleset_parses() -> None:
+    from netconfig import guard
+
+    hub = guard.render(["uh0"], wireguard_port=51820)
+    assert 'iifname { "uh0" } udp dport 51820 accept' in hub
+    assert "dport" not in guard.render(["un0"])
+    if shutil.which("nft"):
+        r = subprocess.run(["nft", "-c", "-f", "-"], input=hub, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr

@@ -17,7 +17,7 @@ from metald.store import Store
 from metald.store.models import Tenant, WgHub, WgPeer
 from metald.tenants import service
 from metald.tenants.hubs import LocalHubs
-from netconfig import netns
+from netconfig import guard, netns
 from netconfig.wireguard import UserspaceDevice
 from tests.tenants.conftest import make_env
 from tests.tenants.nslab import in_ns, tcp_listener, tcp_reaches, underlay, wait_for
@@ -103,8 +103,14 @@ def test_join_handshake_traffic_release(sqlite_store: Store) -> None:
             peer = s.exec(select(WgPeer).where(WgPeer.machine_id == machine_id)).one()
             assert peer.last_handshake_at is not None
 
-            with tcp_listener(u.hub_ns, hub.address, 7070):
+            # Like slurmctld, the listener takes every address of the hub namespace.
+            with tcp_listener(u.hub_ns, "0.0.0.0", 7070):
                 assert wait_for(lambda: tcp_reaches(u.node_ns, hub.address, 7070))
+                assert tcp_reaches(u.node_ns, u.hub_ip, 7070)  # unguarded underlay: open
+                guard.apply(u.hub_ns, guard.render(["uh0"], wireguard_port=hub.listen_port))
+                guard.apply(u.node_ns, guard.render(["un0"]))
+                assert not tcp_reaches(u.node_ns, u.hub_ip, 7070)
+                assert tcp_reaches(u.node_ns, hub.address, 7070)  # the tunnel still works
 
                 removed = service.remove_peer(s, machine_id, actor="test")
                 s.commit()
