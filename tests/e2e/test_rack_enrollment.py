@@ -2,60 +2,21 @@
 virtual BMCs, metald inside the lab's namespace serving DHCP/TFTP/HTTP boot, the discovery
 image built from Debian packages, and the agent posting inventory. Nobody types a MAC: BMCs
 are registered by address, the machines are powered on through metald's API, enroll
-themselves, and their BMCs are linked to them by system UUID.
+themselves, and their BMCs are linked to them by system UUID (see conftest.enrolled_rack).
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import time
-from pathlib import Path
-
 import pytest
 
-pytestmark = [
-    pytest.mark.lab,
-    pytest.mark.root,
-    pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, taps, QEMU)"),
-    pytest.mark.skipif(
-        shutil.which("qemu-system-x86_64") is None, reason="qemu-system-x86 is not installed"
-    ),
-]
-
-READY_TIMEOUT_S = 480
+pytestmark = [pytest.mark.lab, pytest.mark.root]
 
 
-@pytest.fixture
-def rack(tmp_path: Path):  # type: ignore[no-untyped-def]
-    from metald.labrack import LabRack
-
-    r = LabRack(
-        f"e2e{os.getpid() % 10000}",
-        tmp_path,
-        machines=3,
-        uefi=1,
-        extra_config='[[enroll.rules]]\nmatch = { vendor = "vm-lab" }\nlabels = { pool = "lab" }\n',
-    )
-    try:
-        yield r
-    finally:
-        r.down()
-
-
-def test_rack_powers_on_and_enrolls_itself(rack) -> None:  # type: ignore[no-untyped-def]
-    bmcs = rack.register_bmcs(["ipmi", "redfish", "auto"])
-    for b in bmcs.values():
-        assert b["health"] == "ok" and b["machine_id"] is None
-        assert "password" not in str(b)
+def test_rack_powers_on_and_enrolls_itself(enrolled_rack) -> None:  # type: ignore[no-untyped-def]
+    rack, bmcs = enrolled_rack.rack, enrolled_rack.bmcs
     assert {b["protocol"] for b in bmcs.values()} == {"ipmi", "redfish"}
-
-    t_on = {}
-    for m in rack.machines:
-        rack.ctl("bmcs", "power", bmcs[m["name"]]["id"], "on")
-        t_on[m["mac"]] = time.monotonic()
-    ready = rack.wait_state(list(t_on), "ready", READY_TIMEOUT_S)
-
+    for b in bmcs.values():
+        assert "password" not in str(b)
     rows = []
     linked = {b["id"]: b["machine_id"] for b in rack.json("bmcs", "list")["items"]}
     for m in rack.machines:
@@ -68,14 +29,16 @@ def test_rack_powers_on_and_enrolls_itself(rack) -> None:  # type: ignore[no-unt
         assert 2 * 1024**3 in [d["size_bytes"] for d in inv["disks"]], inv["disks"]
         assert m["mac"] in [n["mac"] for n in inv["nics"]]
         assert full["system_uuid"] == m["uuid"].lower()
-        assert full["labels"] == {"pool": "lab"}
+        want = {"pool": "lab", **({"firmware": "bios"} if m["firmware"] == "bios" else {})}
+        assert full["labels"] == want
         assert linked[bmcs[m["name"]]["id"]] == item["id"], "BMC linked to its machine by UUID"
-        rows.append((m["name"], m["firmware"], m["mac"], ready[m["mac"]] - t_on[m["mac"]]))
-    events = rack.json("events", "--limit", "1000")["items"]
-    kinds = {e["kind"] for e in events}
+        secs = enrolled_rack.ready[m["mac"]] - enrolled_rack.t_on[m["mac"]]
+        rows.append((m["name"], m["firmware"], m["mac"], secs))
+    kinds = {e["kind"] for e in rack.json("events", "--limit", "1000")["items"]}
     assert {"machine.created", "machine.state", "bmc.linked"} <= kinds
 
     print(f"\npower-on to ready ({rack.state['accel']}, {len(rows)} machines, RA on):")
     for name, fw, mac, secs in rows:
         print(f"  {name} {fw:5} {mac}  {secs:6.1f} s")
-    print(f"  whole rack: {max(ready.values()) - min(t_on.values()):6.1f} s")
+    whole = max(enrolled_rack.ready.values()) - min(enrolled_rack.t_on.values())
+    print(f"  whole rack: {whole:6.1f} s")
