@@ -11,6 +11,11 @@ import ipaddress
 from datetime import datetime
 from typing import Protocol
 
+from sqlmodel import Session, select
+
+from metald.secrets import SecretBox
+from metald.store.models import Tenant, WgHub
+from metald.tenants import service
 from netconfig.uapi import PeerConfig
 from netconfig.wireguard import Hub
 
@@ -43,6 +48,22 @@ class LocalHubs:
         hub.up(private_key, [PeerConfig(k, [f"{a}/32"]) for k, a in peers])
         self._hubs[tenant_id] = hub
         return hub
+
+    def start_from_store(self, session: Session, box: SecretBox, tenant_id: str, ns: str) -> Hub:
+        """Bring a tenant's hub up in ``ns`` exactly as stored, with every stored peer."""
+        hub = session.exec(select(WgHub).where(WgHub.tenant_id == tenant_id)).one()
+        tenant = session.get(Tenant, tenant_id)
+        assert tenant is not None and tenant.overlay_prefix is not None
+        return self.start(
+            tenant_id=tenant_id,
+            ns=ns,
+            ifname=hub.ifname,
+            address=hub.address,
+            prefix=tenant.overlay_prefix,
+            listen_port=hub.listen_port,
+            private_key=service.hub_private_key(box, hub),
+            peers=[(p.public_key, p.address) for p in service.peers(session, tenant_id)],
+        )
 
     def add_peer(self, tenant_id: str, public_key: str, address: str) -> None:
         self._hubs[tenant_id].add_peer(public_key, address)

@@ -113,15 +113,7 @@ def test_slurm_node_joins_over_wireguard(tmp_path: Path) -> None:
             hub = s.exec(select(WgHub).where(WgHub.tenant_id == tenant_id)).one()
             tenant = s.get(Tenant, tenant_id)
             assert tenant is not None and tenant.overlay_prefix
-            hubs.start(
-                tenant_id=tenant_id,
-                ns=u.hub_ns,
-                ifname=hub.ifname,
-                address=hub.address,
-                prefix=tenant.overlay_prefix,
-                listen_port=hub.listen_port,
-                private_key=service.hub_private_key(box, hub),
-            )
+            hubs.start_from_store(s, box, tenant_id, u.hub_ns)
             munge_key = base64.b64decode(service.load_secrets(box, tenant)["munge_key"])
             conf = tmp_path / "ctl" / "slurm.conf"
             conf.parent.mkdir(mode=0o700)

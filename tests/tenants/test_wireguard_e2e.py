@@ -74,15 +74,7 @@ def test_join_handshake_traffic_release(sqlite_store: Store) -> None:
         tenant = s.get(Tenant, tenant_id)
         assert tenant is not None and tenant.overlay_prefix and hub.endpoint.startswith(u.hub_ip)
         try:
-            hubs.start(
-                tenant_id=tenant_id,
-                ns=u.hub_ns,
-                ifname=hub.ifname,
-                address=hub.address,
-                prefix=tenant.overlay_prefix,
-                listen_port=hub.listen_port,
-                private_key=service.hub_private_key(box, hub),
-            )
+            hubs.start_from_store(s, box, tenant_id, u.hub_ns)
             secret, _ = service.issue_join_token(s, machine_id, actor="test")
 
             # The node: its own key, never sent anywhere.
@@ -111,6 +103,11 @@ def test_join_handshake_traffic_release(sqlite_store: Store) -> None:
                 guard.apply(u.node_ns, guard.render(["un0"]))
                 assert not tcp_reaches(u.node_ns, u.hub_ip, 7070)
                 assert tcp_reaches(u.node_ns, hub.address, 7070)  # the tunnel still works
+
+                # A restarted hub (metald restart) comes back from the store with its peers.
+                hubs.stop()
+                hubs.start_from_store(s, box, tenant_id, u.hub_ns)
+                assert wait_for(lambda: tcp_reaches(u.node_ns, hub.address, 7070))
 
                 removed = service.remove_peer(s, machine_id, actor="test")
                 s.commit()
