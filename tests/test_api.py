@@ -47,7 +47,10 @@ async def test_every_endpoint_every_role(api) -> None:  # type: ignore[no-untype
         body = {} if spec.body is not None else None
         if spec.roles is None:
             r = await client.request(spec.method, path)
-            assert r.status < 400, (spec.method, spec.path, r.status)
+            if spec.body is not None:  # authenticated by its body (a one-time join token)
+                assert r.status in (400, 401, 415, 422), (spec.method, spec.path, r.status)
+            else:
+                assert r.status < 400, (spec.method, spec.path, r.status)
             continue
         r = await client.request(spec.method, path, json=body)
         assert r.status == 401, (spec.method, spec.path)
