@@ -51,7 +51,8 @@ def add_extension_parsers(sub: Any) -> None:
     ic = isub.add_parser("create")
     ic.add_argument("name")
     ic.add_argument("--kind", choices=["disk", "stateless"], default="disk")
-    ic.add_argument("--url")
+    # dest differs from metalctl's own --url (the API's address), which it would overwrite.
+    ic.add_argument("--url", dest="image_url", help="disk: http(s) URL of the raw image")
     ic.add_argument("--sha256")
     ic.add_argument("--size", type=int, dest="size_bytes")
     ic.add_argument("--kernel")
@@ -160,7 +161,6 @@ def run_extension(args: argparse.Namespace, c: Any) -> int:
                 for k in (
                     "name",
                     "kind",
-                    "url",
                     "sha256",
                     "size_bytes",
                     "kernel",
@@ -169,6 +169,8 @@ def run_extension(args: argparse.Namespace, c: Any) -> int:
                 )
                 if getattr(args, k) is not None
             }
+            if args.image_url:
+                body["url"] = args.image_url
             r = c.call("POST", "/api/v1/images", body)
             print(
                 json.dumps(r, indent=2) if args.json else f"image {r['id']} ({r['name']}) created"

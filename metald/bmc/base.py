@@ -38,8 +38,9 @@ class BootDevice:
     device: BootTarget
     #: False: the next boot only (then the BMC forgets it); True: every boot.
     persistent: bool = False
-    #: UEFI boot; False means legacy BIOS.
-    uefi: bool = True
+    #: UEFI boot; False means legacy BIOS; None leaves the firmware's mode as it is (Redfish;
+    #: IPMI has no such value and sends legacy).
+    uefi: bool | None = True
 
 
 @dataclass(frozen=True)

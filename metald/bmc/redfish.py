@@ -284,13 +284,13 @@ class RedfishDriver(BmcDriver):
         allowed = (s.get("Boot") or {}).get("BootSourceOverrideTarget@Redfish.AllowableValues")
         if allowed and target not in allowed:
             raise BmcUnsupported(f"{self._where}: boot target {target} not offered ({allowed})")
-        body = {
-            "Boot": {
-                "BootSourceOverrideTarget": target,
-                "BootSourceOverrideEnabled": "Continuous" if boot.persistent else "Once",
-                "BootSourceOverrideMode": "UEFI" if boot.uefi else "Legacy",
-            }
+        override: dict[str, str] = {
+            "BootSourceOverrideTarget": target,
+            "BootSourceOverrideEnabled": "Continuous" if boot.persistent else "Once",
         }
+        if boot.uefi is not None:
+            override["BootSourceOverrideMode"] = "UEFI" if boot.uefi else "Legacy"
+        body = {"Boot": override}
         assert self._system_uri is not None
         await self._act("PATCH", self._system_uri, body)
 

@@ -445,7 +445,7 @@ class BmcService:
         machine_id: str,
         device: str,
         persistent: bool = False,
-        uefi: bool = True,
+        uefi: bool | None = True,
         actor: str = "system",
     ) -> dict[str, Any]:
         try:
@@ -453,7 +453,7 @@ class BmcService:
         except ValueError:
             raise Unprocessable(f"boot device must be pxe or disk, not {device!r}") from None
         row = await self._row_for_machine(machine_id)
-        boot = BootDevice(target, bool(persistent), bool(uefi))
+        boot = BootDevice(target, bool(persistent), None if uefi is None else bool(uefi))
         await self._command(row, "set_boot_device", lambda d: d.set_boot_device(boot))
 
         def record(s: Session) -> None:

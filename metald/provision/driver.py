@@ -158,7 +158,9 @@ async def boot_from_network(
 ) -> bool:
     """One-time PXE boot and a power cycle (or power on, if off). False if it failed."""
     try:
-        await bmc.set_boot_device(machine_id, "pxe", persistent=False, uefi=True, actor=actor)
+        # uefi=None: keep the machine's own firmware mode (metald does not record it yet; a BIOS
+        # machine refuses a UEFI override and a UEFI one may not PXE in legacy mode).
+        await bmc.set_boot_device(machine_id, "pxe", persistent=False, uefi=None, actor=actor)
         status = await bmc.power(machine_id, "status", actor=actor)
         action = "cycle" if status.get("power_state") == "on" else "on"
         await bmc.power(machine_id, action, actor=actor)
