@@ -104,7 +104,10 @@ def run_rack(workdir: Path) -> tuple[Ctl, Callable[[], None], dict[str, float]]:
         workdir,
         machines=3,
         uefi=1,
-        extra_config='[[enroll.rules]]\nmatch = { vendor = "vm-lab" }\nlabels = { pool = "demo" }\n',
+        extra_config=(
+            '[[enroll.rules]]\nmatch = { vendor = "vm-lab" }\nlabels = { pool = "demo" }\n'
+            '[[enroll.rules]]\nmatch = { product = "vm-lab bios" }\nlabels = { firmware = "bios" }\n'
+        ),
     )
     timings["rack up + metald started"] = time.monotonic() - t
     print(
@@ -161,7 +164,95 @@ def run_rack(workdir: Path) -> tuple[Ctl, Callable[[], None], dict[str, float]]:
     timings["whole rack power-on to ready"] = max(ready.values()) - t0
     show(ctl, "machines", "list")
     show(ctl, "bmcs", "list")
+    claim_phase(rack, ctl, timings, workdir)
     return ctl, rack.down if os.environ.get("KEEP") != "1" else (lambda: None), timings
+
+
+def claim_phase(rack, ctl: Ctl, timings: dict[str, float], workdir: Path) -> None:  # type: ignore[no-untyped-def]
+    from metald.labrack import MARKER, build_test_image
+
+    step("An orchestrator claims 2 machines for tenant acme with a disk image")
+    image, sha = build_test_image(workdir)
+    addr = rack.state["boot_address"]
+    rack.lab.spawn(
+        [sys.executable, "-m", "http.server", "8081", "--bind", addr, "--directory", str(workdir)],
+        role="image-server",
+        log=workdir / "image-server.log",
+    )
+    tenant = json.loads(show(ctl, "--json", "tenants", "create", "acme"))["id"]
+    img = json.loads(
+        show(
+            ctl,
+            "--json",
+            "images",
+            "create",
+            "demo-disk",
+            "--kind",
+            "disk",
+            "--url",
+            f"http://{addr}:8081/{image.name}",
+            "--sha256",
+            sha,
+            "--size",
+            str(image.stat().st_size),
+        )
+    )["id"]
+    orch = show(
+        ctl, "tokens", "create", "--name", "acme-orch", "--role", "orchestrator", "--scope", tenant
+    ).splitlines()[-1]
+    as_orch = {"METALD_TOKEN": orch}
+    t = time.monotonic()
+    claim = json.loads(
+        show(
+            ctl,
+            "--json",
+            "claims",
+            "create",
+            "--tenant",
+            tenant,
+            "--count",
+            "2",
+            "--image",
+            img,
+            "--label",
+            "firmware=bios",
+            "--idempotency-key",
+            "demo-1",
+            env=as_orch,
+        )
+    )
+    step(
+        "metald sets PXE once and power-cycles them; the agent writes, verifies and seeds the image"
+    )
+    show(ctl, "claims", "show", claim["id"], "--watch", env=as_orch)
+    by_id = {rack.machine_by_mac(m["mac"])["id"]: m for m in rack.machines}
+    deadline = time.monotonic() + 300
+    for mid in (m["id"] for m in claim["machines"]):
+        log = Path(by_id[mid]["serial_log"])
+        while MARKER[:24] not in log.read_bytes():
+            if time.monotonic() > deadline:
+                raise SystemExit(f"demo: {mid} did not boot its disk\n{rack.diagnostics()}")
+            time.sleep(1)
+        line = next(x for x in log.read_bytes().splitlines() if MARKER[:24] in x)
+        print(f"  {by_id[mid]['name']} serial console: {line.decode(errors='replace').strip()}")
+    timings["claim -> image on disk, booted from it"] = time.monotonic() - t
+
+    step("The orchestrator releases the claim: tokens revoked, disks wiped, machines back to ready")
+    t = time.monotonic()
+    show(ctl, "claims", "release", claim["id"], env=as_orch)
+    deadline = time.monotonic() + 600
+    while True:
+        states = [
+            json.loads(ctl("--json", "machines", "show", m["id"])[1])["state"]
+            for m in claim["machines"]
+        ]
+        if all(st == "ready" for st in states):
+            break
+        if time.monotonic() > deadline or any(st == "wipe-failed" for st in states):
+            raise SystemExit(f"demo: wipe did not finish: {states}\n{rack.diagnostics()}")
+        time.sleep(2)
+    timings["release -> wiped and ready"] = time.monotonic() - t
+    show(ctl, "machines", "list")
 
 
 def run_local(workdir: Path) -> tuple[Ctl, Callable[[], None], dict[str, float]]:
@@ -229,10 +320,10 @@ def operate(ctl: Ctl) -> None:
     show(ctl, "machines", "repair", ids[1], ok=False)
     show(ctl, "machines", "show", "no-such-machine", ok=False)
 
-    step("Scoped tokens: an orchestrator of tenant acme sees only acme's machines, and no tokens")
-    tenant = json.loads(show(ctl, "--json", "tenants", "create", "acme"))["id"]
+    step("Scoped tokens: an orchestrator of tenant globex sees only globex's machines, and no tokens")
+    tenant = json.loads(show(ctl, "--json", "tenants", "create", "globex"))["id"]
     orch = show(
-        ctl, "tokens", "create", "--name", "acme-orch", "--role", "orchestrator", "--scope", tenant
+        ctl, "tokens", "create", "--name", "globex-orch", "--role", "orchestrator", "--scope", tenant
     ).splitlines()[-1]
     show(ctl, "machines", "list", env={"METALD_TOKEN": orch})
     show(ctl, "tokens", "list", env={"METALD_TOKEN": orch}, ok=False)

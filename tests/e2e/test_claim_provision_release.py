@@ -12,7 +12,6 @@ enrollment rule on the SMBIOS product).
 
 from __future__ import annotations
 
-import hashlib
 import subprocess
 import sys
 import time
@@ -20,64 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from metald.labrack import MARKER
+from metald.labrack import build_test_image as build_image
+
 pytestmark = [pytest.mark.lab, pytest.mark.root]
-
-MARKER = b"METALD-TEST-IMAGE BOOTED FROM DISK"
-PART_START = 2048  # sectors
-PART_BYTES = 8 << 20
-
-
-def boot_sector(message: bytes) -> bytes:
-    """Real-mode code at 0x7c00: print ``message`` with INT 10h teletype, then idle."""
-    code = bytearray()
-    code += b"\x31\xc0"  # xor ax, ax
-    code += b"\x8e\xd8"  # mov ds, ax
-    code += b"\x31\xdb"  # xor bx, bx   (page 0)
-    si_at = len(code)
-    code += b"\xbe\x00\x00"  # mov si, msg  (patched below)
-    loop = len(code)
-    code += b"\xac"  # lodsb
-    code += b"\x08\xc0"  # or al, al
-    jz_at = len(code)
-    code += b"\x74\x00"  # jz halt (patched)
-    code += b"\xb4\x0e"  # mov ah, 0x0e
-    code += b"\xcd\x10"  # int 0x10
-    code += bytes([0xEB, (loop - (len(code) + 2)) & 0xFF])  # jmp loop
-    halt = len(code)
-    # sti; hlt: interrupts stay on so SeaBIOS's serial console flushes the last characters.
-    code += b"\xfb\xf4"
-    code += bytes([0xEB, (halt + 1 - (len(code) + 2)) & 0xFF])  # jmp hlt
-    code[jz_at + 1] = halt - (jz_at + 2)
-    msg_at = len(code)
-    code[si_at + 1 : si_at + 3] = (0x7C00 + msg_at).to_bytes(2, "little")
-    code += b"\r\n" + message + b"\r\n\x00"
-    assert len(code) <= 446
-    return bytes(code)
-
-
-def build_image(workdir: Path) -> tuple[Path, str]:
-    root = workdir / "imgroot"
-    (root / "etc" / "cloud").mkdir(parents=True)
-    (root / "etc" / "hostname").write_text("unconfigured\n")
-    part = workdir / "part.ext4"
-    with open(part, "wb") as f:
-        f.truncate(PART_BYTES)
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-L", "root", "-d", str(root), str(part)], check=True)
-    mbr = bytearray(512)
-    code = boot_sector(MARKER)
-    mbr[: len(code)] = code
-    entry = bytearray(16)
-    entry[4] = 0x83  # Linux
-    entry[8:12] = PART_START.to_bytes(4, "little")
-    entry[12:16] = (PART_BYTES // 512).to_bytes(4, "little")
-    mbr[446:462] = entry
-    mbr[510:512] = b"\x55\xaa"
-    image = workdir / "test-image.raw"
-    with open(image, "wb") as f:
-        f.write(mbr)
-        f.write(b"\0" * (PART_START * 512 - 512))
-        f.write(part.read_bytes())
-    return image, hashlib.sha256(image.read_bytes()).hexdigest()
 
 
 def wait_for(what: str, fn, timeout: float, rack) -> None:  # type: ignore[no-untyped-def]
@@ -184,7 +129,9 @@ def test_claim_provision_boot_release_wipe(enrolled_rack, tmp_path: Path) -> Non
     for i in ids:
         log = Path(by_id[i]["serial_log"])
         # The first 24 characters: SeaBIOS's serial console may still hold the tail.
-        wait_for(f"{i} to boot its disk", lambda log=log: MARKER[:24] in log.read_bytes(), 180, rack)
+        wait_for(
+            f"{i} to boot its disk", lambda log=log: MARKER[:24] in log.read_bytes(), 180, rack
+        )
     events = rack.json("events", "--limit", "1000")["items"]
     progress = [e for e in events if e["kind"] == "provision.progress" and e["machine_id"] in ids]
     assert progress, "deploy progress was reported"
