@@ -343,7 +343,10 @@ def main() -> int:
                     "--home",
                     str(workdir / "lab"),
                     "down",
-                    "--all",
+                    # Only the demo's own lab: --all would also remove every other lab
+                    # namespace on the host (another user's lab, a test run's).
+                    "--name",
+                    "demo",
                 ],
                 capture_output=True,
             )
