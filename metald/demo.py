@@ -370,7 +370,7 @@ def main() -> int:
         stop()
         if os.environ.get("KEEP") == "1":
             print(
-                f"KEEP=1: everything is still up; take it down with: vm-lab --home {workdir / 'lab'} down --all"
+                f"KEEP=1: everything is still up; take it down with: vm-lab --home {workdir / 'lab'} down --name demo"
             )
         else:
             print("Everything was taken down. KEEP=1 make demo leaves it up.")
