@@ -169,34 +169,12 @@ def run_rack(workdir: Path) -> tuple[Ctl, Callable[[], None], dict[str, float]]:
 
 
 def claim_phase(rack, ctl: Ctl, timings: dict[str, float], workdir: Path) -> None:  # type: ignore[no-untyped-def]
-    from metald.labrack import MARKER, build_test_image
+    from metald.labrack import MARKER
 
     step("An orchestrator claims 2 machines for tenant acme with a disk image")
-    image, sha = build_test_image(workdir)
-    addr = rack.state["boot_address"]
-    rack.lab.spawn(
-        [sys.executable, "-m", "http.server", "8081", "--bind", addr, "--directory", str(workdir)],
-        role="image-server",
-        log=workdir / "image-server.log",
-    )
+    image_args = rack.publish_test_image(workdir)
     tenant = json.loads(show(ctl, "--json", "tenants", "create", "acme"))["id"]
-    img = json.loads(
-        show(
-            ctl,
-            "--json",
-            "images",
-            "create",
-            "demo-disk",
-            "--kind",
-            "disk",
-            "--url",
-            f"http://{addr}:8081/{image.name}",
-            "--sha256",
-            sha,
-            "--size",
-            str(image.stat().st_size),
-        )
-    )["id"]
+    img = json.loads(show(ctl, "--json", "images", "create", "demo-disk", *image_args))["id"]
     orch = show(
         ctl, "tokens", "create", "--name", "acme-orch", "--role", "orchestrator", "--scope", tenant
     ).splitlines()[-1]
@@ -320,10 +298,20 @@ def operate(ctl: Ctl) -> None:
     show(ctl, "machines", "repair", ids[1], ok=False)
     show(ctl, "machines", "show", "no-such-machine", ok=False)
 
-    step("Scoped tokens: an orchestrator of tenant globex sees only globex's machines, and no tokens")
+    step(
+        "Scoped tokens: an orchestrator of tenant globex sees only globex's machines, and no tokens"
+    )
     tenant = json.loads(show(ctl, "--json", "tenants", "create", "globex"))["id"]
     orch = show(
-        ctl, "tokens", "create", "--name", "globex-orch", "--role", "orchestrator", "--scope", tenant
+        ctl,
+        "tokens",
+        "create",
+        "--name",
+        "globex-orch",
+        "--role",
+        "orchestrator",
+        "--scope",
+        tenant,
     ).splitlines()[-1]
     show(ctl, "machines", "list", env={"METALD_TOKEN": orch})
     show(ctl, "tokens", "list", env={"METALD_TOKEN": orch}, ok=False)

@@ -180,6 +180,37 @@ class LabRack:
             out[m["name"]] = self.json(*args, env={"BMC_PASSWORD": b["password"]})
         return out
 
+    def publish_test_image(self, workdir: Path) -> list[str]:
+        """Build the test disk image, serve it on the lab network (boot address, port 8081),
+        and return the ``metalctl images create NAME`` arguments that register it."""
+        image, sha = build_test_image(workdir)
+        addr = self.state["boot_address"]
+        self.lab.spawn(
+            [
+                sys.executable,
+                "-m",
+                "http.server",
+                "8081",
+                "--bind",
+                addr,
+                "--directory",
+                str(workdir),
+            ],
+            role="image-server",
+            log=workdir / "image-server.log",
+        )
+        url = f"http://{addr}:8081/{image.name}"
+        return [
+            "--kind",
+            "disk",
+            "--url",
+            url,
+            "--sha256",
+            sha,
+            "--size",
+            str(image.stat().st_size),
+        ]
+
     def machine_by_mac(self, mac: str) -> dict[str, Any] | None:
         for item in self.json("machines", "list", "--limit", "1000")["items"]:
             if any(n["mac"] == mac for n in item["nics"]):

@@ -13,14 +13,12 @@ enrollment rule on the SMBIOS product).
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from metald.labrack import MARKER
-from metald.labrack import build_test_image as build_image
 
 pytestmark = [pytest.mark.lab, pytest.mark.root]
 
@@ -50,27 +48,9 @@ def disk_ends(qcow2: str, workdir: Path) -> tuple[bytes, bytes]:
 
 def test_claim_provision_boot_release_wipe(enrolled_rack, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     rack = enrolled_rack.rack
-    image, sha = build_image(tmp_path)
-    addr = rack.state["boot_address"]
-    rack.lab.spawn(
-        [sys.executable, "-m", "http.server", "8081", "--bind", addr, "--directory", str(tmp_path)],
-        role="image-server",
-        log=tmp_path / "http.log",
-    )
+    image_args = rack.publish_test_image(tmp_path)
     tenant = rack.json("tenants", "create", "acme")["id"]
-    img = rack.json(
-        "images",
-        "create",
-        "test-disk",
-        "--kind",
-        "disk",
-        "--url",
-        f"http://{addr}:8081/{image.name}",
-        "--sha256",
-        sha,
-        "--size",
-        str(image.stat().st_size),
-    )
+    img = rack.json("images", "create", "test-disk", *image_args)
     # Too many machines: refused with how many matched, and nothing allocated.
     rc, _ = rack.ctl(
         "claims",
