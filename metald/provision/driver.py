@@ -144,6 +144,12 @@ def _fail(session: Session, machine_id: str, error: str, actor: str, instance: s
         session.rollback()
 
 
+#: Event kinds that show a machine's network boot was asked for (or cannot be) since it entered
+#: its state; see ``watchdog.interrupted_boots``.
+NETWORK_BOOT_EVENT = "provision.network-boot"
+BOOT_HANDLED_EVENTS = (NETWORK_BOOT_EVENT, "provision.no-bmc", "provision.progress")
+
+
 def _note(
     session: Session, machine_id: str, kind: str, reason: str, actor: str, instance: str | None
 ) -> None:
@@ -164,6 +170,15 @@ async def boot_from_network(
         status = await bmc.power(machine_id, "status", actor=actor)
         action = "cycle" if status.get("power_state") == "on" else "on"
         await bmc.power(machine_id, action, actor=actor)
+        # The watchdog reads this to tell a boot that was asked for from one a restart cut off.
+        await store.run(
+            _note,
+            machine_id,
+            NETWORK_BOOT_EVENT,
+            f"one-time PXE boot and power {action} through the BMC",
+            actor,
+            instance,
+        )
         return True
     except NotFound as e:
         await store.run(_note, machine_id, "provision.no-bmc", e.detail, actor, instance)

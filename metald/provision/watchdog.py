@@ -2,8 +2,9 @@
 
 Every sweep moves machines that have been in a state of ``lifecycle.TIMEOUTS`` longer than its
 configured timeout to the matching failed state (a ``watchdog.timeout`` event beside the
-transition), and provisions claimed machines that never started (metald stopped between claim
-and provision). Safe with several metald instances on one database: each move is a
+transition), provisions claimed machines that never started (metald stopped between claim
+and provision), and power-cycles provisioning or wiping machines whose network boot was never
+asked for (metald stopped between the transition and the BMC call). Safe with several metald instances on one database: each move is a
 compare-and-swap, so a machine is moved once whoever sweeps first.
 """
 
@@ -22,7 +23,7 @@ from metald.config import ProvisionConfig
 from metald.lifecycle import TIMEOUTS, IllegalTransition, State
 from metald.provision import driver
 from metald.store.db import Store
-from metald.store.models import Machine, utcnow
+from metald.store.models import Event, Machine, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,40 @@ def stalled_claims(session: Session, after_s: int, now: datetime | None = None) 
     return [m.id for m in rows if now - _aware(m.state_changed_at) > timedelta(seconds=after_s)]
 
 
+#: States whose work starts with a network boot through the BMC.
+BOOTING_STATES = (State.PROVISIONING, State.WIPING)
+
+
+def interrupted_boots(session: Session, after_s: int, now: datetime | None = None) -> list[str]:
+    """Provisioning/wiping machines, in that state for more than ``after_s`` seconds, with no
+    sign since they entered it that their network boot was asked for (no network-boot or no-bmc
+    note from the driver, no agent progress): a restart cut the driver off before the BMC call.
+    Each is resumed once: the resumed boot leaves its note."""
+    now = now or utcnow()
+    rows = session.exec(
+        select(Machine).where(col(Machine.state).in_([s.value for s in BOOTING_STATES]))
+    ).all()
+    waiting = {
+        m.id: _aware(m.state_changed_at)
+        for m in rows
+        if now - _aware(m.state_changed_at) > timedelta(seconds=after_s)
+    }
+    if not waiting:
+        return []
+    since = min(waiting.values())
+    handled = session.exec(
+        select(Event.machine_id, Event.at).where(
+            col(Event.machine_id).in_(list(waiting)),
+            col(Event.kind).in_(driver.BOOT_HANDLED_EVENTS),
+            col(Event.at) >= since,
+        )
+    ).all()
+    for mid, at in handled:
+        if mid in waiting and _aware(at) >= waiting[mid]:
+            del waiting[mid]
+    return sorted(waiting)
+
+
 class Watchdog:
     """The sweep as a daemon service. ``services`` is the daemon's registry (for the BMC)."""
 
@@ -152,15 +187,20 @@ class Watchdog:
             sweep, timeouts(self.cfg), actor=self.actor, instance=self.instance
         )
         resumed: list[str] = []
+        bmc = self.services.get("bmc") if self.cfg.use_bmc else None
         if self.cfg.claimed_resume_s > 0:
             stalled = await self.store.run(stalled_claims, self.cfg.claimed_resume_s)
             resumed = await self.store.run(
                 driver.start_provisioning, stalled, actor=self.actor, instance=self.instance
             )
-            bmc = self.services.get("bmc") if self.cfg.use_bmc else None
-            await driver.reboot_all(
-                self.store, bmc, resumed, actor=self.actor, instance=self.instance
-            )
+        if self.cfg.claimed_resume_s > 0 and bmc is not None:
+            # Resumed claims were just moved to provisioning: they boot below, once.
+            cut_off = await self.store.run(interrupted_boots, self.cfg.claimed_resume_s)
+            cut_off = [m for m in cut_off if m not in resumed]
+            for mid in cut_off:
+                log.warning("machine %s: resuming a network boot a restart cut off", mid)
+            resumed += cut_off
+        await driver.reboot_all(self.store, bmc, resumed, actor=self.actor, instance=self.instance)
         return moved + resumed
 
     async def _loop(self) -> None:

@@ -130,6 +130,70 @@ async def test_restart_resumes_where_it_was(db_url: str) -> None:
         store.close()
 
 
+async def test_restart_resumes_a_boot_cut_off_before_the_bmc_call(store: Store) -> None:
+    """metald stopped after moving machines to provisioning/wiping but before the BMC call: the
+    next sweep boots each from the network once; a machine whose boot was asked for (or whose
+    agent reports) is left alone."""
+    cut, booted, reporting = claimed(store, 3)
+    bmc = FakeBmc()
+    assert await driver.boot_from_network(store, bmc, booted, actor="t")
+    with store.session() as s:  # the agent of a machine booted by hand already reports
+        from metald.machines import add_event
+
+        add_event(s, "provision.progress", "agent", machine_id=reporting, data={"percent": 5})
+        s.commit()
+    with store.session() as s:  # a released machine whose wipe boot was cut off as well
+        from metald.claims import release_claim
+
+        claim_id = _get(store, cut).claim_id
+        assert claim_id
+        from metald.store.models import Claim
+
+        c = s.get(Claim, claim_id)
+        assert c is not None
+        wiping = release_claim(s, c, "t", deploy=DEPLOY)
+    assert sorted(wiping) == sorted([cut, booted, reporting])
+    _age(store, [cut, booted, reporting], 121)
+    with store.session() as s:  # the boot note and the progress came before the wipe began
+        s.execute(
+            update(Event)
+            .where(Event.machine_id.in_([booted, reporting]))  # type: ignore[union-attr]
+            .where(Event.kind.in_(["provision.network-boot", "provision.progress"]))  # type: ignore[attr-defined]
+            .values(at=utcnow() - timedelta(seconds=200))
+        )
+        s.commit()
+    with store.session() as s:  # so all three still wait for their wipe boot
+        from metald.provision.watchdog import interrupted_boots
+
+        assert interrupted_boots(s, 120) == sorted([cut, booted, reporting])
+    bmc = FakeBmc()
+    dog = Watchdog(store, ProvisionConfig(claimed_resume_s=120), "restarted", services={"bmc": bmc})
+    assert sorted(await dog.sweep_once()) == sorted([cut, booted, reporting])
+    assert sorted(c[0] for c in bmc.calls if c[1:] == ("power", "cycle")) == sorted(
+        [cut, booted, reporting]
+    )
+    assert await dog.sweep_once() == []  # resumed once: each left its network-boot note
+    assert _get(store, cut).state == State.WIPING.value
+
+
+async def test_resume_skips_recent_and_handled_provisioning(store: Store) -> None:
+    cut, booted, reporting = claimed(store, 3)
+    assert await driver.boot_from_network(store, FakeBmc(), booted, actor="t")
+    with store.session() as s:
+        from metald.machines import add_event
+
+        add_event(s, "provision.progress", "agent", machine_id=reporting, data={"percent": 5})
+        s.commit()
+    from metald.provision.watchdog import interrupted_boots
+
+    with store.session() as s:
+        assert interrupted_boots(s, 120) == []  # all entered provisioning moments ago
+    # Age the state change only: the note and the progress stay newer than it.
+    _age(store, [cut, booted, reporting], 300)
+    with store.session() as s:
+        assert interrupted_boots(s, 120) == [cut]
+
+
 def test_daemon_mounts_the_watchdog(cfg) -> None:  # type: ignore[no-untyped-def]
     from metald.daemon import Daemon
 
