@@ -1,0 +1,961 @@
+"""Power-on storm: N simulated GPU servers power on at once, enroll themselves, are claimed by
+an orchestrator in claims of 10 and provisioned, against a real metald (subprocess, generated
+config, SQLite by default), without QEMU.
+
+    sudo .venv/bin/python bench/storm.py                      # 1,000 machines
+    sudo .venv/bin/python bench/storm.py --machines 1000,5000 # side by side, with ratios
+    sudo .venv/bin/python bench/storm.py --quick              # CI smoke: 50 machines, 5 claims
+    sudo .venv/bin/python bench/storm.py --db postgresql      # tests/pg.py's private cluster
+
+Two network namespaces joined by a veth (bench/_lab.py, as dhcp_bench.py does): metald serves
+DHCP on ``vs`` in one; the simulated machines live in the other and reach it through a
+simulated relay (giaddr, option 82), as perfdhcp does. Nothing is routed out of them.
+
+Phase 1 (power-on to ready), per machine: iPXE DORA (user class iPXE, arch 0, option 82) ->
+GET the boot file URL from the ACK (/boot/<mac>.ipxe) -> agent token and machine id from the
+script's kernel line -> the discovery kernel's DORA (udhcpc) -> POST /api/v1/agent/inventory
+(schema v1: 8 x H100, NVSwitches, NICs with its MAC, NVMe, BMC from ``ipmitool lan print``) ->
+GET /api/v1/agent/next. Done when GET /api/v1/machines?state=ready counts N.
+
+Phase 2 (claim to provisioned): machines/10 concurrent claims of 10 (orchestrator token scoped
+to 10 tenants); each claimed machine is then power-cycled (simulated: see STORM.md) and boots
+again: iPXE DORA -> script (provision action, fresh agent token) -> DORA -> GET
+/api/v1/agent/provision -> progress posts (write 10..90 %, verify) -> done. Done when
+GET /api/v1/machines?state=provisioned counts N and every claim lists 10 provisioned machines,
+none in two claims.
+
+The outer process (root namespace) sets up and always tears down: metald, the namespaces, the
+temp dir (also on Ctrl-C). The simulation runs as a child inside the client namespace and hands
+back one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from ipaddress import IPv4Address
+from pathlib import Path
+from typing import Any
+
+from _lab import ROOT, Netns, namespaces, table, veth
+
+SRV, CLI = "10.77.0.1", "10.77.0.2"
+API_PORT = 8080
+POOL = ("10.77.1.0", "10.77.250.255")
+TENANTS = 10
+GPU_SELECTOR = {"gpu_model": "NVIDIA H100*", "min_gpu_count": 8, "labels": {"pool": "storm"}}
+
+
+def metald_config(state: Path, store_url: str) -> str:
+    store = f'[store]\nurl = "{store_url}"\n' if store_url else ""
+    return f"""state_dir = "{state}"
+instance = "storm"
+{store}[api]
+listen = "{SRV}:{API_PORT}"
+[log]
+level = "info"
+[boot]
+enabled = true
+dhcp_mode = "full"
+interfaces = ["vs"]
+server_address = "{SRV}"
+router_advertisements = false
+assets_dir = "{state}"
+[[boot.networks]]
+name = "storm"
+subnet = "10.77.0.0/16"
+pool_start = "{POOL[0]}"
+pool_end = "{POOL[1]}"
+lease_seconds = 3600
+interface = "vs"
+[enroll]
+after_inspection = "poweroff"
+[[enroll.rules]]
+match = {{ gpu_model = "NVIDIA H100*" }}
+labels = {{ pool = "storm" }}
+min_gpu_count = 8
+[provision]
+# Store every progress report as an event: a real agent reports every few seconds over minutes,
+# so each of its reports is stored; the bench's back-to-back reports would otherwise mostly be
+# accepted without an event (the default 2 s dedup) and look cheaper than they are.
+progress_event_interval_s = 0
+"""
+
+
+# ======================================================================================
+# The simulation (runs inside the client namespace)
+# ======================================================================================
+
+
+def _mac(i: int) -> str:
+    return f"b0:7b:25:{i >> 16 & 255:02x}:{i >> 8 & 255:02x}:{i & 255:02x}"
+
+
+def inventory(sim: Sim, boot_id: str, sequence: int) -> dict[str, Any]:
+    """A schema v1 payload as the discovery agent posts it for an 8 x H100 SXM server."""
+    i = sim.idx
+    gpus = [
+        {
+            "address": f"0000:{bus:02x}:00.0",
+            "vendor": "0x10de",
+            "device": "0x2330",
+            "class": "0x030200",
+            "subsystem_vendor": "0x10de",
+            "subsystem_device": "0x16c1",
+            "driver": None,
+        }
+        for bus in (0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)
+    ]
+    switches = [
+        {
+            "address": f"0000:{bus:02x}:00.0",
+            "vendor": "0x10de",
+            "device": "0x22a3",
+            "class": "0x068000",
+            "subsystem_vendor": "0x10de",
+            "subsystem_device": "0x1796",
+            "driver": None,
+        }
+        for bus in (0x05, 0x06, 0x07, 0x08)
+    ]
+    cx7 = [
+        {
+            "address": f"0000:{bus:02x}:00.0",
+            "vendor": "0x15b3",
+            "device": "0x1021",
+            "class": "0x020700",
+            "subsystem_vendor": "0x15b3",
+            "subsystem_device": "0x0041",
+            "driver": "mlx5_core",
+        }
+        for bus in (0x1A, 0x3C, 0x4D, 0x5E, 0x9C, 0xBC, 0xCC, 0xDC)
+    ]
+    other = [
+        {
+            "address": "0000:00:00.0",
+            "vendor": "0x8086",
+            "device": "0x09a2",
+            "class": "0x088000",
+            "driver": None,
+        },
+        {
+            "address": "0000:02:00.0",
+            "vendor": "0x1a03",
+            "device": "0x2000",
+            "class": "0x030000",
+            "driver": "ast",
+        },
+        {
+            "address": "0000:04:00.0",
+            "vendor": "0x14e4",
+            "device": "0x165f",
+            "class": "0x020000",
+            "driver": "tg3",
+        },
+    ] + [
+        {
+            "address": f"0000:{bus:02x}:00.0",
+            "vendor": "0x144d",
+            "device": "0xa824",
+            "class": "0x010802",
+            "driver": "nvme",
+        }
+        for bus in (0x61, 0x62, 0x63)
+    ]
+    nics = [
+        {
+            "name": "eno1",
+            "mac": sim.mac,
+            "driver": "tg3",
+            "link": True,
+            "speed_mbps": 1000,
+            "pci_address": "0000:04:00.0",
+        },
+        {
+            "name": "eno2",
+            "mac": f"b0:7b:26:{i >> 16 & 255:02x}:{i >> 8 & 255:02x}:{i & 255:02x}",
+            "driver": "tg3",
+            "link": False,
+            "speed_mbps": None,
+            "pci_address": "0000:04:00.1",
+        },
+    ]
+    disks = [
+        {
+            "name": f"nvme{n}n1",
+            "size_bytes": 3840755982336,
+            "model": "SAMSUNG MZQL23T8HCLS-00A07",
+            "serial": f"S64HNE0R{i:06d}{n}",
+            "wwn": None,
+            "rotational": False,
+            "removable": False,
+        }
+        for n in range(3)
+    ]
+    lan = (
+        "Set in Progress         : Set Complete\n"
+        "IP Address Source       : DHCP Address\n"
+        f"IP Address              : 10.78.{i >> 8 & 255}.{i & 255}\n"
+        "Subnet Mask             : 255.255.0.0\n"
+        f"MAC Address             : 3c:ec:ef:{i >> 16 & 255:02x}:{i >> 8 & 255:02x}:{i & 255:02x}\n"
+        "Default Gateway IP      : 10.78.0.1\n"
+        "802.1q VLAN ID          : Disabled\n"
+    )
+    return {
+        "schema_version": 1,
+        "agent_version": "1.0",
+        "machine_id": sim.machine_id,
+        "boot_id": boot_id,
+        "sequence": sequence,
+        "system": {
+            "vendor": "Supermicro",
+            "product": "SYS-821GE-TNHR",
+            "serial": f"S{900000 + i}",
+            "uuid": str(uuid.UUID(int=(0x4C4C4544 << 96) | i)),
+            "sku": "To Be Filled By O.E.M.",
+            "family": "SMC X13",
+            "board_vendor": "Supermicro",
+            "board_product": "X13DEG-OAD",
+            "board_serial": f"OM{i:08d}",
+            "chassis_serial": f"C8210{i:06d}",
+            "bios_vendor": "American Megatrends International, LLC.",
+            "bios_version": "2.1",
+        },
+        "cpu": {
+            "model": "Intel(R) Xeon(R) Platinum 8480+",
+            "logical": 224,
+            "sockets": 2,
+            "cores": 112,
+        },
+        "memory": {"meminfo_total_kb": 2113175552, "online_bytes": 2199023255552},
+        "disks": disks,
+        "nics": nics,
+        "pci": other + switches + cx7 + gpus,
+        "raw": {"ipmitool_lan_print": lan},
+    }
+
+
+class StormError(Exception):
+    pass
+
+
+@dataclass
+class Counters:
+    dora: int = 0
+    dhcp_retransmits: int = 0
+    scripts: int = 0
+    inventories: int = 0
+    next_calls: int = 0
+    claims: int = 0
+    claim_retries: int = 0
+    instructions: int = 0
+    progress: int = 0
+    http_retries: int = 0
+    latencies: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Sim:
+    idx: int
+    mac: str
+    machine_id: str | None = None
+    token: str | None = None
+    ip: str | None = None
+
+
+class Relay(asyncio.DatagramProtocol):
+    """A DHCP relay (giaddr = our address, port 67) for every simulated machine at once."""
+
+    def __init__(self) -> None:
+        self.waiters: dict[int, tuple[asyncio.Future[Any], set[int]]] = {}
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        from metald.boot.dhcp.packet import MalformedPacket, parse
+
+        try:
+            pkt = parse(data)
+        except MalformedPacket:
+            return
+        w = self.waiters.get(pkt.xid)
+        if w is not None and pkt.message_type in w[1] and not w[0].done():
+            w[0].set_result(pkt)
+
+
+class Storm:
+    def __init__(self, p: dict[str, Any]) -> None:
+        self.p = p
+        self.n: int = p["machines"]
+        self.api = f"http://{SRV}:{API_PORT}"
+        self.sims = [Sim(i, _mac(i)) for i in range(self.n)]
+        self.by_id: dict[str, Sim] = {}
+        self.c = Counters()
+        self.metald_pid: int = p["metald_pid"]
+        self.rng = random.Random(7)
+
+    # ---- plumbing ---------------------------------------------------------------------
+
+    async def dhcp(self, sim: Sim, *, ipxe: bool) -> Any:
+        """One DORA through the relay. Retransmits as iPXE does (1, 2, 4, 8 s) or as busybox
+        udhcpc does (every 3 s)."""
+        from metald.boot.dhcp.packet import DhcpPacket, MessageType, Opt, mac_to_bytes
+
+        chaddr = mac_to_bytes(sim.mac)
+        rack, port = divmod(sim.idx, 32)
+        relay = b"\x01" + bytes([len(c := f"swp{port + 1}".encode())]) + c
+        relay += b"\x02" + bytes([len(r := f"leaf-r{rack + 1:03d}".encode())]) + r
+        opts: dict[int, bytes] = {Opt.CLIENT_ID: b"\x01" + chaddr}
+        if ipxe:
+            opts.update(
+                {
+                    Opt.MAX_MESSAGE_SIZE: (1472).to_bytes(2, "big"),
+                    Opt.CLIENT_ARCH: b"\x00\x00",
+                    Opt.CLIENT_NDI: b"\x01\x02\x01",
+                    Opt.VENDOR_CLASS: b"PXEClient:Arch:00000:UNDI:002001",
+                    Opt.USER_CLASS: b"iPXE",
+                    Opt.PARAM_REQUEST: bytes([1, 3, 6, 7, 12, 15, 17, 26, 43, 60, 66, 67, 119]),
+                    Opt.CLIENT_UUID: b"\x00" + uuid.UUID(int=(0x4C4C4544 << 96) | sim.idx).bytes,
+                }
+            )
+        else:
+            opts.update(
+                {
+                    Opt.VENDOR_CLASS: b"udhcp 1.35.0",
+                    Opt.PARAM_REQUEST: bytes([1, 3, 6, 12, 15, 28, 42]),
+                }
+            )
+        timeouts = (1.0, 2.0, 4.0, 8.0, 16.0) if ipxe else (3.0,) * 10
+        base = dict(chaddr=chaddr, giaddr=IPv4Address(CLI), hops=1)
+        xid = self.rng.getrandbits(32)
+        discover = DhcpPacket(
+            xid=xid,
+            options={Opt.MESSAGE_TYPE: b"\x01", **opts, Opt.RELAY_AGENT: relay},
+            **base,  # type: ignore[arg-type]
+        )
+        offer = await self._exchange(discover, {MessageType.OFFER}, timeouts)
+        request = DhcpPacket(
+            xid=xid,
+            options={
+                Opt.MESSAGE_TYPE: b"\x03",
+                **opts,
+                Opt.REQUESTED_IP: offer.yiaddr.packed,
+                Opt.SERVER_ID: offer.options[Opt.SERVER_ID],
+                Opt.RELAY_AGENT: relay,
+            },
+            **base,  # type: ignore[arg-type]
+        )
+        ack = await self._exchange(request, {MessageType.ACK, MessageType.NAK}, timeouts)
+        if ack.message_type is not MessageType.ACK:
+            raise StormError(f"{sim.mac}: DHCP NAK for {offer.yiaddr}")
+        self.c.dora += 1
+        sim.ip = str(ack.yiaddr)
+        return ack
+
+    async def _exchange(self, pkt: Any, want: set[int], timeouts: tuple[float, ...]) -> Any:
+        from metald.boot.dhcp.packet import serialize
+
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.relay.waiters[pkt.xid] = (fut, want)
+        wire = serialize(pkt)
+        try:
+            for n, t in enumerate(timeouts):
+                if n:
+                    self.c.dhcp_retransmits += 1
+                assert self.relay.transport is not None
+                self.relay.transport.sendto(wire, (SRV, 67))
+                try:
+                    return await asyncio.wait_for(asyncio.shield(fut), t)
+                except TimeoutError:
+                    continue
+            raise StormError(f"no DHCP answer after {len(timeouts)} tries (xid {pkt.xid:#x})")
+        finally:
+            self.relay.waiters.pop(pkt.xid, None)
+
+    async def http(
+        self,
+        method: str,
+        url: str,
+        *,
+        token: str | None = None,
+        body: Any = None,
+        ok: tuple[int, ...] = (200, 201),
+        text: bool = False,
+        tries: int = 8,
+    ) -> Any:
+        """One request, retried on connection errors and 5xx with 0.5, 1, 2 ... s backoff (the
+        agent retries forever; here a bounded number of times)."""
+        import aiohttp
+
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        data = None
+        if body is not None:
+            data = json.dumps(body)
+            headers["Content-Type"] = "application/json"
+        delay = 0.5
+        for attempt in range(tries):
+            try:
+                async with self.session.request(method, url, data=data, headers=headers) as r:
+                    payload = await r.text()
+                    if r.status in ok:
+                        return payload if text else json.loads(payload)
+                    if r.status < 500 and r.status != 429:
+                        raise StormError(f"{method} {url}: {r.status} {payload[:500]}")
+            except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
+                if attempt == tries - 1:
+                    raise StormError(f"{method} {url}: {type(e).__name__}: {e}") from None
+            self.c.http_retries += 1
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 8)
+        raise StormError(f"{method} {url}: still failing after {tries} tries")
+
+    async def pxe_boot(self, sim: Sim, expect: str) -> dict[str, str]:
+        """iPXE DORA, then the script at the ACK's boot file URL; returns the kernel arguments."""
+        from metald.boot.dhcp.packet import Opt
+
+        ack = await self.dhcp(sim, ipxe=True)
+        url = ack.options.get(Opt.BOOTFILE, b"").decode()
+        if not url.endswith(f"/boot/{sim.mac}.ipxe"):
+            raise StormError(f"{sim.mac}: boot file {url!r} is not its iPXE script URL")
+        script = await self.http("GET", url, text=True)
+        self.c.scripts += 1
+        m = re.search(r"^kernel (\S+) (.*?) \|\| goto failed$", script, re.M)
+        if m is None or f"metald.action={expect}" not in m.group(2):
+            raise StormError(f"{sim.mac}: expected a {expect} script, got:\n{script}")
+        args = dict(a.partition("=")[::2] for a in m.group(2).split())
+        sim.token = args["metald.token"]
+        sim.machine_id = args["metald.machine"]
+        return args
+
+    # ---- phase 1: power-on to ready ---------------------------------------------------
+
+    async def enroll(self, sim: Sim, t0: float) -> None:
+        args = await self.pxe_boot(sim, "discovery")
+        self.by_id[sim.machine_id] = sim  # type: ignore[index]
+        await self.dhcp(sim, ipxe=False)  # the discovery kernel's udhcpc
+        base = args["metald.url"]
+        boot_id = str(uuid.UUID(int=self.rng.getrandbits(128), version=4))
+        for seq in range(1, 6):
+            try:
+                out = await self.http(
+                    "POST",
+                    f"{base}/api/v1/agent/inventory",
+                    token=sim.token,
+                    body=inventory(sim, boot_id, seq),
+                    tries=1,
+                )
+                break
+            except StormError:
+                if seq == 5:
+                    raise
+                self.c.http_retries += 1
+                await asyncio.sleep(seq)
+        self.c.inventories += 1
+        if out["state"] != "ready":
+            raise StormError(f"{sim.mac}: inventory accepted but machine is {out['state']}")
+        nxt = await self.http("GET", f"{base}/api/v1/agent/next", token=sim.token)
+        self.c.next_calls += 1
+        if nxt["action"] != "poweroff":
+            raise StormError(f"{sim.mac}: agent told {nxt}, expected poweroff")
+        self.c.latencies.append(time.monotonic() - t0)
+
+    async def count(self, state: str) -> int:
+        out = await self.http(
+            "GET", f"{self.api}/api/v1/machines?state={state}&limit=1", token=self.admin
+        )
+        return int(out["total"])
+
+    async def wait_count(self, state: str, want: int, timeout: float = 60) -> int:
+        deadline = time.monotonic() + timeout
+        while True:
+            got = await self.count(state)
+            if got >= want or time.monotonic() > deadline:
+                return got
+            await asyncio.sleep(0.05)
+
+    # ---- phase 2: claims to provisioned -----------------------------------------------
+
+    async def provision(self, machine_id: str, t0: float) -> None:
+        sim = self.by_id[machine_id]
+        args = await self.pxe_boot(sim, "provision")
+        if args.get("metald.mode") != "deploy":
+            raise StormError(f"{sim.mac}: provision script without metald.mode=deploy: {args}")
+        await self.dhcp(sim, ipxe=False)
+        base = args["metald.url"]
+        ins = await self.http("GET", f"{base}/api/v1/agent/provision", token=sim.token)
+        self.c.instructions += 1
+        if ins["action"] != "provision" or ins["machine_id"] != machine_id:
+            raise StormError(f"{sim.mac}: provision instruction {ins}")
+        size = int(ins["image"].get("size_bytes") or 8 << 30)
+        rate = 1.1e9 + (sim.idx % 7) * 5e7
+        reports: list[dict[str, Any]] = [
+            {"phase": "write", "percent": pct, "bytes": size * pct // 100, "rate_bps": rate}
+            for pct in (10, 30, 50, 70, 90)
+        ]
+        reports += [
+            {"phase": "verify", "percent": 100, "bytes": size, "rate_bps": 2.4e9},
+            {"phase": "verify", "percent": 100, "bytes": size, "done": True},
+        ]
+        for rep in reports:
+            out = await self.http(
+                "POST", f"{base}/api/v1/agent/progress", token=sim.token, body=rep
+            )
+            self.c.progress += 1
+        if out["state"] != "provisioned":
+            raise StormError(f"{sim.mac}: done reported, machine is {out['state']}")
+        self.c.latencies.append(time.monotonic() - t0)
+
+    async def claim(self, k: int, t0: float) -> str:
+        body = {
+            "tenant_id": self.tenants[k % len(self.tenants)],
+            "count": self.p["claim_size"],
+            "selector": GPU_SELECTOR,
+            "image_id": self.image,
+            "ssh_authorized_keys": [
+                "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIStormBenchKeyOnly storm@bench"
+            ],
+            "idempotency_key": f"storm-{k}",
+        }
+        for attempt in range(20):
+            try:
+                c = await self.http(
+                    "POST", f"{self.api}/api/v1/claims", token=self.orch, body=body, tries=1
+                )
+                break
+            except StormError as e:
+                # 409 (a concurrent claim took a machine first) is safe to retry: same key.
+                if " 409 " not in str(e) or attempt == 19:
+                    raise
+                self.c.claim_retries += 1
+                await asyncio.sleep(0.1)
+        self.c.claims += 1
+        ids = [m["id"] for m in c["machines"]]
+        if len(ids) != self.p["claim_size"]:
+            raise StormError(f"claim {c['id']} got {len(ids)} machines")
+        # The machines power-cycle into the provision boot (see STORM.md: no BMCs here).
+        await asyncio.gather(*(self.provision(mid, t0) for mid in ids))
+        return c["id"]
+
+    # ---- driver -----------------------------------------------------------------------
+
+    def cpu(self) -> float:
+        try:
+            f = Path(f"/proc/{self.metald_pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def self_cpu() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    async def run(self) -> dict[str, Any]:
+        import aiohttp
+
+        loop = asyncio.get_running_loop()
+        _t, self.relay = await loop.create_datagram_endpoint(Relay, local_addr=(CLI, 67))
+        conn = aiohttp.TCPConnector(limit=self.p["connections"])
+        self.session = aiohttp.ClientSession(
+            connector=conn, timeout=aiohttp.ClientTimeout(total=120)
+        )
+        try:
+            return await self._run()
+        finally:
+            await self.session.close()
+            _t.close()
+
+    async def _run(self) -> dict[str, Any]:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                await self.http("GET", f"{self.api}/healthz", tries=1)
+                break
+            except StormError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
+        self.admin = Path(self.p["admin_token"]).read_text().strip()
+        res: dict[str, Any] = {"machines": self.n}
+
+        # Phase 1
+        log(f"phase 1: {self.n} machines power on")
+        cpu0, me0, t0 = self.cpu(), self.self_cpu(), time.monotonic()
+        await asyncio.gather(*(self.enroll(s, t0) for s in self.sims))
+        t_agents = time.monotonic() - t0
+        ready = await self.wait_count("ready", self.n)
+        wall = time.monotonic() - t0
+        if ready != self.n:
+            raise StormError(f"phase 1: the API lists {ready} ready machines, expected {self.n}")
+        lat = sorted(self.c.latencies)
+        res["phase1"] = {
+            "wall_s": wall,
+            "agents_done_s": t_agents,
+            "ready": ready,
+            "dora": self.c.dora,
+            "scripts": self.c.scripts,
+            "inventories": self.c.inventories,
+            "next_calls": self.c.next_calls,
+            "dhcp_retransmits": self.c.dhcp_retransmits,
+            "http_retries": self.c.http_retries,
+            "metald_cpu_s": self.cpu() - cpu0,
+            "client_cpu_s": self.self_cpu() - me0,
+            "p50_s": lat[len(lat) // 2],
+            "p99_s": lat[min(len(lat) - 1, int(len(lat) * 0.99))],
+        }
+        log(f"phase 1: {ready} ready in {wall:.2f} s")
+
+        # Setup for phase 2 (not timed): tenants, an orchestrator token, an image.
+        self.c = Counters()
+        self.tenants = []
+        for t in range(TENANTS):
+            out = await self.http(
+                "POST", f"{self.api}/api/v1/tenants", token=self.admin, body={"name": f"storm-t{t}"}
+            )
+            self.tenants.append(out["id"])
+        tok = await self.http(
+            "POST",
+            f"{self.api}/api/v1/tokens",
+            token=self.admin,
+            body={"name": "storm-orchestrator", "role": "orchestrator", "scope": self.tenants},
+        )
+        self.orch = tok["token"]
+        img = await self.http(
+            "POST",
+            f"{self.api}/api/v1/images",
+            token=self.admin,
+            body={
+                "name": "ubuntu-22.04-cuda",
+                "kind": "disk",
+                "url": f"http://{SRV}:{API_PORT}/boot/assets/images/ubuntu-22.04-cuda.raw.gz",
+                "sha256": "ab" * 32,
+                "format": "raw",
+                "size_bytes": 8 << 30,
+            },
+        )
+        self.image = img["id"]
+
+        # Phase 2
+        n_claims = self.n // self.p["claim_size"]
+        log(f"phase 2: {n_claims} claims of {self.p['claim_size']}")
+        cpu0, me0, t0 = self.cpu(), self.self_cpu(), time.monotonic()
+        claim_ids = await asyncio.gather(*(self.claim(k, t0) for k in range(n_claims)))
+        t_agents = time.monotonic() - t0
+        want = n_claims * self.p["claim_size"]
+        done = await self.wait_count("provisioned", want)
+        wall = time.monotonic() - t0
+        lat = sorted(self.c.latencies)
+        res["phase2"] = {
+            "wall_s": wall,
+            "agents_done_s": t_agents,
+            "provisioned": done,
+            "claims": self.c.claims,
+            "claim_retries": self.c.claim_retries,
+            "dora": self.c.dora,
+            "scripts": self.c.scripts,
+            "instructions": self.c.instructions,
+            "progress": self.c.progress,
+            "dhcp_retransmits": self.c.dhcp_retransmits,
+            "http_retries": self.c.http_retries,
+            "metald_cpu_s": self.cpu() - cpu0,
+            "client_cpu_s": self.self_cpu() - me0,
+            "p50_s": lat[len(lat) // 2],
+            "p99_s": lat[min(len(lat) - 1, int(len(lat) * 0.99))],
+        }
+        log(f"phase 2: {done} provisioned in {wall:.2f} s")
+        res["checks"] = await self.check(claim_ids, want)
+        return res
+
+    async def check(self, claim_ids: list[str], want: int) -> dict[str, Any]:
+        """Correctness from the API alone: every claim fulfilled with provisioned machines, no
+        machine in two claims, the provisioned count."""
+        out = await self.http("GET", f"{self.api}/api/v1/claims?limit=1000", token=self.orch)
+        claims = list(out["items"])
+        while len(claims) < out["total"]:
+            more = await self.http(
+                "GET", f"{self.api}/api/v1/claims?limit=1000&offset={len(claims)}", token=self.orch
+            )
+            claims += more["items"]
+        seen: dict[str, str] = {}
+        dup = 0
+        unfulfilled = 0
+        not_provisioned = 0
+        for c in claims:
+            ms = c["machines"]
+            if c["state"] != "allocated" or len(ms) != c["count"]:
+                unfulfilled += 1
+            for m in ms:
+                if m["id"] in seen:
+                    dup += 1
+                seen[m["id"]] = c["id"]
+                if m["state"] != "provisioned":
+                    not_provisioned += 1
+        return {
+            "claims_listed": len(claims),
+            "claims_made": len(set(claim_ids)),
+            "unfulfilled": unfulfilled,
+            "machines_in_two_claims": dup,
+            "claimed_not_provisioned": not_provisioned,
+            "distinct_claimed": len(seen),
+            "provisioned_api": await self.count("provisioned"),
+            "ready_api": await self.count("ready"),
+            "want": want,
+        }
+
+
+def log(msg: str) -> None:
+    print(f"storm: {msg}", file=sys.stderr, flush=True)
+
+
+def client_main(params_json: str) -> int:
+    sys.path.insert(0, str(ROOT))
+    p = json.loads(params_json)
+    try:
+        res = asyncio.run(Storm(p).run())
+    except StormError as e:
+        print("RESULT " + json.dumps({"error": str(e)}), flush=True)
+        return 1
+    print("RESULT " + json.dumps(res), flush=True)
+    return 0
+
+
+# ======================================================================================
+# The outer process: namespaces, metald, teardown, tables
+# ======================================================================================
+
+
+def cpu_of(pid: int) -> float:
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _raise_nofile() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 65536)), hard))
+
+
+def stop(proc: subprocess.Popen[Any] | None, grace: float = 15) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def run_one(n: int, args: argparse.Namespace) -> dict[str, Any]:
+    pg = None
+    metald = client = None
+    with (
+        namespaces("srv", "cli") as ns,
+        tempfile.TemporaryDirectory(prefix="metald-storm-") as tmp,
+    ):
+        try:
+            veth(ns["srv"], "vs", f"{SRV}/16", ns["cli"], "vc", f"{CLI}/16")
+            state = Path(tmp) / "state"
+            state.mkdir()
+            store_url = ""
+            if args.db == "postgresql":
+                from pg import PgServer  # tests/pg.py, on the path through _lab
+
+                pg = PgServer()
+                name = pg.new_database().rsplit("/", 1)[1]
+                # metald runs in the namespace: reach PostgreSQL over its Unix socket.
+                store_url = f"postgresql+psycopg://metald@/{name}?host={pg.dir}&port={pg.port}"
+            cfg = Path(tmp) / "metald.toml"
+            cfg.write_text(metald_config(state, store_url))
+            mlog = Path(args.log_dir or tmp) / f"metald-{n}.log"
+            with open(mlog, "w") as logf:
+                metald = ns["srv"].popen(
+                    sys.executable,
+                    "-c",
+                    "import sys; from metald.cli import main; sys.exit(main())",
+                    "serve",
+                    "--config",
+                    str(cfg),
+                    stdout=logf,
+                    stderr=subprocess.STDOUT,
+                    cwd=str(ROOT),
+                    preexec_fn=_raise_nofile,
+                )
+            t_start = time.monotonic()
+            while not (state / "admin.token").exists():
+                if metald.poll() is not None or time.monotonic() - t_start > 60:
+                    raise RuntimeError(f"metald did not start; log:\n{mlog.read_text()[-3000:]}")
+                time.sleep(0.1)
+            params = {
+                "machines": n,
+                "claim_size": args.claim_size,
+                "connections": args.connections,
+                "metald_pid": metald.pid,
+                "admin_token": str(state / "admin.token"),
+            }
+            client = ns["cli"].popen(
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--_client",
+                json.dumps(params),
+                stdout=subprocess.PIPE,
+                cwd=str(ROOT),
+                preexec_fn=_raise_nofile,
+            )
+            out, _ = client.communicate(timeout=args.timeout)
+            line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
+            if line is None:
+                raise RuntimeError(f"the simulation gave no result (exit {client.returncode})")
+            res = json.loads(line[len("RESULT ") :])
+            if "error" in res:
+                raise RuntimeError(
+                    f"storm failed: {res['error']}\nmetald log tail:\n{mlog.read_text()[-3000:]}"
+                )
+            res["db"] = args.db
+            res["metald_cpu_total_s"] = cpu_of(metald.pid)
+            if metald.poll() is not None:
+                raise RuntimeError(
+                    f"metald exited during the run; log:\n{mlog.read_text()[-3000:]}"
+                )
+            return res
+        finally:
+            stop(client, grace=2)
+            stop(metald)
+            if pg is not None:
+                pg.stop()
+
+
+def rates(r: dict[str, Any]) -> list[list[object]]:
+    p1, p2 = r["phase1"], r["phase2"]
+    w1, w2 = p1["wall_s"], p2["wall_s"]
+    n = r["machines"]
+
+    def f(x: float, d: int = 1) -> str:
+        return f"{x:.{d}f}"
+
+    return [
+        ["1 power-on -> ready", f(w1, 2), f(n / w1), f(p1["dora"] / w1), f(p1["scripts"] / w1),
+         f(p1["inventories"] / w1), "", "", f(p1["metald_cpu_s"], 1),
+         f(p1["metald_cpu_s"] / n * 1000, 2), f(p1["client_cpu_s"], 1),
+         f"{p1['p50_s']:.1f}/{p1['p99_s']:.1f}", f"{p1['dhcp_retransmits']}/{p1['http_retries']}"],
+        ["2 claim -> provisioned", f(w2, 2), f(p2["provisioned"] / w2), f(p2["dora"] / w2),
+         f(p2["scripts"] / w2), "", f(p2["claims"] / w2), f(p2["progress"] / w2),
+         f(p2["metald_cpu_s"], 1), f(p2["metald_cpu_s"] / n * 1000, 2), f(p2["client_cpu_s"], 1),
+         f"{p2['p50_s']:.1f}/{p2['p99_s']:.1f}", f"{p2['dhcp_retransmits']}/{p2['http_retries']}"],
+    ]  # fmt: skip
+
+
+HEADERS = [
+    "phase",
+    "wall s",
+    "machines/s",
+    "DORA/s",
+    "scripts/s",
+    "inventories/s",
+    "claims/s",
+    "progress posts/s",
+    "metald CPU s",
+    "metald CPU ms/machine",
+    "client CPU s",
+    "machine p50/p99 s",
+    "DHCP retx / HTTP retries",
+]
+
+
+def report(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        c = r["checks"]
+        print(
+            f"\n{r['machines']} machines, {r['machines'] // r['claim_size']} claims of "
+            f"{r['claim_size']}, database {r['db']}, metald CPU over the whole run "
+            f"{r['metald_cpu_total_s']:.1f} s"
+        )
+        print(table(HEADERS, rates(r)))
+        print(
+            f"checks (from the API): ready {r['phase1']['ready']}/{r['machines']}, claims listed "
+            f"{c['claims_listed']}, unfulfilled {c['unfulfilled']}, machines in two claims "
+            f"{c['machines_in_two_claims']}, provisioned {c['provisioned_api']}/{c['want']}"
+        )
+    if len(results) > 1:
+        base = results[0]
+        rows = []
+        for r in results[1:]:
+            k = r["machines"] / base["machines"]
+            for ph in ("phase1", "phase2"):
+                rows.append(
+                    [
+                        f"{ph[-1]}: {r['machines']} vs {base['machines']}",
+                        f"{k:.1f}",
+                        f"{r[ph]['wall_s'] / base[ph]['wall_s']:.2f}",
+                        f"{r[ph]['metald_cpu_s'] / base[ph]['metald_cpu_s']:.2f}",
+                        f"{r[ph]['wall_s'] / base[ph]['wall_s'] / k:.2f}",
+                        f"{r[ph]['metald_cpu_s'] / base[ph]['metald_cpu_s'] / k:.2f}",
+                    ]
+                )
+        print("\nScaling (1.00 in the last two columns = cost grows linearly with machines):")
+        print(
+            table(
+                [
+                    "phase",
+                    "machines ratio",
+                    "wall ratio",
+                    "metald CPU ratio",
+                    "wall per machine ratio",
+                    "CPU per machine ratio",
+                ],
+                rows,
+            )
+        )
+
+
+def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--_client":
+        return client_main(sys.argv[2])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--machines", default="1000", help="machines, or several comma-separated (1000,5000)"
+    )
+    ap.add_argument("--claim-size", type=int, default=10)
+    ap.add_argument("--quick", action="store_true", help="CI smoke: 50 machines, 5 claims of 10")
+    ap.add_argument("--db", choices=["sqlite", "postgresql"], default="sqlite")
+    ap.add_argument(
+        "--connections", type=int, default=256, help="most HTTP connections open at once"
+    )
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per run before giving up")
+    ap.add_argument("--json", help="also write the results as JSON to this file")
+    ap.add_argument("--log-dir", help="keep metald's log here (default: removed with the temp dir)")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        print("storm.py needs root (it creates network namespaces)", file=sys.stderr)
+        return 2
+    sizes = [50] if args.quick else [int(x) for x in args.machines.split(",")]
+    results = []
+    for n in sizes:
+        print(f"== {n} machines, {args.db}", flush=True)
+        r = run_one(n, args)
+        r["claim_size"] = args.claim_size
+        results.append(r)
+    report(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
