@@ -49,7 +49,7 @@ from ipaddress import IPv4Address
 from pathlib import Path
 from typing import Any
 
-from _lab import ROOT, Netns, namespaces, table, veth
+from _lab import ROOT, namespaces, table, veth
 
 SRV, CLI = "10.77.0.1", "10.77.0.2"
 API_PORT = 8080
