@@ -6,7 +6,7 @@ another tenant is reported as absent. Staff read every claim; admins may claim f
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, StringConstraints
@@ -27,7 +27,8 @@ from metald.provision.images import normalize_spec
 from metald.provision.intents import DeployImage
 from metald.provision.metadata import nocloud
 from metald.provision.progress import Progress, record_progress
-from metald.store.models import Claim, Image, Machine, Nic
+from metald.store.models import Claim, Image, Machine, Nic, WgHub
+from metald.tenants.service import issue_join_token
 
 router = Router()
 TAG = "claims"
@@ -175,6 +176,9 @@ class ProvisionInstruction(BaseModel):
     image: dict[str, Any] | None = None
     #: cloud-init NoCloud files: meta-data, user-data, network-config.
     nocloud: dict[str, str] | None = None
+    #: For a machine of a tenant with a hub: where and with what one-time token the node joins
+    #: (``url``, ``token``, ``expires_at``; also in user-data as /etc/metald/join.json).
+    join: dict[str, str] | None = None
 
 
 # ---- helpers ----------------------------------------------------------------------------
@@ -537,17 +541,35 @@ async def provision_instruction(req: ApiRequest) -> ProvisionInstruction:
         if img is None:
             return ProvisionInstruction(action="none", machine_id=mid)
         pxe = s.exec(select(Nic).where(Nic.machine_id == mid, col(Nic.pxe))).first()
+        join = None
+        if m.tenant_id and s.exec(select(WgHub).where(WgHub.tenant_id == m.tenant_id)).first():
+            # A fresh one-time token each time the agent asks (older unused ones are revoked):
+            # the node joins with whichever it was given last.
+            secret, expires = issue_join_token(
+                s,
+                mid,
+                actor=req.actor,
+                ttl=timedelta(seconds=req.ctx.cfg.tenants.join_token_ttl_s),
+                instance=req.ctx.instance,
+            )
+            join = {
+                "url": f"{req.raw.scheme}://{req.raw.host}",
+                "token": secret,
+                "expires_at": expires.isoformat(),
+            }
         files = nocloud(
             machine_id=mid,
             name=m.name,
             pxe_mac=pxe.mac if pxe else None,
             ssh_authorized_keys=list(c.ssh_authorized_keys or []) if c else [],
+            join=join,
         )
         return ProvisionInstruction(
             action="provision",
             machine_id=mid,
             image={"id": img.id, "kind": img.kind, **img.spec},
             nocloud=files,
+            join=join,
         )
 
     return await req.ctx.store.run(run)

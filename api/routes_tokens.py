@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, select
 
 from api.routing import ALL_ROLES, ApiRequest, Router
@@ -21,6 +22,7 @@ from metald.auth import Role, issue_token, revoke_token
 from metald.errors import Conflict, NotFound, Unprocessable
 from metald.machines import add_event
 from metald.store.models import ApiToken, Machine, Tenant
+from metald.tenants.service import new_tenant
 
 router = Router()
 ADMIN = frozenset({Role.ADMIN})
@@ -148,21 +150,33 @@ async def create_tenant(req: ApiRequest) -> TenantOut:
     b: TenantCreate = req.body
 
     def run(s: Session) -> TenantOut:
-        if s.exec(select(Tenant).where(Tenant.name == b.name)).first():
-            raise Conflict(f"a tenant named {b.name!r} already exists")
-        t = Tenant(name=b.name, cluster_kind=b.cluster_kind, control_plane=b.control_plane)
-        s.add(t)
-        s.flush()
-        add_event(
-            s,
-            "tenant.created",
-            req.actor,
-            tenant_id=t.id,
-            data={"name": t.name},
-            instance=req.ctx.instance,
-        )
-        s.commit()
-        return TenantOut.model_validate(t.model_dump())
+        for attempt in range(5):
+            if s.exec(select(Tenant).where(Tenant.name == b.name)).first():
+                raise Conflict(f"a tenant named {b.name!r} already exists")
+            t = new_tenant(
+                s,
+                name=b.name,
+                cluster_kind=b.cluster_kind,
+                control_plane=b.control_plane,
+                vlan_range=req.ctx.cfg.tenants.vlan_range,
+            )
+            add_event(
+                s,
+                "tenant.created",
+                req.actor,
+                tenant_id=t.id,
+                data={"name": t.name, "vlan": t.vlan},
+                instance=req.ctx.instance,
+            )
+            try:
+                s.commit()
+            except IntegrityError:  # the same name or VLAN committed a moment ago: look again
+                s.rollback()
+                if attempt == 4:
+                    raise Conflict("tenants were created concurrently; try again") from None
+                continue
+            return TenantOut.model_validate(t.model_dump())
+        raise AssertionError("unreachable")
 
     return await req.ctx.store.run(run)
 

@@ -201,6 +201,8 @@ class TenantOut(BaseModel):
     cluster_kind: str
     control_plane: str | None
     overlay_prefix: str | None
+    #: VLAN id for the tenant's machines (switch automation reads it from claim events).
+    vlan: int | None = None
     created_at: datetime
 
 

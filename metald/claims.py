@@ -27,7 +27,7 @@ from metald.auth import revoke_machine_tokens
 from metald.errors import Conflict, NotFound, Unprocessable
 from metald.lifecycle import ALLOCATED, State, Trigger
 from metald.provision.intents import DeployImage, provision_intent, wipe_intent
-from metald.store.models import Claim, Event, Image, Machine, Tenant, utcnow
+from metald.store.models import Claim, Event, Image, Machine, Nic, Tenant, utcnow
 
 T = TypeVar("T")
 
@@ -235,6 +235,7 @@ def create_claim(
                 "count": count,
                 "machines": [m.id for m in locked],
                 "image_id": image.id,
+                "network": switch_plan(session, tenant_id, locked),
             },
             instance=instance,
         )
@@ -342,13 +343,42 @@ def release_claim(
             actor,
             tenant_id=c.tenant_id,
             reason=reason,
-            data={"claim_id": claim_id, "machines": wiping},
+            data={
+                "claim_id": claim_id,
+                "machines": wiping,
+                # Switch automation moves these ports back to the provisioning network.
+                "network": switch_plan(
+                    session,
+                    c.tenant_id,
+                    [m for m in claim_machines(session, claim_id) if m.id in wiping],
+                ),
+            },
             instance=instance,
         )
         session.commit()
         return wiping
 
     return _retrying(session, release)
+
+
+def switch_plan(session: Session, tenant_id: str, ms: list[Machine]) -> dict[str, Any]:
+    """What switch automation needs to put these machines on (or take them off) the tenant's
+    VLAN: the VLAN id, and each machine's switch port (DHCP option 82) and NIC MACs. metald
+    does not configure switches; separating tenants on the underlay is the switches' job."""
+    tenant = session.get(Tenant, tenant_id)
+    ids = [m.id for m in ms]
+    macs: dict[str, list[str]] = {i: [] for i in ids}
+    if ids:
+        for nic in session.exec(
+            select(Nic).where(col(Nic.machine_id).in_(ids)).order_by(col(Nic.mac))
+        ):
+            macs[nic.machine_id].append(nic.mac)
+    return {
+        "vlan": tenant.vlan if tenant else None,
+        "ports": [
+            {"machine_id": m.id, "switch_port": m.rack_position, "macs": macs[m.id]} for m in ms
+        ],
+    }
 
 
 def latest_progress(session: Session, ms: list[Machine]) -> dict[str, dict[str, Any]]:

@@ -14,7 +14,14 @@ from ipaddress import IPv4Address, IPv4Network, IPv6Network
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from metald.inventory.enroll import EnrollmentRule
 
@@ -182,6 +189,49 @@ class ProvisionConfig(_Section):
     progress_event_interval_s: float = Field(default=2.0, ge=0)
 
 
+class TenantsConfig(_Section):
+    """Tenant clusters: WireGuard hubs, their control planes, join tokens and VLANs."""
+
+    #: Run each tenant's hub on this host (wireguard-go in its own network namespace, with an
+    #: nftables guard that lets only WireGuard in on the underlay). Needs root.
+    hubs: bool = False
+    #: Bridge in metald's namespace the hubs' underlay veths are attached to: the provisioning
+    #: network the nodes are on. Required with ``hubs``.
+    underlay_bridge: str = ""
+    #: Hub underlay addresses are handed out from this range on the bridge's network (a hub
+    #: created without ``endpoint_host`` gets the next free one), e.g. "10.1.0.192/27".
+    hub_addresses: IPv4Network | None = None
+    #: Also run each slurm tenant's control plane (slurmctld + munged, configless, dynamic
+    #: nodes) in its hub's namespace, listening on the hub's overlay address.
+    control_planes: bool = False
+    #: Seconds between looks at hubs (handshakes) and schedulers (node states).
+    observe_interval_s: float = Field(default=2.0, gt=0)
+    #: Lifetime of the one-time join token put in a node's first-boot metadata.
+    join_token_ttl_s: int = Field(default=3600, ge=60, le=86400)
+    #: Each tenant gets a VLAN id from this range, recorded and emitted in its claims' events
+    #: for switch automation (metald does not configure switches).
+    vlan_range: tuple[int, int] = (100, 3999)
+
+    @field_validator("vlan_range")
+    @classmethod
+    def _vlans(cls, v: tuple[int, int]) -> tuple[int, int]:
+        if not 1 <= v[0] <= v[1] <= 4094:
+            raise ValueError("vlan_range must be [low, high] with 1 <= low <= high <= 4094")
+        return v
+
+    @model_validator(mode="after")
+    def _hubs_need_a_bridge(self) -> TenantsConfig:
+        if self.hubs and not self.underlay_bridge:
+            raise ValueError(
+                "hubs = true needs underlay_bridge (the provisioning network's bridge)"
+            )
+        if self.control_planes and not self.hubs:
+            raise ValueError(
+                "control_planes = true needs hubs = true (they run in the hubs' namespaces)"
+            )
+        return self
+
+
 class Config(_Section):
     #: Folder for the SQLite database, the secrets key and the first admin token.
     state_dir: str = "/var/lib/metald"
@@ -195,6 +245,7 @@ class Config(_Section):
     bmc: BmcConfig = BmcConfig()
     enroll: EnrollConfig = EnrollConfig()
     provision: ProvisionConfig = ProvisionConfig()
+    tenants: TenantsConfig = TenantsConfig()
 
     @property
     def store_url(self) -> str:

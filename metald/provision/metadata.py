@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+JOIN_FILE = "/etc/metald/join.json"
+
 
 def hostname(machine_id: str, name: str | None) -> str:
     return name or f"node-{machine_id[:8]}"
@@ -21,7 +23,7 @@ def nocloud(
     name: str | None,
     pxe_mac: str | None,
     ssh_authorized_keys: list[str],
-    join_token: str | None = None,
+    join: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """``meta-data``, ``user-data`` and ``network-config`` for one machine."""
     host = hostname(machine_id, name)
@@ -32,10 +34,15 @@ def nocloud(
         "ssh_authorized_keys": list(ssh_authorized_keys),
         "disable_root": False,
     }
-    if join_token:
-        # Read by the node's join service (tenants module) on first boot, then deleted by it.
+    if join:
+        # The tenant's one-time join token and where to use it ({"url", "token", "expires_at"}):
+        # the node image's join agent reads it on first boot (docs/node-image.md).
         user["write_files"] = [
-            {"path": "/etc/metald/join-token", "permissions": "0600", "content": join_token}
+            {
+                "path": JOIN_FILE,
+                "permissions": "0600",
+                "content": json.dumps(join, sort_keys=True),
+            }
         ]
     net: dict[str, Any] = {"version": 2, "ethernets": {}}
     if pxe_mac:

@@ -132,6 +132,8 @@ class Tenant(SQLModel, table=True):
     #: Encrypted JSON blob of scheduler secrets (munge key, CA key, ...).
     secrets_enc: bytes | None = Field(default=None, sa_column=Column(LargeBinary))
     overlay_prefix: str | None = Field(default=None, unique=True)
+    #: The tenant's VLAN id, emitted in its claims' events for switch automation.
+    vlan: int | None = Field(default=None, unique=True, index=True)
     created_at: datetime = _ts()
 
 

@@ -48,3 +48,12 @@ def allocate_address(prefix: str, taken: Iterable[str]) -> str:
         if host not in used:
             return str(host)
     raise IpamExhausted(f"no free address left in {prefix}")
+
+
+def allocate_vlan(taken: Iterable[int | None], low: int, high: int) -> int:
+    """The lowest VLAN id in [low, high] no tenant holds."""
+    used = {v for v in taken if v is not None}
+    for vid in range(low, high + 1):
+        if vid not in used:
+            return vid
+    raise IpamExhausted(f"every VLAN id from {low} to {high} is taken")

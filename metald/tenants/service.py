@@ -117,6 +117,30 @@ def setup_hub(
     return hub
 
 
+DEFAULT_VLAN_RANGE = (100, 3999)
+
+
+def new_tenant(
+    session: Session,
+    *,
+    name: str,
+    cluster_kind: str,
+    control_plane: str | None = None,
+    vlan_range: tuple[int, int] = DEFAULT_VLAN_RANGE,
+) -> Tenant:
+    """Add a tenant with the lowest free VLAN id (flushed, not committed). A racing creation
+    that took the same VLAN fails the commit on the unique index; the caller may retry."""
+    taken = session.exec(select(Tenant.vlan)).all()
+    try:
+        vlan = ipam.allocate_vlan(taken, *vlan_range)
+    except ipam.IpamExhausted as e:
+        raise Conflict(str(e)) from None
+    tenant = Tenant(name=name, cluster_kind=cluster_kind, control_plane=control_plane, vlan=vlan)
+    session.add(tenant)
+    session.flush()
+    return tenant
+
+
 def create_tenant(
     session: Session,
     box: SecretBox,
@@ -128,9 +152,7 @@ def create_tenant(
     listen_port: int = DEFAULT_LISTEN_PORT,
     supernet: str = ipam.DEFAULT_SUPERNET,
 ) -> tuple[Tenant, WgHub]:
-    tenant = Tenant(name=name, cluster_kind=cluster_kind, control_plane=control_plane)
-    session.add(tenant)
-    session.flush()
+    tenant = new_tenant(session, name=name, cluster_kind=cluster_kind, control_plane=control_plane)
     hub = setup_hub(
         session,
         box,
@@ -161,7 +183,8 @@ def issue_join_token(
     ttl: timedelta = tokens.DEFAULT_TTL,
     instance: str | None = None,
 ) -> tuple[str, datetime]:
-    """A one-time token for the machine's first boot; returns (secret, expiry). Commits."""
+    """A one-time token for the machine's first boot; returns (secret, expiry). Revokes the
+    machine's unused older tokens. Commits."""
     m = machines.get_machine(session, machine_id)
     if m.tenant_id is None or State(m.state) not in JOINABLE:
         raise Conflict(
@@ -169,6 +192,7 @@ def issue_join_token(
             "only a claimed machine can be given a join token"
         )
     get_hub_or_conflict(session, m.tenant_id)
+    tokens.revoke_for_machine(session, m.id)  # the newest token replaces unused older ones
     row, secret = tokens.issue(
         session, machine_id=m.id, tenant_id=m.tenant_id, ttl=ttl, created_by=actor
     )

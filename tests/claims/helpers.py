@@ -11,7 +11,8 @@ from metald.lifecycle import State
 from metald.provision import driver
 from metald.provision.intents import DeployImage
 from metald.store import Store
-from metald.store.models import Image, Machine, Tenant
+from metald.store.models import Image, Machine
+from metald.tenants.service import new_tenant
 
 DEPLOY = DeployImage("discovery/vmlinuz", "discovery/initrd.img")
 
@@ -56,9 +57,9 @@ def add_ready(
 
 
 def add_tenant(store: Store, name: str) -> str:
+    """A tenant with the next free VLAN, as the API creates them."""
     with store.session() as s:
-        t = Tenant(name=name)
-        s.add(t)
+        t = new_tenant(s, name=name, cluster_kind="slurm")
         s.commit()
         return t.id
 

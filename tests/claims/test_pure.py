@@ -161,7 +161,7 @@ def test_nocloud_metadata() -> None:
         name=None,
         pxe_mac="52:54:00:00:00:01",
         ssh_authorized_keys=["ssh-ed25519 AAAA x@y"],
-        join_token="jt-1",
+        join={"url": "http://10.1.0.1:8080", "token": "jt-1", "expires_at": "2026-12-02T16:00:00Z"},
     )
     assert json.loads(files["meta-data"]) == {
         "instance-id": "0123456789ab",
@@ -170,10 +170,12 @@ def test_nocloud_metadata() -> None:
     header, body = files["user-data"].split("\n", 1)
     user = json.loads(body)
     assert header == "#cloud-config" and user["ssh_authorized_keys"] == ["ssh-ed25519 AAAA x@y"]
-    assert user["write_files"][0] == {
-        "path": "/etc/metald/join-token",
-        "permissions": "0600",
-        "content": "jt-1",
+    (entry,) = user["write_files"]
+    assert entry["path"] == "/etc/metald/join.json" and entry["permissions"] == "0600"
+    assert json.loads(entry["content"]) == {
+        "url": "http://10.1.0.1:8080",
+        "token": "jt-1",
+        "expires_at": "2026-12-02T16:00:00Z",
     }
     net = json.loads(files["network-config"])
     assert net["ethernets"]["pxe0"]["match"] == {"macaddress": "52:54:00:00:00:01"}

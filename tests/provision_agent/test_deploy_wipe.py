@@ -33,7 +33,7 @@ def provision(port: int, image: bytes, *, path: str = "/image", **over: object) 
         name="nœud-1",  # non-ASCII: json.dumps writes \u escapes the agent must decode
         pxe_mac="52:54:00:00:00:01",
         ssh_authorized_keys=['ssh-ed25519 AAAAC3Nz "quoted" comment\\with\\backslashes'],
-        join_token="tok-123",
+        join={"url": "http://127.0.0.1:1", "token": "tok-123", "expires_at": "x"},
     )
     img = {
         "id": "img1",

@@ -61,3 +61,52 @@ async def test_hub_token_join_flow(api) -> None:  # type: ignore[no-untyped-def]
     assert [(p["machine_id"], p["public_key"]) for p in peers] == [(tokens.machine_a, pub)]
     r = await client.get("/api/v1/openapi.json")
     assert "/api/v1/join" in (await r.json())["paths"]
+
+
+async def test_provision_instruction_carries_a_fresh_join_token(api) -> None:  # type: ignore[no-untyped-def]
+    """The deploy agent (or a stateless node) of a tenant's machine gets the join URL and a
+    one-time token; asking again revokes the unused older one; the token joins once."""
+    import json
+
+    from sqlmodel import select
+
+    from metald.auth import issue_token
+    from metald.claims import Selector, create_claim
+    from metald.provision import driver
+    from metald.store.models import Machine
+    from tests.claims.helpers import DEPLOY, add_image, add_ready
+
+    client, tokens, store = api
+    admin = tokens.header("admin")
+    r = await client.post(
+        f"/api/v1/tenants/{tokens.tenant_a}/hub", json={"endpoint_host": "10.99.0.1"}, headers=admin
+    )
+    assert r.status == 201
+    add_ready(store, 1, gpu_model="NVIDIA B200", prefix="join")
+    with store.session() as s:
+        claim, _ = create_claim(
+            s, tokens.tenant_a, 1, Selector(gpu_model="NVIDIA B200"), add_image(store), None,
+            "t", deploy=DEPLOY,
+        )  # fmt: skip
+        mid = s.exec(select(Machine).where(Machine.claim_id == claim.id)).one().id
+        assert driver.start_provisioning(s, [mid], actor="t") == [mid]
+        _row, agent_secret = issue_token(s, name="agent", role="agent", scope=[mid])
+    agent = {"Authorization": f"Bearer {agent_secret}"}
+
+    r = await client.get("/api/v1/agent/provision", headers=agent)
+    first = (await r.json())["join"]
+    host = f"{client.server.host}:{client.server.port}"
+    assert first["url"] == f"http://{host}" and first["token"].startswith("mjt_")
+    r = await client.get("/api/v1/agent/provision", headers=agent)
+    todo = await r.json()
+    second = todo["join"]
+    assert second["token"] != first["token"]
+    user = json.loads(todo["nocloud"]["user-data"].split("\n", 1)[1])
+    (entry,) = user["write_files"]
+    assert entry["path"] == "/etc/metald/join.json" and json.loads(entry["content"]) == second
+
+    pub = keys.public_key(keys.generate_private_key())
+    r = await client.post("/api/v1/join", json={"token": first["token"], "public_key": pub})
+    assert r.status == 401 and "revoked" in (await r.json())["detail"]
+    r = await client.post("/api/v1/join", json={"token": second["token"], "public_key": pub})
+    assert r.status == 200, await r.text()
