@@ -1,4 +1,5 @@
-"""``python -m bootassets build [--cache DIR] [--force]``: build (or reuse) the boot assets."""
+"""``python -m bootassets build|node [--cache DIR] [--force]``: build (or reuse) the boot assets
+(``build``: discovery image and iPXE binaries) or the tenant node image (``node``)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,19 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument(
         "--force", action="store_true", help="rebuild even if the inputs are unchanged"
     )
+    node = sub.add_parser("node", help="build the tenant node image (stateless and disk forms)")
+    node.add_argument("--cache", help="cache folder (default: <repo>/.cache/bootassets)")
+    node.add_argument(
+        "--force", action="store_true", help="rebuild even if the inputs are unchanged"
+    )
     args = parser.parse_args(argv)
     try:
-        path = ensure_built(args.cache, force=args.force)
+        if args.command == "node":
+            from bootassets.node import ensure_node_built
+
+            path = ensure_node_built(args.cache, force=args.force)
+        else:
+            path = ensure_built(args.cache, force=args.force)
     except BuildError as e:
         print(f"bootassets: {e}", file=sys.stderr)
         return 1
@@ -27,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     for rel, meta in manifest["files"].items():
         print(f"{meta['size']:>10}  {rel}")
     print(f"{manifest['total_bytes']:>10}  total, kernel {manifest['kernel_version']}")
+    if "initrd_unpacked_bytes" in manifest:
+        print(f"{manifest['initrd_unpacked_bytes']:>10}  initrd contents, unpacked")
     print(path)
     return 0
 

@@ -129,20 +129,8 @@ def _apt_show(*packages: str) -> dict[str, dict[str, str]]:
 def resolve_inputs() -> dict[str, object]:
     """Everything the build depends on: package versions and the hashes of our own files."""
     shown = _apt_show(KERNEL_META, BUSYBOX, IPXE, *TOOL_PACKAGES)
-    # the meta-package names the versioned kernel package that holds the image
-    image = next(
-        (
-            d.strip().split()[0]
-            for d in shown[KERNEL_META].get("Depends", "").split(",")
-            if d.strip().startswith("linux-image-")
-        ),
-        None,
-    )
-    if not image:
-        raise BuildError(f"{KERNEL_META} depends on no linux-image package")
-    kernel = _apt_show(image)[image]
     packages = {
-        "kernel": f"{image}={kernel['Version']}",
+        "kernel": kernel_package(shown),
         "busybox": f"{BUSYBOX}={shown[BUSYBOX]['Version']}",
         "ipxe": f"{IPXE}={shown[IPXE]['Version']}",
         "tools": " ".join(f"{p}={shown[p]['Version']}" for p in TOOL_PACKAGES),
@@ -161,6 +149,21 @@ def resolve_inputs() -> dict[str, object]:
         )
     }
     return {"packages": packages, "files": files, "modules": MODULES}
+
+
+def kernel_package(shown: dict[str, dict[str, str]]) -> str:
+    """The versioned kernel package (name=version) the meta-package names."""
+    image = next(
+        (
+            d.strip().split()[0]
+            for d in shown[KERNEL_META].get("Depends", "").split(",")
+            if d.strip().startswith("linux-image-")
+        ),
+        None,
+    )
+    if not image:
+        raise BuildError(f"{KERNEL_META} depends on no linux-image package")
+    return f"{image}={_apt_show(image)[image]['Version']}"
 
 
 def inputs_hash(inputs: dict[str, object]) -> str:
@@ -214,23 +217,31 @@ def _alias_line(driver: str, alias: str) -> str:
     return f"{driver} ^{alias.replace('*', '.*')}$"
 
 
-def driver_plan(index: dict[str, Path]) -> tuple[list[str], str, str]:
+def driver_plan(
+    index: dict[str, Path],
+    modules: list[str] | None = None,
+    on_demand: tuple[str, ...] = ON_DEMAND,
+    always_load: frozenset[str] = ALWAYS_LOAD,
+) -> tuple[list[str], str, str]:
     """Load order of every module, and two tables /init uses to load only what the machine has.
 
     ``aliases``: "driver match" lines from each driver's PCI modalias patterns (``*`` when it
     is always loaded: no PCI aliases, or in ALWAYS_LOAD). ``closures``: "driver dep ... driver"
     lines. Loading every NIC driver costs ~5 s under TCG (mlx5_core, ice); matching the PCI
     bus first, as udev would, keeps a VM's boot short and a server's complete.
+    ``modules``/``on_demand``/``always_load`` default to the discovery image's (node.py passes
+    its own).
     """
-    order = kmod.load_order(MODULES, index)
+    modules = MODULES if modules is None else modules
+    order = kmod.load_order(modules, index)
     aliases, closures = [], []
-    for leaf in MODULES:
+    for leaf in modules:
         closures.append(" ".join([leaf, *kmod.load_order([leaf], index)]))
-        if leaf in ON_DEMAND:
+        if leaf in on_demand:
             continue  # no alias line: select-drivers never picks it
         info = kmod.modinfo(kmod.read_module(index[leaf]))
         pci = [a for a in info.get("alias", []) if a.startswith("pci:")]
-        if leaf in ALWAYS_LOAD or not pci:
+        if leaf in always_load or not pci:
             aliases.append(f"{leaf} *")
         else:
             aliases += [_alias_line(leaf, a) for a in pci]
@@ -367,7 +378,12 @@ def _prune(cache: Path, keep: int = 3) -> None:
     """Remove all but the ``keep`` newest builds (the current one always stays)."""
     current = (cache / "current").resolve()
     builds = sorted(
-        (p for p in cache.iterdir() if p.is_dir() and (p / "manifest.json").exists()),
+        (
+            p
+            for p in cache.iterdir()
+            # node-* folders are node.py's builds, pruned by it
+            if p.is_dir() and not p.name.startswith("node-") and (p / "manifest.json").exists()
+        ),
         key=lambda p: p.stat().st_mtime,
         reverse=True,
     )

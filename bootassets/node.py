@@ -1,0 +1,520 @@
+"""Build the tenant node image: what a machine runs after metald provisions it.
+
+The node boots, tells metald it is up, joins its tenant's WireGuard hub and starts the
+tenant's scheduler agent (slurmd) by itself; ``bootassets/node/metald-node`` holds that protocol
+and docs/node-image.md describes it. Like the discovery image (build.py) everything comes from
+Debian packages fetched with ``apt-get download`` and unpacked with ``dpkg-deb -x``, never the
+build host's installed files. Output goes to ``<cache>/node-<inputs-hash>/``:
+
+    vmlinuz         Debian's linux-image-amd64 kernel (the discovery image's)
+    initrd.img      cpio.gz: busybox-static, drivers + wireguard + nf_tables, ip, wg, nft, jq,
+                    munged, slurmd, slurmstepd, the Slurm plugins, their library closures
+    disk.raw        (built as root) BIOS-bootable raw disk: MBR + extlinux, one ext4 partition
+                    labelled "root" with /boot/{vmlinuz,initrd.img} and an empty /etc/cloud
+    manifest.json   inputs, their hash, sha256 and size of every file
+
+``<cache>/node-current`` points at the latest build.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from bootassets import build, cpio, elf, kmod
+from bootassets.build import BuildError
+
+HERE = build.HERE
+NODE_DIR = HERE / "node"
+NODE_INIT = NODE_DIR / "init"
+NODE_SCRIPT = NODE_DIR / "metald-node"
+PREFIX = "node-"
+CURRENT = "node-current"
+
+#: The programs the node runs (besides busybox): image path -> path in the unpacked packages.
+#: Busybox's ip cannot create wireguard links, hence iproute2's.
+PROGRAMS = {
+    "usr/sbin/ip": "bin/ip",
+    "usr/bin/wg": "usr/bin/wg",
+    "usr/sbin/nft": "usr/sbin/nft",
+    "usr/bin/jq": "usr/bin/jq",
+    "usr/sbin/munged": "usr/sbin/munged",
+    "usr/bin/munge": "usr/bin/munge",
+    "usr/bin/unmunge": "usr/bin/unmunge",
+    "usr/sbin/slurmd": "usr/sbin/slurmd-wlm",
+    "usr/sbin/slurmstepd": "usr/sbin/slurmstepd-wlm",
+}
+#: The packages holding those programs; their library packages are found by apt.
+TOP_PACKAGES = (
+    "iproute2",
+    "wireguard-tools",
+    "nftables",
+    "jq",
+    "munge",
+    "slurmd",
+    "slurm-wlm-basic-plugins",
+)
+#: Dependencies apt names that hold no library a program here loads (maintainer-script and
+#: debconf machinery); left out so the download stays small.
+SKIP_PACKAGES = frozenset(
+    {
+        "adduser",
+        "cdebconf",
+        "debconf",
+        "dpkg",
+        "install-info",
+        "lsb-base",
+        "passwd",
+        "sensible-utils",
+        "sysvinit-utils",
+        "tar",
+        "ucf",
+        "libdebian-installer4",
+        "libnewt0.52",
+        "libslang2",
+        "libtextwrap1",
+        "libpam-modules",
+        "libpam-modules-bin",
+        "libcap2-bin",
+        "readline-common",
+        "libsemanage-common",
+        "libsemanage2",
+        "libtirpc-common",
+        "libaudit-common",
+    }
+)
+#: Loaded by glibc with dlopen (pthread_cancel unwinding), so no DT_NEEDED names it.
+DLOPENED = ("libgcc_s.so.1",)
+PLUGIN_DIR = "usr/lib/x86_64-linux-gnu/slurm-wlm"
+#: Plugin families only slurmctld, slurmrestd or the client commands load. Everything else in
+#: the plugin dir goes in (the *_none ones are small and some are loaded whatever the config),
+#: with its library closure; a plugin whose libraries are not packaged is left out.
+PLUGIN_PRUNE = (
+    "openapi_",
+    "serializer_",
+    "rest_auth_",
+    "job_submit_",
+    "cli_filter_",
+    "burst_buffer_",
+    "sched_",
+    "priority_",
+    "preempt_",
+    "site_factor_",
+    "mcs_",
+    "jobcomp_filetxt",
+    "jobcomp_lua",
+    "jobcomp_script",
+    "accounting_storage_slurmdbd",
+    "node_features_knl_",
+    "slurmctld_nonstop",
+)
+DISK_PACKAGES = ("extlinux", "syslinux-common")
+#: Modules: the discovery image's NIC and disk drivers (picked by PCI alias at boot), ext4 for
+#: the disk form (on demand), and, always loaded, kernel WireGuard and what nft needs for an
+#: inet table matching ct state (nft_ct pulls nf_conntrack and its defrag modules). libcrc32c
+#: (nf_tables, nf_conntrack) asks the crypto API for crc32c, which no module dependency names:
+#: without crc32c_generic loaded first, nf_tables fails with "Unknown symbol crc32c".
+NODE_ON_DEMAND = ("ext4",)
+NODE_ALWAYS = ("crc32c_generic", "wireguard", "nf_tables", "nft_ct")
+NODE_MODULES = [
+    *(m for m in build.MODULES if m not in build.ON_DEMAND and m not in build.ALWAYS_LOAD),
+    *NODE_ON_DEMAND,
+    *NODE_ALWAYS,
+]
+ETC = {
+    "etc/passwd": "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n",
+    "etc/group": "root:x:0:\nnogroup:x:65534:\n",
+    "etc/hosts": "127.0.0.1\tlocalhost\n",
+    "etc/nsswitch.conf": "passwd: files\ngroup: files\nshadow: files\nhosts: files dns\n",
+    "etc/hostname": "metald-node\n",
+}
+DISK_BYTES = 64 * 1024 * 1024
+PART_OFFSET = 1024 * 1024
+EXTLINUX_CONF = """\
+SERIAL 0 115200
+DEFAULT node
+PROMPT 0
+TIMEOUT 0
+LABEL node
+  LINUX /boot/vmlinuz
+  INITRD /boot/initrd.img
+  APPEND metald.boot=disk console=tty0 console=ttyS0,115200 quiet
+"""
+#: The whole node folder must stay below this.
+SIZE_LIMIT = 160 * 1024 * 1024
+
+
+def default_cache() -> Path:
+    return Path(os.environ.get("BOOTASSETS_CACHE") or build.DEFAULT_CACHE)
+
+
+def node_files() -> list[Path]:
+    """Our files that go into the image or decide what goes in (their hashes are inputs)."""
+    return [
+        NODE_INIT,
+        NODE_SCRIPT,
+        build.UDHCPC_SCRIPT,
+        build.SELECT_DRIVERS,
+        HERE / "node.py",
+        HERE / "build.py",
+        HERE / "cpio.py",
+        HERE / "kmod.py",
+        HERE / "elf.py",
+    ]
+
+
+def _library_packages() -> list[str]:
+    """The library packages the top packages depend on, directly or not (apt's view)."""
+    out = build._run(
+        "apt-cache",
+        "depends",
+        "--recurse",
+        "--no-recommends",
+        "--no-suggests",
+        "--no-conflicts",
+        "--no-breaks",
+        "--no-replaces",
+        "--no-enhances",
+        *TOP_PACKAGES,
+    )
+    names = {line.strip() for line in out.splitlines() if line and not line[0].isspace()}
+    return sorted(
+        n
+        for n in names
+        if not n.startswith("<")
+        and n not in SKIP_PACKAGES
+        and n not in TOP_PACKAGES
+        and (n.startswith("lib") or n in ("zlib1g", "gcc-12-base"))
+    )
+
+
+def resolve_node_inputs(*, disk: bool | None = None) -> dict[str, object]:
+    """Package versions, our files' hashes and the module list: the build depends on these."""
+    libs = [p for p in _library_packages() if p != "gcc-12-base"]
+    shown = build._apt_show(build.KERNEL_META, build.BUSYBOX, *TOP_PACKAGES, *libs, *DISK_PACKAGES)
+
+    def pinned(names: tuple[str, ...] | list[str]) -> str:
+        return " ".join(f"{p}={shown[p]['Version']}" for p in names)
+
+    if disk is None:
+        disk = can_build_disk()
+    packages = {
+        "kernel": build.kernel_package(shown),
+        "busybox": f"{build.BUSYBOX}={shown[build.BUSYBOX]['Version']}",
+        "tools": pinned(TOP_PACKAGES),
+        "libraries": pinned(libs),
+        "disk": pinned(DISK_PACKAGES),
+    }
+    files = {
+        str(p.relative_to(HERE)): hashlib.sha256(p.read_bytes()).hexdigest() for p in node_files()
+    }
+    # disk.raw needs root (loop mount for extlinux): a build without it differs
+    return {"packages": packages, "files": files, "modules": NODE_MODULES, "disk": disk}
+
+
+def can_build_disk() -> bool:
+    return os.geteuid() == 0 and all(
+        shutil.which(t) for t in ("mkfs.ext4", "losetup", "mount", "umount")
+    )
+
+
+def program_entries(tree: Path) -> tuple[list[cpio.Entry], dict[str, object]]:
+    """The programs, the Slurm plugins and every shared library they load, and a report of
+    what went in (and which plugins were left out, why)."""
+    lib_dirs = [
+        tree / build.MULTIARCH_LIB,
+        tree / "usr" / build.MULTIARCH_LIB,
+        tree / PLUGIN_DIR,
+    ]
+    entries: list[cpio.Entry] = []
+    libs: dict[str, Path] = {}
+    for image_path, rel in PROGRAMS.items():
+        src = tree / rel
+        if not src.is_file():
+            raise BuildError(f"{rel} is in none of the unpacked packages")
+        entries.append(cpio.file(image_path, src.read_bytes(), 0o755))
+        try:
+            libs.update(elf.library_closure(src, lib_dirs))
+        except elf.ElfError as e:
+            raise BuildError(str(e)) from None
+    for soname in DLOPENED:
+        path = next((d / soname for d in lib_dirs if (d / soname).exists()), None)
+        if path is None:
+            raise BuildError(f"{soname} is in none of the unpacked packages")
+        libs[soname] = path.resolve()
+        libs.update(elf.library_closure(path, lib_dirs))
+    plugins, skipped = [], {}
+    for so in sorted((tree / PLUGIN_DIR).glob("*.so")):
+        if so.name.startswith("lib"):
+            continue  # libslurmfull: a library, taken when something needs it
+        if so.name.startswith(PLUGIN_PRUNE):
+            skipped[so.name] = "pruned: never loaded on a node"
+            continue
+        try:
+            closure = elf.library_closure(so, lib_dirs)
+        except elf.ElfError as e:
+            skipped[so.name] = str(e)
+            continue
+        libs.update(closure)
+        plugins.append(so.name)
+        entries.append(cpio.file(f"{PLUGIN_DIR}/{so.name}", so.read_bytes(), 0o755))
+    for soname, path in sorted(libs.items()):
+        if path.is_relative_to(tree / PLUGIN_DIR):
+            dest = f"{PLUGIN_DIR}/{soname}"  # libslurmfull: slurmd's RUNPATH
+        else:
+            dest = f"{build.MULTIARCH_LIB}/{soname}"
+        entries.append(cpio.file(dest, path.read_bytes(), 0o755))
+    entries.append(
+        cpio.symlink("lib64/ld-linux-x86-64.so.2", f"/{build.MULTIARCH_LIB}/ld-linux-x86-64.so.2")
+    )
+    report = {"plugins": plugins, "plugins_left_out": skipped, "libraries": sorted(libs)}
+    return entries, report
+
+
+def build_node_initramfs(
+    kernel_tree: Path, busybox: bytes, kernel_version: str, programs: list[cpio.Entry]
+) -> tuple[bytes, list[str], list[cpio.Entry]]:
+    """The node initramfs (gzip'd cpio), its module load order and its entries."""
+    moddir = kernel_tree / "lib" / "modules" / kernel_version
+    index = kmod.index_modules(moddir / "kernel")
+    order, aliases, closures = build.driver_plan(
+        index, NODE_MODULES, NODE_ON_DEMAND, frozenset(NODE_ALWAYS)
+    )
+    dirs = [
+        "bin",
+        "dev",
+        "etc",
+        "etc/munge",
+        "etc/slurm",
+        "lib",
+        "lib/modules",
+        f"lib/modules/{kernel_version}",
+        "lib/x86_64-linux-gnu",
+        "lib64",
+        "mnt",
+        "proc",
+        "root",
+        "run",
+        "sbin",
+        "sys",
+        "usr",
+        "usr/bin",
+        "usr/lib",
+        "usr/lib/x86_64-linux-gnu",
+        PLUGIN_DIR,
+        "usr/sbin",
+        "usr/share",
+        "usr/share/udhcpc",
+        "var",
+        "var/lib",
+        "var/log",
+        "var/spool",
+    ]
+    entries = [cpio.directory(d, 0o700 if d in ("etc/munge", "root") else 0o755) for d in dirs]
+    entries += [
+        cpio.directory("tmp", 0o1777),
+        cpio.char_device("dev/console", 5, 1),
+        cpio.char_device("dev/null", 1, 3, 0o666),
+        cpio.file("bin/busybox", busybox, 0o755),
+        cpio.symlink("bin/sh", "busybox"),
+        cpio.file("init", NODE_INIT.read_bytes(), 0o755),
+        cpio.file("bin/select-drivers", build.SELECT_DRIVERS.read_bytes(), 0o755),
+        cpio.file("usr/bin/metald-node", NODE_SCRIPT.read_bytes(), 0o755),
+        cpio.file("usr/share/udhcpc/default.script", build.UDHCPC_SCRIPT.read_bytes(), 0o755),
+        cpio.file("lib/modules/load-order", "".join(f"{m}\n" for m in order).encode()),
+        cpio.file("lib/modules/aliases", aliases.encode()),
+        cpio.file("lib/modules/closures", closures.encode()),
+    ]
+    entries += [cpio.file(path, text.encode()) for path, text in ETC.items()]
+    entries += programs
+    for name in order:
+        data = kmod.read_module(index[name])  # insmod wants plain ELF
+        entries.append(cpio.file(f"lib/modules/{kernel_version}/{name}.ko", data))
+    packed = gzip.compress(cpio.pack(entries), compresslevel=9, mtime=0)
+    return packed, order, entries
+
+
+def _sh(*args: str) -> str:
+    return build._run(*args)
+
+
+def mbr_sector(boot_code: bytes, start: int, sectors: int) -> bytes:
+    """Sector 0: syslinux's MBR boot code, a disk signature and one bootable Linux (0x83)
+    partition (LBA addressing; CHS fields say "beyond CHS", as modern tools write them)."""
+    if len(boot_code) > 440:
+        raise BuildError("MBR boot code longer than 440 bytes")
+    entry = (
+        bytes([0x80, 0xFE, 0xFF, 0xFF, 0x83, 0xFE, 0xFF, 0xFF])
+        + start.to_bytes(4, "little")
+        + sectors.to_bytes(4, "little")
+    )
+    sector = boot_code.ljust(440, b"\0") + b"MTLD" + b"\0\0" + entry + b"\0" * 48 + b"\x55\xaa"
+    assert len(sector) == 512
+    return sector
+
+
+def build_disk(out: Path, vmlinuz: Path, initrd: Path, syslinux_tree: Path) -> dict[str, object]:
+    """disk.raw: MBR, one bootable ext4 partition labelled root (1 MiB in, to the end),
+    syslinux's MBR code and extlinux installed in /boot/extlinux. Needs root: extlinux can
+    only install into a mounted file system (loop device)."""
+    disk = out / "disk.raw"
+    mbr = syslinux_tree / "usr/lib/syslinux/mbr/mbr.bin"
+    extlinux = syslinux_tree / "usr/bin/extlinux"
+    for need in (mbr, extlinux):
+        if not need.exists():
+            raise BuildError(f"{need.relative_to(syslinux_tree)} is not in {DISK_PACKAGES}")
+    staging = out.parent / "disk-root"
+    (staging / "boot" / "extlinux").mkdir(parents=True)
+    (staging / "etc" / "cloud").mkdir(parents=True)
+    (staging / "etc" / "metald").mkdir(parents=True)
+    (staging / "var" / "lib" / "cloud").mkdir(parents=True)
+    shutil.copyfile(vmlinuz, staging / "boot" / "vmlinuz")
+    shutil.copyfile(initrd, staging / "boot" / "initrd.img")
+    (staging / "boot" / "extlinux" / "extlinux.conf").write_text(EXTLINUX_CONF)
+    with open(disk, "wb") as f:
+        f.truncate(DISK_BYTES)
+    part_bytes = DISK_BYTES - PART_OFFSET
+    # 4 KiB blocks (mke2fs picks 1 KiB for a disk this small: extlinux 6.04 then fails to
+    # read /boot/vmlinuz with "I/O error"), no 64bit/metadata_csum_seed/orphan_file features
+    _sh(
+        "mkfs.ext4",
+        "-q",
+        "-F",
+        "-L",
+        "root",
+        "-b",
+        "4096",
+        "-O",
+        "^64bit,^metadata_csum_seed,^orphan_file",
+        "-E",
+        f"offset={PART_OFFSET},root_owner=0:0",
+        "-d",
+        str(staging),
+        "-U",
+        "7a3e2b1c-0d9f-4e5a-8b6c-4d2e1f0a9b8c",
+        str(disk),
+        f"{part_bytes // 1024}k",
+    )
+    mnt = out.parent / "disk-mnt"
+    mnt.mkdir()
+    loop = _sh(
+        "losetup", "--find", "--show", "--offset", str(PART_OFFSET), "--sizelimit",
+        str(part_bytes), str(disk),
+    ).strip()  # fmt: skip
+    try:
+        _sh("mount", "-t", "ext4", loop, str(mnt))
+        try:
+            _sh(str(extlinux), "--install", str(mnt / "boot" / "extlinux"))
+        finally:
+            _sh("umount", str(mnt))
+    finally:
+        _sh("losetup", "--detach", loop)
+    with open(disk, "r+b") as f:
+        f.write(mbr_sector(mbr.read_bytes(), PART_OFFSET // 512, part_bytes // 512))
+    return {
+        "bytes": DISK_BYTES,
+        "partition": {"offset": PART_OFFSET, "bytes": part_bytes, "fs": "ext4", "label": "root"},
+        "bootloader": "syslinux mbr.bin + extlinux (/boot/extlinux/extlinux.conf)",
+    }
+
+
+def _build(target: Path, inputs: dict[str, object], digest: str) -> None:
+    packages: dict[str, str] = inputs["packages"]  # type: ignore[assignment]
+    with tempfile.TemporaryDirectory(prefix="metald-nodeimage-") as tmp:
+        work = Path(tmp)
+        kernel = build._download(packages["kernel"], work / "kernel")
+        busybox = build._download(packages["busybox"], work / "busybox")
+        tree = build._download(f"{packages['tools']} {packages['libraries']}", work / "tools")
+        vmlinuz = sorted((kernel / "boot").glob("vmlinuz-*"))
+        if len(vmlinuz) != 1:
+            raise BuildError("the kernel package holds no single vmlinuz")
+        kernel_version = vmlinuz[0].name.removeprefix("vmlinuz-")
+        programs, report = program_entries(tree)
+        initrd, order, entries = build_node_initramfs(
+            kernel, (busybox / "bin" / "busybox").read_bytes(), kernel_version, programs
+        )
+        out = work / "out"
+        out.mkdir()
+        shutil.copyfile(vmlinuz[0], out / "vmlinuz")
+        (out / "initrd.img").write_bytes(initrd)
+        disk_info: dict[str, object] | None = None
+        if inputs.get("disk"):
+            syslinux = build._download(packages["disk"], work / "syslinux")
+            disk_info = build_disk(out, out / "vmlinuz", out / "initrd.img", syslinux)
+        files = {
+            p.name: {"sha256": build._sha256(p), "size": p.stat().st_size}
+            for p in sorted(out.iterdir())
+            if p.is_file()
+        }
+        total = sum(f["size"] for f in files.values())
+        if total > SIZE_LIMIT:
+            raise BuildError(f"node image is {total} bytes, over the {SIZE_LIMIT} byte budget")
+        manifest = {
+            "inputs_hash": digest,
+            "inputs": inputs,
+            "kernel_version": kernel_version,
+            "modules": order,
+            "files": files,
+            "total_bytes": total,
+            "initrd_unpacked_bytes": sum(len(e.data) for e in entries),
+            "contents": sorted(e.path for e in entries),
+            "disk": disk_info,
+            **report,
+        }
+        (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        if target.exists():
+            shutil.rmtree(target)
+        shutil.move(str(out), target)
+
+
+def _point_current(cache: Path, name: str) -> None:
+    link = cache / CURRENT
+    tmp = cache / f".{CURRENT}-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(name)
+    tmp.replace(link)
+
+
+def _prune(cache: Path, keep: int = 2) -> None:
+    current = (cache / CURRENT).resolve()
+    builds = sorted(
+        (p for p in cache.glob(f"{PREFIX}*") if p.is_dir() and (p / "manifest.json").exists()),
+        key=lambda p: p.stat().st_mtime,
+        reverse=True,
+    )
+    for old in builds[keep:]:
+        if old != current:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def ensure_node_built(cache_dir: Path | str | None = None, *, force: bool = False) -> Path:
+    """The node image folder for the current inputs, building it only when missing or changed.
+
+    File-locked (the same lock as build.py's), so concurrent test runs wait for one build.
+    When apt cannot resolve package versions an existing ``node-current`` build is used.
+    """
+    cache = Path(cache_dir) if cache_dir else default_cache()
+    try:
+        inputs = resolve_node_inputs()
+    except BuildError as e:
+        current = cache / CURRENT
+        if current.exists() and not force:
+            print(f"bootassets: {e}; using the existing build {current.resolve()}", file=sys.stderr)
+            build.verify(current)
+            return current.resolve()
+        raise
+    name = PREFIX + build.inputs_hash(inputs)
+    target = cache / name
+    with build._locked(cache):
+        if force or not (target / "manifest.json").exists():
+            _build(target, inputs, name.removeprefix(PREFIX))
+        build.verify(target)
+        _point_current(cache, name)
+        _prune(cache)
+    return target
