@@ -738,6 +738,42 @@ def client_main(params_json: str) -> int:
 # ======================================================================================
 
 
+#: metald under cProfile (--profile): the event loop thread and every store worker thread, each
+#: call profiled in its own thread, merged into one pstats file when metald stops (SIGTERM).
+PROFILED_METALD = """
+import cProfile, pstats, sys, threading, time
+from metald.store import db
+profiles, local = [], threading.local()
+orig_run = db.Store.run
+async def run(self, fn, *args, **kwargs):
+    def prof_fn(s, *a, **kw):
+        p = getattr(local, "p", None)
+        if p is None:
+            p = local.p = cProfile.Profile(time.thread_time)
+            profiles.append(p)
+        p.enable()
+        try:
+            return fn(s, *a, **kw)
+        finally:
+            p.disable()
+    return await orig_run(self, prof_fn, *args, **kwargs)
+db.Store.run = run
+from metald.cli import main
+main_p = cProfile.Profile(time.thread_time)
+profiles.append(main_p)
+main_p.enable()
+try:
+    rc = main(sys.argv[1:])
+finally:
+    main_p.disable()
+    st = pstats.Stats(profiles[0])
+    for p in profiles[1:]:
+        st.add(p)
+    st.dump_stats(OUT)
+sys.exit(rc)
+"""
+
+
 def cpu_of(pid: int) -> float:
     try:
         f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -785,10 +821,14 @@ def run_one(n: int, args: argparse.Namespace) -> dict[str, Any]:
             cfg.write_text(metald_config(state, store_url))
             mlog = Path(args.log_dir or tmp) / f"metald-{n}.log"
             with open(mlog, "w") as logf:
+                code = "import sys; from metald.cli import main; sys.exit(main())"
+                if args.profile:
+                    out = Path(args.profile).resolve() / f"metald-{n}-{args.db}.prof"
+                    code = f"OUT = {str(out)!r}\n" + PROFILED_METALD
                 metald = ns["srv"].popen(
                     sys.executable,
                     "-c",
-                    "import sys; from metald.cli import main; sys.exit(main())",
+                    code,
                     "serve",
                     "--config",
                     str(cfg),
@@ -939,6 +979,9 @@ def main() -> int:
     )
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per run before giving up")
     ap.add_argument("--json", help="also write the results as JSON to this file")
+    ap.add_argument(
+        "--profile", metavar="DIR", help="run metald under cProfile, write DIR/metald-N-DB.prof"
+    )
     ap.add_argument("--log-dir", help="keep metald's log here (default: removed with the temp dir)")
     args = ap.parse_args()
     if os.geteuid() != 0:
