@@ -212,7 +212,10 @@ def resolve_node_inputs(*, disk: bool | None = None) -> dict[str, object]:
         "disk": pinned(DISK_PACKAGES),
     }
     files = {
-        str(p.relative_to(HERE)): hashlib.sha256(p.read_bytes()).hexdigest() for p in node_files()
+        (str(p.relative_to(HERE)) if p.is_relative_to(HERE) else p.name): hashlib.sha256(
+            p.read_bytes()
+        ).hexdigest()
+        for p in node_files()
     }
     # disk.raw needs root (loop mount for extlinux): a build without it differs
     return {"packages": packages, "files": files, "modules": NODE_MODULES, "disk": disk}
