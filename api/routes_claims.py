@@ -6,6 +6,7 @@ another tenant is reported as absent. Staff read every claim; admins may claim f
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime, timedelta
 from typing import Annotated, Any, Literal
 
@@ -30,6 +31,7 @@ from metald.provision.progress import Progress, record_progress
 from metald.store.models import Claim, Image, Machine, Nic, WgHub
 from metald.tenants.service import issue_join_token
 
+log = logging.getLogger("metald.claims")
 router = Router()
 TAG = "claims"
 CLAIMERS = frozenset({Role.ADMIN, Role.ORCHESTRATOR})
@@ -347,6 +349,13 @@ async def release_claim(req: ApiRequest) -> ClaimOut:
 
     out, wiping = await req.ctx.store.run(run)
     req.ctx.bus.notify()
+    runtime = req.ctx.services.get("tenant_hubs")
+    if wiping and runtime is not None and hasattr(runtime, "sync"):
+        # Off the tenant's hub and out of its cluster before the machine reboots to be wiped.
+        try:
+            await runtime.sync()
+        except Exception:  # the runtime's loop tries again; the store already says released
+            log.exception("tenant runtime sync after releasing claim %s failed", out.id)
     driver.spawn(
         driver.reboot_all(
             req.ctx.store, _bmc(req), wiping, actor=req.actor, instance=req.ctx.instance

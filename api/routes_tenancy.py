@@ -12,11 +12,12 @@ from sqlmodel import Session
 
 from api.routing import STAFF, ApiRequest, Router
 from metald.auth import Role
-from metald.errors import NotFound
+from metald.errors import NotFound, Unprocessable
 from metald.machines import get_machine
 from metald.store.models import Tenant
 from metald.tenants import service
 from metald.tenants.hubs import HubRuntime
+from metald.tenants.runtime import free_hub_address
 
 log = logging.getLogger("metald.tenants")
 router = Router()
@@ -31,8 +32,9 @@ class In(BaseModel):
 
 
 class HubCreate(In):
-    #: Underlay address (or DNS name) nodes dial; the hub listens on listen_port there.
-    endpoint_host: Annotated[str, StringConstraints(min_length=1, max_length=253)]
+    #: Underlay address (or DNS name) nodes dial; the hub listens on listen_port there. Omitted:
+    #: the next free address of tenants.hub_addresses (when metald runs the hubs).
+    endpoint_host: Annotated[str, StringConstraints(min_length=1, max_length=253)] | None = None
     listen_port: int = Field(default=service.DEFAULT_LISTEN_PORT, ge=1, le=65535)
 
 
@@ -128,14 +130,25 @@ async def create_hub(req: ApiRequest) -> HubOut:
     listen endpoint) and its scheduler secrets (munge key, or a Kubernetes CA), encrypted."""
     b: HubCreate = req.body
 
+    pool = req.ctx.cfg.tenants.hub_addresses
+
     def run(s: Session) -> HubOut:
         t = _tenant(s, req)
-        service.setup_hub(
-            s, req.ctx.secrets, t.id, endpoint_host=b.endpoint_host, listen_port=b.listen_port
-        )
+        host = b.endpoint_host
+        if host is None:
+            if pool is None:
+                raise Unprocessable(
+                    "endpoint_host: required (tenants.hub_addresses is not configured)"
+                )
+            host = free_hub_address(s, pool)
+        service.setup_hub(s, req.ctx.secrets, t.id, endpoint_host=host, listen_port=b.listen_port)
         return _hub_out(s, t)
 
-    return await req.ctx.store.run(run)
+    out = await req.ctx.store.run(run)
+    runtime = req.ctx.services.get("tenant_hubs")
+    if runtime is not None and hasattr(runtime, "sync"):
+        await runtime.sync()  # up now, not at the next interval (errors are logged there)
+    return out
 
 
 @router.route(

@@ -28,6 +28,7 @@ from metald.errors import Conflict, NotFound, Unprocessable
 from metald.lifecycle import ALLOCATED, State, Trigger
 from metald.provision.intents import DeployImage, provision_intent, wipe_intent
 from metald.store.models import Claim, Event, Image, Machine, Nic, Tenant, utcnow
+from metald.tenants import service as tenant_service
 
 T = TypeVar("T")
 
@@ -311,6 +312,9 @@ def release_claim(
             if State(m.state) not in ALLOCATED:
                 continue  # already released, or broken: a technician deals with it
             revoke_machine_tokens(session, m.id, commit=False)
+            # Off the tenant's hub (the tenant runtime removes it from the running hub and
+            # the node from the cluster); unused join tokens are revoked.
+            tenant_service.remove_peer(session, m.id, actor=actor, instance=instance)
             machines.transition(
                 session,
                 m.id,

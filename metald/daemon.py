@@ -80,10 +80,14 @@ class Daemon:
         self.store.close()
         log.info("metald stopped")
 
+    def _on_signal(self, sig: signal.Signals) -> None:
+        log.info("%s received: stopping", sig.name)
+        self._stopping.set()
+
     async def run_forever(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._stopping.set)
+            loop.add_signal_handler(sig, self._on_signal, sig)
         await self.start()
         try:
             await self._stopping.wait()
@@ -124,4 +128,13 @@ def _provision_watchdog(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
     return Watchdog(d.store, d.cfg.provision, d.cfg.instance, services=d.ctx.services), []
 
 
-_SERVICE_FACTORIES = [_boot_plane, _bmc, _provision_watchdog]
+def _tenant_hubs(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
+    """Tenants' WireGuard hubs and Slurm control planes on this host ([tenants] hubs)."""
+    if not d.cfg.tenants.hubs:
+        return None, []
+    from metald.tenants.runtime import TenantRuntime
+
+    return TenantRuntime(d.store, d.secrets, d.cfg.tenants, d.cfg.state_dir, d.cfg.instance), []
+
+
+_SERVICE_FACTORIES = [_boot_plane, _bmc, _provision_watchdog, _tenant_hubs]

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,8 +86,16 @@ def build_test_image(workdir: Path) -> tuple[Path, str]:
 
 class LabRack:
     def __init__(
-        self, name: str, workdir: Path, *, machines: int = 3, uefi: int = 1, extra_config: str = ""
+        self,
+        name: str,
+        workdir: Path,
+        *,
+        machines: int = 3,
+        uefi: int = 1,
+        extra_config: str | Callable[[dict[str, Any]], str] = "",
     ) -> None:
+        """``extra_config``: TOML appended to metald's config, or a function of the lab's state
+        (slot, bridge, subnet) returning it."""
         from vmlab.lab import Lab
 
         from bootassets.build import ensure_built
@@ -97,7 +106,7 @@ class LabRack:
         self.lab = Lab(name, machines=machines, uefi=uefi, workdir=self.workdir / "lab")
         try:
             self.state: dict[str, Any] = self.lab.up()
-            self._start_metald(extra_config)
+            self._start_metald(extra_config(self.state) if callable(extra_config) else extra_config)
         except BaseException:
             self.lab.down(keep_logs=True)
             raise
@@ -152,6 +161,26 @@ class LabRack:
                 f"metalctl {' '.join(args)} failed ({r.returncode}): {r.stderr.strip()}"
             )
         return r.returncode, r.stdout
+
+    def api(
+        self, method: str, path: str, body: Any = None, *, token: str | None = None
+    ) -> tuple[int, Any]:
+        """One HTTP call to metald's API from inside the lab (curl); returns (status, JSON)."""
+        argv = ["curl", "-sS", "-X", method, "-w", "\n%{http_code}", "-H",
+                f"Authorization: Bearer {token or self.token}"]  # fmt: skip
+        if body is not None:
+            argv += ["-H", "Content-Type: application/json", "--data-binary", "@-"]
+        r = self.lab.run(
+            [*argv, self.url + path],
+            input=json.dumps(body) if body is not None else None,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if r.returncode != 0:
+            raise RuntimeError(f"curl {method} {path} failed: {r.stderr.strip()}")
+        text, _, status = r.stdout.rpartition("\n")
+        return int(status), (json.loads(text) if text.strip() else None)
 
     def json(self, *args: str, env: dict[str, str] | None = None) -> Any:
         return json.loads(self.ctl("--json", *args, env=env)[1])

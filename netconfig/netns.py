@@ -1,13 +1,30 @@
-"""Network namespaces and veth pairs (pyroute2). Names are the caller's; nothing is guessed."""
+"""Network namespaces and veth pairs. Names are the caller's; nothing is guessed.
+
+These run iproute2's ``ip`` rather than pyroute2's ``NetNS``/``netns.create``: pyroute2 forks
+a helper process (without exec) per namespace and SIGTERMs it on close. A forked child shares
+the asyncio loop's signal wake-up socket, so inside metald that SIGTERM reached the daemon's
+loop as its own and stopped it. Netlink in the caller's own namespace (``IPRoute``) does not
+fork and stays in pyroute2.
+"""
 
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
-from pyroute2 import IPRoute, NetNS, netns
-
 NETNS_DIR = Path("/run/netns")
+
+
+class NetnsError(Exception):
+    pass
+
+
+def _ip(*args: str) -> str:
+    r = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise NetnsError(f"ip {' '.join(args)}: {r.stderr.strip()}")
+    return r.stdout
 
 
 def path(name: str) -> str:
@@ -16,14 +33,13 @@ def path(name: str) -> str:
 
 def create(name: str) -> None:
     """Create the namespace with its loopback up."""
-    netns.create(name)
-    with NetNS(name) as ns:
-        ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
+    _ip("netns", "add", name)
+    _ip("-n", name, "link", "set", "lo", "up")
 
 
 def delete(name: str) -> None:
     if os.path.exists(path(name)):
-        netns.remove(name)
+        _ip("netns", "delete", name)
 
 
 def exists(name: str) -> bool:
@@ -32,26 +48,20 @@ def exists(name: str) -> bool:
 
 def veth(a_ns: str, a_if: str, b_ns: str, b_if: str) -> None:
     """A veth pair with one end in each namespace (both down; see ``address``)."""
-    with IPRoute() as ip:
-        ip.link("add", ifname=a_if, kind="veth", peer={"ifname": b_if})
-        for ifname, ns in ((a_if, a_ns), (b_if, b_ns)):
-            ip.link("set", index=ip.link_lookup(ifname=ifname)[0], net_ns_fd=ns)
+    _ip("link", "add", a_if, "netns", a_ns, "type", "veth", "peer", "name", b_if, "netns", b_ns)
 
 
 def address(ns_name: str, ifname: str, cidr: str, *, up: bool = True) -> None:
-    addr, plen = cidr.split("/")
-    with NetNS(ns_name) as ns:
-        idx = ns.link_lookup(ifname=ifname)[0]
-        ns.addr("add", index=idx, address=addr, prefixlen=int(plen))
-        if up:
-            ns.link("set", index=idx, state="up")
+    _ip("-n", ns_name, "addr", "add", cidr, "dev", ifname)
+    if up:
+        link_up(ns_name, ifname)
 
 
 def link_up(ns_name: str, ifname: str) -> None:
-    with NetNS(ns_name) as ns:
-        ns.link("set", index=ns.link_lookup(ifname=ifname)[0], state="up")
+    _ip("-n", ns_name, "link", "set", ifname, "up")
 
 
 def links(ns_name: str) -> list[str]:
-    with NetNS(ns_name) as ns:
-        return [link.get_attr("IFLA_IFNAME") for link in ns.get_links()]
+    out = _ip("-n", ns_name, "-o", "link", "show")
+    # "2: uh0@if5: <...>" -> "uh0"
+    return [line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ":" in line]

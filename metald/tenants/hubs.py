@@ -74,6 +74,14 @@ class LocalHubs:
     def handshakes(self, tenant_id: str) -> dict[str, datetime | None]:
         return {p.public_key: p.last_handshake for p in self._hubs[tenant_id].peers()}
 
+    def pid(self, tenant_id: str) -> int | None:
+        """The wireguard-go process of a tenant's hub (for stale-process cleanup)."""
+        dev = self._hubs[tenant_id].device
+        return dev.proc.pid if dev is not None and dev.proc is not None else None
+
+    def stop_one(self, tenant_id: str) -> None:
+        self._hubs.pop(tenant_id).down()
+
     def stop(self) -> None:
         for hub in self._hubs.values():
             hub.down()

@@ -85,3 +85,14 @@ def wait_for(cond: Callable[[], bool], timeout: float = 15.0) -> bool:
 
 def is_root() -> bool:
     return os.geteuid() == 0
+
+
+CONNECT = (
+    "import socket,sys\n"
+    "socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=2).close()\n"
+)
+
+
+def tcp_connects(ns: str, addr: str, port: int) -> bool:
+    """Whether a TCP connection from ``ns`` to addr:port is accepted (any server)."""
+    return in_ns(ns, sys.executable, "-c", CONNECT, addr, str(port)).returncode == 0

@@ -128,8 +128,8 @@ def plan_machines(slot: int, machines: int, uefi: int) -> list[MachinePlan]:
     """Machines 0..N-1; the last ``uefi`` of them boot OVMF, the others SeaBIOS."""
     if not 1 <= slot <= MAX_SLOT:
         raise PlanError(f"slot {slot} outside 1..{MAX_SLOT}")
-    if not 1 <= machines <= MAX_MACHINES:
-        raise PlanError(f"machines must be 1..{MAX_MACHINES}, not {machines}")
+    if not 0 <= machines <= MAX_MACHINES:  # 0: the network alone
+        raise PlanError(f"machines must be 0..{MAX_MACHINES}, not {machines}")
     if not 0 <= uefi <= machines:
         raise PlanError(f"uefi must be 0..{machines}, not {uefi}")
     return [

@@ -1,0 +1,229 @@
+"""A tenant's Slurm control plane on this host: slurmctld + munged in the hub's namespace.
+
+The control plane is a "machine" of its own: the hub's network namespace plus private mount and
+UTS namespaces (its own hostname, a tmpfs /run and /var/spool: munged's socket path and Slurm's
+spool are fixed paths that would collide between tenants). It is entered with ``nsenter
+--net`` and ``unshare``, not ``ip netns exec``, which remounts /sys and makes Slurm 22.05 fail
+on cgroups (LAB-NOTES). slurmctld listens on the hub's overlay address (configless, dynamic
+nodes: ``metald.tenants.slurm``). Everything it needs sits in one folder per tenant, with a
+``control-plane.json`` naming the process so tools (tests, ``make demo``) can run ``sinfo`` or
+``srun`` inside it with :func:`exec_in`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from metald.tenants import slurm
+from netconfig import netns
+
+#: Runs as the control plane's PID-holder: hostname, private /run and /var/spool, munged, then
+#: the given daemon; TERM stops both.
+MACHINE = """set -e
+hostname "$HOST"
+mount -t tmpfs -o mode=0755 tmpfs /run
+mount -t tmpfs -o mode=0755 tmpfs /var/spool
+mkdir -p /run/munge /run/slurm /var/spool/slurmd /var/spool/slurmctld /var/spool/log
+munged -F --force --key-file="$DIR/munge.key" --log-file="$DIR/munged.log" \\
+  --seed-file="$DIR/munged.seed" --origin=127.0.0.1 &
+MUNGED=$!
+for i in $(seq 100); do [ -S /run/munge/munge.socket.2 ] && break; sleep 0.05; done
+"$@" &
+MAIN=$!
+trap 'kill $MAIN $MUNGED 2>/dev/null || true; wait' TERM INT
+wait $MAIN || true
+kill $MUNGED 2>/dev/null || true
+wait
+"""
+
+INFO = "control-plane.json"
+#: sinfo's compact states in which a node is up and registered (a trailing * means it stopped
+#: answering).
+UP_STATES = {"idle", "alloc", "mix", "comp", "resv", "plnd"}
+
+
+class ControlPlaneError(Exception):
+    pass
+
+
+def host_name(tenant_name: str) -> str:
+    return ("ctl-" + re.sub(r"[^a-z0-9-]+", "-", tenant_name.lower())).strip("-")[:63]
+
+
+def start_machine(
+    ns: str, host: str, workdir: Path, munge_key: bytes, *argv: str, log_name: str = "out.log"
+) -> subprocess.Popen[bytes]:
+    """Start ``argv`` as a simulated machine in namespace ``ns`` (see MACHINE); the munge key
+    is written 0400 into ``workdir`` first."""
+    workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    key = workdir / "munge.key"
+    key.unlink(missing_ok=True)
+    fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
+    with os.fdopen(fd, "wb") as f:
+        f.write(munge_key)
+    env = dict(os.environ, HOST=host, DIR=str(workdir))
+    with open(workdir / log_name, "ab") as out:
+        return subprocess.Popen(
+            ["nsenter", f"--net={netns.path(ns)}", "unshare", "--mount", "--uts",
+             "--propagation", "private", "bash", "-c", MACHINE, "machine", *argv],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: stopped as one
+        )  # fmt: skip
+
+
+def stop_process(p: subprocess.Popen[bytes] | None, *, wait: float = 10.0) -> None:
+    if p is None or p.poll() is not None:
+        return
+    p.terminate()
+    try:
+        p.wait(wait)
+    except subprocess.TimeoutExpired:
+        with _suppress():
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+class _suppress:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return isinstance(exc[1], ProcessLookupError | PermissionError)
+
+
+def exec_argv(pid: int, argv: list[str]) -> list[str]:
+    """The command that runs ``argv`` inside the control plane whose PID-holder is ``pid``."""
+    return ["nsenter", "-t", str(pid), "-m", "-n", "-u", *argv]
+
+
+@dataclass
+class SlurmControlPlane:
+    tenant_id: str
+    tenant_name: str
+    ns: str
+    workdir: Path
+    hub_address: str
+    munge_key: bytes
+    max_nodes: int = 1024
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def conf(self) -> Path:
+        return self.workdir / "slurm.conf"
+
+    def start(self) -> None:
+        kill_stale(self.workdir)
+        host = host_name(self.tenant_name)
+        self.workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.conf.write_text(
+            slurm.render_slurm_conf(
+                slurm.ControlPlane(
+                    cluster_name=re.sub(r"[^a-z0-9]", "", self.tenant_name.lower())[:40] or "t",
+                    host_name=host,
+                    address=self.hub_address,
+                    state_dir="/var/spool/slurmctld",
+                    spool_dir="/var/spool/slurmd",
+                    run_dir="/run/slurm",
+                    log_dir="/var/spool/log",
+                    max_nodes=self.max_nodes,
+                )
+            )
+        )
+        self.proc = start_machine(
+            self.ns, host, self.workdir, self.munge_key, "slurmctld", "-D", "-f", str(self.conf)
+        )
+        (self.workdir / INFO).write_text(
+            json.dumps({"pid": self.proc.pid, "slurm_conf": str(self.conf), "ns": self.ns})
+        )
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def run(self, *argv: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+        if self.proc is None:
+            raise ControlPlaneError(f"the control plane of {self.tenant_name} is not running")
+        return subprocess.run(
+            exec_argv(self.proc.pid, list(argv)),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=dict(os.environ, SLURM_CONF=str(self.conf)),
+        )
+
+    def nodes(self) -> dict[str, str] | None:
+        """Node name -> compact state as slurmctld reports it; None if it cannot be asked."""
+        if not self.alive():
+            return None
+        try:
+            r = self.run("sinfo", "-h", "-N", "-o", "%N %t", timeout=10)
+        except subprocess.TimeoutExpired:
+            return None
+        if r.returncode != 0:
+            return None
+        out = {}
+        for line in r.stdout.splitlines():
+            parts = line.split()
+            if len(parts) == 2:
+                out[parts[0]] = parts[1]
+        return out
+
+    def delete_node(self, name: str) -> bool:
+        """Remove a dynamic node (released machine) from the cluster."""
+        r = self.run("scontrol", "delete", f"nodename={name}", timeout=10)
+        return r.returncode == 0
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+        self.proc = None
+        (self.workdir / INFO).unlink(missing_ok=True)
+
+
+def kill_stale(workdir: Path) -> None:
+    """A control plane left by a metald that was killed: stop its process group."""
+    info = workdir / INFO
+    try:
+        pid = int(json.loads(info.read_text())["pid"])
+    except (OSError, ValueError, KeyError):
+        return
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        cmdline = b""
+    if b"slurmctld" in cmdline:
+        with _suppress():
+            os.killpg(pid, signal.SIGTERM)
+        for _ in range(100):
+            if not Path(f"/proc/{pid}").exists():
+                break
+            time.sleep(0.05)
+        with _suppress():
+            os.killpg(pid, signal.SIGKILL)
+    info.unlink(missing_ok=True)
+
+
+def exec_in(
+    state_dir: str | Path, tenant_id: str, argv: list[str], **kw
+) -> subprocess.CompletedProcess[str]:  # type: ignore[no-untyped-def]
+    """Run ``argv`` (sinfo, srun, scontrol ...) inside a running tenant control plane."""
+    info = json.loads((Path(state_dir) / "tenants" / tenant_id / "slurm" / INFO).read_text())
+    return subprocess.run(
+        exec_argv(int(info["pid"]), argv),
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, SLURM_CONF=info["slurm_conf"]),
+        **kw,
+    )
+
+
+def up_nodes(nodes: dict[str, str] | None) -> set[str]:
+    return {n for n, st in (nodes or {}).items() if st in UP_STATES}

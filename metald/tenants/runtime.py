@@ -1,0 +1,448 @@
+"""The tenant runtime: every tenant's hub (and Slurm control plane) running on this host.
+
+A daemon service (``tenant_hubs``) enabled by ``[tenants] hubs = true``. For each tenant with a
+stored hub it builds, from the store alone:
+
+- a network namespace ``mth-<id>`` joined to the provisioning network by a veth whose host end
+  is attached to ``underlay_bridge``; the hub's endpoint address sits on the namespace end;
+- an nftables guard there that accepts only the hub's WireGuard port and replies on the
+  underlay (Slurm's daemons listen on every address; LAB-NOTES);
+- the WireGuard hub (wireguard-go) with every stored peer;
+- with ``control_planes = true`` and a slurm tenant, slurmctld + munged on the overlay address.
+
+A loop then reconciles and observes every ``observe_interval_s``: peers on a hub but not in the
+store (released machines) are removed, stored ones missing are added, Slurm nodes whose machine
+is no longer a peer are deleted from the cluster, and a joining machine becomes ``active`` once
+its handshake is seen and slurmctld reports its node up. A restart rebuilds everything (stale
+processes of a killed metald are stopped first); nodes reconnect by themselves (keepalive).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import ipaddress
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from sqlmodel import Session, col, select
+
+from metald.config import TenantsConfig
+from metald.errors import Unprocessable
+from metald.lifecycle import State
+from metald.provision.metadata import hostname
+from metald.secrets import SecretBox
+from metald.store import Store
+from metald.store.models import Machine, Tenant, WgHub, WgPeer
+from metald.tenants import controlplane, service
+from metald.tenants.hubs import LocalHubs
+from netconfig import guard, netns
+from netconfig.wireguard import SOCKET_DIR
+
+log = logging.getLogger("metald.tenants")
+UNDERLAY_IF = "uh0"
+
+
+def ns_name(tenant_id: str) -> str:
+    return "mth-" + tenant_id.replace("-", "")[:12]
+
+
+def veth_name(tenant_id: str) -> str:
+    return "mtv" + tenant_id.replace("-", "")[:12]
+
+
+@dataclass
+class HubSpec:
+    """What the store says about one tenant's hub (plain values, no session)."""
+
+    tenant_id: str
+    tenant_name: str
+    cluster_kind: str
+    ifname: str
+    endpoint_host: str
+    listen_port: int
+    address: str
+    prefix: str
+    private_key: str = field(repr=False)
+    munge_key: bytes | None = field(default=None, repr=False)
+    #: public key -> (overlay address, node name)
+    peers: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+
+def load_specs(session: Session, box: SecretBox) -> list[HubSpec]:
+    out = []
+    for hub in session.exec(select(WgHub)):
+        tenant = session.get(Tenant, hub.tenant_id)
+        if tenant is None or tenant.overlay_prefix is None:
+            continue
+        secrets = service.load_secrets(box, tenant)
+        out.append(
+            HubSpec(
+                tenant_id=tenant.id,
+                tenant_name=tenant.name,
+                cluster_kind=tenant.cluster_kind,
+                ifname=hub.ifname,
+                endpoint_host=hub.endpoint.rsplit(":", 1)[0].strip("[]"),
+                listen_port=hub.listen_port,
+                address=hub.address,
+                prefix=tenant.overlay_prefix,
+                private_key=service.hub_private_key(box, hub),
+                munge_key=base64.b64decode(secrets["munge_key"])
+                if "munge_key" in secrets
+                else None,
+                peers=_peers(session, tenant.id),
+            )
+        )
+    return out
+
+
+def _peers(session: Session, tenant_id: str) -> dict[str, tuple[str, str]]:
+    rows = session.exec(
+        select(WgPeer, Machine)
+        .join(Machine, col(Machine.id) == col(WgPeer.machine_id))
+        .where(WgPeer.tenant_id == tenant_id)
+    ).all()
+    return {p.public_key: (p.address, hostname(m.id, m.name)) for p, m in rows}
+
+
+def free_hub_address(session: Session, pool: ipaddress.IPv4Network) -> str:
+    """The first address of ``pool`` no hub's endpoint uses."""
+    used = {h.endpoint.rsplit(":", 1)[0] for h in session.exec(select(WgHub))}
+    for addr in pool.hosts():
+        if str(addr) not in used:
+            return str(addr)
+    raise Unprocessable(f"every hub address in tenants.hub_addresses ({pool}) is in use")
+
+
+def observe_tenant(
+    session: Session,
+    tenant_id: str,
+    handshakes: dict[str, datetime | None],
+    up_nodes: set[str] | None,
+    instance: str,
+) -> list[str]:
+    """Record handshakes; joining machines whose node is up become active. Returns their ids."""
+    rows = session.exec(
+        select(WgPeer, Machine)
+        .join(Machine, col(Machine.id) == col(WgPeer.machine_id))
+        .where(WgPeer.tenant_id == tenant_id)
+    ).all()
+    activated = []
+    for peer, m in rows:
+        seen = handshakes.get(peer.public_key)
+        joining = State(m.state) is State.JOINING
+        if not joining and (seen is None or seen == _aware(peer.last_handshake_at)):
+            continue
+        name = hostname(m.id, m.name)
+        got = service.observe(
+            session,
+            m.id,
+            handshake_at=seen,
+            scheduler_reports_node=up_nodes is not None and name in up_nodes,
+            instance=instance,
+        )
+        if joining and got.state == State.ACTIVE:
+            activated.append(m.id)
+    return activated
+
+
+def _aware(ts: datetime | None) -> datetime | None:
+    from datetime import UTC
+
+    return ts if ts is None or ts.tzinfo else ts.replace(tzinfo=UTC)
+
+
+class RunningHub:
+    """One tenant's namespace, veth, guard, WireGuard hub and control plane."""
+
+    def __init__(self, spec: HubSpec, cfg: TenantsConfig, state_dir: Path, hubs: LocalHubs):
+        self.spec = spec
+        self.cfg = cfg
+        self.ns = ns_name(spec.tenant_id)
+        self.workdir = state_dir / "tenants" / spec.tenant_id
+        self.hubs = hubs
+        self.control: controlplane.SlurmControlPlane | None = None
+
+    def up(self) -> None:
+        s = self.spec
+        self.workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _kill_stale_wireguard(self.workdir, s.ifname)
+        controlplane.kill_stale(self.workdir)
+        netns.delete(self.ns)
+        _delete_link(veth_name(s.tenant_id))
+        netns.create(self.ns)
+        try:
+            plen = _bridge_prefixlen(self.cfg.underlay_bridge, s.endpoint_host)
+            _veth_to_bridge(veth_name(s.tenant_id), self.ns, self.cfg.underlay_bridge)
+            netns.address(self.ns, UNDERLAY_IF, f"{s.endpoint_host}/{plen}")
+            guard.apply(self.ns, guard.render([UNDERLAY_IF], wireguard_port=s.listen_port))
+            # Node-to-node traffic inside the tenant (srun steps) goes through the hub.
+            _in_ns(self.ns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+            self.hubs.start(
+                tenant_id=s.tenant_id,
+                ns=self.ns,
+                ifname=s.ifname,
+                address=s.address,
+                prefix=s.prefix,
+                listen_port=s.listen_port,
+                private_key=s.private_key,
+                peers=[(k, a) for k, (a, _n) in s.peers.items()],
+            )
+            (self.workdir / "wg.pid").write_text(str(self.hubs.pid(s.tenant_id)))
+            if self.cfg.control_planes and s.cluster_kind == "slurm" and s.munge_key:
+                self.control = controlplane.SlurmControlPlane(
+                    tenant_id=s.tenant_id,
+                    tenant_name=s.tenant_name,
+                    ns=self.ns,
+                    workdir=self.workdir / "slurm",
+                    hub_address=s.address,
+                    munge_key=s.munge_key,
+                )
+                self.control.start()
+        except BaseException:
+            self.down()
+            raise
+
+    def down(self) -> None:
+        if self.control is not None:
+            self.control.stop()
+            self.control = None
+        with contextlib.suppress(KeyError):
+            self.hubs.stop_one(self.spec.tenant_id)
+        (self.workdir / "wg.pid").unlink(missing_ok=True)
+        netns.delete(self.ns)  # takes the veth pair with it
+        _delete_link(veth_name(self.spec.tenant_id))
+
+    def reconcile(
+        self, spec: HubSpec, current: Callable[[], dict[str, tuple[str, str]]]
+    ) -> tuple[dict[str, datetime | None], set[str] | None]:
+        """Match the running hub and cluster to the store; return handshakes and up nodes.
+        ``current()`` reads the tenant's peers again: a join may have committed since ``spec``
+        was read, and nothing is removed on the word of a stale read."""
+        self.spec = spec
+        tid = spec.tenant_id
+        running = self.hubs.handshakes(tid)
+        stale = set(running) - set(spec.peers)
+        if stale:
+            now = current()
+            for pub in stale - set(now):
+                log.info("tenant %s: removing peer %s… (released)", spec.tenant_name, pub[:8])
+                self.hubs.remove_peer(tid, pub)
+                running.pop(pub)
+        for pub in set(spec.peers) - set(running):
+            self.hubs.add_peer(tid, pub, spec.peers[pub][0])
+        up = None
+        if self.control is not None:
+            if not self.control.alive():
+                log.warning("tenant %s: slurmctld exited; restarting it", spec.tenant_name)
+                self.control.start()
+            nodes = self.control.nodes()
+            if nodes is not None:
+                wanted = {name for _a, name in spec.peers.values()}
+                gone = set(nodes) - wanted
+                if gone:
+                    gone -= {name for _a, name in current().values()}
+                for name in gone:
+                    if self.control.delete_node(name):
+                        log.info("tenant %s: node %s left the cluster", spec.tenant_name, name)
+                up = controlplane.up_nodes({n: st for n, st in nodes.items() if n in wanted})
+        return running, up
+
+
+class TenantRuntime:
+    """The daemon service; also the ``HubRuntime`` the join route applies peers to."""
+
+    name = "tenant_hubs"
+
+    def __init__(
+        self, store: Store, box: SecretBox, cfg: TenantsConfig, state_dir: str, instance: str
+    ) -> None:
+        self.store = store
+        self.box = box
+        self.cfg = cfg
+        self.state_dir = Path(state_dir)
+        self.instance = instance
+        self.hubs = LocalHubs()
+        self.running: dict[str, RunningHub] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        await self.sync()
+        self._task = asyncio.create_task(self._loop(), name="tenant-hubs")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await asyncio.to_thread(self._down_all)
+
+    def _down_all(self) -> None:
+        for hub in self.running.values():
+            try:
+                hub.down()
+            except Exception:
+                log.exception("tenant %s: tearing the hub down failed", hub.spec.tenant_name)
+        self.running.clear()
+
+    async def sync(self) -> list[str]:
+        """Bring up new hubs, reconcile running ones, observe; returns machines activated."""
+        async with self._lock:
+            specs = await self.store.run(load_specs, self.box)
+            seen: dict[str, tuple[dict[str, datetime | None], set[str] | None]] = {}
+            for spec in specs:
+                try:
+                    seen[spec.tenant_id] = await asyncio.to_thread(self._sync_one, spec)
+                except Exception as e:
+                    log.error("tenant %s: hub not running: %s", spec.tenant_name, e)
+            activated: list[str] = []
+            for tid, (handshakes, up) in seen.items():
+                activated += await self.store.run(
+                    observe_tenant, tid, handshakes, up, self.instance
+                )
+            for mid in activated:
+                log.info("machine %s joined its tenant's cluster: active", mid)
+            return activated
+
+    def _sync_one(self, spec: HubSpec) -> tuple[dict[str, datetime | None], set[str] | None]:
+        hub = self.running.get(spec.tenant_id)
+        if hub is None:
+            hub = RunningHub(spec, self.cfg, self.state_dir, self.hubs)
+            hub.up()
+            self.running[spec.tenant_id] = hub
+            log.info(
+                "tenant %s: hub %s up on %s:%d (namespace %s)%s",
+                spec.tenant_name,
+                spec.ifname,
+                spec.endpoint_host,
+                spec.listen_port,
+                hub.ns,
+                ", Slurm control plane started" if hub.control else "",
+            )
+
+        def current() -> dict[str, tuple[str, str]]:
+            with self.store.session() as s:
+                return _peers(s, spec.tenant_id)
+
+        return hub.reconcile(spec, current)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.observe_interval_s)
+            try:
+                await self.sync()
+            except Exception:
+                log.exception("tenant hub sync failed; trying again next interval")
+
+    # -- HubRuntime (the join route applies a new peer at once) ---------------------------
+    def add_peer(self, tenant_id: str, public_key: str, address: str) -> None:
+        self.hubs.add_peer(tenant_id, public_key, address)
+
+    def remove_peer(self, tenant_id: str, public_key: str) -> None:
+        self.hubs.remove_peer(tenant_id, public_key)
+
+    def handshakes(self, tenant_id: str) -> dict[str, datetime | None]:
+        return self.hubs.handshakes(tenant_id)
+
+    def control_plane(self, tenant_id: str) -> controlplane.SlurmControlPlane | None:
+        hub = self.running.get(tenant_id)
+        return hub.control if hub else None
+
+
+# -- host plumbing ------------------------------------------------------------------------
+
+
+def _in_ns(ns: str, *argv: str) -> None:
+    r = subprocess.run(
+        ["nsenter", f"--net={netns.path(ns)}", *argv], capture_output=True, text=True
+    )
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} in {ns}: {r.stderr.strip()}")
+
+
+def _bridge_prefixlen(bridge: str, address: str) -> int:
+    """The prefix length of the bridge's IPv4 network that holds ``address``."""
+    from pyroute2 import IPRoute
+
+    want = ipaddress.ip_address(address)
+    with IPRoute() as ip:
+        idx = ip.link_lookup(ifname=bridge)
+        if not idx:
+            raise RuntimeError(f"tenants.underlay_bridge {bridge!r} does not exist here")
+        for a in ip.get_addr(index=idx[0], family=2):
+            net = ipaddress.ip_network(f"{a.get_attr('IFA_ADDRESS')}/{a['prefixlen']}", False)
+            if want in net:
+                return net.prefixlen
+    raise RuntimeError(f"hub address {address} is on none of {bridge}'s networks")
+
+
+def _veth_to_bridge(host_if: str, ns: str, bridge: str) -> None:
+    from pyroute2 import IPRoute
+
+    with IPRoute() as ip:
+        ip.link("add", ifname=host_if, kind="veth", peer={"ifname": UNDERLAY_IF})
+        peer = ip.link_lookup(ifname=UNDERLAY_IF)[0]
+        ip.link("set", index=peer, net_ns_fd=ns)
+        idx = ip.link_lookup(ifname=host_if)[0]
+        ip.link("set", index=idx, master=ip.link_lookup(ifname=bridge)[0], state="up")
+
+
+def _delete_link(ifname: str) -> None:
+    from pyroute2 import IPRoute
+
+    with IPRoute() as ip:
+        idx = ip.link_lookup(ifname=ifname)
+        if idx:
+            ip.link("del", index=idx[0])
+
+
+def _kill_stale_wireguard(workdir: Path, ifname: str) -> None:
+    """wireguard-go left by a killed metald keeps its control socket: stop it and remove it."""
+    pidfile = workdir / "wg.pid"
+    try:
+        pid = int(pidfile.read_text())
+        if b"wireguard-go" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            os.kill(pid, signal.SIGTERM)
+    except (OSError, ValueError):
+        pass
+    pidfile.unlink(missing_ok=True)
+    sock = SOCKET_DIR / f"{ifname}.sock"
+    for _ in range(100):
+        if not sock.exists():
+            break
+        if not _socket_alive(sock):
+            sock.unlink(missing_ok=True)
+            break
+        time.sleep(0.05)
+
+
+def _socket_alive(sock: Path) -> bool:
+    import socket
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(str(sock))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def describe(rt: Any) -> dict[str, Any]:
+    """For /healthz-like views: which hubs run and whether their control planes are alive."""
+    return {
+        tid: {"namespace": h.ns, "control_plane": bool(h.control and h.control.alive())}
+        for tid, h in rt.running.items()
+    }
