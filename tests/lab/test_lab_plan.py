@@ -59,13 +59,18 @@ def test_attached_namespaces_belong_to_their_lab() -> None:
 
 
 @pytest.mark.parametrize(
-    ("machines", "uefi"), [(0, 0), (plan.MAX_MACHINES + 1, 0), (2, 3), (2, -1)]
+    ("machines", "uefi"), [(-1, 0), (0, 1), (plan.MAX_MACHINES + 1, 0), (2, 3), (2, -1)]
 )
 def test_impossible_labs_are_refused(machines: int, uefi: int) -> None:
     with pytest.raises(plan.PlanError):
         plan.plan_machines(1, machines, uefi)
 
 
+def test_a_lab_of_no_machines_is_the_network_alone() -> None:
+    assert plan.plan_machines(1, 0, 0) == []
+
+
+@pytest.mark.parametrize("name", ["", "Upper", "has space", "-lead", "a" * 32, "x/y"])
 @pytest.mark.parametrize("name", ["", "Upper", "has space", "-lead", "a" * 32, "x/y"])
 def test_bad_lab_names_are_refused(name: str) -> None:
     with pytest.raises(plan.PlanError):
