@@ -71,7 +71,6 @@ def test_a_lab_of_no_machines_is_the_network_alone() -> None:
 
 
 @pytest.mark.parametrize("name", ["", "Upper", "has space", "-lead", "a" * 32, "x/y"])
-@pytest.mark.parametrize("name", ["", "Upper", "has space", "-lead", "a" * 32, "x/y"])
 def test_bad_lab_names_are_refused(name: str) -> None:
     with pytest.raises(plan.PlanError):
         plan.netns_name(name)
