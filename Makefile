@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 MACHINES ?= 3
 LAB ?= lab
 
-.PHONY: all setup demo test test-fast lint format bench bootassets lab-up lab-down clean
+.PHONY: all setup demo test test-fast lint format bench bootassets nodeimage lab-up lab-down clean
 
 all: test
 
@@ -34,6 +34,9 @@ bench: setup
 
 bootassets: setup
 	$(PY) -m bootassets build
+
+nodeimage: setup
+	$(PY) -m bootassets node
 
 lab-up: setup
 	$(PY) vm-lab/vm-lab up --machines $(MACHINES) --name $(LAB)
