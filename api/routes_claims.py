@@ -21,7 +21,7 @@ from api.schemas import In, LabelKey, LabelValue, MachineOut, Name, Query
 from metald import claims as svc
 from metald.auth import Principal, Role
 from metald.errors import Conflict, NotFound
-from metald.lifecycle import State
+from metald.lifecycle import ALLOCATED, State
 from metald.machines import add_event
 from metald.provision import driver
 from metald.provision.images import normalize_spec
@@ -347,7 +347,10 @@ async def release_claim(req: ApiRequest) -> ClaimOut:
         wiping = svc.release_claim(s, c, req.actor, deploy=_deploy(req), instance=req.ctx.instance)
         return claim_out(s, load_claim(s, p, c.id)), wiping
 
-    out, wiping = await req.ctx.store.run(run)
+    return await _after_release(req, *(await req.ctx.store.run(run)))
+
+
+async def _after_release(req: ApiRequest, out: ClaimOut, wiping: list[str]) -> ClaimOut:
     req.ctx.bus.notify()
     runtime = req.ctx.services.get("tenant_hubs")
     if wiping and runtime is not None and hasattr(runtime, "sync"):
@@ -362,6 +365,36 @@ async def release_claim(req: ApiRequest) -> ClaimOut:
         )
     )
     return out
+
+
+@router.route(
+    "POST",
+    "/api/v1/claims/{id}/machines/{machine_id}/release",
+    summary="Release one machine of a claim",
+    roles=CLAIMERS,
+    response=ClaimOut,
+    tag=TAG,
+    errors=(404, 409),
+)
+async def release_claim_machine(req: ApiRequest) -> ClaimOut:
+    """Scale a claim down by one machine: it leaves the tenant (tokens revoked, off the hub and
+    out of the cluster) and is wiped back to ready. The claim ends with its last machine."""
+    p = req.require_principal()
+    mid = req.params["machine_id"]
+
+    def run(s: Session) -> tuple[ClaimOut, list[str]]:
+        c = load_claim(s, p, req.params["id"])
+        m = s.get(Machine, mid)
+        if m is None or m.claim_id != c.id:
+            raise NotFound(f"claim {c.id} holds no machine {mid!r}")
+        if State(m.state) not in ALLOCATED:
+            raise Conflict(f"machine {mid} is {m.state}: it is not allocated to the claim any more")
+        wiping = svc.release_claim(
+            s, c, req.actor, deploy=_deploy(req), instance=req.ctx.instance, only={mid}
+        )
+        return claim_out(s, load_claim(s, p, c.id)), wiping
+
+    return await _after_release(req, *(await req.ctx.store.run(run)))
 
 
 # ---- images -----------------------------------------------------------------------------

@@ -297,9 +297,12 @@ def release_claim(
     deploy: DeployImage,
     reason: str | None = None,
     instance: str | None = None,
+    only: set[str] | None = None,
 ) -> list[str]:
-    """End the claim: every machine still allocated is released (its tokens revoked) and starts
-    wiping. Returns the ids of the machines that now wipe. Releasing twice changes nothing."""
+    """End the claim: every machine still allocated is released (its tokens revoked, its peer
+    taken off the tenant's hub) and starts wiping. ``only``: release just these machines of the
+    claim (scale down); the claim ends when none is left. Returns the ids of the machines that
+    now wipe. Releasing twice changes nothing."""
     claim_id = claim.id
 
     def release() -> list[str]:
@@ -308,9 +311,13 @@ def release_claim(
         if c.state == "released":
             return []
         wiping = []
+        remaining = 0
         for m in claim_machines(session, claim_id):
             if State(m.state) not in ALLOCATED:
                 continue  # already released, or broken: a technician deals with it
+            if only is not None and m.id not in only:
+                remaining += 1
+                continue
             revoke_machine_tokens(session, m.id, commit=False)
             # Off the tenant's hub (the tenant runtime removes it from the running hub and
             # the node from the cluster); unused join tokens are revoked.
@@ -337,13 +344,14 @@ def release_claim(
                 commit=False,
             )
             wiping.append(m.id)
-        c.state = "released"
+        if remaining == 0:
+            c.state = "released"
         c.version += 1
         c.updated_at = utcnow()
         session.add(c)
         machines.add_event(
             session,
-            "claim.released",
+            "claim.released" if remaining == 0 else "claim.machines.released",
             actor,
             tenant_id=c.tenant_id,
             reason=reason,

@@ -77,7 +77,9 @@ def add_extension_parsers(sub: Any) -> None:
     cs.add_argument(
         "--watch", action="store_true", help="redraw progress until every machine settles"
     )
-    csub.add_parser("release").add_argument("id")
+    cr = csub.add_parser("release")
+    cr.add_argument("id")
+    cr.add_argument("--machine", help="release only this machine of the claim (scale down)")
 
 
 SETTLED = {"provisioned", "active", "ready", "provision-failed", "wipe-failed", "join-failed"}
@@ -227,7 +229,10 @@ def run_extension(args: argparse.Namespace, c: Any) -> int:
                 time.sleep(2)
                 print(flush=True)
         else:
-            r = c.call("POST", f"/api/v1/claims/{args.id}/release")
+            path = f"/api/v1/claims/{args.id}/release"
+            if args.machine:
+                path = f"/api/v1/claims/{args.id}/machines/{args.machine}/release"
+            r = c.call("POST", path)
             print(json.dumps(r, indent=2) if args.json else _claim_table(r))
     elif args.cmd == "bmcs":
         if args.sub == "power":

@@ -63,3 +63,24 @@ def test_claim_events_carry_vlan_and_switch_ports(store: Store) -> None:
         rel = s.exec(select(Event).where(Event.kind == "claim.released")).one()
         assert rel.data["network"]["vlan"] == 101
         assert {p["machine_id"] for p in rel.data["network"]["ports"]} == set(got)
+
+
+def test_release_one_machine_scales_the_claim_down(store: Store) -> None:
+    add_ready(store, 2)
+    tenant = add_tenant(store, "acme")
+    with store.session() as s:
+        claim, _ = create_claim(
+            s, tenant, 2, Selector(), add_image(store), None, "t", deploy=DEPLOY
+        )
+        first, second = (m.id for m in s.exec(select(Machine).where(Machine.claim_id == claim.id)))
+        c = s.get(Claim, claim.id)
+        assert c is not None
+        assert release_claim(s, c, "t", deploy=DEPLOY, only={first}) == [first]
+        s.refresh(c)
+        assert c.state == "allocated"
+        ev = s.exec(select(Event).where(Event.kind == "claim.machines.released")).one()
+        assert [p["machine_id"] for p in ev.data["network"]["ports"]] == [first]
+        assert release_claim(s, c, "t", deploy=DEPLOY, only={first}) == []
+        assert release_claim(s, c, "t", deploy=DEPLOY, only={second}) == [second]
+        s.refresh(c)
+        assert c.state == "released"
