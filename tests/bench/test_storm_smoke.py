@@ -1,0 +1,53 @@
+"""bench/storm.py --quick end to end (50 machines, 5 claims of 10) against a real metald.
+
+Correctness only, never timings: every machine ready, every claim fulfilled, every claimed
+machine provisioned, no machine in two claims, and nothing left behind (namespaces, metald).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.skipif(
+        os.geteuid() != 0, reason="needs root: the storm bench creates network namespaces"
+    ),
+]
+
+
+def test_storm_quick(tmp_path: Path) -> None:
+    out = tmp_path / "storm.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "storm.py"), "--quick", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [res] = json.loads(out.read_text())
+    n = res["machines"]
+    claims = n // res["claim_size"]
+    checks = res["checks"]
+    assert res["phase1"]["ready"] == n
+    assert res["phase1"]["inventories"] == n
+    assert checks["claims_made"] == checks["claims_listed"] == claims
+    assert checks["unfulfilled"] == 0
+    assert checks["machines_in_two_claims"] == 0
+    assert checks["distinct_claimed"] == n
+    assert checks["claimed_not_provisioned"] == 0
+    assert checks["provisioned_api"] == res["phase2"]["provisioned"] == n
+    # Torn down: metald is gone and none of the bench's namespaces remain.
+    assert not Path(f"/proc/{res['metald_pid']}").exists()
+    ours = (f"mbsrv{res['bench_pid'] % 100000}x", f"mbcli{res['bench_pid'] % 100000}x")
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not [ln for ln in left.splitlines() if ln.startswith(ours)], left
