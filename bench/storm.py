@@ -266,6 +266,8 @@ class Counters:
     progress: int = 0
     http_retries: int = 0
     pxe_restarts: int = 0
+    #: 5xx answers (each retried): e.g. SQLite "database is locked" after busy_timeout.
+    server_errors: int = 0
     latencies: list[float] = field(default_factory=list)
 
 
@@ -310,6 +312,7 @@ class Storm:
         self.c = Counters()
         self.metald_pid: int = p["metald_pid"]
         self.rng = random.Random(7)
+        self.server_error_samples: set[str] = set()
 
     # ---- plumbing ---------------------------------------------------------------------
 
@@ -441,6 +444,8 @@ class Storm:
                         return payload if text else json.loads(payload)
                     if r.status < 500 and r.status != 429:
                         raise StormError(f"{method} {url}: {r.status} {payload[:500]}")
+                    self.c.server_errors += 1
+                    self.server_error_samples.add(payload[:300])
             except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
                 if attempt == tries - 1:
                     raise StormError(f"{method} {url}: {type(e).__name__}: {e}") from None
@@ -558,8 +563,9 @@ class Storm:
         }
         for attempt in range(20):
             try:
+                # 5xx are retried inside (same idempotency key, so a retry never claims twice).
                 c = await self.http(
-                    "POST", f"{self.api}/api/v1/claims", token=self.orch, body=body, tries=1
+                    "POST", f"{self.api}/api/v1/claims", token=self.orch, body=body, tries=10
                 )
                 break
             except StormError as e:
@@ -639,6 +645,7 @@ class Storm:
             "dhcp_retransmits": self.c.dhcp_retransmits,
             "http_retries": self.c.http_retries,
             "pxe_restarts": self.c.pxe_restarts,
+            "server_errors": self.c.server_errors,
             "metald_cpu_s": self.cpu() - cpu0,
             "client_cpu_s": self.self_cpu() - me0,
             "p50_s": lat[len(lat) // 2],
@@ -699,6 +706,7 @@ class Storm:
             "dhcp_retransmits": self.c.dhcp_retransmits,
             "http_retries": self.c.http_retries,
             "pxe_restarts": self.c.pxe_restarts,
+            "server_errors": self.c.server_errors,
             "metald_cpu_s": self.cpu() - cpu0,
             "client_cpu_s": self.self_cpu() - me0,
             "p50_s": lat[len(lat) // 2],
@@ -706,6 +714,7 @@ class Storm:
         }
         log(f"phase 2: {done} provisioned in {wall:.2f} s")
         res["checks"] = await self.check(claim_ids, want)
+        res["server_error_samples"] = sorted(self.server_error_samples)[:5]
         return res
 
     async def check(self, claim_ids: list[str], want: int) -> dict[str, Any]:
@@ -923,11 +932,11 @@ def rates(r: dict[str, Any]) -> list[list[object]]:
         ["1 power-on -> ready", f(w1, 2), f(n / w1), f(p1["dora"] / w1), f(p1["scripts"] / w1),
          f(p1["inventories"] / w1), "", "", f(p1["metald_cpu_s"], 1),
          f(p1["metald_cpu_s"] / n * 1000, 2), f(p1["client_cpu_s"], 1),
-         f"{p1['p50_s']:.1f}/{p1['p99_s']:.1f}", f"{p1['dhcp_retransmits']}/{p1['pxe_restarts']}/{p1['http_retries']}"],
+         f"{p1['p50_s']:.1f}/{p1['p99_s']:.1f}", f"{p1['dhcp_retransmits']}/{p1['pxe_restarts']}/{p1['http_retries']}/{p1['server_errors']}"],
         ["2 claim -> provisioned", f(w2, 2), f(p2["provisioned"] / w2), f(p2["dora"] / w2),
          f(p2["scripts"] / w2), "", f(p2["claims"] / w2), f(p2["progress"] / w2),
          f(p2["metald_cpu_s"], 1), f(p2["metald_cpu_s"] / n * 1000, 2), f(p2["client_cpu_s"], 1),
-         f"{p2['p50_s']:.1f}/{p2['p99_s']:.1f}", f"{p2['dhcp_retransmits']}/{p2['pxe_restarts']}/{p2['http_retries']}"],
+         f"{p2['p50_s']:.1f}/{p2['p99_s']:.1f}", f"{p2['dhcp_retransmits']}/{p2['pxe_restarts']}/{p2['http_retries']}/{p2['server_errors']}"],
     ]  # fmt: skip
 
 
@@ -944,7 +953,7 @@ HEADERS = [
     "metald CPU ms/machine",
     "client CPU s",
     "machine p50/p99 s",
-    "DHCP retx / PXE restarts / HTTP retries",
+    "DHCP retx / PXE restarts / HTTP retries / 5xx",
 ]
 
 
@@ -962,6 +971,8 @@ def report(results: list[dict[str, Any]]) -> None:
             f"{c['claims_listed']}, unfulfilled {c['unfulfilled']}, machines in two claims "
             f"{c['machines_in_two_claims']}, provisioned {c['provisioned_api']}/{c['want']}"
         )
+        for sample in r.get("server_error_samples", []):
+            print(f"  a 5xx answer (retried): {sample}")
     if len(results) > 1:
         base = results[0]
         rows = []
