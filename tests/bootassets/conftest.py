@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -42,9 +43,11 @@ def boot_until(
     timeout: float = 240,
     netns: str | None = None,
     stop_on: tuple[str, ...] = (),
+    also: Callable[[], bool] | None = None,
 ) -> str:
-    """Run QEMU (serial to ``console``) until every string in ``wanted`` is on the console,
-    one in ``stop_on`` is, QEMU ends, or ``timeout`` passes; then stop it. Returns the log."""
+    """Run QEMU (serial to ``console``) until every string in ``wanted`` is on the console (and
+    ``also()`` is true), one in ``stop_on`` is, QEMU ends, or ``timeout`` passes; then stop it.
+    Returns the console log."""
     cmd = ["qemu-system-x86_64", "-accel", "tcg", *qemu]
     cmd += ["-display", "none", "-monitor", "none", "-serial", f"file:{console}", "-no-reboot"]
     if netns:
@@ -58,7 +61,9 @@ def boot_until(
     try:
         while time.monotonic() < deadline:
             text = console.read_text(errors="replace") if console.exists() else ""
-            if all(w in text for w in wanted) or any(s in text for s in stop_on):
+            if all(w in text for w in wanted) and (also is None or also()):
+                break
+            if any(s in text for s in stop_on):
                 break
             if proc.poll() is not None:
                 break

@@ -1,11 +1,13 @@
 """A stand-in for the metald endpoints a node image talks to: GET /api/v1/agent/provision, POST
-/api/v1/agent/progress and POST /api/v1/join. Run in the QEMU test's network namespace as
+/api/v1/agent/progress and POST /api/v1/join (which, given ``hub_ifname``, adds the node as a
+peer of that WireGuard interface, as metald's hub does). Run in the QEMU test's network namespace as
 ``python fake_metald.py HOST PORT OUTFILE READYFILE CONFIG.json``; every request it gets is
 appended to OUTFILE as a JSON line {"path", "auth", "body"}."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -41,12 +43,19 @@ def main() -> None:
         return web.json_response({"machine_id": "lab-n1", "state": "provisioned"})
 
     async def join(request: web.Request) -> web.Response:
-        record(request, await request.json())
+        body = await request.json()
+        record(request, body)
         if cfg.get("join_status", 200) != 200:
             return web.json_response(
                 {"title": "Gone", "status": cfg["join_status"], "detail": cfg["join_detail"]},
                 status=cfg["join_status"],
                 content_type="application/problem+json",
+            )
+        if cfg.get("hub_ifname"):  # a real hub (wireguard-go) in this namespace: add the peer
+            subprocess.run(
+                ["wg", "set", cfg["hub_ifname"], "peer", body["public_key"], "allowed-ips"]
+                + [cfg["join_response"]["overlay_address"].split("/")[0] + "/32"],
+                check=True,
             )
         return web.json_response(cfg["join_response"])
 

@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -136,7 +136,12 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def stateless_boot(
-    ns: str, tmp_path: Path, image: Path, config: dict, wanted: list[str]
+    ns: str,
+    tmp_path: Path,
+    image: Path,
+    config: dict,
+    wanted: list[str],
+    also: Callable[[], bool] | None = None,
 ) -> tuple[list[dict], str]:
     conf = tmp_path / "udhcpd.conf"
     conf.write_text(
@@ -174,6 +179,7 @@ def stateless_boot(
             timeout=240,
             netns=ns,
             stop_on=("metald-node: staying up",),
+            also=also,
         )
     finally:
         for p in procs:
@@ -259,5 +265,118 @@ def test_stateless_join_refused_is_final(node_image: Path, netns: str, tmp_path:
     assert "metald-node: staying up" in log  # metald-node ended; /init keeps the machine up
     assert [r["path"] for r in requests].count("/api/v1/join") == 1  # no retry of a 4xx
     assert "joined hub" not in log and "slurmd started" not in log
+    for secret in SECRETS:
+        assert secret not in log
+
+
+@pytest.mark.skipif(
+    not all(shutil.which(t) for t in ("wireguard-go", "wg", "slurmctld", "srun", "munged")),
+    reason="needs wireguard-go, wireguard-tools, slurmctld, slurm-client and munge",
+)
+def test_srun_reaches_the_node_over_wireguard(node_image: Path, netns: str, tmp_path: Path) -> None:
+    """The whole join for real: a wireguard-go hub and a configless slurmctld in the test's
+    namespace; the node joins through the metald stand-in and `srun hostname` runs on it."""
+    from metald.tenants.slurm import ControlPlane, render_slurm_conf
+
+    hub_if = f"mhn{os.getpid() % 100000}"
+    ctl = tmp_path / "ctl"
+    for sub in ("state", "spool", "run", "log"):
+        (ctl / sub).mkdir(parents=True)
+    key = base64.b64decode(MUNGE_KEY)
+    (ctl / "munge.key").write_bytes(key)
+    cp = ControlPlane(
+        cluster_name="labnode",
+        host_name="hub",
+        address="10.200.0.1",
+        state_dir=str(ctl / "state"),
+        spool_dir=str(ctl / "spool"),
+        run_dir=str(ctl / "run"),
+        log_dir=str(ctl / "log"),
+        max_nodes=8,
+    )
+    (ctl / "slurm.conf").write_text(render_slurm_conf(cp))
+    hub_key = subprocess.run(["wg", "genkey"], capture_output=True, text=True, check=True).stdout
+    (tmp_path / "hub.key").write_text(hub_key)
+    hub_pub = subprocess.run(
+        ["wg", "pubkey"], input=hub_key, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    hub = start(
+        netns, ["env", "WG_PROCESS_FOREGROUND=1", "wireguard-go", hub_if], tmp_path / "hub.log"
+    )
+    controller = None
+    try:
+        deadline = time.monotonic() + 20
+        while subprocess.run(
+            ["ip", "-n", netns, "link", "show", hub_if], capture_output=True
+        ).returncode:
+            assert time.monotonic() < deadline, (tmp_path / "hub.log").read_text()
+            time.sleep(0.2)
+        ns = ["ip", "netns", "exec", netns]
+        subprocess.run(
+            [
+                *ns,
+                "wg",
+                "set",
+                hub_if,
+                "private-key",
+                str(tmp_path / "hub.key"),
+                "listen-port",
+                "51820",
+            ],
+            check=True,
+        )
+        ip("-n", netns, "addr", "add", "10.200.0.1/24", "dev", hub_if)
+        ip("-n", netns, "link", "set", hub_if, "up")
+        controller = start(
+            netns,
+            ["unshare", "--mount", "--uts", "--propagation", "private", "bash",
+             str(ROOT / "tests/bootassets/slurm_controller.sh"), str(ctl)],
+            tmp_path / "controller.log",
+        )  # fmt: skip
+        config = {
+            "agent_token": AGENT_TOKEN,
+            "provision": provision_answer(),
+            "hub_ifname": hub_if,
+            "join_response": {
+                "overlay_address": "10.200.0.2/24",
+                "hub": {
+                    "endpoint": f"{SERVER}:51820",
+                    "public_key": hub_pub,
+                    "address": "10.200.0.1",
+                },
+                "allowed_ips": ["10.200.0.0/24"],
+                "persistent_keepalive": 25,
+                "cluster": {
+                    "kind": "slurm",
+                    "conf_server": "10.200.0.1:6817",
+                    "node_name": "node-lab1",
+                    "munge_key": MUNGE_KEY,
+                    "slurmd_args": ["-Z", "-N", "node-lab1", "--conf-server", "10.200.0.1:6817"],
+                },
+            },
+        }
+
+        # the VM runs until the controller has run srun on it (or the timeout)
+        requests, log = stateless_boot(
+            netns,
+            tmp_path,
+            node_image,
+            config,
+            ["metald-node: node ready"],
+            also=lambda: (ctl / "srun.rc").exists(),
+        )
+    finally:
+        if controller is not None:
+            stop(controller)
+        stop(hub)
+    assert "metald-node: slurmd started as node-lab1" in log, log[-4000:]
+    state = (ctl / "node.state").read_text() if (ctl / "node.state").exists() else "none"
+    assert (ctl / "srun.rc").exists(), (
+        f"{state}; controller: {(tmp_path / 'controller.log').read_text()}"
+    )
+    err = (ctl / "srun.err").read_text()
+    assert (ctl / "srun.rc").read_text().strip() == "0", f"{state}; srun: {err}"
+    assert (ctl / "srun.out").read_text().strip() == "lab-node-1"  # busybox hostname on the node
+    assert [r["path"] for r in requests][-1] == "/api/v1/join"
     for secret in SECRETS:
         assert secret not in log
