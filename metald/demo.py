@@ -83,7 +83,7 @@ def can_run_rack() -> str | None:
 
 
 def run_rack(workdir: Path) -> tuple[Ctl, Callable[[], None], dict[str, float]]:
-    from metald.labrack import LabRack
+    from metald.labrack import LabRack, tenants_config
 
     timings: dict[str, float] = {}
     step("Build the discovery image from Debian packages (cached in .cache/bootassets)")
@@ -104,9 +104,10 @@ def run_rack(workdir: Path) -> tuple[Ctl, Callable[[], None], dict[str, float]]:
         workdir,
         machines=3,
         uefi=1,
-        extra_config=(
+        extra_config=lambda state: (
             '[[enroll.rules]]\nmatch = { vendor = "vm-lab" }\nlabels = { pool = "demo" }\n'
             '[[enroll.rules]]\nmatch = { product = "vm-lab bios" }\nlabels = { firmware = "bios" }\n'
+            + tenants_config(state)
         ),
     )
     timings["rack up + metald started"] = time.monotonic() - t
@@ -164,8 +165,96 @@ def run_rack(workdir: Path) -> tuple[Ctl, Callable[[], None], dict[str, float]]:
     timings["whole rack power-on to ready"] = max(ready.values()) - t0
     show(ctl, "machines", "list")
     show(ctl, "bmcs", "list")
-    claim_phase(rack, ctl, timings, workdir)
+    tenant_phase(rack, ctl, timings)
+    if os.environ.get("DISK") == "1":
+        claim_phase(rack, ctl, timings, workdir)
     return ctl, rack.down if os.environ.get("KEEP") != "1" else (lambda: None), timings
+
+
+def wait_states(
+    rack, ctl: Ctl, ids: list[str], want: str, timeout: float, t0: float, bad: str = "failed"
+) -> None:  # type: ignore[no-untyped-def]
+    """Print each change of the machines' states until all are ``want``."""
+    names = {i: rack.json("machines", "show", i).get("name") or i[:8] for i in ids}
+    last = ""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = {i: json.loads(ctl("--json", "machines", "show", i)[1])["state"] for i in ids}
+        line = "  ".join(f"{names[i]}:{st}" for i, st in states.items())
+        if line != last:
+            print(f"  +{time.monotonic() - t0:5.1f}s  {line}", flush=True)
+            last = line
+        if all(st == want for st in states.values()):
+            return
+        if time.monotonic() > deadline or any(bad in st for st in states.values()):
+            raise SystemExit(f"demo: machines did not reach {want}: {states}\n{rack.diagnostics()}")
+        time.sleep(1)
+
+
+def tenant_phase(rack, ctl: Ctl, timings: dict[str, float]) -> None:  # type: ignore[no-untyped-def]
+    from metald.tenants.controlplane import exec_in
+
+    step(
+        "Tenant acme: a WireGuard hub and a Slurm control plane (slurmctld + munged), run by metald"
+    )
+    tenant = json.loads(show(ctl, "--json", "tenants", "create", "acme"))
+    st, hub = rack.api("POST", f"/api/v1/tenants/{tenant['id']}/hub", {})
+    if st != 201:
+        raise SystemExit(f"demo: creating the hub failed: {hub}")
+    print(
+        f"  hub {hub['ifname']} at {hub['endpoint']}, overlay {hub['overlay_prefix']}, "
+        f"slurmctld on {hub['address']}:6817, VLAN {tenant['vlan']} for switch automation"
+    )
+
+    step("Build the tenant node image from Debian packages (slurmd, munge, WireGuard; cached)")
+    t = time.monotonic()
+    image_args = rack.publish_node_image()
+    timings["node image (build or cache)"] = time.monotonic() - t
+    img = json.loads(show(ctl, "--json", "images", "create", "acme-node", *image_args))["id"]
+    orch = show(
+        ctl, "tokens", "create", "--name", "acme-orch", "--role", "orchestrator",
+        "--scope", tenant["id"],
+    ).splitlines()[-1]  # fmt: skip
+    as_orch = {"METALD_TOKEN": orch}
+
+    step(
+        "The orchestrator claims 2 machines for acme; they boot the node image and join by themselves"
+    )
+    t = time.monotonic()
+    claim = json.loads(
+        show(
+            ctl, "--json", "claims", "create", "--tenant", tenant["id"], "--count", "2",
+            "--image", img, "--idempotency-key", "demo-acme-1", env=as_orch,
+        )
+    )  # fmt: skip
+    ids = [m["id"] for m in claim["machines"]]
+    wait_states(rack, ctl, ids, "active", 600, t)
+    timings["claim 2 -> booted, joined over WireGuard, Slurm nodes up"] = time.monotonic() - t
+    show(ctl, "claims", "show", claim["id"], env=as_orch)
+
+    step("acme's Slurm cluster (inside its control plane)")
+    for argv in (["sinfo", "-N", "-l"], ["srun", "-N2", "hostname"]):
+        print("$ " + " ".join(argv), flush=True)
+        t = time.monotonic()
+        r = exec_in(rack.state_dir, tenant["id"], argv, timeout=120)
+        print((r.stdout + r.stderr).rstrip(), flush=True)
+        if r.returncode != 0:
+            raise SystemExit(f"demo: {' '.join(argv)} failed")
+        if argv[0] == "srun":
+            timings["srun -N2 hostname"] = time.monotonic() - t
+    _, hub_now = rack.api("GET", f"/api/v1/tenants/{tenant['id']}/hub")
+    for p in hub_now["peers"]:
+        print(
+            f"  peer {p['address']} machine {p['machine_id'][:8]} last handshake {p['last_handshake_at']}"
+        )
+
+    step("The orchestrator releases the claim: off the hub, out of the cluster, wiped, ready")
+    t = time.monotonic()
+    show(ctl, "claims", "release", claim["id"], env=as_orch)
+    r = exec_in(rack.state_dir, tenant["id"], ["sinfo", "-N"], timeout=60)
+    print("$ sinfo -N\n" + r.stdout.rstrip(), flush=True)
+    wait_states(rack, ctl, ids, "ready", 900, t, bad="wipe-failed")
+    timings["release -> off the cluster, wiped and ready"] = time.monotonic() - t
 
 
 def claim_phase(rack, ctl: Ctl, timings: dict[str, float], workdir: Path) -> None:  # type: ignore[no-untyped-def]

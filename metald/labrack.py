@@ -84,6 +84,15 @@ def build_test_image(workdir: Path) -> tuple[Path, str]:
     return image, hashlib.sha256(image.read_bytes()).hexdigest()
 
 
+def tenants_config(state: dict[str, Any]) -> str:
+    """metald's [tenants] section for a lab: hubs on the lab bridge at 10.k.0.249-254 (the top
+    of the range vm-lab leaves to attached namespaces), with Slurm control planes."""
+    return (
+        "[tenants]\nhubs = true\ncontrol_planes = true\nobserve_interval_s = 1\n"
+        f'underlay_bridge = "{state["bridge"]}"\nhub_addresses = "10.{state["slot"]}.0.248/29"\n'
+    )
+
+
 class LabRack:
     def __init__(
         self,
@@ -238,6 +247,29 @@ class LabRack:
             sha,
             "--size",
             str(image.stat().st_size),
+        ]
+
+    def publish_node_image(self, port: int = 8082) -> list[str]:
+        """Build (or reuse) the tenant node image, serve it on the lab network, and return the
+        ``metalctl images create NAME`` arguments of its stateless form."""
+        from bootassets.node import ensure_node_built
+
+        node = ensure_node_built()
+        addr = self.state["boot_address"]
+        self.lab.spawn(
+            [sys.executable, "-m", "http.server", str(port), "--bind", addr,
+             "--directory", str(node)],
+            role="node-image-server",
+            log=self.workdir / "node-image-server.log",
+        )  # fmt: skip
+        base = f"http://{addr}:{port}"
+        return [
+            "--kind",
+            "stateless",
+            "--kernel",
+            f"{base}/vmlinuz",
+            "--initrd",
+            f"{base}/initrd.img",
         ]
 
     def machine_by_mac(self, mac: str) -> dict[str, Any] | None:

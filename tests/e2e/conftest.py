@@ -42,14 +42,14 @@ def enrolled_rack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Enrolled
     reason = lab_skip_reason()
     if reason:
         pytest.skip(reason)
-    from metald.labrack import LabRack
+    from metald.labrack import LabRack, tenants_config
 
     rack = LabRack(
         f"e2e{os.getpid() % 10000}",
         tmp_path_factory.mktemp("rack"),
         machines=3,
         uefi=1,
-        extra_config=RULES,
+        extra_config=lambda state: RULES + tenants_config(state),
     )
     try:
         bmcs = rack.register_bmcs(["ipmi", "redfish", "auto"])

@@ -36,15 +36,6 @@ pytestmark = [
 ]
 
 
-def tenants_config(state: dict[str, Any]) -> str:
-    slot = state["slot"]
-    # .249-.254: the top of the lab's attached-namespace range (the test's node takes .240).
-    return (
-        "[tenants]\nhubs = true\ncontrol_planes = true\nobserve_interval_s = 1\n"
-        f'underlay_bridge = "{state["bridge"]}"\nhub_addresses = "10.{slot}.0.248/29"\n'
-    )
-
-
 def curl_in(ns: str, method: str, url: str, body: Any = None, token: str | None = None) -> tuple[int, Any]:  # fmt: skip
     argv = ["nsenter", f"--net=/run/netns/{ns}", "curl", "-sS", "-m", "10", "-X", method,
             "-w", "\n%{http_code}"]  # fmt: skip
@@ -61,7 +52,7 @@ def curl_in(ns: str, method: str, url: str, body: Any = None, token: str | None 
 def test_daemon_runs_hub_and_control_plane_node_joins_and_release_removes_it(
     tmp_path: Path,
 ) -> None:
-    from metald.labrack import LabRack
+    from metald.labrack import LabRack, tenants_config
 
     rack = LabRack(
         f"rt{secrets.token_hex(2)}", tmp_path, machines=0, uefi=0, extra_config=tenants_config
