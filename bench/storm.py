@@ -651,7 +651,10 @@ class Storm:
             "p50_s": lat[len(lat) // 2],
             "p99_s": lat[min(len(lat) - 1, int(len(lat) * 0.99))],
         }
-        log(f"phase 1: {ready} ready in {wall:.2f} s")
+        log(
+            f"phase 1: {ready} ready in {wall:.2f} s, metald CPU "
+            f"{res['phase1']['metald_cpu_s']:.1f} s, {self.c.dhcp_retransmits} DHCP retransmits"
+        )
 
         # Setup for phase 2 (not timed): tenants, an orchestrator token, an image.
         self.c = Counters()
@@ -712,7 +715,10 @@ class Storm:
             "p50_s": lat[len(lat) // 2],
             "p99_s": lat[min(len(lat) - 1, int(len(lat) * 0.99))],
         }
-        log(f"phase 2: {done} provisioned in {wall:.2f} s")
+        log(
+            f"phase 2: {done} provisioned in {wall:.2f} s, metald CPU "
+            f"{res['phase2']['metald_cpu_s']:.1f} s"
+        )
         res["checks"] = await self.check(claim_ids, want)
         res["server_error_samples"] = sorted(self.server_error_samples)[:5]
         return res
@@ -1035,9 +1041,11 @@ def main() -> int:
         r = run_one(n, args)
         r["claim_size"] = args.claim_size
         results.append(r)
+        if args.json:  # after each size, so a later failure keeps the earlier results
+            Path(args.json).write_text(json.dumps(results, indent=2))
+        if len(sizes) > 1:
+            report([r])
     report(results)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
 
 
