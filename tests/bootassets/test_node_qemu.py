@@ -63,14 +63,13 @@ def test_disk_form_reads_the_seed_and_joins(node_image: Path, tmp_path: Path) ->
     disk = tmp_path / "disk.raw"
     shutil.copyfile(node_image / "disk.raw", disk)
     offset = manifest["disk"]["partition"]["offset"]
-    files = nocloud(machine_id="lab-d1", name="seed-host-7", pxe_mac=None, ssh_authorized_keys=[])
-    user = json.loads(files["user-data"].split("\n", 1)[1])
     join = {"url": "http://192.0.2.1:9", "token": JOIN_TOKEN, "expires_at": "2030-01-01T00:00:00Z"}
-    user["write_files"] = [
-        {"path": "/etc/metald/join.json", "permissions": "0600", "content": json.dumps(join)}
-    ]
+    # the seed exactly as metald's deploy agent writes it
+    files = nocloud(
+        machine_id="lab-d1", name="seed-host-7", pxe_mac=None, ssh_authorized_keys=[], join=join
+    )
     (tmp_path / "meta-data").write_text(files["meta-data"])
-    (tmp_path / "user-data").write_text("#cloud-config\n" + json.dumps(user) + "\n")
+    (tmp_path / "user-data").write_text(files["user-data"])
     seed = "/var/lib/cloud/seed/nocloud"
     debugfs(disk, offset, "mkdir /var/lib/cloud/seed")
     debugfs(disk, offset, f"mkdir {seed}")
