@@ -258,3 +258,29 @@ def test_disks_are_the_fixed_ones_in_sys_block(tmp_path, busybox_bin):
         check=True,
     )
     assert out.stdout.split() == ["/dev/nvme0n1", "/dev/sda"]
+
+
+@pytest.mark.parametrize(
+    ("dirty_at", "clean"),
+    [(None, True), (0, False), (-1, False), (-(1 << 20), False), (-(1 << 20) - 1, True)],
+    ids=["zero", "first-byte", "last-byte", "last-MiB-start", "just-before-last-MiB"],
+)
+def test_wipe_verification_reads_both_ends(tmp_path, busybox_bin, dirty_at, clean) -> None:  # type: ignore[no-untyped-def]
+    """ends_zero checks exactly the first and the last MiB (the last one is reached with dd's
+    seek; busybox cmp's skip argument read the whole disk to get there)."""
+    disk = tmp_path / "disk.img"
+    size = 4 << 30
+    with open(disk, "wb") as f:
+        f.truncate(size)
+        if dirty_at is not None:
+            f.seek(dirty_at % size)
+            f.write(b"x")
+    script = f'METALD_AGENT_LIB=1 . "{AGENT}"; ends_zero "{disk}" {size}'
+    out = subprocess.run(
+        [str(busybox_bin / "sh"), "-c", script],
+        env={"PATH": str(busybox_bin)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (out.returncode == 0) is clean, out.stderr
