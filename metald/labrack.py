@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -115,7 +116,10 @@ class LabRack:
         self.lab = Lab(name, machines=machines, uefi=uefi, workdir=self.workdir / "lab")
         try:
             self.state: dict[str, Any] = self.lab.up()
-            self._start_metald(extra_config(self.state) if callable(extra_config) else extra_config)
+            self._extra_config = (
+                extra_config(self.state) if callable(extra_config) else extra_config
+            )
+            self._start_metald(self._extra_config)
         except BaseException:
             self.lab.down(keep_logs=True)
             raise
@@ -151,6 +155,13 @@ class LabRack:
             if time.monotonic() > deadline:
                 raise RuntimeError("metald did not start:\n" + self.log.read_text()[-3000:])
             time.sleep(0.3)
+
+    def restart_metald(self, *, crash: bool = True) -> None:
+        """Stop metald (SIGKILL when ``crash``, else SIGTERM) and start it again on the same
+        state directory and configuration."""
+        self.metald.send_signal(signal.SIGKILL if crash else signal.SIGTERM)
+        self.metald.wait(30)
+        self._start_metald(self._extra_config)
 
     @property
     def token(self) -> str:

@@ -256,6 +256,9 @@ class WgPeer(SQLModel, table=True):
     public_key: str = Field(unique=True)
     address: str
     last_handshake_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    #: Where the hub last saw the node (ip:port): a restarted hub dials it at once instead of
+    #: waiting for the node's next handshake.
+    last_endpoint: str | None = None
     created_at: datetime = _ts()
 
     __table_args__ = (UniqueConstraint("tenant_id", "address", name="uq_wg_peers_tenant_address"),)

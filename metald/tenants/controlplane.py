@@ -125,13 +125,16 @@ class SlurmControlPlane:
         kill_stale(self.workdir)
         host = host_name(self.tenant_name)
         self.workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        (self.workdir / "state").mkdir(mode=0o700, exist_ok=True)
         self.conf.write_text(
             slurm.render_slurm_conf(
                 slurm.ControlPlane(
                     cluster_name=re.sub(r"[^a-z0-9]", "", self.tenant_name.lower())[:40] or "t",
                     host_name=host,
                     address=self.hub_address,
-                    state_dir="/var/spool/slurmctld",
+                    # On disk, not the private tmpfs: a restarted control plane (metald
+                    # restarted) keeps its dynamic nodes and jobs.
+                    state_dir=str(self.workdir / "state"),
                     spool_dir="/var/spool/slurmd",
                     run_dir="/run/slurm",
                     log_dir="/var/spool/log",

@@ -16,7 +16,7 @@ from sqlmodel import Session, select
 from metald.secrets import SecretBox
 from metald.store.models import Tenant, WgHub
 from metald.tenants import service
-from netconfig.uapi import PeerConfig
+from netconfig.uapi import PeerConfig, PeerStatus
 from netconfig.wireguard import Hub
 
 
@@ -41,11 +41,26 @@ class LocalHubs:
         listen_port: int,
         private_key: str,
         peers: list[tuple[str, str]] = (),  # type: ignore[assignment]
+        endpoints: dict[str, str] | None = None,
     ) -> Hub:
-        """Bring the hub up with its stored peers ((public key, overlay address) pairs)."""
+        """Bring the hub up with its stored peers ((public key, overlay address) pairs).
+        ``endpoints``: where peers were last seen; the hub dials those at once (keepalive), so
+        nodes get a session again right after a restart instead of at their next rekey."""
         plen = ipaddress.ip_network(prefix).prefixlen
         hub = Hub(ns, ifname, f"{address}/{plen}", listen_port)
-        hub.up(private_key, [PeerConfig(k, [f"{a}/32"]) for k, a in peers])
+        seen = endpoints or {}
+        hub.up(
+            private_key,
+            [
+                PeerConfig(
+                    k,
+                    [f"{a}/32"],
+                    endpoint=seen.get(k),
+                    persistent_keepalive=service.PERSISTENT_KEEPALIVE if seen.get(k) else None,
+                )
+                for k, a in peers
+            ],
+        )
         self._hubs[tenant_id] = hub
         return hub
 
@@ -73,6 +88,9 @@ class LocalHubs:
 
     def handshakes(self, tenant_id: str) -> dict[str, datetime | None]:
         return {p.public_key: p.last_handshake for p in self._hubs[tenant_id].peers()}
+
+    def status(self, tenant_id: str) -> dict[str, PeerStatus]:
+        return {p.public_key: p for p in self._hubs[tenant_id].peers()}
 
     def pid(self, tenant_id: str) -> int | None:
         """The wireguard-go process of a tenant's hub (for stale-process cleanup)."""

@@ -46,6 +46,7 @@ from metald.store.models import Machine, Tenant, WgHub, WgPeer
 from metald.tenants import controlplane, service
 from metald.tenants.hubs import LocalHubs
 from netconfig import guard, netns
+from netconfig.uapi import PeerStatus
 from netconfig.wireguard import SOCKET_DIR
 
 log = logging.getLogger("metald.tenants")
@@ -76,6 +77,8 @@ class HubSpec:
     munge_key: bytes | None = field(default=None, repr=False)
     #: public key -> (overlay address, node name)
     peers: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: public key -> where the hub last saw the node
+    endpoints: dict[str, str] = field(default_factory=dict)
 
 
 def load_specs(session: Session, box: SecretBox) -> list[HubSpec]:
@@ -100,6 +103,11 @@ def load_specs(session: Session, box: SecretBox) -> list[HubSpec]:
                 if "munge_key" in secrets
                 else None,
                 peers=_peers(session, tenant.id),
+                endpoints={
+                    p.public_key: p.last_endpoint
+                    for p in service.peers(session, tenant.id)
+                    if p.last_endpoint
+                },
             )
         )
     return out
@@ -126,11 +134,12 @@ def free_hub_address(session: Session, pool: ipaddress.IPv4Network) -> str:
 def observe_tenant(
     session: Session,
     tenant_id: str,
-    handshakes: dict[str, datetime | None],
+    status: dict[str, PeerStatus],
     up_nodes: set[str] | None,
     instance: str,
 ) -> list[str]:
-    """Record handshakes; joining machines whose node is up become active. Returns their ids."""
+    """Record handshakes and endpoints; joining machines whose node is up become active.
+    Returns their ids."""
     rows = session.exec(
         select(WgPeer, Machine)
         .join(Machine, col(Machine.id) == col(WgPeer.machine_id))
@@ -138,9 +147,14 @@ def observe_tenant(
     ).all()
     activated = []
     for peer, m in rows:
-        seen = handshakes.get(peer.public_key)
+        st = status.get(peer.public_key)
+        seen = st.last_handshake if st else None
         joining = State(m.state) is State.JOINING
-        if not joining and (seen is None or seen == _aware(peer.last_handshake_at)):
+        moved = st is not None and st.endpoint and st.endpoint != peer.last_endpoint
+        if moved:
+            peer.last_endpoint = st.endpoint  # committed by observe below
+            session.add(peer)
+        if not joining and not moved and (seen is None or seen == _aware(peer.last_handshake_at)):
             continue
         name = hostname(m.id, m.name)
         got = service.observe(
@@ -196,6 +210,7 @@ class RunningHub:
                 listen_port=s.listen_port,
                 private_key=s.private_key,
                 peers=[(k, a) for k, (a, _n) in s.peers.items()],
+                endpoints=s.endpoints,
             )
             (self.workdir / "wg.pid").write_text(str(self.hubs.pid(s.tenant_id)))
             if self.cfg.control_planes and s.cluster_kind == "slurm" and s.munge_key:
@@ -224,13 +239,13 @@ class RunningHub:
 
     def reconcile(
         self, spec: HubSpec, current: Callable[[], dict[str, tuple[str, str]]]
-    ) -> tuple[dict[str, datetime | None], set[str] | None]:
-        """Match the running hub and cluster to the store; return handshakes and up nodes.
+    ) -> tuple[dict[str, PeerStatus], set[str] | None]:
+        """Match the running hub and cluster to the store; return peer status and up nodes.
         ``current()`` reads the tenant's peers again: a join may have committed since ``spec``
         was read, and nothing is removed on the word of a stale read."""
         self.spec = spec
         tid = spec.tenant_id
-        running = self.hubs.handshakes(tid)
+        running = self.hubs.status(tid)
         stale = set(running) - set(spec.peers)
         if stale:
             now = current()
@@ -300,22 +315,20 @@ class TenantRuntime:
         """Bring up new hubs, reconcile running ones, observe; returns machines activated."""
         async with self._lock:
             specs = await self.store.run(load_specs, self.box)
-            seen: dict[str, tuple[dict[str, datetime | None], set[str] | None]] = {}
+            seen: dict[str, tuple[dict[str, PeerStatus], set[str] | None]] = {}
             for spec in specs:
                 try:
                     seen[spec.tenant_id] = await asyncio.to_thread(self._sync_one, spec)
                 except Exception as e:
                     log.error("tenant %s: hub not running: %s", spec.tenant_name, e)
             activated: list[str] = []
-            for tid, (handshakes, up) in seen.items():
-                activated += await self.store.run(
-                    observe_tenant, tid, handshakes, up, self.instance
-                )
+            for tid, (status, up) in seen.items():
+                activated += await self.store.run(observe_tenant, tid, status, up, self.instance)
             for mid in activated:
                 log.info("machine %s joined its tenant's cluster: active", mid)
             return activated
 
-    def _sync_one(self, spec: HubSpec) -> tuple[dict[str, datetime | None], set[str] | None]:
+    def _sync_one(self, spec: HubSpec) -> tuple[dict[str, PeerStatus], set[str] | None]:
         hub = self.running.get(spec.tenant_id)
         if hub is None:
             hub = RunningHub(spec, self.cfg, self.state_dir, self.hubs)

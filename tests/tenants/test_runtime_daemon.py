@@ -11,6 +11,7 @@ import secrets
 import shutil
 import subprocess
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,23 @@ def test_daemon_runs_hub_and_control_plane_node_joins_and_release_removes_it(
         # The hub's guard: slurmctld is not reachable on the underlay.
         assert not tcp_connects(ns, hub["endpoint"].split(":")[0], 6817)
         r = controlplane.exec_in(rack.state_dir, tid, ["srun", "-N1", "hostname"], timeout=60)
+        assert r.returncode == 0 and r.stdout.strip() == cluster["node_name"], r.stderr
+
+        # metald crashes (SIGKILL) and starts again: the hub and control plane are rebuilt from
+        # the store (stale wireguard-go/slurmctld stopped), the hub dials the node where it was
+        # last seen, and the node is back in the cluster without doing anything.
+        killed_at = time.time()
+        rack.restart_metald(crash=True)
+
+        def fresh_handshake() -> bool:
+            peers = rack.api("GET", f"/api/v1/tenants/{tid}/hub")[1]["peers"]
+            at = peers[0]["last_handshake_at"] if peers else None
+            return at is not None and datetime.fromisoformat(at).timestamp() > killed_at
+
+        assert wait_for(fresh_handshake, 40), rack.log.read_text()[-3000:]
+        assert machine()["state"] == "active"
+        assert wait_for(lambda: tcp_connects(ns, hub_ip, 6817), 20)
+        r = controlplane.exec_in(rack.state_dir, tid, ["srun", "-N1", "hostname"], timeout=90)
         assert r.returncode == 0 and r.stdout.strip() == cluster["node_name"], r.stderr
 
         # Release: the peer leaves the hub, the node leaves the cluster, the tunnel is dead.
