@@ -221,12 +221,11 @@ def tenant_phase(rack, ctl: Ctl, timings: dict[str, float]) -> None:  # type: ig
         "The orchestrator claims 2 machines for acme; they boot the node image and join by themselves"
     )
     t = time.monotonic()
-    claim = json.loads(
-        show(
-            ctl, "--json", "claims", "create", "--tenant", tenant["id"], "--count", "2",
-            "--image", img, "--idempotency-key", "demo-acme-1", env=as_orch,
-        )
-    )  # fmt: skip
+    args = ["claims", "create", "--tenant", tenant["id"], "--count", "2", "--image", img,
+            "--idempotency-key", "demo-acme-1"]  # fmt: skip
+    print("$ metalctl " + " ".join(args), flush=True)
+    claim = json.loads(ctl("--json", *args, env=as_orch)[1])
+    print(f"claim {claim['id']}: {len(claim['machines'])} machines allocated to acme", flush=True)
     ids = [m["id"] for m in claim["machines"]]
     wait_states(rack, ctl, ids, "active", 600, t)
     timings["claim 2 -> booted, joined over WireGuard, Slurm nodes up"] = time.monotonic() - t
@@ -260,13 +259,14 @@ def tenant_phase(rack, ctl: Ctl, timings: dict[str, float]) -> None:  # type: ig
 def claim_phase(rack, ctl: Ctl, timings: dict[str, float], workdir: Path) -> None:  # type: ignore[no-untyped-def]
     from metald.labrack import MARKER
 
-    step("An orchestrator claims 2 machines for tenant acme with a disk image")
+    step("DISK=1: an orchestrator claims 2 machines for tenant initech with a disk image")
     image_args = rack.publish_test_image(workdir)
-    tenant = json.loads(show(ctl, "--json", "tenants", "create", "acme"))["id"]
+    tenant = json.loads(show(ctl, "--json", "tenants", "create", "initech"))["id"]
     img = json.loads(show(ctl, "--json", "images", "create", "demo-disk", *image_args))["id"]
     orch = show(
-        ctl, "tokens", "create", "--name", "acme-orch", "--role", "orchestrator", "--scope", tenant
-    ).splitlines()[-1]
+        ctl, "tokens", "create", "--name", "initech-orch", "--role", "orchestrator",
+        "--scope", tenant,
+    ).splitlines()[-1]  # fmt: skip
     as_orch = {"METALD_TOKEN": orch}
     t = time.monotonic()
     claim = json.loads(
@@ -284,7 +284,7 @@ def claim_phase(rack, ctl: Ctl, timings: dict[str, float], workdir: Path) -> Non
             "--label",
             "firmware=bios",
             "--idempotency-key",
-            "demo-1",
+            "demo-disk-1",
             env=as_orch,
         )
     )
