@@ -862,7 +862,9 @@ def run_one(n: int, args: argparse.Namespace) -> dict[str, Any]:
                 store_url = f"postgresql+psycopg://metald@/{name}?host={pg.dir}&port={pg.port}"
             cfg = Path(tmp) / "metald.toml"
             cfg.write_text(metald_config(state, store_url))
-            mlog = Path(args.log_dir or tmp) / f"metald-{n}.log"
+            logs = Path(args.log_dir or tmp)
+            logs.mkdir(parents=True, exist_ok=True)
+            mlog = logs / f"metald-{n}-{args.db}.log"
             with open(mlog, "w") as logf:
                 code = "import sys; from metald.cli import main; sys.exit(main())"
                 if args.profile:
