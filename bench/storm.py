@@ -425,6 +425,7 @@ class Storm:
         ok: tuple[int, ...] = (200, 201),
         text: bool = False,
         tries: int = 8,
+        api: bool = False,
     ) -> Any:
         """One request, retried on connection errors and 5xx with 0.5, 1, 2 ... s backoff (the
         agent retries forever; here a bounded number of times)."""
@@ -438,7 +439,8 @@ class Storm:
         delay = 0.5
         for attempt in range(tries):
             try:
-                async with self.session.request(method, url, data=data, headers=headers) as r:
+                session = self.api_session if api else self.session
+                async with session.request(method, url, data=data, headers=headers) as r:
                     payload = await r.text()
                     if r.status in ok:
                         return payload if text else json.loads(payload)
@@ -506,7 +508,7 @@ class Storm:
 
     async def count(self, state: str) -> int:
         out = await self.http(
-            "GET", f"{self.api}/api/v1/machines?state={state}&limit=1", token=self.admin
+            "GET", f"{self.api}/api/v1/machines?state={state}&limit=1", token=self.admin, api=True
         )
         return int(out["total"])
 
@@ -565,7 +567,12 @@ class Storm:
             try:
                 # 5xx are retried inside (same idempotency key, so a retry never claims twice).
                 c = await self.http(
-                    "POST", f"{self.api}/api/v1/claims", token=self.orch, body=body, tries=10
+                    "POST",
+                    f"{self.api}/api/v1/claims",
+                    token=self.orch,
+                    body=body,
+                    tries=10,
+                    api=True,
                 )
                 break
             except StormError as e:
@@ -602,20 +609,26 @@ class Storm:
         loop = asyncio.get_running_loop()
         _t, self.relay = await loop.create_datagram_endpoint(Relay, local_addr=(CLI, 67))
         conn = aiohttp.TCPConnector(limit=self.p["connections"])
-        self.session = aiohttp.ClientSession(
-            connector=conn, timeout=aiohttp.ClientTimeout(total=900, sock_connect=60)
+        timeout = aiohttp.ClientTimeout(total=900, sock_connect=60)
+        # The machines share a pool of --connections; the admin and the orchestrator have their
+        # own (unbounded), so 100 claims waiting on metald never hold connections the
+        # machines' agents need (as in a real fleet, where they are different hosts).
+        self.session = aiohttp.ClientSession(connector=conn, timeout=timeout)
+        self.api_session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=timeout
         )
         try:
             return await self._run()
         finally:
             await self.session.close()
+            await self.api_session.close()
             _t.close()
 
     async def _run(self) -> dict[str, Any]:
         deadline = time.monotonic() + 60
         while True:
             try:
-                await self.http("GET", f"{self.api}/healthz", tries=1)
+                await self.http("GET", f"{self.api}/healthz", tries=1, api=True)
                 break
             except StormError:
                 if time.monotonic() > deadline:
@@ -661,7 +674,11 @@ class Storm:
         self.tenants = []
         for t in range(TENANTS):
             out = await self.http(
-                "POST", f"{self.api}/api/v1/tenants", token=self.admin, body={"name": f"storm-t{t}"}
+                "POST",
+                f"{self.api}/api/v1/tenants",
+                token=self.admin,
+                body={"name": f"storm-t{t}"},
+                api=True,
             )
             self.tenants.append(out["id"])
         tok = await self.http(
@@ -669,6 +686,7 @@ class Storm:
             f"{self.api}/api/v1/tokens",
             token=self.admin,
             body={"name": "storm-orchestrator", "role": "orchestrator", "scope": self.tenants},
+            api=True,
         )
         self.orch = tok["token"]
         img = await self.http(
@@ -683,6 +701,7 @@ class Storm:
                 "format": "raw",
                 "size_bytes": 8 << 30,
             },
+            api=True,
         )
         self.image = img["id"]
 
@@ -726,11 +745,16 @@ class Storm:
     async def check(self, claim_ids: list[str], want: int) -> dict[str, Any]:
         """Correctness from the API alone: every claim fulfilled with provisioned machines, no
         machine in two claims, the provisioned count."""
-        out = await self.http("GET", f"{self.api}/api/v1/claims?limit=1000", token=self.orch)
+        out = await self.http(
+            "GET", f"{self.api}/api/v1/claims?limit=1000", token=self.orch, api=True
+        )
         claims = list(out["items"])
         while len(claims) < out["total"]:
             more = await self.http(
-                "GET", f"{self.api}/api/v1/claims?limit=1000&offset={len(claims)}", token=self.orch
+                "GET",
+                f"{self.api}/api/v1/claims?limit=1000&offset={len(claims)}",
+                token=self.orch,
+                api=True,
             )
             claims += more["items"]
         seen: dict[str, str] = {}
@@ -825,9 +849,19 @@ def cpu_of(pid: int) -> float:
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _raise_nofile() -> None:
+def _child_setup() -> None:
+    """In metald and the simulation: more file descriptors, and SIGTERM if the bench dies
+    (even by SIGKILL), so neither outlives it. ``ip netns exec`` execs, keeping both."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 65536)), hard))
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def _on_sigterm(_sig: int, _frame: object) -> None:
+    raise KeyboardInterrupt  # unwind through every finally: processes, namespaces, temp dir
 
 
 def stop(proc: subprocess.Popen[Any] | None, grace: float = 15) -> None:
@@ -880,7 +914,7 @@ def run_one(n: int, args: argparse.Namespace) -> dict[str, Any]:
                     stdout=logf,
                     stderr=subprocess.STDOUT,
                     cwd=str(ROOT),
-                    preexec_fn=_raise_nofile,
+                    preexec_fn=_child_setup,
                 )
             t_start = time.monotonic()
             while not (state / "admin.token").exists():
@@ -901,7 +935,7 @@ def run_one(n: int, args: argparse.Namespace) -> dict[str, Any]:
                 json.dumps(params),
                 stdout=subprocess.PIPE,
                 cwd=str(ROOT),
-                preexec_fn=_raise_nofile,
+                preexec_fn=_child_setup,
             )
             out, _ = client.communicate(timeout=args.timeout)
             line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
@@ -1036,6 +1070,7 @@ def main() -> int:
     if os.geteuid() != 0:
         print("storm.py needs root (it creates network namespaces)", file=sys.stderr)
         return 2
+    signal.signal(signal.SIGTERM, _on_sigterm)
     sizes = [50] if args.quick else [int(x) for x in args.machines.split(",")]
     results = []
     for n in sizes:
