@@ -29,7 +29,7 @@ from metald.provision.intents import DeployImage
 from metald.provision.metadata import nocloud
 from metald.provision.progress import Progress, record_progress
 from metald.store.models import Claim, Image, Machine, Nic, WgHub
-from metald.tenants.service import issue_join_token
+from metald.tenants.service import REJOIN, issue_join_token
 
 log = logging.getLogger("metald.claims")
 router = Router()
@@ -172,8 +172,9 @@ class ProgressAccepted(BaseModel):
 
 
 class ProvisionInstruction(BaseModel):
-    #: provision (write ``image``, then ``nocloud``), wipe, or none.
-    action: Literal["provision", "wipe", "none"]
+    #: provision (write ``image``, then ``nocloud``), wipe, join (a stateless node of a tenant
+    #: booting again: join with ``join``, nothing to install), or none.
+    action: Literal["provision", "wipe", "join", "none"]
     machine_id: str
     image: dict[str, Any] | None = None
     #: cloud-init NoCloud files: meta-data, user-data, network-config.
@@ -568,19 +569,23 @@ async def post_progress(req: ApiRequest) -> ProgressAccepted:
 )
 async def provision_instruction(req: ApiRequest) -> ProvisionInstruction:
     """For the deploy agent: while provisioning, the image to write (kind, url, sha256, format)
-    and the first-boot metadata (cloud-init NoCloud: hostname, SSH keys, network config);
-    while wiping, ``wipe``; otherwise ``none``."""
+    and the first-boot metadata (cloud-init NoCloud: hostname, SSH keys, network config, and
+    for a tenant with a hub the one-time join token in ``join``); while wiping, ``wipe``. A
+    stateless node of a tenant that boots again (provisioned, joining, join-failed, active)
+    gets ``join`` with a fresh token. Otherwise ``none``."""
     mid = next(iter(req.require_principal().scope))
 
     def run(s: Session) -> ProvisionInstruction:
         m = s.get(Machine, mid)
-        if m is None or m.state not in (State.PROVISIONING, State.WIPING):
+        rejoin = m is not None and State(m.state) in REJOIN
+        if m is None or (m.state not in (State.PROVISIONING, State.WIPING) and not rejoin):
             return ProvisionInstruction(action="none", machine_id=mid)
         if m.state == State.WIPING:
             return ProvisionInstruction(action="wipe", machine_id=mid)
         c = s.get(Claim, m.claim_id) if m.claim_id else None
         img = s.get(Image, c.image) if c and c.image else None
-        if img is None:
+        if img is None or (rejoin and img.kind != "stateless"):
+            # A disk image booted from disk has its seed; only a RAM-booted node asks again.
             return ProvisionInstruction(action="none", machine_id=mid)
         pxe = s.exec(select(Nic).where(Nic.machine_id == mid, col(Nic.pxe))).first()
         join = None
@@ -606,8 +611,10 @@ async def provision_instruction(req: ApiRequest) -> ProvisionInstruction:
             ssh_authorized_keys=list(c.ssh_authorized_keys or []) if c else [],
             join=join,
         )
+        if rejoin and join is None:
+            return ProvisionInstruction(action="none", machine_id=mid)
         return ProvisionInstruction(
-            action="provision",
+            action="join" if rejoin else "provision",
             machine_id=mid,
             image={"id": img.id, "kind": img.kind, **img.spec},
             nocloud=files,

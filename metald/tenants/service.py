@@ -26,8 +26,18 @@ from metald.tenants import ipam, keys, kubernetes, slurm, tokens
 
 DEFAULT_LISTEN_PORT = 51820
 PERSISTENT_KEEPALIVE = 25
-#: Machines in these states may be handed a join token (they belong to a tenant).
-JOINABLE = {State.CLAIMED, State.PROVISIONING, State.PROVISIONED, State.JOINING, State.JOIN_FAILED}
+#: Machines in these states may be handed a join token (they belong to a tenant). An active
+#: node that reboots (a stateless image lives in RAM) joins again with a fresh key.
+JOINABLE = {
+    State.CLAIMED,
+    State.PROVISIONING,
+    State.PROVISIONED,
+    State.JOINING,
+    State.JOIN_FAILED,
+    State.ACTIVE,
+}
+#: A node of these states that boots again gets a fresh join token instead of an install.
+REJOIN = {State.PROVISIONED, State.JOINING, State.JOIN_FAILED, State.ACTIVE}
 
 
 @dataclass

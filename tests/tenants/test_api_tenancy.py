@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from api.app import CTX_KEY
+from metald.store.models import utcnow
 from metald.tenants import keys
 from tests.tenants.conftest import provisioned
 
@@ -110,3 +111,73 @@ async def test_provision_instruction_carries_a_fresh_join_token(api) -> None:  #
     assert r.status == 401 and "revoked" in (await r.json())["detail"]
     r = await client.post("/api/v1/join", json={"token": second["token"], "public_key": pub})
     assert r.status == 200, await r.text()
+
+
+async def test_a_rebooted_stateless_node_rejoins(api) -> None:  # type: ignore[no-untyped-def]
+    """A stateless image lives in RAM: after a power cycle the node asks again and gets a fresh
+    join token (action join, nothing to install); it joins with a new key that replaces the
+    old one and the machine stays active. A disk-image node gets none (its seed is on disk)."""
+    from sqlmodel import select
+
+    from metald.auth import issue_token
+    from metald.claims import Selector, create_claim
+    from metald.provision import driver
+    from metald.store.models import Machine
+    from metald.tenants import service
+    from tests.claims.helpers import DEPLOY, add_image, add_ready
+
+    client, tokens, store = api
+    admin = tokens.header("admin")
+    r = await client.post(
+        f"/api/v1/tenants/{tokens.tenant_a}/hub", json={"endpoint_host": "10.99.0.1"}, headers=admin
+    )
+    assert r.status == 201
+    add_ready(store, 2, gpu_model="NVIDIA GB200", prefix="rejoin")
+    agents = {}
+    for kind in ("stateless", "disk"):
+        with store.session() as s:
+            claim, _ = create_claim(
+                s, tokens.tenant_a, 1, Selector(gpu_model="NVIDIA GB200"),
+                add_image(store, f"img-{kind}", kind=kind), None, "t", deploy=DEPLOY,
+            )  # fmt: skip
+            mid = s.exec(select(Machine).where(Machine.claim_id == claim.id)).one().id
+            assert driver.start_provisioning(s, [mid], actor="t") == [mid]
+            _row, secret = issue_token(s, name="agent", role="agent", scope=[mid])
+        agents[kind] = (mid, {"Authorization": f"Bearer {secret}"})
+
+    mid, agent = agents["stateless"]
+    r = await client.get("/api/v1/agent/provision", headers=agent)
+    first = (await r.json())["join"]
+    r = await client.post(
+        "/api/v1/agent/progress", json={"phase": "booted", "done": True}, headers=agent
+    )
+    assert (await r.json())["state"] == "provisioned"
+    key1 = keys.public_key(keys.generate_private_key())
+    r = await client.post("/api/v1/join", json={"token": first["token"], "public_key": key1})
+    assert r.status == 200
+    with store.session() as s:
+        service.observe(s, mid, handshake_at=utcnow(), scheduler_reports_node=True)
+        assert s.get(Machine, mid).state == "active"  # type: ignore[union-attr]
+
+    # Power cycle: iPXE boots the image again; the node asks what to do.
+    r = await client.get("/api/v1/agent/provision", headers=agent)
+    again = await r.json()
+    assert again["action"] == "join" and again["join"]["token"] != first["token"]
+    key2 = keys.public_key(keys.generate_private_key())
+    r = await client.post(
+        "/api/v1/join", json={"token": again["join"]["token"], "public_key": key2}
+    )
+    assert r.status == 200, await r.text()
+    r = await client.get(f"/api/v1/tenants/{tokens.tenant_a}/hub", headers=admin)
+    peers = [p for p in (await r.json())["peers"] if p["machine_id"] == mid]
+    assert [p["public_key"] for p in peers] == [key2]
+    with store.session() as s:
+        assert s.get(Machine, mid).state == "active"  # type: ignore[union-attr]
+
+    dmid, dagent = agents["disk"]
+    r = await client.post(
+        "/api/v1/agent/progress", json={"phase": "verify", "done": True}, headers=dagent
+    )
+    assert (await r.json())["state"] == "provisioned"
+    r = await client.get("/api/v1/agent/provision", headers=dagent)
+    assert (await r.json())["action"] == "none"
