@@ -268,9 +268,37 @@ def run(args: argparse.Namespace, c: Client) -> int:
                         ("NAME", "name"),
                         ("KIND", "cluster_kind"),
                         ("CONTROL PLANE", "control_plane"),
+                        ("OVERLAY", "overlay_prefix"),
+                        ("VLAN", "vlan"),
                     ],
                 )
             )
+        elif args.sub == "hub":
+            if args.create:
+                body: dict[str, Any] = {"listen_port": args.port}
+                if args.endpoint_host:
+                    body["endpoint_host"] = args.endpoint_host
+                h = c.call("POST", f"/api/v1/tenants/{args.id}/hub", body)
+            else:
+                h = c.call("GET", f"/api/v1/tenants/{args.id}/hub")
+            if out_json:
+                print(json.dumps(h, indent=2))
+            else:
+                print(
+                    f"hub {h['ifname']} endpoint {h['endpoint']} address {h['address']} "
+                    f"overlay {h['overlay_prefix']} public key {h['public_key']}"
+                )
+                print(
+                    table(
+                        h["peers"],
+                        [
+                            ("MACHINE", "machine_id"),
+                            ("ADDRESS", "address"),
+                            ("PUBLIC KEY", "public_key"),
+                            ("LAST HANDSHAKE", "last_handshake_at"),
+                        ],
+                    )
+                )
         else:
             t = c.call("POST", "/api/v1/tenants", {"name": args.name, "cluster_kind": args.kind})
             print(
@@ -354,6 +382,13 @@ def build_parser() -> argparse.ArgumentParser:
     tnc = tnsub.add_parser("create")
     tnc.add_argument("name")
     tnc.add_argument("--kind", default="slurm", choices=["slurm", "kubernetes"])
+    tnh = tnsub.add_parser("hub", help="show a tenant's WireGuard hub, or --create it")
+    tnh.add_argument("id", help="tenant id")
+    tnh.add_argument("--create", action="store_true")
+    tnh.add_argument(
+        "--endpoint-host", help="underlay address nodes dial (default: from tenants.hub_addresses)"
+    )
+    tnh.add_argument("--port", type=int, default=51820)
 
     sub.add_parser("whoami", help="show the token in use")
     try:

@@ -22,6 +22,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -40,6 +41,15 @@ def show(ctl: Ctl, *args: str, ok: bool = True, env: dict[str, str] | None = Non
     if ok and rc != 0:
         raise SystemExit(f"demo: metalctl {' '.join(args)} failed ({rc})")
     return out
+
+
+def quiet_json(ctl: Ctl, *args: str, env: dict[str, str] | None = None) -> Any:
+    """Run ``metalctl --json ARGS``, print the command (not the JSON), return the JSON."""
+    print("$ metalctl " + " ".join(args), flush=True)
+    rc, out = ctl("--json", *args, check=False, env=env)
+    if rc != 0:
+        raise SystemExit(f"demo: metalctl {' '.join(args)} failed ({rc})")
+    return json.loads(out)
 
 
 def local_ctl(url: str, token: str) -> Ctl:
@@ -197,10 +207,8 @@ def tenant_phase(rack, ctl: Ctl, timings: dict[str, float]) -> None:  # type: ig
     step(
         "Tenant acme: a WireGuard hub and a Slurm control plane (slurmctld + munged), run by metald"
     )
-    tenant = json.loads(show(ctl, "--json", "tenants", "create", "acme"))
-    st, hub = rack.api("POST", f"/api/v1/tenants/{tenant['id']}/hub", {})
-    if st != 201:
-        raise SystemExit(f"demo: creating the hub failed: {hub}")
+    tenant = quiet_json(ctl, "tenants", "create", "acme")
+    hub = quiet_json(ctl, "tenants", "hub", tenant["id"], "--create")
     print(
         f"  hub {hub['ifname']} at {hub['endpoint']}, overlay {hub['overlay_prefix']}, "
         f"slurmctld on {hub['address']}:6817, VLAN {tenant['vlan']} for switch automation"
@@ -210,7 +218,7 @@ def tenant_phase(rack, ctl: Ctl, timings: dict[str, float]) -> None:  # type: ig
     t = time.monotonic()
     image_args = rack.publish_node_image()
     timings["node image (build or cache)"] = time.monotonic() - t
-    img = json.loads(show(ctl, "--json", "images", "create", "acme-node", *image_args))["id"]
+    img = quiet_json(ctl, "images", "create", "acme-node", *image_args)["id"]
     orch = show(
         ctl, "tokens", "create", "--name", "acme-orch", "--role", "orchestrator",
         "--scope", tenant["id"],
@@ -223,8 +231,7 @@ def tenant_phase(rack, ctl: Ctl, timings: dict[str, float]) -> None:  # type: ig
     t = time.monotonic()
     args = ["claims", "create", "--tenant", tenant["id"], "--count", "2", "--image", img,
             "--idempotency-key", "demo-acme-1"]  # fmt: skip
-    print("$ metalctl " + " ".join(args), flush=True)
-    claim = json.loads(ctl("--json", *args, env=as_orch)[1])
+    claim = quiet_json(ctl, *args, env=as_orch)
     print(f"claim {claim['id']}: {len(claim['machines'])} machines allocated to acme", flush=True)
     ids = [m["id"] for m in claim["machines"]]
     wait_states(rack, ctl, ids, "active", 600, t)
@@ -241,11 +248,7 @@ def tenant_phase(rack, ctl: Ctl, timings: dict[str, float]) -> None:  # type: ig
             raise SystemExit(f"demo: {' '.join(argv)} failed")
         if argv[0] == "srun":
             timings["srun -N2 hostname"] = time.monotonic() - t
-    _, hub_now = rack.api("GET", f"/api/v1/tenants/{tenant['id']}/hub")
-    for p in hub_now["peers"]:
-        print(
-            f"  peer {p['address']} machine {p['machine_id'][:8]} last handshake {p['last_handshake_at']}"
-        )
+    show(ctl, "tenants", "hub", tenant["id"])
 
     step("The orchestrator releases the claim: off the hub, out of the cluster, wiped, ready")
     t = time.monotonic()
@@ -261,8 +264,8 @@ def claim_phase(rack, ctl: Ctl, timings: dict[str, float], workdir: Path) -> Non
 
     step("DISK=1: an orchestrator claims 2 machines for tenant initech with a disk image")
     image_args = rack.publish_test_image(workdir)
-    tenant = json.loads(show(ctl, "--json", "tenants", "create", "initech"))["id"]
-    img = json.loads(show(ctl, "--json", "images", "create", "demo-disk", *image_args))["id"]
+    tenant = quiet_json(ctl, "tenants", "create", "initech")["id"]
+    img = quiet_json(ctl, "images", "create", "demo-disk", *image_args)["id"]
     orch = show(
         ctl, "tokens", "create", "--name", "initech-orch", "--role", "orchestrator",
         "--scope", tenant,
@@ -390,7 +393,7 @@ def operate(ctl: Ctl) -> None:
     step(
         "Scoped tokens: an orchestrator of tenant globex sees only globex's machines, and no tokens"
     )
-    tenant = json.loads(show(ctl, "--json", "tenants", "create", "globex"))["id"]
+    tenant = quiet_json(ctl, "tenants", "create", "globex")["id"]
     orch = show(
         ctl,
         "tokens",

@@ -119,6 +119,16 @@ def test_metalctl_operates_the_fleet(daemon) -> None:  # type: ignore[no-untyped
     assert "maintenance" in ctl("machines", "show", mid).stdout
     events = ctl("events", "--machine", mid).stdout
     assert "discovered -> maintenance" in events and "reseat GPU" in events
+    tid = json.loads(ctl("--json", "tenants", "create", "acme").stdout)["id"]
+    r = ctl("tenants", "hub", tid, ok=False)
+    assert r.returncode == 1 and "no WireGuard hub" in r.stderr
+    r = ctl("tenants", "hub", tid, "--create", ok=False)  # no hub_addresses configured
+    assert r.returncode == 1 and "endpoint_host" in r.stderr
+    created = ctl("tenants", "hub", tid, "--create", "--endpoint-host", "192.0.2.7").stdout
+    assert "endpoint 192.0.2.7:51820" in created and "overlay 100.64." in created
+    assert "private" not in ctl("--json", "tenants", "hub", tid).stdout.lower()
+    listed = ctl("tenants", "list").stdout
+    assert "acme" in listed and "100" in listed  # the tenant's VLAN
     tok = ctl("tokens", "create", "--name", "tech1", "--role", "technician").stdout.splitlines()[-1]
     env2 = {**env, "METALD_TOKEN": tok}
     r = subprocess.run(
