@@ -133,7 +133,7 @@ class ImageCreate(In):
     kernel_args: dict[str, str] | None = Field(default=None, max_length=64)
     url: Text | None = Field(default=None, description="disk: http(s) URL of the image.")
     sha256: Text | None = Field(default=None, description="disk: SHA-256, 64 hex digits.")
-    format: Literal["raw", "qcow2"] | None = None  # qcow2 is refused with how to convert it
+    format: Literal["raw", "qcow2"] | None = None
     size_bytes: int | None = Field(default=None, gt=0)
 
 
@@ -419,7 +419,8 @@ def _image_out(img: Image) -> ImageOut:
 async def create_image(req: ApiRequest) -> ImageOut:
     """``stateless``: kernel plus initrd and/or rootfs (booted into RAM). ``disk``: url, sha256
     and format raw (streamed to disk by the agent, .gz unpacked on the fly, sha256 of the raw
-    bytes verified by reading back). qcow2 is refused with how to convert it."""
+    bytes verified by reading back); qcow2 (downloaded into RAM, sha256 checked, written by
+    qemu-img and compared)."""
     b: ImageCreate = req.body
     spec = normalize_spec(b.kind, b.model_dump(exclude={"name", "kind"}))
 

@@ -75,9 +75,9 @@ KERNEL_META = "linux-image-amd64"
 BUSYBOX = "busybox-static"
 IPXE = "ipxe"
 IPXE_FILES = ("undionly.kpxe", "ipxe.efi", "snponly.efi")
-#: ipmitool (the BMC's address and MAC, so metald can pair BMC and host) and the packages that
-#: hold the libraries it loads. Debian 12 names; the build checks the library closure and names
-#: any library it cannot find.
+#: ipmitool (the BMC's address and MAC, so metald can pair BMC and host), qemu-img (the deploy
+#: agent writes qcow2 images with it) and the packages that hold the libraries they load.
+#: Debian 12 names; the build checks the library closure and names any library it cannot find.
 TOOL_PACKAGES = (
     "ipmitool",
     "libc6",
@@ -87,8 +87,25 @@ TOOL_PACKAGES = (
     "libssl3",
     "libgcrypt20",
     "libgpg-error0",
+    "qemu-utils",
+    "libaio1",
+    "libffi8",
+    "libglib2.0-0",
+    "libgmp10",
+    "libgnutls30",
+    "libhogweed6",
+    "libidn2-0",
+    "libnettle8",
+    "libnuma1",
+    "libp11-kit0",
+    "libpcre2-8-0",
+    "libtasn1-6",
+    "libunistring2",
+    "liburing2",
+    "libzstd1",
+    "zlib1g",
 )
-TOOLS = ("usr/bin/ipmitool",)
+TOOLS = ("usr/bin/ipmitool", "usr/bin/qemu-img")
 MULTIARCH_LIB = "lib/x86_64-linux-gnu"
 #: The whole asset folder must stay below this (the issue's budget for the discovery image).
 SIZE_LIMIT = 64 * 1024 * 1024

@@ -2,10 +2,12 @@
 
 - ``stateless``: ``kernel`` plus ``initrd`` and/or ``rootfs`` (http(s) URLs or paths under the
   boot assets folder), optional ``kernel_args``; booted into RAM on every boot.
-- ``disk``: ``url`` (http or https; a ``.gz`` URL is unpacked on the fly), ``sha256`` (64 hex
-  digits, of the raw uncompressed bytes), ``format`` raw, optional ``size_bytes`` (needed for a
-  write percentage); the agent streams it to disk and verifies it. qcow2 is refused: the deploy
-  agent carries no converter, so it could only fail at deploy time.
+- ``disk``: ``url`` (http or https), ``sha256`` (64 hex digits), ``format`` raw or qcow2,
+  optional ``size_bytes`` (needed for a write percentage). raw: a ``.gz`` URL is unpacked on the
+  fly, the sha256 is of the raw uncompressed bytes, the agent streams it to disk and reads it
+  back. qcow2: the sha256 is of the qcow2 file; it needs random access, so the agent downloads
+  it into RAM, checks it, converts it onto the disk with qemu-img and compares the two (a qcow2
+  larger than the machine's free RAM fails with a message saying to register it as raw).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 from metald.errors import Unprocessable
 
 KINDS = ("stateless", "disk")
-FORMATS = ("raw",)
+FORMATS = ("raw", "qcow2")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _ARG_KEY = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _FIELDS = {
@@ -91,11 +93,8 @@ def normalize_spec(kind: str, data: dict[str, Any]) -> dict[str, Any]:
     if not _SHA256.match(sha):
         raise Unprocessable("sha256 must be the image's SHA-256 as 64 hexadecimal digits")
     fmt = data.get("format") or "raw"
-    if fmt == "qcow2":
-        raise Unprocessable(
-            "the deploy agent writes raw images (optionally gzip-compressed, .gz URL); "
-            "convert with 'qemu-img convert -O raw IMAGE.qcow2 IMAGE.raw' and register that"
-        )
+    if fmt == "qcow2" and url.strip().endswith(".gz"):
+        raise Unprocessable("a qcow2 image is compressed inside; do not gzip it (no .gz URL)")
     if fmt not in FORMATS:
         raise Unprocessable(f"format must be one of {', '.join(FORMATS)}, not {fmt!r}")
     spec = {"url": url.strip(), "sha256": sha, "format": fmt}

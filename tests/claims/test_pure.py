@@ -40,9 +40,13 @@ def test_disk_spec_normalised() -> None:
         (
             "disk",
             {"url": "http://x/y", "sha256": "ab" * 32, "format": "vmdk"},
-            "must be one of raw",
+            "must be one of raw, qcow2",
         ),
-        ("disk", {"url": "http://x/y", "sha256": "ab" * 32, "format": "qcow2"}, "qemu-img convert"),
+        (
+            "disk",
+            {"url": "http://x/y.gz", "sha256": "ab" * 32, "format": "qcow2"},
+            "do not gzip",
+        ),
         ("disk", {"url": "http://x/y", "sha256": "ab" * 32, "kernel": "k"}, "does not take"),
         ("stateless", {"kernel": "k"}, "initrd or a rootfs"),
         ("stateless", {"initrd": "i"}, "needs a kernel"),

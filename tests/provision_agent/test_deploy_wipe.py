@@ -7,7 +7,9 @@ import gzip
 import hashlib
 import json
 import os
+import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -155,20 +157,75 @@ async def test_a_broken_download_is_reported(tmp_path, busybox_bin, aiohttp_serv
     assert not any(p.get("done") for p in api.progress)
 
 
-async def test_qcow2_is_refused_with_a_clear_error(tmp_path, busybox_bin, aiohttp_server, loops):
-    api = AgentApi()
+def _qcow2(tmp_path: Path, raw: bytes) -> bytes:
+    src = tmp_path / "src.raw"
+    src.write_bytes(raw)
+    out = tmp_path / "image.qcow2"
+    subprocess.run(
+        ["qemu-img", "convert", "-f", "raw", "-O", "qcow2", "-c", str(src), str(out)], check=True
+    )
+    return out.read_bytes()
+
+
+@pytest.mark.skipif(shutil.which("qemu-img") is None, reason="needs qemu-img (qemu-utils)")
+async def test_deploy_qcow2_downloads_converts_compares_and_seeds(
+    tmp_path, busybox_bin, aiohttp_server, loops
+):
+    """qcow2: downloaded, sha256 of the file checked, written by qemu-img (as the discovery
+    image carries it), compared with the file over its virtual size, then seeded."""
+    (busybox_bin / "qemu-img").symlink_to(shutil.which("qemu-img"))
+    image = cloud_image(tmp_path)
+    qcow = _qcow2(tmp_path, image)
+    api = AgentApi(image=qcow)
     server = await aiohttp_server(api.app())
-    api.provision = provision(server.port, b"x", format="qcow2")
+    api.provision = provision(server.port, qcow, format="qcow2")
+    api.provision["image"]["sha256"] = hashlib.sha256(qcow).hexdigest()
     disk = tmp_path / "disk.img"
-    old = os.urandom(4 * MIB)
+    disk.write_bytes(os.urandom(8 * MIB))  # a larger disk than the image, full of old data
+    dev = loops.attach(disk)
+    part = loops.attach(disk, "-o", str(MIB), "--sizelimit", str(4 * MIB))
+    rc, log = await run_agent(
+        tmp_path, busybox_bin, server.port, "deploy",
+        METALD_DISKS=dev, METALD_PARTITIONS=part, METALD_PROGRESS_S="0",
+        METALD_QCOW2_DIR=str(tmp_path),
+    )  # fmt: skip
+    assert rc == 0, log
+    phases = [p["phase"] for p in api.progress]
+    assert phases[0] == "download" and "write" in phases and phases[-1] == "deploy", api.progress
+    assert api.progress[-1] == {"phase": "deploy", "done": True}
+    assert not any("error" in p for p in api.progress)
+    assert not (tmp_path / "image.qcow2").exists()  # the RAM copy is gone
+    loops.detach_all()
+    data = disk.read_bytes()
+    assert data[:MIB] == image[:MIB] and data[5 * MIB : 6 * MIB] == image[5 * MIB :]
+    assert data[-MIB:] == bytes(MIB)
+    seeded = debugfs_cat(disk, MIB, 4 * MIB, f"{SEED}/meta-data")
+    assert seeded.decode() == api.provision["nocloud"]["meta-data"]
+
+
+@pytest.mark.skipif(shutil.which("qemu-img") is None, reason="needs qemu-img (qemu-utils)")
+async def test_deploy_qcow2_with_a_wrong_sha256_never_touches_the_disk(
+    tmp_path, busybox_bin, aiohttp_server, loops
+):
+    (busybox_bin / "qemu-img").symlink_to(shutil.which("qemu-img"))
+    qcow = _qcow2(tmp_path, cloud_image(tmp_path))
+    api = AgentApi(image=qcow)
+    server = await aiohttp_server(api.app())
+    api.provision = provision(server.port, qcow, format="qcow2", sha256="cd" * 32)
+    disk = tmp_path / "disk.img"
+    old = os.urandom(8 * MIB)
     disk.write_bytes(old)
     rc, log = await run_agent(
-        tmp_path, busybox_bin, server.port, "deploy", METALD_DISKS=loops.attach(disk)
-    )
-    assert len(api.progress) == 1, api.progress
-    assert "qcow2" in api.progress[0]["error"] and "raw" in api.progress[0]["error"]
+        tmp_path, busybox_bin, server.port, "deploy", METALD_DISKS=loops.attach(disk),
+        METALD_QCOW2_DIR=str(tmp_path),
+    )  # fmt: skip
+    errors = [p for p in api.progress if "error" in p]
+    assert len(errors) == 1 and errors[0]["phase"] == "verify", (api.progress, log)
+    assert "cd" * 32 in errors[0]["error"]
     loops.detach_all()
-    assert disk.read_bytes() == old  # refused before touching the disk
+    data = disk.read_bytes()
+    # only the ends were zeroed (before the download); the image was never written
+    assert data[MIB:-MIB] == old[MIB:-MIB]
 
 
 async def test_an_image_without_a_seed_place_is_reported(
