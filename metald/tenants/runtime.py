@@ -301,7 +301,8 @@ class TenantRuntime:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        await asyncio.to_thread(self._down_all)
+        async with self._lock:  # a sync bringing a hub up finishes first, then all go down
+            await asyncio.to_thread(self._down_all)
 
     def _down_all(self) -> None:
         for hub in self.running.values():

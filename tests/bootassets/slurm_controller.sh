@@ -14,7 +14,11 @@ done
 chmod 0755 /run/munge
 cp "$D/munge.key" /etc/munge/munge.key
 chmod 0400 /etc/munge/munge.key
-munged --force || exit 1
+# In the foreground (backgrounded here): a daemonized munged would leave the process group and
+# outlive the test.
+munged -F --force &
+for _ in $(seq 1 100); do [ -S /run/munge/munge.socket.2 ] && break; sleep 0.05; done
+[ -S /run/munge/munge.socket.2 ] || exit 1
 export SLURM_CONF=$D/slurm.conf
 slurmctld -D -f "$SLURM_CONF" >"$D/slurmctld.out" 2>&1 &
 for _ in $(seq 1 240); do
