@@ -8,7 +8,6 @@ import base64
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import pytest
 
 from metald.provision.metadata import nocloud
 from tests.bootassets.conftest import ROOT, boot_until, needs_qemu_root
+from tests.qemu_netns import bridge_netns, ip, start, stop
 
 pytestmark = needs_qemu_root
 
@@ -94,44 +94,10 @@ def test_disk_form_reads_the_seed_and_joins(node_image: Path, tmp_path: Path) ->
 # ---- stateless protocol against a metald stand-in ---------------------------------------
 
 
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True)
-
-
 @pytest.fixture
 def netns() -> Iterator[str]:
-    name = f"mdnode{os.getpid()}"
-    ip("netns", "add", name)
-    try:
-        ip("-n", name, "link", "set", "lo", "up")
-        ip("-n", name, "link", "add", "br0", "type", "bridge", "forward_delay", "0")
-        ip("-n", name, "addr", "add", f"{SERVER}/24", "dev", "br0")
-        ip("-n", name, "tuntap", "add", "dev", "tap0", "mode", "tap")
-        ip("-n", name, "link", "set", "tap0", "master", "br0", "up")
-        ip("-n", name, "link", "set", "br0", "up")
+    with bridge_netns(f"mdnode{os.getpid()}", SERVER, ("tap0",)) as name:
         yield name
-    finally:
-        ip("netns", "del", name)
-
-
-def start(ns: str, args: list[str], log: Path, **kw: object) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        ["ip", "netns", "exec", ns, *args],
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        **kw,  # type: ignore[arg-type]
-    )
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def stateless_boot(

@@ -7,17 +7,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from metald.inventory import normalize, parse_payload
 from tests.inventory.conftest import ROOT
+from tests.qemu_netns import bridge_netns, start, stop
 
 pytestmark = [
     pytest.mark.lab,
@@ -40,45 +39,10 @@ VDA_BYTES = 1 << 30
 NVME_BYTES = 256 << 20
 
 
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True)
-
-
 @pytest.fixture
 def netns() -> Iterator[str]:
-    name = f"mdinv{os.getpid()}"
-    ip("netns", "add", name)
-    try:
-        ip("-n", name, "link", "set", "lo", "up")
-        ip("-n", name, "link", "add", "br0", "type", "bridge", "forward_delay", "0")
-        ip("-n", name, "addr", "add", f"{SERVER}/24", "dev", "br0")
-        for tap in ("tap0", "tap1"):
-            ip("-n", name, "tuntap", "add", "dev", tap, "mode", "tap")
-            ip("-n", name, "link", "set", tap, "master", "br0", "up")
-        ip("-n", name, "link", "set", "br0", "up")
+    with bridge_netns(f"mdinv{os.getpid()}", SERVER, ("tap0", "tap1")) as name:
         yield name
-    finally:
-        ip("netns", "del", name)
-
-
-def start(ns: str, args: list[str], log: Path, **kw: object) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        ["ip", "netns", "exec", ns, *args],
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        **kw,
-    )
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def test_discovery_image_posts_what_qemu_has(built_assets, netns, tmp_path):

@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import pytest
 
 from metald.provision.metadata import nocloud
 from tests.provision_agent.conftest import MIB, ROOT, cloud_image, debugfs_cat
+from tests.qemu_netns import bridge_netns, start, stop
 
 pytestmark = [
     pytest.mark.lab,
@@ -37,24 +37,10 @@ PORT = 8080
 MAC = "52:54:00:6d:77:01"
 
 
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True)
-
-
 @pytest.fixture
 def netns() -> Iterator[str]:
-    name = f"mdwipe{os.getpid()}"
-    ip("netns", "add", name)
-    try:
-        ip("-n", name, "link", "set", "lo", "up")
-        ip("-n", name, "link", "add", "br0", "type", "bridge", "forward_delay", "0")
-        ip("-n", name, "addr", "add", f"{SERVER}/24", "dev", "br0")
-        ip("-n", name, "tuntap", "add", "dev", "tap0", "mode", "tap")
-        ip("-n", name, "link", "set", "tap0", "master", "br0", "up")
-        ip("-n", name, "link", "set", "br0", "up")
+    with bridge_netns(f"mdwipe{os.getpid()}", SERVER, ("tap0",)) as name:
         yield name
-    finally:
-        ip("netns", "del", name)
 
 
 @pytest.fixture(scope="session")
@@ -64,26 +50,6 @@ def built_assets() -> Path:
     from bootassets.build import ensure_built
 
     return ensure_built()
-
-
-def start(ns: str, args: list[str], log: Path, **kw: object) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        ["ip", "netns", "exec", ns, *args],
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        **kw,
-    )
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def boot(
