@@ -12,6 +12,7 @@ nodes: ``metald.tenants.slurm``). Everything it needs sits in one folder per ten
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -88,17 +89,9 @@ def stop_process(p: subprocess.Popen[bytes] | None, *, wait: float = 10.0) -> No
     try:
         p.wait(wait)
     except subprocess.TimeoutExpired:
-        with _suppress():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(p.pid, signal.SIGKILL)
         p.wait()
-
-
-class _suppress:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> bool:
-        return isinstance(exc[1], ProcessLookupError | PermissionError)
 
 
 def exec_argv(pid: int, argv: list[str]) -> list[str]:
@@ -203,13 +196,13 @@ def kill_stale(workdir: Path) -> None:
     except OSError:
         cmdline = b""
     if b"slurmctld" in cmdline:
-        with _suppress():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGTERM)
         for _ in range(100):
             if not Path(f"/proc/{pid}").exists():
                 break
             time.sleep(0.05)
-        with _suppress():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
     info.unlink(missing_ok=True)
 

@@ -26,13 +26,13 @@ import ipaddress
 import logging
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 from sqlmodel import Session, col, select
 
@@ -170,8 +170,6 @@ def observe_tenant(
 
 
 def _aware(ts: datetime | None) -> datetime | None:
-    from datetime import UTC
-
     return ts if ts is None or ts.tzinfo else ts.replace(tzinfo=UTC)
 
 
@@ -189,8 +187,7 @@ class RunningHub:
     def up(self) -> None:
         s = self.spec
         self.workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        _kill_stale_wireguard(self.workdir, s.ifname)
-        controlplane.kill_stale(self.workdir)
+        _kill_stale_wireguard(self.workdir, s.ifname)  # the control plane does its own
         netns.delete(self.ns)
         _delete_link(veth_name(s.tenant_id))
         netns.create(self.ns)
@@ -442,8 +439,6 @@ def _kill_stale_wireguard(workdir: Path, ifname: str) -> None:
 
 
 def _socket_alive(sock: Path) -> bool:
-    import socket
-
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.connect(str(sock))
@@ -452,11 +447,3 @@ def _socket_alive(sock: Path) -> bool:
         return False
     finally:
         s.close()
-
-
-def describe(rt: Any) -> dict[str, Any]:
-    """For /healthz-like views: which hubs run and whether their control planes are alive."""
-    return {
-        tid: {"namespace": h.ns, "control_plane": bool(h.control and h.control.alive())}
-        for tid, h in rt.running.items()
-    }

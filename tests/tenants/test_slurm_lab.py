@@ -19,9 +19,8 @@ from metald.lifecycle import State
 from metald.secrets import SecretBox
 from metald.store import Store
 from metald.store.models import Machine, Tenant, WgHub
-from metald.tenants import service, slurm
+from metald.tenants import controlplane, service, slurm
 from metald.tenants.hubs import LocalHubs
-from netconfig import netns
 from tests.tenants.conftest import make_env
 from tests.tenants.nslab import underlay, wait_for
 from tests.tenants.test_wireguard_e2e import node_up
@@ -37,59 +36,14 @@ pytestmark = [
     ),
 ]
 
-# A simulated machine: private /run and /var/spool (configless caches and munged's fixed
-# socket would collide otherwise), its own hostname, munged, then the Slurm daemon.
-MACHINE = """set -e
-hostname "$HOST"
-mount -t tmpfs -o mode=0755 tmpfs /run
-mount -t tmpfs -o mode=0755 tmpfs /var/spool
-mkdir -p /run/munge /run/slurm /var/spool/slurmd /var/spool/slurmctld /var/spool/log
-munged -F --force --key-file="$DIR/munge.key" --log-file="$DIR/munged.log" \\
-  --seed-file="$DIR/munged.seed" --origin=127.0.0.1 &
-MUNGED=$!
-for i in $(seq 100); do [ -S /run/munge/munge.socket.2 ] && break; sleep 0.05; done
-"$@" &
-MAIN=$!
-trap 'kill $MAIN $MUNGED 2>/dev/null || true; wait' TERM INT
-wait $MAIN || true
-kill $MUNGED 2>/dev/null || true
-wait
-"""
-
-
-def machine(ns: str, host: str, workdir: Path, munge_key: bytes, *argv: str) -> subprocess.Popen:  # type: ignore[type-arg]
-    workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    key = workdir / "munge.key"
-    fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
-    with os.fdopen(fd, "wb") as f:
-        f.write(munge_key)
-    env = dict(os.environ, HOST=host, DIR=str(workdir))
-    return subprocess.Popen(
-        ["nsenter", f"--net={netns.path(ns)}", "unshare", "--mount", "--uts",
-         "--propagation", "private", "bash", "-c", MACHINE, "machine", *argv],
-        env=env,
-        stdout=open(workdir / "out.log", "wb"),  # noqa: SIM115 - closed with the process
-        stderr=subprocess.STDOUT,
-    )  # fmt: skip
-
 
 def in_machine(pid: int, *argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        ["nsenter", "-t", str(pid), "-m", "-n", "-u", *argv],
+        controlplane.exec_argv(pid, list(argv)),
         capture_output=True,
         text=True,
         env=dict(os.environ, **env),
     )
-
-
-def stop(p: subprocess.Popen | None) -> None:  # type: ignore[type-arg]
-    if p is not None and p.poll() is None:
-        p.terminate()
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def test_slurm_node_joins_over_wireguard(tmp_path: Path) -> None:
@@ -132,7 +86,7 @@ def test_slurm_node_joins_over_wireguard(tmp_path: Path) -> None:
                 )
             )
             ctl_env = {"SLURM_CONF": str(conf)}
-            ctld = machine(
+            ctld = controlplane.start_machine(
                 u.hub_ns, hub_host, conf.parent, munge_key, "slurmctld", "-D", "-f", str(conf)
             )
 
@@ -148,7 +102,7 @@ def test_slurm_node_joins_over_wireguard(tmp_path: Path) -> None:
             joined = result.response()
             node_dev = node_up(u.node_ns, f"mn{secrets.token_hex(4)}", node_priv, joined)
             cluster = joined["cluster"]
-            node = machine(
+            node = controlplane.start_machine(
                 u.node_ns,
                 cluster["node_name"],
                 tmp_path / "node",
@@ -176,8 +130,8 @@ def test_slurm_node_joins_over_wireguard(tmp_path: Path) -> None:
             )
             assert got.state == State.ACTIVE
     finally:
-        stop(node)
-        stop(ctld)
+        controlplane.stop_process(node)
+        controlplane.stop_process(ctld)
         if node_dev is not None:
             node_dev.stop()
         hubs.stop()
