@@ -192,6 +192,15 @@ def _deploy(req: ApiRequest) -> DeployImage:
     return DeployImage(cfg.deploy_kernel, cfg.deploy_initrd)
 
 
+def _boot_from_network(req: ApiRequest, machine_ids: list[str]) -> None:
+    """In the background: one-time PXE and a power cycle through each machine's BMC."""
+    driver.spawn(
+        driver.reboot_all(
+            req.ctx.store, _bmc(req), machine_ids, actor=req.actor, instance=req.ctx.instance
+        )
+    )
+
+
 def _bmc(req: ApiRequest) -> Any:
     return req.ctx.services.get("bmc") if req.ctx.cfg.provision.use_bmc else None
 
@@ -273,11 +282,7 @@ async def create_claim(req: ApiRequest) -> ClaimOut:
 
     out, started = await req.ctx.store.run(run)
     req.ctx.bus.notify()
-    driver.spawn(
-        driver.reboot_all(
-            req.ctx.store, _bmc(req), started, actor=req.actor, instance=req.ctx.instance
-        )
-    )
+    _boot_from_network(req, started)
     return out
 
 
@@ -360,11 +365,7 @@ async def _after_release(req: ApiRequest, out: ClaimOut, wiping: list[str]) -> C
             await runtime.sync()
         except Exception:  # the runtime's loop tries again; the store already says released
             log.exception("tenant runtime sync after releasing claim %s failed", out.id)
-    driver.spawn(
-        driver.reboot_all(
-            req.ctx.store, _bmc(req), wiping, actor=req.actor, instance=req.ctx.instance
-        )
-    )
+    _boot_from_network(req, wiping)
     return out
 
 
@@ -519,11 +520,7 @@ async def retry_machine(req: ApiRequest) -> MachineOut:
     out = await req.ctx.store.run(run)
     req.ctx.bus.notify()
     if out.state in (State.PROVISIONING, State.WIPING, State.INSPECTING):
-        driver.spawn(
-            driver.reboot_all(
-                req.ctx.store, _bmc(req), [out.id], actor=req.actor, instance=req.ctx.instance
-            )
-        )
+        _boot_from_network(req, [out.id])
     return out
 
 
