@@ -324,6 +324,21 @@ def _locked(cache: Path) -> Iterator[None]:
         yield
 
 
+def file_table(out: Path, limit: int, what: str) -> tuple[dict[str, dict[str, object]], int]:
+    """Every file under ``out`` (relative path -> sha256 and size) and their total size, which
+    must stay within ``limit`` bytes."""
+    files: dict[str, dict[str, object]] = {}
+    total = 0
+    for p in sorted(out.rglob("*")):
+        if p.is_file():
+            size = p.stat().st_size
+            files[str(p.relative_to(out))] = {"sha256": _sha256(p), "size": size}
+            total += size
+    if total > limit:
+        raise BuildError(f"{what} are {total} bytes, over the {limit} byte budget")
+    return files, total
+
+
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -361,14 +376,7 @@ def _build(target: Path, inputs: dict[str, object], digest: str) -> None:
         (out / "discovery" / "initrd.img").write_bytes(initrd)
         for name in IPXE_FILES:
             shutil.copyfile(ipxe / "usr" / "lib" / "ipxe" / name, out / name)
-        files = {
-            str(p.relative_to(out)): {"sha256": _sha256(p), "size": p.stat().st_size}
-            for p in sorted(out.rglob("*"))
-            if p.is_file()
-        }
-        total = sum(f["size"] for f in files.values())
-        if total > SIZE_LIMIT:
-            raise BuildError(f"boot assets are {total} bytes, over the {SIZE_LIMIT} byte budget")
+        files, total = file_table(out, SIZE_LIMIT, "boot assets")
         manifest = {
             "inputs_hash": digest,
             "inputs": inputs,

@@ -450,14 +450,7 @@ def _build(target: Path, inputs: dict[str, object], digest: str) -> None:
         if inputs.get("disk"):
             syslinux = build._download(packages["disk"], work / "syslinux")
             disk_info = build_disk(out, out / "vmlinuz", out / "initrd.img", syslinux)
-        files = {
-            p.name: {"sha256": build._sha256(p), "size": p.stat().st_size}
-            for p in sorted(out.iterdir())
-            if p.is_file()
-        }
-        total = sum(f["size"] for f in files.values())
-        if total > SIZE_LIMIT:
-            raise BuildError(f"node image is {total} bytes, over the {SIZE_LIMIT} byte budget")
+        files, total = build.file_table(out, SIZE_LIMIT, "node image files")
         manifest = {
             "inputs_hash": digest,
             "inputs": inputs,
