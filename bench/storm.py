@@ -624,6 +624,19 @@ class Storm:
             await self.api_session.close()
             _t.close()
 
+    def phase_costs(self, cpu0: float, me0: float, lat: list[float]) -> dict[str, object]:
+        """Counters, CPU (metald and this simulation) and latency percentiles of a phase."""
+        return {
+            "dhcp_retransmits": self.c.dhcp_retransmits,
+            "http_retries": self.c.http_retries,
+            "pxe_restarts": self.c.pxe_restarts,
+            "server_errors": self.c.server_errors,
+            "metald_cpu_s": self.cpu() - cpu0,
+            "client_cpu_s": self.self_cpu() - me0,
+            "p50_s": lat[len(lat) // 2],
+            "p99_s": lat[min(len(lat) - 1, int(len(lat) * 0.99))],
+        }
+
     async def _run(self) -> dict[str, Any]:
         deadline = time.monotonic() + 60
         while True:
@@ -655,14 +668,7 @@ class Storm:
             "scripts": self.c.scripts,
             "inventories": self.c.inventories,
             "next_calls": self.c.next_calls,
-            "dhcp_retransmits": self.c.dhcp_retransmits,
-            "http_retries": self.c.http_retries,
-            "pxe_restarts": self.c.pxe_restarts,
-            "server_errors": self.c.server_errors,
-            "metald_cpu_s": self.cpu() - cpu0,
-            "client_cpu_s": self.self_cpu() - me0,
-            "p50_s": lat[len(lat) // 2],
-            "p99_s": lat[min(len(lat) - 1, int(len(lat) * 0.99))],
+            **self.phase_costs(cpu0, me0, lat),
         }
         log(
             f"phase 1: {ready} ready in {wall:.2f} s, metald CPU "
@@ -725,14 +731,7 @@ class Storm:
             "scripts": self.c.scripts,
             "instructions": self.c.instructions,
             "progress": self.c.progress,
-            "dhcp_retransmits": self.c.dhcp_retransmits,
-            "http_retries": self.c.http_retries,
-            "pxe_restarts": self.c.pxe_restarts,
-            "server_errors": self.c.server_errors,
-            "metald_cpu_s": self.cpu() - cpu0,
-            "client_cpu_s": self.self_cpu() - me0,
-            "p50_s": lat[len(lat) // 2],
-            "p99_s": lat[min(len(lat) - 1, int(len(lat) * 0.99))],
+            **self.phase_costs(cpu0, me0, lat),
         }
         log(
             f"phase 2: {done} provisioned in {wall:.2f} s, metald CPU "
