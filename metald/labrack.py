@@ -85,6 +85,30 @@ def build_test_image(workdir: Path) -> tuple[Path, str]:
     return image, hashlib.sha256(image.read_bytes()).hexdigest()
 
 
+def curl_json(
+    ns: str, method: str, url: str, body: Any = None, token: str | None = None
+) -> tuple[int, Any]:
+    """One HTTP call with curl from inside namespace ``ns`` (the lab's, or one attached to it,
+    as a node would make it); returns (status, JSON body or None)."""
+    argv = ["nsenter", f"--net=/run/netns/{ns}", "curl", "-sS", "-m", "60", "-X", method,
+            "-w", "\n%{http_code}"]  # fmt: skip
+    if token:
+        argv += ["-H", f"Authorization: Bearer {token}"]
+    if body is not None:
+        argv += ["-H", "Content-Type: application/json", "--data-binary", "@-"]
+    r = subprocess.run(
+        [*argv, url],
+        input=json.dumps(body) if body is not None else None,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if r.returncode != 0:
+        raise RuntimeError(f"curl {method} {url} failed: {r.stderr.strip()}")
+    text, _, status = r.stdout.rpartition("\n")
+    return int(status), (json.loads(text) if text.strip() else None)
+
+
 def tenants_config(state: dict[str, Any]) -> str:
     """metald's [tenants] section for a lab: hubs on the lab bridge at 10.k.0.249-254 (the top
     of the range vm-lab leaves to attached namespaces), with Slurm control planes."""
@@ -186,21 +210,7 @@ class LabRack:
         self, method: str, path: str, body: Any = None, *, token: str | None = None
     ) -> tuple[int, Any]:
         """One HTTP call to metald's API from inside the lab (curl); returns (status, JSON)."""
-        argv = ["curl", "-sS", "-X", method, "-w", "\n%{http_code}", "-H",
-                f"Authorization: Bearer {token or self.token}"]  # fmt: skip
-        if body is not None:
-            argv += ["-H", "Content-Type: application/json", "--data-binary", "@-"]
-        r = self.lab.run(
-            [*argv, self.url + path],
-            input=json.dumps(body) if body is not None else None,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if r.returncode != 0:
-            raise RuntimeError(f"curl {method} {path} failed: {r.stderr.strip()}")
-        text, _, status = r.stdout.rpartition("\n")
-        return int(status), (json.loads(text) if text.strip() else None)
+        return curl_json(self.lab.netns, method, self.url + path, body, token or self.token)
 
     def json(self, *args: str, env: dict[str, str] | None = None) -> Any:
         return json.loads(self.ctl("--json", *args, env=env)[1])
@@ -229,26 +239,22 @@ class LabRack:
             out[m["name"]] = self.json(*args, env={"BMC_PASSWORD": b["password"]})
         return out
 
+    def _serve(self, directory: Path, port: int, role: str) -> str:
+        """Serve ``directory`` over HTTP on the lab network (boot address); returns its URL."""
+        addr = self.state["boot_address"]
+        self.lab.spawn(
+            [sys.executable, "-m", "http.server", str(port), "--bind", addr,
+             "--directory", str(directory)],
+            role=role,
+            log=self.workdir / f"{role}.log",
+        )  # fmt: skip
+        return f"http://{addr}:{port}"
+
     def publish_test_image(self, workdir: Path) -> list[str]:
         """Build the test disk image, serve it on the lab network (boot address, port 8081),
         and return the ``metalctl images create NAME`` arguments that register it."""
         image, sha = build_test_image(workdir)
-        addr = self.state["boot_address"]
-        self.lab.spawn(
-            [
-                sys.executable,
-                "-m",
-                "http.server",
-                "8081",
-                "--bind",
-                addr,
-                "--directory",
-                str(workdir),
-            ],
-            role="image-server",
-            log=workdir / "image-server.log",
-        )
-        url = f"http://{addr}:8081/{image.name}"
+        url = f"{self._serve(workdir, 8081, 'image-server')}/{image.name}"
         return [
             "--kind",
             "disk",
@@ -266,14 +272,7 @@ class LabRack:
         from bootassets.node import ensure_node_built
 
         node = ensure_node_built()
-        addr = self.state["boot_address"]
-        self.lab.spawn(
-            [sys.executable, "-m", "http.server", str(port), "--bind", addr,
-             "--directory", str(node)],
-            role="node-image-server",
-            log=self.workdir / "node-image-server.log",
-        )  # fmt: skip
-        base = f"http://{addr}:{port}"
+        base = self._serve(node, port, "node-image-server")
         return [
             "--kind",
             "stateless",

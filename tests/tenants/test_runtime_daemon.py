@@ -6,7 +6,6 @@ and its node out of the cluster, and the node can no longer reach the tenant."""
 from __future__ import annotations
 
 import base64
-import json
 import secrets
 import shutil
 import subprocess
@@ -37,23 +36,10 @@ pytestmark = [
 ]
 
 
-def curl_in(ns: str, method: str, url: str, body: Any = None, token: str | None = None) -> tuple[int, Any]:  # fmt: skip
-    argv = ["nsenter", f"--net=/run/netns/{ns}", "curl", "-sS", "-m", "10", "-X", method,
-            "-w", "\n%{http_code}"]  # fmt: skip
-    if token:
-        argv += ["-H", f"Authorization: Bearer {token}"]
-    if body is not None:
-        argv += ["-H", "Content-Type: application/json", "--data-binary", json.dumps(body)]
-    r = subprocess.run([*argv, url], capture_output=True, text=True, timeout=30)
-    assert r.returncode == 0, r.stderr
-    text, _, status = r.stdout.rpartition("\n")
-    return int(status), json.loads(text) if text.strip() else None
-
-
 def test_daemon_runs_hub_and_control_plane_node_joins_and_release_removes_it(
     tmp_path: Path,
 ) -> None:
-    from metald.labrack import LabRack, tenants_config
+    from metald.labrack import LabRack, curl_json, tenants_config
 
     rack = LabRack(
         f"rt{secrets.token_hex(2)}", tmp_path, machines=0, uefi=0, extra_config=tenants_config
@@ -94,11 +80,11 @@ def test_daemon_runs_hub_and_control_plane_node_joins_and_release_removes_it(
         # The node, as the node image's init does it (docs/node-image.md).
         node = rack.lab.add_namespace("node1")
         ns = node["netns"]
-        st, todo = curl_in(ns, "GET", f"{rack.url}/api/v1/agent/provision", token=agent)
+        st, todo = curl_json(ns, "GET", f"{rack.url}/api/v1/agent/provision", token=agent)
         assert st == 200 and todo["action"] == "provision", todo
         join = todo["join"]
         assert join["url"] == rack.url
-        st, _ = curl_in(
+        st, _ = curl_json(
             ns, "POST", f"{rack.url}/api/v1/agent/progress", {"phase": "booted", "done": True},
             token=agent,
         )  # fmt: skip
@@ -107,7 +93,7 @@ def test_daemon_runs_hub_and_control_plane_node_joins_and_release_removes_it(
         pub = subprocess.run(
             ["wg", "pubkey"], input=priv, capture_output=True, text=True
         ).stdout.strip()
-        st, joined = curl_in(
+        st, joined = curl_json(
             ns, "POST", f"{join['url']}/api/v1/join", {"token": join["token"], "public_key": pub}
         )
         assert st == 200, joined
