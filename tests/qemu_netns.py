@@ -4,11 +4,27 @@ tap devices for the guests, and processes started in it as their own process gro
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+import pytest
+
+#: Marks for a module of QEMU guests in a namespace (the lab suite, root, QEMU and busybox).
+QEMU_IN_NETNS = [
+    pytest.mark.lab,
+    pytest.mark.root,
+    pytest.mark.skipif(
+        os.geteuid() != 0, reason="needs root for network namespaces and tap devices"
+    ),
+    pytest.mark.skipif(
+        shutil.which("qemu-system-x86_64") is None, reason="qemu-system-x86 is not installed"
+    ),
+    pytest.mark.skipif(shutil.which("busybox") is None, reason="busybox is not installed (udhcpd)"),
+]
 
 
 def ip(*args: str) -> None:

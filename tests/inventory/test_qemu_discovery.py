@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -16,19 +15,9 @@ import pytest
 
 from metald.inventory import normalize, parse_payload
 from tests.inventory.conftest import ROOT
-from tests.qemu_netns import bridge_netns, start, stop
+from tests.qemu_netns import QEMU_IN_NETNS, bridge_netns, start, stop
 
-pytestmark = [
-    pytest.mark.lab,
-    pytest.mark.root,
-    pytest.mark.skipif(
-        os.geteuid() != 0, reason="needs root for network namespaces and tap devices"
-    ),
-    pytest.mark.skipif(
-        shutil.which("qemu-system-x86_64") is None, reason="qemu-system-x86 is not installed"
-    ),
-    pytest.mark.skipif(shutil.which("busybox") is None, reason="busybox is not installed (udhcpd)"),
-]
+pytestmark = QEMU_IN_NETNS
 
 SERVER = "10.77.0.1"
 PORT = 8080
