@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +185,12 @@ def test_down_by_name_removes_a_namespace_left_without_state(tmp_path: Path) -> 
     netns.create(ns)
     sleeper = subprocess.Popen(netns.exec_argv(ns, ["sleep", "600"]))
     try:
+        # Popen returns once nsenter is forked, before it has joined the namespace; down() can
+        # only find a process that is in it (the first CI run raced here).
+        deadline = time.monotonic() + 10
+        while sleeper.pid not in netns.pids(ns):
+            assert time.monotonic() < deadline, "sleeper never entered the namespace"
+            time.sleep(0.02)
         assert name in vlab.list_labs(tmp_path)
         vlab.Lab(name, workdir=tmp_path).down()
         assert sleeper.wait(timeout=10) is not None
