@@ -26,7 +26,7 @@ log = logging.getLogger("metald")
 class Daemon:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.store = Store(cfg.store_url)
+        self.store = Store(cfg.store_url, workers=cfg.store.workers)
         self.secrets = SecretBox.from_file(cfg.secrets_key_path)
         self.bus = EventBus()
         self.ctx = AppContext(cfg=cfg, store=self.store, secrets=self.secrets, bus=self.bus)

@@ -73,6 +73,7 @@ def mint_agent_token(
             reason="booting the discovery image",
             instance=instance,
             commit=False,
+            machine=m,
         )
     _row, secret = issue_token(
         s,
@@ -101,9 +102,10 @@ class EnrollmentBootHooks(StoreBootHooks):
         )
 
     def _target(self, s: Session, mac: str) -> BootTarget:
-        if machines.find_by_mac(s, mac) is None:
+        m = machines.find_by_mac(s, mac)
+        if m is None:
             try:
-                machines.create_machine(
+                m = machines.create_machine(
                     s,
                     macs=[mac],
                     actor=self.actor,
@@ -112,7 +114,8 @@ class EnrollmentBootHooks(StoreBootHooks):
                 )
             except MetaldError:
                 s.rollback()  # created concurrently by DHCP or another instance
-        t = super()._target(s, mac)
+                m = machines.find_by_mac(s, mac)
+        t = self._target_for(s, m)
         if t.kernel and "console" not in t.kernel_args:
             # The agent reports on the serial console too (people and tests read it there).
             # quiet: the kernel would otherwise print its command line, agent token included.
@@ -197,6 +200,7 @@ def accept_inventory(
         Trigger.INSPECTED,
         actor=actor,
         reason="inventory accepted",
+        machine=m,
         updates=updates,
         data={
             "gpu_model": norm.gpu_model,
@@ -218,7 +222,7 @@ def accept_inventory(
             instance=instance,
         )
     s.commit()
-    return machines.get_machine(s, m.id)
+    return m
 
 
 def _sync_nics(s: Session, machine_id: str, norm: Any) -> None:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from sqlalchemy import func, update
+from sqlalchemy import func
+from sqlalchemy.orm.attributes import set_committed_value
 from sqlmodel import Session, select
 
 from metald.errors import Conflict, NotFound, Unprocessable
@@ -139,14 +140,17 @@ def transition(
     updates: dict[str, Any] | None = None,
     instance: str | None = None,
     commit: bool = True,
+    machine: Machine | None = None,
 ) -> Machine:
     """Apply ``trigger`` to the machine, with its event, atomically.
 
     ``expected_version`` makes the caller's read part of the check (optimistic concurrency);
     without it the version just read here is used. ``updates`` are further column changes that
-    belong to the same transition (tenant, boot intent, last error ...).
+    belong to the same transition (tenant, boot intent, last error ...). ``machine`` is the row
+    as the caller just read it in this session (saves reading it again); the compare-and-swap
+    on its version still refuses it if anyone changed the row since.
     """
-    m = get_machine(session, machine_id)
+    m = machine if machine is not None else get_machine(session, machine_id)
     version = m.version if expected_version is None else expected_version
     if m.version != version:
         raise ConcurrentUpdate(
@@ -163,11 +167,7 @@ def transition(
         "updated_at": now,
     }
     values.update(updates or {})
-    result = session.execute(
-        update(Machine)
-        .where(Machine.id == machine_id, Machine.version == version)  # type: ignore[arg-type]
-        .values(**values)
-    )
+    result = _cas_update(session, machine_id, version, values)
     if result.rowcount != 1:  # type: ignore[attr-defined]
         session.rollback()
         raise ConcurrentUpdate(
@@ -188,8 +188,22 @@ def transition(
     )
     if commit:
         session.commit()
-    session.refresh(m)
+    _set_committed(m, values)
     return m
+
+
+def _cas_update(session: Session, machine_id: str, version: int, values: dict[str, Any]) -> Any:
+    """UPDATE the row only if its version is still ``version`` (Core: no ORM bookkeeping)."""
+    table = Machine.__table__  # type: ignore[attr-defined]
+    return session.connection().execute(
+        table.update().where(table.c.id == machine_id, table.c.version == version).values(**values)
+    )
+
+
+def _set_committed(m: Machine, values: dict[str, Any]) -> None:
+    """Put what was just written into the loaded object, as if read back (no second SELECT)."""
+    for key, value in values.items():
+        set_committed_value(m, key, value)
 
 
 def update_fields(
@@ -206,11 +220,8 @@ def update_fields(
     """Change non-state columns (labels, inventory ...) with an event, compare-and-swap."""
     m = get_machine(session, machine_id)
     version = m.version if expected_version is None else expected_version
-    res = session.execute(
-        update(Machine)
-        .where(Machine.id == machine_id, Machine.version == version)  # type: ignore[arg-type]
-        .values(**values, version=version + 1, updated_at=utcnow())
-    )
+    values = {**values, "version": version + 1, "updated_at": utcnow()}
+    res = _cas_update(session, machine_id, version, values)
     if res.rowcount != 1:  # type: ignore[attr-defined]
         session.rollback()
         raise ConcurrentUpdate(
@@ -226,7 +237,7 @@ def update_fields(
         instance=instance,
     )
     session.commit()
-    session.refresh(m)
+    _set_committed(m, values)
     return m
 
 

@@ -151,7 +151,9 @@ class StoreBootHooks:
         return await self.store.run(self._target, mac)
 
     def _target(self, s: Session, mac: str) -> BootTarget:
-        m = machines.find_by_mac(s, mac)
+        return self._target_for(s, machines.find_by_mac(s, mac))
+
+    def _target_for(self, s: Session, m: Machine | None) -> BootTarget:
         t = target_for_machine(m)
         if m is not None and self.mint_agent_token and t.action != BootAction.LOCAL:
             token = self.mint_agent_token(s, m)

@@ -63,10 +63,15 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
 class Store:
     """Owns the engine and the thread pool that database calls run on."""
 
-    def __init__(self, url: str, *, workers: int = 8) -> None:
+    def __init__(self, url: str, *, workers: int = 0) -> None:
         self.url = url
         self.engine = make_engine(url)
         self.is_sqlite = self.engine.dialect.name == "sqlite"
+        if workers <= 0:
+            # SQLite has one writer at a time and every session here begins as a writer, so a
+            # second thread would only wait on its lock and contend for the GIL.
+            workers = 1 if self.is_sqlite else 8
+        self.workers = workers
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="store")
 
     @contextmanager
