@@ -20,8 +20,10 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from pathlib import Path
 
+from sqlalchemy import String, cast
+from sqlalchemy import select as sa_select
 from sqlalchemy.exc import IntegrityError
-from sqlmodel import Session, select
+from sqlmodel import Session
 
 from metald.errors import NotFound, Unprocessable
 from metald.store.models import ApiToken, Meta, utcnow
@@ -106,7 +108,17 @@ def authenticate(session: Session, secret: str) -> Principal | None:
     """The principal for a presented secret, or None if unknown, revoked or expired."""
     if not secret.startswith(TOKEN_PREFIX):
         return None
-    row = session.exec(select(ApiToken).where(ApiToken.token_hash == hash_token(secret))).first()
+    # Columns, not an ApiToken object: every API request comes through here.
+    t = ApiToken.__table__  # type: ignore[attr-defined]
+    row = (
+        session.connection()
+        .execute(
+            sa_select(t.c.id, t.c.name, t.c.role, t.c.scope, t.c.expires_at, t.c.revoked_at).where(
+                t.c.token_hash == hash_token(secret)
+            )
+        )
+        .first()
+    )
     if row is None or row.revoked_at is not None:
         return None
     if row.expires_at is not None and _aware(row.expires_at) <= utcnow():
@@ -133,18 +145,29 @@ def revoke_token(session: Session, token_id: str) -> ApiToken:
 
 
 def revoke_machine_tokens(session: Session, machine_id: str, *, commit: bool = True) -> int:
-    """Revoke every agent token scoped to the machine (on release, on re-inspection)."""
-    n = 0
-    for row in session.exec(
-        select(ApiToken).where(ApiToken.role == Role.AGENT.value, ApiToken.revoked_at.is_(None))  # type: ignore[union-attr]
-    ):
-        if machine_id in row.scope:
-            row.revoked_at = utcnow()
-            session.add(row)
-            n += 1
+    """Revoke every live agent token scoped to the machine (on release, re-inspection, boot).
+
+    The scope is a JSON list of machine ids (UUIDs: no LIKE wildcards in them), so its text
+    holds ``"<id>"`` exactly when the list does: SQL narrows the rows (one token is minted per
+    boot, so scanning every live agent token here made a power-on storm quadratic) and the
+    exact list check in Python stays the rule.
+    """
+    table = ApiToken.__table__  # type: ignore[attr-defined]
+    rows = session.connection().execute(
+        sa_select(table.c.id, table.c.scope).where(
+            table.c.role == Role.AGENT.value,
+            table.c.revoked_at.is_(None),
+            cast(table.c.scope, String).like(f'%"{machine_id}"%'),
+        )
+    )
+    ids = [r.id for r in rows if machine_id in (r.scope or [])]
+    if ids:
+        session.connection().execute(
+            table.update().where(table.c.id.in_(ids)).values(revoked_at=utcnow())
+        )
     if commit:
         session.commit()
-    return n
+    return len(ids)
 
 
 def bootstrap_admin(session: Session, path: Path) -> Path | None:

@@ -15,47 +15,20 @@ from dataclasses import replace
 from datetime import UTC, timedelta
 from typing import Any
 
-from sqlalchemy import String, cast
-from sqlmodel import Session, col, select
+from sqlmodel import Session, select
 
 from metald import machines
-from metald.auth import Role, issue_token
+from metald.auth import Role, issue_token, revoke_machine_tokens
 from metald.boot.hooks import BootTarget, StoreBootHooks
 from metald.config import EnrollConfig
 from metald.errors import Conflict, MetaldError
 from metald.inventory import accept_inventory as intake
 from metald.inventory.enroll import apply_rules
 from metald.lifecycle import State, Trigger
-from metald.store.models import ApiToken, Event, Machine, Nic, utcnow
+from metald.store.models import Event, Machine, Nic, utcnow
 
 #: States in which a machine's agent may post inventory.
 INSPECT_STATES = {State.INSPECTING}
-
-
-def revoke_agent_tokens(s: Session, machine_id: str) -> int:
-    """Revoke the live agent tokens scoped to ``machine_id`` (no commit).
-
-    What ``auth.revoke_machine_tokens`` does, with the scope narrowed in SQL: that one loads
-    every live agent token of the fleet and checks each scope in Python, so minting one token
-    per boot made a power-on storm quadratic (1,000 machines: 78 ms of metald CPU per machine,
-    most of it here). The scope is a JSON list of machine ids (UUIDs, no LIKE wildcards), so
-    its text holds ``"<id>"`` exactly when the list does; the Python check stays as the rule.
-    """
-    n = 0
-    now = utcnow()
-    rows = s.exec(
-        select(ApiToken).where(
-            ApiToken.role == Role.AGENT.value,
-            col(ApiToken.revoked_at).is_(None),
-            cast(ApiToken.scope, String).like(f'%"{machine_id}"%'),
-        )
-    )
-    for row in rows:
-        if machine_id in row.scope:
-            row.revoked_at = now
-            s.add(row)
-            n += 1
-    return n
 
 
 def mint_agent_token(
@@ -63,7 +36,7 @@ def mint_agent_token(
 ) -> str:
     """A fresh agent token for ``m`` (older ones revoked). A discovered machine that is about to
     boot the discovery image moves to ``inspecting`` in the same transaction."""
-    revoke_agent_tokens(s, m.id)
+    revoke_machine_tokens(s, m.id, commit=False)
     if m.state in (State.DISCOVERED.value, State.INSPECT_FAILED.value):
         machines.transition(
             s,

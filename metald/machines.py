@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from sqlalchemy import func
+from sqlalchemy import bindparam, func
 from sqlalchemy.orm.attributes import set_committed_value
 from sqlmodel import Session, select
 
@@ -47,20 +47,27 @@ def add_event(
     reason: str | None = None,
     data: dict[str, Any] | None = None,
     instance: str | None = None,
-) -> Event:
-    ev = Event(
-        kind=kind,
-        actor=actor,
-        machine_id=machine_id,
-        tenant_id=tenant_id,
-        from_state=from_state,
-        to_state=to_state,
-        reason=reason,
-        data=data,
-        instance=instance,
+) -> None:
+    """Append an event row in the session's transaction (a Core INSERT: events are never read
+    back as objects where they are written, and the ORM's unit of work cost more than the row)."""
+    session.connection().execute(
+        _EVENTS.insert(),
+        {
+            "at": utcnow(),
+            "kind": kind,
+            "actor": actor,
+            "machine_id": machine_id,
+            "tenant_id": tenant_id,
+            "from_state": from_state,
+            "to_state": to_state,
+            "reason": reason,
+            "data": data,
+            "instance": instance,
+        },
     )
-    session.add(ev)
-    return ev
+
+
+_EVENTS = Event.__table__  # type: ignore[attr-defined]
 
 
 def get_machine(session: Session, machine_id: str) -> Machine:
@@ -72,8 +79,12 @@ def get_machine(session: Session, machine_id: str) -> Machine:
 
 
 def find_by_mac(session: Session, mac: str) -> Machine | None:
-    nic = session.exec(select(Nic).where(Nic.mac == normalize_mac(mac))).first()
-    return session.get(Machine, nic.machine_id) if nic else None
+    return session.exec(
+        select(Machine)
+        .join(Nic, Nic.machine_id == Machine.id)  # type: ignore[arg-type]
+        .where(Nic.mac == normalize_mac(mac))
+        .execution_options(populate_existing=True)
+    ).first()
 
 
 def create_machine(
@@ -193,11 +204,17 @@ def transition(
 
 
 def _cas_update(session: Session, machine_id: str, version: int, values: dict[str, Any]) -> Any:
-    """UPDATE the row only if its version is still ``version`` (Core: no ORM bookkeeping)."""
-    table = Machine.__table__  # type: ignore[attr-defined]
+    """UPDATE the row only if its version is still ``version`` (Core: no ORM bookkeeping; the
+    SET clause comes from the parameters' keys, so each set of columns compiles once)."""
     return session.connection().execute(
-        table.update().where(table.c.id == machine_id, table.c.version == version).values(**values)
+        _CAS, {**values, "cas_id": machine_id, "cas_version": version}
     )
+
+
+_MACHINES = Machine.__table__  # type: ignore[attr-defined]
+_CAS = _MACHINES.update().where(
+    _MACHINES.c.id == bindparam("cas_id"), _MACHINES.c.version == bindparam("cas_version")
+)
 
 
 def _set_committed(m: Machine, values: dict[str, Any]) -> None:
