@@ -39,14 +39,14 @@ ACTIONS: dict[str, Trigger] = {
 
 
 def machine_out(m: Machine, nics: list[Nic], *, with_inventory: bool = False) -> MachineOut:
-    data: dict[str, Any] = m.model_dump()
+    # Not model_dump's inventory: it reads an unloaded (deferred) column as None, silently.
+    data: dict[str, Any] = m.model_dump(exclude={"inventory"})
     data["labels"] = dict(m.labels or {})
     data["allowed_actions"] = [
         a for a, t in ACTIONS.items() if t.value in allowed_triggers(m.state)
     ]
     data["nics"] = [NicOut.model_validate(n.model_dump()) for n in nics]
-    if not with_inventory:
-        data["inventory"] = None
+    data["inventory"] = m.inventory if with_inventory else None
     return MachineOut.model_validate(data)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fnmatch
 import random
+import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -100,6 +101,46 @@ class Selector:
             stmt = stmt.where(Machine.rack == self.rack)
         return stmt
 
+    def narrow(self, stmt: Any, dialect: str) -> tuple[Any, bool]:
+        """``prefilter`` plus the globs and labels SQL can check with the same meaning as
+        ``matches``. Returns (statement, exact): exact when SQL alone decides, so the database
+        can order and limit the matches itself (no candidate list read into Python)."""
+        stmt, exact = self.prefilter(stmt), True
+        if self._glob:
+            assert self.gpu_model is not None
+            pattern = self.gpu_model
+            if "[" in pattern or dialect not in ("sqlite", "postgresql"):
+                exact = False  # character classes: fnmatch and SQL spell them differently
+            elif dialect == "sqlite":
+                # GLOB: case-sensitive, * and ? as fnmatchcase.
+                stmt = stmt.where(col(Machine.gpu_model).op("GLOB")(pattern))
+            else:
+                like = pattern.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+                like = like.replace("*", "%").replace("?", "_")
+                stmt = stmt.where(col(Machine.gpu_model).like(like, escape="\\"))
+        for key, value in self.labels.items():
+            if dialect in ("sqlite", "postgresql") and _PLAIN_LABEL_KEY.match(key):
+                stmt = stmt.where(Machine.labels[key].as_string() == value)  # type: ignore[index]
+            else:
+                exact = False
+        return stmt, exact
+
+
+#: Label keys safe to put in a JSON path as they are (others are matched in Python).
+_PLAIN_LABEL_KEY = re.compile(r"^[A-Za-z0-9_.\-/]{1,253}$")
+
+#: What ``Selector.matches`` reads: candidate scans load these columns, not whole machines.
+_MATCH_COLUMNS = (
+    Machine.id,
+    Machine.state,
+    Machine.tenant_id,
+    Machine.gpu_model,
+    Machine.gpu_count,
+    Machine.memory_mb,
+    Machine.rack,
+    Machine.labels,
+)
+
 
 def _free(stmt: Any) -> Any:
     return stmt.where(Machine.state == State.READY.value, col(Machine.tenant_id).is_(None))
@@ -107,9 +148,11 @@ def _free(stmt: Any) -> Any:
 
 def count_matching(session: Session, selector: Selector) -> tuple[int, int]:
     """(machines matching the selector in any state but retired, of those ready and free)."""
-    rows = session.exec(
-        selector.prefilter(select(Machine).where(Machine.state != State.RETIRED.value))
-    ).all()
+    stmt, _exact = selector.narrow(
+        select(*_MATCH_COLUMNS).where(Machine.state != State.RETIRED.value),
+        session.get_bind().dialect.name,
+    )
+    rows = session.exec(stmt).all()
     hits = [m for m in rows if selector.matches(m)]
     free = [m for m in hits if m.state == State.READY.value and m.tenant_id is None]
     return len(hits), len(free)
@@ -200,13 +243,17 @@ def create_claim(
         )
         session.add(claim)
         session.flush()
-        stmt = selector.prefilter(_free(select(Machine)))
-        candidates = [m.id for m in session.exec(stmt).all() if selector.matches(m)]
-        # Best fit first, so the big machines stay free for the claims that need them.
-        # populate_existing: the rows as locked now, not as the candidate read saw them.
+        dialect = session.get_bind().dialect.name
+        stmt, exact = selector.narrow(_free(select(Machine)), dialect)
+        if not exact:
+            # Labels or globs SQL cannot check alike: match the candidates' columns in Python.
+            cand, _ = selector.narrow(_free(select(*_MATCH_COLUMNS)), dialect)
+            ids = [m.id for m in session.exec(cand).all() if selector.matches(m)]
+            stmt = _free(select(Machine).where(col(Machine.id).in_(ids)))
+        # Best fit first, so the big machines stay free for the claims that need them (the
+        # ix_machines_alloc order). populate_existing: the rows as locked now.
         locked = session.exec(
-            _free(select(Machine).where(col(Machine.id).in_(candidates)))
-            .order_by(col(Machine.gpu_count), col(Machine.memory_mb), col(Machine.id))
+            stmt.order_by(col(Machine.gpu_count), col(Machine.memory_mb), col(Machine.id))
             .limit(count)
             .with_for_update(skip_locked=True)
             .execution_options(populate_existing=True)

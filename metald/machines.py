@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 from sqlalchemy import bindparam, func
+from sqlalchemy.orm import defer
 from sqlalchemy.orm.attributes import set_committed_value
 from sqlmodel import Session, select
 
@@ -70,9 +71,15 @@ def add_event(
 _EVENTS = Event.__table__  # type: ignore[attr-defined]
 
 
+#: The inventory document (~9 KB of JSON on a GPU server) is read only where it is used: the
+#: machine reads on every request path leave it unloaded. Reading ``m.inventory`` inside the
+#: session loads it; outside, SQLAlchemy raises DetachedInstanceError (never a silent None).
+_NO_INVENTORY = (defer(Machine.inventory),)  # type: ignore[arg-type]
+
+
 def get_machine(session: Session, machine_id: str) -> Machine:
     # populate_existing: always read the row as stored now, never a stale identity-map copy.
-    m = session.get(Machine, machine_id, populate_existing=True)
+    m = session.get(Machine, machine_id, populate_existing=True, options=_NO_INVENTORY)
     if m is None:
         raise NotFound(f"no machine with id {machine_id!r}")
     return m
@@ -83,6 +90,7 @@ def find_by_mac(session: Session, mac: str) -> Machine | None:
         select(Machine)
         .join(Nic, Nic.machine_id == Machine.id)  # type: ignore[arg-type]
         .where(Nic.mac == normalize_mac(mac))
+        .options(*_NO_INVENTORY)
         .execution_options(populate_existing=True)
     ).first()
 

@@ -118,4 +118,5 @@ def record_progress(
         expected_version=m.version,
         updates=updates,
         instance=instance,
+        machine=m,
     )

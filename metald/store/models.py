@@ -60,6 +60,10 @@ class Machine(SQLModel, table=True):
     created_at: datetime = _ts()
     updated_at: datetime = _ts()
 
+    #: Claim allocation walks ready machines smallest first (gpu_count, memory_mb, id) and
+    #: stops at the claim's count: this index is that order.
+    __table_args__ = (Index("ix_machines_alloc", "state", "gpu_count", "memory_mb", "id"),)
+
 
 class Nic(SQLModel, table=True):
     __tablename__ = "nics"
