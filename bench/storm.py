@@ -75,6 +75,8 @@ interfaces = ["vs"]
 server_address = "{SRV}"
 router_advertisements = false
 assets_dir = "{state}"
+# Every simulated machine's HTTP comes from the one simulator address, not from its lease.
+script_clients = "any"
 [[boot.networks]]
 name = "storm"
 subnet = "10.77.0.0/16"

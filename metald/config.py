@@ -125,7 +125,29 @@ class BootConfig(_Section):
     #: Base URL iPXE uses for scripts and assets. Empty: api.public_url, else
     #: http://<server_address>:<api port>.
     http_url: str = ""
+    #: Who gets a machine's iPXE script while it carries an agent token (discovery, provision,
+    #: wipe). "leased": only the address metald's DHCP bound to that MAC, so another machine
+    #: on the provisioning network (a tenant's, say) cannot ask for the script of a machine
+    #: being provisioned and act as its agent. "any": whoever asks for the MAC (for proxy DHCP,
+    #: where metald does not know the addresses, or scripts fetched through a proxy or NAT).
+    #: Empty: "leased" with dhcp_mode "full", "any" otherwise (with a warning at start).
+    script_clients: Literal["", "leased", "any"] = ""
     networks: list[DhcpNetwork] = []
+
+    @model_validator(mode="after")
+    def _leases_known(self) -> BootConfig:
+        if self.script_clients == "leased" and self.dhcp_mode != "full":
+            raise ValueError(
+                'script_clients = "leased" needs dhcp_mode = "full": only then does metald '
+                "know which address holds which MAC"
+            )
+        return self
+
+    @property
+    def scripts_leased_only(self) -> bool:
+        if self.script_clients:
+            return self.script_clients == "leased"
+        return self.dhcp_mode == "full"
 
 
 class BmcConfig(_Section):

@@ -105,7 +105,15 @@ def _boot_plane(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
     from metald.boot.plane import BootPlane, http_base_url
     from metald.enrollment import EnrollmentBootHooks
 
-    hooks = EnrollmentBootHooks(d.store, d.cfg.instance, d.cfg.enroll)
+    leased_only = d.cfg.boot.scripts_leased_only
+    if not leased_only:
+        log.warning(
+            "boot.script_clients is 'any': a machine's iPXE script, agent token included, "
+            "goes to whoever asks for its MAC on the provisioning network"
+        )
+    hooks = EnrollmentBootHooks(
+        d.store, d.cfg.instance, d.cfg.enroll, leased_clients_only=leased_only
+    )
     plane = BootPlane(d.cfg, d.store, hooks)
     routes = boot_routes(
         hooks, Path(d.cfg.boot.assets_dir or d.cfg.state_dir), http_base_url(d.cfg)

@@ -64,7 +64,9 @@ def mint_agent_token(
 class EnrollmentBootHooks(StoreBootHooks):
     """Store hooks that also enroll MACs first seen over HTTP and mint agent tokens."""
 
-    def __init__(self, store: Any, instance: str, cfg: EnrollConfig) -> None:
+    def __init__(
+        self, store: Any, instance: str, cfg: EnrollConfig, *, leased_clients_only: bool = False
+    ) -> None:
         actor = f"metald:{instance}"
         super().__init__(
             store,
@@ -72,9 +74,10 @@ class EnrollmentBootHooks(StoreBootHooks):
             mint_agent_token=lambda s, m: mint_agent_token(
                 s, m, actor=actor, ttl_s=cfg.agent_token_ttl_s, instance=instance
             ),
+            leased_clients_only=leased_clients_only,
         )
 
-    def _target(self, s: Session, mac: str) -> BootTarget:
+    def _target(self, s: Session, mac: str, client: str | None = None) -> BootTarget:
         m = machines.find_by_mac(s, mac)
         if m is None:
             try:
@@ -88,7 +91,7 @@ class EnrollmentBootHooks(StoreBootHooks):
             except MetaldError:
                 s.rollback()  # created concurrently by DHCP or another instance
                 m = machines.find_by_mac(s, mac)
-        t = self._target_for(s, m)
+        t = self._target_for(s, m, mac, client)
         if t.kernel and "console" not in t.kernel_args:
             # The agent reports on the serial console too (people and tests read it there).
             # quiet: the kernel would otherwise print its command line, agent token included.

@@ -10,16 +10,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Protocol
 
-from sqlmodel import Session
+from sqlmodel import Session, select
 
 from metald import machines
 from metald.errors import Conflict
 from metald.lifecycle import State
 from metald.store.db import Store
-from metald.store.models import Machine
+from metald.store.models import Lease, Machine
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +50,14 @@ class BootHooks(Protocol):
     ) -> None:
         """DHCP saw a network-booting client (called at most every few minutes per MAC)."""
 
-    async def boot_target(self, mac: str) -> BootTarget:
-        """What the iPXE script for ``mac`` should do."""
+    async def boot_target(self, mac: str, *, client: str | None = None) -> BootTarget:
+        """What the iPXE script for ``mac`` should do; ``client`` is the address asking.
+        Raises ``ScriptRefused`` when that address may not have this machine's script."""
+
+
+class ScriptRefused(Exception):
+    """The script would carry an agent token and the asking address does not hold the MAC's
+    lease (``[boot] script_clients = "leased"``)."""
 
 
 #: Kernel and initrd of the discovery image, under the assets folder (built by bootassets/).
@@ -99,11 +106,14 @@ class StoreBootHooks:
         instance: str,
         *,
         mint_agent_token: Callable[[Session, Machine], str] | None = None,
+        leased_clients_only: bool = False,
     ) -> None:
         self.store = store
         self.instance = instance
         self.actor = f"metald:{instance}"
         self.mint_agent_token = mint_agent_token
+        #: Mint a token only for the address metald's DHCP leased to the MAC (see config).
+        self.leased_clients_only = leased_clients_only
 
     async def client_seen(
         self, mac: str, *, arch: str, network: str | None, relay_agent: dict[str, str] | None
@@ -147,20 +157,48 @@ class StoreBootHooks:
             except Conflict:
                 s.rollback()
 
-    async def boot_target(self, mac: str) -> BootTarget:
-        return await self.store.run(self._target, mac)
+    async def boot_target(self, mac: str, *, client: str | None = None) -> BootTarget:
+        return await self.store.run(self._target, mac, client)
 
-    def _target(self, s: Session, mac: str) -> BootTarget:
-        return self._target_for(s, machines.find_by_mac(s, mac))
+    def _target(self, s: Session, mac: str, client: str | None = None) -> BootTarget:
+        return self._target_for(s, machines.find_by_mac(s, mac), mac, client)
 
-    def _target_for(self, s: Session, m: Machine | None) -> BootTarget:
+    def _target_for(
+        self, s: Session, m: Machine | None, mac: str, client: str | None
+    ) -> BootTarget:
         t = target_for_machine(m)
         if m is not None and self.mint_agent_token and t.action != BootAction.LOCAL:
+            if self.leased_clients_only and not holds_lease(s, mac, client):
+                # Checked before minting: a refused request neither gets a token nor revokes
+                # the machine's current one.
+                raise ScriptRefused(
+                    f"{client or 'an unknown address'} does not hold the lease of {mac}"
+                )
             token = self.mint_agent_token(s, m)
             t = BootTarget(
                 t.action, t.kernel, t.initrd, {**t.kernel_args, "metald.token": token}, t.machine_id
             )
         return t
+
+
+def holds_lease(s: Session, mac: str, client: str | None) -> bool:
+    """Whether ``client`` is the address metald's DHCP has bound to ``mac`` (unexpired)."""
+    if not client:
+        return False
+    now = datetime.now(UTC)
+    for lease in s.exec(
+        select(Lease).where(
+            Lease.mac == machines.normalize_mac(mac),
+            Lease.ip == client,
+            Lease.state == "bound",
+        )
+    ):
+        expires = lease.expires_at
+        if expires.tzinfo is None:  # SQLite gives naive UTC
+            expires = expires.replace(tzinfo=UTC)
+        if expires > now:
+            return True
+    return False
 
 
 def _rack_position(relay_agent: dict[str, str] | None) -> str | None:
@@ -185,5 +223,5 @@ class MemoryBootHooks:
     ) -> None:
         self.seen.append({"mac": mac, "arch": arch, "network": network, "relay_agent": relay_agent})
 
-    async def boot_target(self, mac: str) -> BootTarget:
+    async def boot_target(self, mac: str, *, client: str | None = None) -> BootTarget:
         return self.targets.get(mac, self.default)

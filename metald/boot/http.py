@@ -13,7 +13,7 @@ from pathlib import Path
 from aiohttp import web
 
 from metald.boot import metrics
-from metald.boot.hooks import BootHooks
+from metald.boot.hooks import BootHooks, ScriptRefused
 from metald.boot.ipxe import render_boot_script
 from metald.boot.paths import PathRefused, safe_path
 
@@ -35,7 +35,14 @@ def boot_routes(hooks: BootHooks, assets_dir: Path, public_url: str) -> list[web
         mac = _mac_from(request.match_info["mac"])
         if mac is None:
             raise web.HTTPNotFound(text="not a MAC address\n")
-        target = await hooks.boot_target(mac)
+        try:
+            target = await hooks.boot_target(mac, client=request.remote)
+        except ScriptRefused as e:
+            metrics.http_boot.labels("refused").inc()
+            log.warning("iPXE script for %s refused: %s", mac, e)
+            raise web.HTTPForbidden(
+                text=f"refused: {e}; only the address leased to this MAC gets its script\n"
+            ) from None
         metrics.http_boot.labels(target.action.value).inc()
         log.info("iPXE script for %s: %s", mac, target.action.value)
         body = render_boot_script(target, mac=mac, public_url=base)

@@ -1,0 +1,114 @@
+"""[boot] script_clients = "leased": a script that carries an agent token goes only to the
+address metald's DHCP bound to that MAC. Anyone else gets 403, no token, and the machine's
+current token stays valid."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from metald import auth, machines
+from metald.boot.hooks import ScriptRefused
+from metald.boot.http import boot_routes
+from metald.config import EnrollConfig, load_config
+from metald.enrollment import EnrollmentBootHooks
+from metald.store.models import Lease, utcnow
+
+MAC = "52:54:00:aa:00:01"
+
+
+def _lease(store, ip: str, *, mac: str = MAC, state: str = "bound", ttl_s: int = 3600) -> None:  # type: ignore[no-untyped-def]
+    with store.session() as s:
+        s.add(
+            Lease(
+                network="prov",
+                ip=ip,
+                mac=mac,
+                state=state,
+                expires_at=utcnow() + timedelta(seconds=ttl_s),
+            )
+        )
+        s.commit()
+
+
+async def _client(aiohttp_client, hooks, assets: Path):  # type: ignore[no-untyped-def]
+    app = web.Application()
+    app.add_routes(boot_routes(hooks, assets, "http://10.0.0.1:8080/"))
+    return await aiohttp_client(app)
+
+
+async def test_only_the_lease_holder_gets_a_token(aiohttp_client, store, assets: Path) -> None:  # type: ignore[no-untyped-def]
+    hooks = EnrollmentBootHooks(store, "t", EnrollConfig(), leased_clients_only=True)
+    await hooks.client_seen(MAC, arch="bios", network="prov", relay_agent=None)
+    c = await _client(aiohttp_client, hooks, assets)
+
+    # No lease at all: refused, and nothing minted.
+    r = await c.get(f"/boot/{MAC}.ipxe")
+    assert r.status == 403 and "does not hold the lease" in await r.text()
+    with store.session() as s:
+        m = machines.find_by_mac(s, MAC)
+        assert m is not None and m.state == "discovered"  # not moved to inspecting either
+
+    # The MAC's lease is on another address (the test client asks from 127.0.0.1).
+    _lease(store, "10.0.0.50")
+    assert (await c.get(f"/boot/{MAC}.ipxe")).status == 403
+    # Another MAC's lease on the asking address does not help.
+    _lease(store, "127.0.0.1", mac="52:54:00:aa:00:99")
+    assert (await c.get(f"/boot/{MAC}.ipxe")).status == 403
+
+    # The lease holder gets the script with a token; a refused request afterwards does not
+    # revoke it.
+    with store.session() as s:  # the asker's own lease, in another network
+        s.add(
+            Lease(
+                network="prov2",
+                ip="127.0.0.1",
+                mac=MAC,
+                state="bound",
+                expires_at=utcnow() + timedelta(hours=1),
+            )
+        )
+        s.commit()
+    r = await c.get(f"/boot/{MAC}.ipxe")
+    body = await r.text()
+    assert r.status == 200 and "metald.token=" in body
+    token = body.split("metald.token=")[1].split()[0]
+    with pytest.raises(ScriptRefused):
+        await hooks.boot_target(MAC, client="10.0.0.99")
+    with store.session() as s:
+        assert auth.authenticate(s, token) is not None
+
+
+async def test_expired_or_unbound_leases_do_not_count(store) -> None:  # type: ignore[no-untyped-def]
+    hooks = EnrollmentBootHooks(store, "t", EnrollConfig(), leased_clients_only=True)
+    await hooks.client_seen(MAC, arch="bios", network="prov", relay_agent=None)
+    _lease(store, "10.0.0.7", ttl_s=-10)
+    _lease(store, "10.0.0.8", state="offered")
+    for ip in ("10.0.0.7", "10.0.0.8", None):
+        with pytest.raises(ScriptRefused):
+            await hooks.boot_target(MAC, client=ip)
+    _lease(store, "10.0.0.9")
+    t = await hooks.boot_target(MAC, client="10.0.0.9")
+    assert "metald.token" in t.kernel_args
+
+
+async def test_local_boots_carry_no_token_and_need_no_lease(store) -> None:  # type: ignore[no-untyped-def]
+    hooks = EnrollmentBootHooks(store, "t", EnrollConfig(), leased_clients_only=True)
+    await hooks.client_seen(MAC, arch="bios", network="prov", relay_agent=None)
+    with store.session() as s:
+        m = machines.find_by_mac(s, MAC)
+        assert m is not None
+        machines.transition(s, m.id, "maintenance-on", actor="test")
+    t = await hooks.boot_target(MAC, client="10.9.9.9")
+    assert t.action.value == "local" and "metald.token" not in t.kernel_args
+
+
+def test_config_default_follows_dhcp_mode() -> None:
+    assert load_config(None, environ={}).boot.scripts_leased_only
+    proxy = load_config(None, environ={"METALD_BOOT__DHCP_MODE": "proxy"})
+    assert not proxy.boot.scripts_leased_only
+    anyone = load_config(None, environ={"METALD_BOOT__SCRIPT_CLIENTS": "any"})
+    assert not anyone.boot.scripts_leased_only
