@@ -20,7 +20,6 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from pathlib import Path
 
-from sqlalchemy import String, cast
 from sqlalchemy import select as sa_select
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
@@ -95,6 +94,7 @@ def issue_token(
         role=role.value,
         scope=scope,
         token_hash=hash_token(secret),
+        machine_id=scope[0] if role is Role.AGENT else None,
         created_by=created_by,
         expires_at=utcnow() + ttl if ttl else None,
     )
@@ -145,29 +145,26 @@ def revoke_token(session: Session, token_id: str) -> ApiToken:
 
 
 def revoke_machine_tokens(session: Session, machine_id: str, *, commit: bool = True) -> int:
-    """Revoke every live agent token scoped to the machine (on release, re-inspection, boot).
-
-    The scope is a JSON list of machine ids (UUIDs: no LIKE wildcards in them), so its text
-    holds ``"<id>"`` exactly when the list does: SQL narrows the rows (one token is minted per
-    boot, so scanning every live agent token here made a power-on storm quadratic) and the
-    exact list check in Python stays the rule.
-    """
+    """Revoke every live agent token of the machine (on release, re-inspection, each boot):
+    one UPDATE on the indexed ``machine_id`` (a token is minted per boot, so scanning every
+    live token here made a power-on storm quadratic)."""
     table = ApiToken.__table__  # type: ignore[attr-defined]
-    rows = session.connection().execute(
-        sa_select(table.c.id, table.c.scope).where(
-            table.c.role == Role.AGENT.value,
-            table.c.revoked_at.is_(None),
-            cast(table.c.scope, String).like(f'%"{machine_id}"%'),
+    n = (
+        session.connection()
+        .execute(
+            table.update()
+            .where(
+                table.c.machine_id == machine_id,
+                table.c.role == Role.AGENT.value,
+                table.c.revoked_at.is_(None),
+            )
+            .values(revoked_at=utcnow())
         )
+        .rowcount
     )
-    ids = [r.id for r in rows if machine_id in (r.scope or [])]
-    if ids:
-        session.connection().execute(
-            table.update().where(table.c.id.in_(ids)).values(revoked_at=utcnow())
-        )
     if commit:
         session.commit()
-    return len(ids)
+    return n
 
 
 def bootstrap_admin(session: Session, path: Path) -> Path | None:

@@ -128,3 +128,36 @@ def test_sqlite_is_wal(tmp_path) -> None:  # type: ignore[no-untyped-def]
     with store.engine.connect() as c:
         assert c.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
     store.close()
+
+
+def test_upgrade_gives_agent_tokens_their_machine(db_url: str) -> None:
+    """0011 fills api_tokens.machine_id from an agent token's scope; revocation then finds the
+    tokens issued before the upgrade."""
+    from metald.auth import authenticate, hash_token, revoke_machine_tokens
+
+    store = Store(db_url)
+    try:
+        upgrade(store.engine, "0010")
+        with store.engine.begin() as c:
+            for tid, role, scope, secret in (
+                ("a1", "agent", '["m1"]', "mtd_agent-one"),
+                ("a2", "agent", '["m2"]', "mtd_agent-two"),
+                ("o1", "orchestrator", '["t1"]', "mtd_orch"),
+            ):
+                c.execute(
+                    sa.text(
+                        "INSERT INTO api_tokens (id, name, role, scope, token_hash, created_at) "
+                        "VALUES (:id, :id, :role, :scope, :hash, CURRENT_TIMESTAMP)"
+                    ),
+                    {"id": tid, "role": role, "scope": scope, "hash": hash_token(secret)},
+                )
+        store.migrate()
+        with store.engine.connect() as c:
+            rows = dict(c.execute(sa.text("SELECT id, machine_id FROM api_tokens")).all())
+        assert rows == {"a1": "m1", "a2": "m2", "o1": None}
+        with store.session() as s:
+            assert revoke_machine_tokens(s, "m1") == 1
+            assert authenticate(s, "mtd_agent-one") is None
+            assert authenticate(s, "mtd_agent-two") is not None
+    finally:
+        store.close()

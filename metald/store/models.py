@@ -211,6 +211,9 @@ class ApiToken(SQLModel, table=True):
     role: str
     #: orchestrator: tenant ids; agent: [machine id].
     scope: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    #: An agent token's machine (its scope's one id), indexed: revoking a machine's tokens on
+    #: every boot, release and wipe is then one indexed UPDATE, not a scan of every token.
+    machine_id: str | None = Field(default=None, index=True)
     #: sha256 of the secret; the secret itself is shown once, at creation.
     token_hash: str = Field(unique=True)
     created_by: str | None = None
