@@ -1,6 +1,7 @@
 """A stand-in for the metald endpoints a node image talks to: GET /api/v1/agent/provision, POST
 /api/v1/agent/progress and POST /api/v1/join (which, given ``hub_ifname``, adds the node as a
-peer of that WireGuard interface, as metald's hub does). Run in the QEMU test's network namespace as
+peer of that WireGuard interface, as metald's hub does). A join token works once: a second join
+with it is refused with 409, as metald does. Run in the QEMU test's network namespace as
 ``python fake_metald.py HOST PORT OUTFILE READYFILE CONFIG.json``; every request it gets is
 appended to OUTFILE as a JSON line {"path", "auth", "body"}."""
 
@@ -17,6 +18,7 @@ from aiohttp import web
 def main() -> None:
     host, port, out, ready = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4])
     cfg = json.loads(Path(sys.argv[5]).read_text())
+    burned: set[str] = set()
 
     def record(request: web.Request, body: object) -> None:
         with out.open("a") as f:
@@ -45,10 +47,14 @@ def main() -> None:
     async def join(request: web.Request) -> web.Response:
         body = await request.json()
         record(request, body)
-        if cfg.get("join_status", 200) != 200:
+        status, detail = cfg.get("join_status", 200), cfg.get("join_detail", "")
+        if body.get("token") in burned:
+            status, detail = 409, "this join token was already used; a join token works once"
+        burned.add(body.get("token"))
+        if status != 200:
             return web.json_response(
-                {"title": "Gone", "status": cfg["join_status"], "detail": cfg["join_detail"]},
-                status=cfg["join_status"],
+                {"title": "Refused", "status": status, "detail": detail},
+                status=status,
                 content_type="application/problem+json",
             )
         if cfg.get("hub_ifname"):  # a real hub (wireguard-go) in this namespace: add the peer
