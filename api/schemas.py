@@ -93,6 +93,7 @@ class MachineOut(BaseModel):
     labels: dict[str, str]
     rack: str | None
     rack_position: str | None
+    firmware: str | None = None
     system_uuid: str | None
     serial: str | None
     vendor: str | None

@@ -159,6 +159,7 @@ def run(args: argparse.Namespace, c: Client) -> int:
                     "version",
                     "rack",
                     "rack_position",
+                    "firmware",
                     "vendor",
                     "product",
                     "serial",

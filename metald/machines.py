@@ -104,6 +104,7 @@ def create_machine(
     labels: dict[str, str] | None = None,
     rack: str | None = None,
     rack_position: str | None = None,
+    firmware: str | None = None,
     reason: str = "registered",
     instance: str | None = None,
     commit: bool = True,
@@ -127,6 +128,7 @@ def create_machine(
         labels=dict(labels or {}),
         rack=rack,
         rack_position=rack_position,
+        firmware=firmware,
     )
     session.add(m)
     session.flush()

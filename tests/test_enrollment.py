@@ -10,6 +10,7 @@ import uuid
 from sqlmodel import select
 
 from api.app import CTX_KEY
+from metald import machines
 from metald.boot.hooks import BootAction
 from metald.config import EnrollConfig
 from metald.enrollment import EnrollmentBootHooks
@@ -210,3 +211,22 @@ async def test_bad_inventory_posts_are_refused_with_event(api) -> None:  # type:
     # Non-agent roles cannot post inventory at all.
     r = await client.post("/api/v1/agent/inventory", json=good, headers=tokens.header("technician"))
     assert r.status == 403
+
+
+async def test_dhcp_records_the_boot_firmware(store) -> None:  # type: ignore[no-untyped-def]
+    """The firmware DHCP saw (option 93) is kept on the machine; a change is an event, an
+    unknown architecture changes nothing."""
+
+    hooks = EnrollmentBootHooks(store, "t", EnrollConfig())
+    await hooks.client_seen(MAC, arch="bios", network="rack1", relay_agent=None)
+
+    def read(s):  # type: ignore[no-untyped-def]
+        m = machines.find_by_mac(s, MAC)
+        kinds = [e.kind for e in s.exec(select(Event).where(Event.machine_id == m.id))]
+        return m.firmware, kinds
+
+    assert await store.run(read) == ("bios", ["machine.created"])
+    await hooks.client_seen(MAC, arch="unknown", network="rack1", relay_agent=None)
+    assert await store.run(read) == ("bios", ["machine.created"])
+    await hooks.client_seen(MAC, arch="uefi-x64", network="rack1", relay_agent=None)
+    assert await store.run(read) == ("uefi-x64", ["machine.created", "machine.firmware"])

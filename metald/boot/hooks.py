@@ -129,6 +129,7 @@ class StoreBootHooks:
         relay_agent: dict[str, str] | None,
     ) -> None:
         position = _rack_position(relay_agent)
+        firmware = arch if arch in FIRMWARE else None
         m = machines.find_by_mac(s, mac)
         if m is None:
             try:
@@ -137,6 +138,7 @@ class StoreBootHooks:
                     macs=[mac],
                     actor=self.actor,
                     rack_position=position,
+                    firmware=firmware,
                     reason=f"seen on DHCP ({arch}, network {network})",
                     instance=self.instance,
                 )
@@ -152,6 +154,20 @@ class StoreBootHooks:
                     kind="machine.rack_position",
                     values={"rack_position": position},
                     data={"from": m.rack_position, "to": position, "relay_agent": relay_agent},
+                    instance=self.instance,
+                )
+            except Conflict:
+                s.rollback()
+                return
+        if firmware and m.firmware != firmware:
+            try:
+                machines.update_fields(
+                    s,
+                    m.id,
+                    actor=self.actor,
+                    kind="machine.firmware",
+                    values={"firmware": firmware},
+                    data={"from": m.firmware, "to": firmware},
                     instance=self.instance,
                 )
             except Conflict:
@@ -179,6 +195,10 @@ class StoreBootHooks:
                 t.action, t.kernel, t.initrd, {**t.kernel_args, "metald.token": token}, t.machine_id
             )
         return t
+
+
+#: Firmware names recorded on machines (boot.dhcp.bootfile.Arch values but "unknown").
+FIRMWARE = frozenset({"bios", "uefi-x64", "uefi-ia32", "uefi-arm64"})
 
 
 def holds_lease(s: Session, mac: str, client: str | None) -> bool:

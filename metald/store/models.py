@@ -39,6 +39,9 @@ class Machine(SQLModel, table=True):
     rack: str | None = Field(default=None, index=True)
     #: Switch port (DHCP option 82 / LLDP), which is the machine's rack position.
     rack_position: str | None = None
+    #: Boot firmware as its last network boot told DHCP (option 93): bios, uefi-x64,
+    #: uefi-ia32, uefi-arm64. A disk image must suit it (BIOS or UEFI boot loader).
+    firmware: str | None = None
     system_uuid: str | None = Field(default=None, index=True)
     serial: str | None = Field(default=None, index=True)
     vendor: str | None = None

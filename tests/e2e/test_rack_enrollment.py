@@ -31,6 +31,8 @@ def test_rack_powers_on_and_enrolls_itself(enrolled_rack) -> None:  # type: igno
         assert full["system_uuid"] == m["uuid"].lower()
         want = {"pool": "lab", **({"firmware": "bios"} if m["firmware"] == "bios" else {})}
         assert full["labels"] == want
+        # What DHCP saw (option 93): OVMF's PXE says x86-64 UEFI, SeaBIOS's iPXE ROM BIOS.
+        assert full["firmware"] == ("bios" if m["firmware"] == "bios" else "uefi-x64")
         assert linked[bmcs[m["name"]]["id"]] == item["id"], "BMC linked to its machine by UUID"
         secs = enrolled_rack.ready[m["mac"]] - enrolled_rack.t_on[m["mac"]]
         rows.append((m["name"], m["firmware"], m["mac"], secs))
