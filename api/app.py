@@ -83,13 +83,33 @@ async def errors_middleware(
         )
 
 
+@web.middleware
+async def tenant_node_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Tenant machines reach only the join, agent and boot endpoints (metald/nodeguard.py)."""
+    guard = request.app[CTX_KEY].services.get("tenant_node_guard")
+    if guard is not None and guard.refuses(request.remote, request.path):
+        log.warning(
+            "refused %s %s from tenant machine %s", request.method, request.path, request.remote
+        )
+        return problem(
+            403,
+            "Forbidden",
+            "a tenant's machine may reach only /api/v1/join, /api/v1/agent/ and /boot/",
+            instance=request.path,
+        )
+    return await handler(request)
+
+
 def all_specs(routers: list[Router]) -> list[RouteSpec]:
     return [s for r in routers for s in r.specs]
 
 
 def create_app(ctx: AppContext, *, extra: list[web.RouteDef] | None = None) -> web.Application:
     app = web.Application(
-        middlewares=[errors_middleware], client_max_size=max(ctx.cfg.api.max_body_bytes, 4 << 20)
+        middlewares=[errors_middleware, tenant_node_middleware],
+        client_max_size=max(ctx.cfg.api.max_body_bytes, 4 << 20),
     )
     routers = ROUTERS + extra_routers()
     for r in routers:

@@ -59,6 +59,10 @@ class ApiConfig(_Section):
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     #: Default and maximum page size of list endpoints.
     page_size: int = Field(default=100, ge=1, le=1000)
+    #: Answer requests from the addresses of machines allocated to a tenant only on the join,
+    #: agent and boot endpoints (403 elsewhere, before any token is read): the tenant has root
+    #: there. metald/nodeguard.py.
+    guard_tenant_nodes: bool = True
 
     @field_validator("listen")
     @classmethod

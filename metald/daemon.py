@@ -145,4 +145,13 @@ def _tenant_hubs(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
     return TenantRuntime(d.store, d.secrets, d.cfg.tenants, d.cfg.state_dir, d.cfg.instance), []
 
 
-_SERVICE_FACTORIES = [_boot_plane, _bmc, _provision_watchdog, _tenant_hubs]
+def _tenant_node_guard(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
+    """Requests from tenants' machines reach only the join, agent and boot endpoints."""
+    if not d.cfg.api.guard_tenant_nodes:
+        return None, []
+    from metald.nodeguard import TenantNodeGuard
+
+    return TenantNodeGuard(d.store), []
+
+
+_SERVICE_FACTORIES = [_tenant_node_guard, _boot_plane, _bmc, _provision_watchdog, _tenant_hubs]

@@ -38,6 +38,15 @@ PROBE = (
     'then echo "$t ok"; else echo "$t no"; fi; done'
 )
 
+# busybox sh on the node: "path status" per path of metald's API (the HTTP status, or none).
+# The request's writer stays open a moment: aiohttp may drop a request half-closed early.
+HTTP_PROBE = (
+    'api=$1; shift; for p in "$@"; do '
+    's=$( (printf "GET %s HTTP/1.0\\r\\nHost: metald\\r\\n\\r\\n" "$p"; sleep 3) '
+    '| nc -w 5 "${api%:*}" "${api#*:}" | head -n 1 | cut -d " " -f 2); '
+    'echo "$p ${s:-none}"; done'
+)
+
 
 def wait_for(what: str, fn, timeout: float, rack) -> float:  # type: ignore[no-untyped-def]
     t0 = time.monotonic()
@@ -154,6 +163,20 @@ def test_two_tenants_join_isolated_and_release(enrolled_rack) -> None:  # type: 
         got = dict(line.rsplit(" ", 1) for line in r.stdout.splitlines() if line.strip())
         matrix[node] = {label: got.get(t, "?") for label, (t, _) in targets.items()}
         expected[node] = {label: want for label, (_, want) in targets.items()}
+        # Over HTTP, metald answers a tenant's machine only on the join and agent endpoints
+        # (metald/nodeguard.py): the rest of the API is 403 before any token is read.
+        paths = {
+            "metald API: GET /api/v1/machines (no token)": ("/api/v1/machines", "403"),
+            "metald API: GET /healthz": ("/healthz", "403"),
+            "metald agent endpoint: GET /api/v1/agent/next (no token)": ("/api/v1/agent/next", "401"),
+        }  # fmt: skip
+        r = ctl_exec(
+            rack, tenants[tname]["id"], "srun", "-w", node, "sh", "-c", HTTP_PROBE, "probe",
+            metald_api, *(p for p, _ in paths.values()), timeout=120,
+        )  # fmt: skip
+        got = dict(line.rsplit(" ", 1) for line in r.stdout.splitlines() if line.strip())
+        matrix[node] |= {label: got.get(p, "?") for label, (p, _) in paths.items()}
+        expected[node] |= {label: want for label, (_, want) in paths.items()}
     # From the provisioning network itself (metald's namespace): nodes' slurmd is guarded.
     for node, ip in node_ip.items():
         label = "from the provisioning network: slurmd on the underlay"
@@ -161,7 +184,7 @@ def test_two_tenants_join_isolated_and_release(enrolled_rack) -> None:  # type: 
             "ok" if tcp_connects(rack.lab.netns, ip, 6818) else "no"
         )
         expected.setdefault(f"(lab) -> {node}", {})[label] = "no"
-    print("\nreachability (ok = TCP connection accepted):")
+    print("\nreachability (ok = TCP connection accepted; numbers: metald's HTTP status):")
     for src, row in matrix.items():
         for label, res in row.items():
             print(f"  {src:>28} -> {label:<60} {res}")
