@@ -1,11 +1,13 @@
 """DHCP benchmark: highest DORA rate at <= 0.1 % drops, by perfdhcp (relay mode), for metald
 against Kea (memfile, persist on) and dnsmasq, same pool and lease time, side by side.
 
-    sudo .venv/bin/python bench/dhcp_bench.py [--seconds 4] [--rates 500,1000,...]
+    sudo .venv/bin/python bench/dhcp_bench.py [--seconds 4] [--rates 500,...] [--servers metald,kea]
 
 Two namespaces joined by a veth; perfdhcp in one, the server in the other, as LAB-NOTES
 describe. Every step starts the server on empty state. After each metald step the server is
 killed with SIGKILL and its database is counted: every lease perfdhcp saw ACKed must be there.
+The last column counts datagrams the kernel dropped for a full socket receive buffer, in the
+server's namespace and in perfdhcp's: where drops happen when they happen.
 """
 
 from __future__ import annotations
@@ -171,6 +173,15 @@ def server_pid(srv: Server) -> int:
     return proc.pid
 
 
+def udp_rcvbuf_errors(ns: Netns) -> int:
+    """UDP datagrams the kernel dropped in ``ns`` because a socket's receive buffer was full
+    (/proc/net/snmp, per namespace). In the client namespace these are replies perfdhcp did
+    not read in time: they count as drops against the server, but the server sent them."""
+    lines = [ln.split() for ln in ns.run("cat", "/proc/net/snmp").stdout.splitlines()]
+    udp = [ln for ln in lines if ln and ln[0] == "Udp:"]
+    return int(udp[1][udp[0].index("RcvbufErrors")])
+
+
 def perfdhcp(ns: Netns, rate: int, seconds: int) -> dict[str, float]:
     r = ns.run(
         "perfdhcp",
@@ -201,7 +212,9 @@ def perfdhcp(ns: Netns, rate: int, seconds: int) -> dict[str, float]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=int, default=4)
-    ap.add_argument("--rates", default="500,1000,1250,1500,1750,2000,2500,3000,3500,4000,5000,6000")
+    ap.add_argument(
+        "--rates", default="500,1000,1250,1500,1750,2000,2500,3000,3500,4000,5000,6000,7000,8000"
+    )
     ap.add_argument("--servers", default="metald,kea,dnsmasq")
     args = ap.parse_args()
     rates = [int(r) for r in args.rates.split(",")]
@@ -222,8 +235,11 @@ def main() -> int:
                 srv.start(ns["srv"], state)
                 try:
                     c0 = cpu_seconds(server_pid(srv))
+                    b0 = udp_rcvbuf_errors(ns["srv"]), udp_rcvbuf_errors(ns["cli"])
                     res = perfdhcp(ns["cli"], rate, args.seconds)
                     res["cpu_us"] = (cpu_seconds(server_pid(srv)) - c0) / max(1, res["acks"]) * 1e6
+                    res["srv_full"] = udp_rcvbuf_errors(ns["srv"]) - b0[0]
+                    res["cli_full"] = udp_rcvbuf_errors(ns["cli"]) - b0[1]
                 finally:
                     srv.stop()
                 kept = srv.durable(state)
@@ -249,12 +265,14 @@ def main() -> int:
                     int(res["acks"]),
                     f"{res.get('cpu_us', 0):.0f}",
                     "" if kept is None else kept,
+                    f"{res['srv_full']}/{res['cli_full']}",
                 ]
             )
             print(
                 f"{srv.name:14} asked {rate:5}/s got {res['rate']:7.0f}/s drops "
                 f"{res['drop'] * 100:6.2f} %  acks {int(res['acks'])}  "
-                f"cpu {res.get('cpu_us', 0):.0f} us/DORA  durable {kept}",
+                f"cpu {res.get('cpu_us', 0):.0f} us/DORA  durable {kept}  "
+                f"rcvbuf drops srv/cli {res['srv_full']}/{res['cli_full']}",
                 flush=True,
             )
     print("\nAll steps:")
@@ -268,6 +286,7 @@ def main() -> int:
                 "ACKs",
                 "server CPU us/DORA",
                 "durable leases after SIGKILL",
+                "rcvbuf drops server/perfdhcp",
             ],
             log_rows,
         )

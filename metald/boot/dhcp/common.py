@@ -24,6 +24,7 @@ from metald.boot.leases import LeaseRecord
 CLIENT_PORT = 68
 SERVER_PORT = 67
 LIMITED_BROADCAST = IPv4Address("255.255.255.255")
+_BROADCAST_STR = str(LIMITED_BROADCAST)
 
 
 def _norm_mac(mac: str) -> str:
@@ -53,6 +54,20 @@ class NetworkPlan:
             self.base_options[Opt.ROUTER] = self.router.packed
         if self.dns:
             self.base_options[Opt.DNS] = b"".join(a.packed for a in self.dns)
+        # Precomputed for the hot path: the subnet as an int range, the lease time options.
+        self._net_lo = int(self.subnet.network_address)
+        self._net_hi = int(self.subnet.broadcast_address)
+        self._pool_lo, self._pool_hi = int(self.pool_start), int(self.pool_end)
+        t = self.lease_seconds
+        self.lease_options: dict[int, bytes] = {
+            Opt.LEASE_TIME: t.to_bytes(4, "big"),
+            Opt.RENEWAL_TIME: (t // 2).to_bytes(4, "big"),
+            Opt.REBINDING_TIME: (t * 7 // 8).to_bytes(4, "big"),
+        }
+
+    def contains(self, ip: IPv4Address) -> bool:
+        """``ip in self.subnet``, without IPv4Network's generic checks."""
+        return self._net_lo <= int(ip) <= self._net_hi
 
     @classmethod
     def from_config(cls, net: object) -> NetworkPlan:
@@ -69,17 +84,19 @@ class NetworkPlan:
         )
 
     def in_pool(self, ip: IPv4Address) -> bool:
-        return int(self.pool_start) <= int(ip) <= int(self.pool_end)
+        return self._pool_lo <= int(ip) <= self._pool_hi
 
     def assignable(self, ip: IPv4Address, mac: str) -> bool:
         """May ``mac`` hold ``ip`` here (ignoring other clients' leases)?"""
-        reserved = self.reservations.get(mac)
-        if reserved is not None:
-            return ip == reserved
-        return self.in_pool(ip) and ip not in self.reserved
+        if self.reservations:
+            reserved = self.reservations.get(mac)
+            if reserved is not None:
+                return ip == reserved
+            return self.in_pool(ip) and ip not in self.reserved
+        return self._pool_lo <= int(ip) <= self._pool_hi
 
 
-@dataclass
+@dataclass(slots=True)  # no per-instance __dict__: one object less per packet for the GC
 class Decision:
     """What to do with one packet. ``reply`` waits for ``write`` to commit when there is one;
     if the write loses a race with another instance, ``on_conflict`` is sent instead."""
@@ -100,13 +117,15 @@ def choose_network(
 ) -> NetworkPlan | None:
     """Relay link selection (option 82 sub-option 5), else giaddr, else the receiving
     interface. A network not configured for that path is never answered on."""
-    if pkt.giaddr != ZERO:
-        link = pkt.giaddr
-        ra = pkt.relay_agent
-        if ra and len(ra.get(RelaySub.LINK_SELECTION, b"")) == 4:
-            link = IPv4Address(ra[RelaySub.LINK_SELECTION])
+    gi = pkt.giaddr
+    if gi is not ZERO and gi != ZERO:
+        link = gi
+        if Opt.RELAY_AGENT in pkt.options:
+            ra = pkt.relay_agent
+            if ra and len(ra.get(RelaySub.LINK_SELECTION, b"")) == 4:
+                link = IPv4Address(ra[RelaySub.LINK_SELECTION])
         for net in networks:
-            if link in net.subnet:
+            if net.contains(link):
                 return net
         return None
     direct = [n for n in networks if n.interface and n.interface == interface]
@@ -117,17 +136,55 @@ def choose_network(
     return direct[0] if direct else None
 
 
+_MTYPE_BYTES = {t: bytes((t,)) for t in MessageType}
+_NAK = _MTYPE_BYTES[MessageType.NAK]
+#: giaddr/ciaddr (as int: IPv4Address hashes in Python) -> dotted string for sendto; the
+#: same few relays in every packet. Bounded.
+_DOTTED: dict[int, str] = {}
+#: The server id last packed (one per server): (address, its bytes).
+_SID: tuple[IPv4Address, bytes] = (ZERO, b"\x00" * 4)
+
+
+def _dotted(a: IPv4Address) -> str:
+    n = int(a)
+    s = _DOTTED.get(n)
+    if s is None:
+        if len(_DOTTED) >= 4096:
+            _DOTTED.clear()
+        s = _DOTTED[n] = inet_ntoa(a.packed)
+    return s
+
+
+def _sid_bytes(server_id: IPv4Address) -> bytes:
+    global _SID
+    if _SID[0] is not server_id:
+        _SID = (server_id, server_id.packed)
+    return _SID[1]
+
+
 def reply_skeleton(req: DhcpPacket, mtype: MessageType, server_id: IPv4Address) -> DhcpPacket:
-    opts: dict[int, bytes] = {Opt.MESSAGE_TYPE: bytes((mtype,)), Opt.SERVER_ID: server_id.packed}
+    opts: dict[int, bytes] = {
+        Opt.MESSAGE_TYPE: _MTYPE_BYTES[mtype],
+        Opt.SERVER_ID: _sid_bytes(server_id),
+    }
+    # Positional, in DhcpPacket's field order: op htype hlen hops xid secs flags ciaddr yiaddr
+    # siaddr giaddr chaddr sname file options.
     return DhcpPacket(
-        op=Op.REPLY,
-        htype=req.htype,
-        hlen=req.hlen,
-        xid=req.xid,
-        flags=req.flags,
-        giaddr=req.giaddr,
-        chaddr=req.chaddr,
-        options=opts,
+        Op.REPLY,
+        req.htype,
+        req.hlen,
+        0,
+        req.xid,
+        0,
+        req.flags,
+        ZERO,
+        ZERO,
+        ZERO,
+        req.giaddr,
+        req.chaddr,
+        b"",
+        b"",
+        opts,
     )
 
 
@@ -139,6 +196,8 @@ def add_boot(
     server: IPv4Address,
 ) -> bool:
     """Put the boot file (and next-server) in ``reply``. False if the client gets none."""
+    if not (kind.pxe or kind.http or kind.ipxe):
+        return False  # not network-booting: boot_file_for would say None
     bootfile = boot_file_for(kind, mac, files)
     if bootfile is None:
         return False
@@ -163,15 +222,18 @@ def echo_relay_info(req: DhcpPacket, reply: DhcpPacket) -> None:
 def destination(req: DhcpPacket, reply: DhcpPacket) -> tuple[str, int]:
     """RFC 2131 4.1. A server with no raw socket cannot unicast to an address the client
     does not have yet; 4.1 allows broadcasting then."""
-    if req.giaddr != ZERO:
-        if reply.options.get(Opt.MESSAGE_TYPE) == bytes((MessageType.NAK,)):
+    nak = reply.options.get(Opt.MESSAGE_TYPE) == _NAK
+    gi = req.giaddr
+    if gi is not ZERO and gi != ZERO:
+        if nak:
             reply.flags |= BROADCAST_FLAG
-        return inet_ntoa(req.giaddr.packed), SERVER_PORT
-    if reply.options.get(Opt.MESSAGE_TYPE) == bytes((MessageType.NAK,)):
-        return str(LIMITED_BROADCAST), CLIENT_PORT
-    if req.ciaddr != ZERO:
-        return inet_ntoa(req.ciaddr.packed), CLIENT_PORT
-    return str(LIMITED_BROADCAST), CLIENT_PORT
+        return _dotted(gi), SERVER_PORT
+    if nak:
+        return _BROADCAST_STR, CLIENT_PORT
+    ci = req.ciaddr
+    if ci is not ZERO and ci != ZERO:
+        return _dotted(ci), CLIENT_PORT
+    return _BROADCAST_STR, CLIENT_PORT
 
 
 def pxe_vendor_options() -> bytes:

@@ -76,11 +76,10 @@ class FullHandler:
         ip = self._pick(pkt, net, table, now)
         if ip is None:
             return Decision(ignored="pool-exhausted", network=net.name, kind=kind)
+        mac = pkt.mac
         cur = table.get(net.name, ip)
-        if not (cur and cur.mac == pkt.mac and cur.state == LeaseState.BOUND and cur.holds(now)):
-            table.put(
-                LeaseRecord(net.name, ip, pkt.mac, LeaseState.OFFERED, now + OFFER_HOLD_SECONDS)
-            )
+        if not (cur and cur.mac == mac and cur.state == LeaseState.BOUND and cur.holds(now)):
+            table.put(LeaseRecord(net.name, ip, mac, LeaseState.OFFERED, now + OFFER_HOLD_SECONDS))
         reply = self._lease_reply(pkt, MessageType.OFFER, net, ip, kind)
         return Decision(reply=reply, dest=destination(pkt, reply), network=net.name, kind=kind)
 
@@ -102,7 +101,7 @@ class FullHandler:
         if ip is None:
             return Decision(ignored="request-without-address", network=net.name)
         if (
-            ip not in net.subnet
+            not net.contains(ip)
             or not net.assignable(ip, mac)
             or not table.available_to(net.name, ip, mac, now)
         ):
@@ -183,10 +182,7 @@ class FullHandler:
         reply = reply_skeleton(pkt, mtype, self.server_id)
         reply.yiaddr = ip
         reply.ciaddr = pkt.ciaddr if mtype is MessageType.ACK else ZERO
-        t = net.lease_seconds
-        reply.options[Opt.LEASE_TIME] = t.to_bytes(4, "big")
-        reply.options[Opt.RENEWAL_TIME] = (t // 2).to_bytes(4, "big")
-        reply.options[Opt.REBINDING_TIME] = (t * 7 // 8).to_bytes(4, "big")
+        reply.options.update(net.lease_options)  # 51, 58, 59, precomputed per network
         reply.options.update(net.base_options)
         add_boot(reply, kind, pkt.mac, self.files, self.server_id)  # type: ignore[arg-type]
         echo_relay_info(pkt, reply)

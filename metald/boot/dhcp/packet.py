@@ -93,12 +93,29 @@ _MESSAGE_TYPES = {bytes((t,)): t for t in MessageType}
 _ZERO_BYTES = b"\x00\x00\x00\x00"
 
 
+#: Wire address -> IPv4Address, so the relays' giaddr (the same few addresses in every packet)
+#: is built once. Bounded: cleared when full, so odd traffic cannot grow it.
+_ADDRS: dict[bytes, IPv4Address] = {_ZERO_BYTES: ZERO}
+_ADDRS_MAX = 4096
+
+
 def _addr(raw: bytes) -> IPv4Address:
-    # Most header addresses in client packets are 0.0.0.0: reuse one object for those.
-    return ZERO if raw == _ZERO_BYTES else IPv4Address(raw)
+    # Most header addresses in client packets are 0.0.0.0 or a relay's: reuse those objects.
+    a = _ADDRS.get(raw)
+    if a is None:
+        if len(_ADDRS) >= _ADDRS_MAX:
+            _ADDRS.clear()
+            _ADDRS[_ZERO_BYTES] = ZERO
+        a = _ADDRS[raw] = IPv4Address(raw)
+    return a
 
 
-@dataclass
+def _packed(a: IPv4Address) -> bytes:
+    # Not a dict cache: IPv4Address hashes in Python (slower than .packed itself).
+    return _ZERO_BYTES if a is ZERO else a.packed
+
+
+@dataclass(slots=True)  # no per-instance __dict__: one object less per packet for the GC
 class DhcpPacket:
     op: int = Op.REQUEST
     htype: int = 1
@@ -143,7 +160,7 @@ class DhcpPacket:
             return None
         if len(v) != 4:
             raise MalformedPacket("bad-option-length", f"option {code} has {len(v)} bytes, not 4")
-        return IPv4Address(v)
+        return _addr(v)
 
     @property
     def requested_ip(self) -> IPv4Address | None:
@@ -277,24 +294,28 @@ def parse(data: bytes) -> DhcpPacket:
             _parse_options(sname, options, where="sname")
             sname = b""
         options.pop(Opt.OVERLOAD, None)
+    # Positional: field order of DhcpPacket (keywords cost measurably per packet).
     pkt = DhcpPacket(
-        op=op,
-        htype=htype,
-        hlen=hlen,
-        hops=hops,
-        xid=xid,
-        secs=secs,
-        flags=flags,
-        ciaddr=_addr(ci),
-        yiaddr=_addr(yi),
-        siaddr=_addr(si),
-        giaddr=_addr(gi),
-        chaddr=chaddr,
-        sname=sname.split(b"\x00", 1)[0],
-        file=file.split(b"\x00", 1)[0],
-        options=options,
+        op,
+        htype,
+        hlen,
+        hops,
+        xid,
+        secs,
+        flags,
+        _addr(ci),
+        _addr(yi),
+        _addr(si),
+        _addr(gi),
+        chaddr,
+        sname.split(b"\x00", 1)[0] if sname[:1] != b"\x00" else b"",
+        file.split(b"\x00", 1)[0] if file[:1] != b"\x00" else b"",
+        options,
     )
-    pkt.message_type  # noqa: B018 - validates option 53 now, so handlers can trust it
+    # Validates option 53 now, so handlers can trust it.
+    mt = options.get(Opt.MESSAGE_TYPE)
+    if mt is not None and mt not in _MESSAGE_TYPES:
+        raise MalformedPacket("bad-message-type", repr(mt))
     return pkt
 
 
@@ -308,11 +329,31 @@ def _encode_option(code: int, value: bytes) -> bytes:
     )
 
 
+#: (code, value) -> encoded option, for the values replies repeat (message type, server id,
+#: lease times, network options): one dict lookup instead of building bytes. Bounded.
+_ENCODED: dict[tuple[int, bytes], bytes] = {}
+_ENCODED_MAX = 4096
+_CACHE_VALUE_MAX = 16
+
+
+def _encoded(code: int, value: bytes) -> bytes:
+    if len(value) > _CACHE_VALUE_MAX or type(value) is not bytes:
+        return _encode_option(code, value)
+    key = (code, value)
+    enc = _ENCODED.get(key)
+    if enc is None:
+        if len(_ENCODED) >= _ENCODED_MAX:
+            _ENCODED.clear()
+        enc = _ENCODED[key] = bytes((code, len(value))) + value
+    return enc
+
+
 def serialize(pkt: DhcpPacket, *, min_size: int = 300) -> bytes:
     """Encode a packet. Message type goes first (some ROMs expect it there); the result is
     padded to ``min_size`` because old BOOTP relays and clients drop shorter datagrams."""
     if len(pkt.sname) > 63 or len(pkt.file) > 127:
         raise ValueError("sname or file too long for the fixed fields")
+    chaddr = pkt.chaddr
     parts = [
         _HEADER.pack(
             pkt.op,
@@ -322,11 +363,11 @@ def serialize(pkt: DhcpPacket, *, min_size: int = 300) -> bytes:
             pkt.xid,
             pkt.secs,
             pkt.flags,
-            pkt.ciaddr.packed,
-            pkt.yiaddr.packed,
-            pkt.siaddr.packed,
-            pkt.giaddr.packed,
-            pkt.chaddr.ljust(16, b"\x00")[:16],
+            _packed(pkt.ciaddr),
+            _packed(pkt.yiaddr),
+            _packed(pkt.siaddr),
+            _packed(pkt.giaddr),
+            chaddr if len(chaddr) == 16 else chaddr.ljust(16, b"\x00")[:16],
             pkt.sname,
             pkt.file,
         ),
@@ -335,10 +376,15 @@ def serialize(pkt: DhcpPacket, *, min_size: int = 300) -> bytes:
     opts = pkt.options
     mt = opts.get(Opt.MESSAGE_TYPE)
     if mt is not None:
-        parts.append(_encode_option(Opt.MESSAGE_TYPE, mt))
+        parts.append(_encoded(Opt.MESSAGE_TYPE, mt))
+    cache = _ENCODED
     for code, value in opts.items():
         if code != Opt.MESSAGE_TYPE:
-            parts.append(_encode_option(code, value))
+            try:
+                enc = cache.get((code, value))  # what replies repeat; _encoded fills the cache
+            except TypeError:  # an unhashable value (bytearray)
+                enc = None
+            parts.append(enc if enc is not None else _encoded(code, value))
     parts.append(b"\xff")
     out = b"".join(parts)
     return out if len(out) >= min_size else out + bytes(min_size - len(out))
