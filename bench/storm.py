@@ -879,7 +879,20 @@ def stop(proc: subprocess.Popen[Any] | None, grace: float = 15) -> None:
         proc.wait(10)
 
 
+def host_speed() -> float:
+    """CPU seconds of a fixed pure-Python loop (5M additions): these shared machines' speed
+    moves by 2-3x over a day, so the per-machine CPU figures are read against this."""
+    best = float("inf")
+    for _ in range(3):
+        t0, acc = time.process_time(), 0
+        for i in range(5_000_000):
+            acc += i
+        best = min(best, time.process_time() - t0)
+    return best
+
+
 def run_one(n: int, args: argparse.Namespace) -> dict[str, Any]:
+    speed_before = host_speed()
     pg = None
     metald = client = None
     with (
@@ -956,6 +969,7 @@ def run_one(n: int, args: argparse.Namespace) -> dict[str, Any]:
             res["metald_pid"] = metald.pid
             res["bench_pid"] = os.getpid()
             res["metald_cpu_total_s"] = cpu_of(metald.pid)
+            res["host_speed_s"] = [speed_before, host_speed()]
             if metald.poll() is not None:
                 raise RuntimeError(
                     f"metald exited during the run; log:\n{mlog.read_text()[-3000:]}"
@@ -1023,9 +1037,16 @@ def report(results: list[dict[str, Any]]) -> None:
     for r in results:
         c = r.get("checks")
         print(
-            f"\n{r['machines']} machines, {r['machines'] // r['claim_size']} claims of "
-            f"{r['claim_size']}, database {r['db']}, metald CPU over the whole run "
-            f"{r['metald_cpu_total_s']:.1f} s"
+            f"\n{r['machines']} machines, "
+            + (
+                ""
+                if c is None
+                else f"{r['machines'] // r['claim_size']} claims of {r['claim_size']}, "
+            )
+            + f"database {r['db']}, metald CPU over the whole run "
+            f"{r['metald_cpu_total_s']:.1f} s; host speed before/after "
+            f"{'/'.join(f'{x:.2f}' for x in r.get('host_speed_s', []))} s "
+            "(a 5M-addition Python loop, best of 3; lower is faster)"
         )
         print(table(HEADERS, rates(r)))
         if c is None:

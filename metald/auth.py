@@ -20,6 +20,7 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from pathlib import Path
 
+from sqlalchemy import bindparam
 from sqlalchemy import select as sa_select
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
@@ -108,22 +109,33 @@ def authenticate(session: Session, secret: str) -> Principal | None:
     """The principal for a presented secret, or None if unknown, revoked or expired."""
     if not secret.startswith(TOKEN_PREFIX):
         return None
-    # Columns, not an ApiToken object: every API request comes through here.
-    t = ApiToken.__table__  # type: ignore[attr-defined]
-    row = (
-        session.connection()
-        .execute(
-            sa_select(t.c.id, t.c.name, t.c.role, t.c.scope, t.c.expires_at, t.c.revoked_at).where(
-                t.c.token_hash == hash_token(secret)
-            )
-        )
-        .first()
-    )
+    row = session.connection().execute(_BY_HASH, {"h": hash_token(secret)}).first()
     if row is None or row.revoked_at is not None:
         return None
     if row.expires_at is not None and _aware(row.expires_at) <= utcnow():
         return None
     return Principal(row.id, row.name, Role(row.role), frozenset(row.scope))
+
+
+#: Every API request runs this: columns, not an ApiToken object, and the statement built once.
+_TOKENS = ApiToken.__table__  # type: ignore[attr-defined]
+_BY_HASH = sa_select(
+    _TOKENS.c.id,
+    _TOKENS.c.name,
+    _TOKENS.c.role,
+    _TOKENS.c.scope,
+    _TOKENS.c.expires_at,
+    _TOKENS.c.revoked_at,
+).where(_TOKENS.c.token_hash == bindparam("h"))
+_REVOKE_MACHINE = (
+    _TOKENS.update()
+    .where(
+        _TOKENS.c.machine_id == bindparam("m"),
+        _TOKENS.c.role == Role.AGENT.value,
+        _TOKENS.c.revoked_at.is_(None),
+    )
+    .values(revoked_at=bindparam("at"))
+)
 
 
 def _aware(ts: datetime) -> datetime:
@@ -148,20 +160,7 @@ def revoke_machine_tokens(session: Session, machine_id: str, *, commit: bool = T
     """Revoke every live agent token of the machine (on release, re-inspection, each boot):
     one UPDATE on the indexed ``machine_id`` (a token is minted per boot, so scanning every
     live token here made a power-on storm quadratic)."""
-    table = ApiToken.__table__  # type: ignore[attr-defined]
-    n = (
-        session.connection()
-        .execute(
-            table.update()
-            .where(
-                table.c.machine_id == machine_id,
-                table.c.role == Role.AGENT.value,
-                table.c.revoked_at.is_(None),
-            )
-            .values(revoked_at=utcnow())
-        )
-        .rowcount
-    )
+    n = session.connection().execute(_REVOKE_MACHINE, {"m": machine_id, "at": utcnow()}).rowcount
     if commit:
         session.commit()
     return n

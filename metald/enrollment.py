@@ -15,6 +15,7 @@ from dataclasses import replace
 from datetime import UTC, timedelta
 from typing import Any
 
+from sqlalchemy import select as sa_select
 from sqlmodel import Session, select
 
 from metald import machines
@@ -25,7 +26,7 @@ from metald.errors import Conflict, MetaldError
 from metald.inventory import accept_inventory as intake
 from metald.inventory.enroll import apply_rules
 from metald.lifecycle import State, Trigger
-from metald.store.models import Event, Machine, Nic, utcnow
+from metald.store.models import Event, Machine, Nic, new_id, utcnow
 
 #: States in which a machine's agent may post inventory.
 INSPECT_STATES = {State.INSPECTING}
@@ -202,21 +203,31 @@ def accept_inventory(
 
 
 def _sync_nics(s: Session, machine_id: str, norm: Any) -> None:
+    # Core statements: this runs on every inventory post of a storm, and NIC objects were
+    # never read back here.
+    nics = Nic.__table__  # type: ignore[attr-defined]
+    conn = s.connection()
     macs = [machines.normalize_mac(x.mac) for x in norm.nics]
-    known = {n.mac: n for n in s.exec(select(Nic).where(Nic.mac.in_(macs)))}  # type: ignore[attr-defined]
+    known = {
+        r.mac: r
+        for r in conn.execute(
+            sa_select(nics.c.id, nics.c.mac, nics.c.machine_id).where(nics.c.mac.in_(macs))
+        )
+    }
     for mac, nic in zip(macs, norm.nics, strict=True):
         row = known.get(mac)
         if row is not None and row.machine_id != machine_id:
             continue  # belongs to another machine: left alone (an event would be noise per boot)
+        values = {"name": nic.name, "driver": nic.driver, "speed_mbps": nic.speed_mbps}
+        values["link"] = nic.link
         if row is None:
-            row = Nic(machine_id=machine_id, mac=mac)
-        row.name, row.driver, row.speed_mbps, row.link = (
-            nic.name,
-            nic.driver,
-            nic.speed_mbps,
-            nic.link,
-        )
-        s.add(row)
+            conn.execute(
+                nics.insert().values(
+                    id=new_id(), machine_id=machine_id, mac=mac, pxe=False, **values
+                )
+            )
+        else:
+            conn.execute(nics.update().where(nics.c.id == row.id).values(**values))
 
 
 def next_instruction(m: Machine, cfg: EnrollConfig) -> dict[str, Any]:

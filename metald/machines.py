@@ -12,13 +12,14 @@ import re
 from typing import Any
 
 from sqlalchemy import bindparam, func
+from sqlalchemy import select as sa_select
 from sqlalchemy.orm import defer
 from sqlalchemy.orm.attributes import set_committed_value
 from sqlmodel import Session, select
 
 from metald.errors import Conflict, NotFound, Unprocessable
 from metald.lifecycle import State, Trigger, next_state
-from metald.store.models import Event, Machine, Nic, utcnow
+from metald.store.models import Event, Machine, Nic, new_id, utcnow
 
 _MAC_RE = re.compile(r"^[0-9a-f]{2}([:-]?[0-9a-f]{2}){5}$")
 
@@ -52,7 +53,7 @@ def add_event(
     """Append an event row in the session's transaction (a Core INSERT: events are never read
     back as objects where they are written, and the ORM's unit of work cost more than the row)."""
     session.connection().execute(
-        _EVENTS.insert(),
+        _EVENT_INSERT,
         {
             "at": utcnow(),
             "kind": kind,
@@ -69,6 +70,9 @@ def add_event(
 
 
 _EVENTS = Event.__table__  # type: ignore[attr-defined]
+_EVENT_INSERT = _EVENTS.insert()
+_NICS = Nic.__table__  # type: ignore[attr-defined]
+_NIC_INSERT = _NICS.insert()
 
 
 #: The inventory document (~9 KB of JSON on a GPU server) is read only where it is used: the
@@ -86,13 +90,16 @@ def get_machine(session: Session, machine_id: str) -> Machine:
 
 
 def find_by_mac(session: Session, mac: str) -> Machine | None:
-    return session.exec(
-        select(Machine)
-        .join(Nic, Nic.machine_id == Machine.id)  # type: ignore[arg-type]
-        .where(Nic.mac == normalize_mac(mac))
-        .options(*_NO_INVENTORY)
-        .execution_options(populate_existing=True)
-    ).first()
+    return session.exec(_BY_MAC, params={"mac": normalize_mac(mac)}).first()  # type: ignore[call-overload]
+
+
+_BY_MAC = (
+    select(Machine)
+    .join(Nic, Nic.machine_id == Machine.id)  # type: ignore[arg-type]
+    .where(Nic.mac == bindparam("mac"))
+    .options(*_NO_INVENTORY)
+    .execution_options(populate_existing=True)
+)
 
 
 def create_machine(
@@ -114,7 +121,13 @@ def create_machine(
     if len(set(norm)) != len(norm):
         raise Unprocessable("the same MAC address is listed twice")
     if norm:
-        taken = session.exec(select(Nic).where(Nic.mac.in_(norm))).all()  # type: ignore[attr-defined]
+        taken = (
+            session.connection()
+            .execute(
+                sa_select(_NICS.c.mac, _NICS.c.machine_id).where(_NICS.c.mac.in_(norm)),
+            )
+            .all()
+        )
         if taken:
             raise Conflict(
                 f"MAC {taken[0].mac} already belongs to machine {taken[0].machine_id}",
@@ -132,8 +145,23 @@ def create_machine(
     )
     session.add(m)
     session.flush()
-    for i, mac in enumerate(norm):
-        session.add(Nic(machine_id=m.id, mac=mac, pxe=i == 0))
+    if norm:
+        session.connection().execute(
+            _NIC_INSERT,
+            [
+                {
+                    "id": new_id(),
+                    "machine_id": m.id,
+                    "mac": mac,
+                    "name": None,
+                    "driver": None,
+                    "speed_mbps": None,
+                    "link": None,
+                    "pxe": i == 0,
+                }
+                for i, mac in enumerate(norm)
+            ],
+        )
     add_event(
         session,
         "machine.created",
