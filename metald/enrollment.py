@@ -15,6 +15,7 @@ from dataclasses import replace
 from datetime import UTC, timedelta
 from typing import Any
 
+from sqlalchemy import bindparam
 from sqlalchemy import select as sa_select
 from sqlmodel import Session, select
 
@@ -203,17 +204,11 @@ def accept_inventory(
 
 
 def _sync_nics(s: Session, machine_id: str, norm: Any) -> None:
-    # Core statements: this runs on every inventory post of a storm, and NIC objects were
-    # never read back here.
-    nics = Nic.__table__  # type: ignore[attr-defined]
+    # Core statements built once: this runs on every inventory post of a storm, and NIC
+    # objects were never read back here.
     conn = s.connection()
     macs = [machines.normalize_mac(x.mac) for x in norm.nics]
-    known = {
-        r.mac: r
-        for r in conn.execute(
-            sa_select(nics.c.id, nics.c.mac, nics.c.machine_id).where(nics.c.mac.in_(macs))
-        )
-    }
+    known = {r.mac: r for r in conn.execute(_NICS_BY_MAC, {"macs": macs})}
     for mac, nic in zip(macs, norm.nics, strict=True):
         row = known.get(mac)
         if row is not None and row.machine_id != machine_id:
@@ -222,12 +217,30 @@ def _sync_nics(s: Session, machine_id: str, norm: Any) -> None:
         values["link"] = nic.link
         if row is None:
             conn.execute(
-                nics.insert().values(
-                    id=new_id(), machine_id=machine_id, mac=mac, pxe=False, **values
-                )
+                _NIC_INSERT,
+                {"id": new_id(), "machine_id": machine_id, "mac": mac, "pxe": False, **values},
             )
         else:
-            conn.execute(nics.update().where(nics.c.id == row.id).values(**values))
+            conn.execute(
+                _NIC_UPDATE, {"nic_id": row.id, **{f"v_{k}": v for k, v in values.items()}}
+            )
+
+
+_NICS = Nic.__table__  # type: ignore[attr-defined]
+_NICS_BY_MAC = sa_select(_NICS.c.id, _NICS.c.mac, _NICS.c.machine_id).where(
+    _NICS.c.mac.in_(bindparam("macs", expanding=True))
+)
+_NIC_INSERT = _NICS.insert()
+_NIC_UPDATE = (
+    _NICS.update()
+    .where(_NICS.c.id == bindparam("nic_id"))
+    .values(
+        name=bindparam("v_name"),
+        driver=bindparam("v_driver"),
+        speed_mbps=bindparam("v_speed_mbps"),
+        link=bindparam("v_link"),
+    )
+)
 
 
 def next_instruction(m: Machine, cfg: EnrollConfig) -> dict[str, Any]:

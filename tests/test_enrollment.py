@@ -15,7 +15,7 @@ from metald.boot.hooks import BootAction
 from metald.config import EnrollConfig
 from metald.enrollment import EnrollmentBootHooks
 from metald.inventory.enroll import EnrollmentRule
-from metald.store.models import Event, Machine
+from metald.store.models import Event, Machine, Nic
 
 MAC = "52:54:00:12:00:01"
 
@@ -230,3 +230,45 @@ async def test_dhcp_records_the_boot_firmware(store) -> None:  # type: ignore[no
     assert await store.run(read) == ("bios", ["machine.created"])
     await hooks.client_seen(MAC, arch="uefi-x64", network="rack1", relay_agent=None)
     assert await store.run(read) == ("uefi-x64", ["machine.created", "machine.firmware"])
+
+
+async def test_inventory_syncs_the_machines_nics(api) -> None:  # type: ignore[no-untyped-def]
+    """The PXE NIC gets its name, driver, speed and link; a NIC seen for the first time is
+    added (not PXE); a MAC that belongs to another machine is left to that machine."""
+    client, tokens, store = api
+    _hooks, target = await enrolled_via_hooks(store)
+    other = "52:54:00:00:00:03"  # seed()'s free machine's NIC
+    body = payload(target.machine_id, boot_id=str(uuid.uuid4()))
+    body["nics"] = [
+        {"name": "eno1", "mac": MAC, "driver": "bnxt_en", "link": True, "speed_mbps": 25000},
+        {"name": "ens2f0", "mac": "52:54:00:12:00:02", "driver": "mlx5_core", "link": False},
+        {"name": "ens3", "mac": other, "driver": "igb", "link": True, "speed_mbps": 1000},
+    ]
+    r = await client.post(
+        "/api/v1/agent/inventory",
+        json=body,
+        headers={"Authorization": f"Bearer {target.kernel_args['metald.token']}"},
+    )
+    assert r.status == 200, await r.text()
+    with store.session() as s:
+        rows = {n.mac: n for n in s.exec(select(Nic))}
+    mine = rows[MAC]
+    assert (mine.machine_id, mine.name, mine.driver, mine.speed_mbps, mine.link, mine.pxe) == (
+        target.machine_id,
+        "eno1",
+        "bnxt_en",
+        25000,
+        True,
+        True,
+    )
+    new = rows["52:54:00:12:00:02"]
+    assert (new.machine_id, new.name, new.driver, new.speed_mbps, new.link, new.pxe) == (
+        target.machine_id,
+        "ens2f0",
+        "mlx5_core",
+        None,
+        False,
+        False,
+    )
+    theirs = rows[other]
+    assert theirs.machine_id == tokens.machine_free and theirs.driver is None
