@@ -41,6 +41,40 @@ log = logging.getLogger(__name__)
 
 #: A MAC is reported to the hooks again after this long (or when its option 82 changes).
 SEEN_TTL_SECONDS = 300.0
+#: Most clients remembered for that de-duplication: a flood of made-up MACs must not grow
+#: memory without bound (past it the oldest are forgotten: at worst a repeated hook call).
+MAX_SEEN = 65536
+
+
+class RecentClients:
+    """MACs reported to the hooks lately, oldest report first (dicts keep insertion order)."""
+
+    def __init__(self, limit: int = MAX_SEEN, ttl_s: float = SEEN_TTL_SECONDS) -> None:
+        self.limit, self.ttl_s = limit, ttl_s
+        self._seen: dict[str, tuple[float, object]] = {}
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def due(self, mac: str, relay: object, now: float) -> bool:
+        """Whether the hooks should hear of this client again (new, moved, or stale)."""
+        prev = self._seen.get(mac)
+        return prev is None or prev[1] != relay or now - prev[0] >= self.ttl_s
+
+    def mark(self, mac: str, relay: object, now: float) -> None:
+        self._seen.pop(mac, None)  # to the end: the order stays oldest report first
+        self._seen[mac] = (now, relay)
+        if len(self._seen) > self.limit:
+            for old in list(self._seen):
+                t = self._seen[old][0]
+                if len(self._seen) <= self.limit // 2 and now - t < self.ttl_s:
+                    break
+                del self._seen[old]
+
+    def forget(self, mac: str) -> None:
+        self._seen.pop(mac, None)
+
+
 #: Hook calls in flight at most; beyond it a sighting is skipped (the next DHCP retry reports).
 MAX_HOOK_CALLS = 64
 
@@ -108,7 +142,7 @@ class DhcpServer:
         self.full = FullHandler(server_id, files)
         self.proxy = ProxyHandler(server_id, files)
         self._listeners: list[_Listener] = []
-        self._seen: dict[str, tuple[float, object]] = {}
+        self._seen = RecentClients()
         self._hook_tasks: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._counts: dict[tuple[object, str], int] = {}
@@ -284,13 +318,12 @@ class DhcpServer:
         except MalformedPacket:
             relay = None
         now = self.clock()
-        prev = self._seen.get(pkt.mac)
-        if prev is not None and prev[1] == relay and now - prev[0] < SEEN_TTL_SECONDS:
+        if not self._seen.due(pkt.mac, relay, now):
             return
         if len(self._hook_tasks) >= MAX_HOOK_CALLS or self._loop is None:
             self._count(metrics.dhcp_ignored, "hook-backlog")
             return
-        self._seen[pkt.mac] = (now, relay)
+        self._seen.mark(pkt.mac, relay, now)
         assert self.hooks is not None and d.kind is not None
         task = self._loop.create_task(self._call_hook(pkt.mac, d.kind.arch.value, d.network, relay))
         self._hook_tasks.add(task)
@@ -303,7 +336,7 @@ class DhcpServer:
         try:
             await self.hooks.client_seen(mac, arch=arch, network=network, relay_agent=relay)
         except Exception:
-            self._seen.pop(mac, None)  # try again on the client's next packet
+            self._seen.forget(mac)  # try again on the client's next packet
             log.exception("client_seen(%s) failed", mac)
 
 
