@@ -16,7 +16,7 @@ import hashlib
 import os
 import secrets
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import timedelta
 from enum import StrEnum
 from pathlib import Path
 
@@ -26,7 +26,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
 from metald.errors import NotFound, Unprocessable
-from metald.store.models import ApiToken, Meta, utcnow
+from metald.store.models import ApiToken, Meta, as_utc, utcnow
 
 TOKEN_PREFIX = "mtd_"
 
@@ -112,7 +112,7 @@ def authenticate(session: Session, secret: str) -> Principal | None:
     row = session.connection().execute(_BY_HASH, {"h": hash_token(secret)}).first()
     if row is None or row.revoked_at is not None:
         return None
-    if row.expires_at is not None and _aware(row.expires_at) <= utcnow():
+    if row.expires_at is not None and as_utc(row.expires_at) <= utcnow():
         return None
     return Principal(row.id, row.name, Role(row.role), frozenset(row.scope))
 
@@ -136,13 +136,6 @@ _REVOKE_MACHINE = (
     )
     .values(revoked_at=bindparam("at"))
 )
-
-
-def _aware(ts: datetime) -> datetime:
-    # SQLite returns naive datetimes; everything metald writes is UTC.
-    from datetime import UTC
-
-    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
 
 
 def revoke_token(session: Session, token_id: str) -> ApiToken:

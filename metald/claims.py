@@ -17,7 +17,6 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from sqlalchemy.exc import IntegrityError, OperationalError
@@ -28,7 +27,7 @@ from metald.auth import revoke_machine_tokens
 from metald.errors import Conflict, NotFound, Unprocessable
 from metald.lifecycle import ALLOCATED, State, Trigger
 from metald.provision.intents import DeployImage, provision_intent, wipe_intent
-from metald.store.models import Claim, Event, Image, Machine, Nic, Tenant, utcnow
+from metald.store.models import Claim, Event, Image, Machine, Nic, Tenant, as_utc, utcnow
 from metald.tenants import service as tenant_service
 
 T = TypeVar("T")
@@ -454,12 +453,7 @@ def latest_progress(session: Session, ms: list[Machine]) -> dict[str, dict[str, 
     ).all()
     for ev in rows:
         mid = ev.machine_id or ""
-        if mid in out or _aware(ev.at) < _aware(since[mid]):
+        if mid in out or as_utc(ev.at) < as_utc(since[mid]):
             continue
         out[mid] = {**(ev.data or {}), "at": ev.at}
     return out
-
-
-def _aware(ts: datetime) -> datetime:
-    # SQLite hands back naive datetimes; metald writes UTC only.
-    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)

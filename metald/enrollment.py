@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from datetime import UTC, timedelta
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import bindparam
@@ -27,7 +27,7 @@ from metald.errors import Conflict, MetaldError
 from metald.inventory import accept_inventory as intake
 from metald.inventory.enroll import apply_rules
 from metald.lifecycle import State, Trigger
-from metald.store.models import Event, Machine, Nic, new_id, utcnow
+from metald.store.models import Event, Machine, Nic, as_utc, new_id, utcnow
 
 #: States in which a machine's agent may post inventory.
 INSPECT_STATES = {State.INSPECTING}
@@ -115,9 +115,7 @@ def record_refusal(
         .limit(1)
     ).first()
     if last is not None and last.reason == err.detail:
-        age = (
-            utcnow() - (last.at if last.at.tzinfo else last.at.replace(tzinfo=UTC))
-        ).total_seconds()
+        age = (utcnow() - as_utc(last.at)).total_seconds()
         if age < REFUSAL_EVENT_INTERVAL_S:
             return
     machines.add_event(

@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from sqlmodel import Session, col, select
 
 from metald.store.db import Store
-from metald.store.models import Lease, Machine, Nic
+from metald.store.models import Lease, Machine, Nic, as_utc
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def tenant_node_addresses(s: Session) -> set[str]:
     )
     out = set()
     for ip, expires in rows:
-        if (expires if expires.tzinfo else expires.replace(tzinfo=UTC)) > now:
+        if as_utc(expires) > now:
             out.add(ip)
     return out
 

@@ -20,7 +20,7 @@ from metald import machines
 from metald.errors import Conflict
 from metald.lifecycle import State
 from metald.store.db import Store
-from metald.store.models import Lease, Machine
+from metald.store.models import Lease, Machine, as_utc
 
 log = logging.getLogger(__name__)
 
@@ -213,10 +213,7 @@ def holds_lease(s: Session, mac: str, client: str | None) -> bool:
             Lease.state == "bound",
         )
     ):
-        expires = lease.expires_at
-        if expires.tzinfo is None:  # SQLite gives naive UTC
-            expires = expires.replace(tzinfo=UTC)
-        if expires > now:
+        if as_utc(lease.expires_at) > now:
             return True
     return False
 

@@ -31,7 +31,7 @@ from sqlmodel import Session
 from sqlmodel import select as sm_select
 
 from metald.store.db import Store
-from metald.store.models import Lease
+from metald.store.models import Lease, as_utc
 
 log = logging.getLogger(__name__)
 
@@ -157,9 +157,7 @@ def _to_dt(ts: float) -> datetime:
 
 
 def _from_dt(dt: datetime) -> float:
-    if dt.tzinfo is None:  # SQLite returns naive datetimes; we only ever store UTC
-        dt = dt.replace(tzinfo=UTC)
-    return dt.timestamp()
+    return as_utc(dt).timestamp()
 
 
 class LeaseStore:

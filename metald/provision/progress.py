@@ -10,7 +10,7 @@ reaches ready.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from datetime import UTC, timedelta
+from datetime import timedelta
 from typing import Any
 
 from sqlmodel import Session, col, select
@@ -20,7 +20,7 @@ from metald.auth import revoke_machine_tokens
 from metald.errors import Conflict, Unprocessable
 from metald.lifecycle import State, Trigger
 from metald.provision.intents import after_provisioned
-from metald.store.models import Event, Machine, utcnow
+from metald.store.models import Event, Machine, as_utc, utcnow
 
 #: Longest error text kept on the machine (the event keeps the same).
 MAX_ERROR = 1000
@@ -71,7 +71,7 @@ def _recently_reported(session: Session, machine_id: str, phase: str, interval_s
     ).first()
     if last is None or (last.data or {}).get("phase") != phase:
         return False
-    at = last.at if last.at.tzinfo else last.at.replace(tzinfo=UTC)
+    at = as_utc(last.at)
     return utcnow() - at < timedelta(seconds=interval_s)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlmodel import Session, col, select
@@ -23,7 +23,7 @@ from metald.config import ProvisionConfig
 from metald.lifecycle import TIMEOUTS, IllegalTransition, State
 from metald.provision import driver
 from metald.store.db import Store
-from metald.store.models import Event, Machine, utcnow
+from metald.store.models import Event, Machine, as_utc, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -40,18 +40,13 @@ def timeouts(cfg: ProvisionConfig) -> dict[State, int]:
     return {s: t for s, t in out.items() if t > 0}
 
 
-def _aware(ts: datetime) -> datetime:
-    # SQLite hands back naive datetimes; metald writes UTC only.
-    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
-
-
 def overdue(rows: list[Machine], limits: dict[State, int], now: datetime) -> list[Machine]:
     """Pure: the machines past their state's limit."""
     return [
         m
         for m in rows
         if State(m.state) in limits
-        and now - _aware(m.state_changed_at) > timedelta(seconds=limits[State(m.state)])
+        and now - as_utc(m.state_changed_at) > timedelta(seconds=limits[State(m.state)])
     ]
 
 
@@ -113,7 +108,7 @@ def stalled_claims(session: Session, after_s: int, now: datetime | None = None) 
             Machine.state == State.CLAIMED.value, col(Machine.claim_id).is_not(None)
         )
     ).all()
-    return [m.id for m in rows if now - _aware(m.state_changed_at) > timedelta(seconds=after_s)]
+    return [m.id for m in rows if now - as_utc(m.state_changed_at) > timedelta(seconds=after_s)]
 
 
 #: States whose work starts with a network boot through the BMC.
@@ -130,9 +125,9 @@ def interrupted_boots(session: Session, after_s: int, now: datetime | None = Non
         select(Machine).where(col(Machine.state).in_([s.value for s in BOOTING_STATES]))
     ).all()
     waiting = {
-        m.id: _aware(m.state_changed_at)
+        m.id: as_utc(m.state_changed_at)
         for m in rows
-        if now - _aware(m.state_changed_at) > timedelta(seconds=after_s)
+        if now - as_utc(m.state_changed_at) > timedelta(seconds=after_s)
     }
     if not waiting:
         return []
@@ -145,7 +140,7 @@ def interrupted_boots(session: Session, after_s: int, now: datetime | None = Non
         )
     ).all()
     for mid, at in handled:
-        if mid in waiting and _aware(at) >= waiting[mid]:
+        if mid in waiting and as_utc(at) >= waiting[mid]:
             del waiting[mid]
     return sorted(waiting)
 

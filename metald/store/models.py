@@ -19,6 +19,12 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def as_utc(ts: datetime) -> datetime:
+    """A stored timestamp as an aware UTC datetime: SQLite hands back naive ones, and metald
+    writes UTC only."""
+    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
+
+
 def new_id() -> str:
     return str(uuid.uuid4())
 

@@ -31,7 +31,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 
 from sqlmodel import Session, col, select
@@ -42,7 +42,7 @@ from metald.lifecycle import State
 from metald.provision.metadata import hostname
 from metald.secrets import SecretBox
 from metald.store import Store
-from metald.store.models import Machine, Tenant, WgHub, WgPeer
+from metald.store.models import Machine, Tenant, WgHub, WgPeer, as_utc
 from metald.tenants import controlplane, service
 from metald.tenants.hubs import LocalHubs
 from netconfig import guard, netns
@@ -170,7 +170,7 @@ def observe_tenant(
 
 
 def _aware(ts: datetime | None) -> datetime | None:
-    return ts if ts is None or ts.tzinfo else ts.replace(tzinfo=UTC)
+    return None if ts is None else as_utc(ts)
 
 
 class RunningHub:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
 from sqlalchemy import update
 from sqlmodel import Session, col, select
 
 from metald.errors import Conflict, Unauthorized
-from metald.store.models import JoinToken, utcnow
+from metald.store.models import JoinToken, as_utc, utcnow
 
 PREFIX = "mjt_"
 DEFAULT_TTL = timedelta(minutes=30)
@@ -23,10 +23,6 @@ DEFAULT_TTL = timedelta(minutes=30)
 
 def hash_secret(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
-
-
-def _aware(ts: datetime) -> datetime:
-    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
 
 
 def issue(
@@ -61,7 +57,7 @@ def burn(session: Session, secret: str, *, now: datetime | None = None) -> JoinT
         raise Unauthorized("this join token is unknown or revoked; ask for a new one")
     if row.used_at is not None:
         raise Conflict("this join token was already used; a join token works once")
-    if _aware(row.expires_at) <= now:
+    if as_utc(row.expires_at) <= now:
         raise Unauthorized("this join token has expired; ask for a new one")
     result = session.execute(
         update(JoinToken)
