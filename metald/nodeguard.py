@@ -13,12 +13,12 @@ anything of the tenant's (it first boots metald's deploy agent and writes its im
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from datetime import UTC, datetime
 
 from sqlmodel import Session, col, select
 
+from metald.service import cancel
 from metald.store.db import Store
 from metald.store.models import Lease, Machine, Nic, as_utc
 
@@ -83,8 +83,5 @@ class TenantNodeGuard:
                 log.exception("reading tenant machines' addresses failed")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel(self._task)
+        self._task = None

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+import asyncio
+import contextlib
+from typing import Any, Protocol
 
 
 class Service(Protocol):
@@ -17,3 +19,12 @@ class Service(Protocol):
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
+
+
+async def cancel(task: asyncio.Task[Any] | None) -> None:
+    """Cancel a service's background task (if any) and return once it has ended."""
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

@@ -37,6 +37,7 @@ from metald.config import BmcConfig
 from metald.errors import Conflict, MetaldError, NotFound, Unprocessable
 from metald.machines import add_event, get_machine, normalize_mac
 from metald.secrets import SecretBox
+from metald.service import cancel
 from metald.store.db import Store
 from metald.store.models import Bmc, Machine, Nic, utcnow
 
@@ -82,11 +83,8 @@ class BmcService:
             self._sync_task = asyncio.create_task(self._sync_loop(), name="bmc-power-sync")
 
     async def stop(self) -> None:
-        if self._sync_task is not None:
-            self._sync_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sync_task
-            self._sync_task = None
+        await cancel(self._sync_task)
+        self._sync_task = None
         drivers, self._drivers = list(self._drivers.values()), {}
         for d in drivers:
             with contextlib.suppress(Exception):

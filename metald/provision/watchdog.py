@@ -11,7 +11,6 @@ compare-and-swap, so a machine is moved once whoever sweeps first.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from datetime import datetime, timedelta
 from typing import Any
@@ -22,6 +21,7 @@ from metald import machines
 from metald.config import ProvisionConfig
 from metald.lifecycle import TIMEOUTS, IllegalTransition, State
 from metald.provision import driver
+from metald.service import cancel
 from metald.store.db import Store
 from metald.store.models import Event, Machine, as_utc, utcnow
 
@@ -169,11 +169,8 @@ class Watchdog:
             self._task = asyncio.create_task(self._loop(), name="provision-watchdog")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel(self._task)
+        self._task = None
         await driver.cancel_all()
 
     async def sweep_once(self) -> list[str]:

@@ -41,6 +41,7 @@ from metald.errors import Unprocessable
 from metald.lifecycle import State
 from metald.provision.metadata import hostname
 from metald.secrets import SecretBox
+from metald.service import cancel
 from metald.store import Store
 from metald.store.models import Machine, Tenant, WgHub, WgPeer, as_utc
 from metald.tenants import controlplane, service
@@ -293,11 +294,8 @@ class TenantRuntime:
         self._task = asyncio.create_task(self._loop(), name="tenant-hubs")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel(self._task)
+        self._task = None
         async with self._lock:  # a sync bringing a hub up finishes first, then all go down
             await asyncio.to_thread(self._down_all)
 
