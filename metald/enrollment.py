@@ -15,8 +15,6 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import bindparam
-from sqlalchemy import select as sa_select
 from sqlmodel import Session, select
 
 from metald import machines
@@ -27,7 +25,7 @@ from metald.errors import Conflict, MetaldError
 from metald.inventory import accept_inventory as intake
 from metald.inventory.enroll import apply_rules
 from metald.lifecycle import State, Trigger
-from metald.store.models import Event, Machine, Nic, as_utc, new_id, utcnow
+from metald.store.models import Event, Machine, as_utc, utcnow
 
 #: States in which a machine's agent may post inventory.
 INSPECT_STATES = {State.INSPECTING}
@@ -169,7 +167,7 @@ def accept_inventory(
         updates["rack"] = rule_rack
     if not m.rack_position and norm.rack_position_hint:
         updates["rack_position"] = norm.rack_position_hint
-    _sync_nics(s, m.id, norm)
+    machines.sync_nics(s, m.id, norm.nics)
     machines.transition(
         s,
         m.id,
@@ -199,46 +197,6 @@ def accept_inventory(
         )
     s.commit()
     return m
-
-
-def _sync_nics(s: Session, machine_id: str, norm: Any) -> None:
-    # Core statements built once: this runs on every inventory post of a storm, and NIC
-    # objects were never read back here.
-    conn = s.connection()
-    macs = [machines.normalize_mac(x.mac) for x in norm.nics]
-    known = {r.mac: r for r in conn.execute(_NICS_BY_MAC, {"macs": macs})}
-    for mac, nic in zip(macs, norm.nics, strict=True):
-        row = known.get(mac)
-        if row is not None and row.machine_id != machine_id:
-            continue  # belongs to another machine: left alone (an event would be noise per boot)
-        values = {"name": nic.name, "driver": nic.driver, "speed_mbps": nic.speed_mbps}
-        values["link"] = nic.link
-        if row is None:
-            conn.execute(
-                _NIC_INSERT,
-                {"id": new_id(), "machine_id": machine_id, "mac": mac, "pxe": False, **values},
-            )
-        else:
-            conn.execute(
-                _NIC_UPDATE, {"nic_id": row.id, **{f"v_{k}": v for k, v in values.items()}}
-            )
-
-
-_NICS = Nic.__table__  # type: ignore[attr-defined]
-_NICS_BY_MAC = sa_select(_NICS.c.id, _NICS.c.mac, _NICS.c.machine_id).where(
-    _NICS.c.mac.in_(bindparam("macs", expanding=True))
-)
-_NIC_INSERT = _NICS.insert()
-_NIC_UPDATE = (
-    _NICS.update()
-    .where(_NICS.c.id == bindparam("nic_id"))
-    .values(
-        name=bindparam("v_name"),
-        driver=bindparam("v_driver"),
-        speed_mbps=bindparam("v_speed_mbps"),
-        link=bindparam("v_link"),
-    )
-)
 
 
 def next_instruction(m: Machine, cfg: EnrollConfig) -> dict[str, Any]:

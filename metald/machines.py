@@ -73,6 +73,19 @@ _EVENTS = Event.__table__  # type: ignore[attr-defined]
 _EVENT_INSERT = _EVENTS.insert()
 _NICS = Nic.__table__  # type: ignore[attr-defined]
 _NIC_INSERT = _NICS.insert()
+_NICS_BY_MAC = sa_select(_NICS.c.id, _NICS.c.mac, _NICS.c.machine_id).where(
+    _NICS.c.mac.in_(bindparam("macs", expanding=True))
+)
+_NIC_UPDATE = (
+    _NICS.update()
+    .where(_NICS.c.id == bindparam("nic_id"))
+    .values(
+        name=bindparam("v_name"),
+        driver=bindparam("v_driver"),
+        speed_mbps=bindparam("v_speed_mbps"),
+        link=bindparam("v_link"),
+    )
+)
 
 
 #: The inventory document (~9 KB of JSON on a GPU server) is read only where it is used: the
@@ -121,13 +134,7 @@ def create_machine(
     if len(set(norm)) != len(norm):
         raise Unprocessable("the same MAC address is listed twice")
     if norm:
-        taken = (
-            session.connection()
-            .execute(
-                sa_select(_NICS.c.mac, _NICS.c.machine_id).where(_NICS.c.mac.in_(norm)),
-            )
-            .all()
-        )
+        taken = session.connection().execute(_NICS_BY_MAC, {"macs": norm}).all()
         if taken:
             raise Conflict(
                 f"MAC {taken[0].mac} already belongs to machine {taken[0].machine_id}",
@@ -175,6 +182,30 @@ def create_machine(
     if commit:
         session.commit()
     return m
+
+
+def sync_nics(session: Session, machine_id: str, nics: list[Any]) -> None:
+    """Record what an inventory says of the machine's NICs (name, driver, speed, link); a NIC
+    seen for the first time is added. A MAC that belongs to another machine is left alone (an
+    event would be noise on every boot). No commit."""
+    conn = session.connection()
+    macs = [normalize_mac(x.mac) for x in nics]
+    known = {r.mac: r for r in conn.execute(_NICS_BY_MAC, {"macs": macs})}
+    for mac, nic in zip(macs, nics, strict=True):
+        row = known.get(mac)
+        if row is not None and row.machine_id != machine_id:
+            continue
+        values = {"name": nic.name, "driver": nic.driver, "speed_mbps": nic.speed_mbps}
+        values["link"] = nic.link
+        if row is None:
+            conn.execute(
+                _NIC_INSERT,
+                {"id": new_id(), "machine_id": machine_id, "mac": mac, "pxe": False, **values},
+            )
+        else:
+            conn.execute(
+                _NIC_UPDATE, {"nic_id": row.id, **{f"v_{k}": v for k, v in values.items()}}
+            )
 
 
 def transition(
