@@ -145,33 +145,29 @@ class StoreBootHooks:
             except Conflict:
                 s.rollback()  # another instance created it at the same moment
             return
+        # What DHCP tells of a known machine that changed: each change is its own event kind.
+        changes: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
         if position and m.rack_position != position:
-            try:
-                machines.update_fields(
-                    s,
-                    m.id,
-                    actor=self.actor,
-                    kind="machine.rack_position",
-                    values={"rack_position": position},
-                    data={"from": m.rack_position, "to": position, "relay_agent": relay_agent},
-                    instance=self.instance,
-                )
-            except Conflict:
-                s.rollback()
-                return
+            data = {"from": m.rack_position, "to": position, "relay_agent": relay_agent}
+            changes.append(("machine.rack_position", {"rack_position": position}, data))
         if firmware and m.firmware != firmware:
+            changes.append(
+                ("machine.firmware", {"firmware": firmware}, {"from": m.firmware, "to": firmware})
+            )
+        for kind, values, data in changes:
             try:
                 machines.update_fields(
                     s,
                     m.id,
                     actor=self.actor,
-                    kind="machine.firmware",
-                    values={"firmware": firmware},
-                    data={"from": m.firmware, "to": firmware},
+                    kind=kind,
+                    values=values,
+                    data=data,
                     instance=self.instance,
                 )
             except Conflict:
-                s.rollback()
+                s.rollback()  # changed by someone else meanwhile: the next report retries
+                return
 
     async def boot_target(self, mac: str, *, client: str | None = None) -> BootTarget:
         return await self.store.run(self._target, mac, client)
