@@ -2,36 +2,20 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 from api.app import CTX_KEY
 from metald.nodeguard import TenantNodeGuard, path_allowed, tenant_node_addresses
-from metald.store.models import Lease, utcnow
+from tests.dhcp_leases import add_lease
 
 # seed(): node0 (52:54:00:00:00:01) is tenant A's, node1 (...:02) tenant B's, node2 (...:03) free.
 
 
-def _lease(store, mac: str, ip: str, *, state: str = "bound", ttl_s: int = 3600) -> None:  # type: ignore[no-untyped-def]
-    with store.session() as s:
-        s.add(
-            Lease(
-                network="prov",
-                ip=ip,
-                mac=mac,
-                state=state,
-                expires_at=utcnow() + timedelta(seconds=ttl_s),
-            )
-        )
-        s.commit()
-
-
 async def test_addresses_are_bound_leases_of_allocated_machines(api) -> None:  # type: ignore[no-untyped-def]
     _client, _tokens, store = api
-    _lease(store, "52:54:00:00:00:01", "10.0.0.11")  # tenant A's machine
-    _lease(store, "52:54:00:00:00:02", "10.0.0.12", ttl_s=-5)  # B's, lease expired
-    _lease(store, "52:54:00:00:00:03", "10.0.0.13")  # the free machine
-    _lease(store, "52:54:00:00:00:02", "10.0.0.14", state="offered")  # not bound
-    _lease(store, "52:54:00:00:00:99", "10.0.0.15")  # no machine
+    add_lease(store, "52:54:00:00:00:01", "10.0.0.11")  # tenant A's machine
+    add_lease(store, "52:54:00:00:00:02", "10.0.0.12", ttl_s=-5)  # B's, lease expired
+    add_lease(store, "52:54:00:00:00:03", "10.0.0.13")  # the free machine
+    add_lease(store, "52:54:00:00:00:02", "10.0.0.14", state="offered")  # not bound
+    add_lease(store, "52:54:00:00:00:99", "10.0.0.15")  # no machine
     with store.session() as s:
         assert tenant_node_addresses(s) == {"10.0.0.11"}
 
@@ -51,7 +35,7 @@ async def test_tenant_machine_gets_403_beyond_join_and_agent(api) -> None:  # ty
 
     # The test client speaks from 127.0.0.1: make that tenant A's machine's lease.
     assert (await client.get("/api/v1/machines", headers=admin)).status == 200
-    _lease(store, "52:54:00:00:00:01", "127.0.0.1")
+    add_lease(store, "52:54:00:00:00:01", "127.0.0.1")
     await guard.refresh()
     assert guard.addresses == {"127.0.0.1"}
 
@@ -82,7 +66,7 @@ async def test_dot_segments_do_not_slip_past(api) -> None:  # type: ignore[no-un
     client, tokens, store = api
     guard = TenantNodeGuard(store)
     client.server.app[CTX_KEY].services[guard.name] = guard
-    _lease(store, "52:54:00:00:00:01", "127.0.0.1")
+    add_lease(store, "52:54:00:00:00:01", "127.0.0.1")
     await guard.refresh()
     for raw in (
         "/api/v1/agent/../machines",

@@ -71,7 +71,6 @@ class Store:
             # SQLite has one writer at a time and every session here begins as a writer, so a
             # second thread would only wait on its lock and contend for the GIL.
             workers = 1 if self.is_sqlite else 8
-        self.workers = workers
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="store")
 
     @contextmanager

@@ -4,7 +4,6 @@ current token stays valid."""
 
 from __future__ import annotations
 
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -15,23 +14,9 @@ from metald.boot.hooks import ScriptRefused
 from metald.boot.http import boot_routes
 from metald.config import EnrollConfig, load_config
 from metald.enrollment import EnrollmentBootHooks
-from metald.store.models import Lease, utcnow
+from tests.dhcp_leases import add_lease
 
 MAC = "52:54:00:aa:00:01"
-
-
-def _lease(store, ip: str, *, mac: str = MAC, state: str = "bound", ttl_s: int = 3600) -> None:  # type: ignore[no-untyped-def]
-    with store.session() as s:
-        s.add(
-            Lease(
-                network="prov",
-                ip=ip,
-                mac=mac,
-                state=state,
-                expires_at=utcnow() + timedelta(seconds=ttl_s),
-            )
-        )
-        s.commit()
 
 
 async def _client(aiohttp_client, hooks, assets: Path):  # type: ignore[no-untyped-def]
@@ -53,25 +38,15 @@ async def test_only_the_lease_holder_gets_a_token(aiohttp_client, store, assets:
         assert m is not None and m.state == "discovered"  # not moved to inspecting either
 
     # The MAC's lease is on another address (the test client asks from 127.0.0.1).
-    _lease(store, "10.0.0.50")
+    add_lease(store, MAC, "10.0.0.50")
     assert (await c.get(f"/boot/{MAC}.ipxe")).status == 403
     # Another MAC's lease on the asking address does not help.
-    _lease(store, "127.0.0.1", mac="52:54:00:aa:00:99")
+    add_lease(store, "52:54:00:aa:00:99", "127.0.0.1")
     assert (await c.get(f"/boot/{MAC}.ipxe")).status == 403
 
     # The lease holder gets the script with a token; a refused request afterwards does not
     # revoke it.
-    with store.session() as s:  # the asker's own lease, in another network
-        s.add(
-            Lease(
-                network="prov2",
-                ip="127.0.0.1",
-                mac=MAC,
-                state="bound",
-                expires_at=utcnow() + timedelta(hours=1),
-            )
-        )
-        s.commit()
+    add_lease(store, MAC, "127.0.0.1", network="prov2")  # the asker's own, another network
     r = await c.get(f"/boot/{MAC}.ipxe")
     body = await r.text()
     assert r.status == 200 and "metald.token=" in body
@@ -85,12 +60,12 @@ async def test_only_the_lease_holder_gets_a_token(aiohttp_client, store, assets:
 async def test_expired_or_unbound_leases_do_not_count(store) -> None:  # type: ignore[no-untyped-def]
     hooks = EnrollmentBootHooks(store, "t", EnrollConfig(), leased_clients_only=True)
     await hooks.client_seen(MAC, arch="bios", network="prov", relay_agent=None)
-    _lease(store, "10.0.0.7", ttl_s=-10)
-    _lease(store, "10.0.0.8", state="offered")
+    add_lease(store, MAC, "10.0.0.7", ttl_s=-10)
+    add_lease(store, MAC, "10.0.0.8", state="offered")
     for ip in ("10.0.0.7", "10.0.0.8", None):
         with pytest.raises(ScriptRefused):
             await hooks.boot_target(MAC, client=ip)
-    _lease(store, "10.0.0.9")
+    add_lease(store, MAC, "10.0.0.9")
     t = await hooks.boot_target(MAC, client="10.0.0.9")
     assert "metald.token" in t.kernel_args
 

@@ -204,19 +204,7 @@ def test_stateless_boot_reports_joins_guards_and_starts_slurmd(
     config = {
         "agent_token": AGENT_TOKEN,
         "provision": provision_answer(),
-        "join_response": {
-            "overlay_address": "10.200.0.2/24",
-            "hub": {"endpoint": f"{SERVER}:51820", "public_key": HUB_KEY, "address": "10.200.0.1"},
-            "allowed_ips": ["10.200.0.0/24", "10.201.0.0/24"],
-            "persistent_keepalive": 25,
-            "cluster": {
-                "kind": "slurm",
-                "conf_server": "10.200.0.1:6817",
-                "node_name": "node-lab1",
-                "munge_key": MUNGE_KEY,
-                "slurmd_args": ["-Z", "-N", "node-lab1", "--conf-server", "10.200.0.1:6817"],
-            },
-        },
+        "join_response": hub_join_response(HUB_KEY, ["10.200.0.0/24", "10.201.0.0/24"]),
     }
     done = "metald-node: node ready"
     requests, log = stateless_boot(netns, tmp_path, node_image, config, [done])
@@ -330,12 +318,12 @@ def hub_and_controller(ns: str, tmp_path: Path, rounds: int = 1) -> Iterator[tup
         stop(hub)
 
 
-def hub_join_response(hub_pub: str) -> dict:
+def hub_join_response(hub_pub: str, allowed_ips: list[str] | None = None) -> dict:
     """metald's join answer for node-lab1 on the hub of hub_and_controller."""
     return {
         "overlay_address": "10.200.0.2/24",
         "hub": {"endpoint": f"{SERVER}:51820", "public_key": hub_pub, "address": "10.200.0.1"},
-        "allowed_ips": ["10.200.0.0/24"],
+        "allowed_ips": allowed_ips or ["10.200.0.0/24"],
         "persistent_keepalive": 25,
         "cluster": {
             "kind": "slurm",
