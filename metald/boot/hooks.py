@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from sqlmodel import Session, select
 
 from metald import machines
+from metald.boot.dhcp.bootfile import Arch
 from metald.errors import Conflict
 from metald.lifecycle import State
 from metald.store.db import Store
@@ -193,8 +194,8 @@ class StoreBootHooks:
         return t
 
 
-#: Firmware names recorded on machines (boot.dhcp.bootfile.Arch values but "unknown").
-FIRMWARE = frozenset({"bios", "uefi-x64", "uefi-ia32", "uefi-arm64"})
+#: Firmware names recorded on machines: the architectures DHCP can tell, not "unknown".
+FIRMWARE = frozenset(a.value for a in Arch if a is not Arch.UNKNOWN)
 
 
 def holds_lease(s: Session, mac: str, client: str | None) -> bool:
