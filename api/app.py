@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from api import routes_events, routes_machines, routes_system, routes_tokens
+from api import routes_events, routes_instances, routes_machines, routes_system, routes_tokens
 from api.context import AppContext
 from api.openapi import build_openapi
 from api.problem import problem
@@ -23,6 +23,7 @@ ROUTERS: list[Router] = [
     routes_machines.router,
     routes_events.router,
     routes_tokens.router,
+    routes_instances.router,
 ]
 
 

@@ -63,6 +63,10 @@ class BmcOut(BaseModel):
     macs: list[str]
     last_seen_at: str | None
     created_at: str | None
+    owner_instance: str | None = Field(
+        default=None,
+        description="The live metald instance that owns this BMC now (power sync, commands).",
+    )
 
 
 class BmcList(BaseModel):

@@ -71,8 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     except SecretError as e:
         print(f"metald: {e}", file=sys.stderr)
         return 2
+    from metald.fleet.registry import InstanceNameInUse
+    from metald.fleet.startup import StartupRefused
+
     try:
         asyncio.run(daemon.run_forever())
+    except (StartupRefused, InstanceNameInUse, SecretError) as e:
+        print(f"metald: cannot start: {e}", file=sys.stderr)
+        return 2
     except OSError as e:
         print(f"metald: cannot start: {e}", file=sys.stderr)
         return 1

@@ -177,6 +177,9 @@ class BmcConfig(_Section):
     power_sync_interval_s: float = Field(default=60.0, ge=0)
     #: After a metald power command, how long a different reading is expected, not drift.
     drift_grace_s: float = Field(default=120.0, ge=0)
+    #: CIDRs of the BMCs this instance can reach; it owns only BMCs whose address lies in one
+    #: (a host name matches any). Empty: every BMC. See docs/fleet.md.
+    networks: list[IPv4Network | IPv6Network] = []
 
 
 class EnrollConfig(_Section):
@@ -262,6 +265,23 @@ class TenantsConfig(_Section):
         return self
 
 
+class FleetConfig(_Section):
+    """Several instances on one PostgreSQL: heartbeats and when a silent one counts as dead."""
+
+    #: Seconds between this instance's heartbeats in the store.
+    heartbeat_s: float = Field(default=2.0, gt=0, le=60)
+    #: An instance without a heartbeat for this long is dead: the others take its share. An
+    #: instance that could not write its heartbeat for dead_after_s - heartbeat_s stops acting
+    #: on what it owns first (self-fencing).
+    dead_after_s: float = Field(default=10.0, gt=0, le=600)
+
+    @model_validator(mode="after")
+    def _dead_after_longer(self) -> FleetConfig:
+        if self.dead_after_s < 2 * self.heartbeat_s:
+            raise ValueError("dead_after_s must be at least twice heartbeat_s")
+        return self
+
+
 class Config(_Section):
     #: Folder for the SQLite database, the secrets key and the first admin token.
     state_dir: str = "/var/lib/metald"
@@ -276,6 +296,7 @@ class Config(_Section):
     enroll: EnrollConfig = EnrollConfig()
     provision: ProvisionConfig = ProvisionConfig()
     tenants: TenantsConfig = TenantsConfig()
+    fleet: FleetConfig = FleetConfig()
 
     @property
     def store_url(self) -> str:

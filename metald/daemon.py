@@ -16,6 +16,8 @@ from metald import __version__
 from metald.auth import bootstrap_admin
 from metald.config import Config, split_hostport
 from metald.events import EventBus
+from metald.fleet.membership import Membership
+from metald.fleet.startup import hold_sqlite_lock, verify_secrets_key
 from metald.secrets import SecretBox
 from metald.service import Service
 from metald.store import Store
@@ -31,6 +33,15 @@ class Daemon:
         self.bus = EventBus()
         self.ctx = AppContext(cfg=cfg, store=self.store, secrets=self.secrets, bus=self.bus)
         self.services: list[Service] = []
+        self.fleet = Membership(
+            self.store,
+            cfg.instance,
+            heartbeat_s=cfg.fleet.heartbeat_s,
+            dead_after_s=cfg.fleet.dead_after_s,
+            api_url=cfg.api.public_url or f"http://{cfg.api.listen}",
+            serves=_serves(cfg),
+        )
+        self._store_lock: Any = None
         self._runner: web.AppRunner | None = None
         self._stopping = asyncio.Event()
 
@@ -47,7 +58,13 @@ class Daemon:
 
     async def start(self) -> None:
         os.makedirs(self.cfg.state_dir, exist_ok=True)
+        self._store_lock = hold_sqlite_lock(self.cfg.store_url)
         await asyncio.get_running_loop().run_in_executor(None, self.store.migrate)
+        if await self.store.run(verify_secrets_key, self.secrets, self.cfg.secrets_key_path):
+            log.info("secrets key check value written: other instances must use the same key")
+        # Membership first: a name held by a live instance stops this one before it serves.
+        await self.fleet.start()
+        self.ctx.services[self.fleet.name] = self.fleet
         created = await self.store.run(bootstrap_admin, self.cfg.admin_token_path)
         if created:
             log.warning("first start: an admin token was written to %s (mode 0600)", created)
@@ -77,7 +94,10 @@ class Daemon:
                 log.exception("stopping %s failed", svc.name)
         if self._runner is not None:
             await self._runner.cleanup()
+        await self.fleet.stop()
         self.store.close()
+        if self._store_lock is not None:
+            self._store_lock.close()
         log.info("metald stopped")
 
     def _on_signal(self, sig: signal.Signals) -> None:
@@ -93,6 +113,17 @@ class Daemon:
             await self._stopping.wait()
         finally:
             await self.stop()
+
+
+def _serves(cfg: Config) -> dict[str, Any]:
+    """What this instance serves, as the instances list shows it and ownership uses it."""
+    return {
+        "provisioning_networks": [str(n.subnet) for n in cfg.boot.networks]
+        if cfg.boot.enabled
+        else [],
+        "bmc_networks": [str(n) for n in cfg.bmc.networks],
+        "hubs": cfg.tenants.hubs,
+    }
 
 
 def _boot_plane(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
@@ -126,7 +157,9 @@ def _bmc(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
         from metald.bmc.service import BmcService
     except ImportError:
         return None, []
-    return BmcService(d.store, d.secrets, d.cfg.bmc, d.cfg.instance), []
+    svc = BmcService(d.store, d.secrets, d.cfg.bmc, d.cfg.instance)
+    svc.ownership = d.fleet
+    return svc, []
 
 
 def _provision_watchdog(d: Daemon) -> tuple[Any, list[web.RouteDef]]:

@@ -202,6 +202,18 @@ def test_version() -> None:
     assert r.stdout.strip() == f"metald {__version__}"
 
 
+def share_secrets_key(root: Path, state_dirs: list[str]) -> None:
+    """Every instance on one database holds the same secrets key (docs/fleet.md)."""
+    from cryptography.fernet import Fernet
+
+    key = Fernet.generate_key()
+    for d in state_dirs:
+        (root / d).mkdir(parents=True, exist_ok=True)
+        f = root / d / "secrets.key"
+        f.write_bytes(key)
+        f.chmod(0o600)
+
+
 def test_example_config_is_valid() -> None:
     example = Path(__file__).parent.parent / "examples" / "metald.toml"
     load_config(example, environ={})
@@ -212,6 +224,7 @@ def test_two_instances_share_one_postgresql(tmp_path: Path, pg_server) -> None: 
     schema is migrated once, exactly one admin token is minted, and both serve the same fleet."""
     url = pg_server.new_database()
     procs, ports = [], []
+    share_secrets_key(tmp_path, ["s0", "s1"])
     for i in range(2):
         port = free_port()
         conf = tmp_path / f"m{i}.toml"

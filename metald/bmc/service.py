@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy import func, update
 from sqlmodel import Session, select
@@ -53,6 +53,14 @@ class BmcCommandFailed(MetaldError):
     title = "BMC command failed"
 
 
+class BmcOwnership(Protocol):
+    """Which instance owns a BMC (metald.fleet.membership.Membership)."""
+
+    def owns_bmc(self, bmc_id: str, address: str) -> bool: ...
+
+    def bmc_owner(self, bmc_id: str, address: str) -> str | None: ...
+
+
 class BmcService:
     name = "bmc"
 
@@ -75,6 +83,22 @@ class BmcService:
         #: bmc id -> (expected power state, until when a different reading is not drift).
         self._expected: dict[str, tuple[str, float]] = {}
         self._sync_task: asyncio.Task[None] | None = None
+        #: Fleet membership (metald.fleet.membership.Membership); None: this instance owns every
+        #: BMC (one instance, or a test without a fleet).
+        self.ownership: BmcOwnership | None = None
+
+    def owns(self, row: Bmc) -> bool:
+        return self.ownership is None or self.ownership.owns_bmc(row.id, row.address)
+
+    def owner_of(self, row: Bmc) -> str | None:
+        return (
+            self.instance
+            if self.ownership is None
+            else self.ownership.bmc_owner(row.id, row.address)
+        )
+
+    def _public(self, row: Bmc) -> dict[str, Any]:
+        return {**_public(row), "owner_instance": self.owner_of(row)}
 
     # --- lifecycle ---
 
@@ -363,10 +387,10 @@ class BmcService:
         def do(s: Session) -> list[Bmc]:
             return list(s.exec(select(Bmc).order_by(Bmc.created_at)).all())
 
-        return [_public(r) for r in await self.store.run(do)]
+        return [self._public(r) for r in await self.store.run(do)]
 
     async def get(self, bmc_id: str) -> dict[str, Any]:
-        return _public(await self.store.run(_get_bmc, bmc_id))
+        return self._public(await self.store.run(_get_bmc, bmc_id))
 
     # --- commands ---
 
@@ -539,8 +563,9 @@ class BmcService:
             await asyncio.sleep(self.cfg.power_sync_interval_s)
 
     async def sync_power_once(self) -> int:
-        """Read every BMC's power state (skipping auth-failed ones: retrying locks accounts);
-        returns how many drifted."""
+        """Read the power state of every BMC this instance owns (skipping auth-failed ones:
+        retrying locks accounts); returns how many drifted. With several instances each BMC is
+        read by its owner only."""
 
         def rows(s: Session) -> list[Bmc]:
             return list(s.exec(select(Bmc).where(Bmc.health != Health.AUTH_FAILED.value)).all())
@@ -553,7 +578,8 @@ class BmcService:
                 return False
             return await self._record_power(row, state.value, drift_check=True)
 
-        results = await asyncio.gather(*(one(r) for r in await self.store.run(rows)))
+        owned = [r for r in await self.store.run(rows) if self.owns(r)]
+        results = await asyncio.gather(*(one(r) for r in owned))
         return sum(results)
 
     async def _record_power(self, row: Bmc, observed: str, *, drift_check: bool) -> bool:

@@ -297,3 +297,36 @@ class JoinToken(SQLModel, table=True):
     revoked_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
     created_by: str | None = None
     created_at: datetime = _ts()
+
+
+class Instance(SQLModel, table=True):
+    """A metald process that shares this store: who it is, what it serves, when it last beat.
+
+    ``heartbeat_at`` is written with the database's clock (PostgreSQL), so liveness never depends
+    on the instances' clocks agreeing. ``incarnation`` is new at every start: a second process
+    under a live instance's name is refused, and an old process whose row was taken over stops.
+    """
+
+    __tablename__ = "instances"
+
+    name: str = Field(primary_key=True)
+    incarnation: str
+    version: str
+    api_url: str | None = None
+    host: str | None = None
+    #: What this instance serves: provisioning networks, BMC networks (CIDRs), hubs.
+    serves: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    started_at: datetime = _ts()
+    heartbeat_at: datetime = _ts()
+    #: Set by a clean stop, so the others take over at once instead of after the dead time.
+    stopped_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+
+
+class StoreMeta(SQLModel, table=True):
+    """Facts about the store itself (key -> bytes), e.g. the secrets key's check value."""
+
+    __tablename__ = "store_meta"
+
+    key: str = Field(primary_key=True)
+    value: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+    created_at: datetime = _ts()

@@ -1,0 +1,171 @@
+"""This instance's membership in the fleet: register, heartbeat, know who is alive, own a share.
+
+Ownership is computed, not stored: the owner of an object is the rendezvous-hash winner among
+the live instances eligible for it. Every instance refreshes the member list at each heartbeat,
+so when one dies the survivors agree on its objects' new owners one heartbeat after it is
+judged dead (``dead_after_s``).
+
+Self-fencing: an instance that has not written a heartbeat for ``dead_after_s - heartbeat_s``
+(cut off from the store, or stalled) stops claiming anything, before the others can judge it
+dead and take its share, so one object never has two owners acting at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+import uuid
+from ipaddress import ip_address, ip_network
+from typing import Any
+
+from metald import __version__
+from metald.fleet import registry
+from metald.fleet.registry import Member
+from metald.fleet.rendezvous import owner
+from metald.service import cancel
+from metald.store import Store
+
+log = logging.getLogger("metald.fleet")
+
+
+def _in_networks(address: str, networks: list[str]) -> bool:
+    """Whether a BMC address lies in one of the CIDRs; an unparseable host name is eligible
+    everywhere (its address is only known to the resolver)."""
+    if not networks:
+        return True
+    host = address.split("://", 1)[-1].split("/", 1)[0]
+    if host.startswith("["):
+        host = host[1:].split("]", 1)[0]
+    elif host.count(":") == 1:
+        host = host.split(":", 1)[0]
+    try:
+        ip = ip_address(host)
+    except ValueError:
+        return True
+    return any(ip in ip_network(n, strict=False) for n in networks)
+
+
+class Membership:
+    """The ``fleet`` service: heartbeat and ownership for this instance."""
+
+    name = "fleet"
+
+    def __init__(
+        self,
+        store: Store,
+        instance: str,
+        *,
+        heartbeat_s: float = 2.0,
+        dead_after_s: float = 10.0,
+        api_url: str | None = None,
+        serves: dict[str, Any] | None = None,
+    ) -> None:
+        if dead_after_s <= heartbeat_s:
+            raise ValueError("fleet.dead_after_s must be longer than fleet.heartbeat_s")
+        self.store = store
+        self.instance = instance
+        self.heartbeat_s = heartbeat_s
+        self.dead_after_s = dead_after_s
+        self.api_url = api_url
+        self.serves = serves or {}
+        self.incarnation = str(uuid.uuid4())
+        self.members: list[Member] = []
+        self._last_ok: float | None = None
+        self._taken_over = False
+        self._task: asyncio.Task[None] | None = None
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        started = time.monotonic()
+        await self.store.run(
+            registry.register,
+            name=self.instance,
+            incarnation=self.incarnation,
+            version=__version__,
+            api_url=self.api_url,
+            host=socket.gethostname(),
+            serves=self.serves,
+            dead_after_s=self.dead_after_s,
+        )
+        self._last_ok = started
+        await self.refresh()
+        self._task = asyncio.create_task(self._loop(), name="fleet-heartbeat")
+
+    async def stop(self) -> None:
+        await cancel(self._task)
+        self._task = None
+        if not self._taken_over:
+            try:
+                await self.store.run(registry.mark_stopped, self.instance, self.incarnation)
+            except Exception:  # noqa: BLE001 - the others then wait out dead_after_s
+                log.warning("could not record this instance as stopped", exc_info=True)
+
+    def health(self) -> str:
+        if self._taken_over:
+            return "taken over by another process"
+        return "fenced (store unreachable)" if self.fenced else "running"
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            await self.beat_once()
+
+    async def beat_once(self) -> None:
+        was_fenced = self.fenced
+        started = time.monotonic()  # the store's heartbeat time is at or after this moment
+        try:
+            mine = await self.store.run(registry.beat, self.instance, self.incarnation)
+        except Exception as e:  # noqa: BLE001 - a store outage is survived, fenced
+            log.warning("heartbeat failed (%s): %s", type(e).__name__, e)
+            if self.fenced and not was_fenced:
+                log.error("no heartbeat for %.1f s: fenced, owning nothing", self.fence_after_s)
+            return
+        if not mine:
+            if not self._taken_over:
+                log.error(
+                    "instance %s was registered by another process: this one owns nothing",
+                    self.instance,
+                )
+            self._taken_over = True
+            return
+        self._last_ok = started
+        if was_fenced:
+            log.warning("heartbeat written again: no longer fenced")
+        try:
+            await self.refresh()
+        except Exception as e:  # noqa: BLE001
+            log.warning("reading the fleet's members failed: %s", e)
+
+    async def refresh(self) -> None:
+        self.members = await self.store.run(registry.members, self.dead_after_s)
+
+    # --- ownership -------------------------------------------------------------------------
+
+    @property
+    def fence_after_s(self) -> float:
+        return self.dead_after_s - self.heartbeat_s
+
+    @property
+    def fenced(self) -> bool:
+        if self._taken_over or self._last_ok is None:
+            return True
+        return time.monotonic() - self._last_ok > self.fence_after_s
+
+    def live(self) -> list[Member]:
+        return [m for m in self.members if m.alive or m.name == self.instance]
+
+    def bmc_owner(self, bmc_id: str, address: str) -> str | None:
+        """The live instance that owns a BMC: the rendezvous winner among live instances whose
+        ``[bmc] networks`` hold its address."""
+        eligible = [
+            m.name
+            for m in self.live()
+            if _in_networks(address, list(m.serves.get("bmc_networks") or []))
+        ]
+        return owner(f"bmc:{bmc_id}", eligible)
+
+    def owns_bmc(self, bmc_id: str, address: str) -> bool:
+        return not self.fenced and self.bmc_owner(bmc_id, address) == self.instance

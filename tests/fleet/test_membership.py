@@ -1,0 +1,215 @@
+"""Instances in the store: registration, heartbeats, liveness, self-fencing and BMC ownership,
+on both backends (ownership across several instances on PostgreSQL)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+from sqlmodel import Session
+
+from metald.bmc.base import BmcError
+from metald.bmc.service import BmcService
+from metald.config import BmcConfig
+from metald.fleet import registry
+from metald.fleet.membership import Membership
+from metald.fleet.registry import InstanceNameInUse
+from metald.secrets import SecretBox
+from metald.service import cancel
+from metald.store import Store
+from metald.store.models import Bmc
+
+
+async def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.05)
+
+
+def fleet(store: Store, name: str, **kw: object) -> Membership:
+    return Membership(store, name, heartbeat_s=0.1, dead_after_s=0.6, **kw)  # type: ignore[arg-type]
+
+
+async def test_register_beat_and_clean_stop(store: Store) -> None:
+    a = fleet(store, "rack1", serves={"bmc_networks": []})
+    await a.start()
+    try:
+        ms = await store.run(registry.members, 10.0)
+        assert [(m.name, m.alive) for m in ms] == [("rack1", True)]
+        assert not a.fenced
+        before = ms[0].heartbeat_age_s
+        await a.beat_once()
+        assert (await store.run(registry.members, 10.0))[0].heartbeat_age_s <= before + 0.5
+    finally:
+        await a.stop()
+    # A clean stop is seen at once: nobody waits out dead_after_s.
+    assert [m.alive for m in await store.run(registry.members, 10.0)] == [False]
+
+
+async def test_a_live_name_is_refused_and_a_dead_one_taken_over(store: Store) -> None:
+    a = fleet(store, "rack1")
+    await a.start()
+    await a.stop()
+    a2 = fleet(store, "rack1")
+    await a2.start()  # a cleanly stopped name is free at once
+    try:
+        with pytest.raises(InstanceNameInUse, match="own `instance` name"):
+            await fleet(store, "rack1").start()
+        # The process stops heartbeating (as if killed): after dead_after_s the name is free and
+        # the old process, if it comes back, learns it was taken over and owns nothing.
+        await cancel(a2._task)
+        b = fleet(store, "rack1")
+        await wait_for_start(b)
+        try:
+            await a2.beat_once()
+            assert a2.fenced and "taken over" in a2.health()
+            assert not a2.owns_bmc("b1", "10.0.0.1")
+            assert not b.fenced and b.owns_bmc("b1", "10.0.0.1")
+        finally:
+            await b.stop()
+    finally:
+        await a2.stop()
+
+
+async def wait_for_start(m: Membership, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            await m.start()
+            return
+        except InstanceNameInUse:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+
+
+class Outage:
+    """A store whose calls fail while ``down`` is set: the instance's link to it is cut."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.down = False
+
+    async def run(self, fn, *a, **kw):  # type: ignore[no-untyped-def]
+        if self.down:
+            raise ConnectionError("store unreachable")
+        return await self.store.run(fn, *a, **kw)
+
+
+async def test_an_instance_cut_off_from_the_store_fences_itself_before_it_is_dead(
+    store: Store,
+) -> None:
+    link = Outage(store)
+    a = Membership(link, "rack1", heartbeat_s=0.1, dead_after_s=1.0)  # type: ignore[arg-type]
+    await a.start()
+    try:
+        assert a.owns_bmc("b1", "10.0.0.1")
+        link.down = True
+        cut = time.monotonic()
+        await wait_for(lambda: a.fenced)
+        fenced_after = time.monotonic() - cut
+        # Fenced strictly before the others may judge it dead (dead_after_s = 1.0).
+        assert fenced_after < 1.0
+        assert not a.owns_bmc("b1", "10.0.0.1")
+        ms = await store.run(registry.members, 1.0)
+        assert ms[0].alive  # the others still see it alive: it stopped acting first
+        link.down = False
+        await wait_for(lambda: not a.fenced)
+        assert a.owns_bmc("b1", "10.0.0.1")
+    finally:
+        await a.stop()
+
+
+def _bmcs(s: Session, n: int, network: str = "10.1") -> list[str]:
+    ids = []
+    for i in range(n):
+        b = Bmc(
+            address=f"{network}.{i // 250}.{i % 250 + 1}",
+            protocol="ipmi",
+            username="admin",
+            password_enc=b"x",
+        )
+        s.add(b)
+        ids.append(b.id)
+    s.commit()
+    return ids
+
+
+@pytest.mark.postgres
+async def test_each_bmc_is_polled_by_exactly_one_instance_and_a_survivor_takes_over(
+    pg_server, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    store = Store(pg_server.new_database())
+    store.migrate()
+    box = SecretBox.from_file(tmp_path / "secrets.key")
+    cfg = BmcConfig(power_sync_interval_s=0)
+    ids = await store.run(_bmcs, 60)
+    fleets = [fleet(store, f"rack{i}") for i in range(3)]
+    services = []
+    polled: list[tuple[str, str]] = []
+    try:
+        for f in fleets:
+            await f.start()
+        for f in fleets:
+            await f.refresh()
+        for f in fleets:
+            svc = BmcService(store, box, cfg, instance=f.instance)
+            svc.ownership = f
+
+            async def fake_run(row, op, fn, *, _name=f.instance):  # type: ignore[no-untyped-def]
+                polled.append((_name, row.id))
+                raise BmcError("not a real BMC")
+
+            svc._run = fake_run  # type: ignore[method-assign]
+            services.append(svc)
+
+        for svc in services:
+            await svc.sync_power_once()
+        by_bmc = {i: [n for n, b in polled if b == i] for i in ids}
+        assert all(len(v) == 1 for v in by_bmc.values()), "a BMC was polled twice or never"
+        shares = {f.instance: sum(1 for n, _ in polled if n == f.instance) for f in fleets}
+        assert all(shares.values()), shares  # every instance did its share
+
+        # rack1 dies (no clean stop): within dead_after_s + a heartbeat the others own it all.
+        dead = fleets[1]
+        await cancel(dead._task)
+        survivors = [fleets[0], fleets[2]]
+        await wait_for(
+            lambda: all(
+                not any(m.alive for m in f.members if m.name == dead.instance) for f in survivors
+            )
+        )
+        polled.clear()
+        for svc in (services[0], services[2]):
+            await svc.sync_power_once()
+        by_bmc = {i: [n for n, b in polled if b == i] for i in ids}
+        assert all(len(v) == 1 for v in by_bmc.values())
+        assert {n for n, _ in polled} == {"rack0", "rack2"}
+    finally:
+        for f in fleets:
+            await f.stop()
+        store.close()
+
+
+@pytest.mark.postgres
+async def test_bmc_networks_limit_what_an_instance_may_own(pg_server) -> None:  # type: ignore[no-untyped-def]
+    store = Store(pg_server.new_database())
+    store.migrate()
+    a = fleet(store, "site-a", serves={"bmc_networks": ["10.1.0.0/16"]})
+    b = fleet(store, "site-b", serves={"bmc_networks": ["10.2.0.0/16"]})
+    try:
+        await a.start()
+        await b.start()
+        await a.refresh()
+        assert all(a.bmc_owner(f"x{i}", f"10.1.0.{i}") == "site-a" for i in range(1, 50))
+        assert all(a.bmc_owner(f"y{i}", f"10.2.0.{i}") == "site-b" for i in range(1, 50))
+        assert a.bmc_owner("z", "192.168.0.1") is None  # nobody can reach it
+        assert a.bmc_owner("h", "bmc-7.example") in {"site-a", "site-b"}
+    finally:
+        await a.stop()
+        await b.stop()
+        store.close()
