@@ -175,7 +175,10 @@ def _tenant_hubs(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
         return None, []
     from metald.tenants.runtime import TenantRuntime
 
-    return TenantRuntime(d.store, d.secrets, d.cfg.tenants, d.cfg.state_dir, d.cfg.instance), []
+    runtime = TenantRuntime(d.store, d.secrets, d.cfg.tenants, d.cfg.state_dir, d.cfg.instance)
+    runtime.ownership = d.fleet
+    d.fleet.on_change(runtime.wake)
+    return runtime, []
 
 
 def _tenant_node_guard(d: Daemon) -> tuple[Any, list[web.RouteDef]]:

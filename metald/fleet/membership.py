@@ -17,6 +17,7 @@ import logging
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from ipaddress import ip_address, ip_network
 from typing import Any
 
@@ -75,6 +76,20 @@ class Membership:
         self._last_ok: float | None = None
         self._taken_over = False
         self._task: asyncio.Task[None] | None = None
+        self._listeners: list[Callable[[], None]] = []
+
+    def on_change(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (on the loop) whenever the live set or this instance's fencing
+        changes, so owners act at once instead of at their next interval."""
+        self._listeners.append(callback)
+
+    def _view(self) -> tuple[frozenset[str], bool]:
+        return frozenset(m.name for m in self.live()), self.fenced
+
+    def _changed(self, before: tuple[frozenset[str], bool]) -> None:
+        if self._view() != before:
+            for cb in self._listeners:
+                cb()
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -109,11 +124,27 @@ class Membership:
         return "fenced (store unreachable)" if self.fenced else "running"
 
     async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.heartbeat_s)
-            await self.beat_once()
+        # A heartbeat that hangs on an unreachable store must not stop the clock: fencing is
+        # judged by time here, and listeners hear of it, whatever the store call is doing.
+        beat: asyncio.Task[None] | None = None
+        try:
+            while True:
+                before = self._view()
+                if beat is None or beat.done():
+                    beat = asyncio.create_task(self.beat_once(), name="fleet-beat")
+                await asyncio.sleep(self.heartbeat_s)
+                self._changed(before)
+        finally:
+            await cancel(beat)
 
     async def beat_once(self) -> None:
+        before = self._view()
+        try:
+            await self._beat()
+        finally:
+            self._changed(before)
+
+    async def _beat(self) -> None:
         was_fenced = self.fenced
         started = time.monotonic()  # the store's heartbeat time is at or after this moment
         try:
@@ -169,3 +200,10 @@ class Membership:
 
     def owns_bmc(self, bmc_id: str, address: str) -> bool:
         return not self.fenced and self.bmc_owner(bmc_id, address) == self.instance
+
+    def hub_owner(self, tenant_id: str) -> str | None:
+        """The live instance with ``[tenants] hubs = true`` that runs a tenant's hub."""
+        return owner(f"hub:{tenant_id}", [m.name for m in self.live() if m.serves.get("hubs")])
+
+    def owns_hub(self, tenant_id: str) -> bool:
+        return not self.fenced and self.hub_owner(tenant_id) == self.instance

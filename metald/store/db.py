@@ -57,7 +57,23 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
         return engine
     if u.drivername == "postgresql":
         u = u.set(drivername="postgresql+psycopg")
-    return create_engine(u, echo=echo, pool_size=10, max_overflow=20, pool_pre_ping=True)
+    # A cut link must fail calls in seconds, not after TCP's minutes: instances fence themselves
+    # when their heartbeat cannot be written (metald.fleet.membership).
+    return create_engine(
+        u,
+        echo=echo,
+        pool_size=10,
+        max_overflow=20,
+        pool_pre_ping=True,
+        connect_args={
+            "connect_timeout": 5,
+            "keepalives": 1,
+            "keepalives_idle": 5,
+            "keepalives_interval": 2,
+            "keepalives_count": 3,
+            "tcp_user_timeout": 10000,
+        },
+    )
 
 
 class Store:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import hashlib
 import ipaddress
 import logging
 import os
@@ -33,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import Protocol
 
 from sqlmodel import Session, col, select
 
@@ -194,7 +196,9 @@ class RunningHub:
         netns.create(self.ns)
         try:
             plen = _bridge_prefixlen(self.cfg.underlay_bridge, s.endpoint_host)
-            _veth_to_bridge(veth_name(s.tenant_id), self.ns, self.cfg.underlay_bridge)
+            _veth_to_bridge(
+                veth_name(s.tenant_id), self.ns, self.cfg.underlay_bridge, hub_mac(s.tenant_id)
+            )
             netns.address(self.ns, UNDERLAY_IF, f"{s.endpoint_host}/{plen}")
             guard.apply(self.ns, guard.render([UNDERLAY_IF], wireguard_port=s.listen_port))
             # Node-to-node traffic inside the tenant (srun steps) goes through the hub.
@@ -271,6 +275,15 @@ class RunningHub:
         return running, up
 
 
+class HubOwnership(Protocol):
+    """Which instance runs a tenant's hub (metald.fleet.membership.Membership)."""
+
+    @property
+    def fenced(self) -> bool: ...
+
+    def owns_hub(self, tenant_id: str) -> bool: ...
+
+
 class TenantRuntime:
     """The daemon service; also the ``HubRuntime`` the join route applies peers to."""
 
@@ -288,12 +301,38 @@ class TenantRuntime:
         self.running: dict[str, RunningHub] = {}
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
+        #: Fleet membership: which tenants' hubs run here. None: every hub (one instance).
+        self.ownership: HubOwnership | None = None
+        self._wake = asyncio.Event()
+        self._fencing: asyncio.Task[None] | None = None
+
+    def owns(self, tenant_id: str) -> bool:
+        return self.ownership is None or self.ownership.owns_hub(tenant_id)
+
+    def wake(self) -> None:
+        """Sync now (the fleet's live set changed: a hub may have to move here or away). A
+        fenced instance takes its hubs down at once, without the store it cannot reach."""
+        self._wake.set()
+        fenced = self.ownership is not None and self.ownership.fenced
+        if fenced and self.running and self._fencing is None and self._task is not None:
+            self._fencing = asyncio.create_task(self._fence_down(), name="tenant-hubs-fence")
+
+    async def _fence_down(self) -> None:
+        try:
+            await cancel(self._task)  # a sync may be waiting on the unreachable store
+            async with self._lock:
+                log.warning("fenced (no heartbeat): taking every tenant hub here down")
+                await asyncio.to_thread(self._down_all)
+            self._task = asyncio.create_task(self._loop(), name="tenant-hubs")
+        finally:
+            self._fencing = None
 
     async def start(self) -> None:
         await self.sync()
         self._task = asyncio.create_task(self._loop(), name="tenant-hubs")
 
     async def stop(self) -> None:
+        await cancel(self._fencing)
         await cancel(self._task)
         self._task = None
         async with self._lock:  # a sync bringing a hub up finishes first, then all go down
@@ -310,7 +349,16 @@ class TenantRuntime:
     async def sync(self) -> list[str]:
         """Bring up new hubs, reconcile running ones, observe; returns machines activated."""
         async with self._lock:
-            specs = await self.store.run(load_specs, self.box)
+            specs = [
+                s for s in await self.store.run(load_specs, self.box) if self.owns(s.tenant_id)
+            ]
+            # Hubs this instance no longer owns (another instance joined and took them, or this
+            # one is fenced) go down first: one endpoint address never answers on two hosts.
+            owned = {s.tenant_id for s in specs}
+            for tid in [t for t in self.running if t not in owned]:
+                hub = self.running.pop(tid)
+                log.info("tenant %s: hub handed over to another instance", hub.spec.tenant_name)
+                await asyncio.to_thread(hub.down)
             seen: dict[str, tuple[dict[str, PeerStatus], set[str] | None]] = {}
             for spec in specs:
                 try:
@@ -348,7 +396,9 @@ class TenantRuntime:
 
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(self.cfg.observe_interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.cfg.observe_interval_s)
+            self._wake.clear()
             try:
                 await self.sync()
             except Exception:
@@ -396,11 +446,19 @@ def _bridge_prefixlen(bridge: str, address: str) -> int:
     raise RuntimeError(f"hub address {address} is on none of {bridge}'s networks")
 
 
-def _veth_to_bridge(host_if: str, ns: str, bridge: str) -> None:
+def hub_mac(tenant_id: str) -> str:
+    """A locally administered MAC derived from the tenant: when the hub moves to another
+    instance, its endpoint address keeps its link-layer address, so nodes' ARP caches stay
+    right and the nodes reconnect without waiting for the cache to expire."""
+    raw = hashlib.sha256(f"metald-hub:{tenant_id}".encode()).digest()[:5]
+    return "02:" + ":".join(f"{b:02x}" for b in raw)
+
+
+def _veth_to_bridge(host_if: str, ns: str, bridge: str, mac: str) -> None:
     from pyroute2 import IPRoute
 
     with IPRoute() as ip:
-        ip.link("add", ifname=host_if, kind="veth", peer={"ifname": UNDERLAY_IF})
+        ip.link("add", ifname=host_if, kind="veth", peer={"ifname": UNDERLAY_IF, "address": mac})
         peer = ip.link_lookup(ifname=UNDERLAY_IF)[0]
         ip.link("set", index=peer, net_ns_fd=ns)
         idx = ip.link_lookup(ifname=host_if)[0]

@@ -213,3 +213,54 @@ async def test_bmc_networks_limit_what_an_instance_may_own(pg_server) -> None:  
         await a.stop()
         await b.stop()
         store.close()
+
+
+@pytest.mark.postgres
+async def test_each_tenant_hub_has_one_home_among_hub_instances(pg_server) -> None:  # type: ignore[no-untyped-def]
+    store = Store(pg_server.new_database())
+    store.migrate()
+    hubs = [fleet(store, f"hub{i}", serves={"hubs": True}) for i in range(2)]
+    plain = fleet(store, "edge", serves={"hubs": False})
+    try:
+        for f in [*hubs, plain]:
+            await f.start()
+        for f in [*hubs, plain]:
+            await f.refresh()
+        tenants = [f"t{i}" for i in range(40)]
+        for t in tenants:
+            owners = [f.instance for f in [*hubs, plain] if f.owns_hub(t)]
+            assert len(owners) == 1 and owners[0] != "edge", (t, owners)
+        assert all(any(f.owns_hub(t) for t in tenants) for f in hubs)  # both carry some
+    finally:
+        for f in [*hubs, plain]:
+            await f.stop()
+        store.close()
+
+
+class Hang:
+    """A store whose calls never return while ``hung`` is set (a link cut without a reset)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.hung = asyncio.Event()
+
+    async def run(self, fn, *a, **kw):  # type: ignore[no-untyped-def]
+        if self.hung.is_set():
+            await asyncio.Event().wait()
+        return await self.store.run(fn, *a, **kw)
+
+
+async def test_a_hung_store_call_still_fences_and_tells_listeners(store: Store) -> None:
+    link = Hang(store)
+    a = Membership(link, "rack1", heartbeat_s=0.1, dead_after_s=0.8, serves={"hubs": True})  # type: ignore[arg-type]
+    heard: list[bool] = []
+    a.on_change(lambda: heard.append(a.fenced))
+    await a.start()
+    try:
+        assert a.owns_hub("t1")
+        link.hung.set()
+        await wait_for(lambda: True in heard)
+        assert a.fenced and not a.owns_hub("t1")
+    finally:
+        link.hung.clear()
+        await a.stop()
