@@ -5,7 +5,7 @@ config, SQLite by default), without QEMU.
     sudo .venv/bin/python bench/storm.py                      # 1,000 machines
     sudo .venv/bin/python bench/storm.py --machines 1000,5000 # side by side, with ratios
     sudo .venv/bin/python bench/storm.py --quick              # CI smoke: 50 machines, 5 claims
-    sudo .venv/bin/python bench/storm.py --db postgresql      # tests/pg.py's private cluster
+    sudo .venv/bin/python bench/storm.py --db postgresql      # vmlab/pg.py's private cluster
 
 Two network namespaces joined by a veth (bench/_lab.py, as dhcp_bench.py does): metald serves
 DHCP on ``vs`` in one; the simulated machines live in the other and reach it through a
@@ -793,7 +793,6 @@ def log(msg: str) -> None:
 
 
 def client_main(params_json: str) -> int:
-    sys.path.insert(0, str(ROOT))
     p = json.loads(params_json)
     try:
         res = asyncio.run(Storm(p).run())
@@ -905,7 +904,7 @@ def run_one(n: int, args: argparse.Namespace) -> dict[str, Any]:
             state.mkdir()
             store_url = ""
             if args.db == "postgresql":
-                from pg import PgServer  # tests/pg.py, on the path through _lab
+                from vmlab.pg import PgServer
 
                 pg = PgServer()
                 name = pg.new_database().rsplit("/", 1)[1]

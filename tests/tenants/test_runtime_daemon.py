@@ -39,7 +39,7 @@ pytestmark = [
 def test_daemon_runs_hub_and_control_plane_node_joins_and_release_removes_it(
     tmp_path: Path,
 ) -> None:
-    from metald.labrack import LabRack, curl_json, tenants_config
+    from vmlab.rack import LabRack, curl_json, tenants_config
 
     rack = LabRack(
         f"rt{secrets.token_hex(2)}", tmp_path, machines=0, uefi=0, extra_config=tenants_config

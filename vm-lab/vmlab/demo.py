@@ -24,7 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from .lab import REPO_ROOT
+
 BIN = Path(sys.executable).parent
 Ctl = Callable[..., tuple[int, str]]
 
@@ -93,7 +94,7 @@ def can_run_rack() -> str | None:
 
 
 def run_rack(workdir: Path) -> tuple[Ctl, Callable[[], None], dict[str, float]]:
-    from metald.labrack import LabRack, tenants_config
+    from .rack import LabRack, tenants_config
 
     timings: dict[str, float] = {}
     step("Build the discovery image from Debian packages (cached in .cache/bootassets)")
@@ -260,7 +261,7 @@ def tenant_phase(rack, ctl: Ctl, timings: dict[str, float]) -> None:  # type: ig
 
 
 def claim_phase(rack, ctl: Ctl, timings: dict[str, float], workdir: Path) -> None:  # type: ignore[no-untyped-def]
-    from metald.labrack import MARKER
+    from .rack import MARKER
 
     step("DISK=1: an orchestrator claims 2 machines for tenant initech with a disk image")
     image_args = rack.publish_test_image(workdir)
@@ -413,13 +414,14 @@ def operate(ctl: Ctl) -> None:
 
 
 def main() -> int:
-    workdir = ROOT / "var" / "demo"
+    workdir = REPO_ROOT / "var" / "demo"
     if workdir.exists():
         if (workdir / "lab").exists():
             subprocess.run(
                 [
                     sys.executable,
-                    str(ROOT / "vm-lab" / "vm-lab"),
+                    "-m",
+                    "vmlab",
                     "--home",
                     str(workdir / "lab"),
                     "down",

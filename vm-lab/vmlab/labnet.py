@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from .lab import REPO_ROOT
+
 ROOT = os.geteuid() == 0
 NEED_ROOT = "needs root for network namespaces (run the suite as root)"
 _seq = itertools.count()
@@ -101,7 +103,7 @@ class BootProcess:
             "info",
             stdout=subprocess.PIPE,
             stderr=self._logf,
-            cwd=str(Path(__file__).parents[2]),
+            cwd=str(REPO_ROOT),
         )
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
