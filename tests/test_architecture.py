@@ -1,4 +1,5 @@
-"""The layering rules of docs/architecture.md, checked by import-linter on every test run.
+"""The layering rules of docs/architecture.md, checked by import-linter on every test run, and
+the doc's import graph, redrawn from the code.
 
 The contracts live in pyproject.toml ([tool.importlinter]); a new import that breaks one fails
 here with import-linter's report of the offending chain.
@@ -48,3 +49,15 @@ def test_every_part_of_metald_has_a_layer() -> None:
     missing = sorted(parts - named)
     assert not missing, f"place these in [tool.importlinter] layers (pyproject.toml): {missing}"
     assert not sorted(n for n in named if n.startswith("metald.") and n not in parts)
+
+
+def test_the_docs_picture_is_drawn_from_the_code() -> None:
+    """docs/architecture.md's import graph matches the code (scripts/import_graph.py)."""
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "import_graph.py"), "--check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
