@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import json
 import os
 import shutil
 import sys
@@ -463,30 +462,7 @@ def _build(target: Path, inputs: dict[str, object], digest: str) -> None:
             "disk": disk_info,
             **report,
         }
-        (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        if target.exists():
-            shutil.rmtree(target)
-        shutil.move(str(out), target)
-
-
-def _point_current(cache: Path, name: str) -> None:
-    link = cache / CURRENT
-    tmp = cache / f".{CURRENT}-{os.getpid()}"
-    tmp.unlink(missing_ok=True)
-    tmp.symlink_to(name)
-    tmp.replace(link)
-
-
-def _prune(cache: Path, keep: int = 2) -> None:
-    current = (cache / CURRENT).resolve()
-    builds = sorted(
-        (p for p in cache.glob(f"{PREFIX}*") if p.is_dir() and (p / "manifest.json").exists()),
-        key=lambda p: p.stat().st_mtime,
-        reverse=True,
-    )
-    for old in builds[keep:]:
-        if old != current:
-            shutil.rmtree(old, ignore_errors=True)
+        build.publish(out, target, manifest)
 
 
 def ensure_node_built(cache_dir: Path | str | None = None, *, force: bool = False) -> Path:
@@ -511,6 +487,6 @@ def ensure_node_built(cache_dir: Path | str | None = None, *, force: bool = Fals
         if force or not (target / "manifest.json").exists():
             _build(target, inputs, name.removeprefix(PREFIX))
         build.verify(target)
-        _point_current(cache, name)
-        _prune(cache)
+        build.point_current(cache, CURRENT, name)
+        build.prune(cache, CURRENT, 2, lambda p: p.name.startswith(PREFIX))
     return target
