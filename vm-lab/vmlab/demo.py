@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .lab import REPO_ROOT
+from .labnet import free_port
 
 BIN = Path(sys.executable).parent
 Ctl = Callable[..., tuple[int, str]]
@@ -53,24 +53,14 @@ def quiet_json(ctl: Ctl, *args: str, env: dict[str, str] | None = None) -> Any:
     return json.loads(out)
 
 
-def local_ctl(url: str, token: str) -> Ctl:
+def _ctl(
+    url: str, token: Callable[[], str], run: Callable[..., subprocess.CompletedProcess]
+) -> Ctl:
+    """metalctl against ``url`` with the token ``token()`` gives, started by ``run``."""
+
     def ctl(*args: str, check: bool = True, env: dict[str, str] | None = None) -> tuple[int, str]:
-        full = {**os.environ, "METALD_URL": url, "METALD_TOKEN": token, **(env or {})}
-        r = subprocess.run([str(BIN / "metalctl"), *args], env=full, capture_output=True, text=True)
-        if r.returncode and r.stderr:
-            print(r.stderr.rstrip(), flush=True)
-        if check and r.returncode:
-            raise SystemExit(f"demo: metalctl {' '.join(args)} failed")
-        return r.returncode, r.stdout
-
-    return ctl
-
-
-def rack_ctl(rack) -> Ctl:  # type: ignore[no-untyped-def]
-    def ctl(*args: str, check: bool = True, env: dict[str, str] | None = None) -> tuple[int, str]:
-        token = rack.token
-        full = {**os.environ, "METALD_URL": rack.url, "METALD_TOKEN": token, **(env or {})}
-        r = rack.lab.run(
+        full = {**os.environ, "METALD_URL": url, "METALD_TOKEN": token(), **(env or {})}
+        r = run(
             [str(BIN / "metalctl"), *args], capture_output=True, text=True, env=full, timeout=120
         )
         if r.returncode and r.stderr:
@@ -80,6 +70,15 @@ def rack_ctl(rack) -> Ctl:  # type: ignore[no-untyped-def]
         return r.returncode, r.stdout
 
     return ctl
+
+
+def local_ctl(url: str, token: str) -> Ctl:
+    return _ctl(url, lambda: token, subprocess.run)
+
+
+def rack_ctl(rack) -> Ctl:  # type: ignore[no-untyped-def]
+    # The rack's token is read at each call: metald writes a new one when it restarts.
+    return _ctl(rack.url, lambda: rack.token, rack.lab.run)
 
 
 def can_run_rack() -> str | None:
@@ -327,9 +326,7 @@ def claim_phase(rack, ctl: Ctl, timings: dict[str, float], workdir: Path) -> Non
 
 
 def run_local(workdir: Path) -> tuple[Ctl, Callable[[], None], dict[str, float]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     conf = workdir / "metald.toml"
     conf.write_text(
         f'state_dir = "{workdir}"\ninstance = "demo"\n[api]\nlisten = "127.0.0.1:{port}"\n[bmc]\npower_sync_interval_s = 0\n'

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import os
 import select
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +22,13 @@ from .lab import REPO_ROOT
 ROOT = os.geteuid() == 0
 NEED_ROOT = "needs root for network namespaces (run the suite as root)"
 _seq = itertools.count()
+
+
+def free_port(kind: socket.SocketKind = socket.SOCK_STREAM) -> int:
+    """A port free on 127.0.0.1 for ``kind`` (TCP by default) at the time of the call."""
+    with socket.socket(socket.AF_INET, kind) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def sh(*cmd: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess[str]:
