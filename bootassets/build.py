@@ -376,24 +376,27 @@ def _build(target: Path, inputs: dict[str, object], digest: str) -> None:
         (out / "discovery" / "initrd.img").write_bytes(initrd)
         for name in IPXE_FILES:
             shutil.copyfile(ipxe / "usr" / "lib" / "ipxe" / name, out / name)
-        files, total = file_table(out, SIZE_LIMIT, "boot assets")
-        manifest = {
-            "inputs_hash": digest,
-            "inputs": inputs,
-            "kernel_version": kernel_version,
-            "modules": order,
-            "files": files,
-            "total_bytes": total,
-        }
-        publish(out, target, manifest)
+        publish(
+            out,
+            target,
+            "boot assets",
+            SIZE_LIMIT,
+            inputs_hash=digest,
+            inputs=inputs,
+            kernel_version=kernel_version,
+            modules=order,
+        )
 
 
 # The cache holds builds of both kinds (discovery assets here, node images in node.py), each
 # a folder with its manifest.json, published, pointed at and pruned the same way.
 
 
-def publish(out: Path, target: Path, manifest: dict[str, object]) -> None:
-    """Write ``out``'s manifest, then move the finished build to ``target`` (under the lock)."""
+def publish(out: Path, target: Path, what: str, limit: int, **manifest: object) -> None:
+    """Write ``out``'s manifest (``manifest`` plus its file table, checked against ``limit``
+    bytes), then move the finished build to ``target`` (under the lock)."""
+    files, total = file_table(out, limit, what)
+    manifest |= {"files": files, "total_bytes": total}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     if target.exists():
         shutil.rmtree(target)

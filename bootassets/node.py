@@ -449,20 +449,20 @@ def _build(target: Path, inputs: dict[str, object], digest: str) -> None:
         if inputs.get("disk"):
             syslinux = build._download(packages["disk"], work / "syslinux")
             disk_info = build_disk(out, out / "vmlinuz", out / "initrd.img", syslinux)
-        files, total = build.file_table(out, SIZE_LIMIT, "node image files")
-        manifest = {
-            "inputs_hash": digest,
-            "inputs": inputs,
-            "kernel_version": kernel_version,
-            "modules": order,
-            "files": files,
-            "total_bytes": total,
-            "initrd_unpacked_bytes": sum(len(e.data) for e in entries),
-            "contents": sorted(e.path for e in entries),
-            "disk": disk_info,
+        build.publish(
+            out,
+            target,
+            "node image files",
+            SIZE_LIMIT,
+            inputs_hash=digest,
+            inputs=inputs,
+            kernel_version=kernel_version,
+            modules=order,
+            initrd_unpacked_bytes=sum(len(e.data) for e in entries),
+            contents=sorted(e.path for e in entries),
+            disk=disk_info,
             **report,
-        }
-        build.publish(out, target, manifest)
+        )
 
 
 def ensure_node_built(cache_dir: Path | str | None = None, *, force: bool = False) -> Path:

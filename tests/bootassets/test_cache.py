@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -13,7 +14,7 @@ def _build(cache: Path, name: str, mtime: int) -> Path:
     out = cache / f".work-{name}"
     out.mkdir()
     (out / "vmlinuz").write_bytes(b"k")
-    build.publish(out, cache / name, {"inputs_hash": name})
+    build.publish(out, cache / name, "test build", 1 << 20, inputs_hash=name)
     os.utime(cache / name, (mtime, mtime))
     return cache / name
 
@@ -23,6 +24,9 @@ def test_publish_replaces_a_build_and_writes_its_manifest(tmp_path: Path) -> Non
     (first / "stale").write_text("x")
     again = _build(tmp_path, "abc", 2)
     assert sorted(p.name for p in again.iterdir()) == ["manifest.json", "vmlinuz"]
+    manifest = json.loads((again / "manifest.json").read_text())
+    assert manifest["inputs_hash"] == "abc" and manifest["total_bytes"] == 1
+    assert list(manifest["files"]) == ["vmlinuz"]
     assert not list(tmp_path.glob(".work-*"))
 
 
