@@ -13,7 +13,7 @@ setup:
 	@./scripts/bootstrap
 
 demo: setup
-	$(PY) -m metald.demo
+	$(PY) -m vmlab.demo
 
 test: setup
 	$(VENV)/bin/pytest -q -rs --durations=15 $(PYTEST_ARGS)
@@ -24,6 +24,7 @@ test-fast: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports --no-cache
 
 format: setup
 	$(VENV)/bin/ruff format .
@@ -39,10 +40,10 @@ nodeimage: setup
 	$(PY) -m bootassets node
 
 lab-up: setup
-	$(PY) vm-lab/vm-lab up --machines $(MACHINES) --name $(LAB)
+	$(PY) -m vmlab up --machines $(MACHINES) --name $(LAB)
 
 lab-down: setup
-	$(PY) vm-lab/vm-lab down --name $(LAB)
+	$(PY) -m vmlab down --name $(LAB)
 
 clean:
 	rm -rf .pytest_cache .ruff_cache var

@@ -1,15 +1,9 @@
-"""Shared bench plumbing: namespaces (from the boot tests), process helpers, table printing."""
+"""Shared bench plumbing: namespaces and process helpers (from the lab), table printing."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
-
-from boot.labnet import BootProcess, Netns, namespaces, sh, veth, write_config  # noqa: E402
+from vmlab.lab import REPO_ROOT as ROOT
+from vmlab.labnet import BootProcess, Netns, namespaces, sh, veth, write_config
 
 __all__ = ["ROOT", "BootProcess", "Netns", "namespaces", "sh", "veth", "write_config", "table"]
 

@@ -28,15 +28,12 @@ import struct
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from metald.bmc import rmcp  # noqa: E402
-from metald.bmc.base import BmcEndpoint, BmcError, PowerAction, PowerState  # noqa: E402
-from metald.bmc.ipmi import IpmiDriver  # noqa: E402
-from metald.bmc.scheduler import BmcScheduler  # noqa: E402
+from metald.bmc import rmcp
+from metald.bmc.base import BmcEndpoint, BmcError, PowerAction, PowerState
+from metald.bmc.ipmi import IpmiDriver
+from metald.bmc.scheduler import BmcScheduler
 
 USER, PASSWORD = b"admin", b"fleet-password"
 

@@ -5,7 +5,7 @@ config, SQLite by default), without QEMU.
     sudo .venv/bin/python bench/storm.py                      # 1,000 machines
     sudo .venv/bin/python bench/storm.py --machines 1000,5000 # side by side, with ratios
     sudo .venv/bin/python bench/storm.py --quick              # CI smoke: 50 machines, 5 claims
-    sudo .venv/bin/python bench/storm.py --db postgresql      # tests/pg.py's private cluster
+    sudo .venv/bin/python bench/storm.py --db postgresql      # vmlab/pg.py's private cluster
 
 Two network namespaces joined by a veth (bench/_lab.py, as dhcp_bench.py does): metald serves
 DHCP on ``vs`` in one; the simulated machines live in the other and reach it through a
@@ -50,6 +50,8 @@ from pathlib import Path
 from typing import Any
 
 from _lab import ROOT, namespaces, table, veth
+
+from vmlab.inventory import h100_server
 
 SRV, CLI = "10.77.0.1", "10.77.0.2"
 API_PORT = 8080
@@ -108,147 +110,9 @@ def _mac(i: int) -> str:
 
 
 def inventory(sim: Sim, boot_id: str, sequence: int) -> dict[str, Any]:
-    """A schema v1 payload as the discovery agent posts it for an 8 x H100 SXM server."""
-    i = sim.idx
-    gpus = [
-        {
-            "address": f"0000:{bus:02x}:00.0",
-            "vendor": "0x10de",
-            "device": "0x2330",
-            "class": "0x030200",
-            "subsystem_vendor": "0x10de",
-            "subsystem_device": "0x16c1",
-            "driver": None,
-        }
-        for bus in (0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)
-    ]
-    switches = [
-        {
-            "address": f"0000:{bus:02x}:00.0",
-            "vendor": "0x10de",
-            "device": "0x22a3",
-            "class": "0x068000",
-            "subsystem_vendor": "0x10de",
-            "subsystem_device": "0x1796",
-            "driver": None,
-        }
-        for bus in (0x05, 0x06, 0x07, 0x08)
-    ]
-    cx7 = [
-        {
-            "address": f"0000:{bus:02x}:00.0",
-            "vendor": "0x15b3",
-            "device": "0x1021",
-            "class": "0x020700",
-            "subsystem_vendor": "0x15b3",
-            "subsystem_device": "0x0041",
-            "driver": "mlx5_core",
-        }
-        for bus in (0x1A, 0x3C, 0x4D, 0x5E, 0x9C, 0xBC, 0xCC, 0xDC)
-    ]
-    other = [
-        {
-            "address": "0000:00:00.0",
-            "vendor": "0x8086",
-            "device": "0x09a2",
-            "class": "0x088000",
-            "driver": None,
-        },
-        {
-            "address": "0000:02:00.0",
-            "vendor": "0x1a03",
-            "device": "0x2000",
-            "class": "0x030000",
-            "driver": "ast",
-        },
-        {
-            "address": "0000:04:00.0",
-            "vendor": "0x14e4",
-            "device": "0x165f",
-            "class": "0x020000",
-            "driver": "tg3",
-        },
-    ] + [
-        {
-            "address": f"0000:{bus:02x}:00.0",
-            "vendor": "0x144d",
-            "device": "0xa824",
-            "class": "0x010802",
-            "driver": "nvme",
-        }
-        for bus in (0x61, 0x62, 0x63)
-    ]
-    nics = [
-        {
-            "name": "eno1",
-            "mac": sim.mac,
-            "driver": "tg3",
-            "link": True,
-            "speed_mbps": 1000,
-            "pci_address": "0000:04:00.0",
-        },
-        {
-            "name": "eno2",
-            "mac": f"b0:7b:26:{i >> 16 & 255:02x}:{i >> 8 & 255:02x}:{i & 255:02x}",
-            "driver": "tg3",
-            "link": False,
-            "speed_mbps": None,
-            "pci_address": "0000:04:00.1",
-        },
-    ]
-    disks = [
-        {
-            "name": f"nvme{n}n1",
-            "size_bytes": 3840755982336,
-            "model": "SAMSUNG MZQL23T8HCLS-00A07",
-            "serial": f"S64HNE0R{i:06d}{n}",
-            "wwn": None,
-            "rotational": False,
-            "removable": False,
-        }
-        for n in range(3)
-    ]
-    lan = (
-        "Set in Progress         : Set Complete\n"
-        "IP Address Source       : DHCP Address\n"
-        f"IP Address              : 10.78.{i >> 8 & 255}.{i & 255}\n"
-        "Subnet Mask             : 255.255.0.0\n"
-        f"MAC Address             : 3c:ec:ef:{i >> 16 & 255:02x}:{i >> 8 & 255:02x}:{i & 255:02x}\n"
-        "Default Gateway IP      : 10.78.0.1\n"
-        "802.1q VLAN ID          : Disabled\n"
+    return h100_server(
+        sim.idx, sim.mac, machine_id=sim.machine_id, boot_id=boot_id, sequence=sequence
     )
-    return {
-        "schema_version": 1,
-        "agent_version": "1.0",
-        "machine_id": sim.machine_id,
-        "boot_id": boot_id,
-        "sequence": sequence,
-        "system": {
-            "vendor": "Supermicro",
-            "product": "SYS-821GE-TNHR",
-            "serial": f"S{900000 + i}",
-            "uuid": str(uuid.UUID(int=(0x4C4C4544 << 96) | i)),
-            "sku": "To Be Filled By O.E.M.",
-            "family": "SMC X13",
-            "board_vendor": "Supermicro",
-            "board_product": "X13DEG-OAD",
-            "board_serial": f"OM{i:08d}",
-            "chassis_serial": f"C8210{i:06d}",
-            "bios_vendor": "American Megatrends International, LLC.",
-            "bios_version": "2.1",
-        },
-        "cpu": {
-            "model": "Intel(R) Xeon(R) Platinum 8480+",
-            "logical": 224,
-            "sockets": 2,
-            "cores": 112,
-        },
-        "memory": {"meminfo_total_kb": 2113175552, "online_bytes": 2199023255552},
-        "disks": disks,
-        "nics": nics,
-        "pci": other + switches + cx7 + gpus,
-        "raw": {"ipmitool_lan_print": lan},
-    }
 
 
 class StormError(Exception):
@@ -793,7 +657,6 @@ def log(msg: str) -> None:
 
 
 def client_main(params_json: str) -> int:
-    sys.path.insert(0, str(ROOT))
     p = json.loads(params_json)
     try:
         res = asyncio.run(Storm(p).run())
@@ -905,7 +768,7 @@ def run_one(n: int, args: argparse.Namespace) -> dict[str, Any]:
             state.mkdir()
             store_url = ""
             if args.db == "postgresql":
-                from pg import PgServer  # tests/pg.py, on the path through _lab
+                from vmlab.pg import PgServer
 
                 pg = PgServer()
                 name = pg.new_database().rsplit("/", 1)[1]

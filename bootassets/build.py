@@ -25,7 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -376,38 +376,50 @@ def _build(target: Path, inputs: dict[str, object], digest: str) -> None:
         (out / "discovery" / "initrd.img").write_bytes(initrd)
         for name in IPXE_FILES:
             shutil.copyfile(ipxe / "usr" / "lib" / "ipxe" / name, out / name)
-        files, total = file_table(out, SIZE_LIMIT, "boot assets")
-        manifest = {
-            "inputs_hash": digest,
-            "inputs": inputs,
-            "kernel_version": kernel_version,
-            "modules": order,
-            "files": files,
-            "total_bytes": total,
-        }
-        (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        if target.exists():
-            shutil.rmtree(target)
-        shutil.move(str(out), target)
+        publish(
+            out,
+            target,
+            "boot assets",
+            SIZE_LIMIT,
+            inputs_hash=digest,
+            inputs=inputs,
+            kernel_version=kernel_version,
+            modules=order,
+        )
 
 
-def _point_current(cache: Path, digest: str) -> None:
-    link = cache / "current"
-    tmp = cache / f".current-{os.getpid()}"
+# The cache holds builds of both kinds (discovery assets here, node images in node.py), each
+# a folder with its manifest.json, published, pointed at and pruned the same way.
+
+
+def publish(out: Path, target: Path, what: str, limit: int, **manifest: object) -> None:
+    """Write ``out``'s manifest (``manifest`` plus its file table, checked against ``limit``
+    bytes), then move the finished build to ``target`` (under the lock)."""
+    files, total = file_table(out, limit, what)
+    manifest |= {"files": files, "total_bytes": total}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.move(str(out), target)
+
+
+def point_current(cache: Path, link: str, name: str) -> None:
+    """Point the symlink ``cache/link`` at the build ``name``."""
+    tmp = cache / f".{link}-{os.getpid()}"
     tmp.unlink(missing_ok=True)
-    tmp.symlink_to(digest)
-    tmp.replace(link)  # atomic: readers see the old or the new build, never none
+    tmp.symlink_to(name)
+    tmp.replace(cache / link)  # atomic: readers see the old or the new build, never none
 
 
-def _prune(cache: Path, keep: int = 3) -> None:
-    """Remove all but the ``keep`` newest builds (the current one always stays)."""
-    current = (cache / "current").resolve()
+def prune(cache: Path, link: str, keep: int, is_build: Callable[[Path], bool]) -> None:
+    """Remove all but the ``keep`` newest builds that ``is_build`` owns; the one ``link``
+    points at always stays."""
+    current = (cache / link).resolve()
     builds = sorted(
         (
             p
             for p in cache.iterdir()
-            # node-* folders are node.py's builds, pruned by it
-            if p.is_dir() and not p.name.startswith("node-") and (p / "manifest.json").exists()
+            if p.is_dir() and not p.is_symlink() and is_build(p) and (p / "manifest.json").exists()
         ),
         key=lambda p: p.stat().st_mtime,
         reverse=True,
@@ -415,6 +427,10 @@ def _prune(cache: Path, keep: int = 3) -> None:
     for old in builds[keep:]:
         if old != current:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _is_discovery_build(p: Path) -> bool:
+    return not p.name.startswith("node-")  # node-* folders are node.py's builds, pruned by it
 
 
 def ensure_built(cache_dir: Path | str | None = None, *, force: bool = False) -> Path:
@@ -440,6 +456,6 @@ def ensure_built(cache_dir: Path | str | None = None, *, force: bool = False) ->
         if force or not (target / "manifest.json").exists():
             _build(target, inputs, digest)
         verify(target)
-        _point_current(cache, digest)
-        _prune(cache)
+        point_current(cache, "current", digest)
+        prune(cache, "current", 3, _is_discovery_build)
     return target

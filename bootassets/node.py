@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import json
 import os
 import shutil
 import sys
@@ -450,43 +449,20 @@ def _build(target: Path, inputs: dict[str, object], digest: str) -> None:
         if inputs.get("disk"):
             syslinux = build._download(packages["disk"], work / "syslinux")
             disk_info = build_disk(out, out / "vmlinuz", out / "initrd.img", syslinux)
-        files, total = build.file_table(out, SIZE_LIMIT, "node image files")
-        manifest = {
-            "inputs_hash": digest,
-            "inputs": inputs,
-            "kernel_version": kernel_version,
-            "modules": order,
-            "files": files,
-            "total_bytes": total,
-            "initrd_unpacked_bytes": sum(len(e.data) for e in entries),
-            "contents": sorted(e.path for e in entries),
-            "disk": disk_info,
+        build.publish(
+            out,
+            target,
+            "node image files",
+            SIZE_LIMIT,
+            inputs_hash=digest,
+            inputs=inputs,
+            kernel_version=kernel_version,
+            modules=order,
+            initrd_unpacked_bytes=sum(len(e.data) for e in entries),
+            contents=sorted(e.path for e in entries),
+            disk=disk_info,
             **report,
-        }
-        (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        if target.exists():
-            shutil.rmtree(target)
-        shutil.move(str(out), target)
-
-
-def _point_current(cache: Path, name: str) -> None:
-    link = cache / CURRENT
-    tmp = cache / f".{CURRENT}-{os.getpid()}"
-    tmp.unlink(missing_ok=True)
-    tmp.symlink_to(name)
-    tmp.replace(link)
-
-
-def _prune(cache: Path, keep: int = 2) -> None:
-    current = (cache / CURRENT).resolve()
-    builds = sorted(
-        (p for p in cache.glob(f"{PREFIX}*") if p.is_dir() and (p / "manifest.json").exists()),
-        key=lambda p: p.stat().st_mtime,
-        reverse=True,
-    )
-    for old in builds[keep:]:
-        if old != current:
-            shutil.rmtree(old, ignore_errors=True)
+        )
 
 
 def ensure_node_built(cache_dir: Path | str | None = None, *, force: bool = False) -> Path:
@@ -511,6 +487,6 @@ def ensure_node_built(cache_dir: Path | str | None = None, *, force: bool = Fals
         if force or not (target / "manifest.json").exists():
             _build(target, inputs, name.removeprefix(PREFIX))
         build.verify(target)
-        _point_current(cache, name)
-        _prune(cache)
+        build.point_current(cache, CURRENT, name)
+        build.prune(cache, CURRENT, 2, lambda p: p.name.startswith(PREFIX))
     return target

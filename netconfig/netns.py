@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 NETNS_DIR = Path("/run/netns")
@@ -59,6 +60,15 @@ def address(ns_name: str, ifname: str, cidr: str, *, up: bool = True) -> None:
 
 def link_up(ns_name: str, ifname: str) -> None:
     _ip("-n", ns_name, "link", "set", ifname, "up")
+
+
+def exec_argv(name: str, argv: Sequence[str]) -> list[str]:
+    """argv that runs ``argv`` inside the namespace.
+
+    nsenter changes only the network namespace; unlike ``ip netns exec`` it does not remount
+    /sys, which some daemons (slurmd) do not survive.
+    """
+    return ["nsenter", f"--net={path(name)}", "--", *argv]
 
 
 def links(ns_name: str) -> list[str]:

@@ -12,7 +12,7 @@ import pytest
 from metald.config import Config, load_config
 from metald.secrets import SecretBox
 from metald.store import Store
-from tests.pg import PgServer, pg_bindir
+from vmlab.pg import PgServer, pg_bindir
 
 IS_ROOT = os.geteuid() == 0
 

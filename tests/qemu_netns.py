@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+
+from vmlab import procs
 
 #: Marks for a module of QEMU guests in a namespace (the lab suite, root, QEMU and busybox).
 QEMU_IN_NETNS = [
@@ -59,10 +60,4 @@ def start(ns: str, args: list[str], log: Path, **kw: object) -> subprocess.Popen
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    procs.stop_group(proc)

@@ -6,7 +6,6 @@ import json
 import os
 import select
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -16,14 +15,9 @@ from pathlib import Path
 import pytest
 
 from metald.config import ConfigError, load_config
+from vmlab.labnet import free_port
 
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(port: int, proc: subprocess.Popen, timeout: float = 30) -> None:

@@ -16,43 +16,33 @@ from metald.config import EnrollConfig
 from metald.enrollment import EnrollmentBootHooks
 from metald.inventory.enroll import EnrollmentRule
 from metald.store.models import Event, Machine, Nic
+from vmlab import inventory
+from vmlab.inventory import NVIDIA
 
 MAC = "52:54:00:12:00:01"
 
 
 def payload(machine_id: str | None, *, boot_id: str, sequence: int = 1, gpus: int = 8) -> dict:
-    pci = [
-        {
-            "address": f"0000:{0x18 + i:02x}:00.0",
-            "vendor": "0x10de",
-            "device": "0x2330",
-            "class": "0x030200",
-        }
-        for i in range(gpus)
-    ]
-    pci.append(
-        {"address": "0000:05:00.0", "vendor": "0x10de", "device": "0x22a3", "class": "0x068000"}
-    )  # NVSwitch
-    return {
-        "schema_version": 1,
-        "agent_version": "test",
-        "machine_id": machine_id,
-        "boot_id": boot_id,
-        "sequence": sequence,
-        "system": {
+    """A Dell XE9680 with ``gpus`` H100s and an NVSwitch, its PXE NIC ``MAC``."""
+    nvswitch = {
+        "address": "0000:05:00.0",
+        "vendor": NVIDIA,
+        "device": "0x22a3",
+        "class": "0x068000",
+    }
+    return inventory.payload(
+        agent_version="test",
+        machine_id=machine_id,
+        boot_id=boot_id,
+        sequence=sequence,
+        system={
             "vendor": "Dell Inc.",
             "product": "PowerEdge XE9680",
             "serial": "ABC1234",
             "uuid": "4c4c4544-0042-4310-8033-b4c04f303934",
         },
-        "cpu": {
-            "model": "Intel(R) Xeon(R) Platinum 8480+",
-            "logical": 224,
-            "sockets": 2,
-            "cores": 112,
-        },
-        "memory": {"meminfo_total_kb": 2113464000},
-        "disks": [
+        memory={"meminfo_total_kb": 2113464000},
+        disks=[
             {
                 "name": "nvme0n1",
                 "size_bytes": 3840755982336,
@@ -60,11 +50,9 @@ def payload(machine_id: str | None, *, boot_id: str, sequence: int = 1, gpus: in
                 "rotational": False,
             }
         ],
-        "nics": [
-            {"name": "eno1", "mac": MAC, "driver": "bnxt_en", "link": True, "speed_mbps": 25000}
-        ],
-        "pci": pci,
-    }
+        nics=[{"name": "eno1", "mac": MAC, "driver": "bnxt_en", "link": True, "speed_mbps": 25000}],
+        pci=[*inventory.nvidia_gpus(range(0x18, 0x18 + gpus)), nvswitch],
+    )
 
 
 async def enrolled_via_hooks(store, instance="t"):  # type: ignore[no-untyped-def]

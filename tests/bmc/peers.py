@@ -19,15 +19,16 @@ from typing import Any
 
 import pytest
 
+from vmlab import labnet
+
 HERE = Path(__file__).parent
 PASSWORD = "s3cr3t-Pa55word-x9"
 SYSTEM_UUID = "a1234567-89ab-cdef-0123-456789abcdef"
 
 
-def free_port(kind: int = socket.SOCK_DGRAM) -> int:
-    with socket.socket(socket.AF_INET, kind) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(kind: socket.SocketKind = socket.SOCK_DGRAM) -> int:
+    """A free loopback port, UDP (IPMI's) unless told otherwise."""
+    return labnet.free_port(kind)
 
 
 def _wait_udp_bound(port: int, proc: subprocess.Popen, timeout: float = 10.0) -> None:

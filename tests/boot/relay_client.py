@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import socket
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from metald.boot.dhcp.packet import (  # noqa: E402
+from metald.boot.dhcp.packet import (
     DhcpPacket,
     MalformedPacket,
     MessageType,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .labnet import NEED_ROOT, ROOT, BootProcess, namespaces, veth, write_config
+from vmlab.labnet import NEED_ROOT, ROOT, BootProcess, namespaces, veth, write_config
 
 pytestmark = [pytest.mark.root, pytest.mark.skipif(not ROOT, reason=NEED_ROOT)]
 
@@ -216,8 +216,7 @@ def test_acked_leases_survive_kill_9_and_restart(lab) -> None:  # type: ignore[n
 
 
 PXE_PROBE = r"""
-import socket, sys
-sys.path.insert(0, sys.argv[1])
+import socket
 from metald.boot.dhcp.packet import DhcpPacket, Opt, parse, serialize, mac_to_bytes
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 s.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
@@ -250,7 +249,7 @@ def test_proxy_mode_answers_pxe_clients_only(tmp_path: Path, assets: Path) -> No
         )
         proc = BootProcess(ns["srv"], cfg, tmp_path / "m.log").start()
         try:
-            out = ns["cli"].run(sys.executable, "-c", PXE_PROBE, str(HERE.parents[1])).stdout
+            out = ns["cli"].run(sys.executable, "-c", PXE_PROBE).stdout
             offer, ack = out.splitlines()
             assert offer.split()[:5] == ["offer", "OFFER", "0.0.0.0", "snponly.efi", "PXEClient"]
             assert offer.split()[5] == "060108ff"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from .labnet import NEED_ROOT, ROOT, BootProcess, namespaces, write_config
+from vmlab.labnet import NEED_ROOT, ROOT, BootProcess, namespaces, write_config
 
 pytestmark = [
     pytest.mark.lab,

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from metald.boot.ra import ICMPV6_RA, build_ra, is_router_solicitation
-
-from .labnet import NEED_ROOT, ROOT, BootProcess, namespaces, veth, write_config
+from vmlab.labnet import NEED_ROOT, ROOT, BootProcess, namespaces, veth, write_config
 
 
 def test_ra_packet_layout() -> None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from vmlab import procs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,13 +70,7 @@ def boot_until(
                 break
             time.sleep(0.5)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        procs.stop_group(proc)
     text = console.read_text(errors="replace") if console.exists() else ""
     print("\n".join(line for line in text.splitlines() if "metald-node" in line))
     return text

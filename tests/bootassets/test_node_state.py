@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from metald.tenants import keys
 from tests.bootassets.conftest import ROOT
 
 SCRIPT = ROOT / "bootassets/node/metald-node"
@@ -65,19 +66,13 @@ def node_sh(tmp_path: Path, body: str) -> tuple[str, dict[str, str]]:
     return text, dict(line.split("=", 1) for line in tail.splitlines())
 
 
-def wg(*args: str, stdin: str | None = None) -> str:
-    return subprocess.run(
-        ["wg", *args], input=stdin, capture_output=True, text=True, check=True
-    ).stdout.strip()
-
-
 @pytest.fixture
 def joined(tmp_path: Path) -> tuple[Path, str]:
     """A node that has just joined: /run/metald's wg.key and join.json, then saved to the
     disk with seed sum "seed-1" and hostname seed-host-7. Returns (persist dir, private key)."""
     run = tmp_path / "run"
     run.mkdir(mode=0o700)
-    key = wg("genkey")
+    key = keys.generate_private_key()
     (run / "wg.key").write_text(key + "\n")
     (run / "join.json").write_text(json.dumps(JOIN))
     out, v = node_sh(tmp_path, "SEED_SUM=seed-1 HOST=seed-host-7; save_joined_state; rc=$?")
@@ -100,7 +95,7 @@ def test_save_writes_key_and_answer_private_and_load_restores_them(
     state = json.loads((persist / "state.json").read_text())
     assert state == {
         "version": 1,
-        "public_key": wg("pubkey", stdin=key + "\n"),
+        "public_key": keys.public_key(key),
         "seed_sha256": "seed-1",
         "hostname": "seed-host-7",
         "join": JOIN,
@@ -163,7 +158,7 @@ def _edit_state(persist: Path, change) -> None:  # type: ignore[no-untyped-def]
         (lambda p: (p / "wg.key").unlink(), "wg.key is missing or empty"),
         (lambda p: (p / "wg.key").write_text("not a key\n"), "not a WireGuard private key"),
         (
-            lambda p: (p / "wg.key").write_text(wg("genkey") + "\n"),
+            lambda p: (p / "wg.key").write_text(keys.generate_private_key() + "\n"),
             "wg.key is not the key the node joined with",
         ),
     ],
@@ -193,7 +188,7 @@ def test_a_save_replaces_the_state_of_an_earlier_join(
 ) -> None:
     persist, _ = joined
     run = tmp_path / "run"
-    key2 = wg("genkey")
+    key2 = keys.generate_private_key()
     (run / "wg.key").write_text(key2 + "\n")
     (run / "join.json").write_text(json.dumps({**JOIN, "overlay_address": "10.200.0.9/24"}))
     out, v = node_sh(tmp_path, "SEED_SUM=seed-2 HOST=h; save_joined_state; rc=$?")

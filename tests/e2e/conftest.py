@@ -42,7 +42,7 @@ def enrolled_rack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Enrolled
     reason = lab_skip_reason()
     if reason:
         pytest.skip(reason)
-    from metald.labrack import LabRack, tenants_config
+    from vmlab.rack import LabRack, tenants_config
 
     rack = LabRack(
         f"e2e{os.getpid() % 10000}",

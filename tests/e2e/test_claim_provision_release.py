@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from metald.labrack import MARKER
+from vmlab.rack import MARKER
 
 pytestmark = [pytest.mark.lab, pytest.mark.root]
 

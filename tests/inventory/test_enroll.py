@@ -14,18 +14,11 @@ from metald.inventory import (
     parse_payload,
 )
 from tests.inventory.conftest import payload
+from vmlab.inventory import nvidia_gpus
 
 
 def inv_with(gpu_device: int = 0x2330, gpus: int = 8, **over):
-    pci = [
-        {
-            "address": f"0000:{i + 1:02x}:00.0",
-            "vendor": "0x10de",
-            "device": f"0x{gpu_device:04x}",
-            "class": "0x030200",
-        }
-        for i in range(gpus)
-    ]
+    pci = nvidia_gpus(range(1, gpus + 1), device=f"0x{gpu_device:04x}")
     return normalize(parse_payload(payload(pci=pci, **over)))
 
 
@@ -91,15 +84,7 @@ def test_rule_keys_are_checked():
 def test_diff_names_what_changed():
     old = inv_with()
     new_payload = payload(
-        pci=[
-            {
-                "address": f"0000:{i + 1:02x}:00.0",
-                "vendor": "0x10de",
-                "device": "0x2330",
-                "class": "0x030200",
-            }
-            for i in range(7)
-        ],
+        pci=nvidia_gpus(range(1, 8)),
         disks=[{"name": "nvme1n1", "size_bytes": 1000, "model": "X", "serial": "S9"}],
         memory={"online_bytes": 1 << 40},
     )

@@ -12,15 +12,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-VMLAB_DIR = Path(__file__).resolve().parents[2] / "vm-lab"
-if str(VMLAB_DIR) not in sys.path:
-    sys.path.insert(0, str(VMLAB_DIR))
+from vmlab import lab as vlab
+from vmlab import netns, plan, procs, qemu  # noqa: F401 - re-exported for the tests
+from vmlab.qmp import QmpClient
 
-from vmlab import lab as vlab  # noqa: E402
-from vmlab import netns, plan, procs, qemu  # noqa: E402, F401 - re-exported for the tests
-from vmlab.qmp import QmpClient  # noqa: E402
-
-VM_LAB = [sys.executable, str(VMLAB_DIR / "vm-lab")]
+VM_LAB = [sys.executable, "-m", "vmlab"]
 
 
 def in_ns(ns: str, argv: list[str], timeout: float = 60) -> subprocess.CompletedProcess:

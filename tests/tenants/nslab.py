@@ -39,9 +39,7 @@ def underlay() -> Iterator[Underlay]:
 
 
 def in_ns(ns: str, *argv: str, **kw) -> subprocess.CompletedProcess[str]:  # type: ignore[no-untyped-def]
-    return subprocess.run(
-        ["nsenter", f"--net={netns.path(ns)}", *argv], capture_output=True, text=True, **kw
-    )
+    return subprocess.run(netns.exec_argv(ns, argv), capture_output=True, text=True, **kw)
 
 
 LISTENER = (
@@ -60,7 +58,7 @@ PROBE = (
 @contextmanager
 def tcp_listener(ns: str, addr: str, port: int) -> Iterator[None]:
     p = subprocess.Popen(
-        ["nsenter", f"--net={netns.path(ns)}", sys.executable, "-c", LISTENER, addr, str(port)],
+        netns.exec_argv(ns, [sys.executable, "-c", LISTENER, addr, str(port)]),
         stderr=subprocess.DEVNULL,
     )
     try:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import secrets
 import shutil
-import subprocess
 import time
 from datetime import datetime
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 from metald.auth import issue_token
 from metald.store import Store
 from metald.store.models import Machine
-from metald.tenants import controlplane
+from metald.tenants import controlplane, keys
 from tests.tenants.nslab import tcp_connects, wait_for
 from tests.tenants.test_wireguard_e2e import node_up
 
@@ -39,7 +38,7 @@ pytestmark = [
 def test_daemon_runs_hub_and_control_plane_node_joins_and_release_removes_it(
     tmp_path: Path,
 ) -> None:
-    from metald.labrack import LabRack, curl_json, tenants_config
+    from vmlab.rack import LabRack, curl_json, tenants_config
 
     rack = LabRack(
         f"rt{secrets.token_hex(2)}", tmp_path, machines=0, uefi=0, extra_config=tenants_config
@@ -89,10 +88,8 @@ def test_daemon_runs_hub_and_control_plane_node_joins_and_release_removes_it(
             token=agent,
         )  # fmt: skip
         assert st == 200
-        priv = subprocess.run(["wg", "genkey"], capture_output=True, text=True).stdout.strip()
-        pub = subprocess.run(
-            ["wg", "pubkey"], input=priv, capture_output=True, text=True
-        ).stdout.strip()
+        priv = keys.generate_private_key()
+        pub = keys.public_key(priv)
         st, joined = curl_json(
             ns, "POST", f"{join['url']}/api/v1/join", {"token": join["token"], "public_key": pub}
         )

@@ -19,7 +19,7 @@ from metald.lifecycle import State
 from metald.secrets import SecretBox
 from metald.store import Store
 from metald.store.models import Machine, Tenant, WgHub
-from metald.tenants import controlplane, service, slurm
+from metald.tenants import controlplane, keys, service, slurm
 from metald.tenants.hubs import LocalHubs
 from tests.tenants.conftest import make_env
 from tests.tenants.nslab import underlay, wait_for
@@ -91,12 +91,8 @@ def test_slurm_node_joins_over_wireguard(tmp_path: Path) -> None:
             )
 
             secret, _ = service.issue_join_token(s, machine_id, actor="test")
-            node_priv = subprocess.run(
-                ["wg", "genkey"], capture_output=True, text=True, check=True
-            ).stdout.strip()
-            node_pub = subprocess.run(
-                ["wg", "pubkey"], input=node_priv, capture_output=True, text=True, check=True
-            ).stdout.strip()
+            node_priv = keys.generate_private_key()
+            node_pub = keys.public_key(node_priv)
             result = service.join(s, box, secret, node_pub)
             hubs.add_peer(tenant_id, node_pub, result.peer.address)
             joined = result.response()

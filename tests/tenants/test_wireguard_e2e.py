@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import secrets
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from sqlmodel import select
 from metald.secrets import SecretBox
 from metald.store import Store
 from metald.store.models import Tenant, WgHub, WgPeer
-from metald.tenants import service
+from metald.tenants import keys, service
 from metald.tenants.hubs import LocalHubs
 from netconfig import guard, netns
 from netconfig.wireguard import UserspaceDevice
@@ -78,12 +77,8 @@ def test_join_handshake_traffic_release(sqlite_store: Store) -> None:
             secret, _ = service.issue_join_token(s, machine_id, actor="test")
 
             # The node: its own key, never sent anywhere.
-            node_priv = subprocess.run(
-                ["wg", "genkey"], capture_output=True, text=True, check=True
-            ).stdout.strip()
-            node_pub = subprocess.run(
-                ["wg", "pubkey"], input=node_priv, capture_output=True, text=True, check=True
-            ).stdout.strip()
+            node_priv = keys.generate_private_key()
+            node_pub = keys.public_key(node_priv)
             result = service.join(s, box, secret, node_pub)
             hubs.add_peer(tenant_id, result.peer.public_key, result.peer.address)  # as the API does
             joined = result.response()

@@ -32,8 +32,7 @@ from typing import Any
 
 from . import netns, plan, procs, qemu
 
-VMLAB_DIR = Path(__file__).resolve().parent.parent  # the folder holding the vmlab package
-REPO_ROOT = VMLAB_DIR.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the lab is installed editable from vm-lab/
 SLOTS_DIR = Path("/run/vm-lab/slots")
 STATE_VERSION = 1
 BMC_USER = "admin"
@@ -297,9 +296,6 @@ class Lab:
         """
         out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - handed to the child
         full_env = dict(os.environ if env is None else env)
-        full_env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(VMLAB_DIR), full_env.get("PYTHONPATH", "")) if p
-        )
         try:
             proc = subprocess.Popen(
                 self.exec_argv(argv),

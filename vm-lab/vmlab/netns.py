@@ -2,7 +2,8 @@
 
 Everything lives inside the namespace, so deleting the namespace (after its processes are gone)
 removes the bridge and the taps with it. The namespace has no route out: only the lab's own
-subnet is reachable from inside.
+subnet is reachable from inside. Creating, deleting and entering namespaces is netconfig's
+(the same code metald runs); the lab adds its bridge, taps and the processes inside.
 """
 
 from __future__ import annotations
@@ -11,32 +12,30 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from pyroute2 import IPRoute, netns
+from pyroute2 import IPRoute
 
-NETNS_DIR = Path("/run/netns")
+from netconfig.netns import NETNS_DIR, NetnsError, create, delete, exec_argv, exists, links
 
-
-class NetnsError(RuntimeError):
-    """Creating or changing the lab network failed."""
-
-
-def exists(ns: str) -> bool:
-    return (NETNS_DIR / ns).exists()
+__all__ = [
+    "NETNS_DIR",
+    "NetnsError",
+    "add_bridge",
+    "add_taps",
+    "add_veth_to_bridge",
+    "create",
+    "delete",
+    "exec_argv",
+    "exists",
+    "links",
+    "list_namespaces",
+    "pids",
+]
 
 
 def list_namespaces(prefix: str) -> list[str]:
     if not NETNS_DIR.is_dir():
         return []
     return sorted(p.name for p in NETNS_DIR.iterdir() if p.name.startswith(prefix))
-
-
-def create(ns: str) -> None:
-    if exists(ns):
-        raise NetnsError(f"network namespace {ns} already exists")
-    netns.create(ns)
-    with IPRoute(netns=ns) as ipr:
-        (lo,) = ipr.link_lookup(ifname="lo")
-        ipr.link("set", index=lo, state="up")
 
 
 def add_bridge(ns: str, bridge: str, addresses: Iterable[str], prefixlen: int) -> None:
@@ -85,17 +84,6 @@ def add_veth_to_bridge(
         ipr.link("set", index=index, state="up")
 
 
-def links(ns: str) -> list[str]:
-    with IPRoute(netns=ns) as ipr:
-        return [link.get("ifname") for link in ipr.get_links()]
-
-
-def delete(ns: str) -> None:
-    """Remove the namespace's name; the kernel frees it (and its links) once no process uses it."""
-    if exists(ns):
-        netns.remove(ns)
-
-
 def _inode(path: str | Path) -> tuple[int, int] | None:
     try:
         st = os.stat(path)
@@ -114,12 +102,3 @@ def pids(ns: str) -> list[int]:
         if entry.isdigit() and _inode(f"/proc/{entry}/ns/net") == target:
             found.append(int(entry))
     return found
-
-
-def exec_argv(ns: str, argv: Sequence[str]) -> list[str]:
-    """argv that runs ``argv`` inside the namespace.
-
-    nsenter changes only the network namespace; unlike ``ip netns exec`` it does not remount
-    /sys, which some daemons (slurmd) do not survive.
-    """
-    return ["nsenter", f"--net={NETNS_DIR / ns}", "--", *argv]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterable
 
@@ -46,6 +47,21 @@ def signal_group_or_pid(pid: int, sig: int) -> None:
             os.killpg(pid, sig)
         else:
             os.kill(pid, sig)
+
+
+def stop_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
+    """Stop a child started with ``start_new_session=True`` and everything in its process
+    group: SIGTERM, up to ``grace`` seconds, then SIGKILL; the child is reaped."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def terminate(pids: Iterable[int], grace: float = 3.0, groups: bool = True) -> list[int]:

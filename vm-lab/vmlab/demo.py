@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +23,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from .lab import REPO_ROOT
+from .labnet import free_port
+
 BIN = Path(sys.executable).parent
 Ctl = Callable[..., tuple[int, str]]
 
@@ -52,24 +53,14 @@ def quiet_json(ctl: Ctl, *args: str, env: dict[str, str] | None = None) -> Any:
     return json.loads(out)
 
 
-def local_ctl(url: str, token: str) -> Ctl:
+def _ctl(
+    url: str, token: Callable[[], str], run: Callable[..., subprocess.CompletedProcess]
+) -> Ctl:
+    """metalctl against ``url`` with the token ``token()`` gives, started by ``run``."""
+
     def ctl(*args: str, check: bool = True, env: dict[str, str] | None = None) -> tuple[int, str]:
-        full = {**os.environ, "METALD_URL": url, "METALD_TOKEN": token, **(env or {})}
-        r = subprocess.run([str(BIN / "metalctl"), *args], env=full, capture_output=True, text=True)
-        if r.returncode and r.stderr:
-            print(r.stderr.rstrip(), flush=True)
-        if check and r.returncode:
-            raise SystemExit(f"demo: metalctl {' '.join(args)} failed")
-        return r.returncode, r.stdout
-
-    return ctl
-
-
-def rack_ctl(rack) -> Ctl:  # type: ignore[no-untyped-def]
-    def ctl(*args: str, check: bool = True, env: dict[str, str] | None = None) -> tuple[int, str]:
-        token = rack.token
-        full = {**os.environ, "METALD_URL": rack.url, "METALD_TOKEN": token, **(env or {})}
-        r = rack.lab.run(
+        full = {**os.environ, "METALD_URL": url, "METALD_TOKEN": token(), **(env or {})}
+        r = run(
             [str(BIN / "metalctl"), *args], capture_output=True, text=True, env=full, timeout=120
         )
         if r.returncode and r.stderr:
@@ -79,6 +70,15 @@ def rack_ctl(rack) -> Ctl:  # type: ignore[no-untyped-def]
         return r.returncode, r.stdout
 
     return ctl
+
+
+def local_ctl(url: str, token: str) -> Ctl:
+    return _ctl(url, lambda: token, subprocess.run)
+
+
+def rack_ctl(rack) -> Ctl:  # type: ignore[no-untyped-def]
+    # The rack's token is read at each call: metald writes a new one when it restarts.
+    return _ctl(rack.url, lambda: rack.token, rack.lab.run)
 
 
 def can_run_rack() -> str | None:
@@ -93,7 +93,7 @@ def can_run_rack() -> str | None:
 
 
 def run_rack(workdir: Path) -> tuple[Ctl, Callable[[], None], dict[str, float]]:
-    from metald.labrack import LabRack, tenants_config
+    from .rack import LabRack, tenants_config
 
     timings: dict[str, float] = {}
     step("Build the discovery image from Debian packages (cached in .cache/bootassets)")
@@ -260,7 +260,7 @@ def tenant_phase(rack, ctl: Ctl, timings: dict[str, float]) -> None:  # type: ig
 
 
 def claim_phase(rack, ctl: Ctl, timings: dict[str, float], workdir: Path) -> None:  # type: ignore[no-untyped-def]
-    from metald.labrack import MARKER
+    from .rack import MARKER
 
     step("DISK=1: an orchestrator claims 2 machines for tenant initech with a disk image")
     image_args = rack.publish_test_image(workdir)
@@ -326,9 +326,7 @@ def claim_phase(rack, ctl: Ctl, timings: dict[str, float], workdir: Path) -> Non
 
 
 def run_local(workdir: Path) -> tuple[Ctl, Callable[[], None], dict[str, float]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     conf = workdir / "metald.toml"
     conf.write_text(
         f'state_dir = "{workdir}"\ninstance = "demo"\n[api]\nlisten = "127.0.0.1:{port}"\n[bmc]\npower_sync_interval_s = 0\n'
@@ -413,13 +411,14 @@ def operate(ctl: Ctl) -> None:
 
 
 def main() -> int:
-    workdir = ROOT / "var" / "demo"
+    workdir = REPO_ROOT / "var" / "demo"
     if workdir.exists():
         if (workdir / "lab").exists():
             subprocess.run(
                 [
                     sys.executable,
-                    str(ROOT / "vm-lab" / "vm-lab"),
+                    "-m",
+                    "vmlab",
                     "--home",
                     str(workdir / "lab"),
                     "down",

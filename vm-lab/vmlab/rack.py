@@ -18,10 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-if str(ROOT / "vm-lab") not in sys.path:
-    sys.path.insert(0, str(ROOT / "vm-lab"))
 
 
 # A tiny, real disk image for claims in the lab: an MBR whose boot code prints MARKER through
@@ -130,9 +127,9 @@ class LabRack:
     ) -> None:
         """``extra_config``: TOML appended to metald's config, or a function of the lab's state
         (slot, bridge, subnet) returning it."""
-        from vmlab.lab import Lab
-
         from bootassets.build import ensure_built
+
+        from .lab import Lab
 
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)

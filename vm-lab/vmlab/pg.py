@@ -17,16 +17,12 @@ import time
 import uuid
 from pathlib import Path
 
+from .labnet import free_port
+
 
 def pg_bindir() -> Path | None:
     found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
     return Path(found[-1]).parent if found else None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PgServer:
@@ -37,7 +33,7 @@ class PgServer:
         self.bindir = bindir
         self.dir = Path(tempfile.mkdtemp(prefix="metald-pg-"))
         self.data = self.dir / "data"
-        self.port = _free_port()
+        self.port = free_port()
         self.user = "postgres" if os.geteuid() == 0 else pwd.getpwuid(os.geteuid()).pw_name
         if os.geteuid() == 0:
             pw = pwd.getpwnam("postgres")

@@ -1,4 +1,5 @@
-"""Network namespaces for boot-plane tests: created per test, always deleted afterwards.
+"""Network namespaces for boot-plane tests and benchmarks: created per test, always deleted
+afterwards (made and joined with netconfig.netns, the code metald itself runs).
 
 Nothing here sends traffic outside the namespaces it made: there is no default route and the
 veth/bridge ends live only inside them.
@@ -6,9 +7,11 @@ veth/bridge ends live only inside them.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import select
+import socket
 import subprocess
 import sys
 import time
@@ -16,9 +19,20 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from netconfig import netns
+
+from .lab import REPO_ROOT
+
 ROOT = os.geteuid() == 0
 NEED_ROOT = "needs root for network namespaces (run the suite as root)"
 _seq = itertools.count()
+
+
+def free_port(kind: socket.SocketKind = socket.SOCK_STREAM) -> int:
+    """A port free on 127.0.0.1 for ``kind`` (TCP by default) at the time of the call."""
+    with socket.socket(socket.AF_INET, kind) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def sh(*cmd: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess[str]:
@@ -47,30 +61,30 @@ def unique(prefix: str) -> str:
 
 @contextmanager
 def namespaces(*roles: str) -> Iterator[dict[str, Netns]]:
+    """One fresh namespace per role (loopback up), deleted on the way out."""
     made: list[Netns] = []
     try:
         for role in roles:
             ns = Netns(unique(f"mb{role[:3]}"))
-            sh("ip", "netns", "add", ns.name)
-            ns.run("ip", "link", "set", "lo", "up")
+            netns.create(ns.name)
             made.append(ns)
         yield {role: ns for role, ns in zip(roles, made, strict=True)}
     finally:
         for ns in made:
-            sh("ip", "netns", "del", ns.name, check=False)
+            with contextlib.suppress(netns.NetnsError):
+                netns.delete(ns.name)
 
 
 def veth(a: Netns, a_if: str, a_addr: str, b: Netns, b_if: str, b_addr: str) -> None:
-    """A veth pair between two namespaces, with addresses (CIDR) on each end."""
-    tmp_a, tmp_b = unique("vta"), unique("vtb")
-    sh("ip", "link", "add", tmp_a, "type", "veth", "peer", "name", tmp_b)
-    sh("ip", "link", "set", tmp_a, "netns", a.name)
-    sh("ip", "link", "set", tmp_b, "netns", b.name)
-    for ns, tmp, name, addr in ((a, tmp_a, a_if, a_addr), (b, tmp_b, b_if, b_addr)):
-        ns.run("ip", "link", "set", tmp, "name", name)
+    """A veth pair between two namespaces, up, with addresses (CIDR) on the ends given one.
+
+    Both ends are created inside their namespaces, so the names never meet the host's."""
+    netns.veth(a.name, a_if, b.name, b_if)
+    for ns, name, addr in ((a, a_if, a_addr), (b, b_if, b_addr)):
         if addr:
-            ns.run("ip", "addr", "add", addr, "dev", name)
-        ns.run("ip", "link", "set", name, "up")
+            netns.address(ns.name, name, addr)
+        else:
+            netns.link_up(ns.name, name)
 
 
 def write_config(path: Path, *, state_dir: Path, boot: str, listen: str = "127.0.0.1:8080") -> Path:
@@ -101,7 +115,7 @@ class BootProcess:
             "info",
             stdout=subprocess.PIPE,
             stderr=self._logf,
-            cwd=str(Path(__file__).parents[2]),
+            cwd=str(REPO_ROOT),
         )
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout

@@ -1,0 +1,117 @@
+"""BMC control: ``metalctl power``, ``boot-device`` and ``sensors`` on a machine, and
+``metalctl bmcs`` (list, register, power a BMC's host before its machine enrolls)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from .client import Client
+from .options import POWER_ACTIONS, Subparsers
+from .output import emit, emit_table
+
+SENSOR_COLUMNS = [
+    ("NAME", "name"),
+    ("KIND", "kind"),
+    ("VALUE", "value"),
+    ("UNITS", "units"),
+    ("HEALTH", "health"),
+]
+BMC_COLUMNS = [
+    ("ID", "id"),
+    ("ADDRESS", "address"),
+    ("PROTOCOL", "protocol"),
+    ("HEALTH", "health"),
+    ("POWER", "power_state"),
+    ("MACHINE", "machine_id"),
+]
+
+
+def register(sub: Subparsers) -> None:
+    p = sub.add_parser("power", help="power state and actions through the machine's BMC")
+    p.add_argument("id", help="machine id")
+    p.add_argument("action", nargs="?", choices=POWER_ACTIONS, default="status")
+    p.set_defaults(func=power)
+    b = sub.add_parser("boot-device", help="set the next boot device")
+    b.add_argument("id")
+    b.add_argument("device", choices=["pxe", "disk"])
+    b.add_argument("--persistent", action="store_true")
+    b.add_argument("--legacy", action="store_true", help="legacy BIOS instead of UEFI")
+    b.set_defaults(func=boot_device)
+    s = sub.add_parser("sensors", help="temperatures, fans and power draw")
+    s.add_argument("id")
+    s.set_defaults(func=sensors)
+
+    bm = sub.add_parser("bmcs", help="list or register BMCs")
+    bsub = bm.add_subparsers(dest="sub", required=True)
+    bsub.add_parser("list").set_defaults(func=list_bmcs)
+    bp = bsub.add_parser("power", help="power a BMC's host (before its machine has enrolled)")
+    bp.add_argument("id", help="BMC id")
+    bp.add_argument("action", nargs="?", choices=POWER_ACTIONS, default="status")
+    bp.set_defaults(func=bmc_power)
+    br = bsub.add_parser("register")
+    br.add_argument("address")
+    br.add_argument("--port", type=int)
+    br.add_argument("--protocol", default="auto", choices=["auto", "ipmi", "redfish"])
+    br.add_argument("--username", required=True)
+    br.add_argument("--password-env", default="BMC_PASSWORD", help="env var holding the password")
+    br.add_argument("--machine")
+    br.add_argument(
+        "--insecure", action="store_true", help="do not verify the BMC's TLS certificate"
+    )
+    br.set_defaults(func=register_bmc)
+
+
+def _power(c: Client, path: str, action: str) -> Any:
+    if action == "status":
+        return c.call("GET", path)
+    return c.call("POST", path, {"action": action})
+
+
+def power(args: argparse.Namespace, c: Client) -> None:
+    r = _power(c, f"/api/v1/machines/{args.id}/power", args.action)
+    emit(args, r, lambda r: f"{args.id}: power {r.get('power_state', r)}")
+
+
+def boot_device(args: argparse.Namespace, c: Client) -> None:
+    r = c.call(
+        "PUT",
+        f"/api/v1/machines/{args.id}/boot-device",
+        {"device": args.device, "persistent": args.persistent, "uefi": not args.legacy},
+    )
+    emit(args, r, lambda _: f"{args.id}: next boot {args.device}")
+
+
+def sensors(args: argparse.Namespace, c: Client) -> None:
+    emit_table(args, c.call("GET", f"/api/v1/machines/{args.id}/sensors"), SENSOR_COLUMNS)
+
+
+def list_bmcs(args: argparse.Namespace, c: Client) -> None:
+    emit_table(args, c.call("GET", "/api/v1/bmcs"), BMC_COLUMNS)
+
+
+def bmc_power(args: argparse.Namespace, c: Client) -> None:
+    r = _power(c, f"/api/v1/bmcs/{args.id}/power", args.action)
+    emit(args, r, lambda r: f"bmc {args.id}: power {r.get('power_state')}")
+
+
+def register_bmc(args: argparse.Namespace, c: Client) -> None:
+    password = os.environ.get(args.password_env)
+    if not password:
+        raise SystemExit(
+            f"metalctl: put the BMC password in ${args.password_env} (never on the command line)"
+        )
+    body: dict[str, Any] = {
+        "address": args.address,
+        "protocol": args.protocol,
+        "username": args.username,
+        "password": password,
+        "verify_tls": not args.insecure,
+    }
+    if args.port:
+        body["port"] = args.port
+    if args.machine:
+        body["machine_id"] = args.machine
+    r = c.call("POST", "/api/v1/bmcs", body)
+    emit(args, r, lambda r: f"bmc {r['id']} registered ({r['protocol']}, {r['health']})")

@@ -1,0 +1,130 @@
+"""``metalctl claims``: claim machines for a tenant, watch their progress, release them."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from metald.lifecycle import State
+
+from .client import Client
+from .options import Subparsers, key_values
+from .output import as_json, emit, emit_table, table
+
+COLUMNS = [
+    ("ID", "id"),
+    ("TENANT", "tenant_id"),
+    ("COUNT", "count"),
+    ("STATE", "state"),
+    ("CREATED", "created_at"),
+]
+MACHINE_COLUMNS = [
+    ("MACHINE", "id"),
+    ("STATE", "state"),
+    ("PROGRESS", "bar"),
+    ("ERROR", "last_error"),
+]
+#: Where a claimed machine stops moving on its own: ``show --watch`` ends when all are there.
+SETTLED = frozenset(
+    {
+        State.PROVISIONED,
+        State.ACTIVE,
+        State.READY,
+        State.PROVISION_FAILED,
+        State.WIPE_FAILED,
+        State.JOIN_FAILED,
+    }
+)
+WATCH_INTERVAL_S = 2
+
+
+def register(sub: Subparsers) -> None:
+    cl = sub.add_parser("claims", help="claim machines for a tenant, watch, release")
+    csub = cl.add_subparsers(dest="sub", required=True)
+    csub.add_parser("list").set_defaults(func=list_claims)
+    cc = csub.add_parser("create")
+    cc.add_argument("--tenant", required=True, help="tenant id")
+    cc.add_argument("--count", type=int, required=True)
+    cc.add_argument("--image", required=True, help="image id")
+    cc.add_argument("--gpu-model")
+    cc.add_argument("--min-gpus", type=int, default=0)
+    cc.add_argument("--min-memory-mb", type=int)
+    cc.add_argument("--label", action="append", default=[], help="key=value")
+    cc.add_argument("--rack")
+    cc.add_argument("--ssh-key", action="append", default=[])
+    cc.add_argument("--idempotency-key")
+    cc.set_defaults(func=create)
+    cs = csub.add_parser("show")
+    cs.add_argument("id")
+    cs.add_argument(
+        "--watch", action="store_true", help="redraw progress until every machine settles"
+    )
+    cs.set_defaults(func=show)
+    cr = csub.add_parser("release")
+    cr.add_argument("id")
+    cr.add_argument("--machine", help="release only this machine of the claim (scale down)")
+    cr.set_defaults(func=release)
+
+
+def progress_bar(p: dict[str, Any] | None, width: int = 24) -> str:
+    if not p:
+        return ""
+    if p.get("error"):
+        return f"error: {p['error']}"
+    pct = p.get("percent")
+    rate = f" {p['rate_bps'] / 1e6:.1f} MB/s" if p.get("rate_bps") else ""
+    if pct is None:
+        return f"{p.get('phase') or ''} {p.get('bytes') or 0} bytes{rate}"
+    filled = int(width * pct / 100)
+    return f"{p.get('phase') or ''} [{'#' * filled}{'.' * (width - filled)}] {pct:5.1f}%{rate}"
+
+
+def claim_table(claim: dict[str, Any]) -> str:
+    rows = [dict(m, bar=progress_bar(m.get("progress"))) for m in claim["machines"]]
+    head = f"claim {claim['id']} tenant {claim['tenant_id']} {claim['state']} ({claim['count']} machines)"
+    return head + "\n" + table(rows, MACHINE_COLUMNS)
+
+
+def list_claims(args: argparse.Namespace, c: Client) -> None:
+    emit_table(args, c.call("GET", "/api/v1/claims"), COLUMNS)
+
+
+def create(args: argparse.Namespace, c: Client) -> None:
+    selector: dict[str, Any] = {"min_gpu_count": args.min_gpus, "labels": key_values(args.label)}
+    if args.gpu_model:
+        selector["gpu_model"] = args.gpu_model
+    if args.min_memory_mb:
+        selector["min_memory_mb"] = args.min_memory_mb
+    if args.rack:
+        selector["rack"] = args.rack
+    body = {
+        "tenant_id": args.tenant,
+        "count": args.count,
+        "image_id": args.image,
+        "selector": selector,
+        "ssh_authorized_keys": args.ssh_key,
+    }
+    if args.idempotency_key:
+        body["idempotency_key"] = args.idempotency_key
+    emit(args, c.call("POST", "/api/v1/claims", body), claim_table)
+
+
+def show(args: argparse.Namespace, c: Client) -> None:
+    while True:
+        r = c.call("GET", f"/api/v1/claims/{args.id}")
+        if args.json:
+            print(as_json(r))
+            return
+        print(claim_table(r), flush=True)
+        if not args.watch or all(m["state"] in SETTLED for m in r["machines"]):
+            return
+        time.sleep(WATCH_INTERVAL_S)
+        print(flush=True)
+
+
+def release(args: argparse.Namespace, c: Client) -> None:
+    path = f"/api/v1/claims/{args.id}/release"
+    if args.machine:
+        path = f"/api/v1/claims/{args.id}/machines/{args.machine}/release"
+    emit(args, c.call("POST", path), claim_table)

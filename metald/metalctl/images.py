@@ -1,0 +1,41 @@
+"""``metalctl images``: the images machines are provisioned with."""
+
+from __future__ import annotations
+
+import argparse
+
+from .client import Client
+from .options import Subparsers
+from .output import emit, emit_table
+
+COLUMNS = [("ID", "id"), ("NAME", "name"), ("KIND", "kind")]
+BODY_FIELDS = ("name", "kind", "sha256", "size_bytes", "kernel", "initrd", "rootfs")
+
+
+def register(sub: Subparsers) -> None:
+    im = sub.add_parser("images", help="images machines are provisioned with")
+    isub = im.add_subparsers(dest="sub", required=True)
+    isub.add_parser("list").set_defaults(func=list_images)
+    ic = isub.add_parser("create")
+    ic.add_argument("name")
+    ic.add_argument("--kind", choices=["disk", "stateless"], default="disk")
+    # dest differs from metalctl's own --url (the API's address), which it would overwrite.
+    ic.add_argument("--url", dest="image_url", help="disk: http(s) URL of the raw image")
+    ic.add_argument("--sha256")
+    ic.add_argument("--size", type=int, dest="size_bytes")
+    ic.add_argument("--kernel")
+    ic.add_argument("--initrd")
+    ic.add_argument("--rootfs")
+    ic.set_defaults(func=create)
+
+
+def list_images(args: argparse.Namespace, c: Client) -> None:
+    emit_table(args, c.call("GET", "/api/v1/images"), COLUMNS)
+
+
+def create(args: argparse.Namespace, c: Client) -> None:
+    body = {k: getattr(args, k) for k in BODY_FIELDS if getattr(args, k) is not None}
+    if args.image_url:
+        body["url"] = args.image_url
+    r = c.call("POST", "/api/v1/images", body)
+    emit(args, r, lambda r: f"image {r['id']} ({r['name']}) created")

@@ -1,0 +1,60 @@
+"""``metalctl tokens`` (admin): list, create and revoke API tokens."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from .client import Client
+from .options import Subparsers
+from .output import as_json, emit, table
+
+ROLES = ["admin", "technician", "orchestrator", "agent"]
+COLUMNS = [
+    ("ID", "id"),
+    ("NAME", "name"),
+    ("ROLE", "role"),
+    ("SCOPE", "scope_s"),
+    ("STATUS", "status"),
+    ("EXPIRES", "expires_at"),
+]
+
+
+def register(sub: Subparsers) -> None:
+    t = sub.add_parser("tokens", help="API tokens (admin)")
+    tsub = t.add_subparsers(dest="sub", required=True)
+    tsub.add_parser("list").set_defaults(func=list_tokens)
+    tc = tsub.add_parser("create")
+    tc.add_argument("--name", required=True)
+    tc.add_argument("--role", required=True, choices=ROLES)
+    tc.add_argument("--scope", action="append", default=[])
+    tc.add_argument("--ttl", type=int, help="seconds")
+    tc.set_defaults(func=create)
+    tr = tsub.add_parser("revoke")
+    tr.add_argument("id")
+    tr.set_defaults(func=revoke)
+
+
+def _row(t: dict[str, Any]) -> dict[str, Any]:
+    return dict(t, scope_s=",".join(t["scope"]), status="revoked" if t["revoked_at"] else "active")
+
+
+def list_tokens(args: argparse.Namespace, c: Client) -> None:
+    page = c.call("GET", "/api/v1/tokens")
+    emit(args, page, lambda p: table([_row(t) for t in p["items"]], COLUMNS))
+
+
+def create(args: argparse.Namespace, c: Client) -> None:
+    body: dict[str, Any] = {"name": args.name, "role": args.role, "scope": args.scope}
+    if args.ttl:
+        body["ttl_seconds"] = args.ttl
+    t = c.call("POST", "/api/v1/tokens", body)
+    if args.json:
+        print(as_json(t))
+    else:
+        print(f"token {t['id']} ({t['role']}) created; the secret is shown only now:")
+        print(t["token"])
+
+
+def revoke(args: argparse.Namespace, c: Client) -> None:
+    emit(args, c.call("DELETE", f"/api/v1/tokens/{args.id}"), lambda t: f"revoked {t['id']}")

@@ -1,0 +1,122 @@
+"""The layering rules of docs/architecture.md, checked by import-linter on every test run, and
+the doc's import graph, redrawn from the code.
+
+The contracts live in pyproject.toml ([tool.importlinter]); a new import that breaks one fails
+here with import-linter's report of the offending chain.
+"""
+
+from __future__ import annotations
+
+import ast
+import pkgutil
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import metald
+
+ROOT = Path(__file__).resolve().parents[1]
+LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
+#: Top-level parts of metald that sit beside the layers rather than in them.
+OUTSIDE_LAYERS = {"metalctl"}  # an HTTP client of the API: its own contract
+
+
+def _contracts() -> dict[str, dict]:
+    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    return {c["id"]: c for c in conf["contracts"]}
+
+
+def test_import_contracts_are_kept() -> None:
+    r = subprocess.run(
+        [str(LINT_IMPORTS), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+    assert "0 broken" in r.stdout
+
+
+def test_every_part_of_metald_has_a_layer() -> None:
+    """A new module or package under metald/ must be placed in the layers contract (or named
+    in OUTSIDE_LAYERS), so the layering covers all of the daemon."""
+    named: set[str] = set()
+    for layer in _contracts()["layers"]["layers"]:
+        named |= {m.strip() for m in re.split(r"[|:]", layer)}
+    parts = {
+        f"metald.{m.name}"
+        for m in pkgutil.iter_modules(metald.__path__)
+        if m.name not in OUTSIDE_LAYERS and not m.name.startswith("_")
+    }
+    missing = sorted(parts - named)
+    assert not missing, f"place these in [tool.importlinter] layers (pyproject.toml): {missing}"
+    assert not sorted(n for n in named if n.startswith("metald.") and n not in parts)
+
+
+def test_the_docs_picture_is_drawn_from_the_code() -> None:
+    """docs/architecture.md's import graph matches the code (scripts/import_graph.py)."""
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "import_graph.py"), "--check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _sources() -> list[Path]:
+    """The repository's Python sources (tracked or not, outside the venv and caches)."""
+    skip = {".venv", ".cache", ".git", "var", "build", "dist", "__pycache__"}
+    found = [
+        p
+        for p in ROOT.rglob("*.py")
+        if not skip & set(p.relative_to(ROOT).parts) and not p.name.startswith(".")
+    ]
+    return [*found, ROOT / "vm-lab" / "vm-lab", ROOT / "scripts" / "bootstrap"]
+
+
+#: Known uses, each to go with the fix named (an entry that no longer matches fails too).
+PATH_EDITS_TO_REMOVE = {
+    # Issue 12 item 11: the three copies of the QEMU harness put the repository on the
+    # receiver's PYTHONPATH; merging them into one harness removes these.
+    "tests/inventory/test_qemu_discovery.py",
+    "tests/bootassets/test_node_qemu.py",
+    "tests/provision_agent/test_qemu_modes.py",
+}
+
+
+def test_nothing_edits_the_import_path() -> None:
+    """Every package (the lab's too) is installed; code that reaches another folder through
+    sys.path or PYTHONPATH hides a missing install and breaks from another directory."""
+    pattern = re.compile(r"sys\.path\.(insert|append|extend)|\bPYTHONPATH\b")
+    offenders = {
+        str(p.relative_to(ROOT))
+        for p in _sources()
+        if p != Path(__file__) and pattern.search(p.read_text(errors="replace"))
+    }
+    assert offenders - PATH_EDITS_TO_REMOVE == set()
+    assert PATH_EDITS_TO_REMOVE - offenders == set(), "fixed: drop them from the list"
+
+
+def test_benchmarks_import_the_lab_not_the_tests() -> None:
+    """bench/ imports no test module, neither as ``tests.x`` nor as a bare name that only
+    resolves with tests/ on the path (``boot.labnet``, ``pg``)."""
+    products = set(_contracts_root_packages())
+    test_names = {"tests"} | {p.stem for p in (ROOT / "tests").iterdir()} - products
+    offenders = []
+    for p in (ROOT / "bench").glob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            offenders += [f"{p.name}: {n}" for n in names if n.split(".")[0] in test_names]
+    assert not offenders, offenders
+
+
+def _contracts_root_packages() -> list[str]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"][
+        "root_packages"
+    ]
