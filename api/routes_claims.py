@@ -596,6 +596,7 @@ async def provision_instruction(req: ApiRequest) -> ProvisionInstruction:
                 actor=req.actor,
                 ttl=timedelta(seconds=req.ctx.cfg.tenants.join_token_ttl_s),
                 instance=req.ctx.instance,
+                supersede_peer=rejoin,  # the node rebooted: its old key is gone with its RAM
             )
             join = {
                 "url": f"{req.raw.scheme}://{req.raw.host}",

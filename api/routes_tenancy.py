@@ -23,6 +23,9 @@ log = logging.getLogger("metald.tenants")
 router = Router()
 ADMIN = frozenset({Role.ADMIN})
 FLEET_AND_TENANTS = STAFF | {Role.ORCHESTRATOR}
+#: A join token hands out the tenant's scheduler secrets (munge key) and a place on its hub:
+#: only admin and the tenant's own orchestrator mint one, never a technician.
+JOIN_MINTERS = frozenset({Role.ADMIN, Role.ORCHESTRATOR})
 
 Key = Annotated[str, StringConstraints(min_length=1, max_length=64)]
 
@@ -87,8 +90,6 @@ class JoinResponse(BaseModel):
 
 
 def _apply_peer(hubs: HubRuntime, result: service.JoinResult) -> None:
-    if result.replaced_public_key:
-        hubs.remove_peer(result.hub.tenant_id, result.replaced_public_key)
     hubs.add_peer(result.hub.tenant_id, result.peer.public_key, result.peer.address)
 
 
@@ -173,7 +174,7 @@ async def show_hub(req: ApiRequest) -> HubOut:
     "POST",
     "/api/v1/machines/{id}/join-token",
     summary="Issue a join token",
-    roles=FLEET_AND_TENANTS,
+    roles=JOIN_MINTERS,
     body=JoinTokenCreate,
     response=JoinTokenCreated,
     status=201,
@@ -182,7 +183,8 @@ async def show_hub(req: ApiRequest) -> HubOut:
 )
 async def create_join_token(req: ApiRequest) -> JoinTokenCreated:
     """A one-time, short-lived token for the machine's first-boot metadata. The secret is in
-    this response and nowhere else."""
+    this response and nowhere else. Admin, or the orchestrator of the machine's tenant; 409
+    while the machine is on its hub (a join never replaces an active peer)."""
     b: JoinTokenCreate = req.body
     p = req.require_principal()
 
