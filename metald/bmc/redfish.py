@@ -92,7 +92,7 @@ class RedfishDriver(BmcDriver):
     ) -> None:
         self.ep = endpoint
         port = endpoint.port or (443 if scheme == "https" else 80)
-        host = endpoint.address
+        host = endpoint.address.strip("[]")
         self.base = f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
         self._origin = URL(self.base)
         self.system_hint = system
