@@ -172,9 +172,9 @@ def _retrying(session: Session, fn: Callable[[], T]) -> T:
     raise AssertionError("unreachable")
 
 
-def get_image(session: Session, image_id: str) -> Image:
+def get_image(session: Session, image_id: str, tenant_id: str | None = None) -> Image:
     img = session.get(Image, image_id)
-    if img is None:
+    if img is None or (tenant_id is not None and img.tenants and tenant_id not in img.tenants):
         raise Unprocessable(f"no image with id {image_id!r}; list images with GET /api/v1/images")
     return img
 
@@ -226,7 +226,7 @@ def create_claim(
         raise NotFound(f"no tenant with id {tenant_id!r}")
     if idempotency_key and (c := _existing(session, tenant_id, idempotency_key)):
         return _replay(c, count, selector, image_id, keys), True
-    image = get_image(session, image_id)
+    image = get_image(session, image_id, tenant_id)  # scoped images: their tenants only
     intent = provision_intent(image.id, image.kind, image.spec, deploy)
 
     def allocate() -> Claim:
