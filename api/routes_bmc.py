@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, SecretStr, StringConstraints
+from sqlmodel import Session, select
 
 from api.routing import STAFF, ApiRequest, Router
 from api.schemas import In
+from metald import machines
 from metald.errors import MetaldError, Unprocessable
+from metald.store.models import Bmc, utcnow
 
 router = Router()
 TAG = "bmc"
@@ -185,6 +189,19 @@ class LogEntryOut(BaseModel):
 
 class LogList(BaseModel):
     items: list[LogEntryOut]
+
+
+class ApproveIn(In):
+    reason: Annotated[str, StringConstraints(min_length=1, max_length=500)] = Field(
+        description="Why this machine is genuine without a BMC (ticket, asset tag checked).",
+    )
+
+
+class ApprovalOut(BaseModel):
+    machine_id: str
+    approved_at: datetime | None
+    approved_by: str | None
+    bmc_linked: bool
 
 
 def _bmc(req: ApiRequest) -> Any:
@@ -405,3 +422,47 @@ async def event_log(req: ApiRequest) -> LogList:
     """The BMC's own event log (IPMI SEL, Redfish LogService entries)."""
     items = await _bmc(req).event_log(req.params["id"])
     return LogList(items=[LogEntryOut.model_validate(x) for x in items])
+
+
+# ---- vouching for a machine without a BMC (enroll.require_bmc) -------------------------------
+
+
+@router.route(
+    "POST",
+    "/api/v1/machines/{id}/approve",
+    summary="Approve a machine without a BMC",
+    roles=STAFF,
+    body=ApproveIn,
+    response=ApprovalOut,
+    tag=TAG,
+    errors=(404, 409, 422),
+)
+async def approve_machine(req: ApiRequest) -> ApprovalOut:
+    """A technician vouches for a self-enrolled machine (its MAC and inventory are its own
+    word): with ``enroll.require_bmc`` a machine is claimable only once linked to a BMC or
+    approved here. Records a ``machine.approved`` event; approving again keeps the first."""
+    b: ApproveIn = req.body
+
+    def run(s: Session) -> ApprovalOut:
+        m = machines.get_machine(s, req.params["id"])
+        linked = s.exec(select(Bmc.id).where(Bmc.machine_id == m.id)).first() is not None
+        if m.approved_at is None:
+            m = machines.update_fields(
+                s,
+                m.id,
+                actor=req.actor,
+                kind="machine.approved",
+                values={"approved_at": utcnow(), "approved_by": req.actor},
+                data={"reason": b.reason, "bmc_linked": linked},
+                instance=req.ctx.instance,
+            )
+        return ApprovalOut(
+            machine_id=m.id,
+            approved_at=m.approved_at,
+            approved_by=m.approved_by,
+            bmc_linked=linked,
+        )
+
+    out = await req.ctx.store.run(run)
+    req.ctx.bus.notify()
+    return out

@@ -283,6 +283,7 @@ async def create_claim(req: ApiRequest) -> ClaimOut:
             deploy=_deploy(req),
             ssh_authorized_keys=b.ssh_authorized_keys,
             instance=req.ctx.instance,
+            require_bmc=req.ctx.cfg.enroll.require_bmc,
         )
         started: list[str] = []
         if not replayed:
