@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -52,6 +53,14 @@ def secure_state_dir(state_dir: str | os.PathLike[str]) -> list[str]:
     return fixed
 
 
+def private_file(path: Path) -> None:
+    """Create ``path`` empty with mode 0600 unless it exists: SQLite gives its -wal and -shm
+    files the database file's mode, so this keeps all three private whatever the umask."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -86,10 +95,11 @@ class Daemon:
     def __init__(self, cfg: Config) -> None:
         check_assets_root(cfg)  # a Config built in code skips load_config's check
         self.cfg = cfg
-        # Nothing metald writes (database, WAL, keys, hub state) is for other users.
-        self._umask = os.umask(0o077)
         for change in secure_state_dir(cfg.state_dir):
             log.warning("state folder was readable by others; narrowed %s", change)
+        db = cfg.store_url.removeprefix("sqlite:///").split("?")[0]
+        if cfg.store_url.startswith("sqlite:///") and db not in ("", ":memory:"):
+            private_file(Path(db))
         self.store = Store(cfg.store_url, workers=cfg.store.workers)
         self.secrets = SecretBox.from_file(cfg.secrets_key_path)
         self.bus = EventBus()
@@ -163,7 +173,6 @@ class Daemon:
             await runner.cleanup()
         self._runners.clear()
         self.store.close()
-        os.umask(self._umask)
         log.info("metald stopped")
 
     def _on_signal(self, sig: signal.Signals) -> None:

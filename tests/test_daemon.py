@@ -73,6 +73,12 @@ def test_first_start_writes_admin_token_0600_and_sigterm_stops(daemon) -> None: 
         [BIN / "metalctl", "whoami"], env=env, capture_output=True, text=True, check=True
     )
     assert "bootstrap-admin (admin)" in out.stdout
+    # The database, its WAL and shared memory, and the folder are metald's user's only.
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700
+    db_files = [p for p in state.iterdir() if p.name.startswith("metald.db")]
+    assert {p.name for p in db_files} >= {"metald.db", "metald.db-wal"}
+    for p in db_files:
+        assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=15) == 0
     logs = proc.stderr.read()
