@@ -205,6 +205,44 @@ async def create_join_token(req: ApiRequest) -> JoinTokenCreated:
 
 
 @router.route(
+    "DELETE",
+    "/api/v1/machines/{id}/peer",
+    summary="Revoke a node's place on its hub",
+    roles=JOIN_MINTERS,
+    response=PeerOut,
+    tag="tenants",
+    errors=(404,),
+)
+async def revoke_peer(req: ApiRequest) -> PeerOut:
+    """Take the machine's WireGuard peer off its tenant's hub (and revoke its unused join
+    tokens), with a ``tenant.peer.removed`` event: the explicit step before a node may join
+    again with a new key (a fresh seed and join token), since a join never replaces an active
+    peer. Admin, or the orchestrator of the machine's tenant."""
+    p = req.require_principal()
+
+    def run(s: Session) -> tuple[PeerOut, str]:
+        m = get_machine(s, req.params["id"])
+        if not p.can_see_machine(m.id, m.tenant_id):
+            raise NotFound(f"no machine with id {req.params['id']!r}")
+        peer = service.remove_peer(
+            s, m.id, actor=req.actor, instance=req.ctx.instance, reason="revoked"
+        )
+        if peer is None:
+            raise NotFound(f"machine {m.id} has no peer on a tenant's hub")
+        s.commit()
+        return PeerOut.model_validate(peer.model_dump()), peer.tenant_id
+
+    out, tenant_id = await req.write(run)
+    hubs = req.ctx.services.get("tenant_hubs")
+    if hubs is not None:  # else the hub drops it when it next syncs with the store
+        try:
+            await asyncio.to_thread(hubs.remove_peer, tenant_id, out.public_key)
+        except Exception:
+            log.exception("could not take machine %s's peer off its hub", out.machine_id)
+    return out
+
+
+@router.route(
     "POST",
     "/api/v1/join",
     summary="Join a tenant's cluster",
