@@ -284,3 +284,21 @@ def test_tls_needs_both_files(tmp_path: Path) -> None:
     conf = _write(tmp_path / "m.toml", '[api]\ntls_cert = "/x.crt"\n')
     with pytest.raises(ConfigError, match="tls_cert and tls_key"):
         load_config(conf)
+
+
+def test_hidden_files_are_refused_by_the_shared_path_check(tmp_path: Path) -> None:
+    """One rule for TFTP and HTTP (metald/boot/paths.py): no dot file or dot folder."""
+    from metald.boot.paths import PathRefused, safe_path
+
+    root = tmp_path / "root"
+    (root / ".git").mkdir(parents=True)
+    (root / ".git" / "config").write_text("[core]")
+    (root / ".htpasswd").write_text("x")
+    (root / "ok.efi").write_bytes(b"1")
+    r = root.resolve()
+    assert safe_path(r, "ok.efi") == r / "ok.efi"
+    assert safe_path(r, "./ok.efi") == r / "ok.efi"
+    for name in (".htpasswd", ".git/config", "sub/.hidden", ".git\\config"):
+        with pytest.raises(PathRefused) as e:
+            safe_path(r, name)
+        assert e.value.reason == "hidden", name

@@ -56,13 +56,10 @@ def boot_routes(hooks: BootHooks, assets_dir: Path, public_url: str) -> list[web
 
     async def asset(request: web.Request) -> web.StreamResponse:
         name = request.match_info["path"]
-        if any(p.startswith(".") and p != ".." for p in name.replace("\\", "/").split("/")):
-            # Dot files (.git, .htpasswd, editors' swap files) are not boot assets.
-            raise web.HTTPNotFound(text=f"no boot asset {name}")
         try:
             path = safe_path(root, name)
         except PathRefused as e:
-            if e.reason == "not-found":
+            if e.reason in ("not-found", "hidden"):
                 raise web.HTTPNotFound(text=f"no boot asset {name}") from None
             raise web.HTTPForbidden(text=f"{name} is not served ({e.reason})") from None
         return web.FileResponse(path)
