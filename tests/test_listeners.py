@@ -18,6 +18,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from yarl import URL
 
 from metald.config import Config, ConfigError, load_config
 from metald.daemon import Daemon
@@ -205,6 +206,15 @@ async def test_provisioning_and_staff_listeners_are_apart(tmp_path: Path, runnin
                 assert r.status == 404, path
                 assert r.content_type == "application/problem+json"
                 assert "provisioning listener" in (await r.json())["detail"]
+        for raw in (
+            "/api/v1/agent/../machines",
+            "/boot/../api/v1/machines",
+            "/api/v1/agent/%2e%2e/machines",
+            "/boot/%2e%2e/api/v1/tokens",
+            "/api/v1/join/../tokens",
+        ):
+            async with http.get(URL(f"{machines}{raw}", encoded=True), headers=auth) as r:
+                assert r.status == 404, raw
         # The staff API serves the fleet, not the machines' endpoints.
         async with http.get(f"{staff}/api/v1/machines", headers=auth) as r:
             assert r.status == 200
