@@ -211,6 +211,9 @@ def test_version() -> None:
 def test_example_config_is_valid() -> None:
     example = Path(__file__).parent.parent / "examples" / "metald.toml"
     load_config(example, environ={})
+    # Turning the boot plane on is one key: its assets folder is already apart from the state.
+    cfg = load_config(example, environ={"METALD_BOOT__ENABLED": "true"})
+    assert cfg.boot.assets_dir and cfg.boot.assets_dir != cfg.state_dir
 
 
 def test_two_instances_share_one_postgresql(tmp_path: Path, pg_server) -> None:  # type: ignore[no-untyped-def]
