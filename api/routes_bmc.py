@@ -6,13 +6,19 @@ daemon hosts it as ``ctx.services["bmc"]``). No answer carries a BMC password.
 
 from __future__ import annotations
 
+import ipaddress
+import re
+from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, SecretStr, StringConstraints
+from sqlmodel import Session, select
 
 from api.routing import STAFF, ApiRequest, Router
 from api.schemas import In
-from metald.errors import MetaldError
+from metald import machines
+from metald.errors import MetaldError, Unprocessable
+from metald.store.models import Bmc, utcnow
 
 router = Router()
 TAG = "bmc"
@@ -23,12 +29,76 @@ class ServiceUnavailable(MetaldError):
     title = "Service unavailable"
 
 
+# ---- addresses ----------------------------------------------------------------------------
+
+_HOSTNAME = re.compile(
+    r"(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?"
+)
+_ADDRESS_FORMS = (
+    'write a host name or IP ("10.0.0.5", "bmc-r1-07.example", "fd00::5"), optionally with '
+    'a port ("10.0.0.5:623", "[fd00::5]:443"); for Redfish over plain HTTP or to force '
+    'HTTPS, "http://10.0.0.5" or "https://10.0.0.5:8443"'
+)
+
+
+def parse_bmc_address(address: str, port: int | None, protocol: str) -> tuple[str, int | None]:
+    """``address`` as stored (a host or IP, or ``http(s)://host`` for Redfish) and the port,
+    taken from the address when it names one; Unprocessable with what to write otherwise."""
+    raw = address.strip()
+    scheme = ""
+    for s in ("https://", "http://"):
+        if raw.lower().startswith(s):
+            scheme, raw = s, raw[len(s) :]
+    if "://" in raw:
+        raise Unprocessable(
+            f"address: {address!r} has a scheme metald does not speak; {_ADDRESS_FORMS}"
+        )
+    if scheme and protocol == "ipmi":
+        raise Unprocessable(
+            f'address: {address!r} is a URL, but IPMI has none; write the host alone ("10.0.0.5")'
+        )
+    if scheme:
+        raw = raw.removesuffix("/")
+    if any(c in raw for c in "/?#@ \\"):
+        raise Unprocessable(
+            f"address: {address!r} is not a host: no path, user, query or spaces; {_ADDRESS_FORMS}"
+        )
+    host, named_port = raw, None
+    if raw.startswith("["):
+        end = raw.find("]")
+        host, rest = raw[1:end], raw[end + 1 :]
+        if end < 0 or (rest and not rest.startswith(":")):
+            raise Unprocessable(f"address: {address!r} is not [IPv6]:port; {_ADDRESS_FORMS}")
+        named_port = rest[1:] or None
+    elif raw.count(":") == 1:
+        host, named_port = raw.split(":")
+    if named_port is not None:
+        if not named_port.isdigit() or not 0 < int(named_port) < 65536:
+            raise Unprocessable(f"address: port {named_port!r} is not 1-65535; {_ADDRESS_FORMS}")
+        if port is not None and port != int(named_port):
+            raise Unprocessable(
+                f"address names port {named_port} but port is {port}; give the port once"
+            )
+        port = int(named_port)
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        if not _HOSTNAME.fullmatch(host) or host.replace(".", "").isdigit():
+            raise Unprocessable(
+                f"address: {address!r} is not a host name or IP; {_ADDRESS_FORMS}"
+            ) from None
+        ip = None
+    shown = f"[{ip}]" if scheme and ip is not None and ip.version == 6 else host
+    return (f"{scheme}{shown}" if scheme else (str(ip) if ip is not None else host)), port
+
+
 # ---- models -------------------------------------------------------------------------------
 
 
 class BmcCreate(In):
     address: Annotated[str, StringConstraints(min_length=1, max_length=255)] = Field(
-        description="Host name or IP; for Redfish also http(s)://host. TLS is the default."
+        description="Host name or IP, optionally with :port; for Redfish also http(s)://host"
+        "[:port]. TLS is the default. Anything else (a path, a user) is refused with 422."
     )
     port: int | None = Field(default=None, ge=1, le=65535, description="Default 623 / 443.")
     protocol: Literal["auto", "ipmi", "redfish"] = Field(
@@ -125,6 +195,19 @@ class LogList(BaseModel):
     items: list[LogEntryOut]
 
 
+class ApproveIn(In):
+    reason: Annotated[str, StringConstraints(min_length=1, max_length=500)] = Field(
+        description="Why this machine is genuine without a BMC (ticket, asset tag checked).",
+    )
+
+
+class ApprovalOut(BaseModel):
+    machine_id: str
+    approved_at: datetime | None
+    approved_by: str | None
+    bmc_linked: bool
+
+
 def _bmc(req: ApiRequest) -> Any:
     svc = req.ctx.services.get("bmc")
     if svc is None:
@@ -149,9 +232,10 @@ def _bmc(req: ApiRequest) -> Any:
 async def register_bmc(req: ApiRequest) -> BmcOut:
     """Connects first (422 with the reason if refused or unreachable); links it to its machine."""
     b: BmcCreate = req.body
+    address, port = parse_bmc_address(b.address, b.port, b.protocol)
     out = await _bmc(req).register(
-        b.address,
-        b.port,
+        address,
+        port,
         b.protocol,
         b.username,
         b.password.get_secret_value(),
@@ -342,3 +426,47 @@ async def event_log(req: ApiRequest) -> LogList:
     """The BMC's own event log (IPMI SEL, Redfish LogService entries)."""
     items = await _bmc(req).event_log(req.params["id"])
     return LogList(items=[LogEntryOut.model_validate(x) for x in items])
+
+
+# ---- vouching for a machine without a BMC (enroll.require_bmc) -------------------------------
+
+
+@router.route(
+    "POST",
+    "/api/v1/machines/{id}/approve",
+    summary="Approve a machine without a BMC",
+    roles=STAFF,
+    body=ApproveIn,
+    response=ApprovalOut,
+    tag=TAG,
+    errors=(404, 409, 422),
+)
+async def approve_machine(req: ApiRequest) -> ApprovalOut:
+    """A technician vouches for a self-enrolled machine (its MAC and inventory are its own
+    word): with ``enroll.require_bmc`` a machine is claimable only once linked to a BMC or
+    approved here. Records a ``machine.approved`` event; approving again keeps the first."""
+    b: ApproveIn = req.body
+
+    def run(s: Session) -> ApprovalOut:
+        m = machines.get_machine(s, req.params["id"])
+        linked = s.exec(select(Bmc.id).where(Bmc.machine_id == m.id)).first() is not None
+        if m.approved_at is None:
+            m = machines.update_fields(
+                s,
+                m.id,
+                actor=req.actor,
+                kind="machine.approved",
+                values={"approved_at": utcnow(), "approved_by": req.actor},
+                data={"reason": b.reason, "bmc_linked": linked},
+                instance=req.ctx.instance,
+            )
+        return ApprovalOut(
+            machine_id=m.id,
+            approved_at=m.approved_at,
+            approved_by=m.approved_by,
+            bmc_linked=linked,
+        )
+
+    out = await req.ctx.store.run(run)
+    req.ctx.bus.notify()
+    return out

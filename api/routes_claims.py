@@ -20,7 +20,7 @@ from api.routing import ApiRequest, Router
 from api.schemas import In, LabelKey, LabelValue, MachineOut, Name, Query
 from metald import claims as svc
 from metald.auth import Principal, Role
-from metald.errors import Conflict, NotFound
+from metald.errors import Conflict, NotFound, Unprocessable
 from metald.lifecycle import ALLOCATED, State
 from metald.machines import add_event
 from metald.provision import driver
@@ -28,7 +28,8 @@ from metald.provision.images import normalize_spec
 from metald.provision.intents import DeployImage
 from metald.provision.metadata import nocloud
 from metald.provision.progress import Progress, record_progress
-from metald.store.models import Claim, Image, Machine, Nic, WgHub
+from metald.provision.redact import redact_spec
+from metald.store.models import Claim, Image, Machine, Nic, Tenant, WgHub
 from metald.tenants.service import REJOIN, issue_join_token
 
 log = logging.getLogger("metald.claims")
@@ -135,13 +136,22 @@ class ImageCreate(In):
     sha256: Text | None = Field(default=None, description="disk: SHA-256, 64 hex digits.")
     format: Literal["raw", "qcow2"] | None = None
     size_bytes: int | None = Field(default=None, gt=0)
+    tenants: list[Annotated[str, StringConstraints(min_length=1, max_length=64)]] = Field(
+        default=[],
+        max_length=256,
+        description="Tenant ids whose orchestrators may see and claim it; empty: public.",
+    )
 
 
 class ImageOut(BaseModel):
     id: str
     name: str
     kind: str
-    spec: dict[str, Any]
+    spec: dict[str, Any] = Field(
+        description="As stored for admins; for others URL credentials (userinfo, signature "
+        "and token query values) and secret-looking kernel arguments read REDACTED."
+    )
+    tenants: list[str]
     created_by: str | None
     created_at: datetime
 
@@ -273,6 +283,7 @@ async def create_claim(req: ApiRequest) -> ClaimOut:
             deploy=_deploy(req),
             ssh_authorized_keys=b.ssh_authorized_keys,
             instance=req.ctx.instance,
+            require_bmc=req.ctx.cfg.enroll.require_bmc,
         )
         started: list[str] = []
         if not replayed:
@@ -402,8 +413,18 @@ async def release_claim_machine(req: ApiRequest) -> ClaimOut:
 # ---- images -----------------------------------------------------------------------------
 
 
-def _image_out(img: Image) -> ImageOut:
-    return ImageOut.model_validate(img.model_dump())
+def _image_out(img: Image, p: Principal) -> ImageOut:
+    out = ImageOut.model_validate(img.model_dump())
+    if p.role is not Role.ADMIN:
+        out.spec = redact_spec(out.spec)
+    return out
+
+
+def _image_visible(img: Image, p: Principal) -> bool:
+    """Staff see every image; an orchestrator public ones and its tenants'."""
+    if p.role is not Role.ORCHESTRATOR:
+        return True
+    return not img.tenants or any(p.can_see_tenant(t) for t in img.tenants)
 
 
 @router.route(
@@ -423,12 +444,16 @@ async def create_image(req: ApiRequest) -> ImageOut:
     bytes verified by reading back); qcow2 (downloaded into RAM, sha256 checked, written by
     qemu-img and compared)."""
     b: ImageCreate = req.body
-    spec = normalize_spec(b.kind, b.model_dump(exclude={"name", "kind"}))
+    spec = normalize_spec(b.kind, b.model_dump(exclude={"name", "kind", "tenants"}))
+    scope = sorted(set(b.tenants))
 
     def run(s: Session) -> ImageOut:
         if s.exec(select(Image).where(Image.name == b.name)).first():
             raise Conflict(f"an image named {b.name!r} already exists; pick another name")
-        img = Image(name=b.name, kind=b.kind, spec=spec, created_by=req.actor)
+        unknown = [t for t in scope if s.get(Tenant, t) is None]
+        if unknown:
+            raise Unprocessable(f"tenants: no tenant with id {', '.join(map(repr, unknown))}")
+        img = Image(name=b.name, kind=b.kind, spec=spec, tenants=scope, created_by=req.actor)
         s.add(img)
         s.flush()
         add_event(
@@ -443,7 +468,7 @@ async def create_image(req: ApiRequest) -> ImageOut:
         except IntegrityError:
             s.rollback()
             raise Conflict(f"an image named {b.name!r} already exists; pick another name") from None
-        return _image_out(img)
+        return _image_out(img, req.require_principal())
 
     return await req.ctx.store.run(run)
 
@@ -452,12 +477,13 @@ async def create_image(req: ApiRequest) -> ImageOut:
     "GET", "/api/v1/images", summary="List images", roles=READERS, response=ImageList, tag="images"
 )
 async def list_images(req: ApiRequest) -> ImageList:
-    """Every image in the catalog, by name."""
+    """Every image in the catalog, by name; for an orchestrator, the public ones and its
+    tenants'. URL credentials are REDACTED for all but admins."""
+    p = req.require_principal()
 
     def run(s: Session) -> ImageList:
-        return ImageList(
-            items=[_image_out(i) for i in s.exec(select(Image).order_by(col(Image.name)))]
-        )
+        rows = s.exec(select(Image).order_by(col(Image.name)))
+        return ImageList(items=[_image_out(i, p) for i in rows if _image_visible(i, p)])
 
     return await req.ctx.store.run(run)
 
@@ -472,13 +498,14 @@ async def list_images(req: ApiRequest) -> ImageList:
     errors=(404,),
 )
 async def show_image(req: ApiRequest) -> ImageOut:
-    """One image and its spec."""
+    """One image and its spec (URL credentials REDACTED for all but admins)."""
+    p = req.require_principal()
 
     def run(s: Session) -> ImageOut:
         img = s.get(Image, req.params["id"])
-        if img is None:
+        if img is None or not _image_visible(img, p):
             raise NotFound(f"no image with id {req.params['id']!r}")
-        return _image_out(img)
+        return _image_out(img, p)
 
     return await req.ctx.store.run(run)
 
@@ -596,6 +623,7 @@ async def provision_instruction(req: ApiRequest) -> ProvisionInstruction:
                 actor=req.actor,
                 ttl=timedelta(seconds=req.ctx.cfg.tenants.join_token_ttl_s),
                 instance=req.ctx.instance,
+                supersede_peer=rejoin,  # the node rebooted: its old key is gone with its RAM
             )
             join = {
                 "url": f"{req.raw.scheme}://{req.raw.host}",

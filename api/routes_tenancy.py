@@ -23,6 +23,9 @@ log = logging.getLogger("metald.tenants")
 router = Router()
 ADMIN = frozenset({Role.ADMIN})
 FLEET_AND_TENANTS = STAFF | {Role.ORCHESTRATOR}
+#: A join token hands out the tenant's scheduler secrets (munge key) and a place on its hub:
+#: only admin and the tenant's own orchestrator mint one, never a technician.
+JOIN_MINTERS = frozenset({Role.ADMIN, Role.ORCHESTRATOR})
 
 Key = Annotated[str, StringConstraints(min_length=1, max_length=64)]
 
@@ -87,8 +90,6 @@ class JoinResponse(BaseModel):
 
 
 def _apply_peer(hubs: HubRuntime, result: service.JoinResult) -> None:
-    if result.replaced_public_key:
-        hubs.remove_peer(result.hub.tenant_id, result.replaced_public_key)
     hubs.add_peer(result.hub.tenant_id, result.peer.public_key, result.peer.address)
 
 
@@ -173,7 +174,7 @@ async def show_hub(req: ApiRequest) -> HubOut:
     "POST",
     "/api/v1/machines/{id}/join-token",
     summary="Issue a join token",
-    roles=FLEET_AND_TENANTS,
+    roles=JOIN_MINTERS,
     body=JoinTokenCreate,
     response=JoinTokenCreated,
     status=201,
@@ -182,7 +183,8 @@ async def show_hub(req: ApiRequest) -> HubOut:
 )
 async def create_join_token(req: ApiRequest) -> JoinTokenCreated:
     """A one-time, short-lived token for the machine's first-boot metadata. The secret is in
-    this response and nowhere else."""
+    this response and nowhere else. Admin, or the orchestrator of the machine's tenant; 409
+    while the machine is on its hub (a join never replaces an active peer)."""
     b: JoinTokenCreate = req.body
     p = req.require_principal()
 
@@ -200,6 +202,44 @@ async def create_join_token(req: ApiRequest) -> JoinTokenCreated:
         return JoinTokenCreated(machine_id=m.id, token=secret, expires_at=expires)
 
     return await req.ctx.store.run(run)
+
+
+@router.route(
+    "DELETE",
+    "/api/v1/machines/{id}/peer",
+    summary="Revoke a node's place on its hub",
+    roles=JOIN_MINTERS,
+    response=PeerOut,
+    tag="tenants",
+    errors=(404,),
+)
+async def revoke_peer(req: ApiRequest) -> PeerOut:
+    """Take the machine's WireGuard peer off its tenant's hub (and revoke its unused join
+    tokens), with a ``tenant.peer.removed`` event: the explicit step before a node may join
+    again with a new key (a fresh seed and join token), since a join never replaces an active
+    peer. Admin, or the orchestrator of the machine's tenant."""
+    p = req.require_principal()
+
+    def run(s: Session) -> tuple[PeerOut, str]:
+        m = get_machine(s, req.params["id"])
+        if not p.can_see_machine(m.id, m.tenant_id):
+            raise NotFound(f"no machine with id {req.params['id']!r}")
+        peer = service.remove_peer(
+            s, m.id, actor=req.actor, instance=req.ctx.instance, reason="revoked"
+        )
+        if peer is None:
+            raise NotFound(f"machine {m.id} has no peer on a tenant's hub")
+        s.commit()
+        return PeerOut.model_validate(peer.model_dump()), peer.tenant_id
+
+    out, tenant_id = await req.write(run)
+    hubs = req.ctx.services.get("tenant_hubs")
+    if hubs is not None:  # else the hub drops it when it next syncs with the store
+        try:
+            await asyncio.to_thread(hubs.remove_peer, tenant_id, out.public_key)
+        except Exception:
+            log.exception("could not take machine %s's peer off its hub", out.machine_id)
+    return out
 
 
 @router.route(

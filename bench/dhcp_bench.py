@@ -37,6 +37,7 @@ dhcp_mode = "full"
 interfaces = ["vs"]
 server_address = "{SRV}"
 router_advertisements = false
+assets_dir = "/usr/lib/ipxe"  # required with the boot plane: a folder apart from the state
 [[boot.networks]]
 name = "bench"
 subnet = "10.77.0.0/16"

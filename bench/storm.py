@@ -76,7 +76,7 @@ dhcp_mode = "full"
 interfaces = ["vs"]
 server_address = "{SRV}"
 router_advertisements = false
-assets_dir = "{state}"
+assets_dir = "{state.parent / "assets"}"
 # Every simulated machine's HTTP comes from the one simulator address, not from its lease.
 script_clients = "any"
 [[boot.networks]]
@@ -766,6 +766,7 @@ def run_one(n: int, args: argparse.Namespace) -> dict[str, Any]:
             veth(ns["srv"], "vs", f"{SRV}/16", ns["cli"], "vc", f"{CLI}/16")
             state = Path(tmp) / "state"
             state.mkdir()
+            (state.parent / "assets").mkdir()  # never the state folder: it holds the secrets
             store_url = ""
             if args.db == "postgresql":
                 from vmlab.pg import PgServer

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
+from sqlalchemy import exists, or_
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlmodel import Session, col, select
 
@@ -27,7 +28,7 @@ from metald.auth import revoke_machine_tokens
 from metald.errors import Conflict, NotFound, Unprocessable
 from metald.lifecycle import ALLOCATED, State, Trigger
 from metald.provision.intents import DeployImage, provision_intent, wipe_intent
-from metald.store.models import Claim, Event, Image, Machine, Nic, Tenant, as_utc, utcnow
+from metald.store.models import Bmc, Claim, Event, Image, Machine, Nic, Tenant, as_utc, utcnow
 from metald.tenants import service as tenant_service
 
 T = TypeVar("T")
@@ -145,8 +146,29 @@ def _free(stmt: Any) -> Any:
     return stmt.where(Machine.state == State.READY.value, col(Machine.tenant_id).is_(None))
 
 
-def count_matching(session: Session, selector: Selector) -> tuple[int, int]:
-    """(machines matching the selector in any state but retired, of those ready and free)."""
+def bmc_required(session: Session, setting: bool | None) -> bool:
+    """enroll.require_bmc as set, or (unset) on as soon as any BMC is registered."""
+    if setting is not None:
+        return setting
+    return session.exec(select(Bmc.id).limit(1)).first() is not None
+
+
+def _vouched(stmt: Any) -> Any:
+    """Machines something other than their own word vouches for: linked to a BMC, or approved
+    by a technician. A host that invented a MAC and an inventory has neither."""
+    has_bmc = exists().where(col(Bmc.machine_id) == col(Machine.id))
+    return stmt.where(or_(col(Machine.approved_at).is_not(None), has_bmc))
+
+
+def _claimable(strict: bool) -> Callable[[Any], Any]:
+    return (lambda stmt: _vouched(_free(stmt))) if strict else _free
+
+
+def count_matching(
+    session: Session, selector: Selector, *, vouched_only: bool = False
+) -> tuple[int, int]:
+    """(machines matching the selector in any state but retired, of those ready and free, and
+    with ``vouched_only`` linked to a BMC or approved)."""
     stmt, _exact = selector.narrow(
         select(*_MATCH_COLUMNS).where(Machine.state != State.RETIRED.value),
         session.get_bind().dialect.name,
@@ -154,6 +176,9 @@ def count_matching(session: Session, selector: Selector) -> tuple[int, int]:
     rows = session.exec(stmt).all()
     hits = [m for m in rows if selector.matches(m)]
     free = [m for m in hits if m.state == State.READY.value and m.tenant_id is None]
+    if vouched_only and free:
+        ids = [m.id for m in free]
+        free = list(session.exec(_vouched(select(Machine.id).where(col(Machine.id).in_(ids)))))
     return len(hits), len(free)
 
 
@@ -172,9 +197,9 @@ def _retrying(session: Session, fn: Callable[[], T]) -> T:
     raise AssertionError("unreachable")
 
 
-def get_image(session: Session, image_id: str) -> Image:
+def get_image(session: Session, image_id: str, tenant_id: str | None = None) -> Image:
     img = session.get(Image, image_id)
-    if img is None:
+    if img is None or (tenant_id is not None and img.tenants and tenant_id not in img.tenants):
         raise Unprocessable(f"no image with id {image_id!r}; list images with GET /api/v1/images")
     return img
 
@@ -216,9 +241,12 @@ def create_claim(
     deploy: DeployImage,
     ssh_authorized_keys: list[str] | None = None,
     instance: str | None = None,
+    require_bmc: bool | None = None,
 ) -> tuple[Claim, bool]:
     """Allocate ``count`` machines to the tenant, all or none. Returns (claim, replayed):
-    a repeated idempotency key with the same request returns the first claim unchanged."""
+    a repeated idempotency key with the same request returns the first claim unchanged.
+    ``require_bmc`` (enroll.require_bmc; None: on once any BMC is registered): only machines
+    linked to a BMC or approved by a technician are taken."""
     if count < 1:
         raise Unprocessable("count must be at least 1")
     keys = list(ssh_authorized_keys or [])
@@ -226,8 +254,10 @@ def create_claim(
         raise NotFound(f"no tenant with id {tenant_id!r}")
     if idempotency_key and (c := _existing(session, tenant_id, idempotency_key)):
         return _replay(c, count, selector, image_id, keys), True
-    image = get_image(session, image_id)
+    image = get_image(session, image_id, tenant_id)  # scoped images: their tenants only
     intent = provision_intent(image.id, image.kind, image.spec, deploy)
+    strict = bmc_required(session, require_bmc)
+    claimable = _claimable(strict)
 
     def allocate() -> Claim:
         claim = Claim(
@@ -243,12 +273,12 @@ def create_claim(
         session.add(claim)
         session.flush()
         dialect = session.get_bind().dialect.name
-        stmt, exact = selector.narrow(_free(select(Machine)), dialect)
+        stmt, exact = selector.narrow(claimable(select(Machine)), dialect)
         if not exact:
             # Labels or globs SQL cannot check alike: match the candidates' columns in Python.
-            cand, _ = selector.narrow(_free(select(*_MATCH_COLUMNS)), dialect)
+            cand, _ = selector.narrow(claimable(select(*_MATCH_COLUMNS)), dialect)
             ids = [m.id for m in session.exec(cand).all() if selector.matches(m)]
-            stmt = _free(select(Machine).where(col(Machine.id).in_(ids)))
+            stmt = claimable(select(Machine).where(col(Machine.id).in_(ids)))
         # Best fit first, so the big machines stay free for the claims that need them (the
         # ix_machines_alloc order). populate_existing: the rows as locked now.
         locked = session.exec(
@@ -290,7 +320,7 @@ def create_claim(
         return claim
 
     try:
-        return _allocate_or_explain(session, allocate, selector, count), False
+        return _allocate_or_explain(session, allocate, selector, count, strict=strict), False
     except IntegrityError:
         # The same idempotency key committed by a concurrent request a moment ago.
         session.rollback()
@@ -301,7 +331,12 @@ def create_claim(
 
 
 def _allocate_or_explain(
-    session: Session, allocate: Callable[[], Claim], selector: Selector, count: int
+    session: Session,
+    allocate: Callable[[], Claim],
+    selector: Selector,
+    count: int,
+    *,
+    strict: bool = False,
 ) -> Claim:
     """Run ``allocate``; when it falls short, wait briefly if machines held by in-flight claims
     (locked, not yet committed) might still come free, else refuse with the numbers."""
@@ -311,13 +346,19 @@ def _allocate_or_explain(
             return _retrying(session, allocate)
         except _Shortfall:
             session.rollback()
-        matched, available = count_matching(session, selector)
+        matched, available = count_matching(session, selector, vouched_only=strict)
         session.rollback()
         if available < count or time.monotonic() > deadline:
+            vouched = (
+                " (enroll.require_bmc: only machines linked to a BMC or approved by a "
+                "technician count)"
+                if strict
+                else ""
+            )
             raise Unprocessable(
                 f"cannot claim {count} machine(s): {matched} match the selector and "
-                f"{available} of them are ready and unallocated; ask for fewer, widen the "
-                "selector, or wait for machines to be released",
+                f"{available} of them are ready and unallocated{vouched}; ask for fewer, widen "
+                "the selector, or wait for machines to be released",
                 matched=matched,
                 available=available,
                 requested=count,

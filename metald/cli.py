@@ -63,12 +63,17 @@ def main(argv: list[str] | None = None) -> int:
         print(secret)
         return 0
 
+    import os
+
     from metald.daemon import Daemon
     from metald.secrets import SecretError
 
+    # Nothing the daemon writes (database, WAL, keys, hub and control-plane state) is for
+    # other users of the host.
+    os.umask(0o077)
     try:
         daemon = Daemon(cfg)
-    except SecretError as e:
+    except (SecretError, ConfigError) as e:
         print(f"metald: {e}", file=sys.stderr)
         return 2
     from metald.fleet.registry import InstanceNameInUse

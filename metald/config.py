@@ -51,10 +51,16 @@ class StoreConfig(_Section):
 
 
 class ApiConfig(_Section):
-    #: host:port the HTTP API (and HTTP boot) listens on.
+    #: host:port the staff API (admin, technicians, orchestrators) listens on: an address on
+    #: the management network. Also HTTP boot, agents and joins while boot.http_listen is empty.
     listen: str = "127.0.0.1:8080"
-    #: URL machines and agents use to reach this API (rendered into iPXE scripts).
+    #: URL machines and agents use to reach this API (rendered into iPXE scripts) while
+    #: boot.http_listen is empty.
     public_url: str = ""
+    #: PEM certificate chain and private key: the staff API speaks HTTPS only (TLS 1.2+).
+    #: Both or neither. The provisioning listener (boot.http_listen) stays plain HTTP.
+    tls_cert: str = ""
+    tls_key: str = ""
     #: Largest accepted request body, in bytes.
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     #: Default and maximum page size of list endpoints.
@@ -69,6 +75,12 @@ class ApiConfig(_Section):
     def _listen(cls, v: str) -> str:
         split_hostport(v)
         return v
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ApiConfig:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key: set both (HTTPS) or neither (plain HTTP)")
+        return self
 
 
 class LogConfig(_Section):
@@ -111,7 +123,9 @@ class BootConfig(_Section):
     dhcp_port: int = Field(default=67, ge=1, le=65535)
     proxy_port: int = Field(default=4011, ge=1, le=65535)
     tftp_port: int = Field(default=69, ge=1, le=65535)
-    #: Folder with iPXE binaries and boot images, served by TFTP and HTTP (read-only).
+    #: Folder with iPXE binaries and boot images, served by TFTP and HTTP (read-only) without a
+    #: token. Required when enabled; must not be, contain or sit inside state_dir. Hidden
+    #: (dot) files in it are not served.
     assets_dir: str = ""
     #: Answer IPv6 Router Solicitations on the boot interfaces (removes iPXE's ~16 s IPv6 wait).
     router_advertisements: bool = True
@@ -126,8 +140,13 @@ class BootConfig(_Section):
     uefi_ia32_file: str = "ipxe-i386.efi"
     #: Boot file for arm64 UEFI clients (arch 11, 19).
     uefi_arm64_file: str = "snponly-arm64.efi"
-    #: Base URL iPXE uses for scripts and assets. Empty: api.public_url, else
-    #: http://<server_address>:<api port>.
+    #: host:port of the provisioning listener: the only endpoints machines need (/boot/,
+    #: /api/v1/agent/, /api/v1/join) on an address of the provisioning network; every other
+    #: path answers 404 there, and the staff API (api.listen) stops serving these. Empty: one
+    #: listener (api.listen) for everything, with a warning at start.
+    http_listen: str = ""
+    #: Base URL iPXE uses for scripts and assets. Empty: http://<server_address>:<http_listen
+    #: port> when http_listen is set, else api.public_url, else http://<server_address>:<api port>.
     http_url: str = ""
     #: Who gets a machine's iPXE script while it carries an agent token (discovery, provision,
     #: wipe). "leased": only the address metald's DHCP bound to that MAC, so another machine
@@ -137,6 +156,13 @@ class BootConfig(_Section):
     #: Empty: "leased" with dhcp_mode "full", "any" otherwise (with a warning at start).
     script_clients: Literal["", "leased", "any"] = ""
     networks: list[DhcpNetwork] = []
+
+    @field_validator("http_listen")
+    @classmethod
+    def _http_listen(cls, v: str) -> str:
+        if v:
+            split_hostport(v)
+        return v
 
     @model_validator(mode="after")
     def _leases_known(self) -> BootConfig:
@@ -189,6 +215,10 @@ class EnrollConfig(_Section):
     agent_token_ttl_s: int = Field(default=7200, ge=60)
     #: What a machine does once inspected: "poweroff" (wait for a claim powered off) or "wait".
     after_inspection: Literal["poweroff", "wait"] = "poweroff"
+    #: A machine is claimable only once linked to a BMC or approved by a technician
+    #: (``POST /api/v1/machines/{id}/approve``), so a host that invents a MAC and an inventory
+    #: cannot be handed to a tenant. Empty: on as soon as any BMC is registered.
+    require_bmc: bool | None = None
     #: Rules that set labels and rack from inventory and switch port, applied in order:
     #: [[enroll.rules]] match = { gpu_model = "NVIDIA H100*" } labels = { pool = "train" }
     rules: list[EnrollmentRule] = []
@@ -280,10 +310,50 @@ class FleetConfig(_Section):
         if self.dead_after_s < 2 * self.heartbeat_s:
             raise ValueError("dead_after_s must be at least twice heartbeat_s")
         return self
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or path.is_relative_to(folder)
+
+
+def assets_root_problem(cfg: Config) -> str | None:
+    """Why ``boot.assets_dir`` cannot be served without a token, or None.
+
+    Everything under the assets root answers anyone on the provisioning network (tenant nodes
+    included) over HTTP and TFTP, so it must be set when the boot plane runs and must share no
+    folder with the state: not be ``state_dir``, nor contain it, nor sit inside it, and hold
+    none of the secret files (admin token, secrets key, SQLite database) wherever they are.
+    """
+    if not cfg.boot.assets_dir:
+        if cfg.boot.enabled:
+            return (
+                "boot.assets_dir: required when boot.enabled (the folder of iPXE binaries and "
+                "boot images served to the provisioning network); it must be a folder apart "
+                "from state_dir, e.g. /var/lib/metald-assets"
+            )
+        return None
+    assets = Path(cfg.boot.assets_dir).resolve()
+    state = Path(cfg.state_dir).resolve()
+    if _inside(assets, state) or _inside(state, assets):
+        how = "is" if assets == state else ("sits inside" if _inside(assets, state) else "contains")
+        return (
+            f"boot.assets_dir ({assets}) {how} state_dir ({state}): the assets folder is served "
+            "without a token to the provisioning network and must not share a folder with the "
+            "admin token, secrets key and database; give boot.assets_dir a folder of its own"
+        )
+    secrets = {"auth.admin_token_file": cfg.admin_token_path, "state_dir": cfg.secrets_key_path}
+    if cfg.store_url.startswith("sqlite:///"):
+        secrets["store.url"] = Path(cfg.store_url.removeprefix("sqlite:///"))
+    for key, path in secrets.items():
+        if _inside(path.resolve(), assets):
+            return (
+                f"{key}: {path} is inside boot.assets_dir ({assets}), which is served without a "
+                "token to the provisioning network; keep it out of the assets folder"
+            )
+    return None
 
 
 class Config(_Section):
-    #: Folder for the SQLite database, the secrets key and the first admin token.
+    #: Folder for the SQLite database, the secrets key and the first admin token. Never
+    #: served: boot.assets_dir must be a folder apart from it.
     state_dir: str = "/var/lib/metald"
     #: Name of this metald instance (one per rack or provisioning network); shows in events.
     instance: str = "metald"
@@ -367,4 +437,12 @@ def load_config(
             raise ConfigError(
                 f"invalid config: boot.networks[{net.name}].pool_start is after pool_end"
             )
+    check_assets_root(cfg)
     return cfg
+
+
+def check_assets_root(cfg: Config) -> None:
+    """Raise ConfigError when the assets root would serve the state (``assets_root_problem``)."""
+    problem = assets_root_problem(cfg)
+    if problem is not None:
+        raise ConfigError(f"invalid config: {problem}")

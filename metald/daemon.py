@@ -3,21 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
+import ssl
+import stat
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from api.app import create_app
 from api.context import AppContext
+from api.problem import problem
 from metald import __version__
 from metald.auth import bootstrap_admin
-from metald.config import Config, split_hostport
+from metald.config import Config, check_assets_root, split_hostport
 from metald.events import EventBus
 from metald.fleet.membership import Membership
 from metald.fleet.startup import hold_sqlite_lock, verify_secrets_key
+from metald.nodeguard import path_allowed
 from metald.secrets import SecretBox
 from metald.service import Service
 from metald.store import Store
@@ -25,9 +32,76 @@ from metald.store import Store
 log = logging.getLogger("metald")
 
 
+#: Files of the state folder that must be readable by metald's user only.
+STATE_FILES = ("metald.db", "metald.db-wal", "metald.db-shm", "secrets.key", "admin.token")
+
+
+def secure_state_dir(state_dir: str | os.PathLike[str]) -> list[str]:
+    """Create the state folder 0700, or narrow an existing one and its known files to the
+    owner (databases from before this check were 0644 in a 0755 folder). Returns what was
+    changed, for the log."""
+    path = Path(state_dir)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fixed = []
+    for p, mode in [(path, 0o700)] + [(path / n, 0o600) for n in STATE_FILES]:
+        try:
+            st = p.lstat()
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(st.st_mode) or not stat.S_IMODE(st.st_mode) & 0o077:
+            continue
+        os.chmod(p, stat.S_IMODE(st.st_mode) & mode)
+        fixed.append(f"{p} {stat.S_IMODE(st.st_mode):o} -> {stat.S_IMODE(st.st_mode) & mode:o}")
+    return fixed
+
+
+def private_file(path: Path) -> None:
+    """Create ``path`` empty with mode 0600 unless it exists: SQLite gives its -wal and -shm
+    files the database file's mode, so this keeps all three private whatever the umask."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def only_paths(allowed: Callable[[str], bool], listener: str) -> Any:
+    """Middleware: answer 404 problem+json for every path ``allowed`` refuses, before routing,
+    authentication or any other middleware runs."""
+
+    @web.middleware
+    async def mw(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if allowed(request.path):
+            return await handler(request)
+        return problem(
+            404,
+            "Not found",
+            f"there is no resource at {request.path} on the {listener} listener",
+            instance=request.path,
+        )
+
+    return mw
+
+
+def staff_tls(cfg: Config) -> ssl.SSLContext | None:
+    if not cfg.api.tls_cert:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(cfg.api.tls_cert, cfg.api.tls_key)
+    return ctx
+
+
 class Daemon:
     def __init__(self, cfg: Config) -> None:
+        check_assets_root(cfg)  # a Config built in code skips load_config's check
         self.cfg = cfg
+        for change in secure_state_dir(cfg.state_dir):
+            log.warning("state folder was readable by others; narrowed %s", change)
+        db = cfg.store_url.removeprefix("sqlite:///").split("?")[0]
+        if cfg.store_url.startswith("sqlite:///") and db not in ("", ":memory:"):
+            private_file(Path(db))
         self.store = Store(cfg.store_url, workers=cfg.store.workers)
         self.secrets = SecretBox.from_file(cfg.secrets_key_path)
         self.bus = EventBus()
@@ -42,7 +116,7 @@ class Daemon:
             serves=_serves(cfg),
         )
         self._store_lock: Any = None
-        self._runner: web.AppRunner | None = None
+        self._runners: list[web.AppRunner] = []
         self._stopping = asyncio.Event()
 
     def _build_services(self) -> list[web.RouteDef]:
@@ -56,8 +130,14 @@ class Daemon:
             routes.extend(extra)
         return routes
 
+    async def _serve(self, app: web.Application, listen: str, tls: ssl.SSLContext | None) -> None:
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        self._runners.append(runner)
+        host, port = split_hostport(listen)
+        await web.TCPSite(runner, host, port, reuse_address=True, ssl_context=tls).start()
+
     async def start(self) -> None:
-        os.makedirs(self.cfg.state_dir, exist_ok=True)
         self._store_lock = hold_sqlite_lock(self.cfg.store_url)
         await asyncio.get_running_loop().run_in_executor(None, self.store.migrate)
         if await self.store.run(verify_secrets_key, self.secrets, self.cfg.secrets_key_path):
@@ -69,20 +149,34 @@ class Daemon:
         if created:
             log.warning("first start: an admin token was written to %s (mode 0600)", created)
         extra = self._build_services()
-        app = create_app(self.ctx, extra=extra)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await self._runner.setup()
-        host, port = split_hostport(self.cfg.api.listen)
-        site = web.TCPSite(self._runner, host, port, reuse_address=True)
-        await site.start()
+        staff = create_app(self.ctx, extra=extra)
+        machines_listen = self.cfg.boot.http_listen
+        if machines_listen:
+            # Two listeners: the provisioning network reaches boot, agent and join only; the
+            # staff API (management network) serves none of them.
+            staff.middlewares.insert(0, only_paths(lambda p: not path_allowed(p), "staff API"))
+            machines = create_app(self.ctx, extra=extra)
+            machines.middlewares.insert(0, only_paths(path_allowed, "provisioning"))
+            await self._serve(machines, machines_listen, None)
+        elif self.cfg.boot.enabled:
+            log.warning(
+                "boot.http_listen is empty: the staff API and the boot, agent and join endpoints "
+                "share api.listen (%s), so the provisioning network (tenant nodes included) "
+                "reaches the staff API's port; set boot.http_listen on the provisioning network "
+                "and api.listen on the management network",
+                self.cfg.api.listen,
+            )
+        await self._serve(staff, self.cfg.api.listen, staff_tls(self.cfg))
         for svc in self.services:
             await svc.start()
             log.info("service %s started", svc.name)
         log.info(
-            "metald %s (%s) listening on %s, store %s",
+            "metald %s (%s) listening on %s%s%s, store %s",
             __version__,
             self.cfg.instance,
             self.cfg.api.listen,
+            " (TLS)" if self.cfg.api.tls_cert else "",
+            f", machines on {machines_listen}" if machines_listen else "",
             "sqlite" if self.store.is_sqlite else "postgresql",
         )
 
@@ -92,8 +186,9 @@ class Daemon:
                 await svc.stop()
             except Exception:
                 log.exception("stopping %s failed", svc.name)
-        if self._runner is not None:
-            await self._runner.cleanup()
+        for runner in reversed(self._runners):
+            await runner.cleanup()
+        self._runners.clear()
         await self.fleet.stop()
         self.store.close()
         if self._store_lock is not None:
@@ -130,8 +225,6 @@ def _boot_plane(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
     """DHCP, TFTP and RA as a service; HTTP boot as routes on the API's port."""
     if not d.cfg.boot.enabled:
         return None, []
-    from pathlib import Path
-
     from metald.boot.http import boot_routes
     from metald.boot.plane import BootPlane, http_base_url
     from metald.enrollment import EnrollmentBootHooks
@@ -146,9 +239,8 @@ def _boot_plane(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
         d.store, d.cfg.instance, d.cfg.enroll, leased_clients_only=leased_only
     )
     plane = BootPlane(d.cfg, d.store, hooks)
-    routes = boot_routes(
-        hooks, Path(d.cfg.boot.assets_dir or d.cfg.state_dir), http_base_url(d.cfg)
-    )
+    # Never the state folder (check_assets_root): the assets are served without a token.
+    routes = boot_routes(hooks, Path(d.cfg.boot.assets_dir), http_base_url(d.cfg))
     return plane, routes
 
 

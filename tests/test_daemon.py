@@ -67,6 +67,12 @@ def test_first_start_writes_admin_token_0600_and_sigterm_stops(daemon) -> None: 
         [BIN / "metalctl", "whoami"], env=env, capture_output=True, text=True, check=True
     )
     assert "bootstrap-admin (admin)" in out.stdout
+    # The database, its WAL and shared memory, and the folder are metald's user's only.
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700
+    db_files = [p for p in state.iterdir() if p.name.startswith("metald.db")]
+    assert {p.name for p in db_files} >= {"metald.db", "metald.db-wal"}
+    for p in db_files:
+        assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=15) == 0
     logs = proc.stderr.read()
@@ -211,6 +217,9 @@ def share_secrets_key(root: Path, state_dirs: list[str]) -> None:
 def test_example_config_is_valid() -> None:
     example = Path(__file__).parent.parent / "examples" / "metald.toml"
     load_config(example, environ={})
+    # Turning the boot plane on is one key: its assets folder is already apart from the state.
+    cfg = load_config(example, environ={"METALD_BOOT__ENABLED": "true"})
+    assert cfg.boot.assets_dir and cfg.boot.assets_dir != cfg.state_dir
 
 
 def test_two_instances_share_one_postgresql(tmp_path: Path, pg_server) -> None:  # type: ignore[no-untyped-def]

@@ -6,6 +6,12 @@ override Once or Continuous, and follows 202 task monitors to their end. It logs
 Redfish session (X-Auth-Token) and falls back to HTTP basic auth where the BMC has no session
 service or refuses to create one. TLS is verified against the system store, a pinned per-BMC CA,
 or not at all when the BMC is registered with verify off.
+
+Every URL the BMC hands back (members, action targets, session and task ``Location``) is
+followed only on the BMC's own scheme, host and port: a relative path, or an absolute URL of
+that same origin. Anything else is refused (``BmcProtocolError``, counted in
+``metald_bmc_redfish_foreign_urls_total``) before a byte is sent, so a hostile BMC cannot send
+metald's credentials (session login body, basic auth, X-Auth-Token) to another host.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import ssl
 from typing import Any
 
 import aiohttp
+from prometheus_client import Counter
+from yarl import URL
 
 from metald.bmc.base import (
     BmcAuthError,
@@ -47,6 +55,28 @@ RESET_CHOICES: dict[PowerAction, tuple[str, ...]] = {
 }
 _TASK_DONE = {"Completed", "Exception", "Killed", "Cancelled"}
 
+foreign_urls = Counter(
+    "metald_bmc_redfish_foreign_urls_total",
+    "URLs a Redfish BMC handed back that point off the BMC (refused, never followed)",
+)
+
+
+def same_origin_url(base: URL, link: str) -> URL | None:
+    """``link`` resolved against the BMC's ``base`` when it stays on base's scheme, host and
+    port (a path starting with one "/", or an absolute URL of the same origin); else None."""
+    if link.startswith("/") and not link.startswith("//") and "\\" not in link:
+        url = base.join(URL(link, encoded=True))
+    else:
+        try:
+            url = URL(link)
+        except ValueError:
+            return None
+        if not url.is_absolute() or url.user is not None or url.password is not None:
+            return None
+    if (url.scheme, url.host, url.port) != (base.scheme, base.host, base.port):
+        return None
+    return url
+
 
 class RedfishDriver(BmcDriver):
     protocol = "redfish"
@@ -62,7 +92,9 @@ class RedfishDriver(BmcDriver):
     ) -> None:
         self.ep = endpoint
         port = endpoint.port or (443 if scheme == "https" else 80)
-        self.base = f"{scheme}://{endpoint.address}:{port}"
+        host = endpoint.address.strip("[]")
+        self.base = f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+        self._origin = URL(self.base)
         self.system_hint = system
         self.request_timeout_s = request_timeout_s
         self.task_poll_s = task_poll_s
@@ -108,7 +140,14 @@ class RedfishDriver(BmcDriver):
                 headers["X-Auth-Token"] = self._token
             elif self._basic:
                 headers["Authorization"] = _basic_auth(self.ep.username, self.ep.password)
-        url = path if path.startswith("http") else self.base + path
+        url = same_origin_url(self._origin, path)
+        if url is None:
+            foreign_urls.inc()
+            log.warning("%s: refused to follow %r: not on the BMC's own address", self._where, path)
+            raise BmcProtocolError(
+                f"{self._where} handed back a link off the BMC ({path[:200]!r}); metald follows "
+                f"only relative paths or {self.base} URLs, so it sent nothing there"
+            )
         try:
             async with self._client().request(
                 method, url, json=body, headers=headers, allow_redirects=False

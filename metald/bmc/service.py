@@ -242,6 +242,9 @@ class BmcService:
             except BmcError as e:
                 failures.append(f"{proto}: {_cause(e)}")
                 await driver.close()
+            except BaseException:  # a bug or a cancel: still close the driver's client session
+                await driver.close()
+                raise
             finally:
                 self.scheduler.forget(key)
         if ident is None:
@@ -263,7 +266,11 @@ class BmcService:
             last_seen_at=utcnow(),
         )
         candidates = ident.extra.get("uuid_candidates", [])
-        saved = await self.store.run(self._insert, row, machine_id, candidates, actor)
+        try:
+            saved = await self.store.run(self._insert, row, machine_id, candidates, actor)
+        except BaseException:
+            await driver.close()
+            raise
         self._drivers[saved.id] = driver
         self._persisted[saved.id] = (Health.OK.value, None)
         return _public(saved)

@@ -2,16 +2,20 @@
 
 Unauthenticated on purpose: firmware has no token. Scripts carry only what the machine may
 know; assets are the read-only assets folder, served by ``web.FileResponse`` (sendfile, HEAD,
-Range, ETag/If-None-Match) after the same path checks TFTP applies.
+Range, ETag/If-None-Match) after the same path checks TFTP applies, hidden (dot) files and
+folders excepted. The assets folder is never the state folder (``config.assets_root_problem``).
+Errors are problem+json, like the rest of the API.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from aiohttp import web
 
+from api.problem import problem
 from metald.boot import metrics
 from metald.boot.hooks import BootHooks, ScriptRefused
 from metald.boot.ipxe import render_boot_script
@@ -51,15 +55,39 @@ def boot_routes(hooks: BootHooks, assets_dir: Path, public_url: str) -> list[web
         )
 
     async def asset(request: web.Request) -> web.StreamResponse:
+        name = request.match_info["path"]
         try:
-            path = safe_path(root, request.match_info["path"])
+            path = safe_path(root, name)
         except PathRefused as e:
-            if e.reason == "not-found":
-                raise web.HTTPNotFound() from None
-            raise web.HTTPForbidden() from None
+            if e.reason in ("not-found", "hidden"):
+                raise web.HTTPNotFound(text=f"no boot asset {name}") from None
+            raise web.HTTPForbidden(text=f"{name} is not served ({e.reason})") from None
         return web.FileResponse(path)
 
     return [
-        web.get("/boot/{mac}.ipxe", script),
-        web.get("/boot/assets/{path:.+}", asset),  # aiohttp answers HEAD for GET routes
+        web.get("/boot/{mac}.ipxe", _problems(script)),
+        # aiohttp answers HEAD for GET routes
+        web.get("/boot/assets/{path:.+}", _problems(asset)),
     ]
+
+
+_TITLES = {403: "Forbidden", 404: "Not found"}
+
+
+def _problems(
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """Turn a handler's HTTP errors into problem+json, keeping their status and sentence."""
+
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            detail = (e.text or "").strip()
+            if not detail or detail == f"{e.status}: {e.reason}":
+                detail = f"{e.reason} ({request.path})"
+            return problem(e.status, _TITLES.get(e.status, e.reason), detail, instance=request.path)
+
+    return wrapped

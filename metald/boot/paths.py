@@ -1,7 +1,8 @@
 """Resolving a client-supplied path under the assets root, refusing every way out of it.
 
 Shared by TFTP and HTTP so both refuse the same things: ``..`` components, absolute paths,
-NUL bytes, and symlinks (or anything else) that resolve outside the root.
+NUL bytes, hidden (dot) files and folders, and symlinks (or anything else) that resolve
+outside the root.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def safe_path(root: Path, name: str) -> Path:
     parts = name.replace("\\", "/").split("/")
     if any(p == ".." for p in parts):
         raise PathRefused("dot-dot")
+    if any(p.startswith(".") and p != "." for p in parts):
+        raise PathRefused("hidden")  # .git, .htpasswd, editors' swap files: not boot assets
     try:
         resolved = (root / name).resolve(strict=True)
     except (FileNotFoundError, NotADirectoryError):

@@ -65,6 +65,9 @@ class Machine(SQLModel, table=True):
     tenant_id: str | None = Field(default=None, foreign_key="tenants.id", index=True)
     claim_id: str | None = Field(default=None, foreign_key="claims.id", index=True)
     last_error: str | None = None
+    #: A technician vouched for this machine (enroll.require_bmc: claimable without a BMC).
+    approved_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    approved_by: str | None = None
     state_changed_at: datetime = _ts()
     created_at: datetime = _ts()
     updated_at: datetime = _ts()
@@ -185,6 +188,10 @@ class Image(SQLModel, table=True):
     #: stateless or disk.
     kind: str
     spec: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    #: Tenants whose orchestrators may see and claim it; empty: every tenant (public).
+    tenants: list[str] = Field(
+        default_factory=list, sa_column=Column(JSON, nullable=False, server_default="[]")
+    )
     created_by: str | None = None
     created_at: datetime = _ts()
 

@@ -46,8 +46,6 @@ class JoinResult:
     hub: WgHub
     prefix: str
     material: dict[str, Any]
-    #: The machine's previous key, if it joined before: remove it from the hub.
-    replaced_public_key: str | None = None
 
     def response(self) -> dict[str, Any]:
         """What the node receives: everything it needs, no secret of anyone else's but the
@@ -192,9 +190,15 @@ def issue_join_token(
     actor: str,
     ttl: timedelta = tokens.DEFAULT_TTL,
     instance: str | None = None,
+    supersede_peer: bool = False,
 ) -> tuple[str, datetime]:
     """A one-time token for the machine's first boot; returns (secret, expiry). Revokes the
-    machine's unused older tokens. Commits."""
+    machine's unused older tokens. Commits.
+
+    A machine already on its hub (a peer is stored) gets no token: a join never replaces an
+    active peer, so a token would only be refused. ``supersede_peer`` is for metald itself,
+    minting for a boot it serves (a RAM-booted node that rebooted has lost its key): the old
+    peer is removed here, with an event, and the running hub drops it at its next sync."""
     m = machines.get_machine(session, machine_id)
     if m.tenant_id is None or State(m.state) not in JOINABLE:
         raise Conflict(
@@ -202,6 +206,13 @@ def issue_join_token(
             "only a claimed machine can be given a join token"
         )
     get_hub_or_conflict(session, m.tenant_id)
+    if active_peer(session, m.id) is not None:
+        if not supersede_peer:
+            raise Conflict(
+                f"machine {m.id} is already on its tenant's hub; a join never replaces an "
+                "active peer: release the machine (or let it reboot into metald) first"
+            )
+        remove_peer(session, m.id, actor=actor, instance=instance, reason="rebooted")
     tokens.revoke_for_machine(session, m.id)  # the newest token replaces unused older ones
     row, secret = tokens.issue(
         session, machine_id=m.id, tenant_id=m.tenant_id, ttl=ttl, created_by=actor
@@ -273,15 +284,19 @@ def join(
     tenant = session.get(Tenant, token.tenant_id)
     assert tenant is not None and tenant.overlay_prefix is not None
     hub = get_hub_or_conflict(session, tenant.id)
+    if active_peer(session, m.id) is not None:
+        # Whoever holds this token cannot take over the node's place on the hub (and the
+        # scheduler's secrets with it): metald removes a peer on release or when it serves the
+        # machine a new boot, never on a join.
+        session.rollback()
+        raise Conflict(
+            "this machine is already on its tenant's hub; a join never replaces an active "
+            "peer (release the machine, or reboot it through metald for a fresh token)"
+        )
     other = session.exec(select(WgPeer).where(WgPeer.public_key == public_key)).first()
-    if other is not None and other.machine_id != m.id:
+    if other is not None:
         session.rollback()
         raise Conflict("this public key is already used by another node; generate a fresh one")
-    old = session.exec(select(WgPeer).where(WgPeer.machine_id == m.id)).first()
-    replaced = old.public_key if old is not None else None
-    if old is not None:
-        session.delete(old)
-        session.flush()
     peer = _add_peer(session, tenant, m.id, public_key)
     material = _material(box, tenant, hub, m, peer.address)
     if State(m.state) in (State.PROVISIONED, State.JOIN_FAILED):
@@ -298,7 +313,11 @@ def join(
         instance=instance,
     )
     session.commit()
-    return JoinResult(peer, hub, tenant.overlay_prefix, material, replaced)
+    return JoinResult(peer, hub, tenant.overlay_prefix, material)
+
+
+def active_peer(session: Session, machine_id: str) -> WgPeer | None:
+    return session.exec(select(WgPeer).where(WgPeer.machine_id == machine_id)).first()
 
 
 def _add_peer(session: Session, tenant: Tenant, machine_id: str, public_key: str) -> WgPeer:
@@ -321,10 +340,16 @@ def _add_peer(session: Session, tenant: Tenant, machine_id: str, public_key: str
 
 
 def remove_peer(
-    session: Session, machine_id: str, *, actor: str = "metald", instance: str | None = None
+    session: Session,
+    machine_id: str,
+    *,
+    actor: str = "metald",
+    instance: str | None = None,
+    reason: str = "released",
 ) -> WgPeer | None:
-    """On release: drop the machine's peer and revoke its unused join tokens. Not committed;
-    returns the removed peer so the caller can take it off the running hub after commit."""
+    """On release (or a new boot metald serves): drop the machine's peer and revoke its unused
+    join tokens. Not committed; returns the removed peer so the caller can take it off the
+    running hub after commit."""
     tokens.revoke_for_machine(session, machine_id)
     peer = session.exec(select(WgPeer).where(WgPeer.machine_id == machine_id)).first()
     if peer is None:
@@ -336,7 +361,7 @@ def remove_peer(
         actor,
         machine_id=machine_id,
         tenant_id=peer.tenant_id,
-        data={"address": peer.address, "public_key": peer.public_key},
+        data={"address": peer.address, "public_key": peer.public_key, "reason": reason},
         instance=instance,
     )
     return peer

@@ -60,8 +60,56 @@ async def test_hub_token_join_flow(api) -> None:  # type: ignore[no-untyped-def]
     r = await client.get(hub_url, headers=orch)
     peers = (await r.json())["peers"]
     assert [(p["machine_id"], p["public_key"]) for p in peers] == [(tokens.machine_a, pub)]
+    # The node is on its hub: nobody gets a token that would take its place...
+    for role in ("orchestrator", "admin"):
+        r = await client.post(url, json={}, headers=tokens.header(role))
+        assert r.status == 409 and "active peer" in (await r.json())["detail"], role
+    # ...until its tenant's orchestrator (or an admin) revokes the peer, on the record.
+    peer_url = f"/api/v1/machines/{tokens.machine_a}/peer"
+    for role, status in (("technician", 403), ("orchestrator_other", 404)):
+        r = await client.delete(peer_url, headers=tokens.header(role))
+        assert r.status == status, role
+    calls.clear()
+    r = await client.delete(peer_url, headers=orch)
+    assert r.status == 200 and (await r.json())["public_key"] == pub
+    assert calls == [("remove", tokens.tenant_a, pub)]
+    r = await client.delete(peer_url, headers=orch)
+    assert r.status == 404
+    r = await client.post(url, json={}, headers=orch)
+    assert r.status == 201
+    pub2 = keys.public_key(keys.generate_private_key())
+    r = await client.post(
+        "/api/v1/join", json={"token": (await r.json())["token"], "public_key": pub2}
+    )
+    assert r.status == 200, await r.text()
     r = await client.get("/api/v1/openapi.json")
     assert "/api/v1/join" in (await r.json())["paths"]
+
+
+async def test_a_technician_cannot_mint_a_join_token(api) -> None:  # type: ignore[no-untyped-def]
+    """A join token yields the tenant's munge key and a place on its hub: a technician (fleet
+    staff, not the tenant's) gets 403 and no token is recorded."""
+    from sqlmodel import select
+
+    from metald.store.models import JoinToken
+
+    client, tokens, store = api
+    r = await client.post(
+        f"/api/v1/tenants/{tokens.tenant_a}/hub",
+        json={"endpoint_host": "10.99.0.1"},
+        headers=tokens.header("admin"),
+    )
+    assert r.status == 201
+    provisioned(store, tokens.machine_a)
+    url = f"/api/v1/machines/{tokens.machine_a}/join-token"
+    r = await client.post(url, json={}, headers=tokens.header("technician"))
+    assert r.status == 403
+    body = await r.json()
+    assert "admin, orchestrator" in body["detail"]
+    with store.session() as s:
+        assert s.exec(select(JoinToken)).all() == []
+    r = await client.post(url, json={}, headers=tokens.header("admin"))
+    assert r.status == 201
 
 
 async def test_provision_instruction_carries_a_fresh_join_token(api) -> None:  # type: ignore[no-untyped-def]

@@ -120,7 +120,8 @@ def test_refusals(env: Env) -> None:
         _join(env, secret, "not-a-key")
     # A refused join leaves the token usable.
     _join(env, secret, _pub())
-    expired = _token(env, m, ttl=timedelta(seconds=60))
+    provisioned(env.store, env.tokens.machine_b)
+    expired = _token(env, env.tokens.machine_b, ttl=timedelta(seconds=60))
     with env.store.session() as s, pytest.raises(Unauthorized, match="expired"):
         service.join(s, env.box, expired, _pub(), now=utcnow() + timedelta(seconds=61))
     with env.store.session() as s, pytest.raises(Conflict, match="no tenant"):
@@ -149,13 +150,41 @@ def test_release_removes_peer_and_frees_address(env: Env) -> None:
         _join(env, leftover, _pub())
 
 
-def test_rejoin_replaces_the_old_key(env: Env) -> None:
+def test_a_join_never_replaces_an_active_peer(env: Env) -> None:
+    """Whoever holds a valid token for a machine already on its hub (a technician's, say) must
+    not take the node's place: no token is minted, and a join with one minted any other way is
+    refused; the node's peer stays."""
+    from metald.tenants import tokens
+
     m = env.tokens.machine_a
     first = _join(env, _token(env, m), _pub())
-    second = _join(env, _token(env, m), _pub())
-    assert second.replaced_public_key == first.peer.public_key
+    with pytest.raises(Conflict, match="already on its tenant's hub"):
+        _token(env, m)
+    with env.store.session() as s:
+        _row, stray = tokens.issue(s, machine_id=m, tenant_id=env.tokens.tenant_a)
+        s.commit()
+    with pytest.raises(Conflict, match="never replaces an active peer"):
+        _join(env, stray, _pub())
+    with env.store.session() as s:
+        assert [p.public_key for p in s.exec(select(WgPeer))] == [first.peer.public_key]
+        # The refusal rolled back: the stray token was not burned.
+        row = s.exec(select(JoinToken).where(JoinToken.token_hash == tokens.hash_secret(stray)))
+        assert row.one().used_at is None
+
+
+def test_metald_supersedes_the_peer_of_a_node_it_reboots(env: Env) -> None:
+    """A RAM-booted node that boots again through metald lost its key: the token metald mints
+    for that boot removes the old peer (with an event), and the node joins with a new key."""
+    from metald.store.models import Event
+
+    m = env.tokens.machine_a
+    first = _join(env, _token(env, m), _pub())
+    second = _join(env, _token(env, m, supersede_peer=True), _pub())
     with env.store.session() as s:
         assert [p.public_key for p in s.exec(select(WgPeer))] == [second.peer.public_key]
+        removed = s.exec(select(Event).where(Event.kind == "tenant.peer.removed")).one()
+        assert removed.data["public_key"] == first.peer.public_key
+        assert removed.data["reason"] == "rebooted"
 
 
 def test_active_needs_handshake_and_scheduler(env: Env) -> None:
