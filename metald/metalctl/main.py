@@ -9,11 +9,11 @@ import urllib.error
 
 from metald import __version__
 
-from . import bmc, claims, events, images, machines, tenants, tokens, whoami
+from . import bmc, claims, events, images, instances, machines, tenants, tokens, whoami
 from .client import ApiError, Client
 
 #: Resource modules in the order their commands appear in ``metalctl --help``.
-RESOURCES = (machines, events, tokens, tenants, whoami, bmc, images, claims)
+RESOURCES = (machines, events, tokens, tenants, whoami, bmc, images, claims, instances)
 
 
 def build_parser() -> argparse.ArgumentParser:

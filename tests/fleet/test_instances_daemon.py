@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_daemon import BIN, free_port, share_secrets_key, wait_http
+from tests.test_daemon import BIN, share_secrets_key, wait_http
+from vmlab.labnet import free_port
 
 
 def _conf(tmp: Path, name: str, state: str, port: int, url: str = "") -> Path:
@@ -95,6 +96,14 @@ def test_instances_list_and_a_killed_instance_goes_dead(tmp_path: Path, pg_serve
         assert set(by) == {"rack0", "rack1"} and all(i["alive"] for i in by.values())
         assert by["rack0"]["owns"]["bmc_networks"] == ["10.1.0.0/16"]
         assert listed["answered_by"] == "rack1"
+        out = subprocess.run(
+            [BIN / "metalctl", "--url", f"http://127.0.0.1:{ports[0]}", "instances"],
+            env={"METALD_TOKEN": token, "PATH": "/usr/bin:/bin"},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert "rack0" in out and "rack1" in out and "DEAD" not in out
 
         procs[0].send_signal(signal.SIGKILL)
         procs[0].wait()
@@ -106,6 +115,14 @@ def test_instances_list_and_a_killed_instance_goes_dead(tmp_path: Path, pg_serve
             assert time.monotonic() - killed < 15, "the killed instance never went dead"
             time.sleep(0.1)
         assert by["rack0"]["heartbeat_age_s"] >= 1.5
+        out = subprocess.run(
+            [BIN / "metalctl", "--url", f"http://127.0.0.1:{ports[1]}", "instances"],
+            env={"METALD_TOKEN": token, "PATH": "/usr/bin:/bin"},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert any(line.startswith("rack0") and "DEAD" in line for line in out.splitlines())
         assert by["rack1"]["alive"]
     finally:
         for p in procs:
