@@ -250,8 +250,12 @@ class LabRack:
     def publish_test_image(self, workdir: Path) -> list[str]:
         """Build the test disk image, serve it on the lab network (boot address, port 8081),
         and return the ``metalctl images create NAME`` arguments that register it."""
-        image, sha = build_test_image(workdir)
-        url = f"{self._serve(workdir, 8081, 'image-server')}/{image.name}"
+        # Built and served from a folder of its own: the workdir also holds metald's state
+        # (admin token, secrets key, database), which must never be on the lab network.
+        images = workdir / "images"
+        images.mkdir(parents=True, exist_ok=True)
+        image, sha = build_test_image(images)
+        url = f"{self._serve(images, 8081, 'image-server')}/{image.name}"
         return [
             "--kind",
             "disk",
