@@ -228,3 +228,24 @@ async def test_power_on_storm_of_1000_behind_one_relay_all_reported(store) -> No
         await srv.stop()
         leases.close()
         relay.close()
+
+
+async def test_only_six_byte_hardware_addresses_are_reported(store) -> None:  # type: ignore[no-untyped-def]
+    """A machine is known by its MAC: a 16-byte or empty chaddr is answered but never handed
+    to enrollment (the store would refuse it with a logged traceback per packet)."""
+    hooks = MemoryBootHooks()
+    srv, relay, leases = await start(store, hooks)
+    lst = srv._listeners[0]
+    try:
+        for hlen in (16, 0, 6):
+            pkt = client_packet(
+                MessageType.DISCOVER, "52:54:00:00:00:01", giaddr=LO, options=IPXE_BIOS
+            )
+            pkt.chaddr, pkt.hlen = bytes(range(1, 17)), hlen
+            srv.handle_datagram(serialize(pkt), ("127.0.0.1", 67), lst)
+            await settle(srv)
+        assert [s["mac"] for s in hooks.seen] == ["01:02:03:04:05:06"]
+    finally:
+        await srv.stop()
+        leases.close()
+        relay.close()
