@@ -161,6 +161,26 @@ def test_late_or_foreign_decline_cannot_take_a_running_machines_address() -> Non
     assert h.handle(late, n, t, 1002).write.state is LeaseState.DECLINED  # type: ignore[union-attr]
 
 
+def test_a_client_of_another_server_rebinding_is_left_alone() -> None:
+    """Two servers (or instances) on one segment: the client took the other's offer. When it
+    rebinds (broadcast), this server has only its own withdrawn offer for that MAC: it stays
+    silent rather than NAK a lease it knows nothing about (a NAK makes the client drop it)."""
+    h, n, t = FullHandler(SERVER, FILES), net(), LeaseTable()
+    mac = "52:54:00:00:00:77"
+    ours = h.handle(client_packet(MessageType.DISCOVER, mac), n, t, 1000).reply.yiaddr
+    theirs = IPv4Address(int(ours) + 1)
+    took_other = client_packet(
+        MessageType.REQUEST,
+        mac,
+        options={Opt.REQUESTED_IP: theirs.packed, Opt.SERVER_ID: b"\x0a\x00\x00\x09"},
+    )
+    assert h.handle(took_other, n, t, 1001).ignored == "other-server"
+    before = snapshot(t)
+    d = h.handle(renewing(mac, theirs, flags=BROADCAST_FLAG), n, t, 1500)
+    assert_refused(d, before, t)
+    assert d.reply is None and d.ignored == "request-unknown-client"
+
+
 # -- legitimate clients -----------------------------------------------------------------
 
 

@@ -83,7 +83,12 @@ class FullHandler:
         writes: list[LeaseRecord] = []
         if not (cur and cur.mac == mac and cur.state == LeaseState.BOUND and cur.holds(now)):
             mine = table.for_mac(net.name, mac)
-            if mine is not None and mine.ip != ip and mine.state == LeaseState.BOUND:
+            if (
+                mine is not None
+                and mine.ip != ip
+                and mine.state == LeaseState.BOUND
+                and mine.holds(now)
+            ):
                 # Its binding may no longer be given (the configuration changed): end it, so
                 # that a MAC never holds two addresses (each would be "its" lease).
                 mine.state, mine.expires_at = LeaseState.RELEASED, now
@@ -123,10 +128,15 @@ class FullHandler:
         # address nobody offered it and move another machine's lease (and script) there.
         rec = table.for_mac(net.name, mac)
         if rec is None or rec.ip != ip or rec.state == LeaseState.DECLINED:
-            if rec is None and sid is None:
-                # 4.3.2: no record of this client: stay silent (another server may hold it).
-                return Decision(ignored="request-unknown-client", network=net.name)
-            return self._nak(pkt, net)
+            if (
+                sid is not None  # it answers an offer of ours that does not exist
+                or (rec is not None and rec.state != LeaseState.OFFERED and rec.holds(now))
+                or not table.available_to(net.name, ip, mac, now)
+            ):
+                return self._nak(pkt, net)
+            # 4.3.2: no binding of this client here: stay silent. Another server (or
+            # instance) may hold it, and a NAK would make a rebinding client drop it.
+            return Decision(ignored="request-unknown-client", network=net.name)
         kind = classify(pkt)
         rec = LeaseRecord(
             net.name,
