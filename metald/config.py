@@ -110,6 +110,25 @@ class DhcpNetwork(_Section):
     reservations: dict[str, IPv4Address] = {}
 
 
+class DhcpEnrollLimit(_Section):
+    """How fast DHCP hands clients it has not reported lately to enrollment (which creates a
+    machine per unknown MAC): token buckets, so a flood of made-up MACs cannot grow the store
+    without bound while a rack's power-on storm still enrolls at once. A burst of 0 turns
+    that limit off. Refused reports are counted as metald_dhcp_ignored_total{reason=
+    "enroll-limited-..."}; the client's next DHCP packet tries again."""
+
+    #: Per relay (giaddr; the interface for clients on the wire) and per source address:
+    #: 1,000 machines behind one relay power on at once; then 200 a second.
+    relay_burst: int = Field(default=1000, ge=0)
+    relay_per_s: float = Field(default=200.0, ge=0)
+    #: Per switch port (option 82 remote id + circuit id): a port carries one machine.
+    port_burst: int = Field(default=8, ge=0)
+    port_per_min: float = Field(default=1.0, ge=0)
+    #: For this instance in total (a sender forging giaddr and source addresses).
+    total_burst: int = Field(default=2000, ge=0)
+    total_per_s: float = Field(default=200.0, ge=0)
+
+
 class BootConfig(_Section):
     """The boot plane: DHCP, TFTP, HTTP boot, Router Advertisements."""
 
@@ -156,6 +175,7 @@ class BootConfig(_Section):
     #: Empty: "leased" with dhcp_mode "full", "any" otherwise (with a warning at start).
     script_clients: Literal["", "leased", "any"] = ""
     networks: list[DhcpNetwork] = []
+    dhcp_enroll_limit: DhcpEnrollLimit = DhcpEnrollLimit()
 
     @field_validator("http_listen")
     @classmethod

@@ -101,9 +101,14 @@ class LeaseTable:
         return None if by_ip is None else by_ip.get(int(ip))
 
     def for_mac(self, network: str, mac: str) -> LeaseRecord | None:
+        """The MAC's current record (its offer or binding): the last one put for it."""
         by_mac = self._by_mac.get(network)
         ip = None if by_mac is None else by_mac.get(mac)
-        return None if ip is None else self._by_ip[network].get(int(ip))
+        if ip is None:
+            return None
+        rec = self._by_ip[network].get(int(ip))
+        # A record taken over in place (another instance holds the address) is not the MAC's.
+        return rec if rec is not None and rec.mac == mac else None
 
     def put(self, rec: LeaseRecord) -> None:
         by_ip = self._by_ip.get(rec.network)
@@ -186,6 +191,9 @@ class LeaseStore:
 
     async def load(self) -> int:
         rows = await self.store.run(lambda s: list(s.exec(sm_select(Lease)).all()))
+        # Oldest write first, so a MAC's current record is its last one, as before the restart
+        # (a MAC may have older released rows; a binding wins a tie with them).
+        rows.sort(key=lambda r: (as_utc(r.updated_at), r.state == LeaseState.BOUND.value))
         for row in rows:
             self.table.put(
                 LeaseRecord(

@@ -11,6 +11,7 @@ from typing import Any
 
 from metald.boot.dhcp.bootfile import BootFiles
 from metald.boot.dhcp.common import NetworkPlan
+from metald.boot.dhcp.enroll_limit import EnrollLimits
 from metald.boot.dhcp.server import DhcpServer
 from metald.boot.hooks import BootHooks
 from metald.boot.leases import LeaseStore
@@ -73,6 +74,7 @@ class BootPlane:
                 hooks=hooks,
                 port=b.dhcp_port,
                 proxy_port=b.proxy_port,
+                enroll_limits=EnrollLimits.from_config(b.dhcp_enroll_limit),
             )
             self.services.append(self.dhcp)
         if b.assets_dir and b.interfaces:

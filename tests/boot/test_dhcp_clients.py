@@ -4,6 +4,7 @@ dhclient, perfdhcp as a relay; leases survive kill -9."""
 from __future__ import annotations
 
 import re
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -135,6 +136,66 @@ def test_dhclient_bind_renew_release(lab) -> None:  # type: ignore[no-untyped-de
             break
         time.sleep(0.1)
     assert row == ("released",)
+
+
+def wait_for_line(path: Path, prefix: str, proc: subprocess.Popen[str], limit: float = 30) -> str:
+    """The first line of ``path`` starting with ``prefix``, waiting while ``proc`` runs."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if path.exists():
+            for ln in path.read_text().splitlines():
+                if ln.startswith(prefix):
+                    return ln
+        assert proc.poll() is None, f"client exited {proc.returncode}"
+        time.sleep(0.05)
+    raise AssertionError(f"no {prefix!r} line in {path} after {limit} s")
+
+
+def test_real_clients_renew_and_reboot_into_their_own_binding(lab) -> None:  # type: ignore[no-untyped-def]
+    """RFC 2131 4.3.2 from the clients' side: busybox udhcpc's RENEWING request (SIGUSR1,
+    unicast, ciaddr) and dhclient's INIT-REBOOT (restarted with its lease file: option 50, no
+    server id) both get an ACK for the address they hold."""
+    ns, _, tmp = lab
+    out = tmp / "udhcpc-events.log"
+    script = tmp / "udhcpc-events.sh"
+    # Like udhcpc's default script, configure the address: a renewal is unicast from it.
+    script.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in bound|renew) ip addr replace "$ip/16" dev "$interface" ;; esac\n'
+        f'echo "$1 $ip $serverid" >> {out}\n'
+    )
+    script.chmod(0o755)
+    client = ns["cli"].popen(
+        "busybox", "udhcpc", "-i", "vc", "-f", "-t", "4", "-T", "1", "-s", str(script)
+    )
+    try:
+        bound = wait_for_line(out, "bound ", client).split()
+        assert bound[1].startswith("10.77.")
+        client.send_signal(signal.SIGUSR1)  # renew now
+        renew = wait_for_line(out, "renew ", client).split()
+        assert renew[1] == bound[1]
+    finally:
+        client.terminate()
+        client.wait(timeout=10)
+
+    log = tmp / "dhclient-reboot.log"
+    dscript = tmp / "dhclient-reboot.sh"
+    dscript.write_text(DHCLIENT_SCRIPT.format(out=log))
+    dscript.chmod(0o755)
+    common = ["-sf", str(dscript), "-lf", str(tmp / "r.leases"), "-pf", str(tmp / "r.pid")]
+    ns["cli"].run("ip", "link", "set", "vc", "address", "02:cc:00:00:00:01")
+    ns["cli"].run("dhclient", "-1", "-4", *common, "vc", timeout=40)
+    first = [ln.split() for ln in log.read_text().splitlines() if ln.startswith("BOUND")]
+    assert first and first[0][1].startswith("10.77.")
+    ns["cli"].run("dhclient", "-x", "-4", *common, "vc", timeout=20)  # stop, keep the lease
+    ns["cli"].run("ip", "addr", "flush", "dev", "vc")
+    ns["cli"].run("ip", "addr", "add", "10.77.0.2/16", "dev", "vc")
+    ns["cli"].run("dhclient", "-1", "-4", *common, "vc", timeout=40)
+    reboot = [ln.split() for ln in log.read_text().splitlines() if ln.startswith("REBOOT")]
+    try:
+        assert reboot == [["REBOOT", first[0][1]]], log.read_text()
+    finally:
+        ns["cli"].run("dhclient", "-x", "-4", *common, "vc", check=False, timeout=20)
 
 
 def perfdhcp(ns, rate: int, clients: int, seconds: int) -> dict[str, int]:  # type: ignore[no-untyped-def]

@@ -7,7 +7,7 @@ import sqlite3
 import time
 from ipaddress import IPv4Address
 
-from metald.boot.leases import LeaseRecord, LeaseState, LeaseStore, WriteResult
+from metald.boot.leases import LeaseRecord, LeaseState, LeaseStore, LeaseTable, WriteResult
 
 
 def rec(ip: str, mac: str, state: LeaseState = LeaseState.BOUND) -> LeaseRecord:
@@ -64,3 +64,15 @@ async def test_busy_database_is_waited_for_off_the_loop(sqlite_store) -> None:  
     await ls.drain()
     assert got == [WriteResult.OK]
     ls.close()
+
+
+def test_for_mac_is_only_ever_the_macs_own_record() -> None:
+    """A record taken over in place (the server marks an address another instance won with an
+    empty MAC) stops being the old MAC's: its index must not hand it back as "its" lease."""
+    t = LeaseTable()
+    rec = LeaseRecord("n", IPv4Address("10.0.0.5"), "52:54:00:00:00:01", LeaseState.BOUND, 9e9)
+    t.put(rec)
+    assert t.for_mac("n", "52:54:00:00:00:01") is rec
+    rec.mac = ""  # as DhcpServer._committed does on a lost race
+    assert t.for_mac("n", "52:54:00:00:00:01") is None
+    assert t.for_mac("n", "") is None

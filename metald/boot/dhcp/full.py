@@ -23,6 +23,8 @@ from metald.boot.leases import LeaseRecord, LeaseState, LeaseTable
 
 #: How long an offered address is held for the client's REQUEST.
 OFFER_HOLD_SECONDS = 30
+#: How long after its ACK a binding may be declined (the client's ARP probe takes seconds).
+DECLINE_SECONDS = 60
 
 
 @dataclass
@@ -78,10 +80,28 @@ class FullHandler:
             return Decision(ignored="pool-exhausted", network=net.name, kind=kind)
         mac = pkt.mac
         cur = table.get(net.name, ip)
+        writes: list[LeaseRecord] = []
         if not (cur and cur.mac == mac and cur.state == LeaseState.BOUND and cur.holds(now)):
+            mine = table.for_mac(net.name, mac)
+            if (
+                mine is not None
+                and mine.ip != ip
+                and mine.state == LeaseState.BOUND
+                and mine.holds(now)
+            ):
+                # Its binding may no longer be given (the configuration changed): end it, so
+                # that a MAC never holds two addresses (each would be "its" lease).
+                mine.state, mine.expires_at = LeaseState.RELEASED, now
+                writes.append(mine)
             table.put(LeaseRecord(net.name, ip, mac, LeaseState.OFFERED, now + OFFER_HOLD_SECONDS))
         reply = self._lease_reply(pkt, MessageType.OFFER, net, ip, kind)
-        return Decision(reply=reply, dest=destination(pkt, reply), network=net.name, kind=kind)
+        return Decision(
+            reply=reply,
+            dest=destination(pkt, reply),
+            extra_writes=writes,
+            network=net.name,
+            kind=kind,
+        )
 
     # -- REQUEST -> ACK / NAK -----------------------------------------------------------
 
@@ -96,22 +116,28 @@ class FullHandler:
             if rec is not None and rec.state == LeaseState.OFFERED:
                 rec.expires_at = now
             return Decision(ignored="other-server", network=net.name)
-        # SELECTING / INIT-REBOOT name the address in option 50; RENEWING / REBINDING in ciaddr.
+        # RFC 2131 4.3.2. SELECTING (our server id) and INIT-REBOOT (none, ciaddr 0) name the
+        # address in option 50; RENEWING and REBINDING in ciaddr.
         ip = pkt.requested_ip if sid is not None or pkt.ciaddr == ZERO else pkt.ciaddr
         if ip is None:
             return Decision(ignored="request-without-address", network=net.name)
-        if (
-            not net.contains(ip)
-            or not net.assignable(ip, mac)
-            or not table.available_to(net.name, ip, mac, now)
-        ):
-            return self._nak(pkt, net)
+        if not net.contains(ip) or not net.assignable(ip, mac):
+            return self._nak(pkt, net)  # wrong network, or an address this MAC may not have
+        # Only the client's own current record may be (re)bound: the offer it answers or the
+        # binding it extends. Binding anything else would let one spoofed chaddr take an
+        # address nobody offered it and move another machine's lease (and script) there.
+        rec = table.for_mac(net.name, mac)
+        if rec is None or rec.ip != ip or rec.state == LeaseState.DECLINED:
+            if (
+                sid is not None  # it answers an offer of ours that does not exist
+                or (rec is not None and rec.state != LeaseState.OFFERED and rec.holds(now))
+                or not table.available_to(net.name, ip, mac, now)
+            ):
+                return self._nak(pkt, net)
+            # 4.3.2: no binding of this client here: stay silent. Another server (or
+            # instance) may hold it, and a NAK would make a rebinding client drop it.
+            return Decision(ignored="request-unknown-client", network=net.name)
         kind = classify(pkt)
-        writes: list[LeaseRecord] = []
-        old = table.for_mac(net.name, mac)
-        if old is not None and old.ip != ip and old.state == LeaseState.BOUND:
-            old.state, old.expires_at = LeaseState.RELEASED, now
-            writes.append(old)
         rec = LeaseRecord(
             net.name,
             ip,
@@ -127,7 +153,6 @@ class FullHandler:
             reply=reply,
             dest=destination(pkt, reply),
             write=rec,
-            extra_writes=writes,
             # Built only if the write loses a race, off the hot path.
             on_conflict=lambda: self._nak(pkt, net).reply,
             network=net.name,
@@ -145,10 +170,17 @@ class FullHandler:
     def _decline(
         self, pkt: DhcpPacket, net: NetworkPlan, table: LeaseTable, now: float
     ) -> Decision:
+        sid = pkt.server_id
+        if sid is not None and sid != self.server_id:
+            return Decision(ignored="other-server", network=net.name)
         ip = pkt.requested_ip
         rec = table.get(net.name, ip) if ip is not None else None
-        if rec is None or rec.mac != pkt.mac:
+        if rec is None or rec.mac != pkt.mac or rec.state != LeaseState.BOUND:
             return Decision(ignored="decline-unknown", network=net.name)
+        if now - (rec.expires_at - net.lease_seconds) > DECLINE_SECONDS:
+            # A client declines what it was just given (its ARP probe found the address in
+            # use, 4.4.1); later, a forged DECLINE would take a running machine's address.
+            return Decision(ignored="decline-late", network=net.name)
         # Someone else answers for this address: quarantine it for one lease time.
         rec.state, rec.expires_at = LeaseState.DECLINED, now + net.lease_seconds
         return Decision(write=rec, network=net.name)

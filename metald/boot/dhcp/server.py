@@ -21,6 +21,7 @@ from typing import Any
 from metald.boot import metrics
 from metald.boot.dhcp.bootfile import BootFiles
 from metald.boot.dhcp.common import SERVER_PORT, Decision, NetworkPlan, choose_network
+from metald.boot.dhcp.enroll_limit import EnrollLimiter, EnrollLimits, keys_for
 from metald.boot.dhcp.full import FullHandler
 from metald.boot.dhcp.packet import (
     DhcpPacket,
@@ -81,6 +82,7 @@ MAX_HOOK_CALLS = 64
 #: Metric labels, computed once instead of ``mtype.name.lower()`` per packet.
 _TYPE_LABELS = {t: t.name.lower() for t in MessageType}
 _REPLY_LABELS = {bytes((t,)): t.name.lower() for t in MessageType}
+_ENROLL_LIMITED = {k: f"enroll-limited-{k}" for k in ("port", "relay", "source", "total")}
 #: (counter, label) -> the labelled Prometheus child.
 _CHILDREN: dict[tuple[object, str], Any] = {}
 
@@ -122,6 +124,7 @@ class DhcpServer:
         bind_host: str = "0.0.0.0",
         clock: Callable[[], float] = time.time,
         relay_port: int = SERVER_PORT,
+        enroll_limits: EnrollLimits | None = None,
     ) -> None:
         if mode not in ("full", "proxy"):
             raise ValueError(f"DHCP mode {mode!r}")
@@ -143,6 +146,8 @@ class DhcpServer:
         self.proxy = ProxyHandler(server_id, files)
         self._listeners: list[_Listener] = []
         self._seen = RecentClients()
+        #: How fast unreported clients reach the hooks (which enroll unknown MACs).
+        self.enroll_limiter = EnrollLimiter(enroll_limits)
         self._hook_tasks: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._counts: dict[tuple[object, str], int] = {}
@@ -255,7 +260,7 @@ class DhcpServer:
         if decision is None:
             return
         if decision.kind is not None and decision.kind.boots and self.hooks is not None:
-            self._report(pkt, decision)
+            self._report(pkt, decision, src, lst.interface)
         if decision.ignored:
             count(metrics.dhcp_ignored, decision.ignored)
         if decision.extra_writes and self.leases is not None:
@@ -312,7 +317,9 @@ class DhcpServer:
 
     # -- hooks --------------------------------------------------------------------------
 
-    def _report(self, pkt: DhcpPacket, d: Decision) -> None:
+    def _report(self, pkt: DhcpPacket, d: Decision, src: tuple[str, int], interface: str) -> None:
+        if pkt.hlen != 6:
+            return  # machines are known by 6-byte MACs; anything else cannot be enrolled
         try:
             relay = relay_agent_view(pkt)
         except MalformedPacket:
@@ -322,6 +329,11 @@ class DhcpServer:
             return
         if len(self._hook_tasks) >= MAX_HOOK_CALLS or self._loop is None:
             self._count(metrics.dhcp_ignored, "hook-backlog")
+            return
+        refused = self.enroll_limiter.admit(keys_for(pkt, src, interface), now)
+        if refused is not None:
+            # Not marked as reported: the client's next packet tries again.
+            self._count(metrics.dhcp_ignored, _ENROLL_LIMITED[refused])
             return
         self._seen.mark(pkt.mac, relay, now)
         assert self.hooks is not None and d.kind is not None
