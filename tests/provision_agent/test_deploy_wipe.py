@@ -267,7 +267,9 @@ async def test_wipe_zeroes_and_verifies_the_ends_of_every_disk(
     # The evidence names each disk, its size, the method and both verification reads, and
     # metald accepts it for a machine whose inspection recorded these disks.
     sizes = [8 * MIB, 3 * MIB + 512]
-    assert [(d["device"], d["size_bytes"]) for d in done["disks"]] == list(zip(devs, sizes))
+    assert [(d["device"], d["size_bytes"]) for d in done["disks"]] == list(
+        zip(devs, sizes, strict=True)
+    )
     assert done["disks"][1]["reads"] == [
         {"offset": 0, "length": MIB, "zero": True},
         {"offset": 2 * MIB + 512, "length": MIB, "zero": True},
@@ -275,9 +277,15 @@ async def test_wipe_zeroes_and_verifies_the_ends_of_every_disk(
     assert {d["method"] for d in done["disks"]} <= METHODS
     # (Loop devices are never in an inventory: the same evidence under the names of a
     # machine's disks.)
-    named = [{**d, "device": f"/dev/vd{c}"} for d, c in zip(done["disks"], "ab")]
+    named = [{**d, "device": f"/dev/vd{c}"} for d, c in zip(done["disks"], "ab", strict=True)]
     recorded = recorded_disks(
-        {"payload": {"disks": [{"name": f"vd{c}", "size_bytes": n} for c, n in zip("ab", sizes)]}}
+        {
+            "payload": {
+                "disks": [
+                    {"name": f"vd{c}", "size_bytes": n} for c, n in zip("ab", sizes, strict=True)
+                ]
+            }
+        }
     )
     assert evidence_problems(named, recorded) == []
     loops.detach_all()
