@@ -215,14 +215,12 @@ async def test_a_discovery_token_is_worthless_once_the_machine_is_claimed(api) -
     (mid,) = add_ready(store, 1, gpu_model="NVIDIA B200", prefix="disc")
     with store.session() as s:
         _row, discovery = issue_token(s, name="disc", role="agent", scope=[mid])
-        assert _row.phase == "inspect"
     r = await client.post(
         f"/api/v1/tenants/{tokens.tenant_a}/hub",
         json={"endpoint_host": "10.99.0.1"},
         headers=tokens.header("admin"),
     )
     assert r.status == 201
-    claim_id, _mid, _mac = None, mid, None
     r = await client.post(
         "/api/v1/images",
         json={"name": "node", "kind": "disk", **DISK_SPEC},
@@ -363,3 +361,20 @@ async def test_unknown_macs_create_nothing(api) -> None:  # type: ignore[no-unty
     add_lease(store, "52:54:00:de:ad:03", "10.0.0.77")
     t = await _hooks(store).boot_target("52:54:00:de:ad:03", client="10.0.0.77")
     assert "metald.token" in t.kernel_args
+
+
+async def test_a_forged_wipe_done_is_refused(api) -> None:  # type: ignore[no-untyped-def]
+    """The plain forgery: a wiping machine's token that did not come with the wipe boot's
+    script posts ``{"phase": "wipe", "done": true}``: 403 problem+json, still wiping."""
+    client, tokens, store = api
+    claim_id, mid, _mac = await _claimed_machine(client, tokens, store, bmc=FakeBmc())
+    await client.post(f"/api/v1/claims/{claim_id}/release", headers=tokens.header("orchestrator"))
+    await driver.drain()
+    with store.session() as s:
+        _row, forged = issue_token(s, name="agent", role="agent", scope=[mid])
+    r = await client.post(
+        "/api/v1/agent/progress", json={"phase": "wipe", "done": True}, headers=_bearer(forged)
+    )
+    assert r.status == 403
+    assert r.headers["Content-Type"].startswith("application/problem+json")
+    assert _machine(store, mid).state == "wiping"
