@@ -371,8 +371,12 @@ async def show_claim(req: ApiRequest) -> ClaimOut:
     errors=(404, 409),
 )
 async def release_claim(req: ApiRequest) -> ClaimOut:
-    """End the claim: each machine's tokens are revoked, then it is wiped and returns to ready
-    (a failed wipe leaves it in wipe-failed). Releasing a released claim changes nothing."""
+    """End the claim: each machine leaves the tenant (tokens revoked, off the hub, detached),
+    then metald powers it off through its BMC and boots it into the wipe image; it returns to
+    ready when the wipe agent's evidence fits its recorded disks (a failed wipe leaves it in
+    wipe-failed; a machine without a BMC waits for a technician's confirm-wipe). A machine
+    marked broken during the claim is detached and owes a wipe. Releasing a released claim
+    changes nothing."""
     p = req.require_principal()
 
     def run(s: Session) -> tuple[ClaimOut, list[str]]:
