@@ -613,6 +613,11 @@ async def confirm_wipe(req: ApiRequest) -> MachineOut:
 
     def run(s: Session) -> MachineOut:
         m = load_visible(s, p, req.params["id"])
+        if not m.wipe_required:
+            raise Conflict(
+                f"machine {m.id} owes no wipe, so there is nothing to confirm; "
+                "use the maintenance-off action to return it to ready"
+            )
         previous = {"tenant_id": m.tenant_id, "claim_id": m.claim_id, "state": m.state}
         m = transition(
             s,

@@ -200,6 +200,10 @@ async def test_without_a_bmc_only_a_technician_returns_it_to_ready(api) -> None:
         f"/api/v1/machines/{mid}/confirm-wipe", json=body, headers=tokens.header("technician")
     )
     assert r.status == 200 and (await r.json())["state"] == "ready", await r.text()
+    r = await client.post(
+        f"/api/v1/machines/{mid}/confirm-wipe", json=body, headers=tokens.header("technician")
+    )
+    assert r.status == 409  # ready now, and it owes no wipe: nothing to confirm
     (ev,) = _events(store, mid, "machine.wipe-confirmed")
     assert ev.actor == "technician:technician" and ev.reason == body["reason"]
     assert ev.data and ev.data["claim_id"] == claim_id
