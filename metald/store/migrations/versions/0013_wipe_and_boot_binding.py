@@ -45,6 +45,13 @@ def upgrade() -> None:
         .where(sa.or_(machines.c.state.in_(_OWING), machines.c.tenant_id.is_not(None)))
         .values(wipe_required=True)
     )
+    # Released machines are detached from their tenant at release now (they keep the claim
+    # id until wiped): a wipe in flight at upgrade time leaves its tenant the same way.
+    op.get_bind().execute(
+        machines.update()
+        .where(machines.c.state.in_(("releasing", "wiping", "wipe-failed")))
+        .values(tenant_id=None)
+    )
     # Agent tokens from before phases were recorded have none: every endpoint that checks a
     # phase refuses them, and the next boot metald starts mints new ones.
 
