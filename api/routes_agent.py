@@ -9,7 +9,7 @@ from sqlmodel import Session
 
 from api.routing import ApiRequest, Router
 from metald import enrollment, machines
-from metald.auth import Role
+from metald.auth import Role, require_agent_phase
 from metald.inventory.schema import InventoryPayload
 
 router = Router()
@@ -47,12 +47,15 @@ def _machine_id(req: ApiRequest) -> str:
 )
 async def post_inventory(req: ApiRequest) -> InventoryAccepted:
     """The agent's inventory (schema in docs/inventory.md). Accepted only from the machine's own
-    token, only while it is inspecting, and only if newer than the last post (boot_id and
+    token minted for inspection, only while it is inspecting, and only if newer than the last post (boot_id and
     sequence); a refused post is recorded as an ``inventory.refused`` event and changes nothing."""
     mid = _machine_id(req)
     cfg = req.ctx.cfg.enroll
+    p = req.require_principal()
 
     def run(s: Session) -> InventoryAccepted:
+        # A provisioning or wipe token of this machine cannot rewrite its inventory.
+        require_agent_phase(p, machines.get_machine(s, mid).state, {"inspect"})
         m = enrollment.accept_inventory(
             s, mid, req.body, actor=req.actor, cfg=cfg, instance=req.ctx.instance
         )

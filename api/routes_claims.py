@@ -19,13 +19,13 @@ from api.routes_machines import load_visible, machine_out
 from api.routing import ApiRequest, Router
 from api.schemas import In, LabelKey, LabelValue, MachineOut, Name, Query
 from metald import claims as svc
-from metald.auth import Principal, Role
+from metald.auth import Principal, Role, require_agent_phase
 from metald.errors import Conflict, NotFound, Unprocessable
-from metald.lifecycle import ALLOCATED, State
-from metald.machines import add_event
+from metald.lifecycle import ALLOCATED, State, Trigger
+from metald.machines import add_event, get_machine, transition
 from metald.provision import driver
 from metald.provision.images import normalize_spec
-from metald.provision.intents import DeployImage
+from metald.provision.intents import DeployImage, wipe_intent
 from metald.provision.metadata import nocloud
 from metald.provision.progress import Progress, record_progress
 from metald.provision.redact import redact_spec
@@ -167,6 +167,20 @@ class RetryIn(In):
     )
 
 
+class VerifyReadIn(In):
+    offset: int = Field(ge=0)
+    length: int = Field(ge=0)
+    #: Every byte read back was zero.
+    zero: bool
+
+
+class WipedDiskIn(In):
+    device: Annotated[str, StringConstraints(min_length=6, max_length=64, pattern=r"^/dev/\S+$")]
+    size_bytes: int = Field(ge=0)
+    method: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    reads: list[VerifyReadIn] = Field(default=[], max_length=16)
+
+
 class ProgressIn(In):
     phase: Annotated[str, StringConstraints(min_length=1, max_length=64)]
     percent: float | None = Field(default=None, ge=0, le=100)
@@ -174,6 +188,19 @@ class ProgressIn(In):
     rate_bps: float | None = Field(default=None, ge=0)
     done: bool = False
     error: Annotated[str, StringConstraints(min_length=1, max_length=1000)] | None = None
+    disks: list[WipedDiskIn] | None = Field(
+        default=None,
+        max_length=256,
+        description="Wipe reports: per disk wiped, its device, size, method and verification "
+        "reads. A wipe is done only with every disk recorded at inspection here.",
+    )
+
+
+class TechnicianNote(In):
+    reason: Annotated[str, StringConstraints(min_length=1, max_length=500)]
+    version: int | None = Field(
+        default=None, description="Fail with 409 unless the machine is at this version."
+    )
 
 
 class ProgressAccepted(BaseModel):
@@ -355,8 +382,12 @@ async def show_claim(req: ApiRequest) -> ClaimOut:
     errors=(404, 409),
 )
 async def release_claim(req: ApiRequest) -> ClaimOut:
-    """End the claim: each machine's tokens are revoked, then it is wiped and returns to ready
-    (a failed wipe leaves it in wipe-failed). Releasing a released claim changes nothing."""
+    """End the claim: each machine leaves the tenant (tokens revoked, off the hub, detached),
+    then metald powers it off through its BMC and boots it into the wipe image; it returns to
+    ready when the wipe agent's evidence fits its recorded disks (a failed wipe leaves it in
+    wipe-failed; a machine without a BMC waits for a technician's confirm-wipe). A machine
+    marked broken during the claim is detached and owes a wipe. Releasing a released claim
+    changes nothing."""
     p = req.require_principal()
 
     def run(s: Session) -> tuple[ClaimOut, list[str]]:
@@ -400,7 +431,7 @@ async def release_claim_machine(req: ApiRequest) -> ClaimOut:
         m = s.get(Machine, mid)
         if m is None or m.claim_id != c.id:
             raise NotFound(f"claim {c.id} holds no machine {mid!r}")
-        if State(m.state) not in ALLOCATED:
+        if State(m.state) not in ALLOCATED and m.tenant_id is None:
             raise Conflict(f"machine {mid} is {m.state}: it is not allocated to the claim any more")
         wiping = svc.release_claim(
             s, c, req.actor, deploy=_deploy(req), instance=req.ctx.instance, only={mid}
@@ -553,6 +584,106 @@ async def retry_machine(req: ApiRequest) -> MachineOut:
 
 @router.route(
     "POST",
+    "/api/v1/machines/{id}/wipe",
+    summary="Wipe a machine",
+    roles=STAFF,
+    body=RetryIn,
+    response=MachineOut,
+    tag="machines",
+    errors=(404, 409),
+)
+async def wipe_machine(req: ApiRequest) -> MachineOut:
+    """Start a wipe of a machine in maintenance or wipe-failed (e.g. one marked broken during
+    a claim, repaired, and owing a wipe): power-off, PXE and the wipe image through its BMC,
+    then ready once the agent's evidence fits its recorded disks. Any other state: 409."""
+    b: RetryIn = req.body
+    p = req.require_principal()
+
+    def run(s: Session) -> MachineOut:
+        m = load_visible(s, p, req.params["id"])
+        m = transition(
+            s,
+            m.id,
+            Trigger.WIPE,
+            actor=req.actor,
+            reason=b.reason or "wipe started by a technician",
+            expected_version=b.version,
+            updates={"boot_intent": wipe_intent(_deploy(req)), "last_error": None},
+            instance=req.ctx.instance,
+        )
+        return machine_out(m, list(s.exec(select(Nic).where(Nic.machine_id == m.id)).all()))
+
+    out = await req.ctx.store.run(run)
+    req.ctx.bus.notify()
+    _boot_from_network(req, [out.id])
+    return out
+
+
+@router.route(
+    "POST",
+    "/api/v1/machines/{id}/confirm-wipe",
+    summary="Confirm a machine's disks were wiped",
+    roles=STAFF,
+    body=TechnicianNote,
+    response=MachineOut,
+    tag="machines",
+    errors=(404, 409, 422),
+)
+async def confirm_wipe(req: ApiRequest) -> MachineOut:
+    """A technician vouches that the machine's disks were erased (by hand, or it has no BMC
+    through which metald could boot its wipe image, or no disks the agent can see): from
+    releasing, wiping, wipe-failed or maintenance to ready, detached from any tenant and claim.
+    The reason is required and recorded with the technician's name (``machine.wipe-confirmed``
+    event)."""
+    b: TechnicianNote = req.body
+    p = req.require_principal()
+
+    def run(s: Session) -> MachineOut:
+        m = load_visible(s, p, req.params["id"])
+        if not m.wipe_required:
+            raise Conflict(
+                f"machine {m.id} owes no wipe, so there is nothing to confirm; "
+                "use the maintenance-off action to return it to ready"
+            )
+        previous = {"tenant_id": m.tenant_id, "claim_id": m.claim_id, "state": m.state}
+        m = transition(
+            s,
+            m.id,
+            Trigger.CONFIRM_WIPE,
+            actor=req.actor,
+            reason=b.reason,
+            expected_version=b.version,
+            updates={
+                "tenant_id": None,
+                "claim_id": None,
+                "boot_intent": None,
+                "last_error": None,
+                "wipe_required": False,
+                "boot_armed": None,
+            },
+            data=previous,
+            instance=req.ctx.instance,
+            commit=False,
+        )
+        add_event(
+            s,
+            "machine.wipe-confirmed",
+            req.actor,
+            machine_id=m.id,
+            reason=b.reason,
+            data=previous,
+            instance=req.ctx.instance,
+        )
+        s.commit()
+        return machine_out(m, list(s.exec(select(Nic).where(Nic.machine_id == m.id)).all()))
+
+    out = await req.ctx.store.run(run)
+    req.ctx.bus.notify()
+    return out
+
+
+@router.route(
+    "POST",
     "/api/v1/agent/progress",
     summary="Report provisioning progress",
     roles=AGENT,
@@ -566,9 +697,11 @@ async def post_progress(req: ApiRequest) -> ProgressAccepted:
     rate_bps). ``done`` ends the operation (provisioned, or ready after a wipe); ``error`` fails
     it (provision-failed, wipe-failed) with the error as the machine's last_error."""
     b: ProgressIn = req.body
-    mid = next(iter(req.require_principal().scope))
+    p = req.require_principal()
+    mid = next(iter(p.scope))
 
     def run(s: Session) -> ProgressAccepted:
+        require_agent_phase(p, get_machine(s, mid).state, {"provision", "wipe"})
         m: Machine = record_progress(
             s,
             mid,
@@ -576,6 +709,7 @@ async def post_progress(req: ApiRequest) -> ProgressAccepted:
             actor=req.actor,
             instance=req.ctx.instance,
             min_interval_s=req.ctx.cfg.provision.progress_event_interval_s,
+            token_boot=p.boot,
         )
         return ProgressAccepted(machine_id=m.id, state=m.state)
 
@@ -598,10 +732,14 @@ async def provision_instruction(req: ApiRequest) -> ProvisionInstruction:
     for a tenant with a hub the one-time join token in ``join``); while wiping, ``wipe``. A
     stateless node of a tenant that boots again (provisioned, joining, join-failed, active)
     gets ``join`` with a fresh token. Otherwise ``none``."""
-    mid = next(iter(req.require_principal().scope))
+    p = req.require_principal()
+    mid = next(iter(p.scope))
 
     def run(s: Session) -> ProvisionInstruction:
         m = s.get(Machine, mid)
+        if m is not None:
+            # A discovery token of this machine, once it is claimed, gets nothing here.
+            require_agent_phase(p, m.state, {"provision", "wipe"})
         rejoin = m is not None and State(m.state) in REJOIN
         if m is None or (m.state not in (State.PROVISIONING, State.WIPING) and not rejoin):
             return ProvisionInstruction(action="none", machine_id=mid)

@@ -7,7 +7,9 @@ Roles:
 - ``admin``: everything, including tokens.
 - ``technician``: the fleet (machines, BMCs, power, events); not tokens, not tenants' claims.
 - ``orchestrator``: claims for the tenants in its scope, and those tenants' machines.
-- ``agent``: the one machine in its scope (inventory, progress, next instruction).
+- ``agent``: the one machine in its scope (inventory, progress, next instruction), in the one
+  phase it was minted for (``lifecycle.PHASES``: inspect, provision, wipe), checked by
+  ``require_agent_phase``; every phase change revokes the machine's agent tokens.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from sqlalchemy import select as sa_select
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
-from metald.errors import NotFound, Unprocessable
-from metald.store.models import ApiToken, Meta, as_utc, utcnow
+from metald.errors import Conflict, NotFound, Unprocessable
+from metald.lifecycle import phase_of
+from metald.store.models import ApiToken, Machine, Meta, as_utc, utcnow
 
 TOKEN_PREFIX = "mtd_"
 
@@ -46,6 +49,9 @@ class Principal:
     name: str
     role: Role
     scope: frozenset[str] = field(default_factory=frozenset)
+    #: Agent tokens: the phase and the boot (``Machine.boot_current``) they were minted for.
+    phase: str | None = None
+    boot: str | None = None
 
     @property
     def actor(self) -> str:
@@ -79,8 +85,12 @@ def issue_token(
     created_by: str | None = None,
     ttl: timedelta | None = None,
     commit: bool = True,
+    phase: str | None = None,
+    boot: str | None = None,
 ) -> tuple[ApiToken, str]:
-    """Create a token; returns the row and the secret (which is not stored)."""
+    """Create a token; returns the row and the secret (which is not stored). An agent token is
+    bound to ``phase`` (by default its machine's phase now) and, when minted from a boot
+    script, to that ``boot``; no boot means no wipe can be reported done with it."""
     role = Role(role)
     scope = list(scope or [])
     if role is Role.AGENT and len(scope) != 1:
@@ -89,6 +99,9 @@ def issue_token(
         raise Unprocessable("an orchestrator token needs at least one tenant id in its scope")
     if role in (Role.ADMIN, Role.TECHNICIAN) and scope:
         raise Unprocessable(f"a {role.value} token is not scoped; leave scope empty")
+    if role is Role.AGENT and phase is None:
+        m = session.get(Machine, scope[0])
+        phase = phase_of(m.state) if m is not None else None
     secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
     row = ApiToken(
         name=name,
@@ -98,6 +111,8 @@ def issue_token(
         machine_id=scope[0] if role is Role.AGENT else None,
         created_by=created_by,
         expires_at=utcnow() + ttl if ttl else None,
+        phase=phase if role is Role.AGENT else None,
+        boot=boot if role is Role.AGENT else None,
     )
     session.add(row)
     if commit:
@@ -114,7 +129,29 @@ def authenticate(session: Session, secret: str) -> Principal | None:
         return None
     if row.expires_at is not None and as_utc(row.expires_at) <= utcnow():
         return None
-    return Principal(row.id, row.name, Role(row.role), frozenset(row.scope))
+    return Principal(row.id, row.name, Role(row.role), frozenset(row.scope), row.phase, row.boot)
+
+
+class PhaseMismatch(Conflict):
+    title = "Agent token of another phase"
+
+
+def require_agent_phase(p: Principal, machine_state: str, allowed: set[str]) -> str:
+    """The phase of an agent's machine, if the token was minted for it and it is one of
+    ``allowed``; raises PhaseMismatch (409: the role may call the endpoint, the machine is not
+    in this token's phase) otherwise: a token of an earlier phase, e.g. the discovery image's
+    once the machine is claimed, acts for nothing."""
+    phase = phase_of(machine_state)
+    if p.phase is None or p.phase != phase or phase not in allowed:
+        minted = f"the {p.phase} phase" if p.phase else "no phase"
+        raise PhaseMismatch(
+            f"this agent token was minted for {minted} and the machine is {machine_state} "
+            f"(phase {phase or 'none'}); an agent token acts only in the phase it was minted "
+            f"for ({', '.join(sorted(allowed))} here): boot the machine again for a new one",
+            token_phase=p.phase,
+            machine_state=machine_state,
+        )
+    return phase
 
 
 #: Every API request runs this: columns, not an ApiToken object, and the statement built once.
@@ -126,6 +163,8 @@ _BY_HASH = sa_select(
     _TOKENS.c.scope,
     _TOKENS.c.expires_at,
     _TOKENS.c.revoked_at,
+    _TOKENS.c.phase,
+    _TOKENS.c.boot,
 ).where(_TOKENS.c.token_hash == bindparam("h"))
 _REVOKE_MACHINE = (
     _TOKENS.update()

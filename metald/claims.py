@@ -297,7 +297,13 @@ def create_claim(
                 actor=actor,
                 reason=f"claim {claim.id}",
                 expected_version=m.version,
-                updates={"tenant_id": tenant_id, "claim_id": claim.id, "boot_intent": intent},
+                # From now on the machine owes a wipe before it may be ready again.
+                updates={
+                    "tenant_id": tenant_id,
+                    "claim_id": claim.id,
+                    "boot_intent": intent,
+                    "wipe_required": True,
+                },
                 data={"claim_id": claim.id},
                 instance=instance,
                 commit=False,
@@ -386,10 +392,13 @@ def release_claim(
     instance: str | None = None,
     only: set[str] | None = None,
 ) -> list[str]:
-    """End the claim: every machine still allocated is released (its tokens revoked, its peer
-    taken off the tenant's hub) and starts wiping. ``only``: release just these machines of the
-    claim (scale down); the claim ends when none is left. Returns the ids of the machines that
-    now wipe. Releasing twice changes nothing."""
+    """End the claim: every machine of it leaves the tenant (its agent tokens revoked, its
+    peer taken off the tenant's hub, its tenant detached) and owes a wipe. Allocated ones start
+    wiping (the driver then takes them through their BMC); one marked broken meanwhile is
+    detached where it is, and a technician repairs and wipes it (it cannot reach ready
+    unwiped). ``only``: release just these machines of the claim (scale down); the claim ends
+    when none is left. Returns the ids of the machines that now wipe. Releasing twice changes
+    nothing."""
     claim_id = claim.id
 
     def release() -> list[str]:
@@ -399,9 +408,13 @@ def release_claim(
             return []
         wiping = []
         remaining = 0
+        #: Not allocated but still the tenant's (marked broken during the claim).
+        attached = []
         for m in claim_machines(session, claim_id):
             if State(m.state) not in ALLOCATED:
-                continue  # already released, or broken: a technician deals with it
+                if m.tenant_id is not None:
+                    attached.append(m)
+                continue  # already released and wiping (or wiped)
             if only is not None and m.id not in only:
                 remaining += 1
                 continue
@@ -426,11 +439,22 @@ def release_claim(
                 Trigger.WIPE,
                 actor=actor,
                 reason="wipe after release",
-                updates={"boot_intent": wipe_intent(deploy), "last_error": None},
+                # Detached from the tenant now (its orchestrator no longer sees it); the claim
+                # id stays until the wipe ends, so the claim shows its machines wiping.
+                updates={
+                    "boot_intent": wipe_intent(deploy),
+                    "last_error": None,
+                    "tenant_id": None,
+                    "wipe_required": True,
+                },
                 instance=instance,
                 commit=False,
             )
             wiping.append(m.id)
+        for m in attached:
+            if remaining == 0 or only is None or m.id in only:
+                # Broken machines leave with the claim; a technician repairs and wipes them.
+                _detach(session, m, actor=actor, reason=reason, instance=instance)
         if remaining == 0:
             c.state = "released"
         c.version += 1
@@ -458,6 +482,41 @@ def release_claim(
         return wiping
 
     return _retrying(session, release)
+
+
+_MACHINES = Machine.__table__  # type: ignore[attr-defined]
+
+
+def _detach(
+    session: Session, m: Machine, *, actor: str, reason: str | None, instance: str | None
+) -> None:
+    """Take a machine that is not allocated any more (marked broken during the claim) from
+    its tenant: tokens revoked, peer removed, tenant cleared, a wipe owed."""
+    revoke_machine_tokens(session, m.id, commit=False)
+    tenant_service.remove_peer(session, m.id, actor=actor, instance=instance)
+    res = session.connection().execute(
+        _MACHINES.update()
+        .where(_MACHINES.c.id == m.id, _MACHINES.c.version == m.version)
+        .values(
+            tenant_id=None,
+            wipe_required=True,
+            boot_armed=None,
+            version=m.version + 1,
+            updated_at=utcnow(),
+        )
+    )
+    if res.rowcount != 1:
+        raise machines.ConcurrentUpdate(f"machine {m.id} changed while its claim was released")
+    machines.add_event(
+        session,
+        "machine.detached",
+        actor,
+        machine_id=m.id,
+        tenant_id=m.tenant_id,
+        reason=reason or f"claim {m.claim_id} released while the machine was {m.state}",
+        data={"claim_id": m.claim_id, "state": m.state, "wipe_required": True},
+        instance=instance,
+    )
 
 
 def switch_plan(session: Session, tenant_id: str, ms: list[Machine]) -> dict[str, Any]:

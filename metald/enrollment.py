@@ -19,12 +19,13 @@ from sqlmodel import Session, select
 
 from metald import machines
 from metald.auth import Role, issue_token, revoke_machine_tokens
-from metald.boot.hooks import BootTarget, StoreBootHooks
+from metald.boot.hooks import BootTarget, ScriptRefused, StoreBootHooks, holds_lease
 from metald.config import EnrollConfig
 from metald.errors import Conflict, MetaldError
 from metald.inventory import accept_inventory as intake
 from metald.inventory.enroll import apply_rules
-from metald.lifecycle import State, Trigger
+from metald.lifecycle import State, Trigger, phase_of
+from metald.provision import boots
 from metald.store.models import Event, Machine, as_utc, utcnow
 
 #: States in which a machine's agent may post inventory.
@@ -32,11 +33,20 @@ INSPECT_STATES = {State.INSPECTING}
 
 
 def mint_agent_token(
-    s: Session, m: Machine, *, actor: str, ttl_s: int, instance: str | None = None
-) -> str:
-    """A fresh agent token for ``m`` (older ones revoked). A discovered machine that is about to
-    boot the discovery image moves to ``inspecting`` in the same transaction."""
-    revoke_machine_tokens(s, m.id, commit=False)
+    s: Session,
+    m: Machine,
+    *,
+    actor: str,
+    ttl_s: int,
+    instance: str | None = None,
+    mac: str = "",
+    client: str | None = None,
+) -> str | None:
+    """A fresh agent token for ``m``, bound to its phase and to the boot metald armed
+    (``metald.provision.boots``), or None when no boot is armed (the script is served without
+    one and a ``boot.script_refetched`` event is recorded once per boot). A discovered machine
+    about to boot the discovery image moves to ``inspecting`` in the same transaction, which
+    arms its first boot."""
     if m.state in (State.DISCOVERED.value, State.INSPECT_FAILED.value):
         machines.transition(
             s,
@@ -48,6 +58,12 @@ def mint_agent_token(
             commit=False,
             machine=m,
         )
+    boot = boots.take_armed_boot(s, m)
+    if boot is None:
+        boots.note_refetch(s, m, mac=mac, client=client, actor=actor, instance=instance)
+        s.commit()
+        return None
+    revoke_machine_tokens(s, m.id, commit=False)
     _row, secret = issue_token(
         s,
         name=f"agent-{m.id[:8]}",
@@ -56,6 +72,8 @@ def mint_agent_token(
         created_by=actor,
         ttl=timedelta(seconds=ttl_s),
         commit=False,
+        phase=phase_of(m.state),
+        boot=boot,
     )
     s.commit()
     return secret
@@ -71,15 +89,25 @@ class EnrollmentBootHooks(StoreBootHooks):
         super().__init__(
             store,
             instance,
-            mint_agent_token=lambda s, m: mint_agent_token(
-                s, m, actor=actor, ttl_s=cfg.agent_token_ttl_s, instance=instance
+            mint_agent_token=lambda s, m, mac, client: mint_agent_token(
+                s,
+                m,
+                actor=actor,
+                ttl_s=cfg.agent_token_ttl_s,
+                instance=instance,
+                mac=mac,
+                client=client,
             ),
             leased_clients_only=leased_clients_only,
         )
 
     def _target(self, s: Session, mac: str, client: str | None = None) -> BootTarget:
         m = machines.find_by_mac(s, mac)
-        if m is None:
+        if m is None and self.leased_clients_only and holds_lease(s, mac, client):
+            # Only a client holding the lease metald's DHCP gave this MAC is enrolled over
+            # HTTP; anyone else asking for a random MAC's script creates nothing (the refusal
+            # below). In "any" mode the DHCP sighting (client_seen) enrolls machines, and an
+            # unknown MAC gets the discovery script with no token and no record.
             try:
                 m = machines.create_machine(
                     s,
@@ -91,6 +119,10 @@ class EnrollmentBootHooks(StoreBootHooks):
             except MetaldError:
                 s.rollback()  # created concurrently by DHCP or another instance
                 m = machines.find_by_mac(s, mac)
+        elif m is None and self.leased_clients_only:
+            raise ScriptRefused(
+                f"{client or 'an unknown address'} does not hold the lease of {mac}"
+            )
         t = self._target_for(s, m, mac, client)
         if t.kernel and "console" not in t.kernel_args:
             # The agent reports on the serial console too (people and tests read it there).

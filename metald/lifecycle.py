@@ -7,6 +7,7 @@ roles. ``metald.machines`` applies a transition atomically with its event row.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import StrEnum
 
 
@@ -50,6 +51,9 @@ class Trigger(StrEnum):
     MARK_BROKEN = "mark-broken"
     REPAIR = "repair"  # broken -> maintenance, for the technician to work on it
     RETIRE = "retire"
+    #: A technician vouches that a machine's disks were wiped by hand (no BMC to boot the wipe
+    #: image through, or no disk the agent can see): back to ready, recorded with who and why.
+    CONFIRM_WIPE = "confirm-wipe"
 
 
 S, T = State, Trigger
@@ -100,9 +104,10 @@ def _table() -> dict[tuple[State, Trigger], State]:
     add(S.JOINING, T.JOIN_FAIL, S.JOIN_FAILED)
     # Release and wipe
     add(ALLOCATED, T.RELEASE, S.RELEASING)
-    add({S.RELEASING, S.WIPE_FAILED}, T.WIPE, S.WIPING)
+    add({S.RELEASING, S.WIPE_FAILED, S.MAINTENANCE}, T.WIPE, S.WIPING)
     add(S.WIPING, T.WIPED, S.READY)
     add(S.WIPING, T.WIPE_FAIL, S.WIPE_FAILED)
+    add({S.RELEASING, S.WIPING, S.WIPE_FAILED, S.MAINTENANCE}, T.CONFIRM_WIPE, S.READY)
     # Technician operations
     add(IDLE | {S.BROKEN}, T.MAINTENANCE_ON, S.MAINTENANCE)
     add(S.MAINTENANCE, T.MAINTENANCE_OFF, S.READY)
@@ -113,6 +118,64 @@ def _table() -> dict[tuple[State, Trigger], State]:
 
 
 TRANSITIONS: dict[tuple[State, Trigger], State] = _table()
+
+#: The agent phase of each state: an agent token is minted for the phase its machine is in
+#: and works only while the machine stays in that phase (``metald.auth``); every transition
+#: that changes the phase revokes the machine's agent tokens. States without a phase (broken,
+#: maintenance, retired) accept no agent token at all.
+PHASES: dict[State, str] = {
+    **{s: "inspect" for s in (S.DISCOVERED, S.INSPECTING, S.INSPECT_FAILED, S.READY)},
+    **{s: "provision" for s in ALLOCATED},
+    **{s: "wipe" for s in (S.RELEASING, S.WIPING, S.WIPE_FAILED)},
+}
+
+#: States whose entry starts a boot metald expects (a new phase): the first script fetch of
+#: that boot carries an agent token. A wipe boot is never armed on entry: the tenant's own OS
+#: may still run then, so only the driver arms it, after powering the machine off.
+ARM_ON_ENTRY = frozenset({S.INSPECTING, S.PROVISIONING})
+DISARM_ON_ENTRY = frozenset({S.WIPING, S.RELEASING})
+#: Triggers that may bring a machine that owes a wipe back to ready.
+WIPE_ENDS = frozenset({T.WIPED, T.CONFIRM_WIPE})
+#: Triggers refused while a tenant is attached (a machine marked broken during a claim stays
+#: the tenant's until the claim releases it).
+TENANT_BLOCKS = frozenset({T.REPAIR, T.MAINTENANCE_ON, T.MAINTENANCE_OFF, T.INSPECT, T.RETIRE})
+
+
+def boot_on_entry(target: State, new_nonce: Callable[[], str]) -> dict[str, str | None]:
+    """Pure given ``new_nonce``: the boot columns a transition into ``target`` sets."""
+    if target in ARM_ON_ENTRY:
+        return {"boot_armed": new_nonce()}
+    if target in DISARM_ON_ENTRY:
+        return {"boot_armed": None}
+    return {}
+
+
+def phase_of(state: State | str) -> str | None:
+    return PHASES.get(State(state))
+
+
+def check_guards(
+    state: State | str, trigger: Trigger | str, *, tenant_attached: bool, wipe_owed: bool
+) -> None:
+    """Pure: refuse what the table allows but the machine's data forbids. A machine that held a
+    tenant's data reaches ready only through a verified wipe or a technician's confirmation."""
+    s, t = State(state), Trigger(trigger)
+    target = next_state(s, t)
+    if tenant_attached and t in TENANT_BLOCKS:
+        raise GuardRefused(
+            s,
+            t,
+            f"cannot {t.value} machine: it still belongs to a tenant's claim; release the claim "
+            "(or this machine of it) first, which detaches it and starts its wipe",
+        )
+    if wipe_owed and (t is T.INSPECT or (target is S.READY and t not in WIPE_ENDS)):
+        raise GuardRefused(
+            s,
+            t,
+            f"cannot {t.value} machine: it held a tenant's data and has not been wiped since; "
+            "start a wipe (POST /api/v1/machines/{id}/wipe) or, if its disks were erased by "
+            "hand, confirm it (POST /api/v1/machines/{id}/confirm-wipe)",
+        )
 
 
 class IllegalTransition(Exception):
@@ -132,6 +195,18 @@ class IllegalTransition(Exception):
             f"cannot {trigger.value} a machine that is {state.value}; "
             f"{trigger.value} is allowed only from: {', '.join(self.allowed_from)}.{hint}"
         )
+
+
+class GuardRefused(IllegalTransition):
+    """The table allows the trigger but the machine's tenant or owed wipe forbids it. Nothing
+    was changed."""
+
+    def __init__(self, state: State, trigger: Trigger, detail: str) -> None:
+        super().__init__(state, trigger)
+        self.args = (detail,)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 def next_state(state: State | str, trigger: Trigger | str) -> State:

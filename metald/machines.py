@@ -17,8 +17,9 @@ from sqlalchemy.orm import defer
 from sqlalchemy.orm.attributes import set_committed_value
 from sqlmodel import Session, select
 
+from metald.auth import revoke_machine_tokens
 from metald.errors import Conflict, NotFound, Unprocessable
-from metald.lifecycle import State, Trigger, next_state
+from metald.lifecycle import State, Trigger, boot_on_entry, check_guards, next_state, phase_of
 from metald.store.models import Event, Machine, Nic, new_id, utcnow
 
 _MAC_RE = re.compile(r"^[0-9a-f]{2}([:-]?[0-9a-f]{2}){5}$")
@@ -239,14 +240,21 @@ def transition(
         )
     src = State(m.state)
     dst = next_state(src, trigger)
+    check_guards(
+        src, trigger, tenant_attached=m.tenant_id is not None, wipe_owed=bool(m.wipe_required)
+    )
     now = utcnow()
     values: dict[str, Any] = {
         "state": dst.value,
         "version": version + 1,
         "state_changed_at": now,
         "updated_at": now,
+        **boot_on_entry(dst, new_id),
     }
     values.update(updates or {})
+    if phase_of(src) != phase_of(dst):
+        # An agent token works in the phase it was minted for only (metald.lifecycle.PHASES).
+        revoke_machine_tokens(session, machine_id, commit=False)
     result = _cas_update(session, machine_id, version, values)
     if result.rowcount != 1:  # type: ignore[attr-defined]
         session.rollback()

@@ -182,13 +182,14 @@ async def test_bad_inventory_posts_are_refused_with_event(api) -> None:  # type:
         r = await client.post("/api/v1/agent/inventory", json=body, headers=agent)
         assert r.status == status, (phrase, await r.text())
         assert phrase in (await r.json(content_type=None))["detail"]
-    # Another machine's agent token cannot post for this machine either.
+    # Another machine's agent token cannot post for this machine either (that one is a
+    # claimed machine's: its provision-phase token posts no inventory at all).
     r = await client.post(
         "/api/v1/agent/inventory",
         json=payload(mid, boot_id=str(uuid.uuid4())),
         headers=tokens.header("agent"),
     )
-    assert r.status == 403
+    assert r.status == 409 and "minted for the provision phase" in (await r.json())["detail"]
     with store.session() as s:
         m = s.get(Machine, mid)
         assert m.state == "inspecting" and json.dumps(m.inventory, sort_keys=True) == stored  # type: ignore[union-attr]

@@ -76,3 +76,42 @@ def test_every_pair_applied_to_stored_machine(store) -> None:  # type: ignore[no
 
 def test_allocated_set_is_release_sources() -> None:
     assert {s for (s, t) in TRANSITIONS if t is Trigger.RELEASE} == set(ALLOCATED)
+
+
+def test_a_machine_owing_a_wipe_reaches_ready_only_wiped_or_confirmed() -> None:
+    from metald.lifecycle import GuardRefused, check_guards
+
+    for state, trigger in (
+        ("maintenance", "maintenance-off"),
+        ("maintenance", "inspect"),
+    ):
+        with pytest.raises(GuardRefused, match="has not been wiped"):
+            check_guards(state, trigger, tenant_attached=False, wipe_owed=True)
+    check_guards("wiping", "wiped", tenant_attached=True, wipe_owed=True)
+    for state in ("releasing", "wiping", "wipe-failed", "maintenance"):
+        assert next_state(state, "confirm-wipe") is State.READY
+        check_guards(state, "confirm-wipe", tenant_attached=False, wipe_owed=True)
+    check_guards("maintenance", "maintenance-off", tenant_attached=False, wipe_owed=False)
+    assert next_state("maintenance", "wipe") is State.WIPING
+
+
+def test_a_tenants_broken_machine_is_not_repaired_before_release() -> None:
+    from metald.lifecycle import GuardRefused, check_guards
+
+    for trigger in ("repair", "maintenance-on", "retire"):
+        with pytest.raises(GuardRefused, match="release the claim"):
+            check_guards("broken", trigger, tenant_attached=True, wipe_owed=True)
+    check_guards("active", "mark-broken", tenant_attached=True, wipe_owed=True)
+    check_guards("broken", "repair", tenant_attached=False, wipe_owed=True)
+
+
+def test_every_state_has_at_most_one_phase_and_wipes_are_never_armed_on_entry() -> None:
+    from metald.lifecycle import ALLOCATED, PHASES, boot_on_entry, phase_of
+
+    assert {phase_of(s) for s in ALLOCATED} == {"provision"}
+    assert phase_of(State.READY) == "inspect" and phase_of(State.WIPING) == "wipe"
+    assert phase_of(State.BROKEN) is None and State.MAINTENANCE not in PHASES
+    assert boot_on_entry(State.INSPECTING, lambda: "n") == {"boot_armed": "n"}
+    assert boot_on_entry(State.PROVISIONING, lambda: "n") == {"boot_armed": "n"}
+    assert boot_on_entry(State.WIPING, lambda: "n") == {"boot_armed": None}
+    assert boot_on_entry(State.ACTIVE, lambda: "n") == {}

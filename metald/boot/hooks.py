@@ -98,15 +98,17 @@ def target_for_machine(m: Machine | None) -> BootTarget:
 
 
 class StoreBootHooks:
-    """BootHooks on metald's store. ``mint_agent_token(session, machine) -> str``, when given,
-    adds ``metald.token=<token>`` to discovery/provision/wipe kernel arguments."""
+    """BootHooks on metald's store. ``mint_agent_token(session, machine, mac, client)``, when
+    given, adds ``metald.token=<token>`` to discovery/provision/wipe kernel arguments; it
+    returns None when the machine has no boot armed (``metald.provision.boots``): the script is
+    then served without a token."""
 
     def __init__(
         self,
         store: Store,
         instance: str,
         *,
-        mint_agent_token: Callable[[Session, Machine], str] | None = None,
+        mint_agent_token: Callable[[Session, Machine, str, str | None], str | None] | None = None,
         leased_clients_only: bool = False,
     ) -> None:
         self.store = store
@@ -187,7 +189,9 @@ class StoreBootHooks:
                 raise ScriptRefused(
                     f"{client or 'an unknown address'} does not hold the lease of {mac}"
                 )
-            token = self.mint_agent_token(s, m)
+            token = self.mint_agent_token(s, m, mac, client)
+            if token is None:
+                return t
             t = BootTarget(
                 t.action, t.kernel, t.initrd, {**t.kernel_args, "metald.token": token}, t.machine_id
             )

@@ -19,6 +19,7 @@ from sqlmodel import Session
 from metald import machines
 from metald.errors import Conflict, MetaldError, NotFound
 from metald.lifecycle import IllegalTransition, State, Trigger
+from metald.provision import boots
 from metald.provision.intents import DeployImage, inspect_intent, wipe_intent
 from metald.store.db import Store
 from metald.store.models import Machine
@@ -159,26 +160,70 @@ def _note(
     session.commit()
 
 
+def _arm(session: Session, machine_id: str, reason: str, actor: str, instance: str | None) -> bool:
+    """Arm the boot metald is about to start, with its note, if the machine is still in a
+    state that boots over the network; False if it moved on meanwhile (nothing armed)."""
+    m = machines.get_machine(session, machine_id)
+    if State(m.state) not in NETWORK_BOOT_STATES:
+        return False
+    boots.arm_boot(session, machine_id)
+    machines.add_event(
+        session,
+        NETWORK_BOOT_EVENT,
+        actor,
+        machine_id=machine_id,
+        reason=reason,
+        data={"state": m.state},
+        instance=instance,
+    )
+    session.commit()
+    return True
+
+
+#: States whose work the driver starts with a network boot (the boot it arms).
+NETWORK_BOOT_STATES = frozenset(
+    {State.PROVISIONING, State.WIPING, State.INSPECTING, State.RELEASING}
+)
+#: How long the driver waits for a machine to report off after a hard power-off.
+POWER_OFF_WAIT_S = 60.0
+POWER_OFF_POLL_S = 1.0
+
+
+async def _power_off(bmc: Any, machine_id: str, actor: str) -> None:
+    """Hard power-off through the BMC, and wait until the BMC reports the machine off: from
+    then on nothing the machine ran before (a tenant's OS) can ask metald for anything."""
+    status = await bmc.power(machine_id, "status", actor=actor)
+    if status.get("power_state") == "off":
+        return
+    await bmc.power(machine_id, "off", actor=actor)
+    deadline = asyncio.get_running_loop().time() + POWER_OFF_WAIT_S
+    while (await bmc.power(machine_id, "status", actor=actor)).get("power_state") != "off":
+        if asyncio.get_running_loop().time() > deadline:
+            raise MetaldError(
+                f"the BMC did not report the machine off within {POWER_OFF_WAIT_S:.0f} s of a "
+                "power-off; check the BMC and retry"
+            )
+        await asyncio.sleep(POWER_OFF_POLL_S)
+
+
 async def boot_from_network(
     store: Store, bmc: Any, machine_id: str, *, actor: str, instance: str | None = None
 ) -> bool:
-    """One-time PXE boot and a power cycle (or power on, if off). False if it failed."""
+    """Take the machine (hard power-off, confirmed), set a one-time PXE boot, arm the boot
+    (``metald.provision.boots``: the first script of this boot carries the agent token), then
+    power it on. False if it failed. Without a BMC the machine is left alone: nothing is armed,
+    so a wipe then needs a technician (``confirm-wipe``)."""
     try:
-        # uefi=None: keep the machine's own firmware mode (metald does not record it yet; a BIOS
-        # machine refuses a UEFI override and a UEFI one may not PXE in legacy mode).
+        await _power_off(bmc, machine_id, actor)
+        # uefi=None: keep the machine's own firmware mode (a BIOS machine refuses a UEFI
+        # override and a UEFI one may not PXE in legacy mode).
         await bmc.set_boot_device(machine_id, "pxe", persistent=False, uefi=None, actor=actor)
-        status = await bmc.power(machine_id, "status", actor=actor)
-        action = "cycle" if status.get("power_state") == "on" else "on"
-        await bmc.power(machine_id, action, actor=actor)
-        # The watchdog reads this to tell a boot that was asked for from one a restart cut off.
-        await store.run(
-            _note,
-            machine_id,
-            NETWORK_BOOT_EVENT,
-            f"one-time PXE boot and power {action} through the BMC",
-            actor,
-            instance,
-        )
+        # The watchdog reads the note to tell a boot that was asked for from one a restart
+        # cut off.
+        reason = "power off, one-time PXE boot and power on through the BMC"
+        if not await store.run(_arm, machine_id, reason, actor, instance):
+            return False
+        await bmc.power(machine_id, "on", actor=actor)
         return True
     except NotFound as e:
         await store.run(_note, machine_id, "provision.no-bmc", e.detail, actor, instance)

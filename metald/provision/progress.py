@@ -4,7 +4,10 @@ Every report is a ``provision.progress`` event (phase, percent, bytes, rate). A 
 ``done`` or ``error`` also ends the operation with its transition, in the same transaction:
 provisioning -> provisioned / provision-failed, wiping -> ready / wipe-failed. A wiped machine
 leaves its tenant and claim and loses its boot intent and agent tokens; a failed wipe never
-reaches ready.
+reaches ready. A wipe is accepted as done only from the token of the boot metald started for
+it (``metald.provision.boots``) and with per-disk evidence that fits the machine's recorded
+disks (``metald.provision.wipe``); a refused report is recorded as ``wipe.refused`` and the
+machine stays wiping.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ from sqlmodel import Session, col, select
 
 from metald import machines
 from metald.auth import revoke_machine_tokens
-from metald.errors import Conflict, Unprocessable
+from metald.errors import Conflict, Forbidden, MetaldError, Unprocessable
 from metald.lifecycle import State, Trigger
 from metald.provision.intents import after_provisioned
+from metald.provision.wipe import evidence_problems, recorded_disks
 from metald.store.models import Event, Machine, as_utc, utcnow
 
 #: Longest error text kept on the machine (the event keeps the same).
@@ -34,6 +38,32 @@ class Progress:
     rate_bps: float | None = None
     done: bool = False
     error: str | None = None
+    #: Wipe reports: per-disk evidence (``metald.provision.wipe``).
+    disks: list[dict[str, Any]] | None = None
+
+
+class WipeRefused(Conflict):
+    title = "Wipe not accepted"
+
+
+def check_wipe_done(
+    p: Progress, *, token_boot: str | None, machine_boot: str | None, recorded: dict[str, int]
+) -> None:
+    """Pure: refuse a wipe-done report from a token of a boot metald did not start (403) or
+    without evidence fitting the recorded disks (409)."""
+    if token_boot is None or token_boot != machine_boot:
+        raise Forbidden(
+            "a wipe is accepted only from the agent of the wipe boot metald started (its token "
+            "came with that boot's script); this token was not, so the machine stays wiping. "
+            "Retry the wipe if it failed, or have a technician confirm it"
+        )
+    problems = evidence_problems(p.disks, recorded)
+    if problems:
+        raise WipeRefused(
+            "the wipe report does not show this machine's disks wiped, so it stays wiping: "
+            + "; ".join(problems)[:800],
+            problems=problems,
+        )
 
 
 def outcome(state: State, p: Progress) -> tuple[Trigger | None, dict[str, Any]]:
@@ -57,6 +87,7 @@ def outcome(state: State, p: Progress) -> tuple[Trigger | None, dict[str, Any]]:
         "claim_id": None,
         "boot_intent": None,
         "last_error": None,
+        "wipe_required": False,
     }
 
 
@@ -83,13 +114,35 @@ def record_progress(
     actor: str,
     instance: str | None = None,
     min_interval_s: float = 0.0,
+    token_boot: str | None = None,
 ) -> Machine:
     """Store one report (and its transition, if it ends the operation) atomically. A report
     that ends nothing, in the same phase as one stored less than ``min_interval_s`` ago, is
-    accepted without an event."""
+    accepted without an event. ``token_boot``: the boot the reporting token was minted for."""
     m = machines.get_machine(session, machine_id)
     state = State(m.state)
     trigger, updates = outcome(state, p)
+    if trigger is Trigger.WIPED:
+        try:
+            check_wipe_done(
+                p,
+                token_boot=token_boot,
+                machine_boot=m.boot_current,
+                recorded=recorded_disks(m.inventory),
+            )
+        except MetaldError as e:
+            session.rollback()
+            machines.add_event(
+                session,
+                "wipe.refused",
+                actor,
+                machine_id=m.id,
+                reason=e.detail[:1000],
+                data={"status": e.status, "disks": p.disks},
+                instance=instance,
+            )
+            session.commit()
+            raise
     if trigger is None and _recently_reported(session, m.id, p.phase, min_interval_s):
         return m  # accepted, not stored: an agent reporting every second would flood events
     machines.add_event(

@@ -64,6 +64,13 @@ class Machine(SQLModel, table=True):
     boot_intent: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
     tenant_id: str | None = Field(default=None, foreign_key="tenants.id", index=True)
     claim_id: str | None = Field(default=None, foreign_key="claims.id", index=True)
+    #: The machine held a tenant's data and has not been wiped (or confirmed wiped) since.
+    wipe_required: bool = False
+    #: The boot metald started (power-off, PXE, on; or a new phase) whose first script fetch
+    #: may carry an agent token; None once that fetch took it.
+    boot_armed: str | None = None
+    #: The boot whose script carried the machine's current agent token.
+    boot_current: str | None = None
     last_error: str | None = None
     #: A technician vouched for this machine (enroll.require_bmc: claimable without a BMC).
     approved_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
@@ -230,6 +237,10 @@ class ApiToken(SQLModel, table=True):
     #: An agent token's machine (its scope's one id), indexed: revoking a machine's tokens on
     #: every boot, release and wipe is then one indexed UPDATE, not a scan of every token.
     machine_id: str | None = Field(default=None, index=True)
+    #: An agent token's phase (inspect, provision, wipe: ``lifecycle.PHASES``) and the boot it
+    #: was minted for (``Machine.boot_current``); endpoints check both.
+    phase: str | None = None
+    boot: str | None = None
     #: sha256 of the secret; the secret itself is shown once, at creation.
     token_hash: str = Field(unique=True)
     created_by: str | None = None

@@ -49,7 +49,7 @@ def test_render_discovery_local_and_provision() -> None:
 async def test_script_for_unknown_and_known_machines(aiohttp_client, store, assets: Path) -> None:  # type: ignore[no-untyped-def]
     minted: list[str] = []
 
-    def mint(session, m):  # type: ignore[no-untyped-def]
+    def mint(session, m, mac, client):  # type: ignore[no-untyped-def]
         minted.append(m.id)
         return "agent-secret"
 

@@ -87,3 +87,25 @@ def test_config_default_follows_dhcp_mode() -> None:
     assert not proxy.boot.scripts_leased_only
     anyone = load_config(None, environ={"METALD_BOOT__SCRIPT_CLIENTS": "any"})
     assert not anyone.boot.scripts_leased_only
+
+
+async def test_a_boot_hands_out_one_token(store) -> None:  # type: ignore[no-untyped-def]
+    """The first script of a boot metald started carries the token; asking again in the same
+    boot (the lease holder itself, or a tenant's OS that kept running) gets the script without
+    one, one ``boot.script_refetched`` event per boot, and the first token stays valid."""
+    from sqlmodel import select
+
+    from metald.store.models import Event
+
+    hooks = EnrollmentBootHooks(store, "t", EnrollConfig(), leased_clients_only=True)
+    await hooks.client_seen(MAC, arch="bios", network="prov", relay_agent=None)
+    add_lease(store, MAC, "10.0.0.9")
+    first = await hooks.boot_target(MAC, client="10.0.0.9")
+    token = first.kernel_args["metald.token"]
+    for _ in range(3):
+        again = await hooks.boot_target(MAC, client="10.0.0.9")
+        assert again.action.value == "discovery" and "metald.token" not in again.kernel_args
+    with store.session() as s:
+        assert auth.authenticate(s, token) is not None
+        events = s.exec(select(Event).where(Event.kind == "boot.script_refetched")).all()
+        assert len(events) == 1 and events[0].data["client"] == "10.0.0.9"  # type: ignore[index]

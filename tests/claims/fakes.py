@@ -1,4 +1,5 @@
-"""A stand-in for BmcService: records what the driver asks, fails on demand."""
+"""A stand-in for BmcService: records what the driver asks, keeps one power state for every
+machine (off/on as commanded), fails on demand."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from metald.errors import MetaldError, NotFound
 class FakeBmc:
     def __init__(self, power_state: str = "on", fail: str | None = None) -> None:
         self.calls: list[tuple[str, str, str]] = []
+        self.states: dict[str, str] = {}
         self.power_state = power_state
         #: "error": every command fails like an unreachable BMC; "absent": no BMC linked.
         self.fail = fail
@@ -35,4 +37,18 @@ class FakeBmc:
     async def power(self, machine_id: str, action: str, actor: str = "") -> dict[str, Any]:
         self._check(machine_id)
         self.calls.append((machine_id, "power", action))
-        return {"power_state": self.power_state}
+        if action in ("off", "soft-off"):
+            self.states[machine_id] = "off"
+        elif action in ("on", "cycle", "reset"):
+            self.states[machine_id] = "on"
+        return {"power_state": self.states.get(machine_id, self.power_state)}
+
+    @property
+    def power_state(self) -> str:
+        """Every machine's power state until a command changes one."""
+        return self._default
+
+    @power_state.setter
+    def power_state(self, value: str) -> None:
+        self._default = value
+        self.states.clear()

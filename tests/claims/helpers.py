@@ -16,6 +16,49 @@ from metald.tenants.service import new_tenant
 
 DEPLOY = DeployImage("discovery/vmlinuz", "discovery/initrd.img")
 
+#: The disks every test machine recorded at inspection (name -> bytes).
+DISKS = {"nvme0n1": 3_840_755_982_336, "nvme1n1": 3_840_755_982_336}
+MIB = 1 << 20
+
+
+def inventory(disks: dict[str, int] | None = None) -> dict[str, Any]:
+    """An inspected machine's stored inventory, as far as the wipe check reads it."""
+    d = DISKS if disks is None else disks
+    return {
+        "schema_version": 1,
+        "payload": {
+            "disks": [{"name": n, "size_bytes": b, "removable": False} for n, b in d.items()]
+        },
+    }
+
+
+def wipe_evidence(disks: dict[str, int] | None = None) -> list[dict[str, Any]]:
+    """What the agent reports after wiping these disks (bootassets/agent/metald-agent)."""
+    d = DISKS if disks is None else disks
+    return [
+        {
+            "device": f"/dev/{n}",
+            "size_bytes": b,
+            "method": "discard+zero-ends",
+            "reads": [
+                {"offset": 0, "length": min(MIB, b), "zero": True},
+                {"offset": b - min(MIB, b), "length": min(MIB, b), "zero": True},
+            ],
+        }
+        for n, b in d.items()
+    ]
+
+
+def boot_token(store: Store, machine_id: str) -> str | None:
+    """The agent token the machine's next script fetch carries (None: no boot armed), as the
+    boot hooks mint it."""
+    from metald.enrollment import mint_agent_token
+    from metald.machines import get_machine
+
+    with store.session() as s:
+        return mint_agent_token(s, get_machine(s, machine_id), actor="test", ttl_s=600)
+
+
 DISK_SPEC = {"url": "http://images.test/node.raw", "sha256": "ab" * 32, "format": "raw"}
 STATELESS_SPEC = {
     "kernel": "node/vmlinuz",
@@ -47,7 +90,7 @@ def add_ready(
                 memory_mb=memory_mb,
                 labels=dict(labels or {}),
                 rack=rack,
-                inventory={"schema_version": 1},
+                inventory=inventory(),
             )
             for i in range(n)
         ]

@@ -12,7 +12,7 @@ from metald.auth import issue_token
 from metald.provision import driver
 from metald.store.models import ApiToken, Machine
 from tests.claims.fakes import FakeBmc
-from tests.claims.helpers import DISK_SPEC, add_ready
+from tests.claims.helpers import DISK_SPEC, add_ready, boot_token, wipe_evidence
 
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGJ0ZXN0a2V5 ops@example"
 
@@ -155,7 +155,8 @@ async def test_claim_progress_release_wipe(api) -> None:  # type: ignore[no-unty
     r = await client.post("/api/v1/agent/progress", json={"phase": "write"}, headers=agent)
     assert r.status == 409 and "only while it is provisioning" in (await r.json())["detail"]
 
-    # Release: tokens revoked first, then wiping with the wipe intent, BMC reboots into PXE.
+    # Release: tokens revoked first, then wiping with the wipe intent; through the BMC the
+    # machine is powered off (confirmed) before its wipe boot is armed, then PXE and on.
     bmc.calls.clear()
     bmc.power_state = "on"
     r = await client.post(f"/api/v1/claims/{claim['id']}/release", headers=orch)
@@ -172,44 +173,53 @@ async def test_claim_progress_release_wipe(api) -> None:  # type: ignore[no-unty
         ]
         assert not [t for t in live if set(t.scope) & set(ids)]
     await driver.drain()
-    assert sorted(c for c in bmc.calls if c[2] == "cycle") == sorted(
-        (i, "power", "cycle") for i in ids
-    )
+    for i in ids:
+        mine = [c[1:] for c in bmc.calls if c[0] == i]
+        assert mine == [
+            ("power", "status"),
+            ("power", "off"),
+            ("power", "status"),
+            ("boot", "pxe"),
+            ("power", "on"),
+        ]
     assert _machine(store, ids[0]).boot_intent["action"] == "wipe"  # type: ignore[index]
+    assert _machine(store, ids[0]).tenant_id is None  # detached at release
 
-    # Wipe done: ready, no tenant, no claim. Wipe error: wipe-failed, never ready.
+    # Wipe done, from the wipe boot's agent, with evidence for every recorded disk: ready, no
+    # tenant, no claim. Wipe error: wipe-failed, never ready.
+    wipe0 = {"Authorization": f"Bearer {boot_token(store, ids[0])}"}
     r = await client.post(
         "/api/v1/agent/progress",
-        json={"phase": "wipe", "done": True},
-        headers=_agent(store, ids[0]),
+        json={"phase": "wipe", "done": True, "disks": wipe_evidence()},
+        headers=wipe0,
     )
-    assert (await r.json())["state"] == "ready"
+    assert (await r.json())["state"] == "ready", await r.text()
     m = _machine(store, ids[0])
-    assert (m.tenant_id, m.claim_id, m.boot_intent) == (None, None, None)
+    assert (m.tenant_id, m.claim_id, m.boot_intent, m.wipe_required) == (None, None, None, False)
     r = await client.post(
         "/api/v1/agent/progress",
         json={"phase": "wipe", "error": "nvme1n1: format failed"},
-        headers=_agent(store, ids[1]),
+        headers={"Authorization": f"Bearer {boot_token(store, ids[1])}"},
     )
     assert (await r.json())["state"] == "wipe-failed"
     assert _machine(store, ids[1]).last_error == "nvme1n1: format failed"
 
-    # Retry (technician): wiping again, and rebooted into the wipe image.
+    # Retry (technician): wiping again, and taken and rebooted into the wipe image.
     bmc.calls.clear()
     r = await client.post(
         f"/api/v1/machines/{ids[1]}/retry", json={}, headers=tokens.header("technician")
     )
     assert r.status == 200 and (await r.json())["state"] == "wiping"
     await driver.drain()
-    assert (ids[1], "power", "cycle") in bmc.calls
+    assert (ids[1], "power", "on") in bmc.calls
     r = await client.post(
         f"/api/v1/machines/{ids[1]}/retry", json={}, headers=tokens.header("technician")
     )
     assert r.status == 409 and "only to a failed state" in (await r.json())["detail"]
     r = await client.post(
         "/api/v1/agent/progress",
-        json={"phase": "wipe", "done": True},
-        headers=_agent(store, ids[1]),
+        json={"phase": "wipe", "done": True, "disks": wipe_evidence()},
+        headers={"Authorization": f"Bearer {boot_token(store, ids[1])}"},
     )
     assert (await r.json())["state"] == "ready"
     r = await client.post(f"/api/v1/claims/{claim['id']}/release", headers=orch)

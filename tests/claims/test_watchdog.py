@@ -119,10 +119,13 @@ async def test_restart_resumes_where_it_was(db_url: str) -> None:
         _age(store, [stalled], 61)
         assert await dog.sweep_once() == [stalled]
         assert _get(store, stalled).state == State.PROVISIONING.value
+        # Taken first (hard off, confirmed), then a one-time PXE boot, armed, and on.
         assert bmc.calls == [
-            (stalled, "boot", "pxe"),
             (stalled, "power", "status"),
-            (stalled, "power", "cycle"),
+            (stalled, "power", "off"),
+            (stalled, "power", "status"),
+            (stalled, "boot", "pxe"),
+            (stalled, "power", "on"),
         ]
         await dog.start()
         await dog.stop()
@@ -169,7 +172,7 @@ async def test_restart_resumes_a_boot_cut_off_before_the_bmc_call(store: Store) 
     bmc = FakeBmc()
     dog = Watchdog(store, ProvisionConfig(claimed_resume_s=120), "restarted", services={"bmc": bmc})
     assert sorted(await dog.sweep_once()) == sorted([cut, booted, reporting])
-    assert sorted(c[0] for c in bmc.calls if c[1:] == ("power", "cycle")) == sorted(
+    assert sorted(c[0] for c in bmc.calls if c[1:] == ("power", "on")) == sorted(
         [cut, booted, reporting]
     )
     assert await dog.sweep_once() == []  # resumed once: each left its network-boot note

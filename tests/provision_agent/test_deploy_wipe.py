@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from metald.provision.metadata import nocloud
+from metald.provision.wipe import METHODS, evidence_problems, recorded_disks
 from tests.provision_agent.conftest import (
     AGENT,
     MIB,
@@ -261,7 +262,32 @@ async def test_wipe_zeroes_and_verifies_the_ends_of_every_disk(
     assert rc == 0, log
     assert "dry run: would poweroff" in log
     assert [p.get("percent") for p in api.progress[:2]] == [50, 100]
-    assert api.progress[-1] == {"phase": "wipe", "done": True}
+    done = api.progress[-1]
+    assert {k: v for k, v in done.items() if k != "disks"} == {"phase": "wipe", "done": True}
+    # The evidence names each disk, its size, the method and both verification reads, and
+    # metald accepts it for a machine whose inspection recorded these disks.
+    sizes = [8 * MIB, 3 * MIB + 512]
+    assert [(d["device"], d["size_bytes"]) for d in done["disks"]] == list(
+        zip(devs, sizes, strict=True)
+    )
+    assert done["disks"][1]["reads"] == [
+        {"offset": 0, "length": MIB, "zero": True},
+        {"offset": 2 * MIB + 512, "length": MIB, "zero": True},
+    ]
+    assert {d["method"] for d in done["disks"]} <= METHODS
+    # (Loop devices are never in an inventory: the same evidence under the names of a
+    # machine's disks.)
+    named = [{**d, "device": f"/dev/vd{c}"} for d, c in zip(done["disks"], "ab", strict=True)]
+    recorded = recorded_disks(
+        {
+            "payload": {
+                "disks": [
+                    {"name": f"vd{c}", "size_bytes": n} for c, n in zip("ab", sizes, strict=True)
+                ]
+            }
+        }
+    )
+    assert evidence_problems(named, recorded) == []
     loops.detach_all()
     for f in files:
         data = f.read_bytes()

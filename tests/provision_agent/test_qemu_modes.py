@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from metald.provision.metadata import nocloud
+from metald.provision.wipe import evidence_problems, recorded_disks
 from tests.provision_agent.conftest import MIB, ROOT, cloud_image, debugfs_cat
 from tests.qemu_netns import QEMU_IN_NETNS, bridge_netns, start, stop
 
@@ -118,7 +119,19 @@ def test_wipe_mode_erases_both_ends_of_every_disk(built_assets, netns, tmp_path)
     ]  # fmt: skip
     got, log = boot(netns, tmp_path, built_assets, "wipe", drives)
     assert "reboot: Power down" in log
-    assert got[-1] == {"phase": "wipe", "done": True}, got
+    done = got[-1]
+    assert {k: v for k, v in done.items() if k != "disks"} == {"phase": "wipe", "done": True}
+    # The per-disk evidence of this real wipe is what metald accepts for a machine whose
+    # inspection recorded these two disks; without it, or missing one, it is refused.
+    recorded = recorded_disks(
+        {"payload": {"disks": [{"name": "vda", "size_bytes": 64 * MIB},
+                               {"name": "vdb", "size_bytes": 16 * MIB}]}}
+    )  # fmt: skip
+    assert evidence_problems(done["disks"], recorded) == [], done
+    assert [d["method"] for d in done["disks"]] == ["discard+zero-ends", "zero-ends"]
+    assert evidence_problems(done["disks"][:1], recorded) == [
+        "/dev/vdb (16777216 bytes, recorded at inspection) was not wiped"
+    ]
     assert [r.get("percent") for r in got[:-1]] == [50, 100]
     assert "wiped /dev/vda (67108864 bytes): discarded, zeroed first and last MiB, verified" in log
     assert "wiped /dev/vdb (16777216 bytes): zeroed first and last MiB, verified" in log
