@@ -330,6 +330,8 @@ class FleetConfig(_Section):
         if self.dead_after_s < 2 * self.heartbeat_s:
             raise ValueError("dead_after_s must be at least twice heartbeat_s")
         return self
+
+
 def _inside(path: Path, folder: Path) -> bool:
     return path == folder or path.is_relative_to(folder)
 

@@ -33,7 +33,14 @@ log = logging.getLogger("metald")
 
 
 #: Files of the state folder that must be readable by metald's user only.
-STATE_FILES = ("metald.db", "metald.db-wal", "metald.db-shm", "secrets.key", "admin.token")
+STATE_FILES = (
+    "metald.db",
+    "metald.db-wal",
+    "metald.db-shm",
+    "metald.db.instance-lock",
+    "secrets.key",
+    "admin.token",
+)
 
 
 def secure_state_dir(state_dir: str | os.PathLike[str]) -> list[str]:

@@ -31,7 +31,8 @@ def hold_sqlite_lock(store_url: str) -> IO[bytes] | None:
         return None
     path = Path(u.database).resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
-    f = open(f"{path}.instance-lock", "ab")  # noqa: SIM115 - held until the process exits
+    fd = os.open(f"{path}.instance-lock", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    f = os.fdopen(fd, "ab")  # held until the process exits
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

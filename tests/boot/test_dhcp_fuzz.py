@@ -53,7 +53,6 @@ from metald.store import Store
 from .dhcp_helpers import HTTP_UEFI, IPXE_BIOS, PXE_BIOS, PXE_UEFI, client_packet
 from .test_dhcp_server import start
 
-ROOT = Path(__file__).resolve().parents[2]
 
 EXAMPLES = int(os.environ.get("METALD_FUZZ_EXAMPLES", "0")) or None
 
@@ -388,7 +387,6 @@ def test_coverage_guided_fuzzing_of_codec_cores_and_shell(tmp_path: Path) -> Non
         capture_output=True,
         text=True,
         timeout=FUZZ_SECONDS + 120,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     crashes = [p for p in tmp_path.iterdir() if p.name.startswith(("crash-", "timeout-", "oom-"))]
     detail = "".join(f"\n{p.name}: {p.read_bytes().hex()}" for p in crashes)
