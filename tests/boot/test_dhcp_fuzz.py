@@ -53,7 +53,6 @@ from metald.store import Store
 from .dhcp_helpers import HTTP_UEFI, IPXE_BIOS, PXE_BIOS, PXE_UEFI, client_packet
 from .test_dhcp_server import start
 
-
 EXAMPLES = int(os.environ.get("METALD_FUZZ_EXAMPLES", "0")) or None
 
 
