@@ -2,7 +2,13 @@
 
 Blocks are counted from 1 without limit and sent modulo 65536 (block-number rollover, which
 files over 32 MB at 512-byte blocks need). With a window (RFC 7440) up to ``windowsize`` blocks
-go out per ACK; an ACK for any block in the window moves it forward from there.
+are in flight; an ACK for block k slides the window and sends only the blocks not yet sent
+(k+1..k+windowsize), and blocks are sent again only on a timeout. So what one ACK makes us send
+is never more than what it acknowledged (no amplification by partial or replayed ACKs).
+
+A transfer is *unconfirmed* until its first valid ACK: until then nothing proves the request
+came from its source address (UDP is spoofable), so it gets a short retransmission budget and
+the server may evict it to make room (see ``admission``).
 """
 
 from __future__ import annotations
@@ -10,16 +16,26 @@ from __future__ import annotations
 from enum import StrEnum
 
 from metald.boot.tftp.packet import (
+    ErrorCode,
     MalformedTftp,
     Negotiated,
     Opcode,
     data_packet,
+    error_packet,
     oack_packet,
     parse_ack_or_error,
 )
+from metald.boot.tftp.source import BytesSource, Source
 
-#: Retransmissions of one window before the transfer is given up.
+#: Consecutive timeouts without progress before a confirmed transfer is given up.
 MAX_RETRIES = 5
+#: Retransmissions of the first packet (OACK or block 1) while no ACK has come: its life is
+#: (1 + this) x timeout, at most 15 s with ``MAX_TIMEOUT``.
+UNCONFIRMED_RETRIES = 2
+#: Total retransmission rounds over a whole transfer: this plus one per ``BUDGET_BLOCKS``
+#: blocks (12.5 % loss), so a client that ACKs just often enough cannot hold a slot forever.
+BASE_BUDGET = 16
+BUDGET_BLOCKS = 8
 
 
 class Result(StrEnum):
@@ -27,20 +43,26 @@ class Result(StrEnum):
     OK = "ok"
     TIMEOUT = "timeout"
     CLIENT_ERROR = "client-error"  # the client sent ERROR (e.g. it only wanted tsize)
+    FILE_CHANGED = "file-changed"  # the file shrank under a transfer read by pread
 
 
 class ReadTransfer:
-    def __init__(self, data: bytes, neg: Negotiated, *, name: str = "") -> None:
+    def __init__(self, source: Source | bytes, neg: Negotiated, *, name: str = "") -> None:
         self.name = name
-        self.data = data
+        self.source: Source = BytesSource(source) if isinstance(source, bytes) else source
+        self.size = self.source.size
         self.neg = neg
         self.blksize = neg.blksize
+        self.window = neg.windowsize
         #: The last block is shorter than blksize (empty when the size is a multiple).
-        self.nblocks = len(data) // self.blksize + 1
+        self.nblocks = self.size // self.blksize + 1
         self.acked = 0  # highest block the client acknowledged; 0 = OACK (or nothing) acked
         self.sent = 0  # highest block sent
         self.oack_pending = neg.oack is not None
+        #: A valid ACK came from the client's address and port: it really asked.
+        self.confirmed = False
         self.retries = 0
+        self.budget = BASE_BUDGET + self.nblocks // BUDGET_BLOCKS
         self.result = Result.RUNNING
         self.error_message = ""
 
@@ -48,20 +70,43 @@ class ReadTransfer:
     def done(self) -> bool:
         return self.result is not Result.RUNNING
 
+    @property
+    def interval(self) -> float:
+        """Seconds of silence before a retransmission (the negotiated timeout)."""
+        return self.neg.timeout
+
     def start(self) -> list[bytes]:
         if self.oack_pending:
             assert self.neg.oack is not None
             return [oack_packet(self.neg.oack)]
-        return self._window()
+        return self._send_upto(1)
 
-    def _block(self, n: int) -> bytes:
+    def _block(self, n: int) -> bytes | None:
         off = (n - 1) * self.blksize
-        return data_packet(n, self.data[off : off + self.blksize])
+        want = min(self.blksize, self.size - off)
+        payload = self.source.read(off, want)
+        if len(payload) != want:
+            return None
+        return data_packet(n, payload)
 
-    def _window(self) -> list[bytes]:
-        last = min(self.acked + self.neg.windowsize, self.nblocks)
+    def _send_range(self, first: int, last: int) -> list[bytes]:
+        out = []
+        for n in range(first, last + 1):
+            p = self._block(n)
+            if p is None:
+                self.result = Result.FILE_CHANGED
+                return [error_packet(ErrorCode.UNDEFINED, "file changed during transfer")]
+            out.append(p)
+        return out
+
+    def _send_upto(self, last: int) -> list[bytes]:
+        """Blocks sent+1..last (those never sent), and remember them as sent."""
+        last = min(last, self.nblocks)
+        first = self.sent + 1
+        if last < first:
+            return []
         self.sent = last
-        return [self._block(n) for n in range(self.acked + 1, last + 1)]
+        return self._send_range(first, last)
 
     def on_packet(self, data: bytes) -> list[bytes]:
         """A packet from the client's TID. Raises MalformedTftp for garbage."""
@@ -75,37 +120,55 @@ class ReadTransfer:
             if n != 0:
                 return []
             self.oack_pending = False
+            self.confirmed = True
             self.retries = 0
-            return self._window()
+            return self._send_upto(self.window)
         # Map the 16-bit block number onto the window in flight [acked, sent].
         base = self.acked
         k = base + ((n - base) & 0xFFFF)
-        if k > self.sent:
-            return []  # an old duplicate ACK from before a rollover; ignore
-        if k == base:
-            # Duplicate ACK of what we already know: do not resend (sorcerer's apprentice).
+        if k > self.sent or k == base:
+            # A block never sent (or from before a rollover), or a duplicate ACK: nothing to
+            # send (resending on duplicates is the sorcerer's apprentice; timeouts resend).
             return []
         self.acked = k
+        self.confirmed = True
         self.retries = 0
         if self.acked >= self.nblocks:
             self.result = Result.OK
             return []
-        if self.acked == self.sent:
-            return self._window()
-        # Partial window acknowledged: restart the window from there (RFC 7440).
-        return self._window()
+        return self._send_upto(self.acked + self.window)
 
     def on_timeout(self) -> list[bytes]:
+        """The negotiated timeout passed with no progress: resend what is unacknowledged."""
         if self.done:
             return []
         self.retries += 1
-        if self.retries > MAX_RETRIES:
+        self.budget -= 1
+        limit = MAX_RETRIES if self.confirmed else UNCONFIRMED_RETRIES
+        if self.retries > limit or self.budget < 0:
             self.result = Result.TIMEOUT
             return []
+        return self._resend()
+
+    def on_repeated_request(self) -> list[bytes]:
+        """The client sent its RRQ again (our first packet was lost): resend it, out of the
+        same retransmission budget as a timeout, so repeated RRQs cannot amplify."""
+        if self.done or self.confirmed:
+            return []
+        self.retries += 1
+        self.budget -= 1
+        if self.retries > UNCONFIRMED_RETRIES or self.budget < 0:
+            return []
+        return self._resend()
+
+    def _resend(self) -> list[bytes]:
         if self.oack_pending:
             assert self.neg.oack is not None
             return [oack_packet(self.neg.oack)]
-        return self._window()
+        return self._send_range(self.acked + 1, self.sent)
+
+    def close(self) -> None:
+        self.source.close()
 
 
 __all__ = ["MalformedTftp", "ReadTransfer", "Result"]
