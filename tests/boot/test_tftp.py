@@ -56,7 +56,7 @@ def test_oack_then_windows_and_partial_ack() -> None:
     assert t.start()[0][:2] == b"\x00\x06"
     assert blocks(t.on_packet(ack(0))) == [1, 2, 3, 4]
     assert t.on_packet(ack(0)) == []  # duplicate: no resend storm
-    assert blocks(t.on_packet(ack(2))) == [5, 6]  # partial ack: only blocks never sent
+    assert blocks(t.on_packet(ack(2))) == [3, 4, 5, 6]  # partial ack restarts the window
     assert blocks(t.on_timeout()) == [3, 4, 5, 6]  # a timeout resends the window
     assert blocks(t.on_packet(ack(6))) == [7, 8, 9, 10]
     assert blocks(t.on_packet(ack(10))) == [11]

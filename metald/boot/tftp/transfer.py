@@ -2,9 +2,12 @@
 
 Blocks are counted from 1 without limit and sent modulo 65536 (block-number rollover, which
 files over 32 MB at 512-byte blocks need). With a window (RFC 7440) up to ``windowsize`` blocks
-are in flight; an ACK for block k slides the window and sends only the blocks not yet sent
-(k+1..k+windowsize), and blocks are sent again only on a timeout. So what one ACK makes us send
-is never more than what it acknowledged (no amplification by partial or replayed ACKs).
+are in flight; an ACK for block k sends k+1..k+windowsize. Blocks among those already sent
+(a partial ACK: the client lost k+1) and every resend on a timeout are paid from one budget per
+transfer (four times the file plus a few windows): past it, an ACK sends only blocks never sent, so
+a client acknowledging one block at a time cannot make the server send the file windowsize
+times over. A window is restarted by a partial ACK at most once until an ACK passes its end,
+and a duplicate ACK sends nothing (sorcerer's apprentice).
 
 A transfer is *unconfirmed* until its first valid ACK: until then nothing proves the request
 came from its source address (UDP is spoofable), so it gets a short retransmission budget and
@@ -32,10 +35,11 @@ MAX_RETRIES = 5
 #: Retransmissions of the first packet (OACK or block 1) while no ACK has come: its life is
 #: (1 + this) x timeout, at most 15 s with ``MAX_TIMEOUT``.
 UNCONFIRMED_RETRIES = 2
-#: Total retransmission rounds over a whole transfer: this plus one per ``BUDGET_BLOCKS``
-#: blocks (12.5 % loss), so a client that ACKs just often enough cannot hold a slot forever.
-BASE_BUDGET = 16
-BUDGET_BLOCKS = 8
+#: Blocks resent over a whole transfer, at most: the file ``RESEND_FILES`` times more plus a
+#: few windows (10 % random loss at windowsize 16 needs about 2.5 times). It bounds what a
+#: client that makes a little progress before each give-up point can make the server send.
+RESEND_FILES = 4
+RESEND_WINDOWS = 4
 
 
 class Result(StrEnum):
@@ -58,11 +62,14 @@ class ReadTransfer:
         self.nblocks = self.size // self.blksize + 1
         self.acked = 0  # highest block the client acknowledged; 0 = OACK (or nothing) acked
         self.sent = 0  # highest block sent
+        self.recover = 0  # blocks up to here were resent since the last ACK beyond them
         self.oack_pending = neg.oack is not None
         #: A valid ACK came from the client's address and port: it really asked.
         self.confirmed = False
         self.retries = 0
-        self.budget = BASE_BUDGET + self.nblocks // BUDGET_BLOCKS
+        #: Blocks (or first packets) that may still be resent.
+        self.budget = RESEND_FILES * self.nblocks + RESEND_WINDOWS * self.window
+        self._data = self.source.data if isinstance(self.source, BytesSource) else None
         self.result = Result.RUNNING
         self.error_message = ""
 
@@ -83,6 +90,8 @@ class ReadTransfer:
 
     def _block(self, n: int) -> bytes | None:
         off = (n - 1) * self.blksize
+        if self._data is not None:  # the common case, without a call per block
+            return data_packet(n, self._data[off : off + self.blksize])
         want = min(self.blksize, self.size - off)
         payload = self.source.read(off, want)
         if len(payload) != want:
@@ -136,16 +145,26 @@ class ReadTransfer:
         if self.acked >= self.nblocks:
             self.result = Result.OK
             return []
-        return self._send_upto(self.acked + self.window)
+        out: list[bytes] = []
+        lost = self.sent - k
+        if lost > 0 and k >= self.recover and self.budget >= lost:
+            # A partial ACK: the client lost block k+1 and dropped what followed (RFC 7440);
+            # restart the window there. Once per window (blocks up to ``recover`` were just
+            # resent), and paid from the budget, so ACKs cannot amplify.
+            self.budget -= lost
+            self.recover = self.sent
+            out = self._send_range(k + 1, self.sent)
+            if self.done:
+                return out
+        return out + self._send_upto(k + self.window)
 
     def on_timeout(self) -> list[bytes]:
         """The negotiated timeout passed with no progress: resend what is unacknowledged."""
         if self.done:
             return []
         self.retries += 1
-        self.budget -= 1
         limit = MAX_RETRIES if self.confirmed else UNCONFIRMED_RETRIES
-        if self.retries > limit or self.budget < 0:
+        if self.retries > limit or self.budget < self._resend_cost():
             self.result = Result.TIMEOUT
             return []
         return self._resend()
@@ -156,12 +175,16 @@ class ReadTransfer:
         if self.done or self.confirmed:
             return []
         self.retries += 1
-        self.budget -= 1
-        if self.retries > UNCONFIRMED_RETRIES or self.budget < 0:
+        if self.retries > UNCONFIRMED_RETRIES or self.budget < self._resend_cost():
             return []
         return self._resend()
 
+    def _resend_cost(self) -> int:
+        return 1 if self.oack_pending else max(1, self.sent - self.acked)
+
     def _resend(self) -> list[bytes]:
+        self.budget -= self._resend_cost()
+        self.recover = self.sent
         if self.oack_pending:
             assert self.neg.oack is not None
             return [oack_packet(self.neg.oack)]
