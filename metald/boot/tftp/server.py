@@ -60,14 +60,14 @@ class _Transfer:
         machine: ReadTransfer,
         peer: tuple[str, int],
         request: Request,
-        on_end: Callable[[_Transfer, str], None],
+        on_event: Callable[[_Transfer, str], None],
     ) -> None:
         self.loop = loop
         self.sock = sock
         self.machine = machine
         self.peer = peer
         self.request = request
-        self.on_end = on_end
+        self.on_event = on_event
         self.confirmed = False
         self.closed = False
         self.last = loop.time()
@@ -80,7 +80,8 @@ class _Transfer:
 
     def _readable(self) -> None:
         sock, machine = self.sock, self.machine
-        while True:
+        # Bounded per wakeup: a flood at one transfer's port must not starve the others.
+        for _ in range(64):
             try:
                 data, addr = sock.recvfrom(2048)
             except (BlockingIOError, InterruptedError):
@@ -105,7 +106,7 @@ class _Transfer:
                 return
             if machine.confirmed and not self.confirmed:
                 self.confirmed = True
-                self.on_end(self, "confirmed")
+                self.on_event(self, "confirmed")
 
     def repeated_request(self) -> None:
         out = self.machine.on_repeated_request()
@@ -144,7 +145,7 @@ class _Transfer:
         if self.closed:
             return
         self.close()
-        self.on_end(self, result)
+        self.on_event(self, result)
 
     def close(self) -> None:
         if self.closed:
