@@ -9,8 +9,9 @@ Each test states what must hold for *any* input, not just that nothing crashes:
   timeouts, repeated requests): it never sends a block outside the window, what an ACK makes it
   send never exceeds what that ACK acknowledged, silence ends it within its budget, and every
   block carries the right bytes; an honest client behind a lossy link gets the exact file;
-- admission: caps are never exceeded, a confirmed transfer is never evicted, and a request is
-  refused only when every transfer in its scope is confirmed;
+- admission: caps are never exceeded, a confirmed transfer is evicted only when stale and no
+  unconfirmed one is in its scope, and a request is refused only when every transfer in its
+  scope is confirmed and fresh;
 - the server shell, fed random datagrams from random loopback sources: no exception, and the
   transfers and descriptors it holds stay within its caps.
 """
@@ -238,7 +239,10 @@ def test_honest_client_over_a_lossy_link_gets_the_file(
 @fuzz(300)
 @given(
     st.lists(
-        st.tuples(st.sampled_from(["admit", "admit", "confirm", "remove"]), st.integers(0, 50)),
+        st.tuples(
+            st.sampled_from(["admit", "admit", "confirm", "confirm", "remove", "tick"]),
+            st.integers(0, 50),
+        ),
         max_size=60,
     )
 )

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from metald.boot import metrics
+from metald.boot.tftp.admission import TransferTable
 from metald.boot.tftp.packet import MAX_TIMEOUT, MAX_WINDOW_BYTES, negotiate
 from metald.boot.tftp.server import TftpServer
 from metald.boot.tftp.transfer import ReadTransfer, Result
@@ -331,3 +332,30 @@ def test_window_bytes_are_capped() -> None:
     # EDK2's request is untouched.
     n = negotiate({"blksize": "1468", "windowsize": "4"}, 1 << 20)
     assert (n.blksize, n.windowsize) == (1468, 4)
+
+
+# --- admission: what the caps push out -------------------------------------------------------
+
+
+def test_caps_push_out_unconfirmed_first_then_stale_never_fresh_confirmed() -> None:
+    """The admission rules the server applies (pure): an unconfirmed transfer makes room
+    first; a confirmed one only once it has run ``stale_after`` seconds (a client keeping
+    transfers alive by ACKing slowly); fresh confirmed transfers are never pushed out."""
+    table: TransferTable[str] = TransferTable(max_total=3, max_per_client=2, stale_after=30)
+    assert table.admit("a1", "10.0.0.1", now=0).admitted
+    table.confirm("a1")
+    assert table.admit("a2", "10.0.0.1", now=1).admitted  # unconfirmed
+    # Per client: a2 (unconfirmed) goes, a1 (confirmed, fresh) stays.
+    adm = table.admit("a3", "10.0.0.1", now=2)
+    assert adm.admitted and adm.evicted == [("a2", "evicted-unconfirmed")]
+    table.confirm("a3")
+    adm = table.admit("a4", "10.0.0.1", now=3)
+    assert not adm.admitted and adm.reason == "refused-per-client"
+    # Globally: full of fresh confirmed transfers, a newcomer is refused ...
+    assert table.admit("b1", "10.0.0.2", now=4).admitted
+    table.confirm("b1")
+    assert table.admit("c1", "10.0.0.3", now=5).reason == "busy"
+    # ... until the oldest has run 30 s: then it makes room.
+    adm = table.admit("c1", "10.0.0.3", now=30)
+    assert adm.admitted and adm.evicted == [("a1", "evicted-stale")]
+    assert len(table) == 3 and table.count("10.0.0.1") == 1

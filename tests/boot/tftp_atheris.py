@@ -34,7 +34,7 @@ from tests.boot.tftp_invariants import (  # noqa: E402
 )
 
 EVENT_KINDS = ["ack", "ack-near", "ack-near", "timeout", "rrq", "error", "garbage"]
-OPS = ["admit", "admit", "confirm", "remove"]
+OPS = ["admit", "admit", "confirm", "confirm", "remove", "tick"]
 
 
 def one_input(data: bytes) -> None:

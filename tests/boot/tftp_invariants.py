@@ -126,32 +126,50 @@ def drive_transfer(size: int, options: dict[str, str], events: list[Event]) -> D
     return Drive(t, ack_resends, total_data, budget0)
 
 
-#: (op, argument): ("admit", address index), ("confirm", i), ("remove", i).
+#: (op, argument): ("admit", address index), ("confirm", i), ("remove", i), ("tick", seconds).
 AdmissionOp = tuple[str, int]
 
 
-def run_admission(ops: list[AdmissionOp], max_total: int = 6, max_per_client: int = 3) -> None:
-    """Drive a TransferTable beside a plain model and check: caps never exceeded, a confirmed
-    transfer never evicted, and a refusal only when every transfer in its scope is confirmed."""
-    table: TransferTable[int] = TransferTable(max_total, max_per_client)
+def run_admission(
+    ops: list[AdmissionOp], max_total: int = 6, max_per_client: int = 3, stale_after: int = 30
+) -> None:
+    """Drive a TransferTable beside a plain model and check: caps never exceeded; a confirmed
+    transfer evicted only when it is stale and no unconfirmed one is in its scope; a refusal
+    only when every transfer in its scope is confirmed and fresh."""
+    table: TransferTable[int] = TransferTable(max_total, max_per_client, stale_after)
     addr: dict[int, str] = {}
+    since: dict[int, int] = {}
     confirmed: set[int] = set()
     addrs = ["a", "b", "c", "d"]
+    now = 0
+
+    def fresh_and_confirmed(keys: list[int]) -> bool:
+        return all(k in confirmed and now - since[k] < stale_after for k in keys)
+
     for key, (op, i) in enumerate(ops):
-        if op == "admit":
+        if op == "tick":
+            now += i % 40
+        elif op == "admit":
             a = addrs[i % len(addrs)]
             mine = [k for k, x in addr.items() if x == a]
-            adm = table.admit(key, a)
-            for k in adm.evicted:
-                assert k not in confirmed, "a confirmed transfer was evicted"
+            everyone = list(addr)
+            adm = table.admit(key, a, now)
+            for k, why in adm.evicted:
+                if why == "evicted-unconfirmed":
+                    assert k not in confirmed, "a confirmed transfer was evicted as unconfirmed"
+                else:
+                    assert why == "evicted-stale" and now - since[k] >= stale_after
+                    scope = mine if addr[k] == a and len(mine) >= max_per_client else everyone
+                    assert all(x in confirmed for x in scope), "stale evicted before unconfirmed"
                 del addr[k]
             if adm.admitted:
                 addr[key] = a
+                since[key] = now
             elif adm.reason == "refused-per-client":
-                assert len(mine) == max_per_client and all(k in confirmed for k in mine)
+                assert len(mine) == max_per_client and fresh_and_confirmed(mine)
             else:
                 assert adm.reason == "busy" and len(addr) == max_total
-                assert all(k in confirmed for k in addr)
+                assert fresh_and_confirmed(list(addr))
         elif addr:
             k = sorted(addr)[i % len(addr)]
             if op == "confirm":

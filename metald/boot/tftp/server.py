@@ -313,7 +313,7 @@ class TftpServer:
             return
         assert self._loop is not None
         t = _Transfer(self._loop, s, machine, peer, req, self._transfer_event)
-        adm = self.table.admit(t, peer[0])
+        adm = self.table.admit(t, peer[0], self._loop.time())
         if not adm.admitted:
             t.close()
             metrics.inc(metrics.tftp_transfers, adm.reason)
@@ -326,8 +326,8 @@ class TftpServer:
                 )
             # Globally busy: no answer, so the client's own retransmission retries later.
             return
-        for victim in adm.evicted:
-            victim.end("evicted-unconfirmed")
+        for victim, why in adm.evicted:
+            victim.end(why)
         self._by_peer[peer] = t
         t.start()
 
