@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import filecmp
 import os
+import resource
 import struct
 import tracemalloc
 from collections.abc import Callable
@@ -21,7 +22,8 @@ import pytest
 from metald.boot import metrics
 from metald.boot.tftp.admission import TransferTable
 from metald.boot.tftp.packet import MAX_TIMEOUT, MAX_WINDOW_BYTES, negotiate
-from metald.boot.tftp.server import TftpServer
+from metald.boot.tftp.server import FD_RESERVE, TftpServer
+from metald.boot.tftp.source import FileCache
 from metald.boot.tftp.transfer import ReadTransfer, Result
 
 
@@ -359,3 +361,36 @@ def test_caps_push_out_unconfirmed_first_then_stale_never_fresh_confirmed() -> N
     adm = table.admit("c1", "10.0.0.3", now=30)
     assert adm.admitted and adm.evicted == [("a1", "evicted-stale")]
     assert len(table) == 3 and table.count("10.0.0.1") == 1
+
+
+async def test_transfer_cap_fits_under_the_descriptor_limit(assets: Path) -> None:
+    """Each transfer holds a socket: under a 1,024-descriptor limit the default cap (512)
+    would leave the API and database too few, so the server lowers it to half of what is
+    left after a reserve, and says so."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+    try:
+        server = TftpServer(assets, host="127.0.0.1", port=0)
+        await server.start()
+        try:
+            assert server.max_transfers == (1024 - FD_RESERVE) // 2 == server.table.max_total
+        finally:
+            await server.stop()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_file_shrinking_under_a_pread_transfer_ends_it_with_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "img"
+    path.write_bytes(b"x" * 10_000)
+    cache = FileCache(file_max=1000)
+    source = cache.open(path)
+    assert cache.open_fds == 1 and cache.cached_bytes == 0
+    t = ReadTransfer(source, negotiate({"blksize": "1000"}, source.size))
+    t.start()
+    assert len(t.on_packet(ack(0))[0]) == 1004
+    os.truncate(path, 1500)
+    out = t.on_packet(ack(1))
+    assert t.result is Result.FILE_CHANGED and out[0][:2] == b"\0\5"
+    t.close()
+    assert cache.open_fds == 0
