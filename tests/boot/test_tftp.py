@@ -81,11 +81,17 @@ def test_block_number_rollover() -> None:
 
 
 def test_timeouts_give_up_and_client_error_aborts() -> None:
-    # Unconfirmed (no ACK yet): the first packet is resent twice, then the slot is freed.
+    # Unconfirmed (no ACK yet): nothing is resent on a timer (a forged request gets one packet
+    # back); a repeated request gets the first packet again, twice at most; after 12 s of
+    # timeouts the slot is freed.
     t = ReadTransfer(b"abc", negotiate({}, 3))
-    t.start()
-    for _ in range(2):
-        assert t.on_timeout()
+    assert blocks(t.start()) == [1]
+    assert t.on_timeout() == [] and not t.done
+    assert blocks(t.on_repeated_request()) == [1]
+    assert blocks(t.on_repeated_request()) == [1]
+    assert t.on_repeated_request() == [] and not t.done
+    for _ in range(10):
+        assert t.on_timeout() == [] and not t.done
     assert t.on_timeout() == [] and t.result is Result.TIMEOUT
     # Confirmed: five silent timeouts in a row, counted again after each ACK of progress.
     t = ReadTransfer(b"a" * 2000, negotiate({}, 2000))

@@ -17,7 +17,7 @@ from metald.boot.tftp.packet import (
     MalformedTftp,
     negotiate,
 )
-from metald.boot.tftp.transfer import MAX_RETRIES, UNCONFIRMED_RETRIES, ReadTransfer, Result
+from metald.boot.tftp.transfer import MAX_RETRIES, ReadTransfer, Result
 
 #: (kind, argument): ("ack", block), ("ack-near", offset from the acked block),
 #: ("timeout", 0), ("rrq", 0), ("error", 0), ("garbage", bytes).
@@ -119,8 +119,11 @@ def drive_transfer(size: int, options: dict[str, str], events: list[Event]) -> D
             quiet = 0
         elif kind == "timeout":
             quiet += 1
-            limit = MAX_RETRIES if t.confirmed else UNCONFIRMED_RETRIES
-            assert quiet <= limit or t.done
+            if t.confirmed:
+                assert quiet <= MAX_RETRIES or t.done
+            else:
+                assert quiet < t.unconfirmed_timeouts or t.done
+                assert not out  # nothing is sent to an unverified address on a timer
     assert total_data <= t.nblocks + budget0
     assert ack_resends <= t.nblocks
     return Drive(t, ack_resends, total_data, budget0)

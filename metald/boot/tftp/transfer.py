@@ -10,12 +10,17 @@ times over. A window is restarted by a partial ACK at most once until an ACK pas
 and a duplicate ACK sends nothing (sorcerer's apprentice).
 
 A transfer is *unconfirmed* until its first valid ACK: until then nothing proves the request
-came from its source address (UDP is spoofable), so it gets a short retransmission budget and
-the server may evict it to make room (see ``admission``).
+came from its source address (UDP is spoofable). So the server sends to that address only in
+answer to a packet from it (the first packet per request, resent only when the request is
+repeated, at most ``UNCONFIRMED_RETRIES`` times), never on its own timer: a forged request
+gets one packet back, not a stream. It waits about ``UNCONFIRMED_LIFE`` seconds for the
+client's ACK (long enough for EDK2, which repeats a lost packet after 4 s) and may be evicted
+before that to make room (see ``admission``).
 """
 
 from __future__ import annotations
 
+import math
 from enum import StrEnum
 
 from metald.boot.tftp.packet import (
@@ -32,9 +37,11 @@ from metald.boot.tftp.source import BytesSource, Source
 
 #: Consecutive timeouts without progress before a confirmed transfer is given up.
 MAX_RETRIES = 5
-#: Retransmissions of the first packet (OACK or block 1) while no ACK has come: its life is
-#: (1 + this) x timeout, at most 15 s with ``MAX_TIMEOUT``.
+#: Resends of the first packet (OACK or block 1) on a repeated request while no ACK has come.
 UNCONFIRMED_RETRIES = 2
+#: Seconds an unconfirmed transfer waits for its first ACK: whole timeouts, at least three, so
+#: at most 15 s with ``MAX_TIMEOUT``.
+UNCONFIRMED_LIFE = 12.0
 #: Blocks resent over a whole transfer, at most: the file ``RESEND_FILES`` times more plus a
 #: few windows (10 % random loss at windowsize 16 needs about 2.5 times). It bounds what a
 #: client that makes a little progress before each give-up point can make the server send.
@@ -66,7 +73,10 @@ class ReadTransfer:
         self.oack_pending = neg.oack is not None
         #: A valid ACK came from the client's address and port: it really asked.
         self.confirmed = False
-        self.retries = 0
+        self.retries = 0  # timeouts since the last progress
+        self.repeats = 0  # repeated requests answered while unconfirmed
+        #: Timeouts an unconfirmed transfer waits for its first ACK.
+        self.unconfirmed_timeouts = max(3, math.ceil(UNCONFIRMED_LIFE / neg.timeout))
         #: Blocks (or first packets) that may still be resent.
         self.budget = RESEND_FILES * self.nblocks + RESEND_WINDOWS * self.window
         self._data = self.source.data if isinstance(self.source, BytesSource) else None
@@ -159,12 +169,16 @@ class ReadTransfer:
         return out + self._send_upto(k + self.window)
 
     def on_timeout(self) -> list[bytes]:
-        """The negotiated timeout passed with no progress: resend what is unacknowledged."""
+        """The negotiated timeout passed with no progress: resend what is unacknowledged
+        (nothing while unconfirmed: the client repeats its request if it is real)."""
         if self.done:
             return []
         self.retries += 1
-        limit = MAX_RETRIES if self.confirmed else UNCONFIRMED_RETRIES
-        if self.retries > limit or self.budget < self._resend_cost():
+        if not self.confirmed:
+            if self.retries >= self.unconfirmed_timeouts:
+                self.result = Result.TIMEOUT
+            return []
+        if self.retries > MAX_RETRIES or self.budget < self._resend_cost():
             self.result = Result.TIMEOUT
             return []
         return self._resend()
@@ -174,8 +188,8 @@ class ReadTransfer:
         same retransmission budget as a timeout, so repeated RRQs cannot amplify."""
         if self.done or self.confirmed:
             return []
-        self.retries += 1
-        if self.retries > UNCONFIRMED_RETRIES or self.budget < self._resend_cost():
+        self.repeats += 1
+        if self.repeats > UNCONFIRMED_RETRIES or self.budget < self._resend_cost():
             return []
         return self._resend()
 
