@@ -308,7 +308,7 @@ def test_partial_acks_do_not_resend_the_window() -> None:
     from the transfer's budget, and once it is spent an ACK sends only blocks never sent."""
     data = os.urandom(512 * 100 + 7)
     t = ReadTransfer(data, negotiate({"blksize": "512", "windowsize": "16"}, len(data)))
-    bound = 2 * t.nblocks + t.window
+    bound = 2 * t.nblocks + t.neg.windowsize
     t.start()
     sent = t.on_packet(ack(0))
     for n in range(1, t.nblocks + 1):
