@@ -125,6 +125,10 @@ class ReadTransfer:
         if last < first:
             return []
         self.sent = last
+        data = self._data
+        if data is not None:  # the hot path, one call per ACK: no per-block calls
+            bs = self.blksize
+            return [data_packet(n, data[(n - 1) * bs : n * bs]) for n in range(first, last + 1)]
         return self._send_range(first, last)
 
     def on_packet(self, data: bytes) -> list[bytes]:
@@ -155,7 +159,6 @@ class ReadTransfer:
         if self.acked >= self.nblocks:
             self.result = Result.OK
             return []
-        out: list[bytes] = []
         lost = self.sent - k
         if lost > 0 and k >= self.recover and self.budget >= lost:
             # A partial ACK: the client lost block k+1 and dropped what followed (RFC 7440);
@@ -166,7 +169,8 @@ class ReadTransfer:
             out = self._send_range(k + 1, self.sent)
             if self.done:
                 return out
-        return out + self._send_upto(k + self.window)
+            return out + self._send_upto(k + self.window)
+        return self._send_upto(k + self.window)
 
     def on_timeout(self) -> list[bytes]:
         """The negotiated timeout passed with no progress: resend what is unacknowledged
