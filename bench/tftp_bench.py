@@ -54,6 +54,8 @@ dhcp_mode = "off"
 interfaces = ["lo"]
 server_address = "127.0.0.1"
 tftp_port = 69
+# Every bench client is 127.0.0.1: lift the per-client cap (8 by default) for them.
+tftp_max_per_client = 1000
 assets_dir = "{assets}"
 router_advertisements = false
 """

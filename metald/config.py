@@ -142,6 +142,10 @@ class BootConfig(_Section):
     dhcp_port: int = Field(default=67, ge=1, le=65535)
     proxy_port: int = Field(default=4011, ge=1, le=65535)
     tftp_port: int = Field(default=69, ge=1, le=65535)
+    #: TFTP transfers held at once, in total and per client address (each holds a socket;
+    #: unacknowledged ones are pushed out first when a cap is reached).
+    tftp_max_transfers: int = Field(default=512, ge=1)
+    tftp_max_per_client: int = Field(default=8, ge=1)
     #: Folder with iPXE binaries and boot images, served by TFTP and HTTP (read-only) without a
     #: token. Required when enabled; must not be, contain or sit inside state_dir. Hidden
     #: (dot) files in it are not served.

@@ -79,7 +79,13 @@ class BootPlane:
             self.services.append(self.dhcp)
         if b.assets_dir and b.interfaces:
             self.services.append(
-                TftpServer(Path(b.assets_dir), interfaces=list(b.interfaces), port=b.tftp_port)
+                TftpServer(
+                    Path(b.assets_dir),
+                    interfaces=list(b.interfaces),
+                    port=b.tftp_port,
+                    max_transfers=b.tftp_max_transfers,
+                    max_per_client=b.tftp_max_per_client,
+                )
             )
         if b.router_advertisements and b.interfaces:
             self.services.append(RaResponder(list(b.interfaces), b.ra_prefix))

@@ -34,7 +34,10 @@ def test_negotiation_clamps_and_ignores() -> None:
     assert (n.blksize, n.windowsize) == (1432, 4)
     assert n.oack == {"blksize": "1432", "tsize": "12345", "windowsize": "4"}
     n = negotiate({"blksize": "99999", "timeout": "0", "windowsize": "1000"}, 1)
-    assert n.blksize == 65464 and n.windowsize == 64 and "timeout" not in n.oack
+    # blksize x windowsize is capped (64 KiB in flight): a 64 KB block means a window of 1.
+    assert n.blksize == 65464 and n.windowsize == 1 and "timeout" not in n.oack
+    n = negotiate({"blksize": "512", "windowsize": "1000"}, 1)
+    assert n.windowsize == 64 and n.oack == {"blksize": "512", "windowsize": "64"}
     assert negotiate({"blksize": "abc", "timeout": "300"}, 1).oack is None
 
 
@@ -54,7 +57,7 @@ def test_oack_then_windows_and_partial_ack() -> None:
     assert blocks(t.on_packet(ack(0))) == [1, 2, 3, 4]
     assert t.on_packet(ack(0)) == []  # duplicate: no resend storm
     assert blocks(t.on_packet(ack(2))) == [3, 4, 5, 6]  # partial ack restarts the window
-    assert blocks(t.on_timeout()) == [3, 4, 5, 6]
+    assert blocks(t.on_timeout()) == [3, 4, 5, 6]  # a timeout resends the window
     assert blocks(t.on_packet(ack(6))) == [7, 8, 9, 10]
     assert blocks(t.on_packet(ack(10))) == [11]
     t.on_packet(ack(11))
@@ -78,8 +81,22 @@ def test_block_number_rollover() -> None:
 
 
 def test_timeouts_give_up_and_client_error_aborts() -> None:
+    # Unconfirmed (no ACK yet): nothing is resent on a timer (a forged request gets one packet
+    # back); a repeated request gets the first packet again, twice at most; after 12 s of
+    # timeouts the slot is freed.
     t = ReadTransfer(b"abc", negotiate({}, 3))
+    assert blocks(t.start()) == [1]
+    assert t.on_timeout() == [] and not t.done
+    assert blocks(t.on_repeated_request()) == [1]
+    assert blocks(t.on_repeated_request()) == [1]
+    assert t.on_repeated_request() == [] and not t.done
+    for _ in range(10):
+        assert t.on_timeout() == [] and not t.done
+    assert t.on_timeout() == [] and t.result is Result.TIMEOUT
+    # Confirmed: five silent timeouts in a row, counted again after each ACK of progress.
+    t = ReadTransfer(b"a" * 2000, negotiate({}, 2000))
     t.start()
+    t.on_packet(ack(1))
     for _ in range(5):
         assert t.on_timeout()
     assert t.on_timeout() == [] and t.result is Result.TIMEOUT
@@ -267,7 +284,17 @@ async def test_garbage_is_dropped_and_counted_and_server_keeps_serving(
     assert rc == 0 and filecmp.cmp(tmp_path / "x", assets / "ipxe.efi", shallow=False)
 
 
-async def test_many_concurrent_fetches(server: TftpServer, assets: Path, tmp_path: Path) -> None:
+async def test_many_concurrent_fetches(assets: Path, tmp_path: Path) -> None:
+    # Every client here is 127.0.0.1: lift the per-client cap (8 by default) for them.
+    server = TftpServer(assets, host="127.0.0.1", port=0, max_per_client=40)
+    await server.start()
+    try:
+        await _many_concurrent_fetches(server, assets, tmp_path)
+    finally:
+        await server.stop()
+
+
+async def _many_concurrent_fetches(server: TftpServer, assets: Path, tmp_path: Path) -> None:
     port = str(server.bound_port)
     ok0 = _count(metrics.tftp_transfers, "ok")
     results = await asyncio.gather(

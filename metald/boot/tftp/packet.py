@@ -38,6 +38,11 @@ class MalformedTftp(ValueError):
 MAX_REQUEST = 1024
 MIN_BLKSIZE, MAX_BLKSIZE = 8, 65464
 MAX_WINDOW = 64
+#: Bytes in flight per window (blksize x windowsize): bounds what one ACK can make us send.
+MAX_WINDOW_BYTES = 64 << 10
+#: RFC 2349 timeouts above this are ignored (not echoed): a client cannot make a transfer
+#: that it never acknowledges live for minutes (255 s x retries).
+MAX_TIMEOUT = 5
 
 
 @dataclass(frozen=True)
@@ -108,7 +113,12 @@ def negotiate(
     default_timeout: float = 1.0,
     max_blksize: int = MAX_BLKSIZE,
 ) -> Negotiated:
-    """Accept what we support, clamp to our limits, ignore the rest (RFC 2347)."""
+    """Accept what we support, clamp to our limits, ignore the rest (RFC 2347).
+
+    blksize and windowsize may be lowered in the OACK (RFC 2348, 7440); timeout may not
+    (RFC 2349: the OACK must echo the client's value), so one over ``MAX_TIMEOUT`` is ignored.
+    The window is shrunk so that blksize x windowsize stays within ``MAX_WINDOW_BYTES``.
+    """
     acc: dict[str, str] = {}
     blksize, timeout, window = 512, default_timeout, 1
     v = options.get("blksize")
@@ -119,12 +129,12 @@ def negotiate(
     if v is not None and v.isdigit():
         acc["tsize"] = str(size)
     v = options.get("timeout")
-    if v is not None and v.isdigit() and 1 <= int(v) <= 255:
+    if v is not None and v.isdigit() and 1 <= int(v) <= MAX_TIMEOUT:
         timeout = float(v)
         acc["timeout"] = v
     v = options.get("windowsize")
     if v is not None and v.isdigit() and int(v) >= 1:
-        window = min(int(v), MAX_WINDOW)
+        window = max(1, min(int(v), MAX_WINDOW, MAX_WINDOW_BYTES // blksize))
         acc["windowsize"] = str(window)
     return Negotiated(blksize, timeout, window, acc or None)
 

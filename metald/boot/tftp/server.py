@@ -2,8 +2,11 @@
 
 Why not tftpy: its server runs one thread with select() over all transfers and logs per packet;
 LAB-NOTES measured it at 2.66 s for 200 concurrent ipxe.efi fetches against dnsmasq's 1.30 s.
-Here a transfer is the pure ``ReadTransfer`` machine plus a socket and a timer, and file
-contents are cached, so 200 clients read one copy of ipxe.efi.
+Here a transfer is the pure ``ReadTransfer`` machine plus a socket and a timer; contents come
+from ``FileCache`` (one shared copy of a small file, pread for big ones); which transfers are
+held is decided by the pure ``TransferTable`` (per-client and global caps, unconfirmed
+transfers evicted first), so spoofed requests cannot lock real clients out or run the process
+out of descriptors.
 """
 
 from __future__ import annotations
@@ -12,53 +15,33 @@ import asyncio
 import contextlib
 import logging
 import os
+import resource
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 from metald.boot import metrics
 from metald.boot.netutil import SO_BINDTODEVICE, udp_socket
 from metald.boot.paths import PathRefused, safe_path
+from metald.boot.tftp.admission import TransferTable
 from metald.boot.tftp.packet import (
     ErrorCode,
     MalformedTftp,
     Opcode,
+    Request,
     error_packet,
     negotiate,
     parse_request,
-    to_netascii,
 )
-from metald.boot.tftp.transfer import ReadTransfer, Result
+from metald.boot.tftp.source import FileCache, SourceRefused
+from metald.boot.tftp.transfer import ReadTransfer
 
 log = logging.getLogger(__name__)
 
 IP_PKTINFO = getattr(socket, "IP_PKTINFO", 8)
-#: Files at most this big are kept in memory between transfers.
-CACHE_FILE_MAX = 64 << 20
-CACHE_TOTAL_MAX = 256 << 20
-
-
-class FileCache:
-    """Whole-file contents keyed by path, revalidated by (mtime, size) on every open."""
-
-    def __init__(self) -> None:
-        self._files: dict[Path, tuple[int, int, bytes]] = {}
-        self._total = 0
-
-    def read(self, path: Path) -> bytes:
-        st = path.stat()
-        hit = self._files.get(path)
-        if hit is not None and hit[0] == st.st_mtime_ns and hit[1] == st.st_size:
-            return hit[2]
-        data = path.read_bytes()
-        if len(data) <= CACHE_FILE_MAX:
-            if hit is not None:
-                self._total -= len(hit[2])
-            while self._files and self._total + len(data) > CACHE_TOTAL_MAX:
-                _, (_, _, old) = self._files.popitem()
-                self._total -= len(old)
-            self._files[path] = (st.st_mtime_ns, st.st_size, data)
-            self._total += len(data)
-        return data
+#: Descriptors left for everything else in the process (API, database, DHCP) when the
+#: transfer cap is fitted under RLIMIT_NOFILE: each transfer holds one socket.
+FD_RESERVE = 256
 
 
 class _Transfer:
@@ -76,21 +59,29 @@ class _Transfer:
         sock: socket.socket,
         machine: ReadTransfer,
         peer: tuple[str, int],
+        request: Request,
+        on_event: Callable[[_Transfer, str], None],
     ) -> None:
         self.loop = loop
         self.sock = sock
         self.machine = machine
         self.peer = peer
-        self.timeout = machine.neg.timeout
-        self.finished: asyncio.Future[Result] = loop.create_future()
+        self.request = request
+        self.on_event = on_event
+        self.confirmed = False
+        self.closed = False
         self.last = loop.time()
-        loop.add_reader(sock.fileno(), self._readable)
-        self._send(machine.start())
-        self.timer = loop.call_later(self.timeout, self._check)
+        self.timer: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        self.loop.add_reader(self.sock.fileno(), self._readable)
+        self._send(self.machine.start())
+        self.timer = self.loop.call_later(self.machine.interval, self._check)
 
     def _readable(self) -> None:
         sock, machine = self.sock, self.machine
-        while True:
+        # Bounded per wakeup: a flood at one transfer's port must not starve the others.
+        for _ in range(64):
             try:
                 data, addr = sock.recvfrom(2048)
             except (BlockingIOError, InterruptedError):
@@ -111,21 +102,31 @@ class _Transfer:
                 self.last = self.loop.time()
                 self._send(out)
             if machine.done:
-                self._finish()
+                self.end(machine.result.value)
                 return
+            if machine.confirmed and not self.confirmed:
+                self.confirmed = True
+                self.on_event(self, "confirmed")
+
+    def repeated_request(self) -> None:
+        out = self.machine.on_repeated_request()
+        if out:
+            self.last = self.loop.time()
+            self._send(out)
 
     def _check(self) -> None:
-        if self.finished.done():
+        if self.closed:
             return
+        interval = self.machine.interval
         idle = self.loop.time() - self.last
-        if idle >= self.timeout:
+        if idle >= interval:
             self._send(self.machine.on_timeout())
             self.last = self.loop.time()
             if self.machine.done:
-                self._finish()
+                self.end(self.machine.result.value)
                 return
             idle = 0.0
-        self.timer = self.loop.call_later(self.timeout - idle, self._check)
+        self.timer = self.loop.call_later(interval - idle, self._check)
 
     def _send(self, packets: list[bytes]) -> None:
         for p in packets:
@@ -139,16 +140,22 @@ class _Transfer:
         except OSError:
             pass
 
-    def _finish(self) -> None:
-        if not self.finished.done():
-            self.finished.set_result(self.machine.result)
+    def end(self, result: str) -> None:
+        """Close and report once: "ok", "timeout", "evicted-unconfirmed", ..."""
+        if self.closed:
+            return
         self.close()
+        self.on_event(self, result)
 
     def close(self) -> None:
-        self.timer.cancel()
-        if self.sock.fileno() >= 0:
+        if self.closed:
+            return
+        self.closed = True
+        if self.timer is not None:
+            self.timer.cancel()
             self.loop.remove_reader(self.sock.fileno())
-            self.sock.close()
+        self.sock.close()
+        self.machine.close()
 
 
 class TftpServer:
@@ -161,26 +168,36 @@ class TftpServer:
         interfaces: list[str] | None = None,
         host: str = "0.0.0.0",
         port: int = 69,
-        max_transfers: int = 2048,
+        max_transfers: int = 512,
+        max_per_client: int = 8,
         timeout: float = 1.0,
+        cache: FileCache | None = None,
     ) -> None:
         self.root = Path(root).resolve()
         self.interfaces = interfaces or []
         self.host = host
         self.port = port
         self.max_transfers = max_transfers
+        self.max_per_client = max_per_client
         self.timeout = timeout
-        self.cache = FileCache()
+        self.cache = cache or FileCache()
+        self.table: TransferTable[_Transfer] = TransferTable(max_transfers, max_per_client)
+        #: The latest transfer per client (address, port), to recognise a repeated RRQ.
+        self._by_peer: dict[tuple[str, int], _Transfer] = {}
         self._socks: list[tuple[socket.socket, str]] = []
-        self._transfers: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def bound_port(self) -> int:
         return self._socks[0][0].getsockname()[1] if self._socks else self.port
 
+    @property
+    def transfers(self) -> int:
+        return len(self.table)
+
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._fit_fd_limit()
         try:
             for iface in self.interfaces or [""]:
                 s = udp_socket(self.host, self.port, interface=iface)
@@ -192,16 +209,32 @@ class TftpServer:
             raise
         log.info("TFTP on %s port %d, root %s", self.interfaces or self.host, self.port, self.root)
 
+    def _fit_fd_limit(self) -> None:
+        """Each transfer holds a socket: keep the cap under the descriptor limit, so a flood
+        of requests cannot take descriptors from the API and the database."""
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft == resource.RLIM_INFINITY:
+            return
+        fit = max(1, (soft - FD_RESERVE) // 2)
+        if self.max_transfers > fit:
+            log.warning(
+                "TFTP: at most %d concurrent transfers (not %d): RLIMIT_NOFILE is %d; "
+                "raise LimitNOFILE to allow more",
+                fit,
+                self.max_transfers,
+                soft,
+            )
+            self.max_transfers = fit
+            self.table.max_total = fit
+
     async def stop(self) -> None:
         for s, _ in self._socks:
             if self._loop is not None:
                 self._loop.remove_reader(s.fileno())
             s.close()
         self._socks.clear()
-        for t in list(self._transfers):
-            t.cancel()
-        if self._transfers:
-            await asyncio.gather(*self._transfers, return_exceptions=True)
+        for t in list(self.table):
+            t.end("stopped")
 
     def _readable(self, sock: socket.socket, iface: str) -> None:
         for _ in range(256):
@@ -233,13 +266,15 @@ class TftpServer:
             metrics.inc(metrics.tftp_transfers, "refused-write")
             self._reply_error(sock, peer, ErrorCode.ACCESS_VIOLATION, "read-only server")
             return
-        if len(self._transfers) >= self.max_transfers:
-            metrics.inc(metrics.tftp_transfers, "busy")
-            self._reply_error(sock, peer, ErrorCode.UNDEFINED, "server busy, retry")
+        prev = self._by_peer.get(peer)
+        if prev is not None and not prev.confirmed and prev.request == req:
+            # The client repeats its request: our first packet was lost (or it is a replay).
+            metrics.inc(metrics.tftp_dropped, "repeated-request")
+            prev.repeated_request()
             return
         try:
             path = safe_path(self.root, req.filename)
-            content = self.cache.read(path)
+            source = self.cache.open(path, req.mode)
         except PathRefused as e:
             metrics.inc(metrics.tftp_transfers, f"refused-{e.reason}")
             code = ErrorCode.NOT_FOUND if e.reason == "not-found" else ErrorCode.ACCESS_VIOLATION
@@ -250,25 +285,22 @@ class TftpServer:
                 "file not found" if e.reason == "not-found" else "access violation",
             )
             return
+        except SourceRefused as e:
+            metrics.inc(metrics.tftp_transfers, f"refused-{e.reason}")
+            self._reply_error(sock, peer, ErrorCode.ILLEGAL_OPERATION, e.message)
+            return
         except OSError:
             metrics.inc(metrics.tftp_transfers, "refused-unreadable")
             self._reply_error(sock, peer, ErrorCode.ACCESS_VIOLATION, "unreadable")
             return
-        if req.mode == "netascii":
-            content = to_netascii(content)
-        neg = negotiate(req.options, len(content), default_timeout=self.timeout)
-        assert self._loop is not None
-        task = self._loop.create_task(
-            self._serve(ReadTransfer(content, neg, name=req.filename), peer, local, iface)
-        )
-        self._transfers.add(task)
-        task.add_done_callback(self._transfers.discard)
-
-    async def _serve(
-        self, machine: ReadTransfer, peer: tuple[str, int], local: str, iface: str
-    ) -> None:
-        assert self._loop is not None
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        neg = negotiate(req.options, source.size, default_timeout=self.timeout)
+        machine = ReadTransfer(source, neg, name=req.filename)
+        try:
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        except OSError:
+            machine.close()
+            metrics.inc(metrics.tftp_transfers, "socket-error")
+            return
         try:
             if iface:
                 s.setsockopt(socket.SOL_SOCKET, SO_BINDTODEVICE, iface.encode())
@@ -276,15 +308,45 @@ class TftpServer:
             s.bind((local, 0))
         except OSError:
             s.close()
+            machine.close()
             metrics.inc(metrics.tftp_transfers, "socket-error")
             return
-        t = _Transfer(self._loop, s, machine, peer)
-        try:
-            result = await t.finished
-        finally:
+        assert self._loop is not None
+        t = _Transfer(self._loop, s, machine, peer, req, self._transfer_event)
+        adm = self.table.admit(t, peer[0], self._loop.time())
+        if not adm.admitted:
             t.close()
-        metrics.inc(metrics.tftp_transfers, result.value)
-        log.info("TFTP %s to %s: %s", machine.name, peer[0], result.value)
+            metrics.inc(metrics.tftp_transfers, adm.reason)
+            if adm.reason == "refused-per-client":
+                self._reply_error(
+                    sock,
+                    peer,
+                    ErrorCode.UNDEFINED,
+                    f"too many transfers from {peer[0]} (at most {self.max_per_client})",
+                )
+            # Globally busy: no answer, so the client's own retransmission retries later.
+            return
+        for victim, why in adm.evicted:
+            victim.end(why)
+        self._by_peer[peer] = t
+        t.start()
+
+    def _transfer_event(self, t: _Transfer, event: str) -> None:
+        if event == "confirmed":
+            self.table.confirm(t)
+            return
+        self.table.remove(t)
+        if self._by_peer.get(t.peer) is t:
+            del self._by_peer[t.peer]
+        metrics.inc(metrics.tftp_transfers, event)
+        # Unconfirmed transfers may be spoofed: logging each would let a flood fill the log.
+        log.log(
+            logging.INFO if t.confirmed else logging.DEBUG,
+            "TFTP %s to %s: %s",
+            t.machine.name,
+            t.peer[0],
+            event,
+        )
 
     def _reply_error(
         self, sock: socket.socket, peer: tuple[str, int], code: ErrorCode, msg: str

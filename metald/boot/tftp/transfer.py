@@ -2,24 +2,51 @@
 
 Blocks are counted from 1 without limit and sent modulo 65536 (block-number rollover, which
 files over 32 MB at 512-byte blocks need). With a window (RFC 7440) up to ``windowsize`` blocks
-go out per ACK; an ACK for any block in the window moves it forward from there.
+are in flight; an ACK for block k sends k+1..k+windowsize. Blocks among those already sent
+(a partial ACK: the client lost k+1) and every resend on a timeout are paid from one budget per
+transfer (four times the file plus a few windows): past it, an ACK sends only blocks never sent, so
+a client acknowledging one block at a time cannot make the server send the file windowsize
+times over. A window is restarted by a partial ACK at most once until an ACK passes its end,
+and a duplicate ACK sends nothing (sorcerer's apprentice).
+
+A transfer is *unconfirmed* until its first valid ACK: until then nothing proves the request
+came from its source address (UDP is spoofable). So the server sends to that address only in
+answer to a packet from it (the first packet per request, resent only when the request is
+repeated, at most ``UNCONFIRMED_RETRIES`` times), never on its own timer: a forged request
+gets one packet back, not a stream. It waits about ``UNCONFIRMED_LIFE`` seconds for the
+client's ACK (long enough for EDK2, which repeats a lost packet after 4 s) and may be evicted
+before that to make room (see ``admission``).
 """
 
 from __future__ import annotations
 
+import math
 from enum import StrEnum
 
 from metald.boot.tftp.packet import (
+    ErrorCode,
     MalformedTftp,
     Negotiated,
     Opcode,
     data_packet,
+    error_packet,
     oack_packet,
     parse_ack_or_error,
 )
+from metald.boot.tftp.source import BytesSource, Source
 
-#: Retransmissions of one window before the transfer is given up.
+#: Consecutive timeouts without progress before a confirmed transfer is given up.
 MAX_RETRIES = 5
+#: Resends of the first packet (OACK or block 1) on a repeated request while no ACK has come.
+UNCONFIRMED_RETRIES = 2
+#: Seconds an unconfirmed transfer waits for its first ACK: whole timeouts, at least three, so
+#: at most 15 s with ``MAX_TIMEOUT``.
+UNCONFIRMED_LIFE = 12.0
+#: Blocks resent over a whole transfer, at most: the file ``RESEND_FILES`` times more plus a
+#: few windows (10 % random loss at windowsize 16 needs about 2.5 times). It bounds what a
+#: client that makes a little progress before each give-up point can make the server send.
+RESEND_FILES = 4
+RESEND_WINDOWS = 4
 
 
 class Result(StrEnum):
@@ -27,20 +54,32 @@ class Result(StrEnum):
     OK = "ok"
     TIMEOUT = "timeout"
     CLIENT_ERROR = "client-error"  # the client sent ERROR (e.g. it only wanted tsize)
+    FILE_CHANGED = "file-changed"  # the file shrank under a transfer read by pread
 
 
 class ReadTransfer:
-    def __init__(self, data: bytes, neg: Negotiated, *, name: str = "") -> None:
+    def __init__(self, source: Source | bytes, neg: Negotiated, *, name: str = "") -> None:
         self.name = name
-        self.data = data
+        self.source: Source = BytesSource(source) if isinstance(source, bytes) else source
+        self.size = self.source.size
         self.neg = neg
         self.blksize = neg.blksize
+        self.window = neg.windowsize
         #: The last block is shorter than blksize (empty when the size is a multiple).
-        self.nblocks = len(data) // self.blksize + 1
+        self.nblocks = self.size // self.blksize + 1
         self.acked = 0  # highest block the client acknowledged; 0 = OACK (or nothing) acked
         self.sent = 0  # highest block sent
+        self.recover = 0  # blocks up to here were resent since the last ACK beyond them
         self.oack_pending = neg.oack is not None
-        self.retries = 0
+        #: A valid ACK came from the client's address and port: it really asked.
+        self.confirmed = False
+        self.retries = 0  # timeouts since the last progress
+        self.repeats = 0  # repeated requests answered while unconfirmed
+        #: Timeouts an unconfirmed transfer waits for its first ACK.
+        self.unconfirmed_timeouts = max(3, math.ceil(UNCONFIRMED_LIFE / neg.timeout))
+        #: Blocks (or first packets) that may still be resent.
+        self.budget = RESEND_FILES * self.nblocks + RESEND_WINDOWS * self.window
+        self._data = self.source.data if isinstance(self.source, BytesSource) else None
         self.result = Result.RUNNING
         self.error_message = ""
 
@@ -48,20 +87,49 @@ class ReadTransfer:
     def done(self) -> bool:
         return self.result is not Result.RUNNING
 
+    @property
+    def interval(self) -> float:
+        """Seconds of silence before a retransmission (the negotiated timeout)."""
+        return self.neg.timeout
+
     def start(self) -> list[bytes]:
         if self.oack_pending:
             assert self.neg.oack is not None
             return [oack_packet(self.neg.oack)]
-        return self._window()
+        return self._send_upto(1)
 
-    def _block(self, n: int) -> bytes:
+    def _block(self, n: int) -> bytes | None:
         off = (n - 1) * self.blksize
-        return data_packet(n, self.data[off : off + self.blksize])
+        if self._data is not None:  # the common case, without a call per block
+            return data_packet(n, self._data[off : off + self.blksize])
+        want = min(self.blksize, self.size - off)
+        payload = self.source.read(off, want)
+        if len(payload) != want:
+            return None
+        return data_packet(n, payload)
 
-    def _window(self) -> list[bytes]:
-        last = min(self.acked + self.neg.windowsize, self.nblocks)
+    def _send_range(self, first: int, last: int) -> list[bytes]:
+        out = []
+        for n in range(first, last + 1):
+            p = self._block(n)
+            if p is None:
+                self.result = Result.FILE_CHANGED
+                return [error_packet(ErrorCode.UNDEFINED, "file changed during transfer")]
+            out.append(p)
+        return out
+
+    def _send_upto(self, last: int) -> list[bytes]:
+        """Blocks sent+1..last (those never sent), and remember them as sent."""
+        last = min(last, self.nblocks)
+        first = self.sent + 1
+        if last < first:
+            return []
         self.sent = last
-        return [self._block(n) for n in range(self.acked + 1, last + 1)]
+        data = self._data
+        if data is not None:  # the hot path, one call per ACK: no per-block calls
+            bs = self.blksize
+            return [data_packet(n, data[(n - 1) * bs : n * bs]) for n in range(first, last + 1)]
+        return self._send_range(first, last)
 
     def on_packet(self, data: bytes) -> list[bytes]:
         """A packet from the client's TID. Raises MalformedTftp for garbage."""
@@ -75,37 +143,73 @@ class ReadTransfer:
             if n != 0:
                 return []
             self.oack_pending = False
+            self.confirmed = True
             self.retries = 0
-            return self._window()
+            return self._send_upto(self.window)
         # Map the 16-bit block number onto the window in flight [acked, sent].
         base = self.acked
         k = base + ((n - base) & 0xFFFF)
-        if k > self.sent:
-            return []  # an old duplicate ACK from before a rollover; ignore
-        if k == base:
-            # Duplicate ACK of what we already know: do not resend (sorcerer's apprentice).
+        if k > self.sent or k == base:
+            # A block never sent (or from before a rollover), or a duplicate ACK: nothing to
+            # send (resending on duplicates is the sorcerer's apprentice; timeouts resend).
             return []
         self.acked = k
+        self.confirmed = True
         self.retries = 0
         if self.acked >= self.nblocks:
             self.result = Result.OK
             return []
-        if self.acked == self.sent:
-            return self._window()
-        # Partial window acknowledged: restart the window from there (RFC 7440).
-        return self._window()
+        lost = self.sent - k
+        if lost > 0 and k >= self.recover and self.budget >= lost:
+            # A partial ACK: the client lost block k+1 and dropped what followed (RFC 7440);
+            # restart the window there. Once per window (blocks up to ``recover`` were just
+            # resent), and paid from the budget, so ACKs cannot amplify.
+            self.budget -= lost
+            self.recover = self.sent
+            out = self._send_range(k + 1, self.sent)
+            if self.done:
+                return out
+            return out + self._send_upto(k + self.window)
+        return self._send_upto(k + self.window)
 
     def on_timeout(self) -> list[bytes]:
+        """The negotiated timeout passed with no progress: resend what is unacknowledged
+        (nothing while unconfirmed: the client repeats its request if it is real)."""
         if self.done:
             return []
         self.retries += 1
-        if self.retries > MAX_RETRIES:
+        if not self.confirmed:
+            if self.retries >= self.unconfirmed_timeouts:
+                self.result = Result.TIMEOUT
+            return []
+        if self.retries > MAX_RETRIES or self.budget < self._resend_cost():
             self.result = Result.TIMEOUT
             return []
+        return self._resend()
+
+    def on_repeated_request(self) -> list[bytes]:
+        """The client sent its RRQ again (our first packet was lost): resend it, out of the
+        same retransmission budget as a timeout, so repeated RRQs cannot amplify."""
+        if self.done or self.confirmed:
+            return []
+        self.repeats += 1
+        if self.repeats > UNCONFIRMED_RETRIES or self.budget < self._resend_cost():
+            return []
+        return self._resend()
+
+    def _resend_cost(self) -> int:
+        return 1 if self.oack_pending else max(1, self.sent - self.acked)
+
+    def _resend(self) -> list[bytes]:
+        self.budget -= self._resend_cost()
+        self.recover = self.sent
         if self.oack_pending:
             assert self.neg.oack is not None
             return [oack_packet(self.neg.oack)]
-        return self._window()
+        return self._send_range(self.acked + 1, self.sent)
+
+    def close(self) -> None:
+        self.source.close()
 
 
 __all__ = ["MalformedTftp", "ReadTransfer", "Result"]
