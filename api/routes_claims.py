@@ -17,7 +17,7 @@ from sqlmodel import Session, col, select
 
 from api.routes_machines import load_visible, machine_out
 from api.routing import ApiRequest, Router
-from api.schemas import In, LabelKey, LabelValue, MachineOut, Name, Query
+from api.schemas import In, LabelKey, LabelValue, MachineOut, Name, PageQuery, Query
 from metald import claims as svc
 from metald.auth import Principal, Role
 from metald.errors import Conflict, NotFound
@@ -148,6 +148,9 @@ class ImageOut(BaseModel):
 
 class ImageList(BaseModel):
     items: list[ImageOut]
+    total: int
+    limit: int
+    offset: int
 
 
 class RetryIn(In):
@@ -449,17 +452,27 @@ async def create_image(req: ApiRequest) -> ImageOut:
 
 
 @router.route(
-    "GET", "/api/v1/images", summary="List images", roles=READERS, response=ImageList, tag="images"
+    "GET",
+    "/api/v1/images",
+    summary="List images",
+    roles=READERS,
+    query=PageQuery,
+    response=ImageList,
+    tag="images",
 )
 async def list_images(req: ApiRequest) -> ImageList:
-    """Every image in the catalog, by name."""
+    """The images in the catalog, by name, paginated."""
+    q: PageQuery = req.query
+    limit = req.page_limit(q)
 
     def run(s: Session) -> ImageList:
+        total = s.exec(select(func.count()).select_from(Image)).one()
+        stmt = select(Image).order_by(col(Image.name), col(Image.id)).offset(q.offset).limit(limit)
         return ImageList(
-            items=[_image_out(i) for i in s.exec(select(Image).order_by(col(Image.name)))]
+            items=[_image_out(i) for i in s.exec(stmt)], total=total, limit=limit, offset=q.offset
         )
 
-    return await req.ctx.store.run(run)
+    return await req.ctx.store.read(run)
 
 
 @router.route(

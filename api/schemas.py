@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -10,7 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 from metald.auth import Role
 from metald.lifecycle import State
 
-LabelKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")]
+LABEL_KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$"
+LabelKey = Annotated[str, StringConstraints(pattern=LABEL_KEY_PATTERN)]
 LabelValue = Annotated[str, StringConstraints(max_length=253)]
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")]
 
@@ -23,10 +25,19 @@ class Query(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class PageQuery(Query):
+    """limit/offset paging of a list call; the default page size is api.page_size."""
+
+    limit: int | None = Field(
+        default=None, ge=1, le=1000, description="Page size (default: the api.page_size setting)."
+    )
+    offset: int = Field(default=0, ge=0, description="Items to skip.")
+
+
 # ---- machines ---------------------------------------------------------------------------
 
 
-class MachineQuery(Query):
+class MachineQuery(PageQuery):
     state: list[State] = Field(default=[], description="Filter by state (repeatable).")
     label: list[str] = Field(default=[], description="key=value (repeatable; all must match).")
     gpu_model: str | None = Field(
@@ -36,15 +47,20 @@ class MachineQuery(Query):
     min_gpu_count: int | None = Field(default=None, ge=0, description="At least this many GPUs.")
     rack: str | None = None
     tenant_id: str | None = None
-    limit: int = Field(default=100, ge=1, le=1000)
-    offset: int = Field(default=0, ge=0)
 
     @field_validator("label")
     @classmethod
     def _labels(cls, v: list[str]) -> list[str]:
         for item in v:
-            if "=" not in item:
+            key, eq, _value = item.partition("=")
+            if not eq:
                 raise ValueError(f"label filter {item!r} must be key=value")
+            # The key becomes a JSON path in SQL: only keys a label can have are accepted.
+            if not re.match(LABEL_KEY_PATTERN, key):
+                raise ValueError(
+                    f"label filter key {key!r} is not a label key (letters, digits, '._/-', "
+                    "at most 63 characters, starting with a letter or digit)"
+                )
         return v
 
 
@@ -130,7 +146,9 @@ class EventQuery(Query):
     machine_id: str | None = None
     kind: str | None = None
     after: int = Field(default=0, ge=0, description="Only events with id greater than this.")
-    limit: int = Field(default=100, ge=1, le=1000)
+    limit: int | None = Field(
+        default=None, ge=1, le=1000, description="Page size (default: the api.page_size setting)."
+    )
 
 
 class EventOut(BaseModel):
@@ -181,6 +199,9 @@ class TokenCreated(TokenOut):
 
 class TokenList(BaseModel):
     items: list[TokenOut]
+    total: int
+    limit: int
+    offset: int
 
 
 class WhoAmI(BaseModel):
@@ -209,6 +230,9 @@ class TenantOut(BaseModel):
 
 class TenantList(BaseModel):
     items: list[TenantOut]
+    total: int
+    limit: int
+    offset: int
 
 
 class Health(BaseModel):

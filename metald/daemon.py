@@ -10,7 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
-from api.app import create_app
+from api.app import create_app, server_settings
 from api.context import AppContext
 from metald import __version__
 from metald.auth import bootstrap_admin
@@ -53,7 +53,9 @@ class Daemon:
             log.warning("first start: an admin token was written to %s (mode 0600)", created)
         extra = self._build_services()
         app = create_app(self.ctx, extra=extra)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, **server_settings()
+        )
         await self._runner.setup()
         host, port = split_hostport(self.cfg.api.listen)
         site = web.TCPSite(self._runner, host, port, reuse_address=True)
