@@ -213,7 +213,8 @@ class EventBus:
         held = {s.token_id for s in self._subs}
         live = await self.store.read(live_token_ids, held)
         for sub in list(self._subs):
-            if sub.token_id not in live:
+            # Streams opened during the read were authenticated just now: not judged here.
+            if sub.token_id in held and sub.token_id not in live:
                 sub.close("the token was revoked or has expired")
 
     async def _run(self) -> None:
@@ -223,24 +224,31 @@ class EventBus:
         wake = self._event()
         try:
             head = await store.read(newest_event_id)
-            checked = loop.time()
+            next_poll = next_check = loop.time()
             while self._subs:
-                wake.clear()
-                rows = await store.read(events_after, head, PAGE)
-                self.polls += 1
-                if rows:
-                    assert rows[-1].id is not None
-                    batch = Batch(head, rows[-1].id, tuple(rows))
-                    head = batch.until
-                    self._publish(batch)
-                if self._recheck or loop.time() - checked >= self.recheck_s:
+                if wake.is_set() or loop.time() >= next_poll:
+                    wake.clear()
+                    rows = await store.read(events_after, head, PAGE)
+                    self.polls += 1
+                    next_poll = loop.time() + self.poll_s
+                    if rows:
+                        assert rows[-1].id is not None
+                        batch = Batch(head, rows[-1].id, tuple(rows))
+                        head = batch.until
+                        self._publish(batch)
+                    if len(rows) == PAGE:
+                        continue  # more are waiting
+                if self._recheck or loop.time() >= next_check:
                     self._recheck = False
-                    checked = loop.time()
+                    next_check = loop.time() + self.recheck_s
                     await self._check_tokens()
-                if len(rows) == PAGE or not self._subs:
-                    continue
+                if not self._subs:
+                    break
+                # Sleep until a write wakes us, the next poll, or the next token re-check.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), self.poll_s)
+                    await asyncio.wait_for(
+                        wake.wait(), max(0.0, min(next_poll, next_check) - loop.time())
+                    )
         except asyncio.CancelledError:
             raise
         except Exception:
