@@ -156,4 +156,18 @@ def _tenant_node_guard(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
     return TenantNodeGuard(d.store), []
 
 
-_SERVICE_FACTORIES = [_tenant_node_guard, _boot_plane, _bmc, _provision_watchdog, _tenant_hubs]
+def _token_sweeper(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
+    """Deletes tokens revoked or expired more than a day ago, hourly."""
+    from metald.token_sweep import TokenSweeper
+
+    return TokenSweeper(d.store, d.cfg.instance), []
+
+
+_SERVICE_FACTORIES = [
+    _tenant_node_guard,
+    _boot_plane,
+    _bmc,
+    _provision_watchdog,
+    _tenant_hubs,
+    _token_sweeper,
+]
