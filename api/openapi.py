@@ -83,6 +83,8 @@ def build_openapi(specs: list[RouteSpec]) -> dict[str, Any]:
             ok["content"] = {s.raw_response: {"schema": {"type": "string"}}}
         op["responses"][str(s.status)] = ok
         errs = set(s.errors)
+        if s.path_params:
+            errs.add(404)  # an id that names nothing
         if s.roles is not None:
             errs |= {401, 403}
         if s.body is not None or s.query is not None:

@@ -17,7 +17,17 @@ from sqlmodel import Session, col, select
 
 from api.routes_machines import load_visible, machine_out
 from api.routing import ApiRequest, Router
-from api.schemas import In, LabelKey, LabelValue, MachineOut, Name, PageQuery, Query
+from api.schemas import (
+    SQL_INT_MAX,
+    In,
+    LabelKey,
+    LabelValue,
+    MachineOut,
+    Name,
+    PageQuery,
+    Query,
+    Version,
+)
 from metald import claims as svc
 from metald.auth import Principal, Role
 from metald.errors import Conflict, NotFound
@@ -57,7 +67,7 @@ class SelectorIn(In):
         default=None, description="Exact GPU model, or a glob such as 'NVIDIA H100*'."
     )
     min_gpu_count: int = Field(default=0, ge=0, le=1024)
-    min_memory_mb: int | None = Field(default=None, ge=0)
+    min_memory_mb: int | None = Field(default=None, ge=0, le=SQL_INT_MAX)
     labels: dict[LabelKey, LabelValue] = Field(default={}, max_length=64)
     rack: Name | None = None
 
@@ -155,9 +165,7 @@ class ImageList(BaseModel):
 
 class RetryIn(In):
     reason: Annotated[str, StringConstraints(max_length=500)] | None = None
-    version: int | None = Field(
-        default=None, description="Fail with 409 unless the machine is at this version."
-    )
+    version: Version = None
 
 
 class ProgressIn(In):

@@ -9,8 +9,8 @@ import re
 from aiohttp import web
 from sqlmodel import Session, select
 
-from api.routing import INT64_MAX, ApiRequest, Router
-from api.schemas import EventOut, EventPage, EventQuery
+from api.routing import ApiRequest, Router
+from api.schemas import SQL_INT_MAX, EventOut, EventPage, EventQuery
 from metald.auth import Principal, Role
 from metald.errors import MetaldError
 from metald.events import newest_event_id
@@ -23,7 +23,7 @@ READERS = frozenset({Role.ADMIN, Role.TECHNICIAN, Role.ORCHESTRATOR})
 KEEPALIVE_SECONDS = 15.0
 #: Tells EventSource clients to reconnect after this many milliseconds when a stream ends.
 RETRY_MS = 3000
-_EVENT_ID = re.compile(r"[0-9]{1,19}")
+_EVENT_ID = re.compile(r"[0-9]{1,10}")
 
 
 def _select(p: Principal, q: EventQuery, after: int):  # type: ignore[no-untyped-def]
@@ -71,9 +71,9 @@ def _resume_after(req: ApiRequest, q: EventQuery) -> int:
     last_id = req.raw.headers.get("Last-Event-ID")
     if last_id is None:
         return q.after
-    if not _EVENT_ID.fullmatch(last_id) or int(last_id) > INT64_MAX:
+    if not _EVENT_ID.fullmatch(last_id) or int(last_id) > SQL_INT_MAX:
         raise MetaldError(
-            "Last-Event-ID must be the id of an event (a decimal integer below 2^63); "
+            f"Last-Event-ID must be the id of an event (a decimal integer up to {SQL_INT_MAX}); "
             "send the id of the last event received, or omit it"
         )
     return int(last_id)
@@ -96,6 +96,7 @@ def _check_machine_scope(s: Session, p: Principal, machine_id: str | None) -> No
     query=EventQuery,
     response=EventPage,
     tag=TAG,
+    errors=(404,),
 )
 async def list_events(req: ApiRequest) -> EventPage:
     """Events in id order after the ``after`` cursor. Orchestrators see their tenants' events."""
@@ -117,7 +118,7 @@ async def list_events(req: ApiRequest) -> EventPage:
     query=EventQuery,
     tag=TAG,
     raw_response="text/event-stream",
-    errors=(400, 429),
+    errors=(400, 404, 429),
 )
 async def stream_events(req: ApiRequest) -> web.StreamResponse:
     """Server-Sent Events: each event as ``id:``/``event:``/``data:``. Resumes after

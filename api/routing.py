@@ -13,11 +13,13 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import StreamReader, web
 from aiohttp.web_protocol import RequestPayloadError
 from pydantic import BaseModel, ValidationError
+from pydantic_core import to_jsonable_python
 
 from api.problem import problem, validation_problem
 from metald import metrics
@@ -162,6 +164,8 @@ BODY_TIMEOUT_S = 60.0
 #: JSON the API accepts: nested at most this deep, integers within a signed 64-bit column.
 MAX_JSON_DEPTH = 64
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+#: PostgreSQL text cannot hold NUL, and no name, id or label needs one.
+_NUL = "NUL characters (\\u0000) are not allowed"
 
 
 async def read_body_bytes(
@@ -224,10 +228,14 @@ def check_json_values(data: Any, where: str = "") -> None:
     while stack:
         node, path, depth = stack.pop()
         if isinstance(node, dict):
+            if any("\x00" in str(k) for k in node):
+                raise _Problem(422, "Invalid request", f"{path or '(body)'}: a key: {_NUL}")
             children: Iterable[tuple[str, Any]] = ((str(k), v) for k, v in node.items())
         elif isinstance(node, list):
             children = ((str(i), v) for i, v in enumerate(node))
         else:
+            if isinstance(node, str) and "\x00" in node:
+                raise _Problem(422, "Invalid request", f"{path or '(body)'}: {_NUL}")
             is_int = isinstance(node, int) and not isinstance(node, bool)
             if is_int and not INT64_MIN <= node <= INT64_MAX:
                 raise _Problem(
@@ -268,6 +276,8 @@ def _query(request: web.Request, spec: RouteSpec) -> Any:
     data: dict[str, Any] = {}
     for key in request.query:
         values = request.query.getall(key)
+        if "\x00" in key or any("\x00" in v for v in values):
+            raise _Problem(422, "Invalid request", f"query parameter {key!r}: {_NUL}")
         fld = spec.query.model_fields.get(key)
         is_list = fld is not None and "list" in str(fld.annotation)
         data[key] = values if is_list else values[-1]
@@ -287,10 +297,24 @@ def _serialize(spec: RouteSpec, result: Any) -> web.StreamResponse:
         return result
     if result is None:
         return web.Response(status=204 if spec.status == 200 else spec.status)
-    payload = result.model_dump(mode="json") if isinstance(result, BaseModel) else result
+    payload = result.model_dump() if isinstance(result, BaseModel) else result
     return web.json_response(
-        payload, status=spec.status, dumps=lambda o: json.dumps(o, default=str)
+        to_jsonable_python(_utc(payload)),
+        status=spec.status,
+        dumps=lambda o: json.dumps(o, default=str),
     )
+
+
+def _utc(value: Any) -> Any:
+    """Naive datetimes (SQLite stores timestamps without their zone; metald writes UTC) as
+    UTC, so every timestamp the API sends is an RFC 3339 date-time with its offset."""
+    if isinstance(value, datetime):
+        return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+    if isinstance(value, dict):
+        return {k: _utc(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_utc(v) for v in value]
+    return value
 
 
 def make_handler(
@@ -318,6 +342,8 @@ def make_handler(
                         "Forbidden",
                         f"{_article(principal.role.value)} {principal.role.value} token cannot {spec.summary.lower()}; this needs one of: {allowed}",
                     )
+            if any("\x00" in v for v in request.match_info.values()):
+                raise _Problem(404, "Not found", f"there is no resource at this path ({_NUL})")
             areq = ApiRequest(request, ctx, principal, params=dict(request.match_info))
             if spec.query is not None:
                 areq.query = _query(request, spec)

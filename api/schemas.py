@@ -11,6 +11,14 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 from metald.auth import Role
 from metald.lifecycle import State
 
+#: The largest value of an INTEGER column on PostgreSQL (ids, versions, counts): a larger one
+#: in a filter is refused with 422 rather than failing in the database.
+SQL_INT_MAX = (1 << 31) - 1
+#: Fail with 409 unless the machine is at this version (optimistic concurrency).
+Version = Annotated[
+    int | None,
+    Field(ge=0, le=SQL_INT_MAX, description="Fail with 409 unless the machine is at this version."),
+]
 LABEL_KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$"
 LabelKey = Annotated[str, StringConstraints(pattern=LABEL_KEY_PATTERN)]
 LabelValue = Annotated[str, StringConstraints(max_length=253)]
@@ -43,8 +51,10 @@ class MachineQuery(PageQuery):
     gpu_model: str | None = Field(
         default=None, description="Exact GPU model name, e.g. 'NVIDIA H100 80GB HBM3'."
     )
-    gpu_count: int | None = Field(default=None, ge=0, description="Exact number of GPUs.")
-    min_gpu_count: int | None = Field(default=None, ge=0, description="At least this many GPUs.")
+    gpu_count: int | None = Field(default=None, ge=0, le=1024, description="Exact number of GPUs.")
+    min_gpu_count: int | None = Field(
+        default=None, ge=0, le=1024, description="At least this many GPUs."
+    )
     rack: str | None = None
     tenant_id: str | None = None
 
@@ -77,9 +87,7 @@ class LabelsPatch(In):
     """JSON merge patch of labels: a string sets a label, null removes it."""
 
     labels: dict[LabelKey, LabelValue | None] = Field(max_length=64)
-    version: int | None = Field(
-        default=None, description="Fail with 409 unless the machine is at this version."
-    )
+    version: Version = None
 
 
 class MachineAction(In):
@@ -87,9 +95,7 @@ class MachineAction(In):
         "inspect", "maintenance-on", "maintenance-off", "mark-broken", "repair", "retire"
     ]
     reason: Annotated[str, StringConstraints(max_length=500)] | None = None
-    version: int | None = Field(
-        default=None, description="Fail with 409 unless the machine is at this version."
-    )
+    version: Version = None
 
 
 class NicOut(BaseModel):
@@ -145,7 +151,9 @@ class MachinePage(BaseModel):
 class EventQuery(Query):
     machine_id: str | None = None
     kind: str | None = None
-    after: int = Field(default=0, ge=0, description="Only events with id greater than this.")
+    after: int = Field(
+        default=0, ge=0, le=SQL_INT_MAX, description="Only events with id greater than this."
+    )
     limit: int | None = Field(
         default=None, ge=1, le=1000, description="Page size (default: the api.page_size setting)."
     )
