@@ -203,10 +203,14 @@ def run(args: argparse.Namespace, c: Client) -> int:
         if args.machine:
             q.append(("machine_id", args.machine))
         if args.follow:
+            after = args.after
             try:
-                for ev in c.stream("/api/v1/events/stream", q):
-                    print(json.dumps(ev)) if out_json else _print_event(ev)
-                    sys.stdout.flush()
+                while True:  # the server ends a stream after its maximum life: resume it
+                    q[0] = ("after", str(after))
+                    for ev in c.stream("/api/v1/events/stream", q):
+                        print(json.dumps(ev)) if out_json else _print_event(ev)
+                        sys.stdout.flush()
+                        after = ev["id"]
             except KeyboardInterrupt:
                 return 0
         else:
