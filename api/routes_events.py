@@ -145,11 +145,13 @@ async def stream_events(req: ApiRequest) -> web.StreamResponse:
         await resp.prepare(req.raw)
         await resp.write(f": metald event stream\nretry: {RETRY_MS}\n\n".encode())
         behind = True  # events before the poller's batches are read from the store
+        quiet_since = loop.time()
         while sub.closed is None:
             if behind:
                 items, covered = await req.ctx.store.read(_catch_up, p, q, covered, limit)
                 for ev in items:
                     await resp.write(_sse(ev))
+                    quiet_since = loop.time()
                 behind = len(items) == limit
                 continue
             left = deadline - loop.time()
@@ -157,21 +159,23 @@ async def stream_events(req: ApiRequest) -> web.StreamResponse:
                 sub.close("the stream reached its maximum life")
                 break
             batch = await sub.next(min(KEEPALIVE_SECONDS, left))
-            if batch is None:
+            if batch is not None:
+                if batch.since > covered:
+                    behind = True  # batches were missed: read the gap from the store
+                    continue
+                for row in batch.events:
+                    if row.id is not None and row.id > covered and _matches(p, q, row):
+                        wire = batch.encoded.get(row.id)
+                        if wire is None:
+                            wire = _sse(EventOut.model_validate(row.model_dump()))
+                            batch.encoded[row.id] = wire
+                        await resp.write(wire)
+                        quiet_since = loop.time()
+                covered = max(covered, batch.until)
+            # Events for others do not count: a filtered stream still shows it is alive.
+            if sub.closed is None and loop.time() - quiet_since >= KEEPALIVE_SECONDS:
                 await resp.write(b": keepalive\n\n")
-                continue
-            if batch.since > covered:  # batches were missed: read the gap from the store
-                behind = True
-                continue
-            for row in batch.events:
-                if row.id is not None and row.id > covered and _matches(p, q, row):
-                    wire = batch.encoded.get(row.id)
-                    if wire is None:
-                        wire = batch.encoded[row.id] = _sse(
-                            EventOut.model_validate(row.model_dump())
-                        )
-                    await resp.write(wire)
-            covered = max(covered, batch.until)
+                quiet_since = loop.time()
         await resp.write(f": closed: {sub.closed}; reconnect with Last-Event-ID\n\n".encode())
     except (ConnectionResetError, asyncio.CancelledError):
         pass
