@@ -25,7 +25,6 @@ from api.schemas import (
     MachineOut,
     Name,
     PageQuery,
-    Query,
     Version,
 )
 from metald import claims as svc
@@ -127,11 +126,9 @@ class ClaimList(BaseModel):
     total: int
 
 
-class ClaimQuery(Query):
+class ClaimQuery(PageQuery):
     tenant_id: str | None = None
     state: Literal["allocated", "released"] | None = None
-    limit: int = Field(default=100, ge=1, le=1000)
-    offset: int = Field(default=0, ge=0)
 
 
 class ImageCreate(In):
@@ -323,7 +320,7 @@ async def list_claims(req: ApiRequest) -> ClaimList:
         rows = s.exec(
             stmt.order_by(col(Claim.created_at).desc(), col(Claim.id))
             .offset(q.offset)
-            .limit(q.limit)
+            .limit(req.page_limit(q))
         ).all()
         return ClaimList(items=[claim_out(s, c) for c in rows], total=total)
 

@@ -13,9 +13,11 @@ from aiohttp import web
 
 from metald import machines
 from metald.auth import issue_token
+from metald.claims import Selector, create_claim
 from metald.lifecycle import Trigger
 from metald.store.models import Image
 from tests.api_helpers import LiveApi, live_api, until
+from tests.claims.helpers import DEPLOY, add_image, add_ready
 from tests.inventory.conftest import fixture_text, payload
 
 
@@ -217,6 +219,13 @@ async def test_page_size_is_the_default_page_size(aiohttp_client, store, tmp_pat
         assert len(set(ids)) == total, path  # pages do not overlap
     events = await (await live.client.get("/api/v1/events", headers=h)).json()
     assert len(events["items"]) == 2
+    add_ready(store, 3, prefix="pg")
+    image = add_image(store, "claim-image")
+    with store.session() as s:
+        for _ in range(3):
+            create_claim(s, live.tokens.tenant_a, 1, Selector(), image, None, "t", deploy=DEPLOY)
+    claims = await (await live.client.get("/api/v1/claims", headers=h)).json()
+    assert (len(claims["items"]), claims["total"]) == (2, 3)
     # An orchestrator's tenants list counts only its tenants.
     page = await (
         await live.client.get("/api/v1/tenants", headers=live.tokens.header("orchestrator"))

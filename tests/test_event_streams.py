@@ -83,7 +83,8 @@ async def test_many_streams_share_one_poller(live: LiveApi) -> None:
         )
         for i in range(5)
     ]
-    await until(lambda: live.ctx.bus.streams == 5, "five subscriptions")
+    # Five subscriptions, and the poller's first read (at its start) behind it.
+    await until(lambda: live.ctx.bus.streams == 5 and live.ctx.bus.polls >= 1, "five streams")
     polls = live.ctx.bus.polls
     for action in ("maintenance-on", "maintenance-off", "mark-broken"):
         await _act(live, action)
@@ -176,7 +177,7 @@ async def test_stream_caps_answer_429(live: LiveApi) -> None:
     r = await _open(live, live.tokens.technician)
     assert r.status == 429
     assert r.headers["Content-Type"].startswith("application/problem+json")
-    assert "Retry-After" in r.headers and "per token" not in r.headers["Retry-After"]
+    assert r.headers["Retry-After"].isdigit()
     assert "a token may hold at most 3" in (await r.json(content_type=None))["detail"]
     others = [await _open(live, live.tokens.admin) for _ in range(3)]
     assert all(s.status == 200 for s in others)
