@@ -208,3 +208,12 @@ async def test_store_read_takes_no_write_lock(store) -> None:  # type: ignore[no
 
         with pytest.raises(Exception, match="read-only"):
             await store.read(write)
+
+    # The pooled connections a read used are writable again for everything else.
+    def write_and_commit(s):  # type: ignore[no-untyped-def]
+        s.exec(text("INSERT INTO meta (key, value) VALUES ('after-read', 'ok')"))
+        s.commit()
+
+    for _ in range(3):
+        await store.read(newest_event_id)
+    await store.run(write_and_commit)
