@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -17,6 +18,19 @@ from metald.lifecycle import IllegalTransition
 log = logging.getLogger("metald.api")
 
 CTX_KEY = web.AppKey("ctx", AppContext)
+#: A client must send its whole request head within this many seconds of connecting (and of
+#: its previous response, on a kept-alive connection); then it is disconnected.
+HEADER_TIMEOUT_S = 15.0
+
+
+def server_settings(*, header_timeout_s: float = HEADER_TIMEOUT_S) -> dict[str, Any]:
+    """aiohttp server settings for the API listener (``web.AppRunner(app, **...)``).
+
+    aiohttp arms its keep-alive timer when a connection opens and closes the connection when
+    it fires while no complete request head has arrived: that is the header-read timeout, so
+    half-sent heads cannot hold sockets for long. Handlers already running are not affected."""
+    return {"keepalive_timeout": header_timeout_s}
+
 
 ROUTERS: list[Router] = [
     routes_system.router,
@@ -124,4 +138,10 @@ def create_app(ctx: AppContext, *, extra: list[web.RouteDef] | None = None) -> w
     if extra:
         app.add_routes(extra)
     app[CTX_KEY] = ctx
+    ctx.bus.bind(ctx.store)
+
+    async def close_streams(_app: web.Application) -> None:
+        await ctx.bus.close()
+
+    app.on_shutdown.append(close_streams)
     return app

@@ -5,12 +5,23 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import BaseModel
-from pydantic.json_schema import models_json_schema
+from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue, models_json_schema
+from pydantic_core import core_schema
 
-from api.routing import RouteSpec
+from api.routing import INT64_MAX, INT64_MIN, RouteSpec
 from metald import __version__
 
 REF = "#/components/schemas/{model}"
+
+
+class Int64Schema(GenerateJsonSchema):
+    """Integers in the document carry the 64-bit range the API enforces (api/routing.py)."""
+
+    def int_schema(self, schema: core_schema.IntSchema) -> JsonSchemaValue:
+        out = super().int_schema(schema)
+        out.setdefault("minimum", INT64_MIN)
+        out.setdefault("maximum", INT64_MAX)
+        return out
 
 
 def build_openapi(specs: list[RouteSpec]) -> dict[str, Any]:
@@ -23,7 +34,9 @@ def build_openapi(specs: list[RouteSpec]) -> dict[str, Any]:
         (m, "validation" if any(s.body is m for s in specs) else "serialization")
         for m in sorted(models, key=lambda m: m.__name__)
     ]
-    refs, defs = models_json_schema(keyed, ref_template=REF)  # type: ignore[arg-type]
+    refs, defs = models_json_schema(  # type: ignore[arg-type]
+        keyed, ref_template=REF, schema_generator=Int64Schema
+    )
     schemas = defs.get("$defs", {})
     paths: dict[str, dict[str, Any]] = {}
     for s in specs:
@@ -43,7 +56,7 @@ def build_openapi(specs: list[RouteSpec]) -> dict[str, Any]:
             for p in s.path_params
         ]
         if s.query is not None:
-            qschema = s.query.model_json_schema(ref_template=REF)
+            qschema = s.query.model_json_schema(ref_template=REF, schema_generator=Int64Schema)
             for k, v in qschema.get("properties", {}).items():
                 param: dict[str, Any] = {
                     "name": k,
@@ -70,12 +83,14 @@ def build_openapi(specs: list[RouteSpec]) -> dict[str, Any]:
             ok["content"] = {s.raw_response: {"schema": {"type": "string"}}}
         op["responses"][str(s.status)] = ok
         errs = set(s.errors)
+        if s.path_params:
+            errs.add(404)  # an id that names nothing
         if s.roles is not None:
             errs |= {401, 403}
         if s.body is not None or s.query is not None:
             errs |= {400, 422} if s.body is not None else {422}
         if s.body is not None:
-            errs |= {413, 415}
+            errs |= {408, 413, 415}
         for code in sorted(errs):
             op["responses"][str(code)] = {"$ref": "#/components/responses/Problem"}
         paths.setdefault(s.openapi_path, {})[s.method.lower()] = op

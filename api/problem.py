@@ -15,10 +15,12 @@ _TYPES = {
     403: "forbidden",
     404: "not-found",
     405: "method-not-allowed",
+    408: "request-timeout",
     409: "conflict",
     413: "payload-too-large",
     415: "unsupported-media-type",
     422: "unprocessable",
+    429: "too-many-requests",
     500: "internal-error",
     502: "upstream-error",
     503: "unavailable",
@@ -37,7 +39,9 @@ def problem(
     if instance:
         body["instance"] = instance
     body.update(extra)
-    headers = {"WWW-Authenticate": 'Bearer realm="metald"'} if status == 401 else None
+    headers = {"WWW-Authenticate": 'Bearer realm="metald"'} if status == 401 else {}
+    if "retry_after_s" in extra:
+        headers["Retry-After"] = str(extra["retry_after_s"])
     return web.Response(
         status=status,
         text=json.dumps(body, default=str),

@@ -17,7 +17,16 @@ from sqlmodel import Session, col, select
 
 from api.routes_machines import load_visible, machine_out
 from api.routing import ApiRequest, Router
-from api.schemas import In, LabelKey, LabelValue, MachineOut, Name, Query
+from api.schemas import (
+    SQL_INT_MAX,
+    In,
+    LabelKey,
+    LabelValue,
+    MachineOut,
+    Name,
+    PageQuery,
+    Version,
+)
 from metald import claims as svc
 from metald.auth import Principal, Role, require_agent_phase
 from metald.errors import Conflict, NotFound, Unprocessable
@@ -58,7 +67,7 @@ class SelectorIn(In):
         default=None, description="Exact GPU model, or a glob such as 'NVIDIA H100*'."
     )
     min_gpu_count: int = Field(default=0, ge=0, le=1024)
-    min_memory_mb: int | None = Field(default=None, ge=0)
+    min_memory_mb: int | None = Field(default=None, ge=0, le=SQL_INT_MAX)
     labels: dict[LabelKey, LabelValue] = Field(default={}, max_length=64)
     rack: Name | None = None
 
@@ -118,11 +127,9 @@ class ClaimList(BaseModel):
     total: int
 
 
-class ClaimQuery(Query):
+class ClaimQuery(PageQuery):
     tenant_id: str | None = None
     state: Literal["allocated", "released"] | None = None
-    limit: int = Field(default=100, ge=1, le=1000)
-    offset: int = Field(default=0, ge=0)
 
 
 class ImageCreate(In):
@@ -158,13 +165,14 @@ class ImageOut(BaseModel):
 
 class ImageList(BaseModel):
     items: list[ImageOut]
+    total: int
+    limit: int
+    offset: int
 
 
 class RetryIn(In):
     reason: Annotated[str, StringConstraints(max_length=500)] | None = None
-    version: int | None = Field(
-        default=None, description="Fail with 409 unless the machine is at this version."
-    )
+    version: Version = None
 
 
 class VerifyReadIn(In):
@@ -350,7 +358,7 @@ async def list_claims(req: ApiRequest) -> ClaimList:
         rows = s.exec(
             stmt.order_by(col(Claim.created_at).desc(), col(Claim.id))
             .offset(q.offset)
-            .limit(q.limit)
+            .limit(req.page_limit(q))
         ).all()
         return ClaimList(items=[claim_out(s, c) for c in rows], total=total)
 
@@ -505,18 +513,35 @@ async def create_image(req: ApiRequest) -> ImageOut:
 
 
 @router.route(
-    "GET", "/api/v1/images", summary="List images", roles=READERS, response=ImageList, tag="images"
+    "GET",
+    "/api/v1/images",
+    summary="List images",
+    roles=READERS,
+    query=PageQuery,
+    response=ImageList,
+    tag="images",
 )
 async def list_images(req: ApiRequest) -> ImageList:
-    """Every image in the catalog, by name; for an orchestrator, the public ones and its
-    tenants'. URL credentials are REDACTED for all but admins."""
+    """The images in the catalog, by name, paginated; for an orchestrator, the public ones and
+    its tenants'. URL credentials are REDACTED for all but admins."""
     p = req.require_principal()
+    q: PageQuery = req.query
+    limit = req.page_limit(q)
 
     def run(s: Session) -> ImageList:
-        rows = s.exec(select(Image).order_by(col(Image.name)))
-        return ImageList(items=[_image_out(i, p) for i in rows if _image_visible(i, p)])
+        stmt = select(Image).order_by(col(Image.name), col(Image.id))
+        if p.role is Role.ORCHESTRATOR:
+            # Tenant scope is a JSON list: filtered here (catalogs are small), then paged.
+            visible = [i for i in s.exec(stmt) if _image_visible(i, p)]
+            total, page = len(visible), visible[q.offset : q.offset + limit]
+        else:
+            total = s.exec(select(func.count()).select_from(Image)).one()
+            page = list(s.exec(stmt.offset(q.offset).limit(limit)))
+        return ImageList(
+            items=[_image_out(i, p) for i in page], total=total, limit=limit, offset=q.offset
+        )
 
-    return await req.ctx.store.run(run)
+    return await req.ctx.store.read(run)
 
 
 @router.route(

@@ -4,21 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 from aiohttp import web
 from sqlmodel import Session, select
 
 from api.routing import ApiRequest, Router
-from api.schemas import EventOut, EventPage, EventQuery
+from api.schemas import SQL_INT_MAX, EventOut, EventPage, EventQuery
 from metald.auth import Principal, Role
+from metald.errors import MetaldError
+from metald.events import newest_event_id
 from metald.store.models import Event, Machine
 
 router = Router()
 TAG = "events"
 READERS = frozenset({Role.ADMIN, Role.TECHNICIAN, Role.ORCHESTRATOR})
-#: How often a stream re-reads the store when nothing local woke it (other instances' events).
-POLL_SECONDS = 1.0
+#: A comment line at least this often, so proxies and clients see a quiet stream is alive.
 KEEPALIVE_SECONDS = 15.0
+#: Tells EventSource clients to reconnect after this many milliseconds when a stream ends.
+RETRY_MS = 3000
+_EVENT_ID = re.compile(r"[0-9]{1,10}")
 
 
 def _select(p: Principal, q: EventQuery, after: int):  # type: ignore[no-untyped-def]
@@ -29,13 +34,49 @@ def _select(p: Principal, q: EventQuery, after: int):  # type: ignore[no-untyped
         stmt = stmt.where(Event.kind == q.kind)
     if p.role is Role.ORCHESTRATOR:
         stmt = stmt.where(Event.tenant_id.in_(sorted(p.scope)))  # type: ignore[union-attr]
-    return stmt.order_by(Event.id).limit(q.limit)  # type: ignore[arg-type]
+    return stmt.order_by(Event.id)  # type: ignore[arg-type]
 
 
-def _page(s: Session, p: Principal, q: EventQuery, after: int) -> EventPage:
-    rows = s.exec(_select(p, q, after)).all()
+def _page(s: Session, p: Principal, q: EventQuery, after: int, limit: int) -> EventPage:
+    rows = s.exec(_select(p, q, after).limit(limit)).all()
     items = [EventOut.model_validate(r.model_dump()) for r in rows]
     return EventPage(items=items, next_after=items[-1].id if items else after)
+
+
+def _catch_up(
+    s: Session, p: Principal, q: EventQuery, after: int, limit: int
+) -> tuple[list[EventOut], int]:
+    """The caller's events after ``after`` and the id up to which it has seen everything: the
+    newest id when the page is not full (read first, so a commit in between is not skipped)."""
+    newest = newest_event_id(s)
+    rows = s.exec(_select(p, q, after).where(Event.id <= newest).limit(limit)).all()  # type: ignore[operator]
+    items = [EventOut.model_validate(r.model_dump()) for r in rows]
+    return items, (items[-1].id if len(items) == limit else max(newest, after))
+
+
+def _matches(p: Principal, q: EventQuery, ev: Event) -> bool:
+    if q.machine_id and ev.machine_id != q.machine_id:
+        return False
+    if q.kind and ev.kind != q.kind:
+        return False
+    return p.role is not Role.ORCHESTRATOR or ev.tenant_id in p.scope
+
+
+def _sse(ev: EventOut) -> bytes:
+    data = json.dumps(ev.model_dump(mode="json"))
+    return f"id: {ev.id}\nevent: {ev.kind}\ndata: {data}\n\n".encode()
+
+
+def _resume_after(req: ApiRequest, q: EventQuery) -> int:
+    last_id = req.raw.headers.get("Last-Event-ID")
+    if last_id is None:
+        return q.after
+    if not _EVENT_ID.fullmatch(last_id) or int(last_id) > SQL_INT_MAX:
+        raise MetaldError(
+            f"Last-Event-ID must be the id of an event (a decimal integer up to {SQL_INT_MAX}); "
+            "send the id of the last event received, or omit it"
+        )
+    return int(last_id)
 
 
 def _check_machine_scope(s: Session, p: Principal, machine_id: str | None) -> None:
@@ -55,6 +96,7 @@ def _check_machine_scope(s: Session, p: Principal, machine_id: str | None) -> No
     query=EventQuery,
     response=EventPage,
     tag=TAG,
+    errors=(404,),
 )
 async def list_events(req: ApiRequest) -> EventPage:
     """Events in id order after the ``after`` cursor. Orchestrators see their tenants' events."""
@@ -63,7 +105,7 @@ async def list_events(req: ApiRequest) -> EventPage:
 
     def run(s: Session) -> EventPage:
         _check_machine_scope(s, p, q.machine_id)
-        return _page(s, p, q, q.after)
+        return _page(s, p, q, q.after, req.page_limit(q))
 
     return await req.ctx.store.run(run)
 
@@ -76,17 +118,22 @@ async def list_events(req: ApiRequest) -> EventPage:
     query=EventQuery,
     tag=TAG,
     raw_response="text/event-stream",
+    errors=(400, 404, 429),
 )
 async def stream_events(req: ApiRequest) -> web.StreamResponse:
     """Server-Sent Events: each event as ``id:``/``event:``/``data:``. Resumes after
-    ``Last-Event-ID`` or ``after``; ``after=-1`` is not allowed, use the list call's cursor."""
+    ``Last-Event-ID`` or ``after``. A stream ends when its token is revoked or expires (within
+    seconds) and after at most an hour; reconnect with ``Last-Event-ID``. Each token may hold a
+    few streams and the server a bounded number (429 beyond)."""
     p = req.require_principal()
     q: EventQuery = req.query
-    after = q.after
-    last_id = req.raw.headers.get("Last-Event-ID", "")
-    if last_id.isdigit():
-        after = int(last_id)
-    await req.ctx.store.run(_check_machine_scope, p, q.machine_id)
+    bus = req.ctx.bus
+    covered = _resume_after(req, q)
+    await req.ctx.store.read(_check_machine_scope, p, q.machine_id)
+    limit = req.page_limit(q)
+    sub = bus.subscribe(p.token_id)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + bus.max_life_s
     resp = web.StreamResponse(
         headers={
             "Content-Type": "text/event-stream",
@@ -94,24 +141,44 @@ async def stream_events(req: ApiRequest) -> web.StreamResponse:
             "X-Accel-Buffering": "no",
         }
     )
-    await resp.prepare(req.raw)
-    await resp.write(b": metald event stream\n\n")
-    idle = 0.0
     try:
-        while True:
-            page = await req.ctx.store.run(_page, p, q, after)
-            for ev in page.items:
-                data = json.dumps(ev.model_dump(mode="json"))
-                await resp.write(f"id: {ev.id}\nevent: {ev.kind}\ndata: {data}\n\n".encode())
-            after = page.next_after
-            if len(page.items) == q.limit:
+        await resp.prepare(req.raw)
+        await resp.write(f": metald event stream\nretry: {RETRY_MS}\n\n".encode())
+        behind = True  # events before the poller's batches are read from the store
+        quiet_since = loop.time()
+        while sub.closed is None:
+            if behind:
+                items, covered = await req.ctx.store.read(_catch_up, p, q, covered, limit)
+                for ev in items:
+                    await resp.write(_sse(ev))
+                    quiet_since = loop.time()
+                behind = len(items) == limit
                 continue
-            t0 = asyncio.get_running_loop().time()
-            await req.ctx.bus.wait(POLL_SECONDS)
-            idle += asyncio.get_running_loop().time() - t0
-            if idle >= KEEPALIVE_SECONDS:
+            left = deadline - loop.time()
+            if left <= 0:
+                sub.close("the stream reached its maximum life")
+                break
+            batch = await sub.next(min(KEEPALIVE_SECONDS, left))
+            if batch is not None:
+                if batch.since > covered:
+                    behind = True  # batches were missed: read the gap from the store
+                    continue
+                for row in batch.events:
+                    if row.id is not None and row.id > covered and _matches(p, q, row):
+                        wire = batch.encoded.get(row.id)
+                        if wire is None:
+                            wire = _sse(EventOut.model_validate(row.model_dump()))
+                            batch.encoded[row.id] = wire
+                        await resp.write(wire)
+                        quiet_since = loop.time()
+                covered = max(covered, batch.until)
+            # Events for others do not count: a filtered stream still shows it is alive.
+            if sub.closed is None and loop.time() - quiet_since >= KEEPALIVE_SECONDS:
                 await resp.write(b": keepalive\n\n")
-                idle = 0.0
+                quiet_since = loop.time()
+        await resp.write(f": closed: {sub.closed}; reconnect with Last-Event-ID\n\n".encode())
     except (ConnectionResetError, asyncio.CancelledError):
         pass
+    finally:
+        bus.unsubscribe(sub)
     return resp

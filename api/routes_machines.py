@@ -84,6 +84,7 @@ async def list_machines(req: ApiRequest) -> MachinePage:
     """Machines visible to the caller, filtered and paginated (newest first)."""
     q: MachineQuery = req.query
     p = req.require_principal()
+    limit = req.page_limit(q)
 
     def run(s: Session) -> MachinePage:
         stmt = select(Machine)
@@ -108,13 +109,13 @@ async def list_machines(req: ApiRequest) -> MachinePage:
             stmt = stmt.where(Machine.id.in_(sorted(p.scope)))  # type: ignore[attr-defined]
         total = s.exec(select(func.count()).select_from(stmt.subquery())).one()
         rows = s.exec(
-            stmt.order_by(Machine.created_at.desc(), Machine.id).offset(q.offset).limit(q.limit)  # type: ignore[attr-defined]
+            stmt.order_by(Machine.created_at.desc(), Machine.id).offset(q.offset).limit(limit)  # type: ignore[attr-defined]
         ).all()
         nics = _nics(s, [m.id for m in rows])
         return MachinePage(
             items=[machine_out(m, nics[m.id]) for m in rows],
             total=total,
-            limit=q.limit,
+            limit=limit,
             offset=q.offset,
         )
 

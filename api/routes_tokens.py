@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from sqlalchemy import func
 from sqlalchemy.exc import IntegrityError
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from api.routing import ALL_ROLES, ApiRequest, Router
 from api.schemas import (
+    PageQuery,
     TenantCreate,
     TenantList,
     TenantOut,
@@ -78,16 +80,36 @@ async def create_token(req: ApiRequest) -> TokenCreated:
 
 
 @router.route(
-    "GET", "/api/v1/tokens", summary="List tokens", roles=ADMIN, response=TokenList, tag="tokens"
+    "GET",
+    "/api/v1/tokens",
+    summary="List tokens",
+    roles=ADMIN,
+    query=PageQuery,
+    response=TokenList,
+    tag="tokens",
 )
 async def list_tokens(req: ApiRequest) -> TokenList:
-    """All tokens (never their secrets or hashes)."""
+    """Tokens, oldest first, paginated (never their secrets or hashes). Revoked and expired
+    tokens are listed until the token purge removes them."""
+    q: PageQuery = req.query
+    limit = req.page_limit(q)
 
     def run(s: Session) -> TokenList:
-        rows = s.exec(select(ApiToken).order_by(ApiToken.created_at)).all()  # type: ignore[arg-type]
-        return TokenList(items=[TokenOut.model_validate(r.model_dump()) for r in rows])
+        total = s.exec(select(func.count()).select_from(ApiToken)).one()
+        rows = s.exec(
+            select(ApiToken)
+            .order_by(col(ApiToken.created_at), col(ApiToken.id))
+            .offset(q.offset)
+            .limit(limit)
+        ).all()
+        return TokenList(
+            items=[TokenOut.model_validate(r.model_dump()) for r in rows],
+            total=total,
+            limit=limit,
+            offset=q.offset,
+        )
 
-    return await req.ctx.store.run(run)
+    return await req.ctx.store.read(run)
 
 
 @router.route(
@@ -117,7 +139,9 @@ async def delete_token(req: ApiRequest) -> TokenOut:
         s.commit()
         return TokenOut.model_validate(row.model_dump())
 
-    return await req.ctx.store.run(run)
+    out = await req.ctx.store.run(run)
+    req.ctx.bus.notify(tokens=True)  # its event streams end now, not at the next re-check
+    return out
 
 
 @router.route(
@@ -186,20 +210,32 @@ async def create_tenant(req: ApiRequest) -> TenantOut:
     "/api/v1/tenants",
     summary="List tenants",
     roles=frozenset({Role.ADMIN, Role.TECHNICIAN, Role.ORCHESTRATOR}),
+    query=PageQuery,
     response=TenantList,
     tag="tenants",
 )
 async def list_tenants(req: ApiRequest) -> TenantList:
-    """Tenants; an orchestrator sees only those in its scope."""
+    """Tenants by name, paginated; an orchestrator sees only those in its scope."""
     p = req.require_principal()
+    q: PageQuery = req.query
+    limit = req.page_limit(q)
 
     def run(s: Session) -> TenantList:
-        rows = s.exec(select(Tenant).order_by(Tenant.name)).all()
+        stmt = select(Tenant)
+        if p.role is Role.ORCHESTRATOR:
+            stmt = stmt.where(col(Tenant.id).in_(sorted(p.scope)))
+        total = s.exec(select(func.count()).select_from(stmt.subquery())).one()
+        rows = s.exec(
+            stmt.order_by(col(Tenant.name), col(Tenant.id)).offset(q.offset).limit(limit)
+        ).all()
         return TenantList(
-            items=[TenantOut.model_validate(t.model_dump()) for t in rows if p.can_see_tenant(t.id)]
+            items=[TenantOut.model_validate(t.model_dump()) for t in rows],
+            total=total,
+            limit=limit,
+            offset=q.offset,
         )
 
-    return await req.ctx.store.run(run)
+    return await req.ctx.store.read(run)
 
 
 @router.route(

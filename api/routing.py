@@ -7,15 +7,19 @@ runs, and to generate ``/api/v1/openapi.json`` — so the document cannot drift 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
+from aiohttp import StreamReader, web
+from aiohttp.web_protocol import RequestPayloadError
 from pydantic import BaseModel, ValidationError
+from pydantic_core import to_jsonable_python
 
 from api.problem import problem, validation_problem
 from metald import metrics
@@ -80,6 +84,10 @@ class ApiRequest:
             return await self.ctx.store.run(fn, *args)
         finally:
             self.ctx.bus.notify()
+
+    def page_limit(self, query: Any) -> int:
+        """The page size a list call asked for (``limit``), else the configured api.page_size."""
+        return query.limit if query.limit is not None else self.ctx.cfg.api.page_size
 
     def require_principal(self) -> Principal:
         assert self.principal is not None
@@ -151,6 +159,99 @@ async def _principal(request: web.Request, ctx: AppContext) -> Principal | None:
     return await ctx.store.run(authenticate, secret)
 
 
+#: A request body must arrive whole within this many seconds (a trickled body holds a socket).
+BODY_TIMEOUT_S = 60.0
+#: JSON the API accepts: nested at most this deep, integers within a signed 64-bit column.
+MAX_JSON_DEPTH = 64
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+#: PostgreSQL text cannot hold NUL, and no name, id or label needs one.
+_NUL = "NUL characters (\\u0000) are not allowed"
+
+
+async def read_body_bytes(
+    stream: StreamReader, limit: int, timeout: float = BODY_TIMEOUT_S
+) -> bytes:
+    """The whole request body, read until its end (not just what is buffered yet), refused
+    with 413 as soon as it passes ``limit`` so an endless body costs at most ``limit`` bytes,
+    and with 408 when it has not all arrived within ``timeout`` seconds."""
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(timeout):
+            while chunk := await stream.readany():
+                size += len(chunk)
+                if size > limit:
+                    raise _Problem(
+                        413,
+                        "Request body too large",
+                        f"the body is larger than the limit of {limit} bytes; send less",
+                    )
+                chunks.append(chunk)
+    except TimeoutError:
+        raise _Problem(
+            408,
+            "Request timeout",
+            f"the body did not arrive within {timeout:g} s; send it again, without pauses",
+        ) from None
+    except (RequestPayloadError, ConnectionResetError) as e:
+        raise _Problem(
+            400, "Malformed body", f"the body could not be read to its end ({e}); send it again"
+        ) from None
+    return b"".join(chunks)
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """Decode a request body into a JSON object, refusing what the store or a response could
+    not hold: NaN/Infinity, nesting deeper than MAX_JSON_DEPTH, integers beyond 64 bits."""
+    try:
+        data = json.loads(raw or b"null", parse_constant=_refuse_constant)
+    except RecursionError:
+        raise _Problem(
+            400, "Malformed JSON", f"the body is nested more than {MAX_JSON_DEPTH} levels deep"
+        ) from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _Problem(400, "Malformed JSON", f"the body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise _Problem(400, "Malformed JSON", "the body must be a JSON object")
+    check_json_values(data)
+    return data
+
+
+def check_json_values(data: Any, where: str = "") -> None:
+    """Refuse nesting deeper than MAX_JSON_DEPTH and integers outside int64 (iteratively, so
+    a deep document cannot exhaust the stack here either)."""
+    stack: list[tuple[Any, str, int]] = [(data, where, 0)]
+    while stack:
+        node, path, depth = stack.pop()
+        if isinstance(node, dict):
+            if any("\x00" in str(k) for k in node):
+                raise _Problem(422, "Invalid request", f"{path or '(body)'}: a key: {_NUL}")
+            children: Iterable[tuple[str, Any]] = ((str(k), v) for k, v in node.items())
+        elif isinstance(node, list):
+            children = ((str(i), v) for i, v in enumerate(node))
+        else:
+            if isinstance(node, str) and "\x00" in node:
+                raise _Problem(422, "Invalid request", f"{path or '(body)'}: {_NUL}")
+            is_int = isinstance(node, int) and not isinstance(node, bool)
+            if is_int and not INT64_MIN <= node <= INT64_MAX:
+                raise _Problem(
+                    422,
+                    "Invalid request",
+                    f"{path or '(body)'}: the integer does not fit in 64 bits "
+                    f"(the largest allowed is {INT64_MAX})",
+                )
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            raise _Problem(
+                400, "Malformed JSON", f"the body is nested more than {MAX_JSON_DEPTH} levels deep"
+            )
+        stack.extend((v, f"{path}.{k}" if path else k, depth + 1) for k, v in children)
+
+
 async def _read_body(request: web.Request, spec: RouteSpec, limit: int) -> Any:
     assert spec.body is not None
     if request.content_length is not None and request.content_length > limit:
@@ -166,17 +267,7 @@ async def _read_body(request: web.Request, spec: RouteSpec, limit: int) -> Any:
             "Unsupported media type",
             f"send the body as application/json (got {ctype or 'nothing'})",
         )
-    raw = await request.content.read(limit + 1)
-    if len(raw) > limit:
-        raise _Problem(
-            413, "Request body too large", f"the body is larger than the limit of {limit} bytes"
-        )
-    try:
-        data = json.loads(raw or b"null")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise _Problem(400, "Malformed JSON", f"the body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise _Problem(400, "Malformed JSON", "the body must be a JSON object")
+    data = parse_json_object(await read_body_bytes(request.content, limit))
     return data if spec.raw_body else spec.body.model_validate(data)
 
 
@@ -185,10 +276,15 @@ def _query(request: web.Request, spec: RouteSpec) -> Any:
     data: dict[str, Any] = {}
     for key in request.query:
         values = request.query.getall(key)
+        if "\x00" in key or any("\x00" in v for v in values):
+            raise _Problem(422, "Invalid request", f"query parameter {key!r}: {_NUL}")
         fld = spec.query.model_fields.get(key)
         is_list = fld is not None and "list" in str(fld.annotation)
         data[key] = values if is_list else values[-1]
-    return spec.query.model_validate(data)
+    query = spec.query.model_validate(data)
+    # Query integers reach SQL as parameters: one beyond int64 must be a 422, not a driver error.
+    check_json_values(query.model_dump(mode="json"))
+    return query
 
 
 class _Problem(Exception):
@@ -201,10 +297,24 @@ def _serialize(spec: RouteSpec, result: Any) -> web.StreamResponse:
         return result
     if result is None:
         return web.Response(status=204 if spec.status == 200 else spec.status)
-    payload = result.model_dump(mode="json") if isinstance(result, BaseModel) else result
+    payload = result.model_dump() if isinstance(result, BaseModel) else result
     return web.json_response(
-        payload, status=spec.status, dumps=lambda o: json.dumps(o, default=str)
+        to_jsonable_python(_utc(payload)),
+        status=spec.status,
+        dumps=lambda o: json.dumps(o, default=str),
     )
+
+
+def _utc(value: Any) -> Any:
+    """Naive datetimes (SQLite stores timestamps without their zone; metald writes UTC) as
+    UTC, so every timestamp the API sends is an RFC 3339 date-time with its offset."""
+    if isinstance(value, datetime):
+        return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+    if isinstance(value, dict):
+        return {k: _utc(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_utc(v) for v in value]
+    return value
 
 
 def make_handler(
@@ -232,6 +342,8 @@ def make_handler(
                         "Forbidden",
                         f"{_article(principal.role.value)} {principal.role.value} token cannot {spec.summary.lower()}; this needs one of: {allowed}",
                     )
+            if any("\x00" in v for v in request.match_info.values()):
+                raise _Problem(404, "Not found", f"there is no resource at this path ({_NUL})")
             areq = ApiRequest(request, ctx, principal, params=dict(request.match_info))
             if spec.query is not None:
                 areq.query = _query(request, spec)

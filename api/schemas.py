@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -10,7 +11,16 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 from metald.auth import Role
 from metald.lifecycle import State
 
-LabelKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")]
+#: The largest value of an INTEGER column on PostgreSQL (ids, versions, counts): a larger one
+#: in a filter is refused with 422 rather than failing in the database.
+SQL_INT_MAX = (1 << 31) - 1
+#: Fail with 409 unless the machine is at this version (optimistic concurrency).
+Version = Annotated[
+    int | None,
+    Field(ge=0, le=SQL_INT_MAX, description="Fail with 409 unless the machine is at this version."),
+]
+LABEL_KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$"
+LabelKey = Annotated[str, StringConstraints(pattern=LABEL_KEY_PATTERN)]
 LabelValue = Annotated[str, StringConstraints(max_length=253)]
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")]
 
@@ -23,28 +33,44 @@ class Query(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class PageQuery(Query):
+    """limit/offset paging of a list call; the default page size is api.page_size."""
+
+    limit: int | None = Field(
+        default=None, ge=1, le=1000, description="Page size (default: the api.page_size setting)."
+    )
+    offset: int = Field(default=0, ge=0, description="Items to skip.")
+
+
 # ---- machines ---------------------------------------------------------------------------
 
 
-class MachineQuery(Query):
+class MachineQuery(PageQuery):
     state: list[State] = Field(default=[], description="Filter by state (repeatable).")
     label: list[str] = Field(default=[], description="key=value (repeatable; all must match).")
     gpu_model: str | None = Field(
         default=None, description="Exact GPU model name, e.g. 'NVIDIA H100 80GB HBM3'."
     )
-    gpu_count: int | None = Field(default=None, ge=0, description="Exact number of GPUs.")
-    min_gpu_count: int | None = Field(default=None, ge=0, description="At least this many GPUs.")
+    gpu_count: int | None = Field(default=None, ge=0, le=1024, description="Exact number of GPUs.")
+    min_gpu_count: int | None = Field(
+        default=None, ge=0, le=1024, description="At least this many GPUs."
+    )
     rack: str | None = None
     tenant_id: str | None = None
-    limit: int = Field(default=100, ge=1, le=1000)
-    offset: int = Field(default=0, ge=0)
 
     @field_validator("label")
     @classmethod
     def _labels(cls, v: list[str]) -> list[str]:
         for item in v:
-            if "=" not in item:
+            key, eq, _value = item.partition("=")
+            if not eq:
                 raise ValueError(f"label filter {item!r} must be key=value")
+            # The key becomes a JSON path in SQL: only keys a label can have are accepted.
+            if not re.match(LABEL_KEY_PATTERN, key):
+                raise ValueError(
+                    f"label filter key {key!r} is not a label key (letters, digits, '._/-', "
+                    "at most 63 characters, starting with a letter or digit)"
+                )
         return v
 
 
@@ -61,9 +87,7 @@ class LabelsPatch(In):
     """JSON merge patch of labels: a string sets a label, null removes it."""
 
     labels: dict[LabelKey, LabelValue | None] = Field(max_length=64)
-    version: int | None = Field(
-        default=None, description="Fail with 409 unless the machine is at this version."
-    )
+    version: Version = None
 
 
 class MachineAction(In):
@@ -71,9 +95,7 @@ class MachineAction(In):
         "inspect", "maintenance-on", "maintenance-off", "mark-broken", "repair", "retire"
     ]
     reason: Annotated[str, StringConstraints(max_length=500)] | None = None
-    version: int | None = Field(
-        default=None, description="Fail with 409 unless the machine is at this version."
-    )
+    version: Version = None
 
 
 class NicOut(BaseModel):
@@ -129,8 +151,12 @@ class MachinePage(BaseModel):
 class EventQuery(Query):
     machine_id: str | None = None
     kind: str | None = None
-    after: int = Field(default=0, ge=0, description="Only events with id greater than this.")
-    limit: int = Field(default=100, ge=1, le=1000)
+    after: int = Field(
+        default=0, ge=0, le=SQL_INT_MAX, description="Only events with id greater than this."
+    )
+    limit: int | None = Field(
+        default=None, ge=1, le=1000, description="Page size (default: the api.page_size setting)."
+    )
 
 
 class EventOut(BaseModel):
@@ -181,6 +207,9 @@ class TokenCreated(TokenOut):
 
 class TokenList(BaseModel):
     items: list[TokenOut]
+    total: int
+    limit: int
+    offset: int
 
 
 class WhoAmI(BaseModel):
@@ -209,6 +238,9 @@ class TenantOut(BaseModel):
 
 class TenantList(BaseModel):
     items: list[TenantOut]
+    total: int
+    limit: int
+    offset: int
 
 
 class Health(BaseModel):

@@ -18,11 +18,11 @@ import hashlib
 import os
 import secrets
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from enum import StrEnum
 from pathlib import Path
 
-from sqlalchemy import bindparam
+from sqlalchemy import bindparam, or_
 from sqlalchemy import select as sa_select
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
@@ -195,6 +195,25 @@ def revoke_machine_tokens(session: Session, machine_id: str, *, commit: bool = T
     n = session.connection().execute(_REVOKE_MACHINE, {"m": machine_id, "at": utcnow()}).rowcount
     if commit:
         session.commit()
+    return n
+
+
+#: Revoked and expired tokens stay listed this long (who had access, until when), then go.
+TOKEN_RETENTION = timedelta(days=1)
+
+
+def purge_tokens(
+    session: Session, *, retention: timedelta = TOKEN_RETENTION, now: datetime | None = None
+) -> int:
+    """Delete the tokens revoked or expired more than ``retention`` ago (an agent token is
+    minted per boot, so without this the table only grows). Returns how many went. The
+    token.created/token.revoked events stay; the rows can no longer authenticate anyway."""
+    cutoff = (now or utcnow()) - retention
+    purge = _TOKENS.delete().where(
+        or_(_TOKENS.c.revoked_at < cutoff, _TOKENS.c.expires_at < cutoff)
+    )
+    n = session.connection().execute(purge).rowcount
+    session.commit()
     return n
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from api.app import create_app
+from api.app import create_app, server_settings
 from api.context import AppContext
 from api.problem import problem
 from metald import __version__
@@ -138,7 +138,7 @@ class Daemon:
         return routes
 
     async def _serve(self, app: web.Application, listen: str, tls: ssl.SSLContext | None) -> None:
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, **server_settings())
         await runner.setup()
         self._runners.append(runner)
         host, port = split_hostport(listen)
@@ -289,4 +289,18 @@ def _tenant_node_guard(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
     return TenantNodeGuard(d.store), []
 
 
-_SERVICE_FACTORIES = [_tenant_node_guard, _boot_plane, _bmc, _provision_watchdog, _tenant_hubs]
+def _token_sweeper(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
+    """Deletes tokens revoked or expired more than a day ago, hourly."""
+    from metald.token_sweep import TokenSweeper
+
+    return TokenSweeper(d.store, d.cfg.instance), []
+
+
+_SERVICE_FACTORIES = [
+    _tenant_node_guard,
+    _boot_plane,
+    _bmc,
+    _provision_watchdog,
+    _tenant_hubs,
+    _token_sweeper,
+]

@@ -10,7 +10,9 @@ from datetime import UTC, datetime
 
 # Bearer tokens and anything that looks like a password assignment never reach a log line.
 _REDACT = [
-    (re.compile(r"mtd_[A-Za-z0-9_-]{10,}"), "mtd_<redacted>"),
+    # Whatever follows "Bearer" is a credential, even if it is not one of ours (or truncated).
+    (re.compile(r"(?i)\b(bearer)(\s+)[^\s'\",}]+"), r"\1\2<redacted>"),
+    (re.compile(r"mtd_[A-Za-z0-9_-]{4,}"), "mtd_<redacted>"),
     (
         re.compile(
             r"(?i)(password|passwd|secret|private_key|token)(['\"]?\s*[:=]\s*['\"]?)[^\s'\",}]+"
@@ -35,20 +37,33 @@ class RedactingFilter(logging.Filter):
         return True
 
 
-class JsonFormatter(logging.Formatter):
+class RedactingFormatter(logging.Formatter):
+    """Redacts the whole formatted record: message, arguments, traceback and stack, so a
+    secret inside an exception (say, a header a parser quotes back) never reaches the log."""
+
     def format(self, record: logging.LogRecord) -> str:
-        out = {
+        return redact(super().format(record))
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line; every string in it redacted before it is encoded."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, object] = {
             "ts": datetime.fromtimestamp(record.created, UTC).isoformat(),
             "level": record.levelname.lower(),
             "logger": record.name,
-            "msg": record.getMessage(),
+            "msg": redact(record.getMessage()),
         }
         for key in ("machine_id", "mac", "bmc_id", "event"):
             if hasattr(record, key):
-                out[key] = getattr(record, key)
+                value = getattr(record, key)
+                out[key] = redact(value) if isinstance(value, str) else value
         if record.exc_info:
             out["exc"] = redact(self.formatException(record.exc_info))
-        return json.dumps(out, default=str)
+        if record.stack_info:
+            out["stack"] = redact(self.formatStack(record.stack_info))
+        return json.dumps(out, default=lambda o: redact(str(o)))
 
 
 def setup_logging(level: str = "info", fmt: str = "text") -> None:
@@ -57,7 +72,9 @@ def setup_logging(level: str = "info", fmt: str = "text") -> None:
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+        handler.setFormatter(
+            RedactingFormatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+        )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

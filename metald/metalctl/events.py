@@ -33,9 +33,13 @@ def events(args: argparse.Namespace, c: Client) -> None:
     if args.machine:
         q.append(("machine_id", args.machine))
     if args.follow:
+        after = args.after
         try:
-            for ev in c.stream("/api/v1/events/stream", q):
-                print(json.dumps(ev) if args.json else line(ev), flush=True)
+            while True:  # the server ends a stream after its maximum life: resume it
+                q[0] = ("after", str(after))
+                for ev in c.stream("/api/v1/events/stream", q):
+                    print(json.dumps(ev) if args.json else line(ev), flush=True)
+                    after = ev["id"]
         except KeyboardInterrupt:
             return
     else:

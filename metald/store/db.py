@@ -23,6 +23,8 @@ from sqlmodel import Session
 T = TypeVar("T")
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+#: Execution option of Store.read's engine: the transaction only reads.
+READ_ONLY = "metald_read_only"
 
 
 def make_engine(url: str, *, echo: bool = False) -> Engine:
@@ -52,7 +54,9 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
 
         @event.listens_for(engine, "begin")
         def _on_begin(conn: Any) -> None:
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+            # Store.read's transactions only read: deferred, so they take no write lock.
+            read_only = conn.get_execution_options().get(READ_ONLY)
+            conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
 
         return engine
     if u.drivername == "postgresql":
@@ -88,6 +92,9 @@ class Store:
             # second thread would only wait on its lock and contend for the GIL.
             workers = 1 if self.is_sqlite else 8
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="store")
+        self._reader = self.engine.execution_options(
+            **{READ_ONLY: True}, **({} if self.is_sqlite else {"postgresql_readonly": True})
+        )
 
     @contextmanager
     def session(self) -> Iterator[Session]:
@@ -99,6 +106,17 @@ class Store:
 
         def call() -> T:
             with self.session() as s:
+                return fn(s, *args, **kwargs)
+
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(call))
+
+    async def read(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Like ``run``, in a read-only transaction (SQLite: deferred, no write lock;
+        PostgreSQL: READ ONLY). For reads that many clients repeat, such as event streams."""
+
+        def call() -> T:
+            with Session(self._reader, expire_on_commit=False) as s:
                 return fn(s, *args, **kwargs)
 
         loop = asyncio.get_running_loop()

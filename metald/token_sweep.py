@@ -1,0 +1,65 @@
+"""The token purge as a daemon service: every ``interval_s``, delete long-dead tokens.
+
+The sweep itself is ``metald.auth.purge_tokens`` (one DELETE, safe to run on several instances
+at once); this service only calls it periodically and records what it removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from sqlmodel import Session
+
+from metald.auth import TOKEN_RETENTION, purge_tokens
+from metald.machines import add_event
+from metald.service import cancel
+from metald.store.db import Store
+
+log = logging.getLogger(__name__)
+
+
+def purge_and_record(s: Session, *, actor: str, instance: str | None) -> int:
+    n = purge_tokens(s)
+    if n:
+        add_event(
+            s,
+            "tokens.purged",
+            actor,
+            data={"count": n, "retention_s": int(TOKEN_RETENTION.total_seconds())},
+            instance=instance,
+        )
+        s.commit()
+    return n
+
+
+class TokenSweeper:
+    name = "token-sweeper"
+
+    def __init__(self, store: Store, instance: str, *, interval_s: float = 3600.0) -> None:
+        self.store = store
+        self.instance = instance
+        self.interval_s = interval_s
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="token-sweeper")
+
+    async def stop(self) -> None:
+        await cancel(self._task)
+        self._task = None
+
+    async def sweep_once(self) -> int:
+        return await self.store.run(
+            purge_and_record, actor=f"metald:{self.instance}", instance=self.instance
+        )
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                n = await self.sweep_once()
+                if n:
+                    log.info("purged %d revoked or expired tokens", n)
+            except Exception:
+                log.exception("token purge failed; trying again in %g s", self.interval_s)
+            await asyncio.sleep(self.interval_s)

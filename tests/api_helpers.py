@@ -1,0 +1,160 @@
+"""An API app on a real loopback socket with settings a test chooses (page size, stream caps)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from aiohttp.test_utils import TestClient
+
+from api.app import create_app
+from api.context import AppContext
+from metald.config import load_config
+from metald.events import EventBus
+from metald.secrets import SecretBox
+from metald.store import Store
+from tests.conftest import Tokens, seed
+
+
+@dataclass
+class LiveApi:
+    client: TestClient
+    tokens: Tokens
+    ctx: AppContext
+    #: Every request the app received, in order (for tests that watch the server's side).
+    requests: list[web.Request]
+    #: The requests the app has answered.
+    answered: list[web.Request]
+
+    @property
+    def store(self) -> Store:
+        return self.ctx.store
+
+    @property
+    def port(self) -> int:
+        assert self.client.server.port is not None
+        return self.client.server.port
+
+
+async def live_api(
+    aiohttp_client: Any,
+    store: Store,
+    tmp_path: Path,
+    *,
+    env: dict[str, str] | None = None,
+    bus: EventBus | None = None,
+) -> LiveApi:
+    cfg = load_config(
+        None,
+        environ={
+            "METALD_STATE_DIR": str(tmp_path / "state"),
+            "METALD_STORE__URL": store.url,
+            **(env or {}),
+        },
+    )
+    ctx = AppContext(
+        cfg=cfg,
+        store=store,
+        secrets=SecretBox.from_file(cfg.secrets_key_path),
+        bus=bus or EventBus(),
+    )
+    tokens = seed(store)
+    seen: list[web.Request] = []
+    answered: list[web.Request] = []
+
+    @web.middleware
+    async def record(request: web.Request, handler: Any) -> web.StreamResponse:
+        seen.append(request)
+        try:
+            return await handler(request)
+        finally:
+            answered.append(request)
+
+    app = create_app(ctx)
+    app.middlewares.append(record)
+    client = await aiohttp_client(app)
+    return LiveApi(client, tokens, ctx, seen, answered)
+
+
+async def until(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    """Wait for a condition (the timeout only bounds a failing test; it decides nothing)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+class LoopbackApi:
+    """The metald app served on 127.0.0.1 from a thread with its own event loop."""
+
+    def __init__(self, url: str, tmp_path: Path) -> None:
+        self.url, self.tmp_path = url, tmp_path
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.base = ""
+        self.tokens: Tokens | None = None
+        self.error: BaseException | None = None
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._start())
+        except BaseException as e:  # noqa: BLE001 - reported to the test thread
+            self.error = e
+            self.ready.set()
+            return
+        self.ready.set()
+        self.loop.run_forever()
+        self.loop.run_until_complete(self.runner.cleanup())
+        self.store.close()
+
+    async def _start(self) -> None:
+        from aiohttp import web
+
+        from api.app import create_app, server_settings
+        from api.context import AppContext
+        from metald.config import load_config
+        from metald.events import EventBus
+        from metald.secrets import SecretBox
+        from metald.store import Store
+
+        cfg = load_config(
+            None,
+            environ={
+                "METALD_STATE_DIR": str(self.tmp_path / "state"),
+                "METALD_STORE__URL": self.url,
+            },
+        )
+        self.store = Store(self.url)
+        self.store.migrate()
+        self.tokens = seed(self.store)
+        ctx = AppContext(
+            cfg=cfg,
+            store=self.store,
+            secrets=SecretBox.from_file(cfg.secrets_key_path),
+            bus=EventBus(),
+        )
+        self.runner = web.AppRunner(create_app(ctx), access_log=None, **server_settings())
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.base = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+
+    def __enter__(self) -> LoopbackApi:
+        self.thread.start()
+        self.ready.wait(60)
+        if self.error is not None:
+            raise self.error
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
