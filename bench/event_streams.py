@@ -70,11 +70,11 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
     state = tempfile.mkdtemp(prefix="metald-bench-streams-")
     per_token = 8
     n_tokens = max(1, -(-args.streams // per_token)) + 1
-    env = {**os.environ, "PYTHONPATH": str(args.src)}
+    # ``python -c`` puts its working folder first on the import path: the server runs the
+    # metald of args.src (this tree, or an old checkout to compare with).
     proc = subprocess.Popen(
         [sys.executable, "-c", SERVER, state, str(n_tokens)],
         stdout=subprocess.PIPE,
-        env=env,
         cwd=args.src,
     )
     try:

@@ -12,7 +12,8 @@ import pytest
 
 pytest.importorskip("atheris")
 
-HARNESS = Path(__file__).with_name("tftp_atheris.py")
+#: Run as a module from the repository root, so it imports the tests' invariants as a package.
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_atheris_finds_no_broken_invariant(tmp_path: Path) -> None:
@@ -20,7 +21,8 @@ def test_atheris_finds_no_broken_invariant(tmp_path: Path) -> None:
     p = subprocess.run(
         [
             sys.executable,
-            str(HARNESS),
+            "-m",
+            "tests.boot.tftp_atheris",
             str(corpus),
             "-max_total_time=3",
             f"-artifact_prefix={tmp_path}/",
@@ -29,6 +31,7 @@ def test_atheris_finds_no_broken_invariant(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=120,
+        cwd=ROOT,
     )
     out = p.stdout + p.stderr
     crashes = sorted(tmp_path.glob("crash-*"))

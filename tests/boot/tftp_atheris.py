@@ -16,8 +16,6 @@ from pathlib import Path
 
 import atheris
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 with atheris.instrument_imports(include=["metald.boot.tftp"]):
     import metald.boot.tftp.admission
     import metald.boot.tftp.packet
