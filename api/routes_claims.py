@@ -21,7 +21,7 @@ from api.schemas import In, LabelKey, LabelValue, MachineOut, Name, Query
 from metald import claims as svc
 from metald.auth import Principal, Role, require_agent_phase
 from metald.errors import Conflict, NotFound, Unprocessable
-from metald.lifecycle import ALLOCATED, State, Trigger
+from metald.lifecycle import AGENT_OPERATIONS, ALLOCATED, INSTALLED, NETWORK_BOOT, State, Trigger
 from metald.machines import add_event, get_machine, transition
 from metald.provision import driver
 from metald.provision.images import normalize_spec
@@ -30,7 +30,7 @@ from metald.provision.metadata import nocloud
 from metald.provision.progress import Progress, record_progress
 from metald.provision.redact import redact_spec
 from metald.store.models import Claim, Image, Machine, Nic, Tenant, WgHub
-from metald.tenants.service import REJOIN, issue_join_token
+from metald.tenants.service import issue_join_token
 
 log = logging.getLogger("metald.claims")
 router = Router()
@@ -577,7 +577,7 @@ async def retry_machine(req: ApiRequest) -> MachineOut:
 
     out = await req.ctx.store.run(run)
     req.ctx.bus.notify()
-    if out.state in (State.PROVISIONING, State.WIPING, State.INSPECTING):
+    if out.state in NETWORK_BOOT:
         _boot_from_network(req, [out.id])
     return out
 
@@ -740,8 +740,8 @@ async def provision_instruction(req: ApiRequest) -> ProvisionInstruction:
         if m is not None:
             # A discovery token of this machine, once it is claimed, gets nothing here.
             require_agent_phase(p, m.state, {"provision", "wipe"})
-        rejoin = m is not None and State(m.state) in REJOIN
-        if m is None or (m.state not in (State.PROVISIONING, State.WIPING) and not rejoin):
+        rejoin = m is not None and State(m.state) in INSTALLED
+        if m is None or (m.state not in AGENT_OPERATIONS and not rejoin):
             return ProvisionInstruction(action="none", machine_id=mid)
         if m.state == State.WIPING:
             return ProvisionInstruction(action="wipe", machine_id=mid)

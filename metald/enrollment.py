@@ -24,12 +24,9 @@ from metald.config import EnrollConfig
 from metald.errors import Conflict, MetaldError
 from metald.inventory import accept_inventory as intake
 from metald.inventory.enroll import apply_rules
-from metald.lifecycle import State, Trigger, phase_of
+from metald.lifecycle import INVENTORY_ACCEPTED, OUT_OF_SERVICE, State, Trigger, phase_of
 from metald.provision import boots
 from metald.store.models import Event, Machine, as_utc, utcnow
-
-#: States in which a machine's agent may post inventory.
-INSPECT_STATES = {State.INSPECTING}
 
 
 def mint_agent_token(
@@ -177,7 +174,7 @@ def accept_inventory(
     try:
         m = machines.get_machine(s, machine_id)
         accepted = intake(data, token_machine_id=machine_id, stored=m.inventory)
-        if State(m.state) not in INSPECT_STATES:
+        if State(m.state) not in INVENTORY_ACCEPTED:
             raise Conflict(
                 f"machine {machine_id} is {m.state}, not inspecting; run the 'inspect' action to re-inspect it"
             )
@@ -234,10 +231,10 @@ def accept_inventory(
 def next_instruction(m: Machine, cfg: EnrollConfig) -> dict[str, Any]:
     """What the agent in the discovery image should do now."""
     state = State(m.state)
-    if state in INSPECT_STATES:
+    if state in INVENTORY_ACCEPTED:
         return {"action": "inspect", "reason": "post the inventory"}
     if state is State.READY:
         return {"action": cfg.after_inspection, "reason": "inspected; waiting for a claim"}
-    if state in (State.MAINTENANCE, State.BROKEN, State.RETIRED):
+    if state in OUT_OF_SERVICE:
         return {"action": "poweroff", "reason": f"machine is {state.value}"}
     return {"action": "wait", "retry_after_s": 10, "reason": f"machine is {state.value}"}

@@ -19,7 +19,7 @@ from sqlmodel import Session, select
 from metald import machines
 from metald.boot.dhcp.bootfile import Arch
 from metald.errors import Conflict
-from metald.lifecycle import State
+from metald.lifecycle import UNINSPECTED, State
 from metald.store.db import Store
 from metald.store.models import Lease, Machine, as_utc
 
@@ -65,9 +65,6 @@ class ScriptRefused(Exception):
 DISCOVERY_KERNEL = "discovery/vmlinuz"
 DISCOVERY_INITRD = "discovery/initrd.img"
 
-_DISCOVERY_STATES = {State.DISCOVERED, State.INSPECTING, State.INSPECT_FAILED}
-_LOCAL_STATES = {State.PROVISIONED, State.JOINING, State.JOIN_FAILED, State.ACTIVE, State.READY}
-
 
 def target_for_machine(m: Machine | None) -> BootTarget:
     """Pure: the boot target implied by a machine's state and boot intent."""
@@ -78,7 +75,7 @@ def target_for_machine(m: Machine | None) -> BootTarget:
     args = {str(k): str(v) for k, v in (intent.get("kernel_args") or {}).items()}
     if intent.get("action") in {a.value for a in BootAction}:
         action = BootAction(intent["action"])
-    elif state in _DISCOVERY_STATES:
+    elif state in UNINSPECTED:
         action = BootAction.DISCOVERY
     elif state is State.PROVISIONING:
         action = BootAction.PROVISION

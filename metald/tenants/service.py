@@ -18,7 +18,7 @@ from sqlmodel import Session, col, select
 
 from metald import machines
 from metald.errors import Conflict, NotFound, Unprocessable
-from metald.lifecycle import State, Trigger
+from metald.lifecycle import JOIN_STARTS, JOINABLE, State, Trigger
 from metald.provision.metadata import hostname
 from metald.secrets import SecretBox
 from metald.store.models import Machine, Tenant, WgHub, WgPeer
@@ -26,18 +26,6 @@ from metald.tenants import ipam, keys, kubernetes, slurm, tokens
 
 DEFAULT_LISTEN_PORT = 51820
 PERSISTENT_KEEPALIVE = 25
-#: Machines in these states may be handed a join token (they belong to a tenant). An active
-#: node that reboots (a stateless image lives in RAM) joins again with a fresh key.
-JOINABLE = {
-    State.CLAIMED,
-    State.PROVISIONING,
-    State.PROVISIONED,
-    State.JOINING,
-    State.JOIN_FAILED,
-    State.ACTIVE,
-}
-#: A node of these states that boots again gets a fresh join token instead of an install.
-REJOIN = {State.PROVISIONED, State.JOINING, State.JOIN_FAILED, State.ACTIVE}
 
 
 @dataclass
@@ -299,7 +287,7 @@ def join(
         raise Conflict("this public key is already used by another node; generate a fresh one")
     peer = _add_peer(session, tenant, m.id, public_key)
     material = _material(box, tenant, hub, m, peer.address)
-    if State(m.state) in (State.PROVISIONED, State.JOIN_FAILED):
+    if State(m.state) in JOIN_STARTS:
         machines.transition(
             session, m.id, Trigger.JOIN, actor=f"node:{m.id}", instance=instance, commit=False
         )
