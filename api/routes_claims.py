@@ -6,33 +6,31 @@ another tenant is reported as absent. Staff read every claim; admins may claim f
 
 from __future__ import annotations
 
-import logging
-from datetime import datetime, timedelta
+from dataclasses import asdict
+from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, StringConstraints
 from sqlalchemy import func
-from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from api.routes_machines import load_visible, machine_out
 from api.routing import ApiRequest, Router
 from api.schemas import In, LabelKey, LabelValue, MachineOut, Name, Query
-from metald import claims as svc
+from api.workflows import claim_workflow
 from metald.auth import Principal, Role, require_agent_phase
-from metald.errors import Conflict, NotFound, Unprocessable
-from metald.lifecycle import AGENT_OPERATIONS, ALLOCATED, INSTALLED, NETWORK_BOOT, State, Trigger
-from metald.machines import add_event, get_machine, transition
-from metald.provision import driver
+from metald.claims import images
+from metald.claims.allocation import Selector
+from metald.claims.provisioning import next_step
+from metald.claims.records import claim_machines, latest_progress
+from metald.claims.workflow import ClaimRequest
+from metald.errors import NotFound
+from metald.machines import get_machine
 from metald.provision.images import normalize_spec
-from metald.provision.intents import DeployImage, wipe_intent
-from metald.provision.metadata import nocloud
 from metald.provision.progress import Progress, record_progress
 from metald.provision.redact import redact_spec
-from metald.store.models import Claim, Image, Machine, Nic, Tenant, WgHub
-from metald.tenants.service import issue_join_token
+from metald.store.models import Claim, Image, Machine, Nic
 
-log = logging.getLogger("metald.claims")
 router = Router()
 TAG = "claims"
 CLAIMERS = frozenset({Role.ADMIN, Role.ORCHESTRATOR})
@@ -224,27 +222,13 @@ class ProvisionInstruction(BaseModel):
 # ---- helpers ----------------------------------------------------------------------------
 
 
-def _deploy(req: ApiRequest) -> DeployImage:
-    cfg = req.ctx.cfg.provision
-    return DeployImage(cfg.deploy_kernel, cfg.deploy_initrd)
-
-
-def _boot_from_network(req: ApiRequest, machine_ids: list[str]) -> None:
-    """In the background: one-time PXE and a power cycle through each machine's BMC."""
-    driver.spawn(
-        driver.reboot_all(
-            req.ctx.store, _bmc(req), machine_ids, actor=req.actor, instance=req.ctx.instance
-        )
-    )
-
-
-def _bmc(req: ApiRequest) -> Any:
-    return req.ctx.services.get("bmc") if req.ctx.cfg.provision.use_bmc else None
+def _machine_view(s: Session, m: Machine) -> MachineOut:
+    return machine_out(m, list(s.exec(select(Nic).where(Nic.machine_id == m.id)).all()))
 
 
 def claim_out(s: Session, c: Claim, *, replayed: bool = False) -> ClaimOut:
-    ms = svc.claim_machines(s, c.id)
-    progress = svc.latest_progress(s, ms)
+    ms = claim_machines(s, c.id)
+    progress = latest_progress(s, ms)
     return ClaimOut(
         **c.model_dump(exclude={"image", "version", "ssh_authorized_keys"}),
         image_id=c.image,
@@ -295,33 +279,19 @@ async def create_claim(req: ApiRequest) -> ClaimOut:
             f"no tenant with id {b.tenant_id!r} among this token's tenants; "
             "an orchestrator token claims only for the tenants in its scope"
         )
-    selector = svc.Selector.from_dict(b.selector.model_dump())
-    key = b.idempotency_key or req.raw.headers.get("Idempotency-Key") or None
-
-    def run(s: Session) -> tuple[ClaimOut, list[str]]:
-        c, replayed = svc.create_claim(
-            s,
-            b.tenant_id,
-            b.count,
-            selector,
-            b.image_id,
-            key,
-            req.actor,
-            deploy=_deploy(req),
-            ssh_authorized_keys=b.ssh_authorized_keys,
-            instance=req.ctx.instance,
-            require_bmc=req.ctx.cfg.enroll.require_bmc,
-        )
-        started: list[str] = []
-        if not replayed:
-            ids = [m.id for m in svc.claim_machines(s, c.id)]
-            started = driver.start_provisioning(s, ids, actor=req.actor, instance=req.ctx.instance)
-        return claim_out(s, c, replayed=replayed), started
-
-    out, started = await req.ctx.store.run(run)
-    req.ctx.bus.notify()
-    _boot_from_network(req, started)
-    return out
+    request = ClaimRequest(
+        tenant_id=b.tenant_id,
+        count=b.count,
+        selector=Selector.from_dict(b.selector.model_dump()),
+        image_id=b.image_id,
+        idempotency_key=b.idempotency_key or req.raw.headers.get("Idempotency-Key") or None,
+        ssh_authorized_keys=b.ssh_authorized_keys,
+    )
+    return await claim_workflow(req.ctx).claim(
+        request,
+        actor=req.actor,
+        render=lambda s, c, replayed: claim_out(s, c, replayed=replayed),
+    )
 
 
 @router.route(
@@ -389,26 +359,12 @@ async def release_claim(req: ApiRequest) -> ClaimOut:
     marked broken during the claim is detached and owes a wipe. Releasing a released claim
     changes nothing."""
     p = req.require_principal()
-
-    def run(s: Session) -> tuple[ClaimOut, list[str]]:
-        c = load_claim(s, p, req.params["id"])
-        wiping = svc.release_claim(s, c, req.actor, deploy=_deploy(req), instance=req.ctx.instance)
-        return claim_out(s, load_claim(s, p, c.id)), wiping
-
-    return await _after_release(req, *(await req.ctx.store.run(run)))
-
-
-async def _after_release(req: ApiRequest, out: ClaimOut, wiping: list[str]) -> ClaimOut:
-    req.ctx.bus.notify()
-    runtime = req.ctx.services.get("tenant_hubs")
-    if wiping and runtime is not None and hasattr(runtime, "sync"):
-        # Off the tenant's hub and out of its cluster before the machine reboots to be wiped.
-        try:
-            await runtime.sync()
-        except Exception:  # the runtime's loop tries again; the store already says released
-            log.exception("tenant runtime sync after releasing claim %s failed", out.id)
-    _boot_from_network(req, wiping)
-    return out
+    return await claim_workflow(req.ctx).release(
+        req.params["id"],
+        actor=req.actor,
+        load=lambda s, claim_id: load_claim(s, p, claim_id),
+        render=claim_out,
+    )
 
 
 @router.route(
@@ -424,21 +380,13 @@ async def release_claim_machine(req: ApiRequest) -> ClaimOut:
     """Scale a claim down by one machine: it leaves the tenant (tokens revoked, off the hub and
     out of the cluster) and is wiped back to ready. The claim ends with its last machine."""
     p = req.require_principal()
-    mid = req.params["machine_id"]
-
-    def run(s: Session) -> tuple[ClaimOut, list[str]]:
-        c = load_claim(s, p, req.params["id"])
-        m = s.get(Machine, mid)
-        if m is None or m.claim_id != c.id:
-            raise NotFound(f"claim {c.id} holds no machine {mid!r}")
-        if State(m.state) not in ALLOCATED and m.tenant_id is None:
-            raise Conflict(f"machine {mid} is {m.state}: it is not allocated to the claim any more")
-        wiping = svc.release_claim(
-            s, c, req.actor, deploy=_deploy(req), instance=req.ctx.instance, only={mid}
-        )
-        return claim_out(s, load_claim(s, p, c.id)), wiping
-
-    return await _after_release(req, *(await req.ctx.store.run(run)))
+    return await claim_workflow(req.ctx).release(
+        req.params["id"],
+        actor=req.actor,
+        load=lambda s, claim_id: load_claim(s, p, claim_id),
+        render=claim_out,
+        machine_id=req.params["machine_id"],
+    )
 
 
 # ---- images -----------------------------------------------------------------------------
@@ -479,26 +427,15 @@ async def create_image(req: ApiRequest) -> ImageOut:
     scope = sorted(set(b.tenants))
 
     def run(s: Session) -> ImageOut:
-        if s.exec(select(Image).where(Image.name == b.name)).first():
-            raise Conflict(f"an image named {b.name!r} already exists; pick another name")
-        unknown = [t for t in scope if s.get(Tenant, t) is None]
-        if unknown:
-            raise Unprocessable(f"tenants: no tenant with id {', '.join(map(repr, unknown))}")
-        img = Image(name=b.name, kind=b.kind, spec=spec, tenants=scope, created_by=req.actor)
-        s.add(img)
-        s.flush()
-        add_event(
+        img = images.create_image(
             s,
-            "image.created",
-            req.actor,
-            data={"image_id": img.id, "name": img.name, "kind": img.kind},
+            name=b.name,
+            kind=b.kind,
+            spec=spec,
+            tenants=scope,
+            actor=req.actor,
             instance=req.ctx.instance,
         )
-        try:
-            s.commit()
-        except IntegrityError:
-            s.rollback()
-            raise Conflict(f"an image named {b.name!r} already exists; pick another name") from None
         return _image_out(img, req.require_principal())
 
     return await req.ctx.store.run(run)
@@ -560,26 +497,14 @@ async def retry_machine(req: ApiRequest) -> MachineOut:
     into PXE through their BMC. Any other state: 409."""
     b: RetryIn = req.body
     p = req.require_principal()
-
-    def run(s: Session) -> MachineOut:
-        m = load_visible(s, p, req.params["id"])
-        m = driver.retry(
-            s,
-            m.id,
-            actor=req.actor,
-            deploy=_deploy(req),
-            reason=b.reason,
-            version=b.version,
-            instance=req.ctx.instance,
-        )
-        nics = s.exec(select(Nic).where(Nic.machine_id == m.id)).all()
-        return machine_out(m, list(nics))
-
-    out = await req.ctx.store.run(run)
-    req.ctx.bus.notify()
-    if out.state in NETWORK_BOOT:
-        _boot_from_network(req, [out.id])
-    return out
+    return await claim_workflow(req.ctx).retry(
+        req.params["id"],
+        actor=req.actor,
+        load=lambda s, mid: load_visible(s, p, mid),
+        render=_machine_view,
+        reason=b.reason,
+        version=b.version,
+    )
 
 
 @router.route(
@@ -598,25 +523,14 @@ async def wipe_machine(req: ApiRequest) -> MachineOut:
     then ready once the agent's evidence fits its recorded disks. Any other state: 409."""
     b: RetryIn = req.body
     p = req.require_principal()
-
-    def run(s: Session) -> MachineOut:
-        m = load_visible(s, p, req.params["id"])
-        m = transition(
-            s,
-            m.id,
-            Trigger.WIPE,
-            actor=req.actor,
-            reason=b.reason or "wipe started by a technician",
-            expected_version=b.version,
-            updates={"boot_intent": wipe_intent(_deploy(req)), "last_error": None},
-            instance=req.ctx.instance,
-        )
-        return machine_out(m, list(s.exec(select(Nic).where(Nic.machine_id == m.id)).all()))
-
-    out = await req.ctx.store.run(run)
-    req.ctx.bus.notify()
-    _boot_from_network(req, [out.id])
-    return out
+    return await claim_workflow(req.ctx).wipe(
+        req.params["id"],
+        actor=req.actor,
+        load=lambda s, mid: load_visible(s, p, mid),
+        render=_machine_view,
+        reason=b.reason,
+        version=b.version,
+    )
 
 
 @router.route(
@@ -637,49 +551,14 @@ async def confirm_wipe(req: ApiRequest) -> MachineOut:
     event)."""
     b: TechnicianNote = req.body
     p = req.require_principal()
-
-    def run(s: Session) -> MachineOut:
-        m = load_visible(s, p, req.params["id"])
-        if not m.wipe_required:
-            raise Conflict(
-                f"machine {m.id} owes no wipe, so there is nothing to confirm; "
-                "use the maintenance-off action to return it to ready"
-            )
-        previous = {"tenant_id": m.tenant_id, "claim_id": m.claim_id, "state": m.state}
-        m = transition(
-            s,
-            m.id,
-            Trigger.CONFIRM_WIPE,
-            actor=req.actor,
-            reason=b.reason,
-            expected_version=b.version,
-            updates={
-                "tenant_id": None,
-                "claim_id": None,
-                "boot_intent": None,
-                "last_error": None,
-                "wipe_required": False,
-                "boot_armed": None,
-            },
-            data=previous,
-            instance=req.ctx.instance,
-            commit=False,
-        )
-        add_event(
-            s,
-            "machine.wipe-confirmed",
-            req.actor,
-            machine_id=m.id,
-            reason=b.reason,
-            data=previous,
-            instance=req.ctx.instance,
-        )
-        s.commit()
-        return machine_out(m, list(s.exec(select(Nic).where(Nic.machine_id == m.id)).all()))
-
-    out = await req.ctx.store.run(run)
-    req.ctx.bus.notify()
-    return out
+    return await claim_workflow(req.ctx).confirm_wipe(
+        req.params["id"],
+        actor=req.actor,
+        load=lambda s, mid: load_visible(s, p, mid),
+        render=_machine_view,
+        reason=b.reason,
+        version=b.version,
+    )
 
 
 @router.route(
@@ -740,49 +619,15 @@ async def provision_instruction(req: ApiRequest) -> ProvisionInstruction:
         if m is not None:
             # A discovery token of this machine, once it is claimed, gets nothing here.
             require_agent_phase(p, m.state, {"provision", "wipe"})
-        rejoin = m is not None and State(m.state) in INSTALLED
-        if m is None or (m.state not in AGENT_OPERATIONS and not rejoin):
-            return ProvisionInstruction(action="none", machine_id=mid)
-        if m.state == State.WIPING:
-            return ProvisionInstruction(action="wipe", machine_id=mid)
-        c = s.get(Claim, m.claim_id) if m.claim_id else None
-        img = s.get(Image, c.image) if c and c.image else None
-        if img is None or (rejoin and img.kind != "stateless"):
-            # A disk image booted from disk has its seed; only a RAM-booted node asks again.
-            return ProvisionInstruction(action="none", machine_id=mid)
-        pxe = s.exec(select(Nic).where(Nic.machine_id == mid, col(Nic.pxe))).first()
-        join = None
-        if m.tenant_id and s.exec(select(WgHub).where(WgHub.tenant_id == m.tenant_id)).first():
-            # A fresh one-time token each time the agent asks (older unused ones are revoked):
-            # the node joins with whichever it was given last.
-            secret, expires = issue_join_token(
-                s,
-                mid,
-                actor=req.actor,
-                ttl=timedelta(seconds=req.ctx.cfg.tenants.join_token_ttl_s),
-                instance=req.ctx.instance,
-                supersede_peer=rejoin,  # the node rebooted: its old key is gone with its RAM
-            )
-            join = {
-                "url": f"{req.raw.scheme}://{req.raw.host}",
-                "token": secret,
-                "expires_at": expires.isoformat(),
-            }
-        files = nocloud(
-            machine_id=mid,
-            name=m.name,
-            pxe_mac=pxe.mac if pxe else None,
-            ssh_authorized_keys=list(c.ssh_authorized_keys or []) if c else [],
-            join=join,
+        step = next_step(
+            s,
+            m,
+            mid,
+            actor=req.actor,
+            join_url=f"{req.raw.scheme}://{req.raw.host}",
+            join_token_ttl_s=req.ctx.cfg.tenants.join_token_ttl_s,
+            instance=req.ctx.instance,
         )
-        if rejoin and join is None:
-            return ProvisionInstruction(action="none", machine_id=mid)
-        return ProvisionInstruction(
-            action="join" if rejoin else "provision",
-            machine_id=mid,
-            image={"id": img.id, "kind": img.kind, **img.spec},
-            nocloud=files,
-            join=join,
-        )
+        return ProvisionInstruction.model_validate(asdict(step))
 
     return await req.ctx.store.run(run)

@@ -6,7 +6,7 @@ from typing import Any
 
 from sqlmodel import select
 
-from metald.claims import Selector, create_claim
+from metald.claims.allocation import Selector, create_claim
 from metald.lifecycle import State
 from metald.provision import driver
 from metald.provision.intents import DeployImage

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from sqlmodel import select
 
-from metald.claims import Selector, create_claim, release_claim
+from metald.claims.allocation import Selector, create_claim
+from metald.claims.release import release_claim
 from metald.errors import Conflict
 from metald.store import Store
 from metald.store.models import Claim, Event, Machine, Nic

@@ -120,7 +120,7 @@ async def test_provision_instruction_carries_a_fresh_join_token(api) -> None:  #
     from sqlmodel import select
 
     from metald.auth import issue_token
-    from metald.claims import Selector, create_claim
+    from metald.claims.allocation import Selector, create_claim
     from metald.provision import driver
     from metald.store.models import Machine
     from tests.claims.helpers import DEPLOY, add_image, add_ready
@@ -168,7 +168,7 @@ async def test_a_rebooted_stateless_node_rejoins(api) -> None:  # type: ignore[n
     from sqlmodel import select
 
     from metald.auth import issue_token
-    from metald.claims import Selector, create_claim
+    from metald.claims.allocation import Selector, create_claim
     from metald.provision import driver
     from metald.store.models import Machine
     from metald.tenants import service
