@@ -120,3 +120,43 @@ def _contracts_root_packages() -> list[str]:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"][
         "root_packages"
     ]
+
+
+#: URL prefixes (the first segment after /api/v1/) served by a module of another name.
+PREFIX_MODULES = {"bmcs": "routes_bmc", "whoami": "routes_tokens"}
+
+
+def test_each_routes_module_serves_one_url_prefix() -> None:
+    """/api/v1/<prefix>/... is declared in api/routes_<prefix>.py (docs/architecture.md);
+    the BMC subsystem's routes on a machine (power, boot device, sensors) are routes_bmc's."""
+    import api
+
+    misplaced = []
+    for info in pkgutil.iter_modules(api.__path__):
+        if not info.name.startswith("routes_"):
+            continue
+        module = __import__(f"api.{info.name}", fromlist=["router"])
+        for spec in module.router.specs:
+            path = spec.path
+            if not path.startswith("/api/v1/"):
+                expected = "routes_system"
+            else:
+                prefix = path.removeprefix("/api/v1/").split("/")[0]
+                expected = PREFIX_MODULES.get(prefix, f"routes_{prefix}")
+            bmc_on_machine = info.name == "routes_bmc" and path.startswith("/api/v1/machines/")
+            if info.name != expected and not bmc_on_machine:
+                misplaced.append(f"{spec.method} {path} in {info.name}, not {expected}")
+    assert not misplaced, misplaced
+
+
+def test_role_sets_are_defined_once() -> None:
+    """STAFF and the other role sets of route declarations live in api/routing.py and
+    api/roles.py; a second definition drifts from the first."""
+    defined: dict[str, list[str]] = {}
+    for p in sorted((ROOT / "api").glob("*.py")):
+        for node in ast.parse(p.read_text()).body:
+            if isinstance(node, ast.Assign) and isinstance(node.value, (ast.Call, ast.BinOp)):
+                for t in node.targets:
+                    if isinstance(t, ast.Name) and t.id in {"STAFF", "ADMIN", "AGENT", "CLAIMERS"}:
+                        defined.setdefault(t.id, []).append(p.name)
+    assert {k: v for k, v in defined.items() if len(v) > 1} == {}

@@ -137,27 +137,46 @@ def new_tenant(
     return tenant
 
 
-def create_tenant(
+def add_tenant(
     session: Session,
-    box: SecretBox,
     *,
     name: str,
     cluster_kind: str,
-    control_plane: str | None = None,
-    endpoint_host: str,
-    listen_port: int = DEFAULT_LISTEN_PORT,
-    supernet: str = ipam.DEFAULT_SUPERNET,
-) -> tuple[Tenant, WgHub]:
-    tenant = new_tenant(session, name=name, cluster_kind=cluster_kind, control_plane=control_plane)
-    hub = setup_hub(
-        session,
-        box,
-        tenant.id,
-        endpoint_host=endpoint_host,
-        listen_port=listen_port,
-        supernet=supernet,
-    )
-    return tenant, hub
+    control_plane: str | None,
+    vlan_range: tuple[int, int],
+    actor: str,
+    instance: str | None = None,
+) -> Tenant:
+    """Add a tenant (``new_tenant``) with a ``tenant.created`` event, and commit. A taken name
+    is 409; a name or VLAN committed by a concurrent request a moment ago is looked at again,
+    up to five times."""
+    for attempt in range(5):
+        if session.exec(select(Tenant).where(Tenant.name == name)).first():
+            raise Conflict(f"a tenant named {name!r} already exists")
+        t = new_tenant(
+            session,
+            name=name,
+            cluster_kind=cluster_kind,
+            control_plane=control_plane,
+            vlan_range=vlan_range,
+        )
+        machines.add_event(
+            session,
+            "tenant.created",
+            actor,
+            tenant_id=t.id,
+            data={"name": t.name, "vlan": t.vlan},
+            instance=instance,
+        )
+        try:
+            session.commit()
+        except IntegrityError:  # the same name or VLAN committed a moment ago: look again
+            session.rollback()
+            if attempt == 4:
+                raise Conflict("tenants were created concurrently; try again") from None
+            continue
+        return t
+    raise AssertionError("unreachable")
 
 
 def hub_private_key(box: SecretBox, hub: WgHub) -> str:
