@@ -160,3 +160,28 @@ def test_role_sets_are_defined_once() -> None:
                     if isinstance(t, ast.Name) and t.id in {"STAFF", "ADMIN", "AGENT", "CLAIMERS"}:
                         defined.setdefault(t.id, []).append(p.name)
     assert {k: v for k, v in defined.items() if len(v) > 1} == {}
+
+
+def test_no_subclass_overrides_a_private_method() -> None:
+    """Behaviour is configured or composed, never changed by overriding a base class's private
+    method (``EnrollmentBootHooks._target`` over ``StoreBootHooks._target`` did)."""
+    methods: dict[str, set[str]] = {}
+    bases: dict[str, list[str]] = {}
+    for p in [*(ROOT / "metald").rglob("*.py"), *(ROOT / "api").rglob("*.py")]:
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ClassDef):
+                methods[node.name] = {
+                    f.name
+                    for f in node.body
+                    if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    and f.name.startswith("_")
+                    and not f.name.endswith("__")
+                }
+                bases[node.name] = [b.id for b in node.bases if isinstance(b, ast.Name)]
+    overrides = [
+        f"{cls}.{name} overrides {base}.{name}"
+        for cls, names in methods.items()
+        for base in bases[cls]
+        for name in sorted(names & methods.get(base, set()))
+    ]
+    assert not overrides, overrides
