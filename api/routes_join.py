@@ -10,7 +10,7 @@ from pydantic import BaseModel, StringConstraints
 
 from api.routing import ApiRequest, Router
 from api.schemas import In
-from metald.tenants import service
+from metald.tenants import clusters
 from metald.tenants.hubs import HubRuntime
 
 log = logging.getLogger("metald.tenants")
@@ -37,7 +37,7 @@ class JoinResponse(BaseModel):
     cluster: dict[str, Any]
 
 
-def _apply_peer(hubs: HubRuntime, result: service.JoinResult) -> None:
+def _apply_peer(hubs: HubRuntime, result: clusters.JoinResult) -> None:
     hubs.add_peer(result.hub.tenant_id, result.peer.public_key, result.peer.address)
 
 
@@ -57,7 +57,7 @@ async def join(req: ApiRequest) -> JoinResponse:
     public key, allowed IPs, keepalive and the cluster's join material; the token is burned."""
     b: JoinRequest = req.body
     result = await req.ctx.store.run(
-        service.join, req.ctx.secrets, b.token, b.public_key, instance=req.ctx.instance
+        clusters.join, req.ctx.secrets, b.token, b.public_key, instance=req.ctx.instance
     )
     hubs = req.ctx.services.get("tenant_hubs")
     if hubs is not None:  # else the stored peer is applied when the hub is (re)started

@@ -36,7 +36,7 @@ from metald.errors import Conflict, NotFound
 from metald.lifecycle import State, Trigger, allowed_triggers
 from metald.machines import get_machine
 from metald.store.models import Machine, Nic
-from metald.tenants import service as tenant_service
+from metald.tenants import clusters
 
 log = logging.getLogger("metald.tenants")
 router = Router()
@@ -412,7 +412,7 @@ async def create_join_token(req: ApiRequest) -> JoinTokenCreated:
         m = get_machine(s, req.params["id"])
         if not p.can_see_machine(m.id, m.tenant_id):
             raise NotFound(f"no machine with id {req.params['id']!r}")
-        secret, expires = tenant_service.issue_join_token(
+        secret, expires = clusters.issue_join_token(
             s,
             m.id,
             actor=req.actor,
@@ -444,7 +444,7 @@ async def revoke_peer(req: ApiRequest) -> PeerOut:
         m = get_machine(s, req.params["id"])
         if not p.can_see_machine(m.id, m.tenant_id):
             raise NotFound(f"no machine with id {req.params['id']!r}")
-        peer = tenant_service.remove_peer(
+        peer = clusters.remove_peer(
             s, m.id, actor=req.actor, instance=req.ctx.instance, reason="revoked"
         )
         if peer is None:

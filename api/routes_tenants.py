@@ -14,7 +14,7 @@ from api.schemas import In, TenantCreate, TenantList, TenantOut
 from api.workflows import tenant_runtime
 from metald.errors import NotFound, Unprocessable
 from metald.store.models import Tenant
-from metald.tenants import service
+from metald.tenants import clusters
 from metald.tenants.runtime import free_hub_address
 
 router = Router()
@@ -24,7 +24,7 @@ class HubCreate(In):
     #: Underlay address (or DNS name) nodes dial; the hub listens on listen_port there. Omitted:
     #: the next free address of tenants.hub_addresses (when metald runs the hubs).
     endpoint_host: Annotated[str, StringConstraints(min_length=1, max_length=253)] | None = None
-    listen_port: int = Field(default=service.DEFAULT_LISTEN_PORT, ge=1, le=65535)
+    listen_port: int = Field(default=clusters.DEFAULT_LISTEN_PORT, ge=1, le=65535)
 
 
 class PeerOut(BaseModel):
@@ -47,7 +47,7 @@ class HubOut(BaseModel):
 
 
 def _hub_out(s: Session, tenant: Tenant) -> HubOut:
-    hub = service.get_hub(s, tenant.id)
+    hub = clusters.get_hub(s, tenant.id)
     return HubOut(
         tenant_id=tenant.id,
         cluster_kind=tenant.cluster_kind,
@@ -57,7 +57,7 @@ def _hub_out(s: Session, tenant: Tenant) -> HubOut:
         listen_port=hub.listen_port,
         address=hub.address,
         overlay_prefix=tenant.overlay_prefix or "",
-        peers=[PeerOut.model_validate(p.model_dump()) for p in service.peers(s, tenant.id)],
+        peers=[PeerOut.model_validate(p.model_dump()) for p in clusters.peers(s, tenant.id)],
     )
 
 
@@ -84,7 +84,7 @@ async def create_tenant(req: ApiRequest) -> TenantOut:
     b: TenantCreate = req.body
 
     def run(s: Session) -> TenantOut:
-        t = service.add_tenant(
+        t = clusters.add_tenant(
             s,
             name=b.name,
             cluster_kind=b.cluster_kind,
@@ -168,7 +168,7 @@ async def create_hub(req: ApiRequest) -> HubOut:
                     "endpoint_host: required (tenants.hub_addresses is not configured)"
                 )
             host = free_hub_address(s, pool)
-        service.setup_hub(s, req.ctx.secrets, t.id, endpoint_host=host, listen_port=b.listen_port)
+        clusters.setup_hub(s, req.ctx.secrets, t.id, endpoint_host=host, listen_port=b.listen_port)
         return _hub_out(s, t)
 
     out = await req.ctx.store.run(run)

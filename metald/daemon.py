@@ -252,10 +252,10 @@ def _boot_plane(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
 
 
 def _bmc(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
-    try:
-        from metald.bmc.service import BmcService
-    except ImportError:
-        return None, []
+    """BMC control. Always on: its drivers' dependencies are metald's own, so an import that
+    fails here is a broken install and stops the start, never a daemon silently without BMCs."""
+    from metald.bmc.service import BmcService
+
     svc = BmcService(d.store, d.secrets, d.cfg.bmc, d.cfg.instance)
     svc.ownership = d.fleet
     return svc, []

@@ -21,8 +21,8 @@ from metald.auth import Role, issue_token, revoke_machine_tokens
 from metald.boot.machine_hooks import StoreBootHooks
 from metald.config import EnrollConfig
 from metald.errors import Conflict, MetaldError
-from metald.inventory import accept_inventory as intake
-from metald.inventory.enroll import apply_rules
+from metald.inventory import validate_inventory
+from metald.inventory.rules import apply_rules
 from metald.lifecycle import INVENTORY_ACCEPTED, OUT_OF_SERVICE, State, Trigger, phase_of
 from metald.provision import boots
 from metald.store.models import Event, Machine, as_utc, utcnow
@@ -142,7 +142,7 @@ def accept_inventory(
     """Validate and store an agent's inventory post. On refusal: an event, nothing else."""
     try:
         m = machines.get_machine(s, machine_id)
-        accepted = intake(data, token_machine_id=machine_id, stored=m.inventory)
+        accepted = validate_inventory(data, token_machine_id=machine_id, stored=m.inventory)
         if State(m.state) not in INVENTORY_ACCEPTED:
             raise Conflict(
                 f"machine {machine_id} is {m.state}, not inspecting; run the 'inspect' action to re-inspect it"

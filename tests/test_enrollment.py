@@ -14,7 +14,7 @@ from metald import machines
 from metald.boot.hooks import BootAction
 from metald.config import EnrollConfig
 from metald.enrollment import enrollment_boot_hooks
-from metald.inventory.enroll import EnrollmentRule
+from metald.inventory.rules import EnrollmentRule
 from metald.store.models import Event, Machine, Nic
 from vmlab import inventory
 from vmlab.inventory import NVIDIA

@@ -12,7 +12,7 @@ from sqlmodel import Session, col, select
 from metald.lifecycle import AGENT_OPERATIONS, INSTALLED, State
 from metald.provision.metadata import nocloud
 from metald.store.models import Claim, Image, Machine, Nic, WgHub
-from metald.tenants.service import issue_join_token
+from metald.tenants.clusters import issue_join_token
 
 
 @dataclass(frozen=True)

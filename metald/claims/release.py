@@ -16,7 +16,7 @@ from metald.errors import Conflict, NotFound
 from metald.lifecycle import ALLOCATED, State, Trigger
 from metald.provision.intents import DeployImage, wipe_intent
 from metald.store.models import Claim, Machine, utcnow
-from metald.tenants import service as tenant_service
+from metald.tenants import clusters
 
 
 def release_claim(
@@ -58,7 +58,7 @@ def release_claim(
             revoke_machine_tokens(session, m.id, commit=False)
             # Off the tenant's hub (the tenant runtime removes it from the running hub and
             # the node from the cluster); unused join tokens are revoked.
-            tenant_service.remove_peer(session, m.id, actor=actor, instance=instance)
+            clusters.remove_peer(session, m.id, actor=actor, instance=instance)
             machines.transition(
                 session,
                 m.id,
@@ -130,7 +130,7 @@ def _detach(
     """Take a machine that is not allocated any more (marked broken during the claim) from
     its tenant: tokens revoked, peer removed, tenant cleared, a wipe owed."""
     revoke_machine_tokens(session, m.id, commit=False)
-    tenant_service.remove_peer(session, m.id, actor=actor, instance=instance)
+    clusters.remove_peer(session, m.id, actor=actor, instance=instance)
     res = session.connection().execute(
         _MACHINES.update()
         .where(_MACHINES.c.id == m.id, _MACHINES.c.version == m.version)

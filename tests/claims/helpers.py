@@ -12,7 +12,7 @@ from metald.provision import driver
 from metald.provision.intents import DeployImage
 from metald.store import Store
 from metald.store.models import Image, Machine
-from metald.tenants.service import new_tenant
+from metald.tenants.clusters import new_tenant
 
 DEPLOY = DeployImage("discovery/vmlinuz", "discovery/initrd.img")
 
