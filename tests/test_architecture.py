@@ -75,16 +75,6 @@ def _sources() -> list[Path]:
     return [*found, ROOT / "vm-lab" / "vm-lab", ROOT / "scripts" / "bootstrap"]
 
 
-#: Known uses, each to go with the fix named (an entry that no longer matches fails too).
-PATH_EDITS_TO_REMOVE = {
-    # Issue 12 item 11: the three copies of the QEMU harness put the repository on the
-    # receiver's PYTHONPATH; merging them into one harness removes these.
-    "tests/inventory/test_qemu_discovery.py",
-    "tests/bootassets/test_node_qemu.py",
-    "tests/provision_agent/test_qemu_modes.py",
-}
-
-
 def test_nothing_edits_the_import_path() -> None:
     """Every package (the lab's too) is installed; code that reaches another folder through
     sys.path or PYTHONPATH hides a missing install and breaks from another directory."""
@@ -94,8 +84,7 @@ def test_nothing_edits_the_import_path() -> None:
         for p in _sources()
         if p != Path(__file__) and pattern.search(p.read_text(errors="replace"))
     }
-    assert offenders - PATH_EDITS_TO_REMOVE == set()
-    assert PATH_EDITS_TO_REMOVE - offenders == set(), "fixed: drop them from the list"
+    assert offenders == set()
 
 
 def test_benchmarks_import_the_lab_not_the_tests() -> None:
