@@ -293,6 +293,17 @@ class TechnicianNote(In):
     )
 
 
+def _as_caller(req: ApiRequest) -> dict[str, Any]:
+    """How a machine step of the workflow acts for this request: as its actor, on machines
+    its token may see, answering with the machine as the API shows it."""
+    p = req.require_principal()
+    return {
+        "actor": req.actor,
+        "load": lambda s, mid: load_visible(s, p, mid),
+        "render": _machine_view,
+    }
+
+
 def _machine_view(s: Session, m: Machine) -> MachineOut:
     return machine_out(m, list(s.exec(select(Nic).where(Nic.machine_id == m.id)).all()))
 
@@ -312,14 +323,8 @@ async def retry_machine(req: ApiRequest) -> MachineOut:
     inspect-failed -> inspecting, join-failed -> joining. Network-booting ones are power-cycled
     into PXE through their BMC. Any other state: 409."""
     b: RetryIn = req.body
-    p = req.require_principal()
     return await claim_workflow(req.ctx).retry(
-        req.params["id"],
-        actor=req.actor,
-        load=lambda s, mid: load_visible(s, p, mid),
-        render=_machine_view,
-        reason=b.reason,
-        version=b.version,
+        req.params["id"], reason=b.reason, version=b.version, **_as_caller(req)
     )
 
 
@@ -338,14 +343,8 @@ async def wipe_machine(req: ApiRequest) -> MachineOut:
     a claim, repaired, and owing a wipe): power-off, PXE and the wipe image through its BMC,
     then ready once the agent's evidence fits its recorded disks. Any other state: 409."""
     b: RetryIn = req.body
-    p = req.require_principal()
     return await claim_workflow(req.ctx).wipe(
-        req.params["id"],
-        actor=req.actor,
-        load=lambda s, mid: load_visible(s, p, mid),
-        render=_machine_view,
-        reason=b.reason,
-        version=b.version,
+        req.params["id"], reason=b.reason, version=b.version, **_as_caller(req)
     )
 
 
@@ -366,14 +365,8 @@ async def confirm_wipe(req: ApiRequest) -> MachineOut:
     The reason is required and recorded with the technician's name (``machine.wipe-confirmed``
     event)."""
     b: TechnicianNote = req.body
-    p = req.require_principal()
     return await claim_workflow(req.ctx).confirm_wipe(
-        req.params["id"],
-        actor=req.actor,
-        load=lambda s, mid: load_visible(s, p, mid),
-        render=_machine_view,
-        reason=b.reason,
-        version=b.version,
+        req.params["id"], reason=b.reason, version=b.version, **_as_caller(req)
     )
 
 

@@ -11,10 +11,11 @@ is listed under the diagram with the states it leaves, in words.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+import drawn_block
 
 from metald.lifecycle import TRANSITIONS, State, Trigger, sources
 
@@ -51,25 +52,8 @@ def diagram() -> str:
     return "\n".join(lines)
 
 
-def render(doc: str) -> str:
-    head, rest = doc.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{diagram()}\n{END}{tail}"
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="fail when the README's diagram is stale")
-    args = ap.parse_args(argv)
-    doc = DOC.read_text()
-    new = render(doc)
-    if args.check:
-        if new != doc:
-            print(f"{DOC.relative_to(ROOT)}: the lifecycle diagram is stale; run {sys.argv[0]}")
-            return 1
-        return 0
-    DOC.write_text(new)
-    return 0
+    return drawn_block.main(__doc__.splitlines()[0], DOC, BEGIN, END, diagram, argv)
 
 
 if __name__ == "__main__":

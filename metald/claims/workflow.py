@@ -174,6 +174,29 @@ class ClaimWorkflow:
         self._boot_from_network(wiping, actor)
         return out
 
+    async def _on_machine(
+        self,
+        machine_id: str,
+        step: Callable[[Session, Machine], Machine],
+        *,
+        actor: str,
+        load: LoadMachine,
+        render: Callable[[Session, Machine], R],
+        boot: frozenset[str],
+    ) -> R:
+        """One technician step on one machine in one transaction; then wake the event
+        streams, and network-boot the machine if the step left it in one of ``boot``."""
+
+        def run(s: Session) -> tuple[R, str]:
+            m = step(s, load(s, machine_id))
+            return render(s, m), m.state
+
+        out, state = await self.store.run(run)
+        self.notify()
+        if state in boot:
+            self._boot_from_network([machine_id], actor)
+        return out
+
     async def retry(
         self,
         machine_id: str,
@@ -187,23 +210,20 @@ class ClaimWorkflow:
         """Start a failed operation again (``lifecycle.RETRY``); one that starts with a network
         boot is power-cycled into PXE through the BMC."""
 
-        def run(s: Session) -> tuple[R, str]:
-            m = self.boot.retry(
+        def step(s: Session, m: Machine) -> Machine:
+            return self.boot.retry(
                 s,
-                load(s, machine_id).id,
+                m.id,
                 actor=actor,
                 deploy=self.deploy,
                 reason=reason,
                 version=version,
                 instance=self.instance,
             )
-            return render(s, m), m.state
 
-        out, state = await self.store.run(run)
-        self.notify()
-        if state in NETWORK_BOOT:
-            self._boot_from_network([machine_id], actor)
-        return out
+        return await self._on_machine(
+            machine_id, step, actor=actor, load=load, render=render, boot=NETWORK_BOOT
+        )
 
     async def wipe(
         self,
@@ -217,22 +237,20 @@ class ClaimWorkflow:
     ) -> R:
         """A technician's wipe (``release.start_wipe``), booted through the BMC."""
 
-        def run(s: Session) -> R:
-            m = release.start_wipe(
+        def step(s: Session, m: Machine) -> Machine:
+            return release.start_wipe(
                 s,
-                load(s, machine_id),
+                m,
                 actor,
                 deploy=self.deploy,
                 reason=reason,
                 version=version,
                 instance=self.instance,
             )
-            return render(s, m)
 
-        out = await self.store.run(run)
-        self.notify()
-        self._boot_from_network([machine_id], actor)
-        return out
+        return await self._on_machine(
+            machine_id, step, actor=actor, load=load, render=render, boot=NETWORK_BOOT
+        )
 
     async def confirm_wipe(
         self,
@@ -246,17 +264,11 @@ class ClaimWorkflow:
     ) -> R:
         """A technician vouches for a wipe done by hand (``release.confirm_wipe``)."""
 
-        def run(s: Session) -> R:
-            m = release.confirm_wipe(
-                s,
-                load(s, machine_id),
-                actor,
-                reason=reason,
-                version=version,
-                instance=self.instance,
+        def step(s: Session, m: Machine) -> Machine:
+            return release.confirm_wipe(
+                s, m, actor, reason=reason, version=version, instance=self.instance
             )
-            return render(s, m)
 
-        out = await self.store.run(run)
-        self.notify()
-        return out
+        return await self._on_machine(
+            machine_id, step, actor=actor, load=load, render=render, boot=frozenset()
+        )

@@ -238,10 +238,11 @@ def issue_join_token(
 
 
 def get_hub_or_conflict(session: Session, tenant_id: str) -> WgHub:
-    hub = session.exec(select(WgHub).where(WgHub.tenant_id == tenant_id)).first()
-    if hub is None:
-        raise Conflict("the machine's tenant has no WireGuard hub; create it first")
-    return hub
+    """``get_hub`` for a machine's tenant: a missing hub is a conflict, not an absence."""
+    try:
+        return get_hub(session, tenant_id)
+    except NotFound:
+        raise Conflict("the machine's tenant has no WireGuard hub; create it first") from None
 
 
 def _material(
