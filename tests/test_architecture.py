@@ -174,3 +174,21 @@ def test_no_subclass_overrides_a_private_method() -> None:
         for name in sorted(names & methods.get(base, set()))
     ]
     assert not overrides, overrides
+
+
+def test_route_handlers_leave_integrity_and_service_probing_below() -> None:
+    """A handler validates, authorises and delegates (docs/architecture.md): unique-key races
+    (IntegrityError) are the domain's to turn into a 409, and a service is reached through a
+    typed accessor (api/workflows.py), never probed with hasattr."""
+    offenders = []
+    for p in sorted((ROOT / "api").glob("routes_*.py")):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Name) and node.id == "IntegrityError":
+                offenders.append(f"{p.name}:{node.lineno} IntegrityError")
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "hasattr"
+            ):
+                offenders.append(f"{p.name}:{node.lineno} hasattr")
+    assert not offenders, offenders
