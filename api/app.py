@@ -8,7 +8,19 @@ from typing import Any
 
 from aiohttp import web
 
-from api import routes_events, routes_instances, routes_machines, routes_system, routes_tokens
+from api import (
+    routes_agent,
+    routes_bmc,
+    routes_claims,
+    routes_events,
+    routes_images,
+    routes_instances,
+    routes_join,
+    routes_machines,
+    routes_system,
+    routes_tenants,
+    routes_tokens,
+)
 from api.context import AppContext
 from api.openapi import build_openapi
 from api.problem import problem
@@ -32,32 +44,21 @@ def server_settings(*, header_timeout_s: float = HEADER_TIMEOUT_S) -> dict[str, 
     return {"keepalive_timeout": header_timeout_s}
 
 
+#: One routes module per URL prefix (``/api/v1/<prefix>``); the BMC subsystem's routes, also
+#: those on a machine (power, boot device, sensors, log), are ``routes_bmc``'s.
 ROUTERS: list[Router] = [
     routes_system.router,
     routes_machines.router,
     routes_events.router,
     routes_tokens.router,
     routes_instances.router,
+    routes_bmc.router,
+    routes_agent.router,
+    routes_claims.router,
+    routes_images.router,
+    routes_tenants.router,
+    routes_join.router,
 ]
-
-
-def extra_routers() -> list[Router]:
-    """Route modules owned by optional subsystems, mounted when importable."""
-    found = []
-    for mod in (
-        "api.routes_bmc",
-        "api.routes_agent",
-        "api.routes_claims",
-        "api.routes_tenancy",
-    ):
-        try:
-            module = __import__(mod, fromlist=["router"])
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
-            continue
-        found.append(module.router)
-    return found
 
 
 @web.middleware
@@ -126,7 +127,7 @@ def create_app(ctx: AppContext, *, extra: list[web.RouteDef] | None = None) -> w
         middlewares=[errors_middleware, tenant_node_middleware],
         client_max_size=max(ctx.cfg.api.max_body_bytes, 4 << 20),
     )
-    routers = ROUTERS + extra_routers()
+    routers = ROUTERS
     for r in routers:
         add_routes(app, r, ctx)
     document = build_openapi(all_specs(routers))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from api.app import ROUTERS, all_specs, extra_routers
+from api.app import ROUTERS, all_specs
 
 
 def render() -> str:
@@ -18,7 +18,7 @@ def render() -> str:
         "| method | path | summary | roles | body | response |",
         "|---|---|---|---|---|---|",
     ]
-    for s in sorted(all_specs(ROUTERS + extra_routers()), key=lambda s: (s.openapi_path, s.method)):
+    for s in sorted(all_specs(ROUTERS), key=lambda s: (s.openapi_path, s.method)):
         roles = "no token" if s.roles is None else ", ".join(sorted(r.value for r in s.roles))
         body = s.body.__name__ if s.body else ""
         resp = s.response.__name__ if s.response else (s.raw_response or "")
@@ -26,7 +26,7 @@ def render() -> str:
             f"| {s.method} | `{s.openapi_path}` | {s.summary} | {roles} | {body} | {resp} |"
         )
     lines += ["", "## Details", ""]
-    for s in sorted(all_specs(ROUTERS + extra_routers()), key=lambda s: (s.openapi_path, s.method)):
+    for s in sorted(all_specs(ROUTERS), key=lambda s: (s.openapi_path, s.method)):
         lines.append(f"### {s.method} `{s.openapi_path}`")
         lines.append("")
         lines.append(s.description or s.summary)

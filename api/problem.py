@@ -1,53 +1,16 @@
-"""RFC 9457 problem details: every error the API returns is one of these."""
+"""RFC 9457 problem details for the API: ``metald.problem``'s builder, and the sentence and
+field list a request that does not validate gets."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from aiohttp import web
 from pydantic import ValidationError
 
-PROBLEM_TYPE = "application/problem+json"
-_TYPES = {
-    400: "bad-request",
-    401: "unauthorized",
-    403: "forbidden",
-    404: "not-found",
-    405: "method-not-allowed",
-    408: "request-timeout",
-    409: "conflict",
-    413: "payload-too-large",
-    415: "unsupported-media-type",
-    422: "unprocessable",
-    429: "too-many-requests",
-    500: "internal-error",
-    502: "upstream-error",
-    503: "unavailable",
-}
+from metald.problem import PROBLEM_TYPE, problem
 
-
-def problem(
-    status: int, title: str, detail: str, *, instance: str | None = None, **extra: Any
-) -> web.Response:
-    body: dict[str, Any] = {
-        "type": f"https://metald.dev/problems/{_TYPES.get(status, 'error')}",
-        "title": title,
-        "status": status,
-        "detail": detail,
-    }
-    if instance:
-        body["instance"] = instance
-    body.update(extra)
-    headers = {"WWW-Authenticate": 'Bearer realm="metald"'} if status == 401 else {}
-    if "retry_after_s" in extra:
-        headers["Retry-After"] = str(extra["retry_after_s"])
-    return web.Response(
-        status=status,
-        text=json.dumps(body, default=str),
-        content_type=PROBLEM_TYPE,
-        headers=headers,
-    )
+__all__ = ["PROBLEM_TYPE", "describe_validation", "problem", "validation_problem"]
 
 
 def describe_validation(e: ValidationError) -> tuple[str, list[dict[str, Any]]]:

@@ -1,19 +1,27 @@
-"""/api/v1/agent: what the discovery agent in a machine's RAM talks to (agent tokens only)."""
+"""/api/v1/agent: what the agents in a machine's RAM talk to (agent tokens only): the discovery
+agent posts inventory and asks what next; the deploy agent asks what to install or wipe and
+reports progress."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import asdict
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, StringConstraints
 from sqlmodel import Session
 
+from api.roles import AGENT
 from api.routing import ApiRequest, Router
+from api.schemas import In
 from metald import enrollment, machines
-from metald.auth import Role, require_agent_phase
+from metald.auth import require_agent_phase
+from metald.claims.provisioning import next_step
 from metald.inventory.schema import InventoryPayload
+from metald.machines import get_machine
+from metald.provision.progress import Progress, record_progress
+from metald.store.models import Machine
 
 router = Router()
-AGENT = frozenset({Role.AGENT})
 
 
 class InventoryAccepted(BaseModel):
@@ -28,6 +36,53 @@ class Instruction(BaseModel):
     action: str
     reason: str | None = None
     retry_after_s: int | None = None
+
+
+class VerifyReadIn(In):
+    offset: int = Field(ge=0)
+    length: int = Field(ge=0)
+    #: Every byte read back was zero.
+    zero: bool
+
+
+class WipedDiskIn(In):
+    device: Annotated[str, StringConstraints(min_length=6, max_length=64, pattern=r"^/dev/\S+$")]
+    size_bytes: int = Field(ge=0)
+    method: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    reads: list[VerifyReadIn] = Field(default=[], max_length=16)
+
+
+class ProgressIn(In):
+    phase: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    percent: float | None = Field(default=None, ge=0, le=100)
+    bytes: int | None = Field(default=None, ge=0)
+    rate_bps: float | None = Field(default=None, ge=0)
+    done: bool = False
+    error: Annotated[str, StringConstraints(min_length=1, max_length=1000)] | None = None
+    disks: list[WipedDiskIn] | None = Field(
+        default=None,
+        max_length=256,
+        description="Wipe reports: per disk wiped, its device, size, method and verification "
+        "reads. A wipe is done only with every disk recorded at inspection here.",
+    )
+
+
+class ProgressAccepted(BaseModel):
+    machine_id: str
+    state: str
+
+
+class ProvisionInstruction(BaseModel):
+    #: provision (write ``image``, then ``nocloud``), wipe, join (a stateless node of a tenant
+    #: booting again: join with ``join``, nothing to install), or none.
+    action: Literal["provision", "wipe", "join", "none"]
+    machine_id: str
+    image: dict[str, Any] | None = None
+    #: cloud-init NoCloud files: meta-data, user-data, network-config.
+    nocloud: dict[str, str] | None = None
+    #: For a machine of a tenant with a hub: where and with what one-time token the node joins
+    #: (``url``, ``token``, ``expires_at``; also in user-data as /etc/metald/join.json).
+    join: dict[str, str] | None = None
 
 
 def _machine_id(req: ApiRequest) -> str:
@@ -91,5 +146,77 @@ async def next_instruction(req: ApiRequest) -> Instruction:
         return Instruction(
             **enrollment.next_instruction(machines.get_machine(s, mid), req.ctx.cfg.enroll)
         )
+
+    return await req.ctx.store.run(run)
+
+
+@router.route(
+    "POST",
+    "/api/v1/agent/progress",
+    summary="Report provisioning progress",
+    roles=AGENT,
+    body=ProgressIn,
+    response=ProgressAccepted,
+    tag="agent",
+    errors=(409, 422),
+)
+async def post_progress(req: ApiRequest) -> ProgressAccepted:
+    """The agent's progress while installing an image or wiping (phase, percent, bytes,
+    rate_bps). ``done`` ends the operation (provisioned, or ready after a wipe); ``error`` fails
+    it (provision-failed, wipe-failed) with the error as the machine's last_error."""
+    b: ProgressIn = req.body
+    p = req.require_principal()
+    mid = next(iter(p.scope))
+
+    def run(s: Session) -> ProgressAccepted:
+        require_agent_phase(p, get_machine(s, mid).state, {"provision", "wipe"})
+        m: Machine = record_progress(
+            s,
+            mid,
+            Progress(**b.model_dump()),
+            actor=req.actor,
+            instance=req.ctx.instance,
+            min_interval_s=req.ctx.cfg.provision.progress_event_interval_s,
+            token_boot=p.boot,
+        )
+        return ProgressAccepted(machine_id=m.id, state=m.state)
+
+    out = await req.ctx.store.run(run)
+    req.ctx.bus.notify()
+    return out
+
+
+@router.route(
+    "GET",
+    "/api/v1/agent/provision",
+    summary="Get what to install",
+    roles=AGENT,
+    response=ProvisionInstruction,
+    tag="agent",
+)
+async def provision_instruction(req: ApiRequest) -> ProvisionInstruction:
+    """For the deploy agent: while provisioning, the image to write (kind, url, sha256, format)
+    and the first-boot metadata (cloud-init NoCloud: hostname, SSH keys, network config, and
+    for a tenant with a hub the one-time join token in ``join``); while wiping, ``wipe``. A
+    stateless node of a tenant that boots again (provisioned, joining, join-failed, active)
+    gets ``join`` with a fresh token. Otherwise ``none``."""
+    p = req.require_principal()
+    mid = next(iter(p.scope))
+
+    def run(s: Session) -> ProvisionInstruction:
+        m = s.get(Machine, mid)
+        if m is not None:
+            # A discovery token of this machine, once it is claimed, gets nothing here.
+            require_agent_phase(p, m.state, {"provision", "wipe"})
+        step = next_step(
+            s,
+            m,
+            mid,
+            actor=req.actor,
+            join_url=f"{req.raw.scheme}://{req.raw.host}",
+            join_token_ttl_s=req.ctx.cfg.tenants.join_token_ttl_s,
+            instance=req.ctx.instance,
+        )
+        return ProvisionInstruction.model_validate(asdict(step))
 
     return await req.ctx.store.run(run)

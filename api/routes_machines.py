@@ -1,14 +1,25 @@
-"""/api/v1/machines: the fleet as technicians, orchestrators and agents see it."""
+"""/api/v1/machines: the fleet as technicians, orchestrators and agents see it; retrying and
+wiping machines (``metald.claims.workflow``); tenant nodes' join tokens and hub peers.
+
+BMC operations on a machine (power, boot device, sensors, log, approve) are in ``routes_bmc``
+with the rest of the BMC subsystem's routes."""
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import logging
+from datetime import datetime, timedelta
+from typing import Annotated, Any
 
+from pydantic import BaseModel, Field, StringConstraints
 from sqlalchemy import func
 from sqlmodel import Session, select
 
+from api.roles import JOIN_MINTERS
+from api.routes_tenants import PeerOut
 from api.routing import ALL_ROLES, STAFF, ApiRequest, Router
 from api.schemas import (
+    In,
     LabelsPatch,
     MachineAction,
     MachineCreate,
@@ -16,14 +27,19 @@ from api.schemas import (
     MachinePage,
     MachineQuery,
     NicOut,
+    Version,
 )
+from api.workflows import claim_workflow
 from metald import machines as svc
 from metald import metrics
 from metald.auth import Principal, Role, revoke_machine_tokens
 from metald.errors import Conflict, NotFound
 from metald.lifecycle import State, Trigger, allowed_triggers
+from metald.machines import get_machine
 from metald.store.models import Machine, Nic
+from metald.tenants import clusters
 
+log = logging.getLogger("metald.tenants")
 router = Router()
 TAG = "machines"
 
@@ -260,3 +276,178 @@ async def machine_action(req: ApiRequest) -> MachineOut:
 
 
 __all__ = ["router", "machine_out", "load_visible", "ACTIONS", "State"]
+
+
+# ---- operations: retry, wipe (metald.claims.workflow) ----------------------------------
+
+
+class RetryIn(In):
+    reason: Annotated[str, StringConstraints(max_length=500)] | None = None
+    version: Version = None
+
+
+class TechnicianNote(In):
+    reason: Annotated[str, StringConstraints(min_length=1, max_length=500)]
+    version: Version = None
+
+
+def _as_caller(req: ApiRequest) -> dict[str, Any]:
+    """How a machine step of the workflow acts for this request: as its actor, on machines
+    its token may see, answering with the machine as the API shows it."""
+    p = req.require_principal()
+    return {
+        "actor": req.actor,
+        "load": lambda s, mid: load_visible(s, p, mid),
+        "render": _machine_view,
+    }
+
+
+def _machine_view(s: Session, m: Machine) -> MachineOut:
+    return machine_out(m, list(s.exec(select(Nic).where(Nic.machine_id == m.id)).all()))
+
+
+@router.route(
+    "POST",
+    "/api/v1/machines/{id}/retry",
+    summary="Retry a failed machine",
+    roles=STAFF,
+    body=RetryIn,
+    response=MachineOut,
+    tag="machines",
+    errors=(404, 409),
+)
+async def retry_machine(req: ApiRequest) -> MachineOut:
+    """Start a failed operation again: provision-failed -> provisioning, wipe-failed -> wiping,
+    inspect-failed -> inspecting, join-failed -> joining. Network-booting ones are power-cycled
+    into PXE through their BMC. Any other state: 409."""
+    b: RetryIn = req.body
+    return await claim_workflow(req.ctx).retry(
+        req.params["id"], reason=b.reason, version=b.version, **_as_caller(req)
+    )
+
+
+@router.route(
+    "POST",
+    "/api/v1/machines/{id}/wipe",
+    summary="Wipe a machine",
+    roles=STAFF,
+    body=RetryIn,
+    response=MachineOut,
+    tag="machines",
+    errors=(404, 409),
+)
+async def wipe_machine(req: ApiRequest) -> MachineOut:
+    """Start a wipe of a machine in maintenance or wipe-failed (e.g. one marked broken during
+    a claim, repaired, and owing a wipe): power-off, PXE and the wipe image through its BMC,
+    then ready once the agent's evidence fits its recorded disks. Any other state: 409."""
+    b: RetryIn = req.body
+    return await claim_workflow(req.ctx).wipe(
+        req.params["id"], reason=b.reason, version=b.version, **_as_caller(req)
+    )
+
+
+@router.route(
+    "POST",
+    "/api/v1/machines/{id}/confirm-wipe",
+    summary="Confirm a machine's disks were wiped",
+    roles=STAFF,
+    body=TechnicianNote,
+    response=MachineOut,
+    tag="machines",
+    errors=(404, 409, 422),
+)
+async def confirm_wipe(req: ApiRequest) -> MachineOut:
+    """A technician vouches that the machine's disks were erased (by hand, or it has no BMC
+    through which metald could boot its wipe image, or no disks the agent can see): from
+    releasing, wiping, wipe-failed or maintenance to ready, detached from any tenant and claim.
+    The reason is required and recorded with the technician's name (``machine.wipe-confirmed``
+    event)."""
+    b: TechnicianNote = req.body
+    return await claim_workflow(req.ctx).confirm_wipe(
+        req.params["id"], reason=b.reason, version=b.version, **_as_caller(req)
+    )
+
+
+# ---- tenant nodes: join tokens and hub peers --------------------------------------------
+
+
+class JoinTokenCreate(In):
+    ttl_seconds: int = Field(default=1800, ge=60, le=86400)
+
+
+class JoinTokenCreated(BaseModel):
+    machine_id: str
+    token: str
+    expires_at: datetime
+
+
+@router.route(
+    "POST",
+    "/api/v1/machines/{id}/join-token",
+    summary="Issue a join token",
+    roles=JOIN_MINTERS,
+    body=JoinTokenCreate,
+    response=JoinTokenCreated,
+    status=201,
+    tag="tenants",
+    errors=(404, 409),
+)
+async def create_join_token(req: ApiRequest) -> JoinTokenCreated:
+    """A one-time, short-lived token for the machine's first-boot metadata. The secret is in
+    this response and nowhere else. Admin, or the orchestrator of the machine's tenant; 409
+    while the machine is on its hub (a join never replaces an active peer)."""
+    b: JoinTokenCreate = req.body
+    p = req.require_principal()
+
+    def run(s: Session) -> JoinTokenCreated:
+        m = get_machine(s, req.params["id"])
+        if not p.can_see_machine(m.id, m.tenant_id):
+            raise NotFound(f"no machine with id {req.params['id']!r}")
+        secret, expires = clusters.issue_join_token(
+            s,
+            m.id,
+            actor=req.actor,
+            ttl=timedelta(seconds=b.ttl_seconds),
+            instance=req.ctx.instance,
+        )
+        return JoinTokenCreated(machine_id=m.id, token=secret, expires_at=expires)
+
+    return await req.ctx.store.run(run)
+
+
+@router.route(
+    "DELETE",
+    "/api/v1/machines/{id}/peer",
+    summary="Revoke a node's place on its hub",
+    roles=JOIN_MINTERS,
+    response=PeerOut,
+    tag="tenants",
+    errors=(404,),
+)
+async def revoke_peer(req: ApiRequest) -> PeerOut:
+    """Take the machine's WireGuard peer off its tenant's hub (and revoke its unused join
+    tokens), with a ``tenant.peer.removed`` event: the explicit step before a node may join
+    again with a new key (a fresh seed and join token), since a join never replaces an active
+    peer. Admin, or the orchestrator of the machine's tenant."""
+    p = req.require_principal()
+
+    def run(s: Session) -> tuple[PeerOut, str]:
+        m = get_machine(s, req.params["id"])
+        if not p.can_see_machine(m.id, m.tenant_id):
+            raise NotFound(f"no machine with id {req.params['id']!r}")
+        peer = clusters.remove_peer(
+            s, m.id, actor=req.actor, instance=req.ctx.instance, reason="revoked"
+        )
+        if peer is None:
+            raise NotFound(f"machine {m.id} has no peer on a tenant's hub")
+        s.commit()
+        return PeerOut.model_validate(peer.model_dump()), peer.tenant_id
+
+    out, tenant_id = await req.write(run)
+    hubs = req.ctx.services.get("tenant_hubs")
+    if hubs is not None:  # else the hub drops it when it next syncs with the store
+        try:
+            await asyncio.to_thread(hubs.remove_peer, tenant_id, out.public_key)
+        except Exception:
+            log.exception("could not take machine %s's peer off its hub", out.machine_id)
+    return out

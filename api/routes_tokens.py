@@ -1,19 +1,16 @@
-"""/api/v1/tokens, /api/v1/tenants and /api/v1/whoami: who may do what."""
+"""/api/v1/tokens and /api/v1/whoami: who may do what."""
 
 from __future__ import annotations
 
 from datetime import timedelta
 
 from sqlalchemy import func
-from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
+from api.roles import ADMIN
 from api.routing import ALL_ROLES, ApiRequest, Router
 from api.schemas import (
     PageQuery,
-    TenantCreate,
-    TenantList,
-    TenantOut,
     TokenCreate,
     TokenCreated,
     TokenList,
@@ -21,13 +18,11 @@ from api.schemas import (
     WhoAmI,
 )
 from metald.auth import Role, issue_token, revoke_token
-from metald.errors import Conflict, NotFound, Unprocessable
+from metald.errors import Conflict, Unprocessable
 from metald.machines import add_event
 from metald.store.models import ApiToken, Machine, Tenant
-from metald.tenants.service import new_tenant
 
 router = Router()
-ADMIN = frozenset({Role.ADMIN})
 
 
 def _check_scope(s: Session, role: Role, scope: list[str]) -> None:
@@ -156,105 +151,3 @@ async def whoami(req: ApiRequest) -> WhoAmI:
     """The caller's token id, name, role and scope."""
     p = req.require_principal()
     return WhoAmI(token_id=p.token_id, name=p.name, role=p.role.value, scope=sorted(p.scope))
-
-
-@router.route(
-    "POST",
-    "/api/v1/tenants",
-    summary="Create a tenant",
-    roles=ADMIN,
-    body=TenantCreate,
-    response=TenantOut,
-    status=201,
-    tag="tenants",
-    errors=(409, 422),
-)
-async def create_tenant(req: ApiRequest) -> TenantOut:
-    """A tenant that orchestrator tokens can be scoped to."""
-    b: TenantCreate = req.body
-
-    def run(s: Session) -> TenantOut:
-        for attempt in range(5):
-            if s.exec(select(Tenant).where(Tenant.name == b.name)).first():
-                raise Conflict(f"a tenant named {b.name!r} already exists")
-            t = new_tenant(
-                s,
-                name=b.name,
-                cluster_kind=b.cluster_kind,
-                control_plane=b.control_plane,
-                vlan_range=req.ctx.cfg.tenants.vlan_range,
-            )
-            add_event(
-                s,
-                "tenant.created",
-                req.actor,
-                tenant_id=t.id,
-                data={"name": t.name, "vlan": t.vlan},
-                instance=req.ctx.instance,
-            )
-            try:
-                s.commit()
-            except IntegrityError:  # the same name or VLAN committed a moment ago: look again
-                s.rollback()
-                if attempt == 4:
-                    raise Conflict("tenants were created concurrently; try again") from None
-                continue
-            return TenantOut.model_validate(t.model_dump())
-        raise AssertionError("unreachable")
-
-    return await req.ctx.store.run(run)
-
-
-@router.route(
-    "GET",
-    "/api/v1/tenants",
-    summary="List tenants",
-    roles=frozenset({Role.ADMIN, Role.TECHNICIAN, Role.ORCHESTRATOR}),
-    query=PageQuery,
-    response=TenantList,
-    tag="tenants",
-)
-async def list_tenants(req: ApiRequest) -> TenantList:
-    """Tenants by name, paginated; an orchestrator sees only those in its scope."""
-    p = req.require_principal()
-    q: PageQuery = req.query
-    limit = req.page_limit(q)
-
-    def run(s: Session) -> TenantList:
-        stmt = select(Tenant)
-        if p.role is Role.ORCHESTRATOR:
-            stmt = stmt.where(col(Tenant.id).in_(sorted(p.scope)))
-        total = s.exec(select(func.count()).select_from(stmt.subquery())).one()
-        rows = s.exec(
-            stmt.order_by(col(Tenant.name), col(Tenant.id)).offset(q.offset).limit(limit)
-        ).all()
-        return TenantList(
-            items=[TenantOut.model_validate(t.model_dump()) for t in rows],
-            total=total,
-            limit=limit,
-            offset=q.offset,
-        )
-
-    return await req.ctx.store.read(run)
-
-
-@router.route(
-    "GET",
-    "/api/v1/tenants/{id}",
-    summary="Show a tenant",
-    roles=frozenset({Role.ADMIN, Role.TECHNICIAN, Role.ORCHESTRATOR}),
-    response=TenantOut,
-    tag="tenants",
-    errors=(404,),
-)
-async def show_tenant(req: ApiRequest) -> TenantOut:
-    """One tenant (never its secrets)."""
-    p = req.require_principal()
-
-    def run(s: Session) -> TenantOut:
-        t = s.get(Tenant, req.params["id"])
-        if t is None or not p.can_see_tenant(t.id):
-            raise NotFound(f"no tenant with id {req.params['id']!r}")
-        return TenantOut.model_validate(t.model_dump())
-
-    return await req.ctx.store.run(run)

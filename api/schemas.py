@@ -23,6 +23,8 @@ LABEL_KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$"
 LabelKey = Annotated[str, StringConstraints(pattern=LABEL_KEY_PATTERN)]
 LabelValue = Annotated[str, StringConstraints(max_length=253)]
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")]
+#: Free text of one line's worth: 1 to 500 characters.
+Text = Annotated[str, StringConstraints(min_length=1, max_length=500)]
 
 
 class In(BaseModel):

@@ -692,7 +692,7 @@ async def run(self, fn, *args, **kwargs):
             p.disable()
     return await orig_run(self, prof_fn, *args, **kwargs)
 db.Store.run = run
-from metald.cli import main
+from metald.__main__ import main
 main_p = cProfile.Profile(time.thread_time)
 profiles.append(main_p)
 main_p.enable()
@@ -781,7 +781,7 @@ def run_one(n: int, args: argparse.Namespace) -> dict[str, Any]:
             logs.mkdir(parents=True, exist_ok=True)
             mlog = logs / f"metald-{n}-{args.db}.log"
             with open(mlog, "w") as logf:
-                code = "import sys; from metald.cli import main; sys.exit(main())"
+                code = "import sys; from metald.__main__ import main; sys.exit(main())"
                 if args.profile:
                     out = Path(args.profile).resolve() / f"metald-{n}-{args.db}.prof"
                     out.parent.mkdir(parents=True, exist_ok=True)

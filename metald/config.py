@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from metald.inventory.enroll import EnrollmentRule
+from metald.inventory.rules import EnrollmentRule
 
 
 class ConfigError(Exception):

@@ -17,7 +17,6 @@ from aiohttp import web
 
 from api.app import create_app, server_settings
 from api.context import AppContext
-from api.problem import problem
 from metald import __version__
 from metald.auth import bootstrap_admin
 from metald.config import Config, check_assets_root, split_hostport
@@ -25,6 +24,7 @@ from metald.events import EventBus
 from metald.fleet.membership import Membership
 from metald.fleet.startup import hold_sqlite_lock, verify_secrets_key
 from metald.nodeguard import path_allowed
+from metald.problem import problem
 from metald.secrets import SecretBox
 from metald.service import Service
 from metald.store import Store
@@ -234,7 +234,7 @@ def _boot_plane(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
         return None, []
     from metald.boot.http import boot_routes
     from metald.boot.plane import BootPlane, http_base_url
-    from metald.enrollment import EnrollmentBootHooks
+    from metald.enrollment import enrollment_boot_hooks
 
     leased_only = d.cfg.boot.scripts_leased_only
     if not leased_only:
@@ -242,7 +242,7 @@ def _boot_plane(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
             "boot.script_clients is 'any': a machine's iPXE script, agent token included, "
             "goes to whoever asks for its MAC on the provisioning network"
         )
-    hooks = EnrollmentBootHooks(
+    hooks = enrollment_boot_hooks(
         d.store, d.cfg.instance, d.cfg.enroll, leased_clients_only=leased_only
     )
     plane = BootPlane(d.cfg, d.store, hooks)
@@ -252,10 +252,10 @@ def _boot_plane(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
 
 
 def _bmc(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
-    try:
-        from metald.bmc.service import BmcService
-    except ImportError:
-        return None, []
+    """BMC control. Always on: its drivers' dependencies are metald's own, so an import that
+    fails here is a broken install and stops the start, never a daemon silently without BMCs."""
+    from metald.bmc.service import BmcService
+
     svc = BmcService(d.store, d.secrets, d.cfg.bmc, d.cfg.instance)
     svc.ownership = d.fleet
     return svc, []

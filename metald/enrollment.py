@@ -1,6 +1,6 @@
 """Zero-touch enrollment: from a MAC on the wire to a ``ready`` machine with its inventory.
 
-- ``EnrollmentBootHooks`` (the boot plane's hooks): an unknown MAC that fetches its iPXE script
+- ``enrollment_boot_hooks`` (the boot plane's hooks): an unknown MAC that fetches its iPXE script
   becomes a ``discovered`` machine; a machine booting the discovery image moves to
   ``inspecting`` and gets a fresh machine-scoped agent token on its kernel command line.
 - ``accept_inventory``: the agent's post, validated, checked against its token's machine and
@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -19,17 +18,14 @@ from sqlmodel import Session, select
 
 from metald import machines
 from metald.auth import Role, issue_token, revoke_machine_tokens
-from metald.boot.hooks import BootTarget, ScriptRefused, StoreBootHooks, holds_lease
+from metald.boot.machine_hooks import StoreBootHooks
 from metald.config import EnrollConfig
 from metald.errors import Conflict, MetaldError
-from metald.inventory import accept_inventory as intake
-from metald.inventory.enroll import apply_rules
-from metald.lifecycle import State, Trigger, phase_of
+from metald.inventory import validate_inventory
+from metald.inventory.rules import apply_rules
+from metald.lifecycle import INVENTORY_ACCEPTED, OUT_OF_SERVICE, State, Trigger, phase_of
 from metald.provision import boots
 from metald.store.models import Event, Machine, as_utc, utcnow
-
-#: States in which a machine's agent may post inventory.
-INSPECT_STATES = {State.INSPECTING}
 
 
 def mint_agent_token(
@@ -79,59 +75,29 @@ def mint_agent_token(
     return secret
 
 
-class EnrollmentBootHooks(StoreBootHooks):
-    """Store hooks that also enroll MACs first seen over HTTP and mint agent tokens."""
-
-    def __init__(
-        self, store: Any, instance: str, cfg: EnrollConfig, *, leased_clients_only: bool = False
-    ) -> None:
-        actor = f"metald:{instance}"
-        super().__init__(
-            store,
-            instance,
-            mint_agent_token=lambda s, m, mac, client: mint_agent_token(
-                s,
-                m,
-                actor=actor,
-                ttl_s=cfg.agent_token_ttl_s,
-                instance=instance,
-                mac=mac,
-                client=client,
-            ),
-            leased_clients_only=leased_clients_only,
-        )
-
-    def _target(self, s: Session, mac: str, client: str | None = None) -> BootTarget:
-        m = machines.find_by_mac(s, mac)
-        if m is None and self.leased_clients_only and holds_lease(s, mac, client):
-            # Only a client holding the lease metald's DHCP gave this MAC is enrolled over
-            # HTTP; anyone else asking for a random MAC's script creates nothing (the refusal
-            # below). In "any" mode the DHCP sighting (client_seen) enrolls machines, and an
-            # unknown MAC gets the discovery script with no token and no record.
-            try:
-                m = machines.create_machine(
-                    s,
-                    macs=[mac],
-                    actor=self.actor,
-                    reason="asked for its boot script",
-                    instance=self.instance,
-                )
-            except MetaldError:
-                s.rollback()  # created concurrently by DHCP or another instance
-                m = machines.find_by_mac(s, mac)
-        elif m is None and self.leased_clients_only:
-            raise ScriptRefused(
-                f"{client or 'an unknown address'} does not hold the lease of {mac}"
-            )
-        t = self._target_for(s, m, mac, client)
-        if t.kernel and "console" not in t.kernel_args:
-            # The agent reports on the serial console too (people and tests read it there).
-            # quiet: the kernel would otherwise print its command line, agent token included.
-            args = {"console": "ttyS0,115200", "quiet": "", **t.kernel_args}
-            if t.machine_id:
-                args["metald.machine"] = t.machine_id
-            t = replace(t, kernel_args=args)
-        return t
+def enrollment_boot_hooks(
+    store: Any, instance: str, cfg: EnrollConfig, *, leased_clients_only: bool = False
+) -> StoreBootHooks:
+    """The boot plane's hooks with enrollment: MACs first seen over HTTP are enrolled (when the
+    asking address holds their lease), agent boots carry a fresh agent token
+    (``mint_agent_token``) and the agent console arguments."""
+    actor = f"metald:{instance}"
+    return StoreBootHooks(
+        store,
+        instance,
+        mint_agent_token=lambda s, m, mac, client: mint_agent_token(
+            s,
+            m,
+            actor=actor,
+            ttl_s=cfg.agent_token_ttl_s,
+            instance=instance,
+            mac=mac,
+            client=client,
+        ),
+        leased_clients_only=leased_clients_only,
+        enroll_unknown=True,
+        agent_console=True,
+    )
 
 
 def record_refusal(
@@ -176,8 +142,8 @@ def accept_inventory(
     """Validate and store an agent's inventory post. On refusal: an event, nothing else."""
     try:
         m = machines.get_machine(s, machine_id)
-        accepted = intake(data, token_machine_id=machine_id, stored=m.inventory)
-        if State(m.state) not in INSPECT_STATES:
+        accepted = validate_inventory(data, token_machine_id=machine_id, stored=m.inventory)
+        if State(m.state) not in INVENTORY_ACCEPTED:
             raise Conflict(
                 f"machine {machine_id} is {m.state}, not inspecting; run the 'inspect' action to re-inspect it"
             )
@@ -234,10 +200,10 @@ def accept_inventory(
 def next_instruction(m: Machine, cfg: EnrollConfig) -> dict[str, Any]:
     """What the agent in the discovery image should do now."""
     state = State(m.state)
-    if state in INSPECT_STATES:
+    if state in INVENTORY_ACCEPTED:
         return {"action": "inspect", "reason": "post the inventory"}
     if state is State.READY:
         return {"action": cfg.after_inspection, "reason": "inspected; waiting for a claim"}
-    if state in (State.MAINTENANCE, State.BROKEN, State.RETIRED):
+    if state in OUT_OF_SERVICE:
         return {"action": "poweroff", "reason": f"machine is {state.value}"}
     return {"action": "wait", "retry_after_s": 10, "reason": f"machine is {state.value}"}

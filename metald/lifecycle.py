@@ -141,6 +141,69 @@ WIPE_ENDS = frozenset({T.WIPED, T.CONFIRM_WIPE})
 TENANT_BLOCKS = frozenset({T.REPAIR, T.MAINTENANCE_ON, T.MAINTENANCE_OFF, T.INSPECT, T.RETIRE})
 
 
+def sources(trigger: Trigger) -> frozenset[State]:
+    """The states ``trigger`` is allowed from."""
+    return frozenset(s for (s, t) in TRANSITIONS if t is trigger)
+
+
+def reachable(start: State, via: frozenset[Trigger]) -> frozenset[State]:
+    """``start`` and every state reachable from it through ``via`` triggers only."""
+    seen, todo = {start}, [start]
+    while todo:
+        here = todo.pop()
+        for (src, t), target in TRANSITIONS.items():
+            if src is here and t in via and target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return frozenset(seen)
+
+
+# ---- sets derived from the table: code elsewhere imports these, never lists states itself ----
+
+#: The retry action: the trigger that starts a failed operation again (the failed state an
+#: operation's timeout leads to, and the trigger from there back into the operation).
+RETRY: dict[State, Trigger] = {
+    TRANSITIONS[(op, fail)]: t
+    for op, fail in TIMEOUTS.items()
+    for (src, t), target in TRANSITIONS.items()
+    if target is op and src is TRANSITIONS[(op, fail)]
+}
+#: The states an operation ends in when it fails.
+FAILED = frozenset(RETRY)
+#: States whose operation metald starts by network-booting the machine through its BMC and
+#: an agent carries out (the agent asks what to install or wipe, and reports progress).
+AGENT_OPERATIONS = frozenset({S.PROVISIONING, S.WIPING})
+#: Where a failed BMC step of such an operation sends the machine.
+OPERATION_FAIL: dict[State, Trigger] = {s: TIMEOUTS[s] for s in AGENT_OPERATIONS}
+#: States whose work the provisioning runner starts with a network boot: those whose entry arms
+#: the boot, and those whose wipe boot it arms itself after powering the machine off.
+NETWORK_BOOT = ARM_ON_ENTRY | DISARM_ON_ENTRY
+#: A machine not (successfully) inspected yet, or being inspected: it boots the discovery image.
+UNINSPECTED = frozenset({S.DISCOVERED, S.INSPECTING, S.INSPECT_FAILED})
+#: States in which a machine's agent may post its inventory.
+INVENTORY_ACCEPTED = sources(T.INSPECTED)
+#: States without an agent phase: out of service (maintenance, broken, retired); an agent
+#: that still runs there is told to power off.
+OUT_OF_SERVICE = frozenset(State) - PHASES.keys()
+#: A tenant's installed node: provisioned and what follows until it leaves the claim. Such a
+#: node that boots again (a stateless image lives in RAM) gets a fresh join token, no install.
+INSTALLED = reachable(S.PROVISIONED, frozenset({T.JOIN, T.JOINED, T.JOIN_FAIL}))
+#: States in which a machine may be handed a join token: it belongs to a tenant and its
+#: install has not failed.
+JOINABLE = ALLOCATED - {TRANSITIONS[(S.PROVISIONING, TIMEOUTS[S.PROVISIONING])]}
+#: States a node starts joining its tenant's cluster from (also a retry).
+JOIN_STARTS = sources(T.JOIN)
+#: States metald leaves by itself at once (the runner starts provisioning or the wipe).
+HANDOFF = frozenset({S.CLAIMED, S.RELEASING})
+#: Where a machine of a claim stops moving on its own, from the claim to its release back to
+#: ready: neither an operation under way (``TIMEOUTS``) nor a hand-off.
+SETTLED = (
+    (ALLOCATED | reachable(S.RELEASING, frozenset({T.WIPE, T.WIPED, T.WIPE_FAIL})))
+    - TIMEOUTS.keys()
+    - HANDOFF
+)
+
+
 def boot_on_entry(target: State, new_nonce: Callable[[], str]) -> dict[str, str | None]:
     """Pure given ``new_nonce``: the boot columns a transition into ``target`` sets."""
     if target in ARM_ON_ENTRY:

@@ -13,13 +13,13 @@ package (only ``__version__``) are left out.
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 import tomllib
 from collections import defaultdict
 from pathlib import Path
 
+import drawn_block
 import grimp
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,25 +78,8 @@ def mermaid() -> str:
     return "\n".join(lines)
 
 
-def render(doc: str) -> str:
-    head, rest = doc.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{mermaid()}\n{END}{tail}"
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="fail when the doc's picture is stale")
-    args = ap.parse_args(argv)
-    doc = DOC.read_text()
-    new = render(doc)
-    if args.check:
-        if new != doc:
-            print(f"{DOC.relative_to(ROOT)}: the import graph is stale; run {sys.argv[0]}")
-            return 1
-        return 0
-    DOC.write_text(new)
-    return 0
+    return drawn_block.main(__doc__.splitlines()[0], DOC, BEGIN, END, mermaid, argv)
 
 
 if __name__ == "__main__":

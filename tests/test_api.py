@@ -9,11 +9,11 @@ import re
 import pytest
 from sqlmodel import func, select
 
-from api.app import ROUTERS, all_specs, extra_routers
+from api.app import ROUTERS, all_specs
 from metald.store.models import ApiToken, Event, Machine
 
 ROLES = ["admin", "technician", "orchestrator", "agent"]
-SPECS = [s for s in all_specs(ROUTERS + extra_routers())]
+SPECS = [s for s in all_specs(ROUTERS)]
 
 
 def _path(spec_path: str, tokens) -> str:  # type: ignore[no-untyped-def]

@@ -273,3 +273,14 @@ def test_two_instances_share_one_postgresql(tmp_path: Path, pg_server) -> None: 
         for p in procs:
             p.terminate()
             p.wait(timeout=15)
+
+
+def test_a_broken_bmc_install_stops_the_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BMC control's dependencies are metald's own: a module of it that cannot be imported is
+    a broken install and fails the daemon's start loudly, instead of a daemon that runs on
+    with BMC control silently off."""
+    from metald import daemon
+
+    monkeypatch.setitem(sys.modules, "metald.bmc.service", None)  # its import now fails
+    with pytest.raises(ImportError):
+        daemon._bmc(object())  # type: ignore[arg-type]

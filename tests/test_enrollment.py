@@ -13,8 +13,8 @@ from api.app import CTX_KEY
 from metald import machines
 from metald.boot.hooks import BootAction
 from metald.config import EnrollConfig
-from metald.enrollment import EnrollmentBootHooks
-from metald.inventory.enroll import EnrollmentRule
+from metald.enrollment import enrollment_boot_hooks
+from metald.inventory.rules import EnrollmentRule
 from metald.store.models import Event, Machine, Nic
 from vmlab import inventory
 from vmlab.inventory import NVIDIA
@@ -56,7 +56,7 @@ def payload(machine_id: str | None, *, boot_id: str, sequence: int = 1, gpus: in
 
 
 async def enrolled_via_hooks(store, instance="t"):  # type: ignore[no-untyped-def]
-    hooks = EnrollmentBootHooks(store, instance, EnrollConfig())
+    hooks = enrollment_boot_hooks(store, instance, EnrollConfig())
     await hooks.client_seen(
         MAC,
         arch="bios",
@@ -206,7 +206,7 @@ async def test_dhcp_records_the_boot_firmware(store) -> None:  # type: ignore[no
     """The firmware DHCP saw (option 93) is kept on the machine; a change is an event, an
     unknown architecture changes nothing."""
 
-    hooks = EnrollmentBootHooks(store, "t", EnrollConfig())
+    hooks = enrollment_boot_hooks(store, "t", EnrollConfig())
     await hooks.client_seen(MAC, arch="bios", network="rack1", relay_agent=None)
 
     def read(s):  # type: ignore[no-untyped-def]

@@ -3,12 +3,16 @@ refused, both in the pure core and when applied to a stored machine (on both bac
 
 from __future__ import annotations
 
+import ast
 import itertools
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from sqlmodel import select
 
-from metald import machines
+from metald import lifecycle, machines
 from metald.lifecycle import ALLOCATED, TRANSITIONS, IllegalTransition, State, Trigger, next_state
 from metald.store.models import Event, Machine
 
@@ -115,3 +119,99 @@ def test_every_state_has_at_most_one_phase_and_wipes_are_never_armed_on_entry() 
     assert boot_on_entry(State.PROVISIONING, lambda: "n") == {"boot_armed": "n"}
     assert boot_on_entry(State.WIPING, lambda: "n") == {"boot_armed": None}
     assert boot_on_entry(State.ACTIVE, lambda: "n") == {}
+
+
+# ---- sets derived from the table -------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+S = State
+
+
+def test_derived_sets_are_the_ones_the_code_used_to_list() -> None:
+    """The sets other modules import from lifecycle.py hold exactly the states they used to
+    spell out themselves (so deriving them changed no behaviour)."""
+    assert lifecycle.RETRY == {
+        S.INSPECT_FAILED: Trigger.INSPECT,
+        S.PROVISION_FAILED: Trigger.PROVISION,
+        S.WIPE_FAILED: Trigger.WIPE,
+        S.JOIN_FAILED: Trigger.JOIN,
+    }
+    assert lifecycle.OPERATION_FAIL == {
+        S.PROVISIONING: Trigger.PROVISION_FAIL,
+        S.WIPING: Trigger.WIPE_FAIL,
+    }
+    assert {S.PROVISIONING, S.WIPING, S.INSPECTING, S.RELEASING} == lifecycle.NETWORK_BOOT
+    assert {S.DISCOVERED, S.INSPECTING, S.INSPECT_FAILED} == lifecycle.UNINSPECTED
+    assert {S.INSPECTING} == lifecycle.INVENTORY_ACCEPTED
+    assert {S.MAINTENANCE, S.BROKEN, S.RETIRED} == lifecycle.OUT_OF_SERVICE
+    assert {S.PROVISIONED, S.JOINING, S.JOIN_FAILED, S.ACTIVE} == lifecycle.INSTALLED
+    assert {
+        S.CLAIMED,
+        S.PROVISIONING,
+        S.PROVISIONED,
+        S.JOINING,
+        S.JOIN_FAILED,
+        S.ACTIVE,
+    } == lifecycle.JOINABLE
+    assert {S.PROVISIONED, S.JOIN_FAILED} == lifecycle.JOIN_STARTS
+    assert {
+        S.PROVISIONED,
+        S.ACTIVE,
+        S.READY,
+        S.PROVISION_FAILED,
+        S.WIPE_FAILED,
+        S.JOIN_FAILED,
+    } == lifecycle.SETTLED
+
+
+def _state_lists(tree: ast.AST) -> list[int]:
+    """Lines of set/tuple/list literals naming two or more states, and of dicts from states to
+    triggers: a second copy of what the table already says."""
+
+    def is_state(node: ast.AST | None) -> bool:
+        return (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in {"State", "S"}
+        )
+
+    def is_trigger(node: ast.AST | None) -> bool:
+        return (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in {"Trigger", "T"}
+        )
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Set, ast.Tuple, ast.List)):
+            if sum(is_state(e) for e in node.elts) >= 2:
+                found.append(node.lineno)
+        elif isinstance(node, ast.Dict) and any(
+            is_state(k) and is_trigger(v) for k, v in zip(node.keys, node.values, strict=True)
+        ):
+            found.append(node.lineno)
+    return found
+
+
+def test_state_sets_live_in_the_lifecycle_table_only() -> None:
+    """h11's rule: everything about transitions in one file. No module of the daemon, the API
+    or metalctl lists states itself; each imports the set it needs from metald/lifecycle.py."""
+    offenders = []
+    for path in sorted([*(ROOT / "metald").rglob("*.py"), *(ROOT / "api").rglob("*.py")]):
+        if path == ROOT / "metald" / "lifecycle.py" or "migrations" in path.parts:
+            continue
+        for line in _state_lists(ast.parse(path.read_text(), str(path))):
+            offenders.append(f"{path.relative_to(ROOT)}:{line}")
+    assert not offenders, "state sets outside metald/lifecycle.py: " + ", ".join(offenders)
+
+
+def test_readme_lifecycle_diagram_is_drawn_from_the_table() -> None:
+    """README.md's lifecycle diagram matches the table (scripts/lifecycle_diagram.py)."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "lifecycle_diagram.py"), "--check"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from metald.boot.hooks import StoreBootHooks
 from metald.boot.http import boot_routes
+from metald.boot.machine_hooks import StoreBootHooks
 from metald.boot.plane import BootPlane, http_base_url
 from metald.config import load_config, split_hostport
 from metald.store.db import Store

@@ -1,29 +1,19 @@
-"""The one coupling between the boot plane and the rest of metald.
+"""The one coupling between the boot plane and the rest of metald, and its pure parts.
 
 ``BootHooks`` is what the boot plane calls: it reports clients it saw on DHCP and asks what a
-machine should boot. ``StoreBootHooks`` implements it on the machine store; ``MemoryBootHooks``
-is a plain in-memory one for tests and tools.
+machine should boot. What a machine boots follows from its state and boot intent alone
+(``target_for_machine``). ``metald.boot.machine_hooks.StoreBootHooks`` implements the hooks on
+the machine store; ``MemoryBootHooks`` here is a plain in-memory one for tests and tools. This
+module imports no store, database or DHCP code.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Protocol
 
-from sqlmodel import Session, select
-
-from metald import machines
-from metald.boot.dhcp.bootfile import Arch
-from metald.errors import Conflict
-from metald.lifecycle import State
-from metald.store.db import Store
-from metald.store.models import Lease, Machine, as_utc
-
-log = logging.getLogger(__name__)
+from metald.lifecycle import UNINSPECTED, State
 
 
 class BootAction(StrEnum):
@@ -65,11 +55,16 @@ class ScriptRefused(Exception):
 DISCOVERY_KERNEL = "discovery/vmlinuz"
 DISCOVERY_INITRD = "discovery/initrd.img"
 
-_DISCOVERY_STATES = {State.DISCOVERED, State.INSPECTING, State.INSPECT_FAILED}
-_LOCAL_STATES = {State.PROVISIONED, State.JOINING, State.JOIN_FAILED, State.ACTIVE, State.READY}
+
+class MachineRecord(Protocol):
+    """What the boot target is decided from (``metald.store.models.Machine`` has it)."""
+
+    id: str
+    state: str
+    boot_intent: dict[str, Any] | None
 
 
-def target_for_machine(m: Machine | None) -> BootTarget:
+def target_for_machine(m: MachineRecord | None) -> BootTarget:
     """Pure: the boot target implied by a machine's state and boot intent."""
     if m is None:
         return BootTarget(BootAction.DISCOVERY, DISCOVERY_KERNEL, DISCOVERY_INITRD)
@@ -78,7 +73,7 @@ def target_for_machine(m: Machine | None) -> BootTarget:
     args = {str(k): str(v) for k, v in (intent.get("kernel_args") or {}).items()}
     if intent.get("action") in {a.value for a in BootAction}:
         action = BootAction(intent["action"])
-    elif state in _DISCOVERY_STATES:
+    elif state in UNINSPECTED:
         action = BootAction.DISCOVERY
     elif state is State.PROVISIONING:
         action = BootAction.PROVISION
@@ -97,129 +92,24 @@ def target_for_machine(m: Machine | None) -> BootTarget:
     return BootTarget(action, kernel, initrd, args, m.id)
 
 
-class StoreBootHooks:
-    """BootHooks on metald's store. ``mint_agent_token(session, machine, mac, client)``, when
-    given, adds ``metald.token=<token>`` to discovery/provision/wipe kernel arguments; it
-    returns None when the machine has no boot armed (``metald.provision.boots``): the script is
-    then served without a token."""
-
-    def __init__(
-        self,
-        store: Store,
-        instance: str,
-        *,
-        mint_agent_token: Callable[[Session, Machine, str, str | None], str | None] | None = None,
-        leased_clients_only: bool = False,
-    ) -> None:
-        self.store = store
-        self.instance = instance
-        self.actor = f"metald:{instance}"
-        self.mint_agent_token = mint_agent_token
-        #: Mint a token only for the address metald's DHCP leased to the MAC (see config).
-        self.leased_clients_only = leased_clients_only
-
-    async def client_seen(
-        self, mac: str, *, arch: str, network: str | None, relay_agent: dict[str, str] | None
-    ) -> None:
-        await self.store.run(self._seen, mac, arch, network, relay_agent)
-
-    def _seen(
-        self,
-        s: Session,
-        mac: str,
-        arch: str,
-        network: str | None,
-        relay_agent: dict[str, str] | None,
-    ) -> None:
-        position = _rack_position(relay_agent)
-        firmware = arch if arch in FIRMWARE else None
-        m = machines.find_by_mac(s, mac)
-        if m is None:
-            try:
-                machines.create_machine(
-                    s,
-                    macs=[mac],
-                    actor=self.actor,
-                    rack_position=position,
-                    firmware=firmware,
-                    reason=f"seen on DHCP ({arch}, network {network})",
-                    instance=self.instance,
-                )
-            except Conflict:
-                s.rollback()  # another instance created it at the same moment
-            return
-        # What DHCP tells of a known machine that changed: each change is its own event kind.
-        changes: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
-        if position and m.rack_position != position:
-            data = {"from": m.rack_position, "to": position, "relay_agent": relay_agent}
-            changes.append(("machine.rack_position", {"rack_position": position}, data))
-        if firmware and m.firmware != firmware:
-            changes.append(
-                ("machine.firmware", {"firmware": firmware}, {"from": m.firmware, "to": firmware})
-            )
-        for kind, values, data in changes:
-            try:
-                machines.update_fields(
-                    s,
-                    m.id,
-                    actor=self.actor,
-                    kind=kind,
-                    values=values,
-                    data=data,
-                    instance=self.instance,
-                )
-            except Conflict:
-                s.rollback()  # changed by someone else meanwhile: the next report retries
-                return
-
-    async def boot_target(self, mac: str, *, client: str | None = None) -> BootTarget:
-        return await self.store.run(self._target, mac, client)
-
-    def _target(self, s: Session, mac: str, client: str | None = None) -> BootTarget:
-        return self._target_for(s, machines.find_by_mac(s, mac), mac, client)
-
-    def _target_for(
-        self, s: Session, m: Machine | None, mac: str, client: str | None
-    ) -> BootTarget:
-        t = target_for_machine(m)
-        if m is not None and self.mint_agent_token and t.action != BootAction.LOCAL:
-            if self.leased_clients_only and not holds_lease(s, mac, client):
-                # Checked before minting: a refused request neither gets a token nor revokes
-                # the machine's current one.
-                raise ScriptRefused(
-                    f"{client or 'an unknown address'} does not hold the lease of {mac}"
-                )
-            token = self.mint_agent_token(s, m, mac, client)
-            if token is None:
-                return t
-            t = BootTarget(
-                t.action, t.kernel, t.initrd, {**t.kernel_args, "metald.token": token}, t.machine_id
-            )
+def with_agent_console(t: BootTarget) -> BootTarget:
+    """Pure: the kernel arguments every agent boot of metald's images carries. The agent reports
+    on the serial console too (people and tests read it there); quiet: the kernel would
+    otherwise print its command line, agent token included."""
+    if not t.kernel or "console" in t.kernel_args:
         return t
+    args = {"console": "ttyS0,115200", "quiet": "", **t.kernel_args}
+    if t.machine_id:
+        args["metald.machine"] = t.machine_id
+    return replace(t, kernel_args=args)
 
 
-#: Firmware names recorded on machines: the architectures DHCP can tell, not "unknown".
-FIRMWARE = frozenset(a.value for a in Arch if a is not Arch.UNKNOWN)
+def with_agent_token(t: BootTarget, token: str) -> BootTarget:
+    """Pure: ``t`` with ``metald.token=<token>`` among its kernel arguments."""
+    return replace(t, kernel_args={**t.kernel_args, "metald.token": token})
 
 
-def holds_lease(s: Session, mac: str, client: str | None) -> bool:
-    """Whether ``client`` is the address metald's DHCP has bound to ``mac`` (unexpired)."""
-    if not client:
-        return False
-    now = datetime.now(UTC)
-    for lease in s.exec(
-        select(Lease).where(
-            Lease.mac == machines.normalize_mac(mac),
-            Lease.ip == client,
-            Lease.state == "bound",
-        )
-    ):
-        if as_utc(lease.expires_at) > now:
-            return True
-    return False
-
-
-def _rack_position(relay_agent: dict[str, str] | None) -> str | None:
+def rack_position(relay_agent: dict[str, str] | None) -> str | None:
     """Option 82 as one string: ``remote-id/circuit-id`` (switch / port)."""
     if not relay_agent:
         return None

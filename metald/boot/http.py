@@ -15,11 +15,11 @@ from pathlib import Path
 
 from aiohttp import web
 
-from api.problem import problem
 from metald.boot import metrics
 from metald.boot.hooks import BootHooks, ScriptRefused
 from metald.boot.ipxe import render_boot_script
 from metald.boot.paths import PathRefused, safe_path
+from metald.problem import problem
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,9 @@
 """Machine inventory: the agent's payload schema, its normalisation, and enrollment rules."""
 
-from metald.inventory.enroll import EnrollmentRule, apply_rules, diff
-from metald.inventory.intake import AcceptedInventory, accept_inventory
+from metald.inventory.changes import diff
+from metald.inventory.intake import AcceptedInventory, validate_inventory
 from metald.inventory.normalize import NormalizedInventory, inventory_document, normalize
+from metald.inventory.rules import EnrollmentRule, apply_rules
 from metald.inventory.schema import (
     InventoryError,
     InventoryPayload,
@@ -16,7 +17,7 @@ from metald.inventory.schema import (
 
 __all__ = [
     "AcceptedInventory",
-    "accept_inventory",
+    "validate_inventory",
     "EnrollmentRule",
     "InventoryError",
     "InventoryPayload",

@@ -1,7 +1,7 @@
 """One call for the inventory endpoint: validate, check machine and replay, normalise.
 
-Pure: the caller (the API) reads the machine's stored ``inventory`` document, calls
-``accept_inventory``, and on success writes ``document`` and ``machine_fields`` in one
+Pure: the caller (``metald.enrollment.accept_inventory``) reads the machine's stored
+``inventory`` document, calls ``validate_inventory``, and on success writes ``document`` and ``machine_fields`` in one
 transaction; on any of the three errors it writes nothing but an event. The replay state lives
 inside the stored document (key ``agent``), so refusing a post leaves everything untouched.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from metald.inventory.enroll import diff
+from metald.inventory.changes import diff
 from metald.inventory.normalize import NormalizedInventory, inventory_document, normalize
 from metald.inventory.schema import (
     InventoryPayload,
@@ -34,7 +34,7 @@ class AcceptedInventory:
     changes: list[str]
 
 
-def accept_inventory(
+def validate_inventory(
     body: Any, *, token_machine_id: str, stored: dict[str, Any] | None
 ) -> AcceptedInventory:
     """Raises ``InventoryError`` (422), ``WrongMachine`` (403) or ``ReplayedInventory`` (409)."""

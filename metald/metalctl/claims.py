@@ -6,7 +6,7 @@ import argparse
 import time
 from typing import Any
 
-from metald.lifecycle import State
+from metald.lifecycle import SETTLED
 
 from .client import Client
 from .options import Subparsers, key_values
@@ -25,17 +25,6 @@ MACHINE_COLUMNS = [
     ("PROGRESS", "bar"),
     ("ERROR", "last_error"),
 ]
-#: Where a claimed machine stops moving on its own: ``show --watch`` ends when all are there.
-SETTLED = frozenset(
-    {
-        State.PROVISIONED,
-        State.ACTIVE,
-        State.READY,
-        State.PROVISION_FAILED,
-        State.WIPE_FAILED,
-        State.JOIN_FAILED,
-    }
-)
 WATCH_INTERVAL_S = 2
 
 

@@ -18,26 +18,15 @@ from sqlmodel import Session
 
 from metald import machines
 from metald.errors import Conflict, MetaldError, NotFound
-from metald.lifecycle import IllegalTransition, State, Trigger
+from metald.lifecycle import NETWORK_BOOT as NETWORK_BOOT_STATES
+from metald.lifecycle import OPERATION_FAIL as _FAIL
+from metald.lifecycle import RETRY, IllegalTransition, State, Trigger
 from metald.provision import boots
 from metald.provision.intents import DeployImage, inspect_intent, wipe_intent
 from metald.store.db import Store
 from metald.store.models import Machine
 
 log = logging.getLogger(__name__)
-
-#: The retry action: which trigger starts a failed operation again.
-RETRY: dict[State, Trigger] = {
-    State.INSPECT_FAILED: Trigger.INSPECT,
-    State.PROVISION_FAILED: Trigger.PROVISION,
-    State.WIPE_FAILED: Trigger.WIPE,
-    State.JOIN_FAILED: Trigger.JOIN,
-}
-#: Where a failed BMC step sends a machine, by the state it was started in.
-_FAIL: dict[State, Trigger] = {
-    State.PROVISIONING: Trigger.PROVISION_FAIL,
-    State.WIPING: Trigger.WIPE_FAIL,
-}
 
 _tasks: set[asyncio.Task[Any]] = set()
 
@@ -180,10 +169,6 @@ def _arm(session: Session, machine_id: str, reason: str, actor: str, instance: s
     return True
 
 
-#: States whose work the driver starts with a network boot (the boot it arms).
-NETWORK_BOOT_STATES = frozenset(
-    {State.PROVISIONING, State.WIPING, State.INSPECTING, State.RELEASING}
-)
 #: How long the driver waits for a machine to report off after a hard power-off.
 POWER_OFF_WAIT_S = 60.0
 POWER_OFF_POLL_S = 1.0

@@ -21,7 +21,7 @@ from sqlmodel import Session, col, select
 from metald import machines
 from metald.auth import revoke_machine_tokens
 from metald.errors import Conflict, Forbidden, MetaldError, Unprocessable
-from metald.lifecycle import State, Trigger
+from metald.lifecycle import AGENT_OPERATIONS, OPERATION_FAIL, State, Trigger
 from metald.provision.intents import after_provisioned
 from metald.provision.wipe import evidence_problems, recorded_disks
 from metald.store.models import Event, Machine, as_utc, utcnow
@@ -68,7 +68,7 @@ def check_wipe_done(
 
 def outcome(state: State, p: Progress) -> tuple[Trigger | None, dict[str, Any]]:
     """Pure: the transition (if any) and column updates a report leads to in ``state``."""
-    if state not in (State.PROVISIONING, State.WIPING):
+    if state not in AGENT_OPERATIONS:
         raise Conflict(
             f"the machine is {state.value}; progress is accepted only while it is "
             "provisioning or wiping"
@@ -76,7 +76,7 @@ def outcome(state: State, p: Progress) -> tuple[Trigger | None, dict[str, Any]]:
     if p.done and p.error:
         raise Unprocessable("a report cannot be both done and an error; send one or the other")
     if p.error:
-        trig = Trigger.PROVISION_FAIL if state is State.PROVISIONING else Trigger.WIPE_FAIL
+        trig = OPERATION_FAIL[state]
         return trig, {"last_error": p.error[:MAX_ERROR]}
     if not p.done:
         return None, {}

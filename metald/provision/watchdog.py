@@ -19,6 +19,7 @@ from sqlmodel import Session, col, select
 
 from metald import machines
 from metald.config import ProvisionConfig
+from metald.lifecycle import AGENT_OPERATIONS as BOOTING_STATES
 from metald.lifecycle import TIMEOUTS, IllegalTransition, State
 from metald.provision import driver
 from metald.service import cancel
@@ -109,10 +110,6 @@ def stalled_claims(session: Session, after_s: int, now: datetime | None = None) 
         )
     ).all()
     return [m.id for m in rows if now - as_utc(m.state_changed_at) > timedelta(seconds=after_s)]
-
-
-#: States whose work starts with a network boot through the BMC.
-BOOTING_STATES = (State.PROVISIONING, State.WIPING)
 
 
 def interrupted_boots(session: Session, after_s: int, now: datetime | None = None) -> list[str]:

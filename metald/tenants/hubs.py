@@ -15,7 +15,7 @@ from sqlmodel import Session, select
 
 from metald.secrets import SecretBox
 from metald.store.models import Tenant, WgHub
-from metald.tenants import service
+from metald.tenants import clusters
 from netconfig.uapi import PeerConfig, PeerStatus
 from netconfig.wireguard import Hub
 
@@ -56,7 +56,7 @@ class LocalHubs:
                     k,
                     [f"{a}/32"],
                     endpoint=seen.get(k),
-                    persistent_keepalive=service.PERSISTENT_KEEPALIVE if seen.get(k) else None,
+                    persistent_keepalive=clusters.PERSISTENT_KEEPALIVE if seen.get(k) else None,
                 )
                 for k, a in peers
             ],
@@ -76,8 +76,8 @@ class LocalHubs:
             address=hub.address,
             prefix=tenant.overlay_prefix,
             listen_port=hub.listen_port,
-            private_key=service.hub_private_key(box, hub),
-            peers=[(p.public_key, p.address) for p in service.peers(session, tenant_id)],
+            private_key=clusters.hub_private_key(box, hub),
+            peers=[(p.public_key, p.address) for p in clusters.peers(session, tenant_id)],
         )
 
     def add_peer(self, tenant_id: str, public_key: str, address: str) -> None:

@@ -19,7 +19,8 @@ from metald.boot.dhcp.enroll_limit import (
     keys_for,
 )
 from metald.boot.dhcp.packet import MessageType, Opt, encode_tlv, serialize
-from metald.boot.hooks import MemoryBootHooks, StoreBootHooks
+from metald.boot.hooks import MemoryBootHooks
+from metald.boot.machine_hooks import StoreBootHooks
 from metald.config import load_config
 from metald.store.models import Machine
 

@@ -8,9 +8,10 @@ from aiohttp import web
 from sqlmodel import select
 
 from metald import machines
-from metald.boot.hooks import BootAction, BootTarget, MemoryBootHooks, StoreBootHooks
+from metald.boot.hooks import BootAction, BootTarget, MemoryBootHooks
 from metald.boot.http import boot_routes
 from metald.boot.ipxe import render_boot_script
+from metald.boot.machine_hooks import StoreBootHooks
 from metald.lifecycle import State
 from metald.store.models import Event
 

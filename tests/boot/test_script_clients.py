@@ -13,7 +13,7 @@ from metald import auth, machines
 from metald.boot.hooks import ScriptRefused
 from metald.boot.http import boot_routes
 from metald.config import EnrollConfig, load_config
-from metald.enrollment import EnrollmentBootHooks
+from metald.enrollment import enrollment_boot_hooks
 from tests.dhcp_leases import add_lease
 
 MAC = "52:54:00:aa:00:01"
@@ -26,7 +26,7 @@ async def _client(aiohttp_client, hooks, assets: Path):  # type: ignore[no-untyp
 
 
 async def test_only_the_lease_holder_gets_a_token(aiohttp_client, store, assets: Path) -> None:  # type: ignore[no-untyped-def]
-    hooks = EnrollmentBootHooks(store, "t", EnrollConfig(), leased_clients_only=True)
+    hooks = enrollment_boot_hooks(store, "t", EnrollConfig(), leased_clients_only=True)
     await hooks.client_seen(MAC, arch="bios", network="prov", relay_agent=None)
     c = await _client(aiohttp_client, hooks, assets)
 
@@ -58,7 +58,7 @@ async def test_only_the_lease_holder_gets_a_token(aiohttp_client, store, assets:
 
 
 async def test_expired_or_unbound_leases_do_not_count(store) -> None:  # type: ignore[no-untyped-def]
-    hooks = EnrollmentBootHooks(store, "t", EnrollConfig(), leased_clients_only=True)
+    hooks = enrollment_boot_hooks(store, "t", EnrollConfig(), leased_clients_only=True)
     await hooks.client_seen(MAC, arch="bios", network="prov", relay_agent=None)
     add_lease(store, MAC, "10.0.0.7", ttl_s=-10)
     add_lease(store, MAC, "10.0.0.8", state="offered")
@@ -71,7 +71,7 @@ async def test_expired_or_unbound_leases_do_not_count(store) -> None:  # type: i
 
 
 async def test_local_boots_carry_no_token_and_need_no_lease(store) -> None:  # type: ignore[no-untyped-def]
-    hooks = EnrollmentBootHooks(store, "t", EnrollConfig(), leased_clients_only=True)
+    hooks = enrollment_boot_hooks(store, "t", EnrollConfig(), leased_clients_only=True)
     await hooks.client_seen(MAC, arch="bios", network="prov", relay_agent=None)
     with store.session() as s:
         m = machines.find_by_mac(s, MAC)
@@ -97,7 +97,7 @@ async def test_a_boot_hands_out_one_token(store) -> None:  # type: ignore[no-unt
 
     from metald.store.models import Event
 
-    hooks = EnrollmentBootHooks(store, "t", EnrollConfig(), leased_clients_only=True)
+    hooks = enrollment_boot_hooks(store, "t", EnrollConfig(), leased_clients_only=True)
     await hooks.client_seen(MAC, arch="bios", network="prov", relay_agent=None)
     add_lease(store, MAC, "10.0.0.9")
     first = await hooks.boot_target(MAC, client="10.0.0.9")

@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,7 +18,7 @@ import pytest
 
 from metald.provision.metadata import nocloud
 from tests.bootassets.conftest import ROOT, boot_until, needs_qemu_root
-from tests.qemu_netns import bridge_netns, ip, start, stop
+from tests.qemu_netns import bridge_netns, ip, metald_standin, start, stop, tap_nic
 
 pytestmark = needs_qemu_root
 
@@ -115,34 +114,14 @@ def netns() -> Iterator[str]:
 
 
 @contextmanager
-def metald_standin(ns: str, tmp_path: Path, config: dict) -> Iterator[Path]:
-    """busybox udhcpd and the metald stand-in (fake_metald.py) on the namespace's bridge;
-    yields the file its requests are logged to (read_requests)."""
-    conf = tmp_path / "udhcpd.conf"
-    conf.write_text(
-        "start 10.79.0.100\nend 10.79.0.150\ninterface br0\nmax_leases 50\n"
-        f"lease_file {tmp_path / 'leases'}\npidfile {tmp_path / 'udhcpd.pid'}\n"
-        "option subnet 255.255.255.0\n"
-    )
-    (tmp_path / "leases").touch()
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    requests, ready = tmp_path / "requests.jsonl", tmp_path / "ready"
+def standin(ns: str, tmp_path: Path, config: dict) -> Iterator[Path]:
+    """udhcpd and fake_metald.py (the node image's metald) on the namespace's bridge; yields
+    the file its requests are logged to (read_requests)."""
+    requests = tmp_path / "requests.jsonl"
     requests.touch()
-    server = [sys.executable, str(ROOT / "tests/bootassets/fake_metald.py"), SERVER, str(PORT)]
-    server += [str(requests), str(ready), str(tmp_path / "config.json")]
-    procs = [
-        start(ns, ["busybox", "udhcpd", "-f", str(conf)], tmp_path / "udhcpd.log"),
-        start(ns, server, tmp_path / "server.log", env={**os.environ, "PYTHONPATH": str(ROOT)}),
-    ]
-    try:
-        deadline = time.monotonic() + 20
-        while not ready.exists():
-            assert time.monotonic() < deadline, (tmp_path / "server.log").read_text()
-            time.sleep(0.1)
-        yield requests
-    finally:
-        for p in procs:
-            stop(p)
+    script = ROOT / "tests/bootassets/fake_metald.py"
+    with metald_standin(ns, tmp_path, script, SERVER, PORT, requests, config) as out:
+        yield out
 
 
 def read_requests(requests: Path) -> list[dict]:
@@ -150,8 +129,7 @@ def read_requests(requests: Path) -> list[dict]:
 
 
 #: The VM's one NIC: a tap on the namespace's bridge.
-TAP_NIC = ["-netdev", "tap,id=n0,ifname=tap0,script=no,downscript=no"]
-TAP_NIC += ["-device", f"virtio-net-pci,netdev=n0,mac={MAC}"]
+TAP_NIC = tap_nic(MAC)
 
 
 def stateless_boot(
@@ -162,7 +140,7 @@ def stateless_boot(
     wanted: list[str],
     also: Callable[[], bool] | None = None,
 ) -> tuple[list[dict], str]:
-    with metald_standin(ns, tmp_path, config) as requests:
+    with standin(ns, tmp_path, config) as requests:
         args = (
             f"metald.url=http://{SERVER}:{PORT} metald.token={AGENT_TOKEN} "
             f"metald.machine=lab-n1 metald.mac={MAC} metald.action=provision "
@@ -392,7 +370,7 @@ def test_disk_node_comes_back_after_a_reboot_without_joining_again(
             "hub_ifname": hub_if,
             "join_response": hub_join_response(hub_pub),
         }
-        with metald_standin(netns, tmp_path, config) as requests_file:
+        with standin(netns, tmp_path, config) as requests_file:
             log1 = boot_until(
                 qemu,
                 tmp_path / "console1.log",

@@ -6,13 +6,13 @@ from typing import Any
 
 from sqlmodel import select
 
-from metald.claims import Selector, create_claim
+from metald.claims.allocation import Selector, create_claim
 from metald.lifecycle import State
 from metald.provision import driver
 from metald.provision.intents import DeployImage
 from metald.store import Store
 from metald.store.models import Image, Machine
-from metald.tenants.service import new_tenant
+from metald.tenants.clusters import new_tenant
 
 DEPLOY = DeployImage("discovery/vmlinuz", "discovery/initrd.img")
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from sqlmodel import select
 
-from metald.claims import Selector, create_claim, release_claim
+from metald.claims.allocation import Selector, create_claim
+from metald.claims.release import release_claim
 from metald.errors import Conflict, NotFound, Unprocessable
 from metald.lifecycle import State
 from metald.provision.intents import DeployImage
@@ -78,7 +79,7 @@ def test_concurrent_claims_from_threads_never_double_allocate(store: Store) -> N
 
 CHILD = """
 import sys
-from metald.claims import Selector, create_claim
+from metald.claims.allocation import Selector, create_claim
 from metald.errors import Unprocessable
 from metald.provision.intents import DeployImage
 from metald.store import Store

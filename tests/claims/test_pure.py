@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 
 from metald.boot.hooks import BootAction, target_for_machine
-from metald.claims import Selector
+from metald.claims.allocation import Selector
 from metald.config import ProvisionConfig
 from metald.errors import Conflict, Unprocessable
 from metald.lifecycle import TIMEOUTS, State, Trigger

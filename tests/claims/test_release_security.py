@@ -11,8 +11,9 @@ from sqlmodel import col, select
 
 from api.app import CTX_KEY
 from metald.auth import issue_token
+from metald.boot.machine_hooks import StoreBootHooks
 from metald.config import EnrollConfig
-from metald.enrollment import EnrollmentBootHooks
+from metald.enrollment import enrollment_boot_hooks
 from metald.provision import driver
 from metald.store.models import ApiToken, Event, Machine, Nic
 from tests.claims.fakes import FakeBmc
@@ -84,8 +85,8 @@ async def _claimed_machine(client, tokens, store, bmc: FakeBmc | None) -> tuple[
     return claim["id"], mid, mac
 
 
-def _hooks(store) -> EnrollmentBootHooks:  # type: ignore[no-untyped-def]
-    return EnrollmentBootHooks(store, "t", EnrollConfig(), leased_clients_only=True)
+def _hooks(store) -> StoreBootHooks:  # type: ignore[no-untyped-def]
+    return enrollment_boot_hooks(store, "t", EnrollConfig(), leased_clients_only=True)
 
 
 async def test_the_tenant_cannot_end_the_wipe_of_its_own_machine(api) -> None:  # type: ignore[no-untyped-def]
@@ -357,7 +358,7 @@ async def test_unknown_macs_create_nothing(api) -> None:  # type: ignore[no-unty
         raise AssertionError("not refused")
     except ScriptRefused:
         pass
-    anyone = EnrollmentBootHooks(store, "t", EnrollConfig(), leased_clients_only=False)
+    anyone = enrollment_boot_hooks(store, "t", EnrollConfig(), leased_clients_only=False)
     t = await anyone.boot_target("52:54:00:de:ad:02", client="10.0.0.99")
     assert t.action.value == "discovery" and "metald.token" not in t.kernel_args
     assert counts() == before

@@ -7,7 +7,7 @@ import random
 
 from sqlmodel import select
 
-from metald.claims import Selector
+from metald.claims.allocation import Selector
 from metald.store import Store
 from metald.store.models import Machine
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 from sqlmodel import select
 
-from metald.claims import Selector, create_claim, release_claim
+from metald.claims.allocation import Selector, create_claim
+from metald.claims.release import release_claim
 from metald.errors import Conflict
 from metald.store import Store
 from metald.store.models import Claim, Event, Machine, Nic
+from metald.tenants.clusters import new_tenant
 from metald.tenants.ipam import IpamExhausted, allocate_vlan
-from metald.tenants.service import new_tenant
 from tests.claims.helpers import DEPLOY, add_image, add_ready, add_tenant
 
 

@@ -10,7 +10,7 @@ from sqlalchemy import update
 from sqlmodel import select
 
 from metald.boot.hooks import BootAction, target_for_machine
-from metald.claims import Selector, create_claim
+from metald.claims.allocation import Selector, create_claim
 from metald.config import ProvisionConfig
 from metald.lifecycle import State
 from metald.provision import driver
@@ -146,7 +146,7 @@ async def test_restart_resumes_a_boot_cut_off_before_the_bmc_call(store: Store) 
         add_event(s, "provision.progress", "agent", machine_id=reporting, data={"percent": 5})
         s.commit()
     with store.session() as s:  # a released machine whose wipe boot was cut off as well
-        from metald.claims import release_claim
+        from metald.claims.release import release_claim
 
         claim_id = _get(store, cut).claim_id
         assert claim_id

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
@@ -15,7 +13,7 @@ import pytest
 
 from metald.inventory import normalize, parse_payload
 from tests.inventory.conftest import ROOT
-from tests.qemu_netns import QEMU_IN_NETNS, bridge_netns, start, stop
+from tests.qemu_netns import QEMU_IN_NETNS, bridge_netns, metald_standin, run_guest, tap_nic
 
 pytestmark = QEMU_IN_NETNS
 
@@ -35,38 +33,12 @@ def netns() -> Iterator[str]:
 
 
 def test_discovery_image_posts_what_qemu_has(built_assets, netns, tmp_path):
-    conf = tmp_path / "udhcpd.conf"
-    conf.write_text(
-        f"start 10.77.0.100\nend 10.77.0.150\ninterface br0\nmax_leases 50\n"
-        f"lease_file {tmp_path / 'leases'}\npidfile {tmp_path / 'udhcpd.pid'}\noption subnet 255.255.255.0\n"
-    )
-    (tmp_path / "leases").touch()
-    posts, ready = tmp_path / "posts.jsonl", tmp_path / "ready"
     for name, size in (("vda.img", VDA_BYTES), ("nvme.img", NVME_BYTES)):
         with open(tmp_path / name, "wb") as f:
             f.truncate(size)
     console = tmp_path / "console.log"
-    procs = [
-        start(netns, ["busybox", "udhcpd", "-f", str(conf)], tmp_path / "udhcpd.log"),
-        start(
-            netns,
-            [
-                sys.executable,
-                str(ROOT / "tests/inventory/receiver.py"),
-                SERVER,
-                str(PORT),
-                str(posts),
-                str(ready),
-            ],
-            tmp_path / "receiver.log",
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        ),
-    ]
-    try:
-        deadline = time.monotonic() + 20
-        while not ready.exists():
-            assert time.monotonic() < deadline, (tmp_path / "receiver.log").read_text()
-            time.sleep(0.1)
+    receiver = ROOT / "tests/inventory/receiver.py"
+    with metald_standin(netns, tmp_path, receiver, SERVER, PORT, tmp_path / "posts.jsonl") as posts:
         disc = built_assets / "discovery"
         qemu = [
             "qemu-system-x86_64", "-accel", "tcg", "-m", "512", "-smp", "2",
@@ -74,24 +46,15 @@ def test_discovery_image_posts_what_qemu_has(built_assets, netns, tmp_path):
             "-append", f"console=ttyS0 quiet metald.url=http://{SERVER}:{PORT} metald.token=agent-token metald.machine=lab-1",
             "-display", "none", "-monitor", "none", "-serial", f"file:{console}", "-no-reboot",
             "-smbios", f"type=1,manufacturer=metald-lab,product=discovery-vm,serial=LAB-0001,uuid={SYSTEM_UUID}",
-            "-netdev", "tap,id=n0,ifname=tap0,script=no,downscript=no", "-device", f"virtio-net-pci,netdev=n0,mac={MAC}",
-            "-netdev", "tap,id=n1,ifname=tap1,script=no,downscript=no", "-device", f"e1000,netdev=n1,mac={MAC2}",
+            *tap_nic(MAC, "tap0"), *tap_nic(MAC2, "tap1", "e1000"),
             "-drive", f"file={tmp_path / 'vda.img'},format=raw,if=virtio",
             "-drive", f"file={tmp_path / 'nvme.img'},format=raw,if=none,id=nv0", "-device", "nvme,drive=nv0,serial=NVME-LAB-1",
             # QEMU's own BMC simulator on a KCS interface: ipmitool in the image talks to it
             "-device", "ipmi-bmc-sim,id=bmc0", "-device", "isa-ipmi-kcs,bmc=bmc0",
         ]  # fmt: skip
         t0 = time.time()
-        vm = start(netns, qemu, tmp_path / "qemu.log")
-        procs.append(vm)
-        try:
-            # the agent is told to power off: QEMU exits by itself
-            rc = vm.wait(timeout=150)
-        except subprocess.TimeoutExpired:
-            pytest.fail(
-                f"the VM did not power off; console:\n{console.read_text(errors='replace')}"
-            )
-        log = console.read_text(errors="replace")
+        # the agent is told to power off: QEMU exits by itself
+        rc, log = run_guest(netns, qemu, tmp_path, console, timeout=150)
         assert rc == 0, (tmp_path / "qemu.log").read_text()
         assert "] inventory posted (" in log, log
         assert "] next action: poweroff" in log, log
@@ -100,9 +63,6 @@ def test_discovery_image_posts_what_qemu_has(built_assets, netns, tmp_path):
         assert {"virtio_net", "virtio_pci", "e1000", "nvme", "ipmi_si"} <= set(drivers)
         assert not {"mlx5_core", "ice", "igb", "ahci"} & set(drivers)
         print("\n" + "\n".join(line for line in log.splitlines() if "metald-agent:" in line))
-    finally:
-        for p in procs:
-            stop(p)
 
     records = [json.loads(line) for line in posts.read_text().splitlines()]
     assert len(records) == 1

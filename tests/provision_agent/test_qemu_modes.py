@@ -8,8 +8,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +17,7 @@ import pytest
 from metald.provision.metadata import nocloud
 from metald.provision.wipe import evidence_problems, recorded_disks
 from tests.provision_agent.conftest import MIB, ROOT, cloud_image, debugfs_cat
-from tests.qemu_netns import QEMU_IN_NETNS, bridge_netns, start, stop
+from tests.qemu_netns import QEMU_IN_NETNS, bridge_netns, metald_standin, run_guest, tap_nic
 
 pytestmark = QEMU_IN_NETNS
 
@@ -48,53 +46,25 @@ def boot(
 ) -> tuple[list[dict], str]:
     """Boot the discovery image in ``mode`` until it powers off or reboots (QEMU runs with
     -no-reboot, so both end it); the progress reports and the console log."""
-    conf = tmp_path / "udhcpd.conf"
-    conf.write_text(
-        f"start 10.78.0.100\nend 10.78.0.150\ninterface br0\nmax_leases 50\n"
-        f"lease_file {tmp_path / 'leases'}\npidfile {tmp_path / 'udhcpd.pid'}\n"
-        "option subnet 255.255.255.0\n"
-    )
-    (tmp_path / "leases").touch()
-    reports, ready = tmp_path / "progress.jsonl", tmp_path / "ready"
-    server = [sys.executable, str(ROOT / "tests/provision_agent/server.py")]
-    server += [SERVER, str(PORT), str(reports), str(ready)]
-    if config is not None:
-        (tmp_path / "server.json").write_text(json.dumps(config))
-        server.append(str(tmp_path / "server.json"))
     console = tmp_path / "console.log"
-    procs = [
-        start(ns, ["busybox", "udhcpd", "-f", str(conf)], tmp_path / "udhcpd.log"),
-        start(ns, server, tmp_path / "server.log", env={**os.environ, "PYTHONPATH": str(ROOT)}),
-    ]
-    try:
-        deadline = time.monotonic() + 20
-        while not ready.exists():
-            assert time.monotonic() < deadline, (tmp_path / "server.log").read_text()
-            time.sleep(0.1)
+    server = ROOT / "tests/provision_agent/server.py"
+    out = tmp_path / "progress.jsonl"
+    with metald_standin(ns, tmp_path, server, SERVER, PORT, out, config) as reports:
         disc = assets / "discovery"
         qemu = [
             "qemu-system-x86_64", "-accel", "tcg", "-m", "384", "-smp", "2",
             "-kernel", str(disc / "vmlinuz"), "-initrd", str(disc / "initrd.img"),
             "-append", f"console=ttyS0 quiet metald.url=http://{SERVER}:{PORT} metald.token=agent-token metald.machine=lab-1 metald.mode={mode}",
             "-display", "none", "-monitor", "none", "-serial", f"file:{console}", "-no-reboot",
-            "-netdev", "tap,id=n0,ifname=tap0,script=no,downscript=no", "-device", f"virtio-net-pci,netdev=n0,mac={MAC}",
+            *tap_nic(MAC),
             *drives,
         ]  # fmt: skip
         t0 = time.monotonic()
-        vm = start(ns, qemu, tmp_path / "qemu.log")
-        procs.append(vm)
-        try:
-            rc = vm.wait(timeout=100)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the VM did not stop; console:\n{console.read_text(errors='replace')}")
+        rc, log = run_guest(ns, qemu, tmp_path, console, timeout=100)
         elapsed = time.monotonic() - t0
-        log = console.read_text(errors="replace")
         assert rc == 0, (tmp_path / "qemu.log").read_text()
         print("\n" + "\n".join(line for line in log.splitlines() if "metald-agent:" in line))
         print(f"QEMU start to its end ({mode}): {elapsed:.1f} s")
-    finally:
-        for p in procs:
-            stop(p)
     return [json.loads(line) for line in reports.read_text().splitlines()], log
 
 

@@ -11,7 +11,7 @@ from metald import machines
 from metald.lifecycle import Trigger
 from metald.secrets import SecretBox
 from metald.store import Store
-from metald.tenants import service
+from metald.tenants import clusters
 from tests.conftest import Tokens, seed
 
 
@@ -31,7 +31,7 @@ def provisioned(store: Store, machine_id: str) -> None:
 def make_env(store: Store, box: SecretBox) -> Env:
     tokens = seed(store)
     with store.session() as s:
-        service.setup_hub(s, box, tokens.tenant_a, endpoint_host="10.99.0.1")
+        clusters.setup_hub(s, box, tokens.tenant_a, endpoint_host="10.99.0.1")
     with store.session() as s:
         from metald.store.models import Tenant
 
@@ -40,7 +40,7 @@ def make_env(store: Store, box: SecretBox) -> Env:
         t.cluster_kind, t.control_plane = "kubernetes", "k8s.globex.example:6443"
         s.add(t)
         s.commit()
-        service.setup_hub(s, box, tokens.tenant_b, endpoint_host="10.99.1.1")
+        clusters.setup_hub(s, box, tokens.tenant_b, endpoint_host="10.99.1.1")
     provisioned(store, tokens.machine_a)
     return Env(store, box, tokens)
 

@@ -120,7 +120,7 @@ async def test_provision_instruction_carries_a_fresh_join_token(api) -> None:  #
     from sqlmodel import select
 
     from metald.auth import issue_token
-    from metald.claims import Selector, create_claim
+    from metald.claims.allocation import Selector, create_claim
     from metald.provision import driver
     from metald.store.models import Machine
     from tests.claims.helpers import DEPLOY, add_image, add_ready
@@ -168,10 +168,10 @@ async def test_a_rebooted_stateless_node_rejoins(api) -> None:  # type: ignore[n
     from sqlmodel import select
 
     from metald.auth import issue_token
-    from metald.claims import Selector, create_claim
+    from metald.claims.allocation import Selector, create_claim
     from metald.provision import driver
     from metald.store.models import Machine
-    from metald.tenants import service
+    from metald.tenants import clusters
     from tests.claims.helpers import DEPLOY, add_image, add_ready
 
     client, tokens, store = api
@@ -204,7 +204,7 @@ async def test_a_rebooted_stateless_node_rejoins(api) -> None:  # type: ignore[n
     r = await client.post("/api/v1/join", json={"token": first["token"], "public_key": key1})
     assert r.status == 200
     with store.session() as s:
-        service.observe(s, mid, handshake_at=utcnow(), scheduler_reports_node=True)
+        clusters.observe(s, mid, handshake_at=utcnow(), scheduler_reports_node=True)
         assert s.get(Machine, mid).state == "active"  # type: ignore[union-attr]
 
     # Power cycle: iPXE boots the image again; the node asks what to do.

@@ -14,7 +14,7 @@ from sqlmodel import select
 from metald.errors import Conflict, Unauthorized, Unprocessable
 from metald.lifecycle import State
 from metald.store.models import JoinToken, Machine, Tenant, WgHub, WgPeer, utcnow
-from metald.tenants import keys, service
+from metald.tenants import clusters, keys
 from tests.tenants.conftest import Env, provisioned
 
 
@@ -24,13 +24,13 @@ def _pub() -> str:
 
 def _token(env: Env, machine_id: str, **kw) -> str:  # type: ignore[no-untyped-def]
     with env.store.session() as s:
-        secret, _exp = service.issue_join_token(s, machine_id, actor="test", **kw)
+        secret, _exp = clusters.issue_join_token(s, machine_id, actor="test", **kw)
     return secret
 
 
-def _join(env: Env, secret: str, pub: str) -> service.JoinResult:
+def _join(env: Env, secret: str, pub: str) -> clusters.JoinResult:
     with env.store.session() as s:
-        return service.join(s, env.box, secret, pub)
+        return clusters.join(s, env.box, secret, pub)
 
 
 def test_hubs_get_disjoint_prefixes_and_first_host(env: Env) -> None:
@@ -104,7 +104,7 @@ def test_token_is_one_time_under_concurrency(env: Env) -> None:
         t.start()
     for t in threads:
         t.join()
-    wins = [r for r in results if isinstance(r, service.JoinResult)]
+    wins = [r for r in results if isinstance(r, clusters.JoinResult)]
     assert len(wins) == 1, results
     assert all(isinstance(r, Conflict) for r in results if r not in wins), results
     with env.store.session() as s:
@@ -123,9 +123,9 @@ def test_refusals(env: Env) -> None:
     provisioned(env.store, env.tokens.machine_b)
     expired = _token(env, env.tokens.machine_b, ttl=timedelta(seconds=60))
     with env.store.session() as s, pytest.raises(Unauthorized, match="expired"):
-        service.join(s, env.box, expired, _pub(), now=utcnow() + timedelta(seconds=61))
+        clusters.join(s, env.box, expired, _pub(), now=utcnow() + timedelta(seconds=61))
     with env.store.session() as s, pytest.raises(Conflict, match="no tenant"):
-        service.issue_join_token(s, env.tokens.machine_free, actor="test")
+        clusters.issue_join_token(s, env.tokens.machine_free, actor="test")
 
 
 def test_public_key_of_another_node_refused(env: Env) -> None:
@@ -141,7 +141,7 @@ def test_release_removes_peer_and_frees_address(env: Env) -> None:
     leftover = _token(env, m)
     first = _join(env, _token(env, m), _pub())
     with env.store.session() as s:
-        removed = service.remove_peer(s, m, actor="test")
+        removed = clusters.remove_peer(s, m, actor="test")
         s.commit()
         assert removed is not None and removed.public_key == first.peer.public_key
         assert s.exec(select(WgPeer)).all() == []
@@ -191,11 +191,11 @@ def test_active_needs_handshake_and_scheduler(env: Env) -> None:
     m = env.tokens.machine_a
     _join(env, _token(env, m), _pub())
     with env.store.session() as s:
-        got = service.observe(s, m, handshake_at=utcnow(), scheduler_reports_node=False)
+        got = clusters.observe(s, m, handshake_at=utcnow(), scheduler_reports_node=False)
         assert got.state == State.JOINING
-        got = service.observe(s, m, handshake_at=None, scheduler_reports_node=True)
+        got = clusters.observe(s, m, handshake_at=None, scheduler_reports_node=True)
         assert got.state == State.JOINING
-        got = service.observe(s, m, handshake_at=utcnow(), scheduler_reports_node=True)
+        got = clusters.observe(s, m, handshake_at=utcnow(), scheduler_reports_node=True)
         assert got.state == State.ACTIVE
 
 
@@ -205,7 +205,7 @@ def test_secrets_encrypted_at_rest(env: Env) -> None:
         hub = s.exec(select(WgHub).where(WgHub.tenant_id == env.tokens.tenant_a)).one()
         stored = json.loads(env.box.decrypt(tenant.secrets_enc))  # type: ignore[union-attr,arg-type]
         k8s = json.loads(env.box.decrypt(s.get(Tenant, env.tokens.tenant_b).secrets_enc))  # type: ignore[union-attr,arg-type]
-        hub_priv = service.hub_private_key(env.box, hub)
+        hub_priv = clusters.hub_private_key(env.box, hub)
         raw = b"".join(
             bytes(v) if isinstance(v, bytes | memoryview) else str(v).encode()
             for row in s.execute(text("SELECT * FROM tenants")).all()

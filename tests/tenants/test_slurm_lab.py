@@ -19,7 +19,7 @@ from metald.lifecycle import State
 from metald.secrets import SecretBox
 from metald.store import Store
 from metald.store.models import Machine, Tenant, WgHub
-from metald.tenants import controlplane, keys, service, slurm
+from metald.tenants import clusters, controlplane, keys, slurm
 from metald.tenants.hubs import LocalHubs
 from tests.tenants.conftest import make_env
 from tests.tenants.nslab import underlay, wait_for
@@ -68,7 +68,7 @@ def test_slurm_node_joins_over_wireguard(tmp_path: Path) -> None:
             tenant = s.get(Tenant, tenant_id)
             assert tenant is not None and tenant.overlay_prefix
             hubs.start_from_store(s, box, tenant_id, u.hub_ns)
-            munge_key = base64.b64decode(service.load_secrets(box, tenant)["munge_key"])
+            munge_key = base64.b64decode(clusters.load_secrets(box, tenant)["munge_key"])
             conf = tmp_path / "ctl" / "slurm.conf"
             conf.parent.mkdir(mode=0o700)
             conf.write_text(
@@ -90,10 +90,10 @@ def test_slurm_node_joins_over_wireguard(tmp_path: Path) -> None:
                 u.hub_ns, hub_host, conf.parent, munge_key, "slurmctld", "-D", "-f", str(conf)
             )
 
-            secret, _ = service.issue_join_token(s, machine_id, actor="test")
+            secret, _ = clusters.issue_join_token(s, machine_id, actor="test")
             node_priv = keys.generate_private_key()
             node_pub = keys.public_key(node_priv)
-            result = service.join(s, box, secret, node_pub)
+            result = clusters.join(s, box, secret, node_pub)
             hubs.add_peer(tenant_id, node_pub, result.peer.address)
             joined = result.response()
             node_dev = node_up(u.node_ns, f"mn{secrets.token_hex(4)}", node_priv, joined)
@@ -118,7 +118,7 @@ def test_slurm_node_joins_over_wireguard(tmp_path: Path) -> None:
             r = in_machine(ctld.pid, "scontrol", "show", "node", cluster["node_name"], env=ctl_env)
             assert f"NodeAddr={result.peer.address} " in r.stdout, r.stdout
             seen = hubs.handshakes(tenant_id)[node_pub]
-            got = service.observe(
+            got = clusters.observe(
                 s,
                 machine_id,
                 handshake_at=seen,

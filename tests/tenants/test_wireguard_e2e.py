@@ -14,7 +14,7 @@ from sqlmodel import select
 from metald.secrets import SecretBox
 from metald.store import Store
 from metald.store.models import Tenant, WgHub, WgPeer
-from metald.tenants import keys, service
+from metald.tenants import clusters, keys
 from metald.tenants.hubs import LocalHubs
 from netconfig import guard, netns
 from netconfig.wireguard import UserspaceDevice
@@ -74,19 +74,19 @@ def test_join_handshake_traffic_release(sqlite_store: Store) -> None:
         assert tenant is not None and tenant.overlay_prefix and hub.endpoint.startswith(u.hub_ip)
         try:
             hubs.start_from_store(s, box, tenant_id, u.hub_ns)
-            secret, _ = service.issue_join_token(s, machine_id, actor="test")
+            secret, _ = clusters.issue_join_token(s, machine_id, actor="test")
 
             # The node: its own key, never sent anywhere.
             node_priv = keys.generate_private_key()
             node_pub = keys.public_key(node_priv)
-            result = service.join(s, box, secret, node_pub)
+            result = clusters.join(s, box, secret, node_pub)
             hubs.add_peer(tenant_id, result.peer.public_key, result.peer.address)  # as the API does
             joined = result.response()
             node_dev = node_up(u.node_ns, f"mn{secrets.token_hex(4)}", node_priv, joined)
 
             assert wait_for(lambda: hubs.handshakes(tenant_id).get(node_pub) is not None)
             seen = hubs.handshakes(tenant_id)[node_pub]
-            service.observe(s, machine_id, handshake_at=seen, scheduler_reports_node=False)
+            clusters.observe(s, machine_id, handshake_at=seen, scheduler_reports_node=False)
             peer = s.exec(select(WgPeer).where(WgPeer.machine_id == machine_id)).one()
             assert peer.last_handshake_at is not None
 
@@ -104,7 +104,7 @@ def test_join_handshake_traffic_release(sqlite_store: Store) -> None:
                 hubs.start_from_store(s, box, tenant_id, u.hub_ns)
                 assert wait_for(lambda: tcp_reaches(u.node_ns, hub.address, 7070))
 
-                removed = service.remove_peer(s, machine_id, actor="test")
+                removed = clusters.remove_peer(s, machine_id, actor="test")
                 s.commit()
                 assert removed is not None
                 hubs.remove_peer(tenant_id, removed.public_key)

@@ -1,71 +1,11 @@
-"""Enrollment rules (labels and rack from what a machine is and where it is cabled) and
-inventory diffs for re-inspection. Pure functions over normalised inventories.
-
-A rule in the config file::
-
-    [[enroll.rules]]
-    match = { gpu_model = "NVIDIA H100*", rack_position = "leaf-r12/*" }
-    labels = { pool = "training" }
-    rack = "r12"
-
-Every key of ``match`` must match (shell-style glob, case-insensitive); rules apply in order, later
-labels override earlier ones, and the last matching rule that sets ``rack`` wins.
-"""
+"""What changed between two inventories of a machine (a re-inspection), in sentences for the
+``inventory.changed`` event. Pure functions over normalised inventories."""
 
 from __future__ import annotations
 
-from fnmatch import fnmatchcase
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
 
 from metald.inventory.normalize import NormalizedInventory
-
-MatchKey = Literal[
-    "gpu_model", "gpu_family", "vendor", "product", "rack_position", "cpu_model", "serial"
-]
-
-
-class EnrollmentRule(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    #: Field -> glob. An empty match applies to every machine.
-    match: dict[MatchKey, str] = {}
-    labels: dict[str, str] = Field(default_factory=dict)
-    rack: str | None = None
-    #: Only machines with at least this many GPUs (handy with gpu_family).
-    min_gpu_count: int = Field(default=0, ge=0)
-
-
-def _value(key: str, inv: NormalizedInventory, rack_position: str | None) -> str | None:
-    if key == "rack_position":
-        return rack_position or inv.rack_position_hint
-    value = getattr(inv, key)
-    return None if value is None else str(value)
-
-
-def rule_matches(rule: EnrollmentRule, inv: NormalizedInventory, rack_position: str | None) -> bool:
-    if inv.gpu_count < rule.min_gpu_count:
-        return False
-    for key, pattern in rule.match.items():
-        value = _value(key, inv, rack_position)
-        if value is None or not fnmatchcase(value.lower(), pattern.lower()):
-            return False
-    return True
-
-
-def apply_rules(
-    rules: list[EnrollmentRule], normalized: NormalizedInventory, rack_position: str | None
-) -> tuple[dict[str, str], str | None]:
-    """Labels and rack for a machine; ``rack_position`` is the switch port (option 82 / LLDP)."""
-    labels: dict[str, str] = {}
-    rack: str | None = None
-    for rule in rules:
-        if rule_matches(rule, normalized, rack_position):
-            labels.update(rule.labels)
-            rack = rule.rack if rule.rack is not None else rack
-    return labels, rack
-
 
 #: Fields whose change is worth an ``inventory.changed`` event (not link state or speed).
 _SCALARS = (

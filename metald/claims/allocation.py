@@ -1,4 +1,4 @@
-"""Claims: a tenant asks for N machines matching a selector, and gets all N or none.
+"""Allocation: a tenant asks for N machines matching a selector, and gets all N or none.
 
 Allocation runs in one transaction. Candidates are read, then locked and moved to ``claimed``
 with a compare-and-swap on each machine's version (``machines.transition``) guarded by
@@ -17,26 +17,21 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from sqlalchemy import exists, or_
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from metald import machines
-from metald.auth import revoke_machine_tokens
+from metald.claims.records import retrying, switch_plan
 from metald.errors import Conflict, NotFound, Unprocessable
-from metald.lifecycle import ALLOCATED, State, Trigger
-from metald.provision.intents import DeployImage, provision_intent, wipe_intent
-from metald.store.models import Bmc, Claim, Event, Image, Machine, Nic, Tenant, as_utc, utcnow
-from metald.tenants import service as tenant_service
-
-T = TypeVar("T")
+from metald.lifecycle import State, Trigger
+from metald.provision.intents import DeployImage, provision_intent
+from metald.store.models import Bmc, Claim, Image, Machine, Tenant
 
 #: How long a claim may wait for machines locked by other in-flight claims before refusing.
 CONTENDED_WAIT_S = 10.0
-#: Whole-transaction retries after losing a race (a CAS miss or a PostgreSQL deadlock abort).
-ATTEMPTS = 4
 
 
 class _Shortfall(Exception):
@@ -180,21 +175,6 @@ def count_matching(
         ids = [m.id for m in free]
         free = list(session.exec(_vouched(select(Machine.id).where(col(Machine.id).in_(ids)))))
     return len(hits), len(free)
-
-
-def _retrying(session: Session, fn: Callable[[], T]) -> T:
-    """Run ``fn`` (one whole transaction) again after losing a race to another writer."""
-    for attempt in range(ATTEMPTS):
-        try:
-            return fn()
-        except (machines.ConcurrentUpdate, OperationalError):
-            # A CAS miss already rolled back; a PostgreSQL deadlock/serialisation abort has not.
-            session.rollback()
-            if attempt == ATTEMPTS - 1:
-                raise Conflict(
-                    "other writers kept changing these machines; retry the request"
-                ) from None
-    raise AssertionError("unreachable")
 
 
 def get_image(session: Session, image_id: str, tenant_id: str | None = None) -> Image:
@@ -349,7 +329,7 @@ def _allocate_or_explain(
     deadline = time.monotonic() + CONTENDED_WAIT_S
     while True:
         try:
-            return _retrying(session, allocate)
+            return retrying(session, allocate)
         except _Shortfall:
             session.rollback()
         matched, available = count_matching(session, selector, vouched_only=strict)
@@ -372,188 +352,3 @@ def _allocate_or_explain(
         # Some are locked by claims still in flight (PostgreSQL, SKIP LOCKED): they commit or
         # roll back within milliseconds, so look again shortly.
         time.sleep(random.uniform(0.005, 0.05))
-
-
-def claim_machines(session: Session, claim_id: str) -> list[Machine]:
-    return list(
-        session.exec(
-            select(Machine).where(Machine.claim_id == claim_id).order_by(col(Machine.id))
-        ).all()
-    )
-
-
-def release_claim(
-    session: Session,
-    claim: Claim,
-    actor: str,
-    *,
-    deploy: DeployImage,
-    reason: str | None = None,
-    instance: str | None = None,
-    only: set[str] | None = None,
-) -> list[str]:
-    """End the claim: every machine of it leaves the tenant (its agent tokens revoked, its
-    peer taken off the tenant's hub, its tenant detached) and owes a wipe. Allocated ones start
-    wiping (the driver then takes them through their BMC); one marked broken meanwhile is
-    detached where it is, and a technician repairs and wipes it (it cannot reach ready
-    unwiped). ``only``: release just these machines of the claim (scale down); the claim ends
-    when none is left. Returns the ids of the machines that now wipe. Releasing twice changes
-    nothing."""
-    claim_id = claim.id
-
-    def release() -> list[str]:
-        c = session.get(Claim, claim_id, populate_existing=True)
-        assert c is not None
-        if c.state == "released":
-            return []
-        wiping = []
-        remaining = 0
-        #: Not allocated but still the tenant's (marked broken during the claim).
-        attached = []
-        for m in claim_machines(session, claim_id):
-            if State(m.state) not in ALLOCATED:
-                if m.tenant_id is not None:
-                    attached.append(m)
-                continue  # already released and wiping (or wiped)
-            if only is not None and m.id not in only:
-                remaining += 1
-                continue
-            revoke_machine_tokens(session, m.id, commit=False)
-            # Off the tenant's hub (the tenant runtime removes it from the running hub and
-            # the node from the cluster); unused join tokens are revoked.
-            tenant_service.remove_peer(session, m.id, actor=actor, instance=instance)
-            machines.transition(
-                session,
-                m.id,
-                Trigger.RELEASE,
-                actor=actor,
-                reason=reason or f"claim {claim_id} released",
-                expected_version=m.version,
-                data={"claim_id": claim_id},
-                instance=instance,
-                commit=False,
-            )
-            machines.transition(
-                session,
-                m.id,
-                Trigger.WIPE,
-                actor=actor,
-                reason="wipe after release",
-                # Detached from the tenant now (its orchestrator no longer sees it); the claim
-                # id stays until the wipe ends, so the claim shows its machines wiping.
-                updates={
-                    "boot_intent": wipe_intent(deploy),
-                    "last_error": None,
-                    "tenant_id": None,
-                    "wipe_required": True,
-                },
-                instance=instance,
-                commit=False,
-            )
-            wiping.append(m.id)
-        for m in attached:
-            if remaining == 0 or only is None or m.id in only:
-                # Broken machines leave with the claim; a technician repairs and wipes them.
-                _detach(session, m, actor=actor, reason=reason, instance=instance)
-        if remaining == 0:
-            c.state = "released"
-        c.version += 1
-        c.updated_at = utcnow()
-        session.add(c)
-        machines.add_event(
-            session,
-            "claim.released" if remaining == 0 else "claim.machines.released",
-            actor,
-            tenant_id=c.tenant_id,
-            reason=reason,
-            data={
-                "claim_id": claim_id,
-                "machines": wiping,
-                # Switch automation moves these ports back to the provisioning network.
-                "network": switch_plan(
-                    session,
-                    c.tenant_id,
-                    [m for m in claim_machines(session, claim_id) if m.id in wiping],
-                ),
-            },
-            instance=instance,
-        )
-        session.commit()
-        return wiping
-
-    return _retrying(session, release)
-
-
-_MACHINES = Machine.__table__  # type: ignore[attr-defined]
-
-
-def _detach(
-    session: Session, m: Machine, *, actor: str, reason: str | None, instance: str | None
-) -> None:
-    """Take a machine that is not allocated any more (marked broken during the claim) from
-    its tenant: tokens revoked, peer removed, tenant cleared, a wipe owed."""
-    revoke_machine_tokens(session, m.id, commit=False)
-    tenant_service.remove_peer(session, m.id, actor=actor, instance=instance)
-    res = session.connection().execute(
-        _MACHINES.update()
-        .where(_MACHINES.c.id == m.id, _MACHINES.c.version == m.version)
-        .values(
-            tenant_id=None,
-            wipe_required=True,
-            boot_armed=None,
-            version=m.version + 1,
-            updated_at=utcnow(),
-        )
-    )
-    if res.rowcount != 1:
-        raise machines.ConcurrentUpdate(f"machine {m.id} changed while its claim was released")
-    machines.add_event(
-        session,
-        "machine.detached",
-        actor,
-        machine_id=m.id,
-        tenant_id=m.tenant_id,
-        reason=reason or f"claim {m.claim_id} released while the machine was {m.state}",
-        data={"claim_id": m.claim_id, "state": m.state, "wipe_required": True},
-        instance=instance,
-    )
-
-
-def switch_plan(session: Session, tenant_id: str, ms: list[Machine]) -> dict[str, Any]:
-    """What switch automation needs to put these machines on (or take them off) the tenant's
-    VLAN: the VLAN id, and each machine's switch port (DHCP option 82) and NIC MACs. metald
-    does not configure switches; separating tenants on the underlay is the switches' job."""
-    tenant = session.get(Tenant, tenant_id)
-    ids = [m.id for m in ms]
-    macs: dict[str, list[str]] = {i: [] for i in ids}
-    if ids:
-        for nic in session.exec(
-            select(Nic).where(col(Nic.machine_id).in_(ids)).order_by(col(Nic.mac))
-        ):
-            macs[nic.machine_id].append(nic.mac)
-    return {
-        "vlan": tenant.vlan if tenant else None,
-        "ports": [
-            {"machine_id": m.id, "switch_port": m.rack_position, "macs": macs[m.id]} for m in ms
-        ],
-    }
-
-
-def latest_progress(session: Session, ms: list[Machine]) -> dict[str, dict[str, Any]]:
-    """The newest ``provision.progress`` data per machine, since it entered its state."""
-    out: dict[str, dict[str, Any]] = {}
-    if not ms:
-        return out
-    since = {m.id: m.state_changed_at for m in ms}
-    rows = session.exec(
-        select(Event)
-        .where(Event.kind == "provision.progress", col(Event.machine_id).in_(list(since)))
-        .order_by(col(Event.id).desc())
-        .limit(50 * len(ms))
-    ).all()
-    for ev in rows:
-        mid = ev.machine_id or ""
-        if mid in out or as_utc(ev.at) < as_utc(since[mid]):
-            continue
-        out[mid] = {**(ev.data or {}), "at": ev.at}
-    return out

@@ -1,4 +1,5 @@
-"""``metald``: run the daemon, and offline administration against the store."""
+"""``metald`` (also ``python -m metald``): run the daemon, and offline administration against
+the store. metalctl, the HTTP client, is ``metald.metalctl``."""
 
 from __future__ import annotations
 

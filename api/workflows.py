@@ -1,0 +1,32 @@
+"""The domain workflows the route handlers hand off to, wired from the app's context."""
+
+from __future__ import annotations
+
+from api.context import AppContext
+from metald.claims.workflow import ClaimWorkflow
+from metald.provision import driver
+from metald.provision.intents import DeployImage
+from metald.tenants.runtime import TenantRuntime
+
+
+def tenant_runtime(ctx: AppContext) -> TenantRuntime | None:
+    """The running tenant hubs, when this daemon runs them (``[tenants] hubs``)."""
+    runtime = ctx.services.get("tenant_hubs")
+    return runtime if isinstance(runtime, TenantRuntime) else None
+
+
+def deploy_image(ctx: AppContext) -> DeployImage:
+    return DeployImage(ctx.cfg.provision.deploy_kernel, ctx.cfg.provision.deploy_initrd)
+
+
+def claim_workflow(ctx: AppContext) -> ClaimWorkflow:
+    return ClaimWorkflow(
+        store=ctx.store,
+        instance=ctx.instance,
+        deploy=deploy_image(ctx),
+        boot=driver,  # the provisioning runner's module functions are its BootControl
+        bmc=ctx.services.get("bmc") if ctx.cfg.provision.use_bmc else None,
+        hubs=tenant_runtime(ctx),
+        notify=ctx.bus.notify,
+        require_bmc=ctx.cfg.enroll.require_bmc,
+    )

@@ -1,0 +1,182 @@
+"""``BootHooks`` on metald's machine store: DHCP sightings create and update machines, and a
+machine's iPXE script carries what its state and boot intent say, with a fresh agent token when
+metald armed its boot.
+
+One class, configured rather than subclassed: ``metald.enrollment.enrollment_boot_hooks``
+turns on enrollment over HTTP, the agent console arguments and token minting.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlmodel import Session, select
+
+from metald import machines
+from metald.boot.dhcp.bootfile import Arch
+from metald.boot.hooks import (
+    BootAction,
+    BootTarget,
+    ScriptRefused,
+    rack_position,
+    target_for_machine,
+    with_agent_console,
+    with_agent_token,
+)
+from metald.errors import Conflict, MetaldError
+from metald.store.db import Store
+from metald.store.models import Lease, Machine, as_utc
+
+log = logging.getLogger(__name__)
+
+#: Firmware names recorded on machines: the architectures DHCP can tell, not "unknown".
+FIRMWARE = frozenset(a.value for a in Arch if a is not Arch.UNKNOWN)
+
+
+class StoreBootHooks:
+    """BootHooks on metald's store.
+
+    - ``mint_agent_token(session, machine, mac, client)``, when given, adds
+      ``metald.token=<token>`` to discovery/provision/wipe kernel arguments; it returns None
+      when the machine has no boot armed (``metald.provision.boots``): the script is then
+      served without a token.
+    - ``leased_clients_only``: mint a token only for the address metald's DHCP leased to the
+      MAC (see config).
+    - ``enroll_unknown``: with ``leased_clients_only``, a MAC metald does not know yet is
+      enrolled when the asking address holds its lease, and refused otherwise.
+    - ``agent_console``: agent boots get the serial console and quiet kernel arguments
+      (``hooks.with_agent_console``).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        instance: str,
+        *,
+        mint_agent_token: Callable[[Session, Machine, str, str | None], str | None] | None = None,
+        leased_clients_only: bool = False,
+        enroll_unknown: bool = False,
+        agent_console: bool = False,
+    ) -> None:
+        self.store = store
+        self.instance = instance
+        self.actor = f"metald:{instance}"
+        self.mint_agent_token = mint_agent_token
+        self.leased_clients_only = leased_clients_only
+        self.enroll_unknown = enroll_unknown
+        self.agent_console = agent_console
+
+    async def client_seen(
+        self, mac: str, *, arch: str, network: str | None, relay_agent: dict[str, str] | None
+    ) -> None:
+        await self.store.run(self._seen, mac, arch, network, relay_agent)
+
+    def _seen(
+        self,
+        s: Session,
+        mac: str,
+        arch: str,
+        network: str | None,
+        relay_agent: dict[str, str] | None,
+    ) -> None:
+        position = rack_position(relay_agent)
+        firmware = arch if arch in FIRMWARE else None
+        m = machines.find_by_mac(s, mac)
+        if m is None:
+            try:
+                machines.create_machine(
+                    s,
+                    macs=[mac],
+                    actor=self.actor,
+                    rack_position=position,
+                    firmware=firmware,
+                    reason=f"seen on DHCP ({arch}, network {network})",
+                    instance=self.instance,
+                )
+            except Conflict:
+                s.rollback()  # another instance created it at the same moment
+            return
+        # What DHCP tells of a known machine that changed: each change is its own event kind.
+        changes: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
+        if position and m.rack_position != position:
+            data = {"from": m.rack_position, "to": position, "relay_agent": relay_agent}
+            changes.append(("machine.rack_position", {"rack_position": position}, data))
+        if firmware and m.firmware != firmware:
+            changes.append(
+                ("machine.firmware", {"firmware": firmware}, {"from": m.firmware, "to": firmware})
+            )
+        for kind, values, data in changes:
+            try:
+                machines.update_fields(
+                    s,
+                    m.id,
+                    actor=self.actor,
+                    kind=kind,
+                    values=values,
+                    data=data,
+                    instance=self.instance,
+                )
+            except Conflict:
+                s.rollback()  # changed by someone else meanwhile: the next report retries
+                return
+
+    async def boot_target(self, mac: str, *, client: str | None = None) -> BootTarget:
+        return await self.store.run(self._target, mac, client)
+
+    def _target(self, s: Session, mac: str, client: str | None = None) -> BootTarget:
+        m = machines.find_by_mac(s, mac)
+        if m is None and self.enroll_unknown and self.leased_clients_only:
+            m = self._enroll(s, mac, client)
+        t = target_for_machine(m)
+        if m is not None and self.mint_agent_token and t.action != BootAction.LOCAL:
+            if self.leased_clients_only and not holds_lease(s, mac, client):
+                # Checked before minting: a refused request neither gets a token nor revokes
+                # the machine's current one.
+                raise ScriptRefused(
+                    f"{client or 'an unknown address'} does not hold the lease of {mac}"
+                )
+            token = self.mint_agent_token(s, m, mac, client)
+            if token is not None:
+                t = with_agent_token(t, token)
+        return with_agent_console(t) if self.agent_console else t
+
+    def _enroll(self, s: Session, mac: str, client: str | None) -> Machine | None:
+        """Only a client holding the lease metald's DHCP gave this MAC is enrolled over HTTP;
+        anyone else asking for a random MAC's script creates nothing (refused). In "any" mode
+        the DHCP sighting (``client_seen``) enrolls machines, and an unknown MAC gets the
+        discovery script with no token and no record."""
+        if not holds_lease(s, mac, client):
+            raise ScriptRefused(
+                f"{client or 'an unknown address'} does not hold the lease of {mac}"
+            )
+        try:
+            return machines.create_machine(
+                s,
+                macs=[mac],
+                actor=self.actor,
+                reason="asked for its boot script",
+                instance=self.instance,
+            )
+        except MetaldError:
+            s.rollback()  # created concurrently by DHCP or another instance
+            return machines.find_by_mac(s, mac)
+
+
+def holds_lease(s: Session, mac: str, client: str | None) -> bool:
+    """Whether ``client`` is the address metald's DHCP has bound to ``mac`` (unexpired)."""
+    if not client:
+        return False
+    now = datetime.now(UTC)
+    for lease in s.exec(
+        select(Lease).where(
+            Lease.mac == machines.normalize_mac(mac),
+            Lease.ip == client,
+            Lease.state == "bound",
+        )
+    ):
+        if as_utc(lease.expires_at) > now:
+            return True
+    return False

@@ -1,0 +1,274 @@
+"""Claim, release, retry and wipe, each with its after-commit effects, over typed dependencies.
+
+Every flow runs its transaction in the store's worker, then, once committed: wakes the live
+event streams, takes released machines off their tenant's running hub (before they reboot),
+and network-boots the machines whose operation starts with a boot (in the background, through
+their BMC). The API authorises and validates, then calls one method here; how the result is
+shown is the caller's ``render``, run inside the same transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from sqlmodel import Session
+
+from metald.claims import allocation, records, release
+from metald.lifecycle import NETWORK_BOOT
+from metald.provision.intents import DeployImage
+from metald.store.db import Store
+from metald.store.models import Claim, Machine
+
+log = logging.getLogger("metald.claims")
+R = TypeVar("R")
+
+
+class HubSync(Protocol):
+    """The tenant runtime (``metald.tenants.runtime``): brings the running hubs in line with
+    the store now rather than at its next interval."""
+
+    async def sync(self) -> object: ...
+
+
+class BootControl(Protocol):
+    """The provisioning runner (``metald.provision.driver``) as the flows use it: database
+    steps run inside the flow's transaction, the BMC steps in the background."""
+
+    def start_provisioning(
+        self, session: Session, machine_ids: list[str], *, actor: str, instance: str | None = None
+    ) -> list[str]: ...
+
+    def retry(
+        self,
+        session: Session,
+        machine_id: str,
+        *,
+        actor: str,
+        deploy: DeployImage,
+        reason: str | None = None,
+        version: int | None = None,
+        instance: str | None = None,
+    ) -> Machine: ...
+
+    async def reboot_all(
+        self,
+        store: Store,
+        bmc: Any,
+        machine_ids: list[str],
+        *,
+        actor: str,
+        instance: str | None = None,
+    ) -> None: ...
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]: ...
+
+
+#: Loads a machine or claim the caller may act on (or raises NotFound) inside the transaction.
+LoadMachine = Callable[[Session, str], Machine]
+LoadClaim = Callable[[Session, str], Claim]
+
+
+@dataclass(frozen=True)
+class ClaimRequest:
+    tenant_id: str
+    count: int
+    selector: allocation.Selector
+    image_id: str
+    idempotency_key: str | None
+    ssh_authorized_keys: list[str]
+
+
+@dataclass
+class ClaimWorkflow:
+    store: Store
+    instance: str
+    #: The deploy kernel and initrd every install and wipe boots.
+    deploy: DeployImage
+    boot: BootControl
+    #: The BMC service the runner boots machines through; None: machines boot when someone
+    #: powers them (``provision.use_bmc = false``, or no BMC service).
+    bmc: Any
+    #: The running tenant hubs; None when this daemon runs none.
+    hubs: HubSync | None
+    #: Wakes the live event streams after a commit.
+    notify: Callable[[], None]
+    #: enroll.require_bmc: claim only machines vouched for by a BMC link or a technician.
+    require_bmc: bool | None = None
+
+    def _boot_from_network(self, machine_ids: list[str], actor: str) -> None:
+        """In the background: one-time PXE and a power cycle through each machine's BMC."""
+        self.boot.spawn(
+            self.boot.reboot_all(
+                self.store, self.bmc, machine_ids, actor=actor, instance=self.instance
+            )
+        )
+
+    async def claim(
+        self, request: ClaimRequest, *, actor: str, render: Callable[[Session, Claim, bool], R]
+    ) -> R:
+        """Allocate the machines (``allocation.create_claim``) and start provisioning them; a
+        replayed request starts nothing. ``render(session, claim, replayed)``."""
+        b = request
+
+        def run(s: Session) -> tuple[R, list[str]]:
+            c, replayed = allocation.create_claim(
+                s,
+                b.tenant_id,
+                b.count,
+                b.selector,
+                b.image_id,
+                b.idempotency_key,
+                actor,
+                deploy=self.deploy,
+                ssh_authorized_keys=b.ssh_authorized_keys,
+                instance=self.instance,
+                require_bmc=self.require_bmc,
+            )
+            started: list[str] = []
+            if not replayed:
+                ids = [m.id for m in records.claim_machines(s, c.id)]
+                started = self.boot.start_provisioning(s, ids, actor=actor, instance=self.instance)
+            return render(s, c, replayed), started
+
+        out, started = await self.store.run(run)
+        self.notify()
+        self._boot_from_network(started, actor)
+        return out
+
+    async def release(
+        self,
+        claim_id: str,
+        *,
+        actor: str,
+        load: LoadClaim,
+        render: Callable[[Session, Claim], R],
+        machine_id: str | None = None,
+    ) -> R:
+        """End the claim (or, with ``machine_id``, release that one machine of it); then take
+        the released machines off the tenant's running hub and boot them into the wipe."""
+
+        def run(s: Session) -> tuple[R, list[str]]:
+            c = load(s, claim_id)
+            if machine_id is None:
+                wiping = release.release_claim(
+                    s, c, actor, deploy=self.deploy, instance=self.instance
+                )
+            else:
+                wiping = release.release_machine(
+                    s, c, machine_id, actor, deploy=self.deploy, instance=self.instance
+                )
+            return render(s, load(s, c.id)), wiping
+
+        out, wiping = await self.store.run(run)
+        self.notify()
+        if wiping and self.hubs is not None:
+            # Off the tenant's hub and out of its cluster before the machine reboots to be wiped.
+            try:
+                await self.hubs.sync()
+            except Exception:  # the runtime's loop tries again; the store already says released
+                log.exception("tenant runtime sync after releasing claim %s failed", claim_id)
+        self._boot_from_network(wiping, actor)
+        return out
+
+    async def _on_machine(
+        self,
+        machine_id: str,
+        step: Callable[[Session, Machine], Machine],
+        *,
+        actor: str,
+        load: LoadMachine,
+        render: Callable[[Session, Machine], R],
+        boot: frozenset[str],
+    ) -> R:
+        """One technician step on one machine in one transaction; then wake the event
+        streams, and network-boot the machine if the step left it in one of ``boot``."""
+
+        def run(s: Session) -> tuple[R, str]:
+            m = step(s, load(s, machine_id))
+            return render(s, m), m.state
+
+        out, state = await self.store.run(run)
+        self.notify()
+        if state in boot:
+            self._boot_from_network([machine_id], actor)
+        return out
+
+    async def retry(
+        self,
+        machine_id: str,
+        *,
+        actor: str,
+        load: LoadMachine,
+        render: Callable[[Session, Machine], R],
+        reason: str | None = None,
+        version: int | None = None,
+    ) -> R:
+        """Start a failed operation again (``lifecycle.RETRY``); one that starts with a network
+        boot is power-cycled into PXE through the BMC."""
+
+        def step(s: Session, m: Machine) -> Machine:
+            return self.boot.retry(
+                s,
+                m.id,
+                actor=actor,
+                deploy=self.deploy,
+                reason=reason,
+                version=version,
+                instance=self.instance,
+            )
+
+        return await self._on_machine(
+            machine_id, step, actor=actor, load=load, render=render, boot=NETWORK_BOOT
+        )
+
+    async def wipe(
+        self,
+        machine_id: str,
+        *,
+        actor: str,
+        load: LoadMachine,
+        render: Callable[[Session, Machine], R],
+        reason: str | None = None,
+        version: int | None = None,
+    ) -> R:
+        """A technician's wipe (``release.start_wipe``), booted through the BMC."""
+
+        def step(s: Session, m: Machine) -> Machine:
+            return release.start_wipe(
+                s,
+                m,
+                actor,
+                deploy=self.deploy,
+                reason=reason,
+                version=version,
+                instance=self.instance,
+            )
+
+        return await self._on_machine(
+            machine_id, step, actor=actor, load=load, render=render, boot=NETWORK_BOOT
+        )
+
+    async def confirm_wipe(
+        self,
+        machine_id: str,
+        *,
+        actor: str,
+        load: LoadMachine,
+        render: Callable[[Session, Machine], R],
+        reason: str,
+        version: int | None = None,
+    ) -> R:
+        """A technician vouches for a wipe done by hand (``release.confirm_wipe``)."""
+
+        def step(s: Session, m: Machine) -> Machine:
+            return release.confirm_wipe(
+                s, m, actor, reason=reason, version=version, instance=self.instance
+            )
+
+        return await self._on_machine(
+            machine_id, step, actor=actor, load=load, render=render, boot=frozenset()
+        )
