@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from api.app import ROUTERS, all_specs, extra_routers
+from api.app import ROUTERS, all_specs
 from api.routing import RouteSpec, _Problem, parse_json_object, read_body_bytes
 from metald.errors import MetaldError
 from metald.inventory import parse_payload
@@ -39,7 +39,7 @@ from tests.inventory.conftest import payload
 
 ROOT = str(Path(__file__).resolve().parents[1])
 OWN_CODE = (f"{ROOT}/api/", f"{ROOT}/metald/")
-BODY_SPECS = [s for s in all_specs(ROUTERS + extra_routers()) if s.body is not None]
+BODY_SPECS = [s for s in all_specs(ROUTERS) if s.body is not None]
 LIMIT = 64 * 1024
 
 #: Integers at the edges of what columns and parsers hold.

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from metald import machines
 from metald.auth import issue_token
-from metald.claims import Selector, create_claim
+from metald.claims.allocation import Selector, create_claim
 from metald.lifecycle import Trigger
 from metald.store.models import Image
 from tests.api_helpers import LiveApi, live_api, until
