@@ -3,6 +3,7 @@ restart (state and boot intent are all in the database). Both backends."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from datetime import timedelta
 
@@ -207,3 +208,49 @@ def test_daemon_mounts_the_watchdog(cfg) -> None:  # type: ignore[no-untyped-def
         assert isinstance(dog, Watchdog) and dog.services is d.ctx.services
     finally:
         d.store.close()
+
+
+async def test_each_service_stops_only_its_own_background_steps(store: Store) -> None:
+    """A step the API started in the background is not the watchdog's: stopping the watchdog
+    leaves it running; the Provisioner that owns it stops it."""
+    started = asyncio.Event()
+
+    async def step() -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    from metald.provision.driver import Provisioner
+
+    owner = Provisioner()
+    await owner.start()
+    task = driver.spawn(step())
+    await started.wait()
+    dog = Watchdog(store, ProvisionConfig(watchdog_interval_s=0), "x")
+    await dog.start()
+    await dog.stop()
+    assert not task.done()  # the watchdog's stop() reached no one else's work
+    await owner.stop()
+    assert task.cancelled()
+
+
+class _Owner:
+    """A fleet view where instance ``a`` owns every machine."""
+
+    fenced = False
+
+    def __init__(self, instance: str) -> None:
+        self.instance = instance
+
+    def owns_machine(self, machine_id: str, bmc: tuple[str, str] | None) -> bool:
+        return self.instance == "a"
+
+
+async def test_a_machine_is_swept_by_its_owner_only(store: Store) -> None:
+    stale = claimed(store, 1)[0]
+    _age(store, [stale], 601)
+    other = Watchdog(store, CFG, "b", services={"bmc": FakeBmc()}, ownership=_Owner("b"))
+    assert await other.sweep_once() == []
+    assert _get(store, stale).state == State.PROVISIONING.value
+    mine = Watchdog(store, CFG, "a", services={"bmc": FakeBmc()}, ownership=_Owner("a"))
+    assert await mine.sweep_once() == [stale]
+    assert _get(store, stale).state == State.PROVISION_FAILED.value

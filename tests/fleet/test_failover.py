@@ -144,6 +144,20 @@ def test_kill_9_the_bmc_owner_mid_claim_the_claim_completes_no_command_twice(
         victim = Counter(owners.values()).most_common(1)[0][0]
         survivor = next(n for n in names if n != victim)
 
+        # A technician's command reaches either instance; it runs on the BMC's owner (a
+        # non-owner forwards it: run there, it would be refused with 503).
+        vm = mids[next(i for i, b in enumerate(bmc_ids) if owners[b] == victim)]
+        got = _http(ports[survivor], "GET", f"/api/v1/machines/{vm}/power", admin)
+        assert got["power_state"] == "on"
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{ports[survivor]}/api/v1/machines/{vm}/power",
+            headers={"Authorization": f"Bearer {admin}", "X-Metald-Forwarded-By": "loop"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=30)
+        assert refused.value.code == 503  # a forwarded request is never forwarded again
+        assert victim in json.loads(refused.value.read())["detail"]
+
         orch = _http(
             ports[survivor],
             "POST",
