@@ -32,7 +32,9 @@ class PowerSync:
         self._wake = asyncio.Event()
 
     async def start(self) -> None:
-        if self.interval_s > 0:
+        # With a fleet the loop also settles ownership (acquire, release), so it runs even
+        # with power sync turned off.
+        if self.interval_s > 0 or self.control.ownership is not None:
             self._task = asyncio.create_task(self._loop(), name="bmc-power-sync")
 
     async def stop(self) -> None:
@@ -46,12 +48,15 @@ class PowerSync:
     async def _loop(self) -> None:
         while True:
             try:
-                await self.sync_power_once()
+                if self.interval_s > 0:
+                    await self.sync_power_once()
+                else:
+                    await self.control.sync_ownership()
             except Exception:
                 log.exception("BMC power sync round failed")
             self._wake.clear()
             try:
-                async with asyncio.timeout(self.interval_s):
+                async with asyncio.timeout(self.interval_s if self.interval_s > 0 else 30.0):
                     await self._wake.wait()
             except TimeoutError:
                 pass
