@@ -139,14 +139,12 @@ def mark_step(s: Session, machine_id: str, step: str, *, command: str | None, do
     s.commit()
 
 
-def unfinished_steps(s: Session, me: str | None) -> list[tuple[str, str, str]]:
-    """(machine id, bmc id, step) of BMCs held by ``me`` (every BMC without a fleet) whose
-    journal holds a step not finished."""
-    q = select(Bmc.machine_id, Bmc.id, Bmc.step).where(  # type: ignore[call-overload]
+def unfinished_steps(s: Session) -> list[tuple[str, str, str, str]]:
+    """(machine id, bmc id, bmc address, step) of every BMC whose journal holds a step not
+    finished; the caller keeps those it owns (it acquires them before its first command)."""
+    q = select(Bmc.machine_id, Bmc.id, Bmc.address, Bmc.step).where(  # type: ignore[call-overload]
         Bmc.step.is_not(None),  # type: ignore[union-attr]
         Bmc.step_done.is_(False),  # type: ignore[attr-defined]
         Bmc.machine_id.is_not(None),  # type: ignore[union-attr]
     )
-    if me is not None:
-        q = q.where(Bmc.owner == me)
-    return [(m, b, st) for m, b, st in s.execute(q).all()]
+    return [(m, b, a, st) for m, b, a, st in s.execute(q).all()]

@@ -184,12 +184,14 @@ def interrupted_boots(
     return sorted(m for m in waiting if m in mine)
 
 
-def unfinished_steps(session: Session, me: str | None) -> list[str]:
-    """Machines whose current network-boot step the journal of a BMC held by ``me`` shows
-    begun (or handed over) but not finished. Journals of steps the machine has left are
-    closed on the way."""
+def unfinished_steps(session: Session, owns_bmc: Callable[[str, str], bool] | None) -> list[str]:
+    """Machines whose current network-boot step the journal of a BMC this instance owns
+    (``owns_bmc``; all without a fleet) shows begun, or handed over, but not finished. Journals
+    of steps the machine has left are closed on the way."""
     out = []
-    for mid, _bid, step in ownership.unfinished_steps(session, me):
+    for mid, bid, address, step in ownership.unfinished_steps(session):
+        if owns_bmc is not None and not owns_bmc(bid, address):
+            continue
         m = session.get(Machine, mid)
         if m is not None and State(m.state) in driver.NETWORK_BOOT_STATES and step_key(m) == step:
             out.append(mid)
@@ -248,9 +250,6 @@ class Watchdog:
     def _bmc(self) -> Any:
         return self.services.get("bmc") if self.cfg.use_bmc else None
 
-    def _me(self) -> str | None:
-        return None if self.ownership is None else self.ownership.instance
-
     async def resume_once(self) -> list[str]:
         """Resume the unfinished steps of the BMCs this instance holds."""
         bmc = self._bmc()
@@ -258,7 +257,8 @@ class Watchdog:
             return []
         control = driver.control_of(bmc)
         busy = getattr(control, "in_flight", set())
-        todo = [m for m in await self.store.run(unfinished_steps, self._me()) if m not in busy]
+        owns_bmc = None if self.ownership is None else self.ownership.owns_bmc
+        todo = [m for m in await self.store.run(unfinished_steps, owns_bmc) if m not in busy]
         for mid in todo:
             log.warning("machine %s: resuming an unfinished network-boot step", mid)
         await driver.reboot_all(self.store, bmc, todo, actor=self.actor, instance=self.instance)

@@ -244,6 +244,9 @@ class _Owner:
     def owns_machine(self, machine_id: str, bmc: tuple[str, str] | None) -> bool:
         return self.instance == "a"
 
+    def owns_bmc(self, bmc_id: str, address: str) -> bool:
+        return self.instance == "a"
+
 
 async def test_a_machine_is_swept_by_its_owner_only(store: Store) -> None:
     stale = claimed(store, 1)[0]
