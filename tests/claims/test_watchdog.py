@@ -7,6 +7,7 @@ import asyncio
 import threading
 from datetime import timedelta
 
+import pytest
 from sqlalchemy import update
 from sqlmodel import select
 
@@ -19,7 +20,7 @@ from metald.provision.watchdog import Watchdog, sweep, timeouts
 from metald.store import Store
 from metald.store.models import Event, Machine, utcnow
 from tests.claims.fakes import FakeBmc
-from tests.claims.helpers import DEPLOY, add_image, add_ready, add_tenant, claimed
+from tests.claims.helpers import DEPLOY, add_image, add_ready, add_tenant, boot_token, claimed
 
 CFG = ProvisionConfig(provisioning_timeout_s=600, claimed_resume_s=60)
 
@@ -257,3 +258,59 @@ async def test_a_machine_is_swept_by_its_owner_only(store: Store) -> None:
     mine = Watchdog(store, CFG, "a", services={"bmc": FakeBmc()}, ownership=_Owner("a"))
     assert await mine.sweep_once() == [stale]
     assert _get(store, stale).state == State.PROVISION_FAILED.value
+
+
+def _journal(store: Store, machine_id: str, command: str) -> str:
+    """Link a BMC to the machine and journal ``command`` as sent in its current step (as the
+    instance that died had done before it was killed)."""
+    from metald.bmc import ownership
+    from metald.bmc.control import step_key
+    from metald.store.models import Bmc
+
+    with store.session() as s:
+        s.add(
+            Bmc(
+                address=f"10.9.0.{len(machine_id) % 200}",
+                port=abs(hash(machine_id)) % 60000 + 1,
+                protocol="ipmi",
+                username="u",
+                password_enc=b"x",
+                machine_id=machine_id,
+            )
+        )
+        s.commit()
+        bid = s.exec(select(Bmc.id).where(Bmc.machine_id == machine_id)).one()
+        step = step_key(s.get(Machine, machine_id))  # type: ignore[arg-type]
+        assert ownership.check_and_journal(s, bid, None, None, step, command)
+    return bid
+
+
+@pytest.mark.parametrize(
+    ("state", "sent", "expected"),
+    [
+        # The power-off reached the BMC: read until off, never send it again.
+        ("wiping", "power:off", [("power", "status"), ("boot", "pxe"), ("power", "on")]),
+        # The boot device was set: arm and power on.
+        ("inspecting", "boot:pxe", [("power", "on")]),
+        # The power-on was sent and the machine is on: nothing to send.
+        ("provisioning", "power:on", [("power", "status")]),
+    ],
+)
+async def test_a_step_cut_off_mid_way_resumes_from_its_journal(
+    store: Store, state: str, sent: str, expected: list[tuple[str, str]]
+) -> None:
+    """A wipe, an inspection or a provisioning whose instance died mid-step is finished by the
+    watchdog from the BMC's journal, sending only what was not sent, and only once."""
+    mid = claimed(store, 1)[0]
+    if state != "provisioning":
+        with store.session() as s:
+            s.execute(update(Machine).where(Machine.id == mid).values(state=state))  # type: ignore[arg-type]
+            s.commit()
+    _journal(store, mid, sent)
+    bmc = FakeBmc(power_state="off" if sent == "power:off" else "on")
+    dog = Watchdog(store, CFG, "survivor", services={"bmc": bmc})
+    assert await dog.resume_once() == [mid]
+    assert [c[1:] for c in bmc.calls] == expected
+    assert await dog.resume_once() == []  # done: journaled as finished
+    if sent != "power:on":
+        assert boot_token(store, mid), "the resumed step armed the boot"
