@@ -78,7 +78,13 @@ class PowerSync:
                 return False
             return await self.record(row, state)
 
-        owned = [r for r in await c.store.run(rows) if c.owns(r)]
+        # Held in the store, not only given by the hash: while a BMC moves, its previous holder
+        # reads it until it lets go, and the new owner from when it acquired it, never both.
+        owned = [
+            r
+            for r in await c.store.run(rows)
+            if c.owns(r) and (c.ownership is None or r.id in c.held)
+        ]
         return sum(await asyncio.gather(*(one(r) for r in owned)))
 
     async def record(self, row: Bmc, observed: PowerState) -> bool:

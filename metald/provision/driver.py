@@ -345,7 +345,12 @@ async def _boot(
         # runs unfinished steps of the BMCs it holds).
         log.info("machine %s: network boot left to the BMC's owner (%s)", machine_id, e.detail)
         if step is not None:
-            await store.run(ownership.mark_step, machine_id, step, command="requested", done=False)
+            try:
+                await store.run(
+                    ownership.mark_step, machine_id, step, command="requested", done=False
+                )
+            except Exception:  # noqa: BLE001 - fenced: the store is unreachable
+                log.warning("machine %s: could not hand the step over", machine_id, exc_info=True)
         return False
     except NotFound as e:
         await store.run(_note, machine_id, "provision.no-bmc", e.detail, actor, instance)
