@@ -2,6 +2,11 @@
 
 Thin: validation and roles here, everything else in ``metald.bmc.service.BmcService`` (the
 daemon hosts it as ``ctx.services["bmc"]``). No answer carries a BMC password.
+
+With several instances a command for a BMC runs on the instance that owns it: a request that
+reaches another one is forwarded to the owner's API URL with the caller's own token (the owner
+authorizes it again) and its answer returned as is. A forwarded request is never forwarded
+again: if ownership moved meanwhile, the answer is a 503 saying to retry.
 """
 
 from __future__ import annotations
@@ -9,8 +14,9 @@ from __future__ import annotations
 import ipaddress
 import re
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
+import aiohttp
 from pydantic import BaseModel, Field, SecretStr, StringConstraints
 from sqlmodel import Session, select
 
@@ -215,6 +221,57 @@ def _bmc(req: ApiRequest) -> Any:
     return svc
 
 
+#: Set on a request one instance forwards to a BMC's owner (never forwarded again).
+FORWARDED = "X-Metald-Forwarded-By"
+#: How long a forwarded command may take at the owner (retries of a slow BMC included).
+FORWARD_TIMEOUT_S = 120.0
+M = TypeVar("M", bound=BaseModel)
+
+
+class ForwardFailed(MetaldError):
+    status = 502
+    title = "BMC owner unreachable"
+
+
+async def _on_owner(
+    req: ApiRequest, out: type[M], *, machine_id: str | None = None, bmc_id: str | None = None
+) -> M | None:
+    """Forward the request to the instance that owns the BMC, when that is another one, and
+    return its answer (an error answer raised as the same problem); None: run it here."""
+    if req.raw.headers.get(FORWARDED):
+        return None
+    url = await _bmc(req).owner_url(machine_id=machine_id, bmc_id=bmc_id)
+    if url is None:
+        return None
+    headers = {FORWARDED: req.ctx.instance}
+    if auth := req.raw.headers.get("Authorization"):
+        headers["Authorization"] = auth
+    body = req.body.model_dump(mode="json") if isinstance(req.body, BaseModel) else None
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=FORWARD_TIMEOUT_S)) as http,
+            http.request(
+                req.raw.method, url.rstrip("/") + req.raw.path_qs, json=body, headers=headers
+            ) as r,
+        ):
+            data = await r.json(content_type=None)
+    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+        raise ForwardFailed(
+            f"this BMC is owned by the instance at {url}, which did not answer "
+            f"({type(e).__name__}); retry, or check that instance",
+            owner_url=url,
+        ) from None
+    if r.status >= 400:
+        err = MetaldError(str(data.get("detail") or "the BMC's owner refused the request"))
+        err.status, err.title = r.status, str(data.get("title") or "Error")
+        err.extra = {k: v for k, v in data.items() if k not in _PROBLEM_FIELDS}
+        raise err
+    return out.model_validate(data)
+
+
+_PROBLEM_FIELDS = {"type", "title", "status", "detail", "instance"}
+
+
 # ---- BMCs -----------------------------------------------------------------------------------
 
 
@@ -319,6 +376,8 @@ async def remove_bmc(req: ApiRequest) -> None:
 )
 async def bmc_power_status(req: ApiRequest) -> PowerOut:
     """Asks the BMC now; works before the host has enrolled as a machine."""
+    if fwd := await _on_owner(req, PowerOut, bmc_id=req.params["bmc_id"]):
+        return fwd
     return PowerOut.model_validate(await _bmc(req).power_bmc(req.params["bmc_id"], "status"))
 
 
@@ -336,6 +395,8 @@ async def bmc_power_action(req: ApiRequest) -> PowerOut:
     """Zero-touch: power on racks whose machines are not enrolled yet; they PXE-boot, enroll
     themselves, and the BMC is linked to its machine by system UUID, serial or MAC."""
     b: PowerRequest = req.body
+    if fwd := await _on_owner(req, PowerOut, bmc_id=req.params["bmc_id"]):
+        return fwd
     out = await _bmc(req).power_bmc(req.params["bmc_id"], b.action, actor=req.actor)
     req.ctx.bus.notify()
     return PowerOut.model_validate(out)
@@ -357,6 +418,8 @@ _MACHINE_ERRORS = (404, 422, 502, 503)
 )
 async def power_status(req: ApiRequest) -> PowerOut:
     """Asks the BMC now (not a cached value)."""
+    if fwd := await _on_owner(req, PowerOut, machine_id=req.params["id"]):
+        return fwd
     return PowerOut.model_validate(await _bmc(req).power(req.params["id"], "status"))
 
 
@@ -373,6 +436,8 @@ async def power_status(req: ApiRequest) -> PowerOut:
 async def power_action(req: ApiRequest) -> PowerOut:
     """on, off, soft-off, cycle, reset or status; a failure is a 502 naming the BMC's health."""
     b: PowerRequest = req.body
+    if fwd := await _on_owner(req, PowerOut, machine_id=req.params["id"]):
+        return fwd
     out = await _bmc(req).power(req.params["id"], b.action, actor=req.actor)
     req.ctx.bus.notify()
     return PowerOut.model_validate(out)
@@ -391,6 +456,8 @@ async def power_action(req: ApiRequest) -> PowerOut:
 async def boot_device(req: ApiRequest) -> BootDeviceOut:
     """PXE or disk, for the next boot only or every boot, UEFI or legacy."""
     b: BootDeviceRequest = req.body
+    if fwd := await _on_owner(req, BootDeviceOut, machine_id=req.params["id"]):
+        return fwd
     out = await _bmc(req).set_boot_device(
         req.params["id"], b.device, persistent=b.persistent, uefi=b.uefi, actor=req.actor
     )
@@ -409,6 +476,8 @@ async def boot_device(req: ApiRequest) -> BootDeviceOut:
 )
 async def sensors(req: ApiRequest) -> SensorList:
     """Temperatures, fans, power draw and the rest, as the BMC reports them now."""
+    if fwd := await _on_owner(req, SensorList, machine_id=req.params["id"]):
+        return fwd
     items = await _bmc(req).sensors(req.params["id"])
     return SensorList(items=[SensorOut.model_validate(x) for x in items])
 
@@ -424,6 +493,8 @@ async def sensors(req: ApiRequest) -> SensorList:
 )
 async def event_log(req: ApiRequest) -> LogList:
     """The BMC's own event log (IPMI SEL, Redfish LogService entries)."""
+    if fwd := await _on_owner(req, LogList, machine_id=req.params["id"]):
+        return fwd
     items = await _bmc(req).event_log(req.params["id"])
     return LogList(items=[LogEntryOut.model_validate(x) for x in items])
 

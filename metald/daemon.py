@@ -258,14 +258,32 @@ def _bmc(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
 
     svc = BmcService(d.store, d.secrets, d.cfg.bmc, d.cfg.instance)
     svc.ownership = d.fleet
+    d.fleet.on_change(svc.wake)
     return svc, []
 
 
+def _provisioner(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
+    """Owns the provisioning steps API calls start in the background, and stops them."""
+    from metald.provision.driver import Provisioner
+
+    return Provisioner(), []
+
+
 def _provision_watchdog(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
-    """Times out stuck machines and resumes claims interrupted by a restart."""
+    """Times out stuck machines and resumes claims and steps cut off by a restart or a dead
+    instance, for the machines this instance owns."""
     from metald.provision.watchdog import Watchdog
 
-    return Watchdog(d.store, d.cfg.provision, d.cfg.instance, services=d.ctx.services), []
+    dog = Watchdog(
+        d.store,
+        d.cfg.provision,
+        d.cfg.instance,
+        services=d.ctx.services,
+        ownership=d.fleet,
+        resume_interval_s=d.cfg.fleet.heartbeat_s,
+    )
+    d.fleet.on_change(dog.wake)
+    return dog, []
 
 
 def _tenant_hubs(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
@@ -300,6 +318,7 @@ _SERVICE_FACTORIES = [
     _tenant_node_guard,
     _boot_plane,
     _bmc,
+    _provisioner,
     _provision_watchdog,
     _tenant_hubs,
     _token_sweeper,

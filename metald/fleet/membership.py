@@ -207,3 +207,18 @@ class Membership:
 
     def owns_hub(self, tenant_id: str) -> bool:
         return not self.fenced and self.hub_owner(tenant_id) == self.instance
+
+    def key_owner(self, key: str) -> str | None:
+        """The live instance that owns an object every instance may own (a sweep, a machine
+        without a BMC): the rendezvous winner among all live instances."""
+        return owner(key, [m.name for m in self.live()])
+
+    def owns_key(self, key: str) -> bool:
+        return not self.fenced and self.key_owner(key) == self.instance
+
+    def owns_machine(self, machine_id: str, bmc: tuple[str, str] | None) -> bool:
+        """Whether this instance sweeps a machine: the owner of its BMC (``bmc`` is its id and
+        address), or for a machine without one the rendezvous owner of ``machine:<id>``."""
+        if bmc is not None:
+            return self.owns_bmc(*bmc)
+        return self.owns_key(f"machine:{machine_id}")

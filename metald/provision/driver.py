@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from collections.abc import Coroutine
 from typing import Any
 
 from sqlmodel import Session
 
 from metald import machines
+from metald.bmc import ownership
+from metald.bmc.base import BootTarget, PowerAction, PowerState
+from metald.bmc.control import NotOwner, PowerControl, step_key
+from metald.bmc.ownership import StepJournal
 from metald.errors import Conflict, MetaldError, NotFound
 from metald.lifecycle import NETWORK_BOOT as NETWORK_BOOT_STATES
 from metald.lifecycle import OPERATION_FAIL as _FAIL
@@ -28,30 +33,76 @@ from metald.store.models import Machine
 
 log = logging.getLogger(__name__)
 
-_tasks: set[asyncio.Task[Any]] = set()
+
+class StepRunner:
+    """Background provisioning steps, owned: whoever holds the runner stops its tasks. The
+    daemon's ``Provisioner`` service holds one and cancels its tasks at stop."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run ``coro`` in the background, keeping a reference until it ends."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def drain(self) -> None:
+        """Wait for every background step (tests)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    async def cancel_all(self) -> None:
+        """Stop every background step (shutdown). A machine left mid-reboot stays in its state;
+        the BMC's journal says how far the step got, and its owner resumes it."""
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class Provisioner:
+    """The ``provision`` service: owns the background steps started by API calls."""
+
+    name = "provision"
+
+    def __init__(self) -> None:
+        self.steps = StepRunner()
+
+    async def start(self) -> None:
+        _RUNNERS[asyncio.get_running_loop()] = self.steps
+
+    async def stop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if _RUNNERS.get(loop) is self.steps:
+            del _RUNNERS[loop]
+        await self.steps.cancel_all()
+
+
+#: The runner ``spawn`` hands API-started steps to, per event loop: the daemon's Provisioner
+#: while it runs (it stops them), else one made on first use (an API under test).
+_RUNNERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, StepRunner] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def runner() -> StepRunner:
+    loop = asyncio.get_running_loop()
+    r = _RUNNERS.get(loop)
+    if r is None:
+        r = _RUNNERS[loop] = StepRunner()
+    return r
 
 
 def spawn(coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-    """Run ``coro`` in the background, keeping a reference until it ends."""
-    task = asyncio.get_running_loop().create_task(coro)
-    _tasks.add(task)
-    task.add_done_callback(_tasks.discard)
-    return task
+    """Run ``coro`` in the background under this loop's step runner (see ``Provisioner``)."""
+    return runner().spawn(coro)
 
 
 async def drain() -> None:
-    """Wait for every background step (tests)."""
-    while _tasks:
-        await asyncio.gather(*list(_tasks), return_exceptions=True)
-
-
-async def cancel_all() -> None:
-    """Stop every background step (shutdown). A machine left mid-reboot stays in its state;
-    the watchdog times it out and the retry action starts it again."""
-    tasks = list(_tasks)
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    """Wait for every background step of this loop's runner (tests)."""
+    await runner().drain()
 
 
 def start_provisioning(
@@ -174,15 +225,15 @@ POWER_OFF_WAIT_S = 60.0
 POWER_OFF_POLL_S = 1.0
 
 
-async def _power_off(bmc: Any, machine_id: str, actor: str) -> None:
-    """Hard power-off through the BMC, and wait until the BMC reports the machine off: from
-    then on nothing the machine ran before (a tenant's OS) can ask metald for anything."""
-    status = await bmc.power(machine_id, "status", actor=actor)
-    if status.get("power_state") == "off":
-        return
-    await bmc.power(machine_id, "off", actor=actor)
+def control_of(bmc: Any) -> PowerControl:
+    """The typed control behind what callers pass as ``bmc``: the daemon's BmcService (its
+    ``control``) or a PowerControl itself."""
+    return getattr(bmc, "control", bmc)
+
+
+async def _wait_off(bmc: PowerControl, machine_id: str, actor: str) -> None:
     deadline = asyncio.get_running_loop().time() + POWER_OFF_WAIT_S
-    while (await bmc.power(machine_id, "status", actor=actor)).get("power_state") != "off":
+    while await bmc.read_power(machine_id, actor=actor) is not PowerState.OFF:
         if asyncio.get_running_loop().time() > deadline:
             raise MetaldError(
                 f"the BMC did not report the machine off within {POWER_OFF_WAIT_S:.0f} s of a "
@@ -191,25 +242,101 @@ async def _power_off(bmc: Any, machine_id: str, actor: str) -> None:
         await asyncio.sleep(POWER_OFF_POLL_S)
 
 
+async def _power_off(bmc: PowerControl, machine_id: str, actor: str, step: str | None) -> None:
+    """Hard power-off through the BMC, and wait until the BMC reports the machine off: from
+    then on nothing the machine ran before (a tenant's OS) can ask metald for anything."""
+    if await bmc.read_power(machine_id, actor=actor) is PowerState.OFF:
+        return
+    await bmc.power(machine_id, PowerAction.OFF, actor=actor, step=step)
+    await _wait_off(bmc, machine_id, actor)
+
+
+def _step_of(session: Session, machine_id: str) -> tuple[str | None, StepJournal | None]:
+    """The machine's current step (None when its state does not boot over the network) and
+    its BMC's journal of that step."""
+    m = machines.get_machine(session, machine_id)
+    if State(m.state) not in NETWORK_BOOT_STATES:
+        return None, None
+    step = step_key(m)
+    return step, ownership.read_step(session, machine_id, step)
+
+
 async def boot_from_network(
     store: Store, bmc: Any, machine_id: str, *, actor: str, instance: str | None = None
 ) -> bool:
     """Take the machine (hard power-off, confirmed), set a one-time PXE boot, arm the boot
     (``metald.provision.boots``: the first script of this boot carries the agent token), then
-    power it on. False if it failed. Without a BMC the machine is left alone: nothing is armed,
-    so a wipe then needs a technician (``confirm-wipe``)."""
-    try:
-        await _power_off(bmc, machine_id, actor)
-        # uefi=None: keep the machine's own firmware mode (a BIOS machine refuses a UEFI
-        # override and a UEFI one may not PXE in legacy mode).
-        await bmc.set_boot_device(machine_id, "pxe", persistent=False, uefi=None, actor=actor)
-        # The watchdog reads the note to tell a boot that was asked for from one a restart
-        # cut off.
-        reason = "power off, one-time PXE boot and power on through the BMC"
-        if not await store.run(_arm, machine_id, reason, actor, instance):
+    power it on. False if it failed or is left to the BMC's owner. Without a BMC the machine is
+    left alone: nothing is armed, so a wipe then needs a technician (``confirm-wipe``).
+
+    Resumable: each command is journaled on the BMC's row before it is sent, so a step cut
+    off (this or another instance killed) continues from there, and a command whose effect
+    can be read (power) is read, never sent again blindly. One run per machine at a time in
+    this instance."""
+    control = control_of(bmc)
+    busy: set[str] | None = getattr(control, "in_flight", None)
+    if busy is not None:
+        if machine_id in busy:
             return False
-        await bmc.power(machine_id, "on", actor=actor)
+        busy.add(machine_id)
+    try:
+        return await _boot(store, control, machine_id, actor, instance)
+    finally:
+        if busy is not None:
+            busy.discard(machine_id)
+
+
+async def _boot(
+    store: Store, bmc: PowerControl, machine_id: str, actor: str, instance: str | None
+) -> bool:
+    step: str | None = None
+    try:
+        step, journal = await store.run(_step_of, machine_id)
+        if step is None:
+            return False
+        if journal is not None and journal.done:
+            return True
+        sent = journal.command if journal is not None else None
+        if sent in (None, "requested"):
+            await _power_off(bmc, machine_id, actor, step)
+            sent = "power:off"
+        elif sent == "power:off":  # sent before a failover: wait for it, never send it again
+            await _wait_off(bmc, machine_id, actor)
+        if sent == "power:off":
+            # uefi=None: keep the machine's own firmware mode (a BIOS machine refuses a UEFI
+            # override and a UEFI one may not PXE in legacy mode).
+            await bmc.set_boot_device(
+                machine_id, BootTarget.PXE, False, uefi=None, actor=actor, step=step
+            )
+            sent = "boot:pxe"
+        if sent == "boot:pxe":
+            # The watchdog reads the note to tell a boot that was asked for from one a
+            # restart cut off.
+            reason = "power off, one-time PXE boot and power on through the BMC"
+            if not await store.run(_arm, machine_id, reason, actor, instance):
+                return False
+            await bmc.power(machine_id, PowerAction.ON, actor=actor, step=step)
+        elif (
+            sent == "power:on"
+            and await bmc.read_power(machine_id, actor=actor) is not PowerState.ON
+        ):
+            # Sent before a failover, and the machine reads off: the command never reached
+            # the BMC (powering on what is off cannot act twice). On: it is booting.
+            await bmc.power(machine_id, PowerAction.ON, actor=actor, step=step)
+        await store.run(ownership.mark_step, machine_id, step, command=None, done=True)
         return True
+    except NotOwner as e:
+        # Another instance owns the BMC: the step is left in the store for it (its watchdog
+        # runs unfinished steps of the BMCs it holds).
+        log.info("machine %s: network boot left to the BMC's owner (%s)", machine_id, e.detail)
+        if step is not None:
+            try:
+                await store.run(
+                    ownership.mark_step, machine_id, step, command="requested", done=False
+                )
+            except Exception:  # noqa: BLE001 - fenced: the store is unreachable
+                log.warning("machine %s: could not hand the step over", machine_id, exc_info=True)
+        return False
     except NotFound as e:
         await store.run(_note, machine_id, "provision.no-bmc", e.detail, actor, instance)
         return False
@@ -217,6 +344,8 @@ async def boot_from_network(
         detail = e.detail if isinstance(e, MetaldError) else f"{type(e).__name__}: {e}"
         log.warning("machine %s: network boot through the BMC failed: %s", machine_id, detail)
         await store.run(_fail, machine_id, f"BMC: {detail}", actor, instance)
+        if step is not None:
+            await store.run(ownership.mark_step, machine_id, step, command=None, done=True)
         return False
 
 

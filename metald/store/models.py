@@ -121,6 +121,15 @@ class Bmc(SQLModel, table=True):
     macs: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
     last_seen_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
     created_at: datetime = _ts()
+    #: The instance that holds this BMC (metald.bmc.ownership) and its fencing generation,
+    #: raised at every acquisition: a command is sent only while both still match.
+    owner: str | None = Field(default=None, index=True)
+    generation: int = 0
+    #: The provisioning step (machine state and entry time) whose commands are journaled
+    #: here, its last command recorded before it was sent, and whether the step finished.
+    step: str | None = None
+    step_command: str | None = None
+    step_done: bool = False
 
     __table_args__ = (UniqueConstraint("address", "port", name="uq_bmcs_address_port"),)
 

@@ -131,12 +131,16 @@ class IpmiSim:
         return self.calls_file.read_text().splitlines() if self.calls_file.exists() else []
 
 
-@pytest.fixture
-def ipmi_sim(tmp_path: Path) -> Iterator[IpmiSim]:
-    if shutil.which("ipmi_sim") is None:
-        pytest.skip("ipmi_sim (Debian package openipmi) is not installed")
+def start_ipmi_sim(tmp_path: Path, *, power_on: bool = False) -> tuple[IpmiSim, subprocess.Popen]:
+    """An ``ipmi_sim`` in ``tmp_path`` on a free port. Its chassis script logs every command
+    (``IpmiSim.calls``); while the file ``hold-off`` exists in ``tmp_path`` a power-off is
+    logged but not applied (a machine slow to go off)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     port = free_port()
     calls, power = tmp_path / "calls.log", tmp_path / "power"
+    if power_on:
+        power.write_text("1\n")
+    hold = tmp_path / "hold-off"
     script = tmp_path / "chassis.sh"
     # ipmi_sim runs this for every chassis command: the test reads what the BMC was asked.
     script.write_text(
@@ -150,6 +154,7 @@ def ipmi_sim(tmp_path: Path) -> Iterator[IpmiSim]:
             [ "$p" = boot ] && echo "boot:default"
           done
         elif [ "$1" = set ] && [ "$2" = power ]; then
+          [ "$3" = 0 ] && [ -e {hold} ] && exit 0
           echo "$3" > {power}
         fi
         exit 0
@@ -175,7 +180,7 @@ def ipmi_sim(tmp_path: Path) -> Iterator[IpmiSim]:
         """)
     )
     (tmp_path / "bmc.emu").write_text(EMU)
-    (tmp_path / "ipmi-sim-state").mkdir()
+    (tmp_path / "ipmi-sim-state").mkdir(exist_ok=True)
     proc = subprocess.Popen(
         [
             "ipmi_sim",
@@ -193,7 +198,23 @@ def ipmi_sim(tmp_path: Path) -> Iterator[IpmiSim]:
     )
     try:
         _wait_udp_bound(port, proc)
-        yield IpmiSim(port, "admin", PASSWORD, calls, SYSTEM_UUID)
+    except BaseException:
+        _stop(proc)
+        raise
+    return IpmiSim(port, "admin", PASSWORD, calls, SYSTEM_UUID), proc
+
+
+def stop_peer(proc: subprocess.Popen) -> None:
+    _stop(proc)
+
+
+@pytest.fixture
+def ipmi_sim(tmp_path: Path) -> Iterator[IpmiSim]:
+    if shutil.which("ipmi_sim") is None:
+        pytest.skip("ipmi_sim (Debian package openipmi) is not installed")
+    sim, proc = start_ipmi_sim(tmp_path)
+    try:
+        yield sim
     finally:
         _stop(proc)
 

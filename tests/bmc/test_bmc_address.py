@@ -96,13 +96,15 @@ async def test_every_failed_registration_closes_its_driver(
     client, tokens = bmc_api
     svc: BmcService = client.app[CTX_KEY].services["bmc"]
     ExplodingDriver.made.clear()
-    monkeypatch.setattr(svc, "_make_driver", lambda proto, ep: ExplodingDriver(where == "identify"))
+    monkeypatch.setattr(
+        svc.control, "make_driver", lambda proto, ep: ExplodingDriver(where == "identify")
+    )
     if where == "insert":
 
         def refuse(*_a: object) -> None:
             raise RuntimeError("the store refused")
 
-        monkeypatch.setattr(svc, "_insert", refuse)
+        monkeypatch.setattr(svc.registry, "_insert", refuse)
     body = {"address": "10.0.0.5", "username": "a", "password": "p", "protocol": "redfish"}
     r = await client.post("/api/v1/bmcs", json=body, headers=tokens.header("technician"))
     assert r.status == 500  # an unexpected error stays an error...

@@ -173,7 +173,7 @@ async def test_power_sync_reports_drift_not_our_own_commands(
         await asyncio.sleep(0.5)
         assert await _events(store, "bmc.power-drift") == []
         await asyncio.to_thread(_ipmitool, ipmi_sim, "power", "off")  # behind metald's back
-        svc._expected.clear()  # the grace period of our own command is over
+        svc.control.expected.clear()  # the grace period of our own command is over
         for _ in range(50):
             drift = await _events(store, "bmc.power-drift")
             if drift:

@@ -1,10 +1,9 @@
-"""A stand-in for BmcService: records what the driver asks, keeps one power state for every
+"""A stand-in for the BMC's PowerControl (metald.bmc.control): records what the driver asks, keeps one power state for every
 machine (off/on as commanded), fails on demand."""
 
 from __future__ import annotations
 
-from typing import Any
-
+from metald.bmc.base import BootTarget, PowerAction, PowerState
 from metald.errors import MetaldError, NotFound
 
 
@@ -25,23 +24,31 @@ class FakeBmc:
     async def set_boot_device(
         self,
         machine_id: str,
-        device: str,
+        device: BootTarget,
         persistent: bool = False,
-        uefi: bool = True,
+        *,
+        uefi: bool | None = None,
         actor: str = "",
-    ) -> dict[str, Any]:
+        step: str | None = None,
+    ) -> None:
         self._check(machine_id)
         self.calls.append((machine_id, "boot", f"{device}{'+persistent' if persistent else ''}"))
-        return {}
 
-    async def power(self, machine_id: str, action: str, actor: str = "") -> dict[str, Any]:
+    async def read_power(self, machine_id: str, *, actor: str = "") -> PowerState:
         self._check(machine_id)
-        self.calls.append((machine_id, "power", action))
+        self.calls.append((machine_id, "power", "status"))
+        return PowerState(self.states.get(machine_id, self.power_state))
+
+    async def power(
+        self, machine_id: str, action: PowerAction, *, actor: str = "", step: str | None = None
+    ) -> PowerState:
+        self._check(machine_id)
+        self.calls.append((machine_id, "power", str(action)))
         if action in ("off", "soft-off"):
             self.states[machine_id] = "off"
         elif action in ("on", "cycle", "reset"):
             self.states[machine_id] = "on"
-        return {"power_state": self.states.get(machine_id, self.power_state)}
+        return PowerState(self.states.get(machine_id, self.power_state))
 
     @property
     def power_state(self) -> str:

@@ -3,9 +3,11 @@ restart (state and boot intent are all in the database). Both backends."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from datetime import timedelta
 
+import pytest
 from sqlalchemy import update
 from sqlmodel import select
 
@@ -18,7 +20,7 @@ from metald.provision.watchdog import Watchdog, sweep, timeouts
 from metald.store import Store
 from metald.store.models import Event, Machine, utcnow
 from tests.claims.fakes import FakeBmc
-from tests.claims.helpers import DEPLOY, add_image, add_ready, add_tenant, claimed
+from tests.claims.helpers import DEPLOY, add_image, add_ready, add_tenant, boot_token, claimed
 
 CFG = ProvisionConfig(provisioning_timeout_s=600, claimed_resume_s=60)
 
@@ -207,3 +209,108 @@ def test_daemon_mounts_the_watchdog(cfg) -> None:  # type: ignore[no-untyped-def
         assert isinstance(dog, Watchdog) and dog.services is d.ctx.services
     finally:
         d.store.close()
+
+
+async def test_each_service_stops_only_its_own_background_steps(store: Store) -> None:
+    """A step the API started in the background is not the watchdog's: stopping the watchdog
+    leaves it running; the Provisioner that owns it stops it."""
+    started = asyncio.Event()
+
+    async def step() -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    from metald.provision.driver import Provisioner
+
+    owner = Provisioner()
+    await owner.start()
+    task = driver.spawn(step())
+    await started.wait()
+    dog = Watchdog(store, ProvisionConfig(watchdog_interval_s=0), "x")
+    await dog.start()
+    await dog.stop()
+    assert not task.done()  # the watchdog's stop() reached no one else's work
+    await owner.stop()
+    assert task.cancelled()
+
+
+class _Owner:
+    """A fleet view where instance ``a`` owns every machine."""
+
+    fenced = False
+
+    def __init__(self, instance: str) -> None:
+        self.instance = instance
+
+    def owns_machine(self, machine_id: str, bmc: tuple[str, str] | None) -> bool:
+        return self.instance == "a"
+
+    def owns_bmc(self, bmc_id: str, address: str) -> bool:
+        return self.instance == "a"
+
+
+async def test_a_machine_is_swept_by_its_owner_only(store: Store) -> None:
+    stale = claimed(store, 1)[0]
+    _age(store, [stale], 601)
+    other = Watchdog(store, CFG, "b", services={"bmc": FakeBmc()}, ownership=_Owner("b"))
+    assert await other.sweep_once() == []
+    assert _get(store, stale).state == State.PROVISIONING.value
+    mine = Watchdog(store, CFG, "a", services={"bmc": FakeBmc()}, ownership=_Owner("a"))
+    assert await mine.sweep_once() == [stale]
+    assert _get(store, stale).state == State.PROVISION_FAILED.value
+
+
+def _journal(store: Store, machine_id: str, command: str) -> str:
+    """Link a BMC to the machine and journal ``command`` as sent in its current step (as the
+    instance that died had done before it was killed)."""
+    from metald.bmc import ownership
+    from metald.bmc.control import step_key
+    from metald.store.models import Bmc
+
+    with store.session() as s:
+        s.add(
+            Bmc(
+                address=f"10.9.0.{len(machine_id) % 200}",
+                port=abs(hash(machine_id)) % 60000 + 1,
+                protocol="ipmi",
+                username="u",
+                password_enc=b"x",
+                machine_id=machine_id,
+            )
+        )
+        s.commit()
+        bid = s.exec(select(Bmc.id).where(Bmc.machine_id == machine_id)).one()
+        step = step_key(s.get(Machine, machine_id))  # type: ignore[arg-type]
+        assert ownership.check_and_journal(s, bid, None, None, step, command)
+    return bid
+
+
+@pytest.mark.parametrize(
+    ("state", "sent", "expected"),
+    [
+        # The power-off reached the BMC: read until off, never send it again.
+        ("wiping", "power:off", [("power", "status"), ("boot", "pxe"), ("power", "on")]),
+        # The boot device was set: arm and power on.
+        ("inspecting", "boot:pxe", [("power", "on")]),
+        # The power-on was sent and the machine is on: nothing to send.
+        ("provisioning", "power:on", [("power", "status")]),
+    ],
+)
+async def test_a_step_cut_off_mid_way_resumes_from_its_journal(
+    store: Store, state: str, sent: str, expected: list[tuple[str, str]]
+) -> None:
+    """A wipe, an inspection or a provisioning whose instance died mid-step is finished by the
+    watchdog from the BMC's journal, sending only what was not sent, and only once."""
+    mid = claimed(store, 1)[0]
+    if state != "provisioning":
+        with store.session() as s:
+            s.execute(update(Machine).where(Machine.id == mid).values(state=state))  # type: ignore[arg-type]
+            s.commit()
+    _journal(store, mid, sent)
+    bmc = FakeBmc(power_state="off" if sent == "power:off" else "on")
+    dog = Watchdog(store, CFG, "survivor", services={"bmc": bmc})
+    assert await dog.resume_once() == [mid]
+    assert [c[1:] for c in bmc.calls] == expected
+    assert await dog.resume_once() == []  # done: journaled as finished
+    if sent != "power:on":
+        assert boot_token(store, mid), "the resumed step armed the boot"

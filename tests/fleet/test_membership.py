@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from sqlmodel import Session
+from sqlmodel import Session, select
 
 from metald.bmc.base import BmcError
 from metald.bmc.service import BmcService
@@ -164,7 +164,7 @@ async def test_each_bmc_is_polled_by_exactly_one_instance_and_a_survivor_takes_o
                 polled.append((_name, row.id))
                 raise BmcError("not a real BMC")
 
-            svc._run = fake_run  # type: ignore[method-assign]
+            svc.control.run = fake_run  # type: ignore[method-assign]
             services.append(svc)
 
         for svc in services:
@@ -189,6 +189,9 @@ async def test_each_bmc_is_polled_by_exactly_one_instance_and_a_survivor_takes_o
         by_bmc = {i: [n for n, b in polled if b == i] for i in ids}
         assert all(len(v) == 1 for v in by_bmc.values())
         assert {n for n, _ in polled} == {"rack0", "rack2"}
+        # ... and hold them in the store, each at a new generation (a fencing token).
+        held = await store.run(lambda s: s.exec(select(Bmc.owner, Bmc.generation)).all())
+        assert {o for o, _ in held} == {"rack0", "rack2"} and all(g >= 1 for _, g in held)
     finally:
         for f in fleets:
             await f.stop()

@@ -1,0 +1,88 @@
+"""BMC control as the rest of metald sees it: the typed interface and its errors.
+
+``PowerControl`` is the narrow interface the provisioning code calls (``PowerAction`` in,
+``PowerState`` out; no dicts, no strings). ``metald.bmc.commands.BmcControl`` implements it over
+the drivers and the scheduler; this module names no protocol, so callers reach none.
+
+With several instances (metald.fleet) a command is sent only by the BMC's owner, and only after
+the store confirmed, in the same statement that journals it, that this instance still holds
+the BMC at the generation it acquired (``metald.bmc.ownership``): an instance that lost the BMC
+(judged dead, superseded) cannot send anything, and a fenced one does not even ask.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from metald.bmc.base import BootTarget, PowerAction, PowerState
+from metald.errors import MetaldError, NotFound
+from metald.store.models import Machine, as_utc
+
+
+class BmcCommandFailed(MetaldError):
+    """The BMC did not do what was asked (unreachable, refused, errored). Maps to 502."""
+
+    status = 502
+    title = "BMC command failed"
+
+
+class NoBmc(NotFound):
+    """The machine has no BMC linked."""
+
+
+class NotOwner(MetaldError):
+    """Another instance owns this BMC (or ownership is moving): this one sends nothing."""
+
+    status = 503
+    title = "BMC owned by another instance"
+
+    def __init__(self, detail: str, owner: str | None = None, **extra: Any) -> None:
+        super().__init__(detail, owner_instance=owner, **extra)
+        self.owner = owner
+
+
+class PowerControl(Protocol):
+    """What provisioning asks of a machine's BMC. Raises ``NoBmc`` when the machine has none,
+    ``NotOwner`` when another instance must send it, ``MetaldError`` when the BMC failed.
+
+    ``step`` names the provisioning step a command belongs to (``step_key``): the command is
+    journaled in the store before it is sent, so an instance taking the BMC over can tell
+    what was already sent and never sends it blindly again.
+    """
+
+    async def power(
+        self, machine_id: str, action: PowerAction, *, actor: str = ..., step: str | None = ...
+    ) -> PowerState: ...
+
+    async def read_power(self, machine_id: str, *, actor: str = ...) -> PowerState:
+        """Ask the BMC now (not a cached value)."""
+
+    async def set_boot_device(
+        self,
+        machine_id: str,
+        device: BootTarget,
+        persistent: bool = ...,
+        *,
+        uefi: bool | None = ...,
+        actor: str = ...,
+        step: str | None = ...,
+    ) -> None: ...
+
+
+class BmcOwnership(Protocol):
+    """Which instance owns a BMC (metald.fleet.membership.Membership)."""
+
+    instance: str
+    dead_after_s: float
+
+    @property
+    def fenced(self) -> bool: ...
+
+    def bmc_owner(self, bmc_id: str, address: str) -> str | None: ...
+
+    def owns_bmc(self, bmc_id: str, address: str) -> bool: ...
+
+
+def step_key(m: Machine) -> str:
+    """One entry of a machine into a state: what a provisioning step's journal is keyed by."""
+    return f"{m.state}@{as_utc(m.state_changed_at).isoformat()}"

@@ -1,0 +1,101 @@
+"""Power sync: read the power state of every BMC this instance owns, on an interval.
+
+A change nobody asked for becomes a ``bmc.power-drift`` event; a reading that differs from a
+command metald sent within ``drift_grace_s`` is the command taking effect, not drift. Each
+round first settles ownership (``BmcControl.sync_ownership``), so with several instances each
+BMC is read by exactly one of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from sqlmodel import Session, select
+
+from metald.bmc.base import BmcError, PowerState
+from metald.bmc.commands import BmcControl, cause, record_power
+from metald.bmc.scheduler import Health
+from metald.service import cancel
+from metald.store.models import Bmc
+
+log = logging.getLogger(__name__)
+
+
+class PowerSync:
+    def __init__(self, control: BmcControl, interval_s: float, actor: str) -> None:
+        self.control = control
+        self.interval_s = interval_s
+        self.actor = actor
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+
+    async def start(self) -> None:
+        # With a fleet the loop also settles ownership (acquire, release), so it runs even
+        # with power sync turned off.
+        if self.interval_s > 0 or self.control.ownership is not None:
+            self._task = asyncio.create_task(self._loop(), name="bmc-power-sync")
+
+    async def stop(self) -> None:
+        await cancel(self._task)
+        self._task = None
+
+    def wake(self) -> None:
+        """Settle ownership now (the live set changed), not at the next interval."""
+        self._wake.set()
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                if self.interval_s > 0:
+                    await self.sync_power_once()
+                else:
+                    await self.control.sync_ownership()
+            except Exception:
+                log.exception("BMC power sync round failed")
+            self._wake.clear()
+            try:
+                async with asyncio.timeout(self.interval_s if self.interval_s > 0 else 30.0):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
+
+    async def sync_power_once(self) -> int:
+        """Read the power state of every BMC this instance owns (skipping auth-failed ones:
+        retrying locks accounts); returns how many drifted."""
+        c = self.control
+        await c.sync_ownership()
+
+        def rows(s: Session) -> list[Bmc]:
+            return list(s.exec(select(Bmc).where(Bmc.health != Health.AUTH_FAILED.value)).all())
+
+        async def one(row: Bmc) -> bool:
+            try:
+                state = await c.run(row, "sync_power", lambda d: d.get_power())
+            except BmcError as e:
+                log.debug("power sync of BMC %s failed: %s", row.id, cause(e))
+                return False
+            return await self.record(row, state)
+
+        # Held in the store, not only given by the hash: while a BMC moves, its previous holder
+        # reads it until it lets go, and the new owner from when it acquired it, never both.
+        owned = [
+            r
+            for r in await c.store.run(rows)
+            if c.owns(r) and (c.ownership is None or r.id in c.held)
+        ]
+        return sum(await asyncio.gather(*(one(r) for r in owned)))
+
+    async def record(self, row: Bmc, observed: PowerState) -> bool:
+        expected = self.control.expected.get(row.id)
+        in_grace = expected is not None and time.monotonic() < expected.until
+        if expected is not None and not in_grace:
+            self.control.expected.pop(row.id, None)
+        return await self.control.store.run(
+            record_power,
+            row.id,
+            observed,
+            None if in_grace else self.actor,
+            self.control.instance,
+        )

@@ -1,0 +1,350 @@
+"""The registered BMCs: register (connect first, then store), link to machines, remove, list.
+
+Owns the ``bmcs`` rows' identity and links. Credentials are stored encrypted
+(``metald.secrets``) and only ever decrypted into a driver's endpoint; every dict built here
+goes through ``public`` and so carries no secret.
+
+Which machine a BMC manages is decided by one rule, ``identity_match``: the BMC's system UUID
+(in every byte order an IPMI GUID may come in), then its serial, then one of its MACs, against
+the machine's. Registration (BMC first known) and enrollment (machine first known) both use it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import func, or_
+from sqlmodel import Session, select
+
+from metald.bmc.base import BmcAuthError, BmcEndpoint, BmcError, SystemIdentity
+from metald.bmc.commands import BmcControl, cause, get_bmc
+from metald.bmc.ipmi import guid_readings
+from metald.bmc.scheduler import Health
+from metald.errors import Conflict, Unprocessable
+from metald.machines import add_event, get_machine, normalize_mac
+from metald.store.db import Store
+from metald.store.models import Bmc, Machine, Nic, utcnow
+
+PROTOCOLS = ("ipmi", "redfish", "auto")
+
+
+# --- the matching rule (pure) ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BmcIdentity:
+    """What a BMC says about its host, in the forms a machine's own identity is compared with."""
+
+    uuids: frozenset[str]
+    serial: str | None
+    macs: frozenset[str]
+
+    @classmethod
+    def of(cls, row: Bmc, extra_uuids: Iterable[str] = ()) -> BmcIdentity:
+        return cls(
+            uuids=frozenset(uuid_variants(row.system_uuid) | {u.lower() for u in extra_uuids}),
+            serial=row.serial or None,
+            macs=frozenset(row.macs or ()),
+        )
+
+
+def identity_match(
+    bmc: BmcIdentity, system_uuid: str | None, serial: str | None, macs: Iterable[str]
+) -> str | None:
+    """How a machine matches a BMC ("system-uuid", "serial", "mac"), or None."""
+    if system_uuid and system_uuid.lower() in bmc.uuids:
+        return "system-uuid"
+    if serial and bmc.serial == serial:
+        return "serial"
+    if bmc.macs & set(macs):
+        return "mac"
+    return None
+
+
+def uuid_variants(stored: str | None) -> set[str]:
+    """Every reading of a stored BMC UUID: IPMI GUIDs come in three byte orders (see
+    ipmi.guid_readings), and only one was stored at registration."""
+    if not stored:
+        return set()
+    try:
+        guid = bytes(reversed(uuid.UUID(stored).bytes))
+    except ValueError:
+        return {stored.lower()}
+    return {stored.lower(), *(u.lower() for u in guid_readings(guid))}
+
+
+_PRIORITY = {"system-uuid": 0, "serial": 1, "mac": 2}
+
+
+def match_machine(s: Session, row: Bmc, uuid_candidates: list[str]) -> tuple[str | None, str]:
+    """The machine this BMC manages (SQL narrows the candidates, ``identity_match`` decides)."""
+    ident = BmcIdentity.of(row, uuid_candidates)
+    conds = []
+    if ident.uuids:
+        conds.append(func.lower(Machine.system_uuid).in_(ident.uuids))  # type: ignore[arg-type]
+    if ident.serial:
+        conds.append(Machine.serial == ident.serial)
+    if ident.macs:
+        conds.append(
+            Machine.id.in_(select(Nic.machine_id).where(Nic.mac.in_(ident.macs)))  # type: ignore[attr-defined]
+        )
+    if not conds:
+        return None, ""
+    best: tuple[int, str, str] | None = None
+    for m in s.exec(select(Machine).where(or_(*conds))).all():
+        macs = s.exec(select(Nic.mac).where(Nic.machine_id == m.id)).all()
+        how = identity_match(ident, m.system_uuid, m.serial, macs)
+        if how is not None and (best is None or (_PRIORITY[how], m.id) < best[:2]):
+            best = (_PRIORITY[how], m.id, how)
+    return (best[1], best[2]) if best else (None, "")
+
+
+# --- the registry ---------------------------------------------------------------------------
+
+
+class BmcRegistry:
+    def __init__(self, store: Store, control: BmcControl, instance: str) -> None:
+        self.store = store
+        self.control = control
+        self.instance = instance
+
+    async def register(
+        self,
+        address: str,
+        port: int | None,
+        protocol: str,
+        username: str,
+        password: str,
+        machine_id: str | None = None,
+        verify_tls: bool = True,
+        ca_cert: str | None = None,
+        actor: str = "system",
+    ) -> Bmc:
+        """Connect with the credentials, then store the BMC and link it to its machine."""
+        address = (address or "").strip()
+        if not address:
+            raise Unprocessable("address is required (a host name, an IP, or a Redfish URL)")
+        if protocol not in PROTOCOLS:
+            raise Unprocessable(f"protocol must be one of {', '.join(PROTOCOLS)}, not {protocol!r}")
+        if port is not None and not 0 < port < 65536:
+            raise Unprocessable(f"port {port} is out of range 1-65535")
+        if not username:
+            raise Unprocessable("username is required")
+        if ca_cert is not None and "BEGIN CERTIFICATE" not in ca_cert:
+            raise Unprocessable("ca_cert must be a PEM certificate")
+        if machine_id is not None:
+
+            def has_bmc(s: Session) -> Bmc | None:
+                get_machine(s, machine_id)
+                return s.exec(select(Bmc).where(Bmc.machine_id == machine_id)).first()
+
+            if (other := await self.store.run(has_bmc)) is not None:
+                raise Conflict(
+                    f"machine {machine_id} already has BMC {other.id}; unlink it first",
+                    bmc_id=other.id,
+                )
+
+        def taken(s: Session) -> Bmc | None:
+            return s.exec(select(Bmc).where(Bmc.address == address, Bmc.port == port)).first()
+
+        if (existing := await self.store.run(taken)) is not None:
+            raise Conflict(
+                f"a BMC at {address}:{port} is already registered (id {existing.id})",
+                bmc_id=existing.id,
+            )
+
+        ep = BmcEndpoint(address, port, username, password, verify_tls, ca_cert)
+        tried = ["redfish", "ipmi"] if protocol == "auto" else [protocol]
+        if protocol == "auto" and address.startswith(("http://", "https://")):
+            tried = ["redfish"]
+        failures: list[str] = []
+        ident: SystemIdentity | None = None
+        used = ""
+        scheduler = self.control.scheduler
+        for proto in tried:
+            driver = self.control.make_driver(proto, ep)
+            key = f"register:{uuid.uuid4()}"
+            try:
+                ident = await scheduler.run(key, driver.identify, name="identify")
+                used = proto
+                break
+            except BmcAuthError as e:
+                await driver.close()
+                raise Unprocessable(
+                    f"the BMC at {address} refused these credentials ({proto}): {cause(e)}; "
+                    "check the user name and password",
+                    protocol=proto,
+                ) from None
+            except BmcError as e:
+                failures.append(f"{proto}: {cause(e)}")
+                await driver.close()
+            except BaseException:  # a bug or a cancel: still close the driver's client session
+                await driver.close()
+                raise
+            finally:
+                scheduler.forget(key)
+        if ident is None:
+            raise Unprocessable(
+                f"could not talk to a BMC at {address}: " + "; ".join(failures), tried=tried
+            )
+        row = Bmc(
+            address=address,
+            port=port,
+            protocol=used,
+            username=username,
+            password_enc=self.control.secrets.encrypt(password),
+            verify_tls=verify_tls,
+            ca_cert=ca_cert,
+            health=Health.OK.value,
+            system_uuid=ident.system_uuid,
+            serial=ident.serial,
+            macs=[normalize_mac(m) for m in ident.macs],
+            last_seen_at=utcnow(),
+        )
+        candidates = ident.extra.get("uuid_candidates", [])
+        try:
+            saved = await self.store.run(self._insert, row, machine_id, candidates, actor)
+        except BaseException:
+            await driver.close()
+            raise
+        self.control.seed_health(saved.id, driver)
+        return saved
+
+    def _insert(
+        self, s: Session, row: Bmc, machine_id: str | None, uuid_candidates: list[str], actor: str
+    ) -> Bmc:
+        how = "by hand"
+        if machine_id is None:
+            machine_id, how = match_machine(s, row, uuid_candidates)
+        if (
+            machine_id is not None
+            and s.exec(select(Bmc).where(Bmc.machine_id == machine_id)).first()
+        ):
+            if how == "by hand":
+                raise Conflict(f"machine {machine_id} already has a BMC; unlink it first")
+            machine_id = None  # matched, but that machine already has a BMC: leave it to a human
+        row.machine_id = machine_id
+        s.add(row)
+        s.flush()
+        add_event(
+            s,
+            "bmc.registered",
+            actor,
+            machine_id=machine_id,
+            instance=self.instance,
+            data={
+                "bmc_id": row.id,
+                "address": row.address,
+                "protocol": row.protocol,
+                "linked": how if machine_id else None,
+            },
+        )
+        s.commit()
+        return row
+
+    async def link(self, bmc_id: str, machine_id: str | None, actor: str = "system") -> Bmc:
+        """Link the BMC to a machine by hand (``None`` unlinks)."""
+
+        def do(s: Session) -> Bmc:
+            row = get_bmc(s, bmc_id)
+            if machine_id is not None:
+                get_machine(s, machine_id)
+                other = s.exec(select(Bmc).where(Bmc.machine_id == machine_id)).first()
+                if other is not None and other.id != bmc_id:
+                    raise Conflict(
+                        f"machine {machine_id} already has BMC {other.id}; unlink it first"
+                    )
+            old = row.machine_id
+            row.machine_id = machine_id
+            s.add(row)
+            add_event(
+                s,
+                "bmc.linked" if machine_id else "bmc.unlinked",
+                actor,
+                machine_id=machine_id or old,
+                instance=self.instance,
+                data={"bmc_id": bmc_id, "previous_machine_id": old},
+            )
+            s.commit()
+            return row
+
+        return await self.store.run(do)
+
+    async def link_by_identity(self, machine_id: str, actor: str = "system") -> Bmc | None:
+        """Link an unlinked BMC whose identity matches this machine's (called when inventory
+        arrives after the BMC was registered). Returns the BMC, or None."""
+
+        def do(s: Session) -> Bmc | None:
+            m = get_machine(s, machine_id)
+            if s.exec(select(Bmc).where(Bmc.machine_id == machine_id)).first():
+                return None
+            macs = list(s.exec(select(Nic.mac).where(Nic.machine_id == machine_id)).all())
+            for row in s.exec(select(Bmc).where(Bmc.machine_id.is_(None))).all():  # type: ignore[union-attr]
+                if identity_match(BmcIdentity.of(row), m.system_uuid, m.serial, macs) is None:
+                    continue
+                row.machine_id = machine_id
+                s.add(row)
+                add_event(
+                    s,
+                    "bmc.linked",
+                    actor,
+                    machine_id=machine_id,
+                    instance=self.instance,
+                    data={"bmc_id": row.id, "by": "identity"},
+                )
+                s.commit()
+                return row
+            return None
+
+        return await self.store.run(do)
+
+    async def remove(self, bmc_id: str, actor: str = "system") -> None:
+        def do(s: Session) -> None:
+            row = get_bmc(s, bmc_id)
+            add_event(
+                s,
+                "bmc.removed",
+                actor,
+                machine_id=row.machine_id,
+                instance=self.instance,
+                data={"bmc_id": bmc_id, "address": row.address},
+            )
+            s.delete(row)
+            s.commit()
+
+        await self.store.run(do)
+        await self.control.forget(bmc_id)
+
+    async def list(self) -> list[Bmc]:
+        def do(s: Session) -> list[Bmc]:
+            return list(s.exec(select(Bmc).order_by(Bmc.created_at)).all())
+
+        return await self.store.run(do)
+
+    async def get(self, bmc_id: str) -> Bmc:
+        return await self.store.run(get_bmc, bmc_id)
+
+
+def public(row: Bmc) -> dict[str, Any]:
+    """The BMC as the API shows it: never the password, never the ciphertext."""
+    return {
+        "id": row.id,
+        "machine_id": row.machine_id,
+        "address": row.address,
+        "port": row.port,
+        "protocol": row.protocol,
+        "username": row.username,
+        "verify_tls": row.verify_tls,
+        "ca_pinned": bool(row.ca_cert),
+        "health": row.health,
+        "health_detail": row.health_detail,
+        "power_state": row.power_state,
+        "system_uuid": row.system_uuid,
+        "serial": row.serial,
+        "macs": list(row.macs or []),
+        "last_seen_at": row.last_seen_at.isoformat() if row.last_seen_at else None,
+        "created_at": row.created_at.isoformat() if row.created_at else None,
+    }
