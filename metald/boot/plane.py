@@ -5,20 +5,26 @@ HTTP boot is not hosted here: ``metald.boot.http.boot_routes`` are mounted on th
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from metald.boot.dhcp.bootfile import BootFiles
 from metald.boot.dhcp.common import NetworkPlan
 from metald.boot.dhcp.enroll_limit import EnrollLimits
+from metald.boot.dhcp.lease_feed import LeaseFeed
+from metald.boot.dhcp.lease_store import LeaseStore
+from metald.boot.dhcp.peers import DhcpPeers
 from metald.boot.dhcp.server import DhcpServer
 from metald.boot.hooks import BootHooks
-from metald.boot.leases import LeaseStore
 from metald.boot.ra import RaResponder
 from metald.boot.tftp.server import TftpServer
 from metald.config import Config, ConfigError, split_hostport
 from metald.store.db import Store
+
+if TYPE_CHECKING:
+    from metald.fleet.membership import Membership
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +66,18 @@ class BootPlane:
         self.hooks = hooks
         self.leases = LeaseStore(store)
         self.services: list[Any] = []
+        #: The fleet membership (the daemon sets it): with it, on PostgreSQL, several instances
+        #: share the leases and split the clients of a network (docs/fleet.md).
+        self.fleet: Membership | None = None
+        self.feed: LeaseFeed | None = None
+        self._was_fenced = False
+        self._resync: asyncio.Task[int] | None = None
+        self.dhcp: DhcpServer | None = None
         if not b.enabled:
             return
         assert b.server_address is not None
         if b.dhcp_mode != "off":
-            self.dhcp: DhcpServer | None = DhcpServer(
+            self.dhcp = DhcpServer(
                 mode=b.dhcp_mode,
                 interfaces=list(b.interfaces),
                 networks=[NetworkPlan.from_config(n) for n in b.networks],
@@ -90,6 +103,7 @@ class BootPlane:
         if self.cfg.boot.dhcp_mode == "full":
             n = await self.leases.load()
             log.info("loaded %d DHCP leases", n)
+            self._join_peers()
         started: list[Any] = []
         try:
             for svc in self.services:
@@ -100,7 +114,35 @@ class BootPlane:
                 await svc.stop()
             raise
 
+    def _join_peers(self) -> None:
+        """Share leases and split clients with the other instances on these networks."""
+        b = self.cfg.boot
+        fleet = self.fleet
+        if self.dhcp is None or fleet is None or self.store.is_sqlite:
+            return  # SQLite holds one instance (metald.fleet.startup)
+        if b.dhcp_peers_mode == "off":
+            return
+        self.leases.notify_as = fleet.instance
+        self.feed = LeaseFeed(self.leases, fleet.instance)
+        self.services.insert(0, self.feed)
+        self.dhcp.peers = DhcpPeers(fleet, self.dhcp.networks, takeover_secs=b.dhcp_takeover_secs)
+        self._was_fenced = fleet.fenced
+        fleet.on_change(self._fleet_changed)
+
+    def _fleet_changed(self) -> None:
+        assert self.fleet is not None and self.dhcp is not None and self.dhcp.peers is not None
+        self.dhcp.peers.rebuild()
+        fenced = self.fleet.fenced
+        idle = self._resync is None or self._resync.done()
+        if self._was_fenced and not fenced and self.feed is not None and idle:
+            # Back from a cut: what the others wrote meanwhile may not have been notified.
+            self._resync = asyncio.get_running_loop().create_task(self.feed.resync())
+        self._was_fenced = fenced
+
     async def stop(self) -> None:
+        if self._resync is not None:
+            self._resync.cancel()
+            await asyncio.gather(self._resync, return_exceptions=True)
         for svc in reversed(self.services):
             try:
                 await svc.stop()

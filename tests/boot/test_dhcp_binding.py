@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from metald.boot.dhcp.common import NetworkPlan
 from metald.boot.dhcp.full import DECLINE_SECONDS, FullHandler
+from metald.boot.dhcp.lease_store import LeaseRecord, LeaseState, LeaseStore, LeaseTable
 from metald.boot.dhcp.packet import BROADCAST_FLAG, MessageType, Opt, serialize
 from metald.boot.hooks import holds_lease
-from metald.boot.leases import LeaseRecord, LeaseState, LeaseStore, LeaseTable
 
 from .dhcp_helpers import IPXE_BIOS, client_packet
 from .test_dhcp_server import LO, recv, start

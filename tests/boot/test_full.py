@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from metald.boot.dhcp.bootfile import BootFiles
 from metald.boot.dhcp.common import NetworkPlan, choose_network
 from metald.boot.dhcp.full import FullHandler
+from metald.boot.dhcp.leasetable import LeaseState, LeaseTable
 from metald.boot.dhcp.packet import BROADCAST_FLAG, MessageType, Opt, encode_tlv, parse, serialize
-from metald.boot.leases import LeaseState, LeaseTable
 
 from .dhcp_helpers import HTTP_UEFI, IPXE_BIOS, PXE_BIOS, PXE_UEFI, client_packet
 

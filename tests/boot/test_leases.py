@@ -7,7 +7,13 @@ import sqlite3
 import time
 from ipaddress import IPv4Address
 
-from metald.boot.leases import LeaseRecord, LeaseState, LeaseStore, LeaseTable, WriteResult
+from metald.boot.dhcp.lease_store import (
+    LeaseRecord,
+    LeaseState,
+    LeaseStore,
+    LeaseTable,
+    WriteResult,
+)
 
 
 def rec(ip: str, mac: str, state: LeaseState = LeaseState.BOUND) -> LeaseRecord:
@@ -73,6 +79,6 @@ def test_for_mac_is_only_ever_the_macs_own_record() -> None:
     rec = LeaseRecord("n", IPv4Address("10.0.0.5"), "52:54:00:00:00:01", LeaseState.BOUND, 9e9)
     t.put(rec)
     assert t.for_mac("n", "52:54:00:00:00:01") is rec
-    rec.mac = ""  # as DhcpServer._committed does on a lost race
+    t.lost(rec, 9e9)  # as DhcpServer._committed does on a lost race
     assert t.for_mac("n", "52:54:00:00:00:01") is None
     assert t.for_mac("n", "") is None
