@@ -5,7 +5,6 @@ HTTP boot is not hosted here: ``metald.boot.http.boot_routes`` are mounted on th
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,6 +53,40 @@ def boot_files(cfg: Config) -> BootFiles:
     )
 
 
+def join_fleet(dhcp: DhcpServer, fleet: Membership, *, takeover_secs: int) -> LeaseFeed:
+    """Make ``dhcp`` one of several instances on its networks: its lease commits are announced
+    to the others, theirs are learnt (the returned feed, a service to start before ``dhcp``),
+    it answers only its share of the clients, and nothing while fenced."""
+    assert dhcp.leases is not None
+    dhcp.leases.notify_as = fleet.instance
+    feed = LeaseFeed(dhcp.leases, fleet.instance)
+    peers = dhcp.peers = DhcpPeers(fleet, dhcp.networks, takeover_secs=takeover_secs)
+    table = dhcp.leases.table
+    starts: dict[str, int] = {}
+
+    def seek() -> None:
+        for net, offset in peers.pool_starts.items():
+            if starts.get(net) != offset:
+                table.seek(net, offset)
+                starts[net] = offset
+
+    seek()
+    was_fenced = fleet.fenced
+
+    def changed() -> None:
+        nonlocal was_fenced
+        peers.rebuild()
+        seek()
+        fenced = fleet.fenced
+        if was_fenced and not fenced:
+            # Back from a cut: what the others wrote meanwhile may not have been notified.
+            feed.request_resync()
+        was_fenced = fenced
+
+    fleet.on_change(changed)
+    return feed
+
+
 class BootPlane:
     name = "boot"
 
@@ -70,8 +103,6 @@ class BootPlane:
         #: share the leases and split the clients of a network (docs/fleet.md).
         self.fleet: Membership | None = None
         self.feed: LeaseFeed | None = None
-        self._was_fenced = False
-        self._resync: asyncio.Task[int] | None = None
         self.dhcp: DhcpServer | None = None
         if not b.enabled:
             return
@@ -117,32 +148,14 @@ class BootPlane:
     def _join_peers(self) -> None:
         """Share leases and split clients with the other instances on these networks."""
         b = self.cfg.boot
-        fleet = self.fleet
-        if self.dhcp is None or fleet is None or self.store.is_sqlite:
+        if self.dhcp is None or self.fleet is None or self.store.is_sqlite:
             return  # SQLite holds one instance (metald.fleet.startup)
         if b.dhcp_peers_mode == "off":
             return
-        self.leases.notify_as = fleet.instance
-        self.feed = LeaseFeed(self.leases, fleet.instance)
+        self.feed = join_fleet(self.dhcp, self.fleet, takeover_secs=b.dhcp_takeover_secs)
         self.services.insert(0, self.feed)
-        self.dhcp.peers = DhcpPeers(fleet, self.dhcp.networks, takeover_secs=b.dhcp_takeover_secs)
-        self._was_fenced = fleet.fenced
-        fleet.on_change(self._fleet_changed)
-
-    def _fleet_changed(self) -> None:
-        assert self.fleet is not None and self.dhcp is not None and self.dhcp.peers is not None
-        self.dhcp.peers.rebuild()
-        fenced = self.fleet.fenced
-        idle = self._resync is None or self._resync.done()
-        if self._was_fenced and not fenced and self.feed is not None and idle:
-            # Back from a cut: what the others wrote meanwhile may not have been notified.
-            self._resync = asyncio.get_running_loop().create_task(self.feed.resync())
-        self._was_fenced = fenced
 
     async def stop(self) -> None:
-        if self._resync is not None:
-            self._resync.cancel()
-            await asyncio.gather(self._resync, return_exceptions=True)
         for svc in reversed(self.services):
             try:
                 await svc.stop()

@@ -47,6 +47,7 @@ class LeaseFeed:
         #: Set while LISTEN is in place and the table was reloaded after it.
         self.connected = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._resync: asyncio.Task[int] | None = None
         self._conn: psycopg.AsyncConnection | None = None
 
     def _conninfo(self) -> str:
@@ -56,9 +57,15 @@ class LeaseFeed:
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=self.name)
 
+    def request_resync(self) -> None:
+        """Read the whole table again soon (after this instance was cut off)."""
+        if self._task is not None and (self._resync is None or self._resync.done()):
+            self._resync = asyncio.get_running_loop().create_task(self.resync())
+
     async def stop(self) -> None:
+        await cancel(self._resync)
         await cancel(self._task)
-        self._task = None
+        self._task = self._resync = None
         if self._conn is not None:
             await self._conn.close()
             self._conn = None

@@ -107,6 +107,11 @@ class LeaseTable:
             return
         self.put(rec)
 
+    def seek(self, network: str, offset: int) -> None:
+        """Start the next free-address search ``offset`` addresses into the pool. Instances
+        sharing a pool start at different places, so two rarely pick one address at once."""
+        self._cursor[network] = offset
+
     def available_to(self, network: str, ip: IPv4Address, mac: str, now: float) -> bool:
         rec = self.get(network, ip)
         return (

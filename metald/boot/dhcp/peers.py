@@ -49,6 +49,9 @@ class DhcpPeers:
         self.takeover_secs = takeover_secs
         #: Network name -> its split; absent where this instance is the only one serving it.
         self.splits: dict[str, Split] = {}
+        #: Network name -> where in its pool this instance starts looking for free addresses:
+        #: its place among the instances serving it, so they allocate from different ends.
+        self.pool_starts: dict[str, int] = {}
         self.rebuild()
 
     def rebuild(self) -> None:
@@ -61,6 +64,8 @@ class DhcpPeers:
             if len(names) > 1:
                 owners = bucket_owners(net.name, names)
                 splits[net.name] = Split(me, owners, self.takeover_secs)
+                size = int(net.pool_end) - int(net.pool_start) + 1
+                self.pool_starts[net.name] = size * sorted(names).index(me) // len(names)
         if {k: v.owners for k, v in splits.items()} != {
             k: v.owners for k, v in self.splits.items()
         }:

@@ -217,6 +217,18 @@ class DhcpServer:
         if self.leases is not None:
             await self.leases.drain()
 
+    async def idle(self) -> None:
+        """Return once every packet handled so far is answered or dropped: read-throughs
+        done, lease writes committed (and their replies sent)."""
+        while True:
+            if self._lookup_task is not None and not self._lookup_task.done():
+                await asyncio.shield(self._lookup_task)
+                continue
+            if self.leases is not None:
+                await self.leases.drain()
+            if self._lookup_task is None or self._lookup_task.done():
+                return
+
     # -- receive path -------------------------------------------------------------------
 
     def _readable(self, lst: _Listener) -> None:
