@@ -53,10 +53,12 @@ def boot_files(cfg: Config) -> BootFiles:
     )
 
 
-def join_fleet(dhcp: DhcpServer, fleet: Membership, *, takeover_secs: int) -> LeaseFeed:
+def join_fleet(
+    dhcp: DhcpServer, fleet: Membership, *, takeover_secs: int
+) -> tuple[LeaseFeed, DhcpPeers]:
     """Make ``dhcp`` one of several instances on its networks: its lease commits are announced
-    to the others, theirs are learnt (the returned feed, a service to start before ``dhcp``),
-    it answers only its share of the clients, and nothing while fenced."""
+    to the others, theirs are learnt (the feed), it answers only its share of the clients
+    (the peers), and nothing while fenced. Both are services to start before ``dhcp``."""
     assert dhcp.leases is not None
     dhcp.leases.notify_as = fleet.instance
     feed = LeaseFeed(dhcp.leases, fleet.instance)
@@ -84,7 +86,7 @@ def join_fleet(dhcp: DhcpServer, fleet: Membership, *, takeover_secs: int) -> Le
         was_fenced = fenced
 
     fleet.on_change(changed)
-    return feed
+    return feed, peers
 
 
 class BootPlane:
@@ -152,8 +154,8 @@ class BootPlane:
             return  # SQLite holds one instance (metald.fleet.startup)
         if b.dhcp_peers_mode == "off":
             return
-        self.feed = join_fleet(self.dhcp, self.fleet, takeover_secs=b.dhcp_takeover_secs)
-        self.services.insert(0, self.feed)
+        self.feed, peers = join_fleet(self.dhcp, self.fleet, takeover_secs=b.dhcp_takeover_secs)
+        self.services[:0] = [self.feed, peers]
 
     async def stop(self) -> None:
         for svc in reversed(self.services):

@@ -60,7 +60,7 @@ def bucket_owners(network: str, members: Iterable[str]) -> tuple[str | None, ...
 class Split:
     """Who answers whom on one network, for one instance; rebuilt when the live set changes."""
 
-    __slots__ = ("instance", "owners", "takeover_secs", "mine")
+    __slots__ = ("instance", "owners", "takeover_secs", "mine", "names")
 
     def __init__(self, instance: str, owners: tuple[str | None, ...], takeover_secs: int) -> None:
         self.instance = instance
@@ -68,6 +68,8 @@ class Split:
         self.takeover_secs = takeover_secs
         #: Per bucket: whether it is this instance's (or nobody's: then anyone answers).
         self.mine = tuple(o is None or o == instance for o in owners)
+        #: The instances the buckets were split among.
+        self.names = frozenset(o for o in owners if o is not None)
 
     def answers(self, chaddr: bytes, secs: int) -> bool:
         """Whether this instance answers a client with this hardware address and ``secs``."""

@@ -1,19 +1,28 @@
 """The DHCP server's view of the fleet: which clients this instance answers, and whether it
-may answer at all. Built from ``metald.fleet.membership.Membership``; rebuilt when the live set
-changes (``Membership.on_change``), so the per-packet check is one hash and a tuple lookup.
+may answer at all. Built from ``metald.fleet.membership.Membership``'s member list; the split
+is rebuilt only when the set of answering instances changes, so the per-packet check is one
+hash and a tuple lookup.
 
-- Several live instances serving a network (their ``serves["provisioning_networks"]`` hold its
-  subnet): each answers the clients in its buckets (``balance.Split``), and any client whose
-  ``secs`` reached ``takeover_secs``.
+- Several answering instances serve a network (their ``serves["provisioning_networks"]`` hold
+  its subnet): each answers the clients in its buckets (``balance.Split``), and any client
+  whose ``secs`` reached ``takeover_secs``.
 - One: it answers everyone (no hashing on the hot path).
-- Fenced (no heartbeat written for ``dead_after_s - heartbeat_s``: cut off from the store):
-  it answers nobody. It could not make a lease durable, and the others take its clients once
-  they judge it dead.
+- Fenced (no heartbeat written for ``fence_after_s = dead_after_s - heartbeat_s``: cut off
+  from the store): it answers nobody. It could not make a lease durable anyway.
+
+A peer counts as answering while its heartbeat is younger than ``fence_after_s``, not
+``dead_after_s``: past that age it has fenced itself by the same rule and answers nothing, so
+its clients are taken over then (8 s after its last heartbeat with the defaults, instead of
+the 10-12 s of the ownership of BMCs and hubs, which must wait out the dead time). Answering a
+client twice for a moment is harmless here: the (network, ip) row decides who gets an address.
+The age is the one read at the last refresh plus the time since, checked every ``tick_s``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from typing import Protocol
 
 from metald.boot.dhcp.balance import Split, bucket_owners
@@ -28,11 +37,14 @@ class FleetView(Protocol):
     """What DhcpPeers needs of ``Membership``."""
 
     instance: str
+    members: list[Member]
+    heartbeat_s: float
 
     @property
     def fenced(self) -> bool: ...
 
-    def live(self) -> list[Member]: ...
+    @property
+    def fence_after_s(self) -> float: ...
 
 
 def serving(members: list[Member], net: NetworkPlan) -> list[str]:
@@ -40,7 +52,21 @@ def serving(members: list[Member], net: NetworkPlan) -> list[str]:
     return [m.name for m in members if subnet in (m.serves.get("provisioning_networks") or [])]
 
 
+def answering(
+    members: list[Member], me: str, since_refresh_s: float, fence_s: float
+) -> list[Member]:
+    """The members that answer DHCP now: this instance, and those alive whose heartbeat (as
+    read ``since_refresh_s`` ago) is younger than the fencing age."""
+    return [
+        m
+        for m in members
+        if m.name == me or (m.alive and m.heartbeat_age_s + since_refresh_s < fence_s)
+    ]
+
+
 class DhcpPeers:
+    name = "dhcp-peers"
+
     def __init__(
         self, fleet: FleetView, networks: list[NetworkPlan], *, takeover_secs: int
     ) -> None:
@@ -52,16 +78,45 @@ class DhcpPeers:
         #: Network name -> where in its pool this instance starts looking for free addresses:
         #: its place among the instances serving it, so they allocate from different ends.
         self.pool_starts: dict[str, int] = {}
+        self.tick_s = min(0.25, fleet.heartbeat_s / 2)
+        self._members: list[Member] | None = None
+        self._refreshed = time.monotonic()
+        self._task: asyncio.Task[None] | None = None
         self.rebuild()
 
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="dhcp-peers")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.tick_s)
+            try:
+                self.rebuild()
+            except Exception:
+                log.exception("rebuilding the DHCP split failed")
+
     def rebuild(self) -> None:
-        """Recompute the buckets from the live members (call on every membership change)."""
-        live = self.fleet.live()
-        me = self.fleet.instance
+        """Recompute the buckets from the answering members (cheap when nothing changed)."""
+        fleet = self.fleet
+        if fleet.members is not self._members:  # Membership replaced the list: a refresh
+            self._members, self._refreshed = fleet.members, time.monotonic()
+        live = answering(
+            fleet.members, fleet.instance, time.monotonic() - self._refreshed, fleet.fence_after_s
+        )
+        me = fleet.instance
         splits: dict[str, Split] = {}
         for net in self.networks:
             names = set(serving(live, net)) | {me}
-            if len(names) > 1:
+            old = self.splits.get(net.name)
+            if old is not None and old.names == names:
+                splits[net.name] = old
+            elif len(names) > 1:
                 owners = bucket_owners(net.name, names)
                 splits[net.name] = Split(me, owners, self.takeover_secs)
                 size = int(net.pool_end) - int(net.pool_start) + 1
