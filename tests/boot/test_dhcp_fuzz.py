@@ -388,7 +388,6 @@ def test_coverage_guided_fuzzing_of_codec_cores_and_shell(tmp_path: Path) -> Non
         capture_output=True,
         text=True,
         timeout=FUZZ_SECONDS + 120,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     crashes = [p for p in tmp_path.iterdir() if p.name.startswith(("crash-", "timeout-", "oom-"))]
     detail = "".join(f"\n{p.name}: {p.read_bytes().hex()}" for p in crashes)
