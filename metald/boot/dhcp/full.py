@@ -91,7 +91,7 @@ class FullHandler:
         mac = pkt.mac
         cur = table.get(net.name, ip)
         writes: tuple[LeaseRecord, ...] = ()
-        puts: tuple[LeaseRecord, ...] = ()
+        puts: tuple[LeaseRecord, ...] = ()  # the offer (after the binding it ends)
         if not (cur and cur.mac == mac and cur.state == LeaseState.BOUND and cur.holds(now)):
             mine = table.for_mac(net.name, mac)
             if (
@@ -103,9 +103,9 @@ class FullHandler:
                 # Its binding may no longer be given (the configuration changed): end it, so
                 # that a MAC never holds two addresses (each would be "its" lease).
                 ended = mine._replace(state=LeaseState.RELEASED, expires_at=now)
-                writes = puts = (ended,)
+                writes = (ended,)
             offer = LeaseRecord(net.name, ip, mac, LeaseState.OFFERED, now + OFFER_HOLD_SECONDS)
-            puts = (*puts, offer)
+            puts = (*writes, offer) if writes else (offer,)
         reply = self._lease_reply(pkt, MessageType.OFFER, net, ip, kind)
         return Decision(
             reply=reply,

@@ -333,14 +333,19 @@ class DhcpServer:
                 return None
             if self._read_through(pkt, net, src, lst):
                 return None
-        return self._full_decision(pkt, net)
+        # _full_decision, inline: this is the hot path.
+        table = self.leases.table
+        d = self.full.decide(pkt, net, table, self.clock())
+        for rec in d.puts:
+            table.put(rec)
+        return d
 
     def _full_decision(self, pkt: DhcpPacket, net: NetworkPlan) -> Decision:
         assert self.leases is not None
         table = self.leases.table
         d = self.full.decide(pkt, net, table, self.clock())
-        if d.puts:
-            table.apply(d.puts)
+        for rec in d.puts:  # LeaseTable.apply, without a call on the hot path
+            table.put(rec)
         return d
 
     # -- read-through (other instances on the network) ------------------------------------
