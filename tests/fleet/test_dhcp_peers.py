@@ -371,3 +371,52 @@ def test_rfc3074_hash_spreads_macs_over_the_buckets() -> None:
     # A third instance takes buckets only: none moves between the first two.
     assert all(t == o for t, o in zip(three, two, strict=True) if t != "c")
     assert 50 < three.count("c") < 120
+
+
+@pytest.mark.parametrize("mode", ["load-balancing", "off"])
+async def test_the_boot_plane_joins_the_fleet_as_configured(
+    pg_store: Store, tmp_path, mode: str
+) -> None:  # type: ignore[no-untyped-def]
+    from metald.boot.hooks import MemoryBootHooks
+    from metald.boot.plane import BootPlane
+    from metald.config import load_config
+
+    (tmp_path / "assets").mkdir()
+    conf = tmp_path / "metald.toml"
+    conf.write_text(
+        f"""
+[store]
+url = "{pg_store.url}"
+[boot]
+enabled = true
+dhcp_mode = "full"
+interfaces = ["lo"]
+server_address = "127.0.0.2"
+assets_dir = "{tmp_path / "assets"}"
+router_advertisements = false
+dhcp_peers_mode = "{mode}"
+dhcp_takeover_secs = 4
+[[boot.networks]]
+name = "prov"
+subnet = "127.0.0.0/8"
+pool_start = "127.0.1.1"
+pool_end = "127.0.1.200"
+"""
+    )
+    cfg = load_config(conf, environ={"METALD_STATE_DIR": str(tmp_path / "state")})
+    m = Membership(pg_store, "i0", heartbeat_s=HEARTBEAT_S, dead_after_s=DEAD_AFTER_S)
+    await m.start()
+    plane = BootPlane(cfg, pg_store, MemoryBootHooks())
+    plane.fleet = m
+    try:
+        plane._join_peers()
+        assert plane.dhcp is not None
+        if mode == "off":
+            assert plane.dhcp.peers is None and plane.feed is None
+        else:
+            assert plane.dhcp.peers is not None and plane.dhcp.peers.takeover_secs == 4
+            assert plane.feed is not None and plane.services[:2] == [plane.feed, plane.dhcp.peers]
+            assert plane.leases.notify_as == "i0"
+    finally:
+        plane.leases.close()
+        await m.stop()
