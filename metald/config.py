@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from metald.inventory.enroll import EnrollmentRule
+from metald.macaddr import normalize_mac
 
 
 class ConfigError(Exception):
@@ -108,6 +109,11 @@ class DhcpNetwork(_Section):
     interface: str = ""
     #: MAC -> fixed address.
     reservations: dict[str, IPv4Address] = {}
+
+    @field_validator("reservations")
+    @classmethod
+    def _reservation_macs(cls, v: dict[str, IPv4Address]) -> dict[str, IPv4Address]:
+        return {normalize_mac(mac): ip for mac, ip in v.items()}
 
 
 class DhcpEnrollLimit(_Section):

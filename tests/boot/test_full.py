@@ -274,3 +274,18 @@ def test_reservations_take_any_mac_spelling_and_refuse_what_is_not_a_mac() -> No
         assert net(reservations={spelling: ip}).reservations == {"52:54:00:00:00:0a": ip}
     with pytest.raises(ValueError, match="not a MAC address"):
         net(reservations={"52:54:00:00:00": ip})
+
+
+def test_a_reservation_that_is_not_a_mac_is_a_config_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from metald.config import ConfigError, load_config
+
+    conf = tmp_path / "metald.toml"
+    conf.write_text(
+        '[[boot.networks]]\nname = "prov"\nsubnet = "10.0.0.0/24"\npool_start = "10.0.0.10"\n'
+        'pool_end = "10.0.0.20"\nreservations = { "52:54:00:00:00" = "10.0.0.5" }\n'
+    )
+    with pytest.raises(ConfigError, match="'52:54:00:00:00' is not a MAC address"):
+        load_config(conf, environ={})
+    conf.write_text(conf.read_text().replace('"52:54:00:00:00"', '"5254.0000.000A"'))
+    net = load_config(conf, environ={}).boot.networks[0]
+    assert net.reservations == {"52:54:00:00:00:0a": IPv4Address("10.0.0.5")}
