@@ -420,3 +420,21 @@ pool_end = "127.0.1.200"
     finally:
         plane.leases.close()
         await m.stop()
+
+
+async def test_a_feed_that_was_down_reads_what_it_missed_when_it_comes_back(
+    pg_store: Store, relay: socket.socket
+) -> None:
+    a, b = nodes = await fleet_of(pg_store, relay, 2)
+    try:
+        await a.feed.stop()  # i0 hears nothing of what i1 writes now
+        m = next(mac(i) for i in range(100) if owner_of(nodes, mac(i)) == "i1")
+        ip, _ = await dora(nodes, relay, m, 40)
+        assert a.leases.table.for_mac("prov", m) is None
+        await a.feed.start()
+        await asyncio.wait_for(a.feed.connected.wait(), 10)
+        rec = a.leases.table.for_mac("prov", m)
+        assert rec is not None and rec.ip == ip and rec.state == "bound"
+    finally:
+        for x in nodes:
+            await x.stop()

@@ -55,6 +55,7 @@ class LeaseFeed:
         return url.render_as_string(hide_password=False)
 
     async def start(self) -> None:
+        self.connected.clear()
         self._task = asyncio.create_task(self._run(), name=self.name)
 
     def request_resync(self) -> None:
@@ -66,6 +67,7 @@ class LeaseFeed:
         await cancel(self._resync)
         await cancel(self._task)
         self._task = self._resync = None
+        self.connected.clear()
         if self._conn is not None:
             await self._conn.close()
             self._conn = None
