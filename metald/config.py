@@ -147,11 +147,11 @@ class BootConfig(_Section):
     server_address: IPv4Address | None = None
     dhcp_port: int = Field(default=67, ge=1, le=65535)
     #: Several instances on one provisioning network (one PostgreSQL; docs/fleet.md):
-    #: "load-balancing" splits clients among the live instances serving the network by the
+    #: "load-balancing" splits clients among the instances serving the network by the
     #: RFC 3074 hash of the MAC; "off": every instance answers every client.
     dhcp_peers_mode: Literal["load-balancing", "off"] = "load-balancing"
-    #: A client whose `secs` field reached this is answered by any instance (its own is alive
-    #: for the fleet but not answering it), as Kea's HA max-ack-delay.
+    #: A client whose `secs` field reached this is answered by any instance (its owner is
+    #: alive for the fleet but not answering it), as Kea HA's max-ack-delay.
     dhcp_takeover_secs: int = Field(default=10, ge=1, le=65535)
     proxy_port: int = Field(default=4011, ge=1, le=65535)
     tftp_port: int = Field(default=69, ge=1, le=65535)
