@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from metald.inventory.rules import EnrollmentRule
+from metald.macaddr import normalize_mac
 
 
 class ConfigError(Exception):
@@ -109,6 +110,11 @@ class DhcpNetwork(_Section):
     #: MAC -> fixed address.
     reservations: dict[str, IPv4Address] = {}
 
+    @field_validator("reservations")
+    @classmethod
+    def _reservation_macs(cls, v: dict[str, IPv4Address]) -> dict[str, IPv4Address]:
+        return {normalize_mac(mac): ip for mac, ip in v.items()}
+
 
 class DhcpEnrollLimit(_Section):
     """How fast DHCP hands clients it has not reported lately to enrollment (which creates a
@@ -140,6 +146,13 @@ class BootConfig(_Section):
     #: Address this server is reached at on the provisioning network (siaddr, TFTP, HTTP).
     server_address: IPv4Address | None = None
     dhcp_port: int = Field(default=67, ge=1, le=65535)
+    #: Several instances on one provisioning network (one PostgreSQL; docs/fleet.md):
+    #: "load-balancing" splits clients among the instances serving the network by the
+    #: RFC 3074 hash of the MAC; "off": every instance answers every client.
+    dhcp_peers_mode: Literal["load-balancing", "off"] = "load-balancing"
+    #: A client whose `secs` field reached this is answered by any instance (its owner is
+    #: alive for the fleet but not answering it), as Kea HA's max-ack-delay.
+    dhcp_takeover_secs: int = Field(default=10, ge=1, le=65535)
     proxy_port: int = Field(default=4011, ge=1, le=65535)
     tftp_port: int = Field(default=69, ge=1, le=65535)
     #: TFTP transfers held at once, in total and per client address (each holds a socket;

@@ -246,6 +246,7 @@ def _boot_plane(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
         d.store, d.cfg.instance, d.cfg.enroll, leased_clients_only=leased_only
     )
     plane = BootPlane(d.cfg, d.store, hooks)
+    plane.fleet = d.fleet  # shares leases and splits DHCP clients with the other instances
     # Never the state folder (check_assets_root): the assets are served without a token.
     routes = boot_routes(hooks, Path(d.cfg.boot.assets_dir), http_base_url(d.cfg))
     return plane, routes

@@ -8,7 +8,6 @@ change and its event row land together or not at all. State changes compare-and-
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from sqlalchemy import bindparam, func
@@ -20,22 +19,12 @@ from sqlmodel import Session, select
 from metald.auth import revoke_machine_tokens
 from metald.errors import Conflict, NotFound, Unprocessable
 from metald.lifecycle import State, Trigger, boot_on_entry, check_guards, next_state, phase_of
+from metald.macaddr import normalize_mac
 from metald.store.models import Event, Machine, Nic, new_id, utcnow
-
-_MAC_RE = re.compile(r"^[0-9a-f]{2}([:-]?[0-9a-f]{2}){5}$")
 
 
 class ConcurrentUpdate(Conflict):
     title = "Concurrent update"
-
-
-def normalize_mac(mac: str) -> str:
-    """``AA-BB-CC-DD-EE-FF`` / ``aabb.ccdd.eeff`` / ``aabbccddeeff`` -> ``aa:bb:cc:dd:ee:ff``."""
-    m = mac.strip().lower().replace(".", "")
-    if not _MAC_RE.match(m):
-        raise Unprocessable(f"{mac!r} is not a MAC address (expected aa:bb:cc:dd:ee:ff)")
-    hexdigits = m.replace(":", "").replace("-", "")
-    return ":".join(hexdigits[i : i + 2] for i in range(0, 12, 2))
 
 
 def add_event(

@@ -7,18 +7,23 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from metald.boot.dhcp.bootfile import BootFiles
 from metald.boot.dhcp.common import NetworkPlan
 from metald.boot.dhcp.enroll_limit import EnrollLimits
+from metald.boot.dhcp.lease_feed import LeaseFeed
+from metald.boot.dhcp.lease_store import LeaseStore
+from metald.boot.dhcp.peers import DhcpPeers
 from metald.boot.dhcp.server import DhcpServer
 from metald.boot.hooks import BootHooks
-from metald.boot.leases import LeaseStore
 from metald.boot.ra import RaResponder
 from metald.boot.tftp.server import TftpServer
 from metald.config import Config, ConfigError, split_hostport
 from metald.store.db import Store
+
+if TYPE_CHECKING:
+    from metald.fleet.membership import Membership
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +53,42 @@ def boot_files(cfg: Config) -> BootFiles:
     )
 
 
+def join_fleet(
+    dhcp: DhcpServer, fleet: Membership, *, takeover_secs: int
+) -> tuple[LeaseFeed, DhcpPeers]:
+    """Make ``dhcp`` one of several instances on its networks: its lease commits are announced
+    to the others, theirs are learnt (the feed), it answers only its share of the clients
+    (the peers), and nothing while fenced. Both are services to start before ``dhcp``."""
+    assert dhcp.leases is not None
+    dhcp.leases.notify_as = fleet.instance
+    feed = LeaseFeed(dhcp.leases, fleet.instance)
+    peers = dhcp.peers = DhcpPeers(fleet, dhcp.networks, takeover_secs=takeover_secs)
+    table = dhcp.leases.table
+    starts: dict[str, int] = {}
+
+    def seek() -> None:
+        for net, offset in peers.pool_starts.items():
+            if starts.get(net) != offset:
+                table.seek(net, offset)
+                starts[net] = offset
+
+    seek()
+    was_fenced = fleet.fenced
+
+    def changed() -> None:
+        nonlocal was_fenced
+        peers.rebuild()
+        seek()
+        fenced = fleet.fenced
+        if was_fenced and not fenced:
+            # Back from a cut: what the others wrote meanwhile may not have been notified.
+            feed.request_resync()
+        was_fenced = fenced
+
+    fleet.on_change(changed)
+    return feed, peers
+
+
 class BootPlane:
     name = "boot"
 
@@ -60,11 +101,16 @@ class BootPlane:
         self.hooks = hooks
         self.leases = LeaseStore(store)
         self.services: list[Any] = []
+        #: The fleet membership (the daemon sets it): with it, on PostgreSQL, several instances
+        #: share the leases and split the clients of a network (docs/fleet.md).
+        self.fleet: Membership | None = None
+        self.feed: LeaseFeed | None = None
+        self.dhcp: DhcpServer | None = None
         if not b.enabled:
             return
         assert b.server_address is not None
         if b.dhcp_mode != "off":
-            self.dhcp: DhcpServer | None = DhcpServer(
+            self.dhcp = DhcpServer(
                 mode=b.dhcp_mode,
                 interfaces=list(b.interfaces),
                 networks=[NetworkPlan.from_config(n) for n in b.networks],
@@ -96,6 +142,7 @@ class BootPlane:
         if self.cfg.boot.dhcp_mode == "full":
             n = await self.leases.load()
             log.info("loaded %d DHCP leases", n)
+            self._join_peers()
         started: list[Any] = []
         try:
             for svc in self.services:
@@ -105,6 +152,16 @@ class BootPlane:
             for svc in reversed(started):
                 await svc.stop()
             raise
+
+    def _join_peers(self) -> None:
+        """Share leases and split clients with the other instances on these networks."""
+        b = self.cfg.boot
+        if self.dhcp is None or self.fleet is None or self.store.is_sqlite:
+            return  # SQLite holds one instance (metald.fleet.startup)
+        if b.dhcp_peers_mode == "off":
+            return
+        self.feed, peers = join_fleet(self.dhcp, self.fleet, takeover_secs=b.dhcp_takeover_secs)
+        self.services[:0] = [self.feed, peers]
 
     async def stop(self) -> None:
         for svc in reversed(self.services):

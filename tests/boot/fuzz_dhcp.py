@@ -25,15 +25,15 @@ import metald.boot.metrics  # noqa: E402, F401
 import metald.machines  # noqa: E402, F401
 import metald.store.db  # noqa: E402, F401
 
-with atheris.instrument_imports(include=["metald.boot.dhcp", "metald.boot.leases"]):
+with atheris.instrument_imports(include=["metald.boot.dhcp"]):
     from metald.boot import metrics
     from metald.boot.dhcp.bootfile import BootFiles
     from metald.boot.dhcp.common import NetworkPlan, choose_network
     from metald.boot.dhcp.full import FullHandler
+    from metald.boot.dhcp.leasetable import LeaseState, LeaseTable
     from metald.boot.dhcp.packet import MalformedPacket, parse, serialize
     from metald.boot.dhcp.proxy import ProxyHandler
     from metald.boot.dhcp.server import DhcpServer, _Listener
-    from metald.boot.leases import LeaseState, LeaseTable
 
 SERVER = IPv4Address("10.0.0.1")
 FILES = BootFiles(http_base="http://10.0.0.1:8080")

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from metald.boot.dhcp.common import NetworkPlan
 from metald.boot.dhcp.full import DECLINE_SECONDS, FullHandler
+from metald.boot.dhcp.lease_store import LeaseRecord, LeaseState, LeaseStore, LeaseTable
 from metald.boot.dhcp.packet import BROADCAST_FLAG, MessageType, Opt, serialize
-from metald.boot.leases import LeaseRecord, LeaseState, LeaseStore, LeaseTable
 from metald.boot.machine_hooks import holds_lease
 
 from .dhcp_helpers import IPXE_BIOS, client_packet

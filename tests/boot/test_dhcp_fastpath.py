@@ -15,8 +15,7 @@ from hypothesis import strategies as st
 from metald.boot import metrics
 from metald.boot.dhcp import packet
 from metald.boot.dhcp.common import NetworkPlan
-from metald.boot.dhcp.packet import MessageType, Opt, parse, serialize
-from metald.boot.leases import (
+from metald.boot.dhcp.lease_store import (
     LeaseRecord,
     LeaseState,
     LeaseStore,
@@ -24,6 +23,7 @@ from metald.boot.leases import (
     WriteResult,
     _sqlite_ts,
 )
+from metald.boot.dhcp.packet import MessageType, Opt, parse, serialize
 
 from .dhcp_helpers import client_packet
 from .test_dhcp_server import LO, dora, start
@@ -101,7 +101,7 @@ def test_lease_table_by_address_and_mac() -> None:
 async def test_writes_under_load_share_a_commit_and_callbacks_wait_for_it(
     store, monkeypatch
 ) -> None:  # type: ignore[no-untyped-def]
-    from metald.boot import leases as leases_mod
+    from metald.boot.dhcp import lease_store as leases_mod
 
     ls = LeaseStore(store)
     loop = asyncio.get_running_loop()

@@ -35,6 +35,7 @@ from metald.boot import metrics
 from metald.boot.dhcp.bootfile import BootFiles
 from metald.boot.dhcp.common import NetworkPlan, choose_network
 from metald.boot.dhcp.full import FullHandler
+from metald.boot.dhcp.leasetable import LeaseState, LeaseTable
 from metald.boot.dhcp.packet import (
     BROADCAST_FLAG,
     MAGIC_COOKIE,
@@ -47,7 +48,6 @@ from metald.boot.dhcp.packet import (
 )
 from metald.boot.dhcp.proxy import ProxyHandler
 from metald.boot.hooks import MemoryBootHooks
-from metald.boot.leases import LeaseState, LeaseTable
 from metald.store import Store
 
 from .dhcp_helpers import HTTP_UEFI, IPXE_BIOS, PXE_BIOS, PXE_UEFI, client_packet

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from metald.boot import metrics
 from metald.boot.dhcp.bootfile import BootFiles
 from metald.boot.dhcp.common import NetworkPlan
+from metald.boot.dhcp.lease_store import LeaseStore
 from metald.boot.dhcp.packet import MessageType, Opt, encode_tlv, parse, serialize
 from metald.boot.dhcp.server import DhcpServer, _Listener
 from metald.boot.hooks import MemoryBootHooks
-from metald.boot.leases import LeaseStore
 
 from .dhcp_helpers import IPXE_BIOS, client_packet
 

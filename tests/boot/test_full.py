@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from ipaddress import IPv4Address, IPv4Network
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from metald.boot.dhcp.bootfile import BootFiles
 from metald.boot.dhcp.common import NetworkPlan, choose_network
 from metald.boot.dhcp.full import FullHandler
+from metald.boot.dhcp.leasetable import LeaseState, LeaseTable
 from metald.boot.dhcp.packet import BROADCAST_FLAG, MessageType, Opt, encode_tlv, parse, serialize
-from metald.boot.leases import LeaseState, LeaseTable
 
 from .dhcp_helpers import HTTP_UEFI, IPXE_BIOS, PXE_BIOS, PXE_UEFI, client_packet
 
@@ -248,3 +249,43 @@ def test_no_address_is_ever_bound_to_two_clients(seq) -> None:  # type: ignore[n
         assert len({r.ip for r in held}) == len(held)
         for r in held:
             assert t.for_mac("prov", r.mac) is r
+
+
+def test_decide_only_reads_the_table_and_returns_what_to_put() -> None:
+    """The core is pure: a decision is a value (records to put, a write, a reply), and the
+    table changes only when the caller applies it."""
+    h, n, t = FullHandler(SERVER, FILES), net(), LeaseTable()
+    _, ack = dora(h, n, t, "52:54:00:00:00:01")
+    before = sorted(t.records())
+    d = h.decide(client_packet(MessageType.DISCOVER, "52:54:00:00:00:02"), n, t, 1001.0)
+    assert sorted(t.records()) == before
+    assert [(r.mac, r.state) for r in d.puts] == [("52:54:00:00:00:02", LeaseState.OFFERED)]
+    rel = client_packet(MessageType.RELEASE, "52:54:00:00:00:01", ciaddr=ack.reply.yiaddr)
+    d = h.decide(rel, n, t, 1002.0)
+    assert sorted(t.records()) == before and d.write is not None
+    assert d.write.state is LeaseState.RELEASED and d.puts == (d.write,)
+    t.apply(d.puts)
+    assert t.for_mac("prov", "52:54:00:00:00:01").state is LeaseState.RELEASED
+
+
+def test_reservations_take_any_mac_spelling_and_refuse_what_is_not_a_mac() -> None:
+    ip = IPv4Address("10.0.0.50")
+    for spelling in ("52-54-00-00-00-0A", "5254.0000.000a", "525400 00000a".replace(" ", "")):
+        assert net(reservations={spelling: ip}).reservations == {"52:54:00:00:00:0a": ip}
+    with pytest.raises(ValueError, match="not a MAC address"):
+        net(reservations={"52:54:00:00:00": ip})
+
+
+def test_a_reservation_that_is_not_a_mac_is_a_config_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from metald.config import ConfigError, load_config
+
+    conf = tmp_path / "metald.toml"
+    conf.write_text(
+        '[[boot.networks]]\nname = "prov"\nsubnet = "10.0.0.0/24"\npool_start = "10.0.0.10"\n'
+        'pool_end = "10.0.0.20"\nreservations = { "52:54:00:00:00" = "10.0.0.5" }\n'
+    )
+    with pytest.raises(ConfigError, match="'52:54:00:00:00' is not a MAC address"):
+        load_config(conf, environ={})
+    conf.write_text(conf.read_text().replace('"52:54:00:00:00"', '"5254.0000.000A"'))
+    net = load_config(conf, environ={}).boot.networks[0]
+    assert net.reservations == {"52:54:00:00:00:0a": IPv4Address("10.0.0.5")}

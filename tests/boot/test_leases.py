@@ -7,7 +7,13 @@ import sqlite3
 import time
 from ipaddress import IPv4Address
 
-from metald.boot.leases import LeaseRecord, LeaseState, LeaseStore, LeaseTable, WriteResult
+from metald.boot.dhcp.lease_store import (
+    LeaseRecord,
+    LeaseState,
+    LeaseStore,
+    LeaseTable,
+    WriteResult,
+)
 
 
 def rec(ip: str, mac: str, state: LeaseState = LeaseState.BOUND) -> LeaseRecord:
@@ -73,6 +79,24 @@ def test_for_mac_is_only_ever_the_macs_own_record() -> None:
     rec = LeaseRecord("n", IPv4Address("10.0.0.5"), "52:54:00:00:00:01", LeaseState.BOUND, 9e9)
     t.put(rec)
     assert t.for_mac("n", "52:54:00:00:00:01") is rec
-    rec.mac = ""  # as DhcpServer._committed does on a lost race
+    t.lost(rec, 9e9)  # as DhcpServer._committed does on a lost race
     assert t.for_mac("n", "52:54:00:00:00:01") is None
     assert t.for_mac("n", "") is None
+
+
+def test_learning_from_the_store_never_frees_what_this_table_holds() -> None:
+    """A row read from the store (another instance wrote it) replaces this table's record,
+    except that a stored "free" never overwrites an address this table holds: its offers are
+    never stored and its bindings may not have committed yet."""
+    t = LeaseTable()
+    ip = IPv4Address("10.0.0.5")
+    offer = LeaseRecord("n", ip, "52:54:00:00:00:01", LeaseState.OFFERED, 1030.0)
+    t.put(offer)
+    t.learn(LeaseRecord("n", ip, "52:54:00:00:00:02", LeaseState.RELEASED, 900.0), 1000.0)
+    assert t.get("n", ip) is offer
+    theirs = LeaseRecord("n", ip, "52:54:00:00:00:02", LeaseState.BOUND, 1600.0)
+    t.learn(theirs, 1000.0)
+    assert t.get("n", ip) is theirs and t.for_mac("n", "52:54:00:00:00:01") is None
+    # Once this table's hold is over, the store's word is taken as it is.
+    t.learn(LeaseRecord("n", ip, "52:54:00:00:00:02", LeaseState.RELEASED, 1700.0), 1700.0)
+    assert t.get("n", ip).state is LeaseState.RELEASED

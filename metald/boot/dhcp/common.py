@@ -7,8 +7,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network
 from socket import inet_ntoa  # str(IPv4Address) is ~10x slower on the hot path
+from typing import NamedTuple
 
 from metald.boot.dhcp.bootfile import BootFiles, ClientKind, boot_file_for
+from metald.boot.dhcp.leasetable import LeaseRecord
 from metald.boot.dhcp.packet import (
     BROADCAST_FLAG,
     ZERO,
@@ -19,17 +21,12 @@ from metald.boot.dhcp.packet import (
     RelaySub,
     encode_tlv,
 )
-from metald.boot.leases import LeaseRecord
+from metald.macaddr import normalize_mac
 
 CLIENT_PORT = 68
 SERVER_PORT = 67
 LIMITED_BROADCAST = IPv4Address("255.255.255.255")
 _BROADCAST_STR = str(LIMITED_BROADCAST)
-
-
-def _norm_mac(mac: str) -> str:
-    h = mac.lower().replace(":", "").replace("-", "").replace(".", "")
-    return ":".join(h[i : i + 2] for i in range(0, 12, 2))
 
 
 @dataclass
@@ -47,7 +44,7 @@ class NetworkPlan:
     reservations: dict[str, IPv4Address] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.reservations = {_norm_mac(k): v for k, v in self.reservations.items()}
+        self.reservations = {normalize_mac(k): v for k, v in self.reservations.items()}
         self.reserved = frozenset(self.reservations.values())
         self.base_options: dict[int, bytes] = {Opt.SUBNET_MASK: self.subnet.netmask.packed}
         if self.router:
@@ -96,20 +93,23 @@ class NetworkPlan:
         return self._pool_lo <= int(ip) <= self._pool_hi
 
 
-@dataclass(slots=True)  # no per-instance __dict__: one object less per packet for the GC
-class Decision:
-    """What to do with one packet. ``reply`` waits for ``write`` to commit when there is one;
-    if the write loses a race with another instance, ``on_conflict`` is sent instead."""
+class Decision(NamedTuple):
+    """What to do with one packet: a value the shell applies. ``puts`` go into the lease table
+    at once (in order); ``reply`` waits for ``write`` to commit when there is one; if the write
+    loses a race with another instance, ``on_conflict`` is sent instead. A tuple: immutable,
+    and cheaper to build than a frozen dataclass on the hot path."""
 
     reply: DhcpPacket | None = None
     dest: tuple[str, int] | None = None
     write: LeaseRecord | None = None
-    extra_writes: list[LeaseRecord] = field(default_factory=list)
+    extra_writes: tuple[LeaseRecord, ...] = ()
     on_conflict: Callable[[], DhcpPacket | None] | None = None
     #: Metric label when nothing is sent: why.
     ignored: str | None = None
     network: str | None = None
     kind: ClientKind | None = None
+    #: Records for the in-memory lease table (offers, bindings, ended leases), in order.
+    puts: tuple[LeaseRecord, ...] = ()
 
 
 def choose_network(

@@ -1,7 +1,9 @@
 """Full-mode DHCP: metald owns the addresses. Decisions from a packet and the lease table; no I/O.
 
-Offers live only in memory (short hold, so two DISCOVERs never get the same address); an ACK
-is a durable write that must commit before the ACK is sent.
+``decide`` only reads the table: the records it creates (offers, bindings, ended leases) are
+returned in the decision's ``puts`` and the shell applies them. Offers live only in memory
+(short hold, so two DISCOVERs never get the same address); an ACK is a durable write that must
+commit before the ACK is sent.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from metald.boot.dhcp.common import (
     echo_relay_info,
     reply_skeleton,
 )
+from metald.boot.dhcp.leasetable import LeaseRecord, LeaseState, LeaseTable
 from metald.boot.dhcp.packet import ZERO, DhcpPacket, MessageType, Opt
-from metald.boot.leases import LeaseRecord, LeaseState, LeaseTable
 
 #: How long an offered address is held for the client's REQUEST.
 OFFER_HOLD_SECONDS = 30
@@ -33,6 +35,14 @@ class FullHandler:
     files: BootFiles
 
     def handle(self, pkt: DhcpPacket, net: NetworkPlan, table: LeaseTable, now: float) -> Decision:
+        """``decide``, then apply its records to ``table`` (what the shell does)."""
+        d = self.decide(pkt, net, table, now)
+        if d.puts:
+            table.apply(d.puts)
+        return d
+
+    def decide(self, pkt: DhcpPacket, net: NetworkPlan, table: LeaseTable, now: float) -> Decision:
+        """The decision for one packet. Reads ``table``, never changes it."""
         mtype = pkt.message_type
         if mtype is MessageType.DISCOVER:
             return self._discover(pkt, net, table, now)
@@ -80,7 +90,8 @@ class FullHandler:
             return Decision(ignored="pool-exhausted", network=net.name, kind=kind)
         mac = pkt.mac
         cur = table.get(net.name, ip)
-        writes: list[LeaseRecord] = []
+        writes: tuple[LeaseRecord, ...] = ()
+        puts: tuple[LeaseRecord, ...] = ()  # the offer (after the binding it ends)
         if not (cur and cur.mac == mac and cur.state == LeaseState.BOUND and cur.holds(now)):
             mine = table.for_mac(net.name, mac)
             if (
@@ -91,9 +102,10 @@ class FullHandler:
             ):
                 # Its binding may no longer be given (the configuration changed): end it, so
                 # that a MAC never holds two addresses (each would be "its" lease).
-                mine.state, mine.expires_at = LeaseState.RELEASED, now
-                writes.append(mine)
-            table.put(LeaseRecord(net.name, ip, mac, LeaseState.OFFERED, now + OFFER_HOLD_SECONDS))
+                ended = mine._replace(state=LeaseState.RELEASED, expires_at=now)
+                writes = (ended,)
+            offer = LeaseRecord(net.name, ip, mac, LeaseState.OFFERED, now + OFFER_HOLD_SECONDS)
+            puts = (*writes, offer) if writes else (offer,)
         reply = self._lease_reply(pkt, MessageType.OFFER, net, ip, kind)
         return Decision(
             reply=reply,
@@ -101,6 +113,7 @@ class FullHandler:
             extra_writes=writes,
             network=net.name,
             kind=kind,
+            puts=puts,
         )
 
     # -- REQUEST -> ACK / NAK -----------------------------------------------------------
@@ -114,7 +127,8 @@ class FullHandler:
             # The client took another server's offer: free ours now, not in 30 s.
             rec = table.for_mac(net.name, mac)
             if rec is not None and rec.state == LeaseState.OFFERED:
-                rec.expires_at = now
+                freed = (rec._replace(expires_at=now),)
+                return Decision(ignored="other-server", network=net.name, puts=freed)
             return Decision(ignored="other-server", network=net.name)
         # RFC 2131 4.3.2. SELECTING (our server id) and INIT-REBOOT (none, ciaddr 0) name the
         # address in option 50; RENEWING and REBINDING in ciaddr.
@@ -147,12 +161,12 @@ class FullHandler:
             client_id=(pkt.options.get(Opt.CLIENT_ID) or b"").hex() or None,
             hostname=pkt.hostname,
         )
-        table.put(rec)
         reply = self._lease_reply(pkt, MessageType.ACK, net, ip, kind)
         return Decision(
             reply=reply,
             dest=destination(pkt, reply),
             write=rec,
+            puts=(rec,),
             # Built only if the write loses a race, off the hot path.
             on_conflict=lambda: self._nak(pkt, net).reply,
             network=net.name,
@@ -182,8 +196,8 @@ class FullHandler:
             # use, 4.4.1); later, a forged DECLINE would take a running machine's address.
             return Decision(ignored="decline-late", network=net.name)
         # Someone else answers for this address: quarantine it for one lease time.
-        rec.state, rec.expires_at = LeaseState.DECLINED, now + net.lease_seconds
-        return Decision(write=rec, network=net.name)
+        rec = rec._replace(state=LeaseState.DECLINED, expires_at=now + net.lease_seconds)
+        return Decision(write=rec, network=net.name, puts=(rec,))
 
     def _release(
         self, pkt: DhcpPacket, net: NetworkPlan, table: LeaseTable, now: float
@@ -191,8 +205,8 @@ class FullHandler:
         rec = table.get(net.name, pkt.ciaddr)
         if rec is None or rec.mac != pkt.mac or rec.state != LeaseState.BOUND:
             return Decision(ignored="release-unknown", network=net.name)
-        rec.state, rec.expires_at = LeaseState.RELEASED, now
-        return Decision(write=rec, network=net.name)
+        rec = rec._replace(state=LeaseState.RELEASED, expires_at=now)
+        return Decision(write=rec, network=net.name, puts=(rec,))
 
     def _inform(self, pkt: DhcpPacket, net: NetworkPlan) -> Decision:
         reply = reply_skeleton(pkt, MessageType.ACK, self.server_id)

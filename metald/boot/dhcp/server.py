@@ -4,6 +4,12 @@ One socket per configured interface (SO_BINDTODEVICE), so metald never answers o
 was not given. Reads are drained in a loop per wake-up; an ACK is sent from the lease store's
 commit callback, so it leaves only after its lease is durable. Nothing a client sends can raise
 out of here: malformed packets are counted by reason and dropped.
+
+The full-mode core decides from the in-memory lease table and returns records; this shell
+applies them to the table and submits the durable writes. With other instances on the network
+(``peers``), it first asks whether this instance answers the client at all (the RFC 3074
+split, fencing), and reads a client this table does not know from the store before deciding
+(another instance may have leased it: see ``lease_feed``).
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from metald.boot.dhcp.bootfile import BootFiles
 from metald.boot.dhcp.common import SERVER_PORT, Decision, NetworkPlan, choose_network
 from metald.boot.dhcp.enroll_limit import EnrollLimiter, EnrollLimits, keys_for
 from metald.boot.dhcp.full import FullHandler
+from metald.boot.dhcp.lease_store import LeaseStore, WriteResult
 from metald.boot.dhcp.packet import (
+    ZERO,
     DhcpPacket,
     MalformedPacket,
     MessageType,
@@ -33,9 +41,9 @@ from metald.boot.dhcp.packet import (
     parse,
     serialize,
 )
+from metald.boot.dhcp.peers import DhcpPeers
 from metald.boot.dhcp.proxy import ProxyHandler
 from metald.boot.hooks import BootHooks
-from metald.boot.leases import LeaseStore, WriteResult
 from metald.boot.netutil import udp_socket
 
 log = logging.getLogger(__name__)
@@ -75,6 +83,16 @@ class RecentClients:
     def forget(self, mac: str) -> None:
         self._seen.pop(mac, None)
 
+
+#: A client this table did not know is read from the store again after this long at the
+#: earliest (the lease feed reports what other instances write meanwhile).
+LOOKUP_TTL_SECONDS = 30.0
+#: Packets waiting for a read-through at most; beyond it they are dropped (the client retries).
+MAX_LOOKUP_BACKLOG = 4096
+#: Client messages whose MAC is read through on a miss.
+_LOOKED_UP = frozenset(
+    (MessageType.DISCOVER, MessageType.REQUEST, MessageType.DECLINE, MessageType.RELEASE)
+)
 
 #: Hook calls in flight at most; beyond it a sighting is skipped (the next DHCP retry reports).
 MAX_HOOK_CALLS = 64
@@ -152,6 +170,12 @@ class DhcpServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._counts: dict[tuple[object, str], int] = {}
         self._counts_flush_scheduled = False
+        #: Set when other instances may serve these networks (plane.py): the split and fencing.
+        self.peers: DhcpPeers | None = None
+        #: MAC -> when it was last read through from the store.
+        self._looked_up: dict[str, float] = {}
+        self._lookups: list[tuple[DhcpPacket, NetworkPlan, tuple[str, int], _Listener]] = []
+        self._lookup_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -183,12 +207,27 @@ class DhcpServer:
                 self._loop.remove_reader(lst.sock.fileno())
             lst.sock.close()
         self._listeners.clear()
+        if self._lookup_task is not None:
+            self._lookup_task.cancel()
+            await asyncio.gather(self._lookup_task, return_exceptions=True)
         for t in list(self._hook_tasks):
             t.cancel()
         if self._hook_tasks:
             await asyncio.gather(*self._hook_tasks, return_exceptions=True)
         if self.leases is not None:
             await self.leases.drain()
+
+    async def idle(self) -> None:
+        """Return once every packet handled so far is answered or dropped: read-throughs
+        done, lease writes committed (and their replies sent)."""
+        while True:
+            if self._lookup_task is not None and not self._lookup_task.done():
+                await asyncio.shield(self._lookup_task)
+                continue
+            if self.leases is not None:
+                await self.leases.drain()
+            if self._lookup_task is None or self._lookup_task.done():
+                return
 
     # -- receive path -------------------------------------------------------------------
 
@@ -257,8 +296,13 @@ class DhcpServer:
             log.exception("DHCP packet from %s crashed the handler; dropped", src)
             count(metrics.dhcp_dropped, "handler-error")
             return
-        if decision is None:
-            return
+        if decision is not None:
+            self._act(pkt, decision, src, lst)
+
+    def _act(
+        self, pkt: DhcpPacket, decision: Decision, src: tuple[str, int], lst: _Listener
+    ) -> None:
+        count = self._count
         if decision.kind is not None and decision.kind.boots and self.hooks is not None:
             self._report(pkt, decision, src, lst.interface)
         if decision.ignored:
@@ -281,7 +325,91 @@ class DhcpServer:
             self._count(metrics.dhcp_dropped, "no-network")
             return None
         assert self.leases is not None
-        return self.full.handle(pkt, net, self.leases.table, self.clock())
+        peers = self.peers
+        if peers is not None:
+            why = peers.refusal(pkt, net.name)
+            if why is not None:
+                self._count(metrics.dhcp_ignored, why)
+                return None
+            if self._read_through(pkt, net, src, lst):
+                return None
+        # _full_decision, inline: this is the hot path.
+        table = self.leases.table
+        d = self.full.decide(pkt, net, table, self.clock())
+        for rec in d.puts:
+            table.put(rec)
+        return d
+
+    def _full_decision(self, pkt: DhcpPacket, net: NetworkPlan) -> Decision:
+        assert self.leases is not None
+        table = self.leases.table
+        d = self.full.decide(pkt, net, table, self.clock())
+        for rec in d.puts:  # LeaseTable.apply, without a call on the hot path
+            table.put(rec)
+        return d
+
+    # -- read-through (other instances on the network) ------------------------------------
+
+    def _read_through(
+        self, pkt: DhcpPacket, net: NetworkPlan, src: tuple[str, int], lst: _Listener
+    ) -> bool:
+        """Queue ``pkt`` for deciding after its MAC's stored leases were read, when this
+        table does not know the client. True when queued."""
+        assert self.leases is not None
+        if pkt.message_type not in _LOOKED_UP:
+            return False
+        mac = pkt.mac
+        if self.leases.table.for_mac(net.name, mac) is not None:
+            return False
+        now = self.clock()
+        seen = self._looked_up.get(mac)
+        if seen is not None and now - seen < LOOKUP_TTL_SECONDS:
+            return False
+        if len(self._lookups) >= MAX_LOOKUP_BACKLOG or self._loop is None:
+            self._count(metrics.dhcp_dropped, "lookup-backlog")
+            return True
+        self._lookups.append((pkt, net, src, lst))
+        if self._lookup_task is None or self._lookup_task.done():
+            self._lookup_task = self._loop.create_task(self._look_up(), name="dhcp-read-through")
+        return True
+
+    async def _look_up(self) -> None:
+        assert self.leases is not None
+        while self._lookups:
+            batch, self._lookups = self._lookups, []
+            by_net: dict[str, tuple[set[str], set[IPv4Address]]] = {}
+            for pkt, net, _, _ in batch:
+                macs, ips = by_net.setdefault(net.name, (set(), set()))
+                macs.add(pkt.mac)
+                for ip in (pkt.requested_ip, pkt.ciaddr):
+                    if ip is not None and ip != ZERO:
+                        ips.add(ip)
+            for name, (macs, ips) in by_net.items():
+                try:
+                    recs = await self.leases.read(name, macs, ips)
+                except Exception as e:  # noqa: BLE001 - decide on what this table knows
+                    log.warning("reading leases of %d clients failed: %s", len(macs), e)
+                    self._count(metrics.dhcp_dropped, "lease-read-failed")
+                    continue
+                now, learn = self.clock(), self.leases.table.learn
+                for rec in recs:
+                    learn(rec, now)
+            now = self.clock()
+            if len(self._looked_up) > 65536:
+                self._looked_up.clear()
+            for pkt, net, src, lst in batch:
+                self._looked_up[pkt.mac] = now
+                try:
+                    # Judged again: fencing or the split may have changed meanwhile.
+                    peers = self.peers
+                    why = None if peers is None else peers.refusal(pkt, net.name)
+                    if why is not None:
+                        self._count(metrics.dhcp_ignored, why)
+                        continue
+                    self._act(pkt, self._full_decision(pkt, net), src, lst)
+                except Exception:
+                    log.exception("DHCP packet from %s crashed the handler; dropped", src)
+                    self._count(metrics.dhcp_dropped, "handler-error")
 
     def _committed(self, res: WriteResult, d: Decision, sock: socket.socket) -> None:
         if res is WriteResult.OK:
@@ -289,9 +417,9 @@ class DhcpServer:
                 self._send(sock, d.reply, d.dest)
         elif res is WriteResult.CONFLICT:
             self._count(metrics.dhcp_ignored, "lease-conflict")
-            if d.write is not None:
+            if d.write is not None and self.leases is not None:
                 # Another instance holds it: remember that so we do not offer it again.
-                d.write.mac, d.write.expires_at = "", self.clock() + 60
+                self.leases.table.lost(d.write, self.clock() + 60)
             nak = d.on_conflict() if d.on_conflict is not None else None
             if nak is not None:
                 self._send(sock, nak, d.dest)

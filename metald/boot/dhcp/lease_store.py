@@ -1,10 +1,10 @@
-"""DHCP leases: an in-memory table the decision core reads, made durable in the ``leases`` table.
+"""DHCP leases made durable in the ``leases`` table.
 
-The table (``LeaseTable``) is pure and answers "which address may this client have" in
-microseconds. ``LeaseStore`` writes changes to the database with group commit: writes that
-arrive while a transaction is in flight are batched into the next one, and a write's callback
-runs only after its transaction committed, so the server sends an ACK only for a lease that is
-on disk (SQLite WAL with synchronous=NORMAL survives kill -9).
+The in-memory table (``metald.boot.dhcp.leasetable.LeaseTable``) is pure and answers "which
+address may this client have" in microseconds. ``LeaseStore`` writes changes to the database
+with group commit: writes that arrive while a transaction is in flight are batched into the
+next one, and a write's callback runs only after its transaction committed, so the server sends
+an ACK only for a lease that is on disk (SQLite WAL with synchronous=NORMAL survives kill -9).
 
 Several metald instances may share one database. The row for (network, ip) is unique and a
 write takes it over only if it is ours already, expired, released or declined (one upsert with a
@@ -14,24 +14,27 @@ WHERE); a write that loses that race reports a conflict and the server answers N
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sqlite3
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 from ipaddress import IPv4Address
 from socket import inet_ntoa
 from typing import Any
 
-from sqlalchemy import bindparam, or_, select
+from sqlalchemy import and_, bindparam, or_, select, text
 from sqlmodel import Session
 from sqlmodel import select as sm_select
 
+from metald.boot.dhcp.leasetable import LeaseRecord, LeaseState, LeaseTable
 from metald.store.db import Store
 from metald.store.models import Lease, as_utc
+
+__all__ = ["LeaseRecord", "LeaseState", "LeaseStore", "LeaseTable", "WriteResult"]
 
 log = logging.getLogger(__name__)
 
@@ -45,116 +48,17 @@ CHECKPOINT_SECONDS = 1.0
 #: of the last commit wait for it and share the next transaction. An idle server commits at
 #: once. ACKs still leave only after their commit.
 COMMIT_INTERVAL = 0.002
-
-
-class LeaseState(StrEnum):
-    OFFERED = "offered"  # in memory only: an offer is a promise, not a handout
-    BOUND = "bound"
-    RELEASED = "released"
-    DECLINED = "declined"  # someone else answers ARP for it; quarantined until expires_at
+#: The PostgreSQL channel on which lease writers announce what they committed (see
+#: ``metald.boot.dhcp.lease_feed``), and the most payload bytes in one NOTIFY (PostgreSQL's
+#: limit is 8000).
+NOTIFY_CHANNEL = "metald_leases"
+NOTIFY_MAX_BYTES = 7000
 
 
 class WriteResult(StrEnum):
     OK = "ok"
     CONFLICT = "conflict"  # another instance holds the address
     ERROR = "error"  # the database failed; nothing was promised
-
-
-@dataclass(slots=True)  # no per-instance __dict__: one object less per packet for the GC
-class LeaseRecord:
-    network: str
-    ip: IPv4Address
-    mac: str
-    state: LeaseState
-    #: Unix time.
-    expires_at: float
-    client_id: str | None = None
-    hostname: str | None = None
-
-    def holds(self, now: float) -> bool:
-        """Whether the address is unavailable to other clients at ``now``."""
-        if self.state in (LeaseState.BOUND, LeaseState.OFFERED, LeaseState.DECLINED):
-            return self.expires_at > now
-        return False
-
-
-class LeaseTable:
-    """Per network: address -> record and MAC -> address. Pure; the caller passes the time.
-
-    Keyed inside by the address as an int: IPv4Address hashes in Python (hash(hex(int))), and
-    the hot path does several lookups per packet."""
-
-    def __init__(self) -> None:
-        self._by_ip: dict[str, dict[int, LeaseRecord]] = {}
-        self._by_mac: dict[str, dict[str, IPv4Address]] = {}
-        self._cursor: dict[str, int] = {}
-
-    def __len__(self) -> int:
-        return sum(len(v) for v in self._by_ip.values())
-
-    def records(self) -> Iterator[LeaseRecord]:
-        for by_ip in self._by_ip.values():
-            yield from by_ip.values()
-
-    def get(self, network: str, ip: IPv4Address) -> LeaseRecord | None:
-        by_ip = self._by_ip.get(network)
-        return None if by_ip is None else by_ip.get(int(ip))
-
-    def for_mac(self, network: str, mac: str) -> LeaseRecord | None:
-        """The MAC's current record (its offer or binding): the last one put for it."""
-        by_mac = self._by_mac.get(network)
-        ip = None if by_mac is None else by_mac.get(mac)
-        if ip is None:
-            return None
-        rec = self._by_ip[network].get(int(ip))
-        # A record taken over in place (another instance holds the address) is not the MAC's.
-        return rec if rec is not None and rec.mac == mac else None
-
-    def put(self, rec: LeaseRecord) -> None:
-        by_ip = self._by_ip.get(rec.network)
-        if by_ip is None:
-            by_ip = self._by_ip[rec.network] = {}
-            self._by_mac[rec.network] = {}
-        by_mac = self._by_mac[rec.network]
-        key = int(rec.ip)
-        old = by_ip.get(key)
-        if old is not None and old.mac != rec.mac and by_mac.get(old.mac) == rec.ip:
-            del by_mac[old.mac]
-        by_ip[key] = rec
-        if rec.mac:
-            by_mac[rec.mac] = rec.ip
-
-    def available_to(self, network: str, ip: IPv4Address, mac: str, now: float) -> bool:
-        rec = self.get(network, ip)
-        return (
-            rec is None or rec.mac == mac and rec.state != LeaseState.DECLINED or not rec.holds(now)
-        )
-
-    def find_free(
-        self,
-        network: str,
-        start: IPv4Address,
-        end: IPv4Address,
-        now: float,
-        skip: frozenset[IPv4Address] = frozenset(),
-    ) -> IPv4Address | None:
-        """Next address in [start, end] nobody holds, continuing where the last search
-        stopped so a burst of new clients does not rescan the same held addresses."""
-        lo, hi = int(start), int(end)
-        size = hi - lo + 1
-        cur = self._cursor.get(network, 0) % size
-        by_ip = self._by_ip.get(network, {})
-        for i in range(size):
-            off = (cur + i) % size
-            rec = by_ip.get(lo + off)
-            # Prefer never-used addresses; a released/expired one may still be reused.
-            if rec is None or not rec.holds(now):
-                ip = IPv4Address(lo + off)
-                if skip and ip in skip:
-                    continue
-                self._cursor[network] = off + 1
-                return ip
-        return None
 
 
 def _to_dt(ts: float) -> datetime:
@@ -188,25 +92,24 @@ class LeaseStore:
         #: Transactions and rows written, for the benchmark and tests.
         self.commits = 0
         self.rows_written = 0
+        #: This instance's name when others share the table (PostgreSQL): each commit then
+        #: announces its rows on NOTIFY_CHANNEL, so theirs learn them at once.
+        self.notify_as: str | None = None
 
     async def load(self) -> int:
-        rows = await self.store.run(lambda s: list(s.exec(sm_select(Lease)).all()))
         # Oldest write first, so a MAC's current record is its last one, as before the restart
         # (a MAC may have older released rows; a binding wins a tie with them).
-        rows.sort(key=lambda r: (as_utc(r.updated_at), r.state == LeaseState.BOUND.value))
-        for row in rows:
-            self.table.put(
-                LeaseRecord(
-                    network=row.network,
-                    ip=IPv4Address(row.ip),
-                    mac=row.mac,
-                    state=LeaseState(row.state),
-                    expires_at=_from_dt(row.expires_at),
-                    client_id=row.client_id,
-                    hostname=row.hostname,
-                )
-            )
-        return len(rows)
+        recs = await self.store.run(read_all)
+        for rec in recs:
+            self.table.put(rec)
+        return len(recs)
+
+    async def read(
+        self, network: str, macs: Iterable[str], ips: Iterable[IPv4Address]
+    ) -> list[LeaseRecord]:
+        """The stored rows of ``network`` for these MACs or addresses, oldest write first
+        (what other instances wrote: the read-through of a table miss)."""
+        return await self.store.run(_read_rows, network, sorted(set(macs)), sorted(set(ips)))
 
     def submit(self, rec: LeaseRecord, done: Callable[[WriteResult], None]) -> None:
         """Queue a durable write; ``done`` runs on the loop once it committed (or failed).
@@ -295,7 +198,7 @@ class LeaseStore:
                         self._thread, self._write_sqlite, recs, rows, True
                     )
                 else:
-                    results = await self.store.run(_write_batch, recs, self.clock())
+                    results = await self.store.run(_write_batch, recs, self.clock(), self.notify_as)
                 self.commits += 1
                 self.rows_written += len(batch)
             except Exception:
@@ -483,7 +386,9 @@ def _sqlite_ts(ts: float) -> str:
     return f"{head}.{us:06d}"
 
 
-def _write_batch(session: Session, recs: list[LeaseRecord], now: float) -> list[WriteResult]:
+def _write_batch(
+    session: Session, recs: list[LeaseRecord], now: float, notify_as: str | None = None
+) -> list[WriteResult]:
     """One transaction for the whole batch (PostgreSQL; SQLite takes ``_write_sqlite``).
     Returns per-record results."""
     conn = session.connection()
@@ -509,12 +414,77 @@ def _write_batch(session: Session, recs: list[LeaseRecord], now: float) -> list[
         for r in recs
     ]
     res = conn.execute(stmt, params)  # type: ignore[arg-type]
-    return _finish(session, conn, recs, res.rowcount)
+    results = _results(conn, recs, res.rowcount)
+    if notify_as is not None:
+        written = [r for r, ok in zip(recs, results, strict=True) if ok is WriteResult.OK]
+        notes = [{"c": NOTIFY_CHANNEL, "p": p} for p in notify_payloads(notify_as, written)]
+        if notes:
+            # Delivered at COMMIT, in commit order, only if the transaction commits.
+            conn.execute(text("SELECT pg_notify(:c, :p)"), notes)
+    session.commit()
+    return results
 
 
-def _finish(
-    session: Session, conn: Any, recs: list[LeaseRecord], rowcount: int
-) -> list[WriteResult]:
+def notify_payloads(instance: str, recs: list[LeaseRecord]) -> list[str]:
+    """The NOTIFY payloads announcing ``recs``: JSON, each under NOTIFY_MAX_BYTES."""
+    out: list[str] = []
+    rows: list[list[Any]] = []
+    size = 0
+    for r in recs:
+        row = [r.network, str(r.ip), r.mac, r.state.value, r.expires_at]
+        n = len(json.dumps(row)) + 1
+        if rows and size + n > NOTIFY_MAX_BYTES:
+            out.append(json.dumps({"i": instance, "r": rows}))
+            rows, size = [], 0
+        rows.append(row)
+        size += n
+    if rows:
+        out.append(json.dumps({"i": instance, "r": rows}))
+    return out
+
+
+def parse_notify(payload: str) -> tuple[str, list[LeaseRecord]]:
+    """(the writing instance, its rows) from a payload of ``notify_payloads``."""
+    doc = json.loads(payload)
+    recs = [
+        LeaseRecord(net, IPv4Address(ip), mac, LeaseState(state), float(exp))
+        for net, ip, mac, state, exp in doc["r"]
+    ]
+    return str(doc["i"]), recs
+
+
+def row_record(row: Lease) -> LeaseRecord:
+    return LeaseRecord(
+        network=row.network,
+        ip=IPv4Address(row.ip),
+        mac=row.mac,
+        state=LeaseState(row.state),
+        expires_at=_from_dt(row.expires_at),
+        client_id=row.client_id,
+        hostname=row.hostname,
+    )
+
+
+def _read_rows(
+    session: Session, network: str, macs: list[str], ips: list[IPv4Address]
+) -> list[LeaseRecord]:
+    t = Lease.__table__  # type: ignore[attr-defined]
+    match = or_(t.c.mac.in_(macs), t.c.ip.in_([str(ip) for ip in ips]))
+    rows = session.exec(
+        sm_select(Lease).where(and_(t.c.network == network, match))  # type: ignore[arg-type]
+    ).all()
+    ordered = sorted(rows, key=lambda r: (as_utc(r.updated_at), r.state == "bound"))
+    return [row_record(r) for r in ordered]
+
+
+def read_all(session: Session) -> list[LeaseRecord]:
+    """Every stored lease, oldest write first (a MAC's current record is its last)."""
+    rows = list(session.exec(sm_select(Lease)).all())
+    rows.sort(key=lambda r: (as_utc(r.updated_at), r.state == LeaseState.BOUND.value))
+    return [row_record(r) for r in rows]
+
+
+def _results(conn: Any, recs: list[LeaseRecord], rowcount: int) -> list[WriteResult]:
     results = [WriteResult.OK] * len(recs)
     if rowcount != len(recs):
         # Some row was held by another client: find out which (rare, so a second query is fine).
@@ -530,5 +500,4 @@ def _finish(
             WriteResult.OK if owners.get((r.network, str(r.ip))) == r.mac else WriteResult.CONFLICT
             for r in recs
         ]
-    session.commit()
     return results
