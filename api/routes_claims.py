@@ -30,6 +30,7 @@ from metald.provision.metadata import nocloud
 from metald.provision.progress import Progress, record_progress
 from metald.provision.redact import redact_spec
 from metald.store.models import Claim, Image, Machine, Nic, Tenant, WgHub
+from metald.tenants import mesh
 from metald.tenants.service import REJOIN, issue_join_token
 
 log = logging.getLogger("metald.claims")
@@ -376,6 +377,15 @@ async def _after_release(req: ApiRequest, out: ClaimOut, wiping: list[str]) -> C
             await runtime.sync()
         except Exception:  # the runtime's loop tries again; the store already says released
             log.exception("tenant runtime sync after releasing claim %s failed", out.id)
+    if wiping:  # off every other node's mesh before the wipe: acknowledged or timed out
+        await mesh.after_release(
+            req.ctx.store,
+            req.ctx.services,
+            out.tenant_id,
+            wiping,
+            actor=req.actor,
+            instance=req.ctx.instance,
+        )
     _boot_from_network(req, wiping)
     return out
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 from datetime import datetime, timedelta
 from typing import Annotated, Any
@@ -12,10 +13,10 @@ from sqlmodel import Session
 
 from api.routing import STAFF, ApiRequest, Router
 from metald.auth import Role
-from metald.errors import NotFound, Unprocessable
+from metald.errors import NotFound, Unauthorized, Unprocessable
 from metald.machines import get_machine
 from metald.store.models import Tenant
-from metald.tenants import service
+from metald.tenants import fabric, mesh, service
 from metald.tenants.hubs import HubRuntime
 from metald.tenants.runtime import free_hub_address
 
@@ -81,12 +82,71 @@ class HubInfo(BaseModel):
     address: str
 
 
+class MeshInfo(BaseModel):
+    #: Where the node asks for its mesh view (POST, on the join URL's host).
+    path: str
+    #: The node's own credential for that call only; revoked with its peer (release).
+    node_token: str
+    listen_port: int
+
+
 class JoinResponse(BaseModel):
     overlay_address: str
     hub: HubInfo
     allowed_ips: list[str]
     persistent_keepalive: int
     cluster: dict[str, Any]
+    mesh: MeshInfo
+
+
+class MeshSync(In):
+    #: The mesh generation the node has applied (0: none yet): its acknowledgement.
+    applied: int = Field(default=0, ge=0)
+    #: Seconds to wait for a generation newer than ``applied`` (0: answer at once).
+    wait_s: float = Field(default=0, ge=0, le=mesh.MAX_WAIT_S)
+
+
+class MeshHub(BaseModel):
+    public_key: str
+    endpoint: str
+    address: str
+    allowed_ips: list[str]
+
+
+class MeshPeer(BaseModel):
+    public_key: str
+    address: str
+    allowed_ips: list[str]
+    endpoint: str | None
+
+
+class MeshGuard(BaseModel):
+    wireguard_port: int
+    #: Underlay addresses the node's guard admits WireGuard from (its peers' and the hub's).
+    sources: list[str]
+
+
+class MeshOut(BaseModel):
+    generation: int
+    address: str
+    listen_port: int
+    hub: MeshHub
+    peers: list[MeshPeer]
+    guard: MeshGuard
+
+
+class FabricPort(BaseModel):
+    machine_id: str
+    port_guids: list[str]
+
+
+class FabricOut(BaseModel):
+    tenant_id: str
+    vlan: int | None
+    pkey: int
+    pkey_hex: str
+    machines: list[FabricPort]
+    partitions_conf: str
 
 
 def _apply_peer(hubs: HubRuntime, result: service.JoinResult) -> None:
@@ -233,6 +293,7 @@ async def revoke_peer(req: ApiRequest) -> PeerOut:
         return PeerOut.model_validate(peer.model_dump()), peer.tenant_id
 
     out, tenant_id = await req.write(run)
+    mesh.watch_of(req.ctx.services).changed(tenant_id)
     hubs = req.ctx.services.get("tenant_hubs")
     if hubs is not None:  # else the hub drops it when it next syncs with the store
         try:
@@ -255,11 +316,21 @@ async def revoke_peer(req: ApiRequest) -> PeerOut:
 async def join(req: ApiRequest) -> JoinResponse:
     """Called by a node on first boot with its one-time join token (no bearer token) and the
     WireGuard public key it generated. Returns its overlay address, the hub's endpoint and
-    public key, allowed IPs, keepalive and the cluster's join material; the token is burned."""
+    public key, allowed IPs, keepalive, the cluster's join material, and its node token for
+    ``POST /api/v1/mesh``; the join token is burned. The address the call came from is the
+    node's first mesh endpoint (until its hub sees where its WireGuard is)."""
     b: JoinRequest = req.body
     result = await req.ctx.store.run(
-        service.join, req.ctx.secrets, b.token, b.public_key, instance=req.ctx.instance
+        lambda s: service.join(
+            s,
+            req.ctx.secrets,
+            b.token,
+            b.public_key,
+            instance=req.ctx.instance,
+            registered_from=_remote_ip(req),
+        )
     )
+    mesh.watch_of(req.ctx.services).changed(result.hub.tenant_id)
     hubs = req.ctx.services.get("tenant_hubs")
     if hubs is not None:  # else the stored peer is applied when the hub is (re)started
         try:
@@ -267,3 +338,74 @@ async def join(req: ApiRequest) -> JoinResponse:
         except Exception:  # the peer is stored; the hub picks it up when it is restarted
             log.exception("could not add the peer of machine %s to its hub", result.peer.machine_id)
     return JoinResponse.model_validate(result.response())
+
+
+def _remote_ip(req: ApiRequest) -> str | None:
+    try:
+        return str(ipaddress.ip_address(req.raw.remote or ""))
+    except ValueError:
+        return None
+
+
+def _bearer(req: ApiRequest) -> str:
+    auth = req.raw.headers.get("Authorization", "")
+    scheme, _, secret = auth.partition(" ")
+    if scheme.lower() != "bearer" or not secret.strip():
+        raise Unauthorized("send this node's mesh token as 'Authorization: Bearer mnt_...'")
+    return secret.strip()
+
+
+@router.route(
+    "POST",
+    "/api/v1/mesh",
+    summary="Fetch a node's mesh peers",
+    roles=None,
+    body=MeshSync,
+    response=MeshOut,
+    tag="tenants",
+    errors=(401, 422),
+)
+async def mesh_sync(req: ApiRequest) -> MeshOut:
+    """Called by a node with its node token (``Authorization: Bearer mnt_...``, from its join
+    answer; no other token works here and this token works nowhere else). ``applied`` is the
+    mesh generation it has applied, recorded as its acknowledgement (a release waits for it).
+    Answers with its tenant's other nodes (public key, /32, endpoint), the hub, and the
+    addresses its underlay guard admits WireGuard from, once the tenant's generation is newer
+    than ``applied`` or after ``wait_s`` seconds. Never a peer of another tenant."""
+    b: MeshSync = req.body
+    secret = _bearer(req)
+    watch = mesh.watch_of(req.ctx.services)
+    deadline = asyncio.get_running_loop().time() + b.wait_s
+    tenant_id, gen = await req.ctx.store.run(mesh.token_generation, secret)
+    while gen <= b.applied:
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            break
+        await watch.wait_changed(tenant_id, min(left, mesh.STORE_POLL_S))
+        tenant_id, gen = await req.ctx.store.run(mesh.token_generation, secret)
+    v, moved = await req.ctx.store.run(mesh.sync, secret, b.applied)
+    if moved:
+        watch.acked(v.tenant_id)
+    return MeshOut.model_validate(v.response())
+
+
+@router.route(
+    "GET",
+    "/api/v1/tenants/{id}/fabric",
+    summary="Show a tenant's fabric partition",
+    roles=FLEET_AND_TENANTS,
+    response=FabricOut,
+    tag="tenants",
+    errors=(404, 409),
+)
+async def show_fabric(req: ApiRequest) -> FabricOut:
+    """What a subnet manager or switch automation needs for the tenant: its VLAN id, its
+    InfiniBand partition key (allocated now for a tenant from before PKeys), each machine it
+    holds with its port GUIDs (from inventory, when listed), and an OpenSM partitions.conf
+    fragment."""
+
+    def run(s: Session) -> FabricOut:
+        t = _tenant(s, req)
+        return FabricOut.model_validate(fabric.describe(s, t.id))
+
+    return await req.ctx.store.run(run)

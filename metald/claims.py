@@ -29,6 +29,7 @@ from metald.errors import Conflict, NotFound, Unprocessable
 from metald.lifecycle import ALLOCATED, State, Trigger
 from metald.provision.intents import DeployImage, provision_intent, wipe_intent
 from metald.store.models import Bmc, Claim, Event, Image, Machine, Nic, Tenant, as_utc, utcnow
+from metald.tenants import fabric
 from metald.tenants import service as tenant_service
 
 T = TypeVar("T")
@@ -474,8 +475,16 @@ def switch_plan(session: Session, tenant_id: str, ms: list[Machine]) -> dict[str
             macs[nic.machine_id].append(nic.mac)
     return {
         "vlan": tenant.vlan if tenant else None,
+        # InfiniBand: the subnet manager puts these port GUIDs in (or out of) this partition.
+        "pkey": tenant.pkey if tenant else None,
         "ports": [
-            {"machine_id": m.id, "switch_port": m.rack_position, "macs": macs[m.id]} for m in ms
+            {
+                "machine_id": m.id,
+                "switch_port": m.rack_position,
+                "macs": macs[m.id],
+                "port_guids": fabric.port_guids(m.inventory),
+            }
+            for m in ms
         ],
     }
 

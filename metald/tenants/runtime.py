@@ -46,7 +46,7 @@ from metald.secrets import SecretBox
 from metald.service import cancel
 from metald.store import Store
 from metald.store.models import Machine, Tenant, WgHub, WgPeer, as_utc
-from metald.tenants import controlplane, service
+from metald.tenants import controlplane, mesh, service
 from metald.tenants.hubs import LocalHubs
 from netconfig import guard, netns
 from netconfig.uapi import PeerStatus
@@ -157,6 +157,7 @@ def observe_tenant(
         if moved:
             peer.last_endpoint = st.endpoint  # committed by observe below
             session.add(peer)
+            mesh.bump(session, tenant_id)  # the other nodes dial it there from now on
         if not joining and not moved and (seen is None or seen == _aware(peer.last_handshake_at)):
             continue
         name = hostname(m.id, m.name)
@@ -201,7 +202,8 @@ class RunningHub:
             )
             netns.address(self.ns, UNDERLAY_IF, f"{s.endpoint_host}/{plen}")
             guard.apply(self.ns, guard.render([UNDERLAY_IF], wireguard_port=s.listen_port))
-            # Node-to-node traffic inside the tenant (srun steps) goes through the hub.
+            # Nodes talk to each other directly (the mesh); the hub forwards only for nodes
+            # that have no mesh view yet (an image without the mesh agent).
             _in_ns(self.ns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
             self.hubs.start(
                 tenant_id=s.tenant_id,
