@@ -375,17 +375,17 @@ async def mesh_sync(req: ApiRequest) -> MeshOut:
     b: MeshSync = req.body
     secret = _bearer(req)
     watch = mesh.watch_of(req.ctx.services)
-    deadline = asyncio.get_running_loop().time() + b.wait_s
-    tenant_id, gen = await req.ctx.store.run(mesh.token_generation, secret)
-    while gen <= b.applied:
-        left = deadline - asyncio.get_running_loop().time()
-        if left <= 0:
-            break
-        await watch.wait_changed(tenant_id, min(left, mesh.STORE_POLL_S))
-        tenant_id, gen = await req.ctx.store.run(mesh.token_generation, secret)
-    v, moved = await req.ctx.store.run(mesh.sync, secret, b.applied)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + b.wait_s
+    v, moved = await req.ctx.store.run(mesh.sync, secret, b.applied)  # the ack comes first
     if moved:
         watch.acked(v.tenant_id)
+    gen = v.generation
+    while gen <= b.applied and (left := deadline - loop.time()) > 0:
+        await watch.wait_changed(v.tenant_id, min(left, mesh.STORE_POLL_S))
+        _tenant_id, gen = await req.ctx.store.run(mesh.token_generation, secret)
+    if gen != v.generation:
+        v = await req.ctx.store.run(mesh.view_for_token, secret)
     return MeshOut.model_validate(v.response())
 
 

@@ -192,6 +192,10 @@ def sync(session: Session, secret: str, applied: int) -> tuple[MeshView, bool]:
     return v, moved
 
 
+def view_for_token(session: Session, secret: str) -> MeshView:
+    return view(session, node_by_token(session, secret))
+
+
 def token_generation(session: Session, secret: str) -> tuple[str, int]:
     """(tenant id, current generation) for a node token (the long-poll's cheap re-check)."""
     me = node_by_token(session, secret)
@@ -273,11 +277,12 @@ async def await_acks(
     released: list[str],
     actor: str,
     instance: str | None = None,
-    timeout: float = RELEASE_ACK_TIMEOUT_S,
+    timeout: float | None = None,
 ) -> AckResult:
     """Wait until every remaining mesh node of the tenant applied the tenant's current
     generation (which already drops ``released``), or ``timeout``; record a
     ``tenant.mesh.released`` event saying which (and who had not acknowledged)."""
+    timeout = RELEASE_ACK_TIMEOUT_S if timeout is None else timeout
     started = time.monotonic()
     gen = await store.run(generation, tenant_id)
     while True:
@@ -317,7 +322,7 @@ async def after_release(
     *,
     actor: str,
     instance: str | None = None,
-    timeout: float = RELEASE_ACK_TIMEOUT_S,
+    timeout: float | None = None,
 ) -> AckResult:
     """The release flow's hook, after its commit and before the wipe's power cycle: wake the
     tenant's long-polling nodes, then ``await_acks``."""
