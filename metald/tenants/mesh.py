@@ -140,7 +140,8 @@ def view(session: Session, me: WgPeer) -> MeshView:
         .where(WgPeer.tenant_id == me.tenant_id, WgPeer.id != me.id)
         .order_by(col(WgPeer.address))
     ).all()
-    peers, sources = [], {endpoint_host(hub.endpoint)}
+    peers, sources = [], set()
+    _add_source(sources, endpoint_host(hub.endpoint))
     for p in others:
         ep = endpoint_of(p)
         peers.append(
@@ -152,7 +153,7 @@ def view(session: Session, me: WgPeer) -> MeshView:
             }
         )
         if ep:
-            sources.add(endpoint_host(ep))
+            _add_source(sources, endpoint_host(ep))
     return MeshView(
         generation=tenant.mesh_generation,
         tenant_id=tenant.id,
@@ -168,6 +169,16 @@ def view(session: Session, me: WgPeer) -> MeshView:
         peers=peers,
         sources=sorted(sources, key=ipaddress.ip_address),
     )
+
+
+def _add_source(sources: set[str], host: str) -> None:
+    """The guard's set holds IPv4 addresses (a DNS name or IPv6 endpoint is dialled, but its
+    replies get in as established traffic only)."""
+    try:
+        if ipaddress.ip_address(host).version == 4:
+            sources.add(host)
+    except ValueError:
+        pass
 
 
 def sync(session: Session, secret: str, applied: int) -> tuple[MeshView, bool]:
