@@ -97,7 +97,8 @@ async def tenant_node_middleware(
         return problem(
             403,
             "Forbidden",
-            "a tenant's machine may reach only /api/v1/join, /api/v1/agent/ and /boot/",
+            "a tenant's machine may reach only /api/v1/join, /api/v1/mesh, /api/v1/agent/ "
+            "and /boot/",
             instance=request.path,
         )
     return await handler(request)

@@ -258,3 +258,21 @@ async def test_release_waits_for_the_mesh_before_the_wipe(api, monkeypatch, acki
         assert ev.data["acknowledged"] is False and sorted(ev.data["pending"]) == sorted(ids[:2])
     for t in loops:
         t.cancel()
+
+
+async def test_tenant_machines_may_reach_their_mesh_view(api) -> None:  # type: ignore[no-untyped-def]
+    """The API's guard against tenant machines lets the mesh call through (and nothing new)."""
+    from metald.nodeguard import TenantNodeGuard
+
+    client, tokens, store = api
+    await _hubs(client, tokens)
+    j = await _join(client, tokens.header("orchestrator"), tokens.machine_a, store)
+    g = TenantNodeGuard(store)
+    g.addresses = frozenset({"127.0.0.1"})  # this test client is a tenant's machine
+    client.server.app[CTX_KEY].services["tenant_node_guard"] = g
+    r = await _mesh(client, j["mesh"]["node_token"])
+    assert r.status == 200, await r.text()
+    r = await client.get("/api/v1/mesh", headers={"Authorization": f"Bearer {tokens.admin}"})
+    assert r.status in (403, 405)
+    r = await client.get(f"/api/v1/tenants/{tokens.tenant_a}/hub", headers=tokens.header("admin"))
+    assert r.status == 403
