@@ -383,8 +383,8 @@ async def mesh_sync(req: ApiRequest) -> MeshOut:
     gen = v.generation
     while gen <= b.applied and (left := deadline - loop.time()) > 0:
         await watch.wait_changed(v.tenant_id, min(left, mesh.STORE_POLL_S))
-        _tenant_id, gen = await req.ctx.store.run(mesh.token_generation, secret)
-    if gen != v.generation:
+        gen = await watch.generation(req.ctx.store, v.tenant_id)
+    if gen != v.generation:  # authenticated again: a released node's poll ends in a 401
         v = await req.ctx.store.run(mesh.view_for_token, secret)
     return MeshOut.model_validate(v.response())
 

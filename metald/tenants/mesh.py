@@ -207,12 +207,6 @@ def view_for_token(session: Session, secret: str) -> MeshView:
     return view(session, node_by_token(session, secret))
 
 
-def token_generation(session: Session, secret: str) -> tuple[str, int]:
-    """(tenant id, current generation) for a node token (the long-poll's cheap re-check)."""
-    me = node_by_token(session, secret)
-    return me.tenant_id, generation(session, me.tenant_id)
-
-
 def pending(session: Session, tenant_id: str, gen: int) -> list[str]:
     """Machines of the tenant running the mesh that have not applied ``gen`` yet."""
     return list(
@@ -235,6 +229,8 @@ class MeshWatch:
     def __init__(self) -> None:
         self._changed: dict[str, asyncio.Event] = {}
         self._acked: dict[str, asyncio.Event] = {}
+        #: tenant -> (generation, when read): a tenant's idle long-polls share one read.
+        self._generations: dict[str, tuple[int, float]] = {}
 
     @staticmethod
     def _fire(events: dict[str, asyncio.Event], tenant_id: str) -> None:
@@ -243,7 +239,19 @@ class MeshWatch:
             ev.set()
 
     def changed(self, tenant_id: str) -> None:
+        self._generations.pop(tenant_id, None)
         self._fire(self._changed, tenant_id)
+
+    async def generation(self, store: Store, tenant_id: str) -> int:
+        """The tenant's generation, read from the store at most about once per
+        ``STORE_POLL_S`` for all of its waiting nodes (a local change reads it afresh)."""
+        cached = self._generations.get(tenant_id)
+        now = time.monotonic()
+        if cached is not None and now - cached[1] < STORE_POLL_S / 2:
+            return cached[0]
+        gen = await store.run(generation, tenant_id)
+        self._generations[tenant_id] = (gen, now)
+        return gen
 
     def acked(self, tenant_id: str) -> None:
         self._fire(self._acked, tenant_id)
