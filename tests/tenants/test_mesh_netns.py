@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 from cryptography.fernet import Fernet
 
+from bench.mesh import HUB_IP, PORT, MeshLab, Node, link_stats, sh
 from metald import machines
 from metald.lifecycle import Trigger
 from metald.secrets import SecretBox
 from metald.store import Store
 from metald.store.models import Tenant, WgPeer
 from metald.tenants import keys, mesh, service
-from tests.tenants.meshlab import HUB_IP, PORT, MeshLab, Node, link_stats, sh
 
 pytestmark = [
     pytest.mark.root,
