@@ -14,7 +14,7 @@ from metald import machines
 from metald.lifecycle import Trigger
 from metald.provision import driver
 from metald.store.models import Event, WgPeer
-from metald.tenants import keys, mesh
+from metald.tenants import keys, mesh, service
 from tests.claims.fakes import FakeBmc
 from tests.claims.helpers import add_ready
 
@@ -276,3 +276,34 @@ async def test_tenant_machines_may_reach_their_mesh_view(api) -> None:  # type: 
     assert r.status in (403, 405)
     r = await client.get(f"/api/v1/tenants/{tokens.tenant_a}/hub", headers=tokens.header("admin"))
     assert r.status == 403
+
+
+def test_where_the_hub_sees_a_node_becomes_its_mesh_endpoint(env) -> None:  # type: ignore[no-untyped-def]
+    """The join's source address is a node's first endpoint; once the hub sees its WireGuard
+    somewhere else, that is where the others dial it (a new generation)."""
+    from metald.tenants import runtime
+    from netconfig.uapi import PeerStatus
+    from tests.tenants.conftest import Env
+
+    e: Env = env
+    with e.store.session() as s:
+        secret, _ = service.issue_join_token(s, e.tokens.machine_a, actor="test")
+    pub = _pub()
+    with e.store.session() as s:
+        result = service.join(s, e.box, secret, pub, registered_from="10.1.0.20")
+    me_token = result.node_token
+    with e.store.session() as s:
+        peer = s.exec(select(WgPeer).where(WgPeer.machine_id == e.tokens.machine_a)).one()
+        assert mesh.endpoint_of(peer) == f"10.1.0.20:{mesh.NODE_LISTEN_PORT}"
+        gen = mesh.generation(s, e.tokens.tenant_a)
+    with e.store.session() as s:
+        runtime.observe_tenant(
+            s, e.tokens.tenant_a, {pub: PeerStatus(pub, endpoint="10.1.0.99:51820")}, None, "i1"
+        )
+    with e.store.session() as s:
+        assert mesh.generation(s, e.tokens.tenant_a) == gen + 1
+        peer = s.exec(select(WgPeer).where(WgPeer.machine_id == e.tokens.machine_a)).one()
+        assert mesh.endpoint_of(peer) == "10.1.0.99:51820"
+        # Its own view never lists itself; the guard admits the hub.
+        v = mesh.view_for_token(s, me_token)
+        assert v.peers == [] and v.sources == ["10.99.0.1"]
