@@ -80,11 +80,14 @@ def underlay_ip(rack, tenant_id: str, node: str) -> str:  # type: ignore[no-unty
     raise AssertionError(f"no underlay address on {node}: {r.stdout} {r.stderr}")
 
 
-# busybox sh on two nodes (one srun, one task each): the receiver listens, the sender sends
-# XFER_BYTES of zeros to the receiver's overlay address (retrying until it listens).
+# busybox sh on two nodes (one srun, one task each): the receiver listens and prints how many
+# bytes it got (its nc's stdin is a fifo this shell holds open: an nc whose stdin ends stops
+# reading the connection); the sender sends XFER_BYTES of zeros to the receiver's overlay
+# address, retrying until it listens.
 XFER_BYTES = 320 * 65536
 XFER = (
-    'if [ "$(hostname)" = "$1" ]; then nc -l -p 5001 </dev/null >/dev/null; else '
+    'if [ "$(hostname)" = "$1" ]; then f=/tmp/xfer.$$; mkfifo $f; '
+    "nc -l -p 5001 <$f | wc -c & exec 3>$f; wait; exec 3>&-; rm -f $f; else "
     "for i in 1 2 3 4 5 6 7 8 9 10; do "
     'dd if=/dev/zero bs=65536 count=320 2>/dev/null | nc -w 5 "$2" 5001 && exit 0; sleep 1; '
     "done; exit 1; fi"
@@ -204,7 +207,7 @@ def test_two_tenants_join_isolated_and_release(enrolled_rack) -> None:  # type: 
     a2_if = underlay_if(rack, a["id"], a2)
     hub0, a2_0 = hub_rx(a["id"]), node_rx(rack, a["id"], a2, a2_if)
     r = ctl_exec(rack, a["id"], "srun", "-N2", "-w", f"{a1},{a2}", "sh", "-c", XFER, "xfer", a2, overlay_of[a2], timeout=120)  # fmt: skip
-    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert r.returncode == 0 and r.stdout.split() == [str(XFER_BYTES)], (r.stdout, r.stderr)
     through_hub, at_a2 = hub_rx(a["id"]) - hub0, node_rx(rack, a["id"], a2, a2_if) - a2_0
     print(
         f"\nnode-to-node {XFER_BYTES} B: receiver's underlay +{at_a2} B, hub's underlay +{through_hub} B"
