@@ -204,7 +204,9 @@ def test_opensm_accepts_the_fragment_and_applies_the_partition(tmp_path: Path) -
         )
         log = _opensm(ns, tmp_path, conf, tmp_path / "second.log")
         assert "PARSE ERROR" not in log and "not found" not in log, log[-2000:]
-        updated = set(re.findall(r"pkey 0x8012 was (?:inserted|updated) for node 0x([0-9a-f]{16}) port", log))
+        updated = set(
+            re.findall(r"pkey 0x8012 was (?:inserted|updated) for node 0x([0-9a-f]{16}) port", log)
+        )
         assert updated == {cas["Hca1"][0].lower(), cas["Hca2"][0].lower()}  # not Hca3's
         # The checker is real: a broken fragment is refused with a parse error.
         conf.write_text(
