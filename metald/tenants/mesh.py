@@ -183,18 +183,26 @@ def _add_source(sources: set[str], host: str) -> None:
 
 def sync(session: Session, secret: str, applied: int) -> tuple[MeshView, bool]:
     """Authenticate the node, record ``applied`` as its acknowledgement, and return its view
-    and whether the ack moved (so waiters are woken). Commits. A node cannot acknowledge a
-    generation it was never given (``applied`` is capped at the tenant's)."""
+    and whether its acknowledgement moved (so waiters are woken). Commits. A node cannot
+    acknowledge a generation it was never given (``applied`` is capped at the tenant's).
+
+    A node's first call marks it as holding a view (``mesh_acked`` 0) and commits that before
+    the view is read: a release committed after the read waits for this node, and one
+    committed before it is already missing from the view."""
     me = node_by_token(session, secret)
+    moved = False
+    held = me.mesh_acked
+    if held is None:
+        session.execute(update(WgPeer).where(col(WgPeer.id) == me.id).values(mesh_acked=0))
+        session.commit()
+        held, moved = 0, True
     v = view(session, me)
     acked = min(max(applied, 0), v.generation)
-    moved = False
-    if me.mesh_acked is None or acked > me.mesh_acked:
-        # From its first view on, the node holds peers: releases wait for it from now on.
+    if acked > held:
         session.execute(
             update(WgPeer)
-            .where(col(WgPeer.id) == me.id)
-            .values(mesh_acked=acked if me.mesh_acked is None else max(acked, me.mesh_acked))
+            .where(col(WgPeer.id) == me.id, col(WgPeer.mesh_acked) < acked)
+            .values(mesh_acked=acked)
         )
         session.commit()
         moved = True
