@@ -17,6 +17,7 @@ from api import (
     routes_instances,
     routes_join,
     routes_machines,
+    routes_mesh,
     routes_system,
     routes_tenants,
     routes_tokens,
@@ -58,6 +59,7 @@ ROUTERS: list[Router] = [
     routes_images.router,
     routes_tenants.router,
     routes_join.router,
+    routes_mesh.router,
 ]
 
 
@@ -112,7 +114,8 @@ async def tenant_node_middleware(
         return problem(
             403,
             "Forbidden",
-            "a tenant's machine may reach only /api/v1/join, /api/v1/agent/ and /boot/",
+            "a tenant's machine may reach only /api/v1/join, /api/v1/mesh, /api/v1/agent/ "
+            "and /boot/",
             instance=request.path,
         )
     return await handler(request)

@@ -16,7 +16,7 @@ from api.workflows import tenant_runtime
 from metald.auth import Role
 from metald.errors import NotFound, Unprocessable
 from metald.store.models import Tenant
-from metald.tenants import clusters
+from metald.tenants import clusters, fabric
 from metald.tenants.runtime import free_hub_address
 
 router = Router()
@@ -206,5 +206,41 @@ async def show_hub(req: ApiRequest) -> HubOut:
 
     def run(s: Session) -> HubOut:
         return _hub_out(s, _tenant(s, req))
+
+    return await req.ctx.store.run(run)
+
+
+class FabricPort(BaseModel):
+    machine_id: str
+    port_guids: list[str]
+
+
+class FabricOut(BaseModel):
+    tenant_id: str
+    vlan: int | None
+    pkey: int
+    pkey_hex: str
+    machines: list[FabricPort]
+    partitions_conf: str
+
+
+@router.route(
+    "GET",
+    "/api/v1/tenants/{id}/fabric",
+    summary="Show a tenant's fabric partition",
+    roles=READERS,
+    response=FabricOut,
+    tag="tenants",
+    errors=(404, 409),
+)
+async def show_fabric(req: ApiRequest) -> FabricOut:
+    """What a subnet manager or switch automation needs for the tenant: its VLAN id, its
+    InfiniBand partition key (allocated now for a tenant from before PKeys), each machine it
+    holds with its port GUIDs (from inventory, when listed), and an OpenSM partitions.conf
+    fragment."""
+
+    def run(s: Session) -> FabricOut:
+        t = _tenant(s, req)
+        return FabricOut.model_validate(fabric.describe(s, t.id))
 
     return await req.ctx.store.run(run)

@@ -6,7 +6,26 @@ from api.context import AppContext
 from metald.claims.workflow import ClaimWorkflow
 from metald.provision import driver
 from metald.provision.intents import DeployImage
+from metald.tenants import mesh
 from metald.tenants.runtime import TenantRuntime
+
+
+class MeshOfContext:
+    """The tenant mesh's release hook (``metald.tenants.mesh.after_release``) bound to the
+    app's store and services, as the claim workflow's ``MeshRelease``."""
+
+    def __init__(self, ctx: AppContext) -> None:
+        self.ctx = ctx
+
+    async def released(self, tenant_id: str, machine_ids: list[str], actor: str) -> object:
+        return await mesh.after_release(
+            self.ctx.store,
+            self.ctx.services,
+            tenant_id,
+            machine_ids,
+            actor=actor,
+            instance=self.ctx.instance,
+        )
 
 
 def tenant_runtime(ctx: AppContext) -> TenantRuntime | None:
@@ -29,4 +48,5 @@ def claim_workflow(ctx: AppContext) -> ClaimWorkflow:
         hubs=tenant_runtime(ctx),
         notify=ctx.bus.notify,
         require_bmc=ctx.cfg.enroll.require_bmc,
+        mesh=MeshOfContext(ctx),
     )

@@ -2,7 +2,8 @@
 
 A machine allocated to a tenant runs the tenant's software, and the tenant has root on it. On
 the provisioning network it can still open metald's API port: it needs ``POST /api/v1/join``,
-the agent endpoints (deploy agent, rejoin) and ``/boot/`` (iPXE on every reboot), and nothing
+``POST /api/v1/mesh`` (its tenant's mesh view, with its node token), the agent endpoints
+(deploy agent, rejoin) and ``/boot/`` (iPXE on every reboot), and nothing
 else. The API answers requests from those machines' addresses (the leases metald's DHCP bound
 to their MACs) on any other path with 403 before looking at a token, so a tenant cannot probe
 the rest of the API, token or not. The address set is read from the store every few seconds:
@@ -25,7 +26,7 @@ from metald.store.models import Lease, Machine, Nic, as_utc
 log = logging.getLogger(__name__)
 
 #: What a tenant's machine may ask metald for.
-ALLOWED_PATHS = frozenset({"/api/v1/join"})
+ALLOWED_PATHS = frozenset({"/api/v1/join", "/api/v1/mesh"})
 ALLOWED_PREFIXES = ("/api/v1/agent/", "/boot/")
 
 

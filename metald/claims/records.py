@@ -12,6 +12,7 @@ from sqlmodel import Session, col, select
 from metald import machines
 from metald.errors import Conflict
 from metald.store.models import Event, Machine, Nic, Tenant, as_utc
+from metald.tenants import fabric
 
 T = TypeVar("T")
 
@@ -56,8 +57,16 @@ def switch_plan(session: Session, tenant_id: str, ms: list[Machine]) -> dict[str
             macs[nic.machine_id].append(nic.mac)
     return {
         "vlan": tenant.vlan if tenant else None,
+        # InfiniBand: the subnet manager puts these port GUIDs in (or out of) this partition.
+        "pkey": tenant.pkey if tenant else None,
         "ports": [
-            {"machine_id": m.id, "switch_port": m.rack_position, "macs": macs[m.id]} for m in ms
+            {
+                "machine_id": m.id,
+                "switch_port": m.rack_position,
+                "macs": macs[m.id],
+                "port_guids": fabric.port_guids(m.inventory),
+            }
+            for m in ms
         ],
     }
 

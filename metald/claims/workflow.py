@@ -34,6 +34,13 @@ class HubSync(Protocol):
     async def sync(self) -> object: ...
 
 
+class MeshRelease(Protocol):
+    """The tenant mesh (``metald.tenants.mesh``): tells the tenant's other nodes that machines
+    left, and waits (bounded) until they have dropped them as peers."""
+
+    async def released(self, tenant_id: str, machine_ids: list[str], actor: str) -> object: ...
+
+
 class BootControl(Protocol):
     """The provisioning runner (``metald.provision.driver``) as the flows use it: database
     steps run inside the flow's transaction, the BMC steps in the background."""
@@ -98,6 +105,8 @@ class ClaimWorkflow:
     notify: Callable[[], None]
     #: enroll.require_bmc: claim only machines vouched for by a BMC link or a technician.
     require_bmc: bool | None = None
+    #: The tenant mesh, told of released machines before they are wiped.
+    mesh: MeshRelease | None = None
 
     def _boot_from_network(self, machine_ids: list[str], actor: str) -> None:
         """In the background: one-time PXE and a power cycle through each machine's BMC."""
@@ -151,7 +160,7 @@ class ClaimWorkflow:
         """End the claim (or, with ``machine_id``, release that one machine of it); then take
         the released machines off the tenant's running hub and boot them into the wipe."""
 
-        def run(s: Session) -> tuple[R, list[str]]:
+        def run(s: Session) -> tuple[R, list[str], str]:
             c = load(s, claim_id)
             if machine_id is None:
                 wiping = release.release_claim(
@@ -161,9 +170,9 @@ class ClaimWorkflow:
                 wiping = release.release_machine(
                     s, c, machine_id, actor, deploy=self.deploy, instance=self.instance
                 )
-            return render(s, load(s, c.id)), wiping
+            return render(s, load(s, c.id)), wiping, c.tenant_id
 
-        out, wiping = await self.store.run(run)
+        out, wiping, tenant_id = await self.store.run(run)
         self.notify()
         if wiping and self.hubs is not None:
             # Off the tenant's hub and out of its cluster before the machine reboots to be wiped.
@@ -171,6 +180,13 @@ class ClaimWorkflow:
                 await self.hubs.sync()
             except Exception:  # the runtime's loop tries again; the store already says released
                 log.exception("tenant runtime sync after releasing claim %s failed", claim_id)
+        if wiping and self.mesh is not None:
+            # Off every other node's mesh before the wipe: acknowledged, or timed out (bounded,
+            # so a hung node cannot hold releases; the event names who did not answer).
+            try:
+                await self.mesh.released(tenant_id, wiping, actor)
+            except Exception:
+                log.exception("mesh update after releasing claim %s failed", claim_id)
         self._boot_from_network(wiping, actor)
         return out
 

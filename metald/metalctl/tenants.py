@@ -1,4 +1,5 @@
-"""``metalctl tenants`` (admin): list and create tenants, show or create a tenant's hub."""
+"""``metalctl tenants`` (admin): list and create tenants, show or create a tenant's hub, print
+a tenant's fabric partition for the subnet manager."""
 
 from __future__ import annotations
 
@@ -41,6 +42,13 @@ def register(sub: Subparsers) -> None:
     )
     tnh.add_argument("--port", type=int, default=51820)
     tnh.set_defaults(func=hub)
+    tnf = tnsub.add_parser(
+        "fabric",
+        help="print a tenant's InfiniBand partition as an OpenSM partitions.conf fragment "
+        "(--json: VLAN, PKey and each machine's port GUIDs too)",
+    )
+    tnf.add_argument("id", help="tenant id")
+    tnf.set_defaults(func=fabric)
 
 
 def list_tenants(args: argparse.Namespace, c: Client) -> None:
@@ -69,3 +77,8 @@ def hub(args: argparse.Namespace, c: Client) -> None:
     else:
         h = c.call("GET", f"/api/v1/tenants/{args.id}/hub")
     emit(args, h, _hub)
+
+
+def fabric(args: argparse.Namespace, c: Client) -> None:
+    f = c.call("GET", f"/api/v1/tenants/{args.id}/fabric")
+    emit(args, f, lambda f: f["partitions_conf"].rstrip("\n"))

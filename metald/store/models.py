@@ -166,6 +166,11 @@ class Tenant(SQLModel, table=True):
     overlay_prefix: str | None = Field(default=None, unique=True)
     #: The tenant's VLAN id, emitted in its claims' events for switch automation.
     vlan: int | None = Field(default=None, unique=True, index=True)
+    #: The tenant's InfiniBand partition key (0x0001-0x7ffe), emitted with its claims' events
+    #: for the subnet manager; unique while the tenant holds it.
+    pkey: int | None = Field(default=None, unique=True, index=True)
+    #: Bumped whenever the tenant's mesh (peers, their endpoints) changes; nodes ack it.
+    mesh_generation: int = 0
     created_at: datetime = _ts()
 
 
@@ -302,6 +307,12 @@ class WgPeer(SQLModel, table=True):
     #: Where the hub last saw the node (ip:port): a restarted hub dials it at once instead of
     #: waiting for the node's next handshake.
     last_endpoint: str | None = None
+    #: The underlay address the node's join came from (its mesh endpoint until the hub sees it).
+    registered_from: str | None = None
+    #: sha256 of the node token minted at join: the node's credential for its mesh view only.
+    node_token_hash: str | None = Field(default=None, unique=True)
+    #: The tenant mesh generation the node last applied; None: it never fetched a mesh view.
+    mesh_acked: int | None = None
     created_at: datetime = _ts()
 
     __table_args__ = (UniqueConstraint("tenant_id", "address", name="uq_wg_peers_tenant_address"),)

@@ -22,7 +22,7 @@ from metald.lifecycle import JOIN_STARTS, JOINABLE, State, Trigger
 from metald.provision.metadata import hostname
 from metald.secrets import SecretBox
 from metald.store.models import Machine, Tenant, WgHub, WgPeer
-from metald.tenants import ipam, keys, kubernetes, slurm, tokens
+from metald.tenants import ipam, keys, kubernetes, mesh, slurm, tokens
 
 DEFAULT_LISTEN_PORT = 51820
 PERSISTENT_KEEPALIVE = 25
@@ -34,6 +34,8 @@ class JoinResult:
     hub: WgHub
     prefix: str
     material: dict[str, Any]
+    #: The node's mesh credential (returned once, stored hashed on the peer row).
+    node_token: str = ""
 
     def response(self) -> dict[str, Any]:
         """What the node receives: everything it needs, no secret of anyone else's but the
@@ -49,6 +51,11 @@ class JoinResult:
             "allowed_ips": [self.prefix],
             "persistent_keepalive": PERSISTENT_KEEPALIVE,
             "cluster": self.material,
+            "mesh": {
+                "path": "/api/v1/mesh",
+                "node_token": self.node_token,
+                "listen_port": mesh.NODE_LISTEN_PORT,
+            },
         }
 
 
@@ -124,14 +131,18 @@ def new_tenant(
     control_plane: str | None = None,
     vlan_range: tuple[int, int] = DEFAULT_VLAN_RANGE,
 ) -> Tenant:
-    """Add a tenant with the lowest free VLAN id (flushed, not committed). A racing creation
-    that took the same VLAN fails the commit on the unique index; the caller may retry."""
+    """Add a tenant with the lowest free VLAN id and InfiniBand PKey (flushed, not committed).
+    A racing creation that took the same VLAN or PKey fails the commit on the unique index;
+    the caller may retry."""
     taken = session.exec(select(Tenant.vlan)).all()
     try:
         vlan = ipam.allocate_vlan(taken, *vlan_range)
+        pkey = ipam.allocate_pkey(session.exec(select(Tenant.pkey)).all())
     except ipam.IpamExhausted as e:
         raise Conflict(str(e)) from None
-    tenant = Tenant(name=name, cluster_kind=cluster_kind, control_plane=control_plane, vlan=vlan)
+    tenant = Tenant(
+        name=name, cluster_kind=cluster_kind, control_plane=control_plane, vlan=vlan, pkey=pkey
+    )
     session.add(tenant)
     session.flush()
     return tenant
@@ -278,8 +289,11 @@ def join(
     *,
     now: datetime | None = None,
     instance: str | None = None,
+    registered_from: str | None = None,
 ) -> JoinResult:
-    """Burn the token, record the peer, and build the node's join material. Commits once."""
+    """Burn the token, record the peer (with the underlay address the join came from, its
+    first mesh endpoint) and a fresh node token, bump the tenant's mesh generation, and build
+    the node's join material. Commits once."""
     try:
         public_key = keys.validate_public_key(public_key)
     except (keys.BadKey, ValueError) as e:
@@ -305,7 +319,9 @@ def join(
     if other is not None:
         session.rollback()
         raise Conflict("this public key is already used by another node; generate a fresh one")
-    peer = _add_peer(session, tenant, m.id, public_key)
+    node_token, token_hash = mesh.mint_node_token()
+    peer = _add_peer(session, tenant, m.id, public_key, token_hash, registered_from)
+    mesh.bump(session, tenant.id)
     material = _material(box, tenant, hub, m, peer.address)
     if State(m.state) in JOIN_STARTS:
         machines.transition(
@@ -321,14 +337,21 @@ def join(
         instance=instance,
     )
     session.commit()
-    return JoinResult(peer, hub, tenant.overlay_prefix, material)
+    return JoinResult(peer, hub, tenant.overlay_prefix, material, node_token)
 
 
 def active_peer(session: Session, machine_id: str) -> WgPeer | None:
     return session.exec(select(WgPeer).where(WgPeer.machine_id == machine_id)).first()
 
 
-def _add_peer(session: Session, tenant: Tenant, machine_id: str, public_key: str) -> WgPeer:
+def _add_peer(
+    session: Session,
+    tenant: Tenant,
+    machine_id: str,
+    public_key: str,
+    token_hash: str | None = None,
+    registered_from: str | None = None,
+) -> WgPeer:
     assert tenant.overlay_prefix is not None
     for _ in range(8):
         held = session.exec(select(WgPeer.address).where(WgPeer.tenant_id == tenant.id)).all()
@@ -337,6 +360,8 @@ def _add_peer(session: Session, tenant: Tenant, machine_id: str, public_key: str
             machine_id=machine_id,
             public_key=public_key,
             address=ipam.allocate_address(tenant.overlay_prefix, held),
+            node_token_hash=token_hash,
+            registered_from=registered_from,
         )
         try:
             with session.begin_nested():  # a racing join took the address: pick the next one
@@ -355,14 +380,16 @@ def remove_peer(
     instance: str | None = None,
     reason: str = "released",
 ) -> WgPeer | None:
-    """On release (or a new boot metald serves): drop the machine's peer and revoke its unused
-    join tokens. Not committed; returns the removed peer so the caller can take it off the
-    running hub after commit."""
+    """On release (or a new boot metald serves): drop the machine's peer (its node token with
+    it), bump the tenant's mesh generation so every other node drops it too, and revoke its
+    unused join tokens. Not committed; returns the removed peer so the caller can take it off
+    the running hub after commit."""
     tokens.revoke_for_machine(session, machine_id)
     peer = session.exec(select(WgPeer).where(WgPeer.machine_id == machine_id)).first()
     if peer is None:
         return None
     session.delete(peer)
+    mesh.bump(session, peer.tenant_id)
     machines.add_event(
         session,
         "tenant.peer.removed",

@@ -57,3 +57,22 @@ def allocate_vlan(taken: Iterable[int | None], low: int, high: int) -> int:
         if vid not in used:
             return vid
     raise IpamExhausted(f"every VLAN id from {low} to {high} is taken")
+
+
+#: InfiniBand partition keys a tenant may get: 0x0000 is invalid and 0x7fff is the default
+#: partition; the top bit (full membership) is the subnet manager's to set.
+PKEY_RANGE = (0x0001, 0x7FFE)
+
+
+def allocate_pkey(
+    taken: Iterable[int | None], low: int = PKEY_RANGE[0], high: int = PKEY_RANGE[1]
+) -> int:
+    """The lowest partition key in [low, high] no tenant holds (the unique index on
+    ``tenants.pkey`` settles a race; a key is free again only once its tenant is gone)."""
+    if not PKEY_RANGE[0] <= low <= high <= PKEY_RANGE[1]:
+        raise ValueError("a tenant's PKey range lies within 0x0001-0x7ffe")
+    used = {p for p in taken if p is not None}
+    for pkey in range(low, high + 1):
+        if pkey not in used:
+            return pkey
+    raise IpamExhausted(f"every InfiniBand PKey from {low:#06x} to {high:#06x} is taken")

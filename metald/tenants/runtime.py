@@ -46,7 +46,7 @@ from metald.secrets import SecretBox
 from metald.service import cancel
 from metald.store import Store
 from metald.store.models import Machine, Tenant, WgHub, WgPeer, as_utc
-from metald.tenants import controlplane, service
+from metald.tenants import clusters, controlplane, mesh
 from metald.tenants.hubs import LocalHubs
 from netconfig import guard, netns
 from netconfig.uapi import PeerStatus
@@ -90,7 +90,7 @@ def load_specs(session: Session, box: SecretBox) -> list[HubSpec]:
         tenant = session.get(Tenant, hub.tenant_id)
         if tenant is None or tenant.overlay_prefix is None:
             continue
-        secrets = service.load_secrets(box, tenant)
+        secrets = clusters.load_secrets(box, tenant)
         out.append(
             HubSpec(
                 tenant_id=tenant.id,
@@ -101,14 +101,14 @@ def load_specs(session: Session, box: SecretBox) -> list[HubSpec]:
                 listen_port=hub.listen_port,
                 address=hub.address,
                 prefix=tenant.overlay_prefix,
-                private_key=service.hub_private_key(box, hub),
+                private_key=clusters.hub_private_key(box, hub),
                 munge_key=base64.b64decode(secrets["munge_key"])
                 if "munge_key" in secrets
                 else None,
                 peers=_peers(session, tenant.id),
                 endpoints={
                     p.public_key: p.last_endpoint
-                    for p in service.peers(session, tenant.id)
+                    for p in clusters.peers(session, tenant.id)
                     if p.last_endpoint
                 },
             )
@@ -157,10 +157,11 @@ def observe_tenant(
         if moved:
             peer.last_endpoint = st.endpoint  # committed by observe below
             session.add(peer)
+            mesh.bump(session, tenant_id)  # the other nodes dial it there from now on
         if not joining and not moved and (seen is None or seen == _aware(peer.last_handshake_at)):
             continue
         name = hostname(m.id, m.name)
-        got = service.observe(
+        got = clusters.observe(
             session,
             m.id,
             handshake_at=seen,
@@ -201,7 +202,8 @@ class RunningHub:
             )
             netns.address(self.ns, UNDERLAY_IF, f"{s.endpoint_host}/{plen}")
             guard.apply(self.ns, guard.render([UNDERLAY_IF], wireguard_port=s.listen_port))
-            # Node-to-node traffic inside the tenant (srun steps) goes through the hub.
+            # Nodes talk to each other directly (the mesh); the hub forwards only for nodes
+            # that have no mesh view yet (an image without the mesh agent).
             _in_ns(self.ns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
             self.hubs.start(
                 tenant_id=s.tenant_id,

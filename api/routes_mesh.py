@@ -1,0 +1,92 @@
+"""/api/v1/mesh: a tenant node's view of its tenant's mesh, with its own node token."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pydantic import BaseModel, Field
+
+from api.routing import ApiRequest, Router
+from api.schemas import In
+from metald.errors import Unauthorized
+from metald.tenants import mesh
+
+router = Router()
+
+
+class MeshSync(In):
+    #: The mesh generation the node has applied (0: none yet): its acknowledgement.
+    applied: int = Field(default=0, ge=0)
+    #: Seconds to wait for a generation newer than ``applied`` (0: answer at once).
+    wait_s: float = Field(default=0, ge=0, le=mesh.MAX_WAIT_S)
+
+
+class MeshHub(BaseModel):
+    public_key: str
+    endpoint: str
+    address: str
+    allowed_ips: list[str]
+
+
+class MeshPeer(BaseModel):
+    public_key: str
+    address: str
+    allowed_ips: list[str]
+    endpoint: str | None
+
+
+class MeshGuard(BaseModel):
+    wireguard_port: int
+    #: Underlay addresses the node's guard admits WireGuard from (its peers' and the hub's).
+    sources: list[str]
+
+
+class MeshOut(BaseModel):
+    generation: int
+    address: str
+    listen_port: int
+    hub: MeshHub
+    peers: list[MeshPeer]
+    guard: MeshGuard
+
+
+def _bearer(req: ApiRequest) -> str:
+    auth = req.raw.headers.get("Authorization", "")
+    scheme, _, secret = auth.partition(" ")
+    if scheme.lower() != "bearer" or not secret.strip():
+        raise Unauthorized("send this node's mesh token as 'Authorization: Bearer mnt_...'")
+    return secret.strip()
+
+
+@router.route(
+    "POST",
+    "/api/v1/mesh",
+    summary="Fetch a node's mesh peers",
+    roles=None,
+    body=MeshSync,
+    response=MeshOut,
+    tag="tenants",
+    errors=(401, 422),
+)
+async def mesh_sync(req: ApiRequest) -> MeshOut:
+    """Called by a node with its node token (``Authorization: Bearer mnt_...``, from its join
+    answer; no other token works here and this token works nowhere else). ``applied`` is the
+    mesh generation it has applied, recorded as its acknowledgement (a release waits for it).
+    Answers with its tenant's other nodes (public key, /32, endpoint), the hub, and the
+    addresses its underlay guard admits WireGuard from, once the tenant's generation is newer
+    than ``applied`` or after ``wait_s`` seconds. Never a peer of another tenant."""
+    b: MeshSync = req.body
+    secret = _bearer(req)
+    watch = mesh.watch_of(req.ctx.services)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + b.wait_s
+    v, moved = await req.ctx.store.run(mesh.sync, secret, b.applied)  # the ack comes first
+    if moved:
+        watch.acked(v.tenant_id)
+    gen = v.generation
+    while gen <= b.applied and (left := deadline - loop.time()) > 0:
+        await watch.wait_changed(v.tenant_id, min(left, mesh.STORE_POLL_S))
+        gen = await watch.generation(req.ctx.store, v.tenant_id)
+    if gen != v.generation:  # authenticated again: a released node's poll ends in a 401
+        v = await req.ctx.store.run(mesh.view_for_token, secret)
+    return MeshOut.model_validate(v.response())
