@@ -197,10 +197,21 @@ class WatchingBmc(FakeBmc):
         self.applied = applied
         self.seen_at_call: list[tuple[str, dict[str, set[str]]]] = []
 
-    async def set_boot_device(self, machine_id: str, device: str, **kw: Any) -> dict[str, Any]:
+    def _snapshot(self, machine_id: str) -> None:
         snapshot = {n: {p["address"] for p in v["peers"]} for n, v in self.applied.items()}
         self.seen_at_call.append((machine_id, snapshot))
-        return await super().set_boot_device(machine_id, device, **kw)
+
+    async def set_boot_device(self, machine_id: str, *args: Any, **kw: Any) -> None:
+        self._snapshot(machine_id)
+        await super().set_boot_device(machine_id, *args, **kw)
+
+    async def power(self, machine_id: str, *args: Any, **kw: Any) -> Any:
+        self._snapshot(machine_id)
+        return await super().power(machine_id, *args, **kw)
+
+    async def read_power(self, machine_id: str, *args: Any, **kw: Any) -> Any:
+        self._snapshot(machine_id)
+        return await super().read_power(machine_id, *args, **kw)
 
 
 async def _node_loop(client: Any, name: str, token: str, applied: dict[str, dict]) -> None:
@@ -243,7 +254,8 @@ async def test_release_waits_for_the_mesh_before_the_wipe(api, monkeypatch, acki
     r = await client.post(f"/api/v1/claims/{claim_id}/machines/{gone}/release", headers=orch)
     assert r.status == 200, await r.text()
     await driver.drain()
-    assert [c for c in bmc.calls if c[0] == gone][:1] == [(gone, "boot", "pxe")]
+    # The wipe's boot went through the BMC (power off confirmed, then one-time PXE).
+    assert (gone, "boot", "pxe") in bmc.calls
     with store.session() as s:
         ev = s.exec(
             select(Event).where(Event.kind == "tenant.mesh.released").order_by(col(Event.id))
