@@ -146,6 +146,7 @@ class Daemon:
 
     async def start(self) -> None:
         self._store_lock = hold_sqlite_lock(self.cfg.store_url)
+        self.fleet.sole_user = self._store_lock is not None
         await asyncio.get_running_loop().run_in_executor(None, self.store.migrate)
         if await self.store.run(verify_secrets_key, self.secrets, self.cfg.secrets_key_path):
             log.info("secrets key check value written: other instances must use the same key")

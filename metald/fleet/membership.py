@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import time
 import uuid
@@ -71,6 +72,9 @@ class Membership:
         self.dead_after_s = dead_after_s
         self.api_url = api_url
         self.serves = serves or {}
+        #: This process holds the store alone (SQLite's lock): a name still marked alive in it
+        #: belongs to a process that is gone.
+        self.sole_user = False
         self.incarnation = str(uuid.uuid4())
         self.members: list[Member] = []
         self._last_ok: float | None = None
@@ -104,6 +108,8 @@ class Membership:
             host=socket.gethostname(),
             serves=self.serves,
             dead_after_s=self.dead_after_s,
+            pid=os.getpid(),
+            sole_user=self.sole_user,
         )
         self._last_ok = started
         await self.refresh()

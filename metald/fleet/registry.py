@@ -7,6 +7,7 @@ clocks disagree still agree on who is alive. SQLite holds one instance only (see
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -55,16 +56,21 @@ def register(
     host: str | None,
     serves: dict[str, Any],
     dead_after_s: float,
+    pid: int | None = None,
+    sole_user: bool = False,
 ) -> None:
     """Record this process as instance ``name``. Refuses while another live process holds the
-    name (two processes under one name would both believe they own its share)."""
+    name (two processes under one name would both believe they own its share). A holder known
+    to be gone is taken over at once: ``sole_user`` (this process holds the store alone: SQLite's
+    lock) or the holder's process on this same host no longer runs (a crash, then a restart)."""
     now = db_now(s)
     row = s.execute(
         select(Instance).where(Instance.name == name).with_for_update()  # type: ignore[arg-type]
     ).scalar_one_or_none()
     if row is not None and row.incarnation != incarnation and row.stopped_at is None:
         age = (now - as_utc(row.heartbeat_at)).total_seconds()
-        if age < dead_after_s:
+        gone = sole_user or (row.host == host and row.pid is not None and not pid_alive(row.pid))
+        if age < dead_after_s and not gone:
             s.rollback()
             raise InstanceNameInUse(
                 f"instance name {name!r} is held by a live metald (host {row.host or '?'}, "
@@ -76,6 +82,7 @@ def register(
         version=version,
         api_url=api_url,
         host=host,
+        pid=pid,
         serves=serves,
         started_at=now,
         heartbeat_at=now,
@@ -94,6 +101,18 @@ def register(
             f"instance name {name!r} was registered by another process at the same time: "
             "give each instance its own `instance` name"
         ) from None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id runs on this host. A reused id counts as alive: the
+    name is then held until dead_after_s, the safe side."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def beat(s: Session, name: str, incarnation: str) -> bool:

@@ -352,6 +352,9 @@ class Instance(SQLModel, table=True):
     version: str
     api_url: str | None = None
     host: str | None = None
+    #: Process id on ``host``: a restart on the same host takes over a name whose process is
+    #: gone at once, instead of waiting out dead_after_s.
+    pid: int | None = None
     #: What this instance serves: provisioning networks, BMC networks (CIDRs), hubs.
     serves: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     started_at: datetime = _ts()

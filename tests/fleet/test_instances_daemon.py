@@ -56,6 +56,25 @@ def test_a_second_metald_on_one_sqlite_file_is_refused(tmp_path: Path) -> None:
         first.wait(timeout=15)
 
 
+def test_a_crashed_instance_starts_again_at_once(tmp_path: Path) -> None:
+    """kill -9, then the same instance again (systemd's Restart=): its own stale heartbeat
+    does not hold it out."""
+    port = free_port()
+    conf = _conf(tmp_path, "one", "state", port)
+    first = _start(conf)
+    try:
+        wait_http(port, first)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    again = _start(conf)
+    try:
+        wait_http(port, again)
+    finally:
+        again.terminate()
+        again.wait(timeout=15)
+
+
 @pytest.mark.postgres
 def test_an_instance_with_another_secrets_key_is_refused(tmp_path: Path, pg_server) -> None:  # type: ignore[no-untyped-def]
     url = pg_server.new_database()

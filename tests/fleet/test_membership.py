@@ -267,3 +267,43 @@ async def test_a_hung_store_call_still_fences_and_tells_listeners(store: Store) 
     finally:
         link.hung.clear()
         await a.stop()
+
+
+async def test_a_restart_on_the_same_host_takes_over_a_crashed_name_at_once(
+    store: Store,
+) -> None:
+    import socket
+    import subprocess
+
+    from metald.fleet.registry import register
+
+    def stale(pid: int):  # type: ignore[no-untyped-def]
+        # A heartbeat a moment ago, from a process of this host: what a crash leaves behind.
+        return lambda s: register(
+            s,
+            name="rack1",
+            incarnation=f"old-{pid}",
+            version="0",
+            api_url=None,
+            host=socket.gethostname(),
+            serves={},
+            dead_after_s=600,
+            pid=pid,
+        )
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    await store.run(stale(gone.pid))
+    new = Membership(store, "rack1", heartbeat_s=1, dead_after_s=600)
+    await new.start()  # not refused, although the old heartbeat is 600 s from dead
+    await new.stop()
+
+    # The same, but the old process still runs: refused.
+    alive = subprocess.Popen(["sleep", "60"])
+    try:
+        await store.run(stale(alive.pid))
+        with pytest.raises(InstanceNameInUse):
+            await Membership(store, "rack1", heartbeat_s=1, dead_after_s=600).start()
+    finally:
+        alive.kill()
+        alive.wait()

@@ -22,6 +22,7 @@ def upgrade() -> None:
         sa.Column("version", sqlmodel.sql.sqltypes.AutoString(), nullable=False),
         sa.Column("api_url", sqlmodel.sql.sqltypes.AutoString(), nullable=True),
         sa.Column("host", sqlmodel.sql.sqltypes.AutoString(), nullable=True),
+        sa.Column("pid", sa.Integer(), nullable=True),
         sa.Column("serves", sa.JSON(), nullable=False),
         sa.Column("started_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("heartbeat_at", sa.DateTime(timezone=True), nullable=False),
