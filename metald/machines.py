@@ -17,10 +17,11 @@ from sqlalchemy.orm import defer
 from sqlalchemy.orm.attributes import set_committed_value
 from sqlmodel import Session, select
 
+from metald import metrics
 from metald.auth import revoke_machine_tokens
 from metald.errors import Conflict, NotFound, Unprocessable
 from metald.lifecycle import State, Trigger, boot_on_entry, check_guards, next_state, phase_of
-from metald.store.models import Event, Machine, Nic, new_id, utcnow
+from metald.store.models import Event, Machine, Nic, as_utc, new_id, utcnow
 
 _MAC_RE = re.compile(r"^[0-9a-f]{2}([:-]?[0-9a-f]{2}){5}$")
 
@@ -244,6 +245,7 @@ def transition(
         src, trigger, tenant_attached=m.tenant_id is not None, wipe_owed=bool(m.wipe_required)
     )
     now = utcnow()
+    entered = m.state_changed_at
     values: dict[str, Any] = {
         "state": dst.value,
         "version": version + 1,
@@ -277,6 +279,7 @@ def transition(
     if commit:
         session.commit()
     _set_committed(m, values)
+    metrics.observe_phase(src.value, dst.value, (now - as_utc(entered)).total_seconds())
     return m
 
 
