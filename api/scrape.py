@@ -14,9 +14,14 @@ from sqlalchemy import func
 from sqlmodel import Session, select
 
 from metald import metrics
+from metald.boot import metrics as boot_metrics
 from metald.config import DhcpNetwork
 from metald.lifecycle import State
 from metald.store.models import Bmc, Claim, Event, Instance, Lease, Machine, Tenant, WgPeer, as_utc
+
+#: /metrics shows the boot plane's counters (at zero) even where no boot server runs in this
+#: process: dashboards and rules then read a series that exists, never a missing one.
+BOOT_COUNTERS = boot_metrics.dhcp_packets
 
 
 @dataclass

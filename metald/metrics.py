@@ -122,6 +122,16 @@ scrape_errors = Counter(
     registry=REGISTRY,
 )
 
+
+def _initialise_transitions() -> None:
+    from metald.lifecycle import Trigger
+
+    for trigger in Trigger:
+        transitions.labels(trigger.value)
+
+
+_initialise_transitions()
+
 CLAIM_STATES = ("pending", "allocated", "released", "failed")
 BMC_HEALTH = ("ok", "auth-failed", "unreachable", "error", "unknown")
 
