@@ -358,7 +358,9 @@ def make_handler(
             resp = problem(e.status, e.title, e.detail, instance=request.path, **e.extra)
         status = resp.status
         metrics.api_requests.labels(spec.method, spec.openapi_path, str(status)).inc()
-        metrics.api_latency.labels(spec.method, spec.openapi_path).observe(time.perf_counter() - started)
+        metrics.api_latency.labels(spec.method, spec.openapi_path).observe(
+            time.perf_counter() - started
+        )
         return resp
 
     return handle
