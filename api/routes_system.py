@@ -6,10 +6,10 @@ from aiohttp import web
 from sqlalchemy import text
 from sqlmodel import Session
 
+from api import scrape
 from api.routing import ApiRequest, Router
 from api.schemas import Health
 from metald import __version__, metrics
-from metald.machines import count_by_state
 
 router = Router()
 
@@ -49,9 +49,5 @@ async def healthz(req: ApiRequest) -> web.StreamResponse:
 )
 async def prometheus(req: ApiRequest) -> web.Response:
     """Prometheus text format: API, lifecycle, DHCP/TFTP and BMC counters."""
-    counts = await req.ctx.store.run(count_by_state)
-    from metald.lifecycle import State
-
-    for st in State:
-        metrics.machines_by_state.labels(st.value).set(counts.get(st.value, 0))
+    await scrape.refresh(req.ctx.store, req.ctx.cfg.boot.networks)
     return web.Response(body=metrics.render(), content_type="text/plain", charset="utf-8")

@@ -320,8 +320,6 @@ def _utc(value: Any) -> Any:
 def make_handler(
     spec: RouteSpec, ctx: AppContext
 ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-    route_label = f"{spec.method} {spec.openapi_path}"
-
     async def handle(request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
         status = 500
@@ -360,7 +358,9 @@ def make_handler(
             resp = problem(e.status, e.title, e.detail, instance=request.path, **e.extra)
         status = resp.status
         metrics.api_requests.labels(spec.method, spec.openapi_path, str(status)).inc()
-        metrics.api_latency.labels(route_label).observe(time.perf_counter() - started)
+        metrics.api_latency.labels(spec.method, spec.openapi_path).observe(
+            time.perf_counter() - started
+        )
         return resp
 
     return handle

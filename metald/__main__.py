@@ -24,9 +24,23 @@ def main(argv: list[str] | None = None) -> int:
         "--role", required=True, choices=["admin", "technician", "orchestrator", "agent"]
     )
     p_tok.add_argument("--scope", action="append", default=[])
+    sub.add_parser(
+        "config-schema", help="print the config file's JSON Schema (for editors) and exit"
+    )
     for p in (p_serve, p_check, p_mig, p_tok):
         p.add_argument("--config", "-c", help="TOML config file (env METALD_* overrides apply)")
     args = ap.parse_args(argv)
+
+    if args.cmd == "config-schema":
+        import json
+
+        from metald.config import Config
+
+        schema = Config.model_json_schema()
+        schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+        schema["title"] = "metald configuration (metald.toml)"
+        print(json.dumps(schema, indent=2, sort_keys=True))
+        return 0
 
     try:
         cfg = load_config(args.config)

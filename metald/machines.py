@@ -16,11 +16,12 @@ from sqlalchemy.orm import defer
 from sqlalchemy.orm.attributes import set_committed_value
 from sqlmodel import Session, select
 
+from metald import metrics
 from metald.auth import revoke_machine_tokens
 from metald.errors import Conflict, NotFound, Unprocessable
 from metald.lifecycle import State, Trigger, boot_on_entry, check_guards, next_state, phase_of
 from metald.macaddr import normalize_mac
-from metald.store.models import Event, Machine, Nic, new_id, utcnow
+from metald.store.models import Event, Machine, Nic, as_utc, new_id, utcnow
 
 
 class ConcurrentUpdate(Conflict):
@@ -233,6 +234,7 @@ def transition(
         src, trigger, tenant_attached=m.tenant_id is not None, wipe_owed=bool(m.wipe_required)
     )
     now = utcnow()
+    entered = m.state_changed_at
     values: dict[str, Any] = {
         "state": dst.value,
         "version": version + 1,
@@ -266,6 +268,7 @@ def transition(
     if commit:
         session.commit()
     _set_committed(m, values)
+    metrics.observe_phase(src.value, dst.value, (now - as_utc(entered)).total_seconds())
     return m
 
 

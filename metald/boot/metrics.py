@@ -54,3 +54,33 @@ def inc(counter: Counter, label: str) -> None:
     if child is None:
         child = _children[(id(counter), label)] = counter.labels(label)
     child.inc()  # type: ignore[attr-defined]
+
+
+def _initialise() -> None:
+    """Create the children whose label values are known in advance, at zero: a counter that
+    has never moved is then a series (rate() is 0, not absent), which is what dashboards and
+    alert rules expect, and a typo in a query shows up as a missing series."""
+    from metald.boot.hooks import BootAction
+
+    # RFC 2132 message types, lower-cased as the DHCP server labels them (that module imports
+    # this one, so the names are spelled here).
+    for name in ("discover", "offer", "request", "decline", "ack", "nak", "release", "inform"):
+        dhcp_packets.labels(name)
+        dhcp_replies.labels(name)
+    for action in BootAction:
+        http_boot.labels(action.value)
+    http_boot.labels("refused")
+    for result in ("ok", "timeout"):
+        tftp_transfers.labels(result)
+    # The reasons a storm shows first (metald.boot.dhcp.server): none of them means a bug.
+    for reason in ("not-a-request", "no-network", "send-queue-full"):
+        dhcp_dropped.labels(reason)
+    for reason in ("hook-backlog", "lease-conflict"):
+        dhcp_ignored.labels(reason)
+    for reason in ("unknown-tid", "repeated-request"):
+        tftp_dropped.labels(reason)
+    for trigger in ("periodic", "solicited"):
+        ra_sent.labels(trigger)
+
+
+_initialise()

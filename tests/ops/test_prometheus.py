@@ -1,0 +1,247 @@
+"""The alerting rules pass their promtool unit tests, and a real Prometheus (Debian's) scraping a
+running metald finds every series the rules and the Grafana dashboard read."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.ops.fleet_data import NETWORK, populate
+from tests.ops.promql import metric_names
+
+ROOT = Path(__file__).resolve().parents[2]
+RULES = ROOT / "deploy" / "prometheus" / "alerts.yml"
+DASHBOARD = ROOT / "deploy" / "grafana" / "metald.json"
+PROMTOOL, PROMETHEUS = shutil.which("promtool"), shutil.which("prometheus")
+needs_prometheus = pytest.mark.skipif(
+    PROMTOOL is None or PROMETHEUS is None,
+    reason="Debian's prometheus package (promtool, prometheus) is missing: run scripts/bootstrap",
+)
+
+
+def rule_exprs() -> dict[str, str]:
+    doc = yaml.safe_load(RULES.read_text())
+    return {r["alert"]: r["expr"] for g in doc["groups"] for r in g["rules"]}
+
+
+def dashboard_exprs() -> dict[str, str]:
+    if not DASHBOARD.exists():
+        return {}
+    doc = json.loads(DASHBOARD.read_text())
+    out = {}
+    for panel in doc["panels"]:
+        for i, target in enumerate(panel.get("targets", [])):
+            out[f"{panel['title']}#{i}"] = target["expr"]
+    return out
+
+
+def test_metric_names_of_an_expression() -> None:
+    expr = (
+        'sum by (instance) (rate(metald_api_requests_total{status=~"5.."}[5m])) '
+        '/ on (instance) group_left max(up{job="metald"}) > bool 0.05 '
+        "and histogram_quantile(0.9, sum by (le) (rate(metald_x_bucket[$__rate_interval])))"
+    )
+    assert metric_names(expr) == {"metald_api_requests_total", "up", "metald_x_bucket"}
+
+
+@needs_prometheus
+def test_rules_pass_their_unit_tests() -> None:
+    r = subprocess.run(
+        [PROMTOOL, "test", "rules", "alerts_test.yml"],
+        cwd=RULES.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "SUCCESS" in r.stdout
+
+
+class MetaldOnLoopback:
+    """metald's API app (the /metrics it serves in production) on 127.0.0.1, from a thread."""
+
+    def __init__(self, url: str, tmp_path: Path) -> None:
+        self.url, self.tmp_path = url, tmp_path
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self.port = 0
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._start())
+        except BaseException as e:  # noqa: BLE001 - reported to the test thread
+            self.error = e
+            self.ready.set()
+            return
+        self.ready.set()
+        self.loop.run_forever()
+        self.loop.run_until_complete(self.runner.cleanup())
+        self.store.close()
+
+    async def _start(self) -> None:
+        from aiohttp import web
+
+        from api.app import create_app, server_settings
+        from api.context import AppContext
+        from metald.config import load_config
+        from metald.events import EventBus
+        from metald.secrets import SecretBox
+        from metald.store import Store
+        from tests.conftest import seed
+
+        cfg = load_config(
+            None,
+            environ={
+                "METALD_STATE_DIR": str(self.tmp_path / "state"),
+                "METALD_STORE__URL": self.url,
+            },
+        )
+        cfg.boot.networks = [NETWORK]
+        self.store = Store(self.url)
+        self.store.migrate()
+        populate(self.store, seed(self.store))
+        ctx = AppContext(
+            cfg=cfg,
+            store=self.store,
+            secrets=SecretBox.from_file(cfg.secrets_key_path),
+            bus=EventBus(),
+        )
+        self.runner = web.AppRunner(create_app(ctx), access_log=None, **server_settings())
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        self.port = self.runner.addresses[0][1]
+
+    def __enter__(self) -> MetaldOnLoopback:
+        threading.Thread(target=self._serve, daemon=True).start()
+        self.ready.wait(60)
+        if self.error is not None:
+            raise self.error
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=5) as r:  # noqa: S310 - loopback only
+        return json.load(r)
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path) -> Iterator[tuple[str, MetaldOnLoopback]]:
+    url = f"sqlite:///{tmp_path / 'metald.db'}"
+    with MetaldOnLoopback(url, tmp_path) as metald:
+        # Scraped and evaluated once a second so the test waits seconds, not minutes.
+        cfg = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(RULES)],
+            "scrape_configs": [
+                {
+                    "job_name": "metald",
+                    "static_configs": [{"targets": [f"127.0.0.1:{metald.port}"]}],
+                }
+            ],
+        }
+        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+        port = _free_port()
+        log = (tmp_path / "prometheus.log").open("w")
+        proc = subprocess.Popen(
+            [
+                PROMETHEUS,
+                f"--config.file={tmp_path / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--web.console.templates=/nonexistent",
+                "--web.console.libraries=/nonexistent",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            yield f"http://127.0.0.1:{port}", metald
+        finally:
+            proc.terminate()
+            proc.wait(30)
+            log.close()
+
+
+def _wait(cond, what: str, proc_log: Path, timeout: float = 60.0):  # type: ignore[no-untyped-def]
+    """Poll until ``cond()`` returns a truthy value (the timeout only bounds a failing test)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            value = cond()
+        except OSError:
+            value = None
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"timed out waiting for {what}; prometheus log:\n{proc_log.read_text()[-3000:]}"
+            )
+        time.sleep(0.2)
+
+
+@needs_prometheus
+def test_prometheus_scrapes_every_series_the_rules_and_dashboard_read(
+    prometheus: tuple[str, MetaldOnLoopback], tmp_path: Path
+) -> None:
+    base, _metald = prometheus
+    log = tmp_path / "prometheus.log"
+    wanted: dict[str, set[str]] = {}
+    for where, expr in {**rule_exprs(), **dashboard_exprs()}.items():
+        for name in metric_names(expr):
+            wanted.setdefault(name, set()).add(where)
+    assert "metald_instance_heartbeat_age_seconds" in wanted
+
+    def names() -> set[str] | None:
+        have = set(_get(f"{base}/api/v1/label/__name__/values")["data"])
+        return have if wanted.keys() <= have else None
+
+    try:
+        have = _wait(names, "every series the rules and dashboard read", log)
+    except AssertionError:
+        have = set(_get(f"{base}/api/v1/label/__name__/values")["data"])
+        missing = {n: sorted(w) for n, w in wanted.items() if n not in have}
+        raise AssertionError(f"never scraped: {missing}") from None
+    assert "metald_build_info" in have and "process_cpu_seconds_total" in have
+
+    # Each series has data now (not only a name from an earlier scrape).
+    for name in sorted(wanted):
+        q = urllib.parse.quote(f"count({name})")
+        got = _get(f"{base}/api/v1/query?query={q}")["data"]["result"]
+        assert got, f"{name} has no current sample"
+
+    # Prometheus loaded the rules and evaluates them without error; the unreachable BMC in the
+    # data makes its alert pending (it has a 10 minute "for") once an evaluation saw a scrape.
+    def rules() -> dict[str, Any] | None:
+        groups = _get(f"{base}/api/v1/rules")["data"]["groups"]
+        by_name = {r["name"]: r for g in groups for r in g["rules"]}
+        bmc = by_name.get("MetaldBmcsUnreachable", {})
+        return by_name if bmc.get("state") in {"pending", "firing"} else None
+
+    loaded = _wait(rules, "MetaldBmcsUnreachable to be pending", log)
+    assert set(loaded) == set(rule_exprs())
+    assert all(r["health"] == "ok" for r in loaded.values()), loaded
+    assert loaded["MetaldDhcpPoolNearlyFull"]["state"] == "inactive"  # 3 of 10 addresses
