@@ -136,10 +136,22 @@ def test_kill_9_the_bmc_owner_mid_claim_the_claim_completes_no_command_twice(
                 },
             )
             bmc_ids.append(b["id"])
-        owners = {
-            b["id"]: b["owner_instance"]
-            for b in _http(ports["rack1"], "GET", "/api/v1/bmcs", admin)["items"]
-        }
+        # Every instance must see the same fleet before the owners mean anything (under load
+        # an instance may not have read a peer's first heartbeat yet).
+        deadline = time.monotonic() + 30
+        while True:
+            views = [
+                {
+                    b["id"]: b["owner_instance"]
+                    for b in _http(ports[n], "GET", "/api/v1/bmcs", admin)["items"]
+                }
+                for n in names
+            ]
+            if all(v == views[0] for v in views) and None not in views[0].values():
+                break
+            assert time.monotonic() < deadline, views
+            time.sleep(0.1)
+        owners = views[0]
         assert set(owners.values()) <= set(names) and None not in owners.values()
         victim = Counter(owners.values()).most_common(1)[0][0]
         survivor = next(n for n in names if n != victim)
