@@ -91,15 +91,20 @@ async def until(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> N
         await asyncio.sleep(0.005)
 
 
+#: Adjusts the config and fills the store before the app starts (after the seed).
+Prepare = Callable[[Any, Store, Tokens], None]
+
+
 class LoopbackApi:
     """The metald app served on 127.0.0.1 from a thread with its own event loop."""
 
-    def __init__(self, url: str, tmp_path: Path) -> None:
-        self.url, self.tmp_path = url, tmp_path
+    def __init__(self, url: str, tmp_path: Path, prepare: Prepare | None = None) -> None:
+        self.url, self.tmp_path, self.prepare = url, tmp_path, prepare
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.base = ""
+        self.port = 0
         self.tokens: Tokens | None = None
         self.error: BaseException | None = None
 
@@ -136,6 +141,8 @@ class LoopbackApi:
         self.store = Store(self.url)
         self.store.migrate()
         self.tokens = seed(self.store)
+        if self.prepare is not None:
+            self.prepare(cfg, self.store, self.tokens)
         ctx = AppContext(
             cfg=cfg,
             store=self.store,
@@ -146,7 +153,8 @@ class LoopbackApi:
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
-        self.base = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        self.port = self.runner.addresses[0][1]
+        self.base = f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> LoopbackApi:
         self.thread.start()

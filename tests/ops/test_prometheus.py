@@ -3,12 +3,9 @@ running metald finds every series the rules and the Grafana dashboard read."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
-import socket
 import subprocess
-import threading
 import time
 import urllib.parse
 import urllib.request
@@ -19,8 +16,10 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.api_helpers import LoopbackApi
 from tests.ops.fleet_data import NETWORK, populate
 from tests.ops.promql import metric_names
+from vmlab.labnet import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy" / "prometheus" / "alerts.yml"
@@ -70,77 +69,9 @@ def test_rules_pass_their_unit_tests() -> None:
     assert "SUCCESS" in r.stdout
 
 
-class MetaldOnLoopback:
-    """metald's API app (the /metrics it serves in production) on 127.0.0.1, from a thread."""
-
-    def __init__(self, url: str, tmp_path: Path) -> None:
-        self.url, self.tmp_path = url, tmp_path
-        self.loop = asyncio.new_event_loop()
-        self.ready = threading.Event()
-        self.error: BaseException | None = None
-        self.port = 0
-
-    def _serve(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_until_complete(self._start())
-        except BaseException as e:  # noqa: BLE001 - reported to the test thread
-            self.error = e
-            self.ready.set()
-            return
-        self.ready.set()
-        self.loop.run_forever()
-        self.loop.run_until_complete(self.runner.cleanup())
-        self.store.close()
-
-    async def _start(self) -> None:
-        from aiohttp import web
-
-        from api.app import create_app, server_settings
-        from api.context import AppContext
-        from metald.config import load_config
-        from metald.events import EventBus
-        from metald.secrets import SecretBox
-        from metald.store import Store
-        from tests.conftest import seed
-
-        cfg = load_config(
-            None,
-            environ={
-                "METALD_STATE_DIR": str(self.tmp_path / "state"),
-                "METALD_STORE__URL": self.url,
-            },
-        )
-        cfg.boot.networks = [NETWORK]
-        self.store = Store(self.url)
-        self.store.migrate()
-        populate(self.store, seed(self.store))
-        ctx = AppContext(
-            cfg=cfg,
-            store=self.store,
-            secrets=SecretBox.from_file(cfg.secrets_key_path),
-            bus=EventBus(),
-        )
-        self.runner = web.AppRunner(create_app(ctx), access_log=None, **server_settings())
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-        self.port = self.runner.addresses[0][1]
-
-    def __enter__(self) -> MetaldOnLoopback:
-        threading.Thread(target=self._serve, daemon=True).start()
-        self.ready.wait(60)
-        if self.error is not None:
-            raise self.error
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _fleet(cfg: Any, store: Any, tokens: Any) -> None:
+    cfg.boot.networks = [NETWORK]
+    populate(store, tokens)
 
 
 def _get(url: str) -> Any:
@@ -149,9 +80,9 @@ def _get(url: str) -> Any:
 
 
 @pytest.fixture
-def prometheus(tmp_path: Path) -> Iterator[tuple[str, MetaldOnLoopback]]:
+def prometheus(tmp_path: Path) -> Iterator[tuple[str, LoopbackApi]]:
     url = f"sqlite:///{tmp_path / 'metald.db'}"
-    with MetaldOnLoopback(url, tmp_path) as metald:
+    with LoopbackApi(url, tmp_path, _fleet) as metald:
         # Scraped and evaluated once a second so the test waits seconds, not minutes.
         cfg = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
@@ -164,7 +95,7 @@ def prometheus(tmp_path: Path) -> Iterator[tuple[str, MetaldOnLoopback]]:
             ],
         }
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg))
-        port = _free_port()
+        port = free_port()
         log = (tmp_path / "prometheus.log").open("w")
         proc = subprocess.Popen(
             [
@@ -205,7 +136,7 @@ def _wait(cond, what: str, proc_log: Path, timeout: float = 60.0):  # type: igno
 
 @needs_prometheus
 def test_prometheus_scrapes_every_series_the_rules_and_dashboard_read(
-    prometheus: tuple[str, MetaldOnLoopback], tmp_path: Path
+    prometheus: tuple[str, LoopbackApi], tmp_path: Path
 ) -> None:
     base, _metald = prometheus
     log = tmp_path / "prometheus.log"
