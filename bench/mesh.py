@@ -28,7 +28,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,7 @@ from metald.tenants import keys
 from netconfig import guard, netns
 from netconfig.uapi import PeerConfig, render_set
 from netconfig.wireguard import Hub, UserspaceDevice
+from vmlab.labnet import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 NODE_SCRIPT = ROOT / "bootassets/node/metald-node"
@@ -336,12 +336,6 @@ SERVER = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Fleet:
     """The store side of the simulated tenant: machines, a hub, join tokens, all direct."""
 
@@ -460,7 +454,7 @@ async def control_path(n: int, state: Path) -> list[object]:
 
     fleet = Fleet(state)
     tokens = [fleet.machine_with_token(i) for i in range(n + 1)]
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-c", SERVER, str(state), str(port)],
         cwd=ROOT,

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from metald.provision.metadata import nocloud
+from metald.tenants import keys
 from tests.bootassets.conftest import ROOT, boot_until, needs_qemu_root
 from tests.qemu_netns import bridge_netns, ip, metald_standin, start, stop, tap_nic
 
@@ -260,11 +261,9 @@ def hub_and_controller(ns: str, tmp_path: Path, rounds: int = 1) -> Iterator[tup
         max_nodes=8,
     )
     (ctl / "slurm.conf").write_text(render_slurm_conf(cp))
-    hub_key = subprocess.run(["wg", "genkey"], capture_output=True, text=True, check=True).stdout
-    (tmp_path / "hub.key").write_text(hub_key)
-    hub_pub = subprocess.run(
-        ["wg", "pubkey"], input=hub_key, capture_output=True, text=True, check=True
-    ).stdout.strip()
+    hub_key = keys.generate_private_key()
+    (tmp_path / "hub.key").write_text(hub_key + "\n")
+    hub_pub = keys.public_key(hub_key)
     hub = start(
         ns, ["env", "WG_PROCESS_FOREGROUND=1", "wireguard-go", hub_if], tmp_path / "hub.log"
     )
