@@ -75,8 +75,17 @@ def build_openapi(specs: list[RouteSpec]) -> dict[str, Any]:
                 "required": True,
                 "content": {"application/json": {"schema": refs[(s.body, "validation")]}},
             }
-        ok: dict[str, Any] = {"description": "Success"}
-        if s.response is not None:
+        ok: dict[str, Any] = {"description": "Success" if s.status != 201 else "Created"}
+        if s.location is not None:
+            ok["headers"] = {
+                "Location": {
+                    "description": "The path of the created resource",
+                    "schema": {"type": "string"},
+                }
+            }
+        if s.status == 204:
+            pass
+        elif s.response is not None:
             mode = "validation" if (s.response, "validation") in refs else "serialization"
             ok["content"] = {"application/json": {"schema": refs[(s.response, mode)]}}
         elif s.raw_response:

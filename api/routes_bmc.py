@@ -228,6 +228,7 @@ def _bmc(req: ApiRequest) -> Any:
     status=201,
     tag=TAG,
     errors=(404, 409, 422, 503),
+    location="/api/v1/bmcs/{id}",
 )
 async def register_bmc(req: ApiRequest) -> BmcOut:
     """Connects first (422 with the reason if refused or unreachable); links it to its machine."""
@@ -299,6 +300,7 @@ async def link_bmc(req: ApiRequest) -> BmcOut:
     "/api/v1/bmcs/{bmc_id}",
     summary="Remove a BMC",
     roles=STAFF,
+    status=204,
     tag=TAG,
     errors=(404, 503),
 )

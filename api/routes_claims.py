@@ -153,6 +153,7 @@ def load_claim(s: Session, p: Principal, claim_id: str) -> Claim:
     status=201,
     tag=TAG,
     errors=(404, 409, 422),
+    location="/api/v1/claims/{id}",
 )
 async def create_claim(req: ApiRequest) -> ClaimOut:
     """Allocate ``count`` machines matching the selector to the tenant, all or none, and start

@@ -85,6 +85,7 @@ def _image_visible(img: Image, p: Principal) -> bool:
     status=201,
     tag="images",
     errors=(409, 422),
+    location="/api/v1/images/{id}",
 )
 async def create_image(req: ApiRequest) -> ImageOut:
     """``stateless``: kernel plus initrd and/or rootfs (booted into RAM). ``disk``: url, sha256

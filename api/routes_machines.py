@@ -148,6 +148,7 @@ async def list_machines(req: ApiRequest) -> MachinePage:
     status=201,
     tag=TAG,
     errors=(409, 422),
+    location="/api/v1/machines/{id}",
 )
 async def create_machine(req: ApiRequest) -> MachineOut:
     """Pre-register a machine by its MACs (machines that PXE-boot are registered on their own)."""

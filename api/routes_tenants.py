@@ -80,6 +80,7 @@ def _tenant(s: Session, req: ApiRequest) -> Tenant:
     status=201,
     tag="tenants",
     errors=(409, 422),
+    location="/api/v1/tenants/{id}",
 )
 async def create_tenant(req: ApiRequest) -> TenantOut:
     """A tenant that orchestrator tokens can be scoped to."""
@@ -165,6 +166,7 @@ async def show_tenant(req: ApiRequest) -> TenantOut:
     status=201,
     tag="tenants",
     errors=(404, 409, 422),
+    location="/api/v1/tenants/{tenant_id}/hub",
 )
 async def create_hub(req: ApiRequest) -> HubOut:
     """Give the tenant its WireGuard hub (key pair, overlay prefix no other tenant overlaps,

@@ -45,6 +45,7 @@ def _check_scope(s: Session, role: Role, scope: list[str]) -> None:
     status=201,
     tag="tokens",
     errors=(422,),
+    location="/api/v1/tokens/{id}",
 )
 async def create_token(req: ApiRequest) -> TokenCreated:
     """Issue a token with a role and scope. The secret is in the response and nowhere else."""

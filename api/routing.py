@@ -55,6 +55,9 @@ class RouteSpec:
     raw_body: bool = False
     #: Body limit for this route when it differs from api.max_body_bytes.
     max_body: int | None = None
+    #: For a route that creates (201): the created resource's path, formatted with the
+    #: response's fields and the path parameters, sent as ``Location``.
+    location: str | None = None
 
     @property
     def path_params(self) -> list[str]:
@@ -114,6 +117,7 @@ class Router:
         errors: tuple[int, ...] = (),
         raw_body: bool = False,
         max_body: int | None = None,
+        location: str | None = None,
     ) -> Callable[[Handler], Handler]:
         def deco(fn: Handler) -> Handler:
             self.specs.append(
@@ -133,6 +137,7 @@ class Router:
                     errors=errors,
                     raw_body=raw_body,
                     max_body=max_body,
+                    location=location,
                 )
             )
             return fn
@@ -292,15 +297,28 @@ class _Problem(Exception):
         self.status, self.title, self.detail = status, title, detail
 
 
-def _serialize(spec: RouteSpec, result: Any) -> web.StreamResponse:
+def _serialize(spec: RouteSpec, result: Any, params: dict[str, str]) -> web.StreamResponse:
+    """The handler's result as the response its declaration documents: the declared status
+    (a route that answers nothing declares 204, so the document and the wire agree) and, for a
+    route that creates, the new resource's ``Location``."""
     if isinstance(result, web.StreamResponse):
         return result
     if result is None:
-        return web.Response(status=204 if spec.status == 200 else spec.status)
+        if spec.status != 204:
+            raise RuntimeError(
+                f"{spec.method} {spec.path} answered nothing but declares {spec.status}"
+            )
+        return web.Response(status=204)
+    if spec.status == 204:
+        raise RuntimeError(f"{spec.method} {spec.path} declares 204 but answered a body")
     payload = result.model_dump() if isinstance(result, BaseModel) else result
+    headers = {}
+    if spec.location is not None:
+        headers["Location"] = spec.location.format(**{**params, **payload})
     return web.json_response(
         to_jsonable_python(_utc(payload)),
         status=spec.status,
+        headers=headers,
         dumps=lambda o: json.dumps(o, default=str),
     )
 
@@ -351,7 +369,7 @@ def make_handler(
                 areq.body = await _read_body(
                     request, spec, spec.max_body or ctx.cfg.api.max_body_bytes
                 )
-            resp = _serialize(spec, await spec.handler(areq))
+            resp = _serialize(spec, await spec.handler(areq), areq.params)
         except _Problem as p:
             resp = problem(p.status, p.title, p.detail, instance=request.path)
         except ValidationError as e:
