@@ -7,6 +7,7 @@ The flows themselves are ``metald.claims.workflow``'s.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -23,6 +24,7 @@ from metald.claims.allocation import Selector
 from metald.claims.records import claim_machines, latest_progress
 from metald.claims.workflow import ClaimRequest
 from metald.errors import NotFound
+from metald.machines import ConcurrentUpdate
 from metald.store.models import Claim
 
 router = Router()
@@ -91,6 +93,7 @@ class ClaimOut(BaseModel):
     image_id: str | None
     ssh_authorized_keys: list[str] = []
     state: str
+    version: int = Field(description="Bumped by every change; the ETag, for If-Match.")
     idempotency_key: str | None
     created_by: str | None
     created_at: datetime
@@ -113,11 +116,31 @@ class ClaimQuery(PageQuery):
 # ---- helpers ----------------------------------------------------------------------------
 
 
+def _loader_if_match(req: ApiRequest) -> Callable[[Session, str], Claim]:
+    """How the release workflow reads the claim for this request: one its token may see, and,
+    when ``If-Match`` names a version, only at that version (checked in the release's own
+    transaction, so nothing is released on a stale read)."""
+    p = req.require_principal()
+    checked: list[bool] = []  # the workflow loads again to render its answer: check once
+
+    def load(s: Session, claim_id: str) -> Claim:
+        c = load_claim(s, p, claim_id)
+        if req.if_match is not None and not checked and c.version != req.if_match:
+            raise ConcurrentUpdate(
+                f"claim {c.id} is at version {c.version}, not {req.if_match}; "
+                "read it again and retry"
+            )
+        checked.append(True)
+        return c
+
+    return load
+
+
 def claim_out(s: Session, c: Claim, *, replayed: bool = False) -> ClaimOut:
     ms = claim_machines(s, c.id)
     progress = latest_progress(s, ms)
     return ClaimOut(
-        **c.model_dump(exclude={"image", "version", "ssh_authorized_keys"}),
+        **c.model_dump(exclude={"image", "ssh_authorized_keys"}),
         image_id=c.image,
         ssh_authorized_keys=list(c.ssh_authorized_keys or []),
         replayed=replayed,
@@ -238,6 +261,7 @@ async def show_claim(req: ApiRequest) -> ClaimOut:
     response=ClaimOut,
     tag=TAG,
     errors=(404, 409),
+    versioned=True,
 )
 async def release_claim(req: ApiRequest) -> ClaimOut:
     """End the claim: each machine leaves the tenant (tokens revoked, off the hub, detached),
@@ -246,11 +270,10 @@ async def release_claim(req: ApiRequest) -> ClaimOut:
     wipe-failed; a machine without a BMC waits for a technician's confirm-wipe). A machine
     marked broken during the claim is detached and owes a wipe. Releasing a released claim
     changes nothing."""
-    p = req.require_principal()
     return await claim_workflow(req.ctx).release(
         req.params["id"],
         actor=req.actor,
-        load=lambda s, claim_id: load_claim(s, p, claim_id),
+        load=_loader_if_match(req),
         render=claim_out,
     )
 
@@ -263,15 +286,15 @@ async def release_claim(req: ApiRequest) -> ClaimOut:
     response=ClaimOut,
     tag=TAG,
     errors=(404, 409),
+    versioned=True,
 )
 async def release_claim_machine(req: ApiRequest) -> ClaimOut:
     """Scale a claim down by one machine: it leaves the tenant (tokens revoked, off the hub and
     out of the cluster) and is wiped back to ready. The claim ends with its last machine."""
-    p = req.require_principal()
     return await claim_workflow(req.ctx).release(
         req.params["id"],
         actor=req.actor,
-        load=lambda s, claim_id: load_claim(s, p, claim_id),
+        load=_loader_if_match(req),
         render=claim_out,
         machine_id=req.params["machine_id"],
     )

@@ -198,6 +198,7 @@ async def show_machine(req: ApiRequest) -> MachineOut:
     response=MachineOut,
     tag=TAG,
     errors=(404, 409, 422),
+    versioned=True,
 )
 async def patch_labels(req: ApiRequest) -> MachineOut:
     """Merge-patch labels: a string value sets the label, null removes it."""
@@ -220,7 +221,7 @@ async def patch_labels(req: ApiRequest) -> MachineOut:
             actor=req.actor,
             kind="machine.labels",
             values={"labels": labels},
-            expected_version=b.version,
+            expected_version=req.expected_version(b.version),
             data={"patch": b.labels},
             instance=req.ctx.instance,
         )
@@ -238,6 +239,7 @@ async def patch_labels(req: ApiRequest) -> MachineOut:
     response=MachineOut,
     tag=TAG,
     errors=(404, 409, 422),
+    versioned=True,
 )
 async def machine_action(req: ApiRequest) -> MachineOut:
     """inspect, maintenance-on/off, mark-broken, repair, retire. Illegal in the current state: 409."""
@@ -265,7 +267,7 @@ async def machine_action(req: ApiRequest) -> MachineOut:
             trigger,
             actor=req.actor,
             reason=b.reason,
-            expected_version=b.version,
+            expected_version=req.expected_version(b.version),
             updates=updates,
             instance=req.ctx.instance,
         )
@@ -316,6 +318,7 @@ def _machine_view(s: Session, m: Machine) -> MachineOut:
     response=MachineOut,
     tag="machines",
     errors=(404, 409),
+    versioned=True,
 )
 async def retry_machine(req: ApiRequest) -> MachineOut:
     """Start a failed operation again: provision-failed -> provisioning, wipe-failed -> wiping,
@@ -323,7 +326,10 @@ async def retry_machine(req: ApiRequest) -> MachineOut:
     into PXE through their BMC. Any other state: 409."""
     b: RetryIn = req.body
     return await claim_workflow(req.ctx).retry(
-        req.params["id"], reason=b.reason, version=b.version, **_as_caller(req)
+        req.params["id"],
+        reason=b.reason,
+        version=req.expected_version(b.version),
+        **_as_caller(req),
     )
 
 
@@ -336,6 +342,7 @@ async def retry_machine(req: ApiRequest) -> MachineOut:
     response=MachineOut,
     tag="machines",
     errors=(404, 409),
+    versioned=True,
 )
 async def wipe_machine(req: ApiRequest) -> MachineOut:
     """Start a wipe of a machine in maintenance or wipe-failed (e.g. one marked broken during
@@ -343,7 +350,10 @@ async def wipe_machine(req: ApiRequest) -> MachineOut:
     then ready once the agent's evidence fits its recorded disks. Any other state: 409."""
     b: RetryIn = req.body
     return await claim_workflow(req.ctx).wipe(
-        req.params["id"], reason=b.reason, version=b.version, **_as_caller(req)
+        req.params["id"],
+        reason=b.reason,
+        version=req.expected_version(b.version),
+        **_as_caller(req),
     )
 
 
@@ -356,6 +366,7 @@ async def wipe_machine(req: ApiRequest) -> MachineOut:
     response=MachineOut,
     tag="machines",
     errors=(404, 409, 422),
+    versioned=True,
 )
 async def confirm_wipe(req: ApiRequest) -> MachineOut:
     """A technician vouches that the machine's disks were erased (by hand, or it has no BMC
@@ -365,7 +376,10 @@ async def confirm_wipe(req: ApiRequest) -> MachineOut:
     event)."""
     b: TechnicianNote = req.body
     return await claim_workflow(req.ctx).confirm_wipe(
-        req.params["id"], reason=b.reason, version=b.version, **_as_caller(req)
+        req.params["id"],
+        reason=b.reason,
+        version=req.expected_version(b.version),
+        **_as_caller(req),
     )
 
 
