@@ -21,7 +21,7 @@ from metald.errors import MetaldError, Unprocessable
 from metald.store.models import Bmc, utcnow
 
 router = Router()
-TAG = "bmc"
+TAG = "bmcs"
 
 
 class ServiceUnavailable(MetaldError):
@@ -265,7 +265,7 @@ async def list_bmcs(req: ApiRequest) -> BmcList:
 
 @router.route(
     "GET",
-    "/api/v1/bmcs/{bmc_id}",
+    "/api/v1/bmcs/{id}",
     summary="Show a BMC",
     roles=STAFF,
     response=BmcOut,
@@ -274,12 +274,12 @@ async def list_bmcs(req: ApiRequest) -> BmcList:
 )
 async def show_bmc(req: ApiRequest) -> BmcOut:
     """One BMC; health_detail says why it is not ok."""
-    return BmcOut.model_validate(await _bmc(req).get(req.params["bmc_id"]))
+    return BmcOut.model_validate(await _bmc(req).get(req.params["id"]))
 
 
 @router.route(
     "PUT",
-    "/api/v1/bmcs/{bmc_id}/machine",
+    "/api/v1/bmcs/{id}/machine",
     summary="Link a BMC to a machine",
     roles=STAFF,
     body=BmcLink,
@@ -290,14 +290,14 @@ async def show_bmc(req: ApiRequest) -> BmcOut:
 async def link_bmc(req: ApiRequest) -> BmcOut:
     """Link by hand (or unlink with null) when automatic matching could not decide."""
     b: BmcLink = req.body
-    out = await _bmc(req).link(req.params["bmc_id"], b.machine_id, actor=req.actor)
+    out = await _bmc(req).link(req.params["id"], b.machine_id, actor=req.actor)
     req.ctx.bus.notify()
     return BmcOut.model_validate(out)
 
 
 @router.route(
     "DELETE",
-    "/api/v1/bmcs/{bmc_id}",
+    "/api/v1/bmcs/{id}",
     summary="Remove a BMC",
     roles=STAFF,
     status=204,
@@ -306,13 +306,13 @@ async def link_bmc(req: ApiRequest) -> BmcOut:
 )
 async def remove_bmc(req: ApiRequest) -> None:
     """Forget the BMC and its stored credentials."""
-    await _bmc(req).remove(req.params["bmc_id"], actor=req.actor)
+    await _bmc(req).remove(req.params["id"], actor=req.actor)
     req.ctx.bus.notify()
 
 
 @router.route(
     "GET",
-    "/api/v1/bmcs/{bmc_id}/power",
+    "/api/v1/bmcs/{id}/power",
     summary="Read a BMC host's power state",
     roles=STAFF,
     response=PowerOut,
@@ -321,12 +321,12 @@ async def remove_bmc(req: ApiRequest) -> None:
 )
 async def bmc_power_status(req: ApiRequest) -> PowerOut:
     """Asks the BMC now; works before the host has enrolled as a machine."""
-    return PowerOut.model_validate(await _bmc(req).power_bmc(req.params["bmc_id"], "status"))
+    return PowerOut.model_validate(await _bmc(req).power_bmc(req.params["id"], "status"))
 
 
 @router.route(
     "POST",
-    "/api/v1/bmcs/{bmc_id}/power",
+    "/api/v1/bmcs/{id}/power",
     summary="Power a BMC's host",
     roles=STAFF,
     body=PowerRequest,
@@ -338,7 +338,7 @@ async def bmc_power_action(req: ApiRequest) -> PowerOut:
     """Zero-touch: power on racks whose machines are not enrolled yet; they PXE-boot, enroll
     themselves, and the BMC is linked to its machine by system UUID, serial or MAC."""
     b: PowerRequest = req.body
-    out = await _bmc(req).power_bmc(req.params["bmc_id"], b.action, actor=req.actor)
+    out = await _bmc(req).power_bmc(req.params["id"], b.action, actor=req.actor)
     req.ctx.bus.notify()
     return PowerOut.model_validate(out)
 
@@ -424,7 +424,7 @@ async def sensors(req: ApiRequest) -> SensorList:
     tag=TAG,
     errors=_MACHINE_ERRORS,
 )
-async def event_log(req: ApiRequest) -> LogList:
+async def show_bmc_log(req: ApiRequest) -> LogList:
     """The BMC's own event log (IPMI SEL, Redfish LogService entries)."""
     items = await _bmc(req).event_log(req.params["id"])
     return LogList(items=[LogEntryOut.model_validate(x) for x in items])

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import to_jsonable_python
 
 from api.problem import problem, validation_problem
+from api.resolve import FULL_ID, path_kinds, resolve
 from metald import metrics
 from metald.auth import Principal, Role, authenticate
 from metald.errors import MetaldError
@@ -390,6 +391,7 @@ def make_handler(
     spec: RouteSpec, ctx: AppContext
 ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     route_label = f"{spec.method} {spec.openapi_path}"
+    kinds = path_kinds(spec.path)
 
     async def handle(request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
@@ -413,7 +415,18 @@ def make_handler(
                     )
             if any("\x00" in v for v in request.match_info.values()):
                 raise _Problem(404, "Not found", f"there is no resource at this path ({_NUL})")
-            areq = ApiRequest(request, ctx, principal, params=dict(request.match_info))
+            params = dict(request.match_info)
+            to_resolve = {n: kinds[n] for n in kinds if not FULL_ID.fullmatch(params[n])}
+            if to_resolve:  # a name or an id prefix: the same rules on every route
+                params.update(
+                    await ctx.store.run(
+                        lambda s: {
+                            n: resolve(s, principal, kind, params[n])
+                            for n, kind in to_resolve.items()
+                        }
+                    )
+                )
+            areq = ApiRequest(request, ctx, principal, params=params)
             if request.method not in ("GET", "HEAD"):
                 areq.if_match = parse_if_match(spec, request.headers.get("If-Match"))
             if spec.query is not None:

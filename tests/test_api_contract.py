@@ -85,7 +85,7 @@ async def test_documented_status_is_the_status_sent(api) -> None:  # type: ignor
         responses = doc["paths"][s.openapi_path][s.method.lower()]["responses"]
         assert str(s.status) in responses, (s.method, s.openapi_path)
         assert s.status == 204 or s.response or s.raw_response, (s.method, s.openapi_path)
-    remove = doc["paths"]["/api/v1/bmcs/{bmc_id}"]["delete"]["responses"]
+    remove = doc["paths"]["/api/v1/bmcs/{id}"]["delete"]["responses"]
     assert "204" in remove and "200" not in remove and "content" not in remove["204"]
 
 
