@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field, StringConstraints
 from sqlalchemy import func
 from sqlmodel import Session, select
 
+from api.resolve import FULL_ID
 from api.roles import JOIN_MINTERS
 from api.routes_tenants import PeerOut
 from api.routing import ALL_ROLES, STAFF, ApiRequest, Router
@@ -25,6 +26,7 @@ from api.schemas import (
     MachineCreate,
     MachineOut,
     MachinePage,
+    MachinePatch,
     MachineQuery,
     NicOut,
     Version,
@@ -33,7 +35,7 @@ from api.workflows import claim_workflow
 from metald import machines as svc
 from metald import metrics
 from metald.auth import Principal, Role, revoke_machine_tokens
-from metald.errors import Conflict, NotFound
+from metald.errors import Conflict, NotFound, Unprocessable
 from metald.lifecycle import State, Trigger, allowed_triggers
 from metald.machines import get_machine
 from metald.store.models import Machine, Nic
@@ -187,6 +189,48 @@ async def show_machine(req: ApiRequest) -> MachineOut:
         return machine_out(m, _nics(s, [m.id])[m.id], with_inventory=True)
 
     return await req.ctx.store.run(run)
+
+
+@router.route(
+    "PATCH",
+    "/api/v1/machines/{id}",
+    summary="Rename a machine",
+    roles=STAFF,
+    body=MachinePatch,
+    response=MachineOut,
+    tag=TAG,
+    errors=(404, 409, 422),
+    versioned=True,
+)
+async def patch_machine(req: ApiRequest) -> MachineOut:
+    """Set the machine's name (unique; every path that takes its id takes the name too) or
+    rack. Fields left out are unchanged."""
+    b: MachinePatch = req.body
+    p = req.require_principal()
+    values = b.model_dump(exclude_unset=True, exclude={"version"})
+
+    def run(s: Session) -> MachineOut:
+        m = load_visible(s, p, req.params["id"])
+        name = values.get("name")
+        if name is not None and FULL_ID.fullmatch(name):
+            raise Unprocessable("a name cannot look like an id (paths would read it as one)")
+        if name is not None and name != m.name:
+            other = s.exec(select(Machine).where(Machine.name == name)).first()
+            if other is not None:
+                raise Conflict(f"machine {other.id} is already named {name!r}; pick another name")
+        m = svc.update_fields(
+            s,
+            m.id,
+            actor=req.actor,
+            kind="machine.updated",
+            values=values,
+            expected_version=req.expected_version(b.version),
+            data={"from": {k: getattr(m, k) for k in values}, "to": values},
+            instance=req.ctx.instance,
+        )
+        return machine_out(m, _nics(s, [m.id])[m.id])
+
+    return await req.write(run)
 
 
 @router.route(

@@ -85,6 +85,14 @@ class MachineCreate(In):
     rack: Name | None = None
 
 
+class MachinePatch(In):
+    """The fields a technician may change on a machine (absent: unchanged)."""
+
+    name: Name | None = Field(default=None, description="Unique; paths accept it for the id.")
+    rack: Name | None = None
+    version: Version = None
+
+
 class LabelsPatch(In):
     """JSON merge patch of labels: a string sets a label, null removes it."""
 

@@ -29,6 +29,14 @@ class ConcurrentUpdate(Conflict):
     title = "Concurrent update"
 
 
+def default_name(rack: str | None, rack_position: str | None) -> str | None:
+    """A machine's name from where it sits (``r07-sw1-eth12`` from rack r07 and option 82's
+    ``sw1/eth12``): letters, digits, dots, dashes and underscores, at most 63 characters."""
+    where = "-".join(p for p in (rack, rack_position) if p)
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", where).strip("-._")[:63].rstrip("-._")
+    return slug or None
+
+
 def normalize_mac(mac: str) -> str:
     """``AA-BB-CC-DD-EE-FF`` / ``aabb.ccdd.eeff`` / ``aabbccddeeff`` -> ``aa:bb:cc:dd:ee:ff``."""
     m = mac.strip().lower().replace(".", "")
@@ -143,6 +151,10 @@ def create_machine(
             )
     if name and session.exec(select(Machine).where(Machine.name == name)).first():
         raise Conflict(f"a machine named {name!r} already exists")
+    default = default_name(rack, rack_position) if name is None else None
+    # Named after where it sits, unless a machine already carries that name.
+    if default and not session.exec(select(Machine).where(Machine.name == default)).first():
+        name = default
     m = Machine(
         name=name,
         state=State.DISCOVERED.value,

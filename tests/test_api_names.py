@@ -107,3 +107,39 @@ async def test_openapi_path_parameters_are_id_and_tags_plural(api) -> None:  # t
             assert op["tags"] and op["tags"][0] != "bmc", (path, method)
     ids = {op["operationId"] for ops in doc["paths"].values() for op in ops.values()}
     assert "prometheus" not in ids and "event_log" not in ids
+
+
+async def test_rename_a_machine_and_find_it_by_its_new_name(api) -> None:  # type: ignore[no-untyped-def]
+    client, tokens, _ = api
+    tech = tokens.header("technician")
+    r = await client.patch(
+        f"/api/v1/machines/{tokens.machine_free}", json={"name": "r07-u12"}, headers=tech
+    )
+    assert r.status == 200 and (await r.json())["name"] == "r07-u12"
+    r = await client.get("/api/v1/machines/r07-u12", headers=tech)
+    assert (await r.json())["id"] == tokens.machine_free
+    r = await client.patch("/api/v1/machines/node0", json={"name": "r07-u12"}, headers=tech)
+    assert r.status == 409 and "already named" in (await r.json())["detail"]
+    r = await client.patch("/api/v1/machines/node0", json={"name": TWIN_A}, headers=tech)
+    assert r.status == 422
+    r = await client.patch(
+        "/api/v1/machines/r07-u12", json={"name": "x"}, headers=tokens.header("orchestrator")
+    )
+    assert r.status == 403
+
+
+def test_default_name_from_rack_position(store) -> None:  # type: ignore[no-untyped-def]
+    from metald import machines
+
+    with store.session() as s:
+        m = machines.create_machine(
+            s, macs=["02:00:00:00:99:01"], actor="t", rack="r07", rack_position="sw1/eth 12"
+        )
+        assert m.name == "r07-sw1-eth-12"
+        # The same position again (a moved machine not yet renamed): no name rather than a clash.
+        m2 = machines.create_machine(
+            s, macs=["02:00:00:00:99:02"], actor="t", rack="r07", rack_position="sw1/eth 12"
+        )
+        assert m2.name is None
+        assert machines.default_name(None, None) is None
+        assert machines.default_name(None, "///") is None
