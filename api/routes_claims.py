@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field, StringConstraints
 from sqlalchemy import func
 from sqlmodel import Session, col, select
 
+from api.paging import sorted_by
 from api.roles import CLAIMERS, READERS
 from api.routing import ApiRequest, Router
 from api.schemas import SQL_INT_MAX, In, LabelKey, LabelValue, Name, PageQuery, Text
@@ -106,9 +107,13 @@ class ClaimOut(BaseModel):
 class ClaimList(BaseModel):
     items: list[ClaimOut]
     total: int
+    limit: int
+    offset: int
+    next: str | None = Field(default=None, description="The next page, absent on the last.")
 
 
 class ClaimQuery(PageQuery):
+    SORTABLE = ("state", "created_at", "updated_at", "count")
     tenant_id: str | None = None
     state: Literal["allocated", "released"] | None = None
 
@@ -228,12 +233,16 @@ async def list_claims(req: ApiRequest) -> ClaimList:
         if q.state:
             stmt = stmt.where(Claim.state == q.state)
         total = s.exec(select(func.count()).select_from(stmt.subquery())).one()
-        rows = s.exec(
-            stmt.order_by(col(Claim.created_at).desc(), col(Claim.id))
-            .offset(q.offset)
-            .limit(req.page_limit(q))
-        ).all()
-        return ClaimList(items=[claim_out(s, c) for c in rows], total=total)
+        limit = req.page_limit(q)
+        order = [col(Claim.created_at).desc(), col(Claim.id)]
+        rows = s.exec(sorted_by(stmt, Claim, q, order).offset(q.offset).limit(limit)).all()
+        return ClaimList(
+            items=[claim_out(s, c) for c in rows],
+            total=total,
+            limit=limit,
+            offset=q.offset,
+            next=req.next_link(q, len(rows), total),
+        )
 
     return await req.ctx.store.run(run)
 

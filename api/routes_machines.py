@@ -13,8 +13,9 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, StringConstraints
 from sqlalchemy import func
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
+from api.paging import sorted_by
 from api.resolve import FULL_ID
 from api.roles import JOIN_MINTERS
 from api.routes_tenants import PeerOut
@@ -126,15 +127,15 @@ async def list_machines(req: ApiRequest) -> MachinePage:
         elif p.role is Role.AGENT:
             stmt = stmt.where(Machine.id.in_(sorted(p.scope)))  # type: ignore[attr-defined]
         total = s.exec(select(func.count()).select_from(stmt.subquery())).one()
-        rows = s.exec(
-            stmt.order_by(Machine.created_at.desc(), Machine.id).offset(q.offset).limit(limit)  # type: ignore[attr-defined]
-        ).all()
+        order = [col(Machine.created_at).desc(), col(Machine.id)]
+        rows = s.exec(sorted_by(stmt, Machine, q, order).offset(q.offset).limit(limit)).all()
         nics = _nics(s, [m.id for m in rows])
         return MachinePage(
             items=[machine_out(m, nics[m.id]) for m in rows],
             total=total,
             limit=limit,
             offset=q.offset,
+            next=req.next_link(q, len(rows), total),
         )
 
     return await req.ctx.store.run(run)

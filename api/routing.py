@@ -21,6 +21,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from pydantic import BaseModel, ValidationError
 from pydantic_core import to_jsonable_python
 
+from api.paging import next_link
 from api.problem import problem, validation_problem
 from api.resolve import FULL_ID, path_kinds, resolve
 from metald import metrics
@@ -109,6 +110,10 @@ class ApiRequest:
                 f"{body_version}; send one of them",
             )
         return self.if_match if self.if_match is not None else body_version
+
+    def next_link(self, query: Any, count: int, total: int) -> str | None:
+        """The ``next`` link of a list answer of ``count`` items out of ``total``."""
+        return next_link(self.raw.path, self.raw.query, query.offset, count, total)
 
     def require_principal(self) -> Principal:
         assert self.principal is not None
@@ -431,6 +436,13 @@ def make_handler(
                 areq.if_match = parse_if_match(spec, request.headers.get("If-Match"))
             if spec.query is not None:
                 areq.query = _query(request, spec)
+            elif request.query:  # a misspelt filter must not silently list everything
+                name = next(iter(request.query))
+                raise _Problem(
+                    422,
+                    "Invalid request",
+                    f"unknown query parameter {name[:64]!r}: this operation takes none",
+                )
             if spec.body is not None:
                 areq.body = await _read_body(
                     request, spec, spec.max_body or ctx.cfg.api.max_body_bytes
