@@ -169,6 +169,9 @@ class EventQuery(Query):
     limit: int | None = Field(
         default=None, ge=1, le=1000, description="Page size (default: the api.page_size setting)."
     )
+    sort: Literal["id", "-id"] = Field(
+        default="id", description="-id: the newest first (a list only; a stream is in id order)."
+    )
 
 
 class EventOut(BaseModel):

@@ -9,8 +9,8 @@ from typing import Any
 from metald.lifecycle import SETTLED
 
 from .client import Client
-from .options import Subparsers, key_values
-from .output import as_json, emit, emit_table, table
+from .options import Subparsers, confirm, key_values
+from .output import emit, emit_table, machine_readable, render, table
 
 COLUMNS = [
     ("ID", "id"),
@@ -102,8 +102,8 @@ def create(args: argparse.Namespace, c: Client) -> None:
 def show(args: argparse.Namespace, c: Client) -> None:
     while True:
         r = c.call("GET", f"/api/v1/claims/{args.id}")
-        if args.json:
-            print(as_json(r))
+        if machine_readable(args):
+            print(render(args, r))
             return
         print(claim_table(r), flush=True)
         if not args.watch or all(m["state"] in SETTLED for m in r["machines"]):
@@ -113,6 +113,8 @@ def show(args: argparse.Namespace, c: Client) -> None:
 
 
 def release(args: argparse.Namespace, c: Client) -> None:
+    what = f"machine {args.machine} of claim {args.id}" if args.machine else f"claim {args.id}"
+    confirm(args, f"release {what} (its machines are wiped)")
     path = f"/api/v1/claims/{args.id}/release"
     if args.machine:
         path = f"/api/v1/claims/{args.id}/machines/{args.machine}/release"

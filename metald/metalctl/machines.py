@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from .client import Client
-from .options import Subparsers, key_values
+from .options import Subparsers, confirm, key_values
 from .output import emit, table
 
 COLUMNS = [
@@ -71,9 +71,18 @@ def register(sub: Subparsers) -> None:
     mlab.set_defaults(func=label)
     for action in ACTIONS:
         pa = msub.add_parser(action)
-        pa.add_argument("id")
-        pa.add_argument("--reason")
+        pa.add_argument("id", help="id, name or id prefix")
+        pa.add_argument("--reason", required=action == "retire")
         pa.set_defaults(func=act)
+    for step, needs_reason in (("retry", False), ("wipe", False), ("confirm-wipe", True)):
+        ps = msub.add_parser(step)
+        ps.add_argument("id", help="id, name or id prefix")
+        ps.add_argument("--reason", required=needs_reason)
+        ps.set_defaults(func=workflow_step)
+    mn = msub.add_parser("rename", help="give a machine a new (unique) name")
+    mn.add_argument("id")
+    mn.add_argument("name")
+    mn.set_defaults(func=rename)
 
 
 def row(m: dict[str, Any]) -> dict[str, Any]:
@@ -130,7 +139,22 @@ def label(args: argparse.Namespace, c: Client) -> None:
     emit(args, m, lambda m: f"{m['id']}: {m['labels']}")
 
 
+def workflow_step(args: argparse.Namespace, c: Client) -> None:
+    if args.sub in ("wipe", "confirm-wipe"):
+        confirm(args, f"{args.sub} machine {args.id} (its disks are erased or declared erased)")
+    body = {"reason": args.reason} if args.reason else {}
+    m = c.call("POST", f"/api/v1/machines/{args.id}/{args.sub}", body)
+    emit(args, m, lambda m: f"{m['name'] or m['id']}: {m['state']}")
+
+
+def rename(args: argparse.Namespace, c: Client) -> None:
+    m = c.call("PATCH", f"/api/v1/machines/{args.id}", {"name": args.name})
+    emit(args, m, lambda m: f"{m['id']}: named {m['name']}")
+
+
 def act(args: argparse.Namespace, c: Client) -> None:
+    if args.sub == "retire":
+        confirm(args, f"retire machine {args.id} (it never boots from metald again)")
     body = {"action": args.sub}
     if args.reason:
         body["reason"] = args.reason

@@ -29,6 +29,9 @@ def register(sub: Subparsers) -> None:
     tn = sub.add_parser("tenants", help="tenants (admin)")
     tnsub = tn.add_subparsers(dest="sub", required=True)
     tnsub.add_parser("list").set_defaults(func=list_tenants)
+    shw = tnsub.add_parser("show")
+    shw.add_argument("id", help="id, name or id prefix")
+    shw.set_defaults(func=show)
     tnc = tnsub.add_parser("create")
     tnc.add_argument("name")
     tnc.add_argument("--kind", default="slurm", choices=["slurm", "kubernetes"])
@@ -69,3 +72,10 @@ def hub(args: argparse.Namespace, c: Client) -> None:
     else:
         h = c.call("GET", f"/api/v1/tenants/{args.id}/hub")
     emit(args, h, _hub)
+
+
+def show(args: argparse.Namespace, c: Client) -> None:
+    r = c.call("GET", f"/api/v1/tenants/{args.id}")
+    emit(
+        args, r, lambda r: "\n".join(f"{k + ':':15} {'' if v is None else v}" for k, v in r.items())
+    )
