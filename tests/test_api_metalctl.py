@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
+from api.app import CTX_KEY
 from metald.metalctl.main import hoist_output, main
 from tests.api_helpers import LoopbackApi
+from tests.claims.fakes import FakeBmc
 
 
 @pytest.fixture
@@ -100,3 +103,30 @@ def test_events_newest_first_with_tail_and_kind(live: LoopbackApi, capsys) -> No
     items = json.loads(out)["items"]
     assert items and all(e["kind"] == "machine.state" for e in items)
     assert items[0]["to_state"] == "maintenance"
+
+
+class _LaggingBmc(FakeBmc):
+    """Reports the new power state only on the second status read after a command."""
+
+    def __init__(self) -> None:
+        super().__init__(power_state="on")
+        self.reads = 0
+
+    async def power(self, machine_id: str, action: str, actor: str = "") -> dict[str, Any]:
+        if action == "status":
+            self.reads += 1
+            state = "on" if self.reads < 2 else "off"
+        else:
+            self.calls.append((machine_id, "power", action))
+            state = "on"
+        return {"machine_id": machine_id, "bmc_id": "b1", "power_state": state}
+
+
+def test_power_off_waits_until_the_bmc_reports_it(live: LoopbackApi, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    bmc = _LaggingBmc()
+    live.runner.app[CTX_KEY].services["bmc"] = bmc
+    monkeypatch.setattr("metald.metalctl.bmc.WAIT_INTERVAL_S", 0)
+    rc, _, err = _run(capsys, "power", "node2", "off")  # no terminal, no --yes: refused
+    assert rc == 2 and "--yes" in err and bmc.calls == []
+    rc, out, err = _run(capsys, "power", "node2", "off", "--wait", "--yes")
+    assert rc == 0 and "power off" in out and bmc.reads == 2, (out, err, bmc.calls)

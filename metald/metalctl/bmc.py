@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from typing import Any
 
 from .client import Client
@@ -33,6 +34,8 @@ def register(sub: Subparsers) -> None:
     p = sub.add_parser("power", help="power state and actions through the machine's BMC")
     p.add_argument("id", help="machine id")
     p.add_argument("action", nargs="?", choices=POWER_ACTIONS, default="status")
+    p.add_argument("--wait", action="store_true", help="until the BMC reports the new state")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds --wait waits at most")
     p.set_defaults(func=power)
     b = sub.add_parser("boot-device", help="set the next boot device")
     b.add_argument("id")
@@ -78,16 +81,31 @@ def register(sub: Subparsers) -> None:
     br.set_defaults(func=register_bmc)
 
 
+#: The power state each action ends in (what ``--wait`` waits for).
+WAIT_FOR = {"on": "on", "off": "off", "soft-off": "off", "cycle": "on", "reset": "on"}
+WAIT_INTERVAL_S = 2.0
+
+
 def _power(c: Client, path: str, action: str) -> Any:
     if action == "status":
         return c.call("GET", path)
     return c.call("POST", path, {"action": action})
 
 
-def power(args: argparse.Namespace, c: Client) -> None:
+def power(args: argparse.Namespace, c: Client) -> int | None:
     if args.action in DISRUPTIVE_POWER:
         confirm(args, f"power {args.action} machine {args.id}")
-    r = _power(c, f"/api/v1/machines/{args.id}/power", args.action)
+    path = f"/api/v1/machines/{args.id}/power"
+    r = _power(c, path, args.action)
+    want = WAIT_FOR.get(args.action)
+    if args.wait and want is not None:
+        deadline = time.monotonic() + args.timeout
+        while r.get("power_state") != want:
+            if time.monotonic() >= deadline:
+                print(f"metalctl: {args.id} did not report power {want} within {args.timeout:g} s")
+                return 1
+            time.sleep(WAIT_INTERVAL_S)
+            r = c.call("GET", path)
     emit(args, r, lambda r: f"{args.id}: power {r.get('power_state', r)}")
 
 

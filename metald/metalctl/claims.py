@@ -43,11 +43,17 @@ def register(sub: Subparsers) -> None:
     cc.add_argument("--rack")
     cc.add_argument("--ssh-key", action="append", default=[])
     cc.add_argument("--idempotency-key")
+    cc.add_argument(
+        "--wait", action="store_true", help="then redraw progress until every machine settles"
+    )
     cc.set_defaults(func=create)
     cs = csub.add_parser("show")
     cs.add_argument("id")
     cs.add_argument(
-        "--watch", action="store_true", help="redraw progress until every machine settles"
+        "--watch",
+        "--wait",
+        action="store_true",
+        help="redraw progress until every machine settles",
     )
     cs.set_defaults(func=show)
     cr = csub.add_parser("release")
@@ -96,7 +102,12 @@ def create(args: argparse.Namespace, c: Client) -> None:
     }
     if args.idempotency_key:
         body["idempotency_key"] = args.idempotency_key
-    emit(args, c.call("POST", "/api/v1/claims", body), claim_table)
+    claim = c.call("POST", "/api/v1/claims", body)
+    if not args.wait:
+        emit(args, claim, claim_table)
+        return
+    args.id, args.watch = claim["id"], True
+    show(args, c)
 
 
 def show(args: argparse.Namespace, c: Client) -> None:
