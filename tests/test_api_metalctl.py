@@ -130,3 +130,11 @@ def test_power_off_waits_until_the_bmc_reports_it(live: LoopbackApi, capsys, mon
     assert rc == 2 and "--yes" in err and bmc.calls == []
     rc, out, err = _run(capsys, "power", "node2", "off", "--wait", "--yes")
     assert rc == 0 and "power off" in out and bmc.reads == 2, (out, err, bmc.calls)
+
+
+def test_join_token_reaches_the_api(live: LoopbackApi, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The seeded tenant has no hub, so the API's 409 (with its sentence) is what comes back."""
+    assert live.tokens is not None
+    monkeypatch.setenv("METALD_TOKEN", live.tokens.admin)
+    rc, _, err = _run(capsys, "machines", "join-token", "node0", "--ttl", "600")
+    assert rc == 1 and "no WireGuard hub" in err and "HTTP 409" in err

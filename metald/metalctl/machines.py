@@ -79,6 +79,13 @@ def register(sub: Subparsers) -> None:
         ps.add_argument("id", help="id, name or id prefix")
         ps.add_argument("--reason", required=needs_reason)
         ps.set_defaults(func=workflow_step)
+    jt = msub.add_parser("join-token", help="a one-time token for the node to join its tenant")
+    jt.add_argument("id")
+    jt.add_argument("--ttl", type=int, default=1800, help="seconds it stays valid (60-86400)")
+    jt.set_defaults(func=join_token)
+    mp = msub.add_parser("peer-revoke", help="take the machine off its tenant's hub")
+    mp.add_argument("id")
+    mp.set_defaults(func=revoke_peer)
     mn = msub.add_parser("rename", help="give a machine a new (unique) name")
     mn.add_argument("id")
     mn.add_argument("name")
@@ -145,6 +152,17 @@ def workflow_step(args: argparse.Namespace, c: Client) -> None:
     body = {"reason": args.reason} if args.reason else {}
     m = c.call("POST", f"/api/v1/machines/{args.id}/{args.sub}", body)
     emit(args, m, lambda m: f"{m['name'] or m['id']}: {m['state']}")
+
+
+def join_token(args: argparse.Namespace, c: Client) -> None:
+    t = c.call("POST", f"/api/v1/machines/{args.id}/join-token", {"ttl_seconds": args.ttl})
+    emit(args, t, lambda t: f"{t['token']}\n(valid until {t['expires_at']}; shown only now)")
+
+
+def revoke_peer(args: argparse.Namespace, c: Client) -> None:
+    confirm(args, f"take machine {args.id} off its tenant's hub")
+    p = c.call("DELETE", f"/api/v1/machines/{args.id}/peer")
+    emit(args, p, lambda p: f"{args.id}: off the hub")
 
 
 def rename(args: argparse.Namespace, c: Client) -> None:
