@@ -83,12 +83,15 @@ async def errors_middleware(
             404, "Not found", f"there is no resource at {request.path}", instance=request.path
         )
     except web.HTTPMethodNotAllowed as e:
-        return problem(
+        allowed = ", ".join(sorted(e.allowed_methods))
+        resp = problem(
             405,
             "Method not allowed",
-            f"{request.method} is not allowed here; use {', '.join(sorted(e.allowed_methods))}",
+            f"{request.method} is not allowed here; use {allowed}",
             instance=request.path,
         )
+        resp.headers["Allow"] = allowed  # RFC 9110 15.5.6: a 405 MUST carry Allow
+        return resp
     except web.HTTPException:
         raise
     except Exception:

@@ -68,6 +68,17 @@ def build_openapi(specs: list[RouteSpec]) -> dict[str, Any]:
                     param["description"] = v["description"]
                 params.append(param)
             schemas.update(qschema.get("$defs", {}))
+        if s.versioned:
+            params.append(
+                {
+                    "name": "If-Match",
+                    "in": "header",
+                    "required": False,
+                    "description": "Write only if the resource is still at this ETag "
+                    '(412 otherwise), e.g. "3"',
+                    "schema": {"type": "string"},
+                }
+            )
         if params:
             op["parameters"] = params
         if s.body is not None:
@@ -75,8 +86,22 @@ def build_openapi(specs: list[RouteSpec]) -> dict[str, Any]:
                 "required": True,
                 "content": {"application/json": {"schema": refs[(s.body, "validation")]}},
             }
-        ok: dict[str, Any] = {"description": "Success"}
-        if s.response is not None:
+        ok: dict[str, Any] = {"description": "Success" if s.status != 201 else "Created"}
+        if s.location is not None:
+            ok["headers"] = {
+                "Location": {
+                    "description": "The path of the created resource",
+                    "schema": {"type": "string"},
+                }
+            }
+        if s.response is not None and "version" in s.response.model_fields:
+            ok.setdefault("headers", {})["ETag"] = {
+                "description": "The resource's version, quoted; send it back as If-Match",
+                "schema": {"type": "string"},
+            }
+        if s.status == 204:
+            pass
+        elif s.response is not None:
             mode = "validation" if (s.response, "validation") in refs else "serialization"
             ok["content"] = {"application/json": {"schema": refs[(s.response, mode)]}}
         elif s.raw_response:
@@ -91,6 +116,8 @@ def build_openapi(specs: list[RouteSpec]) -> dict[str, Any]:
             errs |= {400, 422} if s.body is not None else {422}
         if s.body is not None:
             errs |= {408, 413, 415}
+        if s.method not in ("GET", "HEAD"):
+            errs.add(412)  # If-Match that does not hold (or names a resource without a version)
         for code in sorted(errs):
             op["responses"][str(code)] = {"$ref": "#/components/responses/Problem"}
         paths.setdefault(s.openapi_path, {})[s.method.lower()] = op

@@ -27,7 +27,7 @@ from metald.errors import MetaldError, Unprocessable
 from metald.store.models import Bmc, utcnow
 
 router = Router()
-TAG = "bmc"
+TAG = "bmcs"
 
 
 class ServiceUnavailable(MetaldError):
@@ -285,6 +285,7 @@ _PROBLEM_FIELDS = {"type", "title", "status", "detail", "instance"}
     status=201,
     tag=TAG,
     errors=(404, 409, 422, 503),
+    location="/api/v1/bmcs/{id}",
 )
 async def register_bmc(req: ApiRequest) -> BmcOut:
     """Connects first (422 with the reason if refused or unreachable); links it to its machine."""
@@ -321,7 +322,7 @@ async def list_bmcs(req: ApiRequest) -> BmcList:
 
 @router.route(
     "GET",
-    "/api/v1/bmcs/{bmc_id}",
+    "/api/v1/bmcs/{id}",
     summary="Show a BMC",
     roles=STAFF,
     response=BmcOut,
@@ -330,12 +331,12 @@ async def list_bmcs(req: ApiRequest) -> BmcList:
 )
 async def show_bmc(req: ApiRequest) -> BmcOut:
     """One BMC; health_detail says why it is not ok."""
-    return BmcOut.model_validate(await _bmc(req).get(req.params["bmc_id"]))
+    return BmcOut.model_validate(await _bmc(req).get(req.params["id"]))
 
 
 @router.route(
     "PUT",
-    "/api/v1/bmcs/{bmc_id}/machine",
+    "/api/v1/bmcs/{id}/machine",
     summary="Link a BMC to a machine",
     roles=STAFF,
     body=BmcLink,
@@ -346,28 +347,29 @@ async def show_bmc(req: ApiRequest) -> BmcOut:
 async def link_bmc(req: ApiRequest) -> BmcOut:
     """Link by hand (or unlink with null) when automatic matching could not decide."""
     b: BmcLink = req.body
-    out = await _bmc(req).link(req.params["bmc_id"], b.machine_id, actor=req.actor)
+    out = await _bmc(req).link(req.params["id"], b.machine_id, actor=req.actor)
     req.ctx.bus.notify()
     return BmcOut.model_validate(out)
 
 
 @router.route(
     "DELETE",
-    "/api/v1/bmcs/{bmc_id}",
+    "/api/v1/bmcs/{id}",
     summary="Remove a BMC",
     roles=STAFF,
+    status=204,
     tag=TAG,
     errors=(404, 503),
 )
 async def remove_bmc(req: ApiRequest) -> None:
     """Forget the BMC and its stored credentials."""
-    await _bmc(req).remove(req.params["bmc_id"], actor=req.actor)
+    await _bmc(req).remove(req.params["id"], actor=req.actor)
     req.ctx.bus.notify()
 
 
 @router.route(
     "GET",
-    "/api/v1/bmcs/{bmc_id}/power",
+    "/api/v1/bmcs/{id}/power",
     summary="Read a BMC host's power state",
     roles=STAFF,
     response=PowerOut,
@@ -376,14 +378,18 @@ async def remove_bmc(req: ApiRequest) -> None:
 )
 async def bmc_power_status(req: ApiRequest) -> PowerOut:
     """Asks the BMC now; works before the host has enrolled as a machine."""
+<<<<<<< HEAD
     if fwd := await _on_owner(req, PowerOut, bmc_id=req.params["bmc_id"]):
         return fwd
     return PowerOut.model_validate(await _bmc(req).power_bmc(req.params["bmc_id"], "status"))
+=======
+    return PowerOut.model_validate(await _bmc(req).power_bmc(req.params["id"], "status"))
+>>>>>>> api-surface
 
 
 @router.route(
     "POST",
-    "/api/v1/bmcs/{bmc_id}/power",
+    "/api/v1/bmcs/{id}/power",
     summary="Power a BMC's host",
     roles=STAFF,
     body=PowerRequest,
@@ -395,9 +401,13 @@ async def bmc_power_action(req: ApiRequest) -> PowerOut:
     """Zero-touch: power on racks whose machines are not enrolled yet; they PXE-boot, enroll
     themselves, and the BMC is linked to its machine by system UUID, serial or MAC."""
     b: PowerRequest = req.body
+<<<<<<< HEAD
     if fwd := await _on_owner(req, PowerOut, bmc_id=req.params["bmc_id"]):
         return fwd
     out = await _bmc(req).power_bmc(req.params["bmc_id"], b.action, actor=req.actor)
+=======
+    out = await _bmc(req).power_bmc(req.params["id"], b.action, actor=req.actor)
+>>>>>>> api-surface
     req.ctx.bus.notify()
     return PowerOut.model_validate(out)
 
@@ -491,7 +501,7 @@ async def sensors(req: ApiRequest) -> SensorList:
     tag=TAG,
     errors=_MACHINE_ERRORS,
 )
-async def event_log(req: ApiRequest) -> LogList:
+async def show_bmc_log(req: ApiRequest) -> LogList:
     """The BMC's own event log (IPMI SEL, Redfish LogService entries)."""
     if fwd := await _on_owner(req, LogList, machine_id=req.params["id"]):
         return fwd

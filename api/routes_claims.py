@@ -7,6 +7,7 @@ The flows themselves are ``metald.claims.workflow``'s.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -14,6 +15,7 @@ from pydantic import BaseModel, Field, StringConstraints
 from sqlalchemy import func
 from sqlmodel import Session, col, select
 
+from api.paging import sorted_by
 from api.roles import CLAIMERS, READERS
 from api.routing import ApiRequest, Router
 from api.schemas import SQL_INT_MAX, In, LabelKey, LabelValue, Name, PageQuery, Text
@@ -23,6 +25,7 @@ from metald.claims.allocation import Selector
 from metald.claims.records import claim_machines, latest_progress
 from metald.claims.workflow import ClaimRequest
 from metald.errors import NotFound
+from metald.machines import ConcurrentUpdate
 from metald.store.models import Claim
 
 router = Router()
@@ -91,6 +94,7 @@ class ClaimOut(BaseModel):
     image_id: str | None
     ssh_authorized_keys: list[str] = []
     state: str
+    version: int = Field(description="Bumped by every change; the ETag, for If-Match.")
     idempotency_key: str | None
     created_by: str | None
     created_at: datetime
@@ -103,9 +107,13 @@ class ClaimOut(BaseModel):
 class ClaimList(BaseModel):
     items: list[ClaimOut]
     total: int
+    limit: int
+    offset: int
+    next: str | None = Field(default=None, description="The next page, absent on the last.")
 
 
 class ClaimQuery(PageQuery):
+    SORTABLE = ("state", "created_at", "updated_at", "count")
     tenant_id: str | None = None
     state: Literal["allocated", "released"] | None = None
 
@@ -113,11 +121,31 @@ class ClaimQuery(PageQuery):
 # ---- helpers ----------------------------------------------------------------------------
 
 
+def _loader_if_match(req: ApiRequest) -> Callable[[Session, str], Claim]:
+    """How the release workflow reads the claim for this request: one its token may see, and,
+    when ``If-Match`` names a version, only at that version (checked in the release's own
+    transaction, so nothing is released on a stale read)."""
+    p = req.require_principal()
+    checked: list[bool] = []  # the workflow loads again to render its answer: check once
+
+    def load(s: Session, claim_id: str) -> Claim:
+        c = load_claim(s, p, claim_id)
+        if req.if_match is not None and not checked and c.version != req.if_match:
+            raise ConcurrentUpdate(
+                f"claim {c.id} is at version {c.version}, not {req.if_match}; "
+                "read it again and retry"
+            )
+        checked.append(True)
+        return c
+
+    return load
+
+
 def claim_out(s: Session, c: Claim, *, replayed: bool = False) -> ClaimOut:
     ms = claim_machines(s, c.id)
     progress = latest_progress(s, ms)
     return ClaimOut(
-        **c.model_dump(exclude={"image", "version", "ssh_authorized_keys"}),
+        **c.model_dump(exclude={"image", "ssh_authorized_keys"}),
         image_id=c.image,
         ssh_authorized_keys=list(c.ssh_authorized_keys or []),
         replayed=replayed,
@@ -153,6 +181,7 @@ def load_claim(s: Session, p: Principal, claim_id: str) -> Claim:
     status=201,
     tag=TAG,
     errors=(404, 409, 422),
+    location="/api/v1/claims/{id}",
 )
 async def create_claim(req: ApiRequest) -> ClaimOut:
     """Allocate ``count`` machines matching the selector to the tenant, all or none, and start
@@ -204,12 +233,16 @@ async def list_claims(req: ApiRequest) -> ClaimList:
         if q.state:
             stmt = stmt.where(Claim.state == q.state)
         total = s.exec(select(func.count()).select_from(stmt.subquery())).one()
-        rows = s.exec(
-            stmt.order_by(col(Claim.created_at).desc(), col(Claim.id))
-            .offset(q.offset)
-            .limit(req.page_limit(q))
-        ).all()
-        return ClaimList(items=[claim_out(s, c) for c in rows], total=total)
+        limit = req.page_limit(q)
+        order = [col(Claim.created_at).desc(), col(Claim.id)]
+        rows = s.exec(sorted_by(stmt, Claim, q, order).offset(q.offset).limit(limit)).all()
+        return ClaimList(
+            items=[claim_out(s, c) for c in rows],
+            total=total,
+            limit=limit,
+            offset=q.offset,
+            next=req.next_link(q, len(rows), total),
+        )
 
     return await req.ctx.store.run(run)
 
@@ -237,6 +270,7 @@ async def show_claim(req: ApiRequest) -> ClaimOut:
     response=ClaimOut,
     tag=TAG,
     errors=(404, 409),
+    versioned=True,
 )
 async def release_claim(req: ApiRequest) -> ClaimOut:
     """End the claim: each machine leaves the tenant (tokens revoked, off the hub, detached),
@@ -245,11 +279,10 @@ async def release_claim(req: ApiRequest) -> ClaimOut:
     wipe-failed; a machine without a BMC waits for a technician's confirm-wipe). A machine
     marked broken during the claim is detached and owes a wipe. Releasing a released claim
     changes nothing."""
-    p = req.require_principal()
     return await claim_workflow(req.ctx).release(
         req.params["id"],
         actor=req.actor,
-        load=lambda s, claim_id: load_claim(s, p, claim_id),
+        load=_loader_if_match(req),
         render=claim_out,
     )
 
@@ -262,15 +295,15 @@ async def release_claim(req: ApiRequest) -> ClaimOut:
     response=ClaimOut,
     tag=TAG,
     errors=(404, 409),
+    versioned=True,
 )
 async def release_claim_machine(req: ApiRequest) -> ClaimOut:
     """Scale a claim down by one machine: it leaves the tenant (tokens revoked, off the hub and
     out of the cluster) and is wiped back to ready. The claim ends with its last machine."""
-    p = req.require_principal()
     return await claim_workflow(req.ctx).release(
         req.params["id"],
         actor=req.actor,
-        load=lambda s, claim_id: load_claim(s, p, claim_id),
+        load=_loader_if_match(req),
         render=claim_out,
         machine_id=req.params["machine_id"],
     )

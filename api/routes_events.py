@@ -7,12 +7,12 @@ import json
 import re
 
 from aiohttp import web
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from api.routing import ApiRequest, Router
 from api.schemas import SQL_INT_MAX, EventOut, EventPage, EventQuery
 from metald.auth import Principal, Role
-from metald.errors import MetaldError
+from metald.errors import MetaldError, Unprocessable
 from metald.events import newest_event_id
 from metald.store.models import Event, Machine
 
@@ -38,9 +38,12 @@ def _select(p: Principal, q: EventQuery, after: int):  # type: ignore[no-untyped
 
 
 def _page(s: Session, p: Principal, q: EventQuery, after: int, limit: int) -> EventPage:
-    rows = s.exec(_select(p, q, after).limit(limit)).all()
+    stmt = _select(p, q, after)
+    if q.sort == "-id":  # the newest ``limit`` events, newest first
+        stmt = stmt.order_by(None).order_by(col(Event.id).desc())
+    rows = s.exec(stmt.limit(limit)).all()
     items = [EventOut.model_validate(r.model_dump()) for r in rows]
-    return EventPage(items=items, next_after=items[-1].id if items else after)
+    return EventPage(items=items, next_after=max((e.id for e in items), default=after))
 
 
 def _catch_up(
@@ -127,6 +130,8 @@ async def stream_events(req: ApiRequest) -> web.StreamResponse:
     few streams and the server a bounded number (429 beyond)."""
     p = req.require_principal()
     q: EventQuery = req.query
+    if q.sort != "id":
+        raise Unprocessable("a stream delivers events in id order; leave out sort")
     bus = req.ctx.bus
     covered = _resume_after(req, q)
     await req.ctx.store.read(_check_machine_scope, p, q.machine_id)

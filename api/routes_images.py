@@ -10,9 +10,10 @@ from pydantic import BaseModel, Field, StringConstraints
 from sqlalchemy import func
 from sqlmodel import Session, col, select
 
+from api.paging import PageQuery, sorted_by
 from api.roles import READERS
 from api.routing import STAFF, ApiRequest, Router
-from api.schemas import In, Name, PageQuery, Text
+from api.schemas import In, Name, Text
 from metald.auth import Principal, Role
 from metald.claims import images
 from metald.errors import NotFound
@@ -54,11 +55,16 @@ class ImageOut(BaseModel):
     created_at: datetime
 
 
+class ImageQuery(PageQuery):
+    SORTABLE = ("name", "kind", "created_at")
+
+
 class ImageList(BaseModel):
     items: list[ImageOut]
     total: int
     limit: int
     offset: int
+    next: str | None = Field(default=None, description="The next page, absent on the last.")
 
 
 def _image_out(img: Image, p: Principal) -> ImageOut:
@@ -85,6 +91,7 @@ def _image_visible(img: Image, p: Principal) -> bool:
     status=201,
     tag="images",
     errors=(409, 422),
+    location="/api/v1/images/{id}",
 )
 async def create_image(req: ApiRequest) -> ImageOut:
     """``stateless``: kernel plus initrd and/or rootfs (booted into RAM). ``disk``: url, sha256
@@ -115,7 +122,7 @@ async def create_image(req: ApiRequest) -> ImageOut:
     "/api/v1/images",
     summary="List images",
     roles=READERS,
-    query=PageQuery,
+    query=ImageQuery,
     response=ImageList,
     tag="images",
 )
@@ -123,11 +130,11 @@ async def list_images(req: ApiRequest) -> ImageList:
     """The images in the catalog, by name, paginated; for an orchestrator, the public ones and
     its tenants'. URL credentials are REDACTED for all but admins."""
     p = req.require_principal()
-    q: PageQuery = req.query
+    q: ImageQuery = req.query
     limit = req.page_limit(q)
 
     def run(s: Session) -> ImageList:
-        stmt = select(Image).order_by(col(Image.name), col(Image.id))
+        stmt = sorted_by(select(Image), Image, q, [col(Image.name), col(Image.id)])
         if p.role is Role.ORCHESTRATOR:
             # Tenant scope is a JSON list: filtered here (catalogs are small), then paged.
             visible = [i for i in s.exec(stmt) if _image_visible(i, p)]
@@ -136,7 +143,11 @@ async def list_images(req: ApiRequest) -> ImageList:
             total = s.exec(select(func.count()).select_from(Image)).one()
             page = list(s.exec(stmt.offset(q.offset).limit(limit)))
         return ImageList(
-            items=[_image_out(i, p) for i in page], total=total, limit=limit, offset=q.offset
+            items=[_image_out(i, p) for i in page],
+            total=total,
+            limit=limit,
+            offset=q.offset,
+            next=req.next_link(q, len(page), total),
         )
 
     return await req.ctx.store.read(run)

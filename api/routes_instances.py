@@ -14,7 +14,7 @@ from metald.fleet import registry
 from metald.store.models import Bmc
 
 router = Router()
-TAG = "fleet"
+TAG = "instances"
 
 
 class InstanceOwns(BaseModel):

@@ -13,8 +13,10 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, StringConstraints
 from sqlalchemy import func
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
+from api.paging import sorted_by
+from api.resolve import FULL_ID
 from api.roles import JOIN_MINTERS
 from api.routes_tenants import PeerOut
 from api.routing import ALL_ROLES, STAFF, ApiRequest, Router
@@ -25,6 +27,7 @@ from api.schemas import (
     MachineCreate,
     MachineOut,
     MachinePage,
+    MachinePatch,
     MachineQuery,
     NicOut,
     Version,
@@ -33,7 +36,7 @@ from api.workflows import claim_workflow
 from metald import machines as svc
 from metald import metrics
 from metald.auth import Principal, Role, revoke_machine_tokens
-from metald.errors import Conflict, NotFound
+from metald.errors import Conflict, NotFound, Unprocessable
 from metald.lifecycle import State, Trigger, allowed_triggers
 from metald.machines import get_machine
 from metald.store.models import Machine, Nic
@@ -124,15 +127,15 @@ async def list_machines(req: ApiRequest) -> MachinePage:
         elif p.role is Role.AGENT:
             stmt = stmt.where(Machine.id.in_(sorted(p.scope)))  # type: ignore[attr-defined]
         total = s.exec(select(func.count()).select_from(stmt.subquery())).one()
-        rows = s.exec(
-            stmt.order_by(Machine.created_at.desc(), Machine.id).offset(q.offset).limit(limit)  # type: ignore[attr-defined]
-        ).all()
+        order = [col(Machine.created_at).desc(), col(Machine.id)]
+        rows = s.exec(sorted_by(stmt, Machine, q, order).offset(q.offset).limit(limit)).all()
         nics = _nics(s, [m.id for m in rows])
         return MachinePage(
             items=[machine_out(m, nics[m.id]) for m in rows],
             total=total,
             limit=limit,
             offset=q.offset,
+            next=req.next_link(q, len(rows), total),
         )
 
     return await req.ctx.store.run(run)
@@ -148,6 +151,7 @@ async def list_machines(req: ApiRequest) -> MachinePage:
     status=201,
     tag=TAG,
     errors=(409, 422),
+    location="/api/v1/machines/{id}",
 )
 async def create_machine(req: ApiRequest) -> MachineOut:
     """Pre-register a machine by its MACs (machines that PXE-boot are registered on their own)."""
@@ -190,6 +194,48 @@ async def show_machine(req: ApiRequest) -> MachineOut:
 
 @router.route(
     "PATCH",
+    "/api/v1/machines/{id}",
+    summary="Rename a machine",
+    roles=STAFF,
+    body=MachinePatch,
+    response=MachineOut,
+    tag=TAG,
+    errors=(404, 409, 422),
+    versioned=True,
+)
+async def patch_machine(req: ApiRequest) -> MachineOut:
+    """Set the machine's name (unique; every path that takes its id takes the name too) or
+    rack. Fields left out are unchanged."""
+    b: MachinePatch = req.body
+    p = req.require_principal()
+    values = b.model_dump(exclude_unset=True, exclude={"version"})
+
+    def run(s: Session) -> MachineOut:
+        m = load_visible(s, p, req.params["id"])
+        name = values.get("name")
+        if name is not None and FULL_ID.fullmatch(name):
+            raise Unprocessable("a name cannot look like an id (paths would read it as one)")
+        if name is not None and name != m.name:
+            other = s.exec(select(Machine).where(Machine.name == name)).first()
+            if other is not None:
+                raise Conflict(f"machine {other.id} is already named {name!r}; pick another name")
+        m = svc.update_fields(
+            s,
+            m.id,
+            actor=req.actor,
+            kind="machine.updated",
+            values=values,
+            expected_version=req.expected_version(b.version),
+            data={"from": {k: getattr(m, k) for k in values}, "to": values},
+            instance=req.ctx.instance,
+        )
+        return machine_out(m, _nics(s, [m.id])[m.id])
+
+    return await req.write(run)
+
+
+@router.route(
+    "PATCH",
     "/api/v1/machines/{id}/labels",
     summary="Edit a machine's labels",
     roles=STAFF,
@@ -197,6 +243,7 @@ async def show_machine(req: ApiRequest) -> MachineOut:
     response=MachineOut,
     tag=TAG,
     errors=(404, 409, 422),
+    versioned=True,
 )
 async def patch_labels(req: ApiRequest) -> MachineOut:
     """Merge-patch labels: a string value sets the label, null removes it."""
@@ -219,7 +266,7 @@ async def patch_labels(req: ApiRequest) -> MachineOut:
             actor=req.actor,
             kind="machine.labels",
             values={"labels": labels},
-            expected_version=b.version,
+            expected_version=req.expected_version(b.version),
             data={"patch": b.labels},
             instance=req.ctx.instance,
         )
@@ -237,6 +284,7 @@ async def patch_labels(req: ApiRequest) -> MachineOut:
     response=MachineOut,
     tag=TAG,
     errors=(404, 409, 422),
+    versioned=True,
 )
 async def machine_action(req: ApiRequest) -> MachineOut:
     """inspect, maintenance-on/off, mark-broken, repair, retire. Illegal in the current state: 409."""
@@ -264,7 +312,7 @@ async def machine_action(req: ApiRequest) -> MachineOut:
             trigger,
             actor=req.actor,
             reason=b.reason,
-            expected_version=b.version,
+            expected_version=req.expected_version(b.version),
             updates=updates,
             instance=req.ctx.instance,
         )
@@ -315,6 +363,7 @@ def _machine_view(s: Session, m: Machine) -> MachineOut:
     response=MachineOut,
     tag="machines",
     errors=(404, 409),
+    versioned=True,
 )
 async def retry_machine(req: ApiRequest) -> MachineOut:
     """Start a failed operation again: provision-failed -> provisioning, wipe-failed -> wiping,
@@ -322,7 +371,10 @@ async def retry_machine(req: ApiRequest) -> MachineOut:
     into PXE through their BMC. Any other state: 409."""
     b: RetryIn = req.body
     return await claim_workflow(req.ctx).retry(
-        req.params["id"], reason=b.reason, version=b.version, **_as_caller(req)
+        req.params["id"],
+        reason=b.reason,
+        version=req.expected_version(b.version),
+        **_as_caller(req),
     )
 
 
@@ -335,6 +387,7 @@ async def retry_machine(req: ApiRequest) -> MachineOut:
     response=MachineOut,
     tag="machines",
     errors=(404, 409),
+    versioned=True,
 )
 async def wipe_machine(req: ApiRequest) -> MachineOut:
     """Start a wipe of a machine in maintenance or wipe-failed (e.g. one marked broken during
@@ -342,7 +395,10 @@ async def wipe_machine(req: ApiRequest) -> MachineOut:
     then ready once the agent's evidence fits its recorded disks. Any other state: 409."""
     b: RetryIn = req.body
     return await claim_workflow(req.ctx).wipe(
-        req.params["id"], reason=b.reason, version=b.version, **_as_caller(req)
+        req.params["id"],
+        reason=b.reason,
+        version=req.expected_version(b.version),
+        **_as_caller(req),
     )
 
 
@@ -355,6 +411,7 @@ async def wipe_machine(req: ApiRequest) -> MachineOut:
     response=MachineOut,
     tag="machines",
     errors=(404, 409, 422),
+    versioned=True,
 )
 async def confirm_wipe(req: ApiRequest) -> MachineOut:
     """A technician vouches that the machine's disks were erased (by hand, or it has no BMC
@@ -364,7 +421,10 @@ async def confirm_wipe(req: ApiRequest) -> MachineOut:
     event)."""
     b: TechnicianNote = req.body
     return await claim_workflow(req.ctx).confirm_wipe(
-        req.params["id"], reason=b.reason, version=b.version, **_as_caller(req)
+        req.params["id"],
+        reason=b.reason,
+        version=req.expected_version(b.version),
+        **_as_caller(req),
     )
 
 

@@ -47,7 +47,7 @@ async def healthz(req: ApiRequest) -> web.StreamResponse:
     tag="system",
     raw_response="text/plain",
 )
-async def prometheus(req: ApiRequest) -> web.Response:
+async def show_metrics(req: ApiRequest) -> web.Response:
     """Prometheus text format: API, lifecycle, DHCP/TFTP and BMC counters."""
     await scrape.refresh(req.ctx.store, req.ctx.cfg.boot.networks)
     return web.Response(body=metrics.render(), content_type="text/plain", charset="utf-8")

@@ -9,9 +9,10 @@ from pydantic import BaseModel, Field, StringConstraints
 from sqlalchemy import func
 from sqlmodel import Session, col, select
 
+from api.paging import sorted_by
 from api.roles import ADMIN, READERS
 from api.routing import ApiRequest, Router
-from api.schemas import In, PageQuery, TenantCreate, TenantList, TenantOut
+from api.schemas import In, TenantCreate, TenantList, TenantOut, TenantQuery
 from api.workflows import tenant_runtime
 from metald.auth import Role
 from metald.errors import NotFound, Unprocessable
@@ -80,6 +81,7 @@ def _tenant(s: Session, req: ApiRequest) -> Tenant:
     status=201,
     tag="tenants",
     errors=(409, 422),
+    location="/api/v1/tenants/{id}",
 )
 async def create_tenant(req: ApiRequest) -> TenantOut:
     """A tenant that orchestrator tokens can be scoped to."""
@@ -105,14 +107,14 @@ async def create_tenant(req: ApiRequest) -> TenantOut:
     "/api/v1/tenants",
     summary="List tenants",
     roles=READERS,
-    query=PageQuery,
+    query=TenantQuery,
     response=TenantList,
     tag="tenants",
 )
 async def list_tenants(req: ApiRequest) -> TenantList:
     """Tenants by name, paginated; an orchestrator sees only those in its scope."""
     p = req.require_principal()
-    q: PageQuery = req.query
+    q: TenantQuery = req.query
     limit = req.page_limit(q)
 
     def run(s: Session) -> TenantList:
@@ -120,14 +122,14 @@ async def list_tenants(req: ApiRequest) -> TenantList:
         if p.role is Role.ORCHESTRATOR:
             stmt = stmt.where(col(Tenant.id).in_(sorted(p.scope)))
         total = s.exec(select(func.count()).select_from(stmt.subquery())).one()
-        rows = s.exec(
-            stmt.order_by(col(Tenant.name), col(Tenant.id)).offset(q.offset).limit(limit)
-        ).all()
+        order = [col(Tenant.name), col(Tenant.id)]
+        rows = s.exec(sorted_by(stmt, Tenant, q, order).offset(q.offset).limit(limit)).all()
         return TenantList(
             items=[TenantOut.model_validate(t.model_dump()) for t in rows],
             total=total,
             limit=limit,
             offset=q.offset,
+            next=req.next_link(q, len(rows), total),
         )
 
     return await req.ctx.store.read(run)
@@ -165,6 +167,7 @@ async def show_tenant(req: ApiRequest) -> TenantOut:
     status=201,
     tag="tenants",
     errors=(404, 409, 422),
+    location="/api/v1/tenants/{tenant_id}/hub",
 )
 async def create_hub(req: ApiRequest) -> HubOut:
     """Give the tenant its WireGuard hub (key pair, overlay prefix no other tenant overlaps,

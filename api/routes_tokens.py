@@ -7,14 +7,15 @@ from datetime import timedelta
 from sqlalchemy import func
 from sqlmodel import Session, col, select
 
+from api.paging import sorted_by
 from api.roles import ADMIN
 from api.routing import ALL_ROLES, ApiRequest, Router
 from api.schemas import (
-    PageQuery,
     TokenCreate,
     TokenCreated,
     TokenList,
     TokenOut,
+    TokenQuery,
     WhoAmI,
 )
 from metald.auth import Role, issue_token, revoke_token
@@ -45,6 +46,7 @@ def _check_scope(s: Session, role: Role, scope: list[str]) -> None:
     status=201,
     tag="tokens",
     errors=(422,),
+    location="/api/v1/tokens/{id}",
 )
 async def create_token(req: ApiRequest) -> TokenCreated:
     """Issue a token with a role and scope. The secret is in the response and nowhere else."""
@@ -79,29 +81,27 @@ async def create_token(req: ApiRequest) -> TokenCreated:
     "/api/v1/tokens",
     summary="List tokens",
     roles=ADMIN,
-    query=PageQuery,
+    query=TokenQuery,
     response=TokenList,
     tag="tokens",
 )
 async def list_tokens(req: ApiRequest) -> TokenList:
     """Tokens, oldest first, paginated (never their secrets or hashes). Revoked and expired
     tokens are listed until the token purge removes them."""
-    q: PageQuery = req.query
+    q: TokenQuery = req.query
     limit = req.page_limit(q)
 
     def run(s: Session) -> TokenList:
         total = s.exec(select(func.count()).select_from(ApiToken)).one()
-        rows = s.exec(
-            select(ApiToken)
-            .order_by(col(ApiToken.created_at), col(ApiToken.id))
-            .offset(q.offset)
-            .limit(limit)
-        ).all()
+        order = [col(ApiToken.created_at), col(ApiToken.id)]
+        stmt = sorted_by(select(ApiToken), ApiToken, q, order)
+        rows = s.exec(stmt.offset(q.offset).limit(limit)).all()
         return TokenList(
             items=[TokenOut.model_validate(r.model_dump()) for r in rows],
             total=total,
             limit=limit,
             offset=q.offset,
+            next=req.next_link(q, len(rows), total),
         )
 
     return await req.ctx.store.read(run)

@@ -21,10 +21,13 @@ from aiohttp.web_protocol import RequestPayloadError
 from pydantic import BaseModel, ValidationError
 from pydantic_core import to_jsonable_python
 
+from api.paging import next_link
 from api.problem import problem, validation_problem
+from api.resolve import FULL_ID, path_kinds, resolve
 from metald import metrics
 from metald.auth import Principal, Role, authenticate
 from metald.errors import MetaldError
+from metald.machines import ConcurrentUpdate
 
 if TYPE_CHECKING:
     from api.context import AppContext
@@ -55,6 +58,11 @@ class RouteSpec:
     raw_body: bool = False
     #: Body limit for this route when it differs from api.max_body_bytes.
     max_body: int | None = None
+    #: For a route that creates (201): the created resource's path, formatted with the
+    #: response's fields and the path parameters, sent as ``Location``.
+    location: str | None = None
+    #: The route writes a versioned row and honours ``If-Match`` (its ETag is the version).
+    versioned: bool = False
 
     @property
     def path_params(self) -> list[str]:
@@ -73,6 +81,8 @@ class ApiRequest:
     body: Any = None
     query: Any = None
     params: dict[str, str] = field(default_factory=dict)
+    #: The version an ``If-Match`` header names (None: no header, or ``*``).
+    if_match: int | None = None
 
     @property
     def actor(self) -> str:
@@ -88,6 +98,22 @@ class ApiRequest:
     def page_limit(self, query: Any) -> int:
         """The page size a list call asked for (``limit``), else the configured api.page_size."""
         return query.limit if query.limit is not None else self.ctx.cfg.api.page_size
+
+    def expected_version(self, body_version: int | None) -> int | None:
+        """The version the write is conditional on: ``If-Match``'s, else the body's
+        ``version``; both given and different can never both hold, so that is a 412."""
+        if self.if_match is not None and body_version is not None and body_version != self.if_match:
+            raise _Problem(
+                412,
+                "Precondition failed",
+                f"If-Match names version {self.if_match} but the body's version is "
+                f"{body_version}; send one of them",
+            )
+        return self.if_match if self.if_match is not None else body_version
+
+    def next_link(self, query: Any, count: int, total: int) -> str | None:
+        """The ``next`` link of a list answer of ``count`` items out of ``total``."""
+        return next_link(self.raw.path, self.raw.query, query.offset, count, total)
 
     def require_principal(self) -> Principal:
         assert self.principal is not None
@@ -114,6 +140,8 @@ class Router:
         errors: tuple[int, ...] = (),
         raw_body: bool = False,
         max_body: int | None = None,
+        location: str | None = None,
+        versioned: bool = False,
     ) -> Callable[[Handler], Handler]:
         def deco(fn: Handler) -> Handler:
             self.specs.append(
@@ -133,6 +161,8 @@ class Router:
                     errors=errors,
                     raw_body=raw_body,
                     max_body=max_body,
+                    location=location,
+                    versioned=versioned,
                 )
             )
             return fn
@@ -287,20 +317,65 @@ def _query(request: web.Request, spec: RouteSpec) -> Any:
     return query
 
 
+def etag(version: int) -> str:
+    """The strong entity tag of a versioned resource: its version column, quoted."""
+    return f'"{version}"'
+
+
+def parse_if_match(spec: RouteSpec, header: str | None) -> int | None:
+    """The version ``If-Match`` names: None when absent or ``*`` (any current version). A
+    route that writes no versioned row cannot meet a specific tag, so that is a 412 (RFC 9110
+    13.1.1), as is a list of several tags (one row has one version)."""
+    if header is None or header.strip() == "*":
+        return None
+    if not spec.versioned:
+        raise _Problem(
+            412,
+            "Precondition failed",
+            "this resource carries no version, so If-Match cannot hold; send the request "
+            "without it",
+        )
+    tags = [t.strip() for t in header.split(",") if t.strip()]
+    m = re.fullmatch(r'"(\d{1,18})"', tags[0]) if len(tags) == 1 else None
+    if m is None:
+        raise _Problem(
+            412,
+            "Precondition failed",
+            f'If-Match must be the one ETag a GET of this resource answered, like "3" '
+            f"(got {header[:80]!r})",
+        )
+    return int(m.group(1))
+
+
 class _Problem(Exception):
     def __init__(self, status: int, title: str, detail: str) -> None:
         self.status, self.title, self.detail = status, title, detail
 
 
-def _serialize(spec: RouteSpec, result: Any) -> web.StreamResponse:
+def _serialize(spec: RouteSpec, result: Any, params: dict[str, str]) -> web.StreamResponse:
+    """The handler's result as the response its declaration documents: the declared status
+    (a route that answers nothing declares 204, so the document and the wire agree) and, for a
+    route that creates, the new resource's ``Location``."""
     if isinstance(result, web.StreamResponse):
         return result
     if result is None:
-        return web.Response(status=204 if spec.status == 200 else spec.status)
+        if spec.status != 204:
+            raise RuntimeError(
+                f"{spec.method} {spec.path} answered nothing but declares {spec.status}"
+            )
+        return web.Response(status=204)
+    if spec.status == 204:
+        raise RuntimeError(f"{spec.method} {spec.path} declares 204 but answered a body")
     payload = result.model_dump() if isinstance(result, BaseModel) else result
+    headers = {}
+    if isinstance(payload, dict) and isinstance(payload.get("version"), int) and "id" in payload:
+        headers["ETag"] = etag(payload["version"])
+    if spec.location is not None:
+        headers["Location"] = spec.location.format(**{**params, **payload})
     return web.json_response(
         to_jsonable_python(_utc(payload)),
         status=spec.status,
+        headers=headers,
         dumps=lambda o: json.dumps(o, default=str),
     )
 
@@ -320,6 +395,8 @@ def _utc(value: Any) -> Any:
 def make_handler(
     spec: RouteSpec, ctx: AppContext
 ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    kinds = path_kinds(spec.path)
+
     async def handle(request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
         status = 500
@@ -342,18 +419,44 @@ def make_handler(
                     )
             if any("\x00" in v for v in request.match_info.values()):
                 raise _Problem(404, "Not found", f"there is no resource at this path ({_NUL})")
-            areq = ApiRequest(request, ctx, principal, params=dict(request.match_info))
+            params = dict(request.match_info)
+            to_resolve = {n: kinds[n] for n in kinds if not FULL_ID.fullmatch(params[n])}
+            if to_resolve:  # a name or an id prefix: the same rules on every route
+                params.update(
+                    await ctx.store.run(
+                        lambda s: {
+                            n: resolve(s, principal, kind, params[n])
+                            for n, kind in to_resolve.items()
+                        }
+                    )
+                )
+            areq = ApiRequest(request, ctx, principal, params=params)
+            if request.method not in ("GET", "HEAD"):
+                areq.if_match = parse_if_match(spec, request.headers.get("If-Match"))
             if spec.query is not None:
                 areq.query = _query(request, spec)
+            elif request.query:  # a misspelt filter must not silently list everything
+                name = next(iter(request.query))
+                raise _Problem(
+                    422,
+                    "Invalid request",
+                    f"unknown query parameter {name[:64]!r}: this operation takes none",
+                )
             if spec.body is not None:
                 areq.body = await _read_body(
                     request, spec, spec.max_body or ctx.cfg.api.max_body_bytes
                 )
-            resp = _serialize(spec, await spec.handler(areq))
+            resp = _serialize(spec, await spec.handler(areq), areq.params)
         except _Problem as p:
             resp = problem(p.status, p.title, p.detail, instance=request.path)
         except ValidationError as e:
             resp = validation_problem(e, instance=request.path)
+        except ConcurrentUpdate as e:
+            if request.headers.get("If-Match", "*").strip() != "*":
+                # The write was conditional on the header's version: RFC 9110 13.1.1.
+                resp = problem(412, "Precondition failed", e.detail, instance=request.path)
+            else:
+                resp = problem(e.status, e.title, e.detail, instance=request.path, **e.extra)
         except MetaldError as e:
             resp = problem(e.status, e.title, e.detail, instance=request.path, **e.extra)
         status = resp.status

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
+from api.paging import PageQuery
 from metald.auth import Role
 from metald.lifecycle import State
 
@@ -35,19 +36,19 @@ class Query(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class PageQuery(Query):
-    """limit/offset paging of a list call; the default page size is api.page_size."""
-
-    limit: int | None = Field(
-        default=None, ge=1, le=1000, description="Page size (default: the api.page_size setting)."
-    )
-    offset: int = Field(default=0, ge=0, description="Items to skip.")
-
-
 # ---- machines ---------------------------------------------------------------------------
 
 
+class TokenQuery(PageQuery):
+    SORTABLE = ("name", "role", "created_at", "expires_at")
+
+
+class TenantQuery(PageQuery):
+    SORTABLE = ("name", "created_at")
+
+
 class MachineQuery(PageQuery):
+    SORTABLE = ("name", "state", "created_at", "updated_at", "rack", "gpu_model", "gpu_count")
     state: list[State] = Field(default=[], description="Filter by state (repeatable).")
     label: list[str] = Field(default=[], description="key=value (repeatable; all must match).")
     gpu_model: str | None = Field(
@@ -83,6 +84,14 @@ class MachineCreate(In):
     name: Name | None = None
     labels: dict[LabelKey, LabelValue] = {}
     rack: Name | None = None
+
+
+class MachinePatch(In):
+    """The fields a technician may change on a machine (absent: unchanged)."""
+
+    name: Name | None = Field(default=None, description="Unique; paths accept it for the id.")
+    rack: Name | None = None
+    version: Version = None
 
 
 class LabelsPatch(In):
@@ -145,6 +154,7 @@ class MachinePage(BaseModel):
     total: int
     limit: int
     offset: int
+    next: str | None = Field(default=None, description="The next page, absent on the last.")
 
 
 # ---- events -----------------------------------------------------------------------------
@@ -158,6 +168,9 @@ class EventQuery(Query):
     )
     limit: int | None = Field(
         default=None, ge=1, le=1000, description="Page size (default: the api.page_size setting)."
+    )
+    sort: Literal["id", "-id"] = Field(
+        default="id", description="-id: the newest first (a list only; a stream is in id order)."
     )
 
 
@@ -212,6 +225,7 @@ class TokenList(BaseModel):
     total: int
     limit: int
     offset: int
+    next: str | None = Field(default=None, description="The next page, absent on the last.")
 
 
 class WhoAmI(BaseModel):
@@ -243,6 +257,7 @@ class TenantList(BaseModel):
     total: int
     limit: int
     offset: int
+    next: str | None = Field(default=None, description="The next page, absent on the last.")
 
 
 class Health(BaseModel):

@@ -8,6 +8,7 @@ change and its event row land together or not at all. State changes compare-and-
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from sqlalchemy import bindparam, func
@@ -26,6 +27,14 @@ from metald.store.models import Event, Machine, Nic, as_utc, new_id, utcnow
 
 class ConcurrentUpdate(Conflict):
     title = "Concurrent update"
+
+
+def default_name(rack: str | None, rack_position: str | None) -> str | None:
+    """A machine's name from where it sits (``r07-sw1-eth12`` from rack r07 and option 82's
+    ``sw1/eth12``): letters, digits, dots, dashes and underscores, at most 63 characters."""
+    where = "-".join(p for p in (rack, rack_position) if p)
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", where).strip("-._")[:63].rstrip("-._")
+    return slug or None
 
 
 def add_event(
@@ -133,6 +142,10 @@ def create_machine(
             )
     if name and session.exec(select(Machine).where(Machine.name == name)).first():
         raise Conflict(f"a machine named {name!r} already exists")
+    default = default_name(rack, rack_position) if name is None else None
+    # Named after where it sits, unless a machine already carries that name.
+    if default and not session.exec(select(Machine).where(Machine.name == default)).first():
+        name = default
     m = Machine(
         name=name,
         state=State.DISCOVERED.value,

@@ -9,29 +9,15 @@ from typing import Any
 from aiohttp import web
 
 PROBLEM_TYPE = "application/problem+json"
-_TYPES = {
-    400: "bad-request",
-    401: "unauthorized",
-    403: "forbidden",
-    404: "not-found",
-    405: "method-not-allowed",
-    408: "request-timeout",
-    409: "conflict",
-    413: "payload-too-large",
-    415: "unsupported-media-type",
-    422: "unprocessable",
-    429: "too-many-requests",
-    500: "internal-error",
-    502: "upstream-error",
-    503: "unavailable",
-}
 
 
 def problem(
     status: int, title: str, detail: str, *, instance: str | None = None, **extra: Any
 ) -> web.Response:
     body: dict[str, Any] = {
-        "type": f"https://metald.dev/problems/{_TYPES.get(status, 'error')}",
+        # RFC 9457 4.2.1: the problem carries no meaning beyond its status code (the sentence
+        # is in detail), so its type is about:blank, not a URI that would resolve to nothing.
+        "type": "about:blank",
         "title": title,
         "status": status,
         "detail": detail,

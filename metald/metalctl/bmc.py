@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import time
 from typing import Any
 
 from .client import Client
-from .options import POWER_ACTIONS, Subparsers
-from .output import emit, emit_table
+from .options import DISRUPTIVE_POWER, POWER_ACTIONS, Subparsers, UsageError, confirm
+from .output import emit, emit_table, machine_readable
 
 SENSOR_COLUMNS = [
     ("NAME", "name"),
@@ -32,6 +34,8 @@ def register(sub: Subparsers) -> None:
     p = sub.add_parser("power", help="power state and actions through the machine's BMC")
     p.add_argument("id", help="machine id")
     p.add_argument("action", nargs="?", choices=POWER_ACTIONS, default="status")
+    p.add_argument("--wait", action="store_true", help="until the BMC reports the new state")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds --wait waits at most")
     p.set_defaults(func=power)
     b = sub.add_parser("boot-device", help="set the next boot device")
     b.add_argument("id")
@@ -50,6 +54,20 @@ def register(sub: Subparsers) -> None:
     bp.add_argument("id", help="BMC id")
     bp.add_argument("action", nargs="?", choices=POWER_ACTIONS, default="status")
     bp.set_defaults(func=bmc_power)
+    bs = bsub.add_parser("show")
+    bs.add_argument("id", help="BMC id or id prefix")
+    bs.set_defaults(func=show_bmc)
+    bl = bsub.add_parser("link", help="link the BMC to a machine (or --unlink it)")
+    bl.add_argument("id")
+    bl.add_argument("machine", nargs="?", help="machine id, name or prefix")
+    bl.add_argument("--unlink", action="store_true")
+    bl.set_defaults(func=link_bmc)
+    bx = bsub.add_parser("remove", help="forget the BMC and its stored credentials")
+    bx.add_argument("id")
+    bx.set_defaults(func=remove_bmc)
+    lg = sub.add_parser("bmc-log", help="a machine's BMC event log")
+    lg.add_argument("id")
+    lg.set_defaults(func=bmc_log)
     br = bsub.add_parser("register")
     br.add_argument("address")
     br.add_argument("--port", type=int)
@@ -63,14 +81,31 @@ def register(sub: Subparsers) -> None:
     br.set_defaults(func=register_bmc)
 
 
+#: The power state each action ends in (what ``--wait`` waits for).
+WAIT_FOR = {"on": "on", "off": "off", "soft-off": "off", "cycle": "on", "reset": "on"}
+WAIT_INTERVAL_S = 2.0
+
+
 def _power(c: Client, path: str, action: str) -> Any:
     if action == "status":
         return c.call("GET", path)
     return c.call("POST", path, {"action": action})
 
 
-def power(args: argparse.Namespace, c: Client) -> None:
-    r = _power(c, f"/api/v1/machines/{args.id}/power", args.action)
+def power(args: argparse.Namespace, c: Client) -> int | None:
+    if args.action in DISRUPTIVE_POWER:
+        confirm(args, f"power {args.action} machine {args.id}")
+    path = f"/api/v1/machines/{args.id}/power"
+    r = _power(c, path, args.action)
+    want = WAIT_FOR.get(args.action)
+    if args.wait and want is not None:
+        deadline = time.monotonic() + args.timeout
+        while r.get("power_state") != want:
+            if time.monotonic() >= deadline:
+                print(f"metalctl: {args.id} did not report power {want} within {args.timeout:g} s")
+                return 1
+            time.sleep(WAIT_INTERVAL_S)
+            r = c.call("GET", path)
     emit(args, r, lambda r: f"{args.id}: power {r.get('power_state', r)}")
 
 
@@ -92,6 +127,8 @@ def list_bmcs(args: argparse.Namespace, c: Client) -> None:
 
 
 def bmc_power(args: argparse.Namespace, c: Client) -> None:
+    if args.action in DISRUPTIVE_POWER:
+        confirm(args, f"power {args.action} the host of BMC {args.id}")
     r = _power(c, f"/api/v1/bmcs/{args.id}/power", args.action)
     emit(args, r, lambda r: f"bmc {args.id}: power {r.get('power_state')}")
 
@@ -99,8 +136,8 @@ def bmc_power(args: argparse.Namespace, c: Client) -> None:
 def register_bmc(args: argparse.Namespace, c: Client) -> None:
     password = os.environ.get(args.password_env)
     if not password:
-        raise SystemExit(
-            f"metalctl: put the BMC password in ${args.password_env} (never on the command line)"
+        raise UsageError(
+            f"put the BMC password in ${args.password_env} (never on the command line)"
         )
     body: dict[str, Any] = {
         "address": args.address,
@@ -115,3 +152,30 @@ def register_bmc(args: argparse.Namespace, c: Client) -> None:
         body["machine_id"] = args.machine
     r = c.call("POST", "/api/v1/bmcs", body)
     emit(args, r, lambda r: f"bmc {r['id']} registered ({r['protocol']}, {r['health']})")
+
+
+def show_bmc(args: argparse.Namespace, c: Client) -> None:
+    b = c.call("GET", f"/api/v1/bmcs/{args.id}")
+    emit(
+        args, b, lambda b: "\n".join(f"{k + ':':15} {'' if v is None else v}" for k, v in b.items())
+    )
+
+
+def link_bmc(args: argparse.Namespace, c: Client) -> None:
+    if bool(args.machine) == args.unlink:
+        raise UsageError("name a machine to link, or --unlink (not both)")
+    machine = None if args.unlink else c.call("GET", f"/api/v1/machines/{args.machine}")["id"]
+    b = c.call("PUT", f"/api/v1/bmcs/{args.id}/machine", {"machine_id": machine})
+    emit(args, b, lambda b: f"bmc {b['id']}: machine {b['machine_id'] or '-'}")
+
+
+def remove_bmc(args: argparse.Namespace, c: Client) -> None:
+    confirm(args, f"remove BMC {args.id} and its stored credentials")
+    c.call("DELETE", f"/api/v1/bmcs/{args.id}")
+    if not machine_readable(args):
+        print(f"bmc {args.id} removed")
+
+
+def bmc_log(args: argparse.Namespace, c: Client) -> None:
+    r = c.call("GET", f"/api/v1/machines/{args.id}/bmc-log")
+    emit(args, r, lambda r: "\n".join(json.dumps(e) for e in r.get("items", [])))

@@ -9,8 +9,8 @@ from typing import Any
 from metald.lifecycle import SETTLED
 
 from .client import Client
-from .options import Subparsers, key_values
-from .output import as_json, emit, emit_table, table
+from .options import Subparsers, confirm, key_values
+from .output import emit, emit_table, machine_readable, render, table
 
 COLUMNS = [
     ("ID", "id"),
@@ -43,11 +43,17 @@ def register(sub: Subparsers) -> None:
     cc.add_argument("--rack")
     cc.add_argument("--ssh-key", action="append", default=[])
     cc.add_argument("--idempotency-key")
+    cc.add_argument(
+        "--wait", action="store_true", help="then redraw progress until every machine settles"
+    )
     cc.set_defaults(func=create)
     cs = csub.add_parser("show")
     cs.add_argument("id")
     cs.add_argument(
-        "--watch", action="store_true", help="redraw progress until every machine settles"
+        "--watch",
+        "--wait",
+        action="store_true",
+        help="redraw progress until every machine settles",
     )
     cs.set_defaults(func=show)
     cr = csub.add_parser("release")
@@ -96,14 +102,19 @@ def create(args: argparse.Namespace, c: Client) -> None:
     }
     if args.idempotency_key:
         body["idempotency_key"] = args.idempotency_key
-    emit(args, c.call("POST", "/api/v1/claims", body), claim_table)
+    claim = c.call("POST", "/api/v1/claims", body)
+    if not args.wait:
+        emit(args, claim, claim_table)
+        return
+    args.id, args.watch = claim["id"], True
+    show(args, c)
 
 
 def show(args: argparse.Namespace, c: Client) -> None:
     while True:
         r = c.call("GET", f"/api/v1/claims/{args.id}")
-        if args.json:
-            print(as_json(r))
+        if machine_readable(args):
+            print(render(args, r))
             return
         print(claim_table(r), flush=True)
         if not args.watch or all(m["state"] in SETTLED for m in r["machines"]):
@@ -113,6 +124,8 @@ def show(args: argparse.Namespace, c: Client) -> None:
 
 
 def release(args: argparse.Namespace, c: Client) -> None:
+    what = f"machine {args.machine} of claim {args.id}" if args.machine else f"claim {args.id}"
+    confirm(args, f"release {what} (its machines are wiped)")
     path = f"/api/v1/claims/{args.id}/release"
     if args.machine:
         path = f"/api/v1/claims/{args.id}/machines/{args.machine}/release"

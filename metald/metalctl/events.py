@@ -7,16 +7,19 @@ import json
 from typing import Any
 
 from .client import Client
-from .options import Subparsers
-from .output import as_json
+from .options import Subparsers, UsageError
+from .output import machine_readable, render
 
 
 def register(sub: Subparsers) -> None:
     e = sub.add_parser("events", help="list or follow events")
-    e.add_argument("--machine")
+    e.add_argument("--machine", help="only this machine's (id, name or id prefix)")
+    e.add_argument("--kind", help="only events of this kind, e.g. machine.state")
     e.add_argument("--after", type=int, default=0)
-    e.add_argument("--limit", type=int, default=100)
-    e.add_argument("--follow", "-f", action="store_true")
+    e.add_argument(
+        "--tail", "--limit", dest="limit", type=int, default=100, help="the newest N (default 100)"
+    )
+    e.add_argument("--follow", "-f", action="store_true", help="then follow new ones live")
     e.set_defaults(func=events)
 
 
@@ -29,23 +32,28 @@ def line(ev: dict[str, Any]) -> str:
 
 
 def events(args: argparse.Namespace, c: Client) -> None:
+    """A list is newest first (the newest --tail N); --follow prints oldest first, as they come."""
+    if args.limit < 1:
+        raise UsageError("--tail must be at least 1")
     q = [("after", str(args.after)), ("limit", str(args.limit))]
     if args.machine:
-        q.append(("machine_id", args.machine))
+        q.append(("machine_id", c.call("GET", f"/api/v1/machines/{args.machine}")["id"]))
+    if args.kind:
+        q.append(("kind", args.kind))
     if args.follow:
         after = args.after
         try:
             while True:  # the server ends a stream after its maximum life: resume it
                 q[0] = ("after", str(after))
                 for ev in c.stream("/api/v1/events/stream", q):
-                    print(json.dumps(ev) if args.json else line(ev), flush=True)
+                    print(json.dumps(ev) if machine_readable(args) else line(ev), flush=True)
                     after = ev["id"]
         except KeyboardInterrupt:
             return
     else:
-        page = c.call("GET", "/api/v1/events", query=q)
-        if args.json:
-            print(as_json(page))
+        page = c.call("GET", "/api/v1/events", query=[*q, ("sort", "-id")])
+        if machine_readable(args):
+            print(render(args, page))
         else:
             for ev in page["items"]:
                 print(line(ev))

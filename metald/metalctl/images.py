@@ -16,6 +16,9 @@ def register(sub: Subparsers) -> None:
     im = sub.add_parser("images", help="images machines are provisioned with")
     isub = im.add_subparsers(dest="sub", required=True)
     isub.add_parser("list").set_defaults(func=list_images)
+    shw = isub.add_parser("show")
+    shw.add_argument("id", help="id, name or id prefix")
+    shw.set_defaults(func=show)
     ic = isub.add_parser("create")
     ic.add_argument("name")
     ic.add_argument("--kind", choices=["disk", "stateless"], default="disk")
@@ -39,3 +42,10 @@ def create(args: argparse.Namespace, c: Client) -> None:
         body["url"] = args.image_url
     r = c.call("POST", "/api/v1/images", body)
     emit(args, r, lambda r: f"image {r['id']} ({r['name']}) created")
+
+
+def show(args: argparse.Namespace, c: Client) -> None:
+    r = c.call("GET", f"/api/v1/images/{args.id}")
+    emit(
+        args, r, lambda r: "\n".join(f"{k + ':':15} {'' if v is None else v}" for k, v in r.items())
+    )

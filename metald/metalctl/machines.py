@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from .client import Client
-from .options import Subparsers, key_values
+from .options import Subparsers, confirm, key_values
 from .output import emit, table
 
 COLUMNS = [
@@ -71,9 +71,25 @@ def register(sub: Subparsers) -> None:
     mlab.set_defaults(func=label)
     for action in ACTIONS:
         pa = msub.add_parser(action)
-        pa.add_argument("id")
-        pa.add_argument("--reason")
+        pa.add_argument("id", help="id, name or id prefix")
+        pa.add_argument("--reason", required=action == "retire")
         pa.set_defaults(func=act)
+    for step, needs_reason in (("retry", False), ("wipe", False), ("confirm-wipe", True)):
+        ps = msub.add_parser(step)
+        ps.add_argument("id", help="id, name or id prefix")
+        ps.add_argument("--reason", required=needs_reason)
+        ps.set_defaults(func=workflow_step)
+    jt = msub.add_parser("join-token", help="a one-time token for the node to join its tenant")
+    jt.add_argument("id")
+    jt.add_argument("--ttl", type=int, default=1800, help="seconds it stays valid (60-86400)")
+    jt.set_defaults(func=join_token)
+    mp = msub.add_parser("peer-revoke", help="take the machine off its tenant's hub")
+    mp.add_argument("id")
+    mp.set_defaults(func=revoke_peer)
+    mn = msub.add_parser("rename", help="give a machine a new (unique) name")
+    mn.add_argument("id")
+    mn.add_argument("name")
+    mn.set_defaults(func=rename)
 
 
 def row(m: dict[str, Any]) -> dict[str, Any]:
@@ -130,7 +146,33 @@ def label(args: argparse.Namespace, c: Client) -> None:
     emit(args, m, lambda m: f"{m['id']}: {m['labels']}")
 
 
+def workflow_step(args: argparse.Namespace, c: Client) -> None:
+    if args.sub in ("wipe", "confirm-wipe"):
+        confirm(args, f"{args.sub} machine {args.id} (its disks are erased or declared erased)")
+    body = {"reason": args.reason} if args.reason else {}
+    m = c.call("POST", f"/api/v1/machines/{args.id}/{args.sub}", body)
+    emit(args, m, lambda m: f"{m['name'] or m['id']}: {m['state']}")
+
+
+def join_token(args: argparse.Namespace, c: Client) -> None:
+    t = c.call("POST", f"/api/v1/machines/{args.id}/join-token", {"ttl_seconds": args.ttl})
+    emit(args, t, lambda t: f"{t['token']}\n(valid until {t['expires_at']}; shown only now)")
+
+
+def revoke_peer(args: argparse.Namespace, c: Client) -> None:
+    confirm(args, f"take machine {args.id} off its tenant's hub")
+    p = c.call("DELETE", f"/api/v1/machines/{args.id}/peer")
+    emit(args, p, lambda p: f"{args.id}: off the hub")
+
+
+def rename(args: argparse.Namespace, c: Client) -> None:
+    m = c.call("PATCH", f"/api/v1/machines/{args.id}", {"name": args.name})
+    emit(args, m, lambda m: f"{m['id']}: named {m['name']}")
+
+
 def act(args: argparse.Namespace, c: Client) -> None:
+    if args.sub == "retire":
+        confirm(args, f"retire machine {args.id} (it never boots from metald again)")
     body = {"action": args.sub}
     if args.reason:
         body["reason"] = args.reason

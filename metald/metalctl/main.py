@@ -11,6 +11,8 @@ from metald import __version__
 
 from . import bmc, claims, events, images, instances, machines, tenants, tokens, whoami
 from .client import ApiError, Client
+from .options import UsageError
+from .output import FORMATS
 
 #: Resource modules in the order their commands appear in ``metalctl --help``.
 RESOURCES = (machines, events, tokens, tenants, whoami, bmc, images, claims, instances)
@@ -22,20 +24,71 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--version", action="version", version=f"metalctl {__version__}")
     ap.add_argument("--url", default=os.environ.get("METALD_URL", "http://127.0.0.1:8080"))
-    ap.add_argument("--json", action="store_true", help="print the API's JSON")
+    ap.add_argument(
+        "-o",
+        "--output",
+        choices=FORMATS,
+        default="table",
+        help="table (default), wide, json or yaml; may stand anywhere on the line",
+    )
+    ap.add_argument("--json", action="store_true", help="the same as -o json")
+    ap.add_argument("-y", "--yes", action="store_true", help="do destructive steps without asking")
     sub = ap.add_subparsers(dest="cmd", required=True)
     for resource in RESOURCES:
         resource.register(sub)
     return ap
 
 
+def hoist_output(argv: list[str]) -> list[str]:
+    """Move ``-o X``/``--output X``/``--output=X``/``-oX`` and ``--json`` to the front, so they
+    may stand anywhere on the line (after the subcommand too) and the top parser reads them."""
+    front: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            rest += argv[i:]
+            break
+        if a in ("-o", "--output") and i + 1 < len(argv):
+            front += [a, argv[i + 1]]
+            i += 2
+            continue
+        if a.startswith("--output=") or (a.startswith("-o") and len(a) > 2 and a[2] != "-"):
+            front.append(a)
+        elif a == "--json":
+            front += ["-o", "json"]
+        elif a in ("-y", "--yes"):
+            front.append("--yes")
+        else:
+            rest.append(a)
+        i += 1
+    return front + rest
+
+
+#: What to tell someone whose token is missing or refused.
+TOKEN_HINT = (
+    "set METALD_TOKEN to an API token (export METALD_TOKEN=mtd_...); an admin issues one with "
+    "'metalctl tokens create --name <you> --role technician'"
+)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = hoist_output(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
-    client = Client(args.url, os.environ.get("METALD_TOKEN"))
+    args.json = args.output == "json"
+    token = os.environ.get("METALD_TOKEN")
+    client = Client(args.url, token)
     try:
         return args.func(args, client) or 0
+    except UsageError as e:
+        print(f"metalctl: {e}", file=sys.stderr)
+        return 2
     except ApiError as e:
         print(f"metalctl: {e} (HTTP {e.status})", file=sys.stderr)
+        if e.status == 401:
+            why = "no METALD_TOKEN is set" if not token else "the token was refused"
+            print(f"metalctl: {why}: {TOKEN_HINT}", file=sys.stderr)
         return 1
     except urllib.error.URLError as e:
         print(f"metalctl: cannot reach {args.url}: {e.reason}", file=sys.stderr)

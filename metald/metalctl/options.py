@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +13,26 @@ from .client import Client
 Handler = Callable[[argparse.Namespace, Client], int | None]
 #: The ``add_subparsers`` object each resource module adds its commands to.
 Subparsers = Any
+
+
+class UsageError(Exception):
+    """A mistake on the command line that metalctl found before asking the API (exit 2)."""
+
+
+def confirm(args: argparse.Namespace, what: str) -> None:
+    """Ask before a destructive step unless ``--yes``; off a terminal, refuse (exit 2) rather
+    than act unasked."""
+    if getattr(args, "yes", False):
+        return
+    if not sys.stdin.isatty():
+        raise UsageError(f"{what}: add --yes to confirm (there is no terminal to ask on)")
+    answer = input(f"{what}? [y/N] ").strip().lower()
+    if answer not in ("y", "yes"):
+        raise UsageError("not confirmed; nothing was done")
+
+
+#: Power actions that interrupt what the host runs.
+DISRUPTIVE_POWER = frozenset({"off", "cycle", "soft-off", "reset"})
 
 POWER_ACTIONS = ["status", "on", "off", "cycle", "soft-off", "reset"]
 
@@ -26,5 +47,5 @@ def key_values(items: list[str]) -> dict[str, str | None]:
         elif item.endswith("-"):
             out[item[:-1]] = None
         else:
-            raise SystemExit(f"metalctl: label {item!r} must be key=value, or key- to remove it")
+            raise UsageError(f"label {item!r} must be key=value, or key- to remove it")
     return out

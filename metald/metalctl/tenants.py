@@ -30,6 +30,9 @@ def register(sub: Subparsers) -> None:
     tn = sub.add_parser("tenants", help="tenants (admin)")
     tnsub = tn.add_subparsers(dest="sub", required=True)
     tnsub.add_parser("list").set_defaults(func=list_tenants)
+    shw = tnsub.add_parser("show")
+    shw.add_argument("id", help="id, name or id prefix")
+    shw.set_defaults(func=show)
     tnc = tnsub.add_parser("create")
     tnc.add_argument("name")
     tnc.add_argument("--kind", default="slurm", choices=["slurm", "kubernetes"])
@@ -82,3 +85,10 @@ def hub(args: argparse.Namespace, c: Client) -> None:
 def fabric(args: argparse.Namespace, c: Client) -> None:
     f = c.call("GET", f"/api/v1/tenants/{args.id}/fabric")
     emit(args, f, lambda f: f["partitions_conf"].rstrip("\n"))
+
+
+def show(args: argparse.Namespace, c: Client) -> None:
+    r = c.call("GET", f"/api/v1/tenants/{args.id}")
+    emit(
+        args, r, lambda r: "\n".join(f"{k + ':':15} {'' if v is None else v}" for k, v in r.items())
+    )

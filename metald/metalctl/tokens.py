@@ -7,7 +7,7 @@ from typing import Any
 
 from .client import Client
 from .options import Subparsers
-from .output import as_json, emit, table
+from .output import emit, machine_readable, render, table
 
 ROLES = ["admin", "technician", "orchestrator", "agent"]
 COLUMNS = [
@@ -49,8 +49,8 @@ def create(args: argparse.Namespace, c: Client) -> None:
     if args.ttl:
         body["ttl_seconds"] = args.ttl
     t = c.call("POST", "/api/v1/tokens", body)
-    if args.json:
-        print(as_json(t))
+    if machine_readable(args):
+        print(render(args, t))
     else:
         print(f"token {t['id']} ({t['role']}) created; the secret is shown only now:")
         print(t["token"])
