@@ -378,13 +378,9 @@ async def remove_bmc(req: ApiRequest) -> None:
 )
 async def bmc_power_status(req: ApiRequest) -> PowerOut:
     """Asks the BMC now; works before the host has enrolled as a machine."""
-<<<<<<< HEAD
-    if fwd := await _on_owner(req, PowerOut, bmc_id=req.params["bmc_id"]):
+    if fwd := await _on_owner(req, PowerOut, bmc_id=req.params["id"]):
         return fwd
-    return PowerOut.model_validate(await _bmc(req).power_bmc(req.params["bmc_id"], "status"))
-=======
     return PowerOut.model_validate(await _bmc(req).power_bmc(req.params["id"], "status"))
->>>>>>> api-surface
 
 
 @router.route(
@@ -401,13 +397,9 @@ async def bmc_power_action(req: ApiRequest) -> PowerOut:
     """Zero-touch: power on racks whose machines are not enrolled yet; they PXE-boot, enroll
     themselves, and the BMC is linked to its machine by system UUID, serial or MAC."""
     b: PowerRequest = req.body
-<<<<<<< HEAD
-    if fwd := await _on_owner(req, PowerOut, bmc_id=req.params["bmc_id"]):
+    if fwd := await _on_owner(req, PowerOut, bmc_id=req.params["id"]):
         return fwd
-    out = await _bmc(req).power_bmc(req.params["bmc_id"], b.action, actor=req.actor)
-=======
     out = await _bmc(req).power_bmc(req.params["id"], b.action, actor=req.actor)
->>>>>>> api-surface
     req.ctx.bus.notify()
     return PowerOut.model_validate(out)
 
