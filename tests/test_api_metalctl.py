@@ -112,6 +112,9 @@ class _LaggingBmc(FakeBmc):
         super().__init__(power_state="on")
         self.reads = 0
 
+    async def owner_url(self, **_kw: Any) -> str | None:
+        return None  # one instance: every command runs here
+
     async def power(self, machine_id: str, action: str, actor: str = "") -> dict[str, Any]:
         if action == "status":
             self.reads += 1

@@ -71,6 +71,7 @@ def test_runtime_dependencies_are_imported() -> None:
         "prometheus-client": "prometheus_client",
         "SQLAlchemy": "sqlalchemy",
         "pyroute2": "pyroute2",
+        "PyYAML": "yaml",
     }
     sources = "\n".join(
         p.read_text()
