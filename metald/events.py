@@ -224,6 +224,10 @@ class EventBus:
         wake = self._event()
         try:
             head = await store.read(newest_event_id)
+            # Tell the streams where the poller starts: an event committed between a stream's
+            # own catch-up read and this one is in no batch, and a stream behind ``head`` must
+            # read it from the store (or it would wait for the next event to notice the gap).
+            self._publish(Batch(head, head, ()))
             next_poll = next_check = loop.time()
             while self._subs:
                 if wake.is_set() or loop.time() >= next_poll:

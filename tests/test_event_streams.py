@@ -217,3 +217,29 @@ async def test_store_read_takes_no_write_lock(store) -> None:  # type: ignore[no
     for _ in range(3):
         await store.read(newest_event_id)
     await store.run(write_and_commit)
+
+
+async def test_an_event_committed_as_the_poller_starts_reaches_the_stream(store) -> None:  # type: ignore[no-untyped-def]
+    """The poller starts from the newest event when the first stream subscribes. An event
+    committed after the stream's own catch-up read but before the poller's first read is in no
+    batch; the poller's first (empty) batch tells the stream where it starts, so the stream
+    sees the gap at once instead of waiting for the next event."""
+    from metald.machines import add_event
+
+    bus = EventBus(poll_s=3600)
+    bus.bind(store)
+    covered = await store.read(newest_event_id)  # the stream's catch-up: nothing new yet
+    sub = bus.subscribe("t1")
+    try:
+
+        def write(s):  # type: ignore[no-untyped-def]
+            add_event(s, "test.race", "test")
+            s.commit()
+
+        await store.run(write)  # before the poller task has run at all
+        batch = await sub.next(5)
+        assert batch is not None, "the stream was never told where the poller starts"
+        assert batch.since > covered  # a gap: the stream reads it from the store
+    finally:
+        bus.unsubscribe(sub)
+        await bus.close()
