@@ -18,17 +18,20 @@ from .qmp import QmpClient, QmpError
 def _up(args: argparse.Namespace) -> int:
     lab = Lab(args.name, machines=args.machines, uefi=args.uefi, workdir=args.home,
               memory_mb=args.memory, cpus=args.cpus)  # fmt: skip
-    state = lab.up()
-    _print_lab(state, power=False)
-    if args.foreground:
-        # Stay until Ctrl-C or SIGTERM, then take the lab down (kill -9 leaves it for `down`).
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        try:
-            signal.pause()
-        except (KeyboardInterrupt, SystemExit):
-            pass
-        finally:
-            lab.down(keep_logs=args.keep_logs)
+    if not args.foreground:
+        _print_lab(lab.up(), power=False)
+        return 0
+    # Stay until Ctrl-C or SIGTERM, then take the lab down (kill -9 leaves it for `down`). The
+    # handler is in place before the lab comes up: a SIGTERM as soon as its state says "up"
+    # (or earlier) still takes it down instead of killing this process.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        _print_lab(lab.up(), power=False)
+        signal.pause()
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    finally:
+        lab.down(keep_logs=args.keep_logs)
     return 0
 
 
