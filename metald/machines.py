@@ -13,6 +13,7 @@ from typing import Any
 
 from sqlalchemy import bindparam, func
 from sqlalchemy import select as sa_select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import defer
 from sqlalchemy.orm.attributes import set_committed_value
 from sqlmodel import Session, select
@@ -143,19 +144,31 @@ def create_machine(
     if name and session.exec(select(Machine).where(Machine.name == name)).first():
         raise Conflict(f"a machine named {name!r} already exists")
     default = default_name(rack, rack_position) if name is None else None
-    # Named after where it sits, unless a machine already carries that name.
+
+    def new(with_name: str | None) -> Machine:
+        m = Machine(
+            name=with_name,
+            state=State.DISCOVERED.value,
+            labels=dict(labels or {}),
+            rack=rack,
+            rack_position=rack_position,
+            firmware=firmware,
+        )
+        session.add(m)
+        session.flush()
+        return m
+
+    # Named after where it sits, unless a machine already carries that name. Two machines
+    # enrolling at once behind one switch port (several instances, or a flood) may both pick
+    # it: the loser of the unique index goes unnamed instead of failing its enrollment.
     if default and not session.exec(select(Machine).where(Machine.name == default)).first():
-        name = default
-    m = Machine(
-        name=name,
-        state=State.DISCOVERED.value,
-        labels=dict(labels or {}),
-        rack=rack,
-        rack_position=rack_position,
-        firmware=firmware,
-    )
-    session.add(m)
-    session.flush()
+        try:
+            with session.begin_nested():
+                m = new(default)
+        except IntegrityError:
+            m = new(None)
+    else:
+        m = new(name)
     if norm:
         session.connection().execute(
             _NIC_INSERT,

@@ -117,7 +117,7 @@ def test_claim_provision_boot_release_wipe(enrolled_rack, tmp_path: Path) -> Non
     assert progress, "deploy progress was reported"
 
     t1 = time.monotonic()
-    rack.ctl("claims", "release", claim["id"])
+    rack.ctl("claims", "release", claim["id"], "--yes")
     wait_for(
         "wiped and ready",
         lambda: all(rack.json("machines", "show", i)["state"] == "ready" for i in ids),

@@ -296,7 +296,7 @@ def test_two_tenants_join_isolated_and_release(enrolled_rack) -> None:  # type: 
     gone_ip = underlay_ip(rack, a["id"], gone_node)
     assert gone_ip in guard_sources(rack, a["id"], kept)
     t1 = time.monotonic()
-    rack.ctl("claims", "release", claim_a["id"], "--machine", gone)
+    rack.ctl("claims", "release", claim_a["id"], "--machine", gone, "--yes")
     # The release answered after the remaining node acknowledged the mesh without the released
     # one, and before the wipe's first BMC command (events are ordered by id).
     st, page = rack.api("GET", "/api/v1/events?kind=tenant.mesh.released&limit=1000")

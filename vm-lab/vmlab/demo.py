@@ -252,7 +252,7 @@ def tenant_phase(rack, ctl: Ctl, timings: dict[str, float]) -> None:  # type: ig
 
     step("The orchestrator releases the claim: off the hub, out of the cluster, wiped, ready")
     t = time.monotonic()
-    show(ctl, "claims", "release", claim["id"], env=as_orch)
+    show(ctl, "claims", "release", claim["id"], "--yes", env=as_orch)
     r = exec_in(rack.state_dir, tenant["id"], ["sinfo", "-N"], timeout=60)
     print("$ sinfo -N\n" + r.stdout.rstrip(), flush=True)
     wait_states(rack, ctl, ids, "ready", 900, t, bad="wipe-failed")
@@ -309,7 +309,7 @@ def claim_phase(rack, ctl: Ctl, timings: dict[str, float], workdir: Path) -> Non
 
     step("The orchestrator releases the claim: tokens revoked, disks wiped, machines back to ready")
     t = time.monotonic()
-    show(ctl, "claims", "release", claim["id"], env=as_orch)
+    show(ctl, "claims", "release", claim["id"], "--yes", env=as_orch)
     deadline = time.monotonic() + 600
     while True:
         states = [
