@@ -476,6 +476,28 @@ def _delete_link(ifname: str) -> None:
             ip.link("del", index=idx[0])
 
 
+def clear_leftovers(state_dir: str | Path) -> list[str]:
+    """Take down what a killed metald left of its tenant hubs under ``state_dir`` (its
+    wireguard-go, slurmctld and munged, the hub namespaces and veths): for an instance that will
+    not start again here, or a lab or test that ends after a crash. Returns the namespaces
+    removed. (A starting runtime clears each hub's leftovers itself as it brings it up.)"""
+    removed = []
+    for workdir in sorted(Path(state_dir, "tenants").glob("*")):
+        if not workdir.is_dir():
+            continue
+        tenant_id = workdir.name
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int((workdir / "wg.pid").read_text()), signal.SIGTERM)
+        (workdir / "wg.pid").unlink(missing_ok=True)
+        controlplane.kill_stale(workdir / "slurm")
+        ns = ns_name(tenant_id)
+        if Path(netns.path(ns)).exists():
+            netns.delete(ns)
+            removed.append(ns)
+        _delete_link(veth_name(tenant_id))
+    return removed
+
+
 def _kill_stale_wireguard(workdir: Path, ifname: str) -> None:
     """wireguard-go left by a killed metald keeps its control socket: stop it and remove it."""
     pidfile = workdir / "wg.pid"

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from metald.tenants.runtime import clear_leftovers
+
 BIN = Path(sys.executable).parent
 
 
@@ -315,4 +317,9 @@ class LabRack:
         return "\n".join(parts)
 
     def down(self) -> None:
+        # metald is stopped with the lab's processes; a killed or failed metald leaves its
+        # tenant hubs (namespaces, wireguard-go, slurmctld) behind, which the lab does not own.
         self.lab.down(keep_logs=True)
+        state_dir = getattr(self, "state_dir", None)
+        if state_dir is not None:
+            clear_leftovers(state_dir)
