@@ -70,6 +70,13 @@ def _recorded_alive(state: dict[str, Any]) -> list[int]:
     ]
 
 
+def _wait_in_namespace(pid: int, ns: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while pid not in netns.pids(ns):
+        assert time.monotonic() < deadline, f"process {pid} never entered namespace {ns}"
+        time.sleep(0.02)
+
+
 def test_down_after_kill_9_of_the_lab_driver_and_of_a_daemon_inside(tmp_path: Path) -> None:
     name = f"t{os.getpid()}k"
     driver = _cli(tmp_path, "up", "--machines", "2", "--uefi", "1", "--name", name, "--foreground")
@@ -80,6 +87,8 @@ def test_down_after_kill_9_of_the_lab_driver_and_of_a_daemon_inside(tmp_path: Pa
         daemon = subprocess.Popen(
             netns.exec_argv(state["netns"], ["sleep", "600"]), start_new_session=True
         )
+        # nsenter joins the namespace after fork: wait until it has, or the check below races.
+        _wait_in_namespace(daemon.pid, state["netns"])
         crashed = subprocess.Popen(netns.exec_argv(state["netns"], ["sleep", "600"]))
         crashed.kill()
         crashed.wait()
