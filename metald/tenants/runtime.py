@@ -46,7 +46,7 @@ from metald.secrets import SecretBox
 from metald.service import cancel
 from metald.store import Store
 from metald.store.models import Machine, Tenant, WgHub, WgPeer, as_utc
-from metald.tenants import clusters, controlplane, mesh
+from metald.tenants import clusters, controlplane, ctlstate, mesh
 from metald.tenants.hubs import LocalHubs
 from netconfig import guard, netns
 from netconfig.uapi import PeerStatus
@@ -180,13 +180,22 @@ def _aware(ts: datetime | None) -> datetime | None:
 class RunningHub:
     """One tenant's namespace, veth, guard, WireGuard hub and control plane."""
 
-    def __init__(self, spec: HubSpec, cfg: TenantsConfig, state_dir: Path, hubs: LocalHubs):
+    def __init__(
+        self,
+        spec: HubSpec,
+        cfg: TenantsConfig,
+        state_dir: Path,
+        hubs: LocalHubs,
+        keeper: Callable[[Path], ctlstate.Keeper] | None = None,
+    ):
         self.spec = spec
         self.cfg = cfg
         self.ns = ns_name(spec.tenant_id)
         self.workdir = state_dir / "tenants" / spec.tenant_id
         self.hubs = hubs
         self.control: controlplane.SlurmControlPlane | None = None
+        #: The controller state's snapshots in the store (None: kept on this host only).
+        self.keeper = keeper(self.workdir / "slurm" / "state") if keeper else None
 
     def up(self) -> None:
         s = self.spec
@@ -218,6 +227,19 @@ class RunningHub:
             )
             (self.workdir / "wg.pid").write_text(str(self.hubs.pid(s.tenant_id)))
             if self.cfg.control_planes and s.cluster_kind == "slurm" and s.munge_key:
+                if self.keeper is not None:
+                    # A slurmctld a killed metald left here would write its state over the
+                    # restored one when stopped: stop it first.
+                    controlplane.kill_stale(self.workdir / "slurm")
+                    # Before slurmctld starts: the state the last owner saved (a moved hub),
+                    # and from now on only this instance may save it.
+                    got = self.keeper.take()
+                    if got.restored:
+                        log.info(
+                            "tenant %s: controller state restored from the store (%d bytes)",
+                            s.tenant_name,
+                            got.size,
+                        )
                 self.control = controlplane.SlurmControlPlane(
                     tenant_id=s.tenant_id,
                     tenant_name=s.tenant_name,
@@ -231,10 +253,18 @@ class RunningHub:
             self.down()
             raise
 
-    def down(self) -> None:
+    def down(self, *, save: bool = True) -> None:
+        """Take the hub down; ``save``: snapshot the controller state once slurmctld has
+        stopped (it writes its state on SIGTERM). Not when fenced: the store is unreachable."""
         if self.control is not None:
             self.control.stop()
             self.control = None
+            if save and self.keeper is not None:
+                try:
+                    self.keeper.save_if_changed()
+                except Exception as e:  # noqa: BLE001 - superseded, or the store failed
+                    log.warning("tenant %s: last controller state not saved: %s",
+                                self.spec.tenant_name, e)  # fmt: skip
         with contextlib.suppress(KeyError):
             self.hubs.stop_one(self.spec.tenant_id)
         (self.workdir / "wg.pid").unlink(missing_ok=True)
@@ -274,6 +304,8 @@ class RunningHub:
                     if self.control.delete_node(name):
                         log.info("tenant %s: node %s left the cluster", spec.tenant_name, name)
                 up = controlplane.up_nodes({n: st for n, st in nodes.items() if n in wanted})
+            if self.keeper is not None:
+                self.keeper.save_if_changed()  # Superseded: another instance runs the hub now
         return running, up
 
 
@@ -324,7 +356,7 @@ class TenantRuntime:
             await cancel(self._task)  # a sync may be waiting on the unreachable store
             async with self._lock:
                 log.warning("fenced (no heartbeat): taking every tenant hub here down")
-                await asyncio.to_thread(self._down_all)
+                await asyncio.to_thread(self._down_all, save=False)
             self._task = asyncio.create_task(self._loop(), name="tenant-hubs")
         finally:
             self._fencing = None
@@ -340,10 +372,10 @@ class TenantRuntime:
         async with self._lock:  # a sync bringing a hub up finishes first, then all go down
             await asyncio.to_thread(self._down_all)
 
-    def _down_all(self) -> None:
+    def _down_all(self, *, save: bool = True) -> None:
         for hub in self.running.values():
             try:
-                hub.down()
+                hub.down(save=save)
             except Exception:
                 log.exception("tenant %s: tearing the hub down failed", hub.spec.tenant_name)
         self.running.clear()
@@ -365,6 +397,12 @@ class TenantRuntime:
             for spec in specs:
                 try:
                     seen[spec.tenant_id] = await asyncio.to_thread(self._sync_one, spec)
+                except ctlstate.Superseded as e:
+                    # The store says another instance brought this hub up since: this one's
+                    # view of the fleet is stale. Its copy goes down, saving nothing.
+                    log.error("tenant %s: %s; taking the hub here down", spec.tenant_name, e)
+                    hub = self.running.pop(spec.tenant_id)
+                    await asyncio.to_thread(hub.down, save=False)
                 except Exception as e:
                     log.error("tenant %s: hub not running: %s", spec.tenant_name, e)
             activated: list[str] = []
@@ -374,10 +412,15 @@ class TenantRuntime:
                 log.info("machine %s joined its tenant's cluster: active", mid)
             return activated
 
+    def _keeper(self, spec: HubSpec) -> Callable[[Path], ctlstate.Keeper]:
+        return lambda folder: ctlstate.Keeper(
+            self.store, self.box, spec.tenant_id, self.instance, folder
+        )
+
     def _sync_one(self, spec: HubSpec) -> tuple[dict[str, PeerStatus], set[str] | None]:
         hub = self.running.get(spec.tenant_id)
         if hub is None:
-            hub = RunningHub(spec, self.cfg, self.state_dir, self.hubs)
+            hub = RunningHub(spec, self.cfg, self.state_dir, self.hubs, self._keeper(spec))
             hub.up()
             self.running[spec.tenant_id] = hub
             log.info(
