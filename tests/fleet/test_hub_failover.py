@@ -215,6 +215,8 @@ def test_kill_9_the_hub_instance_srun_works_again_no_node_joins_again(
     store = Store(tcp_url)
     with _underlay(tag) as (sw, inst, nodes):
         try:
+            # metald reads METALD_* variables as configuration: not the test's own.
+            env = {k: v for k, v in os.environ.items() if not k.startswith("METALD_TEST_")}
             for i, ns in enumerate(inst):
                 log = open(tmp_path / f"{NAMES[i]}.log", "wb")  # noqa: SIM115 - closed with it
                 procs.append(
@@ -232,6 +234,7 @@ def test_kill_9_the_hub_instance_srun_works_again_no_node_joins_again(
                         ],
                         stdout=log,
                         stderr=subprocess.STDOUT,
+                        env=env,
                     )  # fmt: skip
                 )
 
