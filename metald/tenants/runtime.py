@@ -55,6 +55,30 @@ from netconfig.wireguard import SOCKET_DIR
 log = logging.getLogger("metald.tenants")
 UNDERLAY_IF = "uh0"
 
+#: Takes one hub down when the metald that runs it dies (its host lives on): metald holds the
+#: write end of this process's stdin, so the kernel closes it when metald dies however it
+#: dies; a clean ``down`` writes "down" first. Without it a killed metald's hub (its
+#: wireguard-go, slurmctld and the endpoint address on the underlay) would go on answering
+#: beside the new owner's. Signals are ignored: a service manager's stop reaches metald, which
+#: takes its hubs down itself. A shell, not Python: one per hub, a few MB each.
+REAPER = r"""trap '' TERM INT HUP
+read -r word || true
+[ "$word" = down ] && exit 0
+W="$1"; NS="$2"; VETH="$3"
+p=$(cat "$W/wg.pid" 2>/dev/null) && grep -qa wireguard-go "/proc/$p/cmdline" 2>/dev/null \
+  && kill -TERM "$p"
+c=$(sed -n 's/.*"pid": *\([0-9]*\).*/\1/p' "$W/slurm/control-plane.json" 2>/dev/null)
+if [ -n "$c" ] && grep -qa slurmctld "/proc/$c/cmdline" 2>/dev/null; then
+  kill -TERM -- "-$c"
+  for i in $(seq 100); do [ -d "/proc/$c" ] || break; sleep 0.1; done
+  kill -KILL -- "-$c" 2>/dev/null
+fi
+ip netns delete "$NS" 2>/dev/null
+ip link del "$VETH" 2>/dev/null
+exit 0
+"""
+REAPER_NAME = "metald-hub-reaper"
+
 
 def ns_name(tenant_id: str) -> str:
     return "mth-" + tenant_id.replace("-", "")[:12]
@@ -196,15 +220,18 @@ class RunningHub:
         self.control: controlplane.SlurmControlPlane | None = None
         #: The controller state's snapshots in the store (None: kept on this host only).
         self.keeper = keeper(self.workdir / "slurm" / "state") if keeper else None
+        self.reaper: subprocess.Popen[bytes] | None = None
 
     def up(self) -> None:
         s = self.spec
         self.workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _wait_reaper(self.workdir)  # a killed metald's reaper finishes before this starts
         _kill_stale_wireguard(self.workdir, s.ifname)  # the control plane does its own
         netns.delete(self.ns)
         _delete_link(veth_name(s.tenant_id))
         netns.create(self.ns)
         try:
+            self.reaper = _start_reaper(self.workdir, self.ns, veth_name(s.tenant_id))
             plen = _bridge_prefixlen(self.cfg.underlay_bridge, s.endpoint_host)
             _veth_to_bridge(
                 veth_name(s.tenant_id), self.ns, self.cfg.underlay_bridge, hub_mac(s.tenant_id)
@@ -270,6 +297,8 @@ class RunningHub:
         (self.workdir / "wg.pid").unlink(missing_ok=True)
         netns.delete(self.ns)  # takes the veth pair with it
         _delete_link(veth_name(self.spec.tenant_id))
+        _stop_reaper(self.reaper, self.workdir)
+        self.reaper = None
 
     def reconcile(
         self, spec: HubSpec, current: Callable[[], dict[str, tuple[str, str]]]
@@ -539,6 +568,54 @@ def clear_leftovers(state_dir: str | Path) -> list[str]:
             removed.append(ns)
         _delete_link(veth_name(tenant_id))
     return removed
+
+
+def _start_reaper(workdir: Path, ns: str, veth: str) -> subprocess.Popen[bytes]:
+    p = subprocess.Popen(
+        ["bash", "-c", REAPER, REAPER_NAME, str(workdir), ns, veth],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # no terminal's ^C: metald's own stop takes the hub down
+    )
+    (workdir / "reaper.pid").write_text(str(p.pid))
+    return p
+
+
+def _stop_reaper(p: subprocess.Popen[bytes] | None, workdir: Path) -> None:
+    """The hub is down: tell its reaper so (it exits without doing anything)."""
+    if p is not None and p.stdin is not None:
+        with contextlib.suppress(OSError):
+            p.stdin.write(b"down\n")
+            p.stdin.close()
+        try:
+            p.wait(5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    (workdir / "reaper.pid").unlink(missing_ok=True)
+
+
+def _wait_reaper(workdir: Path, timeout: float = 15.0) -> None:
+    """The reaper of a metald that died here is taking its hub down: let it finish (else it
+    would delete the namespace this one is creating)."""
+    pidfile = workdir / "reaper.pid"
+    try:
+        pid = int(pidfile.read_text())
+    except (OSError, ValueError):
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if REAPER_NAME.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                break
+        except OSError:
+            break
+        time.sleep(0.05)
+    else:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    pidfile.unlink(missing_ok=True)
 
 
 def _kill_stale_wireguard(workdir: Path, ifname: str) -> None:
