@@ -45,6 +45,8 @@ from metald.store.models import TenantCtlState, utcnow
 log = logging.getLogger("metald.tenants")
 
 MAX_SNAPSHOT_BYTES = 32 << 20
+#: Not even packed above this (files' sizes summed): packing runs every interval it changed.
+MAX_STATE_BYTES = 8 * MAX_SNAPSHOT_BYTES
 MARKER = ".metald-ctlstate"
 
 
@@ -59,15 +61,18 @@ class Taken:
     size: int
 
 
-def fingerprint(folder: Path) -> str:
-    """What changed in a folder, cheaply: every file's path, size and mtime."""
+def fingerprint(folder: Path) -> tuple[str, int]:
+    """What changed in a folder, cheaply: every file's path, size and mtime; and the files'
+    total size."""
     h = hashlib.sha256()
+    total = 0
     if folder.is_dir():
         for p in sorted(folder.rglob("*")):
-            if p.is_file() and p.name != MARKER:
+            if p.is_file() and not p.is_symlink() and p.name != MARKER:
                 st = p.stat()
+                total += st.st_size
                 h.update(f"{p.relative_to(folder)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return h.hexdigest()
+    return h.hexdigest(), total
 
 
 def pack(folder: Path) -> bytes:
@@ -161,21 +166,29 @@ def take(store: Store, box: SecretBox, tenant_id: str, instance: str, folder: Pa
     return Taken(gen, restored, size)
 
 
+def _too_large(tenant_id: str, what: str, size: int, limit: int) -> int:
+    log.error(
+        "tenant %s: controller state is %d bytes %s, over the %d-byte limit: not saved "
+        "(the previous snapshot stays; a move would lose what changed since)",
+        tenant_id,
+        size,
+        what,
+        limit,
+    )
+    return 0
+
+
 def save(
     store: Store, box: SecretBox, tenant_id: str, instance: str, generation: int, folder: Path
 ) -> int:
     """Write the folder's snapshot if this instance still holds ``generation``; returns its
     size, or 0 when it was too large (not written). Raises ``Superseded`` otherwise."""
+    _fp, total = fingerprint(folder)
+    if total > MAX_STATE_BYTES:
+        return _too_large(tenant_id, "unpacked", total, MAX_STATE_BYTES)
     data = pack(folder)
     if len(data) > MAX_SNAPSHOT_BYTES:
-        log.error(
-            "tenant %s: controller state is %d bytes packed, over the %d-byte limit: not saved "
-            "(the previous snapshot stays; a move would lose what changed since)",
-            tenant_id,
-            len(data),
-            MAX_SNAPSHOT_BYTES,
-        )
-        return 0
+        return _too_large(tenant_id, "packed", len(data), MAX_SNAPSHOT_BYTES)
     enc = box.encrypt(base64.b64encode(data))
     with store.session() as s:
         n = s.execute(
@@ -201,7 +214,7 @@ class Keeper:
         self.store, self.box = store, box
         self.tenant_id, self.instance, self.folder = tenant_id, instance, folder
         self.generation: int | None = None
-        self._saved: str | None = None
+        self._saved: tuple[str, int] | None = None
 
     def take(self) -> Taken:
         got = take(self.store, self.box, self.tenant_id, self.instance, self.folder)
@@ -216,6 +229,7 @@ class Keeper:
         now = fingerprint(self.folder)
         if now == self._saved:
             return False
-        if save(self.store, self.box, self.tenant_id, self.instance, self.generation, self.folder):
-            self._saved = now
+        # Written, or too large (logged): either way not packed again until it changes.
+        save(self.store, self.box, self.tenant_id, self.instance, self.generation, self.folder)
+        self._saved = now
         return True

@@ -334,7 +334,12 @@ class RunningHub:
                         log.info("tenant %s: node %s left the cluster", spec.tenant_name, name)
                 up = controlplane.up_nodes({n: st for n, st in nodes.items() if n in wanted})
             if self.keeper is not None:
-                self.keeper.save_if_changed()  # Superseded: another instance runs the hub now
+                try:
+                    self.keeper.save_if_changed()
+                except ctlstate.Superseded:
+                    raise  # another instance runs the hub now: the runtime takes it down here
+                except Exception as e:  # noqa: BLE001 - the store failed: next interval
+                    log.warning("tenant %s: controller state not saved: %s", spec.tenant_name, e)
         return running, up
 
 

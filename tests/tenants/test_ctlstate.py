@@ -84,6 +84,13 @@ def test_too_large_a_snapshot_is_not_written(
         data = ctlstate.read(s, env.box, tid)
     assert data is not None and set(ctlstate.files(data)) == {"job_state"}
 
+    # Not packed again at every interval while nothing changed.
+    def boom(folder: Path) -> bytes:
+        raise AssertionError("packed again")
+
+    monkeypatch.setattr(ctlstate, "pack", boom)
+    assert not k.save_if_changed()
+
 
 def test_snapshot_cannot_write_outside_the_folder(env: Env, tmp_path: Path) -> None:
     import io
