@@ -484,10 +484,18 @@ class TenantRuntime:
                 log.exception("tenant hub sync failed; trying again next interval")
 
     # -- HubRuntime (the join route applies a new peer at once) ---------------------------
+    # A hub another instance runs (a fleet) is not running here: its owner applies the stored
+    # peer at its next sync (observe_interval_s), so there is nothing to do and nothing wrong.
     def add_peer(self, tenant_id: str, public_key: str, address: str) -> None:
+        if tenant_id not in self.running and not self.owns(tenant_id):
+            log.debug("tenant %s: hub runs on another instance; it adds the peer", tenant_id)
+            return
         self.hubs.add_peer(tenant_id, public_key, address)
 
     def remove_peer(self, tenant_id: str, public_key: str) -> None:
+        if tenant_id not in self.running and not self.owns(tenant_id):
+            log.debug("tenant %s: hub runs on another instance; it drops the peer", tenant_id)
+            return
         self.hubs.remove_peer(tenant_id, public_key)
 
     def handshakes(self, tenant_id: str) -> dict[str, datetime | None]:

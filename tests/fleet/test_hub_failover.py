@@ -383,6 +383,9 @@ def test_kill_9_the_hub_instance_srun_works_again_no_node_joins_again(
             assert min(after_ids) > last_job, (before_ids, after_ids)
             log = (tmp_path / f"{NAMES[survivor]}.log").read_text()
             assert "controller state restored from the store" in log, log[-3000:]
+            # The joins went through the instance that did not run the hub: nothing failed
+            # there (the owner applied the stored peers).
+            assert "could not add the peer" not in log, log[-3000:]
             # No node joined again: no join, no token used, the same peers; the nodes' own
             # processes ran on untouched.
             assert joins() == before
