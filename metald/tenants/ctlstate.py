@@ -18,7 +18,9 @@ its slurmctld starts.
   folder): it is at least as new as the snapshot. Otherwise the snapshot replaces it.
 - **When.** At every runtime sync (``observe_interval_s``) when a file in the folder changed
   (name, size or mtime), and once more after slurmctld stopped cleanly (it saves on SIGTERM).
-  What a move loses: what slurmctld wrote after the last snapshot (at most one interval).
+  Packing is held to about 5 % of one core (``SAVE_DUTY``): a large state is saved less often.
+  What a move loses: what slurmctld wrote after the last snapshot (at most one interval, or
+  20 times the last save's duration when that is longer).
 - **Bounded.** A snapshot larger than ``MAX_SNAPSHOT_BYTES`` (after compression) is not
   written (the previous one stays) and is logged; slurmctld's state for a tenant is kilobytes
   to a few megabytes (job scripts of pending batch jobs are the bulk).
@@ -32,6 +34,7 @@ import io
 import logging
 import shutil
 import tarfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +50,9 @@ log = logging.getLogger("metald.tenants")
 MAX_SNAPSHOT_BYTES = 32 << 20
 #: Not even packed above this (files' sizes summed): packing runs every interval it changed.
 MAX_STATE_BYTES = 8 * MAX_SNAPSHOT_BYTES
+#: After a save that took t seconds, the next waits SAVE_DUTY * t (packing is at most ~5 % of
+#: one core, whatever the tenant's jobs do to the folder).
+SAVE_DUTY = 20
 MARKER = ".metald-ctlstate"
 
 
@@ -215,6 +221,7 @@ class Keeper:
         self.tenant_id, self.instance, self.folder = tenant_id, instance, folder
         self.generation: int | None = None
         self._saved: tuple[str, int] | None = None
+        self._next_at = 0.0
 
     def take(self) -> Taken:
         got = take(self.store, self.box, self.tenant_id, self.instance, self.folder)
@@ -223,13 +230,18 @@ class Keeper:
         self._saved = fingerprint(self.folder) if got.restored else None
         return got
 
-    def save_if_changed(self) -> bool:
-        if self.generation is None:
+    def save_if_changed(self, *, final: bool = False) -> bool:
+        """Save when the folder changed. A tenant's jobs change it as often as they like: the
+        time spent packing is held to ``1 / SAVE_DUTY`` of the time (a large state is saved
+        less often), except for the ``final`` save after slurmctld stopped."""
+        if self.generation is None or (not final and time.monotonic() < self._next_at):
             return False
         now = fingerprint(self.folder)
         if now == self._saved:
             return False
+        started = time.monotonic()
         # Written, or too large (logged): either way not packed again until it changes.
         save(self.store, self.box, self.tenant_id, self.instance, self.generation, self.folder)
         self._saved = now
+        self._next_at = time.monotonic() + SAVE_DUTY * (time.monotonic() - started)
         return True

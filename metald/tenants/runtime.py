@@ -288,7 +288,7 @@ class RunningHub:
             self.control = None
             if save and self.keeper is not None:
                 try:
-                    self.keeper.save_if_changed()
+                    self.keeper.save_if_changed(final=True)
                 except Exception as e:  # noqa: BLE001 - superseded, or the store failed
                     log.warning("tenant %s: last controller state not saved: %s",
                                 self.spec.tenant_name, e)  # fmt: skip

@@ -13,6 +13,12 @@ from metald.tenants import ctlstate
 from tests.tenants.conftest import Env
 
 
+@pytest.fixture(autouse=True)
+def _no_duty_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Saves right after one another (the duty cycle has its own test)."""
+    monkeypatch.setattr(ctlstate, "SAVE_DUTY", 0)
+
+
 def _write(folder: Path, files: dict[str, bytes]) -> None:
     for name, data in files.items():
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
@@ -104,3 +110,20 @@ def test_snapshot_cannot_write_outside_the_folder(env: Env, tmp_path: Path) -> N
     with pytest.raises(tarfile.TarError):
         ctlstate.unpack(buf.getvalue(), tmp_path / "state")
     assert not (tmp_path / "escaped").exists()
+
+
+def test_saving_is_held_to_a_duty_cycle_but_not_the_final_save(
+    env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ctlstate, "SAVE_DUTY", 1_000_000)  # the next save waits for ever
+    folder = tmp_path / "state"
+    k = ctlstate.Keeper(env.store, env.box, env.tokens.tenant_a, "rack0", folder)
+    k.take()
+    _write(folder, {"job_state": b"one"})
+    assert k.save_if_changed()
+    _write(folder, {"job_state": b"two"})
+    assert not k.save_if_changed()  # a tenant changing the state all the time waits
+    assert k.save_if_changed(final=True)  # slurmctld stopped: its last state is kept
+    with env.store.session() as s:
+        data = ctlstate.read(s, env.box, env.tokens.tenant_a)
+    assert data is not None and ctlstate.files(data)["job_state"] == b"two"
