@@ -8,7 +8,10 @@ stored hub it builds, from the store alone:
 - an nftables guard there that accepts only the hub's WireGuard port and replies on the
   underlay (Slurm's daemons listen on every address; LAB-NOTES);
 - the WireGuard hub (wireguard-go) with every stored peer;
-- with ``control_planes = true`` and a slurm tenant, slurmctld + munged on the overlay address.
+- with ``control_planes = true`` and a slurm tenant, slurmctld + munged on the overlay address,
+  started from the controller state kept in the store (``metald.tenants.ctlstate``: a hub that
+  moved from another instance keeps its nodes and jobs);
+- a reaper process that takes the hub down if this metald dies while the host lives on.
 
 A loop then reconciles and observes every ``observe_interval_s``: peers on a hub but not in the
 store (released machines) are removed, stored ones missing are added, Slurm nodes whose machine
@@ -574,6 +577,7 @@ def clear_leftovers(state_dir: str | Path) -> list[str]:
         with contextlib.suppress(OSError, ValueError):
             os.kill(int((workdir / "wg.pid").read_text()), signal.SIGTERM)
         (workdir / "wg.pid").unlink(missing_ok=True)
+        (workdir / "reaper.pid").unlink(missing_ok=True)  # it ran when its metald died
         controlplane.kill_stale(workdir / "slurm")
         ns = ns_name(tenant_id)
         if Path(netns.path(ns)).exists():
