@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, StringConstraints
 from sqlalchemy import func
+from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from api.paging import sorted_by
@@ -219,16 +220,22 @@ async def patch_machine(req: ApiRequest) -> MachineOut:
             other = s.exec(select(Machine).where(Machine.name == name)).first()
             if other is not None:
                 raise Conflict(f"machine {other.id} is already named {name!r}; pick another name")
-        m = svc.update_fields(
-            s,
-            m.id,
-            actor=req.actor,
-            kind="machine.updated",
-            values=values,
-            expected_version=req.expected_version(b.version),
-            data={"from": {k: getattr(m, k) for k in values}, "to": values},
-            instance=req.ctx.instance,
-        )
+        try:
+            m = svc.update_fields(
+                s,
+                m.id,
+                actor=req.actor,
+                kind="machine.updated",
+                values=values,
+                expected_version=req.expected_version(b.version),
+                data={"from": {k: getattr(m, k) for k in values}, "to": values},
+                instance=req.ctx.instance,
+            )
+        except IntegrityError:  # another rename to the same name committed after the check
+            s.rollback()
+            raise Conflict(
+                f"another machine took the name {name!r} at the same moment; pick another name"
+            ) from None
         return machine_out(m, _nics(s, [m.id])[m.id])
 
     return await req.write(run)
