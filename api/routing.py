@@ -373,11 +373,17 @@ def _serialize(spec: RouteSpec, result: Any, params: dict[str, str]) -> web.Stre
     if spec.location is not None:
         headers["Location"] = spec.location.format(**{**params, **payload})
     return web.json_response(
-        to_jsonable_python(_utc(payload)),
+        wire_json(payload),
         status=spec.status,
         headers=headers,
         dumps=lambda o: json.dumps(o, default=str),
     )
+
+
+def wire_json(value: Any) -> Any:
+    """``value`` as the JSON-ready data every answer and event stream sends (timestamps with
+    their UTC offset)."""
+    return to_jsonable_python(_utc(value))
 
 
 def _utc(value: Any) -> Any:
