@@ -11,6 +11,7 @@ from metald.lifecycle import SETTLED
 from .client import Client
 from .options import Subparsers, confirm, key_values
 from .output import emit, emit_table, machine_readable, render, table
+from .progress import Progress
 
 COLUMNS = [
     ("ID", "id"),
@@ -20,7 +21,7 @@ COLUMNS = [
     ("CREATED", "created_at"),
 ]
 MACHINE_COLUMNS = [
-    ("MACHINE", "id"),
+    ("MACHINE", "label"),
     ("STATE", "state"),
     ("PROGRESS", "bar"),
     ("ERROR", "last_error"),
@@ -76,7 +77,10 @@ def progress_bar(p: dict[str, Any] | None, width: int = 24) -> str:
 
 
 def claim_table(claim: dict[str, Any]) -> str:
-    rows = [dict(m, bar=progress_bar(m.get("progress"))) for m in claim["machines"]]
+    rows = [
+        dict(m, label=m.get("name") or m["id"][:8], bar=progress_bar(m.get("progress")))
+        for m in claim["machines"]
+    ]
     head = f"claim {claim['id']} tenant {claim['tenant_id']} {claim['state']} ({claim['count']} machines)"
     return head + "\n" + table(rows, MACHINE_COLUMNS)
 
@@ -111,16 +115,18 @@ def create(args: argparse.Namespace, c: Client) -> None:
 
 
 def show(args: argparse.Namespace, c: Client) -> None:
+    """The claim; with --watch, redrawn in place on a terminal (a new frame only when
+    something changed, elsewhere) until every machine settles."""
+    frames = Progress()
     while True:
         r = c.call("GET", f"/api/v1/claims/{args.id}")
         if machine_readable(args):
             print(render(args, r))
             return
-        print(claim_table(r), flush=True)
+        frames.show(claim_table(r))
         if not args.watch or all(m["state"] in SETTLED for m in r["machines"]):
             return
         time.sleep(WATCH_INTERVAL_S)
-        print(flush=True)
 
 
 def release(args: argparse.Namespace, c: Client) -> None:

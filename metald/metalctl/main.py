@@ -12,7 +12,7 @@ from metald import __version__
 from . import bmc, claims, events, images, instances, machines, tenants, tokens, whoami
 from .client import ApiError, Client
 from .options import UsageError
-from .output import FORMATS
+from .output import output_format
 
 #: Resource modules in the order their commands appear in ``metalctl --help``.
 RESOURCES = (machines, events, tokens, tenants, whoami, bmc, images, claims, instances)
@@ -27,9 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "-o",
         "--output",
-        choices=FORMATS,
+        type=output_format,
         default="table",
-        help="table (default), wide, json or yaml; may stand anywhere on the line",
+        metavar="FORMAT",
+        help="table (default), wide, json, yaml or custom-columns=NAME:name,STATE:state,...; "
+        "may stand anywhere on the line",
     )
     ap.add_argument("--json", action="store_true", help="the same as -o json")
     ap.add_argument("-y", "--yes", action="store_true", help="do destructive steps without asking")
