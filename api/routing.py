@@ -111,9 +111,9 @@ class ApiRequest:
             )
         return self.if_match if self.if_match is not None else body_version
 
-    def next_link(self, query: Any, count: int, total: int) -> str | None:
-        """The ``next`` link of a list answer of ``count`` items out of ``total``."""
-        return next_link(self.raw.path, self.raw.query, query.offset, count, total)
+    def next_link(self, cursor: str | None) -> str | None:
+        """The ``next`` link of a list answer whose next page starts at ``cursor``."""
+        return next_link(self.raw.path, self.raw.query, cursor)
 
     def require_principal(self) -> Principal:
         assert self.principal is not None
