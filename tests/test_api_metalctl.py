@@ -407,3 +407,19 @@ def test_progress_redraws_in_place_on_a_terminal_and_prints_changes_elsewhere() 
     for frame in ("node1: power on", "node1: power on", "node1: power off"):
         p.show(frame)
     assert pipe.getvalue() == "node1: power on\nnode1: power off\n"  # no escapes, no repeats
+
+
+def test_commands_take_tenant_names_where_bodies_need_ids(
+    live: LoopbackApi, capsys, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    assert live.tokens is not None
+    monkeypatch.setenv("METALD_TOKEN", live.tokens.admin)
+    rc, out, _ = _run(
+        capsys, "tokens", "create", "--name", "g-orch", "--role", "orchestrator",
+        "--scope", "globex", "-o", "json",
+    )  # fmt: skip
+    assert rc == 0 and json.loads(out)["scope"] == [live.tokens.tenant_b]
+    rc, _, err = _run(
+        capsys, "tokens", "create", "--name", "x", "--role", "orchestrator", "--scope", "nope"
+    )
+    assert rc == 1 and "HTTP 404" in err

@@ -18,6 +18,7 @@ FIELD_KEYS = {"rack": "rack", "state": "state", "gpu_model": "gpu_model", "tenan
 #: How many names the confirmation question lists before "and N more".
 LISTED = 8
 
+
 class Failed(Exception):
     """One machine's step failed on metalctl's side (it did not get there in time)."""
 

@@ -34,9 +34,9 @@ def register(sub: Subparsers) -> None:
     csub = cl.add_subparsers(dest="sub", required=True)
     csub.add_parser("list").set_defaults(func=list_claims)
     cc = csub.add_parser("create")
-    cc.add_argument("--tenant", required=True, help="tenant id")
+    cc.add_argument("--tenant", required=True, help="tenant name or id")
     cc.add_argument("--count", type=int, required=True)
-    cc.add_argument("--image", required=True, help="image id")
+    cc.add_argument("--image", required=True, help="image name or id")
     cc.add_argument("--gpu-model")
     cc.add_argument("--min-gpus", type=int, default=0)
     cc.add_argument("--min-memory-mb", type=int)
@@ -97,10 +97,13 @@ def create(args: argparse.Namespace, c: Client) -> None:
         selector["min_memory_mb"] = args.min_memory_mb
     if args.rack:
         selector["rack"] = args.rack
+    # Names or id prefixes, as everywhere; the claim body takes ids.
+    tenant = c.call("GET", f"/api/v1/tenants/{args.tenant}")["id"]
+    image = c.call("GET", f"/api/v1/images/{args.image}")["id"]
     body = {
-        "tenant_id": args.tenant,
+        "tenant_id": tenant,
         "count": args.count,
-        "image_id": args.image,
+        "image_id": image,
         "selector": selector,
         "ssh_authorized_keys": args.ssh_key,
     }

@@ -152,12 +152,19 @@ def register_machine(args: argparse.Namespace, c: Client) -> None:
     if args.label:
         body["labels"] = key_values(args.label)
     m = c.call("POST", "/api/v1/machines", body)
-    emit(args, m, lambda m: f"registered {m['id']} ({m['state']})")
+    emit(args, m, lambda m: f"registered {m['name'] or m['id']} ({m['id'][:8]}, {m['state']})")
 
 
 def label(args: argparse.Namespace, c: Client) -> None:
     m = c.call("PATCH", f"/api/v1/machines/{args.id}/labels", {"labels": key_values(args.labels)})
-    emit(args, m, lambda m: f"{m['id']}: {m['labels']}")
+    emit(
+        args,
+        m,
+        lambda m: (
+            f"{m['name'] or m['id']}: "
+            + ",".join(f"{k}={v}" for k, v in sorted(m["labels"].items()))
+        ),
+    )
 
 
 def workflow_step(args: argparse.Namespace, c: Client) -> None:
@@ -181,7 +188,7 @@ def revoke_peer(args: argparse.Namespace, c: Client) -> None:
 
 def rename(args: argparse.Namespace, c: Client) -> None:
     m = c.call("PATCH", f"/api/v1/machines/{args.id}", {"name": args.name})
-    emit(args, m, lambda m: f"{m['id']}: named {m['name']}")
+    emit(args, m, lambda m: f"{m['id'][:8]}: named {m['name']}")
 
 
 def act(args: argparse.Namespace, c: Client) -> int | None:
