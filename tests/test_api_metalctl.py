@@ -423,3 +423,28 @@ def test_commands_take_tenant_names_where_bodies_need_ids(
         capsys, "tokens", "create", "--name", "x", "--role", "orchestrator", "--scope", "nope"
     )
     assert rc == 1 and "HTTP 404" in err
+
+
+def test_action_wait_follows_the_machine_until_it_settles(
+    live: LoopbackApi, capsys, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """``inspect --wait`` polls until the machine leaves inspecting; the world moves between
+    polls (the watchdog fails the inspection), not by the clock."""
+    from metald import machines as svc
+
+    assert live.tokens is not None
+    mid = live.tokens.machine_free
+    polls: list[int] = []
+
+    def world_moves(_s: float) -> None:
+        polls.append(1)
+        if len(polls) == 2:  # two polls see it inspecting, then it fails
+            with live.store.session() as s:
+                svc.transition(s, mid, "inspect-fail", actor="test", reason="watchdog")
+
+    monkeypatch.setattr("metald.metalctl.machines.time.sleep", world_moves)
+    rc, out, err = _run(capsys, "machines", "inspect", "node2", "--wait")
+    row = next(ln for ln in out.splitlines() if ln.startswith("node2"))
+    assert rc == 1 and "failed" in row.split() and "inspect-failed" in row, (out, err)
+    assert len(polls) == 2 and "inspecting" in err  # progress went to stderr, plain lines
+    assert "\x1b[" not in err

@@ -66,13 +66,10 @@ def confirm_many(args: argparse.Namespace, what: str, machines: list[dict[str, A
     confirm(args, f"{what} {len(machines)} {noun} ({names}{more})")
 
 
-def run_each(
-    args: argparse.Namespace,
-    machines: list[dict[str, Any]],
-    act: Callable[[dict[str, Any]], str],
-) -> int:
-    """``act`` on every machine (one failure does not stop the rest), then a table of what
-    happened to each; 1 when any failed."""
+def apply(
+    machines: list[dict[str, Any]], act: Callable[[dict[str, Any]], str]
+) -> list[dict[str, Any]]:
+    """``act`` on every machine (one failure does not stop the rest): a result row each."""
     results: list[dict[str, Any]] = []
     for m in machines:
         r = {"id": m["id"], "short_id": m["id"][:8], "name": m.get("name") or "-"}
@@ -83,6 +80,11 @@ def run_each(
         except Failed as e:
             r.update(result="failed", detail=str(e))
         results.append(r)
+    return results
+
+
+def report(args: argparse.Namespace, results: list[dict[str, Any]]) -> int:
+    """A table of what happened to each machine; 1 when any failed."""
     failed = sum(r["result"] != "ok" for r in results)
     emit_table(
         args,
@@ -93,3 +95,12 @@ def run_each(
     if failed:
         print(f"metalctl: {failed} of {len(results)} failed", file=sys.stderr)
     return 1 if failed else 0
+
+
+def run_each(
+    args: argparse.Namespace,
+    machines: list[dict[str, Any]],
+    act: Callable[[dict[str, Any]], str],
+) -> int:
+    """``apply`` then ``report``."""
+    return report(args, apply(machines, act))

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 from typing import Any
+
+from metald.lifecycle import HANDOFF, TIMEOUTS
 
 from . import bmc, bulk
 from .client import Client
 from .options import POWER_ACTIONS, Subparsers, confirm, key_values, machine_ref
 from .output import emit, emit_table
+from .progress import Progress
 
 #: Names first (every command takes the name); the id prefix is enough to name one too.
 COLUMNS = [
@@ -78,6 +83,8 @@ def register(sub: Subparsers) -> None:
         machine_ref(pa.add_argument("id", nargs="*", help="ids, names or id prefixes"))
         pa.add_argument("--selector", "-l", help="every machine matching key=value[,...]")
         pa.add_argument("--reason", required=action == "retire")
+        pa.add_argument("--wait", action="store_true", help="until each has settled")
+        pa.add_argument("--timeout", type=float, default=1800.0, help="seconds --wait waits")
         pa.set_defaults(func=act)
     pw = msub.add_parser("power", help="power action on named machines or a --selector")
     pw.add_argument("action", choices=POWER_ACTIONS)
@@ -191,23 +198,68 @@ def rename(args: argparse.Namespace, c: Client) -> None:
     emit(args, m, lambda m: f"{m['id'][:8]}: named {m['name']}")
 
 
+#: States a machine leaves on its own (an operation under way, or a hand-off): ``--wait``
+#: waits until it is in none of them.
+MOVING = frozenset(s.value for s in (*TIMEOUTS, *HANDOFF))
+WAIT_INTERVAL_S = 2.0
+
+
+def wait_settled(c: Client, states: dict[str, str], timeout: float) -> dict[str, str]:
+    """Poll each machine (id to its last state) until none is moving or ``timeout`` passes;
+    progress redrawn in place on a terminal. The last states."""
+    frames = Progress(sys.stderr)
+    names: dict[str, str] = {}
+    started = time.monotonic()
+    while True:
+        moving = [i for i, s in states.items() if s in MOVING]
+        elapsed = time.monotonic() - started
+        frames.show(
+            f"{len(states) - len(moving)}/{len(states)} settled ({elapsed:.0f} s)"
+            + "".join(f"\n  {names.get(i, i[:8])}: {states[i]}" for i in moving[:10])
+        )
+        if not moving or elapsed >= timeout:
+            return states
+        time.sleep(WAIT_INTERVAL_S)
+        for i in moving:
+            m = c.call("GET", f"/api/v1/machines/{i}")
+            names[i] = m.get("name") or i[:8]
+            states[i] = m["state"]
+
+
 def act(args: argparse.Namespace, c: Client) -> int | None:
     """One named machine: its new state. Several, or a --selector: confirm the lot when the
-    action is disruptive, act on each, a line per machine, exit 1 if any failed."""
+    action is disruptive, act on each, a line per machine, exit 1 if any failed. ``--wait``:
+    then until each has settled (a state it does not leave on its own); ending in a failed
+    state, or still moving at --timeout, is a failure."""
     body = {"action": args.sub}
     if args.reason:
         body["reason"] = args.reason
-    if len(args.id) == 1 and not args.selector:
-        if args.sub == "retire":
-            confirm(args, f"retire machine {args.id[0]} (it never boots from metald again)")
+    single = len(args.id) == 1 and not args.selector
+    if single and args.sub == "retire":
+        confirm(args, f"retire machine {args.id[0]} (it never boots from metald again)")
+    if single and not args.wait:
         m = c.call("POST", f"/api/v1/machines/{args.id[0]}/actions", body)
         emit(args, m, lambda m: f"{m['name'] or m['id']}: {m['state']}")
         return None
     machines = bulk.select(c, args.id, args.selector)
-    if args.sub in DISRUPTIVE_ACTIONS:
+    if not single and args.sub in DISRUPTIVE_ACTIONS:
         bulk.confirm_many(args, args.sub, machines)
-    return bulk.run_each(
-        args,
-        machines,
-        lambda m: c.call("POST", f"/api/v1/machines/{m['id']}/actions", body)["state"],
-    )
+    states: dict[str, str] = {}
+
+    def one(m: dict[str, Any]) -> str:
+        states[m["id"]] = c.call("POST", f"/api/v1/machines/{m['id']}/actions", body)["state"]
+        return states[m["id"]]
+
+    results = bulk.apply(machines, one)
+    if args.wait:
+        states = wait_settled(c, states, args.timeout)
+        for r in results:
+            if r["result"] != "ok":
+                continue
+            state = states[r["id"]]
+            r["detail"] = state
+            if state in MOVING:
+                r.update(result="failed", detail=f"still {state} after {args.timeout:g} s")
+            elif state.endswith("-failed"):
+                r["result"] = "failed"
+    return bulk.report(args, results)
