@@ -26,8 +26,10 @@ from sqlmodel import col
 
 _OFFSET = "o1:"
 _KEYSET = "k1:"
-#: Longest cursor accepted (a sort value is a name or a timestamp, and an id).
-MAX_CURSOR = 1024
+#: Longest cursor accepted and issued (kept well inside a request line's 8 KiB). A key too
+#: long to carry (a long sort value) is sent as a reference to its row instead, read back
+#: when the next page is asked for.
+MAX_CURSOR = 512
 #: An order: field names, ``-`` for descending; the last is always ``id`` (unique: a total
 #: order, so no two rows share a key).
 Order = list[str]
@@ -67,12 +69,19 @@ def _unwire(v: Any) -> Any:
     raise ValueError
 
 
+class Ref(str):
+    """A keyset cursor that names the last row by its id (its key was too long to carry)."""
+
+
 def encode_keyset(order: Order, values: Sequence[Any]) -> str:
-    return _b64(_KEYSET + json.dumps({"o": order, "v": [_wire(v) for v in values]}))
+    cursor = _b64(_KEYSET + json.dumps({"o": order, "v": [_wire(v) for v in values]}))
+    if len(cursor) <= MAX_CURSOR:
+        return cursor
+    return _b64(_KEYSET + json.dumps({"o": order, "r": str(values[-1])}))
 
 
-def decode_cursor(cursor: str) -> int | tuple[Order, list[Any]]:
-    """An offset (older cursors) or the (order, last key) of a keyset cursor."""
+def decode_cursor(cursor: str) -> int | tuple[Order, list[Any] | Ref]:
+    """An offset (older cursors) or the (order, last key or its row's id) of a keyset."""
     bad = ValueError("not a cursor this API issued; follow the 'next' link of a list answer")
     raw = _unb64(cursor)
     if raw.startswith(_OFFSET):
@@ -84,16 +93,23 @@ def decode_cursor(cursor: str) -> int | tuple[Order, list[Any]]:
         raise bad
     try:
         data = json.loads(raw[len(_KEYSET) :])
-        order, values = data["o"], [_unwire(v) for v in data["v"]]
+        order = data["o"]
+        if "r" in data:
+            if not isinstance(data["r"], str):
+                raise ValueError
+            return _checked(order, len(order)), Ref(data["r"])
+        values = [_unwire(v) for v in data["v"]]
+        return _checked(order, len(values)), values
     except (ValueError, KeyError, TypeError):
         raise bad from None
-    if (
-        not isinstance(order, list)
-        or not all(isinstance(o, str) for o in order)
-        or len(order) != len(values)
-    ):
-        raise bad
-    return order, values
+
+
+def _checked(order: Any, n: int) -> Order:
+    if not isinstance(order, list) or not all(isinstance(o, str) for o in order):
+        raise ValueError
+    if len(order) != n or not order:
+        raise ValueError
+    return order
 
 
 class PageQuery(BaseModel):
@@ -118,7 +134,7 @@ class PageQuery(BaseModel):
         default=None, max_length=64, description="A listed field, '-field' for descending."
     )
     #: The decoded keyset cursor: the order it was issued for and the last key sent.
-    _after: tuple[Order, list[Any]] | None = None
+    _after: tuple[Order, list[Any] | Ref] | None = None
 
     @field_validator("sort")
     @classmethod
@@ -143,7 +159,7 @@ class PageQuery(BaseModel):
         """The order this query lists in: ``sort`` then id, else ``default``."""
         return [self.sort, "id"] if self.sort is not None else list(default)
 
-    def after(self, order: Order) -> list[Any] | None:
+    def after(self, order: Order) -> list[Any] | Ref | None:
         """The last key of the previous page, for ``order``; 422 when the cursor was issued
         for another sort."""
         if self._after is None:
@@ -203,6 +219,11 @@ def page_rows(
         keys.append(c.desc() if desc else c.asc())
     stmt = stmt.order_by(*keys)
     after = q.after(order)
+    if isinstance(after, Ref):
+        row = session.get(model, str(after))
+        if row is None:
+            raise _gone()
+        after = [getattr(row, f.removeprefix("-")) for f in order]
     if after is not None:
         stmt = stmt.where(_after_clause(columns, after))
     elif q.offset:
@@ -243,11 +264,24 @@ def page_items(
 
     ordered = sorted(items, key=cmp_to_key(lambda a, b: _compare(key(a), key(b), order)))
     after = q.after(order)
+    if isinstance(after, Ref):
+        found = [i for i in items if str(get(i, "id")) == after]
+        if not found:
+            raise _gone()
+        after = key(found[0])
     if after is not None:
         ordered = [i for i in ordered if _compare(key(i), after, order) > 0]
     elif q.offset:
         ordered = ordered[q.offset :]
     return _cut(ordered[: limit + 1], order, limit, get)
+
+
+def _gone() -> Exception:
+    from metald.errors import Unprocessable
+
+    return Unprocessable(
+        "the row this cursor continues after is gone; start the list again without a cursor"
+    )
 
 
 def next_link(path: str, query: Any, cursor: str | None) -> str | None:

@@ -187,3 +187,23 @@ async def test_bmcs_and_instances_page_like_the_others(api) -> None:  # type: ig
     assert r.status == 200 and {"total", "limit", "next"} <= set(body)
     r = await client.get("/api/v1/bmcs?nope=1", headers=admin)
     assert r.status == 422
+
+
+async def test_a_key_too_long_for_a_cursor_pages_by_reference(api) -> None:  # type: ignore[no-untyped-def]
+    """A sort value longer than a cursor may carry (a GPU model string from an inventory)
+    still pages: the cursor names the row, whose key is read back for the next page."""
+    from api.paging import MAX_CURSOR
+    from metald.store.models import Machine
+
+    client, tokens, store = api
+    admin = tokens.header("admin")
+    with store.session() as s:
+        for i in range(4):
+            s.add(Machine(name=f"long{i}", state="ready", labels={}, gpu_model=f"{i}" + "G" * 600))
+        s.commit()
+    url = "/api/v1/machines?sort=gpu_model&limit=1"
+    first = await (await client.get(url, headers=admin)).json()
+    assert len(first["next"].split("cursor=")[1]) <= MAX_CURSOR
+    ids = await _walk(client, url, admin)
+    everything = await (await client.get(url.replace("limit=1", "limit=100"), headers=admin)).json()
+    assert ids == [m["id"] for m in everything["items"]] and len(ids) == len(set(ids))

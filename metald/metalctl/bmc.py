@@ -55,13 +55,13 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds --wait waits at most")
     p.set_defaults(func=power)
     b = sub.add_parser("boot-device", help="set the next boot device")
-    b.add_argument("id")
+    machine_ref(b.add_argument("id", help="machine id, name or id prefix"))
     b.add_argument("device", choices=["pxe", "disk"])
     b.add_argument("--persistent", action="store_true")
     b.add_argument("--legacy", action="store_true", help="legacy BIOS instead of UEFI")
     b.set_defaults(func=boot_device)
     s = sub.add_parser("sensors", help="temperatures, fans and power draw")
-    s.add_argument("id")
+    machine_ref(s.add_argument("id", help="machine id, name or id prefix"))
     s.set_defaults(func=sensors)
 
     bm = sub.add_parser("bmcs", help="list or register BMCs")
@@ -83,7 +83,7 @@ def register(sub: Subparsers) -> None:
     bx.add_argument("id")
     bx.set_defaults(func=remove_bmc)
     lg = sub.add_parser("bmc-log", help="a machine's BMC event log")
-    lg.add_argument("id")
+    machine_ref(lg.add_argument("id", help="machine id, name or id prefix"))
     lg.set_defaults(func=bmc_log)
     bi = bsub.add_parser(
         "import",
@@ -227,7 +227,9 @@ def list_bmcs(args: argparse.Namespace, c: Client) -> None:
         mid = b.get("machine_id")
         return dict(b, short_id=b["id"][:8], machine=names.get(mid, mid) if mid else "-")
 
-    emit_table(args, page, BMC_COLUMNS, row=row)
+    emit_table(
+        args, page, BMC_COLUMNS, row=row, footer=lambda p: f"({len(p['items'])} of {p['total']})"
+    )
 
 
 def import_bmcs(args: argparse.Namespace, c: Client) -> int:

@@ -8,13 +8,13 @@ from collections.abc import Callable
 from typing import Any
 
 from .client import ApiError, Client
-from .options import Subparsers, UsageError
+from .options import Subparsers, UsageError, machine_ref
 from .output import machine_readable, render
 
 
 def register(sub: Subparsers) -> None:
     e = sub.add_parser("events", help="list or follow events")
-    e.add_argument("--machine", help="only this machine's (id, name or id prefix)")
+    machine_ref(e.add_argument("--machine", help="only this machine's (id, name or id prefix)"))
     e.add_argument("--kind", help="only events of this kind, e.g. machine.state")
     e.add_argument("--after", type=int, default=0)
     e.add_argument(
