@@ -154,6 +154,8 @@ def test_tables_lead_with_names_and_custom_columns(live: LoopbackApi, capsys) ->
     assert rc == 0 and lines[0].split()[0] == "NAME"
     assert {ln.split()[0] for ln in lines[1:4]} == {"node0", "node1", "node2"}
     assert live.tokens.machine_free not in out  # the full UUID only with -o wide/json
+    tenant_of = {ln.split()[0]: ln.split()[-2] for ln in lines[1:4]}
+    assert (tenant_of["node0"], tenant_of["node1"], tenant_of["node2"]) == ("acme", "globex", "-")
     rc, out, _ = _run(
         capsys, "machines", "list", "-o", "custom-columns=MACHINE:name,STATE:state,RACK:labels.rack"
     )

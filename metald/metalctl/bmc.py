@@ -12,6 +12,7 @@ from typing import Any
 
 from . import bmcimport, bulk
 from .client import ApiError, Client
+from .names import machine_names, shown
 from .options import (
     DISRUPTIVE_POWER,
     POWER_ACTIONS,
@@ -214,18 +215,13 @@ def sensors(args: argparse.Namespace, c: Client) -> None:
     emit_table(args, c.call("GET", f"/api/v1/machines/{args.id}/sensors"), SENSOR_COLUMNS)
 
 
-def machine_names(c: Client) -> dict[str, str]:
-    """Every visible machine's id to its name (to show names where the API gives ids)."""
-    return {m["id"]: m["name"] for m in c.iterate("/api/v1/machines") if m.get("name")}
-
-
 def list_bmcs(args: argparse.Namespace, c: Client) -> None:
     page = c.call("GET", "/api/v1/bmcs")
     names = machine_names(c) if any(b.get("machine_id") for b in page["items"]) else {}
 
     def row(b: dict[str, Any]) -> dict[str, Any]:
         mid = b.get("machine_id")
-        return dict(b, short_id=b["id"][:8], machine=names.get(mid, mid) if mid else "-")
+        return dict(b, short_id=b["id"][:8], machine=shown(names, mid))
 
     emit_table(
         args, page, BMC_COLUMNS, row=row, footer=lambda p: f"({len(p['items'])} of {p['total']})"

@@ -9,13 +9,14 @@ from typing import Any
 from metald.lifecycle import SETTLED
 
 from .client import Client
+from .names import shown, tenant_names
 from .options import Subparsers, confirm, key_values
 from .output import emit, emit_table, machine_readable, render, table
 from .progress import Progress
 
 COLUMNS = [
     ("ID", "id"),
-    ("TENANT", "tenant_id"),
+    ("TENANT", "tenant"),
     ("COUNT", "count"),
     ("STATE", "state"),
     ("CREATED", "created_at"),
@@ -86,7 +87,9 @@ def claim_table(claim: dict[str, Any]) -> str:
 
 
 def list_claims(args: argparse.Namespace, c: Client) -> None:
-    emit_table(args, c.call("GET", "/api/v1/claims"), COLUMNS)
+    page = c.call("GET", "/api/v1/claims")
+    tenants = tenant_names(c, (x["tenant_id"] for x in page["items"]))
+    emit_table(args, page, COLUMNS, row=lambda x: dict(x, tenant=shown(tenants, x["tenant_id"])))
 
 
 def create(args: argparse.Namespace, c: Client) -> None:

@@ -11,6 +11,7 @@ from metald.lifecycle import HANDOFF, TIMEOUTS
 
 from . import bmc, bulk
 from .client import Client
+from .names import shown, tenant_names
 from .options import POWER_ACTIONS, Subparsers, confirm, key_values, machine_ref
 from .output import emit, emit_table
 from .progress import Progress
@@ -23,7 +24,7 @@ COLUMNS = [
     ("MEM_GB", "mem"),
     ("RACK", "rack"),
     ("LABELS", "labels_s"),
-    ("TENANT", "tenant_id"),
+    ("TENANT", "tenant"),
     ("ID", "short_id"),
 ]
 SHOW_FIELDS = (
@@ -127,11 +128,12 @@ def list_machines(args: argparse.Namespace, c: Client) -> None:
         if getattr(args, key) is not None:
             q.append((key, str(getattr(args, key))))
     page = c.call("GET", "/api/v1/machines", query=q)
+    tenants = tenant_names(c, (m.get("tenant_id") for m in page["items"]))
     emit_table(
         args,
         page,
         COLUMNS,
-        row=row,
+        row=lambda m: dict(row(m), tenant=shown(tenants, m.get("tenant_id"))),
         footer=lambda p: f"({len(p['items'])} of {p['total']})",
     )
 
