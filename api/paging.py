@@ -220,7 +220,9 @@ def page_rows(
     stmt = stmt.order_by(*keys)
     after = q.after(order)
     if isinstance(after, Ref):
-        row = session.get(model, str(after))
+        # Looked up through the list's own filters (the caller's scope among them), so a
+        # forged reference to a row the caller cannot list reveals nothing of where it sorts.
+        row = session.exec(stmt.where(col(model.id) == str(after)).limit(1)).first()
         if row is None:
             raise _gone()
         after = [getattr(row, f.removeprefix("-")) for f in order]

@@ -207,3 +207,21 @@ async def test_a_key_too_long_for_a_cursor_pages_by_reference(api) -> None:  # t
     ids = await _walk(client, url, admin)
     everything = await (await client.get(url.replace("limit=1", "limit=100"), headers=admin)).json()
     assert ids == [m["id"] for m in everything["items"]] and len(ids) == len(set(ids))
+
+
+async def test_a_forged_row_reference_outside_the_scope_is_refused(api) -> None:  # type: ignore[no-untyped-def]
+    """A reference cursor is resolved through the list's own filters: an orchestrator cannot
+    learn where another tenant's machine sorts by naming its id in a forged cursor."""
+    import base64
+
+    client, tokens, _ = api
+    orch = tokens.header("orchestrator")  # tenant A: sees machine_a, not machine_b
+
+    def ref(machine_id: str) -> str:
+        raw = f'k1:{{"o":["name","id"],"r":"{machine_id}"}}'.encode()
+        return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+    r = await client.get(f"/api/v1/machines?sort=name&cursor={ref(tokens.machine_b)}", headers=orch)
+    assert r.status == 422 and "gone" in (await r.json())["detail"]
+    r = await client.get(f"/api/v1/machines?sort=name&cursor={ref(tokens.machine_a)}", headers=orch)
+    assert r.status == 200 and (await r.json())["items"] == []  # nothing after its only one
