@@ -20,6 +20,7 @@ import aiohttp
 from pydantic import BaseModel, Field, SecretStr, StringConstraints
 from sqlmodel import Session, select
 
+from api.paging import PageQuery, page_items
 from api.routing import STAFF, ApiRequest, Router
 from api.schemas import In
 from metald import machines
@@ -137,8 +138,8 @@ class BmcOut(BaseModel):
     system_uuid: str | None
     serial: str | None
     macs: list[str]
-    last_seen_at: str | None
-    created_at: str | None
+    last_seen_at: datetime | None
+    created_at: datetime | None
     owner_instance: str | None = Field(
         default=None,
         description="The live metald instance that owns this BMC now (power sync, commands).",
@@ -147,6 +148,14 @@ class BmcOut(BaseModel):
 
 class BmcList(BaseModel):
     items: list[BmcOut]
+    total: int
+    limit: int
+    offset: int
+    next: str | None = Field(default=None, description="The next page, absent on the last.")
+
+
+class BmcQuery(PageQuery):
+    SORTABLE = ("address", "health", "protocol", "created_at")
 
 
 class BmcLink(In):
@@ -311,13 +320,20 @@ async def register_bmc(req: ApiRequest) -> BmcOut:
     "/api/v1/bmcs",
     summary="List BMCs",
     roles=STAFF,
+    query=BmcQuery,
     response=BmcList,
     tag=TAG,
     errors=(503,),
 )
 async def list_bmcs(req: ApiRequest) -> BmcList:
-    """Every registered BMC with its health and last known power state."""
-    return BmcList(items=[BmcOut.model_validate(x) for x in await _bmc(req).list()])
+    """Registered BMCs with their health and last known power state, by address, paginated."""
+    q: BmcQuery = req.query
+    items = [BmcOut.model_validate(x) for x in await _bmc(req).list()]
+    limit = req.page_limit(q)
+    page, cursor = page_items(items, q, ["address", "id"], limit, getattr)
+    return BmcList(
+        items=page, total=len(items), limit=limit, offset=q.offset, next=req.next_link(cursor)
+    )
 
 
 @router.route(
