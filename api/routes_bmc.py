@@ -17,6 +17,7 @@ from datetime import datetime
 from typing import Annotated, Any, Literal, TypeVar
 
 import aiohttp
+from aiohttp import web
 from pydantic import BaseModel, Field, SecretStr, StringConstraints
 from sqlmodel import Session, select
 
@@ -155,6 +156,12 @@ class BmcLink(In):
 
 class PowerRequest(In):
     action: Literal["on", "off", "cycle", "reset", "soft-off", "status"]
+    wait_s: float | None = Field(
+        default=None,
+        ge=0,
+        description="Seconds to wait for the BMC to report the new state, at most (and by "
+        "default) [bmc] power_state_timeout_s; past it the answer is 202 with command_id.",
+    )
 
 
 class PowerOut(BaseModel):
@@ -162,7 +169,18 @@ class PowerOut(BaseModel):
     machine_id: str | None
     bmc_id: str
     action: str | None = None
-    power_state: str
+    power_state: str | None = Field(
+        description="What the BMC reported last (null: no reading since the command)."
+    )
+    command_id: str | None = None
+    status: Literal["pending", "confirmed", "failed"] | None = Field(
+        default=None,
+        description="An action's confirmation: pending (answered 202; GET .../power/commands/"
+        "{command_id} or the bmc.power-confirmed / bmc.power-failed event tells the outcome).",
+    )
+    target_state: str | None = None
+    elapsed_s: float | None = None
+    detail: str | None = None
 
 
 class BootDeviceRequest(In):
@@ -398,10 +416,46 @@ async def bmc_power_action(req: ApiRequest) -> PowerOut:
     themselves, and the BMC is linked to its machine by system UUID, serial or MAC."""
     b: PowerRequest = req.body
     if fwd := await _on_owner(req, PowerOut, bmc_id=req.params["id"]):
-        return fwd
-    out = await _bmc(req).power_bmc(req.params["id"], b.action, actor=req.actor)
+        return _power_answer(fwd)
+    out = await _bmc(req).power_bmc(req.params["id"], b.action, actor=req.actor, wait_s=b.wait_s)
     req.ctx.bus.notify()
-    return PowerOut.model_validate(out)
+    return _power_answer(PowerOut.model_validate(out))
+
+
+def _power_answer(out: PowerOut) -> PowerOut | web.Response:
+    """200 with the state the BMC reported; 202 while the BMC has not reported it yet."""
+    if out.status != "pending":
+        return out
+    return web.json_response(out.model_dump(mode="json"), status=202)
+
+
+class PowerCommandOut(BaseModel):
+    command_id: str
+    bmc_id: str
+    machine_id: str | None
+    action: str
+    target_state: str
+    status: Literal["pending", "confirmed", "failed"]
+    power_state: str | None
+    elapsed_s: float
+    detail: str | None
+
+
+@router.route(
+    "GET",
+    "/api/v1/bmcs/{id}/power/commands/{command_id}",
+    summary="Follow a BMC power command",
+    roles=STAFF,
+    response=PowerCommandOut,
+    tag=TAG,
+    errors=(404, 503),
+)
+async def bmc_power_command(req: ApiRequest) -> PowerCommandOut:
+    """A power command answered 202: pending until the BMC reports the target state."""
+    if fwd := await _on_owner(req, PowerCommandOut, bmc_id=req.params["id"]):
+        return fwd
+    out = _bmc(req).power_command(req.params["command_id"], bmc_id=req.params["id"])
+    return PowerCommandOut.model_validate(out)
 
 
 # ---- what a BMC does for a machine -------------------------------------------------------------
@@ -436,13 +490,32 @@ async def power_status(req: ApiRequest) -> PowerOut:
     errors=_MACHINE_ERRORS,
 )
 async def power_action(req: ApiRequest) -> PowerOut:
-    """on, off, soft-off, cycle, reset or status; a failure is a 502 naming the BMC's health."""
+    """on, off, soft-off, cycle, reset or status. An action answers the state the BMC reported
+    once it reports the one the action ends in; past ``wait_s`` it answers 202 with the
+    command's id. A failure is a 502 naming the BMC's health."""
     b: PowerRequest = req.body
     if fwd := await _on_owner(req, PowerOut, machine_id=req.params["id"]):
-        return fwd
-    out = await _bmc(req).power(req.params["id"], b.action, actor=req.actor)
+        return _power_answer(fwd)
+    out = await _bmc(req).power(req.params["id"], b.action, actor=req.actor, wait_s=b.wait_s)
     req.ctx.bus.notify()
-    return PowerOut.model_validate(out)
+    return _power_answer(PowerOut.model_validate(out))
+
+
+@router.route(
+    "GET",
+    "/api/v1/machines/{id}/power/commands/{command_id}",
+    summary="Follow a machine's power command",
+    roles=STAFF,
+    response=PowerCommandOut,
+    tag=TAG,
+    errors=(404, 503),
+)
+async def power_command(req: ApiRequest) -> PowerCommandOut:
+    """A power command answered 202: pending until the BMC reports the target state."""
+    if fwd := await _on_owner(req, PowerCommandOut, machine_id=req.params["id"]):
+        return fwd
+    out = _bmc(req).power_command(req.params["command_id"], machine_id=req.params["id"])
+    return PowerCommandOut.model_validate(out)
 
 
 @router.route(

@@ -240,6 +240,11 @@ class BmcConfig(_Section):
     power_sync_interval_s: float = Field(default=60.0, ge=0)
     #: After a metald power command, how long a different reading is expected, not drift.
     drift_grace_s: float = Field(default=120.0, ge=0)
+    #: How long a power action waits for the BMC to report the state it asked for (Ironic
+    #: waits 60 s); past it the API answers 202 with the command's id and keeps polling.
+    power_state_timeout_s: float = Field(default=60.0, gt=0)
+    #: How long that polling goes on in the background before the command is an error event.
+    power_state_give_up_s: float = Field(default=300.0, gt=0)
     #: CIDRs of the BMCs this instance can reach; it owns only BMCs whose address lies in one
     #: (a host name matches any). Empty: every BMC. See docs/fleet.md.
     networks: list[IPv4Network | IPv6Network] = []

@@ -17,7 +17,7 @@ from metald.bmc.control import BmcCommandFailed, BmcOwnership, NoBmc, NotOwner
 from metald.bmc.power_sync import PowerSync
 from metald.bmc.registry import PROTOCOLS, BmcRegistry, public
 from metald.config import BmcConfig
-from metald.errors import Unprocessable
+from metald.errors import NotFound, Unprocessable
 from metald.secrets import SecretBox
 from metald.store.db import Store
 from metald.store.models import Bmc
@@ -129,19 +129,45 @@ class BmcService:
 
     # --- commands, as the API answers them ---
 
-    async def power(self, machine_id: str, action: str, actor: str = "system") -> dict[str, Any]:
-        """Run a power action (on, off, cycle, soft-off) or ``status``; returns the state."""
+    async def power(
+        self, machine_id: str, action: str, actor: str = "system", wait_s: float | None = None
+    ) -> dict[str, Any]:
+        """Run a power action (on, off, cycle, soft-off) or ``status``; returns the state the
+        BMC reported and, for an action, its command (``status`` pending: not yet reported)."""
         row = await self.control.row_for_machine(machine_id)
-        return await self._power(row, machine_id, action, actor)
+        return await self._power(row, machine_id, action, actor, wait_s)
 
-    async def power_bmc(self, bmc_id: str, action: str, actor: str = "system") -> dict[str, Any]:
+    async def power_bmc(
+        self, bmc_id: str, action: str, actor: str = "system", wait_s: float | None = None
+    ) -> dict[str, Any]:
         """The same through the BMC itself: powers on hosts that have not enrolled yet (their
         machine appears when they PXE-boot, and the BMC is then linked by identity)."""
         row = await self.control.row(bmc_id)
-        return await self._power(row, row.machine_id, action, actor)
+        return await self._power(row, row.machine_id, action, actor, wait_s)
+
+    def power_command(
+        self, command_id: str, *, machine_id: str | None = None, bmc_id: str | None = None
+    ) -> dict[str, Any]:
+        """A power command this instance sent, by id (recent ones; older ones are events)."""
+        cmd = self.control.commands.get(command_id)
+        if (
+            cmd is None
+            or (machine_id is not None and cmd.machine_id != machine_id)
+            or (bmc_id is not None and cmd.bmc_id != bmc_id)
+        ):
+            raise NotFound(
+                f"no recent power command {command_id!r} here; its outcome is in the events "
+                "(bmc.power, bmc.power-confirmed, bmc.power-failed)"
+            )
+        return cmd.public()
 
     async def _power(
-        self, row: Bmc, machine_id: str | None, action: str, actor: str
+        self,
+        row: Bmc,
+        machine_id: str | None,
+        action: str,
+        actor: str,
+        wait_s: float | None = None,
     ) -> dict[str, Any]:
         if action == "status":
             state = await self.control.read_power_row(row)
@@ -153,13 +179,8 @@ class BmcService:
                 f"unknown power action {action!r}; use one of status, "
                 + ", ".join(a.value for a in PowerAction)
             ) from None
-        state = await self.control.power_row(row, act, actor)
-        return {
-            "machine_id": machine_id,
-            "bmc_id": row.id,
-            "action": act.value,
-            "power_state": state.value,
-        }
+        cmd = await self.control.power_row(row, act, actor, wait_s=wait_s)
+        return {**cmd.public(), "machine_id": machine_id}
 
     async def set_boot_device(
         self,

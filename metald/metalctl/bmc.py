@@ -81,32 +81,49 @@ def register(sub: Subparsers) -> None:
     br.set_defaults(func=register_bmc)
 
 
-#: The power state each action ends in (what ``--wait`` waits for).
-WAIT_FOR = {"on": "on", "off": "off", "soft-off": "off", "cycle": "on", "reset": "on"}
-WAIT_INTERVAL_S = 2.0
+WAIT_INTERVAL_S = 1.0
 
 
-def _power(c: Client, path: str, action: str) -> Any:
+def _power(c: Client, path: str, action: str, wait_s: float | None = None) -> Any:
     if action == "status":
         return c.call("GET", path)
-    return c.call("POST", path, {"action": action})
+    body: dict[str, Any] = {"action": action}
+    if wait_s is not None:
+        body["wait_s"] = wait_s
+    return c.call("POST", path, body)
 
 
 def power(args: argparse.Namespace, c: Client) -> int | None:
     if args.action in DISRUPTIVE_POWER:
         confirm(args, f"power {args.action} machine {args.id}")
     path = f"/api/v1/machines/{args.id}/power"
-    r = _power(c, path, args.action)
-    want = WAIT_FOR.get(args.action)
-    if args.wait and want is not None:
-        deadline = time.monotonic() + args.timeout
-        while r.get("power_state") != want:
+    # The server waits for the BMC to report the new state (up to its power_state_timeout_s);
+    # --wait follows a command it answered 202 for until it is confirmed or failed.
+    deadline = time.monotonic() + args.timeout
+    r = _power(c, path, args.action, args.timeout if args.wait else None)
+    if args.wait and r.get("status") == "pending":
+        while r.get("status") == "pending":
             if time.monotonic() >= deadline:
-                print(f"metalctl: {args.id} did not report power {want} within {args.timeout:g} s")
+                print(
+                    f"metalctl: {args.id} did not report power {r.get('target_state')} within "
+                    f"{args.timeout:g} s (command {r.get('command_id')} still pending)"
+                )
                 return 1
             time.sleep(WAIT_INTERVAL_S)
-            r = c.call("GET", path)
-    emit(args, r, lambda r: f"{args.id}: power {r.get('power_state', r)}")
+            r = c.call("GET", f"{path}/commands/{r['command_id']}")
+    if r.get("status") == "failed":
+        print(f"metalctl: {args.id}: {r.get('detail') or 'the BMC never reported the state'}")
+        return 1
+    emit(args, r, lambda r: f"{args.id}: power {_shown(r)}")
+
+
+def _shown(r: dict[str, Any]) -> str:
+    if r.get("status") == "pending":
+        return (
+            f"{r.get('power_state') or 'unknown'} (power {r.get('target_state')} sent, not yet "
+            f"reported; follow it with --wait or command {r.get('command_id')})"
+        )
+    return str(r.get("power_state", r))
 
 
 def boot_device(args: argparse.Namespace, c: Client) -> None:

@@ -231,8 +231,10 @@ class Sushy:
 _SUSHY_MAIN = """
 import sys
 import sushy_tools.emulator.resources.systems.fakedriver as fake
-# The fake driver applies power changes 1-11 s later, at random; tests want them at once.
-fake.random.randint = lambda a, b: 0
+# The fake driver applies power changes 1-11 s later, at random; tests want a known delay
+# (none unless the test asks for one).
+delay = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+fake.random.randint = lambda a, b: delay
 from sushy_tools.emulator.main import main
 sys.argv = ["sushy-emulator", "--config", sys.argv[1]]
 sys.exit(main())
@@ -291,7 +293,7 @@ def make_tls_pair(tmp_path: Path) -> tuple[Path, Path, str]:
 
 
 def _start_sushy(
-    tmp_path: Path, auth: bool, tls: tuple[Path, Path] | None = None
+    tmp_path: Path, auth: bool, tls: tuple[Path, Path] | None = None, power_delay_s: int = 0
 ) -> tuple[subprocess.Popen, Sushy]:
     port = free_port(socket.SOCK_STREAM)
     sys_uuid = str(uuid.uuid4())
@@ -318,7 +320,7 @@ def _start_sushy(
         lines.append(f"SUSHY_EMULATOR_SSL_KEY = '{tls[1]}'")
     conf.write_text("\n".join(lines) + "\n")
     proc = subprocess.Popen(
-        [sys.executable, "-c", _SUSHY_MAIN, str(conf)],
+        [sys.executable, "-c", _SUSHY_MAIN, str(conf), str(power_delay_s)],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -345,6 +347,17 @@ def sushy(tmp_path: Path) -> Iterator[Sushy]:
         yield peer
     finally:
         _stop(proc)
+
+
+@pytest.fixture
+def sushy_slow(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Sushy]:
+    """sushy-emulator applying power changes ``request.param`` seconds after it accepted them
+    (as the stock emulator does, 1-11 s at random; real BMCs too)."""
+    proc, peer = _start_sushy(tmp_path, auth=False, power_delay_s=int(request.param))
+    try:
+        yield peer
+    finally:
+        stop_peer(proc)
 
 
 @pytest.fixture

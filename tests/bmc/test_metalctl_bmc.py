@@ -80,14 +80,14 @@ def test_metalctl_registers_powers_and_reads_sensors(debug_daemon, ipmi_sim: Ipm
             "--machine",
             mid,
         ),
-        ctl("power", mid, "on"),
+        ctl("power", mid, "on", "--wait"),
         ctl("power", mid),
         ctl("boot-device", mid, "pxe"),
         ctl("sensors", mid),
         ctl("bmcs", "list"),
     ]
     assert "registered (ipmi, ok)" in outputs[0]
-    assert "power on" in outputs[2]
+    assert "power on" in outputs[1] and "power on" in outputs[2]
     assert "CPU Temp" in outputs[4]
     assert "set power 1" in ipmi_sim.calls() and "set boot pxe" in ipmi_sim.calls()
     logs = log_path.read_text()
