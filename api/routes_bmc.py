@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import aiohttp
 from aiohttp import web
-from pydantic import BaseModel, Field, SecretStr, StringConstraints
+from pydantic import BaseModel, Field, SecretStr, StrictBool, StringConstraints
 from sqlmodel import Session, select
 
 from api.routing import STAFF, ApiRequest, Router
@@ -538,6 +538,53 @@ async def boot_device(req: ApiRequest) -> BootDeviceOut:
     )
     req.ctx.bus.notify()
     return BootDeviceOut.model_validate(out)
+
+
+class LocateRequest(In):
+    on: StrictBool = Field(description="true lights the chassis identify light until turned off.")
+
+
+class LocateOut(BaseModel):
+    machine_id: str
+    bmc_id: str
+    on: bool | None = Field(description="What the BMC reports; null where it does not say.")
+
+
+@router.route(
+    "GET",
+    "/api/v1/machines/{id}/locate",
+    summary="Read a machine's locate light",
+    roles=STAFF,
+    response=LocateOut,
+    tag=TAG,
+    errors=_MACHINE_ERRORS,
+)
+async def locate_status(req: ApiRequest) -> LocateOut:
+    """Whether the chassis identify light is on, as the BMC reports it now."""
+    if fwd := await _on_owner(req, LocateOut, machine_id=req.params["id"]):
+        return fwd
+    return LocateOut.model_validate(await _bmc(req).locate(req.params["id"], None))
+
+
+@router.route(
+    "PUT",
+    "/api/v1/machines/{id}/locate",
+    summary="Turn a machine's locate light on or off",
+    roles=STAFF,
+    body=LocateRequest,
+    response=LocateOut,
+    tag=TAG,
+    errors=_MACHINE_ERRORS,
+)
+async def locate(req: ApiRequest) -> LocateOut:
+    """IPMI chassis identify, or Redfish LocationIndicatorActive / IndicatorLED: so a
+    technician finds the machine in the row. Records a bmc.locate event naming who."""
+    b: LocateRequest = req.body
+    if fwd := await _on_owner(req, LocateOut, machine_id=req.params["id"]):
+        return fwd
+    out = await _bmc(req).locate(req.params["id"], b.on, actor=req.actor)
+    req.ctx.bus.notify()
+    return LocateOut.model_validate(out)
 
 
 @router.route(

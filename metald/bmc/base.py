@@ -132,6 +132,14 @@ class BmcDriver(abc.ABC):
     async def event_log(self) -> list[LogEntry]:
         raise BmcUnsupported(f"{self.protocol} driver cannot read the event log")
 
+    async def set_locate(self, on: bool) -> None:
+        """Turn the chassis identify light on (until turned off) or off."""
+        raise BmcUnsupported(f"{self.protocol} driver cannot light the locate indicator")
+
+    async def get_locate(self) -> bool | None:
+        """Whether the locate light is on; None where the BMC does not say."""
+        raise BmcUnsupported(f"{self.protocol} driver cannot read the locate indicator")
+
     async def close(self) -> None:  # noqa: B027 - optional: drivers without sessions need none
         """Release sessions and sockets. Safe to call twice."""
 

@@ -461,6 +461,39 @@ class BmcControl:
 
         await self.store.run(record)
 
+    async def set_locate(self, machine_id: str, on: bool, *, actor: str = "system") -> bool | None:
+        """Light (or turn off) the machine's locate indicator; returns what the BMC reports
+        afterwards (None where it does not say)."""
+        row = await self.row_for_machine(machine_id)
+        await self._fence(row, None, None)
+        await self._command(row, "set_locate", lambda d: d.set_locate(on))
+        state = await self._read_locate(row)
+
+        def record(s: Session) -> None:
+            add_event(
+                s,
+                "bmc.locate",
+                actor,
+                machine_id=machine_id,
+                instance=self.instance,
+                data={"bmc_id": row.id, "on": on, "reported": state},
+            )
+            s.commit()
+
+        await self.store.run(record)
+        return state
+
+    async def read_locate(self, machine_id: str) -> bool | None:
+        row = await self.row_for_machine(machine_id)
+        await self._generation(row)
+        return await self._read_locate(row)
+
+    async def _read_locate(self, row: Bmc) -> bool | None:
+        try:
+            return await self._command(row, "get_locate", lambda d: d.get_locate())
+        except Unprocessable:  # the BMC lights it but cannot say whether it is lit
+            return None
+
     async def sensors(self, machine_id: str) -> list[Sensor]:
         row = await self.row_for_machine(machine_id)
         await self._generation(row)

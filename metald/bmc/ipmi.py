@@ -309,6 +309,18 @@ class IpmiDriver(BmcDriver):
         device = 0x04 if boot.device is BootTarget.PXE else 0x08
         await self._request(NETFN_CHASSIS, 0x08, bytes([0x05, flags, device, 0, 0, 0]), admin=True)
 
+    async def set_locate(self, on: bool) -> None:
+        # Chassis Identify (IPMI 2.0 28.5): interval 0 with "force on" lights it until turned
+        # off; interval 0 without it turns it off.
+        await self._request(NETFN_CHASSIS, 0x04, bytes([0, 1 if on else 0]), admin=True)
+
+    async def get_locate(self) -> bool | None:
+        data = await self._request(NETFN_CHASSIS, 0x01)  # Get Chassis Status
+        # Byte 3 (misc chassis state): bit 6 says whether bits 5:4 (identify state) are valid.
+        if len(data) < 3 or not data[2] & 0x40:
+            return None
+        return (data[2] >> 4) & 0x03 != 0
+
     async def sensors(self) -> list[Sensor]:
         return await _in_pyghmi_thread(self._pyghmi_sensors)
 

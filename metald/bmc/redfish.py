@@ -333,6 +333,26 @@ class RedfishDriver(BmcDriver):
         assert self._system_uri is not None
         await self._act("PATCH", self._system_uri, body)
 
+    async def set_locate(self, on: bool) -> None:
+        # LocationIndicatorActive (ComputerSystem 1.13+) where offered, else IndicatorLED
+        # (deprecated but what most BMCs, sushy-emulator included, still have).
+        s = await self._system_resource(refresh=True)
+        if "LocationIndicatorActive" in s:
+            body: dict[str, Any] = {"LocationIndicatorActive": on}
+        elif "IndicatorLED" in s:
+            body = {"IndicatorLED": "Lit" if on else "Off"}
+        else:
+            raise BmcUnsupported(f"{self._where}: the system has no locate indicator")
+        assert self._system_uri is not None
+        await self._act("PATCH", self._system_uri, body)
+
+    async def get_locate(self) -> bool | None:
+        s = await self._system_resource(refresh=True)
+        if isinstance(s.get("LocationIndicatorActive"), bool):
+            return bool(s["LocationIndicatorActive"])
+        led = s.get("IndicatorLED")
+        return None if led in (None, "Unknown") else led in ("Lit", "Blinking")
+
     async def sensors(self) -> list[Sensor]:
         s = await self._system_resource()
         out: list[Sensor] = []

@@ -205,6 +205,17 @@ class BmcService:
             "uefi": uefi,
         }
 
+    async def locate(
+        self, machine_id: str, on: bool | None, actor: str = "system"
+    ) -> dict[str, Any]:
+        """Turn the locate light on or off (``on`` None: only read it)."""
+        row = await self.control.row_for_machine(machine_id)
+        if on is None:
+            state = await self.control.read_locate(machine_id)
+        else:
+            state = await self.control.set_locate(machine_id, on, actor=actor)
+        return {"machine_id": machine_id, "bmc_id": row.id, "on": state}
+
     async def sensors(self, machine_id: str) -> list[dict[str, Any]]:
         return [
             {"name": x.name, "kind": x.kind, "value": x.value, "units": x.unit, "health": x.health}

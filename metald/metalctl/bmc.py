@@ -37,6 +37,10 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--wait", action="store_true", help="until the BMC reports the new state")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds --wait waits at most")
     p.set_defaults(func=power)
+    lp = sub.add_parser("locate", help="the machine's locate (chassis identify) light")
+    lp.add_argument("id", help="machine id")
+    lp.add_argument("state", nargs="?", choices=("on", "off", "status"), default="status")
+    lp.set_defaults(func=locate)
     b = sub.add_parser("boot-device", help="set the next boot device")
     b.add_argument("id")
     b.add_argument("device", choices=["pxe", "disk"])
@@ -124,6 +128,16 @@ def _shown(r: dict[str, Any]) -> str:
             f"reported; follow it with --wait or command {r.get('command_id')})"
         )
     return str(r.get("power_state", r))
+
+
+def locate(args: argparse.Namespace, c: Client) -> None:
+    path = f"/api/v1/machines/{args.id}/locate"
+    if args.state == "status":
+        r = c.call("GET", path)
+    else:
+        r = c.call("PUT", path, {"on": args.state == "on"})
+    shown = {True: "on", False: "off", None: "unknown (the BMC does not say)"}
+    emit(args, r, lambda r: f"{args.id}: locate {shown[r.get('on')]}")
 
 
 def boot_device(args: argparse.Namespace, c: Client) -> None:
