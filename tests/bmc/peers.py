@@ -527,3 +527,54 @@ class SessionRedfish:
         app.router.add_post(f"{sysp}/Actions/ComputerSystem.Reset", reset)
         app.router.add_get("/redfish/v1/TaskService/Tasks/7", task)
         return app
+
+
+@dataclass
+class LabRedfish:
+    """The lab's own Redfish BMC (vm-lab/vmlab/redfish.py) in front of a real, bare QEMU
+    machine (no disk, no NIC: nothing leaves it), served on loopback."""
+
+    port: int
+    system_id: str
+    username: str
+    password: str
+    app: Any
+
+
+@pytest.fixture
+async def lab_redfish(tmp_path: Path) -> Any:
+    from aiohttp import web
+
+    from vmlab import redfish as lab_redfish_app
+    from vmlab.power import MachineControl
+
+    qmp = tmp_path / "qmp.sock"
+    proc = subprocess.Popen(
+        ["qemu-system-x86_64", "-accel", "tcg", "-S", "-nodefaults", "-display", "none",
+         "-m", "64", "-qmp", f"unix:{qmp},server=on,wait=off"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        end = time.monotonic() + 15
+        while not qmp.exists():
+            if proc.poll() is not None or time.monotonic() > end:
+                raise RuntimeError("QEMU did not open its QMP socket")
+            time.sleep(0.05)
+        control = MachineControl(str(qmp))
+        await control.connect()
+        info = lab_redfish_app.SystemInfo(
+            system_id="m0", uuid=str(uuid.uuid4()), mac="52:54:00:aa:bb:02", firmware="uefi",
+            memory_mb=64, cpus=1, serial_number="LAB-0001", username="admin", password=PASSWORD,
+        )  # fmt: skip
+        app = lab_redfish_app.make_app(control, info)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        port = free_port(socket.SOCK_STREAM)
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            yield LabRedfish(port, "m0", "admin", PASSWORD, app)
+        finally:
+            await runner.cleanup()
+            await control.close()
+    finally:
+        _stop(proc)

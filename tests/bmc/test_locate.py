@@ -4,6 +4,7 @@ ipmi_sim and through Redfish IndicatorLED against sushy-emulator, then over the 
 from __future__ import annotations
 
 import pytest
+from sqlmodel import select
 
 from metald.bmc.base import BmcEndpoint
 from metald.bmc.ipmi import IpmiDriver
@@ -98,7 +99,7 @@ async def test_locate_over_the_api_with_an_event_naming_who(
     r = await client.put(f"/api/v1/machines/{mid}/locate", json={"on": "yes"}, headers=tech)
     assert r.status == 422
     events = await store.run(
-        lambda s: [e for e in s.query(Event).all() if e.kind == "bmc.locate"]  # type: ignore[attr-defined]
+        lambda s: list(s.exec(select(Event).where(Event.kind == "bmc.locate")).all())
     )
     assert [e.data["on"] for e in events] == [True, False]
     assert all(e.actor and e.actor != "system" for e in events)
