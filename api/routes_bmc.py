@@ -587,6 +587,100 @@ async def locate(req: ApiRequest) -> LocateOut:
     return LocateOut.model_validate(out)
 
 
+class FirmwareItemOut(BaseModel):
+    id: str
+    name: str
+    version: str | None
+    updateable: bool | None
+
+
+class FirmwareOut(BaseModel):
+    machine_id: str
+    items: list[FirmwareItemOut]
+
+
+@router.route(
+    "GET",
+    "/api/v1/machines/{id}/firmware",
+    summary="Read a machine's firmware inventory",
+    roles=STAFF,
+    response=FirmwareOut,
+    tag=TAG,
+    errors=_MACHINE_ERRORS,
+)
+async def firmware_inventory(req: ApiRequest) -> FirmwareOut:
+    """BMC, BIOS, NIC and GPU firmware versions (Redfish FirmwareInventory), read now and
+    recorded on the machine (``firmware_versions``; claims select by them)."""
+    if fwd := await _on_owner(req, FirmwareOut, machine_id=req.params["id"]):
+        return fwd
+    out = FirmwareOut.model_validate(await _bmc(req).firmware(req.params["id"], actor=req.actor))
+    req.ctx.bus.notify()
+    return out
+
+
+BiosValue = StrictBool | int | Annotated[str, StringConstraints(max_length=256)]
+
+
+class BiosIn(In):
+    attributes: dict[Annotated[str, StringConstraints(min_length=1, max_length=128)], BiosValue] = (
+        Field(
+            min_length=1,
+            max_length=256,
+            description="Desired BIOS attributes (Redfish names); what differs is staged as "
+            "pending settings, applied at the machine's next reboot.",
+        )
+    )
+
+
+class BiosOut(BaseModel):
+    machine_id: str
+    current: dict[str, Any]
+    pending: dict[str, Any]
+    desired: dict[str, Any]
+    drift: dict[str, Any] = Field(description="Desired attributes neither set nor pending.")
+    read_at: str
+
+
+@router.route(
+    "GET",
+    "/api/v1/machines/{id}/bios",
+    summary="Read a machine's BIOS settings",
+    roles=STAFF,
+    response=BiosOut,
+    tag=TAG,
+    errors=_MACHINE_ERRORS,
+)
+async def bios_settings(req: ApiRequest) -> BiosOut:
+    """Current and pending attributes, read now; drift from the desired profile is recorded
+    on the machine and reported as a bmc.bios-drift event."""
+    if fwd := await _on_owner(req, BiosOut, machine_id=req.params["id"]):
+        return fwd
+    out = BiosOut.model_validate(await _bmc(req).bios(req.params["id"], actor=req.actor))
+    req.ctx.bus.notify()
+    return out
+
+
+@router.route(
+    "PUT",
+    "/api/v1/machines/{id}/bios",
+    summary="Set a machine's desired BIOS settings",
+    roles=STAFF,
+    body=BiosIn,
+    response=BiosOut,
+    tag=TAG,
+    errors=_MACHINE_ERRORS,
+)
+async def set_bios_settings(req: ApiRequest) -> BiosOut:
+    """Replaces the machine's desired profile (the enroll rules set one at inspection) and
+    stages what differs; a value the BMC refuses is a 422 with its reason."""
+    b: BiosIn = req.body
+    if fwd := await _on_owner(req, BiosOut, machine_id=req.params["id"]):
+        return fwd
+    out = await _bmc(req).set_bios(req.params["id"], dict(b.attributes), actor=req.actor)
+    req.ctx.bus.notify()
+    return BiosOut.model_validate(out)
+
+
 @router.route(
     "GET",
     "/api/v1/machines/{id}/sensors",

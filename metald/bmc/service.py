@@ -9,18 +9,24 @@ class wires them and shapes their typed results into the API's dicts.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
-from metald.bmc.base import BootTarget, PowerAction
+from metald.bmc import firmware
+from metald.bmc.base import BmcError, BootTarget, PowerAction
 from metald.bmc.commands import BmcControl
 from metald.bmc.control import BmcCommandFailed, BmcOwnership, NoBmc, NotOwner
 from metald.bmc.power_sync import PowerSync
 from metald.bmc.registry import PROTOCOLS, BmcRegistry, public
 from metald.config import BmcConfig
-from metald.errors import NotFound, Unprocessable
+from metald.errors import MetaldError, NotFound, Unprocessable
 from metald.secrets import SecretBox
+from metald.service import cancel
 from metald.store.db import Store
 from metald.store.models import Bmc
+
+log = logging.getLogger(__name__)
 
 __all__ = ["PROTOCOLS", "BmcCommandFailed", "BmcService", "NoBmc", "NotOwner"]
 
@@ -37,6 +43,7 @@ class BmcService:
         self.control = BmcControl(store, secrets, cfg, instance)
         self.registry = BmcRegistry(store, self.control, instance)
         self.sync = PowerSync(self.control, cfg.power_sync_interval_s, self.actor)
+        self._tasks: set[asyncio.Task[None]] = set()
 
     @property
     def ownership(self) -> BmcOwnership | None:
@@ -59,6 +66,8 @@ class BmcService:
         await self.sync.start()
 
     async def stop(self) -> None:
+        for task in list(self._tasks):
+            await cancel(task)
         await self.sync.stop()
         await self.control.close()
 
@@ -215,6 +224,49 @@ class BmcService:
         else:
             state = await self.control.set_locate(machine_id, on, actor=actor)
         return {"machine_id": machine_id, "bmc_id": row.id, "on": state}
+
+    async def firmware(self, machine_id: str, actor: str = "system") -> dict[str, Any]:
+        """Read the firmware inventory now and record it on the machine."""
+        items = await firmware.refresh_firmware(self.control, machine_id, actor)
+        return {
+            "machine_id": machine_id,
+            "items": [
+                {"id": i.id, "name": i.name, "version": i.version, "updateable": i.updateable}
+                for i in items
+            ],
+        }
+
+    async def bios(self, machine_id: str, actor: str = "system") -> dict[str, Any]:
+        """Read the BIOS settings now; record them and their drift from the profile."""
+        return {
+            "machine_id": machine_id,
+            **await firmware.read_bios(self.control, machine_id, actor),
+        }
+
+    async def set_bios(
+        self, machine_id: str, attributes: dict[str, Any], actor: str = "system"
+    ) -> dict[str, Any]:
+        """Make ``attributes`` the machine's desired profile and stage what differs."""
+        out = await firmware.stage_bios(self.control, machine_id, attributes, actor)
+        return {"machine_id": machine_id, **out}
+
+    def after_inspection(self, machine_id: str) -> None:
+        """A machine's inventory was just accepted: record its firmware versions and stage its
+        BIOS profile in the background (its next reboot applies it). Best effort: a BMC that
+        offers neither, or no BMC, changes nothing."""
+        task = asyncio.create_task(self._after_inspection(machine_id), name="bmc-inspection")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _after_inspection(self, machine_id: str) -> None:
+        for step in (
+            lambda: firmware.refresh_firmware(self.control, machine_id, self.actor),
+            lambda: firmware.stage_bios(self.control, machine_id, None, self.actor),
+        ):
+            try:
+                await step()
+            except (MetaldError, BmcError) as e:
+                log.info("machine %s: after inspection: %s", machine_id, e)
 
     async def sensors(self, machine_id: str) -> list[dict[str, Any]]:
         return [
