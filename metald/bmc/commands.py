@@ -40,8 +40,8 @@ from metald.bmc.power_confirm import (
     CommandBook,
     CommandStatus,
     PowerCommand,
-    poll_delays,
     target_of,
+    wait_for_state,
 )
 from metald.bmc.redfish import RedfishDriver
 from metald.bmc.scheduler import BmcScheduler, Health
@@ -415,26 +415,24 @@ class BmcControl:
         """Read the BMC (backing off) until it reports the command's target state or
         ``power_state_give_up_s`` passed; record each reading; when the request already
         answered 202, report the outcome as an event."""
-        give_up = cmd.sent_at + self.cfg.power_state_give_up_s
-        delays = poll_delays()
-        while True:
-            try:
-                state = await self.run(row, "confirm_power", lambda d: d.get_power())
-            except BmcError as e:
-                cmd.last_error = cause(e)
-            else:
-                cmd.last_error = None
-                if state is not cmd.observed:
-                    cmd.observed = state
-                    await self.store.run(record_power, row.id, state, None, self.instance)
-                if state is cmd.target:
-                    cmd.status = CommandStatus.CONFIRMED
-                    break
-            left = give_up - time.monotonic()
-            if left <= 0:
-                cmd.status = CommandStatus.FAILED
-                break
-            await asyncio.sleep(min(next(delays), left))
+
+        async def reading(state: PowerState) -> None:
+            cmd.last_error = None
+            if state is not cmd.observed:
+                cmd.observed = state
+                await self.store.run(record_power, row.id, state, None, self.instance)
+
+        def failed_read(e: Exception) -> None:
+            cmd.last_error = cause(e)
+
+        cmd.status = await wait_for_state(
+            lambda: self.run(row, "confirm_power", lambda d: d.get_power()),
+            cmd.target,
+            cmd.sent_at + self.cfg.power_state_give_up_s,
+            reading,
+            failed_read,
+            (BmcError,),
+        )
         cmd.done_at = time.monotonic()
         if not cmd.answered and cmd.status is CommandStatus.CONFIRMED:
             return

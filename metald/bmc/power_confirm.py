@@ -8,9 +8,10 @@ never when a PSU is out). ``PowerCommand`` is one sent command and what the BMC 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -37,6 +38,35 @@ def poll_delays(first_s: float = 0.25, cap_s: float = 4.0) -> Iterator[float]:
     while True:
         yield d
         d = min(cap_s, d * 2)
+
+
+async def wait_for_state(
+    read: Callable[[], Awaitable[PowerState]],
+    target: PowerState,
+    give_up_at: float,
+    on_reading: Callable[[PowerState], Awaitable[None]] | None = None,
+    on_error: Callable[[Exception], None] | None = None,
+    errors: tuple[type[Exception], ...] = (),
+) -> CommandStatus:
+    """Read (backing off, ``poll_delays``) until ``read`` reports ``target`` (CONFIRMED) or
+    the monotonic clock passes ``give_up_at`` (FAILED). A read failing with one of ``errors``
+    is reported to ``on_error`` and read again later."""
+    delays = poll_delays()
+    while True:
+        try:
+            state = await read()
+        except errors as e:
+            if on_error is not None:
+                on_error(e)
+        else:
+            if on_reading is not None:
+                await on_reading(state)
+            if state is target:
+                return CommandStatus.CONFIRMED
+        left = give_up_at - time.monotonic()
+        if left <= 0:
+            return CommandStatus.FAILED
+        await asyncio.sleep(min(next(delays), left))
 
 
 @dataclass
