@@ -64,8 +64,10 @@ class _Fleet:
         drop: float,
         seed: int,
         settle: tuple[float, float] = (0.2, 1.0),
+        suites: tuple[int, ...] = (17, 3),
     ) -> None:
         self.n = n
+        self.suites = suites
         self.delay = delay
         self.drop = drop
         self.settle = settle
@@ -127,13 +129,14 @@ class _SimBmc(asyncio.DatagramProtocol):
             return self._command(sid, sess, rmcp.decode_request(p.payload))
         p = rmcp.decode_packet(data)
         if ptype == rmcp.PAYLOAD_OPEN_REQ:
-            if len(p.payload) < 32 or p.payload[12] != 1 or p.payload[20] != 1:
-                # Only suite 3 (SHA-1): refuse other proposals so clients fall back to it.
-                refusal = bytes([p.payload[0], 0x11, 0, 0]) + p.payload[4:8]
-                return rmcp.encode_packet(rmcp.PAYLOAD_OPEN_RSP, 0, 0, refusal)
-            hs = rmcp.ServerHandshake({USER: PASSWORD}, self.guid)
-            self.pending[hs.bmc_sid] = hs
-            return rmcp.encode_packet(rmcp.PAYLOAD_OPEN_RSP, 0, 0, hs.on_open_request(p.payload))
+            # Suites 17 and 3, as the fleet was told; another proposal is refused (0x11).
+            hs = rmcp.ServerHandshake({USER: PASSWORD}, self.guid, accept=self.fleet.suites)
+            if len(p.payload) < 32:
+                return None
+            rsp = hs.on_open_request(p.payload)
+            if rsp[1] == 0:
+                self.pending[hs.bmc_sid] = hs
+            return rmcp.encode_packet(rmcp.PAYLOAD_OPEN_RSP, 0, 0, rsp)
         hs = self.pending.get(p.payload[4:8])
         if hs is None:
             return None
@@ -201,10 +204,11 @@ def _fleet_main(
     drop: float,
     seed: int,
     settle: tuple[float, float] = (0.2, 1.0),
+    suites: tuple[int, ...] = (17, 3),
 ) -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        fleet = _Fleet(n, delay, drop, seed, settle)
+        fleet = _Fleet(n, delay, drop, seed, settle, suites)
         transports = []
         for i in range(n):
             t, _ = await loop.create_datagram_endpoint(

@@ -236,6 +236,9 @@ class BmcConfig(_Section):
     backoff_max_s: float = Field(default=8.0, ge=0)
     #: IPMI over UDP: re-send an unanswered request after this long (same sequence number).
     ipmi_resend_ms: int = Field(default=500, ge=10)
+    #: IPMI cipher suites proposed at login, in order (17: HMAC-SHA256 + AES; 3: HMAC-SHA1 +
+    #: AES). [17] refuses BMCs that only speak suite 3 (no downgrade).
+    ipmi_cipher_suites: list[Literal[3, 17]] = Field(default=[17, 3], min_length=1)
     #: Seconds between power-state reads of every BMC; 0 turns the sync off.
     power_sync_interval_s: float = Field(default=60.0, ge=0)
     #: After a metald power command, how long a different reading is expected, not drift.

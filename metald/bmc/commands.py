@@ -171,7 +171,12 @@ class BmcControl:
         # The per-request deadline sits just inside the scheduler's, so the driver names the cause.
         inner = max(0.1, self.cfg.timeout_s * 0.9)
         if protocol == "ipmi":
-            return IpmiDriver(ep, request_timeout_s=inner, resend_s=self.cfg.ipmi_resend_ms / 1000)
+            return IpmiDriver(
+                ep,
+                request_timeout_s=inner,
+                resend_s=self.cfg.ipmi_resend_ms / 1000,
+                cipher_suites=tuple(self.cfg.ipmi_cipher_suites),
+            )
         scheme, host = split_scheme(ep.address)
         ep2 = BmcEndpoint(host, ep.port, ep.username, ep.password, ep.verify_tls, ep.ca_cert)
         return RedfishDriver(ep2, scheme=scheme, request_timeout_s=inner)
