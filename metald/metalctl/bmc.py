@@ -41,6 +41,15 @@ def register(sub: Subparsers) -> None:
     lp.add_argument("id", help="machine id")
     lp.add_argument("state", nargs="?", choices=("on", "off", "status"), default="status")
     lp.set_defaults(func=locate)
+    fp = sub.add_parser("firmware", help="firmware versions the machine's BMC reports")
+    fp.add_argument("id", help="machine id")
+    fp.set_defaults(func=firmware)
+    bp2 = sub.add_parser("bios", help="BIOS settings: show, or set desired attributes")
+    bp2.add_argument("id", help="machine id")
+    bp2.add_argument(
+        "set", nargs="*", metavar="NAME=VALUE", help="desired attributes, staged for next boot"
+    )
+    bp2.set_defaults(func=bios)
     b = sub.add_parser("boot-device", help="set the next boot device")
     b.add_argument("id")
     b.add_argument("device", choices=["pxe", "disk"])
@@ -138,6 +147,44 @@ def locate(args: argparse.Namespace, c: Client) -> None:
         r = c.call("PUT", path, {"on": args.state == "on"})
     shown = {True: "on", False: "off", None: "unknown (the BMC does not say)"}
     emit(args, r, lambda r: f"{args.id}: locate {shown[r.get('on')]}")
+
+
+FIRMWARE_COLUMNS = [("ID", "id"), ("NAME", "name"), ("VERSION", "version")]
+
+
+def firmware(args: argparse.Namespace, c: Client) -> None:
+    emit_table(args, c.call("GET", f"/api/v1/machines/{args.id}/firmware"), FIRMWARE_COLUMNS)
+
+
+def _bios_value(text: str) -> Any:
+    """NAME=VALUE values as the BMC's registry types them: integers, true/false, or text."""
+    if text.lstrip("-").isdigit():
+        return int(text)
+    return {"true": True, "false": False}.get(text, text)
+
+
+def bios(args: argparse.Namespace, c: Client) -> None:
+    path = f"/api/v1/machines/{args.id}/bios"
+    if args.set:
+        attrs: dict[str, Any] = {}
+        for kv in args.set:
+            name, sep, value = kv.partition("=")
+            if not sep or not name:
+                raise UsageError(f"write attributes as NAME=VALUE, not {kv!r}")
+            attrs[name] = _bios_value(value)
+        r = c.call("PUT", path, {"attributes": attrs})
+    else:
+        r = c.call("GET", path)
+
+    def text(r: dict[str, Any]) -> str:
+        lines = [f"{k} = {v!r}" for k, v in sorted(r.get("current", {}).items())]
+        lines += [f"{k} -> {v!r} (pending, next boot)" for k, v in r.get("pending", {}).items()]
+        lines += [
+            f"DRIFT {k}: {d['have']!r}, want {d['want']!r}" for k, d in r.get("drift", {}).items()
+        ]
+        return "\n".join(lines)
+
+    emit(args, r, text)
 
 
 def boot_device(args: argparse.Namespace, c: Client) -> None:
