@@ -4,6 +4,7 @@ without basic auth), and pyghmi BMC servers that misbehave on purpose (``fault_b
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import socket
@@ -556,12 +557,16 @@ async def lab_redfish(tmp_path: Path) -> Any:
     )  # fmt: skip
     try:
         end = time.monotonic() + 15
-        while not qmp.exists():
-            if proc.poll() is not None or time.monotonic() > end:
-                raise RuntimeError("QEMU did not open its QMP socket")
-            time.sleep(0.05)
-        control = MachineControl(str(qmp))
-        await control.connect()
+        while True:  # the socket file appears at bind, before QEMU listens on it
+            control = MachineControl(str(qmp))
+            try:
+                await control.connect()
+                break
+            except OSError:
+                await control.close()
+                if proc.poll() is not None or time.monotonic() > end:
+                    raise RuntimeError("QEMU did not open its QMP socket") from None
+                await asyncio.sleep(0.05)
         info = lab_redfish_app.SystemInfo(
             system_id="m0", uuid=str(uuid.uuid4()), mac="52:54:00:aa:bb:02", firmware="uefi",
             memory_mb=64, cpus=1, serial_number="LAB-0001", username="admin", password=PASSWORD,

@@ -91,8 +91,9 @@ def _pyghmi_power(port: int, conn: Any) -> None:
 
 
 def test_pyghmi_client_logs_in_to_metald_suite17_server(suite17_bmc: int) -> None:
+    # A fresh interpreter: pyghmi keeps a global I/O thread that a fork of this one would lose.
     parent, child = mp.Pipe()
-    proc = mp.get_context("fork").Process(target=_pyghmi_power, args=(suite17_bmc, child))
+    proc = mp.get_context("spawn").Process(target=_pyghmi_power, args=(suite17_bmc, child))
     proc.start()
     try:
         assert parent.poll(30), "pyghmi's client did not finish"
