@@ -138,3 +138,49 @@ def test_enroll_rules_give_the_bios_profile() -> None:
         "SriovGlobalEnable": "Enabled",
         "LogicalProc": "Disabled",
     }
+
+
+async def test_inspection_records_firmware_and_stages_the_rules_profile(
+    api, store: Store, lab_redfish
+) -> None:  # type: ignore[no-untyped-def]
+    """The whole path: an enroll rule's BIOS profile, an agent's inventory, then (in the
+    background) the firmware versions recorded and the profile staged on the BMC."""
+    import asyncio
+    import uuid
+
+    from api.app import CTX_KEY
+    from metald.config import EnrollConfig
+    from tests.test_enrollment import enrolled_via_hooks, payload
+
+    client, tokens, _ = api
+    client.server.app[CTX_KEY].cfg.enroll = EnrollConfig(
+        rules=[EnrollmentRule(match={"gpu_model": "*H100*"}, bios={"SriovGlobalEnable": "Enabled"})]
+    )
+    _hooks, target = await enrolled_via_hooks(store)
+    mid = target.machine_id
+    body = {
+        "address": "http://127.0.0.1",
+        "port": lab_redfish.port,
+        "protocol": "redfish",
+        "username": lab_redfish.username,
+        "password": lab_redfish.password,
+        "machine_id": mid,
+    }
+    r = await client.post("/api/v1/bmcs", json=body, headers=tokens.header("technician"))
+    assert r.status == 201, await r.text()
+    agent = {"Authorization": f"Bearer {target.kernel_args['metald.token']}"}
+    r = await client.post(
+        "/api/v1/agent/inventory", json=payload(mid, boot_id=str(uuid.uuid4())), headers=agent
+    )
+    assert r.status == 200, await r.text()
+    bios = lab_redfish.app[BIOS]
+    async with asyncio.timeout(30):
+        while True:
+            m = await store.run(lambda s: s.get(Machine, mid))
+            if m.firmware_versions and (m.bios or {}).get("pending"):
+                break
+            await asyncio.sleep(0.05)
+    assert m.firmware_versions["BIOS"] == "2022.11"
+    assert m.bios["desired"] == {"SriovGlobalEnable": "Enabled"}
+    assert bios.pending == {"SriovGlobalEnable": "Enabled"}
+    assert m.bios["drift"] == {}  # staged: applied at the next reboot, not drift
