@@ -100,7 +100,7 @@ async def test_power_on_answers_the_state_the_bmc_reports(api, store: Store, sus
     assert ev.data["command_id"] == out["command_id"] and ev.data["status"] == "confirmed"
 
 
-@pytest.mark.parametrize("sushy_slow", [3], indirect=True)
+@pytest.mark.parametrize("sushy_slow", [8], indirect=True)  # long enough to look first
 async def test_past_the_wait_202_then_confirmed_in_the_background(
     api, store: Store, sushy_slow
 ) -> None:  # type: ignore[no-untyped-def]
