@@ -300,6 +300,22 @@ class WgHub(SQLModel, table=True):
     created_at: datetime = _ts()
 
 
+class TenantCtlState(SQLModel, table=True):
+    """A tenant's Slurm controller state (slurmctld's StateSaveLocation), so it survives the
+    hub's move to another instance (``metald.tenants.ctlstate``)."""
+
+    __tablename__ = "tenant_ctl_state"
+
+    tenant_id: str = Field(foreign_key="tenants.id", primary_key=True)
+    #: The instance that brought the hub up last; saves are fenced by ``generation``.
+    owner: str
+    generation: int = 0
+    #: gzip'd tar of the folder, encrypted with the secrets key (job scripts and environments).
+    data_enc: bytes | None = Field(default=None, sa_column=Column(LargeBinary))
+    size: int = 0
+    saved_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+
+
 class WgPeer(SQLModel, table=True):
     """A node on a tenant's hub. (tenant, address) is unique: no address is held twice."""
 
