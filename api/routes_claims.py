@@ -51,6 +51,12 @@ class SelectorIn(In):
     min_memory_mb: int | None = Field(default=None, ge=0, le=SQL_INT_MAX)
     labels: dict[LabelKey, LabelValue] = Field(default={}, max_length=64)
     rack: Name | None = None
+    firmware: dict[Name, Text] = Field(
+        default={},
+        max_length=16,
+        description="Firmware inventory id -> version or glob ({'BIOS': '2.19.*'}); machines "
+        "whose BMC reported no such item do not match.",
+    )
 
 
 class ClaimCreate(In):

@@ -107,23 +107,39 @@ def test_events_newest_first_with_tail_and_kind(live: LoopbackApi, capsys) -> No
 
 
 class _LaggingBmc(FakeBmc):
-    """Reports the new power state only on the second status read after a command."""
+    """Answers an action pending (202); its command is confirmed on the second read after."""
 
     def __init__(self) -> None:
         super().__init__(power_state="on")
         self.reads = 0
+        self.command: dict[str, Any] | None = None
 
     async def owner_url(self, **_kw: Any) -> str | None:
         return None  # one instance: every command runs here
 
-    async def power(self, machine_id: str, action: str, actor: str = "") -> dict[str, Any]:
-        if action == "status":
-            self.reads += 1
-            state = "on" if self.reads < 2 else "off"
-        else:
-            self.calls.append((machine_id, "power", action))
-            state = "on"
-        return {"machine_id": machine_id, "bmc_id": "b1", "power_state": state}
+    async def power(
+        self, machine_id: str, action: str, actor: str = "", wait_s: float | None = None
+    ) -> dict[str, Any]:
+        self.calls.append((machine_id, "power", action))
+        self.command = {
+            "command_id": "c1",
+            "bmc_id": "b1",
+            "machine_id": machine_id,
+            "action": action,
+            "target_state": "off",
+            "status": "pending",
+            "power_state": "on",
+            "elapsed_s": 0.0,
+            "detail": None,
+        }
+        return {"machine_id": machine_id, "bmc_id": "b1", **self.command}
+
+    def power_command(self, command_id: str, **_kw: Any) -> dict[str, Any]:
+        assert self.command is not None and command_id == self.command["command_id"]
+        self.reads += 1
+        if self.reads >= 2:
+            self.command.update(status="confirmed", power_state="off")
+        return dict(self.command)
 
 
 def test_power_off_waits_until_the_bmc_reports_it(live: LoopbackApi, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -226,7 +242,9 @@ class _RackBmc(FakeBmc):
     async def owner_url(self, **_kw: Any) -> str | None:
         return None
 
-    async def power(self, machine_id: str, action: str, actor: str = "") -> dict[str, Any]:  # type: ignore[override]
+    async def power(  # type: ignore[override]
+        self, machine_id: str, action: str, actor: str = "", wait_s: float | None = None
+    ) -> dict[str, Any]:
         from metald.errors import MetaldError
 
         if machine_id == self.broken:

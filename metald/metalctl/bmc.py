@@ -55,6 +55,19 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--wait", action="store_true", help="until the BMC reports the new state")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds --wait waits at most")
     p.set_defaults(func=power)
+    lp = sub.add_parser("locate", help="the machine's locate (chassis identify) light")
+    machine_ref(lp.add_argument("id", help="machine id, name or id prefix"))
+    lp.add_argument("state", nargs="?", choices=("on", "off", "status"), default="status")
+    lp.set_defaults(func=locate)
+    fp = sub.add_parser("firmware", help="firmware versions the machine's BMC reports")
+    machine_ref(fp.add_argument("id", help="machine id, name or id prefix"))
+    fp.set_defaults(func=firmware)
+    bp2 = sub.add_parser("bios", help="BIOS settings: show, or set desired attributes")
+    machine_ref(bp2.add_argument("id", help="machine id, name or id prefix"))
+    bp2.add_argument(
+        "set", nargs="*", metavar="NAME=VALUE", help="desired attributes, staged for next boot"
+    )
+    bp2.set_defaults(func=bios)
     b = sub.add_parser("boot-device", help="set the next boot device")
     machine_ref(b.add_argument("id", help="machine id, name or id prefix"))
     b.add_argument("device", choices=["pxe", "disk"])
@@ -108,30 +121,42 @@ def register(sub: Subparsers) -> None:
     br.set_defaults(func=register_bmc)
 
 
-#: The power state each action ends in (what ``--wait`` waits for).
 WAIT_FOR = {"on": "on", "off": "off", "soft-off": "off", "cycle": "on", "reset": "on"}
-WAIT_INTERVAL_S = 2.0
+WAIT_INTERVAL_S = 1.0
 
 
-def _power(c: Client, path: str, action: str) -> Any:
+def _power(c: Client, path: str, action: str, wait_s: float | None = None) -> Any:
     if action == "status":
         return c.call("GET", path)
-    return c.call("POST", path, {"action": action})
+    body: dict[str, Any] = {"action": action}
+    if wait_s is not None:
+        body["wait_s"] = wait_s
+    return c.call("POST", path, body)
 
 
 def power(args: argparse.Namespace, c: Client) -> int | None:
     if args.action in DISRUPTIVE_POWER:
         confirm(args, f"power {args.action} machine {args.id}")
     path = f"/api/v1/machines/{args.id}/power"
-    r = _power(c, path, args.action)
-    want = WAIT_FOR.get(args.action)
-    if args.wait and want is not None:
-        states = wait_power(c, {args.id: r.get("power_state")}, want, args.timeout)
-        if states[args.id] != want:
-            print(f"metalctl: {args.id} did not report power {want} within {args.timeout:g} s")
-            return 1
-        r = {**r, "power_state": want}
-    emit(args, r, lambda r: f"{args.id}: power {r.get('power_state', r)}")
+    # The server waits for the BMC to report the new state (up to its power_state_timeout_s);
+    # --wait follows a command it answered 202 for until it is confirmed or failed.
+    deadline = time.monotonic() + args.timeout
+    r = _power(c, path, args.action, args.timeout if args.wait else None)
+    if args.wait and r.get("status") == "pending":
+        while r.get("status") == "pending":
+            if time.monotonic() >= deadline:
+                print(
+                    f"metalctl: {args.id} did not report power {r.get('target_state')} within "
+                    f"{args.timeout:g} s (command {r.get('command_id')} still pending)"
+                )
+                return 1
+            time.sleep(WAIT_INTERVAL_S)
+            r = c.call("GET", f"{path}/commands/{r['command_id']}")
+    if r.get("status") == "failed":
+        print(f"metalctl: {args.id}: {r.get('detail') or 'the BMC never reported the state'}")
+        return 1
+    emit(args, r, lambda r: f"{args.id}: power {_shown(r)}")
+
     return None
 
 
@@ -200,6 +225,63 @@ def power_many(args: argparse.Namespace, c: Client) -> int:
         return f"power {want}"
 
     return bulk.run_each(args, list(sent.values()), outcome)
+
+
+def _shown(r: dict[str, Any]) -> str:
+    if r.get("status") == "pending":
+        return (
+            f"{r.get('power_state') or 'unknown'} (power {r.get('target_state')} sent, not yet "
+            f"reported; follow it with --wait or command {r.get('command_id')})"
+        )
+    return str(r.get("power_state", r))
+
+
+def locate(args: argparse.Namespace, c: Client) -> None:
+    path = f"/api/v1/machines/{args.id}/locate"
+    if args.state == "status":
+        r = c.call("GET", path)
+    else:
+        r = c.call("PUT", path, {"on": args.state == "on"})
+    shown = {True: "on", False: "off", None: "unknown (the BMC does not say)"}
+    emit(args, r, lambda r: f"{args.id}: locate {shown[r.get('on')]}")
+
+
+FIRMWARE_COLUMNS = [("ID", "id"), ("NAME", "name"), ("VERSION", "version")]
+
+
+def firmware(args: argparse.Namespace, c: Client) -> None:
+    emit_table(args, c.call("GET", f"/api/v1/machines/{args.id}/firmware"), FIRMWARE_COLUMNS)
+
+
+def _bios_value(text: str) -> Any:
+    """NAME=VALUE values as the BMC's registry types them: integers, true/false, or text."""
+    if text.lstrip("-").isdigit():
+        return int(text)
+    return {"true": True, "false": False}.get(text, text)
+
+
+def bios(args: argparse.Namespace, c: Client) -> None:
+    path = f"/api/v1/machines/{args.id}/bios"
+    if args.set:
+        attrs: dict[str, Any] = {}
+        for kv in args.set:
+            name, sep, value = kv.partition("=")
+            if not sep or not name:
+                raise UsageError(f"write attributes as NAME=VALUE, not {kv!r}")
+            attrs[name] = _bios_value(value)
+        r = c.call("PUT", path, {"attributes": attrs})
+    else:
+        r = c.call("GET", path)
+
+    def text(r: dict[str, Any]) -> str:
+        lines = [f"{k} = {v!r}" for k, v in sorted(r.get("current", {}).items())]
+        lines += [f"{k} -> {v!r} (pending, next boot)" for k, v in r.get("pending", {}).items()]
+        lines += [
+            f"DRIFT {k}: {d['have']!r}, want {d['want']!r}" for k, d in r.get("drift", {}).items()
+        ]
+        return "\n".join(lines)
+
+    emit(args, r, text)
 
 
 def boot_device(args: argparse.Namespace, c: Client) -> None:

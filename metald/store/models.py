@@ -60,6 +60,13 @@ class Machine(SQLModel, table=True):
     inventory: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
     inventory_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
     power_state: str | None = None
+    #: Firmware versions from the BMC's inventory (Redfish FirmwareInventory): id -> version.
+    firmware_versions: dict[str, str] = Field(
+        default_factory=dict, sa_column=Column(JSON, nullable=False, server_default="{}")
+    )
+    #: BIOS settings (metald.bmc.firmware): current, pending, desired (the enroll rules'
+    #: profile), drift (desired attributes the firmware does not have), read_at.
+    bios: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
     #: What the next network boot should do (discovery, provision image, local disk, wipe).
     boot_intent: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
     tenant_id: str | None = Field(default=None, foreign_key="tenants.id", index=True)
