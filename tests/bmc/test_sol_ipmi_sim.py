@@ -120,8 +120,9 @@ def _start_sim(tmp_path: Path, serial_port: int) -> tuple[int, subprocess.Popen]
     return port, proc
 
 
-@pytest.fixture
-async def sim(tmp_path: Path) -> AsyncIterator[SolSim]:
+@contextlib.asynccontextmanager
+async def running_sol_sim(tmp_path: Path) -> AsyncIterator[SolSim]:
+    """ipmi_sim with SOL on a serial port this test serves."""
     serial = SerialPort()
     sport = await serial.start()
     port, proc = _start_sim(tmp_path, sport)
@@ -133,6 +134,12 @@ async def sim(tmp_path: Path) -> AsyncIterator[SolSim]:
     finally:
         stop_peer(proc)
         await serial.close()
+
+
+@pytest.fixture
+async def sim(tmp_path: Path) -> AsyncIterator[SolSim]:
+    async with running_sol_sim(tmp_path) as s:
+        yield s
 
 
 def _link(sim: SolSim, screen: Screen, **kw: float) -> SolLink:
