@@ -256,6 +256,16 @@ class ConsoleService:
                 c.link = None
             if not c.viewers or self._stopping:
                 break
+            if getattr(getattr(link, "core", None), "deactivated", False):
+                # Someone took SOL (ipmitool at the rack): taking it back at once would fight
+                # them; a viewer attaching again takes it back on purpose.
+                c.note("ended", f"{reason}; attach again to take the console back")
+                for v in list(c.viewers):
+                    v.cut_reason = reason
+                    v.offer({"type": "status", "state": "ended", "detail": reason})
+                    with contextlib.suppress(asyncio.QueueFull):
+                        v.queue.put_nowait(None)
+                break
             c.note("reconnecting", reason)
             failures += 1
             await asyncio.sleep(self.backoff_s[min(failures, len(self.backoff_s)) - 1])

@@ -243,7 +243,7 @@ class SolLink:
                     reason = "the BMC stopped acknowledging console data"
                     break
                 if self.core.deactivated:
-                    reason = "the BMC ended the Serial-over-LAN session"
+                    reason = "the BMC ended Serial-over-LAN (another session may have taken it)"
                     break
                 if keepalive is not None and keepalive.done():
                     if keepalive.exception() is not None:

@@ -12,6 +12,7 @@ import textwrap
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,7 +36,8 @@ class SerialPort:
 
     async def start(self) -> int:
         self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
-        return self.server.sockets[0].getsockname()[1]
+        self.port: int = self.server.sockets[0].getsockname()[1]
+        return self.port
 
     async def _conn(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         self.writer = w
@@ -89,8 +91,11 @@ class SolSim:
     proc: subprocess.Popen
 
 
-def _start_sim(tmp_path: Path, serial_port: int) -> tuple[int, subprocess.Popen]:
-    port = free_port()
+def _start_sim(
+    tmp_path: Path, serial_port: int, port: int | None = None
+) -> tuple[int, subprocess.Popen]:
+    port = port or free_port()
+    tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "lan.conf").write_text(
         textwrap.dedent(f"""\
         name "sol"
@@ -231,3 +236,52 @@ async def test_the_bmc_going_away_closes_the_link_with_a_reason(sim: SolSim) -> 
     reason = await asyncio.wait_for(link.closed, 10)
     assert "keepalive" in reason or "acknowledg" in reason or "unreachable" in reason, reason
     await link.close()
+
+
+async def test_the_console_reconnects_when_the_bmc_comes_back(tmp_path: Path) -> None:
+    """The BMC restarts (its SOL state gone): the console service notices through keepalive,
+    reconnects with backoff while its viewer stays, and the ring keeps what came before."""
+    from metald.bmc.console import ConsoleService
+    from metald.store import Store
+
+    store = Store(f"sqlite:///{tmp_path / 'm.db'}")
+    store.migrate()
+
+    async with running_sol_sim(tmp_path / "bmc") as sim:
+
+        async def links(machine_id: str, on_data: Any) -> SolLink:
+            return SolLink(
+                "127.0.0.1", sim.port, "admin", PASSWORD, on_data, keepalive_s=0.2, timeout_s=1.0
+            )
+
+        svc = ConsoleService(store, "test", links, backoff_s=(0.1,))
+        viewer, _ = await svc.attach("m1", "technician:alice", "auto")
+        states: list[str] = []
+
+        async def until(pred: Any) -> Any:
+            async with asyncio.timeout(20):
+                while True:
+                    item = await viewer.queue.get()
+                    if isinstance(item, dict):
+                        states.append(item["state"])
+                    if pred(item):
+                        return item
+
+        await until(lambda i: isinstance(i, dict) and i["state"] == "connected")
+        await sim.serial.send(b"before")
+        await until(lambda i: isinstance(i, bytes) and b"before" in i)
+
+        stop_peer(sim.proc)
+        await until(lambda i: isinstance(i, dict) and i["state"] == "reconnecting")
+        sim.serial.connected.clear()
+        _port, sim.proc = _start_sim(tmp_path / "bmc", sim.serial.port, sim.port)
+        await until(lambda i: isinstance(i, dict) and i["state"] == "connected")
+        await asyncio.wait_for(sim.serial.connected.wait(), 10)
+        await sim.serial.send(b"after")
+        await until(lambda i: isinstance(i, bytes) and b"after" in i)
+        assert svc.type("m1", viewer, b"typed-again")
+        await sim.serial.wait_for(b"typed-again")
+        assert b"before" in svc.consoles["m1"].ring.snapshot()
+        await svc.detach("m1", viewer)
+        await svc.stop()
+    store.close()
