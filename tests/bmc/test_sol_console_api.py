@@ -157,3 +157,38 @@ async def test_orchestrators_and_plain_http_are_refused(console_api) -> None:  #
             f"/api/v1/machines/{tokens.machine_a}/console", headers=tokens.header("technician")
         )
     assert e.value.status == 404
+
+
+async def test_metalctl_attach_types_and_leaves_on_tilde_dot(console_api, sim: SolSim) -> None:  # type: ignore[no-untyped-def]
+    """metalctl's attach loop against the real API: keys from a pipe reach the serial line,
+    output reaches the terminal, ``~.`` after Enter leaves (and is not sent)."""
+    import io
+    import os
+
+    from metald.metalctl.console import attach
+
+    client, tokens, _ = console_api
+    url = str(client.make_url(f"/api/v1/machines/{tokens.machine_free}/console"))
+    notes: list[str] = []
+    connected = asyncio.Event()
+
+    def note(text: str) -> None:
+        notes.append(text)
+        if "connected" in text:
+            connected.set()
+
+    r, w = os.pipe()
+    out = io.BytesIO()
+    task = asyncio.create_task(attach(url, tokens.technician, r, out, note=note))
+    try:
+        await asyncio.wait_for(connected.wait(), 15)
+        await sim.serial.send(b"host-says-hi\r\n")
+        os.write(w, b"uname -a\r")
+        await sim.serial.wait_for(b"uname -a\r")
+        os.write(w, b"~.")
+        assert await asyncio.wait_for(task, 15) == 0
+    finally:
+        os.close(w)
+        os.close(r)
+    assert b"~" not in sim.serial.received
+    assert any("attached (write" in n for n in notes)
