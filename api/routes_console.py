@@ -31,7 +31,7 @@ from api.routes_bmc import FORWARDED, ForwardFailed, ServiceUnavailable, _bmc
 from api.routing import STAFF, ApiRequest, Router, bearer_token
 from api.schemas import In
 from metald.auth import authenticate
-from metald.bmc.console import BmcLinks, ConsoleService, Viewer
+from metald.bmc.console import ConsoleService, Viewer
 from metald.errors import MetaldError
 
 router = Router()
@@ -86,7 +86,7 @@ async def console(req: ApiRequest) -> web.StreamResponse:
         url = await _bmc(req).owner_url(machine_id=machine_id)
         if url is not None:
             return await _proxy(req, url)
-    await BmcLinks(_bmc(req), req.ctx.secrets).check(machine_id)
+    await svc.check(machine_id)
     q: ConsoleQuery = req.query
     actor = req.actor
     viewer, buffered = await svc.attach(machine_id, actor, q.mode)

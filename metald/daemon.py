@@ -266,7 +266,8 @@ def _bmc(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
 
 def _console(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
     """Serial consoles through the BMCs (IPMI Serial-over-LAN), shared by their viewers."""
-    from metald.bmc.console import BmcLinks, ConsoleService
+    from metald.bmc.console import ConsoleService
+    from metald.bmc.console_links import BmcLinks
 
     return ConsoleService(d.store, d.cfg.instance, BmcLinks(d.ctx.services["bmc"], d.secrets)), []
 

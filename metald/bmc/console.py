@@ -158,6 +158,13 @@ class ConsoleService:
                     v.queue.put_nowait(None)
             await self._shut(c)
 
+    async def check(self, machine_id: str) -> None:
+        """Raise the reason the machine can have no console (no BMC, a protocol without one),
+        so the API answers with a problem before any WebSocket opens."""
+        check = getattr(self.link_factory, "check", None)
+        if check is not None:
+            await check(machine_id)
+
     # --- viewers ---
 
     async def attach(self, machine_id: str, actor: str, mode: str) -> tuple[Viewer, bytes]:
@@ -310,39 +317,3 @@ class ConsoleService:
             await self.store.run(write)
         except Exception:  # noqa: BLE001 - an audit row must not break the console itself
             log.exception("recording %s for %s failed", kind, machine_id)
-
-
-class BmcLinks:
-    """Links from the machine's registered BMC: IPMI Serial-over-LAN. Redfish has no console
-    metald speaks (vendors carry it over SSH or their own WebSocket), so a Redfish-only BMC
-    is a clear 409 before any WebSocket opens."""
-
-    def __init__(self, bmc_service: Any, secrets: Any) -> None:
-        self.bmc = bmc_service
-        self.secrets = secrets
-
-    async def check(self, machine_id: str) -> Any:
-        """The machine's BMC row, when it can carry a console (NoBmc / ConsoleUnsupported)."""
-        row = await self.bmc.control.row_for_machine(machine_id)
-        if row.protocol != "ipmi":
-            raise ConsoleUnsupported(
-                f"machine {machine_id}'s BMC speaks {row.protocol}; metald carries serial "
-                "consoles over IPMI Serial-over-LAN only. Register the BMC's IPMI interface "
-                "(protocol ipmi) for this machine, or use the BMC's own web console"
-            )
-        return row
-
-    async def __call__(self, machine_id: str, on_data: Callable[[bytes], None]) -> Any:
-        from metald.bmc.sol_link import SolLink
-
-        row = await self.check(machine_id)
-        cfg = self.bmc.cfg
-        return SolLink(
-            row.address,
-            row.port,
-            row.username,
-            self.secrets.decrypt(row.password_enc),
-            on_data,
-            resend_s=cfg.ipmi_resend_ms / 1000,
-            timeout_s=max(1.0, cfg.timeout_s),
-        )

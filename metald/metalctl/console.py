@@ -9,10 +9,9 @@ otherwise becomes the writer, and later ones read (the API says who writes).
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import json
 import os
+import select
 import sys
 import termios
 import tty
@@ -20,8 +19,7 @@ from collections.abc import Callable
 from typing import Any, BinaryIO
 from urllib.parse import quote
 
-import aiohttp
-
+from . import wsclient
 from .client import Client
 
 HELP = (
@@ -96,8 +94,8 @@ def console(args: argparse.Namespace, c: Client) -> int:
     try:
         if saved is not None:
             tty.setraw(fd)
-        return asyncio.run(
-            attach(url, c.token, fd, sys.stdout.buffer, note=lambda s: _note(s, saved is not None))
+        return attach(
+            url, c.token, fd, sys.stdout.buffer, note=lambda s: _note(s, saved is not None)
         )
     finally:
         if saved is not None:
@@ -109,7 +107,7 @@ def _note(text: str, raw: bool) -> None:
     sys.stderr.flush()
 
 
-async def attach(
+def attach(
     url: str,
     token: str | None,
     in_fd: int,
@@ -120,65 +118,49 @@ async def attach(
     """Carry ``in_fd``'s bytes to the console and its output to ``out`` until ``~.``, the end
     of input, or the server closing; returns the exit status."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    loop = asyncio.get_running_loop()
-    keys: asyncio.Queue[bytes] = asyncio.Queue()
-
-    def readable() -> None:
-        try:
-            data = os.read(in_fd, 4096)
-        except OSError:
-            data = b""
-        keys.put_nowait(data)
-        if not data:
-            loop.remove_reader(in_fd)
-
-    async with aiohttp.ClientSession() as http:
-        try:
-            ws = await http.ws_connect(url, headers=headers, heartbeat=30.0)
-        except aiohttp.WSServerHandshakeError as e:
-            note(f"the console was refused: HTTP {e.status} {e.message}")
-            return 1
-        except aiohttp.ClientError as e:
-            note(f"cannot reach metald: {e}")
-            return 2
-        loop.add_reader(in_fd, readable)
-        status = 0
-        try:
-            esc = EscapeParser()
-
-            async def typing() -> None:
-                while data := await keys.get():
-                    for action, payload in esc.feed(data):
-                        if action == "send":
-                            await ws.send_bytes(payload)
-                        elif action == "break":
-                            await ws.send_str(json.dumps({"type": "break"}))
-                        elif action == "help":
-                            out.write(HELP)
-                            out.flush()
-                        else:
-                            return
-
-            async def showing() -> None:
-                nonlocal status
-                async for msg in ws:
-                    if msg.type == aiohttp.WSMsgType.BINARY:
-                        out.write(msg.data)
+    try:
+        ws = wsclient.connect(url, headers)
+    except wsclient.WsRefused as e:
+        note(f"the console was refused: {e}")
+        return 1
+    except (OSError, wsclient.WsError) as e:
+        note(f"cannot open the console: {e}")
+        return 2
+    esc = EscapeParser()
+    try:
+        while True:
+            ready = [ws] if ws.pending() else select.select([ws, in_fd], [], [])[0]
+            if ws in ready:
+                for m in ws.receive():
+                    if m.opcode == wsclient.OP_BINARY:
+                        out.write(m.data)
                         out.flush()
-                    elif msg.type == aiohttp.WSMsgType.TEXT:
-                        _show_note(json.loads(msg.data), note)
-
-            tasks = [loop.create_task(typing()), loop.create_task(showing())]
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            for t in tasks:
-                t.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await t
-        finally:
-            loop.remove_reader(in_fd)
-            await ws.close()
-        note("left the console")
-        return status
+                    elif m.opcode == wsclient.OP_TEXT:
+                        _show_note(json.loads(m.data), note)
+                    elif m.opcode == wsclient.OP_CLOSE:
+                        note("metald closed the console")
+                        return 0
+            if in_fd in ready:
+                data = os.read(in_fd, 4096)
+                if not data:
+                    break
+                for action, payload in esc.feed(data):
+                    if action == "send":
+                        ws.send_bytes(payload)
+                    elif action == "break":
+                        ws.send_json({"type": "break"})
+                    elif action == "help":
+                        out.write(HELP)
+                        out.flush()
+                    else:
+                        note("left the console")
+                        return 0
+    except (OSError, wsclient.WsError) as e:
+        note(f"the console connection broke: {e}")
+        return 2
+    finally:
+        ws.close()
+    return 0
 
 
 def _show_note(n: dict[str, Any], note: Callable[[str], None]) -> None:

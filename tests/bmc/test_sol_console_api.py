@@ -13,7 +13,8 @@ import aiohttp
 import pytest
 from sqlmodel import select
 
-from metald.bmc.console import BmcLinks, ConsoleService
+from metald.bmc.console import ConsoleService
+from metald.bmc.console_links import BmcLinks
 from metald.bmc.service import BmcService
 from metald.config import Config
 from metald.secrets import SecretBox
@@ -172,14 +173,19 @@ async def test_metalctl_attach_types_and_leaves_on_tilde_dot(console_api, sim: S
     notes: list[str] = []
     connected = asyncio.Event()
 
-    def note(text: str) -> None:
+    def heard(text: str) -> None:
         notes.append(text)
         if "connected" in text:
             connected.set()
 
     r, w = os.pipe()
     out = io.BytesIO()
-    task = asyncio.create_task(attach(url, tokens.technician, r, out, note=note))
+    loop = asyncio.get_running_loop()
+
+    def note(text: str) -> None:  # called on attach's thread
+        loop.call_soon_threadsafe(heard, text)
+
+    task = asyncio.create_task(asyncio.to_thread(attach, url, tokens.technician, r, out, note=note))
     try:
         await asyncio.wait_for(connected.wait(), 15)
         await sim.serial.send(b"host-says-hi\r\n")
