@@ -114,6 +114,8 @@ class SolCore:
 
     retransmit_s: float = 1.0
     max_tries: int = 5
+    #: The BMC's end (a simulator): the peer's status bits are the console's operations.
+    bmc_side: bool = False
     chunk: int = DEFAULT_CHUNK
     counters: SolCounters = field(default_factory=SolCounters)
     _outq: deque[bytes] = field(default_factory=deque)
@@ -127,7 +129,8 @@ class SolCore:
     _ack_pending: bool = False
     failed: bool = False
     deactivated: bool = False
-    #: The BMC reported a break from the host's serial line (informational).
+    #: The BMC reported a break on the host's serial line; on the BMC's end, the console
+    #: asked for one (the shell clears it once it has sent the break).
     break_seen: bool = False
 
     def write(self, data: bytes) -> None:
@@ -149,14 +152,18 @@ class SolCore:
         except SolError:
             self.counters.malformed += 1
             return b""
-        if p.status & ST_DEACTIVATING:
-            self.deactivated = True
-        if p.status & ST_BREAK:
-            self.break_seen = True
+        if self.bmc_side:
+            if p.status & OP_BREAK:
+                self.break_seen = True
+        else:
+            if p.status & ST_DEACTIVATING:
+                self.deactivated = True
+            if p.status & ST_BREAK:
+                self.break_seen = True
         self._on_ack(p, now)
-        if p.seq == 0 or not p.data:
+        if p.seq == 0:
             return b""
-        self._ack_pending = True
+        self._ack_pending = True  # a numbered packet is acknowledged, data or not (a break)
         if p.seq == self._last_rx_seq:
             # Our ack was lost and the BMC re-sent: acknowledge again, deliver nothing.
             self.counters.duplicates += 1

@@ -116,3 +116,16 @@ def test_activation_answer_is_parsed() -> None:
     data = bytes([0, 0, 0, 0]) + (252).to_bytes(2, "little") + (252).to_bytes(2, "little")
     act = sol.parse_activation(data + (623).to_bytes(2, "little") + b"\xff\xff")
     assert (act.inbound_size, act.outbound_size, act.port) == (252, 252, 623)
+
+
+def test_on_the_bmc_side_status_bits_are_the_consoles_operations() -> None:
+    bmc = SolCore(bmc_side=True)
+    bmc.on_payload(_bmc(seq=1, status=sol.OP_BREAK), 0.0)
+    assert bmc.break_seen and not bmc.deactivated
+
+
+def test_a_numbered_packet_without_data_is_acknowledged() -> None:
+    bmc = SolCore(bmc_side=True)
+    bmc.on_payload(_bmc(seq=2, status=sol.OP_BREAK), 0.0)
+    [ack] = bmc.due(0.0)
+    assert decode_sol(ack).ack == 2
