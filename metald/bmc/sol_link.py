@@ -109,7 +109,8 @@ class SolLink:
             act = sol.parse_activation(rsp.data)
             if act.inbound_size >= 5:
                 self.core.chunk = min(self.core.chunk, act.inbound_size - 4)
-            if act.port not in (0, self.port):
+            # 623 is what a BMC behind a port forward believes it listens on.
+            if act.port not in (0, 623, self.port):
                 raise SolUnavailable(
                     f"{self._where}: the BMC carries SOL on another port ({act.port}), "
                     "which metald does not follow"
