@@ -246,6 +246,9 @@ class ConsoleService:
             except ConsoleUnsupported as e:
                 c.note("unsupported", e.detail)
                 return
+            except MetaldError as e:  # the BMC was unlinked or removed meanwhile
+                c.note("failed", e.detail)
+                return
             except (BmcError, OSError) as e:
                 failures += 1
                 c.note("reconnecting", f"{e}; retrying")
