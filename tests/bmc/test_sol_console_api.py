@@ -198,3 +198,49 @@ async def test_metalctl_attach_types_and_leaves_on_tilde_dot(console_api, sim: S
         os.close(r)
     assert b"~" not in sim.serial.received
     assert any("attached (write" in n for n in notes)
+
+
+async def test_metalctl_on_a_real_terminal(console_api, sim: SolSim) -> None:  # type: ignore[no-untyped-def]
+    """``metalctl machines console`` as a user runs it: a pseudo-terminal for stdin (raw mode),
+    keys reach the serial line, ``~.`` leaves with status 0 and the terminal is restored."""
+    import os
+    import pty
+    import sys
+    import termios
+
+    client, tokens, _ = console_api
+    master, slave = pty.openpty()
+    before = termios.tcgetattr(slave)
+    env = {**os.environ, "METALD_TOKEN": tokens.technician}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "metald.metalctl",
+        "--url",
+        str(client.make_url("")).rstrip("/"),
+        "machines",
+        "console",
+        "node2",
+        stdin=slave,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    try:
+        # Raw mode is on once metalctl has attached: then keys go through one by one.
+        async with asyncio.timeout(20):
+            while termios.tcgetattr(slave)[3] & termios.ICANON:
+                await asyncio.sleep(0.05)
+        os.write(master, b"whoami\r")
+        await sim.serial.wait_for(b"whoami\r")
+        os.write(master, b"~.")
+        assert await asyncio.wait_for(proc.wait(), 20) == 0
+        err = (await proc.stderr.read()).decode()  # type: ignore[union-attr]
+        assert "attached (write" in err and "left the console" in err
+        assert termios.tcgetattr(slave) == before
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        os.close(master)
+        os.close(slave)
