@@ -227,16 +227,18 @@ async def test_metalctl_on_a_real_terminal(console_api, sim: SolSim) -> None:  #
         env=env,
     )
     try:
-        # Raw mode is on once metalctl has attached: then keys go through one by one.
+        # Keys typed before the BMC link is up are dropped (metalctl says so): wait for it.
+        err = b""
         async with asyncio.timeout(20):
-            while termios.tcgetattr(slave)[3] & termios.ICANON:
-                await asyncio.sleep(0.05)
+            while b"console connected" not in err:
+                err += await proc.stderr.read(4096)  # type: ignore[union-attr]
+        assert not termios.tcgetattr(slave)[3] & termios.ICANON  # raw mode
         os.write(master, b"whoami\r")
         await sim.serial.wait_for(b"whoami\r")
         os.write(master, b"~.")
         assert await asyncio.wait_for(proc.wait(), 20) == 0
-        err = (await proc.stderr.read()).decode()  # type: ignore[union-attr]
-        assert "attached (write" in err and "left the console" in err
+        err += await proc.stderr.read()  # type: ignore[union-attr]
+        assert b"attached (write" in err and b"left the console" in err
         assert termios.tcgetattr(slave) == before
     finally:
         if proc.returncode is None:
