@@ -27,8 +27,9 @@ import pyghmi.ipmi.bmc as pyghmi_bmc
 import pyghmi.ipmi.private.serversession as serversession
 from aiohttp import web
 
-from . import redfish
+from . import qemu, redfish
 from .power import MachineControl
+from .vsol import SolBridge
 
 # RMCP+ algorithm numbers (IPMI 2.0 tables 13-17..13-19): the server speaks only cipher suite 3.
 RAKP_HMAC_SHA1, HMAC_SHA1_96, AES_CBC_128 = 1, 1, 1
@@ -71,6 +72,12 @@ class LabIpmiBmc(pyghmi_bmc.Bmc):
         super().__init__(authdata, port=port, bmcuuid=uuid.UUID(system_uuid), address=address)
         self.control = control
         self.loop = loop
+        self.sol: SolBridge | None = None
+
+    def handle_raw_request(self, request: dict[str, Any], session: Any) -> None:
+        if self.sol is not None and self.sol.handle(request, session):
+            return
+        super().handle_raw_request(request, session)
 
     def _run(self, coro: Coroutine[Any, Any, Any]) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(IPMI_CALL_TIMEOUT)
@@ -187,6 +194,10 @@ async def serve(state_path: Path, machine_name: str) -> None:
         control,
         asyncio.get_running_loop(),
     )
+    ipmi.sol = SolBridge(
+        qemu.serial_socket(Path(machine["serial_log"])), asyncio.get_running_loop()
+    )
+    ipmi.sol.start()
     threading.Thread(target=ipmi.listen, name="ipmi", daemon=True).start()
 
     # The lab waits for this file: both servers are bound once it exists.
@@ -199,6 +210,7 @@ async def serve(state_path: Path, machine_name: str) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    await ipmi.sol.stop()
     await runner.cleanup()
     await control.close()
 
