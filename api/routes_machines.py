@@ -13,7 +13,6 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, StringConstraints
 from sqlalchemy import func
-from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, select
 
 from api.paging import page_rows
@@ -219,22 +218,17 @@ async def patch_machine(req: ApiRequest) -> MachineOut:
             other = s.exec(select(Machine).where(Machine.name == name)).first()
             if other is not None:
                 raise Conflict(f"machine {other.id} is already named {name!r}; pick another name")
-        try:
-            m = svc.update_fields(
-                s,
-                m.id,
-                actor=req.actor,
-                kind="machine.updated",
-                values=values,
-                expected_version=req.expected_version(b.version),
-                data={"from": {k: getattr(m, k) for k in values}, "to": values},
-                instance=req.ctx.instance,
-            )
-        except IntegrityError:  # another rename to the same name committed after the check
-            s.rollback()
-            raise Conflict(
-                f"another machine took the name {name!r} at the same moment; pick another name"
-            ) from None
+        # A rename that loses a race for the name after the check is the domain's 409.
+        m = svc.update_fields(
+            s,
+            m.id,
+            actor=req.actor,
+            kind="machine.updated",
+            values=values,
+            expected_version=req.expected_version(b.version),
+            data={"from": {k: getattr(m, k) for k in values}, "to": values},
+            instance=req.ctx.instance,
+        )
         return machine_out(m, _nics(s, [m.id])[m.id])
 
     return await req.write(run)

@@ -115,6 +115,10 @@ def _contracts_root_packages() -> list[str]:
 PREFIX_MODULES = {"bmcs": "routes_bmc", "whoami": "routes_tokens"}
 
 
+#: Subsystems whose routes on one machine live with the subsystem, not in routes_machines.
+MACHINE_SUBSYSTEMS = frozenset({"routes_bmc", "routes_console"})
+
+
 def test_each_routes_module_serves_one_url_prefix() -> None:
     """/api/v1/<prefix>/... is declared in api/routes_<prefix>.py (docs/architecture.md);
     the BMC subsystem's routes on a machine (power, boot device, sensors) are routes_bmc's."""
@@ -132,8 +136,10 @@ def test_each_routes_module_serves_one_url_prefix() -> None:
             else:
                 prefix = path.removeprefix("/api/v1/").split("/")[0]
                 expected = PREFIX_MODULES.get(prefix, f"routes_{prefix}")
-            bmc_on_machine = info.name == "routes_bmc" and path.startswith("/api/v1/machines/")
-            if info.name != expected and not bmc_on_machine:
+            subsystem_on_machine = info.name in MACHINE_SUBSYSTEMS and path.startswith(
+                "/api/v1/machines/"
+            )
+            if info.name != expected and not subsystem_on_machine:
                 misplaced.append(f"{spec.method} {path} in {info.name}, not {expected}")
     assert not misplaced, misplaced
 

@@ -76,10 +76,8 @@ async def lab_bmc(tmp_path: Path) -> AsyncIterator[tuple[int, UnixSerial]]:
     serial = UnixSerial(tmp_path / "m0.serial.sock")
     await serial.start()
     port = free_port()
-    vmlab = Path(__file__).parents[2] / "vm-lab"
     proc = subprocess.Popen(
         [sys.executable, "-c", RUNNER, str(port), str(serial.path), PASSWORD],
-        env={"PYTHONPATH": f"{vmlab}:{Path(__file__).parents[2]}"},
         stdin=subprocess.DEVNULL,
     )
     try:

@@ -138,7 +138,7 @@ def test_boot_text_arrives_and_typed_keys_reach_ipxe(bios_lab: dict[str, Any]) -
     bmc = m["bmc"]
     argv = [sys.executable, "-c", SCRIPT, bmc["address"], str(bmc["ipmi_port"])]
     argv += [bmc["username"], bmc["password"]]
-    done = in_ns(bios_lab["netns"], ["env", f"PYTHONPATH={ROOT}", *argv], timeout=300)
+    done = in_ns(bios_lab["netns"], argv, timeout=300)
     bmc_log = Path(m["bmc_log"]).read_text(errors="replace")[-1500:]
     assert done.returncode == 0, done.stderr[-1500:] + "\nBMC log:\n" + bmc_log
     out = json.loads(done.stdout.strip().splitlines()[-1])
