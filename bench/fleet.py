@@ -727,7 +727,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
             continue
         print(
             f"\nkill -9 {t['victim']} {t['killed_after_s']:.1f} s into the storm of "
-            f"{r['machines']} (once {t['ready_at_kill']} were ready; heartbeat_s "
+            f"{r['machines']} (once >= {t['ready_at_kill']} were ready; heartbeat_s "
             f"{args.heartbeat:g}, dead_after_s {args.dead_after:g}):"
         )
         print(
@@ -745,8 +745,15 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
                     ["last such answer", _s(t["last_dhcp_s"])],
                     ["its clients (machines it had answered)", t["victim_clients"]],
                     ["kill -> every machine ready", f"{t['kill_to_all_ready_s']:.1f} s"],
-                    ["machines that rebooted (their instance died under them)", r["reboots"]],
-                    ["of them ready already (inventory landed before the kill)", r["found_ready"]],
+                    ["agent/iPXE calls moved to a live instance (fleet address)", r["failovers"]],
+                    [
+                        "machines whose inventory landed at it, unanswered (409 ready)",
+                        r["found_ready"],
+                    ],
+                    [
+                        "machines that PXE-booted again / got a script without a token",
+                        f"{r['reboots']} / {r['tokenless']}",
+                    ],
                     [
                         "ready at the end (API / store)",
                         f"{r['ready_api']} / {r['ready_store']} of {r['machines']}",
