@@ -246,13 +246,15 @@ class FleetStorm(storm.Storm):
 
 
 def machines_main(params_json: str) -> int:
+    """Run the storm; the result goes to the file ``result`` (too big for a pipe's buffer)."""
     p = json.loads(params_json)
+    out = Path(p["result"])
     try:
         res = asyncio.run(FleetStorm(p).run())
     except storm.StormError as e:
-        print("RESULT " + json.dumps({"error": str(e)}), flush=True)
+        out.write_text(json.dumps({"error": str(e)}))
         return 1
-    print("RESULT " + json.dumps(res), flush=True)
+    out.write_text(json.dumps(res))
     return 0
 
 
@@ -491,6 +493,7 @@ class Run:
             "metald_pid": self.procs["rack0"].pid,
             "admin_token": str(token),
             "servers": [server_addr(i) for i in range(self.k)],
+            "result": str(self.tmp / "storm.json"),
         }
         cpu0 = {n: cpu_of(p.pid) for n, p in self.procs.items()}
         pg0 = pg_cpu(postmaster)
@@ -498,7 +501,7 @@ class Run:
         t0 = time.monotonic()
         client = ns["cli"].popen(
             sys.executable, str(Path(__file__).resolve()), "--_machines", json.dumps(params),
-            stdout=subprocess.PIPE, cwd=str(ROOT), preexec_fn=storm._child_setup,
+            cwd=str(ROOT), preexec_fn=storm._child_setup,
         )  # fmt: skip
         self.client = client
         victim = self.names[1] if self.k > 1 else None
@@ -521,17 +524,16 @@ class Run:
                 log(f"{victim}'s BMCs held by the survivors {took_over_at - killed_at:.1f} s on")
             if time.monotonic() - t0 > args.timeout:
                 raise RuntimeError(f"the storm took longer than {args.timeout} s")
-        out = client.stdout.read() if client.stdout else ""
         t_end = time.monotonic()
         cpu1 = {
             n: (cpu_of(p.pid) - cpu0[n]) if p.poll() is None else cpu_victim
             for n, p in self.procs.items()
         }
         pg1 = pg_cpu(postmaster) - pg0
-        line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
-        if line is None:
+        result = self.tmp / "storm.json"
+        if not result.exists():
             raise RuntimeError(f"the simulation gave no result (exit {client.returncode})")
-        sim = json.loads(line[len("RESULT ") :])
+        sim = json.loads(result.read_text())
         if "error" in sim:
             raise RuntimeError(
                 f"storm failed: {sim['error']}\n"
