@@ -809,7 +809,7 @@ def main() -> int:
         help="smoke: 40 machines per instance, heartbeat 0.5 s, dead after 3 s, short windows",
     )  # fmt: skip
     ap.add_argument("--interval", type=float, default=10.0, help="[bmc] power_sync_interval_s")
-    ap.add_argument("--window", type=float, default=0.0, help="BMC count window (1.5 x interval)")
+    ap.add_argument("--window", type=float, default=0.0, help="BMC count window (2.5 x interval)")
     ap.add_argument("--heartbeat", type=float, default=2.0, help="[fleet] heartbeat_s")
     ap.add_argument("--dead-after", type=float, default=10.0, help="[fleet] dead_after_s")
     ap.add_argument("--kill-at", type=float, default=1 / 3, help="kill once this share is ready")
@@ -823,7 +823,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.machines, args.interval, args.heartbeat, args.dead_after = 40, 2.0, 0.5, 3.0
-    args.window = args.window or 1.5 * args.interval
+    args.window = args.window or 2.5 * args.interval
     if os.geteuid() != 0:
         print("fleet.py needs root (it creates network namespaces)", file=sys.stderr)
         return 2
