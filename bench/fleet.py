@@ -806,6 +806,14 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
                         "BMCs held after",
                         " ".join(f"{k}:{v}" for k, v in sorted(r["bmcs_held_after"].items())),
                     ],
+                    [
+                        "stranded: scripts without a token for good (its armed boot gone)",
+                        len(r["stranded"]),
+                    ],
+                    [
+                        "times each instance fenced itself and came back (its log)",
+                        " ".join(f"{k}:{v}" for k, v in sorted(r["fenced_episodes"].items())),
+                    ],
                 ],
             )  # fmt: skip
         )
