@@ -1,0 +1,188 @@
+"""Several metald instances on one lab: a fleet on one PostgreSQL, each instance in its own
+network namespace on the lab's provisioning bridge (the e2e failover test).
+
+    lab namespace  mlab-<name>: bridge, machines' taps, BMC addresses 10.k.0.(2+i)
+    mlab-<name>+pg      10.k.0.240  PostgreSQL (Debian's binaries, vmlab.pg)
+    mlab-<name>+inst0   10.k.0.241  metald: DHCP/TFTP/HTTP on its veth, API on :8080
+    mlab-<name>+inst1   10.k.0.242  ...
+
+Every instance holds the same secrets key, points ``[store] url`` at the one database, has its
+own ``instance`` name and ``[api] public_url`` (the others forward to it), and serves the same
+``[[boot.networks]]`` (name, subnet, pool) in DHCP load-balancing mode. ``LabFleet`` is a
+``LabRack`` whose metalctl calls go to one instance at a time (``use``).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cryptography.fernet import Fernet
+
+from metald.tenants.runtime import clear_leftovers
+
+from . import netns
+from .pg import PgServer
+from .rack import BIN, LabRack
+
+API_PORT = 8080
+
+
+@dataclass
+class Instance:
+    name: str
+    netns: str
+    address: str
+    interface: str
+    url: str
+    state_dir: Path
+    log: Path
+    proc: subprocess.Popen | None = None
+
+
+class LabFleet(LabRack):
+    def __init__(
+        self,
+        name: str,
+        workdir: Path,
+        *,
+        machines: int = 2,
+        uefi: int = 0,
+        instances: int = 3,
+        heartbeat_s: float = 2.0,
+        dead_after_s: float = 10.0,
+        extra_config: str = "",
+    ) -> None:
+        """``heartbeat_s`` / ``dead_after_s``: the fleet's ``[fleet]`` timings (defaults are
+        metald's)."""
+        self.count = instances
+        self.heartbeat_s, self.dead_after_s = heartbeat_s, dead_after_s
+        self.instances: dict[str, Instance] = {}
+        self.pg: PgServer | None = None
+        super().__init__(name, workdir, machines=machines, uefi=uefi, extra_config=extra_config)
+
+    # ---- bring-up ------------------------------------------------------------------------------
+
+    def _start_metald(self, extra_config: str) -> None:
+        pg_ns = self.lab.add_namespace("pg")
+        self.pg = PgServer(listen=pg_ns["address"], netns=pg_ns["netns"])
+        self.database_url = self.pg.new_database()
+        key = Fernet.generate_key()  # every instance on one database holds the same key
+        for j in range(self.count):
+            name = f"inst{j}"
+            ns = self.lab.add_namespace(name)
+            inst = Instance(
+                name=name,
+                netns=ns["netns"],
+                address=ns["address"],
+                interface=ns["peer"],
+                url=f"http://{ns['address']}:{API_PORT}",
+                state_dir=self.workdir / name,
+                log=self.workdir / f"{name}.log",
+            )
+            inst.state_dir.mkdir(parents=True, exist_ok=True)
+            secrets_key = inst.state_dir / "secrets.key"
+            secrets_key.write_bytes(key)
+            secrets_key.chmod(0o600)
+            self.instances[name] = inst
+        first, *others = self.instances.values()
+        # The first instance on the empty database writes the admin token and the key check.
+        self._start(first, extra_config)
+        self.use(first.name)
+        for inst in others:
+            self._start(inst, extra_config)
+        self.wait_fleet(list(self.instances))
+
+    def _config(self, inst: Instance, extra_config: str) -> str:
+        st = self.state
+        lo, hi = st["dhcp_range"]
+        return (
+            f'state_dir = "{inst.state_dir}"\ninstance = "{inst.name}"\n'
+            f'[store]\nurl = "{self.database_url}"\n'
+            f'[api]\nlisten = "{inst.address}:{API_PORT}"\npublic_url = "{inst.url}"\n'
+            f"[fleet]\nheartbeat_s = {self.heartbeat_s}\ndead_after_s = {self.dead_after_s}\n"
+            "[bmc]\npower_sync_interval_s = 0\nmin_interval_ms = 0\n"
+            f'[boot]\nenabled = true\ninterfaces = ["{inst.interface}"]\n'
+            f'server_address = "{inst.address}"\nassets_dir = "{self.assets}"\n'
+            'router_advertisements = true\ndhcp_peers_mode = "load-balancing"\n'
+            f'[[boot.networks]]\nname = "lab"\nsubnet = "{st["subnet"]}"\npool_start = "{lo}"\n'
+            f'pool_end = "{hi}"\ninterface = "{inst.interface}"\nlease_seconds = 600\n'
+            + extra_config
+        )
+
+    def _start(self, inst: Instance, extra_config: str) -> None:
+        conf = self.workdir / f"{inst.name}.toml"
+        conf.write_text(self._config(inst, extra_config))
+        argv = netns.exec_argv(inst.netns, [str(BIN / "metald"), "serve", "--config", str(conf)])
+        inst.proc = self.lab.spawn(argv, role=f"metald-{inst.name}", log=inst.log)
+        deadline = time.monotonic() + 90
+        while self.ctl("whoami", check=False, env={"METALD_URL": inst.url})[0] != 0:
+            if inst.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{inst.name} did not start:\n{inst.log.read_text()[-3000:]}")
+            time.sleep(0.3)
+
+    def wait_fleet(self, alive: list[str], timeout: float = 60) -> None:
+        """Until every instance in ``alive`` lists exactly ``alive`` as the live instances."""
+        deadline = time.monotonic() + timeout
+        while True:
+            views = [set(self.alive_instances(n)) for n in alive]
+            if all(v == set(alive) for v in views):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the fleet did not settle on {alive}: {views}")
+            time.sleep(0.3)
+
+    # ---- use -----------------------------------------------------------------------------------
+
+    def use(self, name: str) -> None:
+        """Send the next metalctl calls to instance ``name`` (the admin token is the first
+        instance's file; tokens live in the shared database, so every instance accepts it)."""
+        self.url = self.instances[name].url
+        self.log = self.instances[name].log
+        self.state_dir = next(iter(self.instances.values())).state_dir
+
+    def alive_instances(self, via: str) -> list[str]:
+        env = {"METALD_URL": self.instances[via].url}
+        rc, out = self.ctl("--json", "instances", check=False, env=env)
+        if rc != 0:
+            return []
+
+        return [i["name"] for i in json.loads(out)["items"] if i["alive"]]
+
+    def kill(self, name: str) -> float:
+        """``kill -9`` one instance; returns the monotonic time it was dead."""
+        proc = self.instances[name].proc
+        assert proc is not None
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        return time.monotonic()
+
+    def diagnostics(self) -> str:
+        parts = [super().diagnostics().rpartition("--- metald\n")[0]]
+        for inst in self.instances.values():
+            tail = inst.log.read_text()[-2000:] if inst.log.exists() else ""
+            parts.append(f"--- {inst.name}\n{tail}")
+        return "\n".join(parts)
+
+    def down(self) -> None:
+        try:
+            if self.pg is not None:
+                self.pg.stop()
+        finally:
+            self.lab.down(keep_logs=True)
+            for inst in self.instances.values():
+                clear_leftovers(inst.state_dir)
+
+    @staticmethod
+    def commands(machine: dict[str, Any]) -> list[dict[str, Any]]:
+        """The machine's BMC command log: every request either face received, in order."""
+
+        path = Path(machine["bmc_commands"])
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
