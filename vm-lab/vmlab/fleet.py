@@ -14,8 +14,13 @@ own ``instance`` name and ``[api] public_url`` (the others forward to it), and s
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
+import random
+import select
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -24,6 +29,7 @@ from typing import Any
 
 from cryptography.fernet import Fernet
 
+from metald.boot.dhcp.packet import DhcpPacket, MalformedPacket, MessageType, Opt, parse, serialize
 from metald.tenants.runtime import clear_leftovers
 
 from . import netns
@@ -70,7 +76,9 @@ class LabFleet(LabRack):
 
     def _start_metald(self, extra_config: str) -> None:
         pg_ns = self.lab.add_namespace("pg")
-        self.pg = PgServer(listen=pg_ns["address"], netns=pg_ns["netns"])
+        self.pg = PgServer(
+            listen=pg_ns["address"], netns=pg_ns["netns"], clients=self.state["subnet"]
+        )
         self.database_url = self.pg.new_database()
         key = Fernet.generate_key()  # every instance on one database holds the same key
         for j in range(self.count):
@@ -92,8 +100,8 @@ class LabFleet(LabRack):
             self.instances[name] = inst
         first, *others = self.instances.values()
         # The first instance on the empty database writes the admin token and the key check.
-        self._start(first, extra_config)
         self.use(first.name)
+        self._start(first, extra_config)
         for inst in others:
             self._start(inst, extra_config)
         self.wait_fleet(list(self.instances))
@@ -186,3 +194,76 @@ class LabFleet(LabRack):
         if not path.exists():
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ---- a DHCP probe on the provisioning bridge ---------------------------------------------------
+
+CLONE_NEWNET = 0x40000000
+
+
+def socket_in_namespace(ns: str, family: int, kind: int) -> socket.socket:
+    """A socket that lives in network namespace ``ns`` (made there, used from here): the
+    calling thread enters ``ns`` only for the ``socket()`` call."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    target = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+    try:
+        if libc.setns(target, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns {ns}")
+        try:
+            return socket.socket(family, kind)
+        finally:
+            if libc.setns(home, CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), "setns back")
+    finally:
+        os.close(home)
+        os.close(target)
+
+
+class DhcpProbe:
+    """A PXE-like DHCP client on the lab bridge (from the lab's namespace): broadcasts a
+    DISCOVER per MAC and collects the OFFERs, with the answering server (option 54)."""
+
+    def __init__(self, lab_netns: str, bridge: str) -> None:
+        self.sock = socket_in_namespace(lab_netns, socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_BINDTODEVICE, bridge.encode())
+        self.sock.bind(("0.0.0.0", 68))
+        self._xid = random.getrandbits(24) << 8
+
+    def discover(self, macs: list[str], wait_s: float = 1.0) -> dict[str, list[tuple[str, str]]]:
+        """One DISCOVER per MAC (broadcast flag set, secs 0: no peer takes over by age); returns
+        MAC -> [(server id, offered address)] of the OFFERs that came within ``wait_s``."""
+        xids = {}
+        for mac in macs:
+            self._xid += 1
+            xids[self._xid] = mac
+            pkt = DhcpPacket(
+                xid=self._xid,
+                flags=0x8000,
+                chaddr=bytes.fromhex(mac.replace(":", "")),
+                options={Opt.MESSAGE_TYPE: bytes((MessageType.DISCOVER,)), **PXE_BIOS_OPTIONS},
+            )
+            self.sock.sendto(serialize(pkt), ("255.255.255.255", 67))
+        got: dict[str, list[tuple[str, str]]] = {m: [] for m in macs}
+        deadline = time.monotonic() + wait_s
+        while (left := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select([self.sock], [], [], left)
+            if not ready:
+                break
+            data = self.sock.recv(4096)
+            try:
+                reply = parse(data)
+            except MalformedPacket:
+                continue
+            mac = xids.get(reply.xid)
+            if mac is not None and reply.message_type == MessageType.OFFER:
+                got[mac].append((str(reply.server_id), str(reply.yiaddr)))
+        return got
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+PXE_BIOS_OPTIONS = {Opt.VENDOR_CLASS: b"PXEClient:Arch:00000:UNDI:002001", Opt.CLIENT_ARCH: b"\0\0"}

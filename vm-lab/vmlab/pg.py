@@ -26,9 +26,12 @@ def pg_bindir() -> Path | None:
 
 
 class PgServer:
-    def __init__(self, listen: str = "127.0.0.1", netns: str | None = None) -> None:
+    def __init__(
+        self, listen: str = "127.0.0.1", netns: str | None = None, clients: str = ""
+    ) -> None:
         """``listen``: the address it serves on; ``netns``: a network namespace to run it in
-        (a lab's attached namespace, so metald instances in other namespaces reach it)."""
+        (a lab's attached namespace, so metald instances in other namespaces reach it);
+        ``clients``: a CIDR whose hosts may connect without a password, as local ones do."""
         bindir = pg_bindir()
         if bindir is None:
             raise RuntimeError("PostgreSQL binaries not found (Debian package 'postgresql')")
@@ -55,6 +58,9 @@ class PgServer:
                 "UTF8",
             ]
         )
+        if clients:
+            with open(self.data / "pg_hba.conf", "a") as hba:
+                hba.write(f"host all all {clients} trust\n")
         opts = f"-c listen_addresses={listen} -p {self.port} -k {self.dir} -c fsync=off -c max_connections=200"
         self._run(
             [
