@@ -137,7 +137,8 @@ def test_kill_9_the_bmc_owner_mid_claim_in_a_lab(fleet, tmp_path: Path) -> None:
         # pool kept warm (they boot their empty disk, then PXE again). The claim goes to the
         # victim; every machine is slow to go off, so its power-off step is cut mid-way.
         for m in fleet.machines:
-            fleet.ctl("bmcs", "power", bmcs[m["name"]]["id"], "on")
+            rc, _ = fleet.ctl("bmcs", "power", bmcs[m["name"]]["id"], "on", check=False)
+            assert rc == 0, fleet.diagnostics()
             Path(m["bmc_hold_off"]).touch()
         image_args = fleet.publish_test_image(tmp_path)
         fleet.use(victim)

@@ -170,8 +170,28 @@ class LabFleet(LabRack):
         proc.wait(30)
         return time.monotonic()
 
+    def store_rows(self) -> str:
+        """The fleet's view in the store: instances and BMC holders (for diagnostics)."""
+        import psycopg
+
+        assert self.pg is not None
+        db = self.database_url.rpartition("/")[2]
+        dsn = f"host={self.pg.dir} port={self.pg.port} user=metald dbname={db}"
+        with psycopg.connect(dsn) as c:
+            rows = c.execute(
+                "SELECT name, heartbeat_at, stopped_at, statement_timestamp() FROM instances"
+            ).fetchall()
+            rows += c.execute(
+                "SELECT id, owner, generation, step, step_command, step_done FROM bmcs"
+            ).fetchall()
+        return "\n".join(str(r) for r in rows)
+
     def diagnostics(self) -> str:
         parts = [super().diagnostics().rpartition("--- metald\n")[0]]
+        try:
+            parts.append("--- store\n" + self.store_rows())
+        except Exception as e:  # noqa: BLE001 - diagnostics must not hide the failure
+            parts.append(f"--- store: {e}")
         for inst in self.instances.values():
             tail = inst.log.read_text()[-2000:] if inst.log.exists() else ""
             parts.append(f"--- {inst.name}\n{tail}")
