@@ -198,6 +198,16 @@ class LabFleet(LabRack):
         return "\n".join(parts)
 
     def down(self) -> None:
+        # The instances first (SIGTERM: each records itself stopped), then their database.
+        for inst in self.instances.values():
+            if inst.proc is not None and inst.proc.poll() is None:
+                inst.proc.terminate()
+        for inst in self.instances.values():
+            if inst.proc is not None:
+                try:
+                    inst.proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    inst.proc.kill()
         try:
             if self.pg is not None:
                 self.pg.stop()
