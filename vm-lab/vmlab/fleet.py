@@ -127,7 +127,9 @@ class LabFleet(LabRack):
         conf = self.workdir / f"{inst.name}.toml"
         conf.write_text(self._config(inst, extra_config))
         argv = netns.exec_argv(inst.netns, [str(BIN / "metald"), "serve", "--config", str(conf)])
-        inst.proc = self.lab.spawn(argv, role=f"metald-{inst.name}", log=inst.log)
+        # The whole configuration is the file: metald reads METALD_* variables as settings.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("METALD_")}
+        inst.proc = self.lab.spawn(argv, role=f"metald-{inst.name}", log=inst.log, env=env)
         deadline = time.monotonic() + 90
         while self.ctl("whoami", check=False, env={"METALD_URL": inst.url})[0] != 0:
             if inst.proc.poll() is not None or time.monotonic() > deadline:
