@@ -3,15 +3,16 @@ metald processes, each in its own network namespace on the lab's provisioning br
 PostgreSQL (Debian's binaries) in another, two QEMU machines (SeaBIOS, iPXE) with the lab's
 virtual BMCs (one driven over IPMI, one over Redfish).
 
-The machines enroll through whichever instance answers their DHCP. A claim is sent to the
-instance that owns most BMCs; it powers its machines off, and the machines are slow to go off
-(the lab BMC's hold file), so the kill lands mid-step. Then:
+The machines enroll through whichever instance answers their DHCP (and end ready, powered
+off); they are powered on again (a warm pool). A claim is sent to the instance that owns most
+BMCs; the BMCs' owners power the machines off, and the machines are slow to go off (the lab
+BMC's hold file), so the kill of that instance lands mid-step. Then:
 
 - the claim completes: a survivor takes the BMCs over, resumes the step from the store's
   journal, and the machines PXE-boot (DHCP and boot script from a live instance), write the
   image and report;
-- the BMCs' own command logs show no command twice (one power-off, from the dead owner; one
-  one-time PXE and one power-on, from the survivor);
+- the BMCs' own command logs show no command twice since the claim: one power-off (from the
+  dead instance, for the BMCs it owned), one one-time PXE and one power-on (from a survivor);
 - each machine's DHCP lease was renewed after the kill with the address it had before;
 - a DHCP probe on the bridge measures when clients of the dead instance are answered again.
 
