@@ -143,7 +143,7 @@ def test_kill_9_the_bmc_owner_mid_claim_in_a_lab(fleet, tmp_path: Path) -> None:
         probe_macs = [
             ":".join(f"{b:02x}" for b in (2, 0, 0x5E, *random.randbytes(3))) for _ in range(24)
         ]
-        answered = probe.discover(probe_macs, wait_s=2.0)
+        answered = probe.discover(probe_macs, timeout=30, linger=1.0)
         assert all(len(a) == 1 for a in answered.values()), answered
         victim_clients = [m for m, a in answered.items() if a[0][0] == address_of[victim]]
         assert victim_clients, f"no probe client fell to {victim}: {answered}"
@@ -190,7 +190,7 @@ def test_kill_9_the_bmc_owner_mid_claim_in_a_lab(fleet, tmp_path: Path) -> None:
         while dhcp_s is None or bmc_s is None:
             assert time.monotonic() - killed < 120, f"no takeover\n{fleet.diagnostics()}"
             if dhcp_s is None:
-                got = probe.discover(victim_clients, wait_s=0.25)
+                got = probe.discover(victim_clients, timeout=0.25)
                 if any(got.values()):
                     dhcp_s = time.monotonic() - killed
                     first_answer = got
@@ -201,7 +201,7 @@ def test_kill_9_the_bmc_owner_mid_claim_in_a_lab(fleet, tmp_path: Path) -> None:
         assert all(
             a[0] in {address_of[n] for n in survivors} for v in first_answer.values() for a in v
         )
-        later = probe.discover(victim_clients, wait_s=2.0)
+        later = probe.discover(victim_clients, timeout=30, linger=1.0)
         assert all(len(a) == 1 for a in later.values()), later  # one survivor each, not both
     finally:
         probe.close()

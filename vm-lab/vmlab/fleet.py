@@ -264,9 +264,13 @@ class DhcpProbe:
         self.sock.bind(("0.0.0.0", 68))
         self._xid = random.getrandbits(24) << 8
 
-    def discover(self, macs: list[str], wait_s: float = 1.0) -> dict[str, list[tuple[str, str]]]:
+    def discover(
+        self, macs: list[str], timeout: float = 1.0, linger: float | None = None
+    ) -> dict[str, list[tuple[str, str]]]:
         """One DISCOVER per MAC (broadcast flag set, secs 0: no peer takes over by age); returns
-        MAC -> [(server id, offered address)] of the OFFERs that came within ``wait_s``."""
+        MAC -> [(server id, offered address)] of the OFFERs that came within ``timeout``, or,
+        with ``linger``, until ``linger`` seconds after every MAC had one (a second answer to a
+        client comes with the first)."""
         xids = {}
         for mac in macs:
             self._xid += 1
@@ -279,7 +283,7 @@ class DhcpProbe:
             )
             self.sock.sendto(serialize(pkt), ("255.255.255.255", 67))
         got: dict[str, list[tuple[str, str]]] = {m: [] for m in macs}
-        deadline = time.monotonic() + wait_s
+        deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
             ready, _, _ = select.select([self.sock], [], [], left)
             if not ready:
@@ -292,6 +296,8 @@ class DhcpProbe:
             mac = xids.get(reply.xid)
             if mac is not None and reply.message_type == MessageType.OFFER:
                 got[mac].append((str(reply.server_id), str(reply.yiaddr)))
+                if linger is not None and all(got.values()):
+                    deadline = min(deadline, time.monotonic() + linger)
         return got
 
     def close(self) -> None:
