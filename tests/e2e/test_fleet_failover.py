@@ -4,7 +4,8 @@ PostgreSQL (Debian's binaries) in another, two QEMU machines (SeaBIOS, iPXE) wit
 virtual BMCs (one driven over IPMI, one over Redfish).
 
 The machines enroll through whichever instance answers their DHCP (and end ready, powered
-off); they are powered on again (a warm pool). A claim is sent to the instance that owns most
+off); they are powered on again with a standing boot from disk (a warm pool that does not
+PXE-boot by itself: it would fetch the claim's provisioning script on its own). A claim is sent to the instance that owns most
 BMCs; the BMCs' owners power the machines off, and the machines are slow to go off (the lab
 BMC's hold file), so the kill of that instance lands mid-step. Then:
 
@@ -87,16 +88,17 @@ def leases(fleet: Any) -> dict[str, tuple[str, Any]]:
     return {mac: (ip, at) for mac, ip, at in rows}
 
 
-def power_on(fleet: Any, bmc_id: str) -> None:
-    """A technician's power-on. A 503 (the BMC's ownership is moving) is retried, as the API
+def technician(fleet: Any, method: str, path: str, body: dict[str, Any]) -> None:
+    """A technician's BMC command. A 503 (the BMC's ownership is moving) is retried, as the API
     asks callers to, and reported with the store's view, so a refusal in a settled fleet shows."""
     deadline = time.monotonic() + 60
     while True:
         fleet.use(next(iter(fleet.instances)))
-        status, body = fleet.api("POST", f"/api/v1/bmcs/{bmc_id}/power", {"action": "on"})
+        status, out = fleet.api(method, path, body)
         if status == 200:
             return
-        print(f"\npower on {bmc_id}: {status} {body} (retried)\n{fleet.store_rows()}")
+        assert status == 503, (method, path, status, out)
+        print(f"\n{method} {path} {body}: {status} {out} (retried)\n{fleet.store_rows()}")
         assert time.monotonic() < deadline, fleet.diagnostics()
         time.sleep(1)
 
@@ -149,10 +151,15 @@ def test_kill_9_the_bmc_owner_mid_claim_in_a_lab(fleet, tmp_path: Path) -> None:
         assert victim_clients, f"no probe client fell to {victim}: {answered}"
 
         # Ready machines are off (the discovery agent powers them off): power them on, as a
-        # pool kept warm (they boot their empty disk, then PXE again). The claim goes to the
-        # victim; every machine is slow to go off, so its power-off step is cut mid-way.
+        # pool kept warm, booting from their (empty) disk only, so they do not PXE-boot on their
+        # own (SeaBIOS retries the disk). The claim goes to the victim; every machine is slow
+        # to go off, so the power-off step is cut mid-way.
         for m in fleet.machines:
-            power_on(fleet, bmcs[m["name"]]["id"])
+            mid = fleet.machine_by_mac(m["mac"])["id"]
+            device = {"device": "disk", "persistent": True, "uefi": False}
+            technician(fleet, "PUT", f"/api/v1/machines/{mid}/boot-device", device)
+            on = {"action": "on"}
+            technician(fleet, "POST", f"/api/v1/bmcs/{bmcs[m['name']]['id']}/power", on)
             Path(m["bmc_hold_off"]).touch()
         image_args = fleet.publish_test_image(tmp_path)
         fleet.use(victim)
