@@ -4,8 +4,9 @@ PostgreSQL (Debian's binaries) in another, two QEMU machines (SeaBIOS, iPXE) wit
 virtual BMCs (one driven over IPMI, one over Redfish).
 
 The machines enroll through whichever instance answers their DHCP (and end ready, powered
-off); they are powered on again with a standing boot from disk (a warm pool that does not
-PXE-boot by itself: it would fetch the claim's provisioning script on its own). A claim is sent to the instance that owns most
+off); they are powered on again with no network boot in their firmware's order (a warm pool
+that does not PXE-boot by itself: it would fetch the claim's provisioning script on its own). A
+claim is sent to the instance that owns most
 BMCs; the BMCs' owners power the machines off, and the machines are slow to go off (the lab
 BMC's hold file), so the kill of that instance lands mid-step. Then:
 
@@ -151,13 +152,12 @@ def test_kill_9_the_bmc_owner_mid_claim_in_a_lab(fleet, tmp_path: Path) -> None:
         assert victim_clients, f"no probe client fell to {victim}: {answered}"
 
         # Ready machines are off (the discovery agent powers them off): power them on, as a
-        # pool kept warm, booting from their (empty) disk only, so they do not PXE-boot on their
-        # own (SeaBIOS retries the disk). The claim goes to the victim; every machine is slow
-        # to go off, so the power-off step is cut mid-way.
+        # pool kept warm, with no network boot in their firmware's order, so they do not
+        # PXE-boot on their own (they would fetch the claim's provisioning script by
+        # themselves; SeaBIOS retries the empty disk instead). The claim goes to the victim;
+        # every machine is slow to go off, so the power-off step is cut mid-way.
         for m in fleet.machines:
-            mid = fleet.machine_by_mac(m["mac"])["id"]
-            device = {"device": "disk", "persistent": True, "uefi": False}
-            technician(fleet, "PUT", f"/api/v1/machines/{mid}/boot-device", device)
+            fleet.no_network_boot(m)
             on = {"action": "on"}
             technician(fleet, "POST", f"/api/v1/bmcs/{bmcs[m['name']]['id']}/power", on)
             Path(m["bmc_hold_off"]).touch()
@@ -202,7 +202,7 @@ def test_kill_9_the_bmc_owner_mid_claim_in_a_lab(fleet, tmp_path: Path) -> None:
                     dhcp_s = time.monotonic() - killed
                     first_answer = got
             if bmc_s is None:
-                now = owners(fleet, survivors[0])
+                now = fleet.bmc_holders()
                 if all(now[b] in survivors for b in victims_bmcs):
                     bmc_s = time.monotonic() - killed
         assert all(

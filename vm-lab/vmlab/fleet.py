@@ -14,6 +14,7 @@ own ``instance`` name and ``[api] public_url`` (the others forward to it), and s
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import json
 import os
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psycopg
 from cryptography.fernet import Fernet
 
 from metald.boot.dhcp.packet import DhcpPacket, MalformedPacket, MessageType, Opt, parse, serialize
@@ -34,6 +36,8 @@ from metald.tenants.runtime import clear_leftovers
 
 from . import netns
 from .pg import PgServer
+from .qemu import NIC_ID
+from .qmp import QmpClient
 from .rack import BIN, LabRack
 
 API_PORT = 8080
@@ -174,8 +178,6 @@ class LabFleet(LabRack):
 
     def store_rows(self) -> str:
         """The fleet's view in the store: instances and BMC holders (for diagnostics)."""
-        import psycopg
-
         assert self.pg is not None
         db = self.database_url.rpartition("/")[2]
         dsn = f"host={self.pg.dir} port={self.pg.port} user=metald dbname={db}"
@@ -217,6 +219,31 @@ class LabFleet(LabRack):
             self.lab.down(keep_logs=True)
             for inst in self.instances.values():
                 clear_leftovers(inst.state_dir)
+
+    def bmc_holders(self) -> dict[str, str | None]:
+        """BMC id -> the instance holding it in the store (not the hash's choice)."""
+        assert self.pg is not None
+        db = self.database_url.rpartition("/")[2]
+        dsn = f"host={self.pg.dir} port={self.pg.port} user=metald dbname={db}"
+        with psycopg.connect(dsn) as c:
+            return dict(c.execute("SELECT id, owner FROM bmcs").fetchall())
+
+    @staticmethod
+    def no_network_boot(machine: dict[str, Any]) -> None:
+        """Take the NIC out of the machine's boot order (its own QMP socket, not the BMC): from
+        its next reset it tries its disk only, as a server whose PXE fallback is off. A BMC's
+        boot override puts it back."""
+
+        async def clear() -> None:
+            qmp = QmpClient(machine["qmp"])
+            await qmp.connect()
+            try:
+                path = f"/machine/peripheral/{NIC_ID}"
+                await qmp.execute("qom-set", {"path": path, "property": "bootindex", "value": -1})
+            finally:
+                await qmp.close()
+
+        asyncio.run(clear())
 
     @staticmethod
     def commands(machine: dict[str, Any]) -> list[dict[str, Any]]:
