@@ -123,13 +123,15 @@ def test_kill_9_the_bmc_owner_mid_claim_in_a_lab(fleet, tmp_path: Path) -> None:
     fleet.wait_state(macs, "ready", READY_TIMEOUT_S)
     assert set(macs) <= set(leases(fleet))
 
-    # Every instance agrees on who holds each BMC; the victim holds most (ties: the first's).
+    # Every instance agrees on who owns each BMC, and the store says those hold them; the
+    # victim holds most (ties: the first's).
     views = until(
         "every instance to agree on the BMCs' owners",
         lambda: (
             (v := [owners(fleet, n) for n in names])
             and all(x == v[0] for x in v)
             and None not in v[0].values()
+            and fleet.bmc_holders() == v[0]  # and the store says they hold them
             and v
         ),
         60,
