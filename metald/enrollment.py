@@ -22,7 +22,7 @@ from metald.boot.machine_hooks import StoreBootHooks
 from metald.config import EnrollConfig
 from metald.errors import Conflict, MetaldError
 from metald.inventory import validate_inventory
-from metald.inventory.rules import apply_rules
+from metald.inventory.rules import apply_rules, bios_profile
 from metald.lifecycle import INVENTORY_ACCEPTED, OUT_OF_SERVICE, State, Trigger, phase_of
 from metald.provision import boots
 from metald.store.models import Event, Machine, as_utc, utcnow
@@ -163,6 +163,8 @@ def accept_inventory(
     }
     if rule_rack and not m.rack:
         updates["rack"] = rule_rack
+    if profile := bios_profile(cfg.rules, norm, m.rack_position):
+        updates["bios"] = {**(m.bios or {}), "desired": profile}  # staged by metald.bmc.firmware
     if not m.rack_position and norm.rack_position_hint:
         updates["rack_position"] = norm.rack_position_hint
     machines.sync_nics(s, m.id, norm.nics)

@@ -143,3 +143,35 @@ def test_default_name_from_rack_position(store) -> None:  # type: ignore[no-unty
         assert m2.name is None
         assert machines.default_name(None, None) is None
         assert machines.default_name(None, "///") is None
+
+
+async def test_concurrent_rename_to_the_same_name_is_409_not_500(api) -> None:  # type: ignore[no-untyped-def]
+    """Two renames to one name: the second passes the "is it taken" check, then another
+    writer commits that name before its UPDATE lands. The unique index refuses the UPDATE;
+    the answer is a 409 problem that says what to do, and nothing is half-written."""
+    from sqlalchemy import event
+
+    client, tokens, store = api
+    tech = tokens.header("technician")
+    fired: list[str] = []
+
+    def rival(conn, cursor, statement, params, context, executemany):  # type: ignore[no-untyped-def]
+        if not fired and statement.lstrip().upper().startswith("UPDATE MACHINES"):
+            fired.append(statement)
+            # The rival rename, on the same connection just before ours (as if it had
+            # committed in between): another machine takes the name first.
+            cursor.execute(
+                f"UPDATE machines SET name = 'contested' WHERE id = '{tokens.machine_a}'"
+            )
+
+    event.listen(store.engine, "before_cursor_execute", rival)
+    try:
+        r = await client.patch("/api/v1/machines/node2", json={"name": "contested"}, headers=tech)
+    finally:
+        event.remove(store.engine, "before_cursor_execute", rival)
+    assert fired, "the rename never reached its UPDATE"
+    assert r.status == 409, await r.text()
+    body = await r.json()
+    assert r.content_type == "application/problem+json" and "pick another name" in body["detail"]
+    r = await client.get("/api/v1/machines/node2", headers=tech)
+    assert (await r.json())["name"] == "node2"  # the losing rename left nothing behind

@@ -49,6 +49,8 @@ class Selector:
     #: Every label must be present with exactly this value.
     labels: dict[str, str] = field(default_factory=dict)
     rack: str | None = None
+    #: Firmware inventory id -> version or glob (metald.bmc.firmware records them).
+    firmware: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> Selector:
@@ -59,6 +61,7 @@ class Selector:
             min_memory_mb=d.get("min_memory_mb"),
             labels={str(k): str(v) for k, v in (d.get("labels") or {}).items()},
             rack=d.get("rack") or None,
+            firmware={str(k): str(v) for k, v in (d.get("firmware") or {}).items()},
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -81,7 +84,10 @@ class Selector:
         if self.rack is not None and m.rack != self.rack:
             return False
         labels = m.labels or {}
-        return all(labels.get(k) == v for k, v in self.labels.items())
+        versions = m.firmware_versions or {}
+        return all(labels.get(k) == v for k, v in self.labels.items()) and all(
+            k in versions and fnmatch.fnmatchcase(versions[k], v) for k, v in self.firmware.items()
+        )
 
     def prefilter(self, stmt: Any) -> Any:
         """Narrow a machines query in SQL by the criteria SQL can check on every backend; labels
@@ -100,7 +106,7 @@ class Selector:
         """``prefilter`` plus the globs and labels SQL can check with the same meaning as
         ``matches``. Returns (statement, exact): exact when SQL alone decides, so the database
         can order and limit the matches itself (no candidate list read into Python)."""
-        stmt, exact = self.prefilter(stmt), True
+        stmt, exact = self.prefilter(stmt), not self.firmware  # firmware: checked by matches
         if self._glob:
             assert self.gpu_model is not None
             pattern = self.gpu_model
@@ -134,6 +140,7 @@ _MATCH_COLUMNS = (
     Machine.memory_mb,
     Machine.rack,
     Machine.labels,
+    Machine.firmware_versions,
 )
 
 

@@ -35,6 +35,9 @@ class EnrollmentRule(BaseModel):
     rack: str | None = None
     #: Only machines with at least this many GPUs (handy with gpu_family).
     min_gpu_count: int = Field(default=0, ge=0)
+    #: Desired BIOS attributes (Redfish names): staged as pending settings through the BMC,
+    #: applied at the next reboot; a difference later is reported as drift (metald.bmc.firmware).
+    bios: dict[str, str | int | bool] = Field(default_factory=dict)
 
 
 def _value(key: str, inv: NormalizedInventory, rack_position: str | None) -> str | None:
@@ -65,3 +68,14 @@ def apply_rules(
             labels.update(rule.labels)
             rack = rule.rack if rule.rack is not None else rack
     return labels, rack
+
+
+def bios_profile(
+    rules: list[EnrollmentRule], normalized: NormalizedInventory, rack_position: str | None
+) -> dict[str, str | int | bool]:
+    """The desired BIOS attributes of a machine: every matching rule's, later ones win."""
+    profile: dict[str, str | int | bool] = {}
+    for rule in rules:
+        if rule.bios and rule_matches(rule, normalized, rack_position):
+            profile.update(rule.bios)
+    return profile

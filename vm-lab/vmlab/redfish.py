@@ -16,6 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
+from . import redfish_bios
 from .power import MachineControl
 
 RESET_TYPES = ["On", "ForceOff", "GracefulShutdown", "ForceRestart", "PowerCycle", "Nmi"]
@@ -114,6 +115,7 @@ async def service_root(request: web.Request) -> web.Response:
             "UUID": info.uuid,
             "Systems": {"@odata.id": "/redfish/v1/Systems"},
             "Managers": {"@odata.id": "/redfish/v1/Managers"},
+            "UpdateService": {"@odata.id": "/redfish/v1/UpdateService"},
         }
     )
 
@@ -176,6 +178,7 @@ async def get_system(request: web.Request) -> web.Response:
                 "BootSourceOverrideMode@Redfish.AllowableValues": [info.boot_mode],
             },
             "EthernetInterfaces": {"@odata.id": f"{path}/EthernetInterfaces"},
+            "Bios": {"@odata.id": f"{path}/Bios"},
             "Actions": {
                 "#ComputerSystem.Reset": {
                     "target": f"{path}/Actions/ComputerSystem.Reset",
@@ -255,6 +258,8 @@ async def reset_action(request: web.Request) -> web.Response:
     }[reset_type]
     control.record(request.remote or "", "redfish", f"power {REDFISH_POWER[reset_type]}")
     await action()
+    if reset_type in ("On", "ForceRestart", "PowerCycle"):
+        request.app[redfish_bios.BIOS].reboot()  # pending BIOS settings apply as it starts
     return web.Response(status=204, headers={"OData-Version": ODATA_VERSION})
 
 
@@ -333,4 +338,5 @@ def make_app(control: MachineControl, info: SystemInfo) -> web.Application:
     app.router.add_get(system + "/EthernetInterfaces/{nic_id}", ethernet_interface)
     app.router.add_get("/redfish/v1/Managers", managers)
     app.router.add_get("/redfish/v1/Managers/{manager_id}", manager)
+    redfish_bios.install(app, system, info.firmware)
     return app
