@@ -20,6 +20,8 @@ from . import redfish_bios
 from .power import MachineControl
 
 RESET_TYPES = ["On", "ForceOff", "GracefulShutdown", "ForceRestart", "PowerCycle", "Nmi"]
+#: ResetType as the command log names it (the same words as the IPMI face's)
+REDFISH_POWER = dict(zip(RESET_TYPES, ["on", "off", "soft", "reset", "cycle", "nmi"], strict=True))
 BOOT_TARGETS = {"None": "none", "Pxe": "pxe", "Hdd": "hdd"}
 BOOT_ENABLED = {"Disabled": "disabled", "Once": "once", "Continuous": "continuous"}
 ODATA_VERSION = "4.0"
@@ -147,6 +149,7 @@ async def get_system(request: web.Request) -> web.Response:
     _check_system(request)
     info = request.app[INFO]
     control = request.app[CONTROL]
+    control.record(request.remote or "", "redfish", "read")
     on = await control.is_on()
     override = control.override
     path = _system_path(info)
@@ -226,6 +229,7 @@ async def patch_system(request: web.Request) -> web.Response:
     else:
         # A target alone means "next boot" unless an override is already standing.
         mode = current.mode if current.mode != "disabled" else "once"
+    control.record(request.remote or "", "redfish", f"boot {target} {mode}")
     await control.set_boot_override(target, mode)
     return await get_system(request)
 
@@ -252,6 +256,7 @@ async def reset_action(request: web.Request) -> web.Response:
         "PowerCycle": control.power_cycle,
         "Nmi": control.nmi,
     }[reset_type]
+    control.record(request.remote or "", "redfish", f"power {REDFISH_POWER[reset_type]}")
     await action()
     if reset_type in ("On", "ForceRestart", "PowerCycle"):
         request.app[redfish_bios.BIOS].reboot()  # pending BIOS settings apply as it starts

@@ -38,6 +38,7 @@ IPMI_CALL_TIMEOUT = 20.0
 BOOT_FLAGS_PARAM = 5
 IPMI_DEVICE = {"network": "pxe", "hd": "hdd", "default": "none"}
 DEVICE_CODE = {"pxe": 0x04, "hdd": 0x08, "none": 0x00}  # boot device selector, bits 5:2
+CHASSIS_CONTROL = {0: "off", 1: "on", 2: "cycle", 3: "reset", 4: "nmi", 5: "soft"}
 
 
 class SuiteThreeSession(serversession.ServerSession):
@@ -101,6 +102,17 @@ class LabIpmiBmc(pyghmi_bmc.Bmc):
     def get_system_guid(self) -> uuid.UUID:
         return self.uuid
 
+    def get_chassis_status(self, session: Any) -> None:
+        self.control.record(session.sockaddr[0], "ipmi", "read")
+        super().get_chassis_status(session)
+
+    def control_chassis(self, request: dict[str, Any], session: Any) -> None:
+        directive = request["data"][0] if request["data"] else None
+        self.control.record(
+            session.sockaddr[0], "ipmi", f"power {CHASSIS_CONTROL.get(directive, directive)}"
+        )
+        super().control_chassis(request, session)
+
     def cold_reset(self) -> int:
         return 0  # the BMC restarting itself changes nothing a client can see
 
@@ -138,10 +150,12 @@ class LabIpmiBmc(pyghmi_bmc.Bmc):
         if device is None:
             session.send_ipmi_response(code=0xCC)  # invalid data field: no such device here
             return
+        mode = "continuous" if flags & 0x40 else "once"
         if not flags & 0x80 or device == "none":
+            self.control.record(session.sockaddr[0], "ipmi", "boot none")
             self._run(self.control.set_boot_override("none", "disabled"))
         else:
-            mode = "continuous" if flags & 0x40 else "once"
+            self.control.record(session.sockaddr[0], "ipmi", f"boot {device} {mode}")
             self._run(self.control.set_boot_override(device, mode))
         session.send_ipmi_response()
 
@@ -168,7 +182,9 @@ async def serve(state_path: Path, machine_name: str) -> None:
     state = json.loads(state_path.read_text())
     machine = machine_entry(state, machine_name)
     bmc = machine["bmc"]
-    control = MachineControl(machine["qmp_bmc"])
+    control = MachineControl(
+        machine["qmp_bmc"], machine.get("bmc_commands"), machine.get("bmc_hold_off")
+    )
     await control.connect()
 
     info = redfish.SystemInfo(
