@@ -185,11 +185,19 @@ class Membership:
     def fence_after_s(self) -> float:
         return self.dead_after_s - self.heartbeat_s
 
+    def lease_until(self) -> float:
+        """The monotonic time this instance fences itself at, from its last heartbeat (0 when
+        it holds nothing). A store call that confirmed ownership is acted on only before the
+        deadline read *before* the call: a reply delayed on a cut link (TCP retransmits it
+        after the link heals) can arrive after the others took over, and a heartbeat written
+        since then does not make the old answer true again."""
+        if self._taken_over or self._last_ok is None:
+            return 0.0
+        return self._last_ok + self.fence_after_s
+
     @property
     def fenced(self) -> bool:
-        if self._taken_over or self._last_ok is None:
-            return True
-        return time.monotonic() - self._last_ok > self.fence_after_s
+        return time.monotonic() >= self.lease_until()
 
     def live(self) -> list[Member]:
         return [m for m in self.members if m.alive or m.name == self.instance]
