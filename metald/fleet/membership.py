@@ -91,6 +91,13 @@ class Membership:
         return frozenset(m.name for m in self.live()), self.fenced
 
     def _changed(self, before: tuple[frozenset[str], bool]) -> None:
+        if self.fenced and not before[1]:
+            # Said at the fencing deadline, not when the hung store call finally fails.
+            log.error(
+                "fenced: no heartbeat written for %.1f s; owning nothing (no BMC commands, "
+                "no DHCP answers, no hubs) until the store answers again",
+                self.fence_after_s,
+            )
         if self._view() != before:
             for cb in self._listeners:
                 cb()
@@ -157,8 +164,6 @@ class Membership:
             mine = await self.store.run(registry.beat, self.instance, self.incarnation)
         except Exception as e:  # noqa: BLE001 - a store outage is survived, fenced
             log.warning("heartbeat failed (%s): %s", type(e).__name__, e)
-            if self.fenced and not was_fenced:
-                log.error("no heartbeat for %.1f s: fenced, owning nothing", self.fence_after_s)
             return
         if not mine:
             if not self._taken_over:
