@@ -1,5 +1,5 @@
 """A DHCP client on a provisioning segment, driven over stdin (run in a network namespace by
-tests/fleet/test_partition.py). Each input line is a JSON request; each answer a JSON line.
+tests/fleet/test_partition.py; argument: the interface). Each input line is a JSON request; each answer a JSON line.
 
 {"op": "discover", "mac": M, "window": s}: broadcast a DISCOVER (broadcast flag set) and list
 every OFFER heard within the window: [{"server": server id, "yiaddr": address}].
@@ -60,6 +60,8 @@ def main() -> None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
+    # Broadcasts leave by this interface (the namespace has no default route).
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_BINDTODEVICE, sys.argv[1].encode())
     sock.bind(("0.0.0.0", 68))
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:

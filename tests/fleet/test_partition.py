@@ -37,6 +37,7 @@ from metald.bmc import ownership
 from metald.bmc.base import PowerAction
 from metald.bmc.control import NotOwner
 from metald.bmc.service import BmcService
+from metald.fleet.rendezvous import owner
 from metald.store import Store
 from tests.bmc.peers import IpmiSim, ipmi_sim, start_ipmi_sim, stop_peer  # noqa: F401
 from tests.fleet.test_bmc_ownership import View, _instance, _registered, _sets, svc  # noqa: F401
@@ -148,12 +149,22 @@ def _http(name: str, method: str, path: str, token: str, body: Any = None) -> tu
 class Probe:
     """The DHCP client in its namespace (tests/fleet/dhcp_probe.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, log: Path) -> None:
         root = Path(__file__).resolve().parents[2]
         self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", ns("client"), sys.executable, "-m", "tests.fleet.dhcp_probe"],
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns("client"),
+                sys.executable,
+                "-m",
+                "tests.fleet.dhcp_probe",
+                "eth0",
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            stderr=open(log, "w"),  # noqa: SIM115 - closed with the process
             text=True,
             cwd=root,
         )
@@ -286,16 +297,16 @@ def test_cut_from_postgresql_fences_then_survivors_take_over_then_it_rejoins(
 
             def settled() -> dict[str, tuple[str | None, int]] | None:
                 rows = _bmc_rows(store)  # type: ignore[arg-type]
-                owners = {o for o, _ in rows.values()}
-                return rows if None not in owners and len(owners) == len(NAMES) else None
+                want = {b: owner(f"bmc:{b}", NAMES) for b in rows}
+                return rows if all(rows[b][0] == want[b] for b in rows) else None
 
-            before = _until("every BMC held, by all three instances", settled)
+            before = _until("every BMC held by its owner among all three", settled)
             victim = before[next(iter(bmc_of))][0]
             assert victim is not None
             survivors = [n for n in NAMES if n != victim]
             victims_bmcs = [b for b, (o, _) in before.items() if o == victim]
 
-            probe = Probe()
+            probe = Probe(tmp_path / "probe.log")
             answered = {m: probe.answered_by(m) for m in MACS}
             assert all(len(a) == 1 for a in answered.values()), answered  # one answer per client
             servers = {str(ip): n for n, ip in INST.items()}
