@@ -76,7 +76,14 @@ def restart(pg: PgServer, mode: str) -> None:
 
 
 def _dhcp_dropped() -> float:
-    return sum(metrics.dhcp_ignored.labels(r)._value.get() for r in ("fenced", "store-unavailable"))
+    """DHCP packets not answered because the store was away (read, write, or fenced)."""
+    return (
+        sum(
+            metrics.dhcp_dropped.labels(r)._value.get()
+            for r in ("lease-read-failed", "lease-write-failed")
+        )
+        + metrics.dhcp_ignored.labels("fenced")._value.get()
+    )
 
 
 async def test_restart_postgresql_under_load_nothing_acknowledged_is_lost(
@@ -165,6 +172,8 @@ async def test_restart_postgresql_under_load_nothing_acknowledged_is_lost(
                     acks = await send(
                         [dhcp], relay, selecting(m, xid + 1, off.yiaddr, IPv4Address(src))
                     )
+                    if not acks:
+                        outcomes["dhcp no-ack"] += 1
                     for a, _ in acks:
                         if a.message_type is MessageType.ACK:
                             acked[m] = a.yiaddr
