@@ -44,7 +44,10 @@ from tests.fleet.test_bmc_ownership import View, _instance, _registered, _sets, 
 from tests.test_daemon import BIN, share_secrets_key
 from vmlab.pg import PgServer, pg_bindir
 
-HEARTBEAT_S, DEAD_AFTER_S = 0.5, 3.0
+#: Fleet timings: short for the suite. METALD_TEST_FLEET_TIMINGS="2,10" measures the defaults.
+HEARTBEAT_S, DEAD_AFTER_S = (
+    float(x) for x in os.environ.get("METALD_TEST_FLEET_TIMINGS", "0.5,3").split(",")
+)
 FENCE_AFTER_S = DEAD_AFTER_S - HEARTBEAT_S
 PID = os.getpid()
 NET = IPv4Network(f"10.213.{PID % 250}.0/24")

@@ -22,6 +22,7 @@ import json
 import logging
 import socket
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -126,6 +127,9 @@ async def test_restart_postgresql_under_load_nothing_acknowledged_is_lost(
         outcomes: Counter[str] = Counter()
         bad: list[Any] = []
         stop = asyncio.Event()
+        claim_at: list[float] = []
+        ack_at: list[float] = []
+        gaps: dict[str, str] = {}
 
         def outcome(what: str, code: int, headers: Any, body: Any) -> bool:
             if 200 <= code < 300:
@@ -154,6 +158,7 @@ async def test_restart_postgresql_under_load_nothing_acknowledged_is_lost(
                 )
                 if outcome("claim", *got):
                     claims.append(got[2]["id"])
+                    claim_at.append(time.monotonic())
 
         async def event_load() -> None:
             while not stop.is_set():
@@ -177,6 +182,7 @@ async def test_restart_postgresql_under_load_nothing_acknowledged_is_lost(
                     for a, _ in acks:
                         if a.message_type is MessageType.ACK:
                             acked[m] = a.yiaddr
+                            ack_at.append(time.monotonic())
                         outcomes[f"dhcp {a.message_type.name}"] += 1  # type: ignore[union-attr]
                 else:
                     outcomes["dhcp silent"] += 1
@@ -200,7 +206,16 @@ async def test_restart_postgresql_under_load_nothing_acknowledged_is_lost(
                     timeout=60,
                 )
                 if mode is not None:
+                    began = time.monotonic()
                     await asyncio.to_thread(restart, pg, mode)
+                    back = time.monotonic()
+                    await wait_for(lambda b=back: claim_at[-1] > b and ack_at[-1] > b, timeout=60)
+                    first_claim = min(t for t in claim_at if t > back) - began
+                    first_ack = min(t for t in ack_at if t > back) - began
+                    gaps[mode] = (
+                        f"restart {back - began:.2f} s, next 2xx claim {first_claim:.2f} s, "
+                        f"next ACK {first_ack:.2f} s"
+                    )
             await wait_for(lambda: dhcp.feed.connected.is_set(), timeout=30)
         finally:
             stop.set()
@@ -231,7 +246,7 @@ async def test_restart_postgresql_under_load_nothing_acknowledged_is_lost(
             f"\npg restart ({', '.join(MODES)}) under load: {len(acked)} leases ACKed, "
             f"{len(claims)} claims 2xx, {len(event_ids)} event ids returned, none lost; "
             f"outcomes {dict(outcomes)}; DHCP packets dropped while the store was away "
-            f"{_dhcp_dropped() - dropped_before:.0f}"
+            f"{_dhcp_dropped() - dropped_before:.0f}; after the restart command began: {gaps}"
         )
     finally:
         if dhcp is not None:
