@@ -310,8 +310,13 @@ def test_cut_from_postgresql_fences_then_survivors_take_over_then_it_rejoins(
             victims_bmcs = [b for b, (o, _) in before.items() if o == victim]
 
             probe = Probe(tmp_path / "probe.log")
-            answered = {m: probe.answered_by(m) for m in MACS}
-            assert all(len(a) == 1 for a in answered.values()), answered  # one answer per client
+
+            def each_answered_once() -> dict[str, list[str]] | None:
+                got = {m: probe.answered_by(m) for m in MACS}  # type: ignore[union-attr]
+                return got if all(len(a) == 1 for a in got.values()) else None
+
+            # One answer per client, once every instance's split includes the others.
+            answered = _until("every client answered by exactly one instance", each_answered_once)
             servers = {str(ip): n for n, ip in INST.items()}
             clients = {m: servers[a[0]] for m, a in answered.items()}
             victim_macs = [m for m, n in clients.items() if n == victim]
@@ -403,8 +408,7 @@ def test_cut_from_postgresql_fences_then_survivors_take_over_then_it_rejoins(
                 timeout=30,
             )
             after = _bmc_rows(store)
-            final = {m: probe.answered_by(m) for m in MACS}
-            assert all(len(a) == 1 for a in final.values()), final
+            _until("every client answered by exactly one instance again", each_answered_once)
             renew = probe.ask(op="request", mac=mac, ip=bound_ip, server=None)
             assert [(a["type"], a["yiaddr"]) for a in renew] == [("ack", bound_ip)], renew
 
