@@ -31,7 +31,7 @@ from metald.lifecycle import AGENT_OPERATIONS as BOOTING_STATES
 from metald.lifecycle import TIMEOUTS, IllegalTransition, State
 from metald.provision import driver
 from metald.service import cancel
-from metald.store.db import Store, store_unavailable
+from metald.store.db import Store
 from metald.store.models import Bmc, Event, Machine, as_utc, utcnow
 
 #: Whether this instance sweeps a machine: (machine id, its BMC's (id, address) or None).
@@ -298,11 +298,8 @@ class Watchdog:
                     await self.sweep_once()
                 else:
                     await self.resume_once()
-            except Exception as e:
-                if store_unavailable(e):  # PostgreSQL restarting or cut off: no trace
-                    log.warning("watchdog sweep: database unavailable; trying again next interval")
-                else:
-                    log.exception("watchdog sweep failed; trying again next interval")
+            except Exception:
+                log.exception("watchdog sweep failed; trying again next interval")
             wait = min(self.resume_interval_s, max(0.0, next_full - loop.time()))
             try:
                 async with asyncio.timeout(wait):
