@@ -162,7 +162,9 @@ async def test_restart_postgresql_under_load_nothing_acknowledged_is_lost(
 
         async def event_load() -> None:
             while not stop.is_set():
-                got = await asyncio.to_thread(_http, port, "GET", "/api/v1/events?limit=50", admin)
+                got = await asyncio.to_thread(
+                    _http, port, "GET", "/api/v1/events?limit=50&sort=-id", admin
+                )
                 if outcome("events", *got):
                     event_ids.update(e["id"] for e in got[2]["items"])
                 await asyncio.sleep(0.05)
