@@ -247,6 +247,8 @@ def test_cut_from_postgresql_fences_then_survivors_take_over_then_it_rejoins(
                     ["ip", "netns", "exec", ns(n), BIN / "metald", "serve", "--config"]
                     + [_conf(tmp_path, n, url)],
                     stderr=open(tmp_path / f"{n}.log", "w"),  # noqa: SIM115
+                    # metald reads METALD_* as configuration: not the test's own setting.
+                    env={k: v for k, v in os.environ.items() if k != "METALD_TEST_FLEET_TIMINGS"},
                 )
             store = Store(local)
 
