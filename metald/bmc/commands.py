@@ -10,6 +10,7 @@ does not even ask.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -194,6 +195,16 @@ class BmcControl:
             await d.close()
         self.scheduler.forget(bmc_id)
         self.held.pop(bmc_id, None)
+
+    def drop_sessions(self) -> None:
+        """Fenced: end every BMC session now, before the others can take the BMCs over, rather
+        than at the session's idle timer (a fenced instance sends nothing after that)."""
+        self.held.clear()
+        drivers, self.drivers = list(self.drivers.values()), {}
+        loop = asyncio.get_running_loop()
+        for d in drivers:
+            task = loop.create_task(d.close())
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def close(self) -> None:
         drivers, self.drivers = list(self.drivers.values()), {}

@@ -145,8 +145,15 @@ class Membership:
                 before = self._view()
                 if beat is None or beat.done():
                     beat = asyncio.create_task(self.beat_once(), name="fleet-beat")
-                await asyncio.sleep(self.heartbeat_s)
-                self._changed(before)
+                due = time.monotonic() + self.heartbeat_s
+                while (now := time.monotonic()) < due:
+                    # Wake at the fencing deadline too: listeners act when it passes (BMC
+                    # sessions end, hubs go down), not up to a heartbeat later.
+                    until = self.lease_until()
+                    wake = until + 0.001 if now < until < due else due
+                    await asyncio.sleep(wake - now)
+                    self._changed(before)
+                    before = self._view()
         finally:
             await cancel(beat)
 
