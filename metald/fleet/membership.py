@@ -79,6 +79,7 @@ class Membership:
         self.members: list[Member] = []
         self._last_ok: float | None = None
         self._taken_over = False
+        self._said_fenced = False
         self._task: asyncio.Task[None] | None = None
         self._listeners: list[Callable[[], None]] = []
 
@@ -91,8 +92,9 @@ class Membership:
         return frozenset(m.name for m in self.live()), self.fenced
 
     def _changed(self, before: tuple[frozenset[str], bool]) -> None:
-        if self.fenced and not before[1]:
-            # Said at the fencing deadline, not when the hung store call finally fails.
+        fenced, said, self._said_fenced = self.fenced, self._said_fenced, self.fenced
+        if fenced and not said:
+            # Said once, at the fencing deadline, not when the hung store call finally fails.
             log.error(
                 "fenced: no heartbeat written for %.1f s; owning nothing (no BMC commands, "
                 "no DHCP answers, no hubs) until the store answers again",
