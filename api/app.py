@@ -28,6 +28,7 @@ from api.openapi import build_openapi
 from api.problem import problem
 from api.routing import Router, RouteSpec, add_routes
 from metald.lifecycle import IllegalTransition
+from metald.store.db import store_unavailable
 
 log = logging.getLogger("metald.api")
 
@@ -35,6 +36,8 @@ CTX_KEY = web.AppKey("ctx", AppContext)
 #: A client must send its whole request head within this many seconds of connecting (and of
 #: its previous response, on a kept-alive connection); then it is disconnected.
 HEADER_TIMEOUT_S = 15.0
+#: Retry-After of a 503 answered while the database is unreachable.
+RETRY_AFTER_S = 2
 
 
 def server_settings(*, header_timeout_s: float = HEADER_TIMEOUT_S) -> dict[str, Any]:
@@ -96,7 +99,17 @@ async def errors_middleware(
         return resp
     except web.HTTPException:
         raise
-    except Exception:
+    except Exception as e:
+        if store_unavailable(e):
+            log.warning("%s %s: database unavailable: %s", request.method, request.path, e)
+            return problem(
+                503,
+                "Database unavailable",
+                "metald cannot reach its database right now (it is restarting, or this "
+                "instance is cut off from it): retry the request after Retry-After seconds",
+                instance=request.path,
+                retry_after_s=RETRY_AFTER_S,
+            )
         log.exception("unhandled error in %s %s", request.method, request.path)
         return problem(
             500,

@@ -37,6 +37,25 @@ class RedactingFilter(logging.Filter):
         return True
 
 
+class StoreOutageFilter(logging.Filter):
+    """A database that cannot be reached (PostgreSQL restarting or failing over, this instance
+    cut off) is an expected condition every loop survives and retries: its records become one
+    warning line without a traceback, whichever loop logged them (docs/fleet.md)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None:
+            return True
+        from metald.store.db import store_unavailable
+
+        if store_unavailable(exc):
+            record.msg = f"{record.getMessage()}: database unavailable ({type(exc).__name__})"
+            record.args, record.exc_info, record.exc_text = None, None, None
+            if record.levelno > logging.WARNING:
+                record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
 class RedactingFormatter(logging.Formatter):
     """Redacts the whole formatted record: message, arguments, traceback and stack, so a
     secret inside an exception (say, a header a parser quotes back) never reaches the log."""
@@ -68,6 +87,7 @@ class JsonFormatter(logging.Formatter):
 
 def setup_logging(level: str = "info", fmt: str = "text") -> None:
     handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(StoreOutageFilter())
     handler.addFilter(RedactingFilter())
     if fmt == "json":
         handler.setFormatter(JsonFormatter())

@@ -159,8 +159,19 @@ class BmcControl:
         gen = await self._generation(row)
         if gen is None and step is None:
             return
-        me = self.ownership.instance if self.ownership is not None else None
+        own = self.ownership
+        me = own.instance if own is not None else None
+        # The check holds only within the lease held when it was asked (a reply delayed on a
+        # cut link may arrive after the others took over): read the deadline first.
+        until = own.lease_until() if own is not None else None
         ok = await self.store.run(ownership.check_and_journal, row.id, me, gen, step, command)
+        if ok and until is not None and time.monotonic() >= until:
+            self.held.clear()
+            raise NotOwner(
+                f"this metald instance ({me}) lost the store while checking BMC {row.id}: it "
+                "fenced itself and sends nothing; send the request to another instance",
+                owner=None,
+            )
         if not ok:
             self.held.pop(row.id, None)
             raise NotOwner(f"BMC {row.id} was taken over by another instance", owner=None)
@@ -200,6 +211,16 @@ class BmcControl:
             await d.close()
         self.scheduler.forget(bmc_id)
         self.held.pop(bmc_id, None)
+
+    def drop_sessions(self) -> None:
+        """Fenced: end every BMC session now, before the others can take the BMCs over, rather
+        than at the session's idle timer (a fenced instance sends nothing after that)."""
+        self.held.clear()
+        drivers, self.drivers = list(self.drivers.values()), {}
+        loop = asyncio.get_running_loop()
+        for d in drivers:
+            task = loop.create_task(d.close())
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def close(self) -> None:
         for task in list(self._confirming):

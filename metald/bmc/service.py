@@ -73,6 +73,8 @@ class BmcService:
 
     def wake(self) -> None:
         """The fleet's live set changed: settle BMC ownership now."""
+        if self.ownership is not None and self.ownership.fenced:
+            self.control.drop_sessions()  # without the store: the sync round may hang on it
         self.sync.wake()
 
     # --- registry ---

@@ -11,6 +11,7 @@ from sqlmodel import Session, col, select
 
 from metald import machines
 from metald.errors import Conflict
+from metald.store.db import store_unavailable
 from metald.store.models import Event, Machine, Nic, Tenant, as_utc
 from metald.tenants import fabric
 
@@ -25,7 +26,9 @@ def retrying(session: Session, fn: Callable[[], T]) -> T:
     for attempt in range(ATTEMPTS):
         try:
             return fn()
-        except (machines.ConcurrentUpdate, OperationalError):
+        except (machines.ConcurrentUpdate, OperationalError) as e:
+            if store_unavailable(e):
+                raise  # not a race: the database is unreachable (the API answers 503)
             # A CAS miss already rolled back; a PostgreSQL deadlock/serialisation abort has not.
             session.rollback()
             if attempt == ATTEMPTS - 1:

@@ -79,6 +79,7 @@ class Membership:
         self.members: list[Member] = []
         self._last_ok: float | None = None
         self._taken_over = False
+        self._said_fenced = False
         self._task: asyncio.Task[None] | None = None
         self._listeners: list[Callable[[], None]] = []
 
@@ -91,6 +92,14 @@ class Membership:
         return frozenset(m.name for m in self.live()), self.fenced
 
     def _changed(self, before: tuple[frozenset[str], bool]) -> None:
+        fenced, said, self._said_fenced = self.fenced, self._said_fenced, self.fenced
+        if fenced and not said:
+            # Said once, at the fencing deadline, not when the hung store call finally fails.
+            log.error(
+                "fenced: no heartbeat written for %.1f s; owning nothing (no BMC commands, "
+                "no DHCP answers, no hubs) until the store answers again",
+                self.fence_after_s,
+            )
         if self._view() != before:
             for cb in self._listeners:
                 cb()
@@ -138,8 +147,15 @@ class Membership:
                 before = self._view()
                 if beat is None or beat.done():
                     beat = asyncio.create_task(self.beat_once(), name="fleet-beat")
-                await asyncio.sleep(self.heartbeat_s)
-                self._changed(before)
+                due = time.monotonic() + self.heartbeat_s
+                while (now := time.monotonic()) < due:
+                    # Wake at the fencing deadline too: listeners act when it passes (BMC
+                    # sessions end, hubs go down), not up to a heartbeat later.
+                    until = self.lease_until()
+                    wake = until + 0.001 if now < until < due else due
+                    await asyncio.sleep(wake - now)
+                    self._changed(before)
+                    before = self._view()
         finally:
             await cancel(beat)
 
@@ -157,8 +173,6 @@ class Membership:
             mine = await self.store.run(registry.beat, self.instance, self.incarnation)
         except Exception as e:  # noqa: BLE001 - a store outage is survived, fenced
             log.warning("heartbeat failed (%s): %s", type(e).__name__, e)
-            if self.fenced and not was_fenced:
-                log.error("no heartbeat for %.1f s: fenced, owning nothing", self.fence_after_s)
             return
         if not mine:
             if not self._taken_over:
@@ -185,11 +199,19 @@ class Membership:
     def fence_after_s(self) -> float:
         return self.dead_after_s - self.heartbeat_s
 
+    def lease_until(self) -> float:
+        """The monotonic time this instance fences itself at, from its last heartbeat (0 when
+        it holds nothing). A store call that confirmed ownership is acted on only before the
+        deadline read *before* the call: a reply delayed on a cut link (TCP retransmits it
+        after the link heals) can arrive after the others took over, and a heartbeat written
+        since then does not make the old answer true again."""
+        if self._taken_over or self._last_ok is None:
+            return 0.0
+        return self._last_ok + self.fence_after_s
+
     @property
     def fenced(self) -> bool:
-        if self._taken_over or self._last_ok is None:
-            return True
-        return time.monotonic() - self._last_ok > self.fence_after_s
+        return time.monotonic() >= self.lease_until()
 
     def live(self) -> list[Member]:
         return [m for m in self.members if m.alive or m.name == self.instance]

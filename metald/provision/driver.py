@@ -28,7 +28,7 @@ from metald.lifecycle import OPERATION_FAIL as _FAIL
 from metald.lifecycle import RETRY, IllegalTransition, State, Trigger
 from metald.provision import boots
 from metald.provision.intents import DeployImage, inspect_intent, wipe_intent
-from metald.store.db import Store
+from metald.store.db import Store, store_unavailable
 from metald.store.models import Machine
 
 log = logging.getLogger(__name__)
@@ -341,6 +341,9 @@ async def _boot(
         await store.run(_note, machine_id, "provision.no-bmc", e.detail, actor, instance)
         return False
     except Exception as e:  # any BMC failure ends the operation visibly, never silently
+        if store_unavailable(e):  # not the BMC's failure: the watchdog resumes the boot
+            log.warning("machine %s: network boot postponed: database unavailable", machine_id)
+            return False
         detail = e.detail if isinstance(e, MetaldError) else f"{type(e).__name__}: {e}"
         log.warning("machine %s: network boot through the BMC failed: %s", machine_id, detail)
         await store.run(_fail, machine_id, f"BMC: {detail}", actor, instance)
@@ -354,6 +357,15 @@ async def reboot_all(
 ) -> None:
     if bmc is None or not machine_ids:
         return
-    await asyncio.gather(
-        *(boot_from_network(store, bmc, mid, actor=actor, instance=instance) for mid in machine_ids)
-    )
+
+    async def one(mid: str) -> None:
+        try:
+            await boot_from_network(store, bmc, mid, actor=actor, instance=instance)
+        except Exception as e:
+            if not store_unavailable(e):
+                raise
+            # Cut off from the database (restarting): the watchdog resumes the boot
+            # (interrupted_boots); an unretrieved task exception would be all that is left.
+            log.warning("machine %s: network boot postponed: database unavailable", mid)
+
+    await asyncio.gather(*(one(mid) for mid in machine_ids))

@@ -16,7 +16,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+import psycopg
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 from sqlmodel import Session
 
@@ -78,6 +80,32 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
             "tcp_user_timeout": 10000,
         },
     )
+
+
+#: PostgreSQL SQLSTATEs that mean "the server is going away or not there yet", not a
+#: statement's own error: admin_shutdown, crash_shutdown, cannot_connect_now (starting up).
+_UNAVAILABLE_SQLSTATES = frozenset({"57P01", "57P02", "57P03"})
+
+
+def store_unavailable(e: BaseException) -> bool:
+    """Whether ``e`` means the database could not be reached (refused, lost, timed out, shutting
+    down or starting up), as opposed to an error of the statement itself. Such a call may be
+    retried once the database is back: the API answers 503 with Retry-After for it.
+
+    A failed connection is invalidated by SQLAlchemy (and every pooled connection older than
+    it), and ``pool_pre_ping`` tests a pooled connection before use, so the next call after
+    PostgreSQL comes back opens fresh connections: no restart of metald is needed."""
+    if isinstance(e, (sa_exc.DisconnectionError, sa_exc.TimeoutError)):
+        return True  # DisconnectionError: pre-ping failed; TimeoutError: the pool's wait
+    if isinstance(e, sa_exc.DBAPIError):
+        if e.connection_invalidated:
+            return True
+        e = e.orig  # type: ignore[assignment]
+    if isinstance(e, (psycopg.OperationalError, psycopg.InterfaceError)):
+        state = getattr(e, "sqlstate", None)
+        # No SQLSTATE: the error came from the connection, not from the server's answer.
+        return state is None or state.startswith("08") or state in _UNAVAILABLE_SQLSTATES
+    return False
 
 
 class Store:

@@ -32,14 +32,16 @@ def free_port(kind: socket.SocketKind = socket.SOCK_DGRAM) -> int:
     return labnet.free_port(kind)
 
 
-def _wait_udp_bound(port: int, proc: subprocess.Popen, timeout: float = 10.0) -> None:
+def _wait_udp_bound(
+    port: int, proc: subprocess.Popen, timeout: float = 10.0, addr: str = "127.0.0.1"
+) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if proc.poll() is not None:
             raise RuntimeError(f"peer exited with {proc.returncode}")
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             try:
-                s.bind(("127.0.0.1", port))
+                s.bind((addr, port))
             except OSError:
                 return  # taken: the peer holds it
         time.sleep(0.05)
@@ -132,7 +134,9 @@ class IpmiSim:
         return self.calls_file.read_text().splitlines() if self.calls_file.exists() else []
 
 
-def start_ipmi_sim(tmp_path: Path, *, power_on: bool = False) -> tuple[IpmiSim, subprocess.Popen]:
+def start_ipmi_sim(
+    tmp_path: Path, *, power_on: bool = False, addr: str = "127.0.0.1"
+) -> tuple[IpmiSim, subprocess.Popen]:
     """An ``ipmi_sim`` in ``tmp_path`` on a free port. Its chassis script logs every command
     (``IpmiSim.calls``); while the file ``hold-off`` exists in ``tmp_path`` a power-off is
     logged but not applied (a machine slow to go off)."""
@@ -168,7 +172,7 @@ def start_ipmi_sim(tmp_path: Path, *, power_on: bool = False) -> tuple[IpmiSim, 
         name "sim"
         set_working_mc 0x20
           startlan 1
-            addr 127.0.0.1 {port}
+            addr {addr} {port}
             priv_limit admin
             allowed_auths_callback none md2 md5 straight
             allowed_auths_user none md2 md5 straight
@@ -198,7 +202,7 @@ def start_ipmi_sim(tmp_path: Path, *, power_on: bool = False) -> tuple[IpmiSim, 
         stderr=subprocess.DEVNULL,
     )
     try:
-        _wait_udp_bound(port, proc)
+        _wait_udp_bound(port, proc, addr=addr)
     except BaseException:
         _stop(proc)
         raise

@@ -90,6 +90,9 @@ class View:
     fenced: bool = False
     dead_after_s: float = DEAD_AFTER_S
 
+    def lease_until(self) -> float:
+        return 0.0 if self.fenced else float("inf")
+
     def bmc_owner(self, bmc_id: str, address: str) -> str | None:
         return self.owner
 

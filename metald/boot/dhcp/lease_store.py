@@ -31,7 +31,7 @@ from sqlmodel import Session
 from sqlmodel import select as sm_select
 
 from metald.boot.dhcp.leasetable import LeaseRecord, LeaseState, LeaseTable
-from metald.store.db import Store
+from metald.store.db import Store, store_unavailable
 from metald.store.models import Lease, as_utc
 
 __all__ = ["LeaseRecord", "LeaseState", "LeaseStore", "LeaseTable", "WriteResult"]
@@ -201,8 +201,11 @@ class LeaseStore:
                     results = await self.store.run(_write_batch, recs, self.clock(), self.notify_as)
                 self.commits += 1
                 self.rows_written += len(batch)
-            except Exception:
-                log.exception("lease write of %d rows failed", len(batch))
+            except Exception as e:
+                if store_unavailable(e):  # PostgreSQL restarting or cut off: no ACK, no trace
+                    log.warning("lease write of %d rows failed: database unavailable", len(batch))
+                else:
+                    log.exception("lease write of %d rows failed", len(batch))
                 results = [WriteResult.ERROR] * len(batch)
             self._complete(batch, results)
             await asyncio.sleep(0)  # let packets in before the next batch
