@@ -49,8 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from metald.logs import setup_logging
+    from metald.store.db import store_unavailable
 
-    setup_logging(cfg.log.level, cfg.log.format)
+    setup_logging(cfg.log.level, cfg.log.format, is_outage=store_unavailable)
     if args.cmd == "check-config":
         print("config ok")
         return 0

@@ -6,6 +6,7 @@ import json
 import logging
 import re
 import sys
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 # Bearer tokens and anything that looks like a password assignment never reach a log line.
@@ -40,15 +41,20 @@ class RedactingFilter(logging.Filter):
 class StoreOutageFilter(logging.Filter):
     """A database that cannot be reached (PostgreSQL restarting or failing over, this instance
     cut off) is an expected condition every loop survives and retries: its records become one
-    warning line without a traceback, whichever loop logged them (docs/fleet.md)."""
+    warning line without a traceback, whichever loop logged them (docs/fleet.md).
+
+    ``is_outage`` tells such an exception (``metald.store.db.store_unavailable``; passed in by
+    the program, as logging sits below the store)."""
+
+    def __init__(self, is_outage: Callable[[BaseException], bool]) -> None:
+        super().__init__()
+        self.is_outage = is_outage
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         if exc is None:
             return True
-        from metald.store.db import store_unavailable
-
-        if store_unavailable(exc):
+        if self.is_outage(exc):
             record.msg = f"{record.getMessage()}: database unavailable ({type(exc).__name__})"
             record.args, record.exc_info, record.exc_text = None, None, None
             if record.levelno > logging.WARNING:
@@ -85,9 +91,14 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=lambda o: redact(str(o)))
 
 
-def setup_logging(level: str = "info", fmt: str = "text") -> None:
+def setup_logging(
+    level: str = "info",
+    fmt: str = "text",
+    is_outage: Callable[[BaseException], bool] | None = None,
+) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.addFilter(StoreOutageFilter())
+    if is_outage is not None:
+        handler.addFilter(StoreOutageFilter(is_outage))
     handler.addFilter(RedactingFilter())
     if fmt == "json":
         handler.setFormatter(JsonFormatter())

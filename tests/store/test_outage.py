@@ -52,9 +52,9 @@ def _record(exc: BaseException) -> logging.LogRecord:
 
 def test_an_outage_is_logged_as_a_warning_without_a_traceback() -> None:
     rec = _record(_wrapped(psycopg.OperationalError("connection refused")))
-    assert StoreOutageFilter().filter(rec)
+    assert StoreOutageFilter(store_unavailable).filter(rec)
     assert rec.levelname == "WARNING" and rec.exc_info is None
     assert rec.getMessage() == "round 7 failed: database unavailable (OperationalError)"
     other = _record(ValueError("a bug"))
-    assert StoreOutageFilter().filter(other)
+    assert StoreOutageFilter(store_unavailable).filter(other)
     assert other.levelname == "ERROR" and other.exc_info is not None
