@@ -19,11 +19,19 @@ from sqlmodel import Session, select
 from metald import machines
 from metald.auth import Role, issue_token, revoke_machine_tokens
 from metald.boot.machine_hooks import StoreBootHooks
+from metald.commissioning import runs as commissioning
 from metald.config import EnrollConfig
 from metald.errors import Conflict, MetaldError
 from metald.inventory import validate_inventory
-from metald.inventory.rules import apply_rules
-from metald.lifecycle import INVENTORY_ACCEPTED, OUT_OF_SERVICE, State, Trigger, phase_of
+from metald.inventory.rules import apply_rules, profile_for
+from metald.lifecycle import (
+    COMMISSION_RUNNING,
+    INVENTORY_ACCEPTED,
+    OUT_OF_SERVICE,
+    State,
+    Trigger,
+    phase_of,
+)
 from metald.provision import boots
 from metald.store.models import Event, Machine, as_utc, utcnow
 
@@ -166,10 +174,11 @@ def accept_inventory(
     if not m.rack_position and norm.rack_position_hint:
         updates["rack_position"] = norm.rack_position_hint
     machines.sync_nics(s, m.id, norm.nics)
+    profile = profile_for(cfg.rules, norm, updates.get("rack_position", m.rack_position))
     machines.transition(
         s,
         m.id,
-        Trigger.INSPECTED,
+        commissioning.trigger_after_inventory(s, m.id, profile),
         actor=actor,
         reason="inventory accepted",
         machine=m,
@@ -193,6 +202,8 @@ def accept_inventory(
             data={"changes": accepted.changes},
             instance=instance,
         )
+    if profile is not None:
+        commissioning.start_run(s, m, profile, norm, actor=actor, instance=instance)
     s.commit()
     return m
 
@@ -202,6 +213,8 @@ def next_instruction(m: Machine, cfg: EnrollConfig) -> dict[str, Any]:
     state = State(m.state)
     if state in INVENTORY_ACCEPTED:
         return {"action": "inspect", "reason": "post the inventory"}
+    if state in COMMISSION_RUNNING:
+        return {"action": "commission", "reason": "run the commissioning checks"}
     if state is State.READY:
         return {"action": cfg.after_inspection, "reason": "inspected; waiting for a claim"}
     if state in OUT_OF_SERVICE:

@@ -142,9 +142,9 @@ TRANSITIONS: dict[tuple[State, Trigger], State] = _table()
 #: maintenance, retired) accept no agent token at all.
 PHASES: dict[State, str] = {
     **{s: "inspect" for s in (S.DISCOVERED, S.INSPECTING, S.INSPECT_FAILED, S.READY)},
-    #: The discovery agent is handed a commission token in the inventory's answer (same boot);
-    #: its inspect token is revoked by the phase change, and neither works in the other phase.
-    **{s: "commission" for s in (S.COMMISSIONING, S.COMMISSION_FAILED)},
+    #: Commissioning runs in the discovery boot that posted the inventory: the same phase, so
+    #: the discovery agent's token carries on; a provisioning or wipe token never works here.
+    **{s: "inspect" for s in (S.COMMISSIONING, S.COMMISSION_FAILED)},
     **{s: "provision" for s in ALLOCATED},
     **{s: "wipe" for s in (S.RELEASING, S.WIPING, S.WIPE_FAILED)},
 }

@@ -383,8 +383,9 @@ class CommissioningRun(SQLModel, table=True):
     machine_id: str = Field(foreign_key="machines.id", index=True)
     profile: str
     status: str = Field(index=True)
-    #: The checks the profile selected, with their timeouts (what the agent was told to run).
-    plan: list[dict[str, Any]] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    #: The profile as it was when the run was requested (its checks are what the agent runs):
+    #: a rule edited mid-run changes nothing for this run.
+    spec: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     requested_by: str
     #: Why it failed, in a sentence naming the failed checks.
     summary: str | None = None

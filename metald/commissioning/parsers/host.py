@@ -17,32 +17,54 @@ def _json(text: str, tool: str) -> Any:
 
 
 def judge_smart(text: str) -> Verdict:
-    """``smartctl -j -a /dev/X``, one document per disk (a JSON list, or documents one per
-    line): overall health passed, no NVMe critical warning, NVMe wear below 90 %."""
+    """``smartctl -j -a /dev/X``, one document per disk (a JSON list, or one per line): a
+    document without SMART data (the device could not be opened) is an error; overall health
+    failed, an NVMe critical warning, NVMe media errors (a drive can report PASSED with them),
+    or NVMe wear of 90 % or more fail."""
     docs: list[Any] = []
     try:
-        parsed = _json(text, "smartctl") if text.lstrip().startswith("[") else None
-        docs = (
-            parsed
-            if isinstance(parsed, list)
-            else [_json(line, "smartctl") for line in text.splitlines() if line.strip()]
-        )
+        parsed = _json(text, "smartctl") if text.lstrip()[:1] in ("[", "{") else None
+    except ValueError:
+        parsed = None
+    try:
+        if isinstance(parsed, list):
+            docs = parsed
+        elif isinstance(parsed, dict):
+            docs = [parsed]
+        else:
+            docs = [_json(line, "smartctl") for line in text.splitlines() if line.strip()]
     except ValueError as e:
         return error(str(e))
     disks, problems = [], []
     for d in docs:
         if not isinstance(d, dict):
             return error("smartctl output is not a JSON object per disk")
-        name = (d.get("device") or {}).get("name", "?")
-        health = (d.get("smart_status") or {}).get("passed")
+        name = (d.get("device") or {}).get("name") or "?"
+        status = d.get("smart_status")
+        if not isinstance(status, dict):
+            msgs = [m.get("string", "") for m in (d.get("smartctl") or {}).get("messages", [])]
+            argv = (d.get("smartctl") or {}).get("argv") or ["?"]
+            return error(f"smartctl read no SMART data from {argv[-1]}: {'; '.join(msgs)[:200]}")
         nvme = d.get("nvme_smart_health_information_log") or {}
         wear = nvme.get("percentage_used")
-        crit = nvme.get("critical_warning", 0)
-        disks.append({"device": name, "passed": health, "percentage_used": wear, "critical": crit})
-        if health is False:
+        crit = nvme.get("critical_warning", 0) or 0
+        media = nvme.get("media_errors", 0) or 0
+        disks.append(
+            {
+                "device": name,
+                "model": d.get("model_name"),
+                "passed": status.get("passed"),
+                "percentage_used": wear,
+                "critical_warning": crit,
+                "media_errors": media,
+            }
+        )
+        if status.get("passed") is False:
             problems.append(f"{name} SMART overall health failed")
         if crit:
             problems.append(f"{name} NVMe critical warning {crit:#x}")
+        if media:
+            problems.append(f"{name} has {media} NVMe media errors")
         if isinstance(wear, int) and wear >= 90:
             problems.append(f"{name} NVMe {wear} % worn")
     if not docs:

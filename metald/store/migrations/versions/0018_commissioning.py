@@ -23,7 +23,7 @@ def upgrade() -> None:
         sa.Column("machine_id", _str(), nullable=False),
         sa.Column("profile", _str(), nullable=False),
         sa.Column("status", _str(), nullable=False),
-        sa.Column("plan", sa.JSON(), nullable=False),
+        sa.Column("spec", sa.JSON(), nullable=False),
         sa.Column("requested_by", _str(), nullable=False),
         sa.Column("summary", _str(), nullable=True),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
