@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from . import commissioning
 from .client import Client
 from .options import Subparsers, confirm, key_values
 from .output import emit, table
@@ -90,6 +91,7 @@ def register(sub: Subparsers) -> None:
     mn.add_argument("id")
     mn.add_argument("name")
     mn.set_defaults(func=rename)
+    commissioning.register(msub)
 
 
 def row(m: dict[str, Any]) -> dict[str, Any]:
