@@ -215,6 +215,9 @@ def next_instruction(m: Machine, cfg: EnrollConfig) -> dict[str, Any]:
         return {"action": "inspect", "reason": "post the inventory"}
     if state in COMMISSION_RUNNING:
         return {"action": "commission", "reason": "run the commissioning checks"}
+    if state is State.COMMISSION_FAILED:
+        # Repair happens with the power off; a technician's commission boots it again.
+        return {"action": "poweroff", "reason": f"commissioning failed: {m.last_error}"}
     if state is State.READY:
         return {"action": cfg.after_inspection, "reason": "inspected; waiting for a claim"}
     if state in OUT_OF_SERVICE:
