@@ -15,12 +15,12 @@ from api.routing import ALL_ROLES, STAFF, ApiRequest, Router
 from api.schemas import In
 from metald import machines
 from metald.auth import require_agent_phase
-from metald.commissioning import runs
 from metald.commissioning.checks import CheckReport
 from metald.errors import Conflict
 from metald.inventory.normalize import NormalizedInventory
 from metald.inventory.rules import profile_for
 from metald.lifecycle import COMMISSION_RUNNING, State
+from metald.provision import commissioning as runs
 
 router = Router()
 TAG = "commissioning"

@@ -19,7 +19,6 @@ from sqlmodel import Session, select
 from metald import machines
 from metald.auth import Role, issue_token, revoke_machine_tokens
 from metald.boot.machine_hooks import StoreBootHooks
-from metald.commissioning import runs as commissioning
 from metald.config import EnrollConfig
 from metald.errors import Conflict, MetaldError
 from metald.inventory import validate_inventory
@@ -32,7 +31,7 @@ from metald.lifecycle import (
     Trigger,
     phase_of,
 )
-from metald.provision import boots
+from metald.provision import boots, commissioning
 from metald.store.models import Event, Machine, as_utc, utcnow
 
 

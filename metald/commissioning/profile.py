@@ -13,7 +13,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from metald.commissioning.verdict import Verdict, judge
-from metald.inventory.normalize import NormalizedInventory
 
 #: Checks the discovery agent knows how to run (``bootassets/agent/metald-commission``).
 CheckName = Literal[
@@ -86,8 +85,10 @@ def _glob(value: str | None, pattern: str) -> bool:
     return value is not None and fnmatchcase(value.lower(), pattern.lower())
 
 
-def compare_sku(profile: CommissioningProfile, inv: NormalizedInventory) -> Verdict:
-    """Pure: the inventory against the profile; failed names every difference."""
+def compare_sku(profile: CommissioningProfile, inv: Any) -> Verdict:
+    """Pure: a ``metald.inventory.normalize.NormalizedInventory`` against the profile; failed
+    names every difference. (Typed loosely: the enroll rules in metald.inventory carry the
+    profile, so this layer sits below it and cannot import it.)"""
     problems: list[str] = []
     if profile.gpu_model is not None:
         off = sorted({g.model for g in inv.gpus if not _glob(g.model, profile.gpu_model)})

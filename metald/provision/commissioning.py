@@ -11,6 +11,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
+from sqlalchemy import exists
 from sqlmodel import Session, col, select
 
 from metald import machines
@@ -322,3 +323,21 @@ def passed_since(
 
 def days_ago(days: float, now: datetime | None = None) -> datetime:
     return as_utc(now or utcnow()) - timedelta(days=days)
+
+
+def require_passed(
+    stmt: Any, *, within_days: float | None, profile: str | None, now: datetime | None = None
+) -> Any:
+    """Narrow a machines query to machines with a passed commissioning run (finished within
+    ``within_days``, of ``profile``), in SQL on every backend: what a claim's selector asks."""
+    if within_days is None and profile is None:
+        return stmt
+    cond = [
+        col(CommissioningRun.machine_id) == col(Machine.id),
+        CommissioningRun.status == Status.PASSED.value,
+    ]
+    if within_days is not None:
+        cond.append(col(CommissioningRun.finished_at) >= days_ago(within_days, now))
+    if profile is not None:
+        cond.append(CommissioningRun.profile == profile)
+    return stmt.where(exists().where(*cond))
