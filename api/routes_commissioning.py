@@ -13,14 +13,17 @@ from api.roles import AGENT
 from api.routes_machines import load_visible
 from api.routing import ALL_ROLES, STAFF, ApiRequest, Router
 from api.schemas import In
+from api.workflows import claim_workflow
 from metald import machines
 from metald.auth import require_agent_phase
 from metald.commissioning.checks import CheckReport
+from metald.commissioning.profile import CommissioningProfile
 from metald.errors import Conflict
 from metald.inventory.normalize import NormalizedInventory
 from metald.inventory.rules import profile_for
 from metald.lifecycle import COMMISSION_RUNNING, State
 from metald.provision import commissioning as runs
+from metald.store.models import Machine
 
 router = Router()
 TAG = "commissioning"
@@ -125,24 +128,26 @@ async def show_commissioning(req: ApiRequest) -> CommissioningOut:
 )
 async def commission(req: ApiRequest) -> CommissioningOut:
     """From ready, maintenance or commission-failed (a retry after a repair): the machine is
-    inspected again and commissioned with the profile the enroll rules give its inventory;
-    the run starts when the fresh inventory arrives."""
+    inspected again (power-cycled into PXE through its BMC) and commissioned with the profile
+    the enroll rules give its inventory; the run starts when the fresh inventory arrives."""
     b: CommissionIn = req.body
     p = req.require_principal()
     rules = req.ctx.cfg.enroll.rules
 
-    def run(s: Session) -> CommissioningOut:
-        m = load_visible(s, p, req.params["id"])
+    def profile_of(m: Machine) -> CommissioningProfile | None:
         inv = (m.inventory or {}).get("normalized")
-        profile = None
-        if inv is not None:
-            profile = profile_for(rules, NormalizedInventory.model_validate(inv), m.rack_position)
-        runs.request_run(
-            s, m.id, profile=profile, actor=req.actor, reason=b.reason, instance=req.ctx.instance
-        )
-        return _out(s, m.id)
+        if inv is None:
+            return None
+        return profile_for(rules, NormalizedInventory.model_validate(inv), m.rack_position)
 
-    return await req.write(run)
+    return await claim_workflow(req.ctx).commission(
+        req.params["id"],
+        actor=req.actor,
+        load=lambda s, mid: load_visible(s, p, mid),
+        render=lambda s, m: _out(s, m.id),
+        profile_of=profile_of,
+        reason=b.reason,
+    )
 
 
 def _agent_machine(req: ApiRequest, s: Session) -> str:
