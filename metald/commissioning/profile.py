@@ -70,8 +70,6 @@ class CommissioningProfile(_Spec):
     disks: list[DiskSpec] = []
     ib: IbSpec | None = None
     checks: list[CheckSpec] = []
-    #: Run this profile again after every release (wipe), not only at intake.
-    on_release: bool = False
 
     def plan(self) -> list[dict[str, Any]]:
         """What the agent is told to run."""
