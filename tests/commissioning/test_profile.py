@@ -94,3 +94,18 @@ def test_profiles_come_from_the_last_matching_rule_and_reject_unknown_keys() -> 
     with pytest.raises(ValidationError):
         CommissioningProfile(name="p", checks=[{"name": "gpu-burn"}])  # type: ignore[list-item]
     assert IbSpec(count=4, rate_gbps=400).count == 4
+
+
+def test_the_documented_toml_loads() -> None:
+    """The profile example of docs/commissioning.md is valid configuration."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "commissioning.md").read_text()
+    block = re.search(r"```toml\n(.*?)```", doc, re.S)
+    assert block is not None
+    cfg = EnrollConfig.model_validate(tomllib.loads(block.group(1))["enroll"])
+    prof = cfg.rules[0].commissioning
+    assert prof is not None and prof.name == "hgx-h100" and len(prof.checks) == 10
+    assert prof.check("fio").required  # type: ignore[union-attr]
