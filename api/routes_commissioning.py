@@ -37,7 +37,8 @@ class ResultOut(BaseModel):
     duration_s: float | None
     sentence: str
     values: dict[str, Any]
-    raw: str | None
+    #: The tool's output as the agent posted it (up to 64 KiB); only in the last run.
+    raw: str | None = None
     at: datetime
 
 

@@ -109,6 +109,10 @@ class ClaimWorkflow:
     #: The tenant mesh, told of released machines before they are wiped.
     mesh: MeshRelease | None = None
 
+    def network_boot(self, machine_ids: list[str], actor: str) -> None:
+        """Boot machines a step outside this workflow moved into a network-booting state."""
+        self._boot_from_network(machine_ids, actor)
+
     def _boot_from_network(self, machine_ids: list[str], actor: str) -> None:
         """In the background: one-time PXE and a power cycle through each machine's BMC."""
         self.boot.spawn(

@@ -70,6 +70,9 @@ class CommissioningProfile(_Spec):
     disks: list[DiskSpec] = []
     ib: IbSpec | None = None
     checks: list[CheckSpec] = []
+    #: Commission again after every release: once the wipe is verified the machine is
+    #: inspected and commissioned before it is ready for the next tenant.
+    on_release: bool = False
 
     def plan(self) -> list[dict[str, Any]]:
         """What the agent is told to run."""

@@ -20,6 +20,7 @@ from metald.commissioning.profile import SKU_CHECK, CommissioningProfile, compar
 from metald.commissioning.verdict import Status, Verdict
 from metald.errors import Conflict, Unprocessable
 from metald.inventory.normalize import NormalizedInventory
+from metald.inventory.rules import profile_for
 from metald.lifecycle import COMMISSION_REQUESTABLE, COMMISSION_RUNNING, State, Trigger
 from metald.store.models import CommissioningResult, CommissioningRun, Machine, as_utc, utcnow
 
@@ -83,6 +84,29 @@ def request_run(
     )
     s.commit()
     return run
+
+
+def after_wipe(
+    s: Session, m: Machine, rules: list[Any], *, actor: str, instance: str | None = None
+) -> bool:
+    """In the wipe's transaction, just after ``wiped``: a profile that asks ``on_release``
+    sends the machine back through inspection and commissioning before any claim sees it
+    ready. Returns whether it did (the caller then network-boots the machine)."""
+    doc = (m.inventory or {}).get("normalized")
+    if doc is None:
+        return False
+    profile = profile_for(rules, NormalizedInventory.model_validate(doc), m.rack_position)
+    if profile is None or not profile.on_release:
+        return False
+    request_run(
+        s,
+        m.id,
+        profile=profile,
+        actor=actor,
+        reason=f"commissioning again after release (profile {profile.name} asks on_release)",
+        instance=instance,
+    )
+    return True
 
 
 def trigger_after_inventory(
@@ -279,7 +303,8 @@ def run_profile(run: CommissioningRun) -> CommissioningProfile:
 
 
 def history(s: Session, machine_id: str, limit: int = 20) -> list[dict[str, Any]]:
-    """The machine's runs, newest first, each with its results (raw output included)."""
+    """The machine's runs, newest first, each with its results (the raw output of the
+    newest run's only)."""
     runs = s.exec(
         select(CommissioningRun)
         .where(CommissioningRun.machine_id == machine_id)
@@ -295,12 +320,16 @@ def history(s: Session, machine_id: str, limit: int = 20) -> list[dict[str, Any]
             .order_by(col(CommissioningResult.id))
         ):
             by_run[res.run_id].append(res)
+    # Raw output (up to 64 KiB a check) only for the newest run: the history stays small.
     return [
         {
             **run.model_dump(),
-            "results": [r.model_dump(exclude={"run_id"}) for r in by_run[run.id]],
+            "results": [
+                r.model_dump(exclude={"run_id"} if i == 0 else {"run_id", "raw"})
+                for r in by_run[run.id]
+            ],
         }
-        for run in runs
+        for i, run in enumerate(runs)
     ]
 
 

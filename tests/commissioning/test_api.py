@@ -18,7 +18,7 @@ from metald.config import EnrollConfig
 from metald.inventory.rules import EnrollmentRule
 from metald.lifecycle import State
 from metald.provision import watchdog
-from metald.store.models import Event, Machine, utcnow
+from metald.store.models import CommissioningRun, Event, Machine, utcnow
 from tests.test_enrollment import enrolled_via_hooks, payload
 
 FIX = Path(__file__).parent / "fixtures"
@@ -157,6 +157,8 @@ async def test_agent_verdict_is_not_trusted_and_retry_after_repair(api) -> None:
     r = await client.get(f"/api/v1/machines/{mid}/commissioning", headers=tech)
     out = await r.json()
     assert out["last"]["status"] == "passed" and out["history"][0]["status"] == "failed"
+    assert out["last"]["results"][1]["raw"] == SMART_OK
+    assert all(r["raw"] is None for r in out["history"][0]["results"])  # history stays small
 
 
 async def test_bad_reports_change_nothing(api) -> None:  # type: ignore[no-untyped-def]
@@ -206,3 +208,56 @@ async def test_watchdog_fails_a_hung_commissioning(api) -> None:  # type: ignore
         )
         assert moved == [target.machine_id]
         assert s.get(Machine, target.machine_id).state == "commission-failed"  # type: ignore[union-attr]
+
+
+async def test_a_profile_on_release_commissions_again_after_the_wipe(api) -> None:  # type: ignore[no-untyped-def]
+    """The wipe is verified and, in the same transaction, the machine is sent back to
+    inspection with a requested run: no claim ever sees it ready in between."""
+    from metald import machines
+    from metald.lifecycle import Trigger
+    from metald.provision import commissioning
+    from metald.provision.progress import Progress, record_progress
+
+    client, tokens, store = api
+    prof = profile().model_copy(update={"on_release": True})
+    target, agent = await _inventoried(client, store, prof)
+    mid = target.machine_id
+    await client.post(
+        "/api/v1/agent/commissioning",
+        json={"results": [report("smart", SMART_OK), report("fio", FIO_OK)]},
+        headers=agent,
+    )
+    size, mib = 3840755982336, 1 << 20
+    evidence = [
+        {
+            "device": "/dev/nvme0n1",
+            "size_bytes": size,
+            "method": "zero-ends",
+            "reads": [
+                {"offset": 0, "length": mib, "zero": True},
+                {"offset": size - mib, "length": mib, "zero": True},
+            ],
+        }
+    ]
+    rules = client.server.app[CTX_KEY].cfg.enroll.rules
+    with store.session() as s:
+        machines.transition(s, mid, Trigger.MAINTENANCE_ON, actor="t")
+        m = machines.transition(s, mid, Trigger.WIPE, actor="t")
+        m = record_progress(
+            s,
+            mid,
+            Progress(phase="wipe", done=True, disks=evidence),
+            actor="agent",
+            token_boot=m.boot_current,
+            on_wiped=lambda s, m: commissioning.after_wipe(s, m, rules, actor="agent"),
+        )
+        assert m.state == "inspecting"
+        states = [
+            e.to_state
+            for e in s.exec(
+                select(Event).where(Event.machine_id == mid, Event.kind == "machine.state")
+            )
+        ]
+        assert states[-2:] == ["ready", "inspecting"]
+        runs = s.exec(select(CommissioningRun).where(CommissioningRun.machine_id == mid)).all()
+        assert sorted(r.status for r in runs) == ["passed", "requested"]
