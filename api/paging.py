@@ -1,36 +1,115 @@
 """How every list endpoint pages and sorts: ``limit``, an opaque ``cursor`` (the response's
 ``next`` link carries it), ``sort=field`` / ``sort=-field`` on a listed field, and ``offset``
-kept for older clients. The cursor today encodes a position; clients treat it as opaque, so
-it can become a keyset without any of them changing."""
+kept for older clients.
+
+The cursor is a keyset: the sort key of the last row sent (its sort field's value, then its
+id), so the next page is "rows after that key", not "rows after position N". Rows inserted or
+deleted while a client walks the pages do not shift the walk: it never repeats a row nor skips
+one that existed when it started. A cursor is bound to its sort (a different ``sort`` with it
+is a 422). Lists built in memory (BMCs, instances) page by the same rules (``page_items``).
+Cursors of the earlier offset form (``o1:``) are still accepted."""
 
 from __future__ import annotations
 
 import base64
 import binascii
+import json
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from functools import cmp_to_key
 from typing import Any, ClassVar
 from urllib.parse import urlencode
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from sqlalchemy import and_, false, or_
 from sqlmodel import col
 
-_PREFIX = "o1:"
+_OFFSET = "o1:"
+_KEYSET = "k1:"
+#: Longest cursor accepted and issued (kept well inside a request line's 8 KiB). A key too
+#: long to carry (a long sort value) is sent as a reference to its row instead, read back
+#: when the next page is asked for.
+MAX_CURSOR = 512
+#: An order: field names, ``-`` for descending; the last is always ``id`` (unique: a total
+#: order, so no two rows share a key).
+Order = list[str]
+
+
+def _b64(raw: str) -> str:
+    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+
+def _unb64(cursor: str) -> str:
+    try:
+        return base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        return ""
 
 
 def encode_cursor(offset: int) -> str:
-    return base64.urlsafe_b64encode(f"{_PREFIX}{offset}".encode()).decode().rstrip("=")
+    """An offset cursor (the earlier form; still accepted)."""
+    return _b64(f"{_OFFSET}{offset}")
 
 
-def decode_cursor(cursor: str) -> int:
+def _wire(v: Any) -> Any:
+    if isinstance(v, datetime):
+        return {"dt": v.isoformat()}
+    if v is None or isinstance(v, bool | int | float | str):
+        return v
+    return str(v)  # an enum member: its value
+
+
+def _unwire(v: Any) -> Any:
+    if isinstance(v, dict):
+        if set(v) != {"dt"} or not isinstance(v["dt"], str):
+            raise ValueError
+        return datetime.fromisoformat(v["dt"])
+    if v is None or isinstance(v, bool | int | float | str):
+        return v
+    raise ValueError
+
+
+class Ref(str):
+    """A keyset cursor that names the last row by its id (its key was too long to carry)."""
+
+
+def encode_keyset(order: Order, values: Sequence[Any]) -> str:
+    cursor = _b64(_KEYSET + json.dumps({"o": order, "v": [_wire(v) for v in values]}))
+    if len(cursor) <= MAX_CURSOR:
+        return cursor
+    return _b64(_KEYSET + json.dumps({"o": order, "r": str(values[-1])}))
+
+
+def decode_cursor(cursor: str) -> int | tuple[Order, list[Any] | Ref]:
+    """An offset (older cursors) or the (order, last key or its row's id) of a keyset."""
+    bad = ValueError("not a cursor this API issued; follow the 'next' link of a list answer")
+    raw = _unb64(cursor)
+    if raw.startswith(_OFFSET):
+        digits = raw[len(_OFFSET) :]
+        if not digits.isdigit() or int(digits) > (1 << 31) - 1:
+            raise bad
+        return int(digits)
+    if not raw.startswith(_KEYSET):
+        raise bad
     try:
-        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
-    except (binascii.Error, UnicodeDecodeError, ValueError):
-        raw = ""
-    if not raw.startswith(_PREFIX) or not raw[len(_PREFIX) :].isdigit():
-        raise ValueError("not a cursor this API issued; follow the 'next' link of a list answer")
-    offset = int(raw[len(_PREFIX) :])
-    if offset > (1 << 31) - 1:
-        raise ValueError("not a cursor this API issued")
-    return offset
+        data = json.loads(raw[len(_KEYSET) :])
+        order = data["o"]
+        if "r" in data:
+            if not isinstance(data["r"], str):
+                raise ValueError
+            return _checked(order, len(order)), Ref(data["r"])
+        values = [_unwire(v) for v in data["v"]]
+        return _checked(order, len(values)), values
+    except (ValueError, KeyError, TypeError):
+        raise bad from None
+
+
+def _checked(order: Any, n: int) -> Order:
+    if not isinstance(order, list) or not all(isinstance(o, str) for o in order):
+        raise ValueError
+    if len(order) != n or not order:
+        raise ValueError
+    return order
 
 
 class PageQuery(BaseModel):
@@ -44,7 +123,9 @@ class PageQuery(BaseModel):
         default=None, ge=1, le=1000, description="Page size (default: the api.page_size setting)."
     )
     cursor: str | None = Field(
-        default=None, max_length=64, description="Opaque; from the previous page's 'next' link."
+        default=None,
+        max_length=MAX_CURSOR,
+        description="Opaque; from the previous page's 'next' link (stable under inserts).",
     )
     offset: int = Field(
         default=0, ge=0, le=(1 << 31) - 1, description="Items to skip (prefer cursor)."
@@ -52,6 +133,8 @@ class PageQuery(BaseModel):
     sort: str | None = Field(
         default=None, max_length=64, description="A listed field, '-field' for descending."
     )
+    #: The decoded keyset cursor: the order it was issued for and the last key sent.
+    _after: tuple[Order, list[Any] | Ref] | None = None
 
     @field_validator("sort")
     @classmethod
@@ -61,28 +144,152 @@ class PageQuery(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _cursor_is_offset(self) -> PageQuery:
+    def _decode_cursor(self) -> PageQuery:
         if self.cursor is not None:
             if self.offset:
                 raise ValueError("send cursor or offset, not both")
-            self.offset = decode_cursor(self.cursor)
+            decoded = decode_cursor(self.cursor)
+            if isinstance(decoded, int):
+                self.offset = decoded
+            else:
+                self._after = decoded
         return self
 
+    def order(self, default: Order) -> Order:
+        """The order this query lists in: ``sort`` then id, else ``default``."""
+        return [self.sort, "id"] if self.sort is not None else list(default)
 
-def sorted_by(stmt: Any, model: Any, q: PageQuery, default: list[Any]) -> Any:
-    """``stmt`` ordered by the query's sort field (then id, so pages never overlap), else by
-    ``default``."""
-    if q.sort is None:
-        return stmt.order_by(*default)
-    column = col(getattr(model, q.sort.removeprefix("-")))
-    first = column.desc() if q.sort.startswith("-") else column.asc()
-    return stmt.order_by(first, col(model.id))
+    def after(self, order: Order) -> list[Any] | Ref | None:
+        """The last key of the previous page, for ``order``; 422 when the cursor was issued
+        for another sort."""
+        if self._after is None:
+            return None
+        issued, values = self._after
+        if issued != order:
+            from metald.errors import Unprocessable
+
+            raise Unprocessable(
+                "this cursor belongs to a list sorted another way; follow the 'next' link as "
+                "it is, or start again without a cursor"
+            )
+        return values
 
 
-def next_link(path: str, query: Any, offset: int, count: int, total: int) -> str | None:
-    """The link to the page after one of ``count`` items at ``offset``, or None at the end."""
-    if count == 0 or offset + count >= total:
+def _columns(model: Any, order: Order) -> list[tuple[Any, bool, bool]]:
+    """(column, descending, nullable) for each field of ``order``."""
+    out = []
+    for field in order:
+        name = field.removeprefix("-")
+        out.append(
+            (col(getattr(model, name)), field.startswith("-"), model.__table__.c[name].nullable)
+        )
+    return out
+
+
+def _after_clause(columns: list[tuple[Any, bool, bool]], values: list[Any]) -> Any:
+    """Rows whose key comes after ``values`` in the order of ``columns`` (NULLs last)."""
+    terms: list[Any] = []
+    equal: list[Any] = []
+    for (c, desc, nullable), v in zip(columns, values, strict=True):
+        if v is None:
+            if not nullable:
+                return false()
+            # Among NULLs there is no "after" on this column: only later columns decide.
+            equal.append(c.is_(None))
+            continue
+        later = c < v if desc else c > v
+        if nullable:
+            later = or_(later, c.is_(None))  # NULLs come after every value
+        terms.append(and_(*equal, later))
+        equal.append(c == v)
+    return or_(*terms) if terms else false()
+
+
+def page_rows(
+    session: Any, stmt: Any, model: Any, q: PageQuery, default: Order, limit: int
+) -> tuple[list[Any], str | None]:
+    """One page of ``stmt`` (filters applied, no order yet) in the query's order, and the
+    cursor of the next page (None on the last)."""
+    order = q.order(default)
+    columns = _columns(model, order)
+    keys: list[Any] = []
+    for c, desc, nullable in columns:
+        if nullable:
+            keys.append(c.is_(None).asc())
+        keys.append(c.desc() if desc else c.asc())
+    stmt = stmt.order_by(*keys)
+    after = q.after(order)
+    if isinstance(after, Ref):
+        # Looked up through the list's own filters (the caller's scope among them), so a
+        # forged reference to a row the caller cannot list reveals nothing of where it sorts.
+        row = session.exec(stmt.where(col(model.id) == str(after)).limit(1)).first()
+        if row is None:
+            raise _gone()
+        after = [getattr(row, f.removeprefix("-")) for f in order]
+    if after is not None:
+        stmt = stmt.where(_after_clause(columns, after))
+    elif q.offset:
+        stmt = stmt.offset(q.offset)
+    rows = list(session.exec(stmt.limit(limit + 1)))
+    return _cut(rows, order, limit, lambda r, f: getattr(r, f))
+
+
+def _cut(
+    rows: list[Any], order: Order, limit: int, get: Callable[[Any, str], Any]
+) -> tuple[list[Any], str | None]:
+    if len(rows) <= limit:
+        return rows, None
+    rows = rows[:limit]
+    last = rows[-1]
+    return rows, encode_keyset(order, [get(last, f.removeprefix("-")) for f in order])
+
+
+def _compare(a: Sequence[Any], b: Sequence[Any], order: Order) -> int:
+    for x, y, field in zip(a, b, order, strict=True):
+        if x == y:
+            continue
+        if x is None or y is None:
+            return 1 if x is None else -1  # NULLs last, either direction
+        c = (x > y) - (x < y)
+        return -c if field.startswith("-") else c
+    return 0
+
+
+def page_items(
+    items: list[Any], q: PageQuery, default: Order, limit: int, get: Callable[[Any, str], Any]
+) -> tuple[list[Any], str | None]:
+    """``page_rows`` for a list held in memory; ``get(item, field)`` reads a sort field."""
+    order = q.order(default)
+
+    def key(item: Any) -> list[Any]:
+        return [get(item, f.removeprefix("-")) for f in order]
+
+    ordered = sorted(items, key=cmp_to_key(lambda a, b: _compare(key(a), key(b), order)))
+    after = q.after(order)
+    if isinstance(after, Ref):
+        found = [i for i in items if str(get(i, "id")) == after]
+        if not found:
+            raise _gone()
+        after = key(found[0])
+    if after is not None:
+        ordered = [i for i in ordered if _compare(key(i), after, order) > 0]
+    elif q.offset:
+        ordered = ordered[q.offset :]
+    return _cut(ordered[: limit + 1], order, limit, get)
+
+
+def _gone() -> Exception:
+    from metald.errors import Unprocessable
+
+    return Unprocessable(
+        "the row this cursor continues after is gone; start the list again without a cursor"
+    )
+
+
+def next_link(path: str, query: Any, cursor: str | None) -> str | None:
+    """The link to the next page (the request's own parameters, the new cursor)."""
+    if cursor is None:
         return None
     params = [(k, v) for k, v in query.items() if k not in ("cursor", "offset")]
-    params.append(("cursor", encode_cursor(offset + count)))
+    params.append(("cursor", cursor))
     return f"{path}?{urlencode(params)}"

@@ -130,6 +130,7 @@ async def post_inventory(req: ApiRequest) -> InventoryAccepted:
     if bmc is not None:
         # A BMC registered before its machine was known is linked by UUID, serial or MAC now.
         await bmc.link_by_identity(mid, actor=f"metald:{req.ctx.instance}")
+        bmc.after_inspection(mid)  # firmware versions, BIOS profile (background)
     return out
 
 

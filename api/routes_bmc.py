@@ -17,9 +17,11 @@ from datetime import datetime
 from typing import Annotated, Any, Literal, TypeVar
 
 import aiohttp
-from pydantic import BaseModel, Field, SecretStr, StringConstraints
+from aiohttp import web
+from pydantic import BaseModel, Field, SecretStr, StrictBool, StringConstraints
 from sqlmodel import Session, select
 
+from api.paging import PageQuery, page_items
 from api.routing import STAFF, ApiRequest, Router
 from api.schemas import In
 from metald import machines
@@ -137,8 +139,8 @@ class BmcOut(BaseModel):
     system_uuid: str | None
     serial: str | None
     macs: list[str]
-    last_seen_at: str | None
-    created_at: str | None
+    last_seen_at: datetime | None
+    created_at: datetime | None
     owner_instance: str | None = Field(
         default=None,
         description="The live metald instance that owns this BMC now (power sync, commands).",
@@ -147,6 +149,14 @@ class BmcOut(BaseModel):
 
 class BmcList(BaseModel):
     items: list[BmcOut]
+    total: int
+    limit: int
+    offset: int
+    next: str | None = Field(default=None, description="The next page, absent on the last.")
+
+
+class BmcQuery(PageQuery):
+    SORTABLE = ("address", "health", "protocol", "created_at")
 
 
 class BmcLink(In):
@@ -155,6 +165,12 @@ class BmcLink(In):
 
 class PowerRequest(In):
     action: Literal["on", "off", "cycle", "reset", "soft-off", "status"]
+    wait_s: float | None = Field(
+        default=None,
+        ge=0,
+        description="Seconds to wait for the BMC to report the new state, at most (and by "
+        "default) [bmc] power_state_timeout_s; past it the answer is 202 with command_id.",
+    )
 
 
 class PowerOut(BaseModel):
@@ -162,7 +178,18 @@ class PowerOut(BaseModel):
     machine_id: str | None
     bmc_id: str
     action: str | None = None
-    power_state: str
+    power_state: str | None = Field(
+        description="What the BMC reported last (null: no reading since the command)."
+    )
+    command_id: str | None = None
+    status: Literal["pending", "confirmed", "failed"] | None = Field(
+        default=None,
+        description="An action's confirmation: pending (answered 202; GET .../power/commands/"
+        "{command_id} or the bmc.power-confirmed / bmc.power-failed event tells the outcome).",
+    )
+    target_state: str | None = None
+    elapsed_s: float | None = None
+    detail: str | None = None
 
 
 class BootDeviceRequest(In):
@@ -311,13 +338,20 @@ async def register_bmc(req: ApiRequest) -> BmcOut:
     "/api/v1/bmcs",
     summary="List BMCs",
     roles=STAFF,
+    query=BmcQuery,
     response=BmcList,
     tag=TAG,
     errors=(503,),
 )
 async def list_bmcs(req: ApiRequest) -> BmcList:
-    """Every registered BMC with its health and last known power state."""
-    return BmcList(items=[BmcOut.model_validate(x) for x in await _bmc(req).list()])
+    """Registered BMCs with their health and last known power state, by address, paginated."""
+    q: BmcQuery = req.query
+    items = [BmcOut.model_validate(x) for x in await _bmc(req).list()]
+    limit = req.page_limit(q)
+    page, cursor = page_items(items, q, ["address", "id"], limit, getattr)
+    return BmcList(
+        items=page, total=len(items), limit=limit, offset=q.offset, next=req.next_link(cursor)
+    )
 
 
 @router.route(
@@ -398,10 +432,46 @@ async def bmc_power_action(req: ApiRequest) -> PowerOut:
     themselves, and the BMC is linked to its machine by system UUID, serial or MAC."""
     b: PowerRequest = req.body
     if fwd := await _on_owner(req, PowerOut, bmc_id=req.params["id"]):
-        return fwd
-    out = await _bmc(req).power_bmc(req.params["id"], b.action, actor=req.actor)
+        return _power_answer(fwd)
+    out = await _bmc(req).power_bmc(req.params["id"], b.action, actor=req.actor, wait_s=b.wait_s)
     req.ctx.bus.notify()
-    return PowerOut.model_validate(out)
+    return _power_answer(PowerOut.model_validate(out))
+
+
+def _power_answer(out: PowerOut) -> PowerOut | web.Response:
+    """200 with the state the BMC reported; 202 while the BMC has not reported it yet."""
+    if out.status != "pending":
+        return out
+    return web.json_response(out.model_dump(mode="json"), status=202)
+
+
+class PowerCommandOut(BaseModel):
+    command_id: str
+    bmc_id: str
+    machine_id: str | None
+    action: str
+    target_state: str
+    status: Literal["pending", "confirmed", "failed"]
+    power_state: str | None
+    elapsed_s: float
+    detail: str | None
+
+
+@router.route(
+    "GET",
+    "/api/v1/bmcs/{id}/power/commands/{command_id}",
+    summary="Follow a BMC power command",
+    roles=STAFF,
+    response=PowerCommandOut,
+    tag=TAG,
+    errors=(404, 503),
+)
+async def bmc_power_command(req: ApiRequest) -> PowerCommandOut:
+    """A power command answered 202: pending until the BMC reports the target state."""
+    if fwd := await _on_owner(req, PowerCommandOut, bmc_id=req.params["id"]):
+        return fwd
+    out = _bmc(req).power_command(req.params["command_id"], bmc_id=req.params["id"])
+    return PowerCommandOut.model_validate(out)
 
 
 # ---- what a BMC does for a machine -------------------------------------------------------------
@@ -436,13 +506,32 @@ async def power_status(req: ApiRequest) -> PowerOut:
     errors=_MACHINE_ERRORS,
 )
 async def power_action(req: ApiRequest) -> PowerOut:
-    """on, off, soft-off, cycle, reset or status; a failure is a 502 naming the BMC's health."""
+    """on, off, soft-off, cycle, reset or status. An action answers the state the BMC reported
+    once it reports the one the action ends in; past ``wait_s`` it answers 202 with the
+    command's id. A failure is a 502 naming the BMC's health."""
     b: PowerRequest = req.body
     if fwd := await _on_owner(req, PowerOut, machine_id=req.params["id"]):
-        return fwd
-    out = await _bmc(req).power(req.params["id"], b.action, actor=req.actor)
+        return _power_answer(fwd)
+    out = await _bmc(req).power(req.params["id"], b.action, actor=req.actor, wait_s=b.wait_s)
     req.ctx.bus.notify()
-    return PowerOut.model_validate(out)
+    return _power_answer(PowerOut.model_validate(out))
+
+
+@router.route(
+    "GET",
+    "/api/v1/machines/{id}/power/commands/{command_id}",
+    summary="Follow a machine's power command",
+    roles=STAFF,
+    response=PowerCommandOut,
+    tag=TAG,
+    errors=(404, 503),
+)
+async def power_command(req: ApiRequest) -> PowerCommandOut:
+    """A power command answered 202: pending until the BMC reports the target state."""
+    if fwd := await _on_owner(req, PowerCommandOut, machine_id=req.params["id"]):
+        return fwd
+    out = _bmc(req).power_command(req.params["command_id"], machine_id=req.params["id"])
+    return PowerCommandOut.model_validate(out)
 
 
 @router.route(
@@ -465,6 +554,147 @@ async def boot_device(req: ApiRequest) -> BootDeviceOut:
     )
     req.ctx.bus.notify()
     return BootDeviceOut.model_validate(out)
+
+
+class LocateRequest(In):
+    on: StrictBool = Field(description="true lights the chassis identify light until turned off.")
+
+
+class LocateOut(BaseModel):
+    machine_id: str
+    bmc_id: str
+    on: bool | None = Field(description="What the BMC reports; null where it does not say.")
+
+
+@router.route(
+    "GET",
+    "/api/v1/machines/{id}/locate",
+    summary="Read a machine's locate light",
+    roles=STAFF,
+    response=LocateOut,
+    tag=TAG,
+    errors=_MACHINE_ERRORS,
+)
+async def locate_status(req: ApiRequest) -> LocateOut:
+    """Whether the chassis identify light is on, as the BMC reports it now."""
+    if fwd := await _on_owner(req, LocateOut, machine_id=req.params["id"]):
+        return fwd
+    return LocateOut.model_validate(await _bmc(req).locate(req.params["id"], None))
+
+
+@router.route(
+    "PUT",
+    "/api/v1/machines/{id}/locate",
+    summary="Turn a machine's locate light on or off",
+    roles=STAFF,
+    body=LocateRequest,
+    response=LocateOut,
+    tag=TAG,
+    errors=_MACHINE_ERRORS,
+)
+async def locate(req: ApiRequest) -> LocateOut:
+    """IPMI chassis identify, or Redfish LocationIndicatorActive / IndicatorLED: so a
+    technician finds the machine in the row. Records a bmc.locate event naming who."""
+    b: LocateRequest = req.body
+    if fwd := await _on_owner(req, LocateOut, machine_id=req.params["id"]):
+        return fwd
+    out = await _bmc(req).locate(req.params["id"], b.on, actor=req.actor)
+    req.ctx.bus.notify()
+    return LocateOut.model_validate(out)
+
+
+class FirmwareItemOut(BaseModel):
+    id: str
+    name: str
+    version: str | None
+    updateable: bool | None
+
+
+class FirmwareOut(BaseModel):
+    machine_id: str
+    items: list[FirmwareItemOut]
+
+
+@router.route(
+    "GET",
+    "/api/v1/machines/{id}/firmware",
+    summary="Read a machine's firmware inventory",
+    roles=STAFF,
+    response=FirmwareOut,
+    tag=TAG,
+    errors=_MACHINE_ERRORS,
+)
+async def firmware_inventory(req: ApiRequest) -> FirmwareOut:
+    """BMC, BIOS, NIC and GPU firmware versions (Redfish FirmwareInventory), read now and
+    recorded on the machine (``firmware_versions``; claims select by them)."""
+    if fwd := await _on_owner(req, FirmwareOut, machine_id=req.params["id"]):
+        return fwd
+    out = FirmwareOut.model_validate(await _bmc(req).firmware(req.params["id"], actor=req.actor))
+    req.ctx.bus.notify()
+    return out
+
+
+BiosValue = StrictBool | int | Annotated[str, StringConstraints(max_length=256)]
+
+
+class BiosIn(In):
+    attributes: dict[Annotated[str, StringConstraints(min_length=1, max_length=128)], BiosValue] = (
+        Field(
+            min_length=1,
+            max_length=256,
+            description="Desired BIOS attributes (Redfish names); what differs is staged as "
+            "pending settings, applied at the machine's next reboot.",
+        )
+    )
+
+
+class BiosOut(BaseModel):
+    machine_id: str
+    current: dict[str, Any]
+    pending: dict[str, Any]
+    desired: dict[str, Any]
+    drift: dict[str, Any] = Field(description="Desired attributes neither set nor pending.")
+    read_at: str
+
+
+@router.route(
+    "GET",
+    "/api/v1/machines/{id}/bios",
+    summary="Read a machine's BIOS settings",
+    roles=STAFF,
+    response=BiosOut,
+    tag=TAG,
+    errors=_MACHINE_ERRORS,
+)
+async def bios_settings(req: ApiRequest) -> BiosOut:
+    """Current and pending attributes, read now; drift from the desired profile is recorded
+    on the machine and reported as a bmc.bios-drift event."""
+    if fwd := await _on_owner(req, BiosOut, machine_id=req.params["id"]):
+        return fwd
+    out = BiosOut.model_validate(await _bmc(req).bios(req.params["id"], actor=req.actor))
+    req.ctx.bus.notify()
+    return out
+
+
+@router.route(
+    "PUT",
+    "/api/v1/machines/{id}/bios",
+    summary="Set a machine's desired BIOS settings",
+    roles=STAFF,
+    body=BiosIn,
+    response=BiosOut,
+    tag=TAG,
+    errors=_MACHINE_ERRORS,
+)
+async def set_bios_settings(req: ApiRequest) -> BiosOut:
+    """Replaces the machine's desired profile (the enroll rules set one at inspection) and
+    stages what differs; a value the BMC refuses is a 422 with its reason."""
+    b: BiosIn = req.body
+    if fwd := await _on_owner(req, BiosOut, machine_id=req.params["id"]):
+        return fwd
+    out = await _bmc(req).set_bios(req.params["id"], dict(b.attributes), actor=req.actor)
+    req.ctx.bus.notify()
+    return BiosOut.model_validate(out)
 
 
 @router.route(

@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field, StringConstraints
 from sqlalchemy import func
 from sqlmodel import Session, col, select
 
-from api.paging import sorted_by
+from api.paging import page_rows
 from api.roles import CLAIMERS, READERS
 from api.routing import ApiRequest, Router
 from api.schemas import SQL_INT_MAX, In, LabelKey, LabelValue, Name, PageQuery, Text
@@ -60,6 +60,12 @@ class SelectorIn(In):
     )
     commission_profile: Name | None = Field(
         default=None, description="Only machines that passed commissioning with this profile."
+    )
+    firmware: dict[Name, Text] = Field(
+        default={},
+        max_length=16,
+        description="Firmware inventory id -> version or glob ({'BIOS': '2.19.*'}); machines "
+        "whose BMC reported no such item do not match.",
     )
 
 
@@ -244,14 +250,13 @@ async def list_claims(req: ApiRequest) -> ClaimList:
             stmt = stmt.where(Claim.state == q.state)
         total = s.exec(select(func.count()).select_from(stmt.subquery())).one()
         limit = req.page_limit(q)
-        order = [col(Claim.created_at).desc(), col(Claim.id)]
-        rows = s.exec(sorted_by(stmt, Claim, q, order).offset(q.offset).limit(limit)).all()
+        rows, cursor = page_rows(s, stmt, Claim, q, ["-created_at", "id"], limit)
         return ClaimList(
             items=[claim_out(s, c) for c in rows],
             total=total,
             limit=limit,
             offset=q.offset,
-            next=req.next_link(q, len(rows), total),
+            next=req.next_link(cursor),
         )
 
     return await req.ctx.store.run(run)

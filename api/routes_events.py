@@ -9,7 +9,7 @@ import re
 from aiohttp import web
 from sqlmodel import Session, col, select
 
-from api.routing import ApiRequest, Router
+from api.routing import ApiRequest, Router, wire_json
 from api.schemas import SQL_INT_MAX, EventOut, EventPage, EventQuery
 from metald.auth import Principal, Role
 from metald.errors import MetaldError, Unprocessable
@@ -66,7 +66,7 @@ def _matches(p: Principal, q: EventQuery, ev: Event) -> bool:
 
 
 def _sse(ev: EventOut) -> bytes:
-    data = json.dumps(ev.model_dump(mode="json"))
+    data = json.dumps(wire_json(ev.model_dump()))
     return f"id: {ev.id}\nevent: {ev.kind}\ndata: {data}\n\n".encode()
 
 

@@ -8,9 +8,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, StringConstraints
 from sqlalchemy import func
-from sqlmodel import Session, col, select
+from sqlmodel import Session, select
 
-from api.paging import PageQuery, sorted_by
+from api.paging import PageQuery, page_items, page_rows
 from api.roles import READERS
 from api.routing import STAFF, ApiRequest, Router
 from api.schemas import In, Name, Text
@@ -134,20 +134,20 @@ async def list_images(req: ApiRequest) -> ImageList:
     limit = req.page_limit(q)
 
     def run(s: Session) -> ImageList:
-        stmt = sorted_by(select(Image), Image, q, [col(Image.name), col(Image.id)])
         if p.role is Role.ORCHESTRATOR:
             # Tenant scope is a JSON list: filtered here (catalogs are small), then paged.
-            visible = [i for i in s.exec(stmt) if _image_visible(i, p)]
-            total, page = len(visible), visible[q.offset : q.offset + limit]
+            visible = [i for i in s.exec(select(Image)) if _image_visible(i, p)]
+            total = len(visible)
+            page, cursor = page_items(visible, q, ["name", "id"], limit, getattr)
         else:
             total = s.exec(select(func.count()).select_from(Image)).one()
-            page = list(s.exec(stmt.offset(q.offset).limit(limit)))
+            page, cursor = page_rows(s, select(Image), Image, q, ["name", "id"], limit)
         return ImageList(
             items=[_image_out(i, p) for i in page],
             total=total,
             limit=limit,
             offset=q.offset,
-            next=req.next_link(q, len(page), total),
+            next=req.next_link(cursor),
         )
 
     return await req.ctx.store.read(run)

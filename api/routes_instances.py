@@ -9,11 +9,18 @@ from typing import Any
 from pydantic import BaseModel, Field
 from sqlmodel import Session, select
 
+from api.paging import PageQuery, page_items
 from api.routing import STAFF, ApiRequest, Router
 from metald.fleet import registry
 from metald.store.models import Bmc
 
 router = Router()
+
+
+class InstanceQuery(PageQuery):
+    SORTABLE = ("name", "started_at", "heartbeat_age_s")
+
+
 TAG = "instances"
 
 
@@ -37,6 +44,10 @@ class InstanceOut(BaseModel):
 
 class InstanceList(BaseModel):
     items: list[InstanceOut]
+    total: int
+    limit: int
+    offset: int
+    next: str | None = Field(default=None, description="The next page, absent on the last.")
     #: The instance that answered this request.
     answered_by: str
 
@@ -46,6 +57,7 @@ class InstanceList(BaseModel):
     "/api/v1/instances",
     summary="List metald instances",
     roles=STAFF,
+    query=InstanceQuery,
     response=InstanceList,
     tag=TAG,
 )
@@ -82,4 +94,19 @@ async def list_instances(req: ApiRequest) -> InstanceList:
         )
         for m in members
     ]
-    return InstanceList(items=items, answered_by=req.ctx.instance)
+    q: InstanceQuery = req.query
+    limit = req.page_limit(q)
+    # An instance's name is unique: it stands in for the id as the last sort key.
+    page, cursor = page_items(items, q, ["name", "id"], limit, _field)
+    return InstanceList(
+        items=page,
+        total=len(items),
+        limit=limit,
+        offset=q.offset,
+        next=req.next_link(cursor),
+        answered_by=req.ctx.instance,
+    )
+
+
+def _field(item: InstanceOut, field: str) -> Any:
+    return item.name if field == "id" else getattr(item, field)

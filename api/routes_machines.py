@@ -13,9 +13,9 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, StringConstraints
 from sqlalchemy import func
-from sqlmodel import Session, col, select
+from sqlmodel import Session, select
 
-from api.paging import sorted_by
+from api.paging import page_rows
 from api.resolve import FULL_ID
 from api.roles import JOIN_MINTERS
 from api.routes_tenants import PeerOut
@@ -127,15 +127,14 @@ async def list_machines(req: ApiRequest) -> MachinePage:
         elif p.role is Role.AGENT:
             stmt = stmt.where(Machine.id.in_(sorted(p.scope)))  # type: ignore[attr-defined]
         total = s.exec(select(func.count()).select_from(stmt.subquery())).one()
-        order = [col(Machine.created_at).desc(), col(Machine.id)]
-        rows = s.exec(sorted_by(stmt, Machine, q, order).offset(q.offset).limit(limit)).all()
+        rows, cursor = page_rows(s, stmt, Machine, q, ["-created_at", "id"], limit)
         nics = _nics(s, [m.id for m in rows])
         return MachinePage(
             items=[machine_out(m, nics[m.id]) for m in rows],
             total=total,
             limit=limit,
             offset=q.offset,
-            next=req.next_link(q, len(rows), total),
+            next=req.next_link(cursor),
         )
 
     return await req.ctx.store.run(run)
@@ -219,6 +218,7 @@ async def patch_machine(req: ApiRequest) -> MachineOut:
             other = s.exec(select(Machine).where(Machine.name == name)).first()
             if other is not None:
                 raise Conflict(f"machine {other.id} is already named {name!r}; pick another name")
+        # A rename that loses a race for the name after the check is the domain's 409.
         m = svc.update_fields(
             s,
             m.id,

@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field, StringConstraints
 from sqlalchemy import func
 from sqlmodel import Session, col, select
 
-from api.paging import sorted_by
+from api.paging import page_rows
 from api.roles import ADMIN, READERS
 from api.routing import ApiRequest, Router
 from api.schemas import In, TenantCreate, TenantList, TenantOut, TenantQuery
@@ -122,14 +122,13 @@ async def list_tenants(req: ApiRequest) -> TenantList:
         if p.role is Role.ORCHESTRATOR:
             stmt = stmt.where(col(Tenant.id).in_(sorted(p.scope)))
         total = s.exec(select(func.count()).select_from(stmt.subquery())).one()
-        order = [col(Tenant.name), col(Tenant.id)]
-        rows = s.exec(sorted_by(stmt, Tenant, q, order).offset(q.offset).limit(limit)).all()
+        rows, cursor = page_rows(s, stmt, Tenant, q, ["name", "id"], limit)
         return TenantList(
             items=[TenantOut.model_validate(t.model_dump()) for t in rows],
             total=total,
             limit=limit,
             offset=q.offset,
-            next=req.next_link(q, len(rows), total),
+            next=req.next_link(cursor),
         )
 
     return await req.ctx.store.read(run)

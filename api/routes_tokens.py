@@ -5,9 +5,9 @@ from __future__ import annotations
 from datetime import timedelta
 
 from sqlalchemy import func
-from sqlmodel import Session, col, select
+from sqlmodel import Session, select
 
-from api.paging import sorted_by
+from api.paging import page_rows
 from api.roles import ADMIN
 from api.routing import ALL_ROLES, ApiRequest, Router
 from api.schemas import (
@@ -93,15 +93,13 @@ async def list_tokens(req: ApiRequest) -> TokenList:
 
     def run(s: Session) -> TokenList:
         total = s.exec(select(func.count()).select_from(ApiToken)).one()
-        order = [col(ApiToken.created_at), col(ApiToken.id)]
-        stmt = sorted_by(select(ApiToken), ApiToken, q, order)
-        rows = s.exec(stmt.offset(q.offset).limit(limit)).all()
+        rows, cursor = page_rows(s, select(ApiToken), ApiToken, q, ["created_at", "id"], limit)
         return TokenList(
             items=[TokenOut.model_validate(r.model_dump()) for r in rows],
             total=total,
             limit=limit,
             offset=q.offset,
-            next=req.next_link(q, len(rows), total),
+            next=req.next_link(cursor),
         )
 
     return await req.ctx.store.read(run)

@@ -111,9 +111,9 @@ class ApiRequest:
             )
         return self.if_match if self.if_match is not None else body_version
 
-    def next_link(self, query: Any, count: int, total: int) -> str | None:
-        """The ``next`` link of a list answer of ``count`` items out of ``total``."""
-        return next_link(self.raw.path, self.raw.query, query.offset, count, total)
+    def next_link(self, cursor: str | None) -> str | None:
+        """The ``next`` link of a list answer whose next page starts at ``cursor``."""
+        return next_link(self.raw.path, self.raw.query, cursor)
 
     def require_principal(self) -> Principal:
         assert self.principal is not None
@@ -373,11 +373,17 @@ def _serialize(spec: RouteSpec, result: Any, params: dict[str, str]) -> web.Stre
     if spec.location is not None:
         headers["Location"] = spec.location.format(**{**params, **payload})
     return web.json_response(
-        to_jsonable_python(_utc(payload)),
+        wire_json(payload),
         status=spec.status,
         headers=headers,
         dumps=lambda o: json.dumps(o, default=str),
     )
+
+
+def wire_json(value: Any) -> Any:
+    """``value`` as the JSON-ready data every answer and event stream sends (timestamps with
+    their UTC offset)."""
+    return to_jsonable_python(_utc(value))
 
 
 def _utc(value: Any) -> Any:

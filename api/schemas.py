@@ -137,6 +137,12 @@ class MachineOut(BaseModel):
     gpu_model: str | None
     gpu_count: int
     power_state: str | None
+    firmware_versions: dict[str, str] = Field(
+        default={}, description="Firmware inventory id -> version, as the BMC reported it."
+    )
+    bios: dict[str, Any] | None = Field(
+        default=None, description="BIOS settings: current, pending, desired, drift, read_at."
+    )
     tenant_id: str | None
     claim_id: str | None
     last_error: str | None

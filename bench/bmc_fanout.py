@@ -10,7 +10,11 @@ what it executed per BMC, so the table proves that no command was lost or execut
 Both runs use the same driver (so the comparison is the concurrency model, not the client):
 - metald: every command goes through ``BmcScheduler`` (global bound 256, per-BMC serialisation).
 - baseline: 8 workers, one command at a time each (Ironic's ``sync_power_state_workers = 8``).
-Each run does: power status on all BMCs, then power cycle on all BMCs.
+Each run does: power status on all BMCs, then power cycle on all BMCs, each cycle confirmed:
+like real hardware, a simulated BMC reports the new power state only 0.2-1 s (``--settle-ms``)
+after it accepted the command, and a cycle counts as done once the BMC reports the machine on
+(``metald.bmc.power_confirm.wait_for_state``, the loop the daemon's power actions use, in both
+runs: the comparison stays the concurrency model).
 
 Run: .venv/bin/python bench/bmc_fanout.py [--bmcs 1000] [--seed 1]
 """
@@ -33,9 +37,11 @@ from typing import Any
 from metald.bmc import rmcp
 from metald.bmc.base import BmcEndpoint, BmcError, PowerAction, PowerState
 from metald.bmc.ipmi import IpmiDriver
+from metald.bmc.power_confirm import CommandStatus, wait_for_state
 from metald.bmc.scheduler import BmcScheduler
 
 USER, PASSWORD = b"admin", b"fleet-password"
+CONFIRM_GIVE_UP_S = 60.0
 
 
 # --- the simulated fleet (its own process) ---
@@ -51,10 +57,20 @@ class _Session:
 
 
 class _Fleet:
-    def __init__(self, n: int, delay: tuple[float, float], drop: float, seed: int) -> None:
+    def __init__(
+        self,
+        n: int,
+        delay: tuple[float, float],
+        drop: float,
+        seed: int,
+        settle: tuple[float, float] = (0.2, 1.0),
+        suites: tuple[int, ...] = (17, 3),
+    ) -> None:
         self.n = n
+        self.suites = suites
         self.delay = delay
         self.drop = drop
+        self.settle = settle
         self.rng = random.Random(seed)
         self.reset()
 
@@ -62,6 +78,8 @@ class _Fleet:
         self.status = [0] * self.n
         self.controls = [0] * self.n
         self.power = [0] * self.n
+        #: idx -> (power state to come, monotonic time it shows): a command takes effect later.
+        self.pending: dict[int, tuple[int, float]] = {}
         self.rx = self.dropped = self.cached = 0
 
 
@@ -111,13 +129,14 @@ class _SimBmc(asyncio.DatagramProtocol):
             return self._command(sid, sess, rmcp.decode_request(p.payload))
         p = rmcp.decode_packet(data)
         if ptype == rmcp.PAYLOAD_OPEN_REQ:
-            if len(p.payload) < 32 or p.payload[12] != 1 or p.payload[20] != 1:
-                # Only suite 3 (SHA-1): refuse other proposals so clients fall back to it.
-                refusal = bytes([p.payload[0], 0x11, 0, 0]) + p.payload[4:8]
-                return rmcp.encode_packet(rmcp.PAYLOAD_OPEN_RSP, 0, 0, refusal)
-            hs = rmcp.ServerHandshake({USER: PASSWORD}, self.guid)
-            self.pending[hs.bmc_sid] = hs
-            return rmcp.encode_packet(rmcp.PAYLOAD_OPEN_RSP, 0, 0, hs.on_open_request(p.payload))
+            # Suites 17 and 3, as the fleet was told; another proposal is refused (0x11).
+            hs = rmcp.ServerHandshake({USER: PASSWORD}, self.guid, accept=self.fleet.suites)
+            if len(p.payload) < 32:
+                return None
+            rsp = hs.on_open_request(p.payload)
+            if rsp[1] == 0:
+                self.pending[hs.bmc_sid] = hs
+            return rmcp.encode_packet(rmcp.PAYLOAD_OPEN_RSP, 0, 0, rsp)
         hs = self.pending.get(p.payload[4:8])
         if hs is None:
             return None
@@ -151,10 +170,13 @@ class _SimBmc(asyncio.DatagramProtocol):
             data, code = b"", 0
             if (req.netfn, req.cmd) == (0x00, 0x01):  # Get Chassis Status
                 f.status[i] += 1
+                if i in f.pending and time.monotonic() >= f.pending[i][1]:
+                    f.power[i] = f.pending.pop(i)[0]
                 data = bytes([f.power[i], 0, 0])
             elif (req.netfn, req.cmd) == (0x00, 0x02):  # Chassis Control
                 f.controls[i] += 1
-                f.power[i] = 0 if req.data[:1] in (b"\x00", b"\x05") else 1
+                to = 0 if req.data[:1] in (b"\x00", b"\x05") else 1
+                f.pending[i] = (to, time.monotonic() + f.rng.uniform(*f.settle))
             elif (req.netfn, req.cmd) == (0x06, 0x3B):  # Set Session Privilege Level
                 data = req.data[:1]
             elif (req.netfn, req.cmd) == (0x06, 0x37):
@@ -175,11 +197,18 @@ class _SimBmc(asyncio.DatagramProtocol):
 
 
 def _fleet_main(
-    conn: Any, base_port: int, n: int, delay: tuple[float, float], drop: float, seed: int
+    conn: Any,
+    base_port: int,
+    n: int,
+    delay: tuple[float, float],
+    drop: float,
+    seed: int,
+    settle: tuple[float, float] = (0.2, 1.0),
+    suites: tuple[int, ...] = (17, 3),
 ) -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        fleet = _Fleet(n, delay, drop, seed)
+        fleet = _Fleet(n, delay, drop, seed, settle, suites)
         transports = []
         for i in range(n):
             t, _ = await loop.create_datagram_endpoint(
@@ -233,17 +262,29 @@ async def _metald_phase(sched: BmcScheduler, drivers: list[IpmiDriver], phase: s
             if phase == "status":
                 r: Any = await sched.run(str(i), d.get_power, name="bench-status")
             else:
-                r = await sched.run(
+                await sched.run(
                     str(i),
                     lambda: d.set_power(PowerAction.CYCLE),
                     name="bench-cycle",
                     idempotent=False,
                 )
+                r = await _confirm_on(sched, str(i), d)
         except BmcError as e:
             r = e
         return r, time.perf_counter() - t0
 
     return await asyncio.gather(*(one(i, d) for i, d in enumerate(drivers)))
+
+
+async def _confirm_on(sched: BmcScheduler, key: str, d: IpmiDriver) -> Any:
+    """Read the BMC until it reports the machine on, as the daemon confirms a power action."""
+    status = await wait_for_state(
+        lambda: sched.run(key, d.get_power, name="bench-confirm"),
+        PowerState.ON,
+        time.monotonic() + CONFIRM_GIVE_UP_S,
+        errors=(BmcError,),
+    )
+    return status if status is CommandStatus.CONFIRMED else RuntimeError("never reported on")
 
 
 async def _pool_phase(drivers: list[IpmiDriver], phase: str, workers: int = 8) -> list[Any]:
@@ -263,12 +304,14 @@ async def _pool_phase(drivers: list[IpmiDriver], phase: str, workers: int = 8) -
                 if phase == "status":
                     r: Any = await sched.run(str(i), d.get_power, name="bench-status")
                 else:
-                    r = await sched.run(
+                    await sched.run(
                         str(i),
                         lambda d=d: d.set_power(PowerAction.CYCLE),
                         name="bench-cycle",
                         idempotent=False,
                     )
+                    # Ironic's worker waits for the new state before its next node, too.
+                    r = await _confirm_on(sched, str(i), d)
             except BmcError as e:
                 r = e
             out[i] = (r, time.perf_counter() - t0)
@@ -395,6 +438,9 @@ def main() -> None:
     ap.add_argument("--base-port", type=int, default=30000)
     ap.add_argument("--delay-ms", default="20,50")
     ap.add_argument("--drop", type=float, default=0.01)
+    ap.add_argument(
+        "--settle-ms", default="200,1000", help="how long after a command its state shows"
+    )
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--concurrency", type=int, default=256, help="metald's global bound")
     ap.add_argument(
@@ -407,10 +453,12 @@ def main() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, args.bmcs * 2 + 256)), hard))
     lo, hi = (float(x) / 1000 for x in args.delay_ms.split(","))
+    s_lo, s_hi = (float(x) / 1000 for x in args.settle_ms.split(","))
 
     parent, child = mp.Pipe()
     proc = mp.get_context("fork").Process(
-        target=_fleet_main, args=(child, args.base_port, args.bmcs, (lo, hi), args.drop, args.seed)
+        target=_fleet_main,
+        args=(child, args.base_port, args.bmcs, (lo, hi), args.drop, args.seed, (s_lo, s_hi)),
     )
     proc.start()
     try:
@@ -440,7 +488,8 @@ def _progress(rows: list[dict[str, Any]]) -> None:
 def _print(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(
         f"# BMC fan-out: {args.bmcs} simulated IPMI BMCs, replies delayed {args.delay_ms} ms, "
-        f"{args.drop:.0%} of packets dropped each way; {os.cpu_count()} CPUs"
+        f"{args.drop:.0%} of packets dropped each way, power state shown {args.settle_ms} ms "
+        f"after a command, cycles confirmed; {os.cpu_count()} CPUs"
     )
     print(
         f"# command: .venv/bin/python bench/bmc_fanout.py --bmcs {args.bmcs} --seed {args.seed} "

@@ -236,10 +236,18 @@ class BmcConfig(_Section):
     backoff_max_s: float = Field(default=8.0, ge=0)
     #: IPMI over UDP: re-send an unanswered request after this long (same sequence number).
     ipmi_resend_ms: int = Field(default=500, ge=10)
+    #: IPMI cipher suites proposed at login, in order (17: HMAC-SHA256 + AES; 3: HMAC-SHA1 +
+    #: AES). [17] refuses BMCs that only speak suite 3 (no downgrade).
+    ipmi_cipher_suites: list[Literal[3, 17]] = Field(default=[17, 3], min_length=1)
     #: Seconds between power-state reads of every BMC; 0 turns the sync off.
     power_sync_interval_s: float = Field(default=60.0, ge=0)
     #: After a metald power command, how long a different reading is expected, not drift.
     drift_grace_s: float = Field(default=120.0, ge=0)
+    #: How long a power action waits for the BMC to report the state it asked for (Ironic
+    #: waits 60 s); past it the API answers 202 with the command's id and keeps polling.
+    power_state_timeout_s: float = Field(default=60.0, gt=0)
+    #: How long that polling goes on in the background before the command is an error event.
+    power_state_give_up_s: float = Field(default=300.0, gt=0)
     #: CIDRs of the BMCs this instance can reach; it owns only BMCs whose address lies in one
     #: (a host name matches any). Empty: every BMC. See docs/fleet.md.
     networks: list[IPv4Network | IPv6Network] = []

@@ -264,6 +264,14 @@ def _bmc(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
     return svc, []
 
 
+def _console(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
+    """Serial consoles through the BMCs (IPMI Serial-over-LAN), shared by their viewers."""
+    from metald.bmc.console import ConsoleService
+    from metald.bmc.console_links import BmcLinks
+
+    return ConsoleService(d.store, d.cfg.instance, BmcLinks(d.ctx.services["bmc"], d.secrets)), []
+
+
 def _provisioner(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
     """Owns the provisioning steps API calls start in the background, and stops them."""
     from metald.provision.driver import Provisioner
@@ -320,6 +328,7 @@ _SERVICE_FACTORIES = [
     _tenant_node_guard,
     _boot_plane,
     _bmc,
+    _console,
     _provisioner,
     _provision_watchdog,
     _tenant_hubs,

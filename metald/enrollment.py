@@ -22,7 +22,7 @@ from metald.boot.machine_hooks import StoreBootHooks
 from metald.config import EnrollConfig
 from metald.errors import Conflict, MetaldError
 from metald.inventory import validate_inventory
-from metald.inventory.rules import apply_rules, profile_for
+from metald.inventory.rules import apply_rules, bios_profile, profile_for
 from metald.lifecycle import (
     COMMISSION_RUNNING,
     INVENTORY_ACCEPTED,
@@ -170,14 +170,16 @@ def accept_inventory(
     }
     if rule_rack and not m.rack:
         updates["rack"] = rule_rack
+    if profile := bios_profile(cfg.rules, norm, m.rack_position):
+        updates["bios"] = {**(m.bios or {}), "desired": profile}  # staged by metald.bmc.firmware
     if not m.rack_position and norm.rack_position_hint:
         updates["rack_position"] = norm.rack_position_hint
     machines.sync_nics(s, m.id, norm.nics)
-    profile = profile_for(cfg.rules, norm, updates.get("rack_position", m.rack_position))
+    commission = profile_for(cfg.rules, norm, updates.get("rack_position", m.rack_position))
     machines.transition(
         s,
         m.id,
-        commissioning.trigger_after_inventory(s, m.id, profile),
+        commissioning.trigger_after_inventory(s, m.id, commission),
         actor=actor,
         reason="inventory accepted",
         machine=m,
@@ -201,8 +203,8 @@ def accept_inventory(
             data={"changes": accepted.changes},
             instance=instance,
         )
-    if profile is not None:
-        commissioning.start_run(s, m, profile, norm, actor=actor, instance=instance)
+    if commission is not None:
+        commissioning.start_run(s, m, commission, norm, actor=actor, instance=instance)
     s.commit()
     return m
 

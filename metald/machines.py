@@ -333,22 +333,29 @@ def update_fields(
     m = get_machine(session, machine_id)
     version = m.version if expected_version is None else expected_version
     values = {**values, "version": version + 1, "updated_at": utcnow()}
-    res = _cas_update(session, machine_id, version, values)
-    if res.rowcount != 1:  # type: ignore[attr-defined]
-        session.rollback()
-        raise ConcurrentUpdate(
-            f"machine {machine_id} changed since it was read; read it again and retry"
+    try:
+        res = _cas_update(session, machine_id, version, values)
+        if res.rowcount != 1:  # type: ignore[attr-defined]
+            session.rollback()
+            raise ConcurrentUpdate(
+                f"machine {machine_id} changed since it was read; read it again and retry"
+            )
+        add_event(
+            session,
+            kind,
+            actor,
+            machine_id=machine_id,
+            tenant_id=m.tenant_id,
+            data=data,
+            instance=instance,
         )
-    add_event(
-        session,
-        kind,
-        actor,
-        machine_id=machine_id,
-        tenant_id=m.tenant_id,
-        data=data,
-        instance=instance,
-    )
-    session.commit()
+        session.commit()
+    except IntegrityError:  # a unique column (the name) taken by a commit after the caller's check
+        session.rollback()
+        what = f"the name {values['name']!r}" if "name" in values else "a unique value"
+        raise Conflict(
+            f"another machine took {what} at the same moment; pick another name and retry"
+        ) from None
     _set_committed(m, values)
     return m
 

@@ -3,6 +3,7 @@ confirmation of destructive steps, the token hint, usage errors exit 2, events n
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -106,23 +107,39 @@ def test_events_newest_first_with_tail_and_kind(live: LoopbackApi, capsys) -> No
 
 
 class _LaggingBmc(FakeBmc):
-    """Reports the new power state only on the second status read after a command."""
+    """Answers an action pending (202); its command is confirmed on the second read after."""
 
     def __init__(self) -> None:
         super().__init__(power_state="on")
         self.reads = 0
+        self.command: dict[str, Any] | None = None
 
     async def owner_url(self, **_kw: Any) -> str | None:
         return None  # one instance: every command runs here
 
-    async def power(self, machine_id: str, action: str, actor: str = "") -> dict[str, Any]:
-        if action == "status":
-            self.reads += 1
-            state = "on" if self.reads < 2 else "off"
-        else:
-            self.calls.append((machine_id, "power", action))
-            state = "on"
-        return {"machine_id": machine_id, "bmc_id": "b1", "power_state": state}
+    async def power(
+        self, machine_id: str, action: str, actor: str = "", wait_s: float | None = None
+    ) -> dict[str, Any]:
+        self.calls.append((machine_id, "power", action))
+        self.command = {
+            "command_id": "c1",
+            "bmc_id": "b1",
+            "machine_id": machine_id,
+            "action": action,
+            "target_state": "off",
+            "status": "pending",
+            "power_state": "on",
+            "elapsed_s": 0.0,
+            "detail": None,
+        }
+        return {"machine_id": machine_id, "bmc_id": "b1", **self.command}
+
+    def power_command(self, command_id: str, **_kw: Any) -> dict[str, Any]:
+        assert self.command is not None and command_id == self.command["command_id"]
+        self.reads += 1
+        if self.reads >= 2:
+            self.command.update(status="confirmed", power_state="off")
+        return dict(self.command)
 
 
 def test_power_off_waits_until_the_bmc_reports_it(live: LoopbackApi, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -141,3 +158,313 @@ def test_join_token_reaches_the_api(live: LoopbackApi, capsys, monkeypatch) -> N
     monkeypatch.setenv("METALD_TOKEN", live.tokens.admin)
     rc, _, err = _run(capsys, "machines", "join-token", "node0", "--ttl", "600")
     assert rc == 1 and "no WireGuard hub" in err and "HTTP 409" in err
+
+
+# ---- columns, names first -------------------------------------------------------------------
+
+
+def test_tables_lead_with_names_and_custom_columns(live: LoopbackApi, capsys) -> None:  # type: ignore[no-untyped-def]
+    assert live.tokens is not None
+    rc, out, _ = _run(capsys, "machines", "list")
+    lines = out.splitlines()
+    assert rc == 0 and lines[0].split()[0] == "NAME"
+    assert {ln.split()[0] for ln in lines[1:4]} == {"node0", "node1", "node2"}
+    assert live.tokens.machine_free not in out  # the full UUID only with -o wide/json
+    tenant_of = {ln.split()[0]: ln.split()[-2] for ln in lines[1:4]}
+    assert (tenant_of["node0"], tenant_of["node1"], tenant_of["node2"]) == ("acme", "globex", "-")
+    rc, out, _ = _run(
+        capsys, "machines", "list", "-o", "custom-columns=MACHINE:name,STATE:state,RACK:labels.rack"
+    )
+    lines = out.splitlines()
+    assert rc == 0 and lines[0].split() == ["MACHINE", "STATE", "RACK"]
+    assert any(ln.split()[:2] == ["node2", "ready"] for ln in lines[1:])
+    rc, out, _ = _run(capsys, "-o", "custom-columns=id", "machines", "list")
+    assert live.tokens.machine_free in out and out.splitlines()[0].strip() == "ID"
+    with pytest.raises(SystemExit) as e:
+        main(["machines", "list", "-o", "custom-columns=NAME:"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        main(["machines", "list", "-o", "toml"])
+    assert e.value.code == 2
+
+
+# ---- shell completion -----------------------------------------------------------------------
+
+
+def _complete(live: LoopbackApi, tmp_path: Path, line: str) -> list[str]:
+    """What the shell gets from metalctl for ``line`` (the real entry point, as bash runs it)."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "completions"
+    env = {
+        **os.environ,
+        "_ARGCOMPLETE": "1",
+        "_ARGCOMPLETE_IFS": "\n",
+        "COMP_LINE": line,
+        "COMP_POINT": str(len(line)),
+        "_ARGCOMPLETE_STDOUT_FILENAME": str(out),
+    }
+    r = subprocess.run(
+        [sys.executable, "-m", "metald.metalctl"], env=env, capture_output=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr
+    return [w.strip() for w in out.read_text().split("\n") if w.strip()]
+
+
+def test_shell_completion_of_subcommands_and_machine_names(
+    live: LoopbackApi, tmp_path: Path, capsys
+) -> None:  # type: ignore[no-untyped-def]
+    assert _complete(live, tmp_path, "metalctl mach") == ["machines"]
+    assert "show" in _complete(live, tmp_path, "metalctl machines s")
+    assert sorted(_complete(live, tmp_path, "metalctl machines show node")) == [
+        "node0",
+        "node1",
+        "node2",
+    ]
+    assert _complete(live, tmp_path, "metalctl power node2 of") == ["off"]
+    assert _complete(live, tmp_path, "metalctl machines retire node1") == ["node1"]
+    rc, out, _ = _run(capsys, "completion", "bash")
+    assert rc == 0 and "metalctl" in out and "complete " in out
+
+
+# ---- bulk by selector -----------------------------------------------------------------------
+
+
+class _RackBmc(FakeBmc):
+    """Powers every machine but ``broken`` (its BMC does not answer)."""
+
+    def __init__(self, broken: str) -> None:
+        super().__init__(power_state="on")
+        self.broken = broken
+
+    async def owner_url(self, **_kw: Any) -> str | None:
+        return None
+
+    async def power(  # type: ignore[override]
+        self, machine_id: str, action: str, actor: str = "", wait_s: float | None = None
+    ) -> dict[str, Any]:
+        from metald.errors import MetaldError
+
+        if machine_id == self.broken:
+            raise MetaldError("the BMC did not answer within 10 s")
+        if action != "status":
+            self.calls.append((machine_id, "power", action))
+        return {"machine_id": machine_id, "bmc_id": "b1", "power_state": "on"}
+
+
+def test_power_cycle_by_selector_confirms_reports_each_and_fails_if_any(
+    live: LoopbackApi, capsys, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    assert live.tokens is not None
+    from metald.client.sync import Client
+
+    c = Client(live.base, live.tokens.technician)
+    for ref in ("node1", "node2"):
+        c.call("PATCH", f"/api/v1/machines/{ref}", {"rack": "r07"})
+    bmc = _RackBmc(broken=live.tokens.machine_free)  # node2
+    live.runner.app[CTX_KEY].services["bmc"] = bmc
+    monkeypatch.setattr("sys.stdin.isatty", lambda: False)
+    rc, _, err = _run(capsys, "machines", "power", "cycle", "--selector", "rack=r07")
+    assert (
+        rc == 2
+        and "--yes" in err
+        and "2 machines (node1, node2)" in err.replace("node2, node1", "node1, node2")
+    )
+    assert bmc.calls == []  # unconfirmed: nothing was sent
+    rc, out, err = _run(capsys, "machines", "power", "cycle", "--selector", "rack=r07", "--yes")
+    rows = {ln.split()[0]: ln for ln in out.splitlines()[1:] if ln.startswith("node")}
+    assert rc == 1 and "1 of 2 failed" in err
+    assert "ok" in rows["node1"].split() and "failed" in rows["node2"].split()
+    assert "did not answer" in rows["node2"] and "(1 ok, 1 failed)" in out
+    assert [m for m, _, a in bmc.calls if a == "cycle"] == [live.tokens.machine_b]
+    rc, _, err = _run(capsys, "machines", "power", "cycle", "--selector", "rack=r99", "--yes")
+    assert rc == 2 and "no machine matches" in err
+    rc, _, err = _run(capsys, "machines", "power", "cycle", "--selector", "rack", "--yes")
+    assert rc == 2 and "key=value" in err
+    # Actions take the same selection; a non-disruptive one is not asked about.
+    rc, out, _ = _run(capsys, "machines", "maintenance-off", "--selector", "rack=r07")
+    assert rc == 1 and "node1" in out and "node2" in out  # neither is in maintenance: 409s
+
+
+# ---- BMC import from CSV --------------------------------------------------------------------
+
+
+class _ImportBmc:
+    """The BMC service's registry side, recording what the API asked of it."""
+
+    def __init__(self, refuse: str | None = None) -> None:
+        self.rows: dict[str, dict[str, Any]] = {}
+        self.passwords: dict[str, str] = {}
+        self.removed: list[str] = []
+        self.refuse = refuse
+
+    async def owner_url(self, **_kw: Any) -> str | None:
+        return None
+
+    async def register(
+        self,
+        address: str,
+        port: Any,
+        protocol: str,
+        username: str,
+        password: str,
+        machine_id: str | None = None,
+        **_kw: Any,
+    ) -> dict[str, Any]:  # type: ignore[no-untyped-def]  # noqa: E501
+        from metald.errors import Unprocessable
+
+        if address == self.refuse:
+            raise Unprocessable(f"BMC {address} did not answer; check its address and network")
+        bmc_id = f"b{len(self.rows):07d}-0000-4000-8000-000000000000"
+        self.passwords[address] = password
+        self.rows[bmc_id] = {
+            "id": bmc_id, "machine_id": machine_id, "address": address, "port": port,
+            "protocol": protocol if protocol != "auto" else "ipmi", "username": username,
+            "verify_tls": True, "ca_pinned": False, "health": "ok", "health_detail": None,
+            "power_state": None, "system_uuid": None, "serial": None, "macs": [],
+            "last_seen_at": None, "created_at": None,
+        }  # fmt: skip
+        return self.rows[bmc_id]
+
+    async def list(self) -> list[dict[str, Any]]:
+        return list(self.rows.values())
+
+    async def remove(self, bmc_id: str, actor: str = "") -> None:
+        self.removed.append(bmc_id)
+        self.rows.pop(bmc_id)
+
+
+CSV_HEAD = "address,protocol,username,password-env,machine\n"
+
+
+def _import(live: LoopbackApi, capsys, tmp_path: Path, text: str, *extra: str):  # type: ignore[no-untyped-def]
+    f = tmp_path / "rack07.csv"
+    f.write_text(text)
+    return _run(capsys, "bmcs", "import", str(f), *extra)
+
+
+def test_bmc_import_checks_every_row_first_and_imports_nothing_if_one_is_bad(
+    live: LoopbackApi, capsys, tmp_path: Path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    svc = _ImportBmc()
+    live.runner.app[CTX_KEY].services["bmc"] = svc
+    monkeypatch.setenv("R07_PW", "s3cret-from-env")
+    monkeypatch.delenv("R07_MISSING", raising=False)
+    text = CSV_HEAD + (
+        "10.0.7.1,ipmi,admin,R07_PW,node0\n"
+        "10.0.7.2,telnet,admin,R07_PW,\n"  # line 3: protocol
+        "10.0.7.3,redfish,admin,R07_MISSING,node1\n"  # line 4: the variable is not set
+        "10.0.7.1,ipmi,admin,R07_PW,\n"  # line 5: the address again
+        "10.0.7.6,auto,admin,R07_PW,no-such-machine\n"  # line 6: the machine
+        "10.0.7.7,auto,admin,R07_PW,node2\n"
+    )
+    rc, _, err = _import(live, capsys, tmp_path, text)
+    assert rc == 2 and "nothing was imported" in err and svc.rows == {}
+    bad = sorted(int(ln.split(":")[1]) for ln in err.splitlines() if "rack07.csv:" in ln)
+    assert bad == [3, 4, 5, 6]
+    assert "telnet" in err and "$R07_MISSING is not set" in err and "already on line 2" in err
+    # A password column is refused outright, whatever it holds.
+    rc, _, err = _import(live, capsys, tmp_path, "address,username,password\n10.0.7.1,a,b\n")
+    assert rc == 2 and "never read from the file" in err and svc.rows == {}
+    # --partial: the good rows go in, the run still exits 1.
+    rc, out, _ = _import(live, capsys, tmp_path, text, "--partial")
+    assert rc == 1 and sorted(r["address"] for r in svc.rows.values()) == ["10.0.7.1", "10.0.7.7"]
+    assert svc.passwords == {"10.0.7.1": "s3cret-from-env", "10.0.7.7": "s3cret-from-env"}
+    assert {r["machine_id"] for r in svc.rows.values()} == {
+        live.tokens.machine_a,  # type: ignore[union-attr]
+        live.tokens.machine_free,  # type: ignore[union-attr]
+    }
+    # Importing the same file again: those addresses are already registered.
+    rc, _, err = _import(live, capsys, tmp_path, CSV_HEAD + "10.0.7.1,ipmi,admin,R07_PW,\n")
+    assert rc == 2 and "already registered" in err
+
+
+def test_bmc_import_all_good_and_undone_when_the_api_refuses_a_row(
+    live: LoopbackApi, capsys, tmp_path: Path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    svc = _ImportBmc(refuse="10.0.7.3")
+    live.runner.app[CTX_KEY].services["bmc"] = svc
+    monkeypatch.setenv("R07_PW", "pw")
+    rc, out, err = _import(
+        live,
+        capsys,
+        tmp_path,
+        CSV_HEAD
+        + "10.0.7.1,ipmi,admin,R07_PW,\n10.0.7.2,,admin,R07_PW,\n10.0.7.3,,admin,R07_PW,\n",
+    )
+    assert rc == 1 and "did not answer" in out and svc.rows == {} and len(svc.removed) == 2
+    assert out.count("undone") == 2
+    rc, out, _ = _import(live, capsys, tmp_path, CSV_HEAD + "10.0.7.1,ipmi,admin,R07_PW,\n")
+    assert rc == 0 and "registered" in out and len(svc.rows) == 1
+    rc, out, _ = _import(
+        live, capsys, tmp_path, CSV_HEAD + "10.0.7.9,ipmi,admin,R07_PW,\n", "--dry-run"
+    )
+    assert rc == 0 and "1 row(s) would be imported" in out and len(svc.rows) == 1
+
+
+# ---- --wait progress ------------------------------------------------------------------------
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_redraws_in_place_on_a_terminal_and_prints_changes_elsewhere() -> None:
+    from metald.metalctl.progress import Progress
+
+    tty = _Tty()
+    p = Progress(tty)
+    p.show("claim c1\nnode1 provisioning 10%")
+    p.show("claim c1\nnode1 provisioning 55%")
+    frames = tty.getvalue()
+    assert frames.startswith("claim c1\n") and "\x1b[2F\x1b[J" in frames
+    assert frames.rindex("\x1b[2F\x1b[J") < frames.index("55%")
+    pipe = io.StringIO()
+    p = Progress(pipe)
+    for frame in ("node1: power on", "node1: power on", "node1: power off"):
+        p.show(frame)
+    assert pipe.getvalue() == "node1: power on\nnode1: power off\n"  # no escapes, no repeats
+
+
+def test_commands_take_tenant_names_where_bodies_need_ids(
+    live: LoopbackApi, capsys, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    assert live.tokens is not None
+    monkeypatch.setenv("METALD_TOKEN", live.tokens.admin)
+    rc, out, _ = _run(
+        capsys, "tokens", "create", "--name", "g-orch", "--role", "orchestrator",
+        "--scope", "globex", "-o", "json",
+    )  # fmt: skip
+    assert rc == 0 and json.loads(out)["scope"] == [live.tokens.tenant_b]
+    rc, _, err = _run(
+        capsys, "tokens", "create", "--name", "x", "--role", "orchestrator", "--scope", "nope"
+    )
+    assert rc == 1 and "HTTP 404" in err
+
+
+def test_action_wait_follows_the_machine_until_it_settles(
+    live: LoopbackApi, capsys, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """``inspect --wait`` polls until the machine leaves inspecting; the world moves between
+    polls (the watchdog fails the inspection), not by the clock."""
+    from metald import machines as svc
+
+    assert live.tokens is not None
+    mid = live.tokens.machine_free
+    polls: list[int] = []
+
+    def world_moves(_s: float) -> None:
+        polls.append(1)
+        if len(polls) == 2:  # two polls see it inspecting, then it fails
+            with live.store.session() as s:
+                svc.transition(s, mid, "inspect-fail", actor="test", reason="watchdog")
+
+    monkeypatch.setattr("metald.metalctl.machines.time.sleep", world_moves)
+    rc, out, err = _run(capsys, "machines", "inspect", "node2", "--wait")
+    row = next(ln for ln in out.splitlines() if ln.startswith("node2"))
+    assert rc == 1 and "failed" in row.split() and "inspect-failed" in row, (out, err)
+    assert len(polls) == 2 and "inspecting" in err  # progress went to stderr, plain lines
+    assert "\x1b[" not in err

@@ -102,8 +102,8 @@ async def test_openapi_path_parameters_are_id_and_tags_plural(api) -> None:  # t
         for method, op in ops.items():
             names = [p["name"] for p in op.get("parameters", []) if p["in"] == "path"]
             assert all(n == "id" or n.endswith("_id") for n in names), (path, names)
-            if "/bmcs/" in path:
-                assert names == ["id"], path
+            if "/bmcs/" in path:  # the BMC is {id}; a sub-resource names its own (command_id)
+                assert names[0] == "id" and "bmc_id" not in names, path
             assert op["tags"] and op["tags"][0] != "bmc", (path, method)
     ids = {op["operationId"] for ops in doc["paths"].values() for op in ops.values()}
     assert "prometheus" not in ids and "event_log" not in ids
@@ -143,3 +143,35 @@ def test_default_name_from_rack_position(store) -> None:  # type: ignore[no-unty
         assert m2.name is None
         assert machines.default_name(None, None) is None
         assert machines.default_name(None, "///") is None
+
+
+async def test_concurrent_rename_to_the_same_name_is_409_not_500(api) -> None:  # type: ignore[no-untyped-def]
+    """Two renames to one name: the second passes the "is it taken" check, then another
+    writer commits that name before its UPDATE lands. The unique index refuses the UPDATE;
+    the answer is a 409 problem that says what to do, and nothing is half-written."""
+    from sqlalchemy import event
+
+    client, tokens, store = api
+    tech = tokens.header("technician")
+    fired: list[str] = []
+
+    def rival(conn, cursor, statement, params, context, executemany):  # type: ignore[no-untyped-def]
+        if not fired and statement.lstrip().upper().startswith("UPDATE MACHINES"):
+            fired.append(statement)
+            # The rival rename, on the same connection just before ours (as if it had
+            # committed in between): another machine takes the name first.
+            cursor.execute(
+                f"UPDATE machines SET name = 'contested' WHERE id = '{tokens.machine_a}'"
+            )
+
+    event.listen(store.engine, "before_cursor_execute", rival)
+    try:
+        r = await client.patch("/api/v1/machines/node2", json={"name": "contested"}, headers=tech)
+    finally:
+        event.remove(store.engine, "before_cursor_execute", rival)
+    assert fired, "the rename never reached its UPDATE"
+    assert r.status == 409, await r.text()
+    body = await r.json()
+    assert r.content_type == "application/problem+json" and "pick another name" in body["detail"]
+    r = await client.get("/api/v1/machines/node2", headers=tech)
+    assert (await r.json())["name"] == "node2"  # the losing rename left nothing behind

@@ -63,6 +63,24 @@ class LogEntry:
 
 
 @dataclass(frozen=True)
+class FirmwareItem:
+    """One entry of the BMC's firmware inventory (BMC, BIOS, NIC, GPU where exposed)."""
+
+    id: str
+    name: str
+    version: str | None
+    updateable: bool | None = None
+
+
+@dataclass(frozen=True)
+class BiosSettings:
+    """The firmware's current attributes, and those pending until its next boot."""
+
+    current: dict[str, Any]
+    pending: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class SystemIdentity:
     """What a BMC says about the system it manages: what registration links a machine by."""
 
@@ -131,6 +149,24 @@ class BmcDriver(abc.ABC):
 
     async def event_log(self) -> list[LogEntry]:
         raise BmcUnsupported(f"{self.protocol} driver cannot read the event log")
+
+    async def set_locate(self, on: bool) -> None:
+        """Turn the chassis identify light on (until turned off) or off."""
+        raise BmcUnsupported(f"{self.protocol} driver cannot light the locate indicator")
+
+    async def get_locate(self) -> bool | None:
+        """Whether the locate light is on; None where the BMC does not say."""
+        raise BmcUnsupported(f"{self.protocol} driver cannot read the locate indicator")
+
+    async def firmware_inventory(self) -> list[FirmwareItem]:
+        raise BmcUnsupported(f"{self.protocol} driver cannot read the firmware inventory")
+
+    async def bios(self) -> BiosSettings:
+        raise BmcUnsupported(f"{self.protocol} driver cannot read BIOS settings")
+
+    async def set_bios_pending(self, attributes: dict[str, Any]) -> None:
+        """Stage BIOS attributes; the firmware applies them at its next boot."""
+        raise BmcUnsupported(f"{self.protocol} driver cannot change BIOS settings")
 
     async def close(self) -> None:  # noqa: B027 - optional: drivers without sessions need none
         """Release sessions and sockets. Safe to call twice."""

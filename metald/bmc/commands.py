@@ -10,6 +10,7 @@ does not even ask.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -35,12 +36,20 @@ from metald.bmc.base import (
 )
 from metald.bmc.control import BmcCommandFailed, BmcOwnership, NoBmc, NotOwner
 from metald.bmc.ipmi import IpmiDriver
+from metald.bmc.power_confirm import (
+    CommandBook,
+    CommandStatus,
+    PowerCommand,
+    target_of,
+    wait_for_state,
+)
 from metald.bmc.redfish import RedfishDriver
 from metald.bmc.scheduler import BmcScheduler, Health
 from metald.config import BmcConfig
 from metald.errors import NotFound, Unprocessable
 from metald.machines import add_event, get_machine
 from metald.secrets import SecretBox
+from metald.service import cancel
 from metald.store.db import Store
 from metald.store.models import Bmc, Machine, utcnow
 
@@ -82,6 +91,9 @@ class BmcControl:
         self.held: dict[str, int] = {}
         #: Machines whose provisioning step runs in this instance now (metald.provision.driver).
         self.in_flight: set[str] = set()
+        #: Power commands by id, and the tasks confirming them (``metald.bmc.power_confirm``).
+        self.commands = CommandBook()
+        self._confirming: set[asyncio.Task[None]] = set()
 
     # --- ownership ------------------------------------------------------------------------
 
@@ -159,7 +171,12 @@ class BmcControl:
         # The per-request deadline sits just inside the scheduler's, so the driver names the cause.
         inner = max(0.1, self.cfg.timeout_s * 0.9)
         if protocol == "ipmi":
-            return IpmiDriver(ep, request_timeout_s=inner, resend_s=self.cfg.ipmi_resend_ms / 1000)
+            return IpmiDriver(
+                ep,
+                request_timeout_s=inner,
+                resend_s=self.cfg.ipmi_resend_ms / 1000,
+                cipher_suites=tuple(self.cfg.ipmi_cipher_suites),
+            )
         scheme, host = split_scheme(ep.address)
         ep2 = BmcEndpoint(host, ep.port, ep.username, ep.password, ep.verify_tls, ep.ca_cert)
         return RedfishDriver(ep2, scheme=scheme, request_timeout_s=inner)
@@ -185,6 +202,8 @@ class BmcControl:
         self.held.pop(bmc_id, None)
 
     async def close(self) -> None:
+        for task in list(self._confirming):
+            await cancel(task)
         drivers, self.drivers = list(self.drivers.values()), {}
         for d in drivers:
             with contextlib.suppress(Exception):
@@ -281,7 +300,11 @@ class BmcControl:
         actor: str = "system",
         step: str | None = None,
     ) -> PowerState:
-        return await self.power_row(await self.row_for_machine(machine_id), action, actor, step)
+        # Provisioning gets the state the BMC reported (the target once confirmed); a
+        # command still pending after power_state_timeout_s reports its last reading.
+        row = await self.row_for_machine(machine_id)
+        cmd = await self.power_row(row, action, actor, step)
+        return cmd.observed if cmd.observed is not None else await self.read_power_row(row)
 
     async def read_power(self, machine_id: str, *, actor: str = "system") -> PowerState:
         return await self.read_power_row(await self.row_for_machine(machine_id))
@@ -327,19 +350,41 @@ class BmcControl:
         return state
 
     async def power_row(
-        self, row: Bmc, action: PowerAction, actor: str, step: str | None = None
-    ) -> PowerState:
+        self,
+        row: Bmc,
+        action: PowerAction,
+        actor: str,
+        step: str | None = None,
+        *,
+        wait_s: float | None = None,
+    ) -> PowerCommand:
+        """Send a power action, then wait up to ``wait_s`` (default ``power_state_timeout_s``)
+        for the BMC to report the state it ends in. The command comes back confirmed, failed,
+        or still pending (``answered``): its confirmation then goes on in the background until
+        ``power_state_give_up_s`` and reports its outcome as an event. The recorded power
+        state is only ever what the BMC reported."""
         act = PowerAction(action)
-        expect = PowerState.OFF if act in (PowerAction.OFF, PowerAction.SOFT_OFF) else PowerState.ON
+        cmd = PowerCommand(row.id, row.machine_id, act, target_of(act))
         await self._fence(row, f"power:{act.value}", step)
         # Expected before it is sent, so a sync reading in between is not reported as drift.
-        self.expected[row.id] = Expected(expect, time.monotonic() + self.cfg.drift_grace_s)
+        self.expected[row.id] = Expected(cmd.target, time.monotonic() + self.cfg.drift_grace_s)
         await self._command(
             row,
             f"power_{act.value}",
             lambda d: d.set_power(act),
             idempotent=act not in (PowerAction.CYCLE, PowerAction.RESET),
         )
+        self.commands.add(cmd)
+        task = asyncio.create_task(self._confirm(row, cmd, actor), name=f"bmc-confirm-{cmd.id}")
+        self._confirming.add(task)
+        task.add_done_callback(self._confirming.discard)
+        wait = self.cfg.power_state_timeout_s
+        if wait_s is not None:
+            wait = min(wait, max(0.0, wait_s))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(task), wait)
+        # Nothing runs between the timeout and this line: the task sees ``answered`` when done.
+        cmd.answered = not task.done()
 
         def record(s: Session) -> None:
             add_event(
@@ -348,13 +393,109 @@ class BmcControl:
                 actor,
                 machine_id=row.machine_id,
                 instance=self.instance,
-                data={"bmc_id": row.id, "action": act.value},
+                data={
+                    "bmc_id": row.id,
+                    "action": act.value,
+                    "command_id": cmd.id,
+                    "status": cmd.status.value,
+                    "power_state": cmd.observed.value if cmd.observed else None,
+                    "elapsed_s": cmd.elapsed_s,
+                },
             )
-            set_power(s, row.id, row.machine_id, expect)
             s.commit()
 
         await self.store.run(record)
-        return expect
+        if cmd.status is CommandStatus.FAILED:
+            raise BmcCommandFailed(
+                f"power {act.value} on BMC {row.id}: the BMC accepted it but did not report "
+                f"power {cmd.target.value} within {self.cfg.power_state_give_up_s:g} s "
+                f"(last reading: {cmd.observed.value if cmd.observed else 'none'}); check the "
+                "machine's power supply and the BMC",
+                bmc_id=row.id,
+                command_id=cmd.id,
+            )
+        return cmd
+
+    async def _confirm(self, row: Bmc, cmd: PowerCommand, actor: str) -> None:
+        """Read the BMC (backing off) until it reports the command's target state or
+        ``power_state_give_up_s`` passed; record each reading; when the request already
+        answered 202, report the outcome as an event."""
+
+        async def reading(state: PowerState) -> None:
+            cmd.last_error = None
+            if state is not cmd.observed:
+                cmd.observed = state
+                await self.store.run(record_power, row.id, state, None, self.instance)
+
+        def failed_read(e: Exception) -> None:
+            cmd.last_error = cause(e)
+
+        cmd.status = await wait_for_state(
+            lambda: self.run(row, "confirm_power", lambda d: d.get_power()),
+            cmd.target,
+            cmd.sent_at + self.cfg.power_state_give_up_s,
+            reading,
+            failed_read,
+            (BmcError,),
+        )
+        cmd.done_at = time.monotonic()
+        if not cmd.answered and cmd.status is CommandStatus.CONFIRMED:
+            return
+        failed = cmd.status is CommandStatus.FAILED
+        if failed:
+            log.warning("BMC %s never reported power %s", row.id, cmd.target.value)
+
+        def record(s: Session) -> None:
+            add_event(
+                s,
+                "bmc.power-failed" if failed else "bmc.power-confirmed",
+                actor,
+                machine_id=row.machine_id,
+                instance=self.instance,
+                reason=(
+                    f"the BMC did not report power {cmd.target.value} within "
+                    f"{self.cfg.power_state_give_up_s:g} s of power {cmd.action.value}"
+                    if failed
+                    else None
+                ),
+                data=cmd.public(),
+            )
+            s.commit()
+
+        await self.store.run(record)
+
+    async def set_locate(self, machine_id: str, on: bool, *, actor: str = "system") -> bool | None:
+        """Light (or turn off) the machine's locate indicator; returns what the BMC reports
+        afterwards (None where it does not say)."""
+        row = await self.row_for_machine(machine_id)
+        await self._fence(row, None, None)
+        await self._command(row, "set_locate", lambda d: d.set_locate(on))
+        state = await self._read_locate(row)
+
+        def record(s: Session) -> None:
+            add_event(
+                s,
+                "bmc.locate",
+                actor,
+                machine_id=machine_id,
+                instance=self.instance,
+                data={"bmc_id": row.id, "on": on, "reported": state},
+            )
+            s.commit()
+
+        await self.store.run(record)
+        return state
+
+    async def read_locate(self, machine_id: str) -> bool | None:
+        row = await self.row_for_machine(machine_id)
+        await self._generation(row)
+        return await self._read_locate(row)
+
+    async def _read_locate(self, row: Bmc) -> bool | None:
+        try:
+            return await self._command(row, "get_locate", lambda d: d.get_locate())
+        except Unprocessable:  # the BMC lights it but cannot say whether it is lit
+            return None
 
     async def sensors(self, machine_id: str) -> list[Sensor]:
         row = await self.row_for_machine(machine_id)

@@ -27,6 +27,7 @@ from metald.bmc.base import (
     BmcAuthError,
     BmcDriver,
     BmcEndpoint,
+    BmcError,
     BmcProtocolError,
     BmcTimeout,
     BmcUnreachable,
@@ -92,6 +93,10 @@ class _Datagrams(asyncio.DatagramProtocol):
         return self.inbox.popleft() if self.inbox else None
 
 
+class BmcSuiteRefused(BmcError):
+    """The BMC offers none of the cipher suites metald is configured to propose."""
+
+
 class IpmiDriver(BmcDriver):
     protocol = "ipmi"
 
@@ -102,8 +107,13 @@ class IpmiDriver(BmcDriver):
         resend_s: float = 0.5,
         request_timeout_s: float = 5.0,
         idle_s: float = 20.0,
+        cipher_suites: tuple[int, ...] = (17, 3),
     ) -> None:
         self.ep = endpoint
+        #: Proposed in this order at login (one open-session each); the one that worked
+        #: goes first next time.
+        self.cipher_suites = tuple(s for s in cipher_suites if s in rmcp.SUITES) or (3,)
+        self.suite: int | None = None
         self.port = endpoint.port or DEFAULT_PORT
         self.resend_s = resend_s
         self.request_timeout_s = request_timeout_s
@@ -163,6 +173,8 @@ class IpmiDriver(BmcDriver):
                     raise BmcUnreachable(f"{self._where}: {_oserror_text(item)}")
                 try:
                     got = accept(item)
+                except rmcp.SuiteRefused as e:
+                    raise BmcSuiteRefused(f"{self._where}: {e}") from None
                 except rmcp.RmcpAuthError as e:
                     raise BmcAuthError(f"{self._where}: login refused: {e}") from None
                 except rmcp.RmcpError as e:
@@ -174,10 +186,27 @@ class IpmiDriver(BmcDriver):
     # --- session ---
 
     async def _login(self, deadline: float) -> None:
+        order = self.cipher_suites
+        if self.suite in order:
+            order = (self.suite, *(s for s in order if s != self.suite))
+        for n, suite in enumerate(order):
+            try:
+                await self._login_with(rmcp.SUITES[suite], deadline)
+            except BmcSuiteRefused:
+                if n == len(order) - 1:
+                    raise
+                continue
+            self.suite = suite
+            return
+
+    async def _login_with(self, suite: rmcp.CipherSuite, deadline: float) -> None:
+        # A new socket for each try: some BMCs key sessions by the client's address and port.
         self._drop_session()
         await self._open_socket()
         try:
-            hs = rmcp.ClientHandshake(self.ep.username.encode(), self.ep.password.encode())
+            hs = rmcp.ClientHandshake(
+                self.ep.username.encode(), self.ep.password.encode(), suite=suite
+            )
         except ValueError as e:
             raise BmcAuthError(f"{self._where}: {e}") from None
 
@@ -308,6 +337,18 @@ class IpmiDriver(BmcDriver):
         flags = 0x80 | (0x40 if boot.persistent else 0) | (0x20 if boot.uefi else 0)
         device = 0x04 if boot.device is BootTarget.PXE else 0x08
         await self._request(NETFN_CHASSIS, 0x08, bytes([0x05, flags, device, 0, 0, 0]), admin=True)
+
+    async def set_locate(self, on: bool) -> None:
+        # Chassis Identify (IPMI 2.0 28.5): interval 0 with "force on" lights it until turned
+        # off; interval 0 without it turns it off.
+        await self._request(NETFN_CHASSIS, 0x04, bytes([0, 1 if on else 0]), admin=True)
+
+    async def get_locate(self) -> bool | None:
+        data = await self._request(NETFN_CHASSIS, 0x01)  # Get Chassis Status
+        # Byte 3 (misc chassis state): bit 6 says whether bits 5:4 (identify state) are valid.
+        if len(data) < 3 or not data[2] & 0x40:
+            return None
+        return (data[2] >> 4) & 0x03 != 0
 
     async def sensors(self) -> list[Sensor]:
         return await _in_pyghmi_thread(self._pyghmi_sensors)

@@ -27,6 +27,7 @@ from prometheus_client import Counter
 from yarl import URL
 
 from metald.bmc.base import (
+    BiosSettings,
     BmcAuthError,
     BmcDriver,
     BmcEndpoint,
@@ -36,6 +37,7 @@ from metald.bmc.base import (
     BmcUnsupported,
     BootDevice,
     BootTarget,
+    FirmwareItem,
     LogEntry,
     PowerAction,
     PowerState,
@@ -333,6 +335,75 @@ class RedfishDriver(BmcDriver):
         assert self._system_uri is not None
         await self._act("PATCH", self._system_uri, body)
 
+    async def set_locate(self, on: bool) -> None:
+        # LocationIndicatorActive (ComputerSystem 1.13+) where offered, else IndicatorLED
+        # (deprecated but what most BMCs, sushy-emulator included, still have).
+        s = await self._system_resource(refresh=True)
+        if "LocationIndicatorActive" in s:
+            body: dict[str, Any] = {"LocationIndicatorActive": on}
+        elif "IndicatorLED" in s:
+            body = {"IndicatorLED": "Lit" if on else "Off"}
+        else:
+            raise BmcUnsupported(f"{self._where}: the system has no locate indicator")
+        assert self._system_uri is not None
+        await self._act("PATCH", self._system_uri, body)
+
+    async def get_locate(self) -> bool | None:
+        s = await self._system_resource(refresh=True)
+        if isinstance(s.get("LocationIndicatorActive"), bool):
+            return bool(s["LocationIndicatorActive"])
+        led = s.get("IndicatorLED")
+        return None if led in (None, "Unknown") else led in ("Lit", "Blinking")
+
+    async def firmware_inventory(self) -> list[FirmwareItem]:
+        root = await self._get("/redfish/v1/")
+        svc = (root.get("UpdateService") or {}).get("@odata.id")
+        if not svc:
+            raise BmcUnsupported(f"{self._where}: no UpdateService")
+        inv = ((await self._get(svc)).get("FirmwareInventory") or {}).get("@odata.id")
+        if not inv:
+            raise BmcUnsupported(f"{self._where}: the UpdateService has no FirmwareInventory")
+        out: list[FirmwareItem] = []
+        for m in (await self._get(inv)).get("Members", [])[:MAX_FIRMWARE_ITEMS]:
+            if not isinstance(m, dict) or not isinstance(m.get("@odata.id"), str):
+                continue
+            x = await self._get(m["@odata.id"])
+            version = x.get("Version")
+            out.append(
+                FirmwareItem(
+                    _text(x.get("Id")) or m["@odata.id"].rstrip("/").rsplit("/", 1)[-1],
+                    _text(x.get("Name")) or "",
+                    _text(version) if version is not None else None,
+                    x.get("Updateable") if isinstance(x.get("Updateable"), bool) else None,
+                )
+            )
+        return out
+
+    async def _bios_links(self) -> tuple[str, str | None]:
+        s = await self._system_resource()
+        path = (s.get("Bios") or {}).get("@odata.id")
+        if not path:
+            raise BmcUnsupported(f"{self._where}: the system has no Bios resource")
+        bios = await self._get(path)
+        settings = ((bios.get("@Redfish.Settings") or {}).get("SettingsObject") or {}).get(
+            "@odata.id"
+        )
+        return path, settings
+
+    async def bios(self) -> BiosSettings:
+        path, settings = await self._bios_links()
+        current = (await self._get(path)).get("Attributes") or {}
+        pending = (await self._get(settings)).get("Attributes") or {} if settings else {}
+        if not isinstance(current, dict) or not isinstance(pending, dict):
+            raise BmcProtocolError(f"{self._where}: BIOS Attributes is not an object")
+        return BiosSettings(current, pending)
+
+    async def set_bios_pending(self, attributes: dict[str, Any]) -> None:
+        _, settings = await self._bios_links()
+        if not settings:
+            raise BmcUnsupported(f"{self._where}: the Bios resource has no settings object")
+        await self._act("PATCH", settings, {"Attributes": attributes})
+
     async def sensors(self) -> list[Sensor]:
         s = await self._system_resource()
         out: list[Sensor] = []
@@ -413,6 +484,14 @@ class RedfishDriver(BmcDriver):
             await self._http.close()
         self._http = None
         self._token = None
+
+
+#: A hostile BMC cannot make metald read an unbounded inventory.
+MAX_FIRMWARE_ITEMS = 64
+
+
+def _text(v: Any, limit: int = 128) -> str:
+    return str(v)[:limit] if isinstance(v, str | int | float) else ""
 
 
 def _basic_auth(user: str, password: str) -> str:

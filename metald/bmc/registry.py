@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, or_
+from sqlalchemy import String, cast, func, or_
 from sqlmodel import Session, select
 
 from metald.bmc.base import BmcAuthError, BmcEndpoint, BmcError, SystemIdentity
@@ -74,6 +74,25 @@ def uuid_variants(stored: str | None) -> set[str]:
     except ValueError:
         return {stored.lower()}
     return {stored.lower(), *(u.lower() for u in guid_readings(guid))}
+
+
+def uuid_sources(system_uuid: str | None) -> set[str]:
+    """Every stored BMC UUID (lower case) one of whose readings (``uuid_variants``) is this
+    machine UUID: the inverse of ``uuid_variants``, for finding candidates in SQL."""
+    if not system_uuid:
+        return set()
+    low = system_uuid.lower()
+    try:
+        u = uuid.UUID(low)
+    except ValueError:
+        return {low}
+    # variants(s) = {s, R(s), M(R(s))} (R: bytes reversed, M: the mixed-endian reading), so
+    # s is u, R(u) or R(M^-1(u)) = R(bytes_le of u).
+    return {
+        low,
+        str(uuid.UUID(bytes=bytes(reversed(u.bytes)))),
+        str(uuid.UUID(bytes=bytes(reversed(u.bytes_le)))),
+    }
 
 
 _PRIORITY = {"system-uuid": 0, "serial": 1, "mac": 2}
@@ -282,7 +301,14 @@ class BmcRegistry:
             if s.exec(select(Bmc).where(Bmc.machine_id == machine_id)).first():
                 return None
             macs = list(s.exec(select(Nic.mac).where(Nic.machine_id == machine_id)).all())
-            for row in s.exec(select(Bmc).where(Bmc.machine_id.is_(None))).all():  # type: ignore[union-attr]
+            # Only the rows that can match are read (not every unlinked BMC per inventory:
+            # quadratic in an enrollment storm); identity_match still decides.
+            could = [func.lower(Bmc.system_uuid).in_(sorted(uuid_sources(m.system_uuid)))]
+            if m.serial:
+                could.append(Bmc.serial == m.serial)
+            could += [cast(Bmc.macs, String).contains(mac) for mac in macs]
+            unlinked = select(Bmc).where(Bmc.machine_id.is_(None), or_(*could))  # type: ignore[union-attr]
+            for row in s.exec(unlinked).all():
                 if identity_match(BmcIdentity.of(row), m.system_uuid, m.serial, macs) is None:
                     continue
                 row.machine_id = machine_id

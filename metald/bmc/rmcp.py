@@ -1,8 +1,9 @@
 """IPMI 2.0 RMCP+ over UDP as a pure core: bytes in, bytes and decisions out, no sockets.
 
-Only what fleet power control needs: cipher suite 3 (RAKP-HMAC-SHA1 authentication,
-HMAC-SHA1-96 integrity, AES-CBC-128 confidentiality), which every IPMI 2.0 BMC supports, and
-plain IPMI request/response messages inside the session. Both ends of the handshake live here:
+Only what fleet power control needs: cipher suites 17 (RAKP-HMAC-SHA256, HMAC-SHA256-128,
+AES-CBC-128), which hardened BMCs require, and 3 (RAKP-HMAC-SHA1, HMAC-SHA1-96, AES-CBC-128),
+which every IPMI 2.0 BMC supports, and plain IPMI request/response messages inside the
+session. Both ends of the handshake live here:
 the client is metald's ``ipmi`` driver, the server is the benchmark's simulated BMC fleet.
 Section numbers refer to the IPMI v2.0 rev 1.1 specification.
 """
@@ -58,12 +59,42 @@ COMPLETION = {
     0xFF: "unspecified error",
 }
 
-# Suite 3 algorithm records for the open-session request/response (tables 13-16..13-19).
-_SUITE3 = bytes(
-    [0, 0, 0, 8, 1, 0, 0, 0]  # authentication: RAKP-HMAC-SHA1
-    + [1, 0, 0, 8, 1, 0, 0, 0]  # integrity: HMAC-SHA1-96
-    + [2, 0, 0, 8, 1, 0, 0, 0]  # confidentiality: AES-CBC-128
+
+@dataclass(frozen=True)
+class CipherSuite:
+    """One cipher suite: its algorithm records (open-session payloads, tables 13-16..13-19)
+    and the hash every HMAC of it uses."""
+
+    id: int
+    records: bytes
+    digest: str
+    #: Bytes of the RAKP4 integrity check value and of each packet's AuthCode.
+    icv_len: int
+
+
+SUITE_3 = CipherSuite(
+    3,
+    bytes(
+        [0, 0, 0, 8, 1, 0, 0, 0]  # authentication: RAKP-HMAC-SHA1
+        + [1, 0, 0, 8, 1, 0, 0, 0]  # integrity: HMAC-SHA1-96
+        + [2, 0, 0, 8, 1, 0, 0, 0]  # confidentiality: AES-CBC-128
+    ),
+    "sha1",
+    12,
 )
+SUITE_17 = CipherSuite(
+    17,
+    bytes(
+        [0, 0, 0, 8, 3, 0, 0, 0]  # authentication: RAKP-HMAC-SHA256
+        + [1, 0, 0, 8, 4, 0, 0, 0]  # integrity: HMAC-SHA256-128
+        + [2, 0, 0, 8, 1, 0, 0, 0]  # confidentiality: AES-CBC-128
+    ),
+    "sha256",
+    16,
+)
+SUITES = {3: SUITE_3, 17: SUITE_17}
+#: RMCP+ status codes (table 13-15) that refuse the proposed algorithms, not the user.
+SUITE_STATUS = {0x04, 0x05, 0x06, 0x07, 0x10, 0x11}
 
 
 class RmcpError(Exception):
@@ -74,9 +105,13 @@ class RmcpAuthError(RmcpError):
     """The BMC refused the credentials, or proved it holds a different password."""
 
 
-def _hmac(key: bytes, data: bytes) -> bytes:
+class SuiteRefused(RmcpError):
+    """The BMC does not offer the cipher suite proposed (a client may propose another)."""
+
+
+def _hmac(key: bytes, data: bytes, digest: str = "sha1") -> bytes:
     # The one-shot C path: hmac.new() builds two hash objects in Python, ~40x slower here.
-    return hmac.digest(key, data, "sha1")
+    return hmac.digest(key, data, digest)
 
 
 def checksum(data: bytes) -> int:
@@ -98,10 +133,15 @@ class SessionKeys:
 
     k1: bytes
     aes_key: bytes
+    digest: str = "sha1"
+    #: Bytes of each packet's AuthCode (HMAC-SHA1-96: 12, HMAC-SHA256-128: 16).
+    mac_len: int = 12
 
     @classmethod
-    def from_sik(cls, sik: bytes) -> SessionKeys:
-        return cls(k1=_hmac(sik, b"\x01" * 20), aes_key=_hmac(sik, b"\x02" * 20)[:16])
+    def from_sik(cls, sik: bytes, suite: CipherSuite = SUITE_3) -> SessionKeys:
+        # Const1/Const2 are 20 bytes whatever the hash (section 13.32; pyghmi agrees).
+        d = suite.digest
+        return cls(_hmac(sik, b"\x01" * 20, d), _hmac(sik, b"\x02" * 20, d)[:16], d, suite.icv_len)
 
 
 def encode_packet(
@@ -121,7 +161,7 @@ def encode_packet(
     # Integrity pad makes (signed + pad + pad length + next header) a multiple of 4.
     ipad = (4 - (len(signed) + 2) % 4) % 4
     signed += b"\xff" * ipad + bytes([ipad, 0x07])
-    return RMCP_HEADER + signed + _hmac(keys.k1, signed)[:12]
+    return RMCP_HEADER + signed + _hmac(keys.k1, signed, keys.digest)[: keys.mac_len]
 
 
 def decode_packet(data: bytes, keys: SessionKeys | None = None) -> Packet:
@@ -135,10 +175,11 @@ def decode_packet(data: bytes, keys: SessionKeys | None = None) -> Packet:
     if ptype & AUTHENTICATED:
         if keys is None:
             raise RmcpError("signed packet outside a session")
-        signed_end = len(data) - 12
+        signed_end = len(data) - keys.mac_len
         if signed_end < 16 + length + 2:
             raise RmcpError("truncated integrity trailer")
-        if not hmac.compare_digest(_hmac(keys.k1, data[4:signed_end])[:12], data[signed_end:]):
+        mac = _hmac(keys.k1, data[4:signed_end], keys.digest)[: keys.mac_len]
+        if not hmac.compare_digest(mac, data[signed_end:]):
             raise RmcpError("integrity check failed")
     if ptype & ENCRYPTED:
         if keys is None or length < 32 or (length - 16) % 16:
@@ -212,13 +253,17 @@ class ClientHandshake:
     rc: bytes = field(default=b"", repr=False)
     guid: bytes = b""
     keys: SessionKeys | None = field(default=None, repr=False)
+    suite: CipherSuite = SUITE_3
 
     def __post_init__(self) -> None:
         if len(self.username) > 16 or len(self.password) > 20:
             raise ValueError("IPMI user names are at most 16 bytes and passwords 20")
 
+    def _mac(self, key: bytes, data: bytes) -> bytes:
+        return _hmac(key, data, self.suite.digest)
+
     def open_request(self) -> bytes:
-        return bytes([self.tag, ROLE_ADMIN, 0, 0]) + self.console_sid + _SUITE3
+        return bytes([self.tag, ROLE_ADMIN, 0, 0]) + self.console_sid + self.suite.records
 
     def on_open_response(self, p: bytes) -> bytes:
         if len(p) < 2 or p[0] != self.tag:
@@ -227,8 +272,9 @@ class ClientHandshake:
             raise _status_error("open session", p[1])
         if len(p) < 36 or p[4:8] != self.console_sid:
             raise RmcpError("malformed open-session response")
-        if p[12:36] != _SUITE3:
-            raise RmcpError("BMC did not accept cipher suite 3")
+        if p[12:36] != self.suite.records:
+            # Never a silent downgrade: the caller decides whether to try another suite.
+            raise SuiteRefused(f"BMC did not accept cipher suite {self.suite.id}")
         self.bmc_sid = p[8:12]
         return (
             bytes([self.tag, 0, 0, 0])
@@ -245,17 +291,17 @@ class ClientHandshake:
             raise _status_error("RAKP2", p[1])
         if len(p) < 60 or p[4:8] != self.console_sid:
             raise RmcpError("malformed RAKP2")
-        self.rc, self.guid, code = p[8:24], p[24:40], p[40:60]
+        self.rc, self.guid = p[8:24], p[24:40]
         ident = bytes([self.role, len(self.username)]) + self.username
-        expect = _hmac(
+        expect = self._mac(
             self.password, self.console_sid + self.bmc_sid + self.rm + self.rc + self.guid + ident
         )
-        if not hmac.compare_digest(expect, code):
+        if not hmac.compare_digest(expect, p[40 : 40 + len(expect)]):
             raise RmcpAuthError("the BMC holds a different password for this user")
-        sik = _hmac(self.password, self.rm + self.rc + ident)  # Kg unset: Kuid stands in
-        self.keys = SessionKeys.from_sik(sik)
+        sik = self._mac(self.password, self.rm + self.rc + ident)  # Kg unset: Kuid stands in
+        self.keys = SessionKeys.from_sik(sik, self.suite)
         self._sik = sik
-        auth = _hmac(self.password, self.rc + self.console_sid + ident)
+        auth = self._mac(self.password, self.rc + self.console_sid + ident)
         return bytes([self.tag, 0, 0, 0]) + self.bmc_sid + auth
 
     def on_rakp4(self, p: bytes) -> SessionKeys:
@@ -263,15 +309,18 @@ class ClientHandshake:
             raise RmcpError("RAKP4 for another request")
         if p[1] != 0:
             raise _status_error("RAKP4", p[1])
-        if len(p) < 20 or self.keys is None:
+        n = self.suite.icv_len
+        if len(p) < 8 + n or self.keys is None:
             raise RmcpError("malformed RAKP4")
-        expect = _hmac(self._sik, self.rm + self.bmc_sid + self.guid)[:12]
-        if not hmac.compare_digest(expect, p[8:20]):
+        expect = self._mac(self._sik, self.rm + self.bmc_sid + self.guid)[:n]
+        if not hmac.compare_digest(expect, p[8 : 8 + n]):
             raise RmcpAuthError("RAKP4 integrity check failed (wrong BMC key?)")
         return self.keys
 
 
 def _status_error(step: str, status: int) -> RmcpError:
+    if status in SUITE_STATUS:
+        return SuiteRefused(f"{step} refused the cipher suite (RMCP+ status 0x{status:02x})")
     if status in AUTH_STATUS:
         return RmcpAuthError(f"{step} refused: {AUTH_STATUS[status]}")
     return RmcpError(f"{step} refused with RMCP+ status 0x{status:02x}")
@@ -289,12 +338,22 @@ class ServerHandshake:
     rc: bytes = field(default_factory=lambda: os.urandom(16))
     ident: bytes = b""
     keys: SessionKeys | None = None
+    #: Suites this BMC accepts; the one the console proposed is chosen, or refused (0x11).
+    accept: tuple[int, ...] = (3,)
+    suite: CipherSuite = SUITE_3
+
+    def _mac(self, key: bytes, data: bytes) -> bytes:
+        return _hmac(key, data, self.suite.digest)
 
     def on_open_request(self, p: bytes) -> bytes:
-        if len(p) < 8:
+        if len(p) < 32:
             raise RmcpError("malformed open-session request")
         self.console_sid = p[4:8]
-        return bytes([p[0], 0, ROLE_ADMIN, 0]) + self.console_sid + self.bmc_sid + _SUITE3
+        proposed = next((SUITES[i] for i in self.accept if SUITES[i].records == p[8:32]), None)
+        if proposed is None:  # table 13-15: 0x11, no matching cipher suite
+            return bytes([p[0], 0x11, 0, 0]) + self.console_sid
+        self.suite = proposed
+        return bytes([p[0], 0, ROLE_ADMIN, 0]) + self.console_sid + self.bmc_sid + proposed.records
 
     def on_rakp1(self, p: bytes) -> bytes:
         if len(p) < 28 or p[4:8] != self.bmc_sid:
@@ -305,7 +364,7 @@ class ServerHandshake:
             return bytes([p[0], 0x0D, 0, 0]) + self.console_sid
         self.ident = bytes([role, len(name)]) + name
         self._password = password
-        code = _hmac(
+        code = self._mac(
             password, self.console_sid + self.bmc_sid + self.rm + self.rc + self.guid + self.ident
         )
         return bytes([p[0], 0, 0, 0]) + self.console_sid + self.rc + self.guid + code
@@ -314,10 +373,10 @@ class ServerHandshake:
         """RAKP4 to send, and the session keys if the console proved the password."""
         if len(p) < 28 or not self.ident:
             raise RmcpError("malformed RAKP3")
-        expect = _hmac(self._password, self.rc + self.console_sid + self.ident)
-        if not hmac.compare_digest(expect, p[8:28]):
+        expect = self._mac(self._password, self.rc + self.console_sid + self.ident)
+        if not hmac.compare_digest(expect, p[8 : 8 + len(expect)]):
             return bytes([p[0], 0x0F, 0, 0]) + self.console_sid, None
-        sik = _hmac(self._password, self.rm + self.rc + self.ident)
-        self.keys = SessionKeys.from_sik(sik)
-        icv = _hmac(sik, self.rm + self.bmc_sid + self.guid)[:12]
+        sik = self._mac(self._password, self.rm + self.rc + self.ident)
+        self.keys = SessionKeys.from_sik(sik, self.suite)
+        icv = self._mac(sik, self.rm + self.bmc_sid + self.guid)[: self.suite.icv_len]
         return bytes([p[0], 0, 0, 0]) + self.console_sid + icv, self.keys

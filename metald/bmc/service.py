@@ -9,18 +9,24 @@ class wires them and shapes their typed results into the API's dicts.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
-from metald.bmc.base import BootTarget, PowerAction
+from metald.bmc import firmware
+from metald.bmc.base import BmcError, BootTarget, PowerAction
 from metald.bmc.commands import BmcControl
 from metald.bmc.control import BmcCommandFailed, BmcOwnership, NoBmc, NotOwner
 from metald.bmc.power_sync import PowerSync
 from metald.bmc.registry import PROTOCOLS, BmcRegistry, public
 from metald.config import BmcConfig
-from metald.errors import Unprocessable
+from metald.errors import MetaldError, NotFound, Unprocessable
 from metald.secrets import SecretBox
+from metald.service import cancel
 from metald.store.db import Store
 from metald.store.models import Bmc
+
+log = logging.getLogger(__name__)
 
 __all__ = ["PROTOCOLS", "BmcCommandFailed", "BmcService", "NoBmc", "NotOwner"]
 
@@ -37,6 +43,7 @@ class BmcService:
         self.control = BmcControl(store, secrets, cfg, instance)
         self.registry = BmcRegistry(store, self.control, instance)
         self.sync = PowerSync(self.control, cfg.power_sync_interval_s, self.actor)
+        self._tasks: set[asyncio.Task[None]] = set()
 
     @property
     def ownership(self) -> BmcOwnership | None:
@@ -59,6 +66,8 @@ class BmcService:
         await self.sync.start()
 
     async def stop(self) -> None:
+        for task in list(self._tasks):
+            await cancel(task)
         await self.sync.stop()
         await self.control.close()
 
@@ -129,19 +138,45 @@ class BmcService:
 
     # --- commands, as the API answers them ---
 
-    async def power(self, machine_id: str, action: str, actor: str = "system") -> dict[str, Any]:
-        """Run a power action (on, off, cycle, soft-off) or ``status``; returns the state."""
+    async def power(
+        self, machine_id: str, action: str, actor: str = "system", wait_s: float | None = None
+    ) -> dict[str, Any]:
+        """Run a power action (on, off, cycle, soft-off) or ``status``; returns the state the
+        BMC reported and, for an action, its command (``status`` pending: not yet reported)."""
         row = await self.control.row_for_machine(machine_id)
-        return await self._power(row, machine_id, action, actor)
+        return await self._power(row, machine_id, action, actor, wait_s)
 
-    async def power_bmc(self, bmc_id: str, action: str, actor: str = "system") -> dict[str, Any]:
+    async def power_bmc(
+        self, bmc_id: str, action: str, actor: str = "system", wait_s: float | None = None
+    ) -> dict[str, Any]:
         """The same through the BMC itself: powers on hosts that have not enrolled yet (their
         machine appears when they PXE-boot, and the BMC is then linked by identity)."""
         row = await self.control.row(bmc_id)
-        return await self._power(row, row.machine_id, action, actor)
+        return await self._power(row, row.machine_id, action, actor, wait_s)
+
+    def power_command(
+        self, command_id: str, *, machine_id: str | None = None, bmc_id: str | None = None
+    ) -> dict[str, Any]:
+        """A power command this instance sent, by id (recent ones; older ones are events)."""
+        cmd = self.control.commands.get(command_id)
+        if (
+            cmd is None
+            or (machine_id is not None and cmd.machine_id != machine_id)
+            or (bmc_id is not None and cmd.bmc_id != bmc_id)
+        ):
+            raise NotFound(
+                f"no recent power command {command_id!r} here; its outcome is in the events "
+                "(bmc.power, bmc.power-confirmed, bmc.power-failed)"
+            )
+        return cmd.public()
 
     async def _power(
-        self, row: Bmc, machine_id: str | None, action: str, actor: str
+        self,
+        row: Bmc,
+        machine_id: str | None,
+        action: str,
+        actor: str,
+        wait_s: float | None = None,
     ) -> dict[str, Any]:
         if action == "status":
             state = await self.control.read_power_row(row)
@@ -153,13 +188,8 @@ class BmcService:
                 f"unknown power action {action!r}; use one of status, "
                 + ", ".join(a.value for a in PowerAction)
             ) from None
-        state = await self.control.power_row(row, act, actor)
-        return {
-            "machine_id": machine_id,
-            "bmc_id": row.id,
-            "action": act.value,
-            "power_state": state.value,
-        }
+        cmd = await self.control.power_row(row, act, actor, wait_s=wait_s)
+        return {**cmd.public(), "machine_id": machine_id}
 
     async def set_boot_device(
         self,
@@ -183,6 +213,60 @@ class BmcService:
             "persistent": bool(persistent),
             "uefi": uefi,
         }
+
+    async def locate(
+        self, machine_id: str, on: bool | None, actor: str = "system"
+    ) -> dict[str, Any]:
+        """Turn the locate light on or off (``on`` None: only read it)."""
+        row = await self.control.row_for_machine(machine_id)
+        if on is None:
+            state = await self.control.read_locate(machine_id)
+        else:
+            state = await self.control.set_locate(machine_id, on, actor=actor)
+        return {"machine_id": machine_id, "bmc_id": row.id, "on": state}
+
+    async def firmware(self, machine_id: str, actor: str = "system") -> dict[str, Any]:
+        """Read the firmware inventory now and record it on the machine."""
+        items = await firmware.refresh_firmware(self.control, machine_id, actor)
+        return {
+            "machine_id": machine_id,
+            "items": [
+                {"id": i.id, "name": i.name, "version": i.version, "updateable": i.updateable}
+                for i in items
+            ],
+        }
+
+    async def bios(self, machine_id: str, actor: str = "system") -> dict[str, Any]:
+        """Read the BIOS settings now; record them and their drift from the profile."""
+        return {
+            "machine_id": machine_id,
+            **await firmware.read_bios(self.control, machine_id, actor),
+        }
+
+    async def set_bios(
+        self, machine_id: str, attributes: dict[str, Any], actor: str = "system"
+    ) -> dict[str, Any]:
+        """Make ``attributes`` the machine's desired profile and stage what differs."""
+        out = await firmware.stage_bios(self.control, machine_id, attributes, actor)
+        return {"machine_id": machine_id, **out}
+
+    def after_inspection(self, machine_id: str) -> None:
+        """A machine's inventory was just accepted: record its firmware versions and stage its
+        BIOS profile in the background (its next reboot applies it). Best effort: a BMC that
+        offers neither, or no BMC, changes nothing."""
+        task = asyncio.create_task(self._after_inspection(machine_id), name="bmc-inspection")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _after_inspection(self, machine_id: str) -> None:
+        for step in (
+            lambda: firmware.refresh_firmware(self.control, machine_id, self.actor),
+            lambda: firmware.stage_bios(self.control, machine_id, None, self.actor),
+        ):
+            try:
+                await step()
+            except (MetaldError, BmcError) as e:
+                log.info("machine %s: after inspection: %s", machine_id, e)
 
     async def sensors(self, machine_id: str) -> list[dict[str, Any]]:
         return [

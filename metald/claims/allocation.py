@@ -53,6 +53,8 @@ class Selector:
     #: Only machines whose commissioning passed within this many days / with this profile.
     commissioned_within_days: float | None = None
     commission_profile: str | None = None
+    #: Firmware inventory id -> version or glob (metald.bmc.firmware records them).
+    firmware: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> Selector:
@@ -65,6 +67,7 @@ class Selector:
             rack=d.get("rack") or None,
             commissioned_within_days=d.get("commissioned_within_days"),
             commission_profile=d.get("commission_profile") or None,
+            firmware={str(k): str(v) for k, v in (d.get("firmware") or {}).items()},
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -87,7 +90,10 @@ class Selector:
         if self.rack is not None and m.rack != self.rack:
             return False
         labels = m.labels or {}
-        return all(labels.get(k) == v for k, v in self.labels.items())
+        versions = m.firmware_versions or {}
+        return all(labels.get(k) == v for k, v in self.labels.items()) and all(
+            k in versions and fnmatch.fnmatchcase(versions[k], v) for k, v in self.firmware.items()
+        )
 
     def prefilter(self, stmt: Any) -> Any:
         """Narrow a machines query in SQL by the criteria SQL can check on every backend; labels
@@ -108,7 +114,7 @@ class Selector:
         """``prefilter`` plus the globs and labels SQL can check with the same meaning as
         ``matches``. Returns (statement, exact): exact when SQL alone decides, so the database
         can order and limit the matches itself (no candidate list read into Python)."""
-        stmt, exact = self.prefilter(stmt), True
+        stmt, exact = self.prefilter(stmt), not self.firmware  # firmware: checked by matches
         if self._glob:
             assert self.gpu_model is not None
             pattern = self.gpu_model
@@ -142,6 +148,7 @@ _MATCH_COLUMNS = (
     Machine.memory_mb,
     Machine.rack,
     Machine.labels,
+    Machine.firmware_versions,
 )
 
 

@@ -39,6 +39,9 @@ class EnrollmentRule(BaseModel):
     #: What a machine matched by this rule must have and which checks prove it, run between
     #: inspection and ready (docs/commissioning.md); the last matching rule with one wins.
     commissioning: CommissioningProfile | None = None
+    #: Desired BIOS attributes (Redfish names): staged as pending settings through the BMC,
+    #: applied at the next reboot; a difference later is reported as drift (metald.bmc.firmware).
+    bios: dict[str, str | int | bool] = Field(default_factory=dict)
 
 
 def _value(key: str, inv: NormalizedInventory, rack_position: str | None) -> str | None:
@@ -80,3 +83,14 @@ def profile_for(
         if rule.commissioning is not None and rule_matches(rule, normalized, rack_position):
             found = rule.commissioning
     return found
+
+
+def bios_profile(
+    rules: list[EnrollmentRule], normalized: NormalizedInventory, rack_position: str | None
+) -> dict[str, str | int | bool]:
+    """The desired BIOS attributes of a machine: every matching rule's, later ones win."""
+    profile: dict[str, str | int | bool] = {}
+    for rule in rules:
+        if rule.bios and rule_matches(rule, normalized, rack_position):
+            profile.update(rule.bios)
+    return profile

@@ -9,18 +9,20 @@ from typing import Any
 from metald.lifecycle import SETTLED
 
 from .client import Client
+from .names import shown, tenant_names
 from .options import Subparsers, confirm, key_values
 from .output import emit, emit_table, machine_readable, render, table
+from .progress import Progress
 
 COLUMNS = [
     ("ID", "id"),
-    ("TENANT", "tenant_id"),
+    ("TENANT", "tenant"),
     ("COUNT", "count"),
     ("STATE", "state"),
     ("CREATED", "created_at"),
 ]
 MACHINE_COLUMNS = [
-    ("MACHINE", "id"),
+    ("MACHINE", "label"),
     ("STATE", "state"),
     ("PROGRESS", "bar"),
     ("ERROR", "last_error"),
@@ -33,9 +35,9 @@ def register(sub: Subparsers) -> None:
     csub = cl.add_subparsers(dest="sub", required=True)
     csub.add_parser("list").set_defaults(func=list_claims)
     cc = csub.add_parser("create")
-    cc.add_argument("--tenant", required=True, help="tenant id")
+    cc.add_argument("--tenant", required=True, help="tenant name or id")
     cc.add_argument("--count", type=int, required=True)
-    cc.add_argument("--image", required=True, help="image id")
+    cc.add_argument("--image", required=True, help="image name or id")
     cc.add_argument("--gpu-model")
     cc.add_argument("--min-gpus", type=int, default=0)
     cc.add_argument("--min-memory-mb", type=int)
@@ -76,13 +78,18 @@ def progress_bar(p: dict[str, Any] | None, width: int = 24) -> str:
 
 
 def claim_table(claim: dict[str, Any]) -> str:
-    rows = [dict(m, bar=progress_bar(m.get("progress"))) for m in claim["machines"]]
+    rows = [
+        dict(m, label=m.get("name") or m["id"][:8], bar=progress_bar(m.get("progress")))
+        for m in claim["machines"]
+    ]
     head = f"claim {claim['id']} tenant {claim['tenant_id']} {claim['state']} ({claim['count']} machines)"
     return head + "\n" + table(rows, MACHINE_COLUMNS)
 
 
 def list_claims(args: argparse.Namespace, c: Client) -> None:
-    emit_table(args, c.call("GET", "/api/v1/claims"), COLUMNS)
+    page = c.call("GET", "/api/v1/claims")
+    tenants = tenant_names(c, (x["tenant_id"] for x in page["items"]))
+    emit_table(args, page, COLUMNS, row=lambda x: dict(x, tenant=shown(tenants, x["tenant_id"])))
 
 
 def create(args: argparse.Namespace, c: Client) -> None:
@@ -93,10 +100,13 @@ def create(args: argparse.Namespace, c: Client) -> None:
         selector["min_memory_mb"] = args.min_memory_mb
     if args.rack:
         selector["rack"] = args.rack
+    # Names or id prefixes, as everywhere; the claim body takes ids.
+    tenant = c.call("GET", f"/api/v1/tenants/{args.tenant}")["id"]
+    image = c.call("GET", f"/api/v1/images/{args.image}")["id"]
     body = {
-        "tenant_id": args.tenant,
+        "tenant_id": tenant,
         "count": args.count,
-        "image_id": args.image,
+        "image_id": image,
         "selector": selector,
         "ssh_authorized_keys": args.ssh_key,
     }
@@ -111,16 +121,18 @@ def create(args: argparse.Namespace, c: Client) -> None:
 
 
 def show(args: argparse.Namespace, c: Client) -> None:
+    """The claim; with --watch, redrawn in place on a terminal (a new frame only when
+    something changed, elsewhere) until every machine settles."""
+    frames = Progress()
     while True:
         r = c.call("GET", f"/api/v1/claims/{args.id}")
         if machine_readable(args):
             print(render(args, r))
             return
-        print(claim_table(r), flush=True)
+        frames.show(claim_table(r))
         if not args.watch or all(m["state"] in SETTLED for m in r["machines"]):
             return
         time.sleep(WATCH_INTERVAL_S)
-        print(flush=True)
 
 
 def release(args: argparse.Namespace, c: Client) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 from .client import Client
 from .options import Subparsers
-from .output import emit, table
+from .output import emit_table
 
 COLUMNS = [
     ("NAME", "name"),
@@ -38,10 +38,10 @@ def _row(i: dict[str, Any]) -> dict[str, Any]:
 
 
 def instances(args: argparse.Namespace, c: Client) -> None:
-    emit(
+    emit_table(
         args,
         c.call("GET", "/api/v1/instances"),
-        lambda d: (
-            table([_row(i) for i in d["items"]], COLUMNS) + f"\n(answered by {d['answered_by']})"
-        ),
+        COLUMNS,
+        row=_row,
+        footer=lambda d: f"(answered by {d['answered_by']})",
     )

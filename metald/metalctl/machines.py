@@ -3,22 +3,29 @@
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 from typing import Any
 
-from . import commissioning
-from .client import Client
-from .options import Subparsers, confirm, key_values
-from .output import emit, table
+from metald.lifecycle import HANDOFF, TIMEOUTS
 
+from . import bmc, bulk, commissioning, console
+from .client import Client
+from .names import shown, tenant_names
+from .options import POWER_ACTIONS, Subparsers, confirm, key_values, machine_ref
+from .output import emit, emit_table
+from .progress import Progress
+
+#: Names first (every command takes the name); the id prefix is enough to name one too.
 COLUMNS = [
-    ("ID", "id"),
-    ("NAME", "name"),
+    ("NAME", "name_s"),
     ("STATE", "state"),
     ("GPUS", "gpus"),
     ("MEM_GB", "mem"),
     ("RACK", "rack"),
     ("LABELS", "labels_s"),
-    ("TENANT", "tenant_id"),
+    ("TENANT", "tenant"),
+    ("ID", "short_id"),
 ]
 SHOW_FIELDS = (
     "id",
@@ -41,6 +48,8 @@ SHOW_FIELDS = (
     "tenant_id",
     "last_error",
 )
+#: Actions that take machines out of service (asked about when run on several at once).
+DISRUPTIVE_ACTIONS = frozenset({"maintenance-on", "mark-broken", "retire", "inspect"})
 ACTIONS = ("inspect", "maintenance-on", "maintenance-off", "mark-broken", "repair", "retire")
 LIST_FILTERS = ("gpu_model", "gpu_count", "min_gpu_count", "rack", "limit", "offset")
 
@@ -59,7 +68,7 @@ def register(sub: Subparsers) -> None:
     ml.add_argument("--offset", type=int)
     ml.set_defaults(func=list_machines)
     ms = msub.add_parser("show")
-    ms.add_argument("id")
+    machine_ref(ms.add_argument("id", help="id, name or id prefix"))
     ms.set_defaults(func=show)
     mr = msub.add_parser("register")
     mr.add_argument("--mac", action="append", required=True)
@@ -67,35 +76,48 @@ def register(sub: Subparsers) -> None:
     mr.add_argument("--label", action="append", default=[])
     mr.set_defaults(func=register_machine)
     mlab = msub.add_parser("label", help="key=value sets, key- removes")
-    mlab.add_argument("id")
+    machine_ref(mlab.add_argument("id", help="id, name or id prefix"))
     mlab.add_argument("labels", nargs="+")
     mlab.set_defaults(func=label)
     for action in ACTIONS:
         pa = msub.add_parser(action)
-        pa.add_argument("id", help="id, name or id prefix")
+        machine_ref(pa.add_argument("id", nargs="*", help="ids, names or id prefixes"))
+        pa.add_argument("--selector", "-l", help="every machine matching key=value[,...]")
         pa.add_argument("--reason", required=action == "retire")
+        pa.add_argument("--wait", action="store_true", help="until each has settled")
+        pa.add_argument("--timeout", type=float, default=1800.0, help="seconds --wait waits")
         pa.set_defaults(func=act)
+    pw = msub.add_parser("power", help="power action on named machines or a --selector")
+    pw.add_argument("action", choices=POWER_ACTIONS)
+    machine_ref(pw.add_argument("id", nargs="*", help="ids, names or id prefixes"))
+    pw.add_argument("--selector", "-l", help="every machine matching key=value[,...]")
+    pw.add_argument("--wait", action="store_true", help="until each reports the new state")
+    pw.add_argument("--timeout", type=float, default=300.0, help="seconds --wait waits at most")
+    pw.set_defaults(func=bmc.power_many)
     for step, needs_reason in (("retry", False), ("wipe", False), ("confirm-wipe", True)):
         ps = msub.add_parser(step)
         ps.add_argument("id", help="id, name or id prefix")
         ps.add_argument("--reason", required=needs_reason)
         ps.set_defaults(func=workflow_step)
     jt = msub.add_parser("join-token", help="a one-time token for the node to join its tenant")
-    jt.add_argument("id")
+    machine_ref(jt.add_argument("id", help="id, name or id prefix"))
     jt.add_argument("--ttl", type=int, default=1800, help="seconds it stays valid (60-86400)")
     jt.set_defaults(func=join_token)
     mp = msub.add_parser("peer-revoke", help="take the machine off its tenant's hub")
-    mp.add_argument("id")
+    machine_ref(mp.add_argument("id", help="id, name or id prefix"))
     mp.set_defaults(func=revoke_peer)
     mn = msub.add_parser("rename", help="give a machine a new (unique) name")
-    mn.add_argument("id")
+    machine_ref(mn.add_argument("id", help="id, name or id prefix"))
     mn.add_argument("name")
     mn.set_defaults(func=rename)
     commissioning.register(msub)
+    console.add_to(msub)
 
 
 def row(m: dict[str, Any]) -> dict[str, Any]:
     r = dict(m)
+    r["name_s"] = m.get("name") or "-"
+    r["short_id"] = m["id"][:8]
     r["gpus"] = f"{m['gpu_count']}x {m['gpu_model']}" if m.get("gpu_count") else "-"
     r["mem"] = round(m["memory_mb"] / 1024) if m.get("memory_mb") else None
     r["labels_s"] = ",".join(f"{k}={v}" for k, v in sorted((m.get("labels") or {}).items()))
@@ -108,12 +130,13 @@ def list_machines(args: argparse.Namespace, c: Client) -> None:
         if getattr(args, key) is not None:
             q.append((key, str(getattr(args, key))))
     page = c.call("GET", "/api/v1/machines", query=q)
-    emit(
+    tenants = tenant_names(c, (m.get("tenant_id") for m in page["items"]))
+    emit_table(
         args,
         page,
-        lambda p: (
-            table([row(m) for m in p["items"]], COLUMNS) + f"\n({len(p['items'])} of {p['total']})"
-        ),
+        COLUMNS,
+        row=lambda m: dict(row(m), tenant=shown(tenants, m.get("tenant_id"))),
+        footer=lambda p: f"({len(p['items'])} of {p['total']})",
     )
 
 
@@ -140,12 +163,19 @@ def register_machine(args: argparse.Namespace, c: Client) -> None:
     if args.label:
         body["labels"] = key_values(args.label)
     m = c.call("POST", "/api/v1/machines", body)
-    emit(args, m, lambda m: f"registered {m['id']} ({m['state']})")
+    emit(args, m, lambda m: f"registered {m['name'] or m['id']} ({m['id'][:8]}, {m['state']})")
 
 
 def label(args: argparse.Namespace, c: Client) -> None:
     m = c.call("PATCH", f"/api/v1/machines/{args.id}/labels", {"labels": key_values(args.labels)})
-    emit(args, m, lambda m: f"{m['id']}: {m['labels']}")
+    emit(
+        args,
+        m,
+        lambda m: (
+            f"{m['name'] or m['id']}: "
+            + ",".join(f"{k}={v}" for k, v in sorted(m["labels"].items()))
+        ),
+    )
 
 
 def workflow_step(args: argparse.Namespace, c: Client) -> None:
@@ -169,14 +199,71 @@ def revoke_peer(args: argparse.Namespace, c: Client) -> None:
 
 def rename(args: argparse.Namespace, c: Client) -> None:
     m = c.call("PATCH", f"/api/v1/machines/{args.id}", {"name": args.name})
-    emit(args, m, lambda m: f"{m['id']}: named {m['name']}")
+    emit(args, m, lambda m: f"{m['id'][:8]}: named {m['name']}")
 
 
-def act(args: argparse.Namespace, c: Client) -> None:
-    if args.sub == "retire":
-        confirm(args, f"retire machine {args.id} (it never boots from metald again)")
+#: States a machine leaves on its own (an operation under way, or a hand-off): ``--wait``
+#: waits until it is in none of them.
+MOVING = frozenset(s.value for s in (*TIMEOUTS, *HANDOFF))
+WAIT_INTERVAL_S = 2.0
+
+
+def wait_settled(c: Client, states: dict[str, str], timeout: float) -> dict[str, str]:
+    """Poll each machine (id to its last state) until none is moving or ``timeout`` passes;
+    progress redrawn in place on a terminal. The last states."""
+    frames = Progress(sys.stderr)
+    names: dict[str, str] = {}
+    started = time.monotonic()
+    while True:
+        moving = [i for i, s in states.items() if s in MOVING]
+        elapsed = time.monotonic() - started
+        frames.show(
+            f"{len(states) - len(moving)}/{len(states)} settled ({elapsed:.0f} s)"
+            + "".join(f"\n  {names.get(i, i[:8])}: {states[i]}" for i in moving[:10])
+        )
+        if not moving or elapsed >= timeout:
+            return states
+        time.sleep(WAIT_INTERVAL_S)
+        for i in moving:
+            m = c.call("GET", f"/api/v1/machines/{i}")
+            names[i] = m.get("name") or i[:8]
+            states[i] = m["state"]
+
+
+def act(args: argparse.Namespace, c: Client) -> int | None:
+    """One named machine: its new state. Several, or a --selector: confirm the lot when the
+    action is disruptive, act on each, a line per machine, exit 1 if any failed. ``--wait``:
+    then until each has settled (a state it does not leave on its own); ending in a failed
+    state, or still moving at --timeout, is a failure."""
     body = {"action": args.sub}
     if args.reason:
         body["reason"] = args.reason
-    m = c.call("POST", f"/api/v1/machines/{args.id}/actions", body)
-    emit(args, m, lambda m: f"{m['id']}: {m['state']}")
+    single = len(args.id) == 1 and not args.selector
+    if single and args.sub == "retire":
+        confirm(args, f"retire machine {args.id[0]} (it never boots from metald again)")
+    if single and not args.wait:
+        m = c.call("POST", f"/api/v1/machines/{args.id[0]}/actions", body)
+        emit(args, m, lambda m: f"{m['name'] or m['id']}: {m['state']}")
+        return None
+    machines = bulk.select(c, args.id, args.selector)
+    if not single and args.sub in DISRUPTIVE_ACTIONS:
+        bulk.confirm_many(args, args.sub, machines)
+    states: dict[str, str] = {}
+
+    def one(m: dict[str, Any]) -> str:
+        states[m["id"]] = c.call("POST", f"/api/v1/machines/{m['id']}/actions", body)["state"]
+        return states[m["id"]]
+
+    results = bulk.apply(machines, one)
+    if args.wait:
+        states = wait_settled(c, states, args.timeout)
+        for r in results:
+            if r["result"] != "ok":
+                continue
+            state = states[r["id"]]
+            r["detail"] = state
+            if state in MOVING:
+                r.update(result="failed", detail=f"still {state} after {args.timeout:g} s")
+            elif state.endswith("-failed"):
+                r["result"] = "failed"
+    return bulk.report(args, results)

@@ -7,12 +7,14 @@ import os
 import sys
 import urllib.error
 
+import argcomplete
+
 from metald import __version__
 
 from . import bmc, claims, events, images, instances, machines, tenants, tokens, whoami
 from .client import ApiError, Client
-from .options import UsageError
-from .output import FORMATS
+from .options import DEFAULT_URL, UsageError
+from .output import output_format
 
 #: Resource modules in the order their commands appear in ``metalctl --help``.
 RESOURCES = (machines, events, tokens, tenants, whoami, bmc, images, claims, instances)
@@ -23,20 +25,33 @@ def build_parser() -> argparse.ArgumentParser:
         prog="metalctl", description="Operate a metald fleet (METALD_URL, METALD_TOKEN)"
     )
     ap.add_argument("--version", action="version", version=f"metalctl {__version__}")
-    ap.add_argument("--url", default=os.environ.get("METALD_URL", "http://127.0.0.1:8080"))
+    ap.add_argument("--url", default=os.environ.get("METALD_URL", DEFAULT_URL))
     ap.add_argument(
         "-o",
         "--output",
-        choices=FORMATS,
+        type=output_format,
         default="table",
-        help="table (default), wide, json or yaml; may stand anywhere on the line",
+        metavar="FORMAT",
+        help="table (default), wide, json, yaml or custom-columns=NAME:name,STATE:state,...; "
+        "may stand anywhere on the line",
     )
     ap.add_argument("--json", action="store_true", help="the same as -o json")
     ap.add_argument("-y", "--yes", action="store_true", help="do destructive steps without asking")
     sub = ap.add_subparsers(dest="cmd", required=True)
     for resource in RESOURCES:
         resource.register(sub)
+    comp = sub.add_parser(
+        "completion",
+        help="print the shell code that completes metalctl (eval it from your shell's rc file)",
+    )
+    comp.add_argument("shell", choices=["bash", "zsh", "fish", "tcsh", "powershell"])
+    comp.set_defaults(func=completion)
     return ap
+
+
+def completion(args: argparse.Namespace, _c: Client) -> None:
+    """``eval "$(metalctl completion bash)"``: subcommands, options and machine names."""
+    print(argcomplete.shellcode(["metalctl"], shell=args.shell))
 
 
 def hoist_output(argv: list[str]) -> list[str]:
@@ -74,8 +89,11 @@ TOKEN_HINT = (
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    # Only when a shell asks (it sets _ARGCOMPLETE): prints the candidates and exits.
+    argcomplete.autocomplete(parser)
     argv = hoist_output(list(sys.argv[1:] if argv is None else argv))
-    args = build_parser().parse_args(argv)
+    args = parser.parse_args(argv)
     args.json = args.output == "json"
     token = os.environ.get("METALD_TOKEN")
     client = Client(args.url, token)

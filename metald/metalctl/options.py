@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -13,6 +14,10 @@ from .client import Client
 Handler = Callable[[argparse.Namespace, Client], int | None]
 #: The ``add_subparsers`` object each resource module adds its commands to.
 Subparsers = Any
+
+
+#: Where metalctl looks for metald without --url or METALD_URL.
+DEFAULT_URL = "http://127.0.0.1:8080"
 
 
 class UsageError(Exception):
@@ -49,3 +54,27 @@ def key_values(items: list[str]) -> dict[str, str | None]:
         else:
             raise UsageError(f"label {item!r} must be key=value, or key- to remove it")
     return out
+
+
+#: Most machine names completion offers (one page; a longer prefix narrows it).
+COMPLETE_LIMIT = 200
+
+
+def complete_machines(prefix: str, parsed_args: argparse.Namespace, **_: Any) -> list[str]:
+    """Shell completion of a machine argument: the names (and, for a hex prefix, the ids) of
+    machines the token in METALD_TOKEN can see. Nothing when the API does not answer."""
+    url = getattr(parsed_args, "url", None) or os.environ.get("METALD_URL", DEFAULT_URL)
+    client = Client(url, os.environ.get("METALD_TOKEN"), timeout=5.0)
+    try:
+        page = client.call("GET", "/api/v1/machines", query=[("limit", str(COMPLETE_LIMIT))])
+    except Exception:  # noqa: BLE001 - completion must never print a traceback into a shell
+        return []
+    out = [m["name"] for m in page["items"] if m.get("name")]
+    out += [m["id"] for m in page["items"] if len(prefix) >= 2 and m["id"].startswith(prefix)]
+    return [x for x in out if x.startswith(prefix)]
+
+
+def machine_ref(action: argparse.Action) -> argparse.Action:
+    """Mark an argument as naming machines, for shell completion."""
+    action.completer = complete_machines  # type: ignore[attr-defined]
+    return action

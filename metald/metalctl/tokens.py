@@ -7,7 +7,7 @@ from typing import Any
 
 from .client import Client
 from .options import Subparsers
-from .output import emit, machine_readable, render, table
+from .output import emit, emit_table, machine_readable, render
 
 ROLES = ["admin", "technician", "orchestrator", "agent"]
 COLUMNS = [
@@ -41,18 +41,23 @@ def _row(t: dict[str, Any]) -> dict[str, Any]:
 
 def list_tokens(args: argparse.Namespace, c: Client) -> None:
     page = c.call("GET", "/api/v1/tokens")
-    emit(args, page, lambda p: table([_row(t) for t in p["items"]], COLUMNS))
+    emit_table(args, page, COLUMNS, row=_row)
 
 
 def create(args: argparse.Namespace, c: Client) -> None:
-    body: dict[str, Any] = {"name": args.name, "role": args.role, "scope": args.scope}
+    scope = args.scope
+    if args.role == "orchestrator":  # tenants by name or id prefix, as everywhere
+        scope = [c.call("GET", f"/api/v1/tenants/{ref}")["id"] for ref in scope]
+    body: dict[str, Any] = {"name": args.name, "role": args.role, "scope": scope}
     if args.ttl:
         body["ttl_seconds"] = args.ttl
     t = c.call("POST", "/api/v1/tokens", body)
     if machine_readable(args):
         print(render(args, t))
     else:
-        print(f"token {t['id']} ({t['role']}) created; the secret is shown only now:")
+        print(
+            f"token {t['name']} ({t['id'][:8]}, {t['role']}) created; the secret is shown only now:"
+        )
         print(t["token"])
 
 

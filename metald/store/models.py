@@ -60,6 +60,13 @@ class Machine(SQLModel, table=True):
     inventory: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
     inventory_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
     power_state: str | None = None
+    #: Firmware versions from the BMC's inventory (Redfish FirmwareInventory): id -> version.
+    firmware_versions: dict[str, str] = Field(
+        default_factory=dict, sa_column=Column(JSON, nullable=False, server_default="{}")
+    )
+    #: BIOS settings (metald.bmc.firmware): current, pending, desired (the enroll rules'
+    #: profile), drift (desired attributes the firmware does not have), read_at.
+    bios: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
     #: What the next network boot should do (discovery, provision image, local disk, wipe).
     boot_intent: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
     tenant_id: str | None = Field(default=None, foreign_key="tenants.id", index=True)
@@ -291,6 +298,22 @@ class WgHub(SQLModel, table=True):
     #: The hub's own overlay address (first host of the tenant's overlay prefix).
     address: str
     created_at: datetime = _ts()
+
+
+class TenantCtlState(SQLModel, table=True):
+    """A tenant's Slurm controller state (slurmctld's StateSaveLocation), so it survives the
+    hub's move to another instance (``metald.tenants.ctlstate``)."""
+
+    __tablename__ = "tenant_ctl_state"
+
+    tenant_id: str = Field(foreign_key="tenants.id", primary_key=True)
+    #: The instance that brought the hub up last; saves are fenced by ``generation``.
+    owner: str
+    generation: int = 0
+    #: gzip'd tar of the folder, encrypted with the secrets key (job scripts and environments).
+    data_enc: bytes | None = Field(default=None, sa_column=Column(LargeBinary))
+    size: int = 0
+    saved_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
 
 
 class WgPeer(SQLModel, table=True):

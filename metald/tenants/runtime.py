@@ -8,7 +8,10 @@ stored hub it builds, from the store alone:
 - an nftables guard there that accepts only the hub's WireGuard port and replies on the
   underlay (Slurm's daemons listen on every address; LAB-NOTES);
 - the WireGuard hub (wireguard-go) with every stored peer;
-- with ``control_planes = true`` and a slurm tenant, slurmctld + munged on the overlay address.
+- with ``control_planes = true`` and a slurm tenant, slurmctld + munged on the overlay address,
+  started from the controller state kept in the store (``metald.tenants.ctlstate``: a hub that
+  moved from another instance keeps its nodes and jobs);
+- a reaper process that takes the hub down if this metald dies while the host lives on.
 
 A loop then reconciles and observes every ``observe_interval_s``: peers on a hub but not in the
 store (released machines) are removed, stored ones missing are added, Slurm nodes whose machine
@@ -46,7 +49,7 @@ from metald.secrets import SecretBox
 from metald.service import cancel
 from metald.store import Store
 from metald.store.models import Machine, Tenant, WgHub, WgPeer, as_utc
-from metald.tenants import clusters, controlplane, mesh
+from metald.tenants import clusters, controlplane, ctlstate, mesh
 from metald.tenants.hubs import LocalHubs
 from netconfig import guard, netns
 from netconfig.uapi import PeerStatus
@@ -54,6 +57,30 @@ from netconfig.wireguard import SOCKET_DIR
 
 log = logging.getLogger("metald.tenants")
 UNDERLAY_IF = "uh0"
+
+#: Takes one hub down when the metald that runs it dies (its host lives on): metald holds the
+#: write end of this process's stdin, so the kernel closes it when metald dies however it
+#: dies; a clean ``down`` writes "down" first. Without it a killed metald's hub (its
+#: wireguard-go, slurmctld and the endpoint address on the underlay) would go on answering
+#: beside the new owner's. Signals are ignored: a service manager's stop reaches metald, which
+#: takes its hubs down itself. A shell, not Python: one per hub, a few MB each.
+REAPER = r"""trap '' TERM INT HUP
+read -r word || true
+[ "$word" = down ] && exit 0
+W="$1"; NS="$2"; VETH="$3"
+p=$(cat "$W/wg.pid" 2>/dev/null) && grep -qa wireguard-go "/proc/$p/cmdline" 2>/dev/null \
+  && kill -TERM "$p"
+c=$(sed -n 's/.*"pid": *\([0-9]*\).*/\1/p' "$W/slurm/control-plane.json" 2>/dev/null)
+if [ -n "$c" ] && grep -qa slurmctld "/proc/$c/cmdline" 2>/dev/null; then
+  kill -TERM -- "-$c"
+  for i in $(seq 100); do [ -d "/proc/$c" ] || break; sleep 0.1; done
+  kill -KILL -- "-$c" 2>/dev/null
+fi
+ip netns delete "$NS" 2>/dev/null
+ip link del "$VETH" 2>/dev/null
+exit 0
+"""
+REAPER_NAME = "metald-hub-reaper"
 
 
 def ns_name(tenant_id: str) -> str:
@@ -180,22 +207,34 @@ def _aware(ts: datetime | None) -> datetime | None:
 class RunningHub:
     """One tenant's namespace, veth, guard, WireGuard hub and control plane."""
 
-    def __init__(self, spec: HubSpec, cfg: TenantsConfig, state_dir: Path, hubs: LocalHubs):
+    def __init__(
+        self,
+        spec: HubSpec,
+        cfg: TenantsConfig,
+        state_dir: Path,
+        hubs: LocalHubs,
+        keeper: Callable[[Path], ctlstate.Keeper] | None = None,
+    ):
         self.spec = spec
         self.cfg = cfg
         self.ns = ns_name(spec.tenant_id)
         self.workdir = state_dir / "tenants" / spec.tenant_id
         self.hubs = hubs
         self.control: controlplane.SlurmControlPlane | None = None
+        #: The controller state's snapshots in the store (None: kept on this host only).
+        self.keeper = keeper(self.workdir / "slurm" / "state") if keeper else None
+        self.reaper: subprocess.Popen[bytes] | None = None
 
     def up(self) -> None:
         s = self.spec
         self.workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _wait_reaper(self.workdir)  # a killed metald's reaper finishes before this starts
         _kill_stale_wireguard(self.workdir, s.ifname)  # the control plane does its own
         netns.delete(self.ns)
         _delete_link(veth_name(s.tenant_id))
         netns.create(self.ns)
         try:
+            self.reaper = _start_reaper(self.workdir, self.ns, veth_name(s.tenant_id))
             plen = _bridge_prefixlen(self.cfg.underlay_bridge, s.endpoint_host)
             _veth_to_bridge(
                 veth_name(s.tenant_id), self.ns, self.cfg.underlay_bridge, hub_mac(s.tenant_id)
@@ -218,6 +257,19 @@ class RunningHub:
             )
             (self.workdir / "wg.pid").write_text(str(self.hubs.pid(s.tenant_id)))
             if self.cfg.control_planes and s.cluster_kind == "slurm" and s.munge_key:
+                if self.keeper is not None:
+                    # A slurmctld a killed metald left here would write its state over the
+                    # restored one when stopped: stop it first.
+                    controlplane.kill_stale(self.workdir / "slurm")
+                    # Before slurmctld starts: the state the last owner saved (a moved hub),
+                    # and from now on only this instance may save it.
+                    got = self.keeper.take()
+                    if got.restored:
+                        log.info(
+                            "tenant %s: controller state restored from the store (%d bytes)",
+                            s.tenant_name,
+                            got.size,
+                        )
                 self.control = controlplane.SlurmControlPlane(
                     tenant_id=s.tenant_id,
                     tenant_name=s.tenant_name,
@@ -231,15 +283,25 @@ class RunningHub:
             self.down()
             raise
 
-    def down(self) -> None:
+    def down(self, *, save: bool = True) -> None:
+        """Take the hub down; ``save``: snapshot the controller state once slurmctld has
+        stopped (it writes its state on SIGTERM). Not when fenced: the store is unreachable."""
         if self.control is not None:
             self.control.stop()
             self.control = None
+            if save and self.keeper is not None:
+                try:
+                    self.keeper.save_if_changed(final=True)
+                except Exception as e:  # noqa: BLE001 - superseded, or the store failed
+                    log.warning("tenant %s: last controller state not saved: %s",
+                                self.spec.tenant_name, e)  # fmt: skip
         with contextlib.suppress(KeyError):
             self.hubs.stop_one(self.spec.tenant_id)
         (self.workdir / "wg.pid").unlink(missing_ok=True)
         netns.delete(self.ns)  # takes the veth pair with it
         _delete_link(veth_name(self.spec.tenant_id))
+        _stop_reaper(self.reaper, self.workdir)
+        self.reaper = None
 
     def reconcile(
         self, spec: HubSpec, current: Callable[[], dict[str, tuple[str, str]]]
@@ -274,6 +336,13 @@ class RunningHub:
                     if self.control.delete_node(name):
                         log.info("tenant %s: node %s left the cluster", spec.tenant_name, name)
                 up = controlplane.up_nodes({n: st for n, st in nodes.items() if n in wanted})
+            if self.keeper is not None:
+                try:
+                    self.keeper.save_if_changed()
+                except ctlstate.Superseded:
+                    raise  # another instance runs the hub now: the runtime takes it down here
+                except Exception as e:  # noqa: BLE001 - the store failed: next interval
+                    log.warning("tenant %s: controller state not saved: %s", spec.tenant_name, e)
         return running, up
 
 
@@ -324,7 +393,7 @@ class TenantRuntime:
             await cancel(self._task)  # a sync may be waiting on the unreachable store
             async with self._lock:
                 log.warning("fenced (no heartbeat): taking every tenant hub here down")
-                await asyncio.to_thread(self._down_all)
+                await asyncio.to_thread(self._down_all, save=False)
             self._task = asyncio.create_task(self._loop(), name="tenant-hubs")
         finally:
             self._fencing = None
@@ -340,10 +409,10 @@ class TenantRuntime:
         async with self._lock:  # a sync bringing a hub up finishes first, then all go down
             await asyncio.to_thread(self._down_all)
 
-    def _down_all(self) -> None:
+    def _down_all(self, *, save: bool = True) -> None:
         for hub in self.running.values():
             try:
-                hub.down()
+                hub.down(save=save)
             except Exception:
                 log.exception("tenant %s: tearing the hub down failed", hub.spec.tenant_name)
         self.running.clear()
@@ -365,6 +434,12 @@ class TenantRuntime:
             for spec in specs:
                 try:
                     seen[spec.tenant_id] = await asyncio.to_thread(self._sync_one, spec)
+                except ctlstate.Superseded as e:
+                    # The store says another instance brought this hub up since: this one's
+                    # view of the fleet is stale. Its copy goes down, saving nothing.
+                    log.error("tenant %s: %s; taking the hub here down", spec.tenant_name, e)
+                    hub = self.running.pop(spec.tenant_id)
+                    await asyncio.to_thread(hub.down, save=False)
                 except Exception as e:
                     log.error("tenant %s: hub not running: %s", spec.tenant_name, e)
             activated: list[str] = []
@@ -374,10 +449,15 @@ class TenantRuntime:
                 log.info("machine %s joined its tenant's cluster: active", mid)
             return activated
 
+    def _keeper(self, spec: HubSpec) -> Callable[[Path], ctlstate.Keeper]:
+        return lambda folder: ctlstate.Keeper(
+            self.store, self.box, spec.tenant_id, self.instance, folder
+        )
+
     def _sync_one(self, spec: HubSpec) -> tuple[dict[str, PeerStatus], set[str] | None]:
         hub = self.running.get(spec.tenant_id)
         if hub is None:
-            hub = RunningHub(spec, self.cfg, self.state_dir, self.hubs)
+            hub = RunningHub(spec, self.cfg, self.state_dir, self.hubs, self._keeper(spec))
             hub.up()
             self.running[spec.tenant_id] = hub
             log.info(
@@ -407,10 +487,18 @@ class TenantRuntime:
                 log.exception("tenant hub sync failed; trying again next interval")
 
     # -- HubRuntime (the join route applies a new peer at once) ---------------------------
+    # A hub another instance runs (a fleet) is not running here: its owner applies the stored
+    # peer at its next sync (observe_interval_s), so there is nothing to do and nothing wrong.
     def add_peer(self, tenant_id: str, public_key: str, address: str) -> None:
+        if tenant_id not in self.running and not self.owns(tenant_id):
+            log.debug("tenant %s: hub runs on another instance; it adds the peer", tenant_id)
+            return
         self.hubs.add_peer(tenant_id, public_key, address)
 
     def remove_peer(self, tenant_id: str, public_key: str) -> None:
+        if tenant_id not in self.running and not self.owns(tenant_id):
+            log.debug("tenant %s: hub runs on another instance; it drops the peer", tenant_id)
+            return
         self.hubs.remove_peer(tenant_id, public_key)
 
     def handshakes(self, tenant_id: str) -> dict[str, datetime | None]:
@@ -489,6 +577,7 @@ def clear_leftovers(state_dir: str | Path) -> list[str]:
         with contextlib.suppress(OSError, ValueError):
             os.kill(int((workdir / "wg.pid").read_text()), signal.SIGTERM)
         (workdir / "wg.pid").unlink(missing_ok=True)
+        (workdir / "reaper.pid").unlink(missing_ok=True)  # it ran when its metald died
         controlplane.kill_stale(workdir / "slurm")
         ns = ns_name(tenant_id)
         if Path(netns.path(ns)).exists():
@@ -496,6 +585,54 @@ def clear_leftovers(state_dir: str | Path) -> list[str]:
             removed.append(ns)
         _delete_link(veth_name(tenant_id))
     return removed
+
+
+def _start_reaper(workdir: Path, ns: str, veth: str) -> subprocess.Popen[bytes]:
+    p = subprocess.Popen(
+        ["bash", "-c", REAPER, REAPER_NAME, str(workdir), ns, veth],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # no terminal's ^C: metald's own stop takes the hub down
+    )
+    (workdir / "reaper.pid").write_text(str(p.pid))
+    return p
+
+
+def _stop_reaper(p: subprocess.Popen[bytes] | None, workdir: Path) -> None:
+    """The hub is down: tell its reaper so (it exits without doing anything)."""
+    if p is not None and p.stdin is not None:
+        with contextlib.suppress(OSError):
+            p.stdin.write(b"down\n")
+            p.stdin.close()
+        try:
+            p.wait(5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    (workdir / "reaper.pid").unlink(missing_ok=True)
+
+
+def _wait_reaper(workdir: Path, timeout: float = 15.0) -> None:
+    """The reaper of a metald that died here is taking its hub down: let it finish (else it
+    would delete the namespace this one is creating)."""
+    pidfile = workdir / "reaper.pid"
+    try:
+        pid = int(pidfile.read_text())
+    except (OSError, ValueError):
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if REAPER_NAME.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                break
+        except OSError:
+            break
+        time.sleep(0.05)
+    else:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    pidfile.unlink(missing_ok=True)
 
 
 def _kill_stale_wireguard(workdir: Path, ifname: str) -> None:

@@ -4,6 +4,7 @@ without basic auth), and pyghmi BMC servers that misbehave on purpose (``fault_b
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import socket
@@ -231,8 +232,10 @@ class Sushy:
 _SUSHY_MAIN = """
 import sys
 import sushy_tools.emulator.resources.systems.fakedriver as fake
-# The fake driver applies power changes 1-11 s later, at random; tests want them at once.
-fake.random.randint = lambda a, b: 0
+# The fake driver applies power changes 1-11 s later, at random; tests want a known delay
+# (none unless the test asks for one).
+delay = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+fake.random.randint = lambda a, b: delay
 from sushy_tools.emulator.main import main
 sys.argv = ["sushy-emulator", "--config", sys.argv[1]]
 sys.exit(main())
@@ -291,7 +294,7 @@ def make_tls_pair(tmp_path: Path) -> tuple[Path, Path, str]:
 
 
 def _start_sushy(
-    tmp_path: Path, auth: bool, tls: tuple[Path, Path] | None = None
+    tmp_path: Path, auth: bool, tls: tuple[Path, Path] | None = None, power_delay_s: int = 0
 ) -> tuple[subprocess.Popen, Sushy]:
     port = free_port(socket.SOCK_STREAM)
     sys_uuid = str(uuid.uuid4())
@@ -318,7 +321,7 @@ def _start_sushy(
         lines.append(f"SUSHY_EMULATOR_SSL_KEY = '{tls[1]}'")
     conf.write_text("\n".join(lines) + "\n")
     proc = subprocess.Popen(
-        [sys.executable, "-c", _SUSHY_MAIN, str(conf)],
+        [sys.executable, "-c", _SUSHY_MAIN, str(conf), str(power_delay_s)],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -345,6 +348,17 @@ def sushy(tmp_path: Path) -> Iterator[Sushy]:
         yield peer
     finally:
         _stop(proc)
+
+
+@pytest.fixture
+def sushy_slow(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Sushy]:
+    """sushy-emulator applying power changes ``request.param`` seconds after it accepted them
+    (as the stock emulator does, 1-11 s at random; real BMCs too)."""
+    proc, peer = _start_sushy(tmp_path, auth=False, power_delay_s=int(request.param))
+    try:
+        yield peer
+    finally:
+        stop_peer(proc)
 
 
 @pytest.fixture
@@ -514,3 +528,58 @@ class SessionRedfish:
         app.router.add_post(f"{sysp}/Actions/ComputerSystem.Reset", reset)
         app.router.add_get("/redfish/v1/TaskService/Tasks/7", task)
         return app
+
+
+@dataclass
+class LabRedfish:
+    """The lab's own Redfish BMC (vm-lab/vmlab/redfish.py) in front of a real, bare QEMU
+    machine (no disk, no NIC: nothing leaves it), served on loopback."""
+
+    port: int
+    system_id: str
+    username: str
+    password: str
+    app: Any
+
+
+@pytest.fixture
+async def lab_redfish(tmp_path: Path) -> Any:
+    from aiohttp import web
+
+    from vmlab import redfish as lab_redfish_app
+    from vmlab.power import MachineControl
+
+    qmp = tmp_path / "qmp.sock"
+    proc = subprocess.Popen(
+        ["qemu-system-x86_64", "-accel", "tcg", "-S", "-nodefaults", "-display", "none",
+         "-m", "64", "-qmp", f"unix:{qmp},server=on,wait=off"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        end = time.monotonic() + 15
+        while True:  # the socket file appears at bind, before QEMU listens on it
+            control = MachineControl(str(qmp))
+            try:
+                await control.connect()
+                break
+            except OSError:
+                await control.close()
+                if proc.poll() is not None or time.monotonic() > end:
+                    raise RuntimeError("QEMU did not open its QMP socket") from None
+                await asyncio.sleep(0.05)
+        info = lab_redfish_app.SystemInfo(
+            system_id="m0", uuid=str(uuid.uuid4()), mac="52:54:00:aa:bb:02", firmware="uefi",
+            memory_mb=64, cpus=1, serial_number="LAB-0001", username="admin", password=PASSWORD,
+        )  # fmt: skip
+        app = lab_redfish_app.make_app(control, info)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        port = free_port(socket.SOCK_STREAM)
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            yield LabRedfish(port, "m0", "admin", PASSWORD, app)
+        finally:
+            await runner.cleanup()
+            await control.close()
+    finally:
+        _stop(proc)

@@ -80,16 +80,19 @@ def test_metalctl_registers_powers_and_reads_sensors(debug_daemon, ipmi_sim: Ipm
             "--machine",
             mid,
         ),
-        ctl("power", mid, "on"),
+        ctl("power", mid, "on", "--wait"),
         ctl("power", mid),
         ctl("boot-device", mid, "pxe"),
         ctl("sensors", mid),
         ctl("bmcs", "list"),
+        ctl("locate", mid, "on"),
     ]
     assert "registered (ipmi, ok)" in outputs[0]
-    assert "power on" in outputs[2]
+    assert "power on" in outputs[1] and "power on" in outputs[2]
     assert "CPU Temp" in outputs[4]
     assert "set power 1" in ipmi_sim.calls() and "set boot pxe" in ipmi_sim.calls()
+    assert "set identify 0 1" in ipmi_sim.calls()
+    assert "locate unknown" in outputs[6]  # ipmi_sim does not report the light's state
     logs = log_path.read_text()
     levels = {str(json.loads(x).get("level")).lower() for x in logs.splitlines() if x[:1] == "{"}
     assert "debug" in levels, levels  # it really logged at debug level

@@ -208,7 +208,7 @@ def tenant_phase(rack, ctl: Ctl, timings: dict[str, float]) -> None:  # type: ig
         "Tenant acme: a WireGuard hub and a Slurm control plane (slurmctld + munged), run by metald"
     )
     tenant = quiet_json(ctl, "tenants", "create", "acme")
-    hub = quiet_json(ctl, "tenants", "hub", tenant["id"], "--create")
+    hub = quiet_json(ctl, "tenants", "hub", tenant["name"], "--create")
     print(
         f"  hub {hub['ifname']} at {hub['endpoint']}, overlay {hub['overlay_prefix']}, "
         f"slurmctld on {hub['address']}:6817, VLAN {tenant['vlan']} for switch automation"
@@ -218,10 +218,10 @@ def tenant_phase(rack, ctl: Ctl, timings: dict[str, float]) -> None:  # type: ig
     t = time.monotonic()
     image_args = rack.publish_node_image()
     timings["node image (build or cache)"] = time.monotonic() - t
-    img = quiet_json(ctl, "images", "create", "acme-node", *image_args)["id"]
+    quiet_json(ctl, "images", "create", "acme-node", *image_args)
     orch = show(
         ctl, "tokens", "create", "--name", "acme-orch", "--role", "orchestrator",
-        "--scope", tenant["id"],
+        "--scope", tenant["name"],
     ).splitlines()[-1]  # fmt: skip
     as_orch = {"METALD_TOKEN": orch}
 
@@ -229,14 +229,15 @@ def tenant_phase(rack, ctl: Ctl, timings: dict[str, float]) -> None:  # type: ig
         "The orchestrator claims 2 machines for acme; they boot the node image and join by themselves"
     )
     t = time.monotonic()
-    args = ["claims", "create", "--tenant", tenant["id"], "--count", "2", "--image", img,
+    args = ["claims", "create", "--tenant", tenant["name"], "--count", "2", "--image", "acme-node",
             "--idempotency-key", "demo-acme-1"]  # fmt: skip
     claim = quiet_json(ctl, *args, env=as_orch)
-    print(f"claim {claim['id']}: {len(claim['machines'])} machines allocated to acme", flush=True)
+    names = ", ".join(m["name"] or m["id"][:8] for m in claim["machines"])
+    print(f"claim {claim['id'][:8]}: {names} allocated to acme", flush=True)
     ids = [m["id"] for m in claim["machines"]]
     wait_states(rack, ctl, ids, "active", 600, t)
     timings["claim 2 -> booted, joined over WireGuard, Slurm nodes up"] = time.monotonic() - t
-    show(ctl, "claims", "show", claim["id"], env=as_orch)
+    show(ctl, "claims", "show", claim["id"][:8], env=as_orch)
 
     step("acme's Slurm cluster (inside its control plane)")
     for argv in (["sinfo", "-N", "-l"], ["srun", "-N2", "hostname"]):
@@ -248,11 +249,11 @@ def tenant_phase(rack, ctl: Ctl, timings: dict[str, float]) -> None:  # type: ig
             raise SystemExit(f"demo: {' '.join(argv)} failed")
         if argv[0] == "srun":
             timings["srun -N2 hostname"] = time.monotonic() - t
-    show(ctl, "tenants", "hub", tenant["id"])
+    show(ctl, "tenants", "hub", tenant["name"])
 
     step("The orchestrator releases the claim: off the hub, out of the cluster, wiped, ready")
     t = time.monotonic()
-    show(ctl, "claims", "release", claim["id"], "--yes", env=as_orch)
+    show(ctl, "claims", "release", claim["id"][:8], "--yes", env=as_orch)
     r = exec_in(rack.state_dir, tenant["id"], ["sinfo", "-N"], timeout=60)
     print("$ sinfo -N\n" + r.stdout.rstrip(), flush=True)
     wait_states(rack, ctl, ids, "ready", 900, t, bad="wipe-failed")
@@ -264,8 +265,9 @@ def claim_phase(rack, ctl: Ctl, timings: dict[str, float], workdir: Path) -> Non
 
     step("DISK=1: an orchestrator claims 2 machines for tenant initech with a disk image")
     image_args = rack.publish_test_image(workdir)
-    tenant = quiet_json(ctl, "tenants", "create", "initech")["id"]
-    img = quiet_json(ctl, "images", "create", "demo-disk", *image_args)["id"]
+    # Names where a technician would type them (every command resolves them).
+    tenant = quiet_json(ctl, "tenants", "create", "initech")["name"]
+    img = quiet_json(ctl, "images", "create", "demo-disk", *image_args)["name"]
     orch = show(
         ctl, "tokens", "create", "--name", "initech-orch", "--role", "orchestrator",
         "--scope", tenant,
@@ -294,7 +296,7 @@ def claim_phase(rack, ctl: Ctl, timings: dict[str, float], workdir: Path) -> Non
     step(
         "metald sets PXE once and power-cycles them; the agent writes, verifies and seeds the image"
     )
-    show(ctl, "claims", "show", claim["id"], "--watch", env=as_orch)
+    show(ctl, "claims", "show", claim["id"][:8], "--watch", env=as_orch)
     by_id = {rack.machine_by_mac(m["mac"])["id"]: m for m in rack.machines}
     deadline = time.monotonic() + 300
     for mid in (m["id"] for m in claim["machines"]):
@@ -309,7 +311,7 @@ def claim_phase(rack, ctl: Ctl, timings: dict[str, float], workdir: Path) -> Non
 
     step("The orchestrator releases the claim: tokens revoked, disks wiped, machines back to ready")
     t = time.monotonic()
-    show(ctl, "claims", "release", claim["id"], "--yes", env=as_orch)
+    show(ctl, "claims", "release", claim["id"][:8], "--yes", env=as_orch)
     deadline = time.monotonic() + 600
     while True:
         states = [
@@ -375,7 +377,8 @@ def run_local(workdir: Path) -> tuple[Ctl, Callable[[], None], dict[str, float]]
 
 def operate(ctl: Ctl) -> None:
     items = json.loads(ctl("--json", "machines", "list")[1])["items"]
-    ids = [x["id"] for x in sorted(items, key=lambda x: x["nics"][0]["mac"])]
+    # Names, as a technician types them (every command takes a name where it takes an id).
+    ids = [x["name"] or x["id"] for x in sorted(items, key=lambda x: x["nics"][0]["mac"])]
 
     step("Operate the fleet: maintenance, labels, broken, repair")
     show(ctl, "machines", "maintenance-on", ids[0], "--reason", "reseat GPU 3")
@@ -391,7 +394,7 @@ def operate(ctl: Ctl) -> None:
     step(
         "Scoped tokens: an orchestrator of tenant globex sees only globex's machines, and no tokens"
     )
-    tenant = quiet_json(ctl, "tenants", "create", "globex")["id"]
+    quiet_json(ctl, "tenants", "create", "globex")
     orch = show(
         ctl,
         "tokens",
@@ -401,7 +404,7 @@ def operate(ctl: Ctl) -> None:
         "--role",
         "orchestrator",
         "--scope",
-        tenant,
+        "globex",
     ).splitlines()[-1]
     show(ctl, "machines", "list", env={"METALD_TOKEN": orch})
     show(ctl, "tokens", "list", env={"METALD_TOKEN": orch}, ok=False)

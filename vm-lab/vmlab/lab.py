@@ -197,6 +197,8 @@ class Lab:
                     "qmp_bmc": f"{base}.qmp-bmc",
                     "bmc_log": f"{base}.bmc.log",
                     "bmc_ready": f"{base}.bmc.ready",
+                    "bmc_commands": f"{base}.bmc-commands.log",
+                    "bmc_hold_off": f"{base}.bmc.hold-off",
                     "bmc": {
                         "address": m.bmc_address,
                         "ipmi_port": plan.IPMI_PORT,

@@ -26,14 +26,20 @@ def pg_bindir() -> Path | None:
 
 
 class PgServer:
-    def __init__(self) -> None:
+    def __init__(
+        self, listen: str = "127.0.0.1", netns: str | None = None, clients: str = ""
+    ) -> None:
+        """``listen``: the address it serves on; ``netns``: a network namespace to run it in
+        (a lab's attached namespace, so metald instances in other namespaces reach it);
+        ``clients``: a CIDR whose hosts may connect without a password, as local ones do."""
         bindir = pg_bindir()
         if bindir is None:
             raise RuntimeError("PostgreSQL binaries not found (Debian package 'postgresql')")
         self.bindir = bindir
         self.dir = Path(tempfile.mkdtemp(prefix="metald-pg-"))
         self.data = self.dir / "data"
-        self.port = free_port()
+        self.listen, self.netns = listen, netns
+        self.port = free_port() if netns is None else 5432
         self.user = "postgres" if os.geteuid() == 0 else pwd.getpwuid(os.geteuid()).pw_name
         if os.geteuid() == 0:
             pw = pwd.getpwnam("postgres")
@@ -52,36 +58,57 @@ class PgServer:
                 "UTF8",
             ]
         )
-        opts = f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.dir} -c fsync=off -c max_connections=200"
+        if clients:
+            with open(self.data / "pg_hba.conf", "a") as hba:
+                hba.write(f"host all all {clients} trust\n")
+        opts = f"-c listen_addresses={listen} -p {self.port} -k {self.dir} -c fsync=off -c max_connections=200"
         self._run(
-            ["pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(self.dir / "log"), "-w", "start"]
+            [
+                "pg_ctl",
+                "-D",
+                str(self.data),
+                "-o",
+                opts,
+                "-l",
+                str(self.dir / "log"),
+                "-w",
+                "start",
+            ],
+            netns=netns,
         )
-        for _ in range(100):
+        for _ in range(100 if netns is None else 0):  # in a namespace, pg_ctl -w has waited
             try:
-                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
+                socket.create_connection((listen, self.port), 0.2).close()
                 break
             except OSError:
                 time.sleep(0.1)
 
-    def _run(self, argv: list[str]) -> None:
+    def _run(self, argv: list[str], netns: str | None = None) -> None:
         cmd = [str(self.bindir / argv[0]), *argv[1:]]
         if os.geteuid() == 0:
             cmd = ["runuser", "-u", "postgres", "--", *cmd]
+        if netns is not None:
+            cmd = ["nsenter", f"--net=/run/netns/{netns}", *cmd]
         subprocess.run(cmd, check=True, capture_output=True, cwd="/")
 
     @property
     def admin_url(self) -> str:
-        return f"postgresql+psycopg://metald@127.0.0.1:{self.port}/postgres"
+        return f"postgresql+psycopg://metald@{self.listen}:{self.port}/postgres"
 
     def new_database(self) -> str:
         import psycopg
 
         name = "t_" + uuid.uuid4().hex[:12]
+        # Over the Unix socket: it works from any network namespace.
         with psycopg.connect(
-            f"host=127.0.0.1 port={self.port} user=metald dbname=postgres", autocommit=True
+            f"host={self.dir} port={self.port} user=metald dbname=postgres", autocommit=True
         ) as c:
             c.execute(f'CREATE DATABASE "{name}"')
-        return f"postgresql+psycopg://metald@127.0.0.1:{self.port}/{name}"
+        return f"postgresql+psycopg://metald@{self.listen}:{self.port}/{name}"
+
+    def local_url(self, database: str) -> str:
+        """A URL for this host's processes (the Unix socket), whatever namespace it is in."""
+        return f"postgresql+psycopg://metald@/{database}?host={self.dir}&port={self.port}"
 
     def stop(self) -> None:
         try:

@@ -11,6 +11,10 @@ override and agree on the power state.
   reset          system_reset (the machine keeps running; one that is off comes on)
   power cycle    stop, then power on
 
+Every request either face receives is appended to the machine's command log (JSON lines: time,
+client address, face, command), so a test can count what each BMC client sent. A hold file
+(tests) makes a power-off take effect only once the file is removed: a machine slow to go off.
+
 Boot override (Redfish BootSourceOverride*, IPMI boot flags): target pxe or hdd, once or
 continuous. QEMU rebuilds the firmware's boot order from the devices' ``bootindex`` at each
 reset, whoever causes it, so an override is written to ``bootindex`` as soon as it is set. A
@@ -22,7 +26,10 @@ firmware.
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from .qemu import DISK_ID, NIC_ID
 from .qmp import QmpClient
@@ -33,6 +40,7 @@ DEFAULT_ORDER = ("hdd", "pxe")  # firmware default: disk first, network as fallb
 DEVICE_OF = {"pxe": NIC_ID, "hdd": DISK_ID}
 RUNNING = "running"
 ONCE_SETTLE_S = 3.0
+HOLD_POLL_S = 0.1
 
 
 @dataclass
@@ -46,19 +54,33 @@ class BootOverride:
 
 
 class MachineControl:
-    def __init__(self, qmp_path: str) -> None:
+    def __init__(
+        self, qmp_path: str, command_log: str | None = None, hold_off: str | None = None
+    ) -> None:
         self.qmp = QmpClient(qmp_path)
         self.override = BootOverride()
         self._lock = asyncio.Lock()
         self._generation = 0  # bumped by every change, so a late restore never undoes one
         self._once_watch: asyncio.Task[None] | None = None
+        self.command_log = Path(command_log) if command_log else None
+        self.hold_off = Path(hold_off) if hold_off else None
+        self._held: asyncio.Task[None] | None = None
+
+    def record(self, source: str, face: str, command: str) -> None:
+        """Append one request to the command log ("power off", "boot pxe once", "read")."""
+        if self.command_log is None:
+            return
+        line = json.dumps({"t": time.time(), "from": source, "face": face, "command": command})
+        with open(self.command_log, "a") as f:
+            f.write(line + "\n")
 
     async def connect(self) -> None:
         await self.qmp.connect()
 
     async def close(self) -> None:
-        if self._once_watch is not None:
-            self._once_watch.cancel()
+        for task in (self._once_watch, self._held):
+            if task is not None:
+                task.cancel()
         await self.qmp.close()
 
     # ---- power ---------------------------------------------------------------------------------
@@ -75,7 +97,19 @@ class MachineControl:
 
     async def power_off(self) -> None:
         async with self._lock:
+            if self.hold_off is not None and self.hold_off.exists():
+                if self._held is None:
+                    self._held = asyncio.create_task(self._off_when_released())
+                return
             await self.qmp.execute("stop")
+
+    async def _off_when_released(self) -> None:
+        assert self.hold_off is not None
+        while self.hold_off.exists():  # a file the test removes: polled, nothing to wait on
+            await asyncio.sleep(HOLD_POLL_S)
+        async with self._lock:
+            await self.qmp.execute("stop")
+        self._held = None
 
     async def soft_off(self) -> None:
         async with self._lock:

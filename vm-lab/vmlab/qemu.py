@@ -143,6 +143,11 @@ def create_uefi_vars(path: Path) -> None:
     shutil.copyfile(OVMF_VARS, path)
 
 
+def serial_socket(serial_log: Path) -> Path:
+    """Where a machine's serial port listens, next to its serial log."""
+    return serial_log.with_name(serial_log.name.removesuffix(".log") + ".sock")
+
+
 def command_line(spec: MachineSpec, accel: str) -> list[str]:
     machine_type = "q35" if spec.firmware == "uefi" else "pc"
     argv = [
@@ -158,7 +163,10 @@ def command_line(spec: MachineSpec, accel: str) -> list[str]:
                    f"serial={spec.serial_number or spec.name},uuid={spec.uuid}",
         "-nodefaults", "-display", "none", "-vga", "none",
         "-S", "-no-shutdown",
-        "-chardev", f"file,id=serial0,path={spec.serial_log},append=on",
+        # The serial port is a unix socket (the virtual BMC's Serial-over-LAN end) that QEMU
+        # also logs, whether or not anyone is connected.
+        "-chardev", f"socket,id=serial0,path={serial_socket(spec.serial_log)},server=on,"
+                    f"wait=off,logfile={spec.serial_log},logappend=on",
         "-serial", "chardev:serial0",
         "-monitor", "none",
         "-qmp", f"unix:{spec.qmp_bmc},server=on,wait=off",

@@ -16,9 +16,12 @@ from typing import Any
 
 from aiohttp import web
 
+from . import redfish_bios
 from .power import MachineControl
 
 RESET_TYPES = ["On", "ForceOff", "GracefulShutdown", "ForceRestart", "PowerCycle", "Nmi"]
+#: ResetType as the command log names it (the same words as the IPMI face's)
+REDFISH_POWER = dict(zip(RESET_TYPES, ["on", "off", "soft", "reset", "cycle", "nmi"], strict=True))
 BOOT_TARGETS = {"None": "none", "Pxe": "pxe", "Hdd": "hdd"}
 BOOT_ENABLED = {"Disabled": "disabled", "Once": "once", "Continuous": "continuous"}
 ODATA_VERSION = "4.0"
@@ -112,6 +115,7 @@ async def service_root(request: web.Request) -> web.Response:
             "UUID": info.uuid,
             "Systems": {"@odata.id": "/redfish/v1/Systems"},
             "Managers": {"@odata.id": "/redfish/v1/Managers"},
+            "UpdateService": {"@odata.id": "/redfish/v1/UpdateService"},
         }
     )
 
@@ -145,6 +149,7 @@ async def get_system(request: web.Request) -> web.Response:
     _check_system(request)
     info = request.app[INFO]
     control = request.app[CONTROL]
+    control.record(request.remote or "", "redfish", "read")
     on = await control.is_on()
     override = control.override
     path = _system_path(info)
@@ -173,6 +178,7 @@ async def get_system(request: web.Request) -> web.Response:
                 "BootSourceOverrideMode@Redfish.AllowableValues": [info.boot_mode],
             },
             "EthernetInterfaces": {"@odata.id": f"{path}/EthernetInterfaces"},
+            "Bios": {"@odata.id": f"{path}/Bios"},
             "Actions": {
                 "#ComputerSystem.Reset": {
                     "target": f"{path}/Actions/ComputerSystem.Reset",
@@ -223,6 +229,7 @@ async def patch_system(request: web.Request) -> web.Response:
     else:
         # A target alone means "next boot" unless an override is already standing.
         mode = current.mode if current.mode != "disabled" else "once"
+    control.record(request.remote or "", "redfish", f"boot {target} {mode}")
     await control.set_boot_override(target, mode)
     return await get_system(request)
 
@@ -249,7 +256,10 @@ async def reset_action(request: web.Request) -> web.Response:
         "PowerCycle": control.power_cycle,
         "Nmi": control.nmi,
     }[reset_type]
+    control.record(request.remote or "", "redfish", f"power {REDFISH_POWER[reset_type]}")
     await action()
+    if reset_type in ("On", "ForceRestart", "PowerCycle"):
+        request.app[redfish_bios.BIOS].reboot()  # pending BIOS settings apply as it starts
     return web.Response(status=204, headers={"OData-Version": ODATA_VERSION})
 
 
@@ -328,4 +338,5 @@ def make_app(control: MachineControl, info: SystemInfo) -> web.Application:
     app.router.add_get(system + "/EthernetInterfaces/{nic_id}", ethernet_interface)
     app.router.add_get("/redfish/v1/Managers", managers)
     app.router.add_get("/redfish/v1/Managers/{manager_id}", manager)
+    redfish_bios.install(app, system, info.firmware)
     return app

@@ -27,8 +27,9 @@ import pyghmi.ipmi.bmc as pyghmi_bmc
 import pyghmi.ipmi.private.serversession as serversession
 from aiohttp import web
 
-from . import redfish
+from . import qemu, redfish
 from .power import MachineControl
+from .vsol import SolBridge
 
 # RMCP+ algorithm numbers (IPMI 2.0 tables 13-17..13-19): the server speaks only cipher suite 3.
 RAKP_HMAC_SHA1, HMAC_SHA1_96, AES_CBC_128 = 1, 1, 1
@@ -37,6 +38,7 @@ IPMI_CALL_TIMEOUT = 20.0
 BOOT_FLAGS_PARAM = 5
 IPMI_DEVICE = {"network": "pxe", "hd": "hdd", "default": "none"}
 DEVICE_CODE = {"pxe": 0x04, "hdd": 0x08, "none": 0x00}  # boot device selector, bits 5:2
+CHASSIS_CONTROL = {0: "off", 1: "on", 2: "cycle", 3: "reset", 4: "nmi", 5: "soft"}
 
 
 class SuiteThreeSession(serversession.ServerSession):
@@ -71,6 +73,12 @@ class LabIpmiBmc(pyghmi_bmc.Bmc):
         super().__init__(authdata, port=port, bmcuuid=uuid.UUID(system_uuid), address=address)
         self.control = control
         self.loop = loop
+        self.sol: SolBridge | None = None
+
+    def handle_raw_request(self, request: dict[str, Any], session: Any) -> None:
+        if self.sol is not None and self.sol.handle(request, session):
+            return
+        super().handle_raw_request(request, session)
 
     def _run(self, coro: Coroutine[Any, Any, Any]) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(IPMI_CALL_TIMEOUT)
@@ -93,6 +101,17 @@ class LabIpmiBmc(pyghmi_bmc.Bmc):
 
     def get_system_guid(self) -> uuid.UUID:
         return self.uuid
+
+    def get_chassis_status(self, session: Any) -> None:
+        self.control.record(session.sockaddr[0], "ipmi", "read")
+        super().get_chassis_status(session)
+
+    def control_chassis(self, request: dict[str, Any], session: Any) -> None:
+        directive = request["data"][0] if request["data"] else None
+        self.control.record(
+            session.sockaddr[0], "ipmi", f"power {CHASSIS_CONTROL.get(directive, directive)}"
+        )
+        super().control_chassis(request, session)
 
     def cold_reset(self) -> int:
         return 0  # the BMC restarting itself changes nothing a client can see
@@ -131,10 +150,12 @@ class LabIpmiBmc(pyghmi_bmc.Bmc):
         if device is None:
             session.send_ipmi_response(code=0xCC)  # invalid data field: no such device here
             return
+        mode = "continuous" if flags & 0x40 else "once"
         if not flags & 0x80 or device == "none":
+            self.control.record(session.sockaddr[0], "ipmi", "boot none")
             self._run(self.control.set_boot_override("none", "disabled"))
         else:
-            mode = "continuous" if flags & 0x40 else "once"
+            self.control.record(session.sockaddr[0], "ipmi", f"boot {device} {mode}")
             self._run(self.control.set_boot_override(device, mode))
         session.send_ipmi_response()
 
@@ -161,7 +182,9 @@ async def serve(state_path: Path, machine_name: str) -> None:
     state = json.loads(state_path.read_text())
     machine = machine_entry(state, machine_name)
     bmc = machine["bmc"]
-    control = MachineControl(machine["qmp_bmc"])
+    control = MachineControl(
+        machine["qmp_bmc"], machine.get("bmc_commands"), machine.get("bmc_hold_off")
+    )
     await control.connect()
 
     info = redfish.SystemInfo(
@@ -187,6 +210,10 @@ async def serve(state_path: Path, machine_name: str) -> None:
         control,
         asyncio.get_running_loop(),
     )
+    ipmi.sol = SolBridge(
+        qemu.serial_socket(Path(machine["serial_log"])), asyncio.get_running_loop()
+    )
+    ipmi.sol.start()
     threading.Thread(target=ipmi.listen, name="ipmi", daemon=True).start()
 
     # The lab waits for this file: both servers are bound once it exists.
@@ -199,6 +226,7 @@ async def serve(state_path: Path, machine_name: str) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    await ipmi.sol.stop()
     await runner.cleanup()
     await control.close()
 

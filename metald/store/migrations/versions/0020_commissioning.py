@@ -1,15 +1,15 @@
 """commissioning runs and their per-check results
 
-Revision ID: 0018
-Revises: 0017
+Revision ID: 0020
+Revises: 0019
 """
 
 import sqlalchemy as sa
 import sqlmodel
 from alembic import op
 
-revision = "0018"
-down_revision = "0017"
+revision = "0020"
+down_revision = "0019"
 branch_labels = None
 depends_on = None
 

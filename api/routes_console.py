@@ -1,0 +1,245 @@
+"""``GET /api/v1/machines/{id}/console``: a machine's serial console as a WebSocket.
+
+Frames: binary both ways is the console's bytes (from the client only the writer's are sent
+on; a read-only viewer's are dropped with a note). Text frames are JSON notes: the server sends
+``{"type": "hello", "mode", "writer", "buffered"}`` first, then the buffered output (up to
+64 KiB) as binary, then live output and ``{"type": "status", "state", "detail"}`` notes; the
+client may send ``{"type": "break"}`` (a serial break, writer only).
+
+Staff only (admin, technician): a writable serial console is root on the machine (boot
+loader, single-user mode), and what it prints spans tenants (a wipe, the next tenant's boot),
+so orchestrators get none, not even read-only. The caller's token is checked again every
+``RECHECK_S`` and the socket closed once it is revoked or expired.
+
+In a fleet the BMC's SOL runs on the instance that owns the BMC: another instance proxies
+the WebSocket there with the caller's own token (the owner authorizes it again), so clients
+need only one URL. A proxied connection is never proxied again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from typing import Literal
+
+import aiohttp
+from aiohttp import WSMsgType, web
+from pydantic import Field
+
+from api.routes_bmc import FORWARDED, ForwardFailed, ServiceUnavailable, _bmc
+from api.routing import STAFF, ApiRequest, Router, bearer_token
+from api.schemas import In
+from metald.auth import authenticate
+from metald.bmc.console import ConsoleService, Viewer
+from metald.errors import MetaldError
+
+router = Router()
+TAG = "bmcs"
+#: How often an open console re-checks that its token is still valid.
+RECHECK_S = 5.0
+#: Keystrokes in one frame (a paste larger than this is refused, not split silently).
+MAX_INPUT_BYTES = 4096
+
+
+class ConsoleQuery(In):
+    mode: Literal["auto", "write", "read"] = Field(
+        default="auto",
+        description="write (409 if someone else writes), read, or auto: write when nobody does",
+    )
+
+
+class NotAWebSocket(MetaldError):
+    status = 426
+    title = "Upgrade required"
+
+
+def _console(req: ApiRequest) -> ConsoleService:
+    svc = req.ctx.services.get("console")
+    if svc is None:
+        raise ServiceUnavailable("serial consoles are not running in this metald instance")
+    return svc
+
+
+@router.route(
+    "GET",
+    "/api/v1/machines/{id}/console",
+    summary="Attach to a machine's serial console",
+    roles=STAFF,
+    query=ConsoleQuery,
+    tag=TAG,
+    raw_response="application/octet-stream",
+    errors=(404, 409, 426, 502, 503),
+)
+async def console(req: ApiRequest) -> web.StreamResponse:
+    """Upgrades to a WebSocket carrying the serial console (IPMI Serial-over-LAN through the
+    machine's BMC). One writer at a time; others read. Attaching and leaving are events."""
+    ws_check = web.WebSocketResponse()
+    if not ws_check.can_prepare(req.raw).ok:
+        raise NotAWebSocket(
+            "this is a WebSocket endpoint: connect with a WebSocket client "
+            "(metalctl machines console ID)"
+        )
+    machine_id = req.params["id"]
+    svc = _console(req)
+    if not req.raw.headers.get(FORWARDED):
+        url = await _bmc(req).owner_url(machine_id=machine_id)
+        if url is not None:
+            return await _proxy(req, url)
+    await svc.check(machine_id)
+    q: ConsoleQuery = req.query
+    actor = req.actor
+    viewer, buffered = await svc.attach(machine_id, actor, q.mode)
+    req.ctx.bus.notify()
+    ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=MAX_INPUT_BYTES * 2)
+    try:
+        await ws.prepare(req.raw)
+        await ws.send_json(
+            {
+                "type": "hello",
+                "machine_id": machine_id,
+                "mode": "write" if viewer.writer else "read",
+                "writer": svc.status(machine_id)["writer"],
+                "buffered": len(buffered),
+                **{k: v for k, v in svc.status(machine_id).items() if k in ("state", "detail")},
+            }
+        )
+        if buffered:
+            await ws.send_bytes(buffered)
+        await _pump(req, ws, svc, machine_id, viewer)
+    finally:
+        await svc.detach(machine_id, viewer)
+        req.ctx.bus.notify()
+        await ws.close()
+    return ws
+
+
+async def _pump(
+    req: ApiRequest, ws: web.WebSocketResponse, svc: ConsoleService, machine_id: str, v: Viewer
+) -> None:
+    loop = asyncio.get_running_loop()
+    secret = bearer_token(req.raw) or ""
+
+    async def outbound() -> str:
+        while True:
+            item = await v.queue.get()
+            if item is None:
+                return v.cut_reason or "closed"
+            if isinstance(item, bytes):
+                await ws.send_bytes(item)
+            else:
+                await ws.send_json(item)
+
+    async def token_watch() -> str:
+        while True:
+            await asyncio.sleep(RECHECK_S)
+            if await req.ctx.store.run(authenticate, secret) is None:
+                return "the token was revoked or expired"
+
+    async def inbound() -> str:
+        told = False
+        async for msg in ws:
+            if msg.type == WSMsgType.BINARY:
+                data: bytes = msg.data
+                if len(data) > MAX_INPUT_BYTES:
+                    await ws.send_json({"type": "error", "detail": "input frame too large"})
+                    continue
+                if not svc.type(machine_id, v, data) and not told:
+                    told = True
+                    await ws.send_json(
+                        {
+                            "type": "error",
+                            "detail": "read-only: another viewer is the writer"
+                            if not v.writer
+                            else "the console link is not up; keys were dropped",
+                        }
+                    )
+            elif msg.type == WSMsgType.TEXT:
+                try:
+                    note = json.loads(msg.data)
+                except ValueError:
+                    note = None
+                if isinstance(note, dict) and note.get("type") == "break":
+                    if not svc.send_break(machine_id, v):
+                        await ws.send_json({"type": "error", "detail": "break not sent"})
+                else:
+                    await ws.send_json(
+                        {"type": "error", "detail": 'text frames are JSON notes: {"type": "break"}'}
+                    )
+            elif msg.type == WSMsgType.ERROR:
+                break
+        return "client left"
+
+    tasks = [loop.create_task(f()) for f in (outbound, token_watch, inbound)]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        reason = next(iter(done)).result()
+    except Exception as e:  # noqa: BLE001 - the socket broke under a send
+        reason = type(e).__name__
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+    if not ws.closed and reason != "client left":
+        with contextlib.suppress(Exception):
+            await ws.send_json({"type": "closed", "detail": reason})
+
+
+async def _proxy(req: ApiRequest, owner_url: str) -> web.StreamResponse:
+    """Carry the WebSocket to the BMC's owner instance, frames as they are, both ways."""
+    headers = {FORWARDED: req.ctx.instance}
+    if auth := req.raw.headers.get("Authorization"):
+        headers["Authorization"] = auth
+    target = owner_url.rstrip("/") + req.raw.path_qs
+    http = aiohttp.ClientSession()
+    try:
+        try:
+            upstream = await http.ws_connect(target, headers=headers, heartbeat=30.0)
+        except aiohttp.WSServerHandshakeError as e:
+            raise _owner_refusal(e, owner_url) from None
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise ForwardFailed(
+                f"this machine's BMC is owned by the instance at {owner_url}, which did not "
+                f"answer ({type(e).__name__}); retry, or check that instance",
+                owner_url=owner_url,
+            ) from None
+        ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=MAX_INPUT_BYTES * 2)
+        await ws.prepare(req.raw)
+
+        async def down() -> None:
+            async for m in upstream:
+                if m.type == WSMsgType.BINARY:
+                    await ws.send_bytes(m.data)
+                elif m.type == WSMsgType.TEXT:
+                    await ws.send_str(m.data)
+
+        async def up() -> None:
+            async for m in ws:
+                if m.type == WSMsgType.BINARY:
+                    await upstream.send_bytes(m.data)
+                elif m.type == WSMsgType.TEXT:
+                    await upstream.send_str(m.data)
+
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(down()), loop.create_task(up())]
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for t in tasks:
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        await upstream.close()
+        await ws.close()
+        return ws
+    finally:
+        await http.close()
+
+
+def _owner_refusal(e: aiohttp.WSServerHandshakeError, owner_url: str) -> MetaldError:
+    err = MetaldError(
+        f"the instance that owns this machine's BMC ({owner_url}) refused the console "
+        f"with HTTP {e.status}; run the same request there to read its reason"
+    )
+    err.status, err.title = e.status or 502, "Refused by the BMC's owner"
+    return err
