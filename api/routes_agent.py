@@ -13,11 +13,14 @@ from sqlmodel import Session
 from api.roles import AGENT
 from api.routing import ApiRequest, Router
 from api.schemas import In
+from api.workflows import claim_workflow
 from metald import enrollment, machines
 from metald.auth import require_agent_phase
 from metald.claims.provisioning import next_step
 from metald.inventory.schema import InventoryPayload
+from metald.lifecycle import State
 from metald.machines import get_machine
+from metald.provision import commissioning
 from metald.provision.progress import Progress, record_progress
 from metald.store.models import Machine
 
@@ -179,11 +182,16 @@ async def post_progress(req: ApiRequest) -> ProgressAccepted:
             instance=req.ctx.instance,
             min_interval_s=req.ctx.cfg.provision.progress_event_interval_s,
             token_boot=p.boot,
+            on_wiped=lambda s, m: commissioning.after_wipe(
+                s, m, req.ctx.cfg.enroll.rules, actor=req.actor, instance=req.ctx.instance
+            ),
         )
         return ProgressAccepted(machine_id=m.id, state=m.state)
 
     out = await req.ctx.store.run(run)
     req.ctx.bus.notify()
+    if State(out.state) is State.INSPECTING:  # wiped; its profile asks to commission again
+        claim_workflow(req.ctx).network_boot([mid], f"metald:{req.ctx.instance}")
     return out
 
 

@@ -51,6 +51,16 @@ class SelectorIn(In):
     min_memory_mb: int | None = Field(default=None, ge=0, le=SQL_INT_MAX)
     labels: dict[LabelKey, LabelValue] = Field(default={}, max_length=64)
     rack: Name | None = None
+    commissioned_within_days: float | None = Field(
+        default=None,
+        gt=0,
+        le=3650,
+        description="Only machines whose commissioning passed "
+        "within this many days (docs/commissioning.md).",
+    )
+    commission_profile: Name | None = Field(
+        default=None, description="Only machines that passed commissioning with this profile."
+    )
     firmware: dict[Name, Text] = Field(
         default={},
         max_length=16,

@@ -35,6 +35,7 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_CACHE = HERE.parent / ".cache" / "bootassets"
 
 AGENT = HERE / "agent" / "metald-agent"
+COMMISSION = HERE / "agent" / "metald-commission"
 INIT = HERE / "initramfs" / "init"
 UDHCPC_SCRIPT = HERE / "initramfs" / "udhcpc.script"
 SELECT_DRIVERS = HERE / "initramfs" / "select-drivers"
@@ -156,6 +157,7 @@ def resolve_inputs() -> dict[str, object]:
         str(p.relative_to(HERE)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in (
             AGENT,
+            COMMISSION,
             INIT,
             UDHCPC_SCRIPT,
             SELECT_DRIVERS,
@@ -303,6 +305,7 @@ def build_initramfs(
         cpio.file("init", INIT.read_bytes(), 0o755),
         cpio.file("bin/select-drivers", SELECT_DRIVERS.read_bytes(), 0o755),
         cpio.file("usr/bin/metald-agent", AGENT.read_bytes(), 0o755),
+        cpio.file("usr/bin/metald-commission", COMMISSION.read_bytes(), 0o755),
         cpio.file("usr/share/udhcpc/default.script", UDHCPC_SCRIPT.read_bytes(), 0o755),
         cpio.file("lib/modules/load-order", "".join(f"{m}\n" for m in order).encode()),
         cpio.file("lib/modules/aliases", aliases.encode()),

@@ -277,6 +277,9 @@ class ProvisionConfig(_Section):
     #: Longest time a machine may stay in each transitional state before the watchdog moves it
     #: to the matching failed state (0: never). Inspecting -> inspect-failed.
     inspecting_timeout_s: int = Field(default=1800, ge=0)
+    #: commissioning -> commission-failed when the agent never reports its last check (a hung
+    #: diagnostic); a profile longer than this (a burn-in of hours) needs it raised.
+    commissioning_timeout_s: int = Field(default=7200, ge=0)
     #: provisioning -> provision-failed (a disk image is downloaded and written in this time).
     provisioning_timeout_s: int = Field(default=3600, ge=0)
     #: joining -> join-failed.

@@ -22,9 +22,16 @@ from metald.boot.machine_hooks import StoreBootHooks
 from metald.config import EnrollConfig
 from metald.errors import Conflict, MetaldError
 from metald.inventory import validate_inventory
-from metald.inventory.rules import apply_rules, bios_profile
-from metald.lifecycle import INVENTORY_ACCEPTED, OUT_OF_SERVICE, State, Trigger, phase_of
-from metald.provision import boots
+from metald.inventory.rules import apply_rules, bios_profile, profile_for
+from metald.lifecycle import (
+    COMMISSION_RUNNING,
+    INVENTORY_ACCEPTED,
+    OUT_OF_SERVICE,
+    State,
+    Trigger,
+    phase_of,
+)
+from metald.provision import boots, commissioning
 from metald.store.models import Event, Machine, as_utc, utcnow
 
 
@@ -168,10 +175,11 @@ def accept_inventory(
     if not m.rack_position and norm.rack_position_hint:
         updates["rack_position"] = norm.rack_position_hint
     machines.sync_nics(s, m.id, norm.nics)
+    commission = profile_for(cfg.rules, norm, updates.get("rack_position", m.rack_position))
     machines.transition(
         s,
         m.id,
-        Trigger.INSPECTED,
+        commissioning.trigger_after_inventory(s, m.id, commission),
         actor=actor,
         reason="inventory accepted",
         machine=m,
@@ -195,6 +203,8 @@ def accept_inventory(
             data={"changes": accepted.changes},
             instance=instance,
         )
+    if commission is not None:
+        commissioning.start_run(s, m, commission, norm, actor=actor, instance=instance)
     s.commit()
     return m
 
@@ -204,6 +214,11 @@ def next_instruction(m: Machine, cfg: EnrollConfig) -> dict[str, Any]:
     state = State(m.state)
     if state in INVENTORY_ACCEPTED:
         return {"action": "inspect", "reason": "post the inventory"}
+    if state in COMMISSION_RUNNING:
+        return {"action": "commission", "reason": "run the commissioning checks"}
+    if state is State.COMMISSION_FAILED:
+        # Repair happens with the power off; a technician's commission boots it again.
+        return {"action": "poweroff", "reason": f"commissioning failed: {m.last_error}"}
     if state is State.READY:
         return {"action": cfg.after_inspection, "reason": "inspected; waiting for a claim"}
     if state in OUT_OF_SERVICE:

@@ -15,6 +15,8 @@ class State(StrEnum):
     DISCOVERED = "discovered"
     INSPECTING = "inspecting"
     INSPECT_FAILED = "inspect-failed"
+    COMMISSIONING = "commissioning"
+    COMMISSION_FAILED = "commission-failed"
     READY = "ready"
     CLAIMED = "claimed"
     PROVISIONING = "provisioning"
@@ -35,6 +37,11 @@ class Trigger(StrEnum):
     INSPECT = "inspect"  # start (re-)inspection: boot the discovery image
     INSPECTED = "inspected"  # the agent posted a valid inventory
     INSPECT_FAIL = "inspect-fail"  # agent error or watchdog timeout
+    #: The inventory was accepted and an enroll rule gives the machine a commissioning profile
+    #: (``metald.commissioning``): the discovery agent runs its checks before ready.
+    COMMISSION = "commission"
+    COMMISSIONED = "commissioned"  # every check of the profile passed (metald's verdict)
+    COMMISSION_FAIL = "commission-fail"  # a check failed, the agent gave up, or the watchdog
     CLAIM = "claim"  # allocated to a tenant's claim
     PROVISION = "provision"  # start installing the claim's image (also a retry)
     PROVISIONED = "provisioned"  # image written/booted
@@ -71,10 +78,13 @@ ALLOCATED = frozenset(
     }
 )
 #: States in which a machine is not allocated and no operation is under way.
-IDLE = frozenset({S.DISCOVERED, S.READY, S.INSPECT_FAILED, S.WIPE_FAILED})
+IDLE = frozenset(
+    {S.DISCOVERED, S.READY, S.INSPECT_FAILED, S.COMMISSION_FAILED, S.WIPE_FAILED}
+)
 #: States a watchdog times out of, and where it sends them.
 TIMEOUTS: dict[State, Trigger] = {
     S.INSPECTING: T.INSPECT_FAIL,
+    S.COMMISSIONING: T.COMMISSION_FAIL,
     S.PROVISIONING: T.PROVISION_FAIL,
     S.JOINING: T.JOIN_FAIL,
     S.WIPING: T.WIPE_FAIL,
@@ -93,6 +103,13 @@ def _table() -> dict[tuple[State, Trigger], State]:
     add({S.DISCOVERED, S.READY, S.INSPECT_FAILED, S.MAINTENANCE}, T.INSPECT, S.INSPECTING)
     add(S.INSPECTING, T.INSPECTED, S.READY)
     add(S.INSPECTING, T.INSPECT_FAIL, S.INSPECT_FAILED)
+    # Commissioning: in the same discovery boot, right after the inventory. On demand (and
+    # after a repair) a machine is inspected again with a commissioning run requested, so its
+    # profile is compared with a fresh inventory; the run starts when that inventory arrives.
+    add(S.INSPECTING, T.COMMISSION, S.COMMISSIONING)
+    add(S.COMMISSIONING, T.COMMISSIONED, S.READY)
+    add(S.COMMISSIONING, T.COMMISSION_FAIL, S.COMMISSION_FAILED)
+    add(S.COMMISSION_FAILED, T.INSPECT, S.INSPECTING)
     # Allocation and provisioning
     add(S.READY, T.CLAIM, S.CLAIMED)
     add({S.CLAIMED, S.PROVISION_FAILED}, T.PROVISION, S.PROVISIONING)
@@ -125,6 +142,9 @@ TRANSITIONS: dict[tuple[State, Trigger], State] = _table()
 #: maintenance, retired) accept no agent token at all.
 PHASES: dict[State, str] = {
     **{s: "inspect" for s in (S.DISCOVERED, S.INSPECTING, S.INSPECT_FAILED, S.READY)},
+    #: Commissioning runs in the discovery boot that posted the inventory: the same phase, so
+    #: the discovery agent's token carries on; a provisioning or wipe token never works here.
+    **{s: "inspect" for s in (S.COMMISSIONING, S.COMMISSION_FAILED)},
     **{s: "provision" for s in ALLOCATED},
     **{s: "wipe" for s in (S.RELEASING, S.WIPING, S.WIPE_FAILED)},
 }
@@ -182,6 +202,10 @@ NETWORK_BOOT = ARM_ON_ENTRY | DISARM_ON_ENTRY
 UNINSPECTED = frozenset({S.DISCOVERED, S.INSPECTING, S.INSPECT_FAILED})
 #: States in which a machine's agent may post its inventory.
 INVENTORY_ACCEPTED = sources(T.INSPECTED)
+#: States in which the discovery agent runs commissioning checks and may post their results.
+COMMISSION_RUNNING = frozenset(TIMEOUTS.keys() & sources(T.COMMISSIONED))
+#: States from which a technician's commissioning request boots the discovery image again.
+COMMISSION_REQUESTABLE = sources(T.INSPECT) - UNINSPECTED
 #: States without an agent phase: out of service (maintenance, broken, retired); an agent
 #: that still runs there is told to power off.
 OUT_OF_SERVICE = frozenset(State) - PHASES.keys()

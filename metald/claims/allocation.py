@@ -27,6 +27,7 @@ from metald import machines
 from metald.claims.records import retrying, switch_plan
 from metald.errors import Conflict, NotFound, Unprocessable
 from metald.lifecycle import State, Trigger
+from metald.provision.commissioning import require_passed
 from metald.provision.intents import DeployImage, provision_intent
 from metald.store.models import Bmc, Claim, Image, Machine, Tenant
 
@@ -49,6 +50,9 @@ class Selector:
     #: Every label must be present with exactly this value.
     labels: dict[str, str] = field(default_factory=dict)
     rack: str | None = None
+    #: Only machines whose commissioning passed within this many days / with this profile.
+    commissioned_within_days: float | None = None
+    commission_profile: str | None = None
     #: Firmware inventory id -> version or glob (metald.bmc.firmware records them).
     firmware: dict[str, str] = field(default_factory=dict)
 
@@ -61,6 +65,8 @@ class Selector:
             min_memory_mb=d.get("min_memory_mb"),
             labels={str(k): str(v) for k, v in (d.get("labels") or {}).items()},
             rack=d.get("rack") or None,
+            commissioned_within_days=d.get("commissioned_within_days"),
+            commission_profile=d.get("commission_profile") or None,
             firmware={str(k): str(v) for k, v in (d.get("firmware") or {}).items()},
         )
 
@@ -100,7 +106,9 @@ class Selector:
             stmt = stmt.where(Machine.memory_mb >= self.min_memory_mb)  # type: ignore[operator]
         if self.rack is not None:
             stmt = stmt.where(Machine.rack == self.rack)
-        return stmt
+        return require_passed(
+            stmt, within_days=self.commissioned_within_days, profile=self.commission_profile
+        )
 
     def narrow(self, stmt: Any, dialect: str) -> tuple[Any, bool]:
         """``prefilter`` plus the globs and labels SQL can check with the same meaning as

@@ -19,6 +19,7 @@ from sqlmodel import Session
 
 from metald.claims import allocation, records, release
 from metald.lifecycle import NETWORK_BOOT
+from metald.provision import commissioning
 from metald.provision.intents import DeployImage
 from metald.store.db import Store
 from metald.store.models import Claim, Machine
@@ -107,6 +108,10 @@ class ClaimWorkflow:
     require_bmc: bool | None = None
     #: The tenant mesh, told of released machines before they are wiped.
     mesh: MeshRelease | None = None
+
+    def network_boot(self, machine_ids: list[str], actor: str) -> None:
+        """Boot machines a step outside this workflow moved into a network-booting state."""
+        self._boot_from_network(machine_ids, actor)
 
     def _boot_from_network(self, machine_ids: list[str], actor: str) -> None:
         """In the background: one-time PXE and a power cycle through each machine's BMC."""
@@ -236,6 +241,29 @@ class ClaimWorkflow:
                 version=version,
                 instance=self.instance,
             )
+
+        return await self._on_machine(
+            machine_id, step, actor=actor, load=load, render=render, boot=NETWORK_BOOT
+        )
+
+    async def commission(
+        self,
+        machine_id: str,
+        *,
+        actor: str,
+        load: LoadMachine,
+        render: Callable[[Session, Machine], R],
+        profile_of: Callable[[Machine], Any],
+        reason: str | None = None,
+    ) -> R:
+        """A technician's commissioning (``provision.commissioning.request_run``): inspected
+        again, booted through the BMC; the run starts with the fresh inventory."""
+
+        def step(s: Session, m: Machine) -> Machine:
+            commissioning.request_run(
+                s, m.id, profile=profile_of(m), actor=actor, reason=reason, instance=self.instance
+            )
+            return load(s, m.id)
 
         return await self._on_machine(
             machine_id, step, actor=actor, load=load, render=render, boot=NETWORK_BOOT

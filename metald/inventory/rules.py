@@ -19,6 +19,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from metald.commissioning.profile import CommissioningProfile
 from metald.inventory.normalize import NormalizedInventory
 
 MatchKey = Literal[
@@ -35,6 +36,9 @@ class EnrollmentRule(BaseModel):
     rack: str | None = None
     #: Only machines with at least this many GPUs (handy with gpu_family).
     min_gpu_count: int = Field(default=0, ge=0)
+    #: What a machine matched by this rule must have and which checks prove it, run between
+    #: inspection and ready (docs/commissioning.md); the last matching rule with one wins.
+    commissioning: CommissioningProfile | None = None
     #: Desired BIOS attributes (Redfish names): staged as pending settings through the BMC,
     #: applied at the next reboot; a difference later is reported as drift (metald.bmc.firmware).
     bios: dict[str, str | int | bool] = Field(default_factory=dict)
@@ -68,6 +72,17 @@ def apply_rules(
             labels.update(rule.labels)
             rack = rule.rack if rule.rack is not None else rack
     return labels, rack
+
+
+def profile_for(
+    rules: list[EnrollmentRule], normalized: NormalizedInventory, rack_position: str | None
+) -> CommissioningProfile | None:
+    """The commissioning profile of the last matching rule that has one."""
+    found = None
+    for rule in rules:
+        if rule.commissioning is not None and rule_matches(rule, normalized, rack_position):
+            found = rule.commissioning
+    return found
 
 
 def bios_profile(

@@ -9,7 +9,7 @@ from typing import Any
 
 from metald.lifecycle import HANDOFF, TIMEOUTS
 
-from . import bmc, bulk, console
+from . import bmc, bulk, commissioning, console
 from .client import Client
 from .names import shown, tenant_names
 from .options import POWER_ACTIONS, Subparsers, confirm, key_values, machine_ref
@@ -110,6 +110,7 @@ def register(sub: Subparsers) -> None:
     machine_ref(mn.add_argument("id", help="id, name or id prefix"))
     mn.add_argument("name")
     mn.set_defaults(func=rename)
+    commissioning.register(msub)
     console.add_to(msub)
 
 

@@ -12,6 +12,7 @@ machine stays wiping.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
@@ -115,10 +116,12 @@ def record_progress(
     instance: str | None = None,
     min_interval_s: float = 0.0,
     token_boot: str | None = None,
+    on_wiped: Callable[[Session, Machine], object] | None = None,
 ) -> Machine:
     """Store one report (and its transition, if it ends the operation) atomically. A report
     that ends nothing, in the same phase as one stored less than ``min_interval_s`` ago, is
-    accepted without an event. ``token_boot``: the boot the reporting token was minted for."""
+    accepted without an event. ``token_boot``: the boot the reporting token was minted for.
+    ``on_wiped`` runs in the wipe's transaction after ``wiped`` (commissioning on release)."""
     m = machines.get_machine(session, machine_id)
     state = State(m.state)
     trigger, updates = outcome(state, p)
@@ -162,7 +165,8 @@ def record_progress(
     if trigger is Trigger.WIPED:
         # The wipe image's token has done its job; nothing may act as this machine now.
         revoke_machine_tokens(session, m.id, commit=False)
-    return machines.transition(
+    then = on_wiped if trigger is Trigger.WIPED else None
+    m = machines.transition(
         session,
         m.id,
         trigger,
@@ -172,4 +176,9 @@ def record_progress(
         updates=updates,
         instance=instance,
         machine=m,
+        commit=then is None,
     )
+    if then is not None:
+        then(session, m)
+        session.commit()
+    return m

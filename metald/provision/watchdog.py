@@ -61,6 +61,7 @@ def timeouts(cfg: ProvisionConfig) -> dict[State, int]:
     """Seconds allowed in each watched state (states with 0 are not watched)."""
     out = {
         State.INSPECTING: cfg.inspecting_timeout_s,
+        State.COMMISSIONING: cfg.commissioning_timeout_s,
         State.PROVISIONING: cfg.provisioning_timeout_s,
         State.JOINING: cfg.joining_timeout_s,
         State.WIPING: cfg.wiping_timeout_s,

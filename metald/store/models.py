@@ -11,7 +11,7 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, Column, DateTime, Index, LargeBinary, UniqueConstraint
+from sqlalchemy import JSON, Column, DateTime, Index, LargeBinary, Text, UniqueConstraint
 from sqlmodel import Field, SQLModel
 
 
@@ -394,3 +394,44 @@ class StoreMeta(SQLModel, table=True):
     key: str = Field(primary_key=True)
     value: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
     created_at: datetime = _ts()
+
+
+class CommissioningRun(SQLModel, table=True):
+    """One commissioning of a machine against a profile (``metald.commissioning``): requested
+    (waiting for the discovery boot's inventory), running, then passed, failed or error."""
+
+    __tablename__ = "commissioning_runs"
+
+    id: str = Field(default_factory=new_id, primary_key=True)
+    machine_id: str = Field(foreign_key="machines.id", index=True)
+    profile: str
+    status: str = Field(index=True)
+    #: The profile as it was when the run was requested (its checks are what the agent runs):
+    #: a rule edited mid-run changes nothing for this run.
+    spec: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    requested_by: str
+    #: Why it failed, in a sentence naming the failed checks.
+    summary: str | None = None
+    created_at: datetime = _ts()
+    started_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    finished_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+
+
+class CommissioningResult(SQLModel, table=True):
+    """One check of a run: metald's verdict, what the agent said, the values, bounded output."""
+
+    __tablename__ = "commissioning_results"
+    __table_args__ = (UniqueConstraint("run_id", "check", name="uq_commissioning_result_check"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: str = Field(foreign_key="commissioning_runs.id", index=True)
+    check: str
+    #: metald's verdict: passed, failed, skipped or error.
+    status: str
+    #: What the agent reported; kept for the record, never trusted alone.
+    agent_status: str | None = None
+    duration_s: float | None = None
+    sentence: str
+    values: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    raw: str | None = Field(default=None, sa_column=Column(Text))
+    at: datetime = _ts()

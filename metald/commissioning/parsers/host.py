@@ -1,0 +1,146 @@
+"""CPU, memory and disk checks: smartctl -j, fio JSON, stress-ng, memtester, EDAC counters."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from metald.commissioning.verdict import Verdict, error, judge, skipped
+
+
+def _json(text: str, tool: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{tool} output is not JSON: {e}") from None
+
+
+def judge_smart(text: str) -> Verdict:
+    """``smartctl -j -a /dev/X``, one document per disk (a JSON list, or one per line): a
+    document without SMART data (the device could not be opened) is an error; overall health
+    failed, an NVMe critical warning, NVMe media errors (a drive can report PASSED with them),
+    or NVMe wear of 90 % or more fail."""
+    docs: list[Any] = []
+    try:
+        parsed = _json(text, "smartctl") if text.lstrip()[:1] in ("[", "{") else None
+    except ValueError:
+        parsed = None
+    try:
+        if isinstance(parsed, list):
+            docs = parsed
+        elif isinstance(parsed, dict):
+            docs = [parsed]
+        else:
+            docs = [_json(line, "smartctl") for line in text.splitlines() if line.strip()]
+    except ValueError as e:
+        return error(str(e))
+    disks, problems = [], []
+    for d in docs:
+        if not isinstance(d, dict):
+            return error("smartctl output is not a JSON object per disk")
+        name = (d.get("device") or {}).get("name") or "?"
+        status = d.get("smart_status")
+        if not isinstance(status, dict):
+            msgs = [m.get("string", "") for m in (d.get("smartctl") or {}).get("messages", [])]
+            argv = (d.get("smartctl") or {}).get("argv") or ["?"]
+            return error(f"smartctl read no SMART data from {argv[-1]}: {'; '.join(msgs)[:200]}")
+        nvme = d.get("nvme_smart_health_information_log") or {}
+        wear = nvme.get("percentage_used")
+        crit = nvme.get("critical_warning", 0) or 0
+        media = nvme.get("media_errors", 0) or 0
+        disks.append(
+            {
+                "device": name,
+                "model": d.get("model_name"),
+                "passed": status.get("passed"),
+                "percentage_used": wear,
+                "critical_warning": crit,
+                "media_errors": media,
+            }
+        )
+        if status.get("passed") is False:
+            problems.append(f"{name} SMART overall health failed")
+        if crit:
+            problems.append(f"{name} NVMe critical warning {crit:#x}")
+        if media:
+            problems.append(f"{name} has {media} NVMe media errors")
+        if isinstance(wear, int) and wear >= 90:
+            problems.append(f"{name} NVMe {wear} % worn")
+    if not docs:
+        return error("smartctl reported no disk")
+    return judge(problems, f"{len(disks)} disk(s) SMART healthy", disks=disks)
+
+
+def judge_fio(text: str, *, min_read_mbps: float | None = None) -> Verdict:
+    """``fio --output-format=json``: no job errors; read bandwidth above the profile's floor."""
+    try:
+        doc = _json(text, "fio")
+    except ValueError as e:
+        return error(str(e))
+    jobs = doc.get("jobs") if isinstance(doc, dict) else None
+    if not isinstance(jobs, list) or not jobs:
+        return error("fio output has no jobs")
+    out, problems = [], []
+    for j in jobs:
+        name = str(j.get("jobname", "?"))
+        err = int(j.get("error", 0) or 0)
+        bw_kib = float((j.get("read") or {}).get("bw", 0) or 0)  # KiB/s
+        mbps = round(bw_kib * 1024 / 1e6, 1)
+        out.append({"job": name, "error": err, "read_mbps": mbps})
+        if err:
+            problems.append(f"fio job {name} failed with error {err}")
+        if min_read_mbps is not None and mbps < min_read_mbps:
+            problems.append(f"fio job {name} read {mbps} MB/s, below {min_read_mbps:g} MB/s")
+    return judge(problems, f"fio read {', '.join(str(j['read_mbps']) for j in out)} MB/s", jobs=out)
+
+
+_STRESS_FAIL = re.compile(r"(?:failed|unsuccessful run completed)", re.IGNORECASE)
+_STRESS_OK = re.compile(r"successful run completed")
+
+
+def judge_stress_ng(text: str) -> Verdict:
+    """stress-ng's log: 'successful run completed' and no 'failed'/'unsuccessful' line.
+    (With --verify a miscompare is logged as a failure.)"""
+    bad = [line.strip() for line in text.splitlines() if _STRESS_FAIL.search(line)]
+    bad = [b for b in bad if not re.search(r"\b0 failed\b", b)]
+    if bad:
+        return judge([f"stress-ng: {bad[0][:200]}"], "", lines=bad[:10])
+    if not _STRESS_OK.search(text):
+        return error("stress-ng did not report a completed run")
+    return judge([], "stress-ng run completed without failures")
+
+
+def judge_memtester(text: str, exit_code: int | None) -> Verdict:
+    """memtester: exit 0 and no FAILURE line (its exit code sets bits per failed test)."""
+    fails = [line.strip() for line in text.splitlines() if "FAILURE" in line]
+    if fails or (exit_code not in (None, 0)):
+        first = fails[0][:200] if fails else f"exit code {exit_code}"
+        return judge([f"memtester: {first}"], "", failures=fails[:10], exit_code=exit_code)
+    if "Done." not in text:
+        return error("memtester did not finish (no 'Done.')")
+    return judge([], "memtester passed", exit_code=exit_code)
+
+
+def parse_edac(text: str) -> dict[str, int]:
+    """``name value`` lines (``mc0/ce_count 0``) as the agent reads /sys/devices/system/edac/mc."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].isdigit():
+            out[parts[0]] = int(parts[1])
+    return out
+
+
+def judge_edac(before: str, after: str) -> Verdict:
+    """Uncorrected errors at all, or corrected errors that grew during the run, fail."""
+    b, a = parse_edac(before), parse_edac(after)
+    problems = []
+    for key, value in sorted(a.items()):
+        if key.endswith("ue_count") and value:
+            problems.append(f"EDAC {key} = {value} uncorrected memory errors")
+        elif key.endswith("ce_count") and value > b.get(key, 0):
+            problems.append(f"EDAC {key} grew from {b.get(key, 0)} to {value} during the run")
+    if not a:
+        return skipped("no EDAC memory controller (the kernel has no EDAC driver here)")
+    return judge(problems, f"EDAC counters steady on {len(a) // 2 or 1} controller(s)", after=a)
