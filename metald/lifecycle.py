@@ -78,9 +78,7 @@ ALLOCATED = frozenset(
     }
 )
 #: States in which a machine is not allocated and no operation is under way.
-IDLE = frozenset(
-    {S.DISCOVERED, S.READY, S.INSPECT_FAILED, S.COMMISSION_FAILED, S.WIPE_FAILED}
-)
+IDLE = frozenset({S.DISCOVERED, S.READY, S.INSPECT_FAILED, S.COMMISSION_FAILED, S.WIPE_FAILED})
 #: States a watchdog times out of, and where it sends them.
 TIMEOUTS: dict[State, Trigger] = {
     S.INSPECTING: T.INSPECT_FAIL,
