@@ -318,10 +318,10 @@ def _tenant_node_guard(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
 
 
 def _token_sweeper(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
-    """Deletes tokens revoked or expired more than a day ago, hourly."""
+    """Deletes tokens revoked or expired more than a day ago, hourly (one instance of a fleet)."""
     from metald.token_sweep import TokenSweeper
 
-    return TokenSweeper(d.store, d.cfg.instance), []
+    return TokenSweeper(d.store, d.cfg.instance, ownership=d.fleet), []
 
 
 _SERVICE_FACTORIES = [

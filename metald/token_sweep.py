@@ -1,13 +1,16 @@
 """The token purge as a daemon service: every ``interval_s``, delete long-dead tokens.
 
 The sweep itself is ``metald.auth.purge_tokens`` (one DELETE, safe to run on several instances
-at once); this service only calls it periodically and records what it removed.
+at once); this service only calls it periodically and records what it removed. In a fleet it
+runs on one instance: the rendezvous owner of ``sweep:tokens`` among the live ones (another
+takes it over when that one dies), so the purge and its event happen once, not once per instance.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 from sqlmodel import Session
 
@@ -33,13 +36,26 @@ def purge_and_record(s: Session, *, actor: str, instance: str | None) -> int:
     return n
 
 
+#: The fleet-wide key whose owner runs the purge.
+SWEEP_KEY = "sweep:tokens"
+
+
 class TokenSweeper:
     name = "token-sweeper"
 
-    def __init__(self, store: Store, instance: str, *, interval_s: float = 3600.0) -> None:
+    def __init__(
+        self,
+        store: Store,
+        instance: str,
+        *,
+        interval_s: float = 3600.0,
+        ownership: Any = None,
+    ) -> None:
         self.store = store
         self.instance = instance
         self.interval_s = interval_s
+        #: The fleet's Membership (``owns_key``); None: this instance is the only one.
+        self.ownership = ownership
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -50,6 +66,9 @@ class TokenSweeper:
         self._task = None
 
     async def sweep_once(self) -> int:
+        """Purge now if this instance owns the sweep; the number of tokens removed."""
+        if self.ownership is not None and not self.ownership.owns_key(SWEEP_KEY):
+            return 0
         return await self.store.run(
             purge_and_record, actor=f"metald:{self.instance}", instance=self.instance
         )

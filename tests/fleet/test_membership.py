@@ -307,3 +307,60 @@ async def test_a_restart_on_the_same_host_takes_over_a_crashed_name_at_once(
     finally:
         alive.kill()
         alive.wait()
+
+
+async def test_the_token_purge_runs_on_one_instance_of_the_fleet(pg_server) -> None:  # type: ignore[no-untyped-def]
+    """Every instance runs a TokenSweeper; only the owner of ``sweep:tokens`` purges (one
+    DELETE and one event, not one per instance), and a survivor takes the sweep over."""
+    from datetime import timedelta
+
+    from metald.auth import TOKEN_RETENTION, issue_token
+    from metald.store.models import ApiToken, Event, utcnow
+    from metald.token_sweep import TokenSweeper
+
+    store = Store(pg_server.new_database())
+    store.migrate()
+
+    def dead_tokens(s: Session, n: int) -> None:
+        for i in range(n):
+            row, _ = issue_token(s, name=f"old{i}", role="technician", commit=False)
+            row.revoked_at = utcnow() - TOKEN_RETENTION - timedelta(hours=1)
+            s.add(row)
+        s.commit()
+
+    fleets = [fleet(store, f"rack{i}") for i in range(3)]
+    try:
+        for f in fleets:
+            await f.start()
+        for f in fleets:
+            await f.refresh()
+        sweepers = {f.instance: TokenSweeper(store, f.instance, ownership=f) for f in fleets}
+        await store.run(dead_tokens, 4)
+        owner = fleets[0].key_owner("sweep:tokens")
+        assert all(f.key_owner("sweep:tokens") == owner for f in fleets)
+        # The others sweep first: with tokens to purge, they still leave them to the owner.
+        order = sorted(sweepers, key=lambda name: name == owner)
+        purged = {name: await sweepers[name].sweep_once() for name in order}
+        assert purged == {name: (4 if name == owner else 0) for name in sweepers}
+
+        def purge_events(s: Session) -> list[Event]:
+            return list(s.exec(select(Event).where(Event.kind == "tokens.purged")))
+
+        assert len(await store.run(purge_events)) == 1
+
+        # The owner dies: a survivor owns the sweep once the others see it gone.
+        dead = next(f for f in fleets if f.instance == owner)
+        await dead.stop()
+        survivors = [f for f in fleets if f is not dead]
+        for f in survivors:
+            await f.refresh()
+        await store.run(dead_tokens, 2)
+        heir = survivors[0].key_owner("sweep:tokens")
+        assert heir != owner and heir in {f.instance for f in survivors}
+        order = sorted((f.instance for f in survivors), key=lambda name: name == heir)
+        purged = {name: await sweepers[name].sweep_once() for name in order}
+        assert purged == {name: (2 if name == heir else 0) for name in order}
+        assert not (await store.run(lambda s: list(s.exec(select(ApiToken)))))
+    finally:
+        for f in fleets:
+            await f.stop()
