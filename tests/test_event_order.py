@@ -143,7 +143,9 @@ async def test_a_stream_delivers_an_event_that_commits_late(
     live = await live_api(aiohttp_client, pg_store, tmp_path, bus=EventBus(poll_s=0.02))
     start = (
         await (
-            await live.client.get("/api/v1/events?sort=-id&limit=1", headers=live.tokens.header("admin"))
+            await live.client.get(
+                "/api/v1/events?sort=-id&limit=1", headers=live.tokens.header("admin")
+            )
         ).json()
     )["next_after"]
     stream = await live.client.get(

@@ -12,7 +12,7 @@ from aiohttp import ClientResponse
 from sqlalchemy import text
 
 from metald.auth import issue_token, revoke_token
-from metald.events import EventBus, newest_event_id
+from metald.events import EventBus, head_position, newest_event_id
 from metald.store.models import ApiToken, utcnow
 from tests.api_helpers import LiveApi, live_api, until
 
@@ -228,7 +228,7 @@ async def test_an_event_committed_as_the_poller_starts_reaches_the_stream(store)
 
     bus = EventBus(poll_s=3600)
     bus.bind(store)
-    covered = await store.read(newest_event_id)  # the stream's catch-up: nothing new yet
+    covered = await store.read(head_position)  # the stream's catch-up: nothing new yet
     sub = bus.subscribe("t1")
     try:
 
