@@ -44,7 +44,7 @@ def _page(s: Session, p: Principal, q: EventQuery, after: int, limit: int) -> Ev
     events whose transaction and every older one has finished are listed (metald.events): a
     later page never holds one that sorts before this one's cursor."""
     if q.sort == "-id":
-        rows = final_events(s, _filters(p, q), limit)
+        rows = final_events(s, position_of(s, after), limit, _filters(p, q))
         last = max(rows, key=position, default=None)
     else:
         rows, _ = read_events(s, position_of(s, after), limit, _filters(p, q))

@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 
 #: Events read per query, by the poller and by a subscription catching up.
 PAGE = 500
+#: The poller's first re-read while committed events wait for an older transaction (doubling
+#: up to ``poll_s``).
+PENDING_RETRY_S = 0.02
 
 
 class TooManyStreams(MetaldError):
@@ -153,14 +156,30 @@ def read_events(
     return rows, max(after, done)
 
 
-def final_events(s: Session, where: Iterable[Any], limit: int) -> list[Event]:
-    """The newest ``limit`` final events matching ``where``, newest id first (a "tail")."""
-    stmt = select(Event)
+def final_events(s: Session, after: Position, limit: int, where: Iterable[Any] = ()) -> list[Event]:
+    """The newest ``limit`` final events after ``after`` matching ``where``, newest id first
+    (a "tail": positions and ids agree on SQLite, and nearly so on PostgreSQL)."""
     if _is_pg(s):
-        stmt = stmt.where(col(Event.txid) < _horizon(s))
+        stmt = select(Event).where(
+            tuple_(col(Event.txid), col(Event.id)) > tuple_(*after), col(Event.txid) < _horizon(s)
+        )
+    else:
+        stmt = select(Event).where(col(Event.id) > after[1])
     for w in where:
         stmt = stmt.where(w)
     return list(s.exec(stmt.order_by(col(Event.id).desc()).limit(limit)).all())
+
+
+def poll_events(s: Session, after: Position, limit: int) -> tuple[list[Event], Position, bool]:
+    """The poller's read: :func:`read_events`, and whether committed events wait beyond the
+    horizon (an older transaction still runs): then the poller reads again soon, as nothing
+    else wakes it when that transaction ends."""
+    rows, cursor = read_events(s, after, limit)
+    pending = False
+    if _is_pg(s) and len(rows) < limit:
+        stmt = select(Event.id).where(col(Event.txid) >= cursor[0]).limit(1)
+        pending = s.exec(stmt).first() is not None
+    return rows, cursor, pending
 
 
 def position_of(s: Session, event_id: int) -> Position:
@@ -321,12 +340,14 @@ class EventBus:
             # read it from the store (or it would wait for the next event to notice the gap).
             self._publish(Batch(head, head, ()))
             next_poll = next_check = loop.time()
+            retry = PENDING_RETRY_S / 2
             while self._subs:
                 if wake.is_set() or loop.time() >= next_poll:
                     wake.clear()
-                    rows, cursor = await store.read(read_events, head, PAGE)
+                    rows, cursor, pending = await store.read(poll_events, head, PAGE)
                     self.polls += 1
-                    next_poll = loop.time() + self.poll_s
+                    retry = min(retry * 2, self.poll_s) if pending else PENDING_RETRY_S / 2
+                    next_poll = loop.time() + (retry if pending else self.poll_s)
                     # Only a batch with events moves ``head``: a stream then sees one range
                     # per batch and no gap in between (an empty read changes nothing for it).
                     if rows:

@@ -17,7 +17,7 @@ import pytest
 from sqlmodel import Session
 
 from metald.auth import issue_token
-from metald.events import EventBus, Position, read_events
+from metald.events import EventBus, Position, position_of, read_events
 from metald.machines import add_event
 from metald.store import Store
 from tests.api_helpers import live_api, until
@@ -172,3 +172,32 @@ async def test_a_stream_delivers_an_event_that_commits_late(
     got = await asyncio.wait_for(kinds(), WAIT)
     assert sorted(got) == ["test.t1", "test.t2"]
     stream.close()
+
+
+def test_events_written_before_the_migration_are_read(pg_server: Any) -> None:
+    """The expand-only migration: rows written by an older metald get a txid from the
+    column's default, and the readers deliver them, then the new ones, each once."""
+    from metald.store.db import upgrade
+
+    store = Store(pg_server.new_database())
+    try:
+        upgrade(store.engine, "0018")
+        with store.engine.begin() as conn:
+            conn.exec_driver_sql(
+                "INSERT INTO events (at, kind, actor) VALUES (now(), 'test.old', 'test')"
+            )
+        store.migrate()
+        with store.session() as s:
+            add_event(s, "test.new", "test")
+            s.commit()
+        with store.session() as s:
+            rows, cursor = read_events(s, (0, 0), 100)
+            assert [e.kind for e in rows] == ["test.old", "test.new"]
+            assert all(e.txid is not None for e in rows)
+            assert read_events(s, cursor, 100)[0] == []
+            # A pre-upgrade client's cursor (the old event's id) resumes after it exactly.
+            assert [e.kind for e in read_events(s, position_of(s, rows[0].id or 0), 100)[0]] == [
+                "test.new"
+            ]
+    finally:
+        store.close()
