@@ -106,7 +106,8 @@ def _check_machine_scope(s: Session, p: Principal, machine_id: str | None) -> No
     errors=(404,),
 )
 async def list_events(req: ApiRequest) -> EventPage:
-    """Events in id order after the ``after`` cursor. Orchestrators see their tenants' events."""
+    """Events in delivery order (commit order) after the ``after`` cursor; pass ``next_after``
+    back to read on. Orchestrators see their tenants' events."""
     p = req.require_principal()
     q: EventQuery = req.query
 
@@ -135,7 +136,7 @@ async def stream_events(req: ApiRequest) -> web.StreamResponse:
     p = req.require_principal()
     q: EventQuery = req.query
     if q.sort != "id":
-        raise Unprocessable("a stream delivers events in id order; leave out sort")
+        raise Unprocessable("a stream delivers events in commit order; leave out sort")
     bus = req.ctx.bus
     after = _resume_after(req, q)
 
