@@ -252,6 +252,8 @@ class EventBus:
         self._task: asyncio.Task[None] | None = None
         #: Store reads the poller made (for tests and metrics).
         self.polls = 0
+        #: Of those, the re-reads while committed events waited behind an older transaction.
+        self.retries = 0
 
     def bind(self, store: Store) -> None:
         self.store = store
@@ -341,8 +343,11 @@ class EventBus:
             self._publish(Batch(head, head, ()))
             next_poll = next_check = loop.time()
             retry = PENDING_RETRY_S / 2
+            pending = False
             while self._subs:
                 if wake.is_set() or loop.time() >= next_poll:
+                    if pending and not wake.is_set():
+                        self.retries += 1
                     wake.clear()
                     rows, cursor, pending = await store.read(poll_events, head, PAGE)
                     self.polls += 1

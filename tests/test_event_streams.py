@@ -85,15 +85,16 @@ async def test_many_streams_share_one_poller(live: LiveApi) -> None:
     ]
     # Five subscriptions, and the poller's first read (at its start) behind it.
     await until(lambda: live.ctx.bus.streams == 5 and live.ctx.bus.polls >= 1, "five streams")
-    polls = live.ctx.bus.polls
+    polls, retries = live.ctx.bus.polls, live.ctx.bus.retries
     for action in ("maintenance-on", "maintenance-off", "mark-broken"):
         await _act(live, action)
     got = await asyncio.wait_for(asyncio.gather(*(_events(s, 3) for s in streams)), WAIT)
     for evs in got:
         assert [e["to_state"] for e in evs] == ["maintenance", "ready", "broken"]
     # Three writes wake the poller at most three times (wake-ups coalesce); the old code read
-    # once per stream per wake-up.
-    assert live.ctx.bus.polls - polls <= 3
+    # once per stream per wake-up. (On PostgreSQL the poller also re-reads while an event waits
+    # for an older transaction elsewhere on the server to end: those are counted apart.)
+    assert (live.ctx.bus.polls - polls) - (live.ctx.bus.retries - retries) <= 3
     for s in streams:
         s.close()
 
