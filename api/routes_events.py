@@ -5,15 +5,16 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from typing import Any
 
 from aiohttp import web
-from sqlmodel import Session, col, select
+from sqlmodel import Session, col
 
 from api.routing import ApiRequest, Router, wire_json
 from api.schemas import SQL_INT_MAX, EventOut, EventPage, EventQuery
 from metald.auth import Principal, Role
 from metald.errors import MetaldError, Unprocessable
-from metald.events import newest_event_id
+from metald.events import Position, final_events, position, position_of, read_events
 from metald.store.models import Event, Machine
 
 router = Router()
@@ -26,35 +27,38 @@ RETRY_MS = 3000
 _EVENT_ID = re.compile(r"[0-9]{1,10}")
 
 
-def _select(p: Principal, q: EventQuery, after: int):  # type: ignore[no-untyped-def]
-    stmt = select(Event).where(Event.id > after)  # type: ignore[operator]
+def _filters(p: Principal, q: EventQuery) -> list[Any]:
+    where: list[Any] = []
     if q.machine_id:
-        stmt = stmt.where(Event.machine_id == q.machine_id)
+        where.append(col(Event.machine_id) == q.machine_id)
     if q.kind:
-        stmt = stmt.where(Event.kind == q.kind)
+        where.append(col(Event.kind) == q.kind)
     if p.role is Role.ORCHESTRATOR:
-        stmt = stmt.where(Event.tenant_id.in_(sorted(p.scope)))  # type: ignore[union-attr]
-    return stmt.order_by(Event.id)  # type: ignore[arg-type]
+        where.append(col(Event.tenant_id).in_(sorted(p.scope)))
+    return where
 
 
 def _page(s: Session, p: Principal, q: EventQuery, after: int, limit: int) -> EventPage:
-    stmt = _select(p, q, after)
-    if q.sort == "-id":  # the newest ``limit`` events, newest first
-        stmt = stmt.order_by(None).order_by(col(Event.id).desc())
-    rows = s.exec(stmt.limit(limit)).all()
+    """A page in delivery order after event ``after`` (``next_after``: the last event's id, the
+    cursor for the next page), or with ``sort=-id`` the newest events, newest first. Only
+    events whose transaction and every older one has finished are listed (metald.events): a
+    later page never holds one that sorts before this one's cursor."""
+    if q.sort == "-id":
+        rows = final_events(s, position_of(s, after), limit, _filters(p, q))
+        last = max(rows, key=position, default=None)
+    else:
+        rows, _ = read_events(s, position_of(s, after), limit, _filters(p, q))
+        last = rows[-1] if rows else None
     items = [EventOut.model_validate(r.model_dump()) for r in rows]
-    return EventPage(items=items, next_after=max((e.id for e in items), default=after))
+    return EventPage(items=items, next_after=last.id if last and last.id else after)
 
 
 def _catch_up(
-    s: Session, p: Principal, q: EventQuery, after: int, limit: int
-) -> tuple[list[EventOut], int]:
-    """The caller's events after ``after`` and the id up to which it has seen everything: the
-    newest id when the page is not full (read first, so a commit in between is not skipped)."""
-    newest = newest_event_id(s)
-    rows = s.exec(_select(p, q, after).where(Event.id <= newest).limit(limit)).all()  # type: ignore[operator]
-    items = [EventOut.model_validate(r.model_dump()) for r in rows]
-    return items, (items[-1].id if len(items) == limit else max(newest, after))
+    s: Session, p: Principal, q: EventQuery, after: Position, limit: int
+) -> tuple[list[EventOut], Position]:
+    """The caller's events after ``after`` and the position up to which it has seen all."""
+    rows, cursor = read_events(s, after, limit, _filters(p, q))
+    return [EventOut.model_validate(r.model_dump()) for r in rows], cursor
 
 
 def _matches(p: Principal, q: EventQuery, ev: Event) -> bool:
@@ -102,7 +106,8 @@ def _check_machine_scope(s: Session, p: Principal, machine_id: str | None) -> No
     errors=(404,),
 )
 async def list_events(req: ApiRequest) -> EventPage:
-    """Events in id order after the ``after`` cursor. Orchestrators see their tenants' events."""
+    """Events in delivery order (commit order) after the ``after`` cursor; pass ``next_after``
+    back to read on. Orchestrators see their tenants' events."""
     p = req.require_principal()
     q: EventQuery = req.query
 
@@ -131,10 +136,15 @@ async def stream_events(req: ApiRequest) -> web.StreamResponse:
     p = req.require_principal()
     q: EventQuery = req.query
     if q.sort != "id":
-        raise Unprocessable("a stream delivers events in id order; leave out sort")
+        raise Unprocessable("a stream delivers events in commit order; leave out sort")
     bus = req.ctx.bus
-    covered = _resume_after(req, q)
-    await req.ctx.store.read(_check_machine_scope, p, q.machine_id)
+    after = _resume_after(req, q)
+
+    def start(s: Session) -> Position:
+        _check_machine_scope(s, p, q.machine_id)
+        return position_of(s, after)
+
+    covered = await req.ctx.store.read(start)
     limit = req.page_limit(q)
     sub = bus.subscribe(p.token_id)
     loop = asyncio.get_running_loop()
@@ -169,7 +179,7 @@ async def stream_events(req: ApiRequest) -> web.StreamResponse:
                     behind = True  # batches were missed: read the gap from the store
                     continue
                 for row in batch.events:
-                    if row.id is not None and row.id > covered and _matches(p, q, row):
+                    if row.id is not None and position(row) > covered and _matches(p, q, row):
                         wire = batch.encoded.get(row.id)
                         if wire is None:
                             wire = _sse(EventOut.model_validate(row.model_dump()))

@@ -170,13 +170,21 @@ class EventQuery(Query):
     machine_id: str | None = None
     kind: str | None = None
     after: int = Field(
-        default=0, ge=0, le=SQL_INT_MAX, description="Only events with id greater than this."
+        default=0,
+        ge=0,
+        le=SQL_INT_MAX,
+        description=(
+            "Only events delivered after the event with this id (the last one received, or a "
+            "page's next_after). Events come in commit order, which on PostgreSQL may differ "
+            "slightly from id order: resume from the cursor, never from the largest id seen."
+        ),
     )
     limit: int | None = Field(
         default=None, ge=1, le=1000, description="Page size (default: the api.page_size setting)."
     )
     sort: Literal["id", "-id"] = Field(
-        default="id", description="-id: the newest first (a list only; a stream is in id order)."
+        default="id",
+        description="-id: the newest first (a list only; a stream is in delivery order).",
     )
 
 
@@ -196,7 +204,9 @@ class EventOut(BaseModel):
 
 class EventPage(BaseModel):
     items: list[EventOut]
-    next_after: int
+    next_after: int = Field(
+        description="Pass as after to read on: no event that commits later is skipped."
+    )
 
 
 # ---- tokens and tenants -----------------------------------------------------------------

@@ -1,15 +1,33 @@
 """Event fan-out for live streams: one poller per process, shared by every stream.
 
 Events are rows in the store (the truth, shared by every instance on one database). The bus
-runs one task while any stream is open: it reads the events after the newest it has seen, in a
-read-only transaction, when a local write wakes it or every ``poll_s`` (other instances'
-events), and hands each batch to every subscription. It also re-checks, every ``recheck_s``,
-that each subscription's token is still live, and closes those whose token was revoked or
-expired. So N streams cost one query per interval, not N.
+runs one task while any stream is open: it reads the events after the newest position it has
+seen, in a read-only transaction, when a local write wakes it or every ``poll_s`` (other
+instances' events), and hands each batch to every subscription. It also re-checks, every
+``recheck_s``, that each subscription's token is still live, and closes those whose token was
+revoked or expired. So N streams cost one query per interval, not N.
 
-A batch says which ids it covers (``since < id <= until``): a subscription that missed batches
-(it subscribed late, or it fell more than ``queue_batches`` behind) sees a gap and catches up
-from the store itself, so no event is skipped and a slow client cannot grow memory.
+Order. On PostgreSQL an event's id comes from a sequence at INSERT, but transactions commit in
+another order: id 11 may commit after id 12 was read, and "after 12" would skip it forever.
+So every reader here follows *positions*, not ids: an event's position is ``(txid, id)``, where
+``txid`` is the id of the transaction that wrote it (``events.txid``, set by the server). A read
+computes the horizon X, the xmin of its snapshot: every transaction with an id below X has
+finished, and every transaction that can still write has an id of X or more. It returns only
+rows with ``txid < X`` (final: no row can appear among them later), in position order, so a
+cursor never passes a row that can still commit. Delivery waits for the event's transaction
+and every older one still running to finish (metald's transactions are short; a long one
+elsewhere on the database delays streams, it loses nothing). Nothing is serialised: writers
+commit as before. On SQLite writers take the database lock one at a time, ids are in commit
+order, and a position is ``(0, id)``.
+
+Public cursors stay event ids (``after``, ``next_after``, SSE ``id:``/Last-Event-ID): events
+are delivered in position order, so "after event N" means "after N's position", which is exact
+for any event a reader received (:func:`position_of`).
+
+A batch says which positions it covers (``since < position <= until``): a subscription that
+missed batches (it subscribed late, or it fell more than ``queue_batches`` behind) sees a gap
+and catches up from the store itself, so no event is skipped and a slow client cannot grow
+memory.
 """
 
 from __future__ import annotations
@@ -21,9 +39,9 @@ from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import func
+from sqlalchemy import BigInteger, Text, func, tuple_
 from sqlmodel import Session, col, select
 
 from metald.errors import MetaldError
@@ -36,6 +54,9 @@ log = logging.getLogger(__name__)
 
 #: Events read per query, by the poller and by a subscription catching up.
 PAGE = 500
+#: The poller's first re-read while committed events wait for an older transaction (doubling
+#: up to ``poll_s``).
+PENDING_RETRY_S = 0.02
 
 
 class TooManyStreams(MetaldError):
@@ -43,12 +64,22 @@ class TooManyStreams(MetaldError):
     title = "Too many event streams"
 
 
+#: Where an event sorts for readers: (writing transaction id, event id); txid 0 on SQLite.
+Position = tuple[int, int]
+START: Position = (0, 0)
+
+
+def position(ev: Event) -> Position:
+    assert ev.id is not None
+    return (ev.txid or 0, ev.id)
+
+
 @dataclass(frozen=True)
 class Batch:
-    """Every event with ``since < id <= until`` (``events`` in id order)."""
+    """Every event with ``since < position <= until`` (``events`` in position order)."""
 
-    since: int
-    until: int
+    since: Position
+    until: Position
     events: tuple[Event, ...]
     #: What each event looks like on the wire, by id: encoded once for every stream.
     encoded: dict[int, bytes] = field(default_factory=dict, compare=False)
@@ -87,9 +118,89 @@ class Subscription:
 # ---- store reads (pure: a session in, rows out) -------------------------------------------
 
 
-def events_after(s: Session, after: int, limit: int) -> list[Event]:
-    stmt = select(Event).where(col(Event.id) > after).order_by(col(Event.id)).limit(limit)
-    return list(s.exec(stmt).all())
+def _is_pg(s: Session) -> bool:
+    return s.get_bind().dialect.name == "postgresql"
+
+
+def _horizon(s: Session) -> int:
+    """PostgreSQL: every transaction with a smaller id has finished; none can still write."""
+    xmin = func.pg_snapshot_xmin(func.pg_current_snapshot())
+    return int(s.exec(select(xmin.cast(Text).cast(BigInteger))).one())
+
+
+def read_events(
+    s: Session, after: Position, limit: int, where: Iterable[Any] = ()
+) -> tuple[list[Event], Position]:
+    """Up to ``limit`` final events after ``after`` that match ``where``, in position order,
+    and the cursor to read on from: the last row's position when the page is full, else the
+    position below which every event is final and was read (no later commit lands there)."""
+    if _is_pg(s):
+        horizon = _horizon(s)
+        stmt = select(Event).where(
+            tuple_(col(Event.txid), col(Event.id)) > tuple_(*after), col(Event.txid) < horizon
+        )
+        order: tuple[Any, ...] = (col(Event.txid), col(Event.id))
+        done: Position = (horizon, 0)
+    else:
+        # One writer at a time: ids are in commit order, and the read transaction's snapshot
+        # holds every id up to the newest it sees.
+        newest = newest_event_id(s)
+        stmt = select(Event).where(col(Event.id) > after[1], col(Event.id) <= newest)
+        order = (col(Event.id),)
+        done = (0, newest)
+    for w in where:
+        stmt = stmt.where(w)
+    rows = list(s.exec(stmt.order_by(*order).limit(limit)).all())
+    if len(rows) == limit:
+        return rows, position(rows[-1])
+    return rows, max(after, done)
+
+
+def final_events(s: Session, after: Position, limit: int, where: Iterable[Any] = ()) -> list[Event]:
+    """The newest ``limit`` final events after ``after`` matching ``where``, newest id first
+    (a "tail": positions and ids agree on SQLite, and nearly so on PostgreSQL)."""
+    if _is_pg(s):
+        stmt = select(Event).where(
+            tuple_(col(Event.txid), col(Event.id)) > tuple_(*after), col(Event.txid) < _horizon(s)
+        )
+    else:
+        stmt = select(Event).where(col(Event.id) > after[1])
+    for w in where:
+        stmt = stmt.where(w)
+    return list(s.exec(stmt.order_by(col(Event.id).desc()).limit(limit)).all())
+
+
+def poll_events(s: Session, after: Position, limit: int) -> tuple[list[Event], Position, bool]:
+    """The poller's read: :func:`read_events`, and whether committed events wait beyond the
+    horizon (an older transaction still runs): then the poller reads again soon, as nothing
+    else wakes it when that transaction ends."""
+    rows, cursor = read_events(s, after, limit)
+    pending = False
+    if _is_pg(s) and len(rows) < limit:
+        stmt = select(Event.id).where(col(Event.txid) >= cursor[0]).limit(1)
+        pending = s.exec(stmt).first() is not None
+    return rows, cursor, pending
+
+
+def position_of(s: Session, event_id: int) -> Position:
+    """The cursor "after event ``event_id``": its position when the event exists (exact for
+    every event a reader received). For an id that names no event, a cursor before every
+    event with a greater id (some with smaller ids may come again: nothing is skipped)."""
+    if event_id <= 0:
+        return START
+    if not _is_pg(s):
+        return (0, event_id)
+    txid = s.exec(select(Event.txid).where(col(Event.id) == event_id)).first()
+    if txid is not None:
+        return (txid, event_id)
+    later = s.exec(select(func.min(Event.txid)).where(col(Event.id) > event_id)).one()
+    horizon = _horizon(s)
+    return (min(horizon, later) if later is not None else horizon, 0)
+
+
+def head_position(s: Session) -> Position:
+    """The cursor after every event that is final now."""
+    return (_horizon(s), 0) if _is_pg(s) else (0, newest_event_id(s))
 
 
 def newest_event_id(s: Session) -> int:
@@ -141,6 +252,8 @@ class EventBus:
         self._task: asyncio.Task[None] | None = None
         #: Store reads the poller made (for tests and metrics).
         self.polls = 0
+        #: Of those, the re-reads while committed events waited behind an older transaction.
+        self.retries = 0
 
     def bind(self, store: Store) -> None:
         self.store = store
@@ -223,21 +336,27 @@ class EventBus:
         loop = asyncio.get_running_loop()
         wake = self._event()
         try:
-            head = await store.read(newest_event_id)
+            head = await store.read(head_position)
             # Tell the streams where the poller starts: an event committed between a stream's
             # own catch-up read and this one is in no batch, and a stream behind ``head`` must
             # read it from the store (or it would wait for the next event to notice the gap).
             self._publish(Batch(head, head, ()))
             next_poll = next_check = loop.time()
+            retry = PENDING_RETRY_S / 2
+            pending = False
             while self._subs:
                 if wake.is_set() or loop.time() >= next_poll:
+                    if pending and not wake.is_set():
+                        self.retries += 1
                     wake.clear()
-                    rows = await store.read(events_after, head, PAGE)
+                    rows, cursor, pending = await store.read(poll_events, head, PAGE)
                     self.polls += 1
-                    next_poll = loop.time() + self.poll_s
+                    retry = min(retry * 2, self.poll_s) if pending else PENDING_RETRY_S / 2
+                    next_poll = loop.time() + (retry if pending else self.poll_s)
+                    # Only a batch with events moves ``head``: a stream then sees one range
+                    # per batch and no gap in between (an empty read changes nothing for it).
                     if rows:
-                        assert rows[-1].id is not None
-                        batch = Batch(head, rows[-1].id, tuple(rows))
+                        batch = Batch(head, cursor, tuple(rows))
                         head = batch.until
                         self._publish(batch)
                     if len(rows) == PAGE:

@@ -12,7 +12,7 @@ from aiohttp import ClientResponse
 from sqlalchemy import text
 
 from metald.auth import issue_token, revoke_token
-from metald.events import EventBus, newest_event_id
+from metald.events import EventBus, head_position, newest_event_id
 from metald.store.models import ApiToken, utcnow
 from tests.api_helpers import LiveApi, live_api, until
 
@@ -85,15 +85,16 @@ async def test_many_streams_share_one_poller(live: LiveApi) -> None:
     ]
     # Five subscriptions, and the poller's first read (at its start) behind it.
     await until(lambda: live.ctx.bus.streams == 5 and live.ctx.bus.polls >= 1, "five streams")
-    polls = live.ctx.bus.polls
+    polls, retries = live.ctx.bus.polls, live.ctx.bus.retries
     for action in ("maintenance-on", "maintenance-off", "mark-broken"):
         await _act(live, action)
     got = await asyncio.wait_for(asyncio.gather(*(_events(s, 3) for s in streams)), WAIT)
     for evs in got:
         assert [e["to_state"] for e in evs] == ["maintenance", "ready", "broken"]
     # Three writes wake the poller at most three times (wake-ups coalesce); the old code read
-    # once per stream per wake-up.
-    assert live.ctx.bus.polls - polls <= 3
+    # once per stream per wake-up. (On PostgreSQL the poller also re-reads while an event waits
+    # for an older transaction elsewhere on the server to end: those are counted apart.)
+    assert (live.ctx.bus.polls - polls) - (live.ctx.bus.retries - retries) <= 3
     for s in streams:
         s.close()
 
@@ -220,15 +221,19 @@ async def test_store_read_takes_no_write_lock(store) -> None:  # type: ignore[no
 
 
 async def test_an_event_committed_as_the_poller_starts_reaches_the_stream(store) -> None:  # type: ignore[no-untyped-def]
-    """The poller starts from the newest event when the first stream subscribes. An event
-    committed after the stream's own catch-up read but before the poller's first read is in no
-    batch; the poller's first (empty) batch tells the stream where it starts, so the stream
-    sees the gap at once instead of waiting for the next event."""
+    """The poller starts from the newest final position when the first stream subscribes. An
+    event committed after the stream's own catch-up read but before the poller's first read is
+    in no batch; the poller's first (empty) batch tells the stream where it starts, so the
+    stream sees the gap at once instead of waiting for the next event. (On PostgreSQL an
+    unrelated transaction may hold the horizon back: then the event is not final yet, there is
+    no gap, and the poller re-reads soon and delivers it in a batch.) No second write and no
+    time-driven poll (poll_s is an hour) is needed either way."""
+    from metald.events import position, read_events
     from metald.machines import add_event
 
     bus = EventBus(poll_s=3600)
     bus.bind(store)
-    covered = await store.read(newest_event_id)  # the stream's catch-up: nothing new yet
+    covered = await store.read(head_position)  # the stream's catch-up: nothing new yet
     sub = bus.subscribe("t1")
     try:
 
@@ -237,9 +242,22 @@ async def test_an_event_committed_as_the_poller_starts_reaches_the_stream(store)
             s.commit()
 
         await store.run(write)  # before the poller task has run at all
-        batch = await sub.next(5)
-        assert batch is not None, "the stream was never told where the poller starts"
-        assert batch.since > covered  # a gap: the stream reads it from the store
+        got: list[str] = []
+
+        async def follow() -> None:  # the stream's loop, as api/routes_events.py runs it
+            nonlocal covered
+            while "test.race" not in got:
+                batch = await sub.next(WAIT)
+                assert batch is not None, "the stream was never told where the poller starts"
+                if batch.since > covered:  # a gap: read it from the store
+                    rows, covered = await store.read(read_events, covered, 100)
+                    got.extend(r.kind for r in rows)
+                    continue
+                got.extend(r.kind for r in batch.events if position(r) > covered)
+                covered = max(covered, batch.until)
+
+        await asyncio.wait_for(follow(), WAIT)
+        assert got == ["test.race"]
     finally:
         bus.unsubscribe(sub)
         await bus.close()

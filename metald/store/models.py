@@ -11,7 +11,18 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, Column, DateTime, Index, LargeBinary, Text, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Column,
+    DateTime,
+    Index,
+    LargeBinary,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.expression import FunctionElement
 from sqlmodel import Field, SQLModel
 
 
@@ -224,6 +235,23 @@ class Image(SQLModel, table=True):
     created_at: datetime = _ts()
 
 
+class current_txid(FunctionElement[int]):  # noqa: N801 (an SQL function's name)
+    """The writing transaction's id on PostgreSQL (64-bit, never wraps); NULL elsewhere."""
+
+    type = BigInteger()
+    inherit_cache = True
+
+
+@compiles(current_txid)
+def _current_txid_default(element: current_txid, compiler: Any, **kw: Any) -> str:
+    return "NULL"
+
+
+@compiles(current_txid, "postgresql")
+def _current_txid_pg(element: current_txid, compiler: Any, **kw: Any) -> str:
+    return "(pg_current_xact_id()::text::bigint)"
+
+
 class Event(SQLModel, table=True):
     """Append-only record of what happened: transitions, actions, drift, progress."""
 
@@ -242,8 +270,18 @@ class Event(SQLModel, table=True):
     instance: str | None = None
     reason: str | None = None
     data: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    #: PostgreSQL: the id of the transaction that wrote the row (the server sets it). Readers
+    #: order events by (txid, id) and read only rows whose transaction and every older one has
+    #: finished, so an event that commits after a later id was read is not skipped
+    #: (metald.events). NULL on SQLite, whose ids are already in commit order.
+    txid: int | None = Field(
+        default=None, sa_column=Column(BigInteger, nullable=True, server_default=current_txid())
+    )
 
-    __table_args__ = (Index("ix_events_machine_id_id", "machine_id", "id"),)
+    __table_args__ = (
+        Index("ix_events_machine_id_id", "machine_id", "id"),
+        Index("ix_events_txid_id", "txid", "id"),
+    )
 
 
 class ApiToken(SQLModel, table=True):
