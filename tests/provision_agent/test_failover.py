@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from aiohttp import web
 
+from tests.inventory.receiver import Receiver
 from tests.provision_agent.conftest import MIB, cloud_image, needs_root_and_busybox, run_agent
 from tests.provision_agent.server import AgentApi
 
@@ -138,3 +139,17 @@ async def test_an_http_error_answer_does_not_move_the_agent_on(
     assert "does not answer" not in log
     assert b_api.seen_auth == [], log
     assert a_api.seen_auth  # it did ask a, and took its 401 as the answer
+
+
+async def test_an_inventory_refused_with_409_is_not_posted_again(tmp_path, busybox_bin, instances):
+    """The post the dead instance accepted but never answered reaches the survivor again,
+    which refuses it (409: the machine left inspection): the agent asks what next instead of
+    posting it forever."""
+    rec = Receiver(post_statuses=[409], actions=[{"action": "poweroff"}])
+    inst = await instances(rec)
+    rc, log = await run_agent(
+        tmp_path, busybox_bin, 0, "", METALD_URL=inst.url, METALD_MAX_TRIES="3"
+    )
+    assert rc == 0, log
+    assert [p["status"] for p in rec.posts] == [409], log
+    assert rec.next_calls == 1 and "dry run: would poweroff" in log
