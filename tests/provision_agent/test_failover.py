@@ -4,57 +4,14 @@ is good at either), and an HTTP error answer is an answer, not a reason to move 
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import os
-from collections.abc import AsyncIterator, Callable
-
-import pytest
-from aiohttp import web
 
 from tests.inventory.receiver import Receiver
 from tests.provision_agent.conftest import MIB, cloud_image, needs_root_and_busybox, run_agent
 from tests.provision_agent.server import AgentApi
 
 pytestmark = needs_root_and_busybox
-
-
-class Instance:
-    """One stand-in metald on 127.0.0.1 whose listener can be closed at once, as a killed
-    process's is: new connections are refused from then on."""
-
-    def __init__(self, api: AgentApi) -> None:
-        self.api = api
-        self.runner = web.AppRunner(api.app())
-        self.server: asyncio.Server | None = None
-        self.url = ""
-
-    async def start(self) -> None:
-        await self.runner.setup()
-        assert self.runner.server is not None
-        loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(self.runner.server, "127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-
-    def kill(self) -> None:
-        assert self.server is not None
-        self.server.close()  # synchronous: the listening socket is gone now
-
-
-@pytest.fixture
-async def instances() -> AsyncIterator[Callable[[AgentApi], object]]:
-    started: list[Instance] = []
-
-    async def make(api: AgentApi) -> Instance:
-        inst = Instance(api)
-        await inst.start()
-        started.append(inst)
-        return inst
-
-    yield make
-    for inst in started:
-        inst.kill()
-        await inst.runner.cleanup()
 
 
 def _provision(image_url: str, image: bytes) -> dict:
