@@ -129,6 +129,11 @@ def authenticate(session: Session, secret: str) -> Principal | None:
         return None
     if row.expires_at is not None and as_utc(row.expires_at) <= utcnow():
         return None
+    if row.role == Role.AGENT.value and row.last_used_at is None:
+        # An agent token's first use, once: the watchdog tells a boot whose script answer was
+        # lost (token minted, never used) from one whose agent runs (``watchdog.stranded_boots``).
+        session.connection().execute(_FIRST_USE, {"i": row.id, "at": utcnow()})
+        session.commit()
     return Principal(row.id, row.name, Role(row.role), frozenset(row.scope), row.phase, row.boot)
 
 
@@ -165,7 +170,13 @@ _BY_HASH = sa_select(
     _TOKENS.c.revoked_at,
     _TOKENS.c.phase,
     _TOKENS.c.boot,
+    _TOKENS.c.last_used_at,
 ).where(_TOKENS.c.token_hash == bindparam("h"))
+_FIRST_USE = (
+    _TOKENS.update()
+    .where(_TOKENS.c.id == bindparam("i"), _TOKENS.c.last_used_at.is_(None))
+    .values(last_used_at=bindparam("at"))
+)
 _REVOKE_MACHINE = (
     _TOKENS.update()
     .where(

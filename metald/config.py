@@ -289,6 +289,10 @@ class ProvisionConfig(_Section):
     #: A claimed machine not yet provisioning after this many seconds (metald restarted between
     #: claim and provision) is provisioned by the watchdog; 0: never.
     claimed_resume_s: int = Field(default=120, ge=0)
+    #: A boot whose agent token was handed out this many seconds ago and never used by an agent
+    #: (the script's answer was lost: its instance died as it answered) is started again through
+    #: the BMC, at most 3 times per operation; 0: never.
+    stranded_boot_s: int = Field(default=180, ge=0)
     #: Kernel and initrd (under boot.assets_dir, or URLs) of the image that writes disk images
     #: and wipes disks: the discovery image's agent in deploy/wipe mode.
     deploy_kernel: str = "discovery/vmlinuz"

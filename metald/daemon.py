@@ -220,10 +220,15 @@ class Daemon:
 
 def _serves(cfg: Config) -> dict[str, Any]:
     """What this instance serves, as the instances list shows it and ownership uses it."""
+    from metald.boot.plane import http_base_url
+
     return {
         "provisioning_networks": [str(n.subnet) for n in cfg.boot.networks]
         if cfg.boot.enabled
         else [],
+        # where the agents this instance boots reach it; the others' go on the scripts it
+        # serves (metald.urls=), so an agent outlives the instance that booted it
+        "boot_url": http_base_url(cfg) if cfg.boot.enabled else None,
         "bmc_networks": [str(n) for n in cfg.bmc.networks],
         "hubs": cfg.tenants.hubs,
     }
@@ -248,6 +253,7 @@ def _boot_plane(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
     )
     plane = BootPlane(d.cfg, d.store, hooks)
     plane.fleet = d.fleet  # shares leases and splits DHCP clients with the other instances
+    hooks.fleet = d.fleet  # the other instances' URLs ride on agent scripts (metald.urls=)
     # Never the state folder (check_assets_root): the assets are served without a token.
     routes = boot_routes(hooks, Path(d.cfg.boot.assets_dir), http_base_url(d.cfg))
     return plane, routes

@@ -9,6 +9,7 @@ module imports no store, database or DHCP code.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Protocol
@@ -107,6 +108,41 @@ def with_agent_console(t: BootTarget) -> BootTarget:
 def with_agent_token(t: BootTarget, token: str) -> BootTarget:
     """Pure: ``t`` with ``metald.token=<token>`` among its kernel arguments."""
     return replace(t, kernel_args={**t.kernel_args, "metald.token": token})
+
+
+#: At most this many other instances' URLs ride on a script (the kernel command line is short).
+MAX_PEER_URLS = 8
+_URL_OK = re.compile(r"^https?://[A-Za-z0-9._:\[\]-]+(/[A-Za-z0-9._~/-]*)?$")
+
+
+def peer_urls(own: str, members: list[Any], provisioning_networks: list[str]) -> list[str]:
+    """Pure: the boot URLs of the other live instances (``Member`` rows, the instances table)
+    that serve one of ``provisioning_networks``, for the agent to fall back on when ``own``
+    stops answering (``metald.urls=``). Each at most once, never ``own``, only plain
+    ``http(s)://host[:port][/path]`` URLs (nothing that could split a kernel argument)."""
+    ours = set(provisioning_networks)
+    out: list[str] = []
+    seen = {own.rstrip("/")}
+    for m in members:
+        serves = getattr(m, "serves", None) or {}
+        url = str(serves.get("boot_url") or "").rstrip("/")
+        if not url or url in seen or not _URL_OK.match(url):
+            continue
+        if ours and not ours & set(serves.get("provisioning_networks") or []):
+            continue
+        seen.add(url)
+        out.append(url)
+        if len(out) >= MAX_PEER_URLS:
+            break
+    return out
+
+
+def with_peer_urls(t: BootTarget, urls: list[str]) -> BootTarget:
+    """Pure: ``t`` with ``metald.urls=<url>,<url>``: where its agent goes on when the instance
+    that served the script (``metald.url``) stops answering. Not secret."""
+    if not urls:
+        return t
+    return replace(t, kernel_args={**t.kernel_args, "metald.urls": ",".join(urls)})
 
 
 def rack_position(relay_agent: dict[str, str] | None) -> str | None:

@@ -21,10 +21,12 @@ from metald.boot.hooks import (
     BootAction,
     BootTarget,
     ScriptRefused,
+    peer_urls,
     rack_position,
     target_for_machine,
     with_agent_console,
     with_agent_token,
+    with_peer_urls,
 )
 from metald.errors import Conflict, MetaldError
 from metald.store.db import Store
@@ -49,6 +51,10 @@ class StoreBootHooks:
       enrolled when the asking address holds its lease, and refused otherwise.
     - ``agent_console``: agent boots get the serial console and quiet kernel arguments
       (``hooks.with_agent_console``).
+    - ``fleet`` (the daemon's ``Membership``, set after construction): a script carrying a
+      token also carries ``metald.urls=``, the boot URLs of the other live instances serving
+      this instance's provisioning networks, so an agent whose instance dies finishes through
+      another (agent tokens live in the store: every instance accepts them).
     """
 
     def __init__(
@@ -68,6 +74,7 @@ class StoreBootHooks:
         self.leased_clients_only = leased_clients_only
         self.enroll_unknown = enroll_unknown
         self.agent_console = agent_console
+        self.fleet: Any = None
 
     async def client_seen(
         self, mac: str, *, arch: str, network: str | None, relay_agent: dict[str, str] | None
@@ -140,8 +147,17 @@ class StoreBootHooks:
                 )
             token = self.mint_agent_token(s, m, mac, client)
             if token is not None:
-                t = with_agent_token(t, token)
+                t = with_peer_urls(with_agent_token(t, token), self._peer_urls())
         return with_agent_console(t) if self.agent_console else t
+
+    def _peer_urls(self) -> list[str]:
+        fleet = self.fleet
+        if fleet is None:
+            return []
+        serves = fleet.serves or {}
+        own = str(serves.get("boot_url") or "")
+        others = [m for m in fleet.live() if m.name != self.instance]
+        return peer_urls(own, others, list(serves.get("provisioning_networks") or []))
 
     def _enroll(self, s: Session, mac: str, client: str | None) -> Machine | None:
         """Only a client holding the lease metald's DHCP gave this MAC is enrolled over HTTP;

@@ -21,9 +21,11 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
+from sqlalchemy import update
 from sqlmodel import Session, col, select
 
 from metald import machines
+from metald.auth import revoke_machine_tokens
 from metald.bmc import ownership
 from metald.bmc.control import step_key
 from metald.config import ProvisionConfig
@@ -32,7 +34,7 @@ from metald.lifecycle import TIMEOUTS, IllegalTransition, State
 from metald.provision import driver
 from metald.service import cancel
 from metald.store.db import Store
-from metald.store.models import Bmc, Event, Machine, as_utc, utcnow
+from metald.store.models import ApiToken, Bmc, Event, Machine, as_utc, utcnow
 
 #: Whether this instance sweeps a machine: (machine id, its BMC's (id, address) or None).
 Owns = Callable[[str, tuple[str, str] | None], bool]
@@ -182,6 +184,119 @@ def interrupted_boots(
     return sorted(m for m in waiting if m in mine)
 
 
+#: How many times one operation's (one state entry's) stranded boot is started again.
+MAX_REARMS = 3
+REARM_EVENT = "boot.rearmed"
+STRANDED_EVENT = "boot.stranded"
+
+
+def stranded_boots(
+    session: Session, after_s: int, now: datetime | None = None, owns: Owns | None = None
+) -> list[tuple[str, str]]:
+    """(machine id, boot) of network-booting machines whose boot's token was taken by a script
+    fetch more than ``after_s`` seconds ago and never used by any agent call: the script's
+    answer was lost (its instance died as it answered), and every later fetch of that boot gets
+    no token, so the machine would sit until its state's timeout."""
+    now = now or utcnow()
+    cutoff = now - timedelta(seconds=after_s)
+    rows = session.exec(
+        select(Machine.id, Machine.boot_current, ApiToken.created_at)
+        .join(ApiToken, col(ApiToken.machine_id) == col(Machine.id))
+        .where(
+            col(Machine.state).in_([s.value for s in driver.NETWORK_BOOT_STATES]),
+            col(Machine.boot_armed).is_(None),
+            col(Machine.boot_current).is_not(None),
+            col(ApiToken.boot) == col(Machine.boot_current),
+            col(ApiToken.revoked_at).is_(None),
+            col(ApiToken.last_used_at).is_(None),
+        )
+    ).all()
+    found = {mid: boot for mid, boot, created in rows if as_utc(created) < cutoff and boot}
+    mine = _owned(session, list(found), owns)
+    return sorted((m, found[m]) for m in found if m in mine)
+
+
+def rearm_stranded(
+    session: Session,
+    machine_id: str,
+    boot: str,
+    *,
+    actor: str,
+    instance: str | None,
+    can_boot: bool = True,
+) -> bool:
+    """Hand a stranded boot back to the BMC: its unused token is revoked and the machine's
+    network-boot step is marked to be done again (power off confirmed, one-time PXE, a new
+    armed boot, power on: ``driver.boot_from_network``), with a ``boot.rearmed`` event. False
+    (nothing changed) when the boot moved on meanwhile, when the machine has no BMC or when
+    this operation was started again ``MAX_REARMS`` times already (or ``can_boot`` is False: no
+    BMC service here); a ``boot.stranded`` event then tells a technician, once per boot."""
+    m = session.get(Machine, machine_id)
+    if m is None or m.boot_current != boot or m.boot_armed is not None:
+        return False
+    entered = as_utc(m.state_changed_at)
+    rearmed = [
+        at
+        for at in session.exec(
+            select(Event.at).where(Event.machine_id == machine_id, Event.kind == REARM_EVENT)
+        ).all()
+        if as_utc(at) >= entered
+    ]
+    has_bmc = (
+        can_boot
+        and session.exec(select(Bmc.id).where(Bmc.machine_id == machine_id)).first() is not None
+    )
+    if has_bmc and len(rearmed) < MAX_REARMS:
+        revoke_machine_tokens(session, machine_id, commit=False)
+        # The step's journal says done (this boot's power-on was sent): mark it to do again.
+        session.execute(
+            update(Bmc)
+            .where(col(Bmc.machine_id) == machine_id)
+            .values(step=step_key(m), step_done=False, step_command="requested")
+        )
+        machines.add_event(
+            session,
+            REARM_EVENT,
+            actor,
+            machine_id=machine_id,
+            tenant_id=m.tenant_id,
+            reason=(
+                "the agent token of this boot was handed out but no agent ever used it (the "
+                "script's answer was lost); starting a new boot through the BMC"
+            ),
+            data={"boot": boot, "state": m.state, "attempt": len(rearmed) + 1},
+            instance=instance,
+        )
+        session.commit()
+        return True
+    done = session.exec(
+        select(Event.data).where(Event.machine_id == machine_id, Event.kind == STRANDED_EVENT)
+    ).all()
+    if any((d or {}).get("boot") == boot for d in done):
+        return False
+    why = (
+        "it has no BMC metald can drive"
+        if not has_bmc
+        else f"it was started again {MAX_REARMS} times already"
+    )
+    machines.add_event(
+        session,
+        STRANDED_EVENT,
+        actor,
+        machine_id=machine_id,
+        tenant_id=m.tenant_id,
+        reason=(
+            "the agent token of this boot was handed out but no agent ever used it, and metald "
+            f"does not start a new boot by itself ({why}): a technician should check the "
+            "machine and run the operation again, which arms a new boot"
+        ),
+        data={"boot": boot, "state": m.state},
+        instance=instance,
+    )
+    session.commit()
+    return False
+
+
 def unfinished_steps(session: Session, owns_bmc: Callable[[str, str], bool] | None) -> list[str]:
     """Machines whose current network-boot step the journal of a BMC this instance owns
     (``owns_bmc``; all without a fleet) shows begun, or handed over, but not finished. Journals
@@ -284,8 +399,30 @@ class Watchdog:
             for mid in cut_off:
                 log.warning("machine %s: resuming a network boot a restart cut off", mid)
             resumed += cut_off
+        if self.cfg.stranded_boot_s > 0:
+            resumed += await self._rearm_stranded(owns, bmc, exclude=set(resumed))
         await driver.reboot_all(self.store, bmc, resumed, actor=self.actor, instance=self.instance)
         return moved + resumed + await self.resume_once()
+
+    async def _rearm_stranded(self, owns: Owns | None, bmc: Any, exclude: set[str]) -> list[str]:
+        """Stranded boots (``stranded_boots``) this instance sweeps, marked to boot again
+        through the BMC; without a BMC service (``use_bmc`` off) only a technician is told."""
+        found = await self.store.run(stranded_boots, self.cfg.stranded_boot_s, None, owns)
+        out = []
+        for mid, boot in found:
+            if mid in exclude:
+                continue
+            if await self.store.run(
+                rearm_stranded,
+                mid,
+                boot,
+                actor=self.actor,
+                instance=self.instance,
+                can_boot=bmc is not None,
+            ):
+                log.warning("machine %s: its boot's token was never used; booting it again", mid)
+                out.append(mid)
+        return out
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()

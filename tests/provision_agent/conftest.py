@@ -7,10 +7,12 @@ import os
 import shutil
 import struct
 import subprocess
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from aiohttp import web
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENT = ROOT / "bootassets" / "agent" / "metald-agent"
@@ -122,14 +124,56 @@ async def run_agent(
         **env,
     }
     assert BUSYBOX
-    proc = await asyncio.create_subprocess_exec(
-        BUSYBOX,
-        "sh",
-        str(AGENT),
-        env=full,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    out, _ = await asyncio.wait_for(proc.communicate(), timeout=90)
+    log = tmp_path / "agent.log"
+    with log.open("wb") as f:
+        proc = await asyncio.create_subprocess_exec(
+            BUSYBOX, "sh", str(AGENT), env=full, stdout=f, stderr=asyncio.subprocess.STDOUT
+        )
+        try:
+            await asyncio.wait_for(proc.wait(), timeout=90)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise AssertionError(
+                "the agent did not finish:\n" + log.read_text(errors="replace")
+            ) from None
     assert proc.returncode is not None
-    return proc.returncode, out.decode(errors="replace")
+    return proc.returncode, log.read_text(errors="replace")
+
+
+class Instance:
+    """One stand-in metald on 127.0.0.1 whose listener can be closed at once, as a killed
+    process's is: new connections are refused from then on."""
+
+    def __init__(self, app: web.Application, api: Any = None) -> None:
+        self.api = api
+        self.runner = web.AppRunner(app)
+        self.server: asyncio.Server | None = None
+        self.url = ""
+
+    async def start(self) -> None:
+        await self.runner.setup()
+        assert self.runner.server is not None
+        loop = asyncio.get_running_loop()
+        self.server = await loop.create_server(self.runner.server, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    def kill(self) -> None:
+        assert self.server is not None
+        self.server.close()  # synchronous: the listening socket is gone now
+
+
+@pytest.fixture
+async def instances() -> AsyncIterator[Callable[[Any], Awaitable[Instance]]]:
+    started: list[Instance] = []
+
+    async def make(api: Any) -> Instance:
+        inst = Instance(api if isinstance(api, web.Application) else api.app(), api)
+        await inst.start()
+        started.append(inst)
+        return inst
+
+    yield make
+    for inst in started:
+        inst.kill()
+        await inst.runner.cleanup()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,10 @@ class AgentApi:
     progress: list[dict[str, Any]] = field(default_factory=list)
     next_calls: int = 0
     out: Path | None = None
+    #: Called after each progress report is recorded, before it is answered (with the count).
+    on_progress: Callable[[int], None] | None = None
+    #: The Authorization header of every request, as received.
+    seen_auth: list[str] = field(default_factory=list)
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -39,6 +44,7 @@ class AgentApi:
         return app
 
     def _authorised(self, request: web.Request) -> bool:
+        self.seen_auth.append(request.headers.get("Authorization", ""))
         return request.headers.get("Authorization") == f"Bearer {self.token}"
 
     async def get_provision(self, request: web.Request) -> web.Response:
@@ -51,6 +57,8 @@ class AgentApi:
             return web.json_response({"title": "Unauthorized"}, status=401)
         body = await request.json()
         self.progress.append(body)
+        if self.on_progress is not None:
+            self.on_progress(len(self.progress))
         if self.out:
             with self.out.open("a") as f:
                 f.write(json.dumps(body) + "\n")

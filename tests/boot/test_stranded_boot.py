@@ -1,0 +1,117 @@
+"""A boot whose script answer was lost (the instance that minted its token died as it answered)
+is started again through the BMC by the watchdog, so a fresh token goes only to a boot metald
+started; a token an agent used, a boot too young, or a machine without a BMC is left alone (the
+last with a technician's event)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from sqlalchemy import update
+from sqlmodel import select
+
+from metald.auth import authenticate
+from metald.config import ProvisionConfig
+from metald.provision import driver
+from metald.provision.watchdog import MAX_REARMS, REARM_EVENT, STRANDED_EVENT, Watchdog
+from metald.store import Store
+from metald.store.models import ApiToken, Bmc, Event, Machine, utcnow
+from tests.claims.fakes import FakeBmc
+from tests.claims.helpers import boot_token, claimed
+
+CFG = ProvisionConfig(stranded_boot_s=180)
+BOOT = [
+    ("power", "status"),
+    ("power", "off"),
+    ("power", "status"),
+    ("boot", "pxe"),
+    ("power", "on"),
+]
+
+
+def _with_bmc(store: Store, machine_id: str) -> None:
+    with store.session() as s:
+        s.add(
+            Bmc(
+                machine_id=machine_id,
+                address="10.1.0.5",
+                protocol="ipmi",
+                username="admin",
+                password_enc=b"-",
+            )
+        )
+        s.commit()
+
+
+def _minted_ago(store: Store, machine_id: str, seconds: int) -> None:
+    """The watchdog's clock moved on: the machine's tokens were minted ``seconds`` ago."""
+    with store.session() as s:
+        s.execute(
+            update(ApiToken)
+            .where(ApiToken.machine_id == machine_id)  # type: ignore[arg-type]
+            .values(created_at=utcnow() - timedelta(seconds=seconds))
+        )
+        s.commit()
+
+
+def _kinds(store: Store, machine_id: str) -> list[str]:
+    with store.session() as s:
+        return list(
+            s.exec(select(Event.kind).where(Event.machine_id == machine_id).order_by(Event.id))
+        )
+
+
+async def test_a_token_no_agent_used_is_replaced_by_a_new_bmc_boot(store: Store) -> None:
+    mid = claimed(store, 1)[0]
+    _with_bmc(store, mid)
+    assert await driver.boot_from_network(store, FakeBmc(), mid, actor="t")
+    lost = boot_token(store, mid)  # the fetch took the boot; its answer never arrived
+    assert lost is not None
+    assert boot_token(store, mid) is None  # "first fetch wins": later fetches get no token
+    bmc = FakeBmc()
+    dog = Watchdog(store, CFG, "owner", services={"bmc": bmc})
+    assert await dog.sweep_once() == []  # minted moments ago: the agent may still be booting
+    _minted_ago(store, mid, 181)
+    assert await dog.sweep_once() == [mid]
+    assert bmc.calls == [(mid, *c) for c in BOOT]  # off confirmed, PXE, a new armed boot, on
+    kinds = _kinds(store, mid)
+    assert kinds.count(REARM_EVENT) == 1
+    assert kinds.index(REARM_EVENT) < len(kinds) - 1 - kinds[::-1].index("provision.network-boot")
+    with store.session() as s:
+        assert authenticate(s, lost) is None  # the lost token acts for nothing now
+    fresh = boot_token(store, mid)  # the next fetch (the new boot's) carries a new token
+    assert fresh is not None and fresh != lost
+    # An agent that used its token is running: never rebooted under it, however old the token.
+    with store.session() as s:
+        assert authenticate(s, fresh) is not None
+    _minted_ago(store, mid, 3600)
+    bmc.calls.clear()
+    assert await dog.sweep_once() == [] and bmc.calls == []
+    with store.session() as s:
+        m = s.get(Machine, mid)
+        assert m is not None and m.boot_armed is None and m.boot_current is not None
+
+
+async def test_without_a_bmc_or_after_the_last_try_a_technician_is_told_once(
+    store: Store,
+) -> None:
+    bare, tried = claimed(store, 2)
+    _with_bmc(store, tried)
+    bmc = FakeBmc()
+    dog = Watchdog(store, CFG, "owner", services={"bmc": bmc})
+    # bare: armed on entry to provisioning (no BMC to boot it; a person powered it on)
+    for attempt in range(MAX_REARMS + 1):
+        assert boot_token(store, tried) is not None
+        if attempt == 0:
+            assert boot_token(store, bare) is not None
+        _minted_ago(store, tried, 200)
+        _minted_ago(store, bare, 200)
+        moved = await dog.sweep_once()
+        assert moved == ([tried] if attempt < MAX_REARMS else []), attempt
+    assert await dog.sweep_once() == []
+    assert _kinds(store, bare).count(STRANDED_EVENT) == 1
+    assert _kinds(store, bare).count(REARM_EVENT) == 0
+    assert _kinds(store, tried).count(REARM_EVENT) == MAX_REARMS
+    assert _kinds(store, tried).count(STRANDED_EVENT) == 1
+    assert sum(1 for c in bmc.calls if c == (tried, "power", "on")) == MAX_REARMS
+    assert not any(c[0] == bare for c in bmc.calls)
