@@ -6,6 +6,7 @@ import asyncio
 import json
 import re
 from typing import Any
+from urllib.parse import urlencode
 
 from aiohttp import web
 from sqlmodel import Session, col
@@ -111,11 +112,17 @@ async def list_events(req: ApiRequest) -> EventPage:
     p = req.require_principal()
     q: EventQuery = req.query
 
+    limit = req.page_limit(q)
+
     def run(s: Session) -> EventPage:
         _check_machine_scope(s, p, q.machine_id)
-        return _page(s, p, q, q.after, req.page_limit(q))
+        return _page(s, p, q, q.after, limit)
 
-    return await req.ctx.store.run(run)
+    page = await req.ctx.store.run(run)
+    if q.sort == "id" and len(page.items) == limit:
+        params = [(k, v) for k, v in req.raw.query.items() if k != "after"]
+        page.next = f"{req.raw.path}?{urlencode([*params, ('after', str(page.next_after))])}"
+    return page
 
 
 @router.route(

@@ -207,6 +207,11 @@ class EventPage(BaseModel):
     next_after: int = Field(
         description="Pass as after to read on: no event that commits later is skipped."
     )
+    next: str | None = Field(
+        default=None,
+        description="The next page (this request with after=next_after) when this one is full; "
+        "null at the end (sort=-id lists the newest and has none).",
+    )
 
 
 # ---- tokens and tenants -----------------------------------------------------------------

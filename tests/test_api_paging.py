@@ -225,3 +225,27 @@ async def test_a_forged_row_reference_outside_the_scope_is_refused(api) -> None:
     assert r.status == 422 and "gone" in (await r.json())["detail"]
     r = await client.get(f"/api/v1/machines?sort=name&cursor={ref(tokens.machine_a)}", headers=orch)
     assert r.status == 200 and (await r.json())["items"] == []  # nothing after its only one
+
+
+async def test_events_page_by_next_like_the_other_lists(api) -> None:  # type: ignore[no-untyped-def]
+    """Events keep their commit-order ``after`` cursor, and a full page also links the next."""
+    client, tokens, _ = api
+    tech = tokens.header("technician")
+    for action in ("maintenance-on", "maintenance-off", "maintenance-on"):
+        r = await client.post(
+            f"/api/v1/machines/{tokens.machine_free}/actions",
+            json={"action": action},
+            headers=tech,
+        )
+        assert r.status == 200, await r.text()
+    everything = await (await client.get("/api/v1/events?limit=1000", headers=tech)).json()
+    assert everything["next"] is None and len(everything["items"]) >= 3
+    ids, url = [], "/api/v1/events?limit=2&kind=machine.state"
+    while url:
+        body = await (await client.get(url, headers=tech)).json()
+        ids += [e["id"] for e in body["items"]]
+        assert body["next"] is None or "kind=machine.state" in body["next"]
+        url = body["next"]
+    assert ids == [e["id"] for e in everything["items"] if e["kind"] == "machine.state"]
+    newest = await (await client.get("/api/v1/events?limit=1&sort=-id", headers=tech)).json()
+    assert newest["next"] is None
