@@ -170,7 +170,9 @@ class Membership:
         was_fenced = self.fenced
         started = time.monotonic()  # the store's heartbeat time is at or after this moment
         try:
-            mine = await self.store.run(registry.beat, self.instance, self.incarnation)
+            mine = await self.store.heartbeat(
+                registry.beat, self.instance, self.incarnation, timeout_s=self.beat_timeout_s
+            )
         except Exception as e:  # noqa: BLE001 - a store outage is survived, fenced
             log.warning("heartbeat failed (%s): %s", type(e).__name__, e)
             return
@@ -191,9 +193,17 @@ class Membership:
             log.warning("reading the fleet's members failed: %s", e)
 
     async def refresh(self) -> None:
-        self.members = await self.store.run(registry.members, self.dead_after_s)
+        self.members = await self.store.heartbeat(
+            registry.members, self.dead_after_s, timeout_s=self.beat_timeout_s
+        )
 
     # --- ownership -------------------------------------------------------------------------
+
+    @property
+    def beat_timeout_s(self) -> float:
+        """A heartbeat statement's bound: half the fencing age, so a heartbeat stuck on a lock
+        fails and the next one still lands before this instance fences itself."""
+        return self.fence_after_s / 2
 
     @property
     def fence_after_s(self) -> float:
