@@ -78,6 +78,10 @@ class Membership:
         self.incarnation = str(uuid.uuid4())
         self.members: list[Member] = []
         self._last_ok: float | None = None
+        #: Bumped whenever a heartbeat lands after the lease it renews had already ended: work
+        #: started under an older epoch was interrupted by a fenced moment and must not go on
+        #: under the new lease (its objects may have moved meanwhile).
+        self.lease_epoch = 0
         self._taken_over = False
         self._said_fenced = False
         self._task: asyncio.Task[None] | None = None
@@ -184,6 +188,8 @@ class Membership:
                 )
             self._taken_over = True
             return
+        if time.monotonic() >= self.lease_until():
+            self.lease_epoch += 1
         self._last_ok = started
         if was_fenced:
             log.warning("heartbeat written again: no longer fenced")
