@@ -22,14 +22,23 @@ from collections.abc import Callable
 from ipaddress import ip_address, ip_network
 from typing import Any
 
+from prometheus_client import Gauge
+
 from metald import __version__
 from metald.fleet import registry
 from metald.fleet.registry import Member
 from metald.fleet.rendezvous import owner
+from metald.metrics import REGISTRY
 from metald.service import cancel
 from metald.store import Store
 
 log = logging.getLogger("metald.fleet")
+
+fenced_gauge = Gauge(
+    "metald_fleet_fenced",
+    "1 while this instance is fenced (no heartbeat confirmed within its lease): it owns nothing",
+    registry=REGISTRY,
+)
 
 
 def _in_networks(address: str, networks: list[str]) -> bool:
@@ -97,6 +106,7 @@ class Membership:
 
     def _changed(self, before: tuple[frozenset[str], bool]) -> None:
         fenced, said, self._said_fenced = self.fenced, self._said_fenced, self.fenced
+        fenced_gauge.set(1 if fenced else 0)
         if fenced and not said:
             # Said once, at the fencing deadline, not when the hung store call finally fails.
             log.error(
