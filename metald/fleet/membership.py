@@ -7,7 +7,10 @@ judged dead (``dead_after_s``).
 
 Self-fencing: an instance that has not written a heartbeat for ``dead_after_s - heartbeat_s``
 (cut off from the store, or stalled) stops claiming anything, before the others can judge it
-dead and take its share, so one object never has two owners acting at once.
+dead and take its share, so one object never has two owners acting at once. The heartbeat runs
+on its own thread and connection (``Store.heartbeat``) so request work cannot delay it into
+fencing; work bound to the lease (BMC commands) ends at ``lease_until()`` and does not survive a
+lapse (``lease_epoch``).
 """
 
 from __future__ import annotations
