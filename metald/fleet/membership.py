@@ -109,7 +109,6 @@ class Membership:
 
     def _changed(self, before: tuple[frozenset[str], bool]) -> None:
         fenced, said, self._said_fenced = self.fenced, self._said_fenced, self.fenced
-        fenced_gauge.set(1 if fenced else 0)
         if fenced and not said:
             # Said once, at the fencing deadline, not when the hung store call finally fails.
             log.error(
@@ -139,6 +138,8 @@ class Membership:
         )
         self._last_ok = started
         await self.refresh()
+        # Read when scraped: one Membership per process (the last started, in tests).
+        fenced_gauge.set_function(lambda: 1.0 if self.fenced else 0.0)
         self._task = asyncio.create_task(self._loop(), name="fleet-heartbeat")
 
     async def stop(self) -> None:
