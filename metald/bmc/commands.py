@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -63,6 +63,11 @@ class Expected:
 
     state: PowerState
     until: float
+
+
+class LeaseEnded(BmcError):
+    """This instance's fleet lease ended (it fenced itself) before the command finished: it
+    was stopped, its retries and retransmissions with it. Never retried here."""
 
 
 class BmcControl:
@@ -239,14 +244,67 @@ class BmcControl:
         idempotent: bool = True,
         timeout_s: float | None = None,
     ) -> T:
-        """Run ``fn`` on the BMC's driver under the scheduler; raises BmcError."""
+        """Run ``fn`` on the BMC's driver under the scheduler, within this instance's lease;
+        raises BmcError (``LeaseEnded`` when the lease ended first)."""
         driver = self.driver_for(row)
         try:
-            return await self.scheduler.run(
-                row.id, lambda: fn(driver), name=op_name, idempotent=idempotent, timeout_s=timeout_s
+            return await self._within_lease(
+                row.id,
+                self.scheduler.run(
+                    row.id,
+                    lambda: fn(driver),
+                    name=op_name,
+                    idempotent=idempotent,
+                    timeout_s=timeout_s,
+                ),
             )
         finally:
             await self._persist_health(row.id)
+
+    async def _within_lease(self, bmc_id: str, work: Coroutine[Any, Any, T]) -> T:
+        """Await ``work`` (a command with its retries) only while this instance holds its lease
+        without a lapse: at the lease's end it is cancelled, so no retransmission or retry
+        leaves after the instance fenced itself (its BMCs move 2 s later by default). A lease
+        renewed in time extends the bound; one renewed after a lapse does not (the BMC may
+        have moved meanwhile)."""
+        own = self.ownership
+        if own is None:
+            return await work
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        epoch = own.lease_epoch
+        expired = False
+        handle: asyncio.TimerHandle | None = None
+
+        def lease_end() -> float:
+            return own.lease_until() if own.lease_epoch == epoch else 0.0
+
+        def check() -> None:
+            nonlocal handle, expired
+            now = time.monotonic()
+            if now < (until := lease_end()):
+                handle = loop.call_later(until - now, check)
+            else:
+                expired = True
+                task.cancel()
+
+        if time.monotonic() >= lease_end():
+            work.close()
+            raise LeaseEnded(f"this instance's lease ended before the command to BMC {bmc_id}")
+        check()
+        try:
+            return await work
+        except asyncio.CancelledError:
+            if expired and task.uncancel() == 0:
+                raise LeaseEnded(
+                    f"this instance fenced itself while a command to BMC {bmc_id} ran: it was "
+                    "stopped at the lease's end (it may or may not have reached the BMC)"
+                ) from None
+            raise
+        finally:
+            if handle is not None:
+                handle.cancel()
 
     def seed_health(self, bmc_id: str, driver: BmcDriver) -> None:
         """A BMC just registered with a driver that proved it works."""
@@ -279,6 +337,9 @@ class BmcControl:
     ) -> T:
         try:
             return await self.run(row, name, fn, idempotent=idempotent, timeout_s=timeout_s)
+        except LeaseEnded as e:
+            self.held.clear()
+            raise NotOwner(f"{e}; send the request to another instance", owner=None) from None
         except BmcUnsupported as e:
             raise Unprocessable(f"{cause(e)}", bmc_id=row.id) from None
         except BmcError as e:

@@ -74,6 +74,8 @@ class BmcOwnership(Protocol):
 
     instance: str
     dead_after_s: float
+    #: Changes when the lease lapsed before it was renewed (see ``lease_until``).
+    lease_epoch: int
 
     @property
     def fenced(self) -> bool: ...

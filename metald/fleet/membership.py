@@ -7,7 +7,10 @@ judged dead (``dead_after_s``).
 
 Self-fencing: an instance that has not written a heartbeat for ``dead_after_s - heartbeat_s``
 (cut off from the store, or stalled) stops claiming anything, before the others can judge it
-dead and take its share, so one object never has two owners acting at once.
+dead and take its share, so one object never has two owners acting at once. The heartbeat runs
+on its own thread and connection (``Store.heartbeat``) so request work cannot delay it into
+fencing; work bound to the lease (BMC commands) ends at ``lease_until()`` and does not survive a
+lapse (``lease_epoch``).
 """
 
 from __future__ import annotations
@@ -22,14 +25,23 @@ from collections.abc import Callable
 from ipaddress import ip_address, ip_network
 from typing import Any
 
+from prometheus_client import Gauge
+
 from metald import __version__
 from metald.fleet import registry
 from metald.fleet.registry import Member
 from metald.fleet.rendezvous import owner
+from metald.metrics import REGISTRY
 from metald.service import cancel
 from metald.store import Store
 
 log = logging.getLogger("metald.fleet")
+
+fenced_gauge = Gauge(
+    "metald_fleet_fenced",
+    "1 while this instance is fenced (no heartbeat confirmed within its lease): it owns nothing",
+    registry=REGISTRY,
+)
 
 
 def _in_networks(address: str, networks: list[str]) -> bool:
@@ -78,6 +90,10 @@ class Membership:
         self.incarnation = str(uuid.uuid4())
         self.members: list[Member] = []
         self._last_ok: float | None = None
+        #: Bumped whenever a heartbeat lands after the lease it renews had already ended: work
+        #: started under an older epoch was interrupted by a fenced moment and must not go on
+        #: under the new lease (its objects may have moved meanwhile).
+        self.lease_epoch = 0
         self._taken_over = False
         self._said_fenced = False
         self._task: asyncio.Task[None] | None = None
@@ -122,6 +138,8 @@ class Membership:
         )
         self._last_ok = started
         await self.refresh()
+        # Read when scraped: one Membership per process (the last started, in tests).
+        fenced_gauge.set_function(lambda: 1.0 if self.fenced else 0.0)
         self._task = asyncio.create_task(self._loop(), name="fleet-heartbeat")
 
     async def stop(self) -> None:
@@ -170,7 +188,9 @@ class Membership:
         was_fenced = self.fenced
         started = time.monotonic()  # the store's heartbeat time is at or after this moment
         try:
-            mine = await self.store.run(registry.beat, self.instance, self.incarnation)
+            mine = await self.store.heartbeat(
+                registry.beat, self.instance, self.incarnation, timeout_s=self.beat_timeout_s
+            )
         except Exception as e:  # noqa: BLE001 - a store outage is survived, fenced
             log.warning("heartbeat failed (%s): %s", type(e).__name__, e)
             return
@@ -182,6 +202,8 @@ class Membership:
                 )
             self._taken_over = True
             return
+        if time.monotonic() >= self.lease_until():
+            self.lease_epoch += 1
         self._last_ok = started
         if was_fenced:
             log.warning("heartbeat written again: no longer fenced")
@@ -191,9 +213,17 @@ class Membership:
             log.warning("reading the fleet's members failed: %s", e)
 
     async def refresh(self) -> None:
-        self.members = await self.store.run(registry.members, self.dead_after_s)
+        self.members = await self.store.heartbeat(
+            registry.members, self.dead_after_s, timeout_s=self.beat_timeout_s
+        )
 
     # --- ownership -------------------------------------------------------------------------
+
+    @property
+    def beat_timeout_s(self) -> float:
+        """A heartbeat statement's bound: half the fencing age, so a heartbeat stuck on a lock
+        fails and the next one still lands before this instance fences itself."""
+        return self.fence_after_s / 2
 
     @property
     def fence_after_s(self) -> float:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import psycopg
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 from sqlmodel import Session
@@ -29,7 +29,11 @@ MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 READ_ONLY = "metald_read_only"
 
 
-def make_engine(url: str, *, echo: bool = False) -> Engine:
+def make_engine(
+    url: str, *, echo: bool = False, pool_size: int = 10, max_overflow: int = 20
+) -> Engine:
+    """The engine for ``url``; ``pool_size``/``max_overflow`` apply to PostgreSQL (SQLite's
+    pool is fixed: one writer at a time anyway)."""
     u = make_url(url)
     if u.drivername.startswith("sqlite"):
         if u.database and u.database != ":memory:":
@@ -68,8 +72,8 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
     return create_engine(
         u,
         echo=echo,
-        pool_size=10,
-        max_overflow=20,
+        pool_size=pool_size,
+        max_overflow=max_overflow,
         pool_pre_ping=True,
         connect_args={
             "connect_timeout": 5,
@@ -109,7 +113,8 @@ def store_unavailable(e: BaseException) -> bool:
 
 
 class Store:
-    """Owns the engine and the thread pool that database calls run on."""
+    """Owns the engine and the thread pool that database calls run on, and the heartbeat's own
+    lane (``heartbeat``): one thread and one connection that request work cannot starve."""
 
     def __init__(self, url: str, *, workers: int = 0) -> None:
         self.url = url
@@ -123,6 +128,9 @@ class Store:
         self._reader = self.engine.execution_options(
             **{READ_ONLY: True}, **({} if self.is_sqlite else {"postgresql_readonly": True})
         )
+        # The heartbeat's lane, opened at its first use (most Stores never heartbeat).
+        self._beat_pool: ThreadPoolExecutor | None = None
+        self._beat_engine: Engine | None = None
 
     @contextmanager
     def session(self) -> Iterator[Session]:
@@ -150,11 +158,47 @@ class Store:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, functools.partial(call))
 
+    async def heartbeat(
+        self, fn: Callable[..., T], *args: Any, timeout_s: float, **kwargs: Any
+    ) -> T:
+        """Like ``run``, on the heartbeat's own thread and (PostgreSQL) its own connection, so
+        a storm that fills ``run``'s pool and the engine's connections cannot delay it: an
+        instance must not fence itself because its own request work queued ahead of its
+        heartbeat. Each statement is bounded by ``timeout_s`` (PostgreSQL's
+        ``statement_timeout`` and ``lock_timeout``): a heartbeat stuck behind a lock fails and
+        the next one is tried, instead of holding the lane. SQLite (one instance, one writer)
+        shares the main engine; only the thread is the heartbeat's."""
+        if self._beat_pool is None:
+            self._beat_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-beat")
+            self._beat_engine = (
+                self.engine
+                if self.is_sqlite
+                else make_engine(self.url, pool_size=1, max_overflow=0)
+            )
+        engine = self._beat_engine
+        assert engine is not None
+        ms = max(1, int(timeout_s * 1000))
+
+        def call() -> T:
+            with Session(engine, expire_on_commit=False) as s:
+                if not self.is_sqlite:
+                    # LOCAL: for this transaction only (the connection goes back to the pool).
+                    s.execute(text(f"SET LOCAL statement_timeout = {ms}"))
+                    s.execute(text(f"SET LOCAL lock_timeout = {ms}"))
+                return fn(s, *args, **kwargs)
+
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._beat_pool, functools.partial(call))
+
     def migrate(self, revision: str = "head") -> None:
         upgrade(self.engine, revision)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        if self._beat_pool is not None:
+            self._beat_pool.shutdown(wait=True)
+        if self._beat_engine is not None and self._beat_engine is not self.engine:
+            self._beat_engine.dispose()
         self.engine.dispose()
 
 

@@ -89,6 +89,7 @@ class View:
     owner: str | None
     fenced: bool = False
     dead_after_s: float = DEAD_AFTER_S
+    lease_epoch: int = 0
 
     def lease_until(self) -> float:
         return 0.0 if self.fenced else float("inf")

@@ -99,6 +99,11 @@ class Outage:
             raise ConnectionError("store unreachable")
         return await self.store.run(fn, *a, **kw)
 
+    async def heartbeat(self, fn, *a, **kw):  # type: ignore[no-untyped-def]
+        if self.down:
+            raise ConnectionError("store unreachable")
+        return await self.store.heartbeat(fn, *a, **kw)
+
 
 async def test_an_instance_cut_off_from_the_store_fences_itself_before_it_is_dead(
     store: Store,
@@ -251,6 +256,11 @@ class Hang:
         if self.hung.is_set():
             await asyncio.Event().wait()
         return await self.store.run(fn, *a, **kw)
+
+    async def heartbeat(self, fn, *a, **kw):  # type: ignore[no-untyped-def]
+        if self.hung.is_set():
+            await asyncio.Event().wait()
+        return await self.store.heartbeat(fn, *a, **kw)
 
 
 async def test_a_hung_store_call_still_fences_and_tells_listeners(store: Store) -> None:
