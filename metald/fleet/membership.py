@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import socket
 import time
@@ -237,6 +238,10 @@ class Membership:
         since then does not make the old answer true again."""
         if self._taken_over or self._last_ok is None:
             return 0.0
+        if self.sole_user:
+            # SQLite's lock: no other instance can run on this store, so none can take over;
+            # fencing would only stop the one instance there is (a slow disk is not a cut).
+            return math.inf
         return self._last_ok + self.fence_after_s
 
     @property

@@ -129,6 +129,27 @@ async def test_an_instance_cut_off_from_the_store_fences_itself_before_it_is_dea
         await a.stop()
 
 
+async def test_the_sole_user_of_a_sqlite_store_never_fences(store: Store) -> None:
+    """With SQLite's lock held no other instance can run on the store, so none could take
+    over: a stalled heartbeat must not stop the one instance there is (DHCP, BMCs, API)."""
+    link = Outage(store)
+    a = Membership(link, "solo", heartbeat_s=0.1, dead_after_s=0.6)  # type: ignore[arg-type]
+    a.sole_user = True
+    await a.start()
+    try:
+        link.down = True
+        beats = a.lease_epoch
+        await asyncio.sleep(0)  # let the loop run
+        deadline = time.monotonic() + 1.5  # well past the 0.5 s fencing age
+        while time.monotonic() < deadline:
+            assert not a.fenced and a.owns_bmc("b1", "10.0.0.1")
+            await asyncio.sleep(0.05)
+        link.down = False
+        assert a.lease_epoch == beats  # never lapsed, so no new epoch
+    finally:
+        await a.stop()
+
+
 def _bmcs(s: Session, n: int, network: str = "10.1") -> list[str]:
     ids = []
     for i in range(n):
