@@ -237,3 +237,33 @@ async def test_boot_refusals_say_what_to_do(api, store: Store, sushy: Sushy) -> 
         headers=tokens.header("orchestrator"),
     )
     assert r.status == 403
+
+
+async def test_a_step_cut_off_after_the_insert_resumes_without_a_second_power_off(
+    api, store: Store, sushy: Sushy, boot_http
+) -> None:  # type: ignore[no-untyped-def]
+    """Another instance journaled ``vmedia:insert`` and died: the new run inserts again (insert
+    ejects first), sets the CD boot, arms and powers on; it never powers off a second time
+    (the machine may already be booting what the first run started)."""
+    from metald.bmc import ownership
+    from metald.bmc.control import step_key
+
+    client, tokens, svc = api
+    mid = tokens.machine_a
+    await _register(client, tokens, sushy, mid)
+    _provision(store, mid)
+    with store.session() as s:
+        step = step_key(s.get(Machine, mid))
+        ownership.mark_step(s, mid, step, command="vmedia:insert", done=False)
+        s.commit()
+    assert await driver.boot_from_network(store, svc, mid, actor="test", via="virtual-media")
+    cd = await _cd(sushy)
+    assert cd["Inserted"] is True
+    assert (await _system_json(sushy))["Boot"]["BootSourceOverrideTarget"] == "Cd"
+    with store.session() as s:
+        actions = [
+            e.data["action"] for e in s.exec(select(Event).where(Event.kind == "bmc.power")).all()
+        ]
+        bmc = s.exec(select(Bmc).where(Bmc.machine_id == mid)).one()
+        assert bmc.step_done is True and s.get(Machine, mid).boot_armed
+    assert actions == ["on"]
