@@ -25,7 +25,7 @@ from api.paging import PageQuery, page_items
 from api.routing import STAFF, ApiRequest, Router
 from api.schemas import In
 from metald import machines
-from metald.errors import MetaldError, Unprocessable
+from metald.errors import Conflict, MetaldError, Unprocessable
 from metald.store.models import Bmc, utcnow
 
 router = Router()
@@ -773,3 +773,75 @@ async def approve_machine(req: ApiRequest) -> ApprovalOut:
     out = await req.ctx.store.run(run)
     req.ctx.bus.notify()
     return out
+
+
+# ---- booting a machine through its BMC (issue 16 item 3) ------------------------------------
+
+
+class BootRequest(In):
+    via: Literal["virtual-media", "network"] = Field(
+        description="virtual-media: metald's boot ISO in the BMC's virtual CD (Redfish "
+        "VirtualMedia), for networks without DHCP boot options; network: one-time PXE."
+    )
+    image: Literal["discovery"] = Field(
+        "discovery", description="The ISO to boot: metald's iPXE boot image (discovery)."
+    )
+
+
+class BootOut(BaseModel):
+    machine_id: str
+    via: str
+    image_url: str | None = Field(description="What the BMC fetches (virtual-media only).")
+    state: str
+
+
+@router.route(
+    "POST",
+    "/api/v1/machines/{id}/boot",
+    summary="Boot a machine through its BMC, from virtual media or the network",
+    roles=STAFF,
+    body=BootRequest,
+    response=BootOut,
+    tag=TAG,
+    errors=(404, 409, 422, 502, 503),
+)
+async def boot_machine(req: ApiRequest) -> BootOut | web.Response:
+    """The provisioning driver's boot step, started now (202): confirmed power-off, then
+    (virtual-media) insert metald's ISO and a one-time CD boot, or (network) a one-time PXE
+    boot; the boot is armed, so its first script carries the agent token; then power on.
+    Only for a machine metald boots (inspecting, provisioning, wiping)."""
+    from metald.bmc import virtual_media
+    from metald.lifecycle import NETWORK_BOOT, State
+    from metald.provision import driver
+
+    b: BootRequest = req.body
+    mid = req.params["id"]
+    if fwd := await _on_owner(req, BootOut, machine_id=mid):
+        return web.json_response(fwd.model_dump(mode="json"), status=202)
+    svc = _bmc(req)
+    m = await req.ctx.store.run(machines.get_machine, mid)
+    if State(m.state) not in NETWORK_BOOT:
+        booting = ", ".join(sorted(s.value for s in NETWORK_BOOT))
+        raise Conflict(
+            f"machine {mid} is {m.state}: metald boots a machine only in {booting}; "
+            "claim, inspect or release it first (or use PUT .../power for a plain power action)",
+            state=m.state,
+        )
+    url = None
+    if b.via == "virtual-media":
+        await virtual_media.check_for(svc.control, mid)
+        url = virtual_media.iso_url(svc.control)
+        if url is None:
+            raise Unprocessable(
+                "this metald serves no boot HTTP for the BMC to fetch the ISO from; set "
+                'boot.http_url or boot.http_listen, or boot with {"via": "network"}'
+            )
+    else:
+        await svc.control.row_for_machine(mid)  # 404 with what to do when it has no BMC
+    driver.spawn(
+        driver.boot_from_network(
+            req.ctx.store, svc, mid, actor=req.actor, instance=req.ctx.instance, via=b.via
+        )
+    )
+    out = BootOut(machine_id=mid, via=b.via, image_url=url, state=m.state)
+    return web.json_response(out.model_dump(mode="json"), status=202)

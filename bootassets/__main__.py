@@ -1,5 +1,6 @@
 """``python -m bootassets build|node [--cache DIR] [--force]``: build (or reuse) the boot assets
-(``build``: discovery image and iPXE binaries) or the tenant node image (``node``)."""
+(``build``: discovery image and iPXE binaries) or the tenant node image (``node``);
+``iso --boot-url URL --out PATH``: the virtual-media boot ISO (``bootassets.iso``)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,21 @@ def main(argv: list[str] | None = None) -> int:
     node.add_argument(
         "--force", action="store_true", help="rebuild even if the inputs are unchanged"
     )
+    iso = sub.add_parser("iso", help="build the virtual-media boot ISO for a metald boot URL")
+    iso.add_argument("--boot-url", required=True, help="metald's boot HTTP URL (boot.http_url)")
+    iso.add_argument("--out", required=True, help="where to write it: <boot.assets_dir>/...")
     args = parser.parse_args(argv)
+    if args.command == "iso":
+        from pathlib import Path
+
+        from bootassets.iso import IsoError, build_iso
+
+        try:
+            print(build_iso(args.boot_url, Path(args.out)))
+        except IsoError as e:
+            print(f"bootassets: {e}", file=sys.stderr)
+            return 1
+        return 0
     try:
         if args.command == "node":
             from bootassets.node import ensure_node_built

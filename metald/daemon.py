@@ -266,6 +266,9 @@ def _bmc(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
 
     svc = BmcService(d.store, d.secrets, d.cfg.bmc, d.cfg.instance)
     svc.ownership = d.fleet
+    from metald.boot.plane import http_base_url
+
+    svc.control.vmedia_base = http_base_url(d.cfg)  # where BMCs fetch the boot ISO
     d.fleet.on_change(svc.wake)
     return svc, []
 

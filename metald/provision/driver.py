@@ -18,7 +18,7 @@ from typing import Any
 from sqlmodel import Session
 
 from metald import machines
-from metald.bmc import ownership
+from metald.bmc import ownership, virtual_media
 from metald.bmc.base import BootTarget, PowerAction, PowerState
 from metald.bmc.control import NotOwner, PowerControl, step_key
 from metald.bmc.ownership import StepJournal
@@ -262,7 +262,13 @@ def _step_of(session: Session, machine_id: str) -> tuple[str | None, StepJournal
 
 
 async def boot_from_network(
-    store: Store, bmc: Any, machine_id: str, *, actor: str, instance: str | None = None
+    store: Store,
+    bmc: Any,
+    machine_id: str,
+    *,
+    actor: str,
+    instance: str | None = None,
+    via: str | None = None,
 ) -> bool:
     """Take the machine (hard power-off, confirmed), set a one-time PXE boot, arm the boot
     (``metald.provision.boots``: the first script of this boot carries the agent token), then
@@ -272,7 +278,11 @@ async def boot_from_network(
     Resumable: each command is journaled on the BMC's row before it is sent, so a step cut
     off (this or another instance killed) continues from there, and a command whose effect
     can be read (power) is read, never sent again blindly. One run per machine at a time in
-    this instance."""
+    this instance.
+
+    ``via`` "virtual-media" (or None and the machine labelled ``boot-via=virtual-media``):
+    instead of a PXE boot, insert metald's boot ISO into the BMC's virtual CD (Redfish) and
+    boot it once; the rest (confirmed power-off, arming, power-on) is the same."""
     control = control_of(bmc)
     busy: set[str] | None = getattr(control, "in_flight", None)
     if busy is not None:
@@ -280,14 +290,35 @@ async def boot_from_network(
             return False
         busy.add(machine_id)
     try:
-        return await _boot(store, control, machine_id, actor, instance)
+        return await _boot(store, control, machine_id, actor, instance, via)
     finally:
         if busy is not None:
             busy.discard(machine_id)
 
 
+def _iso_for(session: Session, bmc: Any, machine_id: str, via: str | None) -> str | None:
+    """The ISO URL to boot the machine from, or None for a PXE boot."""
+    if via is None:
+        labels = machines.get_machine(session, machine_id).labels
+        via = "virtual-media" if virtual_media.wants_virtual_media(labels) else "network"
+    if via != "virtual-media":
+        return None
+    url = virtual_media.iso_url(bmc)
+    if url is None:
+        raise MetaldError(
+            "virtual media boot needs metald's boot HTTP (boot.http_url or boot.http_listen) "
+            "to serve the ISO; configure it, or boot the machine over the network"
+        )
+    return url
+
+
 async def _boot(
-    store: Store, bmc: PowerControl, machine_id: str, actor: str, instance: str | None
+    store: Store,
+    bmc: PowerControl,
+    machine_id: str,
+    actor: str,
+    instance: str | None,
+    via: str | None = None,
 ) -> bool:
     step: str | None = None
     try:
@@ -297,22 +328,31 @@ async def _boot(
         if journal is not None and journal.done:
             return True
         sent = journal.command if journal is not None else None
+        iso = await store.run(_iso_for, bmc, machine_id, via)
         if sent in (None, "requested"):
             await _power_off(bmc, machine_id, actor, step)
             sent = "power:off"
         elif sent == "power:off":  # sent before a failover: wait for it, never send it again
             await _wait_off(bmc, machine_id, actor)
-        if sent == "power:off":
+        if iso is not None and sent in ("power:off", "vmedia:insert"):
+            # The ISO's iPXE fetches this machine's script like a PXE boot would; inserting
+            # again after a failover is harmless (insert ejects what is there first).
+            await virtual_media.insert_for(bmc, machine_id, iso, step)  # type: ignore[arg-type]
+            await virtual_media.boot_cd_for(bmc, machine_id, step)  # type: ignore[arg-type]
+            sent = "boot:cd"
+        elif sent == "power:off":
             # uefi=None: keep the machine's own firmware mode (a BIOS machine refuses a UEFI
             # override and a UEFI one may not PXE in legacy mode).
             await bmc.set_boot_device(
                 machine_id, BootTarget.PXE, False, uefi=None, actor=actor, step=step
             )
             sent = "boot:pxe"
-        if sent == "boot:pxe":
+        if sent in ("boot:pxe", "boot:cd"):
             # The watchdog reads the note to tell a boot that was asked for from one a
             # restart cut off.
             reason = "power off, one-time PXE boot and power on through the BMC"
+            if sent == "boot:cd":
+                reason = f"power off, insert {iso}, one-time CD boot and power on through the BMC"
             if not await store.run(_arm, machine_id, reason, actor, instance):
                 return False
             await bmc.power(machine_id, PowerAction.ON, actor=actor, step=step)

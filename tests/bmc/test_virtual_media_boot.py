@@ -1,0 +1,269 @@
+"""Virtual media boot (issue 16 item 3) against sushy-emulator, whose VirtualMedia insert
+really downloads the image: ``POST /api/v1/machines/{id}/boot {"via": "virtual-media"}`` runs
+the provisioning driver's fenced, journaled step (confirmed power-off, insert metald's ISO,
+one-time CD boot, arm, power on), and the claim workflow's boot takes the same path for a
+machine labelled ``boot-via=virtual-media``."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import web
+from sqlmodel import select
+
+from metald import machines
+from metald.bmc import virtual_media
+from metald.bmc.service import BmcService
+from metald.config import Config
+from metald.lifecycle import Trigger
+from metald.provision import driver
+from metald.secrets import SecretBox
+from metald.store import Store
+from metald.store.models import Bmc, Event, Machine
+from tests.bmc.peers import Sushy
+from tests.bmc.test_bmc_redfish import _system_json
+from tests.conftest import seed
+
+ISO = b"CD001" + bytes(2043) * 16
+
+
+@pytest.fixture
+async def boot_http() -> AsyncIterator[tuple[str, list[str]]]:
+    """A boot HTTP listener serving the ISO under /boot/assets/ (as metald's does)."""
+    fetched: list[str] = []
+
+    async def serve(request: web.Request) -> web.Response:
+        fetched.append(request.path)
+        return web.Response(body=ISO, content_type="application/octet-stream")
+
+    app = web.Application()
+    app.router.add_get(f"/boot/assets/{virtual_media.ISO_NAME}", serve)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    yield f"http://127.0.0.1:{port}", fetched
+    await runner.cleanup()
+
+
+@pytest.fixture
+async def api(cfg: Config, store: Store, aiohttp_client, boot_http):  # type: ignore[no-untyped-def]
+    from api.app import create_app
+    from api.context import AppContext
+    from metald.events import EventBus
+
+    secrets = SecretBox.from_file(cfg.secrets_key_path)
+    cfg.bmc.min_interval_ms = 0
+    cfg.bmc.timeout_s = 10
+    cfg.bmc.retries = 1
+    svc = BmcService(store, secrets, cfg.bmc, cfg.instance)
+    svc.control.vmedia_base = boot_http[0]
+    ctx = AppContext(cfg=cfg, store=store, secrets=secrets, bus=EventBus(), services={"bmc": svc})
+    tokens = seed(store)
+    client = await aiohttp_client(create_app(ctx))
+    yield client, tokens, svc
+    await driver.drain()
+    await svc.stop()
+
+
+async def _register(client, tokens, sushy: Sushy, mid: str) -> None:  # type: ignore[no-untyped-def]
+    body = {
+        "address": "http://127.0.0.1",
+        "port": sushy.port,
+        "protocol": "redfish",
+        "username": "admin",
+        "password": "unused",
+        "machine_id": mid,
+    }
+    r = await client.post("/api/v1/bmcs", json=body, headers=tokens.header("technician"))
+    assert r.status == 201, await r.text()
+
+
+async def _cd(sushy: Sushy) -> dict:  # type: ignore[type-arg]
+    import aiohttp
+
+    base = f"http://127.0.0.1:{sushy.port}"
+    async with aiohttp.ClientSession() as http:
+        system = await _system_json(sushy)
+        coll = system["VirtualMedia"]["@odata.id"] if "VirtualMedia" in system else None
+        if coll is None:
+            async with http.get(base + "/redfish/v1/Managers") as r:
+                mgr = (await r.json())["Members"][0]["@odata.id"]
+            async with http.get(base + mgr) as r:
+                coll = (await r.json())["VirtualMedia"]["@odata.id"]
+        async with http.get(base + coll) as r:
+            members = (await r.json())["Members"]
+        for m in members:
+            async with http.get(base + m["@odata.id"]) as r:
+                res = await r.json()
+            if "CD" in res.get("MediaTypes", []):
+                return res
+    raise AssertionError("sushy offers no virtual CD")
+
+
+def _provision(store: Store, mid: str) -> None:
+    with store.session() as s:
+        machines.transition(s, mid, Trigger.PROVISION, actor="test")
+
+
+async def test_boot_via_virtual_media_inserts_boots_cd_once_arms_and_powers_on(
+    api, store: Store, sushy: Sushy, boot_http
+) -> None:  # type: ignore[no-untyped-def]
+    client, tokens, _svc = api
+    base, fetched = boot_http
+    mid = tokens.machine_a
+    await _register(client, tokens, sushy, mid)
+    r = await client.post(  # a tenant's OS running: the boot must take it down first
+        f"/api/v1/machines/{mid}/power", json={"action": "on"}, headers=tokens.header("admin")
+    )
+    assert r.status == 200, await r.text()
+    _provision(store, mid)
+    with store.session() as s:  # entering provisioning armed one boot: clear it to see ours
+        m = s.get(Machine, mid)
+        m.boot_armed = None
+        s.add(m)
+        s.commit()
+
+    r = await client.post(
+        f"/api/v1/machines/{mid}/boot",
+        json={"via": "virtual-media"},
+        headers=tokens.header("technician"),
+    )
+    assert r.status == 202, await r.text()
+    url = f"{base}/boot/assets/{virtual_media.ISO_NAME}"
+    assert (await r.json())["image_url"] == url
+    await driver.drain()
+
+    cd = await _cd(sushy)
+    assert cd["Inserted"] is True and cd["Image"] == url
+    assert fetched == [f"/boot/assets/{virtual_media.ISO_NAME}"]  # sushy fetched it itself
+    system = await _system_json(sushy)
+    assert system["Boot"]["BootSourceOverrideTarget"] == "Cd"
+    # (sushy's template always answers BootSourceOverrideEnabled "Continuous": Once is sent,
+    # not observable there.)
+    assert system["PowerState"] == "On"
+    with store.session() as s:
+        m = s.get(Machine, mid)
+        assert m.state == "provisioning" and m.boot_armed  # the first script gets the token
+        bmc = s.exec(select(Bmc).where(Bmc.machine_id == mid)).one()
+        assert bmc.step_done is True
+        notes = s.exec(select(Event).where(Event.kind == driver.NETWORK_BOOT_EVENT)).all()
+        assert any("one-time CD boot" in (e.reason or "") for e in notes)
+        steps = [
+            e.kind if e.kind != "bmc.power" else f"power:{e.data['action']}:{e.data['status']}"
+            for e in s.exec(select(Event).order_by(Event.id)).all()  # type: ignore[arg-type]
+            if e.kind in ("bmc.power", driver.NETWORK_BOOT_EVENT)
+        ]
+    # Confirmed off before the boot was armed, on after: what the tenant ran is gone first.
+    assert steps == [
+        "power:on:confirmed",
+        "power:off:confirmed",
+        driver.NETWORK_BOOT_EVENT,
+        "power:on:confirmed",
+    ]
+
+    await virtual_media.eject_for(_svc.control, mid)
+    assert (await _cd(sushy))["Inserted"] is False
+
+
+async def test_claim_workflow_boot_takes_virtual_media_when_the_machine_says_so(
+    api, store: Store, sushy: Sushy, boot_http
+) -> None:  # type: ignore[no-untyped-def]
+    client, tokens, svc = api
+    mid = tokens.machine_a
+    await _register(client, tokens, sushy, mid)
+    with store.session() as s:
+        m = s.get(Machine, mid)
+        m.labels = {**m.labels, virtual_media.BOOT_VIA_LABEL: virtual_media.VIRTUAL_MEDIA}
+        s.add(m)
+        s.commit()
+    _provision(store, mid)
+    await driver.reboot_all(store, svc, [mid], actor="test")  # what a claim's release runs
+    cd = await _cd(sushy)
+    assert cd["Inserted"] is True
+    assert cd["Image"] == f"{boot_http[0]}/boot/assets/{virtual_media.ISO_NAME}"
+    assert (await _system_json(sushy))["Boot"]["BootSourceOverrideTarget"] == "Cd"
+
+
+async def test_unlabelled_machine_still_boots_pxe(api, store: Store, sushy: Sushy) -> None:  # type: ignore[no-untyped-def]
+    client, tokens, svc = api
+    mid = tokens.machine_a
+    await _register(client, tokens, sushy, mid)
+    _provision(store, mid)
+    await driver.reboot_all(store, svc, [mid], actor="test")
+    assert (await _cd(sushy))["Inserted"] is False
+    assert (await _system_json(sushy))["Boot"]["BootSourceOverrideTarget"] == "Pxe"
+
+
+async def test_boot_refusals_say_what_to_do(api, store: Store, sushy: Sushy) -> None:  # type: ignore[no-untyped-def]
+    client, tokens, _svc = api
+    tech = tokens.header("technician")
+    body = {"via": "virtual-media"}
+    # No BMC at all.
+    _provision(store, tokens.machine_a)
+    r = await client.post(f"/api/v1/machines/{tokens.machine_a}/boot", json=body, headers=tech)
+    assert r.status == 404 and "register one" in (await r.json())["detail"]
+    # An IPMI BMC: no virtual media.
+    with store.session() as s:
+        s.add(
+            Bmc(
+                machine_id=tokens.machine_a,
+                address="127.0.0.1",
+                protocol="ipmi",
+                username="u",
+                password_enc=b"x",
+            )
+        )
+        s.commit()
+    r = await client.post(f"/api/v1/machines/{tokens.machine_a}/boot", json=body, headers=tech)
+    assert r.status == 422
+    assert r.content_type == "application/problem+json"
+    assert '"via": "network"' in (await r.json())["detail"]
+    # A machine metald does not boot now (ready, unclaimed).
+    await _register(client, tokens, sushy, tokens.machine_free)
+    r = await client.post(f"/api/v1/machines/{tokens.machine_free}/boot", json=body, headers=tech)
+    assert r.status == 409 and "ready" in (await r.json())["detail"]
+    assert (await _cd(sushy))["Inserted"] is False
+    # Bad input and the wrong role.
+    r = await client.post(
+        f"/api/v1/machines/{tokens.machine_a}/boot", json={"via": "usb"}, headers=tech
+    )
+    assert r.status == 422
+    r = await client.post(
+        f"/api/v1/machines/{tokens.machine_a}/boot",
+        json=body,
+        headers=tokens.header("orchestrator"),
+    )
+    assert r.status == 403
+
+
+async def test_a_step_cut_off_after_the_insert_resumes_without_a_second_power_off(
+    api, store: Store, sushy: Sushy, boot_http
+) -> None:  # type: ignore[no-untyped-def]
+    """Another instance journaled ``vmedia:insert`` and died: the new run inserts again (insert
+    ejects first), sets the CD boot, arms and powers on; it never powers off a second time
+    (the machine may already be booting what the first run started)."""
+    from metald.bmc import ownership
+    from metald.bmc.control import step_key
+
+    client, tokens, svc = api
+    mid = tokens.machine_a
+    await _register(client, tokens, sushy, mid)
+    _provision(store, mid)
+    with store.session() as s:
+        step = step_key(s.get(Machine, mid))
+        ownership.mark_step(s, mid, step, command="vmedia:insert", done=False)
+        s.commit()
+    assert await driver.boot_from_network(store, svc, mid, actor="test", via="virtual-media")
+    cd = await _cd(sushy)
+    assert cd["Inserted"] is True
+    assert (await _system_json(sushy))["Boot"]["BootSourceOverrideTarget"] == "Cd"
+    with store.session() as s:
+        actions = [
+            e.data["action"] for e in s.exec(select(Event).where(Event.kind == "bmc.power")).all()
+        ]
+        bmc = s.exec(select(Bmc).where(Bmc.machine_id == mid)).one()
+        assert bmc.step_done is True and s.get(Machine, mid).boot_armed
+    assert actions == ["on"]
