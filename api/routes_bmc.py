@@ -810,7 +810,7 @@ async def boot_machine(req: ApiRequest) -> BootOut | web.Response:
     (virtual-media) insert metald's ISO and a one-time CD boot, or (network) a one-time PXE
     boot; the boot is armed, so its first script carries the agent token; then power on.
     Only for a machine metald boots (inspecting, provisioning, wiping)."""
-    from metald.bmc import virtual_media
+    from metald.bmc import media as virtual_media
     from metald.lifecycle import NETWORK_BOOT, State
     from metald.provision import driver
 

@@ -326,6 +326,14 @@ class BmcControl:
 
         await self.store.run(write)
 
+    async def virtual_media(self, row: Bmc, op: str, *args: Any) -> Any:
+        """A Redfish VirtualMedia request (``metald.bmc.virtual_media.OPERATIONS``) on the BMC;
+        the caller fences and journals it first (``metald.bmc.media``)."""
+        from metald.bmc import virtual_media
+
+        fn = virtual_media.OPERATIONS[op]
+        return await self._command(row, op, lambda d: fn(d, *args))  # type: ignore[arg-type]
+
     async def _command(
         self,
         row: Bmc,

@@ -18,7 +18,8 @@ from typing import Any
 from sqlmodel import Session
 
 from metald import machines
-from metald.bmc import ownership, virtual_media
+from metald.bmc import media as virtual_media
+from metald.bmc import ownership
 from metald.bmc.base import BootTarget, PowerAction, PowerState
 from metald.bmc.control import NotOwner, PowerControl, step_key
 from metald.bmc.ownership import StepJournal

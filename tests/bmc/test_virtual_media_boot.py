@@ -13,7 +13,7 @@ from aiohttp import web
 from sqlmodel import select
 
 from metald import machines
-from metald.bmc import virtual_media
+from metald.bmc import media as virtual_media
 from metald.bmc.service import BmcService
 from metald.config import Config
 from metald.lifecycle import Trigger
