@@ -131,7 +131,12 @@ def judge_stress_ng(text: str) -> Verdict:
         return judge([f"stress-ng: {bad[0][:200]}"], "", lines=bad[:10])
     if not _STRESS_OK.search(text):
         return error("stress-ng did not report a completed run")
-    return judge([], "stress-ng run completed without failures")
+    rates = {m[1]: float(m[2]) for m in _STRESS_METRIC.finditer(text)}
+    return judge([], "stress-ng run completed without failures", bogo_ops_per_s=rates)
+
+
+#: A --metrics-brief row: stressor, bogo ops, real/usr/sys time, bogo ops/s (real time), ...
+_STRESS_METRIC = re.compile(r"\] (\w[\w-]*) +\d+ +[\d.]+ +[\d.]+ +[\d.]+ +([\d.]+)", re.MULTILINE)
 
 
 def judge_memtester(text: str, exit_code: int | None) -> Verdict:
