@@ -47,6 +47,25 @@ RULES = (
 )  # fmt: skip
 
 
+def _settle(rack, macs: list[str]) -> dict[str, tuple[dict, float]]:  # type: ignore[no-untyped-def]
+    """Wait until each machine leaves enrollment and commissioning (whatever state it lands
+    in, so a wrong landing fails at once with its state and last error)."""
+    passing = {None, "discovered", "inspecting", "commissioning"}
+    out: dict[str, tuple[dict, float]] = {}
+    deadline = time.monotonic() + TIMEOUT_S
+    while len(out) < len(macs):
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{sorted(set(macs) - set(out))} still enrolling\n{rack.diagnostics()}"
+            )
+        for mac in set(macs) - set(out):
+            item = rack.machine_by_mac(mac)
+            if item is not None and item["state"] not in passing:
+                out[mac] = (rack.json("machines", "show", item["id"]), time.monotonic())
+        time.sleep(1)
+    return out
+
+
 def _states(rack, mid: str) -> list[str]:  # type: ignore[no-untyped-def]
     items = rack.json("events", "--machine", mid, "--kind", "machine.state", "--limit", "100")
     events = sorted(items["items"], key=lambda e: e["id"])
@@ -75,8 +94,13 @@ def test_a_healthy_vm_commissions_and_one_with_a_small_disk_fails(
         for m in rack.machines:
             rack.ctl("bmcs", "power", bmcs[m["name"]]["id"], "on")
             t_on[m["mac"]] = time.monotonic()
-        failed_at = rack.wait_state([small["mac"]], "commission-failed", TIMEOUT_S)
-        ready_at = rack.wait_state([healthy["mac"]], "ready", TIMEOUT_S)
+        landed = _settle(rack, [healthy["mac"], small["mac"]])
+        for mac, (m, _) in landed.items():
+            print(f"\n{mac}: {m['state']} ({m.get('last_error')})")
+        assert landed[healthy["mac"]][0]["state"] == "ready", landed[healthy["mac"]][0]
+        assert landed[small["mac"]][0]["state"] == "commission-failed", landed[small["mac"]][0]
+        ready_at = {healthy["mac"]: landed[healthy["mac"]][1]}
+        failed_at = {small["mac"]: landed[small["mac"]][1]}
 
         # The healthy VM: inspected, commissioned, every check passed with its values.
         hid = rack.machine_by_mac(healthy["mac"])["id"]
