@@ -116,7 +116,7 @@ def test_a_healthy_vm_commissions_and_one_with_a_small_disk_fails(
         for name, r in res.items():
             assert r["status"] == want.get(name, "passed"), (name, r["sentence"], r["raw"])
         for name in ("stress-ng", "memtester", "fio"):
-            assert res[name]["outcome"] == "ran", res[name]  # the real tool, from tools.img
+            assert res[name]["agent_status"] == "ran", res[name]  # the real tool, from tools.img
             assert res[name]["values"], res[name]
         assert "successful run completed" in res["stress-ng"]["raw"]
         assert re.search(r"got\s+16MB", res["memtester"]["raw"]), res["memtester"]["raw"][:300]
