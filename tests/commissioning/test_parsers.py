@@ -180,9 +180,7 @@ def test_real_smartctl_that_could_not_open_the_disk_is_an_error_not_a_pass() -> 
 
 def test_real_smartctl_on_a_virtio_disk_is_skipped_not_an_error() -> None:
     # A QEMU virtio disk has no SMART interface at all: a healthy VM must not fail on it.
-    v = host.judge_smart(
-        "[" + (HERE / "smartctl-j_virtio-no-smart_exit1.json").read_text() + "]"
-    )
+    v = host.judge_smart("[" + (HERE / "smartctl-j_virtio-no-smart_exit1.json").read_text() + "]")
     assert v.status is Status.SKIPPED
     assert "/dev/vda" in v.sentence and "no disk has a SMART interface" in v.sentence
     assert v.values["without_smart"] == ["/dev/vda"]
