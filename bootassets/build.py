@@ -108,6 +108,100 @@ TOOL_PACKAGES = (
 )
 TOOLS = ("usr/bin/ipmitool", "usr/bin/qemu-img")
 MULTIARCH_LIB = "lib/x86_64-linux-gnu"
+#: The commissioning checks' tools (docs/commissioning.md), in a second initramfs that the agent
+#: fetches and unpacks only when metald tells it to commission: their library closure is ~95 MB
+#: unpacked (fio links librbd/librados/libgfapi for engines it never uses here, stress-ng links
+#: Intel's IPsec library and libicu comes with libxml2), which every other discovery boot
+#: would otherwise pull and unpack. Debian 12 names: the tools, then the packages holding the
+#: libraries their closure loads (the build names any library it cannot find).
+COMMISSION_PACKAGES = (
+    "stress-ng",
+    "memtester",
+    "fio",
+    "smartmontools",
+    *[
+        "libacl1",
+        "libaio1",
+        "libapparmor1",
+        "libargon2-1",
+        "libblkid1",
+        "libboost-iostreams1.74.0",
+        "libboost-thread1.74.0",
+        "libbsd0",
+        "libbz2-1.0",
+        "libc6",
+        "libcom-err2",
+        "libcrypt1",
+        "libcryptsetup12",
+        "libdaxctl1",
+        "libdevmapper1.02.1",
+        "libdrm2",
+        "libegl1",
+        "libexpat1",
+        "libffi8",
+        "libfmt9",
+        "libgbm1",
+        "libgcc-s1",
+        "libgfapi0",
+        "libgfrpc0",
+        "libgfxdr0",
+        "libgles2",
+        "libglusterfs0",
+        "libglvnd0",
+        "libgmp10",
+        "libgnutls30",
+        "libgssapi-krb5-2",
+        "libhogweed6",
+        "libibverbs1",
+        "libicu72",
+        "libidn2-0",
+        "libipsec-mb1",
+        "libjpeg62-turbo",
+        "libjson-c5",
+        "libjudydebian1",
+        "libk5crypto3",
+        "libkeyutils1",
+        "libkmod2",
+        "libkrb5-3",
+        "libkrb5support0",
+        "liblzma5",
+        "libmd0",
+        "libnbd0",
+        "libndctl6",
+        "libnettle8",
+        "libnl-3-200",
+        "libnl-route-3-200",
+        "libnuma1",
+        "libp11-kit0",
+        "libpcre2-8-0",
+        "libpmem1",
+        "libpmemblk1",
+        "librados2",
+        "librbd1",
+        "librdmacm1",
+        "libsctp1",
+        "libselinux1",
+        "libssl3",
+        "libstdc++6",
+        "libtasn1-6",
+        "libtirpc3",
+        "libudev1",
+        "libunistring2",
+        "libuuid1",
+        "libwayland-server0",
+        "libxml2",
+        "libxxhash0",
+        "libzstd1",
+        "zlib1g",
+    ],
+)
+COMMISSION_TOOLS = ("usr/bin/stress-ng", "usr/sbin/memtester", "usr/bin/fio", "usr/sbin/smartctl")
+#: librados/librbd find libceph-common through their RUNPATH.
+COMMISSION_LIB_DIRS = ("usr/lib/x86_64-linux-gnu/ceph",)
+#: Under the assets folder; the agent fetches it from /boot/assets/ (metald-agent).
+COMMISSION_IMAGE = "commission/tools.img"
+#: Its own budget: the discovery image's (SIZE_LIMIT) covers what every boot loads.
+COMMISSION_SIZE_LIMIT = 48 * 1024 * 1024
 #: The whole asset folder must stay below this (the issue's budget for the discovery image).
 SIZE_LIMIT = 64 * 1024 * 1024
 
@@ -146,12 +240,13 @@ def _apt_show(*packages: str) -> dict[str, dict[str, str]]:
 
 def resolve_inputs() -> dict[str, object]:
     """Everything the build depends on: package versions and the hashes of our own files."""
-    shown = _apt_show(KERNEL_META, BUSYBOX, IPXE, *TOOL_PACKAGES)
+    shown = _apt_show(KERNEL_META, BUSYBOX, IPXE, *TOOL_PACKAGES, *COMMISSION_PACKAGES)
     packages = {
         "kernel": kernel_package(shown),
         "busybox": f"{BUSYBOX}={shown[BUSYBOX]['Version']}",
         "ipxe": f"{IPXE}={shown[IPXE]['Version']}",
         "tools": " ".join(f"{p}={shown[p]['Version']}" for p in TOOL_PACKAGES),
+        "commission": " ".join(f"{p}={shown[p]['Version']}" for p in COMMISSION_PACKAGES),
     }
     files = {
         str(p.relative_to(HERE)): hashlib.sha256(p.read_bytes()).hexdigest()
@@ -204,13 +299,16 @@ def _download(packages: str, into: Path) -> Path:
     return tree
 
 
-def tool_entries(tree: Path) -> list[cpio.Entry]:
+def tool_entries(
+    tree: Path, tools: tuple[str, ...] = TOOLS, extra_lib_dirs: tuple[str, ...] = ()
+) -> list[cpio.Entry]:
     """The tools and every shared library they load (DT_NEEDED closure), laid out as Debian
     does (/lib/x86_64-linux-gnu, the loader at /lib64), so the programs run unchanged."""
     lib_dirs = [tree / MULTIARCH_LIB, tree / "usr" / MULTIARCH_LIB]
+    lib_dirs += [tree / d for d in extra_lib_dirs]
     entries: list[cpio.Entry] = []
     libs: dict[str, Path] = {}
-    for rel in TOOLS:
+    for rel in tools:
         entries.append(cpio.file(rel, (tree / rel).read_bytes(), 0o755))
         try:
             libs.update(elf.library_closure(tree / rel, lib_dirs))
@@ -319,6 +417,16 @@ def build_initramfs(
     return gzip.compress(cpio.pack(entries), compresslevel=9, mtime=0), order
 
 
+def build_commission_image(tree: Path) -> tuple[bytes, int]:
+    """The commissioning tools' initramfs (gzip'd cpio, unpacked over the running discovery
+    image's root) and its unpacked size."""
+    dirs = ["usr", "usr/bin", "usr/sbin", "lib", MULTIARCH_LIB, "lib64"]
+    entries = [cpio.directory(d) for d in dirs]
+    entries += tool_entries(tree, COMMISSION_TOOLS, COMMISSION_LIB_DIRS)
+    packed = cpio.pack(entries)
+    return gzip.compress(packed, compresslevel=9, mtime=0), len(packed)
+
+
 @contextmanager
 def _locked(cache: Path) -> Iterator[None]:
     cache.mkdir(parents=True, exist_ok=True)
@@ -372,19 +480,30 @@ def _build(target: Path, inputs: dict[str, object], digest: str) -> None:
         initrd, order = build_initramfs(
             kernel, (busybox / "bin" / "busybox").read_bytes(), kernel_version, tools
         )
+        commission, commission_unpacked = build_commission_image(
+            _download(packages["commission"], work / "commission")
+        )
 
         out = work / "out"
         (out / "discovery").mkdir(parents=True)
         shutil.copyfile(vmlinuz[0], out / "discovery" / "vmlinuz")
         (out / "discovery" / "initrd.img").write_bytes(initrd)
+        if len(commission) > COMMISSION_SIZE_LIMIT:
+            raise BuildError(
+                f"the commissioning tools are {len(commission)} bytes, over their "
+                f"{COMMISSION_SIZE_LIMIT} byte budget"
+            )
+        (out / COMMISSION_IMAGE).parent.mkdir()
+        (out / COMMISSION_IMAGE).write_bytes(commission)
         for name in IPXE_FILES:
             shutil.copyfile(ipxe / "usr" / "lib" / "ipxe" / name, out / name)
         publish(
             out,
             target,
             "boot assets",
-            SIZE_LIMIT,
+            SIZE_LIMIT + COMMISSION_SIZE_LIMIT,
             inputs_hash=digest,
+            commission_unpacked_bytes=commission_unpacked,
             inputs=inputs,
             kernel_version=kernel_version,
             modules=order,

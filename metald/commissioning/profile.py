@@ -34,6 +34,8 @@ class CheckSpec(_Spec):
     #: How long a stress or burn-in runs (stress-ng, memtester loops, fio); 0: the tool's
     #: shortest meaningful run.
     duration_s: int = Field(default=0, ge=0, le=7 * 86400)
+    #: memtester: MiB of memory to test; 0: a quarter of the free memory, at most 1 GiB.
+    size_mb: int = Field(default=0, ge=0, le=1 << 20)
     #: dcgmi diag level (1 quick ... 4 hours).
     level: int = Field(default=1, ge=1, le=4)
     #: A missing tool or device is a failure rather than a skip.

@@ -209,3 +209,15 @@ def test_a_hung_tool_is_killed_at_its_timeout(live: LoopbackApi, tmp_path: Path)
     assert state == "commission-failed"
     assert run.summary == "nvidia-smi: nvidia-smi did not finish within 1 s"
     assert os.path.exists(tmp_path / "state" / "commission-ran")
+
+
+@pytest.mark.skipif(BUSYBOX is None, reason="busybox is not installed")
+def test_long_output_keeps_its_head_and_its_tail(tmp_path: Path) -> None:
+    # memtester prints megabytes of progress before "Done.": a cut that kept only the head
+    # lost the verdict line (seen in the lab), so a passing memtester read as unfinished.
+    (tmp_path / "c.full").write_text("got  16MB\n" + "\b" * 200_000 + "Done.\n")
+    script = f'STATE={tmp_path}; . "{COMMISSION}"; RAW_LIMIT=1000; cut_output'
+    subprocess.run([BUSYBOX, "sh", "-c", script], check=True, timeout=30)
+    out = (tmp_path / "c.out").read_text()
+    assert out.startswith("got  16MB") and out.endswith("Done.\n")
+    assert "bytes cut here" in out and len(out) < 1100

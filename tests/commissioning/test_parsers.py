@@ -178,6 +178,23 @@ def test_real_smartctl_that_could_not_open_the_disk_is_an_error_not_a_pass() -> 
     assert "read no SMART data from /dev/sda" in v.sentence
 
 
+def test_real_smartctl_on_a_virtio_disk_is_skipped_not_an_error() -> None:
+    # A QEMU virtio disk has no SMART interface at all: a healthy VM must not fail on it.
+    v = host.judge_smart("[" + (HERE / "smartctl-j_virtio-no-smart_exit1.json").read_text() + "]")
+    assert v.status is Status.SKIPPED
+    assert "/dev/vda" in v.sentence and "no disk has a SMART interface" in v.sentence
+    assert v.values["without_smart"] == ["/dev/vda"]
+
+
+def test_smart_disks_with_smart_are_judged_next_to_one_without() -> None:
+    virtio = (HERE / "smartctl-j_virtio-no-smart_exit1.json").read_text()
+    bad = (HERE / "smartctl-x-j_nvme-samsung-970evo_media-errors.json").read_text()
+    v = host.judge_smart(f"[{virtio},{bad}]")
+    assert v.status is Status.FAILED
+    assert v.sentence == "/dev/nvme0 has 7 NVMe media errors"
+    assert v.values["without_smart"] == ["/dev/vda"]
+
+
 def test_smart_overall_failed_derived() -> None:
     # DERIVED: the healthy capture with smart_status.passed edited to false.
     doc = json.loads((HERE / "smartctl-j_nvme-intel-ssdpeknw010t8_pass.json").read_text())

@@ -35,7 +35,7 @@ def judge_smart(text: str) -> Verdict:
             docs = [_json(line, "smartctl") for line in text.splitlines() if line.strip()]
     except ValueError as e:
         return error(str(e))
-    disks, problems = [], []
+    disks, problems, without = [], [], []
     for d in docs:
         if not isinstance(d, dict):
             return error("smartctl output is not a JSON object per disk")
@@ -44,6 +44,9 @@ def judge_smart(text: str) -> Verdict:
         if not isinstance(status, dict):
             msgs = [m.get("string", "") for m in (d.get("smartctl") or {}).get("messages", [])]
             argv = (d.get("smartctl") or {}).get("argv") or ["?"]
+            if _no_smart_interface(d):
+                without.append(str(argv[-1]))  # virtio, loop, some RAID volumes: no SMART at all
+                continue
             return error(f"smartctl read no SMART data from {argv[-1]}: {'; '.join(msgs)[:200]}")
         nvme = d.get("nvme_smart_health_information_log") or {}
         wear = nvme.get("percentage_used")
@@ -69,7 +72,27 @@ def judge_smart(text: str) -> Verdict:
             problems.append(f"{name} NVMe {wear} % worn")
     if not docs:
         return error("smartctl reported no disk")
-    return judge(problems, f"{len(disks)} disk(s) SMART healthy", disks=disks)
+    if not disks:
+        return skipped(
+            f"no disk has a SMART interface ({', '.join(without)}: smartctl cannot detect a "
+            "device type, as for virtio disks)",
+            disks=[],
+            without_smart=without,
+        )
+    return judge(
+        problems, f"{len(disks)} disk(s) SMART healthy", disks=disks, without_smart=without
+    )
+
+
+def _no_smart_interface(doc: dict[str, Any]) -> bool:
+    """smartctl found no way to ask the device for SMART data (exit status bit 0 alone, "Unable
+    to detect device type"): a disk with no SMART at all, unlike one it could not open (bit 1),
+    which stays an error."""
+    ctl = doc.get("smartctl") or {}
+    msgs = [m.get("string", "") for m in ctl.get("messages", []) if isinstance(m, dict)]
+    return ctl.get("exit_status") == 1 and any(
+        m.endswith("Unable to detect device type") for m in msgs
+    )
 
 
 def judge_fio(text: str, *, min_read_mbps: float | None = None) -> Verdict:
@@ -108,7 +131,12 @@ def judge_stress_ng(text: str) -> Verdict:
         return judge([f"stress-ng: {bad[0][:200]}"], "", lines=bad[:10])
     if not _STRESS_OK.search(text):
         return error("stress-ng did not report a completed run")
-    return judge([], "stress-ng run completed without failures")
+    rates = {m[1]: float(m[2]) for m in _STRESS_METRIC.finditer(text)}
+    return judge([], "stress-ng run completed without failures", bogo_ops_per_s=rates)
+
+
+#: A --metrics-brief row: stressor, bogo ops, real/usr/sys time, bogo ops/s (real time), ...
+_STRESS_METRIC = re.compile(r"\] (\w[\w-]*) +\d+ +[\d.]+ +[\d.]+ +[\d.]+ +([\d.]+)", re.MULTILINE)
 
 
 def judge_memtester(text: str, exit_code: int | None) -> Verdict:
