@@ -37,7 +37,7 @@ class EnrolledRack:
     ready: dict[str, float]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # down once tests/e2e is done: idle TCG guests cost CPU
 def enrolled_rack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EnrolledRack]:
     reason = lab_skip_reason()
     if reason:

@@ -30,7 +30,7 @@ def lab_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("vmlab")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # down once tests/lab is done: idle TCG guests cost CPU
 def lab(lab_home: Path) -> Iterator[vlab.Lab]:
     """One lab for the session: m0 boots SeaBIOS, m1 boots OVMF."""
     reason = lab_prerequisites()
