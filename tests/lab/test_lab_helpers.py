@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 from vmlab import labnet, procs
@@ -28,8 +29,12 @@ def test_stop_group_stops_the_child_and_its_group_even_when_it_ignores_sigterm(
     proc, grandchild = _group(tmp_path)
     procs.stop_group(proc, grace=0.2)
     assert proc.returncode is not None
-    # The grandchild was in the group: SIGKILLed with it (a zombie of init at most).
-    assert not procs.is_running(grandchild)
+    # The grandchild was in the group: signalled with it (a zombie of init at most). A killed
+    # process still has to be scheduled to exit, which on a loaded machine takes a moment.
+    deadline = time.monotonic() + 10
+    while procs.is_running(grandchild):
+        assert time.monotonic() < deadline, f"grandchild {grandchild} outlived its group"
+        time.sleep(0.02)
 
 
 def test_stop_group_on_a_finished_child_does_nothing() -> None:
