@@ -24,6 +24,7 @@ from api import (
     routes_tenants,
     routes_tokens,
 )
+from api import ui
 from api.context import AppContext
 from api.openapi import build_openapi
 from api.problem import problem
@@ -196,6 +197,7 @@ def create_app(ctx: AppContext, *, extra: list[web.RouteDef] | None = None) -> w
         return web.json_response(document)
 
     app.router.add_get("/api/v1/openapi.json", openapi)
+    ui.setup(app, ctx, all_specs(routers))
     if extra:
         app.add_routes(extra)
     app[CTX_KEY] = ctx

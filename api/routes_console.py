@@ -38,6 +38,9 @@ router = Router()
 TAG = "bmcs"
 #: How often an open console re-checks that its token is still valid.
 RECHECK_S = 5.0
+#: A caller that authenticated otherwise than with a bearer token (the web console's session,
+#: ``api.ui``) sets this on the request: an async callable answering whether it may go on.
+STILL_VALID = "metald.console.still_valid"
 #: Keystrokes in one frame (a paste larger than this is refused, not split silently).
 MAX_INPUT_BYTES = 4096
 
@@ -130,10 +133,15 @@ async def _pump(
             else:
                 await ws.send_json(item)
 
+    still_valid = req.raw.get(STILL_VALID)
+
     async def token_watch() -> str:
         while True:
             await asyncio.sleep(RECHECK_S)
-            if await req.ctx.store.run(authenticate, secret) is None:
+            if still_valid is not None:
+                if not await still_valid():
+                    return "the session ended, or its token was revoked or expired"
+            elif await req.ctx.store.run(authenticate, secret) is None:
                 return "the token was revoked or expired"
 
     async def inbound() -> str:

@@ -398,6 +398,30 @@ def _utc(value: Any) -> Any:
     return value
 
 
+def authorize(spec: RouteSpec, principal: Principal | None) -> Principal | None:
+    """The caller, if the route lets it in: 401 without a principal, 403 for a role the route
+    does not name. The API and the web console (``api.ui``) both decide with this."""
+    if spec.roles is None:
+        return principal
+    if principal is None:
+        raise _Problem(
+            401, "Unauthorized", "send a valid, unexpired token as 'Authorization: Bearer <token>'"
+        )
+    if principal.role not in spec.roles:
+        allowed = ", ".join(sorted(r.value for r in spec.roles))
+        raise _Problem(
+            403,
+            "Forbidden",
+            f"{_article(principal.role.value)} {principal.role.value} token cannot "
+            f"{spec.summary.lower()}; this needs one of: {allowed}",
+        )
+    return principal
+
+
+#: A refusal raised before a handler runs (authorisation, body, query): status, title, detail.
+Refusal = _Problem
+
+
 def make_handler(
     spec: RouteSpec, ctx: AppContext
 ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
@@ -409,20 +433,7 @@ def make_handler(
         try:
             principal = None
             if spec.roles is not None:
-                principal = await _principal(request, ctx)
-                if principal is None:
-                    raise _Problem(
-                        401,
-                        "Unauthorized",
-                        "send a valid, unexpired token as 'Authorization: Bearer <token>'",
-                    )
-                if principal.role not in spec.roles:
-                    allowed = ", ".join(sorted(r.value for r in spec.roles))
-                    raise _Problem(
-                        403,
-                        "Forbidden",
-                        f"{_article(principal.role.value)} {principal.role.value} token cannot {spec.summary.lower()}; this needs one of: {allowed}",
-                    )
+                principal = authorize(spec, await _principal(request, ctx))
             if any("\x00" in v for v in request.match_info.values()):
                 raise _Problem(404, "Not found", f"there is no resource at this path ({_NUL})")
             params = dict(request.match_info)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import bindparam, or_
 from sqlalchemy import select as sa_select
@@ -125,15 +126,30 @@ def authenticate(session: Session, secret: str) -> Principal | None:
     if not secret.startswith(TOKEN_PREFIX):
         return None
     row = session.connection().execute(_BY_HASH, {"h": hash_token(secret)}).first()
-    if row is None or row.revoked_at is not None:
-        return None
-    if row.expires_at is not None and as_utc(row.expires_at) <= utcnow():
+    if not _live(row):
         return None
     if row.role == Role.AGENT.value and row.last_used_at is None:
         # An agent token's first use, once: the watchdog tells a boot whose script answer was
         # lost (token minted, never used) from one whose agent runs (``watchdog.stranded_boots``).
         session.connection().execute(_FIRST_USE, {"i": row.id, "at": utcnow()})
         session.commit()
+    return Principal(row.id, row.name, Role(row.role), frozenset(row.scope), row.phase, row.boot)
+
+
+def _live(row: Any) -> bool:
+    """Whether a token row may act: it exists, is not revoked and has not expired."""
+    if row is None or row.revoked_at is not None:
+        return False
+    return row.expires_at is None or as_utc(row.expires_at) > utcnow()
+
+
+def principal_of_token(session: Session, token_id: str) -> Principal | None:
+    """The principal of the token with this id, by the same rules as ``authenticate`` (None
+    once it is revoked or expired): for callers bound to a token they no longer hold, like a
+    web console session (``api.ui.sessions``). Agent tokens act only with their secret."""
+    row = session.connection().execute(_BY_ID, {"i": token_id}).first()
+    if not _live(row) or row.role == Role.AGENT.value:
+        return None
     return Principal(row.id, row.name, Role(row.role), frozenset(row.scope), row.phase, row.boot)
 
 
@@ -161,7 +177,7 @@ def require_agent_phase(p: Principal, machine_state: str, allowed: set[str]) -> 
 
 #: Every API request runs this: columns, not an ApiToken object, and the statement built once.
 _TOKENS = ApiToken.__table__  # type: ignore[attr-defined]
-_BY_HASH = sa_select(
+_TOKEN_COLUMNS = (
     _TOKENS.c.id,
     _TOKENS.c.name,
     _TOKENS.c.role,
@@ -171,7 +187,9 @@ _BY_HASH = sa_select(
     _TOKENS.c.phase,
     _TOKENS.c.boot,
     _TOKENS.c.last_used_at,
-).where(_TOKENS.c.token_hash == bindparam("h"))
+)
+_BY_HASH = sa_select(*_TOKEN_COLUMNS).where(_TOKENS.c.token_hash == bindparam("h"))
+_BY_ID = sa_select(*_TOKEN_COLUMNS).where(_TOKENS.c.id == bindparam("i"))
 _FIRST_USE = (
     _TOKENS.update()
     .where(_TOKENS.c.id == bindparam("i"), _TOKENS.c.last_used_at.is_(None))

@@ -231,6 +231,7 @@ class ConsoleService:
             "detail": c.detail,
             "writer": c.writer.actor if c.writer else None,
             "viewers": len(c.viewers),
+            "watching": sorted(v.actor for v in c.viewers),
         }
 
     # --- the link ---

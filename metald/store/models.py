@@ -309,6 +309,23 @@ class ApiToken(SQLModel, table=True):
     last_used_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
 
 
+class UiSession(SQLModel, table=True):
+    """A web console login (``api.ui.sessions``): bound to the API token it was opened with,
+    which every request checks again. The cookie carries a random id; only its SHA-256 is kept
+    here, so a copy of the database opens no session."""
+
+    __tablename__ = "ui_sessions"
+
+    id_hash: str = Field(primary_key=True)
+    token_id: str = Field(index=True)
+    #: The synchronizer token every state-changing request must carry (form field or header).
+    csrf: str
+    created_at: datetime = _ts()
+    last_seen_at: datetime = _ts()
+    #: The absolute end of the session, whatever its use.
+    expires_at: datetime = Field(sa_type=DateTime(timezone=True))
+
+
 class Meta(SQLModel, table=True):
     """Small key/value facts about the installation (e.g. when it was initialised)."""
 

@@ -1,0 +1,107 @@
+"""The console acts and reads through the API's own routes, in process: the same
+declaration decides who may (``api.routing.authorize``), the same models validate the body
+and query, and the same handler scopes what an orchestrator sees. The console adds no second
+copy of any rule; it only renders the answers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from api.problem import describe_validation
+from api.resolve import FULL_ID, path_kinds, resolve
+from api.routing import ApiRequest, Refusal, RouteSpec, authorize, wire_json
+from api.ui.guard import UiRequest
+from metald.errors import MetaldError
+from metald.lifecycle import IllegalTransition
+from metald.machines import ConcurrentUpdate
+
+
+@dataclass
+class Refused(Exception):
+    """An API refusal as the console shows it: the problem's status, title and sentence."""
+
+    status: int
+    title: str
+    detail: str
+
+
+class Api:
+    """The API's route declarations, by (method, path)."""
+
+    def __init__(self, specs: list[RouteSpec]) -> None:
+        self.specs = {(s.method, s.path): s for s in specs}
+
+    def spec(self, method: str, path: str) -> RouteSpec:
+        return self.specs[(method, path)]
+
+    def allows(self, ui: UiRequest, method: str, path: str) -> bool:
+        """Whether the caller's role may use the route (for links and pages)."""
+        roles = self.spec(method, path).roles
+        return roles is None or ui.principal.role in roles
+
+    async def call(
+        self,
+        ui: UiRequest,
+        method: str,
+        path: str,
+        *,
+        params: dict[str, str] | None = None,
+        query: dict[str, Any] | None = None,
+        body: dict[str, Any] | None = None,
+    ) -> Any:
+        """The route's answer for this caller, as JSON-ready data, or Refused."""
+        spec = self.spec(method, path)
+        try:
+            result = await self.invoke(ui, spec, params or {}, query, body, ui.raw)
+        except Refused:
+            raise
+        if isinstance(result, web.StreamResponse):
+            return result
+        data = result.model_dump() if isinstance(result, BaseModel) else result
+        return wire_json(data)
+
+    async def invoke(
+        self,
+        ui: UiRequest,
+        spec: RouteSpec,
+        params: dict[str, str],
+        query: dict[str, Any] | None,
+        body: dict[str, Any] | None,
+        raw: web.Request,
+    ) -> Any:
+        try:
+            authorize(spec, ui.principal)
+            kinds = path_kinds(spec.path)
+            names = {n: kinds[n] for n in kinds if not FULL_ID.fullmatch(params.get(n, ""))}
+            if names:
+                params = {
+                    **params,
+                    **await ui.ctx.store.run(
+                        lambda s: {
+                            n: resolve(s, ui.principal, k, params[n]) for n, k in names.items()
+                        }
+                    ),
+                }
+            areq = ApiRequest(raw, ui.ctx, ui.principal, params=params)
+            if spec.query is not None:
+                areq.query = spec.query.model_validate(query or {})
+            if spec.body is not None:
+                areq.body = body if spec.raw_body else spec.body.model_validate(body or {})
+            return await spec.handler(areq)
+        except Refusal as p:
+            raise Refused(p.status, p.title, p.detail) from None
+        except ValidationError as e:
+            sentence, _ = describe_validation(e)
+            raise Refused(
+                422, "Invalid request", f"the request does not validate: {sentence}"
+            ) from None
+        except IllegalTransition as e:
+            raise Refused(409, "Illegal transition", str(e)) from None
+        except ConcurrentUpdate as e:
+            raise Refused(e.status, e.title, e.detail) from None
+        except MetaldError as e:
+            raise Refused(e.status, e.title, e.detail) from None

@@ -1,0 +1,99 @@
+"""What stays open: the event stream the live pages follow (the API's own SSE stream, the
+shared fan-out, for the session's principal) and the serial console WebSocket (the API's
+console route). Both end within ``RECHECK_S`` once the session ends: logout, expiry, or its
+token revoked or expired.
+
+Browsers cannot put a token in a WebSocket's or an EventSource's headers, so both ride on the
+session cookie (SameSite=Strict, so another site's page cannot send it), and the WebSocket
+additionally must come from a page of this console: its ``Origin`` must be ours (stops
+cross-site WebSocket hijacking) and it carries the session's CSRF token."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from aiohttp import web
+
+from api.routes_console import STILL_VALID
+from api.ui import sessions
+from api.ui.dispatch import Api, Refused
+from api.ui.guard import CSRF_FIELD, UI_CTX, UiRequest, current, origin_ok
+from api.ui.render import error
+
+#: How often an open stream or console checks that its session still stands.
+RECHECK_S = 2.0
+
+
+def _still_valid(ui: UiRequest):  # type: ignore[no-untyped-def]
+    async def check() -> bool:
+        return await ui.ctx.store.run(sessions.load_session, ui.session_id) is not None
+
+    return check
+
+
+async def _while_session(ui: UiRequest, work: asyncio.Task[web.StreamResponse]) -> None:
+    check = _still_valid(ui)
+    while not work.done():
+        done, _ = await asyncio.wait({work}, timeout=RECHECK_S)
+        if done:
+            return
+        if not await check():
+            work.cancel()
+            return
+
+
+class Live:
+    def __init__(self, api: Api) -> None:
+        self.api = api
+
+    async def events(self, ui: UiRequest) -> web.StreamResponse:
+        """The API's event stream (``GET /api/v1/events/stream``) for this session."""
+        query = {k: v for k in ("after", "machine_id", "kind") if (v := ui.raw.query.get(k))}
+        spec = self.api.spec("GET", "/api/v1/events/stream")
+        work = asyncio.ensure_future(self.api.invoke(ui, spec, {}, query, None, ui.raw))
+        watch = asyncio.ensure_future(_while_session(ui, work))
+        try:
+            resp = await work
+        except asyncio.CancelledError:
+            return web.Response(status=401, text="the session ended")
+        except Refused as r:
+            return error(ui.raw, r.status, r.title, r.detail)
+        finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+        return resp
+
+    async def console(self, request: web.Request) -> web.StreamResponse:
+        """The machine's serial console (``GET /api/v1/machines/{id}/console``) for this
+        session: cookie, our own Origin, and the session's CSRF token in the query."""
+        ctx = request.app[UI_CTX]
+        ui = await current(request, ctx)
+        if ui is None:
+            return error(request, 401, "Not logged in", "log in to the console first (/ui/login)")
+        if not origin_ok(request, required=True):
+            return error(
+                request,
+                403,
+                "Cross-site WebSocket refused",
+                "a console WebSocket must be opened by a page of this console (its Origin "
+                "header must be this server's)",
+            )
+        if not sessions.csrf_matches(ui.csrf, request.query.get(CSRF_FIELD)):
+            return error(
+                request,
+                403,
+                "CSRF token missing or wrong",
+                "open the console from the machine's page (the WebSocket must carry the "
+                "session's CSRF token)",
+            )
+        request[STILL_VALID] = _still_valid(ui)
+        spec = self.api.spec("GET", "/api/v1/machines/{id}/console")
+        mode = request.query.get("mode", "auto")
+        try:
+            return await self.api.invoke(
+                ui, spec, {"id": request.match_info["id"]}, {"mode": mode}, None, request
+            )
+        except Refused as r:
+            return error(request, r.status, r.title, r.detail)

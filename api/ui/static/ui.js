@@ -1,0 +1,242 @@
+// metald web console: the little the server-rendered pages need in the browser.
+// Column choice, bulk selection with confirmation, on-demand fragments, and live updates
+// from the event stream (Server-Sent Events read with fetch, so every event kind arrives).
+"use strict";
+(function () {
+  const csrf = document.body.dataset.csrf || "";
+  const $ = (sel, root) => (root || document).querySelector(sel);
+  const $$ = (sel, root) => Array.from((root || document).querySelectorAll(sel));
+
+  // --- columns chosen, remembered in this browser ---
+  const COLS_KEY = "metald.ui.hiddenColumns";
+  const hidden = new Set(JSON.parse(localStorage.getItem(COLS_KEY) || "[]"));
+  function applyColumns() {
+    $$("[data-col]").forEach((el) => { el.hidden = hidden.has(el.dataset.col); });
+  }
+  $$("[data-toggle-col]").forEach((box) => {
+    box.checked = !hidden.has(box.dataset.toggleCol);
+    box.addEventListener("change", () => {
+      if (box.checked) hidden.delete(box.dataset.toggleCol); else hidden.add(box.dataset.toggleCol);
+      localStorage.setItem(COLS_KEY, JSON.stringify(Array.from(hidden)));
+      applyColumns();
+    });
+  });
+  applyColumns();
+
+  // --- bulk selection ---
+  function countSelected() {
+    const n = $$('input[name="id"][type="checkbox"]:checked').length;
+    const out = $("#selected");
+    if (out) out.textContent = n + " selected";
+  }
+  const all = $("#select-all");
+  if (all) all.addEventListener("change", () => {
+    $$('#fleet tbody input[name="id"]').forEach((b) => { b.checked = all.checked; });
+    countSelected();
+  });
+  document.addEventListener("change", (e) => {
+    if (e.target.matches && e.target.matches('input[name="id"]')) countSelected();
+  });
+
+  // --- destructive actions are confirmed in a dialog (the server refuses them otherwise) ---
+  const bulk = $("#bulk");
+  const dialog = $("#confirm");
+  if (bulk && dialog) {
+    bulk.addEventListener("submit", (e) => {
+      const button = e.submitter;
+      if (!button || bulk.dataset.confirmed === "1") { bulk.dataset.confirmed = ""; return; }
+      const n = bulk.querySelector('input[type="hidden"][name="id"]') ? 1
+        : $$('input[name="id"][type="checkbox"]:checked').length;
+      if (!button.dataset.confirm && !button.dataset.reason) return;
+      e.preventDefault();
+      $("#confirm-text").textContent =
+        button.value.replace(/-/g, " ") + " on " + n + " machine" + (n === 1 ? "" : "s") + "?";
+      $("#confirm-reason-p").hidden = !button.dataset.reason;
+      $("#confirm-reason").required = !!button.dataset.reason;
+      dialog.returnValue = "";
+      dialog.showModal();
+      dialog.addEventListener("close", function once() {
+        dialog.removeEventListener("close", once);
+        if (dialog.returnValue !== "ok") return;
+        bulk.elements.confirm.value = "yes";
+        bulk.elements.reason.value = $("#confirm-reason").value;
+        bulk.dataset.confirmed = "1";
+        bulk.requestSubmit(button);
+      });
+    });
+  }
+
+  // --- fragments read on demand (sensors, BMC log) ---
+  $$("button[data-load]").forEach((b) => b.addEventListener("click", async () => {
+    const into = document.getElementById(b.dataset.into);
+    into.textContent = "reading…";
+    const r = await fetch(b.dataset.load, { headers: { Accept: "text/html" } });
+    into.innerHTML = await r.text();
+  }));
+
+  // --- the event stream ---
+  function follow(after, params, onEvent) {
+    const status = $("#live");
+    let last = after;
+    let stopped = false;
+    async function run() {
+      while (!stopped) {
+        try {
+          const q = new URLSearchParams(Object.assign({ after: String(last) }, params));
+          const r = await fetch("/ui/events/stream?" + q, { headers: { Accept: "text/event-stream" } });
+          if (r.status === 401) { if (status) status.textContent = "session ended: log in again"; return; }
+          if (!r.ok) throw new Error("HTTP " + r.status);
+          if (status) status.textContent = "on";
+          const reader = r.body.getReader();
+          const dec = new TextDecoder();
+          let buf = "";
+          for (;;) {
+            const { value, done } = await reader.read();
+            if (done) break;
+            buf += dec.decode(value, { stream: true });
+            let cut;
+            while ((cut = buf.indexOf("\n\n")) >= 0) {
+              const block = buf.slice(0, cut);
+              buf = buf.slice(cut + 2);
+              let data = "";
+              let id = null;
+              block.split("\n").forEach((line) => {
+                if (line.startsWith("data: ")) data += line.slice(6);
+                else if (line.startsWith("id: ")) id = line.slice(4);
+              });
+              if (id !== null) last = id;
+              if (data) { try { onEvent(JSON.parse(data)); } catch (err) { console.error(err); } }
+            }
+          }
+        } catch (err) {
+          if (status) status.textContent = "reconnecting";
+        }
+        await new Promise((res) => setTimeout(res, 1000));
+      }
+    }
+    run();
+    return () => { stopped = true; };
+  }
+  window.metaldFollow = follow;
+
+  function eventItem(e) {
+    const li = document.createElement("li");
+    li.dataset.event = e.id;
+    const t = document.createElement("time");
+    t.dateTime = e.at; t.textContent = String(e.at).slice(0, 19).replace("T", " ");
+    const b = document.createElement("b"); b.textContent = e.kind;
+    li.append(t, " ", b, " ");
+    if (e.from_state || e.to_state) li.append((e.from_state || "") + " → " + (e.to_state || "") + " ");
+    const who = document.createElement("span"); who.className = "muted"; who.textContent = e.actor;
+    li.append(who);
+    if (e.reason) li.append(": " + e.reason);
+    if (e.machine_id) {
+      const a = document.createElement("a");
+      a.href = "/ui/machines/" + e.machine_id; a.textContent = e.machine_id.slice(0, 8);
+      li.append(" ", a);
+    }
+    return li;
+  }
+
+  // Fleet: rows of machines that changed are fetched again and replaced in place.
+  const table = $("#fleet");
+  if (table) {
+    const pending = new Set();
+    let timer = null;
+    async function refresh() {
+      timer = null;
+      const ids = Array.from(pending); pending.clear();
+      const q = new URLSearchParams(); ids.forEach((i) => q.append("id", i));
+      const r = await fetch("/ui/fleet/rows?" + q, { headers: { Accept: "application/json" } });
+      if (!r.ok) return;
+      const data = await r.json();
+      Object.entries(data.rows).forEach(([id, html]) => {
+        const old = table.querySelector('tr[data-id="' + CSS.escape(id) + '"]');
+        if (!old) return;
+        const was = old.querySelector('input[name="id"]');
+        const tpl = document.createElement("template"); tpl.innerHTML = html.trim();
+        const row = tpl.content.firstElementChild;
+        const box = row.querySelector('input[name="id"]');
+        if (was && box) box.checked = was.checked;
+        old.replaceWith(row);
+      });
+      Object.entries(data.counts).forEach(([state, n]) => {
+        const el = document.querySelector('[data-count="' + CSS.escape(state) + '"]');
+        if (el) el.textContent = n;
+      });
+      applyColumns();
+    }
+    follow(table.dataset.liveAfter, {}, (e) => {
+      if (!e.machine_id || !table.querySelector('tr[data-id="' + CSS.escape(e.machine_id) + '"]')) return;
+      pending.add(e.machine_id);
+      if (!timer) timer = setTimeout(refresh, 100);
+    });
+  }
+
+  // Events: a live tail, newest first.
+  const tail = $("#tail");
+  if (tail) {
+    let paused = false;
+    const pause = $("#pause");
+    pause.addEventListener("click", () => {
+      paused = !paused; pause.setAttribute("aria-pressed", String(paused));
+      pause.textContent = paused ? "Resume" : "Pause";
+    });
+    const params = {};
+    if (tail.dataset.kind) params.kind = tail.dataset.kind;
+    if (tail.dataset.machine) params.machine_id = tail.dataset.machine;
+    follow(tail.dataset.liveAfter, params, (e) => {
+      if (paused) return;
+      tail.prepend(eventItem(e));
+      while (tail.children.length > 500) tail.lastElementChild.remove();
+    });
+  }
+
+  // Machine: the timeline, the state and who watches the console, live.
+  const machine = $("#machine");
+  if (machine) {
+    const id = machine.dataset.id;
+    follow(machine.dataset.liveAfter, { machine_id: id }, (e) => {
+      $("#timeline").prepend(eventItem(e));
+      if (e.to_state) {
+        const s = $("#m-state"); s.textContent = e.to_state; s.className = "state state-" + e.to_state;
+      }
+      const w = $("#watching");
+      if (w && (e.kind === "console.attached" || e.kind === "console.detached")) {
+        const who = w.textContent === "nobody" ? [] : w.textContent.split(", ");
+        if (e.kind === "console.attached") who.push(e.actor);
+        else { const i = who.indexOf(e.actor); if (i >= 0) who.splice(i, 1); }
+        w.textContent = who.sort().join(", ") || "nobody";
+      }
+    });
+  }
+
+  // Claims: a claim whose machines moved is fetched again.
+  const claims = $("#claims");
+  if (claims) {
+    const pending = new Set();
+    let timer = null;
+    async function refresh() {
+      timer = null;
+      for (const cid of Array.from(pending)) {
+        pending.delete(cid);
+        const r = await fetch("/ui/claims/" + encodeURIComponent(cid));
+        if (!r.ok) continue;
+        const old = claims.querySelector('[data-claim="' + CSS.escape(cid) + '"]');
+        const tpl = document.createElement("template"); tpl.innerHTML = (await r.text()).trim();
+        if (old) old.replaceWith(tpl.content.firstElementChild);
+      }
+    }
+    follow(claims.dataset.liveAfter, {}, (e) => {
+      let cid = e.data && e.data.claim_id;
+      if (!cid && e.machine_id) {
+        const li = claims.querySelector('li[data-machine="' + CSS.escape(e.machine_id) + '"]');
+        if (li) cid = li.closest("[data-claim]").dataset.claim;
+      }
+      if (!cid || !claims.querySelector('[data-claim="' + CSS.escape(cid) + '"]')) return;
+      pending.add(cid);
+      if (!timer) timer = setTimeout(refresh, 150);
+    });
+  }
+  window.metaldCsrf = csrf;
+})();

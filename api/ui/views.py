@@ -1,0 +1,430 @@
+"""The console's pages and actions. Each reads and acts through the API's routes
+(``api.ui.dispatch``), so a page shows exactly what the API would answer its caller."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiohttp import web
+from sqlmodel import Session, col, func, select
+
+from api.ui import fleet, sessions
+from api.ui.dispatch import Api, Refused
+from api.ui.guard import UI_CTX, UiRequest, clear_cookie, current, origin_ok, set_cookie
+from api.ui.render import error, fragment, page
+from metald.store.models import Bmc, Event
+
+#: Bulk actions: the API route each one calls, its body, and whether it must be confirmed
+#: (destructive: it takes a machine away from whoever uses it) or needs a reason.
+BULK: dict[str, dict[str, Any]] = {
+    "power-on": {"path": "/api/v1/machines/{id}/power", "body": {"action": "on", "wait_s": 0}},
+    "power-off": {
+        "path": "/api/v1/machines/{id}/power",
+        "body": {"action": "off", "wait_s": 0},
+        "confirm": True,
+    },
+    "power-cycle": {
+        "path": "/api/v1/machines/{id}/power",
+        "body": {"action": "cycle", "wait_s": 0},
+        "confirm": True,
+    },
+    "maintenance-on": {
+        "path": "/api/v1/machines/{id}/actions",
+        "body": {"action": "maintenance-on"},
+        "confirm": True,
+        "reason": True,
+    },
+    "maintenance-off": {
+        "path": "/api/v1/machines/{id}/actions",
+        "body": {"action": "maintenance-off"},
+    },
+    "mark-broken": {
+        "path": "/api/v1/machines/{id}/actions",
+        "body": {"action": "mark-broken"},
+        "confirm": True,
+        "reason": True,
+    },
+}
+#: Machines one bulk request may act on.
+BULK_MAX = 500
+NAV = (
+    ("fleet", "/ui/", "Fleet", ("GET", "/api/v1/machines")),
+    ("claims", "/ui/claims", "Claims", ("GET", "/api/v1/claims")),
+    ("tenants", "/ui/tenants", "Tenants", ("GET", "/api/v1/tenants")),
+    ("events", "/ui/events", "Events", ("GET", "/api/v1/events")),
+    ("instances", "/ui/instances", "Instances", ("GET", "/api/v1/instances")),
+    ("tokens", "/ui/tokens", "Tokens", ("GET", "/api/v1/tokens")),
+)
+
+
+class Views:
+    def __init__(self, api: Api) -> None:
+        self.api = api
+
+    # --- shared ---
+
+    def base(self, ui: UiRequest, nav: str) -> dict[str, Any]:
+        links = [(k, href, label) for k, href, label, (m, p) in NAV if self.api.allows(ui, m, p)]
+        return {"me": ui.principal, "csrf": ui.csrf, "nav": nav, "links": links}
+
+    def need(self, ui: UiRequest, method: str, path: str) -> None:
+        """Refuse the page as the API refuses its route (same roles, same sentence)."""
+        if not self.api.allows(ui, method, path):
+            spec = self.api.spec(method, path)
+            allowed = ", ".join(sorted(r.value for r in spec.roles or ()))
+            raise Refused(
+                403,
+                "Forbidden",
+                f"a {ui.principal.role.value} token cannot {spec.summary.lower()}; this needs "
+                f"one of: {allowed}",
+            )
+
+    def refused(self, ui: UiRequest, r: Refused, nav: str = "") -> web.Response:
+        return error(ui.raw, r.status, r.title, r.detail, **self.base(ui, nav))
+
+    # --- login ---
+
+    async def login_form(self, request: web.Request) -> web.StreamResponse:
+        ctx = request.app[UI_CTX]
+        if await current(request, ctx) is not None:
+            raise web.HTTPSeeOther("/ui/")
+        return page(
+            "login.html",
+            title="Log in",
+            next=_safe_next(request.query.get("next")),
+            problem=None,
+            me=None,
+            csrf="",
+            nav="",
+        )
+
+    async def login(self, request: web.Request) -> web.StreamResponse:
+        ctx = request.app[UI_CTX]
+        if not origin_ok(request, required=False):
+            return error(
+                request,
+                403,
+                "Cross-site request refused",
+                "this login came from another site's page; log in from the console's own page",
+            )
+        form = await request.post()
+        secret = str(form.get("token", ""))
+        target = _safe_next(str(form.get("next", "")))
+        try:
+            opened = await ctx.store.run(sessions.open_session, secret)
+        except sessions.LoginRefused as e:
+            return page(
+                "login.html",
+                status=401,
+                title="Log in",
+                next=target,
+                problem={"status": 401, "title": "Login refused", "detail": str(e)},
+                me=None,
+                csrf="",
+                nav="",
+            )
+        resp = web.HTTPSeeOther(target)
+        set_cookie(resp, request, opened.session_id)
+        return resp
+
+    async def logout(self, ui: UiRequest) -> web.StreamResponse:
+        await ui.ctx.store.run(sessions.close_session, ui.session_id)
+        resp = web.HTTPSeeOther("/ui/login")
+        clear_cookie(resp)
+        return resp
+
+    # --- fleet ---
+
+    async def fleet(self, ui: UiRequest) -> web.StreamResponse:
+        try:
+            self.need(ui, "GET", "/api/v1/machines")
+        except Refused as r:
+            return self.refused(ui, r, "fleet")
+        f = fleet.FleetQuery.from_params(ui.raw.query)
+        data = await ui.ctx.store.read(fleet.fleet_page, ui.principal, f)
+        last_event = await ui.ctx.store.read(_last_event_id)
+        return page(
+            "fleet.html",
+            title="Fleet",
+            f=f,
+            fleet=data,
+            bulk=BULK,
+            can_act=self.api.allows(ui, "POST", "/api/v1/machines/{id}/actions"),
+            last_event=last_event,
+            **self.base(ui, "fleet"),
+        )
+
+    async def fleet_rows(self, ui: UiRequest) -> web.StreamResponse:
+        """Rows of the table again, for the live page: {"rows": {id: html}, "counts": {...}}."""
+        ids = ui.raw.query.getall("id", [])
+        rows = await ui.ctx.store.read(fleet.rows_by_id, ui.principal, ids)
+        can_act = self.api.allows(ui, "POST", "/api/v1/machines/{id}/actions")
+        counts = await ui.ctx.store.read(_counts, ui.principal)
+        return web.json_response(
+            {
+                "rows": {r.m.id: fragment("_row.html", r=r, can_act=can_act) for r in rows},
+                "counts": counts,
+            },
+            headers={"Cache-Control": "no-store"},
+        )
+
+    async def bulk(self, ui: UiRequest) -> web.StreamResponse:
+        form = await ui.raw.post()
+        action = str(form.get("action", ""))
+        ids = [str(i) for i in form.getall("id", [])][:BULK_MAX]
+        reason = str(form.get("reason", "")).strip()[:500]
+        spec = BULK.get(action)
+        ctx = self.base(ui, "fleet")
+        if spec is None:
+            return error(
+                ui.raw,
+                422,
+                "Unknown action",
+                f"{action[:40]!r} is not one of: {', '.join(BULK)}",
+                **ctx,
+            )
+        if not ids:
+            return error(
+                ui.raw,
+                422,
+                "Nothing selected",
+                "select at least one machine, then choose the action",
+                **ctx,
+            )
+        if spec.get("confirm") and form.get("confirm") != "yes":
+            return error(
+                ui.raw,
+                428,
+                "Confirmation required",
+                f"{action} takes machines away from whoever uses them: confirm it in the dialog "
+                "(the form must carry confirm=yes)",
+                **ctx,
+            )
+        if spec.get("reason") and not reason:
+            return error(
+                ui.raw,
+                422,
+                "Reason required",
+                f"{action} needs a reason: say why, for the event log",
+                **ctx,
+            )
+        body = dict(spec["body"])
+        if reason and body.get("action", "").startswith(("maintenance", "mark")):
+            body["reason"] = reason
+
+        async def one(mid: str) -> tuple[str, str | None]:
+            try:
+                await self.api.call(ui, "POST", spec["path"], params={"id": mid}, body=body)
+            except Refused as r:
+                return mid, f"{r.title}: {r.detail}"
+            return mid, None
+
+        results = await asyncio.gather(*(one(i) for i in ids))
+        ui.ctx.bus.notify()
+        failed = [(m, e) for m, e in results if e]
+        return page(
+            "bulk.html",
+            status=200 if not failed else 207,
+            title=f"{action}: results",
+            action=action,
+            done=len(results) - len(failed),
+            failed=failed,
+            back=_safe_next(str(form.get("back", "/ui/"))),
+            **ctx,
+        )
+
+    # --- one machine ---
+
+    async def machine(self, ui: UiRequest) -> web.StreamResponse:
+        mid = ui.raw.match_info["id"]
+        try:
+            m = await self.api.call(ui, "GET", "/api/v1/machines/{id}", params={"id": mid})
+            events = await self.api.call(
+                ui,
+                "GET",
+                "/api/v1/events",
+                query={"machine_id": m["id"], "sort": "-id", "limit": 50},
+            )
+        except Refused as r:
+            return self.refused(ui, r, "fleet")
+        commissioning = None
+        if self.api.allows(ui, "GET", "/api/v1/machines/{id}/commissioning"):
+            try:
+                commissioning = await self.api.call(
+                    ui, "GET", "/api/v1/machines/{id}/commissioning", params={"id": m["id"]}
+                )
+            except Refused:
+                commissioning = None
+        staff = self.api.allows(ui, "GET", "/api/v1/bmcs")
+        bmc = await ui.ctx.store.read(_bmc_of, m["id"]) if staff else None
+        console = None
+        if self.api.allows(ui, "GET", "/api/v1/machines/{id}/console"):
+            svc = ui.ctx.services.get("console")
+            console = (
+                svc.status(m["id"]) if svc is not None else {"state": "unavailable", "watching": []}
+            )
+        inv = (m.get("inventory") or {}).get("normalized") or {}
+        last_event = max((e["id"] for e in events["items"]), default=0)
+        return page(
+            "machine.html",
+            title=m.get("name") or m["id"],
+            m=m,
+            inv=inv,
+            events=events["items"],
+            commissioning=commissioning,
+            bmc=bmc,
+            console=console,
+            bulk=BULK,
+            can_act=self.api.allows(ui, "POST", "/api/v1/machines/{id}/actions"),
+            last_event=last_event,
+            **self.base(ui, "fleet"),
+        )
+
+    async def sensors(self, ui: UiRequest) -> web.StreamResponse:
+        """Sensors or the BMC's event log, read on demand (a BMC round trip)."""
+        which = ui.raw.match_info["what"]
+        path = {
+            "sensors": "/api/v1/machines/{id}/sensors",
+            "bmc-log": "/api/v1/machines/{id}/bmc-log",
+        }[which]
+        try:
+            data = await self.api.call(ui, "GET", path, params={"id": ui.raw.match_info["id"]})
+        except Refused as r:
+            return web.Response(
+                text=fragment(
+                    "_problem.html",
+                    problem={"status": r.status, "title": r.title, "detail": r.detail},
+                ),
+                status=r.status,
+                content_type="text/html",
+            )
+        return web.Response(
+            text=fragment("_readings.html", data=data, what=which), content_type="text/html"
+        )
+
+    # --- lists ---
+
+    async def listing(
+        self,
+        ui: UiRequest,
+        nav: str,
+        path: str,
+        template: str,
+        query: dict[str, Any] | None = None,
+        **extra: Any,
+    ) -> web.StreamResponse:
+        try:
+            self.need(ui, "GET", path)
+            data = await self.api.call(ui, "GET", path, query=query or {"limit": 200})
+        except Refused as r:
+            return self.refused(ui, r, nav)
+        return page(template, title=nav.capitalize(), data=data, **extra, **self.base(ui, nav))
+
+    async def claims(self, ui: UiRequest) -> web.StreamResponse:
+        last_event = await ui.ctx.store.read(_last_event_id)
+        return await self.listing(
+            ui, "claims", "/api/v1/claims", "claims.html", last_event=last_event
+        )
+
+    async def claim_fragment(self, ui: UiRequest) -> web.StreamResponse:
+        try:
+            c = await self.api.call(
+                ui, "GET", "/api/v1/claims/{id}", params={"id": ui.raw.match_info["id"]}
+            )
+        except Refused as r:
+            return web.Response(text=r.detail, status=r.status)
+        return web.Response(text=fragment("_claim.html", c=c), content_type="text/html")
+
+    async def tenants(self, ui: UiRequest) -> web.StreamResponse:
+        try:
+            self.need(ui, "GET", "/api/v1/tenants")
+            data = await self.api.call(ui, "GET", "/api/v1/tenants", query={"limit": 200})
+            hubs: dict[str, Any] = {}
+            nodes: dict[str, list[dict[str, Any]]] = {}
+            for t in data["items"]:
+                try:
+                    hubs[t["id"]] = await self.api.call(
+                        ui, "GET", "/api/v1/tenants/{id}/hub", params={"id": t["id"]}
+                    )
+                except Refused:
+                    hubs[t["id"]] = None
+                ms = await self.api.call(
+                    ui, "GET", "/api/v1/machines", query={"tenant_id": t["id"], "limit": 200}
+                )
+                nodes[t["id"]] = ms["items"]
+        except Refused as r:
+            return self.refused(ui, r, "tenants")
+        return page(
+            "tenants.html",
+            title="Tenants",
+            data=data,
+            hubs=hubs,
+            nodes=nodes,
+            **self.base(ui, "tenants"),
+        )
+
+    async def events(self, ui: UiRequest) -> web.StreamResponse:
+        q = {k: v for k in ("machine_id", "kind") if (v := ui.raw.query.get(k, "").strip())}
+        try:
+            self.need(ui, "GET", "/api/v1/events")
+            data = await self.api.call(
+                ui, "GET", "/api/v1/events", query={**q, "sort": "-id", "limit": 100}
+            )
+        except Refused as r:
+            return self.refused(ui, r, "events")
+        last = max((e["id"] for e in data["items"]), default=0)
+        last = max(last, await ui.ctx.store.read(_last_event_id))
+        return page(
+            "events.html",
+            title="Events",
+            data=data,
+            filters=q,
+            last_event=last,
+            **self.base(ui, "events"),
+        )
+
+    async def instances(self, ui: UiRequest) -> web.StreamResponse:
+        return await self.listing(ui, "instances", "/api/v1/instances", "instances.html")
+
+    async def tokens(self, ui: UiRequest) -> web.StreamResponse:
+        return await self.listing(ui, "tokens", "/api/v1/tokens", "tokens.html")
+
+
+def _safe_next(target: str | None) -> str:
+    """Only a console path (no open redirect to another site)."""
+    if not target or not target.startswith("/ui/") or target.startswith("//") or "\\" in target:
+        return "/ui/"
+    return target
+
+
+def _last_event_id(s: Session) -> int:
+    return s.exec(select(func.max(Event.id))).one() or 0
+
+
+def _counts(s: Session, p: Any) -> dict[str, int]:
+    from metald.store.models import Machine
+
+    return dict(
+        s.exec(
+            select(Machine.state, func.count()).where(*fleet.scope(p)).group_by(Machine.state)
+        ).all()
+    )  # type: ignore[arg-type]
+
+
+def _bmc_of(s: Session, machine_id: str) -> dict[str, Any] | None:
+    b = s.exec(select(Bmc).where(col(Bmc.machine_id) == machine_id)).first()
+    if b is None:
+        return None
+    return b.model_dump(
+        include={
+            "id",
+            "address",
+            "port",
+            "protocol",
+            "health",
+            "health_detail",
+            "power_state",
+            "last_seen_at",
+        }
+    )
