@@ -126,13 +126,13 @@ class Views:
             )
         resp = web.HTTPSeeOther(target)
         set_cookie(resp, request, opened.session_id)
-        return resp
+        raise resp
 
     async def logout(self, ui: UiRequest) -> web.StreamResponse:
         await ui.ctx.store.run(sessions.close_session, ui.session_id)
         resp = web.HTTPSeeOther("/ui/login")
         clear_cookie(resp)
-        return resp
+        raise resp
 
     # --- fleet ---
 

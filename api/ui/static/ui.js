@@ -160,9 +160,18 @@
         if (was && box) box.checked = was.checked;
         old.replaceWith(row);
       });
-      Object.entries(data.counts).forEach(([state, n]) => {
-        const el = document.querySelector('[data-count="' + CSS.escape(state) + '"]');
-        if (el) el.textContent = n;
+      const counts = $("#counts");
+      $$("[data-count]", counts).forEach((el) => { if (!(el.dataset.count in data.counts)) el.closest("li").remove(); });
+      Object.entries(data.counts).sort().forEach(([state, n]) => {
+        let el = counts.querySelector('[data-count="' + CSS.escape(state) + '"]');
+        if (!el) {
+          const li = document.createElement("li");
+          const a = document.createElement("a"); a.href = "/ui/?state=" + encodeURIComponent(state);
+          const s = document.createElement("span"); s.className = "state state-" + state; s.textContent = state;
+          el = document.createElement("b"); el.dataset.count = state;
+          a.append(s, " ", el); li.append(a); counts.append(li);
+        }
+        el.textContent = n;
       });
       applyColumns();
     }
