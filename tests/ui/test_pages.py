@@ -145,8 +145,13 @@ def test_a_state_change_through_the_api_appears_without_reload(browser, app, tok
     cell = page.locator(f'tr[data-id="{mid}"] td[data-col=state] .state')
     expect(cell).to_have_text("ready")
     started = time.monotonic()
-    r = api(app, tokens.admin, "POST", f"/api/v1/machines/{mid}/actions",
-            json={"action": "mark-broken", "reason": "PSU smoke"})
+    r = api(
+        app,
+        tokens.admin,
+        "POST",
+        f"/api/v1/machines/{mid}/actions",
+        json={"action": "mark-broken", "reason": "PSU smoke"},
+    )
     assert r.status_code == 200, r.text
     expect(cell).to_have_text("broken")
     print(f"row updated {time.monotonic() - started:.2f} s after the API call")
@@ -173,7 +178,9 @@ def test_search_and_filters(browser, app, tokens) -> None:  # type: ignore[no-un
     page.wait_for_url("**rack=r7*")
     assert rows(page) == ["r7-03", "r7-04", "r7-05"]
     page.goto("/ui/")
-    page.get_by_role("search").get_by_label("GPU model", exact=True).select_option("NVIDIA A100-SXM4-80GB")
+    page.get_by_role("search").get_by_label("GPU model", exact=True).select_option(
+        "NVIDIA A100-SXM4-80GB"
+    )
     page.get_by_role("button", name="Apply").click()
     page.wait_for_url("**gpu_model=*")
     assert rows(page) == ["gpu-a100"]
@@ -206,7 +213,9 @@ def test_bulk_maintenance_is_confirmed_first(browser, app, tokens, shots) -> Non
     dialog.get_by_role("button", name="Confirm").click()
     expect(page.get_by_role("status")).to_have_text("2 machines done.")
     assert (state(app, "r7-00"), state(app, "r7-01")) == ("maintenance", "maintenance")
-    r = api(app, tokens.admin, "GET", f"/api/v1/events?machine_id={machine_id(app, 'r7-00')}&sort=-id")
+    r = api(
+        app, tokens.admin, "GET", f"/api/v1/events?machine_id={machine_id(app, 'r7-00')}&sort=-id"
+    )
     assert r.json()["items"][0]["reason"] == "reseat GPUs"
     assert r.json()["items"][0]["actor"] == "technician:technician"
     # Without the confirmation the server refuses a destructive action, whatever the page does.
@@ -280,7 +289,9 @@ def test_a_post_without_the_csrf_token_is_refused(browser, app, tokens) -> None:
     resp = page.request.post("/ui/machines/bulk", form=form, headers=json_accept)
     assert resp.status == 403
     assert resp.json()["title"] == "CSRF token missing or wrong"
-    resp = page.request.post("/ui/machines/bulk", form={**form, "csrf": "x" * 43}, headers=json_accept)
+    resp = page.request.post(
+        "/ui/machines/bulk", form={**form, "csrf": "x" * 43}, headers=json_accept
+    )
     assert resp.status == 403
     csrf = page.locator("body").get_attribute("data-csrf")
     evil = {"Accept": "application/json", "Origin": "http://evil.example"}
@@ -297,12 +308,17 @@ def test_logout_and_revocation_end_the_session(browser, app, tokens) -> None:  #
     page.goto("/ui/")
     assert "/ui/login" in page.url
     page.context.close()
-    r = api(app, tokens.admin, "POST", "/api/v1/tokens", json={"name": "shift", "role": "technician"})
+    r = api(
+        app, tokens.admin, "POST", "/api/v1/tokens", json={"name": "shift", "role": "technician"}
+    )
     assert r.status_code == 201, r.text
     token = r.json()
     page = login(browser, app.base, token["token"])
     expect(page.locator("#live")).to_have_text("on")
-    assert api(app, tokens.admin, "DELETE", f"/api/v1/tokens/{token['id']}").status_code in (200, 204)
+    assert api(app, tokens.admin, "DELETE", f"/api/v1/tokens/{token['id']}").status_code in (
+        200,
+        204,
+    )
     # The open page's live stream ends, and the next request goes to the login page.
     expect(page.locator("#live")).to_have_text("session ended: log in again")
     page.goto("/ui/")
@@ -339,7 +355,9 @@ def test_events_page_tails_live(browser, app, tokens) -> None:  # type: ignore[n
     page.goto("/ui/events?kind=machine.labels")
     expect(page.locator("#live")).to_have_text("on")
     mid = machine_id(app, "r7-04")
-    r = api(app, tokens.admin, "PATCH", f"/api/v1/machines/{mid}/labels", json={"labels": {"x": "1"}})
+    r = api(
+        app, tokens.admin, "PATCH", f"/api/v1/machines/{mid}/labels", json={"labels": {"x": "1"}}
+    )
     assert r.status_code == 200, r.text
     expect(page.locator("#tail li").first).to_contain_text("machine.labels")
     page.context.close()

@@ -5,6 +5,7 @@
   const button = document.getElementById("console-open");
   if (!button) return;
   const state = document.getElementById("console-state");
+  const mode = document.getElementById("console-mode");
   button.addEventListener("click", () => {
     button.disabled = true;
     const term = new window.Terminal({ convertEol: false, cursorBlink: true, fontSize: 14, rows: 24 });
@@ -21,7 +22,10 @@
     ws.onmessage = (m) => {
       if (typeof m.data === "string") {
         const note = JSON.parse(m.data);
-        if (note.type === "hello") state.textContent = (note.state || "") + ", you " + (note.mode === "write" ? "type" : "watch read-only");
+        if (note.type === "hello") {
+          mode.textContent = note.mode === "write" ? "you type" : "you watch read-only (" + (note.writer || "someone") + " types)";
+          state.textContent = note.state || "";
+        }
         else if (note.type === "status") state.textContent = note.state + (note.detail ? ": " + note.detail : "");
         else if (note.type === "error" || note.type === "closed") state.textContent = note.detail;
         return;
