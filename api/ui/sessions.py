@@ -19,7 +19,7 @@ from datetime import datetime, timedelta
 from sqlmodel import Session, delete
 
 from metald.auth import Principal, Role, authenticate, principal_of_token
-from metald.store.models import UiSession, as_utc, utcnow
+from metald.store.models import ApiToken, UiSession, as_utc, utcnow
 
 #: A session unused this long ends (the live pages' event stream counts as use).
 IDLE = timedelta(hours=1)
@@ -66,6 +66,11 @@ def open_session(s: Session, secret: str, *, now: datetime | None = None) -> Ope
             "technician or orchestrator token"
         )
     now = now or utcnow()
+    ends = now + ABSOLUTE
+    token = s.get(ApiToken, principal.token_id)
+    if token is not None and token.expires_at is not None:
+        ends = min(ends, as_utc(token.expires_at))  # never outlives its token
+    _purge(s, now)  # sessions nobody came back to go at the next login (a small table)
     session_id = secrets.token_urlsafe(32)
     csrf = secrets.token_urlsafe(32)
     s.add(
@@ -75,7 +80,7 @@ def open_session(s: Session, secret: str, *, now: datetime | None = None) -> Ope
             csrf=csrf,
             created_at=now,
             last_seen_at=now,
-            expires_at=now + ABSOLUTE,
+            expires_at=ends,
         )
     )
     s.commit()
@@ -114,15 +119,13 @@ def close_session(s: Session, session_id: str) -> None:
     s.commit()
 
 
-def purge_sessions(s: Session, *, now: datetime | None = None) -> int:
-    """Delete the sessions past their absolute end or idle too long."""
-    now = now or utcnow()
-    stmt = delete(UiSession).where(
-        (UiSession.expires_at <= now) | (UiSession.last_seen_at <= now - IDLE)  # type: ignore[operator]
+def _purge(s: Session, now: datetime) -> None:
+    """Delete the sessions past their absolute end or idle too long (not committed)."""
+    s.exec(  # type: ignore[call-overload]
+        delete(UiSession).where(
+            (UiSession.expires_at <= now) | (UiSession.last_seen_at <= now - IDLE)  # type: ignore[operator]
+        )
     )
-    n = s.exec(stmt).rowcount  # type: ignore[call-overload]
-    s.commit()
-    return n
 
 
 def csrf_matches(expected: str, presented: str | None) -> bool:

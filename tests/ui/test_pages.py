@@ -303,10 +303,19 @@ def test_a_post_without_the_csrf_token_is_refused(browser, app, tokens) -> None:
 
 def test_logout_and_revocation_end_the_session(browser, app, tokens) -> None:  # type: ignore[no-untyped-def]
     page = login(browser, app.base, tokens.technician)
+    (cookie,) = page.context.cookies()
     page.get_by_role("button", name="Log out").click()
     page.wait_for_url("**/ui/login")
     page.goto("/ui/")
     assert "/ui/login" in page.url
+    # The server forgot the session: the old cookie, sent again, opens nothing.
+    again = requests.get(
+        app.base + "/ui/",
+        cookies={cookie["name"]: cookie["value"]},
+        headers={"Accept": "application/json"},
+        timeout=10,
+    )
+    assert again.status_code == 401
     page.context.close()
     r = api(
         app, tokens.admin, "POST", "/api/v1/tokens", json={"name": "shift", "role": "technician"}
