@@ -89,9 +89,9 @@ def axe_violations(page: Any) -> list[dict[str, Any]]:
     ]
 
 
-def shoot(page: Any, shots: Path, name: str) -> Path:
+def shoot(page: Any, shots: Path, name: str, *, full: bool = False) -> Path:
     path = shots / f"{name}.png"
-    page.screenshot(path=str(path), full_page=False)
+    page.screenshot(path=str(path), full_page=full)
     return path
 
 

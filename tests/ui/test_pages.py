@@ -244,7 +244,7 @@ def test_machine_page_shows_the_fixture_inventory_gpus(browser, app, tokens, sho
     expect(first).to_contain_text("GPU-513536b6-7d19-9063-b049-1e69664bb298")
     expect(page.get_by_role("row", name="aa:bb:cc:00:11:22")).to_contain_text("leaf-r12 Ethernet17")
     expect(page.locator("#timeline li").first).to_contain_text("inspecting → ready")
-    shoot(page, shots, "machine")
+    shoot(page, shots, "machine", full=True)
     assert axe_violations(page) == []
     page.context.close()
 
