@@ -23,8 +23,8 @@ from api import (
     routes_system,
     routes_tenants,
     routes_tokens,
+    ui,
 )
-from api import ui
 from api.context import AppContext
 from api.openapi import build_openapi
 from api.problem import problem

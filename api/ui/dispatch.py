@@ -17,7 +17,6 @@ from api.routing import ApiRequest, Refusal, RouteSpec, authorize, wire_json
 from api.ui.guard import UiRequest
 from metald.errors import MetaldError
 from metald.lifecycle import IllegalTransition
-from metald.machines import ConcurrentUpdate
 
 
 @dataclass
@@ -55,10 +54,7 @@ class Api:
     ) -> Any:
         """The route's answer for this caller, as JSON-ready data, or Refused."""
         spec = self.spec(method, path)
-        try:
-            result = await self.invoke(ui, spec, params or {}, query, body, ui.raw)
-        except Refused:
-            raise
+        result = await self.invoke(ui, spec, params or {}, query, body, ui.raw)
         if isinstance(result, web.StreamResponse):
             return result
         data = result.model_dump() if isinstance(result, BaseModel) else result
@@ -101,7 +97,5 @@ class Api:
             ) from None
         except IllegalTransition as e:
             raise Refused(409, "Illegal transition", str(e)) from None
-        except ConcurrentUpdate as e:
-            raise Refused(e.status, e.title, e.detail) from None
         except MetaldError as e:
             raise Refused(e.status, e.title, e.detail) from None
