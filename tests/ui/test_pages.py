@@ -17,7 +17,7 @@ from playwright.sync_api import expect
 from metald import machines
 from metald.inventory import validate_inventory
 from metald.lifecycle import Trigger
-from metald.store.models import Machine
+from metald.store.models import Claim, Machine
 from tests.api_helpers import LoopbackApi
 from tests.conftest import Tokens
 from tests.inventory.conftest import fixture_text, payload
@@ -67,6 +67,15 @@ def fleet(_cfg: Any, store: Any, _tokens: Tokens) -> None:
                 actor="test",
                 updates={"inventory": {"schema_version": 1}, "memory_mb": 524288},
             )
+        # node0 (acme's) provisions for a claim: the claims page shows its progress.
+        claim = Claim(tenant_id=_tokens.tenant_a, count=1, state="allocated", created_by="test")
+        s.add(claim)
+        s.commit()
+        node0 = s.get(Machine, _tokens.machine_a)
+        assert node0 is not None
+        node0.claim_id = claim.id
+        s.add(node0)
+        s.commit()
         m = machines.create_machine(
             s, macs=["aa:bb:cc:00:11:22"], actor="test", name="gpu-a100", rack="r9"
         )
@@ -357,6 +366,30 @@ def test_every_page_passes_axe_and_is_captured(browser, app, tokens, shots) -> N
     found["login"] = axe_violations(login_page)
     ctx.close()
     assert found == {k: [] for k in found}
+
+
+def test_claim_progress_moves_live(browser, app, tokens, shots) -> None:  # type: ignore[no-untyped-def]
+    page = login(browser, app.base, tokens.orchestrator)
+    page.goto("/ui/claims")
+    expect(page.locator("#live")).to_have_text("on")
+    bar = page.get_by_role("progressbar", name="node0 progress")
+    expect(bar).to_have_attribute("value", "0")
+    page.evaluate("window.__sameDocument = true")
+    with app.store.session() as s:  # what the provisioning agent's progress post records
+        machines.add_event(
+            s,
+            "provision.progress",
+            "agent:node0",
+            machine_id=tokens.machine_a,
+            tenant_id=tokens.tenant_a,
+            data={"phase": "image", "percent": 40.0},
+        )
+        s.commit()
+    expect(bar).to_have_attribute("value", "40")
+    expect(page.locator("[data-claim]")).to_contain_text("(image)")
+    assert page.evaluate("window.__sameDocument") is True
+    shoot(page, shots, "claims-progress")
+    page.context.close()
 
 
 def test_events_page_tails_live(browser, app, tokens) -> None:  # type: ignore[no-untyped-def]
