@@ -162,6 +162,8 @@ class Counters:
     #: Commissioning mode: check results posted, and seconds the simulated checks "ran".
     check_posts: int = 0
     check_sleep_s: float = 0.0
+    #: Scripts served without an agent token (no boot armed yet), fetched again after 1 s.
+    tokenless_scripts: int = 0
     latencies: list[float] = field(default_factory=list)
 
 
@@ -351,22 +353,30 @@ class Storm:
         raise StormError(f"{method} {url}: still failing after {tries} tries")
 
     async def pxe_boot(self, sim: Sim, expect: str) -> dict[str, str]:
-        """iPXE DORA, then the script at the ACK's boot file URL; returns the kernel arguments."""
+        """iPXE DORA, then the script at the ACK's boot file URL; returns the kernel arguments.
+        A script without an agent token (no boot armed for the MAC yet: its enrollment was
+        held back by the DHCP enroll limit) cannot post anything: the machine boots from the
+        network again (DORA and script) after 2 s, as a failed discovery boot would."""
         from metald.boot.dhcp.packet import Opt
 
-        ack = await self.dhcp(sim, ipxe=True)
-        url = ack.options.get(Opt.BOOTFILE, b"").decode()
-        if not url.endswith(f"/boot/{sim.mac}.ipxe"):
-            raise StormError(f"{sim.mac}: boot file {url!r} is not its iPXE script URL")
-        script = await self.http("GET", url, text=True)
-        self.c.scripts += 1
-        m = re.search(r"^kernel (\S+) (.*?) \|\| goto failed$", script, re.M)
-        if m is None or f"metald.action={expect}" not in m.group(2):
-            raise StormError(f"{sim.mac}: expected a {expect} script, got:\n{script}")
-        args = dict(a.partition("=")[::2] for a in m.group(2).split())
-        sim.token = args["metald.token"]
-        sim.machine_id = args["metald.machine"]
-        return args
+        for _attempt in range(60):
+            ack = await self.dhcp(sim, ipxe=True)
+            url = ack.options.get(Opt.BOOTFILE, b"").decode()
+            if not url.endswith(f"/boot/{sim.mac}.ipxe"):
+                raise StormError(f"{sim.mac}: boot file {url!r} is not its iPXE script URL")
+            script = await self.http("GET", url, text=True)
+            self.c.scripts += 1
+            m = re.search(r"^kernel (\S+) (.*?) \|\| goto failed$", script, re.M)
+            if m is None or f"metald.action={expect}" not in m.group(2):
+                raise StormError(f"{sim.mac}: expected a {expect} script, got:\n{script}")
+            args = dict(a.partition("=")[::2] for a in m.group(2).split())
+            if "metald.token" in args:
+                sim.token = args["metald.token"]
+                sim.machine_id = args["metald.machine"]
+                return args
+            self.c.tokenless_scripts += 1
+            await asyncio.sleep(2)
+        raise StormError(f"{sim.mac}: the {expect} script never carried an agent token:\n{script}")
 
     # ---- phase 1: power-on to ready ---------------------------------------------------
 
@@ -598,6 +608,7 @@ class Storm:
             "next_calls": self.c.next_calls,
             "commission_s": self.p.get("commission_s"),
             "check_posts": self.c.check_posts,
+            "tokenless_scripts": self.c.tokenless_scripts,
             "check_sleep_s_per_machine": self.c.check_sleep_s / self.n,
             **self.phase_costs(cpu0, me0, lat),
         }
