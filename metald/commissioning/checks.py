@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from metald.commissioning.parsers import dcgm, gpu_text, host, ib, nvidia_smi
+from metald.commissioning.parsers import dcgm, gpu_text, host, ib, nvidia_smi, rocm_smi
 from metald.commissioning.profile import CheckName, CommissioningProfile
 from metald.commissioning.verdict import Status, Verdict, error, failed, skipped
 
@@ -63,6 +63,8 @@ def _parse(r: CheckReport, p: CommissioningProfile) -> Verdict:
             return gpu_text.judge_nvlink(raw)
         case "dcgm":
             return dcgm.judge_dcgm(raw)
+        case "rocm-smi":
+            return rocm_smi.judge_rocm_smi(raw, expected_count=p.gpu_count)
         case "ib":
             if p.ib is None:
                 return skipped("the profile expects no InfiniBand port")

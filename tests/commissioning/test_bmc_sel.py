@@ -25,7 +25,7 @@ from metald.commissioning.profile import CheckSpec, CommissioningProfile
 from metald.config import BmcConfig
 from metald.secrets import SecretBox
 from metald.store.models import CommissioningResult, CommissioningRun
-from tests.bmc.peers import IpmiSim, ipmi_sim  # noqa: F401, F811 (the fixture)
+from tests.bmc.peers import IpmiSim
 from tests.commissioning.test_api import SMART_OK, _inventoried, report
 
 FIX = Path(__file__).parent / "fixtures"
@@ -151,7 +151,7 @@ async def _results(store: Any, run_id: str) -> dict[str, CommissioningResult]:
 async def test_a_critical_event_logged_during_the_run_fails_it(  # type: ignore[no-untyped-def]
     api,
     ipmi_sim: IpmiSim,
-    tmp_path: Path,  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     client, _tokens, store = api
     ctx = client.server.app[CTX_KEY]
