@@ -162,8 +162,12 @@ class Counters:
     #: Commissioning mode: check results posted, and seconds the simulated checks "ran".
     check_posts: int = 0
     check_sleep_s: float = 0.0
-    #: Scripts served without an agent token (no boot armed yet), fetched again after 1 s.
+    #: Scripts served without an agent token (no boot armed yet): the machine PXE boots again.
     tokenless_scripts: int = 0
+    #: Per machine: inventory accepted -> ready, less the time its checks "ran".
+    commission_overhead: list[float] = field(default_factory=list)
+    #: Per request kind of the commissioning (next, plan, post, done): seconds each took.
+    commission_steps: dict[str, list[float]] = field(default_factory=dict)
     latencies: list[float] = field(default_factory=list)
 
 
@@ -405,7 +409,9 @@ class Storm:
         if self.p.get("commission_s") is not None:
             if out["state"] != "commissioning":
                 raise StormError(f"{sim.mac}: inventory accepted, machine is {out['state']}")
-            await self.commission(sim, base)
+            t_inv = time.monotonic()
+            ran = await self.commission(sim, base)
+            self.c.commission_overhead.append(time.monotonic() - t_inv - ran)
         elif out["state"] != "ready":
             raise StormError(f"{sim.mac}: inventory accepted but machine is {out['state']}")
         nxt = await self.http("GET", f"{base}/api/v1/agent/next", token=sim.token)
@@ -414,18 +420,25 @@ class Storm:
             raise StormError(f"{sim.mac}: agent told {nxt}, expected poweroff")
         self.c.latencies.append(time.monotonic() - t0)
 
-    async def commission(self, sim: Sim, base: str) -> None:
+    async def commission(self, sim: Sim, base: str) -> float:
         """The agent's commissioning: next says commission, GET the plan, run each check (a
-        sleep of its duration_s) and post its output, the last post with done."""
+        sleep of its duration_s) and post its output, the last post with done. Returns the
+        seconds the checks "ran"."""
+        ran = 0.0
+        t = time.monotonic()
         nxt = await self.http("GET", f"{base}/api/v1/agent/next", token=sim.token)
+        self._step("next", t)
         self.c.next_calls += 1
         if nxt["action"] != "commission":
             raise StormError(f"{sim.mac}: agent told {nxt}, expected commission")
+        t = time.monotonic()
         plan = await self.http("GET", f"{base}/api/v1/agent/commissioning", token=sim.token)
+        self._step("plan", t)
         checks = plan["checks"]
         for i, chk in enumerate(checks):
             t = time.monotonic()
             await asyncio.sleep(chk["duration_s"])
+            ran += time.monotonic() - t
             self.c.check_sleep_s += chk["duration_s"]
             rep = {
                 "name": chk["name"],
@@ -434,15 +447,21 @@ class Storm:
                 "duration_s": round(time.monotonic() - t, 2),
                 "raw": _check_output(chk["name"], chk["duration_s"], sim.idx),
             }
+            t = time.monotonic()
             out = await self.http(
                 "POST",
                 f"{base}/api/v1/agent/commissioning",
                 token=sim.token,
                 body={"done": i == len(checks) - 1, "results": [rep]},
             )
+            self._step("done" if i == len(checks) - 1 else "post", t)
             self.c.check_posts += 1
         if out["state"] != "ready":
             raise StormError(f"{sim.mac}: commissioning ended with the machine {out['state']}")
+        return ran
+
+    def _step(self, kind: str, t0: float) -> None:
+        self.c.commission_steps.setdefault(kind, []).append(time.monotonic() - t0)
 
     async def count(self, state: str) -> int:
         out = await self.http(
@@ -609,6 +628,8 @@ class Storm:
             "commission_s": self.p.get("commission_s"),
             "check_posts": self.c.check_posts,
             "tokenless_scripts": self.c.tokenless_scripts,
+            "commission_overhead_s": _percentiles(self.c.commission_overhead),
+            "commission_steps_s": {k: _percentiles(v) for k, v in self.c.commission_steps.items()},
             "check_sleep_s_per_machine": self.c.check_sleep_s / self.n,
             **self.phase_costs(cpu0, me0, lat),
         }
@@ -726,6 +747,17 @@ class Storm:
             "ready_api": await self.count("ready"),
             "want": want,
         }
+
+
+def _percentiles(xs: list[float]) -> dict[str, float] | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return {
+        "p50": xs[len(xs) // 2],
+        "p99": xs[min(len(xs) - 1, int(len(xs) * 0.99))],
+        "max": xs[-1],
+    }
 
 
 def _check_output(name: str, duration_s: int, idx: int) -> str:
@@ -1054,11 +1086,14 @@ def report(results: list[dict[str, Any]]) -> None:
 
 def commission_report(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
     """Phase 1 without and with commissioning, per size: how much later the machines are
-    ready, against the profile's run time, and metald's CPU per machine."""
+    ready, against the profile's run time, and metald's CPU per machine. "overhead" is per
+    machine: inventory accepted -> ready, less the time its checks ran (what commissioning
+    costs beyond its configured run time, free of the enrollment's own spread)."""
     rows = []
     for base, com in pairs:
         b, c, n = base["phase1"], com["phase1"], com["machines"]
         run_s = c["check_sleep_s_per_machine"]
+        ov = c.get("commission_overhead_s") or {"p50": 0.0, "p99": 0.0, "max": 0.0}
         rows.append(
             [
                 n,
@@ -1068,6 +1103,7 @@ def commission_report(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> Non
                 f"{c['p50_s'] - b['p50_s']:.1f}",
                 f"{c['p99_s'] - b['p99_s']:.1f}",
                 f"{c['p99_s'] - b['p99_s'] - run_s:+.1f}",
+                f"{ov['p50']:.2f} / {ov['p99']:.2f} / {ov['max']:.2f}",
                 f"{b['wall_s']:.1f} / {c['wall_s']:.1f}",
                 f"{b['metald_cpu_s'] / n * 1000:.2f} / {c['metald_cpu_s'] / n * 1000:.2f}",
                 f"{(c['metald_cpu_s'] - b['metald_cpu_s']) / n * 1000:.2f}",
@@ -1086,6 +1122,7 @@ def commission_report(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> Non
                 "added p50 s",
                 "added p99 s",
                 "added p99 - run time s",
+                "overhead p50/p99/max s",
                 "wall s",
                 "metald CPU ms/machine",
                 "commissioning CPU ms/machine",
