@@ -175,7 +175,7 @@ def _agent_machine(req: ApiRequest, s: Session) -> str:
     roles=AGENT,
     response=PlanOut,
     tag="agent",
-    errors=(409,),
+    errors=(409, 503),
 )
 async def agent_plan(req: ApiRequest) -> PlanOut:
     """While the machine is commissioning: the checks its profile selects, with timeouts.
