@@ -54,12 +54,12 @@ def test_storm_quick(tmp_path: Path) -> None:
 
 
 def test_storm_quick_commissioning(tmp_path: Path) -> None:
-    """--quick --commission 1: phase 1 without, then with a commissioning profile (1 s of
-    simulated checks); every machine commissioned to ready through metald's verdict."""
+    """--machines 10 --commission 1: phase 1 without, then with a commissioning profile (1 s
+    of simulated checks); every machine commissioned to ready through metald's verdict."""
     out = tmp_path / "storm.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "storm.py"), "--quick", "--commission", "1",
-         "--json", str(out)],
+        [sys.executable, str(ROOT / "bench" / "storm.py"), "--machines", "10", "--commission",
+         "1", "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
