@@ -3,6 +3,7 @@ what to run and posts what it measured (``metald.commissioning``)."""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import datetime
 from typing import Annotated, Any
 
@@ -10,6 +11,7 @@ from pydantic import BaseModel, Field, StringConstraints
 from sqlmodel import Session
 
 from api.roles import AGENT
+from api.routes_bmc import ServiceUnavailable
 from api.routes_machines import load_visible
 from api.routing import ALL_ROLES, STAFF, ApiRequest, Router
 from api.schemas import In
@@ -27,6 +29,9 @@ from metald.store.models import Machine
 
 router = Router()
 TAG = "commissioning"
+#: How long an agent's request waits for metald's reading of the BMC event log (bmc-sel)
+#: before it is answered without it; the agent's own requests give up at 30 s.
+SEL_WAIT_S = 20.0
 
 
 class ResultOut(BaseModel):
@@ -170,19 +175,45 @@ def _agent_machine(req: ApiRequest, s: Session) -> str:
     roles=AGENT,
     response=PlanOut,
     tag="agent",
-    errors=(409,),
+    errors=(409, 503),
 )
 async def agent_plan(req: ApiRequest) -> PlanOut:
-    """While the machine is commissioning: the checks its profile selects, with timeouts."""
+    """While the machine is commissioning: the checks its profile selects, with timeouts.
+    With the ``bmc-sel`` check, metald first reads the BMC's event log (503 while it is at it:
+    ask again)."""
 
-    def run(s: Session) -> PlanOut:
+    def run(s: Session) -> tuple[str, str, bool, PlanOut]:
         mid = _agent_machine(req, s)
         r = runs.current_run(s, mid)
         if r is None:
             raise Conflict(f"machine {mid} has no running commissioning run")
-        return PlanOut(run_id=r.id, profile=r.profile, checks=runs.run_profile(r).plan())
+        plan = PlanOut(run_id=r.id, profile=r.profile, checks=runs.run_profile(r).plan())
+        return mid, r.id, runs.sel_wanted(r) and r.sel_before is None, plan
 
-    return await req.ctx.store.run(run)
+    mid, run_id, need_sel, plan = await req.ctx.store.run(run)
+    if need_sel:
+        done, _ = await asyncio.wait({_sel_read(req, "before", run_id, mid)}, timeout=SEL_WAIT_S)
+        if not done:
+            raise ServiceUnavailable(
+                "metald is reading the machine's BMC event log before the checks start; "
+                "ask again in a few seconds"
+            )
+    return plan
+
+
+def _sel_read(req: ApiRequest, phase: str, run_id: str, machine_id: str) -> asyncio.Task[Any]:
+    bmc = req.ctx.services.get("bmc")
+    return runs.sel_read(
+        phase,
+        run_id,
+        machine_id,
+        store=req.ctx.store,
+        reader=None if bmc is None else bmc.event_log,
+        timeout_s=req.ctx.cfg.bmc.sensors_timeout_s * (req.ctx.cfg.bmc.retries + 2),
+        actor=req.actor,
+        instance=req.ctx.instance,
+        notify=req.ctx.bus.notify,
+    )
 
 
 @router.route(
@@ -198,16 +229,29 @@ async def agent_plan(req: ApiRequest) -> PlanOut:
 async def agent_results(req: ApiRequest) -> ResultsAccepted:
     """The agent's reports (outcome, exit code, duration, raw output up to 64 KiB). metald
     judges each check from the raw output itself; the agent's verdict is never taken. When
-    every planned check is in (or ``done``), the machine goes to ready or commission-failed."""
+    every planned check is in (or ``done``), the machine goes to ready or commission-failed;
+    with the ``bmc-sel`` check, once metald has read the BMC's event log again."""
     b: ResultsIn = req.body
 
-    def run(s: Session) -> ResultsAccepted:
+    def run(s: Session) -> tuple[ResultsAccepted, bool]:
         mid = _agent_machine(req, s)
         r = runs.record_results(
             s, mid, b.results, done=b.done, actor=req.actor, instance=req.ctx.instance
         )
-        return ResultsAccepted(
+        out = ResultsAccepted(
             run_id=r.id, status=r.status, state=machines.get_machine(s, mid).state
         )
+        return out, runs.awaits_sel(s, r)
 
-    return await req.write(run)
+    out, awaits = await req.write(run)
+    if awaits:
+        task = _sel_read(req, "after", out.run_id, next(iter(req.require_principal().scope)))
+        await asyncio.wait({task}, timeout=SEL_WAIT_S)
+
+        def reread(s: Session) -> ResultsAccepted:
+            r = s.get(runs.CommissioningRun, out.run_id)
+            m = machines.get_machine(s, r.machine_id if r else "")
+            return ResultsAccepted(run_id=out.run_id, status=r.status if r else "", state=m.state)
+
+        out = await req.ctx.store.run(reread)
+    return out

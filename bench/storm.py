@@ -6,6 +6,8 @@ config, SQLite by default), without QEMU.
     sudo .venv/bin/python bench/storm.py --machines 1000,5000 # side by side, with ratios
     sudo .venv/bin/python bench/storm.py --quick              # CI smoke: 50 machines, 5 claims
     sudo .venv/bin/python bench/storm.py --db postgresql      # vmlab/pg.py's private cluster
+    sudo .venv/bin/python bench/storm.py --commission 30 --machines 250,500,1000
+                                     # phase 1 with and without commissioning (30 s of checks)
 
 Two network namespaces joined by a veth (bench/_lab.py, as dhcp_bench.py does): metald serves
 DHCP on ``vs`` in one; the simulated machines live in the other and reach it through a
@@ -23,6 +25,14 @@ again: iPXE DORA -> script (provision action, fresh agent token) -> DORA -> GET
 /api/v1/agent/provision -> progress posts (write 10..90 %, verify) -> done. Done when
 GET /api/v1/machines?state=provisioned counts N and every claim lists 10 provisioned machines,
 none in two claims.
+
+Commissioning mode (--commission SECONDS): the enroll rule carries a commissioning profile
+(stress-ng for SECONDS, fio for 1 s); after its inventory each machine is ``commissioning``, asks
+/api/v1/agent/next (commission), GETs its plan, "runs" each check (sleeps its duration_s) and
+posts its real-format output (stress-ng's log, fio's JSON) as the agent does, one post per check,
+the last with done; metald judges them and the machine goes ready. Each size runs phase 1 twice,
+without and then with commissioning, and the table says how much later machines are ready than
+without, against the configured run time, and metald's CPU per machine in both.
 
 The outer process (root namespace) sets up and always tears down: metald, the namespaces, the
 temp dir (also on Ctrl-C). The simulation runs as a child inside the client namespace and hands
@@ -62,8 +72,23 @@ MAX_PXE_RESTARTS = 20
 GPU_SELECTOR = {"gpu_model": "NVIDIA H100*", "min_gpu_count": 8, "labels": {"pool": "storm"}}
 
 
-def metald_config(state: Path, store_url: str) -> str:
+def commissioning_rule(run_s: int) -> str:
+    """The profile every storm machine gets in commissioning mode: stress-ng for ``run_s`` and
+    fio for 1 s (the simulated run time is the sum of the checks' duration_s)."""
+    return f"""[enroll.rules.commissioning]
+name = "storm-intake"
+gpu_model = "NVIDIA H100*"
+gpu_count = 8
+checks = [
+  {{ name = "stress-ng", duration_s = {max(run_s - 1, 0)}, timeout_s = {run_s + 600} }},
+  {{ name = "fio", duration_s = 1, timeout_s = 600 }},
+]
+"""
+
+
+def metald_config(state: Path, store_url: str, commission_s: int | None = None) -> str:
     store = f'[store]\nurl = "{store_url}"\n' if store_url else ""
+    rule = "" if commission_s is None else commissioning_rule(commission_s)
     return f"""state_dir = "{state}"
 instance = "storm"
 {store}[api]
@@ -92,7 +117,7 @@ after_inspection = "poweroff"
 match = {{ gpu_model = "NVIDIA H100*" }}
 labels = {{ pool = "storm" }}
 min_gpu_count = 8
-[provision]
+{rule}[provision]
 # Store every progress report as an event: a real agent reports every few seconds over minutes,
 # so each of its reports is stored; the bench's back-to-back reports would otherwise mostly be
 # accepted without an event (the default 2 s dedup) and look cheaper than they are.
@@ -134,6 +159,15 @@ class Counters:
     pxe_restarts: int = 0
     #: 5xx answers (each retried): e.g. SQLite "database is locked" after busy_timeout.
     server_errors: int = 0
+    #: Commissioning mode: check results posted, and seconds the simulated checks "ran".
+    check_posts: int = 0
+    check_sleep_s: float = 0.0
+    #: Scripts served without an agent token (no boot armed yet): the machine PXE boots again.
+    tokenless_scripts: int = 0
+    #: Per machine: inventory accepted -> ready, less the time its checks "ran".
+    commission_overhead: list[float] = field(default_factory=list)
+    #: Per request kind of the commissioning (next, plan, post, done): seconds each took.
+    commission_steps: dict[str, list[float]] = field(default_factory=dict)
     latencies: list[float] = field(default_factory=list)
 
 
@@ -323,22 +357,30 @@ class Storm:
         raise StormError(f"{method} {url}: still failing after {tries} tries")
 
     async def pxe_boot(self, sim: Sim, expect: str) -> dict[str, str]:
-        """iPXE DORA, then the script at the ACK's boot file URL; returns the kernel arguments."""
+        """iPXE DORA, then the script at the ACK's boot file URL; returns the kernel arguments.
+        A script without an agent token (no boot armed for the MAC yet: its enrollment was
+        held back by the DHCP enroll limit) cannot post anything: the machine boots from the
+        network again (DORA and script) after 2 s, as a failed discovery boot would."""
         from metald.boot.dhcp.packet import Opt
 
-        ack = await self.dhcp(sim, ipxe=True)
-        url = ack.options.get(Opt.BOOTFILE, b"").decode()
-        if not url.endswith(f"/boot/{sim.mac}.ipxe"):
-            raise StormError(f"{sim.mac}: boot file {url!r} is not its iPXE script URL")
-        script = await self.http("GET", url, text=True)
-        self.c.scripts += 1
-        m = re.search(r"^kernel (\S+) (.*?) \|\| goto failed$", script, re.M)
-        if m is None or f"metald.action={expect}" not in m.group(2):
-            raise StormError(f"{sim.mac}: expected a {expect} script, got:\n{script}")
-        args = dict(a.partition("=")[::2] for a in m.group(2).split())
-        sim.token = args["metald.token"]
-        sim.machine_id = args["metald.machine"]
-        return args
+        for _attempt in range(60):
+            ack = await self.dhcp(sim, ipxe=True)
+            url = ack.options.get(Opt.BOOTFILE, b"").decode()
+            if not url.endswith(f"/boot/{sim.mac}.ipxe"):
+                raise StormError(f"{sim.mac}: boot file {url!r} is not its iPXE script URL")
+            script = await self.http("GET", url, text=True)
+            self.c.scripts += 1
+            m = re.search(r"^kernel (\S+) (.*?) \|\| goto failed$", script, re.M)
+            if m is None or f"metald.action={expect}" not in m.group(2):
+                raise StormError(f"{sim.mac}: expected a {expect} script, got:\n{script}")
+            args = dict(a.partition("=")[::2] for a in m.group(2).split())
+            if "metald.token" in args:
+                sim.token = args["metald.token"]
+                sim.machine_id = args["metald.machine"]
+                return args
+            self.c.tokenless_scripts += 1
+            await asyncio.sleep(2)
+        raise StormError(f"{sim.mac}: the {expect} script never carried an agent token:\n{script}")
 
     # ---- phase 1: power-on to ready ---------------------------------------------------
 
@@ -364,13 +406,62 @@ class Storm:
                 self.c.http_retries += 1
                 await asyncio.sleep(seq)
         self.c.inventories += 1
-        if out["state"] != "ready":
+        if self.p.get("commission_s") is not None:
+            if out["state"] != "commissioning":
+                raise StormError(f"{sim.mac}: inventory accepted, machine is {out['state']}")
+            t_inv = time.monotonic()
+            ran = await self.commission(sim, base)
+            self.c.commission_overhead.append(time.monotonic() - t_inv - ran)
+        elif out["state"] != "ready":
             raise StormError(f"{sim.mac}: inventory accepted but machine is {out['state']}")
         nxt = await self.http("GET", f"{base}/api/v1/agent/next", token=sim.token)
         self.c.next_calls += 1
         if nxt["action"] != "poweroff":
             raise StormError(f"{sim.mac}: agent told {nxt}, expected poweroff")
         self.c.latencies.append(time.monotonic() - t0)
+
+    async def commission(self, sim: Sim, base: str) -> float:
+        """The agent's commissioning: next says commission, GET the plan, run each check (a
+        sleep of its duration_s) and post its output, the last post with done. Returns the
+        seconds the checks "ran"."""
+        ran = 0.0
+        t = time.monotonic()
+        nxt = await self.http("GET", f"{base}/api/v1/agent/next", token=sim.token)
+        self._step("next", t)
+        self.c.next_calls += 1
+        if nxt["action"] != "commission":
+            raise StormError(f"{sim.mac}: agent told {nxt}, expected commission")
+        t = time.monotonic()
+        plan = await self.http("GET", f"{base}/api/v1/agent/commissioning", token=sim.token)
+        self._step("plan", t)
+        checks = plan["checks"]
+        for i, chk in enumerate(checks):
+            t = time.monotonic()
+            await asyncio.sleep(chk["duration_s"])
+            ran += time.monotonic() - t
+            self.c.check_sleep_s += chk["duration_s"]
+            rep = {
+                "name": chk["name"],
+                "outcome": "ran",
+                "exit_code": 0,
+                "duration_s": round(time.monotonic() - t, 2),
+                "raw": _check_output(chk["name"], chk["duration_s"], sim.idx),
+            }
+            t = time.monotonic()
+            out = await self.http(
+                "POST",
+                f"{base}/api/v1/agent/commissioning",
+                token=sim.token,
+                body={"done": i == len(checks) - 1, "results": [rep]},
+            )
+            self._step("done" if i == len(checks) - 1 else "post", t)
+            self.c.check_posts += 1
+        if out["state"] != "ready":
+            raise StormError(f"{sim.mac}: commissioning ended with the machine {out['state']}")
+        return ran
+
+    def _step(self, kind: str, t0: float) -> None:
+        self.c.commission_steps.setdefault(kind, []).append(time.monotonic() - t0)
 
     async def count(self, state: str) -> int:
         out = await self.http(
@@ -534,6 +625,12 @@ class Storm:
             "scripts": self.c.scripts,
             "inventories": self.c.inventories,
             "next_calls": self.c.next_calls,
+            "commission_s": self.p.get("commission_s"),
+            "check_posts": self.c.check_posts,
+            "tokenless_scripts": self.c.tokenless_scripts,
+            "commission_overhead_s": _percentiles(self.c.commission_overhead),
+            "commission_steps_s": {k: _percentiles(v) for k, v in self.c.commission_steps.items()},
+            "check_sleep_s_per_machine": self.c.check_sleep_s / self.n,
             **self.phase_costs(cpu0, me0, lat),
         }
         log(
@@ -652,6 +749,37 @@ class Storm:
         }
 
 
+def _percentiles(xs: list[float]) -> dict[str, float] | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return {
+        "p50": xs[len(xs) // 2],
+        "p99": xs[min(len(xs) - 1, int(len(xs) * 0.99))],
+        "max": xs[-1],
+    }
+
+
+def _check_output(name: str, duration_s: int, idx: int) -> str:
+    """What the real tools print, in the formats metald's parsers read (stress-ng 0.15's log
+    with --metrics-brief; fio 3.33's JSON, abridged to what is judged)."""
+    if name == "fio":
+        bw = 3_400_000 + (idx % 13) * 10_000  # KiB/s
+        return json.dumps(
+            {"jobs": [{"jobname": "read", "error": 0, "read": {"bw": bw, "iops": bw / 1024}}]}
+        )
+    return (
+        f"stress-ng: info:  [812] setting to a {duration_s} second run per stressor\n"
+        "stress-ng: info:  [812] dispatching hogs: 224 cpu, 1 vm\n"
+        "stress-ng: info:  [812] stressor       bogo ops real time  usr time  sys time   "
+        "bogo ops/s     bogo ops/s\n"
+        f"stress-ng: info:  [812] cpu           {4_000_000 + idx} {duration_s:.2f} "
+        f"{duration_s * 224:.2f} 0.50 {(4_000_000 + idx) / max(duration_s, 1):.2f} 80.00\n"
+        "stress-ng: info:  [812] successful run completed in "
+        f"{duration_s:.2f}s\n"
+    )
+
+
 def log(msg: str) -> None:
     print(f"storm: {msg}", file=sys.stderr, flush=True)
 
@@ -754,7 +882,7 @@ def host_speed() -> float:
     return best
 
 
-def run_one(n: int, args: argparse.Namespace) -> dict[str, Any]:
+def run_one(n: int, args: argparse.Namespace, commission_s: int | None = None) -> dict[str, Any]:
     speed_before = host_speed()
     pg = None
     metald = client = None
@@ -776,7 +904,7 @@ def run_one(n: int, args: argparse.Namespace) -> dict[str, Any]:
                 # metald runs in the namespace: reach PostgreSQL over its Unix socket.
                 store_url = f"postgresql+psycopg://metald@/{name}?host={pg.dir}&port={pg.port}"
             cfg = Path(tmp) / "metald.toml"
-            cfg.write_text(metald_config(state, store_url))
+            cfg.write_text(metald_config(state, store_url, commission_s))
             logs = Path(args.log_dir or tmp)
             logs.mkdir(parents=True, exist_ok=True)
             mlog = logs / f"metald-{n}-{args.db}.log"
@@ -806,7 +934,8 @@ def run_one(n: int, args: argparse.Namespace) -> dict[str, Any]:
             params = {
                 "machines": n,
                 "claim_size": args.claim_size,
-                "enroll_only": args.enroll_only,
+                "enroll_only": args.enroll_only or commission_s is not None,
+                "commission_s": commission_s,
                 "connections": args.connections,
                 "metald_pid": metald.pid,
                 "admin_token": str(state / "admin.token"),
@@ -955,6 +1084,56 @@ def report(results: list[dict[str, Any]]) -> None:
         )
 
 
+def commission_report(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
+    """Phase 1 without and with commissioning, per size: how much later the machines are
+    ready, against the profile's run time, and metald's CPU per machine. "overhead" is per
+    machine: inventory accepted -> ready, less the time its checks ran (what commissioning
+    costs beyond its configured run time, free of the enrollment's own spread)."""
+    rows = []
+    for base, com in pairs:
+        b, c, n = base["phase1"], com["phase1"], com["machines"]
+        run_s = c["check_sleep_s_per_machine"]
+        ov = c.get("commission_overhead_s") or {"p50": 0.0, "p99": 0.0, "max": 0.0}
+        rows.append(
+            [
+                n,
+                f"{run_s:.1f}",
+                f"{b['p50_s']:.1f} / {c['p50_s']:.1f}",
+                f"{b['p99_s']:.1f} / {c['p99_s']:.1f}",
+                f"{c['p50_s'] - b['p50_s']:.1f}",
+                f"{c['p99_s'] - b['p99_s']:.1f}",
+                f"{c['p99_s'] - b['p99_s'] - run_s:+.1f}",
+                f"{ov['p50']:.2f} / {ov['p99']:.2f} / {ov['max']:.2f}",
+                f"{b['wall_s']:.1f} / {c['wall_s']:.1f}",
+                f"{b['metald_cpu_s'] / n * 1000:.2f} / {c['metald_cpu_s'] / n * 1000:.2f}",
+                f"{(c['metald_cpu_s'] - b['metald_cpu_s']) / n * 1000:.2f}",
+                c["check_posts"],
+                f"{c['http_retries']}/{c['server_errors']}",
+            ]
+        )
+    print("\nCommissioning (phase 1 without / with; the checks' simulated run time per machine):")
+    print(
+        table(
+            [
+                "machines",
+                "run time s",
+                "ready p50 s",
+                "ready p99 s",
+                "added p50 s",
+                "added p99 s",
+                "added p99 - run time s",
+                "overhead p50/p99/max s",
+                "wall s",
+                "metald CPU ms/machine",
+                "commissioning CPU ms/machine",
+                "check posts",
+                "HTTP retries / 5xx",
+            ],
+            rows,
+        )
+    )
+
+
 def main() -> int:
     if len(sys.argv) == 3 and sys.argv[1] == "--_client":
         return client_main(sys.argv[2])
@@ -975,12 +1154,31 @@ def main() -> int:
         "--profile", metavar="DIR", help="run metald under cProfile, write DIR/metald-N-DB.prof"
     )
     ap.add_argument("--log-dir", help="keep metald's log here (default: removed with the temp dir)")
+    ap.add_argument(
+        "--commission",
+        type=int,
+        metavar="SECONDS",
+        help="phase 1 without, then with a commissioning profile whose checks run SECONDS",
+    )
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("storm.py needs root (it creates network namespaces)", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _on_sigterm)
     sizes = [50] if args.quick else [int(x) for x in args.machines.split(",")]
+    if args.commission is not None:
+        args.enroll_only = True  # phase 1 is what commissioning changes
+        pairs = []
+        for n in sizes:
+            print(f"== {n} machines, {args.db}, without and with commissioning", flush=True)
+            pair = (run_one(n, args), run_one(n, args, commission_s=args.commission))
+            pairs.append(pair)
+            if args.json:
+                Path(args.json).write_text(json.dumps(pairs, indent=2))
+            commission_report([pair])
+        if len(pairs) > 1:
+            commission_report(pairs)
+        return 0
     results = []
     for n in sizes:
         print(f"== {n} machines, {args.db}", flush=True)

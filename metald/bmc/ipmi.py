@@ -468,6 +468,10 @@ def _log_entry(e: dict[str, Any]) -> LogEntry:
         with contextlib.suppress(ValueError):
             at = datetime.fromisoformat(ts).replace(tzinfo=UTC)
     parts = [str(e.get(k)) for k in ("component_type", "component", "event") if e.get(k)]
-    severity = {0: "ok", 1: "warning", 2: "critical"}.get(int(e.get("severity") or 0), "ok")
+    # pyghmi's Health: Ok 0, Warning 1, Critical 2, Failed 4 (memory uncorrectable ECC,
+    # uncorrectable machine checks, non-recoverable thresholds): Failed is critical too.
+    severity = {0: "ok", 1: "warning", 2: "critical", 4: "critical"}.get(
+        int(e.get("severity") or 0), "critical"
+    )
     rid = e.get("record_id", e.get("id", ""))
     return LogEntry(id=str(rid), at=at, severity=severity, message=" ".join(parts))

@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from metald.commissioning.parsers import dcgm, gpu_text, host, ib, nvidia_smi
+from metald.commissioning.parsers import dcgm, gpu_text, host, ib, nvidia_smi, rocm_smi
 from metald.commissioning.profile import CheckName, CommissioningProfile
 from metald.commissioning.verdict import Status, Verdict, error, failed, skipped
 
@@ -52,6 +52,8 @@ def judge_check(report: CheckReport, profile: CommissioningProfile) -> Verdict:
 
 def _parse(r: CheckReport, p: CommissioningProfile) -> Verdict:
     raw = r.raw
+    spec = p.check(r.name)
+    assert spec is not None  # judge_check answered for checks not in the profile
     match r.name:
         case "nvidia-smi":
             return nvidia_smi.judge_health(raw, expected_count=p.gpu_count)
@@ -61,6 +63,8 @@ def _parse(r: CheckReport, p: CommissioningProfile) -> Verdict:
             return gpu_text.judge_nvlink(raw)
         case "dcgm":
             return dcgm.judge_dcgm(raw)
+        case "rocm-smi":
+            return rocm_smi.judge_rocm_smi(raw, expected_count=p.gpu_count)
         case "ib":
             if p.ib is None:
                 return skipped("the profile expects no InfiniBand port")
@@ -72,9 +76,16 @@ def _parse(r: CheckReport, p: CommissioningProfile) -> Verdict:
         case "edac":
             return host.judge_edac(r.raw_before or "", raw)
         case "smart":
-            return host.judge_smart(raw)
+            return host.judge_smart(
+                raw,
+                max_percentage_used=spec.max_percentage_used,
+                min_available_spare=spec.min_available_spare,
+                max_media_errors=spec.max_media_errors,
+            )
         case "fio":
-            return host.judge_fio(raw)
+            return host.judge_fio(
+                raw, min_read_mbps=spec.min_read_mbps, min_read_iops=spec.min_read_iops
+            )
     if r.exit_code not in (None, 0) and v.status is Status.PASSED:
         return failed([f"{r.name} exited with code {r.exit_code}"], **v.values)
     return v

@@ -16,8 +16,22 @@ from metald.commissioning.verdict import Verdict, judge
 
 #: Checks the discovery agent knows how to run (``bootassets/agent/metald-commission``).
 CheckName = Literal[
-    "nvidia-smi", "xid", "nvlink", "dcgm", "ib", "stress-ng", "memtester", "edac", "smart", "fio"
+    "nvidia-smi",
+    "xid",
+    "nvlink",
+    "dcgm",
+    "rocm-smi",
+    "ib",
+    "stress-ng",
+    "memtester",
+    "edac",
+    "smart",
+    "fio",
+    "bmc-sel",
 ]
+#: Checks metald runs itself, through the machine's BMC: never sent to the agent, and a report
+#: of one from the agent is refused (the host cannot vouch for its own event log).
+METALD_CHECKS = frozenset({"bmc-sel"})
 #: The SKU comparison runs in metald on the inventory; it is not sent to the agent.
 SKU_CHECK = "sku"
 _GIB = 1024**3
@@ -40,6 +54,14 @@ class CheckSpec(_Spec):
     level: int = Field(default=1, ge=1, le=4)
     #: A missing tool or device is a failure rather than a skip.
     required: bool = False
+    #: fio: floors on every job's read bandwidth (MB/s, 10^6 bytes) and read IOPS.
+    min_read_mbps: float | None = Field(default=None, gt=0)
+    min_read_iops: float | None = Field(default=None, gt=0)
+    #: smart (NVMe): the most wear (percentage_used) and media errors a disk may show, and the
+    #: least available spare (%). Unset: wear fails at 90 %, any media error fails.
+    max_percentage_used: int | None = Field(default=None, ge=0, le=255)
+    min_available_spare: int | None = Field(default=None, ge=0, le=100)
+    max_media_errors: int | None = Field(default=None, ge=0)
 
 
 class NicSpec(_Spec):
@@ -77,8 +99,11 @@ class CommissioningProfile(_Spec):
     on_release: bool = False
 
     def plan(self) -> list[dict[str, Any]]:
-        """What the agent is told to run."""
-        return [c.model_dump() for c in self.checks]
+        """What the agent is told to run (metald's own checks are not in it)."""
+        return [c.model_dump() for c in self.agent_checks()]
+
+    def agent_checks(self) -> list[CheckSpec]:
+        return [c for c in self.checks if c.name not in METALD_CHECKS]
 
     def check(self, name: str) -> CheckSpec | None:
         return next((c for c in self.checks if c.name == name), None)

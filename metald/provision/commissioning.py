@@ -8,6 +8,9 @@ final transition in one transaction.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -16,15 +19,24 @@ from sqlmodel import Session, col, select
 
 from metald import machines
 from metald.commissioning.checks import RAW_LIMIT, CheckReport, judge_check, summarise
-from metald.commissioning.profile import SKU_CHECK, CommissioningProfile, compare_sku
+from metald.commissioning.parsers import bmc_sel
+from metald.commissioning.profile import (
+    METALD_CHECKS,
+    SKU_CHECK,
+    CommissioningProfile,
+    compare_sku,
+)
 from metald.commissioning.verdict import Status, Verdict
-from metald.errors import Conflict, Unprocessable
+from metald.errors import Conflict, MetaldError, Unprocessable
 from metald.inventory.normalize import NormalizedInventory
 from metald.inventory.rules import profile_for
 from metald.lifecycle import COMMISSION_REQUESTABLE, COMMISSION_RUNNING, State, Trigger
 from metald.store.models import CommissioningResult, CommissioningRun, Machine, as_utc, utcnow
 
+log = logging.getLogger(__name__)
+
 REQUESTED, RUNNING = "requested", "running"
+SEL_CHECK = "bmc-sel"
 #: Run statuses that end it.
 FINAL = frozenset({Status.PASSED.value, Status.FAILED.value, Status.ERROR.value})
 
@@ -251,19 +263,24 @@ def record_results(
     instance: str | None = None,
 ) -> CommissioningRun:
     """The agent's reports for the running run. Each check is judged by metald
-    (``judge_check``); a check reported twice is refused. ``done`` (or every planned check
-    reported) finishes the run: a planned check never reported is an error."""
+    (``judge_check``); a check reported twice, and a report of a check metald runs itself
+    (``bmc-sel``), are refused. ``done`` (or every planned check reported) ends the agent's
+    part: a planned check never reported is recorded as an error. The run then finishes, unless
+    the profile has the ``bmc-sel`` check: then it waits for metald's second reading of the
+    BMC's event log (``awaits_sel``, ``finish_with_sel``)."""
     m = machines.get_machine(s, machine_id)
     run = current_run(s, machine_id)
     if State(m.state) not in COMMISSION_RUNNING or run is None:
         raise Conflict(f"machine {machine_id} is {m.state}, not commissioning; nothing to report")
     profile = CommissioningProfile.model_validate(run.spec)
-    planned = {c.name for c in profile.checks}
-    have = {
-        r.check: r
-        for r in s.exec(select(CommissioningResult).where(CommissioningResult.run_id == run.id))
-    }
+    planned = {c.name for c in profile.agent_checks()}
+    have = _results(s, run.id)
     for rep in reports:
+        if rep.name in METALD_CHECKS:
+            raise Unprocessable(
+                f"check {rep.name} is metald's own (read through the BMC); the agent cannot "
+                "report it"
+            )
         if rep.name not in planned:
             raise Unprocessable(
                 f"check {rep.name} is not in this run's plan ({', '.join(sorted(planned))})"
@@ -284,18 +301,166 @@ def record_results(
             actor=actor,
             instance=instance,
         )
-    s.flush()
     reported = set(have) | {rep.name for rep in reports}
     if done or planned <= reported:
-        results = [(c, Verdict(Status(r.status), r.sentence, r.values)) for c, r in have.items()]
-        results += [(rep.name, v) for rep, v in verdicts]
-        results += [
-            (name, Verdict(Status.ERROR, f"{name} was never reported by the agent"))
-            for name in sorted(planned - reported)
-        ]
-        _finish(s, run, m, results, actor=actor, instance=instance)
+        for name in sorted(planned - reported):
+            never = Verdict(Status.ERROR, f"{name} was never reported by the agent")
+            _add_result(
+                s, run, m.id, name, never, agent=None, duration_s=None, raw=None,
+                actor=actor, instance=instance,
+            )  # fmt: skip
+        s.flush()
+        if profile.check(SEL_CHECK) is None:
+            _finish_from_rows(s, run, m, actor=actor, instance=instance)
     s.commit()
     return run
+
+
+def _results(s: Session, run_id: str) -> dict[str, CommissioningResult]:
+    return {
+        r.check: r
+        for r in s.exec(select(CommissioningResult).where(CommissioningResult.run_id == run_id))
+    }
+
+
+def _finish_from_rows(
+    s: Session, run: CommissioningRun, m: Machine, *, actor: str, instance: str | None
+) -> None:
+    rows = s.exec(
+        select(CommissioningResult)
+        .where(CommissioningResult.run_id == run.id)
+        .order_by(col(CommissioningResult.id))
+    ).all()
+    results = [(r.check, Verdict(Status(r.status), r.sentence, r.values)) for r in rows]
+    _finish(s, run, m, results, actor=actor, instance=instance)
+
+
+# --- the BMC's event log before and after (metald's own check, bmc-sel) ----------------------
+
+
+def sel_wanted(run: CommissioningRun) -> bool:
+    return run_profile(run).check(SEL_CHECK) is not None
+
+
+def awaits_sel(s: Session, run: CommissioningRun) -> bool:
+    """The agent's part is over (every planned check has a result) and only metald's second
+    reading of the BMC's event log is missing."""
+    if run.status != RUNNING or not sel_wanted(run):
+        return False
+    have = _results(s, run.id)
+    planned = {c.name for c in run_profile(run).agent_checks()}
+    return SEL_CHECK not in have and planned <= set(have)
+
+
+def store_sel_before(s: Session, run_id: str, reading: dict[str, Any]) -> bool:
+    """Keep the first reading (taken before the agent got its plan); later ones change
+    nothing. Returns whether this one was kept."""
+    run = s.get(CommissioningRun, run_id)
+    if run is None or run.status != RUNNING or run.sel_before is not None:
+        return False
+    run.sel_before = reading
+    s.add(run)
+    s.commit()
+    return True
+
+
+def finish_with_sel(
+    s: Session,
+    run_id: str,
+    entries: list[dict[str, Any]] | None,
+    *,
+    error_text: str | None,
+    actor: str,
+    instance: str | None = None,
+) -> bool:
+    """metald's second reading of the BMC's event log: judged against the first, recorded as
+    the ``bmc-sel`` result, and the run finished. Nothing happens if the run is no longer
+    waiting for it (finished, the watchdog took the machine, already judged)."""
+    run = s.get(CommissioningRun, run_id)
+    if run is None or not awaits_sel(s, run):
+        return False
+    m = machines.get_machine(s, run.machine_id)
+    if State(m.state) not in COMMISSION_RUNNING:
+        return False
+    verdict, raw = bmc_sel.judge_sel(run.sel_before, entries, after_error=error_text)
+    _add_result(
+        s, run, m.id, SEL_CHECK, verdict, agent=None, duration_s=None, raw=raw,
+        actor=actor, instance=instance,
+    )  # fmt: skip
+    s.flush()
+    _finish_from_rows(s, run, m, actor=actor, instance=instance)
+    s.commit()
+    return True
+
+
+#: Reads the machine's BMC event log: ``metald.bmc.service.BmcService.event_log``.
+EventLogReader = Callable[[str], Awaitable[list[dict[str, Any]]]]
+
+
+async def read_event_log(
+    reader: EventLogReader | None, machine_id: str, *, timeout_s: float
+) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """(entries, None) or (None, why): any failure to read is an answer, never a pass."""
+    if reader is None:
+        return None, "BMC control is not running in this metald instance"
+    try:
+        return list(await asyncio.wait_for(reader(machine_id), timeout_s)), None
+    except TimeoutError:
+        return None, f"the BMC did not answer within {timeout_s:g} s"
+    except MetaldError as e:
+        return None, str(e)
+    except Exception as e:  # a driver's own failure: the check is an error, never a pass
+        log.warning("machine %s: reading the BMC event log: %r", machine_id, e)
+        return None, f"{type(e).__name__} reading the BMC's event log"
+
+
+#: Reads in flight, per (phase, run): requests that ask again wait on the same read.
+_SEL_READS: dict[tuple[str, str], asyncio.Task[Any]] = {}
+
+
+def sel_read(
+    phase: str,
+    run_id: str,
+    machine_id: str,
+    *,
+    store: Any,
+    reader: EventLogReader | None,
+    timeout_s: float,
+    actor: str,
+    instance: str | None = None,
+    notify: Callable[[], None] | None = None,
+) -> asyncio.Task[Any]:
+    """Read the machine's BMC event log in the background, once per run and phase, and store
+    what it said: ``before`` (when the agent asks for its plan) or ``after`` (when its last
+    check is in; this finishes the run). Requests await the task for a while and answer
+    without it if the BMC is slow; the task outlives them."""
+    key = (phase, run_id)
+    task = _SEL_READS.get(key)
+    if task is not None:
+        return task
+
+    async def go() -> None:
+        entries, why = await read_event_log(reader, machine_id, timeout_s=timeout_s)
+        at = utcnow().isoformat()
+        try:
+            if phase == "before":
+                doc = bmc_sel.reading(entries, at=at, error_text=why)
+                await store.run(store_sel_before, run_id, doc)
+            else:
+                await store.run(
+                    lambda s: finish_with_sel(
+                        s, run_id, entries, error_text=why, actor=actor, instance=instance
+                    )
+                )
+        except Exception:  # a lost race or a store outage: the agent's next request retries
+            log.exception("machine %s: storing the BMC event log reading (%s)", machine_id, phase)
+        if notify is not None:
+            notify()
+
+    task = asyncio.create_task(go(), name=f"commissioning-sel-{phase}-{run_id}")
+    _SEL_READS[key] = task
+    task.add_done_callback(lambda _t: _SEL_READS.pop(key, None))
+    return task
 
 
 def run_profile(run: CommissioningRun) -> CommissioningProfile:

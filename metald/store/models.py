@@ -470,6 +470,9 @@ class CommissioningRun(SQLModel, table=True):
     created_at: datetime = _ts()
     started_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
     finished_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    #: metald's reading of the BMC's event log when the agent asked for its plan (the bmc-sel
+    #: check): the entries' keys and count, or why the BMC could not be read.
+    sel_before: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
 
 
 class CommissioningResult(SQLModel, table=True):

@@ -51,3 +51,22 @@ def test_storm_quick(tmp_path: Path) -> None:
     ours = (f"mbsrv{res['bench_pid'] % 100000}x", f"mbcli{res['bench_pid'] % 100000}x")
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not [ln for ln in left.splitlines() if ln.startswith(ours)], left
+
+
+def test_storm_quick_commissioning(tmp_path: Path) -> None:
+    """--machines 10 --commission 1: phase 1 without, then with a commissioning profile (1 s
+    of simulated checks); every machine commissioned to ready through metald's verdict."""
+    out = tmp_path / "storm.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "storm.py"), "--machines", "10", "--commission",
+         "1", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [(base, com)] = json.loads(out.read_text())
+    n = com["machines"]
+    assert base["phase1"]["ready"] == com["phase1"]["ready"] == n
+    assert base["phase1"]["check_posts"] == 0
+    assert com["phase1"]["check_posts"] == 2 * n  # stress-ng, then fio with done
+    assert com["phase1"]["commission_overhead_s"]["max"] >= 0
+    assert not Path(f"/proc/{com['metald_pid']}").exists()

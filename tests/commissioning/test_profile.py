@@ -107,5 +107,10 @@ def test_the_documented_toml_loads() -> None:
     assert block is not None
     cfg = EnrollConfig.model_validate(tomllib.loads(block.group(1))["enroll"])
     prof = cfg.rules[0].commissioning
-    assert prof is not None and prof.name == "hgx-h100" and len(prof.checks) == 10
+    assert prof is not None and prof.name == "hgx-h100" and len(prof.checks) == 11
     assert prof.check("fio").required  # type: ignore[union-attr]
+    assert prof.check("fio").min_read_mbps == 2000  # type: ignore[union-attr]
+    assert prof.check("smart").max_percentage_used == 10  # type: ignore[union-attr]
+    # bmc-sel is metald's own: in the profile, never in the agent's plan
+    assert prof.check("bmc-sel") is not None
+    assert "bmc-sel" not in [c["name"] for c in prof.plan()]

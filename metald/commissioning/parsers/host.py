@@ -16,11 +16,21 @@ def _json(text: str, tool: str) -> Any:
         raise ValueError(f"{tool} output is not JSON: {e}") from None
 
 
-def judge_smart(text: str) -> Verdict:
+def judge_smart(
+    text: str,
+    *,
+    max_percentage_used: int | None = None,
+    min_available_spare: int | None = None,
+    max_media_errors: int | None = None,
+) -> Verdict:
     """``smartctl -j -a /dev/X``, one document per disk (a JSON list, or one per line): a
     document without SMART data (the device could not be opened) is an error; overall health
-    failed, an NVMe critical warning, NVMe media errors (a drive can report PASSED with them),
-    or NVMe wear of 90 % or more fail."""
+    failed, an NVMe critical warning, NVMe media errors (a drive can report PASSED with them;
+    more than ``max_media_errors`` when the profile allows some), NVMe wear of 90 % or more
+    (or above ``max_percentage_used``), or available spare below ``min_available_spare`` (or
+    below the drive's own threshold) fail."""
+    wear_max = 89 if max_percentage_used is None else max_percentage_used
+    media_max = 0 if max_media_errors is None else max_media_errors
     docs: list[Any] = []
     try:
         parsed = _json(text, "smartctl") if text.lstrip()[:1] in ("[", "{") else None
@@ -52,6 +62,7 @@ def judge_smart(text: str) -> Verdict:
         wear = nvme.get("percentage_used")
         crit = nvme.get("critical_warning", 0) or 0
         media = nvme.get("media_errors", 0) or 0
+        spare, spare_min = nvme.get("available_spare"), nvme.get("available_spare_threshold")
         disks.append(
             {
                 "device": name,
@@ -60,16 +71,24 @@ def judge_smart(text: str) -> Verdict:
                 "percentage_used": wear,
                 "critical_warning": crit,
                 "media_errors": media,
+                "available_spare": spare,
             }
         )
         if status.get("passed") is False:
             problems.append(f"{name} SMART overall health failed")
         if crit:
             problems.append(f"{name} NVMe critical warning {crit:#x}")
-        if media:
-            problems.append(f"{name} has {media} NVMe media errors")
-        if isinstance(wear, int) and wear >= 90:
-            problems.append(f"{name} NVMe {wear} % worn")
+        if isinstance(media, int) and media > media_max:
+            allowed = f" (the profile allows {media_max})" if media_max else ""
+            problems.append(f"{name} has {media} NVMe media errors{allowed}")
+        if isinstance(wear, int) and wear > wear_max:
+            limit = "" if max_percentage_used is None else f", above the profile's {wear_max} %"
+            problems.append(f"{name} NVMe {wear} % worn{limit}")
+        if isinstance(spare, int):
+            floor = min_available_spare if min_available_spare is not None else spare_min
+            if isinstance(floor, int) and spare < floor:
+                whose = "the profile's" if min_available_spare is not None else "the drive's"
+                problems.append(f"{name} NVMe available spare {spare} %, below {whose} {floor} %")
     if not docs:
         return error("smartctl reported no disk")
     if not disks:
@@ -95,8 +114,11 @@ def _no_smart_interface(doc: dict[str, Any]) -> bool:
     )
 
 
-def judge_fio(text: str, *, min_read_mbps: float | None = None) -> Verdict:
-    """``fio --output-format=json``: no job errors; read bandwidth above the profile's floor."""
+def judge_fio(
+    text: str, *, min_read_mbps: float | None = None, min_read_iops: float | None = None
+) -> Verdict:
+    """``fio --output-format=json``: no job errors; read bandwidth (MB/s) and IOPS at or above
+    the profile's floors."""
     try:
         doc = _json(text, "fio")
     except ValueError as e:
@@ -110,11 +132,18 @@ def judge_fio(text: str, *, min_read_mbps: float | None = None) -> Verdict:
         err = int(j.get("error", 0) or 0)
         bw_kib = float((j.get("read") or {}).get("bw", 0) or 0)  # KiB/s
         mbps = round(bw_kib * 1024 / 1e6, 1)
-        out.append({"job": name, "error": err, "read_mbps": mbps})
+        iops = round(float((j.get("read") or {}).get("iops", 0) or 0), 1)
+        out.append({"job": name, "error": err, "read_mbps": mbps, "read_iops": iops})
         if err:
             problems.append(f"fio job {name} failed with error {err}")
         if min_read_mbps is not None and mbps < min_read_mbps:
-            problems.append(f"fio job {name} read {mbps} MB/s, below {min_read_mbps:g} MB/s")
+            problems.append(
+                f"fio job {name} read {mbps} MB/s, below the profile's {min_read_mbps:g} MB/s"
+            )
+        if min_read_iops is not None and iops < min_read_iops:
+            problems.append(
+                f"fio job {name} read {iops:g} IOPS, below the profile's {min_read_iops:g} IOPS"
+            )
     return judge(problems, f"fio read {', '.join(str(j['read_mbps']) for j in out)} MB/s", jobs=out)
 
 
