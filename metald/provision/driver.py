@@ -201,7 +201,14 @@ def _note(
     session.commit()
 
 
-def _arm(session: Session, machine_id: str, reason: str, actor: str, instance: str | None) -> bool:
+def _arm(
+    session: Session,
+    machine_id: str,
+    reason: str,
+    actor: str,
+    instance: str | None,
+    iso: str | None = None,
+) -> bool:
     """Arm the boot metald is about to start, with its note, if the machine is still in a
     state that boots over the network; False if it moved on meanwhile (nothing armed)."""
     m = machines.get_machine(session, machine_id)
@@ -214,7 +221,8 @@ def _arm(session: Session, machine_id: str, reason: str, actor: str, instance: s
         actor,
         machine_id=machine_id,
         reason=reason,
-        data={"state": m.state},
+        # via/image: metald.bmc.media ejects a virtual-media boot's ISO once its agent reports
+        data={"state": m.state, "via": "virtual-media" if iso else "network", "image": iso},
         instance=instance,
     )
     session.commit()
@@ -354,7 +362,8 @@ async def _boot(
             reason = "power off, one-time PXE boot and power on through the BMC"
             if sent == "boot:cd":
                 reason = f"power off, insert {iso}, one-time CD boot and power on through the BMC"
-            if not await store.run(_arm, machine_id, reason, actor, instance):
+            media = iso if sent == "boot:cd" else None
+            if not await store.run(_arm, machine_id, reason, actor, instance, media):
                 return False
             await bmc.power(machine_id, PowerAction.ON, actor=actor, step=step)
         elif (

@@ -267,3 +267,81 @@ async def test_a_step_cut_off_after_the_insert_resumes_without_a_second_power_of
         bmc = s.exec(select(Bmc).where(Bmc.machine_id == mid)).one()
         assert bmc.step_done is True and s.get(Machine, mid).boot_armed
     assert actions == ["on"]
+
+
+async def _media_boot(client, tokens, store: Store, sushy: Sushy, svc) -> str:  # type: ignore[no-untyped-def]
+    mid = tokens.machine_a
+    await _register(client, tokens, sushy, mid)
+    _provision(store, mid)
+    assert await driver.boot_from_network(store, svc, mid, actor="test", via="virtual-media")
+    assert (await _cd(sushy))["Inserted"] is True
+    return mid
+
+
+def _events(store: Store, mid: str, kind: str) -> list[Event]:
+    with store.session() as s:
+        q = select(Event).where(Event.machine_id == mid, Event.kind == kind)
+        return list(s.exec(q).all())
+
+
+async def test_the_iso_is_ejected_once_the_agent_reports(
+    api, store: Store, sushy: Sushy, boot_http
+) -> None:  # type: ignore[no-untyped-def]
+    """Item 2: the boot's agent reports (here: its provisioning failed) and metald ejects the
+    ISO through the BMC (sushy really ejects), recorded as an event; a second report finds
+    nothing left to eject and sends nothing."""
+    client, tokens, svc = api
+    from metald.enrollment import mint_agent_token
+
+    mid = await _media_boot(client, tokens, store, sushy, svc)
+    with store.session() as s:  # what the ISO's first script fetch hands the agent
+        token = mint_agent_token(s, s.get(Machine, mid), actor="test", ttl_s=600)
+        s.commit()
+    r = await client.post(
+        "/api/v1/agent/progress",
+        json={"phase": "write", "error": "the disk went away"},
+        headers={"Authorization": f"Bearer {token}"},
+    )
+    assert r.status == 200, await r.text()
+    for task in list(svc._tasks):  # the eject runs in the background
+        await task
+    assert (await _cd(sushy))["Inserted"] is False
+    [ejected] = _events(store, mid, virtual_media.EJECTED_EVENT)
+    url = f"{boot_http[0]}/boot/assets/{virtual_media.ISO_NAME}"
+    assert ejected.data == {"image": url}
+    assert await virtual_media.eject_after_report(svc.control, mid, "test") is None
+
+
+async def test_a_pxe_boot_is_never_ejected(api, store: Store, sushy: Sushy) -> None:  # type: ignore[no-untyped-def]
+    client, tokens, svc = api
+    mid = tokens.machine_a
+    await _register(client, tokens, sushy, mid)
+    _provision(store, mid)
+    assert await driver.boot_from_network(store, svc, mid, actor="test", via="network")
+    assert await virtual_media.eject_after_report(svc.control, mid, "test") is None
+    assert _events(store, mid, virtual_media.EJECT_FAILED_EVENT) == []
+
+
+async def test_a_bmc_that_cannot_eject_is_an_event_not_a_stuck_machine(
+    api, store: Store, sushy: Sushy
+) -> None:  # type: ignore[no-untyped-def]
+    client, tokens, svc = api
+    mid = await _media_boot(client, tokens, store, sushy, svc)
+    with store.session() as s:  # the BMC stops answering (nothing listens on port 9)
+        row = s.exec(select(Bmc).where(Bmc.machine_id == mid)).one()
+        row.port = 9
+        s.add(row)
+        s.commit()
+    await svc.control.forget(row.id)  # its cached driver goes: the next command uses port 9
+    state_before = _state(store, mid)
+    assert await virtual_media.eject_after_report(svc.control, mid, "test") is False
+    [failed] = _events(store, mid, virtual_media.EJECT_FAILED_EVENT)
+    assert "failed" in (failed.reason or "")
+    assert _state(store, mid) == state_before
+    # Tried once per boot: the next report does not hammer a dead BMC again.
+    assert await virtual_media.eject_after_report(svc.control, mid, "test") is None
+
+
+def _state(store: Store, mid: str) -> str:
+    with store.session() as s:
+        return s.get(Machine, mid).state  # type: ignore[union-attr]

@@ -1,0 +1,129 @@
+"""Virtual media boot end to end (issue 16 item 3): a BIOS VM on a network where metald gives
+no PXE answer at all (metald's DHCP is off; a dnsmasq hands out addresses and no boot options)
+enrolls to ready through its Redfish BMC's virtual CD, and the ISO is ejected once its agent
+reported (item 2).
+
+The lab's Redfish BMC (vm-lab/vmlab/redfish.py + vmedia.py) fetches the ISO from metald over
+HTTP and puts it in the VM's CD drive over QMP (``blockdev-change-medium``); a one-time ``Cd``
+boot override puts the drive first for one boot. Run alone:
+
+    BOOTASSETS_CACHE=... .venv/bin/python -m pytest tests/e2e/test_virtual_media_lab.py -s
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import lab_skip_reason
+
+pytestmark = [pytest.mark.lab, pytest.mark.root]
+
+TIMEOUT_S = 480
+
+
+def _private_assets(dest: Path) -> Path:
+    """The built boot assets, hard-linked into a folder of this test's (the ISO goes there)."""
+    from bootassets.build import ensure_built
+
+    shutil.copytree(ensure_built(), dest, copy_function=os.link)
+    return dest
+
+
+def _wait(what: str, check, rack, timeout: float = TIMEOUT_S):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not (got := check()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}\n{rack.diagnostics()}")
+        time.sleep(1)
+    return got
+
+
+def test_a_vm_without_pxe_enrolls_through_virtual_media(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    reason = lab_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    if shutil.which("dnsmasq") is None:
+        pytest.skip("needs dnsmasq (the network's own DHCP server)")
+    from bootassets.iso import build_iso
+    from vmlab.rack import LabRack
+
+    work = tmp_path_factory.mktemp("vmedia")
+    rack = LabRack(
+        f"vm{os.getpid() % 10000}",
+        work,
+        machines=1,
+        uefi=0,
+        boot_config='dhcp_mode = "off"\n',  # metald answers no DHCP, so no PXE either
+        assets=_private_assets(work / "assets"),
+    )
+    try:
+        st, m = rack.state, rack.machines[0]
+        lo, hi = st["dhcp_range"]
+        rack.lab.spawn(
+            ["dnsmasq", "--keep-in-foreground", "--conf-file=/dev/null", "--port=0",
+             f"--interface={st['bridge']}", "--bind-interfaces", f"--dhcp-range={lo},{hi},10m",
+             f"--dhcp-leasefile={work / 'dnsmasq.leases'}", "--pid-file=", "--user=root",
+             "--log-dhcp", "--log-facility=-"],
+            role="dnsmasq",
+            log=work / "dnsmasq.log",
+        )  # fmt: skip
+        build_iso(rack.url, rack.assets / "metald-boot.iso")
+
+        code, machine = rack.api(
+            "POST",
+            "/api/v1/machines",
+            {"macs": [m["mac"]], "labels": {"boot-via": "virtual-media"}},
+        )
+        assert code == 201, machine
+        mid = machine["id"]
+        bmc = rack.register_bmcs(["redfish"])[m["name"]]
+        assert bmc["machine_id"] == mid, bmc  # linked by the MAC its Redfish service reports
+        code, body = rack.api("POST", f"/api/v1/machines/{mid}/actions", {"action": "inspect"})
+        assert code == 200, body
+        code, body = rack.api("POST", f"/api/v1/machines/{mid}/boot", {"via": "virtual-media"})
+        assert code == 202, body
+
+        rack.wait_state([m["mac"]], "ready", TIMEOUT_S)
+
+        # Nothing was PXE-booted: the BMC was asked for the ISO and a one-time CD boot.
+        sent = [
+            json.loads(ln)["command"]
+            for ln in Path(m["bmc_commands"]).read_text().split("\n")
+            if ln
+        ]
+        iso_url = f"{rack.url}/boot/assets/metald-boot.iso"
+        assert f"insert {iso_url}" in sent
+        assert "boot cd once" in sent
+        assert not any(c.startswith("boot pxe") for c in sent), sent
+        assert "DHCPOFFER" in (work / "dnsmasq.log").read_text()  # the address was dnsmasq's
+
+        # Item 2: once the inventory arrived, metald ejected the ISO through the BMC.
+        def ejected() -> dict | None:
+            ev = rack.json("events", "--machine", mid, "--kind", "bmc.vmedia-ejected")["items"]
+            return ev[0] if ev else None
+
+        event = _wait("no bmc.vmedia-ejected event", ejected, rack, timeout=60)
+        assert event["data"]["image"] == iso_url
+        assert "eject" in [
+            json.loads(ln)["command"]
+            for ln in Path(m["bmc_commands"]).read_text().split("\n")
+            if ln
+        ]
+        b = m["bmc"]
+        r = rack.lab.run(
+            ["curl", "-s", "-u", f"{b['username']}:{b['password']}",
+             f"{b['redfish_url']}/redfish/v1/Managers/BMC/VirtualMedia/Cd"],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        cd = json.loads(r.stdout)
+        assert cd["Inserted"] is False and cd["Image"] is None, cd
+    finally:
+        rack.down()
