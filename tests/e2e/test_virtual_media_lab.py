@@ -125,5 +125,13 @@ def test_a_vm_without_pxe_enrolls_through_virtual_media(
         )  # fmt: skip
         cd = json.loads(r.stdout)
         assert cd["Inserted"] is False and cd["Image"] is None, cd
+        # The CD boot was one-time: the override is used up and the standing order is back.
+        r = rack.lab.run(
+            ["curl", "-s", "-u", f"{b['username']}:{b['password']}",
+             f"{b['redfish_url']}/redfish/v1/Systems/{m['name']}"],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        boot = json.loads(r.stdout)["Boot"]
+        assert boot["BootSourceOverrideEnabled"] == "Disabled", boot
     finally:
         rack.down()
