@@ -8,6 +8,7 @@ metald.bmc imports a protocol module (docs/architecture.md).
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from sqlmodel import Session, col, select
@@ -18,8 +19,6 @@ from metald.store.models import Event
 
 log = logging.getLogger(__name__)
 
-#: The boot ISO under the boot HTTP listener's assets (``/boot/assets/<name>``).
-ISO_NAME = "metald-boot.iso"
 #: A machine label that makes metald boot it from virtual media instead of PXE (its network
 #: gives no DHCP boot options): ``boot-via=virtual-media``.
 BOOT_VIA_LABEL = "boot-via"
@@ -30,11 +29,20 @@ EJECTED_EVENT = "bmc.vmedia-ejected"
 EJECT_FAILED_EVENT = "bmc.vmedia-eject-failed"
 
 
-def iso_url(control: Any) -> str | None:
-    """The URL of the boot ISO the BMC fetches: on the boot HTTP listener (``vmedia_base``,
-    set by the daemon); None where this instance serves no boot HTTP."""
+_NONCE_URL = re.compile(r"(/boot/n/[^/\s]+/)([^/\s.]{0,6})[^/\s.]*")
+
+
+def redact(text: str) -> str:
+    """``text`` with every per-boot nonce URL cut to its first 6 hex digits (logs, events)."""
+    return _NONCE_URL.sub(r"\1\2...", text)
+
+
+def boot_base(control: Any) -> str | None:
+    """The boot HTTP listener's URL, where BMCs fetch each boot's ISO
+    (``metald.provision.media_boot``: ``<base>/boot/n/<machine>/<nonce>.iso``); None where
+    this instance serves no boot HTTP (``vmedia_base``, set by the daemon)."""
     base = getattr(control, "vmedia_base", None)
-    return f"{base.rstrip('/')}/boot/assets/{ISO_NAME}" if base else None
+    return base.rstrip("/") if base else None
 
 
 def wants_virtual_media(labels: dict[str, str] | None) -> bool:
@@ -68,7 +76,15 @@ async def insert_for(control: Any, machine_id: str, url: str, step: str | None) 
     """Insert ``url`` into the machine's virtual CD, journaled as ``vmedia:insert``."""
     row = await _redfish_row(control, machine_id)
     await control._fence(row, "vmedia:insert", step)
-    await control.virtual_media(row, "insert_media", url)
+    try:
+        await control.virtual_media(row, "insert_media", url)
+    except Exception as e:
+        # The URL carries the boot's nonce: what is recorded of a failure (an event, the
+        # machine's last_error) shows its first digits only.
+        if isinstance(getattr(e, "detail", None), str):
+            e.detail = redact(e.detail)  # type: ignore[attr-defined]
+        e.args = tuple(redact(a) if isinstance(a, str) else a for a in e.args)
+        raise
 
 
 async def boot_cd_for(control: Any, machine_id: str, step: str | None) -> None:

@@ -27,14 +27,6 @@ pytestmark = [pytest.mark.lab, pytest.mark.root]
 TIMEOUT_S = 480
 
 
-def _private_assets(dest: Path) -> Path:
-    """The built boot assets, hard-linked into a folder of this test's (the ISO goes there)."""
-    from bootassets.build import ensure_built
-
-    shutil.copytree(ensure_built(), dest, copy_function=os.link)
-    return dest
-
-
 def _wait(what: str, check, rack, timeout: float = TIMEOUT_S):  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while not (got := check()):
@@ -52,7 +44,6 @@ def test_a_vm_without_pxe_enrolls_through_virtual_media(
         pytest.skip(reason)
     if shutil.which("dnsmasq") is None:
         pytest.skip("needs dnsmasq (the network's own DHCP server)")
-    from bootassets.iso import build_iso
     from vmlab.rack import LabRack
 
     work = tmp_path_factory.mktemp("vmedia")
@@ -62,7 +53,6 @@ def test_a_vm_without_pxe_enrolls_through_virtual_media(
         machines=1,
         uefi=0,
         boot_config='dhcp_mode = "off"\n',  # metald answers no DHCP, so no PXE either
-        assets=_private_assets(work / "assets"),
     )
     try:
         st, m = rack.state, rack.machines[0]
@@ -75,7 +65,6 @@ def test_a_vm_without_pxe_enrolls_through_virtual_media(
             role="dnsmasq",
             log=work / "dnsmasq.log",
         )  # fmt: skip
-        build_iso(rack.url, rack.assets / "metald-boot.iso")
 
         code, machine = rack.api(
             "POST",
@@ -99,8 +88,8 @@ def test_a_vm_without_pxe_enrolls_through_virtual_media(
             for ln in Path(m["bmc_commands"]).read_text().split("\n")
             if ln
         ]
-        iso_url = f"{rack.url}/boot/assets/metald-boot.iso"
-        assert f"insert {iso_url}" in sent
+        prefix = f"insert {rack.url}/boot/n/{mid}/"  # the boot's own nonce URL
+        assert any(c.startswith(prefix) and c.endswith(".iso") for c in sent), sent
         assert "boot cd once" in sent
         assert not any(c.startswith("boot pxe") for c in sent), sent
         assert "DHCPOFFER" in (work / "dnsmasq.log").read_text()  # the address was dnsmasq's
@@ -111,7 +100,7 @@ def test_a_vm_without_pxe_enrolls_through_virtual_media(
             return ev[0] if ev else None
 
         event = _wait("no bmc.vmedia-ejected event", ejected, rack, timeout=60)
-        assert event["data"]["image"] == iso_url
+        assert event["data"]["image"].startswith(f"{rack.url}/boot/n/{mid}/")
         assert "eject" in [
             json.loads(ln)["command"]
             for ln in Path(m["bmc_commands"]).read_text().split("\n")

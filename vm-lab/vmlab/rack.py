@@ -127,18 +127,16 @@ class LabRack:
         uefi: int = 1,
         extra_config: str | Callable[[dict[str, Any]], str] = "",
         boot_config: str = "",
-        assets: Path | None = None,
     ) -> None:
         """``extra_config``: TOML appended to metald's config, or a function of the lab's state
-        (slot, bridge, subnet) returning it; ``boot_config``: lines added to its [boot] table;
-        ``assets``: the boot assets folder (default: the built cache)."""
+        (slot, bridge, subnet) returning it; ``boot_config``: lines added to its [boot] table."""
         from bootassets.build import ensure_built
 
         from .lab import Lab
 
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.assets = assets or ensure_built()
+        self.assets = ensure_built()
         self._boot_config = boot_config
         self.lab = Lab(name, machines=machines, uefi=uefi, workdir=self.workdir / "lab")
         try:
