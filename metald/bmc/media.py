@@ -1,6 +1,7 @@
 """Virtual media boot through a machine's BMC, as the API and the provisioning driver use it:
-which machines boot this way (a label), the ISO's URL, and the fenced, journaled commands
-(``insert_for``, ``boot_cd_for``, ``eject_for``). The Redfish requests themselves are
+which machines boot this way (a label), where BMCs fetch each boot's ISO, the fenced, journaled
+commands (``insert_for``, ``boot_cd_for``, ``eject_for``), the eject once the boot's agent
+reported (``eject_after_report``) and the redaction of nonce URLs (``redact``). The Redfish requests themselves are
 ``metald.bmc.virtual_media``'s, run through ``BmcControl.virtual_media``, so nothing outside
 metald.bmc imports a protocol module (docs/architecture.md).
 """
