@@ -1,7 +1,8 @@
 """Virtual media boot end to end (issue 16 item 3): a BIOS VM on a network where metald gives
 no PXE answer at all (metald's DHCP is off; a dnsmasq hands out addresses and no boot options)
-enrolls to ready through its Redfish BMC's virtual CD, and the ISO is ejected once its agent
-reported (item 2).
+enrolls to ready through its Redfish BMC's virtual CD, is claimed, provisioned (it boots its
+disk image) and released and wiped the same way; every boot's ISO has its own nonce URL and
+is ejected once its agent reported (item 2).
 
 The lab's Redfish BMC (vm-lab/vmlab/redfish.py + vmedia.py) fetches the ISO from metald over
 HTTP and puts it in the VM's CD drive over QMP (``blockdev-change-medium``); a one-time ``Cd``
@@ -27,6 +28,12 @@ pytestmark = [pytest.mark.lab, pytest.mark.root]
 TIMEOUT_S = 480
 
 
+def _commands(m: dict) -> list[str]:  # type: ignore[type-arg]
+    """What the machine's BMC was asked, in order (the lab BMC's command log)."""
+    lines = Path(m["bmc_commands"]).read_text().splitlines()
+    return [json.loads(ln)["command"] for ln in lines if ln]
+
+
 def _wait(what: str, check, rack, timeout: float = TIMEOUT_S):  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while not (got := check()):
@@ -36,7 +43,7 @@ def _wait(what: str, check, rack, timeout: float = TIMEOUT_S):  # type: ignore[n
     return got
 
 
-def test_a_vm_without_pxe_enrolls_through_virtual_media(
+def test_a_vm_without_pxe_enrolls_is_provisioned_and_wiped_through_virtual_media(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     reason = lab_skip_reason()
@@ -44,7 +51,7 @@ def test_a_vm_without_pxe_enrolls_through_virtual_media(
         pytest.skip(reason)
     if shutil.which("dnsmasq") is None:
         pytest.skip("needs dnsmasq (the network's own DHCP server)")
-    from vmlab.rack import LabRack
+    from vmlab.rack import MARKER, LabRack
 
     work = tmp_path_factory.mktemp("vmedia")
     rack = LabRack(
@@ -83,11 +90,7 @@ def test_a_vm_without_pxe_enrolls_through_virtual_media(
         rack.wait_state([m["mac"]], "ready", TIMEOUT_S)
 
         # Nothing was PXE-booted: the BMC was asked for the ISO and a one-time CD boot.
-        sent = [
-            json.loads(ln)["command"]
-            for ln in Path(m["bmc_commands"]).read_text().split("\n")
-            if ln
-        ]
+        sent = _commands(m)
         prefix = f"insert {rack.url}/boot/n/{mid}/"  # the boot's own nonce URL
         assert any(c.startswith(prefix) and c.endswith(".iso") for c in sent), sent
         assert "boot cd once" in sent
@@ -101,11 +104,7 @@ def test_a_vm_without_pxe_enrolls_through_virtual_media(
 
         event = _wait("no bmc.vmedia-ejected event", ejected, rack, timeout=60)
         assert event["data"]["image"].startswith(f"{rack.url}/boot/n/{mid}/")
-        assert "eject" in [
-            json.loads(ln)["command"]
-            for ln in Path(m["bmc_commands"]).read_text().split("\n")
-            if ln
-        ]
+        assert "eject" in _commands(m)
         b = m["bmc"]
         r = rack.lab.run(
             ["curl", "-s", "-u", f"{b['username']}:{b['password']}",
@@ -122,5 +121,38 @@ def test_a_vm_without_pxe_enrolls_through_virtual_media(
         )  # fmt: skip
         boot = json.loads(r.stdout)["Boot"]
         assert boot["BootSourceOverrideEnabled"] == "Disabled", boot
+
+        # Claimed: provisioned through virtual media (the label), booted from its disk;
+        # released: wiped the same way, back to ready. Each boot's ISO ejected after its report.
+        tenant = rack.json("tenants", "create", "acme")["id"]
+        img = rack.json("images", "create", "test-disk", *rack.publish_test_image(work))
+        rack.json(
+            "claims", "create", "--tenant", tenant, "--count", "1", "--image", img["id"],
+            "--label", "boot-via=virtual-media",
+        )  # fmt: skip
+        rack.wait_state([m["mac"]], "provisioned", TIMEOUT_S)
+        _wait(
+            "the machine to boot its disk",
+            lambda: MARKER[:24] in Path(m["serial_log"]).read_bytes(),
+            rack,
+            timeout=180,
+        )
+        claim = rack.json("machines", "show", mid)["claim_id"]
+        rack.ctl("claims", "release", claim, "--yes")
+        rack.wait_state([m["mac"]], "ready", TIMEOUT_S)
+        boots = rack.json("events", "--machine", mid, "--kind", "provision.network-boot")["items"]
+        assert len(boots) >= 3 and all(e["data"]["via"] == "virtual-media" for e in boots), boots
+        inserts = [c for c in _commands(m) if c.startswith("insert ")]
+        assert len(inserts) >= 3 and len(set(inserts)) == len(inserts)  # a fresh nonce each boot
+        assert not any(c.startswith("boot pxe") for c in _commands(m))
+        _wait(
+            "three ejects",
+            lambda: (
+                len(rack.json("events", "--machine", mid, "--kind", "bmc.vmedia-ejected")["items"])
+                >= 3
+            ),
+            rack,
+            timeout=60,
+        )
     finally:
         rack.down()
