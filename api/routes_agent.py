@@ -190,6 +190,9 @@ async def post_progress(req: ApiRequest) -> ProgressAccepted:
 
     out = await req.ctx.store.run(run)
     req.ctx.bus.notify()
+    after = getattr(req.ctx.services.get("bmc"), "after_report", None)
+    if (b.done or b.error) and after is not None:
+        after(mid)  # a virtual-media boot's ISO is ejected
     if State(out.state) is State.INSPECTING:  # wiped; its profile asks to commission again
         claim_workflow(req.ctx).network_boot([mid], f"metald:{req.ctx.instance}")
     return out

@@ -791,7 +791,10 @@ class BootRequest(In):
 class BootOut(BaseModel):
     machine_id: str
     via: str
-    image_url: str | None = Field(description="What the BMC fetches (virtual-media only).")
+    image_url: str | None = Field(
+        description="Where the BMC fetches this boot's ISO (virtual-media only): a URL under "
+        "this prefix with the boot's unguessable nonce, valid while the boot is armed."
+    )
     state: str
 
 
@@ -830,7 +833,8 @@ async def boot_machine(req: ApiRequest) -> BootOut | web.Response:
     url = None
     if b.via == "virtual-media":
         await virtual_media.check_for(svc.control, mid)
-        url = virtual_media.iso_url(svc.control)
+        base = virtual_media.boot_base(svc.control)
+        url = f"{base}/boot/n/{mid}/" if base else None  # + the boot's nonce, once armed
         if url is None:
             raise Unprocessable(
                 "this metald serves no boot HTTP for the BMC to fetch the ISO from; set "

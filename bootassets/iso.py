@@ -20,27 +20,34 @@ from __future__ import annotations
 import io
 import re
 from pathlib import Path
+from typing import BinaryIO
 
 IPXE_ISO = Path("/usr/lib/ipxe/ipxe.iso")
 SCRIPT_NAME = "METALD.IPXE"
 _URL = re.compile(r"^https?://[A-Za-z0-9.\-\[\]:]+(/[A-Za-z0-9._~/\-]*)?$")
+_PATH = re.compile(r"^/[A-Za-z0-9._~/\-]+$")
 
 
 class IsoError(Exception):
     pass
 
 
-def boot_script(boot_url: str) -> str:
-    """The iPXE script the ISO runs: address by DHCP, retried, then metald's script for this
-    machine's MAC; on failure it retries rather than falling through to another boot."""
+def boot_script(boot_url: str, script_path: str | None = None) -> str:
+    """The iPXE script the ISO runs: address by DHCP, retried, then metald's script: this
+    machine's by MAC, or ``script_path`` under ``boot_url`` (a per-boot nonce URL,
+    ``/boot/n/<machine>/<nonce>.ipxe``); on failure it retries rather than falling through to
+    another boot."""
     base = boot_url.rstrip("/")
     if not _URL.match(base):
         raise IsoError(f"boot URL {boot_url!r} is not a plain http(s) URL")
+    if script_path is not None and not _PATH.match(script_path):
+        raise IsoError(f"script path {script_path!r} is not a plain absolute path")
+    target = f"{base}{script_path}" if script_path else f"{base}/boot/${{mac:hexhyp}}.ipxe"
     return (
         "#!ipxe\n"
         ":retry\n"
         "dhcp || goto wait\n"
-        f"chain --autofree {base}/boot/${{mac:hexhyp}}.ipxe || goto wait\n"
+        f"chain --autofree {target} || goto wait\n"
         ":wait\n"
         "echo metald boot ISO: no address or no script from " + base + "; retrying\n"
         "sleep 10\n"
@@ -59,13 +66,25 @@ def isolinux_cfg() -> str:
     )
 
 
-def build_iso(boot_url: str, out: Path, source: Path = IPXE_ISO) -> Path:
+def build_iso(
+    boot_url: str, out: Path, source: Path = IPXE_ISO, script_path: str | None = None
+) -> Path:
     """Write the boot ISO for ``boot_url`` to ``out`` (atomically: a temporary file renamed)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "wb") as f:
+        write_iso(f, boot_script(boot_url, script_path), source)
+    tmp.replace(out)
+    return out
+
+
+def write_iso(f: BinaryIO, script_text: str, source: Path = IPXE_ISO) -> None:
+    """Write Debian's iPXE ISO, remastered to run ``script_text``, to the open file ``f``."""
     import pycdlib
 
     if not source.is_file():
         raise IsoError(f"{source} is missing: install Debian's ipxe package")
-    script = boot_script(boot_url).encode()
+    script = script_text.encode()
     cfg = isolinux_cfg().encode()
     iso = pycdlib.PyCdlib()
     iso.open(str(source))
@@ -88,13 +107,9 @@ def build_iso(boot_url: str, out: Path, source: Path = IPXE_ISO) -> Path:
             rr_name=SCRIPT_NAME.lower(),
             joliet_path=f"/{SCRIPT_NAME.lower()}",
         )
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        iso.write(str(tmp))
+        iso.write_fp(f)
     finally:
         iso.close()
-    tmp.replace(out)
-    return out
 
 
 def read_file(iso_path: Path, name: str) -> bytes:

@@ -256,6 +256,9 @@ def _boot_plane(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
     hooks.fleet = d.fleet  # the other instances' URLs ride on agent scripts (metald.urls=)
     # Never the state folder (check_assets_root): the assets are served without a token.
     routes = boot_routes(hooks, Path(d.cfg.boot.assets_dir), http_base_url(d.cfg))
+    from metald.provision.media_boot import MediaBootRoutes  # virtual-media nonce URLs
+
+    routes += MediaBootRoutes(hooks, http_base_url(d.cfg)).routes()
     return plane, routes
 
 

@@ -1,29 +1,49 @@
 """Virtual media boot through a machine's BMC, as the API and the provisioning driver use it:
-which machines boot this way (a label), the ISO's URL, and the fenced, journaled commands
-(``insert_for``, ``boot_cd_for``, ``eject_for``). The Redfish requests themselves are
+which machines boot this way (a label), where BMCs fetch each boot's ISO, the fenced, journaled
+commands (``insert_for``, ``boot_cd_for``, ``eject_for``), the eject once the boot's agent
+reported (``eject_after_report``) and the redaction of nonce URLs (``redact``). The Redfish requests themselves are
 ``metald.bmc.virtual_media``'s, run through ``BmcControl.virtual_media``, so nothing outside
 metald.bmc imports a protocol module (docs/architecture.md).
 """
 
 from __future__ import annotations
 
+import logging
+import re
 from typing import Any
 
-from metald.errors import Unprocessable
+from sqlmodel import Session, col, select
 
-#: The boot ISO under the boot HTTP listener's assets (``/boot/assets/<name>``).
-ISO_NAME = "metald-boot.iso"
+from metald.errors import Unprocessable
+from metald.machines import add_event
+from metald.store.models import Event
+
+log = logging.getLogger(__name__)
+
 #: A machine label that makes metald boot it from virtual media instead of PXE (its network
 #: gives no DHCP boot options): ``boot-via=virtual-media``.
 BOOT_VIA_LABEL = "boot-via"
 VIRTUAL_MEDIA = "virtual-media"
+#: The event the provisioning driver records when it arms a boot (``data.via`` says how).
+BOOT_EVENT = "provision.network-boot"
+EJECTED_EVENT = "bmc.vmedia-ejected"
+EJECT_FAILED_EVENT = "bmc.vmedia-eject-failed"
 
 
-def iso_url(control: Any) -> str | None:
-    """The URL of the boot ISO the BMC fetches: on the boot HTTP listener (``vmedia_base``,
-    set by the daemon); None where this instance serves no boot HTTP."""
+_NONCE_URL = re.compile(r"(/boot/n/[^/\s]+/)([^/\s.]{0,6})[^/\s.]*")
+
+
+def redact(text: str) -> str:
+    """``text`` with every per-boot nonce URL cut to its first 6 hex digits (logs, events)."""
+    return _NONCE_URL.sub(r"\1\2...", text)
+
+
+def boot_base(control: Any) -> str | None:
+    """The boot HTTP listener's URL, where BMCs fetch each boot's ISO
+    (``metald.provision.media_boot``: ``<base>/boot/n/<machine>/<nonce>.iso``); None where
+    this instance serves no boot HTTP (``vmedia_base``, set by the daemon)."""
     base = getattr(control, "vmedia_base", None)
-    return f"{base.rstrip('/')}/boot/assets/{ISO_NAME}" if base else None
+    return base.rstrip("/") if base else None
 
 
 def wants_virtual_media(labels: dict[str, str] | None) -> bool:
@@ -57,7 +77,15 @@ async def insert_for(control: Any, machine_id: str, url: str, step: str | None) 
     """Insert ``url`` into the machine's virtual CD, journaled as ``vmedia:insert``."""
     row = await _redfish_row(control, machine_id)
     await control._fence(row, "vmedia:insert", step)
-    await control.virtual_media(row, "insert_media", url)
+    try:
+        await control.virtual_media(row, "insert_media", url)
+    except Exception as e:
+        # The URL carries the boot's nonce: what is recorded of a failure (an event, the
+        # machine's last_error) shows its first digits only.
+        if isinstance(getattr(e, "detail", None), str):
+            e.detail = redact(e.detail)  # type: ignore[attr-defined]
+        e.args = tuple(redact(a) if isinstance(a, str) else a for a in e.args)
+        raise
 
 
 async def boot_cd_for(control: Any, machine_id: str, step: str | None) -> None:
@@ -71,3 +99,51 @@ async def eject_for(control: Any, machine_id: str) -> None:
     row = await _redfish_row(control, machine_id)
     await control._fence(row, None, None)
     await control.virtual_media(row, "eject_media")
+
+
+def _media_boot_to_eject(s: Session, machine_id: str) -> str | None:
+    """The ISO URL of the machine's latest armed boot when it was a virtual-media boot whose
+    media has not been ejected (nor its eject tried) since; else None."""
+    rows = s.exec(
+        select(Event)
+        .where(
+            Event.machine_id == machine_id,
+            col(Event.kind).in_([BOOT_EVENT, EJECTED_EVENT, EJECT_FAILED_EVENT]),
+        )
+        .order_by(col(Event.id).desc())
+        .limit(1)
+    ).first()
+    if rows is None or rows.kind != BOOT_EVENT:
+        return None
+    data = rows.data or {}
+    return data.get("image") if data.get("via") == VIRTUAL_MEDIA else None
+
+
+async def eject_after_report(control: Any, machine_id: str, actor: str) -> bool | None:
+    """The agent of a virtual-media boot reported (inventory, or the end of a provision or
+    wipe): the ISO has done its work, so eject it through the BMC. Recorded as an event
+    (``bmc.vmedia-ejected``, or ``bmc.vmedia-eject-failed`` with the BMC's answer: a BMC that
+    will not eject leaves the CD in, never the machine stuck). None when there was nothing to
+    eject (not a virtual-media boot, or already done)."""
+    image = await control.store.run(_media_boot_to_eject, machine_id)
+    if image is None:
+        return None
+    instance = getattr(control, "instance", None)
+    try:
+        await eject_for(control, machine_id)
+    except Exception as e:  # noqa: BLE001 - any failure to eject is an event, never raised
+        detail = getattr(e, "detail", None) or str(e) or type(e).__name__
+        log.warning("machine %s: ejecting the boot ISO failed: %s", machine_id, detail)
+        kind, reason, ok = EJECT_FAILED_EVENT, f"ejecting {image} failed: {detail}", False
+    else:
+        kind, reason, ok = EJECTED_EVENT, f"ejected {image} after the agent reported", True
+
+    def note(s: Session) -> None:
+        add_event(
+            s, kind, actor, machine_id=machine_id, reason=reason,
+            data={"image": image}, instance=instance,
+        )  # fmt: skip
+        s.commit()
+
+    await control.store.run(note)
+    return ok

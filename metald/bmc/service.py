@@ -13,7 +13,7 @@ import asyncio
 import logging
 from typing import Any
 
-from metald.bmc import firmware
+from metald.bmc import firmware, media
 from metald.bmc.base import BmcError, BootTarget, PowerAction
 from metald.bmc.commands import BmcControl
 from metald.bmc.control import BmcCommandFailed, BmcOwnership, NoBmc, NotOwner
@@ -260,8 +260,18 @@ class BmcService:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def after_report(self, machine_id: str) -> None:
+        """A machine's agent ended its boot's work (a provision or wipe done or failed): eject
+        a virtual-media boot's ISO in the background (``media.eject_after_report``)."""
+        task = asyncio.create_task(
+            media.eject_after_report(self.control, machine_id, self.actor), name="bmc-eject"
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def _after_inspection(self, machine_id: str) -> None:
         for step in (
+            lambda: media.eject_after_report(self.control, machine_id, self.actor),
             lambda: firmware.refresh_firmware(self.control, machine_id, self.actor),
             lambda: firmware.stage_bios(self.control, machine_id, None, self.actor),
         ):

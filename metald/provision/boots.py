@@ -21,6 +21,8 @@ from metald.auth import revoke_machine_tokens
 from metald.store.models import Event, Machine, new_id
 
 REFETCH_EVENT = "boot.script_refetched"
+#: Marks an armed virtual-media boot (``metald.provision.media_boot``).
+MEDIA_PREFIX = "vm:"
 
 _MACHINES = Machine.__table__  # type: ignore[attr-defined]
 _TAKE = (
@@ -35,11 +37,12 @@ _ARM = (
 )
 
 
-def arm_boot(session: Session, machine_id: str) -> str:
+def arm_boot(session: Session, machine_id: str, media: bool = False) -> str:
     """Arm a new boot of the machine (in the session's transaction): the previous boot's
-    agent tokens are revoked, and the next script fetch may carry a new one."""
+    agent tokens are revoked, and the next script fetch may carry a new one. ``media``: a
+    virtual-media boot, whose token only its nonce URL hands out (``media_boot``)."""
     revoke_machine_tokens(session, machine_id, commit=False)
-    nonce = new_id()
+    nonce = (MEDIA_PREFIX if media else "") + new_id()
     session.connection().execute(_ARM, {"m": machine_id, "nonce": nonce})
     return nonce
 
@@ -48,7 +51,7 @@ def take_armed_boot(session: Session, m: Machine) -> str | None:
     """The armed boot's nonce, taken (at most once across every instance), or None when no
     boot is armed: the caller then serves a script without a token."""
     nonce = m.boot_armed
-    if not nonce:
+    if not nonce or nonce.startswith(MEDIA_PREFIX):  # a virtual-media boot: its nonce URL only
         return None
     taken = session.connection().execute(_TAKE, {"m": m.id, "nonce": nonce}).rowcount
     return nonce if taken == 1 else None

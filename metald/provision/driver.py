@@ -27,7 +27,7 @@ from metald.errors import Conflict, MetaldError, NotFound
 from metald.lifecycle import NETWORK_BOOT as NETWORK_BOOT_STATES
 from metald.lifecycle import OPERATION_FAIL as _FAIL
 from metald.lifecycle import RETRY, IllegalTransition, State, Trigger
-from metald.provision import boots
+from metald.provision import boots, media_boot
 from metald.provision.intents import DeployImage, inspect_intent, wipe_intent
 from metald.store.db import Store, store_unavailable
 from metald.store.models import Machine
@@ -201,24 +201,45 @@ def _note(
     session.commit()
 
 
-def _arm(session: Session, machine_id: str, reason: str, actor: str, instance: str | None) -> bool:
+def _arm(
+    session: Session,
+    machine_id: str,
+    reason: str,
+    actor: str,
+    instance: str | None,
+    iso: str | None = None,
+    media: bool = False,
+) -> str | None:
     """Arm the boot metald is about to start, with its note, if the machine is still in a
-    state that boots over the network; False if it moved on meanwhile (nothing armed)."""
+    state that boots over the network: its nonce; None if it moved on meanwhile (nothing
+    armed). ``media``: a virtual-media boot fetching its ISO from ``iso`` (the boot base)."""
     m = machines.get_machine(session, machine_id)
     if State(m.state) not in NETWORK_BOOT_STATES:
-        return False
-    boots.arm_boot(session, machine_id)
+        return None
+    armed = boots.arm_boot(session, machine_id, media=media)
     machines.add_event(
         session,
         NETWORK_BOOT_EVENT,
         actor,
         machine_id=machine_id,
         reason=reason,
-        data={"state": m.state},
+        # via/image: metald.bmc.media ejects a virtual-media boot's ISO once its agent reports
+        # (the ISO's URL carries the nonce: only its redacted form is recorded)
+        data={
+            "state": m.state,
+            "via": "virtual-media" if media else "network",
+            "image": media_boot.redact(media_boot.iso_url(iso, machine_id, armed))
+            if media and iso
+            else None,
+        },
         instance=instance,
     )
     session.commit()
-    return True
+    return armed
+
+
+def _media_armed(session: Session, machine_id: str) -> bool:
+    return media_boot.is_media_boot(machines.get_machine(session, machine_id).boot_armed)
 
 
 #: How long the driver waits for a machine to report off after a hard power-off.
@@ -298,13 +319,13 @@ async def boot_from_network(
 
 
 def _iso_for(session: Session, bmc: Any, machine_id: str, via: str | None) -> str | None:
-    """The ISO URL to boot the machine from, or None for a PXE boot."""
+    """The boot HTTP base the BMC fetches the boot's ISO from, or None for a PXE boot."""
     if via is None:
         labels = machines.get_machine(session, machine_id).labels
         via = "virtual-media" if virtual_media.wants_virtual_media(labels) else "network"
     if via != "virtual-media":
         return None
-    url = virtual_media.iso_url(bmc)
+    url = virtual_media.boot_base(bmc)
     if url is None:
         raise MetaldError(
             "virtual media boot needs metald's boot HTTP (boot.http_url or boot.http_listen) "
@@ -335,12 +356,23 @@ async def _boot(
             sent = "power:off"
         elif sent == "power:off":  # sent before a failover: wait for it, never send it again
             await _wait_off(bmc, machine_id, actor)
+        if iso is not None and sent == "boot:cd" and not await store.run(_media_armed, machine_id):
+            sent = "power:off"  # the inserted ISO's boot is gone (taken or re-armed): again
         if iso is not None and sent in ("power:off", "vmedia:insert"):
-            # The ISO's iPXE fetches this machine's script like a PXE boot would; inserting
-            # again after a failover is harmless (insert ejects what is there first).
-            await virtual_media.insert_for(bmc, machine_id, iso, step)  # type: ignore[arg-type]
+            # Armed first, with a nonce of its own: the ISO (built per boot) carries its URL,
+            # the only way to this boot's token (media_boot). The machine is off, and the
+            # per-MAC script never hands out a media boot's token. Inserting again after a
+            # failover is harmless (insert ejects what is there first; a new nonce).
+            reason = "power off, insert the boot ISO, one-time CD boot and power on through the BMC"
+            armed = await store.run(_arm, machine_id, reason, actor, instance, iso, True)
+            if not armed:
+                return False
+            url = media_boot.iso_url(iso, machine_id, armed)
+            await virtual_media.insert_for(bmc, machine_id, url, step)  # type: ignore[arg-type]
             await virtual_media.boot_cd_for(bmc, machine_id, step)  # type: ignore[arg-type]
-            sent = "boot:cd"
+            await bmc.power(machine_id, PowerAction.ON, actor=actor, step=step)
+        elif sent == "boot:cd":
+            await bmc.power(machine_id, PowerAction.ON, actor=actor, step=step)
         elif sent == "power:off":
             # uefi=None: keep the machine's own firmware mode (a BIOS machine refuses a UEFI
             # override and a UEFI one may not PXE in legacy mode).
@@ -348,12 +380,10 @@ async def _boot(
                 machine_id, BootTarget.PXE, False, uefi=None, actor=actor, step=step
             )
             sent = "boot:pxe"
-        if sent in ("boot:pxe", "boot:cd"):
+        if sent == "boot:pxe":
             # The watchdog reads the note to tell a boot that was asked for from one a
             # restart cut off.
             reason = "power off, one-time PXE boot and power on through the BMC"
-            if sent == "boot:cd":
-                reason = f"power off, insert {iso}, one-time CD boot and power on through the BMC"
             if not await store.run(_arm, machine_id, reason, actor, instance):
                 return False
             await bmc.power(machine_id, PowerAction.ON, actor=actor, step=step)

@@ -17,7 +17,7 @@ from metald.bmc import media as virtual_media
 from metald.bmc.service import BmcService
 from metald.config import Config
 from metald.lifecycle import Trigger
-from metald.provision import driver
+from metald.provision import driver, media_boot
 from metald.secrets import SecretBox
 from metald.store import Store
 from metald.store.models import Bmc, Event, Machine
@@ -30,7 +30,7 @@ ISO = b"CD001" + bytes(2043) * 16
 
 @pytest.fixture
 async def boot_http() -> AsyncIterator[tuple[str, list[str]]]:
-    """A boot HTTP listener serving the ISO under /boot/assets/ (as metald's does)."""
+    """A boot HTTP listener serving an ISO at the per-boot URLs metald's serves."""
     fetched: list[str] = []
 
     async def serve(request: web.Request) -> web.Response:
@@ -38,7 +38,7 @@ async def boot_http() -> AsyncIterator[tuple[str, list[str]]]:
         return web.Response(body=ISO, content_type="application/octet-stream")
 
     app = web.Application()
-    app.router.add_get(f"/boot/assets/{virtual_media.ISO_NAME}", serve)
+    app.router.add_get("/boot/n/{machine}/{nonce}.iso", serve)  # metald's per-boot ISO URLs
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -132,13 +132,17 @@ async def test_boot_via_virtual_media_inserts_boots_cd_once_arms_and_powers_on(
         headers=tokens.header("technician"),
     )
     assert r.status == 202, await r.text()
-    url = f"{base}/boot/assets/{virtual_media.ISO_NAME}"
-    assert (await r.json())["image_url"] == url
+    prefix = f"{base}/boot/n/{mid}/"
+    assert (await r.json())["image_url"] == prefix
     await driver.drain()
 
+    with store.session() as s:
+        armed = s.get(Machine, mid).boot_armed
+    url = media_boot.iso_url(base, mid, armed)  # the armed boot's own nonce URL
+    assert url.startswith(prefix)
     cd = await _cd(sushy)
     assert cd["Inserted"] is True and cd["Image"] == url
-    assert fetched == [f"/boot/assets/{virtual_media.ISO_NAME}"]  # sushy fetched it itself
+    assert fetched == [url.removeprefix(base)]  # sushy fetched it itself
     system = await _system_json(sushy)
     assert system["Boot"]["BootSourceOverrideTarget"] == "Cd"
     # (sushy's template always answers BootSourceOverrideEnabled "Continuous": Once is sent,
@@ -183,7 +187,7 @@ async def test_claim_workflow_boot_takes_virtual_media_when_the_machine_says_so(
     await driver.reboot_all(store, svc, [mid], actor="test")  # what a claim's release runs
     cd = await _cd(sushy)
     assert cd["Inserted"] is True
-    assert cd["Image"] == f"{boot_http[0]}/boot/assets/{virtual_media.ISO_NAME}"
+    assert cd["Image"].startswith(f"{boot_http[0]}/boot/n/{mid}/")
     assert (await _system_json(sushy))["Boot"]["BootSourceOverrideTarget"] == "Cd"
 
 
@@ -267,3 +271,94 @@ async def test_a_step_cut_off_after_the_insert_resumes_without_a_second_power_of
         bmc = s.exec(select(Bmc).where(Bmc.machine_id == mid)).one()
         assert bmc.step_done is True and s.get(Machine, mid).boot_armed
     assert actions == ["on"]
+
+
+async def _media_boot(client, tokens, store: Store, sushy: Sushy, svc) -> str:  # type: ignore[no-untyped-def]
+    mid = tokens.machine_a
+    await _register(client, tokens, sushy, mid)
+    _provision(store, mid)
+    assert await driver.boot_from_network(store, svc, mid, actor="test", via="virtual-media")
+    assert (await _cd(sushy))["Inserted"] is True
+    return mid
+
+
+def _events(store: Store, mid: str, kind: str) -> list[Event]:
+    with store.session() as s:
+        q = select(Event).where(Event.machine_id == mid, Event.kind == kind)
+        return list(s.exec(q).all())
+
+
+async def test_the_iso_is_ejected_once_the_agent_reports(
+    api, store: Store, sushy: Sushy, boot_http
+) -> None:  # type: ignore[no-untyped-def]
+    """Item 2: the boot's agent reports (here: its provisioning failed) and metald ejects the
+    ISO through the BMC (sushy really ejects), recorded as an event; a second report finds
+    nothing left to eject and sends nothing."""
+    client, tokens, svc = api
+    from metald.config import EnrollConfig
+    from metald.enrollment import enrollment_boot_hooks
+
+    mid = await _media_boot(client, tokens, store, sushy, svc)
+    with store.session() as s:  # the claim's image (what provisioning boots)
+        m = s.get(Machine, mid)
+        m.boot_intent = {"action": "provision", "kernel": "http://x/k", "initrd": "http://x/i"}
+        s.add(m)
+        s.commit()
+    # The ISO's script fetch (its nonce URL) hands the agent its token.
+    routes = media_boot.MediaBootRoutes(
+        enrollment_boot_hooks(store, "t", EnrollConfig()), "http://x"
+    )
+    with store.session() as s:
+        nonce = media_boot.url_nonce(mid, s.get(Machine, mid).boot_armed)
+        script = routes._take(s, mid, nonce, None)
+    token = script.split("metald.token=")[1].split()[0]
+    r = await client.post(
+        "/api/v1/agent/progress",
+        json={"phase": "write", "error": "the disk went away"},
+        headers={"Authorization": f"Bearer {token}"},
+    )
+    assert r.status == 200, await r.text()
+    for task in list(svc._tasks):  # the eject runs in the background
+        await task
+    assert (await _cd(sushy))["Inserted"] is False
+    [ejected] = _events(store, mid, virtual_media.EJECTED_EVENT)
+    # The event names the ISO with its nonce cut short (never the whole nonce).
+    shown = ejected.data["image"]
+    assert shown.startswith(f"{boot_http[0]}/boot/n/{mid}/")
+    assert len(shown.rsplit("/", 1)[1]) == len("123456....iso")
+    assert await virtual_media.eject_after_report(svc.control, mid, "test") is None
+
+
+async def test_a_pxe_boot_is_never_ejected(api, store: Store, sushy: Sushy) -> None:  # type: ignore[no-untyped-def]
+    client, tokens, svc = api
+    mid = tokens.machine_a
+    await _register(client, tokens, sushy, mid)
+    _provision(store, mid)
+    assert await driver.boot_from_network(store, svc, mid, actor="test", via="network")
+    assert await virtual_media.eject_after_report(svc.control, mid, "test") is None
+    assert _events(store, mid, virtual_media.EJECT_FAILED_EVENT) == []
+
+
+async def test_a_bmc_that_cannot_eject_is_an_event_not_a_stuck_machine(
+    api, store: Store, sushy: Sushy
+) -> None:  # type: ignore[no-untyped-def]
+    client, tokens, svc = api
+    mid = await _media_boot(client, tokens, store, sushy, svc)
+    with store.session() as s:  # the BMC stops answering (nothing listens on port 9)
+        row = s.exec(select(Bmc).where(Bmc.machine_id == mid)).one()
+        row.port = 9
+        s.add(row)
+        s.commit()
+    await svc.control.forget(row.id)  # its cached driver goes: the next command uses port 9
+    state_before = _state(store, mid)
+    assert await virtual_media.eject_after_report(svc.control, mid, "test") is False
+    [failed] = _events(store, mid, virtual_media.EJECT_FAILED_EVENT)
+    assert "failed" in (failed.reason or "")
+    assert _state(store, mid) == state_before
+    # Tried once per boot: the next report does not hammer a dead BMC again.
+    assert await virtual_media.eject_after_report(svc.control, mid, "test") is None
+
+
+def _state(store: Store, mid: str) -> str:
+    with store.session() as s:
+        return s.get(Machine, mid).state  # type: ignore[union-attr]

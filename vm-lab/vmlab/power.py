@@ -31,13 +31,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .qemu import DISK_ID, NIC_ID
+from .qemu import CD_ID, DISK_ID, NIC_ID
 from .qmp import QmpClient
 
-TARGETS = ("none", "pxe", "hdd")
+TARGETS = ("none", "pxe", "hdd", "cd")
 MODES = ("disabled", "once", "continuous")
 DEFAULT_ORDER = ("hdd", "pxe")  # firmware default: disk first, network as fallback
-DEVICE_OF = {"pxe": NIC_ID, "hdd": DISK_ID}
+DEVICE_OF = {"pxe": NIC_ID, "hdd": DISK_ID, "cd": CD_ID}
 RUNNING = "running"
 ONCE_SETTLE_S = 3.0
 HOLD_POLL_S = 0.1

@@ -28,6 +28,9 @@ OVMF_VARS = Path("/usr/share/OVMF/OVMF_VARS.fd")
 PROBE_KERNEL = Path("/usr/lib/ipxe/ipxe.lkrn")
 NIC_ID = "nic0"
 DISK_ID = "disk0"
+#: The virtual BMC's CD drive (VirtualMedia): empty at start, out of the boot order until the
+#: BMC sets a CD boot; its medium is changed over QMP (``blockdev-change-medium``).
+CD_ID = "cd0"
 
 
 class QemuError(RuntimeError):
@@ -176,6 +179,9 @@ def command_line(spec: MachineSpec, accel: str) -> list[str]:
         "-device", f"virtio-net-pci,id={NIC_ID},netdev=net0,mac={spec.mac},bootindex=2",
         "-drive", f"file={spec.disk},if=none,id=drive0,format=qcow2,cache=unsafe",
         "-device", f"virtio-blk-pci,id={DISK_ID},drive=drive0,bootindex=1",
+        # An empty CD drive on the board's IDE (pc) or AHCI (q35) bus.
+        "-drive", "if=none,id=cddrive,media=cdrom,readonly=on",
+        "-device", f"ide-cd,id={CD_ID},drive=cddrive",
     ]  # fmt: skip
     if spec.firmware == "uefi":
         if spec.uefi_vars is None:

@@ -126,9 +126,10 @@ class LabRack:
         machines: int = 3,
         uefi: int = 1,
         extra_config: str | Callable[[dict[str, Any]], str] = "",
+        boot_config: str = "",
     ) -> None:
         """``extra_config``: TOML appended to metald's config, or a function of the lab's state
-        (slot, bridge, subnet) returning it."""
+        (slot, bridge, subnet) returning it; ``boot_config``: lines added to its [boot] table."""
         from bootassets.build import ensure_built
 
         from .lab import Lab
@@ -136,6 +137,7 @@ class LabRack:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.assets = ensure_built()
+        self._boot_config = boot_config
         self.lab = Lab(name, machines=machines, uefi=uefi, workdir=self.workdir / "lab")
         try:
             self.state: dict[str, Any] = self.lab.up()
@@ -164,7 +166,7 @@ class LabRack:
             f'[api]\nlisten = "{addr}:8080"\n'
             "[bmc]\npower_sync_interval_s = 0\nmin_interval_ms = 0\n"
             f'[boot]\nenabled = true\ninterfaces = ["{bridge}"]\nserver_address = "{addr}"\n'
-            f'assets_dir = "{self.assets}"\nrouter_advertisements = true\n'
+            f'assets_dir = "{self.assets}"\nrouter_advertisements = true\n{self._boot_config}'
             f'[[boot.networks]]\nname = "lab"\nsubnet = "{st["subnet"]}"\npool_start = "{lo}"\n'
             f'pool_end = "{hi}"\ninterface = "{bridge}"\nlease_seconds = 600\n' + extra_config
         )

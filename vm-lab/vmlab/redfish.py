@@ -2,7 +2,9 @@
 
 Served: the service root, the Systems collection with one ComputerSystem (power state, boot
 override, reset action), its EthernetInterfaces (the machine's MAC, which lets a client match
-this BMC to the host that PXE-boots), and one Manager. Everything but the service root needs
+this BMC to the host that PXE-boots), and one Manager with one VirtualMedia CD (``vmedia``:
+InsertMedia fetches the image and puts it in the machine's CD drive over QMP; a ``Cd`` boot
+override puts that drive first). Everything but the service root needs
 HTTP basic auth with the machine's BMC credentials.
 """
 
@@ -12,17 +14,19 @@ import base64
 import binascii
 import hmac
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from . import redfish_bios
 from .power import MachineControl
+from .vmedia import MediaError, VirtualCd
 
 RESET_TYPES = ["On", "ForceOff", "GracefulShutdown", "ForceRestart", "PowerCycle", "Nmi"]
 #: ResetType as the command log names it (the same words as the IPMI face's)
 REDFISH_POWER = dict(zip(RESET_TYPES, ["on", "off", "soft", "reset", "cycle", "nmi"], strict=True))
-BOOT_TARGETS = {"None": "none", "Pxe": "pxe", "Hdd": "hdd"}
+BOOT_TARGETS = {"None": "none", "Pxe": "pxe", "Hdd": "hdd", "Cd": "cd"}
 BOOT_ENABLED = {"Disabled": "disabled", "Once": "once", "Continuous": "continuous"}
 ODATA_VERSION = "4.0"
 
@@ -38,6 +42,8 @@ class SystemInfo:
     serial_number: str
     username: str
     password: str
+    #: Where the virtual CD's fetched image is kept; None: the BMC offers no VirtualMedia.
+    media_dir: Path | None = None
 
     @property
     def boot_mode(self) -> str:
@@ -46,6 +52,8 @@ class SystemInfo:
 
 CONTROL = web.AppKey("control", MachineControl)
 INFO = web.AppKey("info", SystemInfo)
+CD = web.AppKey("cd", VirtualCd)
+VMEDIA = "/redfish/v1/Managers/BMC/VirtualMedia"
 
 
 def error(status: int, message_id: str, message: str) -> web.Response:
@@ -317,9 +325,83 @@ async def manager(request: web.Request) -> web.Response:
             "Id": "BMC",
             "Name": "vm-lab virtual BMC",
             "ManagerType": "BMC",
+            **({"VirtualMedia": {"@odata.id": VMEDIA}} if CD in request.app else {}),
             "Links": {"ManagerForServers": [{"@odata.id": _system_path(info)}]},
         }
     )
+
+
+# ---- VirtualMedia: one CD ----------------------------------------------------------------------
+
+
+async def virtual_media(request: web.Request) -> web.Response:
+    return _json(
+        {
+            "@odata.type": "#VirtualMediaCollection.VirtualMediaCollection",
+            "@odata.id": VMEDIA,
+            "Name": "Virtual Media Services",
+            "Members@odata.count": 1,
+            "Members": [{"@odata.id": f"{VMEDIA}/Cd"}],
+        }
+    )
+
+
+async def cd_resource(request: web.Request) -> web.Response:
+    if request.match_info["media_id"] != "Cd":
+        raise not_found(request)
+    request.app[CONTROL].record(request.remote or "", "redfish", "read media")
+    now = await request.app[CD].state()
+    return _json(
+        {
+            "@odata.type": "#VirtualMedia.v1_3_0.VirtualMedia",
+            "@odata.id": f"{VMEDIA}/Cd",
+            "Id": "Cd",
+            "Name": "Virtual CD",
+            "MediaTypes": ["CD", "DVD"],
+            "Image": now.image,
+            "ImageName": now.image.rsplit("/", 1)[-1] if now.image else None,
+            "Inserted": now.inserted,
+            "WriteProtected": True,
+            "ConnectedVia": "URI" if now.inserted else "NotConnected",
+            "Actions": {
+                "#VirtualMedia.InsertMedia": {
+                    "target": f"{VMEDIA}/Cd/Actions/VirtualMedia.InsertMedia"
+                },
+                "#VirtualMedia.EjectMedia": {
+                    "target": f"{VMEDIA}/Cd/Actions/VirtualMedia.EjectMedia"
+                },
+            },
+        }
+    )
+
+
+async def insert_media(request: web.Request) -> web.Response:
+    if request.match_info["media_id"] != "Cd":
+        raise not_found(request)
+    try:
+        body = await request.json()
+    except ValueError:
+        return error(400, "MalformedJSON", "the request body is not valid JSON")
+    image = body.get("Image") if isinstance(body, dict) else None
+    if not isinstance(image, str) or not image:
+        return error(400, "ActionParameterMissing", "InsertMedia needs Image (a URL)")
+    if body.get("Inserted", True) is not True or body.get("WriteProtected", True) is not True:
+        return error(400, "ActionParameterNotSupported", "only Inserted and WriteProtected true")
+    request.app[CONTROL].record(request.remote or "", "redfish", f"insert {image}")
+    try:
+        await request.app[CD].insert(image)
+    except MediaError as e:
+        status = 409 if "already inserted" in str(e) else 400
+        return error(status, "ResourceInUse" if status == 409 else "ActionNotSupported", str(e))
+    return web.Response(status=204, headers={"OData-Version": ODATA_VERSION})
+
+
+async def eject_media(request: web.Request) -> web.Response:
+    if request.match_info["media_id"] != "Cd":
+        raise not_found(request)
+    request.app[CONTROL].record(request.remote or "", "redfish", "eject")
+    await request.app[CD].eject()
+    return web.Response(status=204, headers={"OData-Version": ODATA_VERSION})
 
 
 def make_app(control: MachineControl, info: SystemInfo) -> web.Application:
@@ -339,4 +421,10 @@ def make_app(control: MachineControl, info: SystemInfo) -> web.Application:
     app.router.add_get("/redfish/v1/Managers", managers)
     app.router.add_get("/redfish/v1/Managers/{manager_id}", manager)
     redfish_bios.install(app, system, info.firmware)
+    if info.media_dir is not None:
+        app[CD] = VirtualCd(control.qmp, info.media_dir, info.system_id)
+        app.router.add_get(VMEDIA, virtual_media)
+        app.router.add_get(VMEDIA + "/{media_id}", cd_resource)
+        app.router.add_post(VMEDIA + "/{media_id}/Actions/VirtualMedia.InsertMedia", insert_media)
+        app.router.add_post(VMEDIA + "/{media_id}/Actions/VirtualMedia.EjectMedia", eject_media)
     return app

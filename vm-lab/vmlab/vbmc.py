@@ -197,6 +197,7 @@ async def serve(state_path: Path, machine_name: str) -> None:
         serial_number=machine["serial_number"],
         username=bmc["username"],
         password=bmc["password"],
+        media_dir=Path(machine["disk"]).parent,
     )
     runner = web.AppRunner(redfish.make_app(control, info), access_log=None)
     await runner.setup()

@@ -1,0 +1,158 @@
+"""Virtual media boot end to end (issue 16 item 3): a BIOS VM on a network where metald gives
+no PXE answer at all (metald's DHCP is off; a dnsmasq hands out addresses and no boot options)
+enrolls to ready through its Redfish BMC's virtual CD, is claimed, provisioned (it boots its
+disk image) and released and wiped the same way; every boot's ISO has its own nonce URL and
+is ejected once its agent reported (item 2).
+
+The lab's Redfish BMC (vm-lab/vmlab/redfish.py + vmedia.py) fetches the ISO from metald over
+HTTP and puts it in the VM's CD drive over QMP (``blockdev-change-medium``); a one-time ``Cd``
+boot override puts the drive first for one boot. Run alone:
+
+    BOOTASSETS_CACHE=... .venv/bin/python -m pytest tests/e2e/test_virtual_media_lab.py -s
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import lab_skip_reason
+
+pytestmark = [pytest.mark.lab, pytest.mark.root]
+
+TIMEOUT_S = 480
+
+
+def _commands(m: dict) -> list[str]:  # type: ignore[type-arg]
+    """What the machine's BMC was asked, in order (the lab BMC's command log)."""
+    lines = Path(m["bmc_commands"]).read_text().splitlines()
+    return [json.loads(ln)["command"] for ln in lines if ln]
+
+
+def _wait(what: str, check, rack, timeout: float = TIMEOUT_S):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not (got := check()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}\n{rack.diagnostics()}")
+        time.sleep(1)
+    return got
+
+
+def test_a_vm_without_pxe_enrolls_is_provisioned_and_wiped_through_virtual_media(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    reason = lab_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    if shutil.which("dnsmasq") is None:
+        pytest.skip("needs dnsmasq (the network's own DHCP server)")
+    from vmlab.rack import MARKER, LabRack
+
+    work = tmp_path_factory.mktemp("vmedia")
+    rack = LabRack(
+        f"vm{os.getpid() % 10000}",
+        work,
+        machines=1,
+        uefi=0,
+        boot_config='dhcp_mode = "off"\n',  # metald answers no DHCP, so no PXE either
+    )
+    try:
+        st, m = rack.state, rack.machines[0]
+        lo, hi = st["dhcp_range"]
+        rack.lab.spawn(
+            ["dnsmasq", "--keep-in-foreground", "--conf-file=/dev/null", "--port=0",
+             f"--interface={st['bridge']}", "--bind-interfaces", f"--dhcp-range={lo},{hi},10m",
+             f"--dhcp-leasefile={work / 'dnsmasq.leases'}", "--pid-file=", "--user=root",
+             "--log-dhcp", "--log-facility=-"],
+            role="dnsmasq",
+            log=work / "dnsmasq.log",
+        )  # fmt: skip
+
+        code, machine = rack.api(
+            "POST",
+            "/api/v1/machines",
+            {"macs": [m["mac"]], "labels": {"boot-via": "virtual-media"}},
+        )
+        assert code == 201, machine
+        mid = machine["id"]
+        bmc = rack.register_bmcs(["redfish"])[m["name"]]
+        assert bmc["machine_id"] == mid, bmc  # linked by the MAC its Redfish service reports
+        code, body = rack.api("POST", f"/api/v1/machines/{mid}/actions", {"action": "inspect"})
+        assert code == 200, body
+        code, body = rack.api("POST", f"/api/v1/machines/{mid}/boot", {"via": "virtual-media"})
+        assert code == 202, body
+
+        rack.wait_state([m["mac"]], "ready", TIMEOUT_S)
+
+        # Nothing was PXE-booted: the BMC was asked for the ISO and a one-time CD boot.
+        sent = _commands(m)
+        prefix = f"insert {rack.url}/boot/n/{mid}/"  # the boot's own nonce URL
+        assert any(c.startswith(prefix) and c.endswith(".iso") for c in sent), sent
+        assert "boot cd once" in sent
+        assert not any(c.startswith("boot pxe") for c in sent), sent
+        assert "DHCPOFFER" in (work / "dnsmasq.log").read_text()  # the address was dnsmasq's
+
+        # Item 2: once the inventory arrived, metald ejected the ISO through the BMC.
+        def ejected() -> dict | None:
+            ev = rack.json("events", "--machine", mid, "--kind", "bmc.vmedia-ejected")["items"]
+            return ev[0] if ev else None
+
+        event = _wait("no bmc.vmedia-ejected event", ejected, rack, timeout=60)
+        assert event["data"]["image"].startswith(f"{rack.url}/boot/n/{mid}/")
+        assert "eject" in _commands(m)
+        b = m["bmc"]
+        r = rack.lab.run(
+            ["curl", "-s", "-u", f"{b['username']}:{b['password']}",
+             f"{b['redfish_url']}/redfish/v1/Managers/BMC/VirtualMedia/Cd"],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        cd = json.loads(r.stdout)
+        assert cd["Inserted"] is False and cd["Image"] is None, cd
+        # The CD boot was one-time: the override is used up and the standing order is back.
+        r = rack.lab.run(
+            ["curl", "-s", "-u", f"{b['username']}:{b['password']}",
+             f"{b['redfish_url']}/redfish/v1/Systems/{m['name']}"],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        boot = json.loads(r.stdout)["Boot"]
+        assert boot["BootSourceOverrideEnabled"] == "Disabled", boot
+
+        # Claimed: provisioned through virtual media (the label), booted from its disk;
+        # released: wiped the same way, back to ready. Each boot's ISO ejected after its report.
+        tenant = rack.json("tenants", "create", "acme")["id"]
+        img = rack.json("images", "create", "test-disk", *rack.publish_test_image(work))
+        rack.json(
+            "claims", "create", "--tenant", tenant, "--count", "1", "--image", img["id"],
+            "--label", "boot-via=virtual-media",
+        )  # fmt: skip
+        rack.wait_state([m["mac"]], "provisioned", TIMEOUT_S)
+        _wait(
+            "the machine to boot its disk",
+            lambda: MARKER[:24] in Path(m["serial_log"]).read_bytes(),
+            rack,
+            timeout=180,
+        )
+        claim = rack.json("machines", "show", mid)["claim_id"]
+        rack.ctl("claims", "release", claim, "--yes")
+        rack.wait_state([m["mac"]], "ready", TIMEOUT_S)
+        boots = rack.json("events", "--machine", mid, "--kind", "provision.network-boot")["items"]
+        assert len(boots) >= 3 and all(e["data"]["via"] == "virtual-media" for e in boots), boots
+        inserts = [c for c in _commands(m) if c.startswith("insert ")]
+        assert len(inserts) >= 3 and len(set(inserts)) == len(inserts)  # a fresh nonce each boot
+        assert not any(c.startswith("boot pxe") for c in _commands(m))
+        _wait(
+            "three ejects",
+            lambda: (
+                len(rack.json("events", "--machine", mid, "--kind", "bmc.vmedia-ejected")["items"])
+                >= 3
+            ),
+            rack,
+            timeout=60,
+        )
+    finally:
+        rack.down()
