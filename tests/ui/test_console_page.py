@@ -21,11 +21,14 @@ from playwright.sync_api import expect
 from tests.bmc.peers import PASSWORD
 from tests.bmc.test_sol_ipmi_sim import SolSim, running_sol_sim
 from tests.conftest import Tokens, seed
-from tests.ui.conftest import axe_violations, login, shoot
+from tests.ui_browser import axe_violations, login, shoot
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("ipmi_sim") is None, reason="needs OpenIPMI's ipmi_sim"
-)
+pytestmark = [
+    pytest.mark.skipif(shutil.which("ipmi_sim") is None, reason="needs OpenIPMI's ipmi_sim"),
+    # The session reaches the console route as ApiRequest.session, not as a str key on the
+    # aiohttp request (which aiohttp warns about): the warning fails the test.
+    pytest.mark.filterwarnings("error::aiohttp.web_exceptions.NotAppKeyWarning"),
+]
 
 
 @dataclass
