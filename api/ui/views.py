@@ -156,14 +156,28 @@ class Views:
         )
 
     async def fleet_rows(self, ui: UiRequest) -> web.StreamResponse:
-        """Rows of the table again, for the live page: {"rows": {id: html}, "counts": {...}}."""
+        """Rows of the table again, for the live page: {"rows": {id: html}, "added": [{id,
+        key, html}], "counts": {...}}. ``id``: rows on the page, refreshed in place. ``add``:
+        machines the page does not show yet (an event named them), answered only when the
+        page's own query (scope, filters, search: the page's query parameters) lists them."""
         ids = ui.raw.query.getall("id", [])
+        add = ui.raw.query.getall("add", [])
         rows = await ui.ctx.store.read(fleet.rows_by_id, ui.principal, ids)
+        f = fleet.FleetQuery.from_params(ui.raw.query)
+        added = await ui.ctx.store.read(fleet.rows_matching, ui.principal, f, add)
         can_act = self.api.allows(ui, "POST", "/api/v1/machines/{id}/actions")
         counts = await ui.ctx.store.read(_counts, ui.principal)
         return web.json_response(
             {
                 "rows": {r.m.id: fragment("_row.html", r=r, can_act=can_act) for r in rows},
+                "added": [
+                    {
+                        "id": r.m.id,
+                        "key": r.key,
+                        "html": fragment("_row.html", r=r, can_act=can_act),
+                    }
+                    for r in added
+                ],
                 "counts": counts,
             },
             headers={"Cache-Control": "no-store"},

@@ -406,3 +406,58 @@ def test_events_page_tails_live(browser, app, tokens) -> None:  # type: ignore[n
 
 
 __all__ = ["Path"]
+
+
+def test_new_machines_appear_live_within_the_page_filters(browser, app, tokens) -> None:  # type: ignore[no-untyped-def]
+    page = login(browser, app.base, tokens.technician)
+    page.goto("/ui/?rack=r7")
+    expect(page.locator("#live")).to_have_text("on")
+    page.evaluate("window.__sameDocument = true")
+    assert rows(page) == [f"r7-{i:02d}" for i in range(6)]
+
+    def added(resp: Any) -> bool:
+        return "/ui/fleet/rows" in resp.url and "add=" in resp.url
+
+    # Another rack's new machine: the page asks for it with its own filters and gets nothing.
+    with page.expect_response(added) as other:
+        r = api(
+            app,
+            tokens.admin,
+            "POST",
+            "/api/v1/machines",
+            json={"macs": ["52:54:00:bb:00:01"], "name": "r8-new", "rack": "r8"},
+        )
+        assert r.status_code == 201, r.text
+    assert "rack=r7" in other.value.url and other.value.json()["added"] == []
+    # This rack's new machine appears in name order, without a reload.
+    r = api(
+        app,
+        tokens.admin,
+        "POST",
+        "/api/v1/machines",
+        json={"macs": ["52:54:00:bb:00:02"], "name": "r7-02b", "rack": "r7"},
+    )
+    assert r.status_code == 201, r.text
+    expect(page.locator("#fleet tbody td[data-col=name]")).to_have_count(7)
+    assert rows(page) == ["r7-00", "r7-01", "r7-02", "r7-02b", "r7-03", "r7-04", "r7-05"]
+    assert page.evaluate("window.__sameDocument") is True
+    page.context.close()
+
+
+def test_live_additions_come_from_the_scoped_query(browser, app, tokens) -> None:  # type: ignore[no-untyped-def]
+    """The rows endpoint answers a machine only through the page's scoped, filtered query:
+    an orchestrator asking for a machine outside its tenants gets nothing."""
+    page = login(browser, app.base, tokens.orchestrator)
+
+    def ask(query: str) -> list[str]:
+        got = page.evaluate(
+            "async (q) => (await (await fetch('/ui/fleet/rows?' + q,"
+            " {headers: {Accept: 'application/json'}})).json()).added.map((a) => a.id)",
+            query,
+        )
+        return list(got)
+
+    assert ask(f"add={tokens.machine_free}&add={tokens.machine_b}") == []
+    assert ask(f"add={tokens.machine_a}&add={tokens.machine_free}") == [tokens.machine_a]
+    assert ask(f"add={tokens.machine_a}&state=broken") == []  # filters apply too
+    page.context.close()
