@@ -52,6 +52,7 @@ async def _session(http: aiohttp.ClientSession, base: str, token: str, mid: str)
     return cookie, found.group(1)
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # the forwarding, not the store
 async def test_a_session_console_on_a_non_owner_is_carried_to_the_owner(
     cfg: Config, store: Store, sim: SolSim
 ) -> None:

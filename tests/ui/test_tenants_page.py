@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import pytest
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
 from sqlmodel import select
@@ -36,6 +37,7 @@ def statements() -> Iterator[list[str]]:
         event.remove(Engine, "before_cursor_execute", count)
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # the SQL is portable
 def test_hubs_peers_and_nodes_of_all_tenants_in_three_statements(cfg: Config, store: Store) -> None:
     tokens = seed(store)
     box = SecretBox.from_file(cfg.secrets_key_path)
