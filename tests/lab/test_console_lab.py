@@ -164,8 +164,18 @@ async def serve():
     await bmc.stop()
     await runner.cleanup()
 
-threading.Thread(target=lambda: loop.run_until_complete(serve()), daemon=True).start()
+def run():
+    try:
+        loop.run_until_complete(serve())
+    except BaseException as e:
+        box["error"] = e
+        ready.set()
+
+server = threading.Thread(target=run, daemon=True)
+server.start()
 ready.wait(60)
+if "error" in box:
+    raise box["error"]
 base, tokens = box["base"], box["tokens"]
 tech, mid = tokens.header("technician"), tokens.machine_free
 body = {"address": address, "port": port, "protocol": "ipmi", "username": user,
@@ -200,6 +210,7 @@ with chromium() as browser:
 r = requests.post(power, json={"action": "off"}, headers=tech, timeout=60)
 out["off"] = r.status_code
 loop.call_soon_threadsafe(box["stop"].set)
+server.join(30)  # the SOL session is closed at the BMC before the process ends
 print(json.dumps(out))
 """
 
