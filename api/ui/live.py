@@ -1,7 +1,8 @@
 """What stays open: the event stream the live pages follow (the API's own SSE stream, the
 shared fan-out, for the session's principal) and the serial console WebSocket (the API's
-console route). Both end within ``RECHECK_S`` once the session ends: logout, expiry, or its
-token revoked or expired.
+console route). Once the session ends (logout, expiry, or its token revoked or expired) the
+stream ends within ``RECHECK_S``, the console within ``api.routes_console.RECHECK_S`` (its
+own watch asks ``ConsoleCaller.still_valid``).
 
 Browsers cannot put a token in a WebSocket's or an EventSource's headers, so both ride on the
 session cookie (SameSite=Strict, so another site's page cannot send it), and the WebSocket
