@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
+import requests
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
 from sqlmodel import select
@@ -21,6 +23,7 @@ from metald.store import Store
 from metald.store.models import Tenant, WgPeer
 from metald.tenants import clusters
 from tests.conftest import seed
+from tests.ui.conftest import serve
 
 
 @contextmanager
@@ -88,3 +91,39 @@ def test_hubs_peers_and_nodes_of_all_tenants_in_three_statements(cfg: Config, st
         # An orchestrator's nodes are only its tenants' machines, whatever ids it passes.
         mine = tenant_details(s, orch, ids)
         assert set(mine.nodes) == {tokens.tenant_a}
+
+
+def test_the_tenants_page_costs_the_same_with_more_tenants(tmp_path: Path) -> None:
+    """The page's statements do not grow with the number of tenants (it was one hub call and
+    one machines call per tenant)."""
+    with serve(tmp_path, None) as app:
+        assert app.tokens is not None
+        http = requests.Session()
+        r = http.post(
+            app.base + "/ui/login", data={"token": app.tokens.admin}, allow_redirects=False
+        )
+        assert r.status_code == 303, r.text
+
+        def cost() -> int:
+            with statements() as seen:
+                r = http.get(app.base + "/ui/tenants", timeout=10)
+            assert r.status_code == 200, r.text
+            return len(seen)
+
+        cost()  # the first request warms caches
+        before = cost()
+        box = SecretBox.from_file(app.tmp_path / "state" / "secrets.key")
+        with app.store.session() as s:
+            for i in range(5):
+                t = clusters.add_tenant(
+                    s,
+                    name=f"more{i}",
+                    cluster_kind="slurm",
+                    control_plane=None,
+                    vlan_range=(100, 4000),
+                    actor="test",
+                )
+                clusters.setup_hub(s, box, t.id, endpoint_host=f"192.0.2.{50 + i}")
+        page = http.get(app.base + "/ui/tenants", timeout=10).text
+        assert all(f"more{i}" in page for i in range(5))
+        assert cost() == before
