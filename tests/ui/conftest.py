@@ -1,6 +1,6 @@
 """Browser tests of the web console: Debian's chromium driven by Playwright, against a real
 metald app on loopback (``tests.api_helpers.LoopbackApi``). One app and one browser per
-session; each test opens its own browser context (its own cookies). The browser helpers live
+module; each test opens its own browser context (its own cookies). The browser helpers live
 in ``tests.ui_browser`` (the lab's console page test uses them too).
 
 Screenshots go to $METALD_ARTIFACTS/ui (else a temporary folder), printed at the start."""
@@ -17,7 +17,9 @@ from tests.api_helpers import LoopbackApi, Prepare
 from tests.ui_browser import CHROMIUM, artifacts_dir, axe_violations, chromium, login, shoot
 
 
-@pytest.fixture(scope="session")  # one chromium for tests/ui; each test has its own context
+# Module scope, not wider: Playwright's sync API keeps an event loop running in this thread
+# while the browser is open, and asyncio tests of later modules could not start their own.
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
     if not Path(CHROMIUM).exists():
         pytest.fail("Debian's chromium is not installed; run scripts/bootstrap")
