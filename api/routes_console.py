@@ -12,8 +12,11 @@ so orchestrators get none, not even read-only. The caller's token is checked aga
 ``RECHECK_S`` and the socket closed once it is revoked or expired.
 
 In a fleet the BMC's SOL runs on the instance that owns the BMC: another instance proxies
-the WebSocket there with the caller's own token (the owner authorizes it again), so clients
-need only one URL. A proxied connection is never proxied again.
+the WebSocket there with the caller's own credential (the owner authorizes it again), so
+clients need only one URL. A proxied connection is never proxied again. That credential is the
+bearer token, or for the web console's session (which holds none, ``ApiRequest.session``) the
+session's cookie to the owner's own console route: the owner resolves the same principal from
+the shared store and checks the session there.
 """
 
 from __future__ import annotations
@@ -38,9 +41,6 @@ router = Router()
 TAG = "bmcs"
 #: How often an open console re-checks that its token is still valid.
 RECHECK_S = 5.0
-#: A caller that authenticated otherwise than with a bearer token (the web console's session,
-#: ``api.ui``) sets this on the request: an async callable answering whether it may go on.
-STILL_VALID = "metald.console.still_valid"
 #: Keystrokes in one frame (a paste larger than this is refused, not split silently).
 MAX_INPUT_BYTES = 4096
 
@@ -133,13 +133,13 @@ async def _pump(
             else:
                 await ws.send_json(item)
 
-    still_valid = req.raw.get(STILL_VALID)
+    session = req.session
 
     async def token_watch() -> str:
         while True:
             await asyncio.sleep(RECHECK_S)
-            if still_valid is not None:
-                if not await still_valid():
+            if session is not None:
+                if not await session.still_valid():
                     return "the session ended, or its token was revoked or expired"
             elif await req.ctx.store.run(authenticate, secret) is None:
                 return "the token was revoked or expired"
@@ -198,7 +198,9 @@ async def _pump(
 async def _proxy(req: ApiRequest, owner_url: str) -> web.StreamResponse:
     """Carry the WebSocket to the BMC's owner instance, frames as they are, both ways."""
     headers = {FORWARDED: req.ctx.instance}
-    if auth := req.raw.headers.get("Authorization"):
+    if req.session is not None:
+        headers |= req.session.forward_headers(owner_url)
+    elif auth := req.raw.headers.get("Authorization"):
         headers["Authorization"] = auth
     target = owner_url.rstrip("/") + req.raw.path_qs
     http = aiohttp.ClientSession()

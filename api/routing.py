@@ -14,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import StreamReader, web
 from aiohttp.web_protocol import RequestPayloadError
@@ -73,6 +73,19 @@ class RouteSpec:
         return re.sub(r"{(\w+):[^}]*}", r"{\1}", self.path)
 
 
+class SessionCaller(Protocol):
+    """A web console session calling a route in process (``api.ui.live``)."""
+
+    async def still_valid(self) -> bool:
+        """Whether the session still stands (logout, expiry, its token revoked)."""
+        ...
+
+    def forward_headers(self, owner_url: str) -> dict[str, str]:
+        """Headers that carry this session to another instance of the fleet at ``owner_url``
+        (the request is sent to the same path there: the console's own route)."""
+        ...
+
+
 @dataclass
 class ApiRequest:
     raw: web.Request
@@ -83,6 +96,9 @@ class ApiRequest:
     params: dict[str, str] = field(default_factory=dict)
     #: The version an ``If-Match`` header names (None: no header, or ``*``).
     if_match: int | None = None
+    #: Set when the web console (``api.ui``) calls the route in process for a session, which
+    #: holds no bearer token: how a long-lived route re-checks that caller and forwards it.
+    session: SessionCaller | None = None
 
     @property
     def actor(self) -> str:

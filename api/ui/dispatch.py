@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 
 from api.problem import describe_validation
 from api.resolve import FULL_ID, path_kinds, resolve
-from api.routing import ApiRequest, Refusal, RouteSpec, authorize, wire_json
+from api.routing import ApiRequest, Refusal, RouteSpec, SessionCaller, authorize, wire_json
 from api.ui.guard import UiRequest
 from metald.errors import MetaldError
 from metald.lifecycle import IllegalTransition
@@ -68,6 +68,7 @@ class Api:
         query: dict[str, Any] | None,
         body: dict[str, Any] | None,
         raw: web.Request,
+        session: SessionCaller | None = None,
     ) -> Any:
         try:
             authorize(spec, ui.principal)
@@ -82,7 +83,7 @@ class Api:
                         }
                     ),
                 }
-            areq = ApiRequest(raw, ui.ctx, ui.principal, params=params)
+            areq = ApiRequest(raw, ui.ctx, ui.principal, params=params, session=session)
             if spec.query is not None:
                 areq.query = spec.query.model_validate(query or {})
             if spec.body is not None:

@@ -210,4 +210,14 @@ def rows_by_id(s: Session, p: Principal, ids: list[str]) -> list[FleetRow]:
     return decorate(s, list(s.exec(stmt)))
 
 
-__all__ = ["FleetPage", "FleetQuery", "FleetRow", "fleet_page", "rows_by_id"]
+def rows_matching(s: Session, p: Principal, f: FleetQuery, ids: list[str]) -> list[FleetRow]:
+    """Of these machines, those the fleet page's query would list: the caller's scope, the
+    page's filters and search (the live table adds them; never a row from an event's payload,
+    so a new machine outside the caller's scope or filters is never shown)."""
+    if not ids:
+        return []
+    stmt = select(Machine).where(col(Machine.id).in_(ids[:200]), *where(p, f))
+    return decorate(s, list(s.exec(stmt)))
+
+
+__all__ = ["FleetPage", "FleetQuery", "FleetRow", "fleet_page", "rows_by_id", "rows_matching"]

@@ -1,7 +1,8 @@
 """What stays open: the event stream the live pages follow (the API's own SSE stream, the
 shared fan-out, for the session's principal) and the serial console WebSocket (the API's
-console route). Both end within ``RECHECK_S`` once the session ends: logout, expiry, or its
-token revoked or expired.
+console route). Once the session ends (logout, expiry, or its token revoked or expired) the
+stream ends within ``RECHECK_S``, the console within ``api.routes_console.RECHECK_S`` (its
+own watch asks ``ConsoleCaller.still_valid``).
 
 Browsers cannot put a token in a WebSocket's or an EventSource's headers, so both ride on the
 session cookie (SameSite=Strict, so another site's page cannot send it), and the WebSocket
@@ -12,13 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from api.routes_console import STILL_VALID
 from api.ui import sessions
 from api.ui.dispatch import Api, Refused
-from api.ui.guard import CSRF_FIELD, UI_CTX, UiRequest, current, origin_ok
+from api.ui.guard import COOKIE, CSRF_FIELD, UI_CTX, UiRequest, current, origin_ok
 from api.ui.render import error
 
 #: How often an open stream or console checks that its session still stands.
@@ -30,6 +31,26 @@ def _still_valid(ui: UiRequest):  # type: ignore[no-untyped-def]
         return await ui.ctx.store.run(sessions.load_session, ui.session_id) is not None
 
     return check
+
+
+class ConsoleCaller:
+    """The session as the API's console route sees its caller (``ApiRequest.session``): it
+    re-checks the session, and in a fleet it is carried to the instance that owns the BMC by
+    the session's own cookie, to that instance's console route (same path, same CSRF token in
+    the query), with that instance's Origin. The owner shares the store: it resolves the same
+    session and principal (the token it is bound to, checked again), applies the same roles,
+    records the attach under the same actor, and ends the console when the session ends. The
+    user's API token never travels: the store keeps only its id."""
+
+    def __init__(self, ui: UiRequest) -> None:
+        self.ui = ui
+
+    async def still_valid(self) -> bool:
+        return await _still_valid(self.ui)()
+
+    def forward_headers(self, owner_url: str) -> dict[str, str]:
+        u = urlsplit(owner_url)
+        return {"Cookie": f"{COOKIE}={self.ui.session_id}", "Origin": f"{u.scheme}://{u.netloc}"}
 
 
 async def _while_session(ui: UiRequest, work: asyncio.Task[web.StreamResponse]) -> None:
@@ -88,12 +109,17 @@ class Live:
                 "open the console from the machine's page (the WebSocket must carry the "
                 "session's CSRF token)",
             )
-        request[STILL_VALID] = _still_valid(ui)
         spec = self.api.spec("GET", "/api/v1/machines/{id}/console")
         mode = request.query.get("mode", "auto")
         try:
             return await self.api.invoke(
-                ui, spec, {"id": request.match_info["id"]}, {"mode": mode}, None, request
+                ui,
+                spec,
+                {"id": request.match_info["id"]},
+                {"mode": mode},
+                None,
+                request,
+                session=ConsoleCaller(ui),
             )
         except Refused as r:
             return error(request, r.status, r.title, r.detail)

@@ -13,6 +13,7 @@ from api.ui import fleet, sessions
 from api.ui.dispatch import Api, Refused
 from api.ui.guard import UI_CTX, UiRequest, clear_cookie, current, origin_ok, set_cookie
 from api.ui.render import error, fragment, page
+from api.ui.tenants import tenant_details
 from metald.store.models import Bmc, Event
 
 #: Bulk actions: the API route each one calls, its body, and whether it must be confirmed
@@ -156,14 +157,28 @@ class Views:
         )
 
     async def fleet_rows(self, ui: UiRequest) -> web.StreamResponse:
-        """Rows of the table again, for the live page: {"rows": {id: html}, "counts": {...}}."""
+        """Rows of the table again, for the live page: {"rows": {id: html}, "added": [{id,
+        key, html}], "counts": {...}}. ``id``: rows on the page, refreshed in place. ``add``:
+        machines the page does not show yet (an event named them), answered only when the
+        page's own query (scope, filters, search: the page's query parameters) lists them."""
         ids = ui.raw.query.getall("id", [])
+        add = ui.raw.query.getall("add", [])
         rows = await ui.ctx.store.read(fleet.rows_by_id, ui.principal, ids)
+        f = fleet.FleetQuery.from_params(ui.raw.query)
+        added = await ui.ctx.store.read(fleet.rows_matching, ui.principal, f, add)
         can_act = self.api.allows(ui, "POST", "/api/v1/machines/{id}/actions")
         counts = await ui.ctx.store.read(_counts, ui.principal)
         return web.json_response(
             {
                 "rows": {r.m.id: fragment("_row.html", r=r, can_act=can_act) for r in rows},
+                "added": [
+                    {
+                        "id": r.m.id,
+                        "key": r.key,
+                        "html": fragment("_row.html", r=r, can_act=can_act),
+                    }
+                    for r in added
+                ],
                 "counts": counts,
             },
             headers={"Cache-Control": "no-store"},
@@ -339,28 +354,18 @@ class Views:
     async def tenants(self, ui: UiRequest) -> web.StreamResponse:
         try:
             self.need(ui, "GET", "/api/v1/tenants")
+            self.need(ui, "GET", "/api/v1/tenants/{id}/hub")
             data = await self.api.call(ui, "GET", "/api/v1/tenants", query={"limit": 200})
-            hubs: dict[str, Any] = {}
-            nodes: dict[str, list[dict[str, Any]]] = {}
-            for t in data["items"]:
-                try:
-                    hubs[t["id"]] = await self.api.call(
-                        ui, "GET", "/api/v1/tenants/{id}/hub", params={"id": t["id"]}
-                    )
-                except Refused:
-                    hubs[t["id"]] = None
-                ms = await self.api.call(
-                    ui, "GET", "/api/v1/machines", query={"tenant_id": t["id"], "limit": 200}
-                )
-                nodes[t["id"]] = ms["items"]
         except Refused as r:
             return self.refused(ui, r, "tenants")
+        ids = [t["id"] for t in data["items"]]
+        details = await ui.ctx.store.read(tenant_details, ui.principal, ids)
         return page(
             "tenants.html",
             title="Tenants",
             data=data,
-            hubs=hubs,
-            nodes=nodes,
+            hubs=details.hubs,
+            nodes=details.nodes,
             **self.base(ui, "tenants"),
         )
 

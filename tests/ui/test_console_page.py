@@ -7,6 +7,7 @@ page reach the line. A WebSocket from another Origin, or without the CSRF token,
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import threading
 from collections.abc import Iterator
@@ -21,11 +22,14 @@ from playwright.sync_api import expect
 from tests.bmc.peers import PASSWORD
 from tests.bmc.test_sol_ipmi_sim import SolSim, running_sol_sim
 from tests.conftest import Tokens, seed
-from tests.ui.conftest import axe_violations, login, shoot
+from tests.ui_browser import axe_violations, open_as, shoot
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("ipmi_sim") is None, reason="needs OpenIPMI's ipmi_sim"
-)
+pytestmark = [
+    pytest.mark.skipif(shutil.which("ipmi_sim") is None, reason="needs OpenIPMI's ipmi_sim"),
+    # The session reaches the console route as ApiRequest.session, not as a str key on the
+    # aiohttp request (which aiohttp warns about): the warning fails the test.
+    pytest.mark.filterwarnings("error::aiohttp.web_exceptions.NotAppKeyWarning"),
+]
 
 
 @dataclass
@@ -130,11 +134,14 @@ def console_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ConsoleApp
 
 def test_console_shows_serial_text_and_sends_typed_keys(browser, console_app, shots) -> None:  # type: ignore[no-untyped-def]
     app = console_app
-    page = login(browser, app.base, app.tokens.technician)
-    page.goto(f"/ui/machines/{app.tokens.machine_free}")
+    page = open_as(
+        browser, app.base, app.tokens.technician, f"/ui/machines/{app.tokens.machine_free}"
+    )
     page.get_by_role("button", name="Open console").click()
     expect(page.locator("#console-mode")).to_have_text("you type")
     expect(page.locator("#watching")).to_have_text("technician:technician")
+    # Text printed before the SOL session is up is not the console's: wait for the link.
+    expect(page.locator("#console-state")).to_have_text(re.compile("^connected"))
     app.run(app.sim.serial.send(b"SeaBIOS (version 1.16)\r\nBooting from ROM...\r\nlogin: "))
     expect(page.locator("#term .xterm-rows")).to_contain_text("Booting from ROM...")
     page.locator("#term").click()
@@ -148,8 +155,9 @@ def test_console_shows_serial_text_and_sends_typed_keys(browser, console_app, sh
 
 def test_console_websocket_needs_our_origin_and_the_csrf_token(browser, console_app) -> None:  # type: ignore[no-untyped-def]
     app = console_app
-    page = login(browser, app.base, app.tokens.technician)
-    page.goto(f"/ui/machines/{app.tokens.machine_free}")
+    page = open_as(
+        browser, app.base, app.tokens.technician, f"/ui/machines/{app.tokens.machine_free}"
+    )
     csrf = page.locator("body").get_attribute("data-csrf")
     cookie = page.context.cookies()[0]
     ws_url = app.base.replace("http", "ws") + f"/ui/machines/{app.tokens.machine_free}/console"

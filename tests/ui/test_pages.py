@@ -14,6 +14,7 @@ import pytest
 import requests
 from playwright.sync_api import expect
 
+from api.ui import live
 from metald import machines
 from metald.inventory import validate_inventory
 from metald.lifecycle import Trigger
@@ -22,7 +23,8 @@ from tests.api_helpers import LoopbackApi
 from tests.conftest import Tokens
 from tests.inventory.conftest import fixture_text, payload
 from tests.inventory.fakesys import parse_lspci_nn
-from tests.ui.conftest import axe_violations, login, serve, shoot
+from tests.ui.conftest import serve
+from tests.ui_browser import axe_violations, login, open_as, shoot
 
 A100_LSPCI = "lspci-nn_8x-a100-sxm4-80gb_nvswitch_cx6-vf.txt"
 A100_XML = "nvidia-smi-q-x_a100-sxm4-80gb_mig_drv535.54.03.xml"
@@ -97,8 +99,12 @@ def fleet(_cfg: Any, store: Any, _tokens: Tokens) -> None:
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackApi]:
-    with serve(tmp_path_factory.mktemp("ui"), fleet) as a:
-        yield a
+    # Open streams re-check their session every 0.2 s instead of 2 s: the revocation test
+    # waits on the stream's end, not on a fixed interval.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(live, "RECHECK_S", 0.2)
+        with serve(tmp_path_factory.mktemp("ui"), fleet) as a:
+            yield a
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +153,7 @@ def test_login_and_the_fleet_lists_the_machines(browser, app, tokens, shots) -> 
 
 
 def test_a_state_change_through_the_api_appears_without_reload(browser, app, tokens) -> None:  # type: ignore[no-untyped-def]
-    page = login(browser, app.base, tokens.technician)
+    page = open_as(browser, app.base, tokens.technician)
     expect(page.locator("#live")).to_have_text("on")
     page.evaluate("window.__sameDocument = true")
     mid = machine_id(app, "r7-05")
@@ -170,7 +176,7 @@ def test_a_state_change_through_the_api_appears_without_reload(browser, app, tok
 
 
 def test_search_and_filters(browser, app, tokens) -> None:  # type: ignore[no-untyped-def]
-    page = login(browser, app.base, tokens.technician)
+    page = open_as(browser, app.base, tokens.technician)
     search = page.get_by_role("search").get_by_label("Search", exact=True)
     search.fill("52:54:00:00:00:02")  # node1's MAC
     search.press("Enter")
@@ -207,7 +213,7 @@ def test_search_and_filters(browser, app, tokens) -> None:  # type: ignore[no-un
 
 
 def test_bulk_maintenance_is_confirmed_first(browser, app, tokens, shots) -> None:  # type: ignore[no-untyped-def]
-    page = login(browser, app.base, tokens.technician)
+    page = open_as(browser, app.base, tokens.technician)
     for name in ("r7-00", "r7-01"):
         page.get_by_label(f"Select {name}").check()
     expect(page.locator("#selected")).to_have_text("2 selected")
@@ -241,7 +247,7 @@ def test_bulk_maintenance_is_confirmed_first(browser, app, tokens, shots) -> Non
 
 
 def test_machine_page_shows_the_fixture_inventory_gpus(browser, app, tokens, shots) -> None:  # type: ignore[no-untyped-def]
-    page = login(browser, app.base, tokens.technician)
+    page = open_as(browser, app.base, tokens.technician)
     page.get_by_role("link", name="gpu-a100").click()
     expect(page.get_by_role("heading", level=1)).to_contain_text("gpu-a100")
     gpus = page.locator("table.gpus tbody tr")
@@ -259,7 +265,7 @@ def test_machine_page_shows_the_fixture_inventory_gpus(browser, app, tokens, sho
 
 
 def test_technician_gets_no_tokens_page_and_admin_does(browser, app, tokens, shots) -> None:  # type: ignore[no-untyped-def]
-    page = login(browser, app.base, tokens.technician)
+    page = open_as(browser, app.base, tokens.technician)
     nav = page.get_by_role("navigation", name="Sections")
     expect(nav.get_by_role("link", name="Tokens")).to_have_count(0)
     resp = page.goto("/ui/tokens")
@@ -269,7 +275,7 @@ def test_technician_gets_no_tokens_page_and_admin_does(browser, app, tokens, sho
     )
     shoot(page, shots, "refused")
     page.context.close()
-    page = login(browser, app.base, tokens.admin)
+    page = open_as(browser, app.base, tokens.admin)
     page.get_by_role("navigation", name="Sections").get_by_role("link", name="Tokens").click()
     expect(page.get_by_role("cell", name="technician").first).to_be_visible()
     assert axe_violations(page) == []
@@ -277,7 +283,7 @@ def test_technician_gets_no_tokens_page_and_admin_does(browser, app, tokens, sho
 
 
 def test_orchestrator_sees_only_its_tenant(browser, app, tokens) -> None:  # type: ignore[no-untyped-def]
-    page = login(browser, app.base, tokens.orchestrator)
+    page = open_as(browser, app.base, tokens.orchestrator)
     assert rows(page) == ["node0"]
     assert page.locator("#bulk").count() == 0  # no fleet actions for an orchestrator
     resp = page.goto(f"/ui/machines/{tokens.machine_b}")
@@ -291,7 +297,7 @@ def test_orchestrator_sees_only_its_tenant(browser, app, tokens) -> None:  # typ
 
 
 def test_a_post_without_the_csrf_token_is_refused(browser, app, tokens) -> None:  # type: ignore[no-untyped-def]
-    page = login(browser, app.base, tokens.technician)
+    page = open_as(browser, app.base, tokens.technician)
     mid = machine_id(app, "r7-03")
     form = {"action": "maintenance-on", "id": mid, "reason": "x", "confirm": "yes"}
     json_accept = {"Accept": "application/json", "Origin": app.base}
@@ -331,7 +337,7 @@ def test_logout_and_revocation_end_the_session(browser, app, tokens) -> None:  #
     )
     assert r.status_code == 201, r.text
     token = r.json()
-    page = login(browser, app.base, token["token"])
+    page = open_as(browser, app.base, token["token"])
     expect(page.locator("#live")).to_have_text("on")
     assert api(app, tokens.admin, "DELETE", f"/api/v1/tokens/{token['id']}").status_code in (
         200,
@@ -345,7 +351,7 @@ def test_logout_and_revocation_end_the_session(browser, app, tokens) -> None:  #
 
 
 def test_every_page_passes_axe_and_is_captured(browser, app, tokens, shots) -> None:  # type: ignore[no-untyped-def]
-    page = login(browser, app.base, tokens.admin)
+    page = open_as(browser, app.base, tokens.admin)
     found: dict[str, list[dict[str, Any]]] = {}
     for name, path in [
         ("claims", "/ui/claims"),
@@ -369,8 +375,7 @@ def test_every_page_passes_axe_and_is_captured(browser, app, tokens, shots) -> N
 
 
 def test_claim_progress_moves_live(browser, app, tokens, shots) -> None:  # type: ignore[no-untyped-def]
-    page = login(browser, app.base, tokens.orchestrator)
-    page.goto("/ui/claims")
+    page = open_as(browser, app.base, tokens.orchestrator, "/ui/claims")
     expect(page.locator("#live")).to_have_text("on")
     bar = page.get_by_role("progressbar", name="node0 progress")
     expect(bar).to_have_attribute("value", "0")
@@ -393,8 +398,7 @@ def test_claim_progress_moves_live(browser, app, tokens, shots) -> None:  # type
 
 
 def test_events_page_tails_live(browser, app, tokens) -> None:  # type: ignore[no-untyped-def]
-    page = login(browser, app.base, tokens.technician)
-    page.goto("/ui/events?kind=machine.labels")
+    page = open_as(browser, app.base, tokens.technician, "/ui/events?kind=machine.labels")
     expect(page.locator("#live")).to_have_text("on")
     mid = machine_id(app, "r7-04")
     r = api(
@@ -406,3 +410,57 @@ def test_events_page_tails_live(browser, app, tokens) -> None:  # type: ignore[n
 
 
 __all__ = ["Path"]
+
+
+def test_new_machines_appear_live_within_the_page_filters(browser, app, tokens) -> None:  # type: ignore[no-untyped-def]
+    page = open_as(browser, app.base, tokens.technician, "/ui/?rack=r7")
+    expect(page.locator("#live")).to_have_text("on")
+    page.evaluate("window.__sameDocument = true")
+    assert rows(page) == [f"r7-{i:02d}" for i in range(6)]
+
+    def added(resp: Any) -> bool:
+        return "/ui/fleet/rows" in resp.url and "add=" in resp.url
+
+    # Another rack's new machine: the page asks for it with its own filters and gets nothing.
+    with page.expect_response(added) as other:
+        r = api(
+            app,
+            tokens.admin,
+            "POST",
+            "/api/v1/machines",
+            json={"macs": ["52:54:00:bb:00:01"], "name": "r8-new", "rack": "r8"},
+        )
+        assert r.status_code == 201, r.text
+    assert "rack=r7" in other.value.url and other.value.json()["added"] == []
+    # This rack's new machine appears in name order, without a reload.
+    r = api(
+        app,
+        tokens.admin,
+        "POST",
+        "/api/v1/machines",
+        json={"macs": ["52:54:00:bb:00:02"], "name": "r7-02b", "rack": "r7"},
+    )
+    assert r.status_code == 201, r.text
+    expect(page.locator("#fleet tbody td[data-col=name]")).to_have_count(7)
+    assert rows(page) == ["r7-00", "r7-01", "r7-02", "r7-02b", "r7-03", "r7-04", "r7-05"]
+    assert page.evaluate("window.__sameDocument") is True
+    page.context.close()
+
+
+def test_live_additions_come_from_the_scoped_query(browser, app, tokens) -> None:  # type: ignore[no-untyped-def]
+    """The rows endpoint answers a machine only through the page's scoped, filtered query:
+    an orchestrator asking for a machine outside its tenants gets nothing."""
+    page = open_as(browser, app.base, tokens.orchestrator)
+
+    def ask(query: str) -> list[str]:
+        got = page.evaluate(
+            "async (q) => (await (await fetch('/ui/fleet/rows?' + q,"
+            " {headers: {Accept: 'application/json'}})).json()).added.map((a) => a.id)",
+            query,
+        )
+        return list(got)
+
+    assert ask(f"add={tokens.machine_free}&add={tokens.machine_b}") == []
+    assert ask(f"add={tokens.machine_a}&add={tokens.machine_free}") == [tokens.machine_a]
+    assert ask(f"add={tokens.machine_a}&state=broken") == []  # filters apply too
+    page.context.close()

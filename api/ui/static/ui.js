@@ -138,15 +138,34 @@
     return li;
   }
 
-  // Fleet: rows of machines that changed are fetched again and replaced in place.
+  // Fleet: rows of machines that changed are fetched again and replaced in place. A machine
+  // the page does not show (new, or one that may now match the filters) is asked for with the
+  // page's own query: the server answers it only if its scoped, filtered query lists it.
   const table = $("#fleet");
   if (table) {
     const pending = new Set();
+    const pendingAdd = new Set();
     let timer = null;
+    const body = table.tBodies[0];
+    const before = (a, b) => a.key < b.key || (a.key === b.key && a.id < b.id);
+    function place(item) {
+      if (body.querySelector('tr[data-id="' + CSS.escape(item.id) + '"]')) return;
+      const rows = Array.from(body.rows);
+      const next = rows.find((tr) => before(item, { key: tr.dataset.key, id: tr.dataset.id }));
+      // Rows sorting before this page's first belong to an earlier page, after its last to a
+      // later one (keyset pages): those stay where the pager finds them.
+      if (next && next === rows[0] && table.dataset.laterPage) return;
+      if (!next && table.dataset.more) return;
+      const tpl = document.createElement("template"); tpl.innerHTML = item.html.trim();
+      body.insertBefore(tpl.content.firstElementChild, next || null);
+    }
     async function refresh() {
       timer = null;
       const ids = Array.from(pending); pending.clear();
-      const q = new URLSearchParams(); ids.forEach((i) => q.append("id", i));
+      const adds = Array.from(pendingAdd).slice(0, 200); pendingAdd.clear();
+      const q = new URLSearchParams(table.dataset.query || "");
+      ids.forEach((i) => q.append("id", i));
+      adds.forEach((i) => q.append("add", i));
       const r = await fetch("/ui/fleet/rows?" + q, { headers: { Accept: "application/json" } });
       if (!r.ok) return;
       const data = await r.json();
@@ -160,6 +179,7 @@
         if (was && box) box.checked = was.checked;
         old.replaceWith(row);
       });
+      (data.added || []).forEach(place);
       const counts = $("#counts");
       $$("[data-count]", counts).forEach((el) => { if (!(el.dataset.count in data.counts)) el.closest("li").remove(); });
       Object.entries(data.counts).sort().forEach(([state, n]) => {
@@ -176,8 +196,9 @@
       applyColumns();
     }
     follow(table.dataset.liveAfter, {}, (e) => {
-      if (!e.machine_id || !table.querySelector('tr[data-id="' + CSS.escape(e.machine_id) + '"]')) return;
-      pending.add(e.machine_id);
+      if (!e.machine_id) return;
+      if (table.querySelector('tr[data-id="' + CSS.escape(e.machine_id) + '"]')) pending.add(e.machine_id);
+      else pendingAdd.add(e.machine_id);
       if (!timer) timer = setTimeout(refresh, 100);
     });
   }
