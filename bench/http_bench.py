@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _lab import BootProcess, namespaces, set_loop, table, write_config
+from _lab import BootProcess, namespaces, set_loop, table, tree_cpu_seconds, write_config
 
 DRIVER = r"""
 import asyncio, sys, time
@@ -91,6 +91,7 @@ def main() -> int:
         print("nginx is not installed (Debian package nginx-light)", file=sys.stderr)
         return 2
     res: dict[str, list[tuple[float, int]]] = {n: [] for n in names}
+    cpus: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
         root = tmp / "assets"
@@ -108,6 +109,7 @@ def main() -> int:
             lab = ns["http"]
             ports = {"nginx": 8081}
             procs = []
+            pids: dict[str, int] = {}
             for n, name in enumerate(x for x in names if x.startswith("metald")):
                 ports[name] = 8090 + n
                 cfg = write_config(
@@ -118,6 +120,7 @@ def main() -> int:
                 )
                 set_loop(name)
                 procs.append(BootProcess(lab, cfg, tmp / f"metald{n}.log").start())
+                pids[name] = procs[-1].proc.pid  # type: ignore[union-attr]
             ng = lab.popen(
                 "nginx",
                 "-c",
@@ -127,11 +130,13 @@ def main() -> int:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
+            pids["nginx"] = ng.pid
             time.sleep(1.0)
             try:
                 for rnd in range(args.rounds):
                     for name in names:
                         port = ports[name]
+                        cpu0 = tree_cpu_seconds(pids[name])
                         base = f"http://127.0.0.1:{port}/boot/assets"
                         r = lab.run(
                             sys.executable,
@@ -144,9 +149,14 @@ def main() -> int:
                             str(i.stat().st_size),
                             timeout=600,
                         )
+                        cpu = tree_cpu_seconds(pids[name]) - cpu0
                         wall, bad = r.stdout.split()
                         res[name].append((float(wall), int(bad)))
-                        print(f"round {rnd} {name}: {wall} s, {bad} failed", flush=True)
+                        cpus.setdefault(name, []).append(cpu)
+                        print(
+                            f"round {rnd} {name}: {wall} s, server CPU {cpu:.2f} s, {bad} failed",
+                            flush=True,
+                        )
             finally:
                 ng.terminate()
                 ng.wait(10)
@@ -154,6 +164,7 @@ def main() -> int:
                     bp.stop()
     total_mb = args.clients * (args.kernel_mb + args.initrd_mb)
     ref = statistics.median(w for w, _ in res["nginx"]) if res.get("nginx") else 1.0
+    cref = statistics.median(cpus["nginx"]) if cpus.get("nginx") else 1.0
     rows = []
     for name in names:
         med = statistics.median(w for w, _ in res[name])
@@ -165,6 +176,8 @@ def main() -> int:
                 f"{total_mb / med:.0f}",
                 sum(b for _, b in res[name]),
                 f"{med / ref:.2f}",
+                f"{statistics.median(cpus[name]):.2f}",
+                f"{statistics.median(cpus[name]) / cref:.2f}",
             ]
         )
     print(
@@ -172,7 +185,8 @@ def main() -> int:
         f"{args.initrd_mb} MiB), loopback in a netns, {args.rounds} interleaved rounds"
     )
     headers = ["server", "wall s (median)", "wall s (best)", "MiB/s (median)"]
-    print(table(headers + ["failed (all rounds)", "median time vs nginx"], rows))
+    headers += ["failed (all rounds)", "median time vs nginx", "server CPU s (median)"]
+    print(table(headers + ["CPU vs nginx"], rows))
     return 0
 
 

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _lab import namespaces, set_loop, table, write_config
+from _lab import namespaces, set_loop, table, tree_cpu_seconds, write_config
 
 IPXE = Path("/usr/lib/ipxe/ipxe.efi")
 
@@ -76,6 +76,7 @@ def main() -> int:
         "EDK2-like (blksize 1468, windowsize 4)": ["blksize 1468", "windowsize 4"],
     }
     results: dict[tuple[str, str], list[tuple[float, int]]] = {}
+    cpus: dict[tuple[str, str], list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "root"
         root.mkdir()
@@ -101,6 +102,7 @@ def main() -> int:
                         )
                         bp = BootProcess(lab, cfg, Path(tmp) / "metald.log").start()
                         stop = bp.stop
+                        pid = bp.proc.pid  # type: ignore[union-attr]
                     else:
                         if name == "tftpd-hpa":
                             # in.tftpd resolves its bind address with AI_ADDRCONFIG, which fails
@@ -125,6 +127,7 @@ def main() -> int:
                                 "--log-facility=/dev/null",
                             ]
                         proc = lab.popen(*cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                        pid = proc.pid
                         time.sleep(0.5)
 
                         def stop(proc=proc) -> None:  # type: ignore[no-untyped-def]
@@ -135,6 +138,7 @@ def main() -> int:
                         for sc, opts in scenarios.items():
                             out = Path(tmp) / f"out-{name}-{rnd}-{len(opts[0])}"
                             out.mkdir()
+                            cpu0 = tree_cpu_seconds(pid)
                             r = lab.run(
                                 sys.executable,
                                 "-c",
@@ -146,9 +150,15 @@ def main() -> int:
                                 *opts,
                                 timeout=300,
                             )
+                            cpu = tree_cpu_seconds(pid) - cpu0
                             wall, bad = r.stdout.split()
                             results.setdefault((sc, name), []).append((float(wall), int(bad)))
-                            print(f"round {rnd} {name:10} {sc}: {wall} s, {bad} failed", flush=True)
+                            cpus.setdefault((sc, name), []).append(cpu)
+                            print(
+                                f"round {rnd} {name:14} {sc}: {wall} s, server CPU {cpu:.2f} s, "
+                                f"{bad} failed",
+                                flush=True,
+                            )
                             shutil.rmtree(out)
                     finally:
                         stop()
@@ -158,6 +168,7 @@ def main() -> int:
     )
     for sc in scenarios:
         ref = statistics.median(w for w, _ in results.get((sc, "dnsmasq"), [(1.0, 0)]))
+        cref = statistics.median(cpus.get((sc, "dnsmasq"), [1.0])) or 1.0
         rows = []
         for name in args.servers.split(","):
             runs = results[(sc, name)]
@@ -169,6 +180,8 @@ def main() -> int:
                     f"{min(w for w, _ in runs):.2f}",
                     sum(b for _, b in runs),
                     f"{med / ref:.2f}",
+                    f"{statistics.median(cpus[(sc, name)]):.2f}",
+                    f"{statistics.median(cpus[(sc, name)]) / cref:.2f}",
                 ]
             )
         print(f"\n{sc}")
@@ -180,6 +193,8 @@ def main() -> int:
                     "wall s (best)",
                     "failed fetches (all rounds)",
                     "median time vs dnsmasq",
+                    "server CPU s (median)",
+                    "CPU vs dnsmasq",
                 ],
                 rows,
             )
