@@ -79,40 +79,44 @@ class _Transfer:
         self.timer = self.loop.call_later(self.machine.interval, self._check)
 
     def _readable(self) -> None:
-        # One datagram per wake-up: the loop's readiness is level-triggered, so a datagram
-        # left queued wakes this again on the next iteration (after the other transfers had
-        # their turn: a flood at one port cannot starve them). Draining until EAGAIN would
-        # cost a failing recvfrom and its exception per ACK (~1.2 us of ~7 in lock-step).
-        try:
-            data, addr = self.sock.recvfrom(2048)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:  # ICMP port unreachable: the client went away
-            return
-        if addr != self.peer:
-            # RFC 1350: a packet from another TID gets an error; the transfer goes on.
-            metrics.inc(metrics.tftp_dropped, "unknown-tid")
-            self._sendto(error_packet(ErrorCode.UNKNOWN_TID, "unknown transfer id"), addr)
-            return
-        machine = self.machine
-        try:
-            out = machine.on_packet(data)
-        except MalformedTftp as e:
-            metrics.inc(metrics.tftp_dropped, e.reason)
-            return
-        if out:
-            self.last = self.loop.time()
-            sendto, peer = self.sock.sendto, self.peer
-            for p in out:
-                try:
-                    sendto(p, peer)
-                except OSError:  # a full buffer (the retransmit timer resends) or gone
-                    break
-        if machine.result is not Result.RUNNING:
-            self.end(machine.result.value)
-        elif machine.confirmed and not self.confirmed:
-            self.confirmed = True
-            self.on_event(self, "confirmed")
+        # Bounded per wake-up: a flood at one transfer's port must not starve the others.
+        # (Draining until EAGAIN is kept although it costs a failing recvfrom per ACK in
+        # lock-step: reading one datagram per wake-up was measured to cost more CPU, 1.47 vs
+        # 1.08 s for 200 fetches, by sending the loop back to epoll more often.)
+        for _ in range(64):
+            if self.closed:
+                return
+            try:
+                data, addr = self.sock.recvfrom(2048)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # ICMP port unreachable: the client went away
+                return
+            if addr != self.peer:
+                # RFC 1350: a packet from another TID gets an error; the transfer goes on.
+                metrics.inc(metrics.tftp_dropped, "unknown-tid")
+                self._sendto(error_packet(ErrorCode.UNKNOWN_TID, "unknown transfer id"), addr)
+                continue
+            machine = self.machine
+            try:
+                out = machine.on_packet(data)
+            except MalformedTftp as e:
+                metrics.inc(metrics.tftp_dropped, e.reason)
+                continue
+            if out:
+                self.last = self.loop.time()
+                sendto, peer = self.sock.sendto, self.peer
+                for p in out:
+                    try:
+                        sendto(p, peer)
+                    except OSError:  # a full buffer (the retransmit timer resends) or gone
+                        break
+            if machine.result is not Result.RUNNING:
+                self.end(machine.result.value)
+                return
+            if machine.confirmed and not self.confirmed:
+                self.confirmed = True
+                self.on_event(self, "confirmed")
 
     def repeated_request(self) -> None:
         out = self.machine.on_repeated_request()
