@@ -23,8 +23,9 @@ __all__ = [
 
 
 def set_loop(server: str) -> None:
-    """``metald`` runs on its default event loop; ``metald-asyncio`` / ``metald-uvloop`` force
-    one (METALD_EVENT_LOOP, inherited by the metald process the bench starts next)."""
+    """``metald`` runs on its configured (default) event loop; ``metald-asyncio`` and
+    ``metald-uvloop`` choose one (METALD_EVENT_LOOP, inherited by the metald process the
+    bench starts next)."""
     _, _, loop = server.partition("-")
     if loop:
         os.environ["METALD_EVENT_LOOP"] = loop

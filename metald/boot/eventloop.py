@@ -1,8 +1,11 @@
-"""Which asyncio event loop runs metald: uvloop when installed, the standard one otherwise.
+"""Which event loop runs metald: asyncio's own (the default) or uvloop (opt-in).
 
-The config's top-level ``event_loop`` ("auto", "uvloop", "asyncio"; also
-``METALD_EVENT_LOOP=asyncio`` through the usual environment override) chooses: benchmarks
-compare the two in one run with it, and it is the fallback should uvloop misbehave on a host.
+The config's top-level ``event_loop`` ("asyncio" or "uvloop"; also ``METALD_EVENT_LOOP=uvloop``
+through the usual environment override) chooses; the benchmarks compare the two in one run
+with it. uvloop is not the default: measured side by side (bench/BOOT.md) it saved a few per
+cent of CPU on DHCP and TFTP windowed transfers at best, cost more in TFTP lock-step on some
+runs, and cost ~35 % more CPU serving boot assets over HTTP even with the kernel sendfile
+below (without it, aiohttp reads every asset through a thread).
 """
 
 from __future__ import annotations
@@ -14,22 +17,16 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-CHOICES = ("auto", "uvloop", "asyncio")
+CHOICES = ("asyncio", "uvloop")
 
 
-def loop_factory(choice: str = "auto") -> tuple[str, Any]:
-    """(name, factory) for ``choice``; "auto" falls back to asyncio without uvloop."""
+def loop_factory(choice: str = "asyncio") -> tuple[str, Any]:
+    """(name, factory) for ``choice``. ImportError for "uvloop" without the package."""
     want = choice.strip().lower()
     if want not in CHOICES:
         raise ValueError(f"event_loop {want!r}: expected one of {', '.join(CHOICES)}")
-    if want in ("auto", "uvloop"):
-        try:
-            cls = _uvloop_class()
-        except ImportError:
-            if want == "uvloop":
-                raise
-        else:
-            return "uvloop", cls
+    if want == "uvloop":
+        return "uvloop", _uvloop_class()
     return "asyncio", asyncio.new_event_loop
 
 
@@ -65,18 +62,35 @@ def _uvloop_class() -> type[asyncio.AbstractEventLoop]:
     return Loop
 
 
-async def _writable(loop: asyncio.AbstractEventLoop, fd: int) -> None:
-    fut = loop.create_future()
+class _Writable:
+    """Writability of a descriptor as awaitable wake-ups; registered once for a whole
+    transfer (adding and removing a uvloop poll handle per wait costs two epoll_ctl calls and
+    a handle each time)."""
 
-    def ready() -> None:
-        if not fut.done():
+    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int) -> None:
+        self.loop, self.fd = loop, fd
+        self._fut: asyncio.Future[None] | None = None
+        self._registered = False
+
+    def _ready(self) -> None:
+        fut = self._fut
+        if fut is not None and not fut.done():
             fut.set_result(None)
 
-    loop.add_writer(fd, ready)
-    try:
-        await fut
-    finally:
-        loop.remove_writer(fd)
+    async def wait(self) -> None:
+        if not self._registered:
+            self.loop.add_writer(self.fd, self._ready)
+            self._registered = True
+        self._fut = self.loop.create_future()
+        try:
+            await self._fut
+        finally:
+            self._fut = None
+
+    def close(self) -> None:
+        if self._registered:
+            self.loop.remove_writer(self.fd)
+            self._registered = False
 
 
 async def sendfile_native(
@@ -96,12 +110,13 @@ async def sendfile_native(
     if count is None:
         count = os.fstat(fileno).st_size - offset
     fd = os.dup(sock.fileno())
+    writable = _Writable(loop, fd)
     transport.pause_reading()
     sent = 0
     try:
         # What the transport holds goes first (libuv writes it when the socket is writable).
         while transport.get_write_buffer_size():
-            await _writable(loop, fd)
+            await writable.wait()
             await asyncio.sleep(0)
         while sent < count:
             if transport.is_closing():
@@ -109,13 +124,14 @@ async def sendfile_native(
             try:
                 n = os.sendfile(fd, fileno, offset + sent, count - sent)
             except (BlockingIOError, InterruptedError):
-                await _writable(loop, fd)
+                await writable.wait()
                 continue
             if n == 0:  # the file is shorter than promised
                 break
             sent += n
         return sent
     finally:
+        writable.close()
         os.close(fd)
         if sent:
             file.seek(offset + sent)
@@ -123,7 +139,7 @@ async def sendfile_native(
             transport.resume_reading()
 
 
-def run(main: Coroutine[Any, Any, T], choice: str = "auto") -> T:
+def run(main: Coroutine[Any, Any, T], choice: str = "asyncio") -> T:
     """``asyncio.run`` on the chosen loop."""
     _name, factory = loop_factory(choice)
     with asyncio.Runner(loop_factory=factory) as runner:

@@ -24,13 +24,13 @@ def test_choices_and_config_key(tmp_path: Path) -> None:
     assert eventloop.loop_factory("asyncio") == ("asyncio", asyncio.new_event_loop)
     name, factory = eventloop.loop_factory("uvloop")
     assert name == "uvloop" and issubclass(factory, uvloop.Loop)
-    assert eventloop.loop_factory("auto")[0] == "uvloop"  # installed: the default
+    assert eventloop.loop_factory()[0] == "asyncio"  # the default
     with pytest.raises(ValueError, match="expected one of"):
         eventloop.loop_factory("trio")
     cfg = tmp_path / "m.toml"
     cfg.write_text(f'state_dir = "{tmp_path}"\n')
-    assert load_config(cfg, environ={}).event_loop == "auto"
-    assert load_config(cfg, environ={"METALD_EVENT_LOOP": "asyncio"}).event_loop == "asyncio"
+    assert load_config(cfg, environ={}).event_loop == "asyncio"
+    assert load_config(cfg, environ={"METALD_EVENT_LOOP": "uvloop"}).event_loop == "uvloop"
     with pytest.raises(ConfigError, match="event_loop"):
         load_config(cfg, environ={"METALD_EVENT_LOOP": "trio"})
 
@@ -71,14 +71,14 @@ def test_assets_over_uvloop_use_kernel_sendfile(
         raise AssertionError("aiohttp fell back to reading the file through Python")
 
     waits: list[int] = []
-    real_wait = eventloop._writable
+    real_wait = eventloop._Writable.wait
 
-    async def counted_wait(loop: asyncio.AbstractEventLoop, fd: int) -> None:
-        waits.append(fd)
-        await real_wait(loop, fd)
+    async def counted_wait(self: eventloop._Writable) -> None:
+        waits.append(self.fd)
+        await real_wait(self)
 
     monkeypatch.setattr(eventloop, "sendfile_native", counted)
-    monkeypatch.setattr(eventloop, "_writable", counted_wait)
+    monkeypatch.setattr(eventloop._Writable, "wait", counted_wait)
     monkeypatch.setattr(web.FileResponse, "_sendfile_fallback", no_fallback)
 
     async def main() -> None:
