@@ -69,7 +69,7 @@ def test_shared_packets_and_inline_parse_match_the_slow_path(
 
 def test_packets_are_shared_only_after_a_valid_ack_and_bounded() -> None:
     data = bytes(range(256)) * 40  # 10240 bytes
-    cache = PacketCache(total_max=3 * (len(data) + 4 * 25))
+    cache = PacketCache(total_max=3 * PacketCache.cost(len(data), 512))
     neg = negotiate({"blksize": "512", "tsize": "0"}, len(data))
     forged = [ReadTransfer(data, neg, packets=cache) for _ in range(50)]
     for t in forged:

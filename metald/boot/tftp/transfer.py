@@ -71,6 +71,13 @@ class PacketCache:
     def __len__(self) -> int:
         return len(self._lists)
 
+    @staticmethod
+    def cost(size: int, blksize: int) -> int:
+        """Bytes an entry holds at most: the packets (a copy of the file plus a header and
+        a bytes object's overhead per block) and the contents themselves, which the entry
+        keeps alive even after the file cache has dropped them."""
+        return 2 * size + 64 * (size // blksize + 1)
+
     def get(self, data: bytes, blksize: int) -> list[bytes] | None:
         if len(data) > PACKETS_FILE_MAX:
             return None
@@ -80,7 +87,7 @@ class PacketCache:
             self._lists.move_to_end(key)
             return hit[1]
         nblocks = len(data) // blksize + 1
-        cost = len(data) + 4 * nblocks
+        cost = self.cost(len(data), blksize)
         if cost > self.total_max:
             return None
         packets = [
