@@ -2,10 +2,35 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from vmlab.lab import REPO_ROOT as ROOT
 from vmlab.labnet import BootProcess, Netns, namespaces, sh, veth, write_config
 
-__all__ = ["ROOT", "BootProcess", "Netns", "namespaces", "sh", "veth", "write_config", "table"]
+__all__ = [
+    "ROOT",
+    "BootProcess",
+    "Netns",
+    "namespaces",
+    "set_loop",
+    "tree_cpu_seconds",
+    "sh",
+    "veth",
+    "write_config",
+    "table",
+]
+
+
+def set_loop(server: str) -> None:
+    """``metald`` runs on its configured (default) event loop; ``metald-asyncio`` and
+    ``metald-uvloop`` choose one (METALD_EVENT_LOOP, inherited by the metald process the
+    bench starts next)."""
+    _, _, loop = server.partition("-")
+    if loop:
+        os.environ["METALD_EVENT_LOOP"] = loop
+    else:
+        os.environ.pop("METALD_EVENT_LOOP", None)
 
 
 def table(headers: list[str], rows: list[list[object]]) -> str:
@@ -16,3 +41,21 @@ def table(headers: list[str], rows: list[list[object]]) -> str:
     ]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join(lines)
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of a process and its descendants (nginx's workers), from /proc: a
+    cost figure that load on a shared box distorts far less than wall time."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            f = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+        # utime, stime, and cutime, cstime: children already reaped (tftpd-hpa forks per
+        # transfer) are no longer in the tree, so nothing counts twice.
+        total += sum(int(x) for x in f[11:15]) / os.sysconf("SC_CLK_TCK")
+    return total

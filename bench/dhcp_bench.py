@@ -18,13 +18,14 @@ import os
 import re
 import signal
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _lab import BootProcess, Netns, namespaces, table, veth, write_config
+from _lab import BootProcess, Netns, namespaces, set_loop, table, veth, write_config
 
 SRV, CLI = "10.77.0.1", "10.77.0.2"
 POOL = ("10.77.1.0", "10.77.250.255")
@@ -93,9 +94,11 @@ class Server:
 
 
 class Metald(Server):
-    name = "metald"
+    def __init__(self, name: str = "metald") -> None:
+        self.name = name  # metald, or metald-asyncio / metald-uvloop: its event loop forced
 
     def start(self, ns: Netns, state: Path) -> None:
+        set_loop(self.name)
         cfg = write_config(
             state / "m.toml", state_dir=state / "st", boot=METALD, listen=f"{SRV}:8080"
         )
@@ -216,17 +219,29 @@ def main() -> int:
     ap.add_argument(
         "--rates", default="500,1000,1250,1500,1750,2000,2500,3000,3500,4000,5000,6000,7000,8000"
     )
-    ap.add_argument("--servers", default="metald,kea,dnsmasq")
+    ap.add_argument(
+        "--servers",
+        default="metald,kea,dnsmasq",
+        help="metald (its default event loop), metald-asyncio, metald-uvloop, kea, dnsmasq",
+    )
+    ap.add_argument(
+        "--repeat", type=int, default=1, help="run the whole ladder this many times, interleaved"
+    )
     args = ap.parse_args()
-    rates = [int(r) for r in args.rates.split(",")]
-    all_servers = {"metald": Metald, "kea": Kea, "dnsmasq": Dnsmasq}
-    servers = [all_servers[s]() for s in args.servers.split(",")]
+    rates = [int(r) for r in args.rates.split(",")] * args.repeat
+    others = {"kea": Kea, "dnsmasq": Dnsmasq}
+    servers = [
+        Metald(s) if s.startswith("metald") else others[s]() for s in args.servers.split(",")
+    ]
+    cpu: dict[tuple[str, int], list[float]] = {}
     best: dict[str, float] = {s.name: 0.0 for s in servers}
     peak: dict[str, float] = {s.name: 0.0 for s in servers}
     failed: dict[str, int] = {s.name: 0 for s in servers}
     durability: dict[str, list[str]] = {s.name: [] for s in servers}
     log_rows: list[list[object]] = []
-    for rate in rates:
+    for i, rate in enumerate(rates):
+        if i and rate <= rates[i - 1]:  # the next repeat of the ladder
+            failed = dict.fromkeys(failed, 0)
         for srv in servers:
             if failed[srv.name] >= 2:
                 continue
@@ -245,6 +260,7 @@ def main() -> int:
                     srv.stop()
                 kept = srv.durable(state)
             ok = res["drop"] <= 0.001
+            cpu.setdefault((srv.name, rate), []).append(res["cpu_us"])
             if ok:
                 best[srv.name] = max(best[srv.name], res["rate"])
                 failed[srv.name] = 0
@@ -300,6 +316,26 @@ def main() -> int:
     print(
         table(
             ["server", "best DORA/s at <=0.1 % drops", "peak DORA/s (any drops)", "ratio to Kea"],
+            rows,
+        )
+    )
+    ref_name = "kea (memfile)"
+    rows = []
+    for rate in sorted(set(rates)):
+        ref_cpu = cpu.get((ref_name, rate))
+        for srv in servers:
+            runs = cpu.get((srv.name, rate))
+            if not runs:
+                continue
+            med = statistics.median(runs)
+            ratio = f"{med / statistics.median(ref_cpu):.2f}" if ref_cpu else ""
+            rows.append(
+                [srv.name, rate, len(runs), " ".join(f"{c:.0f}" for c in runs), f"{med:.0f}", ratio]
+            )
+    print("\nServer CPU per DORA (utime + stime of the server process, from /proc)")
+    print(
+        table(
+            ["server", "asked/s", "runs", "us/DORA per run", "median us/DORA", "vs Kea (median)"],
             rows,
         )
     )

@@ -14,13 +14,14 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _lab import BootProcess, namespaces, table, write_config
+from _lab import BootProcess, namespaces, set_loop, table, tree_cpu_seconds, write_config
 
 DRIVER = r"""
 import asyncio, sys, time
@@ -67,7 +68,7 @@ enabled = true
 dhcp_mode = "off"
 interfaces = ["lo"]
 server_address = "127.0.0.1"
-tftp_port = 6969
+tftp_port = {tftp_port}
 assets_dir = "{root}"
 router_advertisements = false
 """
@@ -78,12 +79,19 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=100)
     ap.add_argument("--kernel-mb", type=int, default=8)
     ap.add_argument("--initrd-mb", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--servers",
+        default="metald,nginx",
+        help="metald (its default loop), metald-asyncio, metald-uvloop, nginx",
+    )
     args = ap.parse_args()
+    names = args.servers.split(",")
     if shutil.which("nginx") is None:
         print("nginx is not installed (Debian package nginx-light)", file=sys.stderr)
         return 2
-    res: dict[str, list[tuple[float, int]]] = {"metald": [], "nginx": []}
+    res: dict[str, list[tuple[float, int]]] = {n: [] for n in names}
+    cpus: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
         root = tmp / "assets"
@@ -99,13 +107,20 @@ def main() -> int:
             f.chmod(0o644)
         with namespaces("http") as ns:
             lab = ns["http"]
-            cfg = write_config(
-                tmp / "m.toml",
-                state_dir=tmp / "st",
-                boot=BOOT.format(root=root),
-                listen="127.0.0.1:8080",
-            )
-            bp = BootProcess(lab, cfg, tmp / "metald.log").start()
+            ports = {"nginx": 8081}
+            procs = []
+            pids: dict[str, int] = {}
+            for n, name in enumerate(x for x in names if x.startswith("metald")):
+                ports[name] = 8090 + n
+                cfg = write_config(
+                    tmp / f"m{n}.toml",
+                    state_dir=tmp / f"st{n}",
+                    boot=BOOT.format(root=root, tftp_port=6969 + n),
+                    listen=f"127.0.0.1:{ports[name]}",
+                )
+                set_loop(name)
+                procs.append(BootProcess(lab, cfg, tmp / f"metald{n}.log").start())
+                pids[name] = procs[-1].proc.pid  # type: ignore[union-attr]
             ng = lab.popen(
                 "nginx",
                 "-c",
@@ -115,10 +130,13 @@ def main() -> int:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
+            pids["nginx"] = ng.pid
             time.sleep(1.0)
             try:
                 for rnd in range(args.rounds):
-                    for name, port in (("metald", 8080), ("nginx", 8081)):
+                    for name in names:
+                        port = ports[name]
+                        cpu0 = tree_cpu_seconds(pids[name])
                         base = f"http://127.0.0.1:{port}/boot/assets"
                         r = lab.run(
                             sys.executable,
@@ -131,32 +149,44 @@ def main() -> int:
                             str(i.stat().st_size),
                             timeout=600,
                         )
+                        cpu = tree_cpu_seconds(pids[name]) - cpu0
                         wall, bad = r.stdout.split()
                         res[name].append((float(wall), int(bad)))
-                        print(f"round {rnd} {name}: {wall} s, {bad} failed", flush=True)
+                        cpus.setdefault(name, []).append(cpu)
+                        print(
+                            f"round {rnd} {name}: {wall} s, server CPU {cpu:.2f} s, {bad} failed",
+                            flush=True,
+                        )
             finally:
                 ng.terminate()
                 ng.wait(10)
-                bp.stop()
+                for bp in procs:
+                    bp.stop()
     total_mb = args.clients * (args.kernel_mb + args.initrd_mb)
-    ref = min(w for w, _ in res["nginx"])
+    ref = statistics.median(w for w, _ in res["nginx"]) if res.get("nginx") else 1.0
+    cref = statistics.median(cpus["nginx"]) if cpus.get("nginx") else 1.0
     rows = []
-    for name in ("metald", "nginx"):
-        best = min(w for w, _ in res[name])
+    for name in names:
+        med = statistics.median(w for w, _ in res[name])
         rows.append(
             [
                 name,
-                f"{best:.2f}",
-                f"{total_mb / best:.0f}",
+                f"{med:.2f}",
+                f"{min(w for w, _ in res[name]):.2f}",
+                f"{total_mb / med:.0f}",
                 sum(b for _, b in res[name]),
-                f"{best / ref:.2f}",
+                f"{med / ref:.2f}",
+                f"{statistics.median(cpus[name]):.2f}",
+                f"{statistics.median(cpus[name]) / cref:.2f}",
             ]
         )
     print(
         f"\nHTTP: {args.clients} concurrent clients x (kernel {args.kernel_mb} MiB + initrd "
-        f"{args.initrd_mb} MiB), loopback in a netns, best of {args.rounds} rounds"
+        f"{args.initrd_mb} MiB), loopback in a netns, {args.rounds} interleaved rounds"
     )
-    print(table(["server", "wall s", "MiB/s", "failed (all rounds)", "time vs nginx"], rows))
+    headers = ["server", "wall s (median)", "wall s (best)", "MiB/s (median)"]
+    headers += ["failed (all rounds)", "median time vs nginx", "server CPU s (median)"]
+    print(table(headers + ["CPU vs nginx"], rows))
     return 0
 
 

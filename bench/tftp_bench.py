@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _lab import namespaces, table, write_config
+from _lab import namespaces, set_loop, table, tree_cpu_seconds, write_config
 
 IPXE = Path("/usr/lib/ipxe/ipxe.efi")
 
@@ -75,6 +76,7 @@ def main() -> int:
         "EDK2-like (blksize 1468, windowsize 4)": ["blksize 1468", "windowsize 4"],
     }
     results: dict[tuple[str, str], list[tuple[float, int]]] = {}
+    cpus: dict[tuple[str, str], list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "root"
         root.mkdir()
@@ -87,8 +89,10 @@ def main() -> int:
             for name in args.servers.split(","):
                 with namespaces("tftp") as ns:
                     lab = ns["tftp"]
-                    if name == "metald":
+                    if name.startswith("metald"):
                         from _lab import BootProcess
+
+                        set_loop(name)
 
                         cfg = write_config(
                             Path(tmp) / "m.toml",
@@ -98,6 +102,7 @@ def main() -> int:
                         )
                         bp = BootProcess(lab, cfg, Path(tmp) / "metald.log").start()
                         stop = bp.stop
+                        pid = bp.proc.pid  # type: ignore[union-attr]
                     else:
                         if name == "tftpd-hpa":
                             # in.tftpd resolves its bind address with AI_ADDRCONFIG, which fails
@@ -122,6 +127,7 @@ def main() -> int:
                                 "--log-facility=/dev/null",
                             ]
                         proc = lab.popen(*cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                        pid = proc.pid
                         time.sleep(0.5)
 
                         def stop(proc=proc) -> None:  # type: ignore[no-untyped-def]
@@ -132,6 +138,7 @@ def main() -> int:
                         for sc, opts in scenarios.items():
                             out = Path(tmp) / f"out-{name}-{rnd}-{len(opts[0])}"
                             out.mkdir()
+                            cpu0 = tree_cpu_seconds(pid)
                             r = lab.run(
                                 sys.executable,
                                 "-c",
@@ -143,27 +150,53 @@ def main() -> int:
                                 *opts,
                                 timeout=300,
                             )
+                            cpu = tree_cpu_seconds(pid) - cpu0
                             wall, bad = r.stdout.split()
                             results.setdefault((sc, name), []).append((float(wall), int(bad)))
-                            print(f"round {rnd} {name:10} {sc}: {wall} s, {bad} failed", flush=True)
+                            cpus.setdefault((sc, name), []).append(cpu)
+                            print(
+                                f"round {rnd} {name:14} {sc}: {wall} s, server CPU {cpu:.2f} s, "
+                                f"{bad} failed",
+                                flush=True,
+                            )
                             shutil.rmtree(out)
                     finally:
                         stop()
     print(
         f"\nTFTP: {args.clients} concurrent atftp fetches of ipxe.efi ({IPXE.stat().st_size} bytes), "
-        f"loopback in a netns, best of {args.rounds} rounds"
+        f"loopback in a netns, {args.rounds} interleaved rounds"
     )
     for sc in scenarios:
-        ref = min(w for w, _ in results.get((sc, "dnsmasq"), [(1.0, 0)]))
+        ref = statistics.median(w for w, _ in results.get((sc, "dnsmasq"), [(1.0, 0)]))
+        cref = statistics.median(cpus.get((sc, "dnsmasq"), [1.0])) or 1.0
         rows = []
         for name in args.servers.split(","):
             runs = results[(sc, name)]
-            best = min(w for w, _ in runs)
-            rows.append([name, f"{best:.2f}", sum(b for _, b in runs), f"{best / ref:.2f}"])
+            med = statistics.median(w for w, _ in runs)
+            rows.append(
+                [
+                    name,
+                    f"{med:.2f}",
+                    f"{min(w for w, _ in runs):.2f}",
+                    sum(b for _, b in runs),
+                    f"{med / ref:.2f}",
+                    f"{statistics.median(cpus[(sc, name)]):.2f}",
+                    f"{statistics.median(cpus[(sc, name)]) / cref:.2f}",
+                ]
+            )
         print(f"\n{sc}")
         print(
             table(
-                ["server", "wall s (best)", "failed fetches (all rounds)", "time vs dnsmasq"], rows
+                [
+                    "server",
+                    "wall s (median)",
+                    "wall s (best)",
+                    "failed fetches (all rounds)",
+                    "median time vs dnsmasq",
+                    "server CPU s (median)",
+                    "CPU vs dnsmasq",
+                ],
+                rows,
             )
         )
     return 0

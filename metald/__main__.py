@@ -4,7 +4,6 @@ the store. metalctl, the HTTP client, is ``metald.metalctl``."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 
 from metald import __version__
@@ -81,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import os
 
+    from metald.boot import eventloop
     from metald.daemon import Daemon
     from metald.secrets import SecretError
 
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     from metald.fleet.startup import StartupRefused
 
     try:
-        asyncio.run(daemon.run_forever())
+        eventloop.run(daemon.run_forever(), cfg.event_loop)
     except (StartupRefused, InstanceNameInUse, SecretError) as e:
         print(f"metald: cannot start: {e}", file=sys.stderr)
         return 2

@@ -411,6 +411,9 @@ class Config(_Section):
     state_dir: str = "/var/lib/metald"
     #: Name of this metald instance (one per rack or provisioning network); shows in events.
     instance: str = "metald"
+    #: The event loop: "asyncio" (the standard one) or "uvloop" (the ``uvloop`` extra; not
+    #: the default: it measured no clear gain for the boot servers, bench/BOOT.md).
+    event_loop: Literal["asyncio", "uvloop"] = "asyncio"
     store: StoreConfig = StoreConfig()
     api: ApiConfig = ApiConfig()
     log: LogConfig = LogConfig()

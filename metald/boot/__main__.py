@@ -17,15 +17,17 @@ from pathlib import Path
 
 from aiohttp import web
 
+from metald.boot import eventloop
 from metald.boot.http import boot_routes
 from metald.boot.machine_hooks import StoreBootHooks
 from metald.boot.plane import BootPlane, http_base_url
-from metald.config import load_config, split_hostport
+from metald.config import Config, load_config, split_hostport
 from metald.store.db import Store
 
+log = logging.getLogger(__name__)
 
-async def run(config_path: str) -> None:
-    cfg = load_config(config_path)
+
+async def run(cfg: Config) -> None:
     store = Store(cfg.store_url)
     store.migrate()
     hooks = StoreBootHooks(store, cfg.instance)
@@ -44,6 +46,7 @@ async def run(config_path: str) -> None:
     await plane.start()
     await site.start()
     print("READY", flush=True)
+    log.info("event loop: %s", type(loop).__module__)
     try:
         await stop.wait()
     finally:
@@ -60,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    asyncio.run(run(args.config))
+    cfg = load_config(args.config)
+    eventloop.run(run(cfg), cfg.event_loop)
     return 0
 
 

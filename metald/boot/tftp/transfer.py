@@ -21,6 +21,7 @@ before that to make room (see ``admission``).
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from enum import StrEnum
 
 from metald.boot.tftp.packet import (
@@ -49,6 +50,61 @@ RESEND_FILES = 4
 RESEND_WINDOWS = 4
 
 
+#: Files at most this big get their DATA packets built once per block size and shared by
+#: every transfer of that file (200 clients fetching ipxe.efi send the same bytes objects);
+#: the cache holds at most ``PACKETS_TOTAL_MAX`` bytes of packets, least recently used out.
+#: Built on a transfer's first ACK, not on its request, so forged requests (one packet back
+#: each) cannot make the server build packet lists for block sizes nobody fetches.
+PACKETS_FILE_MAX = 4 << 20
+PACKETS_TOTAL_MAX = 32 << 20
+
+
+class PacketCache:
+    """(file contents, blksize) -> the file's DATA packets, block 1 first. Bounded, LRU."""
+
+    def __init__(self, total_max: int = PACKETS_TOTAL_MAX) -> None:
+        self.total_max = total_max
+        self.total = 0
+        #: Keyed by the contents' id; the entry holds the contents, so the id stays theirs.
+        self._lists: OrderedDict[tuple[int, int], tuple[bytes, list[bytes], int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._lists)
+
+    @staticmethod
+    def cost(size: int, blksize: int) -> int:
+        """Bytes an entry holds at most: the packets (a copy of the file plus a header and
+        a bytes object's overhead per block) and the contents themselves, which the entry
+        keeps alive even after the file cache has dropped them."""
+        return 2 * size + 64 * (size // blksize + 1)
+
+    def get(self, data: bytes, blksize: int) -> list[bytes] | None:
+        if len(data) > PACKETS_FILE_MAX:
+            return None
+        key = (id(data), blksize)
+        hit = self._lists.get(key)
+        if hit is not None and hit[0] is data:
+            self._lists.move_to_end(key)
+            return hit[1]
+        nblocks = len(data) // blksize + 1
+        cost = self.cost(len(data), blksize)
+        if cost > self.total_max:
+            return None
+        packets = [
+            data_packet(n, data[(n - 1) * blksize : n * blksize]) for n in range(1, nblocks + 1)
+        ]
+        while self._lists and self.total + cost > self.total_max:
+            _, (_, _, old) = self._lists.popitem(last=False)
+            self.total -= old
+        self._lists[key] = (data, packets, cost)
+        self.total += cost
+        return packets
+
+
+#: The process's packet lists (TFTP serves from one event loop).
+PACKETS = PacketCache()
+
+
 class Result(StrEnum):
     RUNNING = "running"
     OK = "ok"
@@ -58,7 +114,14 @@ class Result(StrEnum):
 
 
 class ReadTransfer:
-    def __init__(self, source: Source | bytes, neg: Negotiated, *, name: str = "") -> None:
+    def __init__(
+        self,
+        source: Source | bytes,
+        neg: Negotiated,
+        *,
+        name: str = "",
+        packets: PacketCache | None = PACKETS,
+    ) -> None:
         self.name = name
         self.source: Source = BytesSource(source) if isinstance(source, bytes) else source
         self.size = self.source.size
@@ -80,6 +143,9 @@ class ReadTransfer:
         #: Blocks (or first packets) that may still be resent.
         self.budget = RESEND_FILES * self.nblocks + RESEND_WINDOWS * self.window
         self._data = self.source.data if isinstance(self.source, BytesSource) else None
+        self._packet_cache = packets
+        #: The file's DATA packets (shared), once the client has confirmed; else None.
+        self._packets: list[bytes] | None = None
         self.result = Result.RUNNING
         self.error_message = ""
 
@@ -99,6 +165,8 @@ class ReadTransfer:
         return self._send_upto(1)
 
     def _block(self, n: int) -> bytes | None:
+        if self._packets is not None:
+            return self._packets[n - 1]
         off = (n - 1) * self.blksize
         if self._data is not None:  # the common case, without a call per block
             return data_packet(n, self._data[off : off + self.blksize])
@@ -125,6 +193,8 @@ class ReadTransfer:
         if last < first:
             return []
         self.sent = last
+        if self._packets is not None:  # the hot path: a slice of the shared packets
+            return self._packets[first - 1 : last]
         data = self._data
         if data is not None:  # the hot path, one call per ACK: no per-block calls
             bs = self.blksize
@@ -133,12 +203,25 @@ class ReadTransfer:
 
     def on_packet(self, data: bytes) -> list[bytes]:
         """A packet from the client's TID. Raises MalformedTftp for garbage."""
-        if self.done:
+        if self.result is not Result.RUNNING:
             return []
-        op, n, msg = parse_ack_or_error(data)
-        if op is Opcode.ERROR:
-            self.result, self.error_message = Result.CLIENT_ERROR, msg
-            return []
+        if len(data) >= 4 and data[1] == Opcode.ACK and data[0] == 0:  # the common case
+            n = data[2] << 8 | data[3]
+        else:
+            op, n, msg = parse_ack_or_error(data)
+            if op is Opcode.ERROR:
+                self.result, self.error_message = Result.CLIENT_ERROR, msg
+                return []
+        if self.confirmed:
+            return self._on_ack(n)
+        out = self._on_ack(n)
+        if self.confirmed and self._data is not None and self._packet_cache is not None:
+            # The first valid ACK: the client really asked. Share (or build) the file's
+            # packets for the rest of the transfer.
+            self._packets = self._packet_cache.get(self._data, self.blksize)
+        return out
+
+    def _on_ack(self, n: int) -> list[bytes]:
         if self.oack_pending:
             if n != 0:
                 return []
