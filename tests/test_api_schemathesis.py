@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import schemathesis
@@ -45,6 +46,9 @@ CHECKS = [
 ROLES = ("admin", "technician", "orchestrator")
 #: Examples per operation, role and mode (positive and negative data).
 EXAMPLES = 8
+#: aiohttp's request-line limit (its HttpParser max_line_size): a generated query past it is
+#: answered 400 by the HTTP layer, before the router.
+MAX_LINE = 8190
 #: Never-ending responses: a client cannot read them to their end.
 SKIP = {("GET", "/api/v1/events/stream")}
 
@@ -53,6 +57,12 @@ SKIP = {("GET", "/api/v1/events/stream")}
 def loopback_api(db_url: str, tmp_path: Path) -> Iterator[LoopbackApi]:
     with LoopbackApi(db_url, tmp_path) as api:
         yield api
+
+
+def _target_len(url: str) -> int:
+    """The request-target's length (path and query) as it goes on the request line."""
+    parts = urlsplit(url)
+    return len(parts.path) + (len(parts.query) + 1 if parts.query else 0)
 
 
 def _fuzz(
@@ -70,6 +80,10 @@ def _fuzz(
     @given(case=op.as_strategy(generation_mode=mode))
     def check(case) -> None:  # type: ignore[no-untyped-def]
         response = case.call(base_url=base, session=session, headers=auth, timeout=30)
+        if response.status_code == 400 and _target_len(response.request.url) > MAX_LINE:
+            # aiohttp's HTTP parser refuses a request line over 8 KiB before any route runs
+            # (its own plain 400): the HTTP layer's limit, not the operation's contract.
+            return
         try:
             case.validate_response(response, checks=CHECKS, headers=auth)
         except (AssertionError, BaseExceptionGroup) as e:  # one failure, or several at once

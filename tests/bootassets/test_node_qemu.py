@@ -38,7 +38,7 @@ def test_selftest_passes(node_image: Path, tmp_path: Path) -> None:
     log = boot_until(
         ["-m", "1024", "-nic", "none", "-kernel", str(node_image / "vmlinuz")]
         + ["-initrd", str(node_image / "initrd.img")]
-        + ["-append", "console=ttyS0 metald.node.selftest=1"],
+        + ["-append", "console=ttyS0 no_timer_check metald.node.selftest=1"],
         console,
         ["METALD-NODE-SELFTEST"],
         timeout=240,
@@ -270,9 +270,12 @@ def hub_and_controller(ns: str, tmp_path: Path, rounds: int = 1) -> Iterator[tup
     controller = None
     try:
         deadline = time.monotonic() + 20
-        while subprocess.run(
-            ["ip", "-n", ns, "link", "show", hub_if], capture_output=True
-        ).returncode:
+        # wireguard-go makes the link first and its control socket after: wait for both.
+        uapi = Path("/var/run/wireguard") / f"{hub_if}.sock"
+        while (
+            subprocess.run(["ip", "-n", ns, "link", "show", hub_if], capture_output=True).returncode
+            or not uapi.exists()
+        ):
             assert time.monotonic() < deadline, (tmp_path / "hub.log").read_text()
             time.sleep(0.2)
         subprocess.run(

@@ -43,7 +43,7 @@ def test_discovery_image_posts_what_qemu_has(built_assets, netns, tmp_path):
         qemu = [
             "qemu-system-x86_64", "-accel", "tcg", "-m", "512", "-smp", "2",
             "-kernel", str(disc / "vmlinuz"), "-initrd", str(disc / "initrd.img"),
-            "-append", f"console=ttyS0 quiet metald.url=http://{SERVER}:{PORT} metald.token=agent-token metald.machine=lab-1",
+            "-append", f"console=ttyS0 quiet no_timer_check metald.url=http://{SERVER}:{PORT} metald.token=agent-token metald.machine=lab-1",
             "-display", "none", "-monitor", "none", "-serial", f"file:{console}", "-no-reboot",
             "-smbios", f"type=1,manufacturer=metald-lab,product=discovery-vm,serial=LAB-0001,uuid={SYSTEM_UUID}",
             *tap_nic(MAC, "tap0"), *tap_nic(MAC2, "tap1", "e1000"),

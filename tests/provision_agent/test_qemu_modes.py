@@ -54,7 +54,7 @@ def boot(
         qemu = [
             "qemu-system-x86_64", "-accel", "tcg", "-m", "384", "-smp", "2",
             "-kernel", str(disc / "vmlinuz"), "-initrd", str(disc / "initrd.img"),
-            "-append", f"console=ttyS0 quiet metald.url=http://{SERVER}:{PORT} metald.token=agent-token metald.machine=lab-1 metald.mode={mode}",
+            "-append", f"console=ttyS0 quiet no_timer_check metald.url=http://{SERVER}:{PORT} metald.token=agent-token metald.machine=lab-1 metald.mode={mode}",
             "-display", "none", "-monitor", "none", "-serial", f"file:{console}", "-no-reboot",
             *tap_nic(MAC),
             *drives,
