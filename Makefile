@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 MACHINES ?= 3
 LAB ?= lab
 
-.PHONY: all setup demo test test-fast lint format bench bootassets nodeimage lab-up lab-down clean
+.PHONY: all setup demo test test-long test-fast lint format bench bootassets nodeimage lab-up lab-down clean
 
 all: test
 
@@ -17,6 +17,10 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/pytest -q -rs --durations=15 $(PYTEST_ARGS)
+
+# The long lab variants too (virtual-media provisioning and wipe): about 3 minutes more.
+test-long: setup
+	METALD_LAB_LONG=1 $(VENV)/bin/pytest -q -rs --durations=15 $(PYTEST_ARGS)
 
 test-fast: setup
 	$(VENV)/bin/pytest -q -m "not lab" $(PYTEST_ARGS)

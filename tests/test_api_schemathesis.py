@@ -44,7 +44,8 @@ CHECKS = [
     response_schema_conformance,
 ]
 ROLES = ("admin", "technician", "orchestrator")
-#: Examples per operation, role and mode (positive and negative data).
+#: Examples per operation, role and mode (positive and negative data) on SQLite; PostgreSQL
+#: gets half: the contract is the same code, the second backend is there for its own errors.
 EXAMPLES = 8
 #: aiohttp's request-line limit (its HttpParser max_line_size): a generated query past it is
 #: answered 400 by the HTTP layer, before the router.
@@ -66,12 +67,19 @@ def _target_len(url: str) -> int:
 
 
 def _fuzz(
-    op, mode, base: str, session, auth: dict[str, str], label: str, failures: list[str]
+    op,
+    mode,
+    base: str,
+    session,
+    auth: dict[str, str],
+    label: str,
+    failures: list[str],
+    examples: int = EXAMPLES,
 ) -> None:  # type: ignore[no-untyped-def]
-    """Send EXAMPLES generated requests for one operation; collect what the checks refuse."""
+    """Send ``examples`` generated requests for one operation; collect what the checks refuse."""
 
     @settings(
-        max_examples=EXAMPLES,
+        max_examples=examples,
         deadline=None,
         phases=[Phase.generate],
         suppress_health_check=list(HealthCheck),
@@ -97,8 +105,10 @@ def _fuzz(
         assert mode is schemathesis.GenerationMode.NEGATIVE  # nothing in it can be invalid
 
 
-def test_live_openapi_holds_for_generated_requests(loopback_api: LoopbackApi) -> None:
+def test_live_openapi_holds_for_generated_requests(loopback_api: LoopbackApi, db_url: str) -> None:
     import requests
+
+    examples = EXAMPLES if db_url.startswith("sqlite") else EXAMPLES // 2
 
     tokens = loopback_api.tokens
     assert tokens is not None
@@ -115,7 +125,16 @@ def test_live_openapi_holds_for_generated_requests(loopback_api: LoopbackApi) ->
                 schemathesis.GenerationMode.POSITIVE,
                 schemathesis.GenerationMode.NEGATIVE,
             ):
-                _fuzz(op, mode, loopback_api.base, session, auth, f"{role} ({mode})", failures)
+                _fuzz(
+                    op,
+                    mode,
+                    loopback_api.base,
+                    session,
+                    auth,
+                    f"{role} ({mode})",
+                    failures,
+                    examples,
+                )
     distinct = sorted(set(failures))
     Path("/tmp/sec-api-st-distinct.txt").write_text("\n".join(distinct))
     assert not distinct, "\n\n".join(distinct[:20]) + f"\n\n({len(distinct)} distinct failures)"

@@ -147,6 +147,17 @@ def test_inputs_hash_changes_with_a_node_file(
         pytest.skip(f"apt cannot resolve the node packages: {e}")
     again = node.resolve_node_inputs(disk=True)
     assert build.inputs_hash(again) == build.inputs_hash(before)
+    # apt's answers are settled now (asked twice above): the rest asks them once, ~10 s each.
+    libs, shown_seen = node._library_packages(), {}
+    real_show = build._apt_show
+
+    def apt_show_once(*names: str) -> dict:  # type: ignore[type-arg]
+        if names not in shown_seen:
+            shown_seen[names] = real_show(*names)
+        return shown_seen[names]
+
+    monkeypatch.setattr(node, "_library_packages", lambda: libs)
+    monkeypatch.setattr(build, "_apt_show", apt_show_once)
     real_files = node.node_files()
     script = tmp_path / "metald-node"
 
@@ -162,7 +173,7 @@ def test_inputs_hash_changes_with_a_node_file(
     same = inputs_with(node.NODE_SCRIPT.read_bytes())
     assert inputs_with(node.NODE_SCRIPT.read_bytes()) == same
     assert inputs_with(node.NODE_SCRIPT.read_bytes() + b"# changed\n") != same
-    monkeypatch.undo()
+    monkeypatch.setattr(node, "node_files", lambda: real_files)
     # and so does a build without the disk form (disk.raw needs root)
     assert build.inputs_hash(node.resolve_node_inputs(disk=False)) != build.inputs_hash(before)
 

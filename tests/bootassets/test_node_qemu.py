@@ -86,25 +86,6 @@ def seeded_disk(image: Path, tmp_path: Path, join_url: str, name: str) -> tuple[
     return disk, offset
 
 
-@pytest.mark.skipif(shutil.which("debugfs") is None, reason="debugfs (e2fsprogs) is missing")
-def test_disk_form_reads_the_seed_and_joins(node_image: Path, tmp_path: Path) -> None:
-    disk, _ = seeded_disk(node_image, tmp_path, "http://192.0.2.1:9", "seed-host-7")
-    console = tmp_path / "console.log"
-    wanted = "metald-node: joining http://192.0.2.1:9 as seed-host-7"
-    log = boot_until(
-        ["-m", "1024", "-nic", "none", "-drive", f"file={disk},format=raw,if=virtio"],
-        console,
-        [wanted, "metald-node: join failed (try 1"],
-        timeout=240,
-    )
-    assert "SYSLINUX" in log  # booted through the MBR and extlinux, not -kernel
-    assert "metald-node: hostname seed-host-7 from the seed on /dev/vda1" in log, log[-3000:]
-    assert wanted in log
-    assert "metald-node: provisioned" not in log  # no progress post in disk mode
-    for secret in SECRETS:
-        assert secret not in log
-
-
 # ---- stateless protocol against a metald stand-in ---------------------------------------
 
 
@@ -175,41 +156,6 @@ def provision_answer() -> dict:
             "expires_at": "2030-01-01T00:00:00Z",
         },
     }
-
-
-def test_stateless_boot_reports_joins_guards_and_starts_slurmd(
-    node_image: Path, netns: str, tmp_path: Path
-) -> None:
-    config = {
-        "agent_token": AGENT_TOKEN,
-        "provision": provision_answer(),
-        "join_response": hub_join_response(HUB_KEY, ["10.200.0.0/24", "10.201.0.0/24"]),
-    }
-    done = "metald-node: node ready"
-    requests, log = stateless_boot(netns, tmp_path, node_image, config, [done])
-    assert done in log, log[-4000:]
-    for line in (
-        "metald-node: hostname lab-node-1",
-        "metald-node: guard applied on eth0",
-        "metald-node: provisioned",
-        "metald-node: joining http://10.79.0.1:8080 as lab-node-1",
-        f"metald-node: joined hub {SERVER}:51820 as 10.200.0.2/24",
-        "metald-node: munged started",
-        "metald-node: slurmd started as node-lab1",
-    ):
-        assert line in log
-    assert "metald-node: error" not in log
-    paths = [r["path"] for r in requests]
-    assert paths == ["/api/v1/agent/provision", "/api/v1/agent/progress", "/api/v1/join"]
-    assert requests[0]["auth"] == requests[1]["auth"] == f"Bearer {AGENT_TOKEN}"
-    assert requests[1]["body"] == {"phase": "booted", "done": True}
-    join = requests[2]
-    assert join["auth"] is None
-    assert set(join["body"]) == {"token", "public_key"}
-    assert join["body"]["token"] == JOIN_TOKEN
-    assert len(base64.b64decode(join["body"]["public_key"], validate=True)) == 32
-    for secret in SECRETS:
-        assert secret not in log
 
 
 def test_stateless_join_refused_is_final(node_image: Path, netns: str, tmp_path: Path) -> None:
@@ -347,9 +293,29 @@ def test_srun_reaches_the_node_over_wireguard(node_image: Path, netns: str, tmp_
             also=lambda: (ctl / "srun.rc").exists(),
         )
     assert "metald-node: slurmd started as node-lab1" in log, log[-4000:]
+    for line in (
+        "metald-node: hostname lab-node-1",
+        "metald-node: guard applied on eth0",
+        "metald-node: provisioned",
+        "metald-node: joining http://10.79.0.1:8080 as lab-node-1",
+        f"metald-node: joined hub {SERVER}:51820 as 10.200.0.2/24",
+        "metald-node: munged started",
+    ):
+        assert line in log, line
+    assert "metald-node: error" not in log
     _, out = srun_result(ctl, tmp_path)
     assert out == "lab-node-1"  # busybox hostname on the node
-    assert [r["path"] for r in requests][-1] == "/api/v1/join"
+    # the agent token only to the agent routes, then one unauthenticated join with its token
+    # and a fresh WireGuard public key
+    paths = [r["path"] for r in requests]
+    assert paths == ["/api/v1/agent/provision", "/api/v1/agent/progress", "/api/v1/join"]
+    assert requests[0]["auth"] == requests[1]["auth"] == f"Bearer {AGENT_TOKEN}"
+    assert requests[1]["body"] == {"phase": "booted", "done": True}
+    join = requests[2]
+    assert join["auth"] is None
+    assert set(join["body"]) == {"token", "public_key"}
+    assert join["body"]["token"] == JOIN_TOKEN
+    assert len(base64.b64decode(join["body"]["public_key"], validate=True)) == 32
     for secret in SECRETS:
         assert secret not in log
 
@@ -414,6 +380,7 @@ def test_disk_node_comes_back_after_a_reboot_without_joining_again(
     ):
         assert line in log1, line
     assert out1 == "lab-node-1"
+    assert "metald-node: provisioned" not in log1  # no progress post in disk mode
     # second boot of the same disk: back from the stored state, no join call
     assert ready in log2, log2[-4000:]
     for line in (
