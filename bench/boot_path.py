@@ -240,8 +240,30 @@ def metald_events(db: Path, t0: float) -> list[tuple[float, str, str]]:
     return out
 
 
-def one_run(workdir: Path, firmware: str, keep: bool = False) -> Run:
+def variant_assets(initrd: Path, into: Path) -> Path:
+    """The current boot assets with ``initrd`` as the discovery initramfs (compare image
+    variants without a rebuild); commissioning's image is left out (commissioning is off)."""
+    import shutil
+
+    from bootassets.build import ensure_built
+
+    src = ensure_built()
+    (into / "discovery").mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file():
+            shutil.copyfile(f, into / f.name)
+    shutil.copyfile(src / "discovery" / "vmlinuz", into / "discovery" / "vmlinuz")
+    shutil.copyfile(initrd, into / "discovery" / "initrd.img")
+    return into
+
+
+def one_run(workdir: Path, firmware: str, keep: bool = False, initrd: Path | None = None) -> Run:
+    import bootassets.build
     from vmlab.rack import LabRack
+
+    if initrd is not None:
+        assets = variant_assets(initrd, workdir / "assets")
+        bootassets.build.ensure_built = lambda *a, **k: assets  # type: ignore[assignment]
 
     name = f"bp{os.getpid() % 100000}"
     rack = LabRack(name, workdir, machines=1, uefi=0 if firmware == "bios" else 1)
@@ -339,6 +361,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--firmware", choices=("bios", "uefi-pxe"), default="bios")
     ap.add_argument("--keep", action="store_true", help="leave the lab up (one run)")
+    ap.add_argument("--initrd", type=Path, help="boot this discovery initramfs instead")
     ap.add_argument("--save", type=Path, help="copy each run's serial log and packets here")
     args = ap.parse_args()
     if args.cmd == "sniff":
@@ -349,7 +372,7 @@ def main() -> None:
     runs = []
     for i in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="boot-path-") as d:
-            run = one_run(Path(d), args.firmware, keep=args.keep)
+            run = one_run(Path(d), args.firmware, keep=args.keep, initrd=args.initrd)
             if args.save:
                 dest = args.save / f"run{i + 1}"
                 dest.mkdir(parents=True, exist_ok=True)
