@@ -148,13 +148,26 @@ def transfers(records: list[dict[str, Any]]) -> list[Transfer]:
 # ---- the serial console ------------------------------------------------------------------------
 
 
-class SerialFollower(threading.Thread):
-    """Stamps each line of a growing serial log with the host time it appeared."""
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), in seconds."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    def __init__(self, path: Path) -> None:
+
+class SerialFollower(threading.Thread):
+    """Stamps each line of a growing serial log with the host time it appeared and the CPU time
+    the machine's QEMU had used by then: on a loaded host the wall clock stretches, while the
+    guest's CPU seconds (TCG emulates every instruction on the host) mostly do not."""
+
+    def __init__(self, path: Path, qemu_pid: int) -> None:
         super().__init__(daemon=True)
         self.path = path
+        self.qemu_pid = qemu_pid
         self.lines: list[tuple[float, str]] = []
+        self.cpu: dict[float, float] = {}
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -168,6 +181,7 @@ class SerialFollower(threading.Thread):
                 chunk = b""
             now = time.time()
             if chunk:
+                self.cpu[now] = cpu_seconds(self.qemu_pid)
                 pos += len(chunk)
                 buf += chunk
                 *done, buf = buf.replace(b"\r", b"\n").split(b"\n")
@@ -215,6 +229,8 @@ class Run:
     rows: list[tuple[float, str, str]] = field(default_factory=list)
     ready: float | None = None
     userspace: float | None = None
+    #: QEMU's CPU seconds from power-on to the discovery image's userspace
+    cpu_userspace: float | None = None
 
 
 def metald_events(db: Path, t0: float) -> list[tuple[float, str, str]]:
@@ -286,11 +302,13 @@ def one_run(workdir: Path, firmware: str, keep: bool = False, initrd: Path | Non
             role="sniffer",
             log=workdir / "sniffer.log",
         )
-        follower = SerialFollower(Path(m["serial_log"]))
+        qemu_pid = next(p["pid"] for p in rack.state["processes"] if p["role"] == "qemu")
+        follower = SerialFollower(Path(m["serial_log"]), qemu_pid)
         follower.start()
         bmc = rack.register_bmcs(["ipmi"])[m["name"]]
         time.sleep(0.5)  # the sniffer's socket is bound well before it
         t0 = time.time()
+        cpu0 = cpu_seconds(qemu_pid)
         rack.ctl("bmcs", "power", bmc["id"], "on")
         t_cmd_done = time.time()
         ready = rack.wait_state([m["mac"]], "ready", 300)
@@ -318,7 +336,10 @@ def one_run(workdir: Path, firmware: str, keep: bool = False, initrd: Path | Non
                         f"{tr.size / 1e6:.2f} MB in {tr.end - tr.start:.2f} s ({rate:.1f} MB/s)",
                     )
                 )
-        run.rows += serial_marks(follower.lines)
+        run.rows += [
+            (t, label, f"[qemu cpu {follower.cpu.get(t, float('nan')) - cpu0:6.2f} s] {line}")
+            for t, label, line in serial_marks(follower.lines)
+        ]
         events = metald_events(rack.state_dir / "metald.db", t0)
         run.rows += events
         run.rows.append((t_ready_seen, "bench saw ready (API poll)", ""))
@@ -327,6 +348,12 @@ def one_run(workdir: Path, firmware: str, keep: bool = False, initrd: Path | Non
         run.ready = (readies[0] if readies else t_ready_seen) - t0
         ups = [t for t, label, _ in run.rows if label.startswith("/init: discovery image up")]
         run.userspace = ups[0] - t0 if ups else None
+        cpu_ups = [
+            follower.cpu[t] - cpu0
+            for t, ln in follower.lines
+            if "discovery image up" in ln and t in follower.cpu
+        ]
+        run.cpu_userspace = cpu_ups[0] if cpu_ups else None
         (workdir / "serial.txt").write_text(
             "\n".join(f"{t - t0:8.3f} {ln}" for t, ln in follower.lines)
         )
@@ -348,7 +375,8 @@ def print_run(run: Run) -> None:
         print(f"{t - run.t0:8.3f}  {label:<44} {detail}")
     print(
         f"power-on -> discovery userspace {run.userspace if run.userspace is not None else float('nan'):.1f} s,"
-        f" -> ready {run.ready:.1f} s"
+        f" -> ready {run.ready:.1f} s; QEMU CPU to userspace {run.cpu_userspace or float('nan'):.1f} s;"
+        f" load {os.getloadavg()[0]:.1f}"
     )
 
 
@@ -388,7 +416,8 @@ def main() -> None:
             f"\nmedian of {len(runs)}: power-on -> userspace {statistics.median(ups):.1f} s"
             f" (all: {', '.join(f'{u:.1f}' for u in ups)}), -> ready "
             f"{statistics.median(r.ready for r in runs):.1f} s"
-            f" (all: {', '.join(f'{r.ready:.1f}' for r in runs)})"
+            f" (all: {', '.join(f'{r.ready:.1f}' for r in runs)}), QEMU CPU to userspace "
+            f"{statistics.median(r.cpu_userspace or 0 for r in runs):.1f} s"
         )
 
 
