@@ -386,7 +386,7 @@ def main() -> None:
     sn = sub.add_parser("sniff")
     sn.add_argument("--iface", required=True)
     sn.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--firmware", choices=("bios", "uefi-pxe"), default="bios")
     ap.add_argument("--keep", action="store_true", help="leave the lab up (one run)")
     ap.add_argument("--initrd", type=Path, help="boot this discovery initramfs instead")
