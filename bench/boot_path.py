@@ -1,0 +1,425 @@
+"""Power-on to ``ready`` for one lab machine, broken down from real sources.
+
+    sudo .venv/bin/python bench/boot_path.py [--runs 3] [--firmware bios|uefi-pxe]
+
+Brings up a vm-lab rack of one machine with metald inside (as ``make demo`` does, commissioning
+off), registers its BMC, powers it on through metald, and waits for ``ready``. Meanwhile:
+
+- a packet sniffer on the lab bridge (AF_PACKET, inside the lab's namespace) stamps every DHCP
+  message, TFTP read request and transfer, and HTTP request with its response size and the time
+  its last byte left metald;
+- the machine's serial log is followed and each line stamped with the host's clock when it
+  appeared (SeaBIOS, iPXE, the kernel, /init and the agent all write there);
+- the virtual BMC's command log gives the time it received the power-on;
+- metald's events (its SQLite database) give each state change.
+
+All on the host's clock, printed as seconds after the power-on command. ``--firmware uefi-pxe``
+boots an OVMF machine whose NIC has no iPXE ROM, so the firmware's own PXE loads snponly.efi.
+The lab is torn down after each run; labs are named per process so this can run next to others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sqlite3
+import statistics
+import struct
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+
+ETH_P_ALL = 0x0003
+DHCP_TYPES = {1: "DISCOVER", 2: "OFFER", 3: "REQUEST", 4: "DECLINE", 5: "ACK", 6: "NAK", 7: "RELEASE", 8: "INFORM"}  # fmt: skip
+
+
+# ---- packets: a pure decoder, and the sniffer that feeds it ------------------------------------
+
+
+def decode(ts: float, frame: bytes) -> dict[str, Any] | None:
+    """One Ethernet frame -> a small record (DHCP, TFTP, TCP to/from the boot servers), or None."""
+    if len(frame) < 34 or frame[12:14] != b"\x08\x00":
+        return None
+    ip = frame[14:]
+    ihl = (ip[0] & 0x0F) * 4
+    proto = ip[9]
+    src, dst = socket.inet_ntoa(ip[12:16]), socket.inet_ntoa(ip[16:20])
+    total = struct.unpack("!H", ip[2:4])[0]
+    l4 = ip[ihl:total]
+    if proto == 17 and len(l4) >= 8:
+        sport, dport = struct.unpack("!HH", l4[:4])
+        payload = l4[8:]
+        if {sport, dport} & {67, 68} and len(payload) >= 240:
+            mac = ":".join(f"{b:02x}" for b in payload[28:34])
+            msg = _dhcp_type(payload[240:])
+            return {"t": ts, "k": "dhcp", "mac": mac, "type": DHCP_TYPES.get(msg, str(msg))}
+        if len(payload) >= 4:
+            op = struct.unpack("!H", payload[:2])[0]
+            if dport == 69 and op == 1:
+                name = payload[2:].split(b"\0", 1)[0].decode(errors="replace")
+                return {"t": ts, "k": "tftp-rrq", "peer": f"{src}:{sport}", "file": name}
+            if op == 3:  # DATA from the server's transfer port to the client
+                return {"t": ts, "k": "tftp-data", "peer": f"{dst}:{dport}", "n": len(payload) - 4}
+        return None
+    if proto == 6 and len(l4) >= 20:
+        sport, dport = struct.unpack("!HH", l4[:4])
+        off = (l4[12] >> 4) * 4
+        payload = l4[off:]
+        if not payload:
+            return None
+        if payload[:4] in (b"GET ", b"POST", b"HEAD"):
+            line = payload.split(b"\r\n", 1)[0].decode(errors="replace")
+            return {"t": ts, "k": "http-req", "conn": f"{src}:{sport}", "line": line}
+        return {"t": ts, "k": "tcp", "conn": f"{dst}:{dport}", "n": len(payload)}
+    return None
+
+
+def _dhcp_type(options: bytes) -> int:
+    i = 0
+    while i < len(options) and options[i] != 255:
+        if options[i] == 0:
+            i += 1
+            continue
+        if i + 1 >= len(options):
+            break
+        code, length = options[i], options[i + 1]
+        if code == 53 and length >= 1 and i + 2 < len(options):
+            return options[i + 2]
+        i += 2 + length
+    return 0
+
+
+def sniff(iface: str, out: Path) -> None:
+    """Write a JSON line per decoded frame seen on ``iface`` until killed."""
+    s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+    s.bind((iface, 0))
+    with open(out, "a", buffering=1) as f:
+        while True:
+            frame, addr = s.recvfrom(65535)
+            rec = decode(time.time(), frame)
+            if rec is not None:
+                f.write(json.dumps(rec) + "\n")
+
+
+@dataclass
+class Transfer:
+    what: str
+    start: float
+    end: float
+    size: int
+
+
+def transfers(records: list[dict[str, Any]]) -> list[Transfer]:
+    """TFTP reads and HTTP requests with their response bytes (server to client) and the time of
+    the last byte; a connection's bytes belong to its latest request (keep-alive)."""
+    out: list[Transfer] = []
+    by_peer: dict[str, Transfer] = {}
+    for r in records:
+        if r["k"] == "tftp-rrq":
+            by_peer[r["peer"]] = t = Transfer("TFTP " + r["file"], r["t"], r["t"], 0)
+            out.append(t)
+        elif r["k"] == "tftp-data" and r["peer"] in by_peer:
+            t = by_peer[r["peer"]]
+            t.size += r["n"]
+            t.end = r["t"]
+        elif r["k"] == "http-req":
+            path = r["line"].split(" ")[1] if " " in r["line"] else r["line"]
+            method = r["line"].split(" ", 1)[0]
+            by_peer[r["conn"]] = t = Transfer(
+                f"HTTP {method} {path.split('?')[0]}", r["t"], r["t"], 0
+            )
+            out.append(t)
+        elif r["k"] == "tcp" and r["conn"] in by_peer:
+            t = by_peer[r["conn"]]
+            t.size += r["n"]
+            t.end = r["t"]
+    return out
+
+
+# ---- the serial console ------------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), in seconds."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class SerialFollower(threading.Thread):
+    """Stamps each line of a growing serial log with the host time it appeared and the CPU time
+    the machine's QEMU had used by then: on a loaded host the wall clock stretches, while the
+    guest's CPU seconds (TCG emulates every instruction on the host) mostly do not."""
+
+    def __init__(self, path: Path, qemu_pid: int) -> None:
+        super().__init__(daemon=True)
+        self.path = path
+        self.qemu_pid = qemu_pid
+        self.lines: list[tuple[float, str]] = []
+        self.cpu: dict[float, float] = {}
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        pos, buf = 0, b""
+        while not self.stop.is_set():
+            try:
+                with open(self.path, "rb") as f:
+                    f.seek(pos)
+                    chunk = f.read()
+            except FileNotFoundError:
+                chunk = b""
+            now = time.time()
+            if chunk:
+                self.cpu[now] = cpu_seconds(self.qemu_pid)
+                pos += len(chunk)
+                buf += chunk
+                *done, buf = buf.replace(b"\r", b"\n").split(b"\n")
+                self.lines += [(now, ln.decode(errors="replace")) for ln in done if ln.strip()]
+            self.stop.wait(0.02)
+
+
+#: (label, substring) of serial lines worth a row, first occurrence each.
+SERIAL_MARKS = [
+    ("firmware starts (SeaBIOS/OVMF)", ("SeaBIOS (version", "BdsDxe", "UEFI")),
+    ("firmware PXE (>>Start PXE)", (">>Start PXE",)),
+    ("iPXE starts", ("iPXE initialising", "iPXE 1.")),
+    ("iPXE configuring net0", ("Configuring (net0",)),
+    ("iPXE fetches script", ("/boot/52", ".ipxe...")),
+    ("kernel: Linux version", ("Linux version",)),
+    ("kernel: unpacking initramfs", ("Unpacking initramfs", "Trying to unpack")),
+    ("kernel: freeing initrd memory", ("Freeing initrd memory",)),
+    ("kernel: Run /init", ("Run /init",)),
+    ("/init: discovery image up", ("discovery image up",)),
+    ("/init: drivers loaded", ("drivers loaded",)),
+    ("/init: DHCP address", (") has ",)),
+    ("agent: collecting inventory", ("collecting inventory",)),
+    ("agent: inventory collected", ("inventory collected",)),
+    ("agent: inventory posted", ("inventory posted",)),
+    ("agent: next action", ("next action",)),
+]
+
+
+def serial_marks(lines: list[tuple[float, str]]) -> list[tuple[float, str, str]]:
+    out = []
+    for label, needles in SERIAL_MARKS:
+        for t, line in lines:
+            if any(n in line for n in needles):
+                out.append((t, label, line.strip()[:90]))
+                break
+    return out
+
+
+# ---- one run -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    t0: float
+    rows: list[tuple[float, str, str]] = field(default_factory=list)
+    ready: float | None = None
+    userspace: float | None = None
+    #: QEMU's CPU seconds from power-on to the discovery image's userspace
+    cpu_userspace: float | None = None
+
+
+def metald_events(db: Path, t0: float) -> list[tuple[float, str, str]]:
+    from datetime import UTC, datetime
+
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        rows = con.execute(
+            "select at, kind, from_state, to_state, reason from events order by id"
+        ).fetchall()
+    finally:
+        con.close()
+    out = []
+    for at, kind, frm, to, reason in rows:
+        ts = datetime.fromisoformat(at)
+        if ts.tzinfo is None:
+            ts = ts.replace(tzinfo=UTC)
+        t = ts.timestamp()
+        if t < t0 - 1:
+            continue
+        what = f"{frm} -> {to}" if to else (reason or "")[:60]
+        out.append((t, f"metald event {kind}", what))
+    return out
+
+
+def variant_assets(initrd: Path, into: Path) -> Path:
+    """The current boot assets with ``initrd`` as the discovery initramfs (compare image
+    variants without a rebuild); commissioning's image is left out (commissioning is off)."""
+    import shutil
+
+    from bootassets.build import ensure_built
+
+    src = ensure_built()
+    (into / "discovery").mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file():
+            shutil.copyfile(f, into / f.name)
+    shutil.copyfile(src / "discovery" / "vmlinuz", into / "discovery" / "vmlinuz")
+    shutil.copyfile(initrd, into / "discovery" / "initrd.img")
+    return into
+
+
+def one_run(workdir: Path, firmware: str, keep: bool = False, initrd: Path | None = None) -> Run:
+    import bootassets.build
+    from vmlab.rack import LabRack
+
+    if initrd is not None:
+        assets = variant_assets(initrd, workdir / "assets")
+        bootassets.build.ensure_built = lambda *a, **k: assets  # type: ignore[assignment]
+
+    name = f"bp{os.getpid() % 100000}"
+    rack = LabRack(name, workdir, machines=1, uefi=0 if firmware == "bios" else 1)
+    follower = None
+    try:
+        m = rack.machines[0]
+        if firmware == "uefi-pxe":
+            _no_nic_rom(rack, m)
+        pcap = workdir / "packets.jsonl"
+        rack.lab.spawn(
+            [
+                sys.executable,
+                __file__,
+                "sniff",
+                "--iface",
+                rack.state["bridge"],
+                "--out",
+                str(pcap),
+            ],
+            role="sniffer",
+            log=workdir / "sniffer.log",
+        )
+        qemu_pid = next(p["pid"] for p in rack.state["processes"] if p["role"] == "qemu")
+        follower = SerialFollower(Path(m["serial_log"]), qemu_pid)
+        follower.start()
+        bmc = rack.register_bmcs(["ipmi"])[m["name"]]
+        time.sleep(0.5)  # the sniffer's socket is bound well before it
+        t0 = time.time()
+        cpu0 = cpu_seconds(qemu_pid)
+        rack.ctl("bmcs", "power", bmc["id"], "on")
+        t_cmd_done = time.time()
+        ready = rack.wait_state([m["mac"]], "ready", 300)
+        t_ready_seen = time.time() - (time.monotonic() - ready[m["mac"]])
+        time.sleep(0.3)
+        follower.stop.set()
+        run = Run(t0)
+        run.rows.append((t_cmd_done, "metalctl bmcs power on returned", ""))
+        for line in Path(m["bmc_commands"]).read_text().splitlines():
+            c = json.loads(line)
+            if c["t"] >= t0 - 1:
+                run.rows.append((c["t"], f"BMC received {c['command']}", f"via {c['face']}"))
+        records = [json.loads(x) for x in pcap.read_text().splitlines() if x.strip()]
+        for r in records:
+            if r["k"] == "dhcp" and r["mac"] == m["mac"]:
+                run.rows.append((r["t"], f"DHCP {r['type']}", ""))
+        for tr in transfers(records):
+            run.rows.append((tr.start, f"{tr.what} requested", ""))
+            if tr.size:
+                rate = tr.size / max(tr.end - tr.start, 1e-3) / 1e6
+                run.rows.append(
+                    (
+                        tr.end,
+                        f"{tr.what} done",
+                        f"{tr.size / 1e6:.2f} MB in {tr.end - tr.start:.2f} s ({rate:.1f} MB/s)",
+                    )
+                )
+        run.rows += [
+            (t, label, f"[qemu cpu {follower.cpu.get(t, float('nan')) - cpu0:6.2f} s] {line}")
+            for t, label, line in serial_marks(follower.lines)
+        ]
+        events = metald_events(rack.state_dir / "metald.db", t0)
+        run.rows += events
+        run.rows.append((t_ready_seen, "bench saw ready (API poll)", ""))
+        run.rows.sort(key=lambda r: r[0])
+        readies = [t for t, what, detail in events if detail.endswith("-> ready")]
+        run.ready = (readies[0] if readies else t_ready_seen) - t0
+        ups = [t for t, label, _ in run.rows if label.startswith("/init: discovery image up")]
+        run.userspace = ups[0] - t0 if ups else None
+        cpu_ups = [
+            follower.cpu[t] - cpu0
+            for t, ln in follower.lines
+            if "discovery image up" in ln and t in follower.cpu
+        ]
+        run.cpu_userspace = cpu_ups[0] if cpu_ups else None
+        (workdir / "serial.txt").write_text(
+            "\n".join(f"{t - t0:8.3f} {ln}" for t, ln in follower.lines)
+        )
+        return run
+    finally:
+        if follower is not None:
+            follower.stop.set()
+        if not keep:
+            rack.down()
+
+
+def _no_nic_rom(rack: Any, m: dict[str, Any]) -> None:
+    raise SystemExit("--firmware uefi-pxe needs vm-lab's no-ROM option (not in this lab)")
+
+
+def print_run(run: Run) -> None:
+    print(f"{'t (s)':>8}  {'step':<44} detail")
+    for t, label, detail in run.rows:
+        print(f"{t - run.t0:8.3f}  {label:<44} {detail}")
+    print(
+        f"power-on -> discovery userspace {run.userspace if run.userspace is not None else float('nan'):.1f} s,"
+        f" -> ready {run.ready:.1f} s; QEMU CPU to userspace {run.cpu_userspace or float('nan'):.1f} s;"
+        f" load {os.getloadavg()[0]:.1f}"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd")
+    sn = sub.add_parser("sniff")
+    sn.add_argument("--iface", required=True)
+    sn.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--firmware", choices=("bios", "uefi-pxe"), default="bios")
+    ap.add_argument("--keep", action="store_true", help="leave the lab up (one run)")
+    ap.add_argument("--initrd", type=Path, help="boot this discovery initramfs instead")
+    ap.add_argument("--save", type=Path, help="copy each run's serial log and packets here")
+    args = ap.parse_args()
+    if args.cmd == "sniff":
+        sniff(args.iface, args.out)
+        return
+    if os.geteuid() != 0:
+        raise SystemExit("needs root (network namespaces, taps, QEMU)")
+    runs = []
+    for i in range(args.runs):
+        with tempfile.TemporaryDirectory(prefix="boot-path-") as d:
+            run = one_run(Path(d), args.firmware, keep=args.keep, initrd=args.initrd)
+            if args.save:
+                dest = args.save / f"run{i + 1}"
+                dest.mkdir(parents=True, exist_ok=True)
+                for f in ("serial.txt", "packets.jsonl", "metald.log"):
+                    if (Path(d) / f).exists():
+                        (dest / f).write_bytes((Path(d) / f).read_bytes())
+            print(f"\n== run {i + 1}/{args.runs} ({args.firmware})")
+            print_run(run)
+            runs.append(run)
+    if len(runs) > 1:
+        ups = [r.userspace for r in runs if r.userspace is not None]
+        print(
+            f"\nmedian of {len(runs)}: power-on -> userspace {statistics.median(ups):.1f} s"
+            f" (all: {', '.join(f'{u:.1f}' for u in ups)}), -> ready "
+            f"{statistics.median(r.ready for r in runs):.1f} s"
+            f" (all: {', '.join(f'{r.ready:.1f}' for r in runs)}), QEMU CPU to userspace "
+            f"{statistics.median(r.cpu_userspace or 0 for r in runs):.1f} s"
+        )
+
+
+if __name__ == "__main__":
+    main()
