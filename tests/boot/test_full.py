@@ -289,3 +289,20 @@ def test_a_reservation_that_is_not_a_mac_is_a_config_error(tmp_path) -> None:  #
     conf.write_text(conf.read_text().replace('"52:54:00:00:00"', '"5254.0000.000A"'))
     net = load_config(conf, environ={}).boot.networks[0]
     assert net.reservations == {"52:54:00:00:00:0a": IPv4Address("10.0.0.5")}
+
+
+def test_ipxe_is_told_not_to_wait_for_proxydhcp_only_when_the_offer_names_its_script() -> None:
+    """iPXE waits 2 s for ProxyDHCP offers unless told no-pxedhcp (option 175, sub-option 176):
+    metald's offer and ACK already name the boot script, so iPXE clients get it; a PXE ROM (not
+    iPXE) and a client that is not network-booting do not."""
+    h, n, t = FullHandler(SERVER, FILES), net(), LeaseTable()
+    offer, ack = dora(h, n, t, "52:54:00:00:00:21", options=IPXE_BIOS)
+    for d in (offer, ack):
+        assert d.reply.options[Opt.BOOTFILE].endswith(b".ipxe")
+        assert d.reply.options[175] == bytes((176, 1, 1))
+    wire = parse(serialize(ack.reply))  # and it survives the codec as the TLV iPXE reads
+    assert wire.options[175] == b"\xb0\x01\x01"
+    offer, ack = dora(h, n, t, "52:54:00:00:00:22", options=PXE_BIOS)
+    assert 175 not in offer.reply.options and 175 not in ack.reply.options
+    offer, ack = dora(h, n, t, "52:54:00:00:00:23")
+    assert 175 not in offer.reply.options and 175 not in ack.reply.options

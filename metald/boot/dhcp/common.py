@@ -211,6 +211,13 @@ def add_boot(
     return True
 
 
+#: iPXE's encapsulated options (option 175) with sub-option 176 "no-pxedhcp" = 1: the offer
+#: already names the boot script, so iPXE requests at once instead of waiting 2 s for ProxyDHCP
+#: offers; a ProxyDHCP answer from anyone else on the segment then has nothing to race.
+IPXE_ENCAP = 175
+IPXE_NO_PXEDHCP = bytes((176, 1, 1))
+
+
 def echo_relay_info(req: DhcpPacket, reply: DhcpPacket) -> None:
     """RFC 3046: the server copies option 82 back, last, for the relay to strip."""
     v = req.options.get(Opt.RELAY_AGENT)

@@ -13,6 +13,8 @@ from ipaddress import IPv4Address
 
 from metald.boot.dhcp.bootfile import BootFiles, classify
 from metald.boot.dhcp.common import (
+    IPXE_ENCAP,
+    IPXE_NO_PXEDHCP,
     Decision,
     NetworkPlan,
     add_boot,
@@ -230,6 +232,7 @@ class FullHandler:
         reply.ciaddr = pkt.ciaddr if mtype is MessageType.ACK else ZERO
         reply.options.update(net.lease_options)  # 51, 58, 59, precomputed per network
         reply.options.update(net.base_options)
-        add_boot(reply, kind, pkt.mac, self.files, self.server_id)  # type: ignore[arg-type]
+        if add_boot(reply, kind, pkt.mac, self.files, self.server_id) and kind.ipxe:  # type: ignore[arg-type,attr-defined]
+            reply.options[IPXE_ENCAP] = IPXE_NO_PXEDHCP
         echo_relay_info(pkt, reply)
         return reply
