@@ -273,7 +273,13 @@ def variant_assets(initrd: Path, into: Path) -> Path:
     return into
 
 
-def one_run(workdir: Path, firmware: str, keep: bool = False, initrd: Path | None = None) -> Run:
+def one_run(
+    workdir: Path,
+    firmware: str,
+    keep: bool = False,
+    initrd: Path | None = None,
+    uefi_file: str | None = None,
+) -> Run:
     import bootassets.build
     from vmlab.rack import LabRack
 
@@ -282,12 +288,17 @@ def one_run(workdir: Path, firmware: str, keep: bool = False, initrd: Path | Non
         bootassets.build.ensure_built = lambda *a, **k: assets  # type: ignore[assignment]
 
     name = f"bp{os.getpid() % 100000}"
-    rack = LabRack(name, workdir, machines=1, uefi=0 if firmware == "bios" else 1)
+    rack = LabRack(
+        name,
+        workdir,
+        machines=1,
+        uefi=0 if firmware == "bios" else 1,
+        nic_rom=firmware != "uefi-pxe",
+        boot_config=f'uefi_x64_file = "{uefi_file}"\n' if uefi_file else "",
+    )
     follower = None
     try:
         m = rack.machines[0]
-        if firmware == "uefi-pxe":
-            _no_nic_rom(rack, m)
         pcap = workdir / "packets.jsonl"
         rack.lab.spawn(
             [
@@ -365,10 +376,6 @@ def one_run(workdir: Path, firmware: str, keep: bool = False, initrd: Path | Non
             rack.down()
 
 
-def _no_nic_rom(rack: Any, m: dict[str, Any]) -> None:
-    raise SystemExit("--firmware uefi-pxe needs vm-lab's no-ROM option (not in this lab)")
-
-
 def print_run(run: Run) -> None:
     print(f"{'t (s)':>8}  {'step':<44} detail")
     for t, label, detail in run.rows:
@@ -391,6 +398,10 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="leave the lab up (one run)")
     ap.add_argument("--initrd", type=Path, help="boot this discovery initramfs instead")
     ap.add_argument("--save", type=Path, help="copy each run's serial log and packets here")
+    ap.add_argument(
+        "--uefi-file",
+        help="[boot] uefi_x64_file for this run (default snponly.efi; ipxe.efi: native drivers)",
+    )
     args = ap.parse_args()
     if args.cmd == "sniff":
         sniff(args.iface, args.out)
@@ -400,7 +411,9 @@ def main() -> None:
     runs = []
     for i in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="boot-path-") as d:
-            run = one_run(Path(d), args.firmware, keep=args.keep, initrd=args.initrd)
+            run = one_run(
+                Path(d), args.firmware, keep=args.keep, initrd=args.initrd, uefi_file=args.uefi_file
+            )
             if args.save:
                 dest = args.save / f"run{i + 1}"
                 dest.mkdir(parents=True, exist_ok=True)

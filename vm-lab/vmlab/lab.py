@@ -128,7 +128,10 @@ class Lab:
         memory_mb: int = 1024,
         cpus: int = 2,
         disk_size: str = "2G",
+        nic_rom: bool = True,
     ) -> None:
+        """``nic_rom=False``: the NIC has no option ROM (no iPXE), so the firmware network-boots
+        with its own PXE (OVMF: DHCP, TFTP of ipxe.efi, then iPXE)."""
         self.name = plan.check_name(name)
         self.machines = machines
         self.uefi = machines // 2 if uefi is None else uefi
@@ -139,6 +142,7 @@ class Lab:
         self.memory_mb = memory_mb
         self.cpus = cpus
         self.disk_size = disk_size
+        self.nic_rom = nic_rom
         self.state: dict[str, Any] = {}
 
     @classmethod
@@ -189,6 +193,7 @@ class Lab:
                     "tap": m.tap,
                     "memory_mb": self.memory_mb,
                     "cpus": self.cpus,
+                    "nic_rom": self.nic_rom,
                     "disk": f"{base}.qcow2",
                     "uefi_vars": f"{base}.vars.fd" if m.firmware == "uefi" else None,
                     "serial_log": f"{base}.serial.log",
@@ -276,6 +281,7 @@ class Lab:
             memory_mb=m["memory_mb"],
             cpus=m["cpus"],
             serial_number=m["serial_number"],
+            nic_rom=m.get("nic_rom", True),
         )
 
     # ---- processes in the namespace ------------------------------------------------------------

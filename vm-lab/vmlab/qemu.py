@@ -54,6 +54,7 @@ class MachineSpec:
     memory_mb: int = 1024
     cpus: int = 2
     serial_number: str = ""
+    nic_rom: bool = True  # False: no option ROM on the NIC (the firmware's own PXE boots)
 
 
 # ---- accelerator -------------------------------------------------------------------------------
@@ -176,7 +177,8 @@ def command_line(spec: MachineSpec, accel: str) -> list[str]:
         "-qmp", f"unix:{spec.qmp},server=on,wait=off",
         "-netdev", f"tap,id=net0,ifname={spec.tap},script=no,downscript=no",
         # Firmware default: disk first, then network, like a server with PXE fallback.
-        "-device", f"virtio-net-pci,id={NIC_ID},netdev=net0,mac={spec.mac},bootindex=2",
+        "-device", f"virtio-net-pci,id={NIC_ID},netdev=net0,mac={spec.mac},bootindex=2"
+                   + ("" if spec.nic_rom else ",romfile="),
         "-drive", f"file={spec.disk},if=none,id=drive0,format=qcow2,cache=unsafe",
         "-device", f"virtio-blk-pci,id={DISK_ID},drive=drive0,bootindex=1",
         # An empty CD drive on the board's IDE (pc) or AHCI (q35) bus.

@@ -127,6 +127,7 @@ class LabRack:
         uefi: int = 1,
         extra_config: str | Callable[[dict[str, Any]], str] = "",
         boot_config: str = "",
+        nic_rom: bool = True,
     ) -> None:
         """``extra_config``: TOML appended to metald's config, or a function of the lab's state
         (slot, bridge, subnet) returning it; ``boot_config``: lines added to its [boot] table."""
@@ -138,7 +139,9 @@ class LabRack:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.assets = ensure_built()
         self._boot_config = boot_config
-        self.lab = Lab(name, machines=machines, uefi=uefi, workdir=self.workdir / "lab")
+        self.lab = Lab(
+            name, machines=machines, uefi=uefi, workdir=self.workdir / "lab", nic_rom=nic_rom
+        )
         try:
             self.state: dict[str, Any] = self.lab.up()
             self._extra_config = (
