@@ -57,6 +57,10 @@ async def test_a_result_post_costs_a_fixed_handful_of_statements(api) -> None:  
         ],
     )
     _target, agent = await _inventoried(client, store, prof)
+    # One check twice in one post is a second report: refused, nothing recorded.
+    twice = {"results": [report("smart", "{}"), report("smart", "{}")]}
+    r = await client.post("/api/v1/agent/commissioning", json=twice, headers=agent)
+    assert r.status == 409 and "already reported" in (await r.json())["detail"]
     posts = []
     for name, raw in (("smart", "{}"), ("memtester", "x" * 60000), ("fio", FIO_OK)):
         with counted(store) as seen:
