@@ -156,7 +156,7 @@ async def commission(req: ApiRequest) -> CommissioningOut:
     )
 
 
-def _agent_machine(req: ApiRequest, s: Session) -> str:
+def _agent_machine(req: ApiRequest, s: Session) -> Machine:
     p = req.require_principal()
     mid = next(iter(p.scope))
     m = machines.get_machine(s, mid)
@@ -165,7 +165,7 @@ def _agent_machine(req: ApiRequest, s: Session) -> str:
         raise Conflict(f"machine {mid} is {m.state}, not commissioning; ask /api/v1/agent/next")
     if p.boot is not None and p.boot != m.boot_current:
         raise Conflict("this agent token belongs to an earlier boot of the machine; boot again")
-    return mid
+    return m
 
 
 @router.route(
@@ -183,7 +183,7 @@ async def agent_plan(req: ApiRequest) -> PlanOut:
     ask again)."""
 
     def run(s: Session) -> tuple[str, str, bool, PlanOut]:
-        mid = _agent_machine(req, s)
+        mid = _agent_machine(req, s).id
         r = runs.current_run(s, mid)
         if r is None:
             raise Conflict(f"machine {mid} has no running commissioning run")
@@ -234,14 +234,12 @@ async def agent_results(req: ApiRequest) -> ResultsAccepted:
     b: ResultsIn = req.body
 
     def run(s: Session) -> tuple[ResultsAccepted, bool]:
-        mid = _agent_machine(req, s)
-        r = runs.record_results(
-            s, mid, b.results, done=b.done, actor=req.actor, instance=req.ctx.instance
+        m = _agent_machine(req, s)
+        rec = runs.record_results(
+            s, m.id, b.results, done=b.done, actor=req.actor, instance=req.ctx.instance, machine=m
         )
-        out = ResultsAccepted(
-            run_id=r.id, status=r.status, state=machines.get_machine(s, mid).state
-        )
-        return out, runs.awaits_sel(s, r)
+        out = ResultsAccepted(run_id=rec.run.id, status=rec.run.status, state=rec.state)
+        return out, rec.awaits_sel
 
     out, awaits = await req.write(run)
     if awaits:

@@ -1091,7 +1091,13 @@ def commission_report(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> Non
     costs beyond its configured run time, free of the enrollment's own spread)."""
     rows = []
     for base, com in pairs:
-        b, c, n = base["phase1"], com["phase1"], com["machines"]
+        c, n = com["phase1"], com["machines"]
+        # --with-only: no run without; the "without" columns read 0.
+        b = base.get("phase1") or {"p50_s": 0.0, "p99_s": 0.0, "wall_s": 0.0, "metald_cpu_s": 0.0}
+        steps = c.get("commission_steps_s") or {}
+        step_p50 = " / ".join(
+            f"{(steps.get(k) or {}).get('p50', 0.0):.1f}" for k in ("next", "plan", "post", "done")
+        )
         run_s = c["check_sleep_s_per_machine"]
         ov = c.get("commission_overhead_s") or {"p50": 0.0, "p99": 0.0, "max": 0.0}
         rows.append(
@@ -1107,6 +1113,7 @@ def commission_report(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> Non
                 f"{b['wall_s']:.1f} / {c['wall_s']:.1f}",
                 f"{b['metald_cpu_s'] / n * 1000:.2f} / {c['metald_cpu_s'] / n * 1000:.2f}",
                 f"{(c['metald_cpu_s'] - b['metald_cpu_s']) / n * 1000:.2f}",
+                step_p50,
                 c["check_posts"],
                 f"{c['http_retries']}/{c['server_errors']}",
             ]
@@ -1126,6 +1133,7 @@ def commission_report(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> Non
                 "wall s",
                 "metald CPU ms/machine",
                 "commissioning CPU ms/machine",
+                "next / plan / post / last post p50 s",
                 "check posts",
                 "HTTP retries / 5xx",
             ],
@@ -1160,6 +1168,12 @@ def main() -> int:
         metavar="SECONDS",
         help="phase 1 without, then with a commissioning profile whose checks run SECONDS",
     )
+    ap.add_argument(
+        "--with-only",
+        action="store_true",
+        help="with --commission: skip the run without commissioning (the overhead and the "
+        "step times come from the run with it alone)",
+    )
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("storm.py needs root (it creates network namespaces)", file=sys.stderr)
@@ -1171,7 +1185,8 @@ def main() -> int:
         pairs = []
         for n in sizes:
             print(f"== {n} machines, {args.db}, without and with commissioning", flush=True)
-            pair = (run_one(n, args), run_one(n, args, commission_s=args.commission))
+            base = {} if args.with_only else run_one(n, args)
+            pair = (base, run_one(n, args, commission_s=args.commission))
             pairs.append(pair)
             if args.json:
                 Path(args.json).write_text(json.dumps(pairs, indent=2))

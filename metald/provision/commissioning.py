@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -230,12 +231,12 @@ def _finish(
     *,
     actor: str,
     instance: str | None,
-) -> None:
+) -> Machine:
     status, summary = summarise(results)
     run.status, run.summary, run.finished_at = status.value, summary, utcnow()
     s.add(run)
     passed = status is Status.PASSED
-    machines.transition(
+    return machines.transition(
         s,
         m.id,
         Trigger.COMMISSIONED if passed else Trigger.COMMISSION_FAIL,
@@ -253,6 +254,16 @@ def current_run(s: Session, machine_id: str) -> CommissioningRun | None:
     return _open_run(s, machine_id, RUNNING)
 
 
+@dataclass(frozen=True)
+class Recorded:
+    """What a result post did: the run (its status after the post), the machine's state after
+    it, and whether only metald's second reading of the BMC's event log is now missing."""
+
+    run: CommissioningRun
+    state: str
+    awaits_sel: bool
+
+
 def record_results(
     s: Session,
     machine_id: str,
@@ -261,20 +272,28 @@ def record_results(
     done: bool,
     actor: str,
     instance: str | None = None,
-) -> CommissioningRun:
+    machine: Machine | None = None,
+) -> Recorded:
     """The agent's reports for the running run. Each check is judged by metald
     (``judge_check``); a check reported twice, and a report of a check metald runs itself
     (``bmc-sel``), are refused. ``done`` (or every planned check reported) ends the agent's
     part: a planned check never reported is recorded as an error. The run then finishes, unless
     the profile has the ``bmc-sel`` check: then it waits for metald's second reading of the
-    BMC's event log (``awaits_sel``, ``finish_with_sel``)."""
-    m = machines.get_machine(s, machine_id)
+    BMC's event log (``awaits_sel``, ``finish_with_sel``).
+
+    ``machine`` is the row as the caller just read it in this session (saves a read). The
+    post's cost is fixed whatever the run already holds: one read of the machine, one of the
+    run, one of the run's earlier verdicts (check, status, sentence: never their values or raw
+    output), then only inserts, and on the last post the run's and the machine's updates; the
+    run is judged from those verdicts and this post's, never re-read."""
+    m = machine if machine is not None else machines.get_machine(s, machine_id)
     run = current_run(s, machine_id)
     if State(m.state) not in COMMISSION_RUNNING or run is None:
         raise Conflict(f"machine {machine_id} is {m.state}, not commissioning; nothing to report")
     profile = CommissioningProfile.model_validate(run.spec)
     planned = {c.name for c in profile.agent_checks()}
-    have = _results(s, run.id)
+    have = _verdicts(s, run.id)
+    names = {n for n, _ in have}
     for rep in reports:
         if rep.name in METALD_CHECKS:
             raise Unprocessable(
@@ -285,8 +304,9 @@ def record_results(
             raise Unprocessable(
                 f"check {rep.name} is not in this run's plan ({', '.join(sorted(planned))})"
             )
-        if rep.name in have:
+        if rep.name in names:
             raise Conflict(f"check {rep.name} of run {run.id} was already reported")
+        names.add(rep.name)  # the same check twice in one post is a second report
     verdicts = [(rep, judge_check(rep, profile)) for rep in reports]
     for rep, v in verdicts:
         _add_result(
@@ -301,38 +321,34 @@ def record_results(
             actor=actor,
             instance=instance,
         )
-    reported = set(have) | {rep.name for rep in reports}
-    if done or planned <= reported:
-        for name in sorted(planned - reported):
+    results = have + [(rep.name, v) for rep, v in verdicts]
+    awaits = False
+    if done or planned <= names:
+        for name in sorted(planned - names):
             never = Verdict(Status.ERROR, f"{name} was never reported by the agent")
             _add_result(
                 s, run, m.id, name, never, agent=None, duration_s=None, raw=None,
                 actor=actor, instance=instance,
             )  # fmt: skip
-        s.flush()
+            results.append((name, never))
         if profile.check(SEL_CHECK) is None:
-            _finish_from_rows(s, run, m, actor=actor, instance=instance)
+            m = _finish(s, run, m, results, actor=actor, instance=instance)
+        else:
+            awaits = SEL_CHECK not in names
+    state = m.state
     s.commit()
-    return run
+    return Recorded(run=run, state=state, awaits_sel=awaits)
 
 
-def _results(s: Session, run_id: str) -> dict[str, CommissioningResult]:
-    return {
-        r.check: r
-        for r in s.exec(select(CommissioningResult).where(CommissioningResult.run_id == run_id))
-    }
-
-
-def _finish_from_rows(
-    s: Session, run: CommissioningRun, m: Machine, *, actor: str, instance: str | None
-) -> None:
+def _verdicts(s: Session, run_id: str) -> list[tuple[str, Verdict]]:
+    """The run's verdicts so far, in the order they were recorded, without their values or
+    raw output (what ``summarise`` and the duplicate check need)."""
     rows = s.exec(
-        select(CommissioningResult)
-        .where(CommissioningResult.run_id == run.id)
+        select(CommissioningResult.check, CommissioningResult.status, CommissioningResult.sentence)
+        .where(CommissioningResult.run_id == run_id)
         .order_by(col(CommissioningResult.id))
     ).all()
-    results = [(r.check, Verdict(Status(r.status), r.sentence, r.values)) for r in rows]
-    _finish(s, run, m, results, actor=actor, instance=instance)
+    return [(c, Verdict(Status(st), sentence)) for c, st, sentence in rows]
 
 
 # --- the BMC's event log before and after (metald's own check, bmc-sel) ----------------------
@@ -347,9 +363,9 @@ def awaits_sel(s: Session, run: CommissioningRun) -> bool:
     reading of the BMC's event log is missing."""
     if run.status != RUNNING or not sel_wanted(run):
         return False
-    have = _results(s, run.id)
+    have = {n for n, _ in _verdicts(s, run.id)}
     planned = {c.name for c in run_profile(run).agent_checks()}
-    return SEL_CHECK not in have and planned <= set(have)
+    return SEL_CHECK not in have and planned <= have
 
 
 def store_sel_before(s: Session, run_id: str, reading: dict[str, Any]) -> bool:
@@ -383,12 +399,13 @@ def finish_with_sel(
     if State(m.state) not in COMMISSION_RUNNING:
         return False
     verdict, raw = bmc_sel.judge_sel(run.sel_before, entries, after_error=error_text)
+    have = _verdicts(s, run.id)
     _add_result(
         s, run, m.id, SEL_CHECK, verdict, agent=None, duration_s=None, raw=raw,
         actor=actor, instance=instance,
     )  # fmt: skip
-    s.flush()
-    _finish_from_rows(s, run, m, actor=actor, instance=instance)
+    results = [*have, (SEL_CHECK, verdict)]
+    _finish(s, run, m, results, actor=actor, instance=instance)
     s.commit()
     return True
 
