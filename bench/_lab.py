@@ -14,12 +14,42 @@ __all__ = [
     "Netns",
     "namespaces",
     "set_loop",
+    "start_http_metald",
     "tree_cpu_seconds",
     "sh",
     "veth",
     "write_config",
     "table",
 ]
+
+
+#: metald as a plain HTTP (and TFTP) boot server on loopback, no DHCP: the HTTP benches.
+HTTP_BOOT = """
+[boot]
+enabled = true
+dhcp_mode = "off"
+interfaces = ["lo"]
+server_address = "127.0.0.1"
+tftp_port = {tftp_port}
+assets_dir = "{root}"
+router_advertisements = false
+"""
+
+
+def start_http_metald(
+    lab: Netns, tmp: Path, n: int, server: str, root: Path
+) -> tuple[BootProcess, int]:
+    """The ``n``-th metald of a bench (``server``: metald, metald-asyncio or metald-uvloop)
+    serving ``root`` over HTTP in ``lab``; returns it started and its HTTP port."""
+    port = 8090 + n
+    cfg = write_config(
+        tmp / f"m{n}.toml",
+        state_dir=tmp / f"st{n}",
+        boot=HTTP_BOOT.format(root=root, tftp_port=6969 + n),
+        listen=f"127.0.0.1:{port}",
+    )
+    set_loop(server)
+    return BootProcess(lab, cfg, tmp / f"metald{n}.log").start(), port
 
 
 def set_loop(server: str) -> None:

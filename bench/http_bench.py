@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _lab import BootProcess, namespaces, set_loop, table, tree_cpu_seconds, write_config
+from _lab import namespaces, start_http_metald, table, tree_cpu_seconds
 
 DRIVER = r"""
 import asyncio, sys, time
@@ -62,17 +62,6 @@ http {{
 }}
 """
 
-BOOT = """
-[boot]
-enabled = true
-dhcp_mode = "off"
-interfaces = ["lo"]
-server_address = "127.0.0.1"
-tftp_port = {tftp_port}
-assets_dir = "{root}"
-router_advertisements = false
-"""
-
 
 def main() -> int:
     ap = argparse.ArgumentParser()
@@ -111,16 +100,9 @@ def main() -> int:
             procs = []
             pids: dict[str, int] = {}
             for n, name in enumerate(x for x in names if x.startswith("metald")):
-                ports[name] = 8090 + n
-                cfg = write_config(
-                    tmp / f"m{n}.toml",
-                    state_dir=tmp / f"st{n}",
-                    boot=BOOT.format(root=root, tftp_port=6969 + n),
-                    listen=f"127.0.0.1:{ports[name]}",
-                )
-                set_loop(name)
-                procs.append(BootProcess(lab, cfg, tmp / f"metald{n}.log").start())
-                pids[name] = procs[-1].proc.pid  # type: ignore[union-attr]
+                bp, ports[name] = start_http_metald(lab, tmp, n, name, root)
+                procs.append(bp)
+                pids[name] = bp.proc.pid  # type: ignore[union-attr]
             ng = lab.popen(
                 "nginx",
                 "-c",
@@ -177,7 +159,7 @@ def main() -> int:
                 sum(b for _, b in res[name]),
                 f"{med / ref:.2f}",
                 f"{statistics.median(cpus[name]):.2f}",
-                f"{statistics.median(cpus[name]) / cref:.2f}",
+                f"{statistics.median(cpus[name]) / cref:.2f}" if cref else "-",
             ]
         )
     print(

@@ -17,18 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _lab import BootProcess, namespaces, set_loop, table, tree_cpu_seconds, write_config
-
-BOOT = """
-[boot]
-enabled = true
-dhcp_mode = "off"
-interfaces = ["lo"]
-server_address = "127.0.0.1"
-tftp_port = {tftp_port}
-assets_dir = "{root}"
-router_advertisements = false
-"""
+from _lab import BootProcess, namespaces, start_http_metald, table, tree_cpu_seconds
 
 DRIVER = r"""
 import asyncio, sys, time, aiohttp
@@ -62,14 +51,7 @@ def main() -> int:
         procs: dict[str, tuple[BootProcess, int]] = {}
         try:
             for n, name in enumerate(names):
-                cfg = write_config(
-                    tmp / f"m{n}.toml",
-                    state_dir=tmp / f"st{n}",
-                    boot=BOOT.format(root=root, tftp_port=6969 + n),
-                    listen=f"127.0.0.1:{8090 + n}",
-                )
-                set_loop(name)
-                procs[name] = (BootProcess(lab, cfg, tmp / f"metald{n}.log").start(), 8090 + n)
+                procs[name] = start_http_metald(lab, tmp, n, name, root)
             for rnd in range(args.rounds):
                 for name, (bp, port) in procs.items():
                     pid = bp.proc.pid  # type: ignore[union-attr]
