@@ -185,7 +185,7 @@ class Membership:
         finally:
             self._changed(before)
 
-    async def _beat(self) -> None:
+    async def _beat(self, *, again: bool = True) -> None:
         was_fenced = self.fenced
         started = time.monotonic()  # the store's heartbeat time is at or after this moment
         try:
@@ -202,6 +202,13 @@ class Membership:
                     self.instance,
                 )
             self._taken_over = True
+            return
+        if again and started + self.fence_after_s < time.monotonic() + self.heartbeat_s:
+            # This heartbeat hung (a cut link that healed without a reset) and landed too late
+            # to hold the lease, counted from when it was sent, until the next one is due:
+            # write a fresh one at once rather than leave the fence for a moment and fence
+            # again (owners would let go, take back and let go).
+            await self._beat(again=False)
             return
         if time.monotonic() >= self.lease_until():
             self.lease_epoch += 1
