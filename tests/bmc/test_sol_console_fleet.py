@@ -67,6 +67,46 @@ async def _instance(
     return server, fleet, [consoles, bmc]
 
 
+async def register_sim_bmc(
+    http: aiohttp.ClientSession, owner: TestServer, sim: SolSim, mid: str, headers: dict[str, str]
+) -> None:
+    """Register the SOL simulator's IPMI BMC for machine ``mid`` at the ``owner`` instance."""
+    body = {
+        "address": "127.0.0.1",
+        "port": sim.port,
+        "protocol": "ipmi",
+        "username": "admin",
+        "password": PASSWORD,
+        "machine_id": mid,
+    }
+    async with http.post(owner.make_url("/api/v1/bmcs"), json=body, headers=headers) as r:
+        assert r.status == 201, await r.text()
+
+
+async def both_ways(
+    ws: aiohttp.ClientWebSocketResponse, sim: SolSim, from_serial: bytes, typed: bytes
+) -> None:
+    """A writer's console: hello, the SOL link connected, ``from_serial`` sent on the serial
+    line arrives, and ``typed`` reaches the serial line."""
+    hello = json.loads((await ws.receive()).data)
+    assert hello["type"] == "hello" and hello["mode"] == "write", hello
+    async with asyncio.timeout(15):
+        while True:
+            m = await ws.receive()
+            if m.type == aiohttp.WSMsgType.TEXT and "connected" in m.data:
+                break
+    await sim.serial.send(from_serial)
+    seen = b""
+    async with asyncio.timeout(15):
+        while from_serial not in seen:
+            m = await ws.receive()
+            assert m.type in (aiohttp.WSMsgType.BINARY, aiohttp.WSMsgType.TEXT), m
+            if m.type == aiohttp.WSMsgType.BINARY:
+                seen += m.data
+    await ws.send_bytes(typed)
+    await sim.serial.wait_for(typed)
+
+
 async def test_a_console_on_a_non_owner_is_carried_to_the_owner(
     cfg: Config, store: Store, sim: SolSim
 ) -> None:
@@ -79,35 +119,11 @@ async def test_a_console_on_a_non_owner_is_carried_to_the_owner(
         tech = tokens.header("technician")
         mid = tokens.machine_free
         async with aiohttp.ClientSession() as http:
-            body = {
-                "address": "127.0.0.1",
-                "port": sim.port,
-                "protocol": "ipmi",
-                "username": "admin",
-                "password": PASSWORD,
-                "machine_id": mid,
-            }
-            async with http.post(owner.make_url("/api/v1/bmcs"), json=body, headers=tech) as r:
-                assert r.status == 201, await r.text()
+            await register_sim_bmc(http, owner, sim, mid, tech)
 
             url = other.make_url(f"/api/v1/machines/{mid}/console")
             async with http.ws_connect(url, headers=tech) as ws:
-                hello = json.loads((await ws.receive()).data)
-                assert hello["type"] == "hello" and hello["mode"] == "write"
-                async with asyncio.timeout(15):
-                    while True:
-                        m = await ws.receive()
-                        if m.type == aiohttp.WSMsgType.TEXT and "connected" in m.data:
-                            break
-                await sim.serial.send(b"via-the-owner")
-                seen = b""
-                async with asyncio.timeout(15):
-                    while b"via-the-owner" not in seen:
-                        m = await ws.receive()
-                        if m.type == aiohttp.WSMsgType.BINARY:
-                            seen += m.data
-                await ws.send_bytes(b"typed-at-b")
-                await sim.serial.wait_for(b"typed-at-b")
+                await both_ways(ws, sim, b"via-the-owner", b"typed-at-b")
             # The SOL link lives on the owner, not on the instance the client called.
             assert mid in sa[0].consoles and mid not in sb[0].consoles
 

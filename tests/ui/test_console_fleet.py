@@ -5,8 +5,6 @@ resolves the same session and principal from the shared store (api.ui.live.Conso
 
 from __future__ import annotations
 
-import asyncio
-import json
 import re
 import shutil
 from collections.abc import AsyncIterator
@@ -19,8 +17,7 @@ from sqlmodel import select
 from metald.config import Config
 from metald.store import Store
 from metald.store.models import Event
-from tests.bmc.peers import PASSWORD
-from tests.bmc.test_sol_console_fleet import _instance
+from tests.bmc.test_sol_console_fleet import _instance, both_ways, register_sim_bmc
 from tests.bmc.test_sol_ipmi_sim import SolSim, running_sol_sim
 from tests.conftest import seed
 
@@ -65,39 +62,13 @@ async def test_a_session_console_on_a_non_owner_is_carried_to_the_owner(
         mid = tokens.machine_free
         base = str(other.make_url("")).rstrip("/")
         async with aiohttp.ClientSession() as http:
-            body = {
-                "address": "127.0.0.1",
-                "port": sim.port,
-                "protocol": "ipmi",
-                "username": "admin",
-                "password": PASSWORD,
-                "machine_id": mid,
-            }
-            tech = tokens.header("technician")
-            async with http.post(owner.make_url("/api/v1/bmcs"), json=body, headers=tech) as r:
-                assert r.status == 201, await r.text()
+            await register_sim_bmc(http, owner, sim, mid, tokens.header("technician"))
 
             cookie, csrf = await _session(http, base, tokens.technician, mid)
             url = f"{base}/ui/machines/{mid}/console?csrf={csrf}"
             headers = {"Cookie": f"metald_ui={cookie}", "Origin": base}
             async with http.ws_connect(url, headers=headers) as ws:
-                hello = json.loads((await ws.receive()).data)
-                assert hello["type"] == "hello" and hello["mode"] == "write", hello
-                async with asyncio.timeout(15):
-                    while True:
-                        m = await ws.receive()
-                        if m.type == aiohttp.WSMsgType.TEXT and "connected" in m.data:
-                            break
-                await sim.serial.send(b"via-the-owner")
-                seen = b""
-                async with asyncio.timeout(15):
-                    while b"via-the-owner" not in seen:
-                        m = await ws.receive()
-                        assert m.type in (aiohttp.WSMsgType.BINARY, aiohttp.WSMsgType.TEXT), m
-                        if m.type == aiohttp.WSMsgType.BINARY:
-                            seen += m.data
-                await ws.send_bytes(b"typed-in-the-page")
-                await sim.serial.wait_for(b"typed-in-the-page")
+                await both_ways(ws, sim, b"via-the-owner", b"typed-in-the-page")
                 # The SOL link lives on the owner, attached for the session's own principal.
                 assert mid in sa[0].consoles and mid not in sb[0].consoles
                 assert [v.actor for v in sa[0].consoles[mid].viewers] == ["technician:technician"]
