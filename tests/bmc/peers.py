@@ -546,12 +546,29 @@ class LabRedfish:
     app: Any
 
 
+async def qmp_control(qmp: Path, proc: subprocess.Popen[bytes]) -> Any:
+    """The lab's QMP machine control, connected to a QEMU started with ``-qmp unix:<qmp>``
+    (the socket file appears at bind, before QEMU listens on it: retried up to 15 s)."""
+    from vmlab.power import MachineControl
+
+    end = time.monotonic() + 15
+    while True:
+        control = MachineControl(str(qmp))
+        try:
+            await control.connect()
+            return control
+        except OSError:
+            await control.close()
+            if proc.poll() is not None or time.monotonic() > end:
+                raise RuntimeError("QEMU did not open its QMP socket") from None
+            await asyncio.sleep(0.05)
+
+
 @pytest.fixture
 async def lab_redfish(tmp_path: Path) -> Any:
     from aiohttp import web
 
     from vmlab import redfish as lab_redfish_app
-    from vmlab.power import MachineControl
 
     qmp = tmp_path / "qmp.sock"
     proc = subprocess.Popen(
@@ -560,17 +577,7 @@ async def lab_redfish(tmp_path: Path) -> Any:
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        end = time.monotonic() + 15
-        while True:  # the socket file appears at bind, before QEMU listens on it
-            control = MachineControl(str(qmp))
-            try:
-                await control.connect()
-                break
-            except OSError:
-                await control.close()
-                if proc.poll() is not None or time.monotonic() > end:
-                    raise RuntimeError("QEMU did not open its QMP socket") from None
-                await asyncio.sleep(0.05)
+        control = await qmp_control(qmp, proc)
         info = lab_redfish_app.SystemInfo(
             system_id="m0", uuid=str(uuid.uuid4()), mac="52:54:00:aa:bb:02", firmware="uefi",
             memory_mb=64, cpus=1, serial_number="LAB-0001", username="admin", password=PASSWORD,

@@ -6,10 +6,8 @@ boot order, EjectMedia empties it. Nothing boots: the machine stays paused."""
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import subprocess
-import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -21,7 +19,7 @@ from aiohttp import web
 from metald.bmc import virtual_media
 from metald.bmc.base import BmcEndpoint, BmcError
 from metald.bmc.redfish import RedfishDriver
-from tests.bmc.peers import PASSWORD, _stop, free_port
+from tests.bmc.peers import PASSWORD, _stop, free_port, qmp_control
 
 IMAGE = b"CD001" + bytes(4091)
 
@@ -39,7 +37,6 @@ async def lab_cd(tmp_path: Path) -> AsyncIterator[tuple[RedfishDriver, Any, str]
     """(metald's driver for the lab BMC, the BMC's MachineControl, an image server's URL)."""
     from vmlab import qemu as lab_qemu
     from vmlab import redfish as lab_redfish
-    from vmlab.power import MachineControl
 
     qmp = tmp_path / "qmp.sock"
     argv = [
@@ -66,17 +63,7 @@ async def lab_cd(tmp_path: Path) -> AsyncIterator[tuple[RedfishDriver, Any, str]
     files = web.Application()
     files.router.add_get("/{name}", image)
     try:
-        end = time.monotonic() + 15
-        while True:  # the socket file appears at bind, before QEMU listens on it
-            control = MachineControl(str(qmp))
-            try:
-                await control.connect()
-                break
-            except OSError:
-                await control.close()
-                if proc.poll() is not None or time.monotonic() > end:
-                    raise RuntimeError("QEMU did not open its QMP socket") from None
-                await asyncio.sleep(0.05)
+        control = await qmp_control(qmp, proc)
         info = lab_redfish.SystemInfo(
             system_id="m0", uuid=str(uuid.uuid4()), mac="52:54:00:aa:bb:03", firmware="bios",
             memory_mb=64, cpus=1, serial_number="LAB-0003", username="admin", password=PASSWORD,
