@@ -147,10 +147,11 @@ class StoreBootHooks:
                 )
             token = self.mint_agent_token(s, m, mac, client)
             if token is not None:
-                t = with_peer_urls(with_agent_token(t, token), self._peer_urls())
+                t = with_peer_urls(with_agent_token(t, token), self.agent_peer_urls())
         return with_agent_console(t) if self.agent_console else t
 
-    def _peer_urls(self) -> list[str]:
+    def agent_peer_urls(self) -> list[str]:
+        """The other live instances' boot URLs an agent may fail over to (``metald.urls=``)."""
         fleet = self.fleet
         if fleet is None:
             return []

@@ -186,7 +186,7 @@ class MediaBootRoutes:
         if token is None:
             s.rollback()
             return None
-        t = with_peer_urls(with_agent_token(t, token), self.hooks._peer_urls())
+        t = with_peer_urls(with_agent_token(t, token), self.hooks.agent_peer_urls())
         if self.hooks.agent_console:
             t = with_agent_console(t)
         return render_boot_script(t, mac=mac, public_url=self.base)
