@@ -1,16 +1,26 @@
 """TFTP benchmark: 200 concurrent fetches of ipxe.efi, metald vs tftpd-hpa vs dnsmasq.
 
-    sudo .venv/bin/python bench/tftp_bench.py [--clients 200]
+    sudo .venv/bin/python bench/tftp_bench.py [--clients 200] [--rounds 2]
+        [--servers metald,tftpd-hpa,dnsmasq] [--tree before=/path/to/other/tree ...]
 
 Everything runs inside one network namespace on its loopback (nothing leaves it). Clients are
 atftp processes started together; two option sets: what iPXE asks (blksize 1428 + tsize) and
 what EDK2 asks (blksize 1468 + windowsize 4; tftpd-hpa ignores windowsize). Wall time from the
-first start to the last exit; a failure is a non-zero exit or a file that differs.
+first start to the last exit; a failure is a non-zero exit or a file that differs. Rounds are
+interleaved (each runs every server once) and the tables give medians.
+
+Server CPU is read from a cpuacct cgroup the server is started in (so tftpd-hpa's forked
+children count: it reaps them by ignoring SIGCHLD, so they never reach its cutime); without
+one, from /proc of the server's process tree. ``--tree NAME=PATH`` adds a server NAME: the
+metald of another source tree (``git archive`` of an older commit), run the same way, for
+before/after figures in one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import shutil
 import statistics
 import subprocess
@@ -22,6 +32,59 @@ from pathlib import Path
 from _lab import namespaces, set_loop, table, tree_cpu_seconds, write_config
 
 IPXE = Path("/usr/lib/ipxe/ipxe.efi")
+CPUACCT = Path("/sys/fs/cgroup/cpuacct")
+
+
+class ServerCpu:
+    """CPU seconds of a server and everything it forks: a cpuacct cgroup (v1) when one can be
+    made, else /proc of the process tree (children reaped without wait are then missed)."""
+
+    def __init__(self, name: str) -> None:
+        self.group: Path | None = CPUACCT / f"tftp-bench-{os.getpid()}-{name}"
+        try:
+            self.group.mkdir()
+        except OSError:
+            self.group = None
+        self.pid = 0
+
+    def join(self, pid: int) -> None:
+        """Move ``pid`` (just started) into the group; its later children follow."""
+        self.pid = pid
+        if self.group is not None:
+            (self.group / "cgroup.procs").write_text(str(pid))
+
+    def seconds(self) -> float:
+        if self.group is not None:
+            return int((self.group / "cpuacct.usage").read_text()) / 1e9
+        return tree_cpu_seconds(self.pid)
+
+    def detail(self) -> tuple[float, float, int]:
+        """User and system seconds (the group's; 0, 0 without one) and the server process's
+        voluntary context switches: how often it slept waiting for packets."""
+        user = system = 0.0
+        if self.group is not None:
+            for line in (self.group / "cpuacct.stat").read_text().splitlines():
+                k, v = line.split()
+                if k == "user":
+                    user = int(v) / os.sysconf("SC_CLK_TCK")
+                elif k == "system":
+                    system = int(v) / os.sysconf("SC_CLK_TCK")
+        sleeps = 0
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{self.pid}/task").iterdir():
+                status = (task / "status").read_text()
+                sleeps += int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+        return user, system, sleeps
+
+    def close(self) -> None:
+        if self.group is not None:
+            with contextlib.suppress(OSError):
+                self.group.rmdir()
+
+
+def loadavg() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
 
 DRIVER = r"""
 import asyncio, hashlib, sys, time
@@ -69,7 +132,18 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--servers", default="metald,tftpd-hpa,dnsmasq")
+    ap.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="also run the metald of another source tree (e.g. git archive of an older "
+        "commit) as server NAME; repeatable",
+    )
     args = ap.parse_args()
+    trees = {k: Path(v).resolve() for k, _, v in (t.partition("=") for t in args.tree)}
+    servers = args.servers.split(",") + list(trees)
+    load0 = loadavg()
     want = hashlib.sha256(IPXE.read_bytes()).hexdigest()
     scenarios = {
         "iPXE-like (blksize 1428, tsize)": ["blksize 1428", "tsize 0"],
@@ -86,13 +160,21 @@ def main() -> int:
             p.chmod(0o755)
         (root / "ipxe.efi").chmod(0o644)
         for rnd in range(args.rounds):
-            for name in args.servers.split(","):
+            for name in servers:
                 with namespaces("tftp") as ns:
                     lab = ns["tftp"]
-                    if name.startswith("metald"):
+                    meter = ServerCpu(name)
+                    if name.startswith("metald") or name in trees:
                         from _lab import BootProcess
 
-                        set_loop(name)
+                        if name in trees:
+                            # The other tree first on the path, and not the working directory
+                            # (python -m puts it first; it is this tree).
+                            os.environ["PYTHONSAFEPATH"] = "1"
+                            os.environ["PYTHONPATH"] = str(trees[name])
+                            set_loop("metald")
+                        else:
+                            set_loop(name)
 
                         cfg = write_config(
                             Path(tmp) / "m.toml",
@@ -101,8 +183,10 @@ def main() -> int:
                             listen="127.0.0.1:8080",
                         )
                         bp = BootProcess(lab, cfg, Path(tmp) / "metald.log").start()
+                        os.environ.pop("PYTHONSAFEPATH", None)
+                        os.environ.pop("PYTHONPATH", None)
                         stop = bp.stop
-                        pid = bp.proc.pid  # type: ignore[union-attr]
+                        meter.join(bp.proc.pid)  # type: ignore[union-attr]
                     else:
                         if name == "tftpd-hpa":
                             # in.tftpd resolves its bind address with AI_ADDRCONFIG, which fails
@@ -127,7 +211,7 @@ def main() -> int:
                                 "--log-facility=/dev/null",
                             ]
                         proc = lab.popen(*cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                        pid = proc.pid
+                        meter.join(proc.pid)
                         time.sleep(0.5)
 
                         def stop(proc=proc) -> None:  # type: ignore[no-untyped-def]
@@ -138,7 +222,7 @@ def main() -> int:
                         for sc, opts in scenarios.items():
                             out = Path(tmp) / f"out-{name}-{rnd}-{len(opts[0])}"
                             out.mkdir()
-                            cpu0 = tree_cpu_seconds(pid)
+                            cpu0, (u0, s0, w0) = meter.seconds(), meter.detail()
                             r = lab.run(
                                 sys.executable,
                                 "-c",
@@ -150,27 +234,30 @@ def main() -> int:
                                 *opts,
                                 timeout=300,
                             )
-                            cpu = tree_cpu_seconds(pid) - cpu0
+                            cpu, (u1, s1, w1) = meter.seconds() - cpu0, meter.detail()
                             wall, bad = r.stdout.split()
                             results.setdefault((sc, name), []).append((float(wall), int(bad)))
                             cpus.setdefault((sc, name), []).append(cpu)
                             print(
-                                f"round {rnd} {name:14} {sc}: {wall} s, server CPU {cpu:.2f} s, "
-                                f"{bad} failed",
+                                f"round {rnd} {name:14} {sc}: {wall} s, server CPU {cpu:.2f} s "
+                                f"(user {u1 - u0:.2f}, sys {s1 - s0:.2f}, {w1 - w0} sleeps), "
+                                f"{bad} failed, load {loadavg()}",
                                 flush=True,
                             )
                             shutil.rmtree(out)
                     finally:
                         stop()
+                        meter.close()
     print(
         f"\nTFTP: {args.clients} concurrent atftp fetches of ipxe.efi ({IPXE.stat().st_size} bytes), "
-        f"loopback in a netns, {args.rounds} interleaved rounds"
+        f"loopback in a netns, {args.rounds} interleaved rounds; load average "
+        f"{load0} at the start, {loadavg()} at the end"
     )
     for sc in scenarios:
         ref = statistics.median(w for w, _ in results.get((sc, "dnsmasq"), [(1.0, 0)]))
         cref = statistics.median(cpus.get((sc, "dnsmasq"), [1.0])) or 1.0
         rows = []
-        for name in args.servers.split(","):
+        for name in servers:
             runs = results[(sc, name)]
             med = statistics.median(w for w, _ in runs)
             rows.append(
