@@ -20,6 +20,10 @@ events = st.lists(
         st.binary(max_size=8).map(lambda b: ("packet", b)),  # garbage, truncated ACKs
         st.just(("timeout", b"")),
         st.just(("repeat", b"")),
+        # ACKs near the window in flight (``sent`` plus -3..1, taken when the step runs):
+        # in-order ACKs (the inline lock-step path), partial ACKs, duplicates, one too far.
+        st.integers(-3, 1).map(lambda d: ("ack-sent", struct.pack("!h", d))),
+        st.just(("ack-sent", struct.pack("!h", 0))),
     ),
     max_size=60,
 )
@@ -31,6 +35,9 @@ def _step(m: ReadTransfer, kind: str, raw: bytes) -> object:
             return m.on_timeout()
         if kind == "repeat":
             return m.on_repeated_request()
+        if kind == "ack-sent":
+            n = m.sent + struct.unpack("!h", raw)[0]
+            return m.on_packet(struct.pack("!HH", 4, n & 0xFFFF))
         return m.on_packet(raw)
     except MalformedTftp as e:
         return ("malformed", e.reason)
@@ -57,12 +64,14 @@ def test_shared_packets_and_inline_parse_match_the_slow_path(
     first = [("packet", struct.pack("!HH", 4, 0 if neg.oack else 1))]
     for kind, raw in first + evs:
         assert _step(fast, kind, raw) == _step(slow, kind, raw)
-        assert (fast.result, fast.acked, fast.sent, fast.budget) == (
+        assert (fast.result, fast.acked, fast.sent, fast.budget, fast.retries) == (
             slow.result,
             slow.acked,
             slow.sent,
             slow.budget,
+            slow.retries,
         )
+        assert (fast.recover, fast.confirmed) == (slow.recover, slow.confirmed)
     assert slow._packets is None
     assert (fast._packets is not None) == fast.confirmed
 

@@ -19,6 +19,7 @@ import resource
 import socket
 from collections.abc import Callable
 from pathlib import Path
+from time import monotonic
 
 from metald.boot import metrics
 from metald.boot.netutil import SO_BINDTODEVICE, udp_socket
@@ -34,7 +35,7 @@ from metald.boot.tftp.packet import (
     parse_request,
 )
 from metald.boot.tftp.source import FileCache, SourceRefused
-from metald.boot.tftp.transfer import ReadTransfer, Result
+from metald.boot.tftp.transfer import RUNNING, ReadTransfer
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class _Transfer:
         self.on_event = on_event
         self.confirmed = False
         self.closed = False
-        self.last = loop.time()
+        self.last = monotonic()
         self.timer: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
@@ -79,59 +80,61 @@ class _Transfer:
         self.timer = self.loop.call_later(self.machine.interval, self._check)
 
     def _readable(self) -> None:
-        # Bounded per wake-up: a flood at one transfer's port must not starve the others.
-        # (Draining until EAGAIN is kept although it costs a failing recvfrom per ACK in
-        # lock-step: reading one datagram per wake-up was measured to cost more CPU, 1.47 vs
-        # 1.08 s for 200 fetches, by sending the loop back to epoll more often.)
+        # Drained until EAGAIN, 64 datagrams at most per wake-up (a flood at one transfer's
+        # port must not starve the others). In lock-step on loopback the client usually
+        # answers before the next recv (measured: 119,400 ACKs in 17,259 wake-ups for 200
+        # fetches), so most ACKs are read here without a trip through the event loop; reading
+        # one datagram per wake-up cost 30 % more CPU.
+        if self.closed:
+            return
+        recvfrom, machine = self.sock.recvfrom, self.machine
+        sent = False
         for _ in range(64):
-            if self.closed:
-                return
             try:
-                data, addr = self.sock.recvfrom(2048)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:  # ICMP port unreachable: the client went away
-                return
+                data, addr = recvfrom(2048)
+            except OSError:  # EAGAIN: drained; or ICMP port unreachable: the client went away
+                break
             if addr != self.peer:
                 # RFC 1350: a packet from another TID gets an error; the transfer goes on.
                 metrics.inc(metrics.tftp_dropped, "unknown-tid")
                 self._sendto(error_packet(ErrorCode.UNKNOWN_TID, "unknown transfer id"), addr)
                 continue
-            machine = self.machine
             try:
                 out = machine.on_packet(data)
             except MalformedTftp as e:
                 metrics.inc(metrics.tftp_dropped, e.reason)
                 continue
             if out:
-                self.last = self.loop.time()
+                sent = True
                 sendto, peer = self.sock.sendto, self.peer
                 for p in out:
                     try:
                         sendto(p, peer)
                     except OSError:  # a full buffer (the retransmit timer resends) or gone
                         break
-            if machine.result is not Result.RUNNING:
+            if machine.result is not RUNNING:
                 self.end(machine.result.value)
                 return
-            if machine.confirmed and not self.confirmed:
-                self.confirmed = True
-                self.on_event(self, "confirmed")
+        if sent:
+            self.last = monotonic()
+        if machine.confirmed and not self.confirmed:
+            self.confirmed = True
+            self.on_event(self, "confirmed")
 
     def repeated_request(self) -> None:
         out = self.machine.on_repeated_request()
         if out:
-            self.last = self.loop.time()
+            self.last = monotonic()
             self._send(out)
 
     def _check(self) -> None:
         if self.closed:
             return
         interval = self.machine.interval
-        idle = self.loop.time() - self.last
+        idle = monotonic() - self.last
         if idle >= interval:
             self._send(self.machine.on_timeout())
-            self.last = self.loop.time()
+            self.last = monotonic()
             if self.machine.done:
                 self.end(self.machine.result.value)
                 return
