@@ -36,6 +36,7 @@ async def per_ack(data: bytes, blksize: int, repeats: int) -> float:
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         s.bind(("127.0.0.1", 0))
         s.setblocking(False)
+        s.connect(c.getsockname())  # as the server does (send and recv, not sendto/recvfrom)
         m = ReadTransfer(data, negotiate({"blksize": str(blksize)}, len(data)))
         t = _Transfer(loop, s, m, c.getsockname(), None, lambda *a: None)  # type: ignore[arg-type]
         t.start()

@@ -1,0 +1,184 @@
+"""The TFTP server's per-transfer shell (``_Transfer``): its connected socket, the drain of
+datagrams per wake-up, the send path's recovery from a queued ICMP error, and the silence
+timer's retransmits and give-up. Real sockets on loopback, driven step by step (the shell's
+callbacks are called directly, so nothing waits on time)."""
+
+from __future__ import annotations
+
+import asyncio
+import select
+import socket
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from metald.boot import metrics
+from metald.boot.tftp.packet import Opcode, Request, negotiate
+from metald.boot.tftp.server import TftpServer, _Transfer
+from metald.boot.tftp.transfer import MAX_RETRIES, ReadTransfer
+
+DATA = bytes(range(256)) * 20  # 5,120 bytes: 11 blocks of 512
+
+
+def ack(n: int) -> bytes:
+    return struct.pack("!HH", Opcode.ACK, n & 0xFFFF)
+
+
+def block(pkt: bytes) -> int:
+    assert pkt[:2] == b"\x00\x03", pkt
+    return struct.unpack_from("!H", pkt, 2)[0]
+
+
+def udp(addr: tuple[str, int] = ("127.0.0.1", 0)) -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(addr)
+    return s
+
+
+def nothing_queued(s: socket.socket) -> bool:
+    """Loopback delivers within the sender's call: what was sent is already queued."""
+    return not select.select([s], [], [], 0)[0]
+
+
+class Shell:
+    """One transfer of ``DATA`` (plain RFC 1350, blksize 512) set up as the server sets it up:
+    its own socket bound on loopback and connected to the client's."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.client = udp()
+        self.client.settimeout(5)  # only so that a failure cannot hang the suite
+        self.sock = udp()
+        self.sock.setblocking(False)
+        self.sock.connect(self.client.getsockname())
+        self.machine = ReadTransfer(DATA, negotiate({}, len(DATA)))
+        self.events: list[str] = []
+        req = Request(Opcode.RRQ, "f", "octet", {})
+        self.t = _Transfer(
+            loop,
+            self.sock,
+            self.machine,
+            self.client.getsockname(),
+            req,
+            lambda _t, ev: self.events.append(ev),
+        )
+        self.client.connect(self.sock.getsockname())
+
+    def close(self) -> None:
+        self.t.close()
+        self.client.close()
+
+
+@pytest.fixture
+def shell() -> Iterator[Shell]:
+    loop = asyncio.new_event_loop()
+    sh = Shell(loop)
+    try:
+        yield sh
+    finally:
+        sh.close()
+        loop.close()
+
+
+def _dropped(reason: str) -> float:
+    return metrics.tftp_dropped.labels(reason)._value.get()
+
+
+def test_duplicate_acks_send_nothing_and_the_drain_reads_what_is_queued(shell: Shell) -> None:
+    shell.t.start()
+    assert block(shell.client.recv(2048)) == 1
+    # ACK 1 three times (a client repeating itself, or the sorcerer's apprentice): one DATA 2.
+    for _ in range(3):
+        shell.client.send(ack(1))
+    shell.t._readable()
+    assert block(shell.client.recv(2048)) == 2
+    assert nothing_queued(shell.client)
+    assert shell.events == ["confirmed"] and shell.machine.acked == 1
+    # Nothing left to read: a wake-up with an empty socket (EAGAIN) changes nothing.
+    shell.t._readable()
+    assert nothing_queued(shell.client) and shell.machine.sent == 2
+
+
+def test_the_drain_is_bounded_per_wake_up(shell: Shell) -> None:
+    """A flood from the client's own address and port (the only one that reaches the socket)
+    is read 64 datagrams per wake-up, so other transfers get their turn."""
+    shell.t.start()
+    shell.client.recv(2048)
+    before = _dropped("truncated")
+    for _ in range(100):
+        shell.client.send(b"\x00")
+    shell.t._readable()
+    assert _dropped("truncated") - before == 64
+    shell.t._readable()
+    assert _dropped("truncated") - before == 100
+    shell.client.send(ack(1))
+    shell.t._readable()
+    assert block(shell.client.recv(2048)) == 2
+
+
+def test_a_queued_icmp_error_does_not_cost_a_packet(shell: Shell) -> None:
+    """A connected UDP socket reports an ICMP error (the client's port closed for a moment, or
+    a forged ICMP) by failing its next call once: the packet of that call is sent again."""
+    addr = shell.client.getsockname()
+    shell.client.close()
+    shell.t._send([b"into the void"])  # port unreachable: the kernel queues ECONNREFUSED
+    shell.client = udp(addr)
+    shell.client.settimeout(5)
+    shell.t._send([b"first", b"second"])
+    assert shell.client.recv(2048) == b"first"
+    assert shell.client.recv(2048) == b"second"
+
+
+def test_silence_timer_resends_then_gives_up(shell: Shell) -> None:
+    shell.t.start()
+    shell.client.recv(2048)
+    shell.client.send(ack(1))
+    shell.t._readable()
+    assert block(shell.client.recv(2048)) == 2
+    timer = shell.t.timer
+    # Not silent for the interval yet: nothing resent, the timer re-armed for the rest.
+    shell.t._check()
+    assert nothing_queued(shell.client) and shell.t.timer is not timer
+    for i in range(MAX_RETRIES):
+        shell.t.last -= shell.machine.interval  # as if the interval had passed in silence
+        shell.t._check()
+        assert block(shell.client.recv(2048)) == 2, i
+        assert shell.events == ["confirmed"]
+    shell.t.last -= shell.machine.interval
+    shell.t._check()
+    assert nothing_queued(shell.client)
+    assert shell.events == ["confirmed", "timeout"] and shell.t.closed
+    assert shell.sock.fileno() == -1  # the socket is closed and out of the event loop
+
+
+async def test_a_packet_from_another_tid_never_reaches_the_transfer(tmp_path: Path) -> None:
+    """Only the client's address and port reach a transfer's socket: a stranger's forged ACK
+    is refused by the kernel (ICMP port unreachable) and costs metald nothing; the real client
+    goes on. (Before, metald read it and answered it with an ERROR packet.)"""
+    (tmp_path / "f").write_bytes(DATA)
+    server = TftpServer(tmp_path, host="127.0.0.1", port=0)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    client, stranger = udp(), udp(("127.0.0.2", 0))
+    client.setblocking(False)
+    stranger.setblocking(False)
+    try:
+        client.sendto(b"\x00\x01f\x00octet\x00", ("127.0.0.1", server.bound_port))
+        first, tid = await asyncio.wait_for(loop.sock_recvfrom(client, 2048), 10)
+        assert block(first) == 1
+        before = _dropped("unknown-tid")
+        stranger.connect(tid)
+        stranger.send(ack(1))
+        with pytest.raises(ConnectionRefusedError):
+            await asyncio.wait_for(loop.sock_recv(stranger, 2048), 10)
+        assert _dropped("unknown-tid") == before
+        (t,) = server.table
+        assert t.machine.acked == 0
+        client.sendto(ack(1), tid)
+        second, _ = await asyncio.wait_for(loop.sock_recvfrom(client, 2048), 10)
+        assert block(second) == 2
+    finally:
+        client.close()
+        stranger.close()
+        await server.stop()
