@@ -87,10 +87,10 @@ class _Transfer:
         self.timer = self.loop.call_later(self.machine.interval, self._check)
 
     def _readable(self) -> None:
-        # Drained until EAGAIN, 64 datagrams at most per wake-up. In lock-step on loopback
-        # the client usually answers before the next recv (200 fetches: 119,400 ACKs in
-        # 17,259 wake-ups), so most ACKs are read here without a trip through the event
-        # loop; reading one datagram per wake-up cost 30 % more CPU.
+        # Drained until EAGAIN, 64 datagrams at most per wake-up. In lock-step the client
+        # often answers while the server is still in send (it is woken and runs; 200 fetches
+        # on loopback: 119,400 ACKs in 17,000-43,000 calls here), so those ACKs are read
+        # without a trip through the event loop; one datagram per wake-up cost 30 % more CPU.
         if self.closed:
             return
         recv, send, machine = self.sock.recv, self.sock.send, self.machine

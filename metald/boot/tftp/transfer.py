@@ -314,4 +314,4 @@ class ReadTransfer:
         self.source.close()
 
 
-__all__ = ["MalformedTftp", "ReadTransfer", "Result"]
+__all__ = ["RUNNING", "MalformedTftp", "ReadTransfer", "Result"]
