@@ -77,8 +77,9 @@ def _initialise() -> None:
         dhcp_dropped.labels(reason)
     for reason in ("hook-backlog", "lease-conflict"):
         dhcp_ignored.labels(reason)
-    for reason in ("unknown-tid", "repeated-request"):
-        tftp_dropped.labels(reason)
+    # No "unknown-tid": a transfer's socket is connected to its client, so a packet from
+    # anywhere else is refused by the kernel (Udp NoPorts), never read.
+    tftp_dropped.labels("repeated-request")
     for trigger in ("periodic", "solicited"):
         ra_sent.labels(trigger)
 
