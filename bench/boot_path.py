@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import sqlite3
 import statistics
@@ -264,6 +265,9 @@ SERIAL_MARKS = [
 ]
 
 
+_UPTIME = re.compile(r"metald-agent: \[(\d+\.\d+)\] discovery image up")
+
+
 def serial_marks(lines: list[tuple[float, str]]) -> list[tuple[float, str, str]]:
     out = []
     for label, needles in SERIAL_MARKS:
@@ -271,6 +275,14 @@ def serial_marks(lines: list[tuple[float, str]]) -> list[tuple[float, str, str]]
             if any(n in line for n in needles):
                 out.append((t, label, line.strip()[:90]))
                 break
+    # The kernel prints nothing with "quiet"; /init's first line carries its uptime, so the
+    # kernel's clock started that long before (what lies between the last byte of the initrd and
+    # this is the kernel's decompression: in the EFI stub under UEFI, before ExitBootServices).
+    for t, line in lines:
+        if m := _UPTIME.search(line):
+            uptime = float(m.group(1))
+            out.append((t - uptime, "kernel clock starts (/init's uptime back)", f"{uptime} s"))
+            break
     return out
 
 
@@ -430,7 +442,7 @@ def one_run(
         for t, conn in client_fins(records):
             run.rows.append((t, "client FIN (iPXE shuts down)", conn))
         run.rows += [
-            (t, label, f"[qemu cpu {follower.cpu.get(t, float('nan')) - cpu0:6.2f} s] {line}")
+            (t, label, f"[qemu cpu {follower.cpu_at(t) - cpu0:6.2f} s] {line}")
             for t, label, line in serial_marks(follower.lines)
         ]
         events = metald_events(rack.state_dir / "metald.db", t0)

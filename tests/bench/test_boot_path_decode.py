@@ -119,4 +119,5 @@ def test_serial_marks_take_the_first_matching_line_of_each_step() -> None:
     assert marks["firmware starts (SeaBIOS/OVMF)"] == 10.0
     assert marks["/init: discovery image up"] == 12.0
     assert marks["agent: inventory posted"] == 14.0
+    assert marks["kernel clock starts (/init's uptime back)"] == 12.0 - 3.62
     assert "kernel: Run /init" not in marks
