@@ -377,15 +377,6 @@ def driver_plan(
     )
 
 
-def network_drivers(index: dict[str, Path], modules: list[str] | None = None) -> list[str]:
-    """The image's drivers that live under the kernel's ``drivers/net/`` (virtio_net, e1000,
-    mlx5_core, ...). /init loads these (when select-drivers picks them), the drivers of network-
-    class PCI devices and their dependencies first, brings the network up, and loads disks and
-    IPMI meanwhile (select-drivers' "network" part)."""
-    modules = MODULES if modules is None else modules
-    return [m for m in modules if m in index and "drivers/net" in index[m].as_posix()]
-
-
 def build_initramfs(
     kernel_tree: Path, busybox: bytes, kernel_version: str, tools: list[cpio.Entry] | None = None
 ) -> tuple[bytes, list[str]]:
@@ -425,9 +416,6 @@ def build_initramfs(
         cpio.file("lib/modules/load-order", "".join(f"{m}\n" for m in order).encode()),
         cpio.file("lib/modules/aliases", aliases.encode()),
         cpio.file("lib/modules/closures", closures.encode()),
-        cpio.file(
-            "lib/modules/network", "".join(f"{m}\n" for m in network_drivers(index)).encode()
-        ),
     ]
     entries += [cpio.directory(d) for d in ("lib/x86_64-linux-gnu", "lib64")] + list(tools or [])
     for name in order:
