@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import sqlite3
 import statistics
@@ -71,14 +72,19 @@ def decode(ts: float, frame: bytes) -> dict[str, Any] | None:
         return None
     if proto == 6 and len(l4) >= 20:
         sport, dport = struct.unpack("!HH", l4[:4])
+        seq, ack = struct.unpack("!II", l4[4:12])
         off = (l4[12] >> 4) * 4
+        flags, window = l4[13], struct.unpack("!H", l4[14:16])[0]
         payload = l4[off:]
-        if not payload:
-            return None
         if payload[:4] in (b"GET ", b"POST", b"HEAD"):
             line = payload.split(b"\r\n", 1)[0].decode(errors="replace")
             return {"t": ts, "k": "http-req", "conn": f"{src}:{sport}", "line": line}
-        return {"t": ts, "k": "tcp", "conn": f"{dst}:{dport}", "n": len(payload)}
+        # seq/ack/window/flags for both directions (pure ACKs included): losses and
+        # retransmissions show in them (a TCP RTO backs off 0.2, 0.4, 0.8 ... s).
+        seg = {"seq": seq, "ack": ack, "win": window, "fl": flags, "n": len(payload)}
+        if not payload:
+            return {"t": ts, "k": "tcp-ack", "conn": f"{src}:{sport}", **seg}
+        return {"t": ts, "k": "tcp", "conn": f"{dst}:{dport}", **seg}
     return None
 
 
@@ -114,15 +120,28 @@ def sniff(iface: str, out: Path) -> None:
 class Transfer:
     what: str
     start: float
+    #: when the last new byte of the response first left the server (a retransmission of bytes
+    #: already sent does not move it)
     end: float
+    #: response bytes, each counted once
     size: int
+    #: TCP segments sent again after they had been sent once, and when the last of them left
+    retx: int = 0
+    last_retx: float | None = None
 
 
 def transfers(records: list[dict[str, Any]]) -> list[Transfer]:
     """TFTP reads and HTTP requests with their response bytes (server to client) and the time of
-    the last byte; a connection's bytes belong to its latest request (keep-alive)."""
+    the last byte; a connection's bytes belong to its latest request (keep-alive).
+
+    TCP segments that carry only bytes already sent (by sequence number) are retransmissions:
+    counted apart, not added to the size and not moving ``end``. A client that stops ACKing
+    the tail of a response it already has (iPXE under UEFI does while the kernel's EFI stub
+    runs, until ExitBootServices) makes the server retransmit it for seconds; counting those
+    as the transfer made a 0.7 s download look like 4-8 s at 2-5 MB/s."""
     out: list[Transfer] = []
     by_peer: dict[str, Transfer] = {}
+    sent_to: dict[str, int] = {}  # per connection: sequence number after the highest byte sent
     for r in records:
         if r["k"] == "tftp-rrq":
             by_peer[r["peer"]] = t = Transfer("TFTP " + r["file"], r["t"], r["t"], 0)
@@ -140,8 +159,36 @@ def transfers(records: list[dict[str, Any]]) -> list[Transfer]:
             out.append(t)
         elif r["k"] == "tcp" and r["conn"] in by_peer:
             t = by_peer[r["conn"]]
-            t.size += r["n"]
+            if "seq" not in r:  # a record without sequence numbers: count it all
+                t.size += r["n"]
+                t.end = r["t"]
+                continue
+            end = r["seq"] + r["n"]
+            hi = sent_to.get(r["conn"])
+            new = r["n"] if hi is None else (end - hi) % (1 << 32)
+            if hi is not None and (new == 0 or new > r["n"]):  # nothing beyond what was sent
+                t.retx += 1
+                t.last_retx = r["t"]
+                continue
+            sent_to[r["conn"]] = end % (1 << 32)
+            t.size += new
             t.end = r["t"]
+    return out
+
+
+def client_fins(records: list[dict[str, Any]]) -> list[tuple[float, str]]:
+    """(time, connection) of the first FIN on each connection that fetched /boot/ (iPXE's; the
+    agent's API connections are left out). iPXE closes its
+    connections when it shuts down: under BIOS right before it jumps to the kernel, under UEFI
+    when the kernel's EFI stub calls ExitBootServices (after the stub has decompressed the
+    kernel), so this marks the end of the firmware's part."""
+    http = {r["conn"] for r in records if r["k"] == "http-req" and " /boot/" in r["line"]}
+    out, seen = [], set()
+    for r in records:
+        fin = r["k"] == "tcp-ack" and r.get("fl", 0) & 0x01
+        if fin and r["conn"] in http and r["conn"] not in seen:
+            seen.add(r["conn"])
+            out.append((r["t"], r["conn"]))
     return out
 
 
@@ -168,7 +215,14 @@ class SerialFollower(threading.Thread):
         self.qemu_pid = qemu_pid
         self.lines: list[tuple[float, str]] = []
         self.cpu: dict[float, float] = {}
+        #: (host time, QEMU CPU seconds) every poll, to read the CPU used by any event's time
+        self.samples: list[tuple[float, float]] = []
         self.stop = threading.Event()
+
+    def cpu_at(self, t: float) -> float:
+        """QEMU's CPU seconds at host time ``t`` (the last sample at or before it)."""
+        before = [c for ts, c in self.samples if ts <= t]
+        return before[-1] if before else float("nan")
 
     def run(self) -> None:
         pos, buf = 0, b""
@@ -180,6 +234,7 @@ class SerialFollower(threading.Thread):
             except FileNotFoundError:
                 chunk = b""
             now = time.time()
+            self.samples.append((now, cpu_seconds(self.qemu_pid)))
             if chunk:
                 self.cpu[now] = cpu_seconds(self.qemu_pid)
                 pos += len(chunk)
@@ -210,6 +265,9 @@ SERIAL_MARKS = [
 ]
 
 
+_UPTIME = re.compile(r"metald-agent: \[(\d+\.\d+)\] discovery image up")
+
+
 def serial_marks(lines: list[tuple[float, str]]) -> list[tuple[float, str, str]]:
     out = []
     for label, needles in SERIAL_MARKS:
@@ -217,6 +275,14 @@ def serial_marks(lines: list[tuple[float, str]]) -> list[tuple[float, str, str]]
             if any(n in line for n in needles):
                 out.append((t, label, line.strip()[:90]))
                 break
+    # The kernel prints nothing with "quiet"; /init's first line carries its uptime, so the
+    # kernel's clock started that long before (what lies between the last byte of the initrd and
+    # this is the kernel's decompression: in the EFI stub under UEFI, before ExitBootServices).
+    for t, line in lines:
+        if m := _UPTIME.search(line):
+            uptime = float(m.group(1))
+            out.append((t - uptime, "kernel clock starts (/init's uptime back)", f"{uptime} s"))
+            break
     return out
 
 
@@ -231,6 +297,10 @@ class Run:
     userspace: float | None = None
     #: QEMU's CPU seconds from power-on to the discovery image's userspace
     cpu_userspace: float | None = None
+    #: power-on -> the firmware's first DHCPDISCOVER: wall seconds and QEMU CPU seconds
+    first_discover: float | None = None
+    cpu_first_discover: float | None = None
+    boot_order: str = "disk-first"
 
 
 def metald_events(db: Path, t0: float) -> list[tuple[float, str, str]]:
@@ -279,6 +349,7 @@ def one_run(
     keep: bool = False,
     initrd: Path | None = None,
     uefi_file: str | None = None,
+    boot_order: str = "disk-first",
 ) -> Run:
     import bootassets.build
     from vmlab.rack import LabRack
@@ -317,6 +388,17 @@ def one_run(
         follower = SerialFollower(Path(m["serial_log"]), qemu_pid)
         follower.start()
         bmc = rack.register_bmcs(["ipmi"])[m["name"]]
+        if boot_order == "nic-first":
+            # What an operator of a PXE-provisioned fleet sets once: network first, persistent
+            # (metald's script answers a machine that should boot its disk with "exit", which
+            # falls through to the next boot device). Set on the BMC, as a technician would.
+            b = m["bmc"]
+            rack.lab.run(
+                ["ipmitool", "-I", "lanplus", "-C", "3", "-H", b["address"], "-p",
+                 str(b["ipmi_port"]), "-U", b["username"], "-P", b["password"],
+                 "chassis", "bootdev", "pxe", "options=persistent,efiboot"],
+                check=True, capture_output=True,
+            )  # fmt: skip
         time.sleep(0.5)  # the sniffer's socket is bound well before it
         t0 = time.time()
         cpu0 = cpu_seconds(qemu_pid)
@@ -333,22 +415,34 @@ def one_run(
             if c["t"] >= t0 - 1:
                 run.rows.append((c["t"], f"BMC received {c['command']}", f"via {c['face']}"))
         records = [json.loads(x) for x in pcap.read_text().splitlines() if x.strip()]
+        run.boot_order = boot_order
         for r in records:
             if r["k"] == "dhcp" and r["mac"] == m["mac"]:
                 run.rows.append((r["t"], f"DHCP {r['type']}", ""))
+                if r["type"] == "DISCOVER" and run.first_discover is None:
+                    run.first_discover = r["t"] - t0
+                    run.cpu_first_discover = follower.cpu_at(r["t"]) - cpu0
         for tr in transfers(records):
             run.rows.append((tr.start, f"{tr.what} requested", ""))
             if tr.size:
                 rate = tr.size / max(tr.end - tr.start, 1e-3) / 1e6
+                retx = (
+                    f"; {tr.retx} segments sent again, the last at +{tr.last_retx - t0:.2f} s"
+                    if tr.last_retx is not None
+                    else ""
+                )
                 run.rows.append(
                     (
                         tr.end,
-                        f"{tr.what} done",
-                        f"{tr.size / 1e6:.2f} MB in {tr.end - tr.start:.2f} s ({rate:.1f} MB/s)",
+                        f"{tr.what} sent",
+                        f"{tr.size / 1e6:.2f} MB in {tr.end - tr.start:.2f} s ({rate:.1f} MB/s)"
+                        + retx,
                     )
                 )
+        for t, conn in client_fins(records):
+            run.rows.append((t, "client FIN (iPXE shuts down)", conn))
         run.rows += [
-            (t, label, f"[qemu cpu {follower.cpu.get(t, float('nan')) - cpu0:6.2f} s] {line}")
+            (t, label, f"[qemu cpu {follower.cpu_at(t) - cpu0:6.2f} s] {line}")
             for t, label, line in serial_marks(follower.lines)
         ]
         events = metald_events(rack.state_dir / "metald.db", t0)
@@ -365,6 +459,10 @@ def one_run(
             if "discovery image up" in ln and t in follower.cpu
         ]
         run.cpu_userspace = cpu_ups[0] if cpu_ups else None
+        taps = rack.lab.run(
+            ["ip", "-s", "-s", "link", "show", m["tap"]], capture_output=True, text=True
+        )
+        (workdir / "tap.txt").write_text(taps.stdout + taps.stderr)
         (workdir / "serial.txt").write_text(
             "\n".join(f"{t - t0:8.3f} {ln}" for t, ln in follower.lines)
         )
@@ -383,6 +481,8 @@ def print_run(run: Run) -> None:
     print(
         f"power-on -> discovery userspace {run.userspace if run.userspace is not None else float('nan'):.1f} s,"
         f" -> ready {run.ready:.1f} s; QEMU CPU to userspace {run.cpu_userspace or float('nan'):.1f} s;"
+        f" first DHCPDISCOVER at {run.first_discover or float('nan'):.1f} s"
+        f" (QEMU CPU {run.cpu_first_discover or float('nan'):.1f} s);"
         f" load {os.getloadavg()[0]:.1f}"
     )
 
@@ -396,6 +496,13 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--firmware", choices=("bios", "uefi-pxe"), default="bios")
     ap.add_argument("--keep", action="store_true", help="leave the lab up (one run)")
+    ap.add_argument(
+        "--boot-order",
+        choices=("disk-first", "nic-first", "both"),
+        default="disk-first",
+        help="the machine's standing boot order (nic-first: set persistent PXE on its BMC first);"
+        " both: alternate the two run by run, one median each",
+    )
     ap.add_argument("--initrd", type=Path, help="boot this discovery initramfs instead")
     ap.add_argument("--save", type=Path, help="copy each run's serial log and packets here")
     ap.add_argument(
@@ -409,29 +516,49 @@ def main() -> None:
     if os.geteuid() != 0:
         raise SystemExit("needs root (network namespaces, taps, QEMU)")
     runs = []
+    orders = ["disk-first", "nic-first"] if args.boot_order == "both" else [args.boot_order]
     for i in range(args.runs):
+        order = orders[i % len(orders)]
         with tempfile.TemporaryDirectory(prefix="boot-path-") as d:
             run = one_run(
-                Path(d), args.firmware, keep=args.keep, initrd=args.initrd, uefi_file=args.uefi_file
+                Path(d),
+                args.firmware,
+                keep=args.keep,
+                initrd=args.initrd,
+                uefi_file=args.uefi_file,
+                boot_order=order,
             )
             if args.save:
                 dest = args.save / f"run{i + 1}"
                 dest.mkdir(parents=True, exist_ok=True)
-                for f in ("serial.txt", "packets.jsonl", "metald.log"):
+                for f in ("serial.txt", "packets.jsonl", "metald.log", "tap.txt"):
                     if (Path(d) / f).exists():
                         (dest / f).write_bytes((Path(d) / f).read_bytes())
-            print(f"\n== run {i + 1}/{args.runs} ({args.firmware})")
+            print(f"\n== run {i + 1}/{args.runs} ({args.firmware}, {order})")
             print_run(run)
             runs.append(run)
-    if len(runs) > 1:
-        ups = [r.userspace for r in runs if r.userspace is not None]
-        print(
-            f"\nmedian of {len(runs)}: power-on -> userspace {statistics.median(ups):.1f} s"
-            f" (all: {', '.join(f'{u:.1f}' for u in ups)}), -> ready "
-            f"{statistics.median(r.ready for r in runs):.1f} s"
-            f" (all: {', '.join(f'{r.ready:.1f}' for r in runs)}), QEMU CPU to userspace "
-            f"{statistics.median(r.cpu_userspace or 0 for r in runs):.1f} s"
+    for order in orders:
+        mine = [r for r in runs if r.boot_order == order]
+        if len(mine) > 1:
+            print_medians(f"{args.firmware}, {order}", mine)
+
+
+def print_medians(name: str, runs: list[Run]) -> None:
+    def med(values: list[float | None]) -> str:
+        got = [v for v in values if v is not None]
+        return (
+            f"{statistics.median(got):.1f} (all: {', '.join(f'{v:.1f}' for v in got)})"
+            if got
+            else "-"
         )
+
+    print(
+        f"\nmedian of {len(runs)} ({name}): power-on -> userspace "
+        f"{med([r.userspace for r in runs])} s, -> ready {med([r.ready for r in runs])} s,"
+        f" QEMU CPU to userspace {med([r.cpu_userspace for r in runs])} s; first DHCPDISCOVER"
+        f" {med([r.first_discover for r in runs])} s, QEMU CPU to it"
+        f" {med([r.cpu_first_discover for r in runs])} s"
+    )
 
 
 if __name__ == "__main__":

@@ -31,8 +31,8 @@ def udp(sport: int, dport: int, payload: bytes) -> bytes:
     return struct.pack("!HHHH", sport, dport, 8 + len(payload), 0) + payload
 
 
-def tcp(sport: int, dport: int, payload: bytes) -> bytes:
-    return struct.pack("!HHIIBBHHH", sport, dport, 0, 0, 5 << 4, 0x18, 512, 0, 0) + payload
+def tcp(sport: int, dport: int, payload: bytes, seq: int = 0, flags: int = 0x18) -> bytes:
+    return struct.pack("!HHIIBBHHH", sport, dport, seq, 0, 5 << 4, flags, 512, 0, 0) + payload
 
 
 def dhcp(msg_type: int) -> bytes:
@@ -49,27 +49,34 @@ def test_dhcp_messages_are_named_with_the_client_mac() -> None:
     assert ack["type"] == "ACK"
 
 
-def test_non_ipv4_and_empty_tcp_segments_are_skipped() -> None:
+def test_non_ipv4_is_skipped_and_empty_tcp_segments_are_acks() -> None:
     arp = b"\xff" * 6 + MAC + b"\x08\x06" + b"\0" * 28
     assert bp.decode(0.0, arp) is None
-    assert bp.decode(0.0, frame(6, "10.7.0.100", "10.7.0.1", tcp(40000, 8080, b""))) is None
+    ack = bp.decode(0.0, frame(6, "10.7.0.100", "10.7.0.1", tcp(40000, 8080, b"", 7, 0x11)))
+    assert ack is not None
+    assert (ack["k"], ack["conn"], ack["seq"], ack["fl"]) == (
+        "tcp-ack",
+        "10.7.0.100:40000",
+        7,
+        0x11,
+    )
 
 
 def test_tftp_and_http_transfers_add_up_per_request() -> None:
     rrq = udp(2070, 69, b"\x00\x01undionly.kpxe\x00octet\x00")
     data = udp(50000, 2070, b"\x00\x03\x00\x01" + b"x" * 1428)
     get = tcp(40000, 8080, b"GET /boot/assets/discovery/vmlinuz HTTP/1.1\r\nHost: x\r\n\r\n")
-    body = tcp(8080, 40000, b"y" * 1000)
+    body = [tcp(8080, 40000, b"y" * 1000, seq=1000 * i) for i in range(3)]
     get2 = tcp(40000, 8080, b"GET /boot/assets/discovery/initrd.img?x=1 HTTP/1.1\r\n\r\n")
     frames = [
         (1.0, frame(17, "10.7.0.100", "10.7.0.1", rrq)),
         (1.1, frame(17, "10.7.0.1", "10.7.0.100", data)),
         (1.2, frame(17, "10.7.0.1", "10.7.0.100", data)),
         (2.0, frame(6, "10.7.0.100", "10.7.0.1", get)),
-        (2.5, frame(6, "10.7.0.1", "10.7.0.100", body)),
-        (3.0, frame(6, "10.7.0.1", "10.7.0.100", body)),
+        (2.5, frame(6, "10.7.0.1", "10.7.0.100", body[0])),
+        (3.0, frame(6, "10.7.0.1", "10.7.0.100", body[1])),
         (4.0, frame(6, "10.7.0.100", "10.7.0.1", get2)),  # same connection (keep-alive)
-        (4.5, frame(6, "10.7.0.1", "10.7.0.100", body)),
+        (4.5, frame(6, "10.7.0.1", "10.7.0.100", body[2])),
     ]
     records = [r for t, f in frames if (r := bp.decode(t, f)) is not None]
     got = [(x.what, x.start, x.end, x.size) for x in bp.transfers(records)]
@@ -78,6 +85,27 @@ def test_tftp_and_http_transfers_add_up_per_request() -> None:
         ("HTTP GET /boot/assets/discovery/vmlinuz", 2.0, 3.0, 2000),
         ("HTTP GET /boot/assets/discovery/initrd.img", 4.0, 4.5, 1000),
     ]
+
+
+def test_retransmitted_segments_neither_add_bytes_nor_move_the_end() -> None:
+    """The UEFI lab boot: iPXE stops ACKing the initrd's tail while the kernel's EFI stub runs,
+    so the server sends the same segment again for seconds; the download itself ended at the
+    last new byte, and the client's FIN marks when iPXE shut down (ExitBootServices)."""
+    get = tcp(40000, 8080, b"GET /boot/assets/discovery/initrd.img HTTP/1.1\r\n\r\n")
+    seg = [tcp(8080, 40000, b"y" * 1000, seq=1000 * i) for i in range(3)]
+    frames = [
+        (1.0, frame(6, "10.7.0.100", "10.7.0.1", get)),
+        (1.1, frame(6, "10.7.0.1", "10.7.0.100", seg[0])),
+        (1.2, frame(6, "10.7.0.1", "10.7.0.100", seg[1])),
+        (1.3, frame(6, "10.7.0.1", "10.7.0.100", seg[2])),
+        (1.5, frame(6, "10.7.0.1", "10.7.0.100", seg[1])),  # RTO: sent again
+        (2.0, frame(6, "10.7.0.1", "10.7.0.100", seg[1])),
+        (6.0, frame(6, "10.7.0.100", "10.7.0.1", tcp(40000, 8080, b"", 99, 0x11))),  # FIN
+    ]
+    records = [r for t, f in frames if (r := bp.decode(t, f)) is not None]
+    (tr,) = bp.transfers(records)
+    assert (tr.start, tr.end, tr.size, tr.retx, tr.last_retx) == (1.0, 1.3, 3000, 2, 2.0)
+    assert bp.client_fins(records) == [(6.0, "10.7.0.100:40000")]
 
 
 def test_serial_marks_take_the_first_matching_line_of_each_step() -> None:
@@ -91,4 +119,5 @@ def test_serial_marks_take_the_first_matching_line_of_each_step() -> None:
     assert marks["firmware starts (SeaBIOS/OVMF)"] == 10.0
     assert marks["/init: discovery image up"] == 12.0
     assert marks["agent: inventory posted"] == 14.0
+    assert marks["kernel clock starts (/init's uptime back)"] == 12.0 - 3.62
     assert "kernel: Run /init" not in marks
