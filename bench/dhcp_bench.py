@@ -27,6 +27,8 @@ from pathlib import Path
 
 from _lab import BootProcess, Netns, namespaces, set_loop, table, veth, write_config
 
+from vmlab import labnet
+
 SRV, CLI = "10.77.0.1", "10.77.0.2"
 POOL = ("10.77.1.0", "10.77.250.255")
 LEASE = 3600
@@ -95,14 +97,24 @@ class Server:
 
 class Metald(Server):
     def __init__(self, name: str = "metald") -> None:
-        self.name = name  # metald, or metald-asyncio / metald-uvloop: its event loop forced
+        # metald, or metald-asyncio / metald-uvloop: its event loop forced; a suffix
+        # @PATH runs the metald source tree at PATH instead of this one (before/after
+        # comparisons in one run: `git archive <commit> | tar -x -C PATH`).
+        self.name = name
+        self.tree = name.partition("@")[2] or None
 
     def start(self, ns: Netns, state: Path) -> None:
-        set_loop(self.name)
+        set_loop(self.name.partition("@")[0])
         cfg = write_config(
             state / "m.toml", state_dir=state / "st", boot=METALD, listen=f"{SRV}:8080"
         )
-        self.bp = BootProcess(ns, cfg, state / "metald.log").start()
+        root = labnet.REPO_ROOT
+        if self.tree:  # `python -m metald.boot` imports metald from its working directory
+            labnet.REPO_ROOT = Path(self.tree).resolve()
+        try:
+            self.bp = BootProcess(ns, cfg, state / "metald.log").start()
+        finally:
+            labnet.REPO_ROOT = root
 
     def stop(self) -> None:
         self.bp.kill()  # SIGKILL: what is on disk now is what a crash leaves
@@ -163,13 +175,14 @@ class Dnsmasq(Server):
         time.sleep(0.5)
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process: a load-independent cost figure on a shared box."""
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(utime, stime) of a process: a load-independent cost figure on a shared box."""
     try:
         f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return 0.0
-    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+        return 0.0, 0.0
+    tck = os.sysconf("SC_CLK_TCK")
+    return int(f[11]) / tck, int(f[12]) / tck
 
 
 def server_pid(srv: Server) -> int:
@@ -253,7 +266,11 @@ def main() -> int:
                     c0 = cpu_seconds(server_pid(srv))
                     b0 = udp_rcvbuf_errors(ns["srv"]), udp_rcvbuf_errors(ns["cli"])
                     res = perfdhcp(ns["cli"], rate, args.seconds)
-                    res["cpu_us"] = (cpu_seconds(server_pid(srv)) - c0) / max(1, res["acks"]) * 1e6
+                    c1 = cpu_seconds(server_pid(srv))
+                    per = 1e6 / max(1, res["acks"])
+                    res["user_us"] = (c1[0] - c0[0]) * per
+                    res["sys_us"] = (c1[1] - c0[1]) * per
+                    res["cpu_us"] = res["user_us"] + res["sys_us"]
                     res["srv_full"] = udp_rcvbuf_errors(ns["srv"]) - b0[0]
                     res["cli_full"] = udp_rcvbuf_errors(ns["cli"]) - b0[1]
                 finally:
@@ -281,6 +298,8 @@ def main() -> int:
                     f"{res['drop'] * 100:.2f}",
                     int(res["acks"]),
                     f"{res.get('cpu_us', 0):.0f}",
+                    f"{res.get('user_us', 0):.0f}/{res.get('sys_us', 0):.0f}",
+                    f"{os.getloadavg()[0]:.1f}",
                     "" if kept is None else kept,
                     f"{res['srv_full']}/{res['cli_full']}",
                 ]
@@ -288,7 +307,9 @@ def main() -> int:
             print(
                 f"{srv.name:14} asked {rate:5}/s got {res['rate']:7.0f}/s drops "
                 f"{res['drop'] * 100:6.2f} %  acks {int(res['acks'])}  "
-                f"cpu {res.get('cpu_us', 0):.0f} us/DORA  durable {kept}  "
+                f"cpu {res.get('cpu_us', 0):.0f} us/DORA "
+                f"(user {res.get('user_us', 0):.0f} sys {res.get('sys_us', 0):.0f})  "
+                f"load {os.getloadavg()[0]:.1f}  durable {kept}  "
                 f"rcvbuf drops srv/cli {res['srv_full']}/{res['cli_full']}",
                 flush=True,
             )
@@ -302,6 +323,8 @@ def main() -> int:
                 "drops %",
                 "ACKs",
                 "server CPU us/DORA",
+                "user/sys",
+                "load avg 1 min",
                 "durable leases after SIGKILL",
                 "rcvbuf drops server/perfdhcp",
             ],

@@ -94,6 +94,11 @@ _LOOKED_UP = frozenset(
     (MessageType.DISCOVER, MessageType.REQUEST, MessageType.DECLINE, MessageType.RELEASE)
 )
 
+#: Datagrams handled per wake-up at most, so one busy socket cannot starve the loop.
+MAX_DRAIN = 256
+#: While packets keep arriving, a socket is read this often instead of on every arrival.
+POLL_INTERVAL = 0.001
+
 #: Hook calls in flight at most; beyond it a sighting is skipped (the next DHCP retry reports).
 MAX_HOOK_CALLS = 64
 
@@ -110,6 +115,8 @@ class _Listener:
     sock: socket.socket
     interface: str
     proxy_port: bool
+    #: True while the socket is polled on a timer rather than waited on.
+    polling: bool = False
 
 
 def relay_agent_view(pkt: DhcpPacket) -> dict[str, str] | None:
@@ -160,6 +167,7 @@ class DhcpServer:
         self.clock = clock
         #: Where replies to relays go; 67 except in tests that cannot hold port 67.
         self.relay_port = relay_port
+        self.poll_interval = POLL_INTERVAL
         self.full = FullHandler(server_id, files)
         self.proxy = ProxyHandler(server_id, files)
         self._listeners: list[_Listener] = []
@@ -203,7 +211,7 @@ class DhcpServer:
     async def stop(self) -> None:
         self._flush_counts()
         for lst in self._listeners:
-            if self._loop is not None:
+            if self._loop is not None and not lst.polling:
                 self._loop.remove_reader(lst.sock.fileno())
             lst.sock.close()
         self._listeners.clear()
@@ -232,20 +240,52 @@ class DhcpServer:
     # -- receive path -------------------------------------------------------------------
 
     def _readable(self, lst: _Listener) -> None:
+        """The socket became readable: drain it, then (when it had packets) stop watching it
+        and poll it again after ``poll_interval`` instead (see ``_drain``)."""
+        assert self._loop is not None
+        if self._drain(lst) and self.poll_interval > 0:
+            self._loop.remove_reader(lst.sock.fileno())
+            lst.polling = True
+            self._loop.call_later(self.poll_interval, self._poll, lst)
+
+    def _poll(self, lst: _Listener) -> None:
+        assert self._loop is not None
+        if lst.sock.fileno() < 0:
+            return
+        got = self._drain(lst)
+        if got >= MAX_DRAIN:
+            self._loop.call_soon(self._poll, lst)
+        elif got:
+            self._loop.call_later(self.poll_interval, self._poll, lst)
+        else:  # quiet again: back to waking on the socket
+            lst.polling = False
+            self._loop.add_reader(lst.sock.fileno(), self._readable, lst)
+
+    def _drain(self, lst: _Listener) -> int:
+        """Read and handle what the socket holds (at most MAX_DRAIN); return how many.
+
+        Under load, waking once per datagram costs more than handling it (a wake-up, a
+        failed recvfrom and a loop pass each), so while packets keep coming the socket is
+        polled every ``poll_interval`` and each poll handles what arrived since: one pass
+        per poll, not per packet. An idle socket is waited on as before (no added latency
+        for the first packet of a burst)."""
         recvfrom, handle = lst.sock.recvfrom, self._handle
         self._counts_flush_scheduled = True  # flushed below, at the end of this wake-up
+        n = 0
         try:
-            for _ in range(256):  # bounded, so one busy socket cannot starve the loop
+            while n < MAX_DRAIN:  # bounded, so one busy socket cannot starve the loop
                 try:
                     data, src = recvfrom(65535)
                 except (BlockingIOError, InterruptedError):
-                    return
+                    break
                 except OSError as e:
                     log.warning("DHCP receive on %s: %s", lst.interface, e)
-                    return
+                    break
+                n += 1
                 handle(data, src, lst)
         finally:
             self._flush_counts()
+        return n
 
     # -- counters -----------------------------------------------------------------------
     # Counted in a plain dict per wake-up and added to the Prometheus counters once at its
