@@ -29,7 +29,7 @@ from metald.boot.dhcp.bootfile import BootFiles
 from metald.boot.dhcp.common import SERVER_PORT, Decision, NetworkPlan, choose_network
 from metald.boot.dhcp.enroll_limit import EnrollLimiter, EnrollLimits, keys_for
 from metald.boot.dhcp.full import FullHandler
-from metald.boot.dhcp.lease_store import LeaseStore, WriteResult
+from metald.boot.dhcp.lease_store import COMMIT_INTERVAL, LeaseStore, WriteResult
 from metald.boot.dhcp.packet import (
     ZERO,
     DhcpPacket,
@@ -96,8 +96,9 @@ _LOOKED_UP = frozenset(
 
 #: Datagrams handled per wake-up at most, so one busy socket cannot starve the loop.
 MAX_DRAIN = 256
-#: While packets keep arriving, a socket is read this often instead of on every arrival.
-POLL_INTERVAL = 0.001
+#: While packets keep arriving, a socket is read this often instead of on every arrival; the
+#: lease store's commit interval, so a poll and the commit of its writes share a loop pass.
+POLL_INTERVAL = COMMIT_INTERVAL
 
 #: Hook calls in flight at most; beyond it a sighting is skipped (the next DHCP retry reports).
 MAX_HOOK_CALLS = 64
