@@ -116,8 +116,8 @@ class _Listener:
     sock: socket.socket
     interface: str
     proxy_port: bool
-    #: True while the socket is polled on a timer rather than waited on.
-    polling: bool = False
+    #: The next poll while the socket is polled rather than waited on (see ``_drain``).
+    poll: asyncio.Handle | None = None
 
 
 def relay_agent_view(pkt: DhcpPacket) -> dict[str, str] | None:
@@ -212,7 +212,10 @@ class DhcpServer:
     async def stop(self) -> None:
         self._flush_counts()
         for lst in self._listeners:
-            if self._loop is not None and not lst.polling:
+            if lst.poll is not None:
+                lst.poll.cancel()
+                lst.poll = None
+            elif self._loop is not None:
                 self._loop.remove_reader(lst.sock.fileno())
             lst.sock.close()
         self._listeners.clear()
@@ -241,26 +244,28 @@ class DhcpServer:
     # -- receive path -------------------------------------------------------------------
 
     def _readable(self, lst: _Listener) -> None:
-        """The socket became readable: drain it, then (when it had packets) stop watching it
-        and poll it again after ``poll_interval`` instead (see ``_drain``)."""
-        assert self._loop is not None
-        if self._drain(lst) and self.poll_interval > 0:
+        """The socket became readable: drain it and, if it held packets, poll it from now on
+        instead of waiting on it (see ``_drain``)."""
+        got = self._drain(lst)
+        if got and self.poll_interval > 0 and self._loop is not None:
             self._loop.remove_reader(lst.sock.fileno())
-            lst.polling = True
-            self._loop.call_later(self.poll_interval, self._poll, lst)
+            self._next_poll(lst, got)
 
     def _poll(self, lst: _Listener) -> None:
         assert self._loop is not None
-        if lst.sock.fileno() < 0:
-            return
         got = self._drain(lst)
-        if got >= MAX_DRAIN:
-            self._loop.call_soon(self._poll, lst)
-        elif got:
-            self._loop.call_later(self.poll_interval, self._poll, lst)
-        else:  # quiet again: back to waking on the socket
-            lst.polling = False
+        if got:
+            self._next_poll(lst, got)
+        else:  # quiet again: wait on the socket (level-triggered: nothing is missed)
+            lst.poll = None
             self._loop.add_reader(lst.sock.fileno(), self._readable, lst)
+
+    def _next_poll(self, lst: _Listener, got: int) -> None:
+        assert self._loop is not None
+        if got >= MAX_DRAIN:  # more waiting: read on right after the loop's other callbacks
+            lst.poll = self._loop.call_soon(self._poll, lst)
+        else:
+            lst.poll = self._loop.call_later(self.poll_interval, self._poll, lst)
 
     def _drain(self, lst: _Listener) -> int:
         """Read and handle what the socket holds (at most MAX_DRAIN); return how many.
@@ -296,7 +301,7 @@ class DhcpServer:
         key = (counter, label)
         self._counts[key] = self._counts.get(key, 0) + 1
         if not self._counts_flush_scheduled and self._loop is not None:
-            # Counts made outside _readable (ACKs sent from a commit callback).
+            # Counts made outside a drain (ACKs sent from a commit callback).
             self._counts_flush_scheduled = True
             self._loop.call_soon(self._flush_counts)
 
