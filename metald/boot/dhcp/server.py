@@ -481,6 +481,8 @@ class DhcpServer:
                     self._count(metrics.dhcp_dropped, "handler-error")
 
     def _committed(self, res: WriteResult, d: Decision, lst: _Listener) -> None:
+        # The lease store calls after_batch (_flush) once the batch's callbacks ran.
+        self._flush_scheduled = True
         if res is WriteResult.OK:
             if d.reply is not None:
                 self._send(lst, d.reply, d.dest)
