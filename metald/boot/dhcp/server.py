@@ -20,7 +20,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from ipaddress import IPv4Address
 from typing import Any
 
@@ -45,7 +45,6 @@ from metald.boot.dhcp.peers import DhcpPeers
 from metald.boot.dhcp.proxy import ProxyHandler
 from metald.boot.hooks import BootHooks
 from metald.boot.netutil import udp_socket
-from metald.boot.udpio import SendBatch
 
 log = logging.getLogger(__name__)
 
@@ -119,11 +118,6 @@ class _Listener:
     proxy_port: bool
     #: The next poll while the socket is polled rather than waited on (see ``_drain``).
     poll: asyncio.Handle | None = None
-    #: Replies queued in this pass, sent together at its end.
-    out: SendBatch = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.out = SendBatch(self.sock)
 
 
 def relay_agent_view(pkt: DhcpPacket) -> dict[str, str] | None:
@@ -184,9 +178,7 @@ class DhcpServer:
         self._hook_tasks: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._counts: dict[tuple[object, str], int] = {}
-        #: Sockets' reply batches with replies queued in this pass.
-        self._outboxes: list[SendBatch] = []
-        self._flush_scheduled = False
+        self._counts_flush_scheduled = False
         #: Set when other instances may serve these networks (plane.py): the split and fencing.
         self.peers: DhcpPeers | None = None
         #: MAC -> when it was last read through from the store.
@@ -196,8 +188,6 @@ class DhcpServer:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        if self.leases is not None:
-            self.leases.after_batch = self._flush  # a commit's ACKs leave together
         # Everything alive now (imported modules, config, ORM metadata) lives as long as the
         # process: take it out of the cyclic GC, whose full collections otherwise walk that
         # whole heap again and again under a DHCP storm (~5 us per DORA measured).
@@ -220,7 +210,7 @@ class DhcpServer:
         self._loop.add_reader(sock.fileno(), self._readable, lst)
 
     async def stop(self) -> None:
-        self._flush()
+        self._flush_counts()
         for lst in self._listeners:
             if lst.poll is not None:
                 lst.poll.cancel()
@@ -286,7 +276,7 @@ class DhcpServer:
         per poll, not per packet. An idle socket is waited on as before (no added latency
         for the first packet of a burst)."""
         recvfrom, handle = lst.sock.recvfrom, self._handle
-        self._flush_scheduled = True  # flushed below, at the end of this drain
+        self._counts_flush_scheduled = True  # flushed below, at the end of this wake-up
         n = 0
         try:
             while n < MAX_DRAIN:  # bounded, so one busy socket cannot starve the loop
@@ -300,36 +290,23 @@ class DhcpServer:
                 n += 1
                 handle(data, src, lst)
         finally:
-            self._flush()
+            self._flush_counts()
         return n
 
-    # -- end of a pass: replies out, counters added -----------------------------------------
-    # Replies are queued per socket and sent together (one sendmmsg) at the end of the drain
-    # or commit that made them. Counted in a plain dict per pass and added to the Prometheus
-    # counters once at its end: a Prometheus inc() (lock, checks) cost more than the rest of
-    # a counter's work.
+    # -- counters -----------------------------------------------------------------------
+    # Counted in a plain dict per wake-up and added to the Prometheus counters once at its
+    # end: a Prometheus inc() (lock, checks) cost more than the rest of a counter's work.
 
     def _count(self, counter: object, label: str) -> None:
         key = (counter, label)
         self._counts[key] = self._counts.get(key, 0) + 1
-        if not self._flush_scheduled:
-            self._schedule_flush()
+        if not self._counts_flush_scheduled and self._loop is not None:
+            # Counts made outside a drain (ACKs sent from a commit callback).
+            self._counts_flush_scheduled = True
+            self._loop.call_soon(self._flush_counts)
 
-    def _schedule_flush(self) -> None:
-        # Outside a drain (ACKs sent from a commit callback): at the end of this loop pass.
-        if self._loop is not None:
-            self._flush_scheduled = True
-            self._loop.call_soon(self._flush)
-
-    def _flush(self) -> None:
-        """Send the queued replies, then add the counts (a reply the kernel refused is
-        counted as dropped, not as sent)."""
-        self._flush_scheduled = False
-        if self._outboxes:
-            outboxes, self._outboxes = self._outboxes, []
-            for out in outboxes:
-                for label, dest, e in out.flush():
-                    self._send_failed(label, dest, e)
+    def _flush_counts(self) -> None:
+        self._counts_flush_scheduled = False
         if self._counts:
             counts, self._counts = self._counts, {}
             for key, n in counts.items():
@@ -343,7 +320,7 @@ class DhcpServer:
         try:
             self._handle(data, src, lst)
         finally:
-            self._flush()
+            self._flush_counts()
 
     def _handle(self, data: bytes, src: tuple[str, int], lst: _Listener) -> None:
         count = self._count
@@ -381,10 +358,10 @@ class DhcpServer:
                 self.leases.submit(extra, _ignore_result)
         if decision.write is not None and self.leases is not None:
             self.leases.submit(
-                decision.write, lambda res, d=decision, lst=lst: self._committed(res, d, lst)
+                decision.write, lambda res, d=decision, s=lst.sock: self._committed(res, d, s)
             )
         elif decision.reply is not None:
-            self._send(lst, decision.reply, decision.dest)
+            self._send(lst.sock, decision.reply, decision.dest)
 
     def _decide(self, pkt: DhcpPacket, src: tuple[str, int], lst: _Listener) -> Decision | None:
         net = choose_network(pkt, lst.interface, self.networks)
@@ -480,12 +457,10 @@ class DhcpServer:
                     log.exception("DHCP packet from %s crashed the handler; dropped", src)
                     self._count(metrics.dhcp_dropped, "handler-error")
 
-    def _committed(self, res: WriteResult, d: Decision, lst: _Listener) -> None:
-        # The lease store calls after_batch (_flush) once the batch's callbacks ran.
-        self._flush_scheduled = True
+    def _committed(self, res: WriteResult, d: Decision, sock: socket.socket) -> None:
         if res is WriteResult.OK:
             if d.reply is not None:
-                self._send(lst, d.reply, d.dest)
+                self._send(sock, d.reply, d.dest)
         elif res is WriteResult.CONFLICT:
             self._count(metrics.dhcp_ignored, "lease-conflict")
             if d.write is not None and self.leases is not None:
@@ -493,34 +468,26 @@ class DhcpServer:
                 self.leases.table.lost(d.write, self.clock() + 60)
             nak = d.on_conflict() if d.on_conflict is not None else None
             if nak is not None:
-                self._send(lst, nak, d.dest)
+                self._send(sock, nak, d.dest)
         else:
             self._count(metrics.dhcp_dropped, "lease-write-failed")
 
-    def _send(self, lst: _Listener, reply: DhcpPacket, dest: tuple[str, int] | None) -> None:
-        """Queue a reply; it leaves at the end of this pass (``_flush``)."""
-        if dest is None or lst.sock.fileno() < 0:
+    def _send(self, sock: socket.socket, reply: DhcpPacket, dest: tuple[str, int] | None) -> None:
+        if dest is None or sock.fileno() < 0:
             return
         if dest[1] == SERVER_PORT:
             dest = (dest[0], self.relay_port)
-        mt = reply.options.get(Opt.MESSAGE_TYPE)
-        label = _REPLY_LABELS.get(mt, "bootp") if mt else "bootp"
-        out = lst.out
-        if not out.pending:
-            self._outboxes.append(out)
-        out.add(serialize(reply), dest, label)
-        self._count(metrics.dhcp_replies, label)
-
-    def _send_failed(self, label: object, dest: tuple[str, int], e: OSError) -> None:
-        # Called by _flush before the counts are added: take the reply back out of them.
-        key = (metrics.dhcp_replies, label)
-        if self._counts.get(key, 0) > 0:
-            self._counts[key] -= 1
-        if isinstance(e, BlockingIOError | InterruptedError):
+        try:
+            sock.sendto(serialize(reply), dest)
+        except (BlockingIOError, InterruptedError):
             self._count(metrics.dhcp_dropped, "send-queue-full")
-        else:
+            return
+        except OSError as e:
             log.warning("DHCP send to %s failed: %s", dest, e)
             self._count(metrics.dhcp_dropped, "send-failed")
+            return
+        mt = reply.options.get(Opt.MESSAGE_TYPE)
+        self._count(metrics.dhcp_replies, _REPLY_LABELS.get(mt, "bootp") if mt else "bootp")
 
     # -- hooks --------------------------------------------------------------------------
 
