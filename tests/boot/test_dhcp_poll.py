@@ -1,6 +1,7 @@
 """The DHCP shell's receive path under load: a socket that had packets is polled every
 ``poll_interval`` instead of waking the loop per datagram, each poll drains at most
-MAX_DRAIN datagrams, and a quiet socket is waited on again. Real sockets on loopback."""
+MAX_DRAIN datagrams, and a quiet socket is waited on again. Real sockets on loopback; SQLite
+only (the socket path does not depend on the database)."""
 
 from __future__ import annotations
 
@@ -38,10 +39,10 @@ def _registered(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bool:
 
 
 async def test_burst_larger_than_a_drain_with_garbage_inside_is_answered_then_waited_on(
-    store, monkeypatch
+    sqlite_store, monkeypatch
 ) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setattr(server_mod, "MAX_DRAIN", 8)
-    srv, relay, leases = await start(store)
+    srv, relay, leases = await start(sqlite_store)
     loop = asyncio.get_running_loop()
     lst = srv._listeners[0]
     try:
@@ -87,9 +88,9 @@ async def test_burst_larger_than_a_drain_with_garbage_inside_is_answered_then_wa
         relay.close()
 
 
-async def test_a_drain_stops_at_its_bound_and_polls_on_soon(store, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+async def test_a_drain_stops_at_its_bound_and_polls_on_soon(sqlite_store, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setattr(server_mod, "MAX_DRAIN", 4)
-    srv, relay, leases = await start(store)
+    srv, relay, leases = await start(sqlite_store)
     loop = asyncio.get_running_loop()
     lst = srv._listeners[0]
     try:
