@@ -1,8 +1,9 @@
 """The DHCP server's asyncio shell: sockets in, handler decisions out.
 
 One socket per configured interface (SO_BINDTODEVICE), so metald never answers on a network it
-was not given. Reads are drained in a loop per wake-up; an ACK is sent from the lease store's
-commit callback, so it leaves only after its lease is durable. Nothing a client sends can raise
+was not given. Reads are drained in a loop per wake-up, and while packets keep coming a socket
+is polled every commit interval instead of waking the loop per datagram (``_drain``); an ACK is
+sent from the lease store's commit callback, so it leaves only after its lease is durable. Nothing a client sends can raise
 out of here: malformed packets are counted by reason and dropped.
 
 The full-mode core decides from the in-memory lease table and returns records; this shell
