@@ -1,8 +1,9 @@
 """The DHCP server's asyncio shell: sockets in, handler decisions out.
 
 One socket per configured interface (SO_BINDTODEVICE), so metald never answers on a network it
-was not given. Reads are drained in a loop per wake-up; an ACK is sent from the lease store's
-commit callback, so it leaves only after its lease is durable. Nothing a client sends can raise
+was not given. Reads are drained in a loop per wake-up, and while packets keep coming a socket
+is polled every commit interval instead of waking the loop per datagram (``_drain``); an ACK is
+sent from the lease store's commit callback, so it leaves only after its lease is durable. Nothing a client sends can raise
 out of here: malformed packets are counted by reason and dropped.
 
 The full-mode core decides from the in-memory lease table and returns records; this shell
@@ -29,7 +30,7 @@ from metald.boot.dhcp.bootfile import BootFiles
 from metald.boot.dhcp.common import SERVER_PORT, Decision, NetworkPlan, choose_network
 from metald.boot.dhcp.enroll_limit import EnrollLimiter, EnrollLimits, keys_for
 from metald.boot.dhcp.full import FullHandler
-from metald.boot.dhcp.lease_store import LeaseStore, WriteResult
+from metald.boot.dhcp.lease_store import COMMIT_INTERVAL, LeaseStore, WriteResult
 from metald.boot.dhcp.packet import (
     ZERO,
     DhcpPacket,
@@ -94,6 +95,12 @@ _LOOKED_UP = frozenset(
     (MessageType.DISCOVER, MessageType.REQUEST, MessageType.DECLINE, MessageType.RELEASE)
 )
 
+#: Datagrams handled per wake-up at most, so one busy socket cannot starve the loop.
+MAX_DRAIN = 256
+#: While packets keep arriving, a socket is read this often instead of on every arrival; the
+#: lease store's commit interval, so a poll and the commit of its writes share a loop pass.
+POLL_INTERVAL = COMMIT_INTERVAL
+
 #: Hook calls in flight at most; beyond it a sighting is skipped (the next DHCP retry reports).
 MAX_HOOK_CALLS = 64
 
@@ -110,6 +117,8 @@ class _Listener:
     sock: socket.socket
     interface: str
     proxy_port: bool
+    #: The next poll while the socket is polled rather than waited on (see ``_drain``).
+    poll: asyncio.Handle | None = None
 
 
 def relay_agent_view(pkt: DhcpPacket) -> dict[str, str] | None:
@@ -160,6 +169,7 @@ class DhcpServer:
         self.clock = clock
         #: Where replies to relays go; 67 except in tests that cannot hold port 67.
         self.relay_port = relay_port
+        self.poll_interval = POLL_INTERVAL
         self.full = FullHandler(server_id, files)
         self.proxy = ProxyHandler(server_id, files)
         self._listeners: list[_Listener] = []
@@ -203,7 +213,10 @@ class DhcpServer:
     async def stop(self) -> None:
         self._flush_counts()
         for lst in self._listeners:
-            if self._loop is not None:
+            if lst.poll is not None:
+                lst.poll.cancel()
+                lst.poll = None
+            elif self._loop is not None:
                 self._loop.remove_reader(lst.sock.fileno())
             lst.sock.close()
         self._listeners.clear()
@@ -232,20 +245,54 @@ class DhcpServer:
     # -- receive path -------------------------------------------------------------------
 
     def _readable(self, lst: _Listener) -> None:
+        """The socket became readable: drain it and, if it held packets, poll it from now on
+        instead of waiting on it (see ``_drain``)."""
+        got = self._drain(lst)
+        if got and self.poll_interval > 0 and self._loop is not None:
+            self._loop.remove_reader(lst.sock.fileno())
+            self._next_poll(lst, got)
+
+    def _poll(self, lst: _Listener) -> None:
+        assert self._loop is not None
+        got = self._drain(lst)
+        if got:
+            self._next_poll(lst, got)
+        else:  # quiet again: wait on the socket (level-triggered: nothing is missed)
+            lst.poll = None
+            self._loop.add_reader(lst.sock.fileno(), self._readable, lst)
+
+    def _next_poll(self, lst: _Listener, got: int) -> None:
+        assert self._loop is not None
+        if got >= MAX_DRAIN:  # more waiting: read on right after the loop's other callbacks
+            lst.poll = self._loop.call_soon(self._poll, lst)
+        else:
+            lst.poll = self._loop.call_later(self.poll_interval, self._poll, lst)
+
+    def _drain(self, lst: _Listener) -> int:
+        """Read and handle what the socket holds (at most MAX_DRAIN); return how many.
+
+        Under load, waking once per datagram costs more than handling it (a wake-up, a
+        failed recvfrom and a loop pass each), so while packets keep coming the socket is
+        polled every ``poll_interval`` and each poll handles what arrived since: one pass
+        per poll, not per packet. An idle socket is waited on as before (no added latency
+        for the first packet of a burst)."""
         recvfrom, handle = lst.sock.recvfrom, self._handle
         self._counts_flush_scheduled = True  # flushed below, at the end of this wake-up
+        n = 0
         try:
-            for _ in range(256):  # bounded, so one busy socket cannot starve the loop
+            while n < MAX_DRAIN:  # bounded, so one busy socket cannot starve the loop
                 try:
                     data, src = recvfrom(65535)
                 except (BlockingIOError, InterruptedError):
-                    return
+                    break
                 except OSError as e:
                     log.warning("DHCP receive on %s: %s", lst.interface, e)
-                    return
+                    break
+                n += 1
                 handle(data, src, lst)
         finally:
             self._flush_counts()
+        return n
 
     # -- counters -----------------------------------------------------------------------
     # Counted in a plain dict per wake-up and added to the Prometheus counters once at its
@@ -255,7 +302,7 @@ class DhcpServer:
         key = (counter, label)
         self._counts[key] = self._counts.get(key, 0) + 1
         if not self._counts_flush_scheduled and self._loop is not None:
-            # Counts made outside _readable (ACKs sent from a commit callback).
+            # Counts made outside a drain (ACKs sent from a commit callback).
             self._counts_flush_scheduled = True
             self._loop.call_soon(self._flush_counts)
 
