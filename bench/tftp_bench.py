@@ -31,6 +31,8 @@ from pathlib import Path
 
 from _lab import namespaces, set_loop, table, tree_cpu_seconds, write_config
 
+from vmlab import labnet
+
 IPXE = Path("/usr/lib/ipxe/ipxe.efi")
 CPUACCT = Path("/sys/fs/cgroup/cpuacct")
 
@@ -167,24 +169,22 @@ def main() -> int:
                     if name.startswith("metald") or name in trees:
                         from _lab import BootProcess
 
-                        if name in trees:
-                            # The other tree first on the path, and not the working directory
-                            # (python -m puts it first; it is this tree).
-                            os.environ["PYTHONSAFEPATH"] = "1"
-                            os.environ["PYTHONPATH"] = str(trees[name])
-                            set_loop("metald")
-                        else:
-                            set_loop(name)
-
+                        set_loop("metald" if name in trees else name)
                         cfg = write_config(
                             Path(tmp) / "m.toml",
                             state_dir=Path(tmp) / f"st{rnd}",
                             boot=BOOT.format(assets=root),
                             listen="127.0.0.1:8080",
                         )
-                        bp = BootProcess(lab, cfg, Path(tmp) / "metald.log").start()
-                        os.environ.pop("PYTHONSAFEPATH", None)
-                        os.environ.pop("PYTHONPATH", None)
+                        # `python -m metald.boot` imports metald from its working directory:
+                        # another tree runs from there.
+                        repo = labnet.REPO_ROOT
+                        if name in trees:
+                            labnet.REPO_ROOT = trees[name].resolve()
+                        try:
+                            bp = BootProcess(lab, cfg, Path(tmp) / "metald.log").start()
+                        finally:
+                            labnet.REPO_ROOT = repo
                         stop = bp.stop
                         meter.join(bp.proc.pid)  # type: ignore[union-attr]
                     else:
