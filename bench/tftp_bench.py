@@ -13,7 +13,8 @@ Server CPU is read from a cpuacct cgroup the server is started in (so tftpd-hpa'
 children count: it reaps them by ignoring SIGCHLD, so they never reach its cutime); without
 one, from /proc of the server's process tree. ``--tree NAME=PATH`` adds a server NAME: the
 metald of another source tree (``git archive`` of an older commit), run the same way, for
-before/after figures in one run.
+before/after figures in one run. ``metald-pyack`` is this tree's metald with its TFTP C
+lock-step loop off (``METALD_TFTP_FASTACK=0``: the pure-Python path), for the C loop's gain.
 """
 
 from __future__ import annotations
@@ -167,7 +168,11 @@ def main() -> int:
                     if name.startswith("metald") or name in trees:
                         from _lab import BootProcess
 
-                        if name in trees:
+                        os.environ.pop("METALD_TFTP_FASTACK", None)
+                        if name == "metald-pyack":
+                            os.environ["METALD_TFTP_FASTACK"] = "0"
+                            set_loop("metald")
+                        elif name in trees:
                             # The other tree first on the path, and not the working directory
                             # (python -m puts it first; it is this tree).
                             os.environ["PYTHONSAFEPATH"] = "1"
@@ -183,6 +188,7 @@ def main() -> int:
                             listen="127.0.0.1:8080",
                         )
                         bp = BootProcess(lab, cfg, Path(tmp) / "metald.log").start()
+                        os.environ.pop("METALD_TFTP_FASTACK", None)
                         os.environ.pop("PYTHONSAFEPATH", None)
                         os.environ.pop("PYTHONPATH", None)
                         stop = bp.stop
