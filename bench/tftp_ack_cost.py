@@ -104,7 +104,7 @@ import asyncio, sys
 from metald.boot.tftp.server import TftpServer
 async def main():
     s = TftpServer(sys.argv[1], host="127.0.0.1", port=0, max_transfers=2000,
-                   max_per_client=2000)
+                   max_per_client=2000, fast_ack=sys.argv[3] == "c")
     await s.start()
     print(s.bound_port, flush=True)
     await asyncio.Event().wait()
@@ -178,7 +178,9 @@ def through_loop(args: argparse.Namespace) -> None:
         (Path(tmp) / "ipxe.efi").write_bytes(IPXE.read_bytes())
         loop_name = "uvloop" if args.uvloop else "asyncio"
         p = subprocess.Popen(
-            [sys.executable, "-c", SERVER, tmp, loop_name], stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", SERVER, tmp, loop_name, "python" if args.python else "c"],
+            stdout=subprocess.PIPE,
+            text=True,
         )
         try:
             assert p.stdout is not None
@@ -209,8 +211,6 @@ def main() -> int:
     ap.add_argument("--uvloop", action="store_true")
     ap.add_argument("--python", action="store_true", help="the C lock-step loop off")
     args = ap.parse_args()
-    if args.python:
-        os.environ["METALD_TFTP_FASTACK"] = "0"  # the --clients server inherits it
     print(f"lock-step ACKs in {'C' if FAST_DRAIN is not None and not args.python else 'Python'}")
     if args.clients:
         through_loop(args)

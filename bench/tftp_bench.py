@@ -14,7 +14,8 @@ children count: it reaps them by ignoring SIGCHLD, so they never reach its cutim
 one, from /proc of the server's process tree. ``--tree NAME=PATH`` adds a server NAME: the
 metald of another source tree (``git archive`` of an older commit), run the same way, for
 before/after figures in one run. ``metald-pyack`` is this tree's metald with its TFTP C
-lock-step loop off (``METALD_TFTP_FASTACK=0``: the pure-Python path), for the C loop's gain.
+lock-step loop off (``METALD_BOOT__TFTP_FAST_ACK=false``: the pure-Python path), for the C
+loop's gain.
 """
 
 from __future__ import annotations
@@ -168,9 +169,9 @@ def main() -> int:
                     if name.startswith("metald") or name in trees:
                         from _lab import BootProcess
 
-                        os.environ.pop("METALD_TFTP_FASTACK", None)
+                        os.environ.pop("METALD_BOOT__TFTP_FAST_ACK", None)
                         if name == "metald-pyack":
-                            os.environ["METALD_TFTP_FASTACK"] = "0"
+                            os.environ["METALD_BOOT__TFTP_FAST_ACK"] = "false"
                             set_loop("metald")
                         elif name in trees:
                             # The other tree first on the path, and not the working directory
@@ -188,7 +189,7 @@ def main() -> int:
                             listen="127.0.0.1:8080",
                         )
                         bp = BootProcess(lab, cfg, Path(tmp) / "metald.log").start()
-                        os.environ.pop("METALD_TFTP_FASTACK", None)
+                        os.environ.pop("METALD_BOOT__TFTP_FAST_ACK", None)
                         os.environ.pop("PYTHONSAFEPATH", None)
                         os.environ.pop("PYTHONPATH", None)
                         stop = bp.stop

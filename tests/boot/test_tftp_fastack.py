@@ -30,6 +30,7 @@ from metald.boot.tftp import server
 from metald.boot.tftp.packet import ErrorCode, Opcode, Request, error_packet, negotiate
 from metald.boot.tftp.server import _Transfer
 from metald.boot.tftp.transfer import PacketCache, ReadTransfer
+from metald.config import load_config
 
 
 def test_the_extension_is_built_where_it_can_be() -> None:
@@ -292,12 +293,12 @@ def test_the_python_path_is_chosen_when_asked_or_when_the_module_is_missing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     assert server._fast_drain() is drain
-    monkeypatch.setenv("METALD_TFTP_FASTACK", "0")
-    assert server._fast_drain() is None
-    monkeypatch.delenv("METALD_TFTP_FASTACK")
+    assert server.TftpServer("/nonexistent").fast_drain is drain
+    assert server.TftpServer("/nonexistent", fast_ack=False).fast_drain is None
+    cfg = load_config(None, {"METALD_BOOT__TFTP_FAST_ACK": "false"})
+    assert cfg.boot.tftp_fast_ack is False and load_config(None, {}).boot.tftp_fast_ack
     monkeypatch.setitem(sys.modules, "metald.boot.tftp._fastack", None)  # ImportError
     assert server._fast_drain() is None
-    assert server.TftpServer("/nonexistent", fast_ack=False).fast_drain is None
 
 
 def test_random_datagrams_never_make_it_send_anything_but_the_next_block() -> None:

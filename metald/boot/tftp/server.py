@@ -42,9 +42,7 @@ log = logging.getLogger(__name__)
 
 def _fast_drain() -> Callable[..., tuple[int, int, int, bytes | None, bool]] | None:
     """The C lock-step ACK loop (``_fastack.c``, built by setup.py when a compiler is there),
-    or None: then the pure-Python path. ``METALD_TFTP_FASTACK=0`` forces the Python path."""
-    if os.environ.get("METALD_TFTP_FASTACK", "1") == "0":
-        return None
+    or None: then the pure-Python path."""
     try:
         from metald.boot.tftp._fastack import drain
     except ImportError:
@@ -52,7 +50,8 @@ def _fast_drain() -> Callable[..., tuple[int, int, int, bytes | None, bool]] | N
     return drain
 
 
-#: Chosen at import; ``TftpServer(fast_ack=False)`` uses the Python path whatever this is.
+#: Chosen at import; ``TftpServer(fast_ack=False)`` (config ``boot.tftp_fast_ack = false``,
+#: or ``METALD_BOOT__TFTP_FAST_ACK=false``) uses the Python path whatever this is.
 FAST_DRAIN = _fast_drain()
 
 IP_PKTINFO = getattr(socket, "IP_PKTINFO", 8)
