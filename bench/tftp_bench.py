@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -194,7 +195,11 @@ def main() -> int:
                         os.environ.pop("PYTHONPATH", None)
                         stop = bp.stop
                         meter.join(bp.proc.pid)  # type: ignore[union-attr]
+                        # Which lock-step path this metald runs (its start-up log line).
+                        found = re.findall(r"lock-step ACKs in (\w+)", bp.log.read_text())
+                        how = f" (ACKs in {found[-1]})" if found else ""
                     else:
+                        how = ""
                         if name == "tftpd-hpa":
                             # in.tftpd resolves its bind address with AI_ADDRCONFIG, which fails
                             # in a namespace whose only address is loopback ("cannot resolve
@@ -248,7 +253,7 @@ def main() -> int:
                             print(
                                 f"round {rnd} {name:14} {sc}: {wall} s, server CPU {cpu:.2f} s "
                                 f"(user {u1 - u0:.2f}, sys {s1 - s0:.2f}, {w1 - w0} sleeps), "
-                                f"{bad} failed, load {loadavg()}",
+                                f"{bad} failed, load {loadavg()}{how}",
                                 flush=True,
                             )
                             shutil.rmtree(out)
