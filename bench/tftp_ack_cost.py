@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/tftp_ack_cost.py [--repeats 20] [--blksize 1428]
     .venv/bin/python bench/tftp_ack_cost.py --clients 200 [--uvloop]
+    ... [--python]   (the TFTP C lock-step loop off: the pure-Python path)
 
 In process (the default): a client socket and one transfer (``_Transfer`` around
 ``ReadTransfer``, the shell and core the server runs, its socket connected to the client as
@@ -36,13 +37,13 @@ import time
 from pathlib import Path
 
 from metald.boot.tftp.packet import negotiate
-from metald.boot.tftp.server import _Transfer
+from metald.boot.tftp.server import FAST_DRAIN, _Transfer
 from metald.boot.tftp.transfer import ReadTransfer
 
 IPXE = Path("/usr/lib/ipxe/ipxe.efi")
 
 
-async def per_ack(data: bytes, blksize: int, repeats: int) -> float:
+async def per_ack(data: bytes, blksize: int, repeats: int, fast: bool) -> float:
     loop = asyncio.get_running_loop()
     total, n = 0.0, 0
     for _ in range(repeats):
@@ -53,7 +54,15 @@ async def per_ack(data: bytes, blksize: int, repeats: int) -> float:
         s.setblocking(False)
         s.connect(c.getsockname())  # as the server does (send and recv, not sendto/recvfrom)
         m = ReadTransfer(data, negotiate({"blksize": str(blksize)}, len(data)))
-        t = _Transfer(loop, s, m, c.getsockname(), None, lambda *a: None)  # type: ignore[arg-type]
+        t = _Transfer(
+            loop,
+            s,
+            m,
+            c.getsockname(),
+            None,  # type: ignore[arg-type]
+            lambda *a: None,
+            FAST_DRAIN if fast else None,
+        )
         t.start()
         c.recv(2048)  # the OACK
         addr, blk = s.getsockname(), 0
@@ -95,7 +104,7 @@ import asyncio, sys
 from metald.boot.tftp.server import TftpServer
 async def main():
     s = TftpServer(sys.argv[1], host="127.0.0.1", port=0, max_transfers=2000,
-                   max_per_client=2000)
+                   max_per_client=2000, fast_ack=sys.argv[3] == "c")
     await s.start()
     print(s.bound_port, flush=True)
     await asyncio.Event().wait()
@@ -169,7 +178,9 @@ def through_loop(args: argparse.Namespace) -> None:
         (Path(tmp) / "ipxe.efi").write_bytes(IPXE.read_bytes())
         loop_name = "uvloop" if args.uvloop else "asyncio"
         p = subprocess.Popen(
-            [sys.executable, "-c", SERVER, tmp, loop_name], stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", SERVER, tmp, loop_name, "python" if args.python else "c"],
+            stdout=subprocess.PIPE,
+            text=True,
         )
         try:
             assert p.stdout is not None
@@ -198,12 +209,14 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=0, help="through the event loop")
     ap.add_argument("--transfers", type=int, default=200)
     ap.add_argument("--uvloop", action="store_true")
+    ap.add_argument("--python", action="store_true", help="the C lock-step loop off")
     args = ap.parse_args()
+    print(f"lock-step ACKs in {'C' if FAST_DRAIN is not None and not args.python else 'Python'}")
     if args.clients:
         through_loop(args)
         return 0
     data = IPXE.read_bytes()
-    us = asyncio.run(per_ack(data, args.blksize, args.repeats))
+    us = asyncio.run(per_ack(data, args.blksize, args.repeats, not args.python))
     print(f"server work per ACK: {us:.2f} us (CPU); floor recv+send: {floor(args.blksize):.2f} us")
     return 0
 

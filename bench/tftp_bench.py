@@ -13,7 +13,9 @@ Server CPU is read from a cpuacct cgroup the server is started in (so tftpd-hpa'
 children count: it reaps them by ignoring SIGCHLD, so they never reach its cutime); without
 one, from /proc of the server's process tree. ``--tree NAME=PATH`` adds a server NAME: the
 metald of another source tree (``git archive`` of an older commit), run the same way, for
-before/after figures in one run.
+before/after figures in one run. ``metald-pyack`` is this tree's metald with its TFTP C
+lock-step loop off (``METALD_BOOT__TFTP_FAST_ACK=false``: the pure-Python path), for the C
+loop's gain.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -169,7 +172,10 @@ def main() -> int:
                     if name.startswith("metald") or name in trees:
                         from _lab import BootProcess
 
-                        set_loop("metald" if name in trees else name)
+                        os.environ.pop("METALD_BOOT__TFTP_FAST_ACK", None)
+                        if name == "metald-pyack":
+                            os.environ["METALD_BOOT__TFTP_FAST_ACK"] = "false"
+                        set_loop("metald" if name in trees or name == "metald-pyack" else name)
                         cfg = write_config(
                             Path(tmp) / "m.toml",
                             state_dir=Path(tmp) / f"st{rnd}",
@@ -177,7 +183,7 @@ def main() -> int:
                             listen="127.0.0.1:8080",
                         )
                         # `python -m metald.boot` imports metald from its working directory:
-                        # another tree runs from there.
+                        # another tree runs from there (without its C loop: not built there).
                         repo = labnet.REPO_ROOT
                         if name in trees:
                             labnet.REPO_ROOT = trees[name].resolve()
@@ -185,9 +191,14 @@ def main() -> int:
                             bp = BootProcess(lab, cfg, Path(tmp) / "metald.log").start()
                         finally:
                             labnet.REPO_ROOT = repo
+                            os.environ.pop("METALD_BOOT__TFTP_FAST_ACK", None)
                         stop = bp.stop
                         meter.join(bp.proc.pid)  # type: ignore[union-attr]
+                        # Which lock-step path this metald runs (its start-up log line).
+                        found = re.findall(r"lock-step ACKs in (\w+)", bp.log.read_text())
+                        how = f" (ACKs in {found[-1]})" if found else ""
                     else:
+                        how = ""
                         if name == "tftpd-hpa":
                             # in.tftpd resolves its bind address with AI_ADDRCONFIG, which fails
                             # in a namespace whose only address is loopback ("cannot resolve
@@ -241,7 +252,7 @@ def main() -> int:
                             print(
                                 f"round {rnd} {name:14} {sc}: {wall} s, server CPU {cpu:.2f} s "
                                 f"(user {u1 - u0:.2f}, sys {s1 - s0:.2f}, {w1 - w0} sleeps), "
-                                f"{bad} failed, load {loadavg()}",
+                                f"{bad} failed, load {loadavg()}{how}",
                                 flush=True,
                             )
                             shutil.rmtree(out)

@@ -159,6 +159,9 @@ class BootConfig(_Section):
     #: unacknowledged ones are pushed out first when a cap is reached).
     tftp_max_transfers: int = Field(default=512, ge=1)
     tftp_max_per_client: int = Field(default=8, ge=1)
+    #: Answer lock-step TFTP ACKs in the C loop (metald/boot/tftp/_fastack.c) where it is
+    #: built; false: the pure-Python path (for comparison; the same answers, more CPU).
+    tftp_fast_ack: bool = True
     #: Folder with iPXE binaries and boot images, served by TFTP and HTTP (read-only) without a
     #: token. Required when enabled; must not be, contain or sit inside state_dir. Hidden
     #: (dot) files in it are not served.

@@ -131,6 +131,7 @@ class BootPlane:
                     port=b.tftp_port,
                     max_transfers=b.tftp_max_transfers,
                     max_per_client=b.tftp_max_per_client,
+                    fast_ack=b.tftp_fast_ack,
                 )
             )
         if b.router_advertisements and b.interfaces:

@@ -1,7 +1,8 @@
 """The TFTP server's per-transfer shell (``_Transfer``): its connected socket, the drain of
 datagrams per wake-up, the send path's recovery from a queued ICMP error, and the silence
 timer's retransmits and give-up. Real sockets on loopback, driven step by step (the shell's
-callbacks are called directly, so nothing waits on time)."""
+callbacks are called directly, so nothing waits on time). Each test runs with the C lock-step
+loop (``_fastack``, where it is built) and with the Python path."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 
 from metald.boot import metrics
 from metald.boot.tftp.packet import Opcode, Request, negotiate
-from metald.boot.tftp.server import TftpServer, _Transfer
+from metald.boot.tftp.server import FAST_DRAIN, TftpServer, _Transfer
 from metald.boot.tftp.transfer import MAX_RETRIES, ReadTransfer
 
 DATA = bytes(range(256)) * 20  # 5,120 bytes: 11 blocks of 512
@@ -46,7 +47,7 @@ class Shell:
     """One transfer of ``DATA`` (plain RFC 1350, blksize 512) set up as the server sets it up:
     its own socket bound on loopback and connected to the client's."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, fast_drain: object) -> None:
         self.client = udp()
         self.client.settimeout(5)  # only so that a failure cannot hang the suite
         self.sock = udp()
@@ -62,6 +63,7 @@ class Shell:
             self.client.getsockname(),
             req,
             lambda _t, ev: self.events.append(ev),
+            fast_drain,  # type: ignore[arg-type]
         )
         self.client.connect(self.sock.getsockname())
 
@@ -70,10 +72,17 @@ class Shell:
         self.client.close()
 
 
-@pytest.fixture
-def shell() -> Iterator[Shell]:
+#: The C loop where it is built, and the Python path.
+PATHS = [
+    pytest.param(FAST_DRAIN, id="c", marks=pytest.mark.skipif(FAST_DRAIN is None, reason="no C")),
+    pytest.param(None, id="python"),
+]
+
+
+@pytest.fixture(params=PATHS)
+def shell(request: pytest.FixtureRequest) -> Iterator[Shell]:
     loop = asyncio.new_event_loop()
-    sh = Shell(loop)
+    sh = Shell(loop, request.param)
     try:
         yield sh
     finally:
@@ -98,6 +107,21 @@ def test_duplicate_acks_send_nothing_and_the_drain_reads_what_is_queued(shell: S
     # Nothing left to read: a wake-up with an empty socket (EAGAIN) changes nothing.
     shell.t._readable()
     assert nothing_queued(shell.client) and shell.machine.sent == 2
+
+
+def test_a_whole_transfer_in_lock_step(shell: Shell) -> None:
+    """ACK by ACK to the end (after the first ACK, the C loop's case where it is built): the
+    client gets the file, the last ACK ends the transfer once."""
+    shell.t.start()
+    got, n = [], 0
+    while not shell.t.closed:
+        pkt = shell.client.recv(2048)
+        n = block(pkt)
+        got.append(pkt[4:])
+        shell.client.send(ack(n))
+        shell.t._readable()
+    assert b"".join(got) == DATA and n == shell.machine.nblocks
+    assert shell.events == ["confirmed", "ok"] and nothing_queued(shell.client)
 
 
 def test_the_drain_is_bounded_per_wake_up(shell: Shell) -> None:
@@ -152,12 +176,15 @@ def test_silence_timer_resends_then_gives_up(shell: Shell) -> None:
     assert shell.sock.fileno() == -1  # the socket is closed and out of the event loop
 
 
-async def test_a_packet_from_another_tid_never_reaches_the_transfer(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fast_ack", [True, False])
+async def test_a_packet_from_another_tid_never_reaches_the_transfer(
+    tmp_path: Path, fast_ack: bool
+) -> None:
     """Only the client's address and port reach a transfer's socket: a stranger's forged ACK
     is refused by the kernel (ICMP port unreachable) and costs metald nothing; the real client
     goes on. (Before, metald read it and answered it with an ERROR packet.)"""
     (tmp_path / "f").write_bytes(DATA)
-    server = TftpServer(tmp_path, host="127.0.0.1", port=0)
+    server = TftpServer(tmp_path, host="127.0.0.1", port=0, fast_ack=fast_ack)
     await server.start()
     loop = asyncio.get_running_loop()
     client, stranger = udp(), udp(("127.0.0.2", 0))

@@ -39,6 +39,21 @@ from metald.boot.tftp.transfer import RUNNING, ReadTransfer
 
 log = logging.getLogger(__name__)
 
+
+def _fast_drain() -> Callable[..., tuple[int, int, int, bytes | None, bool]] | None:
+    """The C lock-step ACK loop (``_fastack.c``, built by setup.py when a compiler is there),
+    or None: then the pure-Python path."""
+    try:
+        from metald.boot.tftp._fastack import drain
+    except ImportError:
+        return None
+    return drain
+
+
+#: Chosen at import; ``TftpServer(fast_ack=False)`` (config ``boot.tftp_fast_ack = false``,
+#: or ``METALD_BOOT__TFTP_FAST_ACK=false``) uses the Python path whatever this is.
+FAST_DRAIN = _fast_drain()
+
 IP_PKTINFO = getattr(socket, "IP_PKTINFO", 8)
 #: Descriptors left for everything else in the process (API, database, DHCP) when the
 #: transfer cap is fitted under RLIMIT_NOFILE: each transfer holds one socket.
@@ -68,8 +83,10 @@ class _Transfer:
         peer: tuple[str, int],
         request: Request,
         on_event: Callable[[_Transfer, str], None],
+        fast_drain: Callable[..., tuple[int, int, int, bytes | None, bool]] | None = FAST_DRAIN,
     ) -> None:
         self.loop = loop
+        self.fast_drain = fast_drain
         self.sock = sock  # bound, non-blocking, connected to ``peer``
         self.machine = machine
         self.peer = peer
@@ -91,15 +108,37 @@ class _Transfer:
         # often answers while the server is still in send (it is woken and runs; 200 fetches
         # on loopback: 119,400 ACKs in 17,000-43,000 calls here), so those ACKs are read
         # without a trip through the event loop; one datagram per wake-up cost 30 % more CPU.
+        #
+        # With the C loop (FAST_DRAIN), a lock-step transfer's in-order ACKs are read and
+        # answered there, the same way ``on_packet``'s inline path answers them; it returns
+        # the first datagram it does not handle, which is handled here as before, and the
+        # 64-datagram bound counts both.
         if self.closed:
             return
-        recv, send, machine = self.sock.recv, self.sock.send, self.machine
+        recv, send, machine, fast = self.sock.recv, self.sock.send, self.machine, self.fast_drain
         sent = False
-        for _ in range(64):
-            try:
-                data = recv(2048)
-            except OSError:  # EAGAIN: drained; or a queued ICMP error, reported once
-                break
+        left = 64
+        while left > 0:
+            packets = machine.lockstep_packets() if fast is not None else None
+            if packets is not None:
+                handled, acked, last, data, failed = fast(  # type: ignore[misc]
+                    self.sock.fileno(), packets, machine.acked, machine.sent, machine.nblocks, left
+                )
+                if handled:
+                    machine.lockstep_advanced(acked, last)
+                    sent = True
+                    left -= handled
+                    if failed:  # sent once; the Python path's retries, as for its own send
+                        self._send([packets[last - 1]])
+                        continue
+                if data is None:
+                    break
+            else:
+                try:
+                    data = recv(2048)
+                except OSError:  # EAGAIN: drained; or a queued ICMP error, reported once
+                    break
+            left -= 1
             try:
                 out = machine.on_packet(data)
             except MalformedTftp as e:
@@ -188,6 +227,7 @@ class TftpServer:
         max_per_client: int = 8,
         timeout: float = 1.0,
         cache: FileCache | None = None,
+        fast_ack: bool = True,
     ) -> None:
         self.root = Path(root).resolve()
         self.interfaces = interfaces or []
@@ -197,6 +237,8 @@ class TftpServer:
         self.max_per_client = max_per_client
         self.timeout = timeout
         self.cache = cache or FileCache()
+        #: The C lock-step loop, unless it is not built or turned off (tests, benches).
+        self.fast_drain = FAST_DRAIN if fast_ack else None
         self.table: TransferTable[_Transfer] = TransferTable(max_transfers, max_per_client)
         #: The latest transfer per client (address, port), to recognise a repeated RRQ.
         self._by_peer: dict[tuple[str, int], _Transfer] = {}
@@ -223,7 +265,13 @@ class TftpServer:
         except BaseException:
             await self.stop()
             raise
-        log.info("TFTP on %s port %d, root %s", self.interfaces or self.host, self.port, self.root)
+        log.info(
+            "TFTP on %s port %d, root %s; lock-step ACKs in %s",
+            self.interfaces or self.host,
+            self.port,
+            self.root,
+            "C" if self.fast_drain is not None else "Python",
+        )
 
     def _fit_fd_limit(self) -> None:
         """Each transfer holds a socket: keep the cap under the descriptor limit, so a flood
@@ -329,7 +377,7 @@ class TftpServer:
             metrics.inc(metrics.tftp_transfers, "socket-error")
             return
         assert self._loop is not None
-        t = _Transfer(self._loop, s, machine, peer, req, self._transfer_event)
+        t = _Transfer(self._loop, s, machine, peer, req, self._transfer_event, self.fast_drain)
         adm = self.table.admit(t, peer[0], self._loop.time())
         if not adm.admitted:
             t.close()

@@ -240,6 +240,21 @@ class ReadTransfer:
             self._packets = self._packet_cache.get(self._data, self.blksize)
         return out
 
+    def lockstep_packets(self) -> list[bytes] | None:
+        """The shared DATA packets while the C drain (server.py) may answer ACKs in this
+        transfer's place: running, windowsize 1, confirmed with shared packets. It does only
+        what ``on_packet``'s inline path does, then reports back with ``lockstep_advanced``."""
+        if self.window == 1 and self.result is RUNNING:
+            return self._packets
+        return None
+
+    def lockstep_advanced(self, acked: int, sent: int) -> None:
+        """The C drain answered in-order ACKs up to block ``acked`` (``on_packet``'s inline
+        path, in C): the same state change as that path."""
+        self.acked = acked
+        self.sent = sent
+        self.retries = 0
+
     def _on_ack(self, n: int) -> list[bytes]:
         if self.oack_pending:
             if n != 0:
