@@ -254,6 +254,15 @@ def current_run(s: Session, machine_id: str) -> CommissioningRun | None:
     return _open_run(s, machine_id, RUNNING)
 
 
+def agent_plan(run: CommissioningRun) -> dict[str, Any] | None:
+    """What the agent runs (run id, profile, checks), or None while the profile has ``bmc-sel``
+    and metald's first reading of the BMC's event log is not stored: no check may start
+    before it."""
+    if sel_wanted(run) and run.sel_before is None:
+        return None
+    return {"run_id": run.id, "profile": run.profile, "checks": run_profile(run).plan()}
+
+
 @dataclass(frozen=True)
 class Recorded:
     """What a result post did: the run (its status after the post), the machine's state after

@@ -125,6 +125,9 @@ class Store:
             # second thread would only wait on its lock and contend for the GIL.
             workers = 1 if self.is_sqlite else 8
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="store")
+        # Reads have their own lane: a token lookup or an agent's question never waits in the
+        # queue of writes (SQLite's WAL lets readers run beside the one writer).
+        self._read_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="store-read")
         self._reader = self.engine.execution_options(
             **{READ_ONLY: True}, **({} if self.is_sqlite else {"postgresql_readonly": True})
         )
@@ -149,14 +152,15 @@ class Store:
 
     async def read(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Like ``run``, in a read-only transaction (SQLite: deferred, no write lock;
-        PostgreSQL: READ ONLY). For reads that many clients repeat, such as event streams."""
+        PostgreSQL: READ ONLY), on the read lane's own threads: it does not queue behind the
+        writes. For reads that many clients repeat: event streams, every request's token."""
 
         def call() -> T:
             with Session(self._reader, expire_on_commit=False) as s:
                 return fn(s, *args, **kwargs)
 
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, functools.partial(call))
+        return await loop.run_in_executor(self._read_pool, functools.partial(call))
 
     async def heartbeat(
         self, fn: Callable[..., T], *args: Any, timeout_s: float, **kwargs: Any
@@ -195,6 +199,7 @@ class Store:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._read_pool.shutdown(wait=True)
         if self._beat_pool is not None:
             self._beat_pool.shutdown(wait=True)
         if self._beat_engine is not None and self._beat_engine is not self.engine:
