@@ -134,9 +134,10 @@ async def post_inventory(req: ApiRequest) -> InventoryAccepted:
         # A provisioning or wipe token of this machine cannot rewrite its inventory.
         require_agent_phase(p, machines.get_machine(s, mid).state, {"inspect"})
         m = enrollment.accept_inventory(
-            s, mid, req.body, actor=req.actor, cfg=cfg, instance=req.ctx.instance
+            s, mid, req.body, actor=req.actor, cfg=cfg, instance=req.ctx.instance, commit=False
         )
-        nxt = _instruction(s, m, cfg)
+        nxt = _instruction(s, m, cfg)  # in the same transaction: the run it just started
+        s.commit()
         return InventoryAccepted(
             machine_id=m.id, state=m.state, gpu_model=m.gpu_model, gpu_count=m.gpu_count, next=nxt
         )

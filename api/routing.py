@@ -20,6 +20,7 @@ from aiohttp import StreamReader, web
 from aiohttp.web_protocol import RequestPayloadError
 from pydantic import BaseModel, ValidationError
 from pydantic_core import to_jsonable_python
+from sqlalchemy import event
 
 from api.paging import next_link
 from api.problem import problem, validation_problem
@@ -126,9 +127,25 @@ class ApiRequest:
             return fn
 
         def call(s: Any, *args: Any) -> Any:
-            record_first_use(s, p.token_id)
-            out = fn(s, *args)
-            s.commit()  # fn's own writes are committed already; this is the stamp's
+            stamped: list[bool] = []
+
+            def stamp(session: Any) -> None:
+                if not stamped:
+                    stamped.append(True)
+                    session.flush()  # fn's pending rows first: the stamp is the last write
+                    record_first_use(session, p.token_id)
+
+            # In fn's first commit, as its last statement: the token's row is locked after
+            # whatever fn locked (a transition revokes a machine's tokens after locking the
+            # machine: the same order, so no deadlock on PostgreSQL).
+            event.listen(s, "before_commit", stamp)
+            try:
+                out = fn(s, *args)
+                if not stamped:  # fn only read
+                    stamp(s)
+                    s.commit()
+            finally:
+                event.remove(s, "before_commit", stamp)
             self.first_use_recorded = True
             return out
 

@@ -23,6 +23,7 @@ from metald.config import EnrollConfig
 from metald.inventory.rules import EnrollmentRule
 from metald.store.models import ApiToken
 from tests.commissioning.test_api import FIO_OK, SMART_OK, profile, report
+from tests.commissioning.test_post_cost import counted
 from tests.test_enrollment import enrolled_via_hooks, payload
 
 
@@ -71,14 +72,21 @@ async def test_a_commissioning_agent_waits_on_the_writer_once_per_write(  # type
     passes = writer_passes(store, monkeypatch)
     assert await _last_used(store, secret) is None
 
-    # The inventory post is the token's first use: stamped in the post's own transaction.
-    r = await client.post(
-        "/api/v1/agent/inventory",
-        json=payload(target.machine_id, boot_id=str(uuid.uuid4())),
-        headers=agent,
-    )
+    # The inventory post is the token's first use: stamped in the post's own transaction, as
+    # its last write (after the machine's row: the order in which a transition revokes tokens).
+    with counted(store) as seen:
+        r = await client.post(
+            "/api/v1/agent/inventory",
+            json=payload(target.machine_id, boot_id=str(uuid.uuid4())),
+            headers=agent,
+        )
     assert r.status == 200, await r.text()
     assert passes() == 1  # the old code: 2 (the lookup's write transaction, then the post)
+    writes = [x for x in seen if x.lstrip().upper().startswith(("INSERT", "UPDATE", "DELETE"))]
+    assert "last_used_at" in writes[-1], writes[-1]
+    assert any(x.startswith("UPDATE machines") for x in writes)
+    if store.is_sqlite:
+        assert sum(x.startswith("BEGIN IMMEDIATE") for x in seen) == 1  # one write transaction
     assert await _last_used(store, secret) is not None
     nxt = (await r.json())["next"]
     # The answer carries the plan: the agent goes straight to its first check.
