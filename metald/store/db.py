@@ -126,8 +126,10 @@ class Store:
             workers = 1 if self.is_sqlite else 8
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="store")
         # Reads have their own lane: a token lookup or an agent's question never waits in the
-        # queue of writes (SQLite's WAL lets readers run beside the one writer).
-        self._read_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="store-read")
+        # queue of writes (SQLite's WAL lets readers run beside the one writer; two threads,
+        # as they share the GIL with it; PostgreSQL: as many as the writes have).
+        readers = 2 if self.is_sqlite else workers
+        self._read_pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="store-read")
         self._reader = self.engine.execution_options(
             **{READ_ONLY: True}, **({} if self.is_sqlite else {"postgresql_readonly": True})
         )
