@@ -168,7 +168,7 @@ async def next_instruction(req: ApiRequest) -> Instruction:
     def run(s: Session) -> Instruction:
         return Instruction(**_instruction(s, machines.get_machine(s, mid), req.ctx.cfg.enroll))
 
-    return await req.ctx.store.read(run)
+    return await req.ctx.store.read_aside(run)
 
 
 @router.route(

@@ -239,12 +239,12 @@ def bearer_token(request: web.Request) -> str | None:
 
 
 async def _principal(request: web.Request, ctx: AppContext) -> Principal | None:
-    """The caller, from a read on the store's read lane: looking up a token never queues
-    behind the writes (an agent token's first use is written by the request: ``ApiRequest``)."""
+    """The caller, from a read aside the store's writes (``Store.read_aside``): looking up a
+    token never queues behind them (an agent token's first use is written by the request: ``ApiRequest``)."""
     secret = bearer_token(request)
     if secret is None:
         return None
-    return await ctx.store.read(lookup, secret)
+    return await ctx.store.read_aside(lookup, secret)
 
 
 async def _settle_first_use(

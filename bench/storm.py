@@ -827,8 +827,8 @@ async def run(self, fn, *args, **kwargs):
             p.disable()
     return await orig_run(self, prof_fn, *args, **kwargs)
 db.Store.run = run
-orig_read = db.Store.read
-async def read(self, fn, *args, **kwargs):
+orig_read = db.Store._read
+async def read(self, pool, fn, *args, **kwargs):
     def prof_fn(s, *a, **kw):
         p = getattr(local, "p", None)
         if p is None:
@@ -839,8 +839,8 @@ async def read(self, fn, *args, **kwargs):
             return fn(s, *a, **kw)
         finally:
             p.disable()
-    return await orig_read(self, prof_fn, *args, **kwargs)
-db.Store.read = read
+    return await orig_read(self, pool, prof_fn, *args, **kwargs)
+db.Store._read = read
 from metald.__main__ import main
 main_p = cProfile.Profile(time.thread_time)
 profiles.append(main_p)

@@ -136,7 +136,7 @@ def authenticate(session: Session, secret: str) -> Principal | None:
 
 def lookup(session: Session, secret: str) -> Principal | None:
     """``authenticate`` without writing: one SELECT, so it runs in a read-only transaction
-    (``Store.read``) and never waits on the writer. ``first_use`` says the caller must record
+    (``Store.read_aside``) and never waits on the writer. ``first_use`` says the caller must record
     the agent token's first use (``record_first_use``) before it answers."""
     if not secret.startswith(TOKEN_PREFIX):
         return None
