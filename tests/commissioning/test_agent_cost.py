@@ -159,3 +159,32 @@ async def test_the_plan_waits_for_the_bmc_reading_in_every_answer(api) -> None: 
     plan = await r.json()
     r = await client.get("/api/v1/agent/next", headers=agent)
     assert (await r.json())["plan"] == plan
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # SQLite's planner: no statistics
+async def test_a_machines_running_run_is_found_through_its_machine(api) -> None:  # type: ignore[no-untyped-def]
+    """Every agent request of a commissioning machine looks up its running run. Through the
+    status index that read every running run (1,000 in a storm: quadratic); through the
+    machine's index it reads the machine's own."""
+    from sqlalchemy import event as sa_event
+
+    from metald.provision import commissioning
+
+    _client, _tokens, store = api
+    seen: list[tuple[str, Any]] = []
+
+    def on(_conn: Any, _cur: Any, statement: str, params: Any, *_a: Any) -> None:
+        if "FROM commissioning_runs" in statement:
+            seen.append((statement, params))
+
+    sa_event.listen(store.engine, "before_cursor_execute", on)
+    try:
+        with store.session() as s:
+            commissioning.current_run(s, "some-machine")
+    finally:
+        sa_event.remove(store.engine, "before_cursor_execute", on)
+    ((statement, params),) = seen
+    with store.engine.connect() as c:
+        plan = c.exec_driver_sql("EXPLAIN QUERY PLAN " + statement, params).fetchall()
+    detail = " ".join(str(row[-1]) for row in plan)
+    assert "ix_commissioning_runs_machine_id" in detail, detail
