@@ -110,7 +110,8 @@ class ApiRequest:
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``store.run(fn, *args)``; if this request is its agent token's first use, that is
-        recorded in the same transaction (committed after ``fn``), not in a pass of its own."""
+        stamped in the same pass, not one of its own: as the last write of ``fn``'s first
+        commit, or in a commit after ``fn`` when it only read."""
         return await self.ctx.store.run(self._recording_first_use(fn), *args)
 
     async def write(self, fn: Callable[..., Any], *args: Any) -> Any:
