@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field, StringConstraints
 from sqlmodel import Session
 
 from api.roles import AGENT
+from api.routes_commissioning import PlanOut
 from api.routing import ApiRequest, Router
 from api.schemas import In
 from api.workflows import claim_workflow
@@ -39,6 +40,11 @@ class Instruction(BaseModel):
     action: str
     reason: str | None = None
     retry_after_s: int | None = None
+    #: With ``commission``: the checks to run, as ``GET /api/v1/agent/commissioning`` gives
+    #: them, so the agent starts at once. Absent while metald has not yet stored its first
+    #: reading of the BMC's event log (``bmc-sel``): the agent then asks that endpoint, which
+    #: waits for it.
+    plan: PlanOut | None = None
 
 
 class VerifyReadIn(In):
@@ -92,6 +98,16 @@ def _machine_id(req: ApiRequest) -> str:
     return next(iter(req.require_principal().scope))
 
 
+def _instruction(s: Session, m: Machine, cfg: Any) -> dict[str, Any]:
+    """``enrollment.next_instruction``, with the commissioning plan when it may be served."""
+    out = enrollment.next_instruction(m, cfg)
+    run = commissioning.current_run(s, m.id) if out["action"] == "commission" else None
+    plan = None if run is None else commissioning.agent_plan(run)
+    if plan is not None:
+        out["plan"] = plan
+    return out
+
+
 @router.route(
     "POST",
     "/api/v1/agent/inventory",
@@ -106,7 +122,10 @@ def _machine_id(req: ApiRequest) -> str:
 async def post_inventory(req: ApiRequest) -> InventoryAccepted:
     """The agent's inventory (schema in docs/inventory.md). Accepted only from the machine's own
     token minted for inspection, only while it is inspecting, and only if newer than the last post (boot_id and
-    sequence); a refused post is recorded as an ``inventory.refused`` event and changes nothing."""
+    sequence); a refused post is recorded as an ``inventory.refused`` event and changes nothing.
+    ``next`` is what ``GET /api/v1/agent/next`` would answer now: with ``commission``, the
+    plan too (unless metald must read the BMC's event log first), so the agent asks nothing
+    before its first check."""
     mid = _machine_id(req)
     cfg = req.ctx.cfg.enroll
     p = req.require_principal()
@@ -115,14 +134,12 @@ async def post_inventory(req: ApiRequest) -> InventoryAccepted:
         # A provisioning or wipe token of this machine cannot rewrite its inventory.
         require_agent_phase(p, machines.get_machine(s, mid).state, {"inspect"})
         m = enrollment.accept_inventory(
-            s, mid, req.body, actor=req.actor, cfg=cfg, instance=req.ctx.instance
+            s, mid, req.body, actor=req.actor, cfg=cfg, instance=req.ctx.instance, commit=False
         )
+        nxt = _instruction(s, m, cfg)  # in the same transaction: the run it just started
+        s.commit()
         return InventoryAccepted(
-            machine_id=m.id,
-            state=m.state,
-            gpu_model=m.gpu_model,
-            gpu_count=m.gpu_count,
-            next=enrollment.next_instruction(m, cfg),
+            machine_id=m.id, state=m.state, gpu_model=m.gpu_model, gpu_count=m.gpu_count, next=nxt
         )
 
     out = await req.write(run)
@@ -143,15 +160,15 @@ async def post_inventory(req: ApiRequest) -> InventoryAccepted:
     tag="agent",
 )
 async def next_instruction(req: ApiRequest) -> Instruction:
-    """``inspect`` (post inventory), ``poweroff``, or ``wait`` (ask again after retry_after_s)."""
+    """``inspect`` (post inventory), ``commission`` (with the plan, unless metald must read the
+    BMC's event log first: then ``GET /api/v1/agent/commissioning``), ``poweroff``, or
+    ``wait`` (ask again after retry_after_s). A read: it never queues behind the writes."""
     mid = _machine_id(req)
 
     def run(s: Session) -> Instruction:
-        return Instruction(
-            **enrollment.next_instruction(machines.get_machine(s, mid), req.ctx.cfg.enroll)
-        )
+        return Instruction(**_instruction(s, machines.get_machine(s, mid), req.ctx.cfg.enroll))
 
-    return await req.ctx.store.run(run)
+    return await req.ctx.store.read_aside(run)
 
 
 @router.route(
@@ -188,7 +205,7 @@ async def post_progress(req: ApiRequest) -> ProgressAccepted:
         )
         return ProgressAccepted(machine_id=m.id, state=m.state)
 
-    out = await req.ctx.store.run(run)
+    out = await req.run(run)
     req.ctx.bus.notify()
     after = getattr(req.ctx.services.get("bmc"), "after_report", None)
     if (b.done or b.error) and after is not None:
@@ -231,4 +248,4 @@ async def provision_instruction(req: ApiRequest) -> ProvisionInstruction:
         )
         return ProvisionInstruction.model_validate(asdict(step))
 
-    return await req.ctx.store.run(run)
+    return await req.run(run)

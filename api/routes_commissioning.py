@@ -190,7 +190,7 @@ async def agent_plan(req: ApiRequest) -> PlanOut:
         plan = PlanOut(run_id=r.id, profile=r.profile, checks=runs.run_profile(r).plan())
         return mid, r.id, runs.sel_wanted(r) and r.sel_before is None, plan
 
-    mid, run_id, need_sel, plan = await req.ctx.store.run(run)
+    mid, run_id, need_sel, plan = await req.ctx.store.read_aside(run)
     if need_sel:
         done, _ = await asyncio.wait({_sel_read(req, "before", run_id, mid)}, timeout=SEL_WAIT_S)
         if not done:
@@ -251,5 +251,5 @@ async def agent_results(req: ApiRequest) -> ResultsAccepted:
             m = machines.get_machine(s, r.machine_id if r else "")
             return ResultsAccepted(run_id=out.run_id, status=r.status if r else "", state=m.state)
 
-        out = await req.ctx.store.run(reread)
+        out = await req.ctx.store.read_aside(reread)
     return out

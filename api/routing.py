@@ -20,12 +20,13 @@ from aiohttp import StreamReader, web
 from aiohttp.web_protocol import RequestPayloadError
 from pydantic import BaseModel, ValidationError
 from pydantic_core import to_jsonable_python
+from sqlalchemy import event
 
 from api.paging import next_link
 from api.problem import problem, validation_problem
 from api.resolve import FULL_ID, path_kinds, resolve
 from metald import metrics
-from metald.auth import Principal, Role, authenticate
+from metald.auth import Principal, Role, lookup, record_first_use
 from metald.errors import MetaldError
 from metald.machines import ConcurrentUpdate
 
@@ -99,17 +100,57 @@ class ApiRequest:
     #: Set when the web console (``api.ui``) calls the route in process for a session, which
     #: holds no bearer token: how a long-lived route re-checks that caller and forwards it.
     session: SessionCaller | None = None
+    #: An agent token's first use (``Principal.first_use``) is on record: a write of this
+    #: request committed it, or the router did after the handler (``_settle_first_use``).
+    first_use_recorded: bool = False
 
     @property
     def actor(self) -> str:
         return self.principal.actor if self.principal else "anonymous"
 
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``store.run(fn, *args)``; if this request is its agent token's first use, that is
+        stamped in the same pass, not one of its own: as the last write of ``fn``'s first
+        commit, or in a commit after ``fn`` when it only read."""
+        return await self.ctx.store.run(self._recording_first_use(fn), *args)
+
     async def write(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run a store write and wake live event streams (every write records events)."""
+        """Run a store write (as ``run``) and wake live event streams (every write records
+        events)."""
         try:
-            return await self.ctx.store.run(fn, *args)
+            return await self.run(fn, *args)
         finally:
             self.ctx.bus.notify()
+
+    def _recording_first_use(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        p = self.principal
+        if p is None or not p.first_use or self.first_use_recorded:
+            return fn
+
+        def call(s: Any, *args: Any) -> Any:
+            stamped: list[bool] = []
+
+            def stamp(session: Any) -> None:
+                if not stamped:
+                    stamped.append(True)
+                    session.flush()  # fn's pending rows first: the stamp is the last write
+                    record_first_use(session, p.token_id)
+
+            # In fn's first commit, as its last statement: the token's row is locked after
+            # whatever fn locked (a transition revokes a machine's tokens after locking the
+            # machine: the same order, so no deadlock on PostgreSQL).
+            event.listen(s, "before_commit", stamp)
+            try:
+                out = fn(s, *args)
+                if not stamped:  # fn only read
+                    stamp(s)
+                    s.commit()
+            finally:
+                event.remove(s, "before_commit", stamp)
+            self.first_use_recorded = True
+            return out
+
+        return call
 
     def page_limit(self, query: Any) -> int:
         """The page size a list call asked for (``limit``), else the configured api.page_size."""
@@ -199,10 +240,31 @@ def bearer_token(request: web.Request) -> str | None:
 
 
 async def _principal(request: web.Request, ctx: AppContext) -> Principal | None:
+    """The caller, from a read aside the store's writes (``Store.read_aside``): looking up a
+    token never queues behind them (an agent token's first use is written by the request: ``ApiRequest``)."""
     secret = bearer_token(request)
     if secret is None:
         return None
-    return await ctx.store.run(authenticate, secret)
+    return await ctx.store.read_aside(lookup, secret)
+
+
+async def _settle_first_use(
+    ctx: AppContext, principal: Principal | None, areq: ApiRequest | None
+) -> None:
+    """Record the agent token's first use if no write of the request did (a read-only
+    handler, a refusal, an error): every request an agent token makes counts as its use."""
+    if principal is None or not principal.first_use:
+        return
+    if areq is not None and areq.first_use_recorded:
+        return
+
+    def stamp(s: Any) -> None:
+        record_first_use(s, principal.token_id)
+        s.commit()
+
+    await ctx.store.run(stamp)
+    if areq is not None:
+        areq.first_use_recorded = True
 
 
 #: A request body must arrive whole within this many seconds (a trickled body holds a socket).
@@ -446,10 +508,12 @@ def make_handler(
     async def handle(request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
         status = 500
+        principal: Principal | None = None
+        areq: ApiRequest | None = None
         try:
-            principal = None
             if spec.roles is not None:
-                principal = authorize(spec, await _principal(request, ctx))
+                principal = await _principal(request, ctx)
+                authorize(spec, principal)
             if any("\x00" in v for v in request.match_info.values()):
                 raise _Problem(404, "Not found", f"there is no resource at this path ({_NUL})")
             params = dict(request.match_info)
@@ -492,6 +556,9 @@ def make_handler(
                 resp = problem(e.status, e.title, e.detail, instance=request.path, **e.extra)
         except MetaldError as e:
             resp = problem(e.status, e.title, e.detail, instance=request.path, **e.extra)
+        finally:
+            # Whatever the answer (a refusal included), an agent token presented is a used one.
+            await _settle_first_use(ctx, principal, areq)
         status = resp.status
         metrics.api_requests.labels(spec.method, spec.openapi_path, str(status)).inc()
         metrics.api_latency.labels(spec.method, spec.openapi_path).observe(

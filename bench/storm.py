@@ -27,8 +27,10 @@ GET /api/v1/machines?state=provisioned counts N and every claim lists 10 provisi
 none in two claims.
 
 Commissioning mode (--commission SECONDS): the enroll rule carries a commissioning profile
-(stress-ng for SECONDS, fio for 1 s); after its inventory each machine is ``commissioning``, asks
-/api/v1/agent/next (commission), GETs its plan, "runs" each check (sleeps its duration_s) and
+(stress-ng for SECONDS, fio for 1 s); after its inventory each machine is ``commissioning``, takes
+its plan from the inventory's answer (as the agent does; with --legacy-agent, or from a metald
+whose answer has none, it asks /api/v1/agent/next and GETs /api/v1/agent/commissioning, as
+agents before it did), "runs" each check (sleeps its duration_s) and
 posts its real-format output (stress-ng's log, fio's JSON) as the agent does, one post per check,
 the last with done; metald judges them and the machine goes ready. Each size runs phase 1 twice,
 without and then with commissioning, and the table says how much later machines are ready than
@@ -410,7 +412,7 @@ class Storm:
             if out["state"] != "commissioning":
                 raise StormError(f"{sim.mac}: inventory accepted, machine is {out['state']}")
             t_inv = time.monotonic()
-            ran = await self.commission(sim, base)
+            ran = await self.commission(sim, base, out["next"])
             self.c.commission_overhead.append(time.monotonic() - t_inv - ran)
         elif out["state"] != "ready":
             raise StormError(f"{sim.mac}: inventory accepted but machine is {out['state']}")
@@ -420,20 +422,25 @@ class Storm:
             raise StormError(f"{sim.mac}: agent told {nxt}, expected poweroff")
         self.c.latencies.append(time.monotonic() - t0)
 
-    async def commission(self, sim: Sim, base: str) -> float:
-        """The agent's commissioning: next says commission, GET the plan, run each check (a
-        sleep of its duration_s) and post its output, the last post with done. Returns the
-        seconds the checks "ran"."""
+    async def commission(self, sim: Sim, base: str, answered: dict[str, Any]) -> float:
+        """The agent's commissioning: the inventory's answer says commission and carries the
+        plan (an older agent, --legacy-agent, or an older metald: next says commission, then
+        GET the plan); run each check (a sleep of its duration_s) and post its output, the
+        last post with done. Returns the seconds the checks "ran"."""
         ran = 0.0
-        t = time.monotonic()
-        nxt = await self.http("GET", f"{base}/api/v1/agent/next", token=sim.token)
-        self._step("next", t)
-        self.c.next_calls += 1
-        if nxt["action"] != "commission":
-            raise StormError(f"{sim.mac}: agent told {nxt}, expected commission")
-        t = time.monotonic()
-        plan = await self.http("GET", f"{base}/api/v1/agent/commissioning", token=sim.token)
-        self._step("plan", t)
+        if answered["action"] != "commission":
+            raise StormError(f"{sim.mac}: the inventory's answer said {answered}")
+        plan = None if self.p.get("legacy_agent") else answered.get("plan")
+        if plan is None:
+            t = time.monotonic()
+            nxt = await self.http("GET", f"{base}/api/v1/agent/next", token=sim.token)
+            self._step("next", t)
+            self.c.next_calls += 1
+            if nxt["action"] != "commission":
+                raise StormError(f"{sim.mac}: agent told {nxt}, expected commission")
+            t = time.monotonic()
+            plan = await self.http("GET", f"{base}/api/v1/agent/commissioning", token=sim.token)
+            self._step("plan", t)
         checks = plan["checks"]
         for i, chk in enumerate(checks):
             t = time.monotonic()
@@ -820,6 +827,20 @@ async def run(self, fn, *args, **kwargs):
             p.disable()
     return await orig_run(self, prof_fn, *args, **kwargs)
 db.Store.run = run
+orig_read = db.Store._read
+async def read(self, pool, fn, *args, **kwargs):
+    def prof_fn(s, *a, **kw):
+        p = getattr(local, "p", None)
+        if p is None:
+            p = local.p = cProfile.Profile(time.thread_time)
+            profiles.append(p)
+        p.enable()
+        try:
+            return fn(s, *a, **kw)
+        finally:
+            p.disable()
+    return await orig_read(self, pool, prof_fn, *args, **kwargs)
+db.Store._read = read
 from metald.__main__ import main
 main_p = cProfile.Profile(time.thread_time)
 profiles.append(main_p)
@@ -884,6 +905,7 @@ def host_speed() -> float:
 
 def run_one(n: int, args: argparse.Namespace, commission_s: int | None = None) -> dict[str, Any]:
     speed_before = host_speed()
+    load_before = os.getloadavg()
     pg = None
     metald = client = None
     with (
@@ -936,6 +958,7 @@ def run_one(n: int, args: argparse.Namespace, commission_s: int | None = None) -
                 "claim_size": args.claim_size,
                 "enroll_only": args.enroll_only or commission_s is not None,
                 "commission_s": commission_s,
+                "legacy_agent": args.legacy_agent,
                 "connections": args.connections,
                 "metald_pid": metald.pid,
                 "admin_token": str(state / "admin.token"),
@@ -963,6 +986,8 @@ def run_one(n: int, args: argparse.Namespace, commission_s: int | None = None) -
             res["bench_pid"] = os.getpid()
             res["metald_cpu_total_s"] = cpu_of(metald.pid)
             res["host_speed_s"] = [speed_before, host_speed()]
+            # The 1-minute load average before and after (this box is shared).
+            res["loadavg_1m"] = [load_before[0], os.getloadavg()[0]]
             if metald.poll() is not None:
                 raise RuntimeError(
                     f"metald exited during the run; log:\n{mlog.read_text()[-3000:]}"
@@ -1116,6 +1141,7 @@ def commission_report(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> Non
                 step_p50,
                 c["check_posts"],
                 f"{c['http_retries']}/{c['server_errors']}",
+                " / ".join(f"{x:.1f}" for x in com.get("loadavg_1m", [])),
             ]
         )
     print("\nCommissioning (phase 1 without / with; the checks' simulated run time per machine):")
@@ -1136,6 +1162,7 @@ def commission_report(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> Non
                 "next / plan / post / last post p50 s",
                 "check posts",
                 "HTTP retries / 5xx",
+                "load 1m before / after",
             ],
             rows,
         )
@@ -1173,6 +1200,12 @@ def main() -> int:
         action="store_true",
         help="with --commission: skip the run without commissioning (the overhead and the "
         "step times come from the run with it alone)",
+    )
+    ap.add_argument(
+        "--legacy-agent",
+        action="store_true",
+        help="with --commission: the simulated agents ask next and then the plan after their "
+        "inventory, as agents did before the inventory's answer carried the plan",
     )
     args = ap.parse_args()
     if os.geteuid() != 0:

@@ -53,6 +53,9 @@ class Principal:
     #: Agent tokens: the phase and the boot (``Machine.boot_current``) they were minted for.
     phase: str | None = None
     boot: str | None = None
+    #: An agent token presented for the first time (``lookup``): the request must record it
+    #: (``record_first_use``), in its own write transaction or in one more.
+    first_use: bool = field(default=False, compare=False)
 
     @property
     def actor(self) -> str:
@@ -122,18 +125,36 @@ def issue_token(
 
 
 def authenticate(session: Session, secret: str) -> Principal | None:
-    """The principal for a presented secret, or None if unknown, revoked or expired."""
+    """The principal for a presented secret, or None if unknown, revoked or expired; an agent
+    token's first use is recorded and committed here (``lookup`` leaves that to the caller)."""
+    p = lookup(session, secret)
+    if p is not None and p.first_use:
+        record_first_use(session, p.token_id)
+        session.commit()
+    return p
+
+
+def lookup(session: Session, secret: str) -> Principal | None:
+    """``authenticate`` without writing: one SELECT, so it runs in a read-only transaction
+    (``Store.read_aside``) and never waits on the writer. ``first_use`` says the caller must record
+    the agent token's first use (``record_first_use``) before it answers."""
     if not secret.startswith(TOKEN_PREFIX):
         return None
     row = session.connection().execute(_BY_HASH, {"h": hash_token(secret)}).first()
     if not _live(row):
         return None
-    if row.role == Role.AGENT.value and row.last_used_at is None:
-        # An agent token's first use, once: the watchdog tells a boot whose script answer was
-        # lost (token minted, never used) from one whose agent runs (``watchdog.stranded_boots``).
-        session.connection().execute(_FIRST_USE, {"i": row.id, "at": utcnow()})
-        session.commit()
-    return Principal(row.id, row.name, Role(row.role), frozenset(row.scope), row.phase, row.boot)
+    # An agent token's first use, once: the watchdog tells a boot whose script answer was lost
+    # (token minted, never used) from one whose agent runs (``watchdog.stranded_boots``).
+    first = row.role == Role.AGENT.value and row.last_used_at is None
+    return Principal(
+        row.id, row.name, Role(row.role), frozenset(row.scope), row.phase, row.boot, first
+    )
+
+
+def record_first_use(session: Session, token_id: str) -> None:
+    """Stamp an agent token's first use (no commit): a conditional UPDATE, a no-op once the
+    token has been used, so recording it twice (a retry, two requests at once) is harmless."""
+    session.connection().execute(_FIRST_USE, {"i": token_id, "at": utcnow()})
 
 
 def _live(row: Any) -> bool:

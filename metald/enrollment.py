@@ -145,8 +145,10 @@ def accept_inventory(
     actor: str,
     cfg: EnrollConfig,
     instance: str | None = None,
+    commit: bool = True,
 ) -> Machine:
-    """Validate and store an agent's inventory post. On refusal: an event, nothing else."""
+    """Validate and store an agent's inventory post. On refusal: an event, nothing else.
+    ``commit=False``: the caller commits (it reads more in the same transaction)."""
     try:
         m = machines.get_machine(s, machine_id)
         accepted = validate_inventory(data, token_machine_id=machine_id, stored=m.inventory)
@@ -205,7 +207,8 @@ def accept_inventory(
         )
     if commission is not None:
         commissioning.start_run(s, m, commission, norm, actor=actor, instance=instance)
-    s.commit()
+    if commit:
+        s.commit()
     return m
 
 

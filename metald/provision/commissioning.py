@@ -43,9 +43,12 @@ FINAL = frozenset({Status.PASSED.value, Status.FAILED.value, Status.ERROR.value}
 
 
 def _open_run(s: Session, machine_id: str, status: str) -> CommissioningRun | None:
+    # ``status || ''``: found through the machine's index, never the status's. SQLite's planner
+    # (no statistics) took the status index, so every agent request of a storm read every
+    # running run: quadratic in the machines commissioning at once.
     return s.exec(
         select(CommissioningRun)
-        .where(CommissioningRun.machine_id == machine_id, CommissioningRun.status == status)
+        .where(CommissioningRun.machine_id == machine_id, (CommissioningRun.status + "") == status)
         .order_by(col(CommissioningRun.created_at).desc())
     ).first()
 
@@ -252,6 +255,15 @@ def _finish(
 
 def current_run(s: Session, machine_id: str) -> CommissioningRun | None:
     return _open_run(s, machine_id, RUNNING)
+
+
+def agent_plan(run: CommissioningRun) -> dict[str, Any] | None:
+    """What the agent runs (run id, profile, checks), or None while the profile has ``bmc-sel``
+    and metald's first reading of the BMC's event log is not stored: no check may start
+    before it."""
+    if sel_wanted(run) and run.sel_before is None:
+        return None
+    return {"run_id": run.id, "profile": run.profile, "checks": run_profile(run).plan()}
 
 
 @dataclass(frozen=True)

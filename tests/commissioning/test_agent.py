@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from metald import enrollment, machines
+from metald import enrollment, machines, metrics
 from metald.commissioning.profile import CheckSpec, CommissioningProfile
 from metald.config import EnrollConfig
 from metald.inventory.rules import EnrollmentRule
@@ -112,8 +112,15 @@ def _tools(tmp_path: Path, *, smi: str, dmesg: str, hang: bool = False) -> Path:
     return d
 
 
-def _run_agent(api: LoopbackApi, tmp_path: Path, token: str, tools: Path) -> str:
-    """The agent's instruction loop (its inventory was posted): commission, then power off."""
+def _run_agent(
+    api: LoopbackApi,
+    tmp_path: Path,
+    token: str,
+    tools: Path,
+    then: str = "follow_instructions",
+) -> str:
+    """The agent's instruction loop (its inventory was posted; or ``then`` posts it first):
+    commission, then power off."""
     sysroot = tmp_path / "sysroot"
     (sysroot / "sys" / "class" / "infiniband" / "mlx5_0" / "ports" / "1").mkdir(parents=True)
     port = sysroot / "sys" / "class" / "infiniband" / "mlx5_0" / "ports" / "1"
@@ -131,10 +138,7 @@ def _run_agent(api: LoopbackApi, tmp_path: Path, token: str, tools: Path) -> str
         "METALD_COMMISSION": str(COMMISSION),
         "METALD_AGENT_LIB": "1",
     }
-    script = (
-        f'. {AGENT}; URL="$METALD_URL"; TOKEN="$METALD_TOKEN"; mkdir -p "$STATE"; '
-        "follow_instructions"
-    )
+    script = f'. {AGENT}; URL="$METALD_URL"; TOKEN="$METALD_TOKEN"; mkdir -p "$STATE"; {then}'
     done = subprocess.run(
         [BUSYBOX, "sh", "-c", script],
         env=env,
@@ -164,6 +168,45 @@ def test_healthy_gpu_passes_through_the_real_agent(live: LoopbackApi, tmp_path: 
     state, run = _outcome(live, mid)
     assert (state, run.status) == ("ready", "passed"), log
     assert "dry run: would poweroff" in log
+    assert "commissioning plan received with the instruction" in log  # in next's answer
+
+
+def _asked(path: str) -> float:
+    return metrics.api_requests.labels("GET", path, "200")._value.get()
+
+
+def test_the_agent_starts_its_checks_from_the_inventory_answer(
+    live: LoopbackApi, tmp_path: Path
+) -> None:
+    """The inventory post's answer says commission and carries the plan: the agent asks
+    metald nothing before its first check (it used to ask next, then the plan: two more waits
+    in a storm's queue)."""
+    with live.store.session() as s:
+        m = machines.create_machine(s, macs=[MAC], actor="t")
+        m = machines.transition(s, m.id, Trigger.INSPECT, actor="t")
+        token = enrollment.mint_agent_token(s, m, actor="t", ttl_s=600)
+    assert token
+    boot = "0f1e2d3c-4b5a-4678-9abc-def012345678"
+    body = payload(m.id, boot_id=boot)
+    head = ("schema_version", "agent_version", "machine_id", "boot_id", "sequence")
+    (tmp_path / "state").mkdir(exist_ok=True)
+    (tmp_path / "state" / "inventory.part").write_text(
+        json.dumps({k: v for k, v in body.items() if k not in head})[1:]
+    )
+    tools = _tools(tmp_path, smi=whole_a100(), dmesg="boot\n")
+    rnd = tmp_path / "sysroot" / "proc" / "sys" / "kernel" / "random"
+    rnd.mkdir(parents=True)
+    (rnd / "boot_id").write_text(boot + "\n")
+    before = _asked("/api/v1/agent/next"), _asked("/api/v1/agent/commissioning")
+    log = _run_agent(
+        live, tmp_path, token, tools, then=f"MACHINE={m.id}; post_inventory && follow_instructions"
+    )
+    state, run = _outcome(live, mid=m.id)
+    assert (state, run.status) == ("ready", "passed"), log
+    assert "commissioning plan received with the instruction" in log
+    # Only the question after the verdict (ready: power off); never the plan's endpoint.
+    after = _asked("/api/v1/agent/next"), _asked("/api/v1/agent/commissioning")
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 0), log
 
 
 @pytest.mark.parametrize(
