@@ -43,12 +43,12 @@ FINAL = frozenset({Status.PASSED.value, Status.FAILED.value, Status.ERROR.value}
 
 
 def _open_run(s: Session, machine_id: str, status: str) -> CommissioningRun | None:
-    # ``status || ''``: found through the machine's index, never the status's. SQLite's planner
-    # (no statistics) took the status index, so every agent request of a storm read every
-    # running run: quadratic in the machines commissioning at once.
+    # Found through ix_commissioning_runs_machine_status (machine and status). With the status
+    # index alone SQLite's planner (no statistics) read every running run for each agent
+    # request of a storm: quadratic in the machines commissioning at once.
     return s.exec(
         select(CommissioningRun)
-        .where(CommissioningRun.machine_id == machine_id, (CommissioningRun.status + "") == status)
+        .where(CommissioningRun.machine_id == machine_id, CommissioningRun.status == status)
         .order_by(col(CommissioningRun.created_at).desc())
     ).first()
 

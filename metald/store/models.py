@@ -456,6 +456,9 @@ class CommissioningRun(SQLModel, table=True):
     (waiting for the discovery boot's inventory), running, then passed, failed or error."""
 
     __tablename__ = "commissioning_runs"
+    #: A machine's open run (requested or running) is found through this index: the planner
+    #: would otherwise take the status index and read every running run of the fleet.
+    __table_args__ = (Index("ix_commissioning_runs_machine_status", "machine_id", "status"),)
 
     id: str = Field(default_factory=new_id, primary_key=True)
     machine_id: str = Field(foreign_key="machines.id", index=True)
