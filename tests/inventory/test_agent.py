@@ -109,7 +109,7 @@ async def run_agent(
 
 
 async def test_agent_posts_the_inventory_of_a_gpu_server(tmp_path, busybox_bin, aiohttp_server):
-    rec = Receiver(actions=[{"action": "wait", "interval": 0}, {"action": "poweroff"}])
+    rec = Receiver(actions=[{"action": "wait", "retry_after_s": 0}, {"action": "poweroff"}])
     server = await aiohttp_server(rec.app())
     fake_tool(busybox_bin, "ipmitool", _write(tmp_path / "lan.txt", IPMITOOL))
     rc, log = await run_agent(xe9680(tmp_path / "root"), busybox_bin, server.port)
@@ -117,6 +117,7 @@ async def test_agent_posts_the_inventory_of_a_gpu_server(tmp_path, busybox_bin, 
     assert "] inventory posted (" in log
     assert "] dry run: would poweroff" in log
     assert rec.next_calls == 2  # "wait" was followed by asking again
+    assert "asking again in 0s" in log  # after the answer's retry_after_s
     (post,) = rec.posts
     assert rec.headers[0]["Authorization"] == "Bearer agent-token"
     body = post["body"]
