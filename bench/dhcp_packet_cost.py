@@ -10,6 +10,7 @@ spent in the server's calls (the drains and the commit, with their recvfrom and 
 not the harness building and sending the client packets), median of ``--repeat`` runs. ``--profile`` prints cProfile's top functions instead.
 
     .venv/bin/python bench/dhcp_packet_cost.py --doras 20000 --batch 16 --repeat 5
+    .venv/bin/python bench/dhcp_packet_cost.py --tree /tmp/old   # `git archive main | tar -x -C /tmp/old`
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ import time
 from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# --tree PATH: measure the metald source tree at PATH (before/after comparisons).
+_TREE = sys.argv[sys.argv.index("--tree") + 1] if "--tree" in sys.argv else None
+sys.path.insert(0, _TREE or str(Path(__file__).resolve().parent.parent))
 
 from metald.boot.dhcp.bootfile import BootFiles  # noqa: E402
 from metald.boot.dhcp.common import NetworkPlan  # noqa: E402
@@ -125,6 +128,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--tree", help="import metald from this source tree instead")
     args = ap.parse_args()
     results = []
     for k in range(args.repeat):
