@@ -40,7 +40,7 @@ def _same_packet(a: DhcpPacket, b: DhcpPacket) -> None:
     assert list(a.options.items()) == list(b.options.items())  # order too: it is on the wire
 
 
-@fuzz_settings(150)
+@fuzz_settings(100)
 @given(datagrams())
 def test_parse_and_serialize_match_the_reference(data: bytes) -> None:
     new, old = _outcome(parse, data), _outcome(ref.parse, data)
@@ -59,7 +59,7 @@ values = st.one_of(
 )
 
 
-@fuzz_settings(200)
+@fuzz_settings(150)
 @given(
     st.lists(st.tuples(st.sampled_from([1, 3, 6, 51, 53, 54, 60, 67, 82, 175, 250]), values)),
     st.sampled_from([300, 0, 240, 576]),
@@ -131,7 +131,7 @@ def _same_decision(a, b) -> None:  # type: ignore[no-untyped-def]
         _same_packet(a.on_conflict(), b.on_conflict())
 
 
-@fuzz_settings(80)
+@fuzz_settings(50)
 @given(
     st.lists(
         st.tuples(st.one_of(client_messages(), datagrams()), st.integers(0, 700)),
