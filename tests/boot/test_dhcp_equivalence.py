@@ -158,3 +158,49 @@ def test_full_core_decides_as_the_reference(seq) -> None:  # type: ignore[no-unt
         else:
             assert a == b
         assert sorted(t_new.records()) == sorted(t_old.records())
+
+
+def test_full_core_matches_the_reference_on_every_request_variant() -> None:
+    """Every REQUEST shape after an offer and after a binding, exhaustively (not by chance):
+    the requested address the client's own or another pool address, our server id,
+    another's, a broken one or none, ciaddr empty or set."""
+    net = core_net()
+    mac = MACS[1].hex(":")
+    pool = [IPv4Address(a) for a in ("10.0.0.100", "10.0.0.101", "10.0.0.103", "10.0.0.50")]
+    sids = [None, SERVER.packed, b"\x0a\x00\x00\x02", b"\x01"]
+    cis = [IPv4Address(0), *pool[:2]]
+    cases = 0
+    for bound in (False, True):
+        for want in [None, *pool]:
+            for sid in sids:
+                for ci in cis:
+                    new, old = FullHandler(SERVER, FILES), ref.FullHandler(SERVER, FILES)
+                    t_new, t_old = LeaseTable(), LeaseTable()
+                    steps = [client_packet(MessageType.DISCOVER, mac)]
+                    if bound:  # complete a DORA first: the REQUEST below renews or moves
+                        steps.append(
+                            client_packet(
+                                MessageType.REQUEST,
+                                mac,
+                                options={
+                                    Opt.REQUESTED_IP: pool[0].packed,
+                                    Opt.SERVER_ID: SERVER.packed,
+                                },
+                            )
+                        )
+                    opts = {} if want is None else {Opt.REQUESTED_IP: want.packed}
+                    if sid is not None:
+                        opts[Opt.SERVER_ID] = sid
+                    steps.append(client_packet(MessageType.REQUEST, mac, options=opts, ciaddr=ci))
+                    for i, p in enumerate(steps):
+                        pkt = parse(serialize(p))
+                        a = _outcome(new.handle, pkt, net, t_new, 1000.0 + i)
+                        b = _outcome(old.handle, pkt, net, t_old, 1000.0 + i)
+                        assert a[0] == b[0]
+                        if a[0] == "ok":
+                            _same_decision(a[1], b[1])
+                        else:
+                            assert a == b
+                    assert sorted(t_new.records()) == sorted(t_old.records())
+                    cases += 1
+    assert cases == 2 * 5 * 4 * 3
