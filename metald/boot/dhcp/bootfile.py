@@ -51,14 +51,15 @@ class ClientKind:
         return self.pxe or self.http or self.ipxe
 
 
-_PLAIN = ClientKind(arch=Arch.UNKNOWN, pxe=False, http=False, ipxe=False)
+#: What ``classify`` returns for a client that is not network-booting (the common case).
+PLAIN = ClientKind(arch=Arch.UNKNOWN, pxe=False, http=False, ipxe=False)
 _BOOT_OPTIONS = (60, 77, 93)
 
 
 def classify(pkt: DhcpPacket) -> ClientKind:
     opts = pkt.options
     if not (_BOOT_OPTIONS[0] in opts or _BOOT_OPTIONS[1] in opts or _BOOT_OPTIONS[2] in opts):
-        return _PLAIN  # the common case under load: a client that is not network-booting
+        return PLAIN  # the common case under load: a client that is not network-booting
     archs = pkt.client_archs
     vc = pkt.vendor_class
     arch = _ARCH_CODES.get(archs[0], Arch.UNKNOWN) if archs else Arch.UNKNOWN

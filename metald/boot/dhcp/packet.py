@@ -244,49 +244,63 @@ def _parse_options(data: bytes, out: dict[int, bytes], *, where: str) -> None:
     i, n = 0, len(data)
     while i < n:
         code = data[i]
-        if code == Opt.PAD:
+        if code == 0:  # PAD (literals: a class attribute lookup per option costs)
             i += 1
             continue
-        if code == Opt.END:
+        if code == 255:  # END
             return
         if i + 1 >= n:
             raise MalformedPacket("truncated-option", f"{where}: option {code} has no length")
-        length = data[i + 1]
-        end = i + 2 + length
+        end = i + 2 + data[i + 1]
         if end > n:
             raise MalformedPacket(
                 "truncated-option",
-                f"{where}: option {code} claims {length} bytes, {n - i - 2} left",
+                f"{where}: option {code} claims {data[i + 1]} bytes, {n - i - 2} left",
             )
-        prev = out.get(code)
-        out[code] = data[i + 2 : end] if prev is None else prev + data[i + 2 : end]
+        if code in out:  # repeated: concatenated (RFC 3396)
+            out[code] += data[i + 2 : end]
+        else:
+            out[code] = data[i + 2 : end]
         i = end
     # No END: tolerated (some ROMs pad the packet with zeros instead).
 
 
+#: The fixed header up to chaddr (44 bytes); sname and file are sliced only when used.
+_HEAD = struct.Struct("!BBBBIHH4s4s4s4s16s")
+_SNAME, _FILE = slice(44, 108), slice(108, 236)
+
+
+def _cstr(field: bytes) -> bytes:
+    return field.split(b"\x00", 1)[0] if field[:1] != b"\x00" else b""
+
+
 def parse(data: bytes) -> DhcpPacket:
     """Decode one DHCPv4 datagram. Raises ``MalformedPacket``."""
-    if len(data) > MAX_PACKET:
-        raise MalformedPacket("oversized", f"{len(data)} bytes")
-    if len(data) < HEADER_LEN:
-        raise MalformedPacket("truncated-header", f"{len(data)} bytes")
+    n = len(data)
+    if n > MAX_PACKET:
+        raise MalformedPacket("oversized", f"{n} bytes")
+    if n < HEADER_LEN:
+        raise MalformedPacket("truncated-header", f"{n} bytes")
     if data[236:240] != MAGIC_COOKIE:
         raise MalformedPacket("no-magic-cookie")
-    (op, htype, hlen, hops, xid, secs, flags, ci, yi, si, gi, chaddr, sname, file) = (
-        _HEADER.unpack_from(data)
-    )
-    if op not in (1, 2):
+    (op, htype, hlen, hops, xid, secs, flags, ci, yi, si, gi, chaddr) = _HEAD.unpack_from(data)
+    if op != 1 and op != 2:
         raise MalformedPacket("bad-op", str(op))
     if hlen > 16:
         raise MalformedPacket("bad-hlen", str(hlen))
     options: dict[int, bytes] = {}
     _parse_options(data[HEADER_LEN:], options, where="options")
     overload = options.pop(Opt.OVERLOAD, None)
-    if overload is not None:
+    if overload is None:
+        # Most packets leave both fields empty: look at their first byte before slicing.
+        sname = data[_SNAME].split(b"\x00", 1)[0] if data[44] else b""
+        file = data[_FILE].split(b"\x00", 1)[0] if data[108] else b""
+    else:
         # Options continued in the file and/or sname fields. Those fields are parsed once
         # each and an OVERLOAD inside them is ignored, so overload cannot loop.
         if len(overload) != 1 or overload[0] not in (1, 2, 3):
             raise MalformedPacket("bad-overload", repr(overload))
+        sname, file = data[_SNAME], data[_FILE]
         if overload[0] & 1:
             _parse_options(file, options, where="file")
             file = b""
@@ -294,6 +308,8 @@ def parse(data: bytes) -> DhcpPacket:
             _parse_options(sname, options, where="sname")
             sname = b""
         options.pop(Opt.OVERLOAD, None)
+        sname, file = _cstr(sname), _cstr(file)
+    get = _ADDRS.get  # header addresses: mostly 0.0.0.0 or a relay's, built once (_addr)
     # Positional: field order of DhcpPacket (keywords cost measurably per packet).
     pkt = DhcpPacket(
         op,
@@ -303,13 +319,13 @@ def parse(data: bytes) -> DhcpPacket:
         xid,
         secs,
         flags,
-        _addr(ci),
-        _addr(yi),
-        _addr(si),
-        _addr(gi),
+        get(ci) or _addr(ci),
+        get(yi) or _addr(yi),
+        get(si) or _addr(si),
+        get(gi) or _addr(gi),
         chaddr,
-        sname.split(b"\x00", 1)[0] if sname[:1] != b"\x00" else b"",
-        file.split(b"\x00", 1)[0] if file[:1] != b"\x00" else b"",
+        sname,
+        file,
         options,
     )
     # Validates option 53 now, so handlers can trust it.
@@ -348,13 +364,48 @@ def _encoded(code: int, value: bytes) -> bytes:
     return enc
 
 
+#: A reply's options (as ``tuple(options.items())``) -> everything after the fixed header:
+#: cookie, options, END, padding to 300 bytes. Replies repeat a few option sets (per network
+#: and message type), so a reply's options cost one lookup instead of one per option.
+#: Bounded: cleared when full (per-client values such as an iPXE script URL only churn it).
+_BLOCKS: dict[tuple[tuple[int, bytes], ...], bytes] = {}
+_BLOCKS_MAX = 1024
+_BLOCK_PAD_TO = 300 - 236
+
+
+def _options_block(opts: dict[int, bytes], pad_to: int = _BLOCK_PAD_TO) -> bytes:
+    parts = [MAGIC_COOKIE]
+    mt = opts.get(Opt.MESSAGE_TYPE)
+    if mt is not None:
+        parts.append(_encoded(Opt.MESSAGE_TYPE, mt))
+    for code, value in opts.items():
+        if code != Opt.MESSAGE_TYPE:
+            parts.append(_encoded(code, value))
+    parts.append(b"\xff")
+    block = b"".join(parts)
+    return block if len(block) >= pad_to else block + bytes(pad_to - len(block))
+
+
 def serialize(pkt: DhcpPacket, *, min_size: int = 300) -> bytes:
     """Encode a packet. Message type goes first (some ROMs expect it there); the result is
     padded to ``min_size`` because old BOOTP relays and clients drop shorter datagrams."""
-    if len(pkt.sname) > 63 or len(pkt.file) > 127:
+    sname, file, chaddr, opts = pkt.sname, pkt.file, pkt.chaddr, pkt.options
+    if len(sname) > 63 or len(file) > 127:
         raise ValueError("sname or file too long for the fixed fields")
-    chaddr = pkt.chaddr
-    parts = [
+    if min_size != 300:  # padded below instead (the cached blocks are padded for 300)
+        key, block = None, _options_block(opts, 0)
+    else:
+        try:
+            key = tuple(opts.items())
+            block = _BLOCKS.get(key)
+        except TypeError:  # an unhashable value (bytearray): encoded, not cached
+            key, block = None, _options_block(opts)
+    if block is None:
+        block = _options_block(opts)
+        if len(_BLOCKS) >= _BLOCKS_MAX:
+            _BLOCKS.clear()
+        _BLOCKS[key] = block  # type: ignore[index]
+    out = (
         _HEADER.pack(
             pkt.op,
             pkt.htype,
@@ -368,25 +419,12 @@ def serialize(pkt: DhcpPacket, *, min_size: int = 300) -> bytes:
             _packed(pkt.siaddr),
             _packed(pkt.giaddr),
             chaddr if len(chaddr) == 16 else chaddr.ljust(16, b"\x00")[:16],
-            pkt.sname,
-            pkt.file,
-        ),
-        MAGIC_COOKIE,
-    ]
-    opts = pkt.options
-    mt = opts.get(Opt.MESSAGE_TYPE)
-    if mt is not None:
-        parts.append(_encoded(Opt.MESSAGE_TYPE, mt))
-    cache = _ENCODED
-    for code, value in opts.items():
-        if code != Opt.MESSAGE_TYPE:
-            try:
-                enc = cache.get((code, value))  # what replies repeat; _encoded fills the cache
-            except TypeError:  # an unhashable value (bytearray)
-                enc = None
-            parts.append(enc if enc is not None else _encoded(code, value))
-    parts.append(b"\xff")
-    out = b"".join(parts)
+            sname,
+            file,
+        )
+        + block
+    )
+    # A cached block is padded to 300 bytes of packet already.
     return out if len(out) >= min_size else out + bytes(min_size - len(out))
 
 

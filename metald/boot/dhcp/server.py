@@ -26,7 +26,7 @@ from ipaddress import IPv4Address
 from typing import Any
 
 from metald.boot import metrics
-from metald.boot.dhcp.bootfile import BootFiles
+from metald.boot.dhcp.bootfile import PLAIN, BootFiles
 from metald.boot.dhcp.common import SERVER_PORT, Decision, NetworkPlan, choose_network
 from metald.boot.dhcp.enroll_limit import EnrollLimiter, EnrollLimits, keys_for
 from metald.boot.dhcp.full import FullHandler
@@ -36,7 +36,6 @@ from metald.boot.dhcp.packet import (
     DhcpPacket,
     MalformedPacket,
     MessageType,
-    Op,
     Opt,
     RelaySub,
     parse,
@@ -324,27 +323,44 @@ class DhcpServer:
             self._flush_counts()
 
     def _handle(self, data: bytes, src: tuple[str, int], lst: _Listener) -> None:
-        count = self._count
+        # Counted straight into the wake-up's dict (every caller flushes it when done): the
+        # hot path's two counts per packet without a method call each.
+        counts = self._counts
         try:
             pkt = parse(data)
-            if pkt.op != Op.REQUEST:
-                count(metrics.dhcp_dropped, "not-a-request")
+            if pkt.op != 1:  # BOOTREQUEST
+                self._count(metrics.dhcp_dropped, "not-a-request")
                 return
             mtype = pkt.message_type
             if mtype is None:
-                count(metrics.dhcp_dropped, "no-message-type")
+                self._count(metrics.dhcp_dropped, "no-message-type")
                 return
-            count(metrics.dhcp_packets, _TYPE_LABELS[mtype])
+            key = (metrics.dhcp_packets, _TYPE_LABELS[mtype])
+            counts[key] = counts.get(key, 0) + 1
             decision = self._decide(pkt, src, lst)
         except MalformedPacket as e:
-            count(metrics.dhcp_dropped, e.reason)
+            self._count(metrics.dhcp_dropped, e.reason)
             return
         except Exception:
             log.exception("DHCP packet from %s crashed the handler; dropped", src)
-            count(metrics.dhcp_dropped, "handler-error")
+            self._count(metrics.dhcp_dropped, "handler-error")
             return
-        if decision is not None:
+        if decision is None:
+            return
+        # _act, inline for the common case: nothing to report, no extra writes.
+        kind = decision.kind
+        if (
+            decision.extra_writes
+            or decision.ignored
+            or (kind is not None and kind is not PLAIN and self.hooks is not None and kind.boots)
+        ):
             self._act(pkt, decision, src, lst)
+        elif decision.write is not None and self.leases is not None:
+            self.leases.submit(
+                decision.write, lambda res, d=decision, s=lst.sock: self._committed(res, d, s)
+            )
+        elif decision.reply is not None:
+            self._send(lst.sock, decision.reply, decision.dest)
 
     def _act(
         self, pkt: DhcpPacket, decision: Decision, src: tuple[str, int], lst: _Listener
@@ -476,7 +492,7 @@ class DhcpServer:
     def _send(self, sock: socket.socket, reply: DhcpPacket, dest: tuple[str, int] | None) -> None:
         if dest is None or sock.fileno() < 0:
             return
-        if dest[1] == SERVER_PORT:
+        if dest[1] == SERVER_PORT and self.relay_port != SERVER_PORT:
             dest = (dest[0], self.relay_port)
         try:
             sock.sendto(serialize(reply), dest)
