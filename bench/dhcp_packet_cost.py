@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import os
 import pstats
 import socket
 import statistics
@@ -27,9 +28,16 @@ import time
 from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
 
-# --tree PATH: measure the metald source tree at PATH (before/after comparisons).
-_TREE = sys.argv[sys.argv.index("--tree") + 1] if "--tree" in sys.argv else None
-sys.path.insert(0, _TREE or str(Path(__file__).resolve().parent.parent))
+# --tree PATH: measure the metald source tree at PATH (before/after comparisons). This script
+# runs again from PATH through `python -c`, whose first import path is the working directory:
+# metald comes from that tree, not from the installed one.
+if "--tree" in sys.argv and __name__ == "__main__":
+    _at = sys.argv.index("--tree")
+    _tree, _rest = sys.argv[_at + 1], sys.argv[1:_at] + sys.argv[_at + 2 :]
+    os.chdir(_tree)
+    _code = f"import runpy, sys; sys.argv = {[__file__, *_rest]!r}; "
+    _code += f"runpy.run_path({str(Path(__file__).resolve())!r}, run_name='__main__')"
+    os.execv(sys.executable, [sys.executable, "-c", _code])
 
 from metald.boot.dhcp.bootfile import BootFiles  # noqa: E402
 from metald.boot.dhcp.common import NetworkPlan  # noqa: E402
