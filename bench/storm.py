@@ -813,34 +813,24 @@ PROFILED_METALD = """
 import cProfile, pstats, sys, threading, time
 from metald.store import db
 profiles, local = [], threading.local()
-orig_run = db.Store.run
+def profiled(fn):  # fn run under its store thread's own profiler
+    def prof_fn(s, *a, **kw):
+        p = getattr(local, "p", None)
+        if p is None:
+            p = local.p = cProfile.Profile(time.thread_time)
+            profiles.append(p)
+        p.enable()
+        try:
+            return fn(s, *a, **kw)
+        finally:
+            p.disable()
+    return prof_fn
+orig_run, orig_read = db.Store.run, db.Store._read
 async def run(self, fn, *args, **kwargs):
-    def prof_fn(s, *a, **kw):
-        p = getattr(local, "p", None)
-        if p is None:
-            p = local.p = cProfile.Profile(time.thread_time)
-            profiles.append(p)
-        p.enable()
-        try:
-            return fn(s, *a, **kw)
-        finally:
-            p.disable()
-    return await orig_run(self, prof_fn, *args, **kwargs)
-db.Store.run = run
-orig_read = db.Store._read
+    return await orig_run(self, profiled(fn), *args, **kwargs)
 async def read(self, pool, fn, *args, **kwargs):
-    def prof_fn(s, *a, **kw):
-        p = getattr(local, "p", None)
-        if p is None:
-            p = local.p = cProfile.Profile(time.thread_time)
-            profiles.append(p)
-        p.enable()
-        try:
-            return fn(s, *a, **kw)
-        finally:
-            p.disable()
-    return await orig_read(self, pool, prof_fn, *args, **kwargs)
-db.Store._read = read
+    return await orig_read(self, pool, profiled(fn), *args, **kwargs)
+db.Store.run, db.Store._read = run, read
 from metald.__main__ import main
 main_p = cProfile.Profile(time.thread_time)
 profiles.append(main_p)

@@ -112,6 +112,18 @@ def client_messages(draw) -> bytes:  # type: ignore[no-untyped-def]
     return serialize(pkt)
 
 
+def _same_step(new, old, pkt, net, t_new, t_old, now) -> None:  # type: ignore[no-untyped-def]
+    """One packet through the new and the reference core: the same outcome and lease table."""
+    a = _outcome(new.handle, pkt, net, t_new, now)
+    b = _outcome(old.handle, pkt, net, t_old, now)
+    assert a[0] == b[0]
+    if a[0] == "ok":
+        _same_decision(a[1], b[1])
+    else:
+        assert a == b
+    assert sorted(t_new.records()) == sorted(t_old.records())
+
+
 def _same_decision(a, b) -> None:  # type: ignore[no-untyped-def]
     assert (a.dest, a.write, a.extra_writes, a.ignored, a.network, a.kind, a.puts) == (
         b.dest,
@@ -150,14 +162,7 @@ def test_full_core_decides_as_the_reference(seq) -> None:  # type: ignore[no-unt
             pkt = parse(data)
         except MalformedPacket:
             continue
-        a = _outcome(new.handle, pkt, net, t_new, now)
-        b = _outcome(old.handle, pkt, net, t_old, now)
-        assert a[0] == b[0]
-        if a[0] == "ok":
-            _same_decision(a[1], b[1])
-        else:
-            assert a == b
-        assert sorted(t_new.records()) == sorted(t_old.records())
+        _same_step(new, old, pkt, net, t_new, t_old, now)
 
 
 def test_full_core_matches_the_reference_on_every_request_variant() -> None:
@@ -194,13 +199,6 @@ def test_full_core_matches_the_reference_on_every_request_variant() -> None:
                     steps.append(client_packet(MessageType.REQUEST, mac, options=opts, ciaddr=ci))
                     for i, p in enumerate(steps):
                         pkt = parse(serialize(p))
-                        a = _outcome(new.handle, pkt, net, t_new, 1000.0 + i)
-                        b = _outcome(old.handle, pkt, net, t_old, 1000.0 + i)
-                        assert a[0] == b[0]
-                        if a[0] == "ok":
-                            _same_decision(a[1], b[1])
-                        else:
-                            assert a == b
-                    assert sorted(t_new.records()) == sorted(t_old.records())
+                        _same_step(new, old, pkt, net, t_new, t_old, 1000.0 + i)
                     cases += 1
     assert cases == 2 * 5 * 4 * 3
