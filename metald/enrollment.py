@@ -83,7 +83,12 @@ def mint_agent_token(
 
 
 def enrollment_boot_hooks(
-    store: Any, instance: str, cfg: EnrollConfig, *, leased_clients_only: bool = False
+    store: Any,
+    instance: str,
+    cfg: EnrollConfig,
+    *,
+    leased_clients_only: bool = False,
+    fleet: Any = None,
 ) -> StoreBootHooks:
     """The boot plane's hooks with enrollment: MACs first seen over HTTP are enrolled (when the
     asking address holds their lease), agent boots carry a fresh agent token
@@ -104,6 +109,7 @@ def enrollment_boot_hooks(
         leased_clients_only=leased_clients_only,
         enroll_unknown=True,
         agent_console=True,
+        fleet=fleet,
     )
 
 

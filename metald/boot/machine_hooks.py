@@ -51,7 +51,7 @@ class StoreBootHooks:
       enrolled when the asking address holds its lease, and refused otherwise.
     - ``agent_console``: agent boots get the serial console and quiet kernel arguments
       (``hooks.with_agent_console``).
-    - ``fleet`` (the daemon's ``Membership``, set after construction): a script carrying a
+    - ``fleet`` (the daemon's ``Membership``): a script carrying a
       token also carries ``metald.urls=``, the boot URLs of the other live instances serving
       this instance's provisioning networks, so an agent whose instance dies finishes through
       another (agent tokens live in the store: every instance accepts them).
@@ -66,6 +66,7 @@ class StoreBootHooks:
         leased_clients_only: bool = False,
         enroll_unknown: bool = False,
         agent_console: bool = False,
+        fleet: Any = None,
     ) -> None:
         self.store = store
         self.instance = instance
@@ -74,7 +75,7 @@ class StoreBootHooks:
         self.leased_clients_only = leased_clients_only
         self.enroll_unknown = enroll_unknown
         self.agent_console = agent_console
-        self.fleet: Any = None
+        self.fleet: Any = fleet
 
     async def client_seen(
         self, mac: str, *, arch: str, network: str | None, relay_agent: dict[str, str] | None

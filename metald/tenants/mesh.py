@@ -276,14 +276,6 @@ async def _wait(ev: asyncio.Event, timeout: float) -> None:
         await asyncio.wait_for(ev.wait(), max(timeout, 0.0))
 
 
-def watch_of(services: dict[str, Any]) -> MeshWatch:
-    """The API process's watch (made on first use; it holds no task, nothing to stop)."""
-    w = services.get(MeshWatch.name)
-    if not isinstance(w, MeshWatch):
-        w = services[MeshWatch.name] = MeshWatch()
-    return w
-
-
 @dataclass
 class AckResult:
     tenant_id: str
@@ -343,7 +335,7 @@ async def await_acks(
 
 async def after_release(
     store: Store,
-    services: dict[str, Any],
+    watch: MeshWatch,
     tenant_id: str,
     released: list[str],
     *,
@@ -353,7 +345,6 @@ async def after_release(
 ) -> AckResult:
     """The release flow's hook, after its commit and before the wipe's power cycle: wake the
     tenant's long-polling nodes, then ``await_acks``."""
-    watch = watch_of(services)
     watch.changed(tenant_id)
     return await await_acks(
         store, watch, tenant_id, released=released, actor=actor, instance=instance, timeout=timeout

@@ -51,7 +51,7 @@ async def boot_http() -> AsyncIterator[tuple[str, list[str]]]:
 @pytest.fixture
 async def api(cfg: Config, store: Store, aiohttp_client, boot_http):  # type: ignore[no-untyped-def]
     from api.app import create_app
-    from api.context import AppContext
+    from api.context import AppContext, Services
     from metald.events import EventBus
 
     secrets = SecretBox.from_file(cfg.secrets_key_path)
@@ -60,7 +60,9 @@ async def api(cfg: Config, store: Store, aiohttp_client, boot_http):  # type: ig
     cfg.bmc.retries = 1
     svc = BmcService(store, secrets, cfg.bmc, cfg.instance)
     svc.control.vmedia_base = boot_http[0]
-    ctx = AppContext(cfg=cfg, store=store, secrets=secrets, bus=EventBus(), services={"bmc": svc})
+    ctx = AppContext(
+        cfg=cfg, store=store, secrets=secrets, bus=EventBus(), services=Services(bmc=svc)
+    )
     tokens = seed(store)
     client = await aiohttp_client(create_app(ctx))
     yield client, tokens, svc
