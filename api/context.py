@@ -6,7 +6,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
-from metald.bmc.control import PowerControl
 from metald.config import Config
 from metald.events import EventBus
 from metald.provision.commissioning import SelReads
@@ -26,7 +25,7 @@ if TYPE_CHECKING:
     from metald.token_sweep import TokenSweeper
 
 
-class BmcApi(PowerControl, Protocol):
+class BmcApi(Protocol):
     """The BMC service as the API and the workflows below it see it (``metald.bmc.service``'s
     ``BmcService``: the API never imports it, which would reach the BMC drivers). Routes that
     need more take it as ``Any`` (``api.routes_bmc._bmc``)."""

@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlmodel import Session, select
 
@@ -33,6 +33,9 @@ from metald.lifecycle import (
 )
 from metald.provision import boots, commissioning
 from metald.store.models import Event, Machine, as_utc, utcnow
+
+if TYPE_CHECKING:
+    from metald.fleet.membership import Membership
 
 
 def mint_agent_token(
@@ -88,7 +91,7 @@ def enrollment_boot_hooks(
     cfg: EnrollConfig,
     *,
     leased_clients_only: bool = False,
-    fleet: Any = None,
+    fleet: Membership | None = None,
 ) -> StoreBootHooks:
     """The boot plane's hooks with enrollment: MACs first seen over HTTP are enrolled (when the
     asking address holds their lease), agent boots carry a fresh agent token

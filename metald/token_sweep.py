@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Protocol
 
 from sqlmodel import Session
 
@@ -40,6 +40,12 @@ def purge_and_record(s: Session, *, actor: str, instance: str | None) -> int:
 SWEEP_KEY = "sweep:tokens"
 
 
+class KeyOwnership(Protocol):
+    """Which instance of a fleet does a fleet-wide job (``metald.fleet.membership``)."""
+
+    def owns_key(self, key: str) -> bool: ...
+
+
 class TokenSweeper:
     name = "token-sweeper"
 
@@ -49,7 +55,7 @@ class TokenSweeper:
         instance: str,
         *,
         interval_s: float = 3600.0,
-        ownership: Any = None,
+        ownership: KeyOwnership | None = None,
         tasks: TaskScope | None = None,
     ) -> None:
         self.store = store

@@ -9,6 +9,7 @@ class wires them and shapes their typed results into the API's dicts.
 
 from __future__ import annotations
 
+import builtins
 import logging
 from typing import Any
 
@@ -53,7 +54,8 @@ class BmcService:
         self.registry = BmcRegistry(store, self.control, instance)
         self.control.ownership = ownership  # the fleet: which BMCs this instance commands
         if vmedia_base is not None:
-            self.control.vmedia_base = vmedia_base  # where BMCs fetch the boot ISO
+            # Where BMCs fetch the boot ISO (read by metald.bmc.media).
+            self.control.vmedia_base = vmedia_base  # type: ignore[attr-defined]
         self.sync = PowerSync(self.control, cfg.power_sync_interval_s, self.actor)
         #: The background work after inspections and reports; stopped with the service.
         self.tasks = tasks if tasks is not None else TaskScope(self.name)
@@ -289,13 +291,13 @@ class BmcService:
             except (MetaldError, BmcError) as e:
                 log.info("machine %s: after inspection: %s", machine_id, e)
 
-    async def sensors(self, machine_id: str) -> list[dict[str, Any]]:
+    async def sensors(self, machine_id: str) -> builtins.list[dict[str, Any]]:
         return [
             {"name": x.name, "kind": x.kind, "value": x.value, "units": x.unit, "health": x.health}
             for x in await self.control.sensors(machine_id)
         ]
 
-    async def event_log(self, machine_id: str) -> list[dict[str, Any]]:
+    async def event_log(self, machine_id: str) -> builtins.list[dict[str, Any]]:
         return [
             {
                 "id": e.id,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import exists
+from sqlalchemy import ColumnElement, exists
 from sqlmodel import Session, col, select
 
 from metald import machines
@@ -581,12 +581,12 @@ def require_passed(
     ``within_days``, of ``profile``), in SQL on every backend: what a claim's selector asks."""
     if within_days is None and profile is None:
         return stmt
-    cond = [
+    cond: list[ColumnElement[bool]] = [
         col(CommissioningRun.machine_id) == col(Machine.id),
-        CommissioningRun.status == Status.PASSED.value,
+        col(CommissioningRun.status) == Status.PASSED.value,
     ]
     if within_days is not None:
         cond.append(col(CommissioningRun.finished_at) >= days_ago(within_days, now))
     if profile is not None:
-        cond.append(CommissioningRun.profile == profile)
+        cond.append(col(CommissioningRun.profile) == profile)
     return stmt.where(exists().where(*cond))

@@ -140,7 +140,8 @@ def view(session: Session, me: WgPeer) -> MeshView:
         .where(WgPeer.tenant_id == me.tenant_id, WgPeer.id != me.id)
         .order_by(col(WgPeer.address))
     ).all()
-    peers, sources = [], set()
+    peers: list[dict[str, Any]] = []
+    sources: set[str] = set()
     _add_source(sources, endpoint_host(hub.endpoint))
     for p in others:
         ep = endpoint_of(p)

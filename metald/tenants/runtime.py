@@ -180,8 +180,8 @@ def observe_tenant(
         st = status.get(peer.public_key)
         seen = st.last_handshake if st else None
         joining = State(m.state) is State.JOINING
-        moved = st is not None and st.endpoint and st.endpoint != peer.last_endpoint
-        if moved:
+        moved = st is not None and bool(st.endpoint) and st.endpoint != peer.last_endpoint
+        if st is not None and moved:
             peer.last_endpoint = st.endpoint  # committed by observe below
             session.add(peer)
             mesh.bump(session, tenant_id)  # the other nodes dial it there from now on
