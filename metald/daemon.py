@@ -26,7 +26,7 @@ from metald.fleet.startup import hold_sqlite_lock, verify_secrets_key
 from metald.nodeguard import path_allowed
 from metald.problem import problem
 from metald.secrets import SecretBox
-from metald.service import TaskScope
+from metald.service import Service, TaskScope
 from metald.store import Store
 
 if TYPE_CHECKING:
@@ -133,7 +133,7 @@ class Daemon:
         self.ctx = AppContext(
             cfg=cfg, store=self.store, secrets=self.secrets, bus=self.bus, services=self.services
         )
-        self._started: list[Any] = []
+        self._started: list[Service] = []
         self._store_lock: Any = None
         self._runners: list[web.AppRunner] = []
         self._stopping = asyncio.Event()

@@ -259,6 +259,37 @@ async def test_start_soon_before_open_runs_and_the_group_ends_with_its_last_task
         scope.spawn(work())
 
 
+async def test_the_daemon_runs_every_service_group_in_its_own_and_stops_them(
+    tmp_path: Path,
+) -> None:
+    from metald.config import load_config
+    from metald.daemon import Daemon
+    from tests.test_daemon import free_port
+
+    conf = tmp_path / "metald.toml"
+    conf.write_text(
+        f'state_dir = "{tmp_path / "state"}"\n[api]\nlisten = "127.0.0.1:{free_port()}"\n'
+        "guard_tenant_nodes = true\n"
+    )
+    d = Daemon(load_config(str(conf)))
+    owners = [s for s in (d.services.fleet, *d.services.hosted()) if hasattr(s, "tasks")]
+    names = {s.name for s in owners}
+    assert {"fleet", "bmc", "tenant_node_guard", "token-sweeper", "commissioning_sel"} <= names
+    await d.start()
+    try:
+        hosts = d.tasks.tasks()
+        for svc in owners:
+            assert svc.tasks.is_open and svc.tasks._host in hosts, svc.name
+        assert (
+            d.services.fleet is not None
+            and d.services.fleet._task in d.services.fleet.tasks.tasks()
+        )
+    finally:
+        await d.stop()
+    assert not d.tasks.is_open and not d.tasks.tasks()
+    assert all(not s.tasks.is_open and not s.tasks.tasks() for s in owners)
+
+
 async def asyncio_sleep_forever() -> None:
     import asyncio
 
