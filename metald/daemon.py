@@ -177,8 +177,8 @@ class Daemon:
             )
         await self._serve(staff, self.cfg.api.listen, staff_tls(self.cfg))
         for svc in self.services.hosted():
+            self._started.append(svc)  # stopped at stop even if its start fails half-way
             await svc.start()
-            self._started.append(svc)
             log.info("service %s started", svc.name)
         log.info(
             "metald %s (%s) listening on %s%s%s, store %s",
