@@ -156,6 +156,16 @@ class TaskScope:
         if self._host is None:
             self._start_host()
 
+    async def drain(self) -> None:
+        """Wait until every task of the group, and every one queued for it, has ended."""
+        while self._pending or self._tasks:
+            if self._tasks:
+                await asyncio.wait(set(self._tasks))
+            elif not self._entered.is_set():
+                await self._entered.wait()
+            else:
+                await asyncio.sleep(0)  # a fresh group is about to take the queued ones
+
     async def close(self) -> None:
         """Cancel every task of the group and return once they, and the group, have ended."""
         self._held = False

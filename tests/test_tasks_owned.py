@@ -251,10 +251,14 @@ async def test_start_soon_before_open_runs_and_the_group_ends_with_its_last_task
         ran.append(1)
 
     scope.start_soon(work(), name="w")
-    host = scope._host
-    assert host is not None
-    await host  # the group ends by itself once its only task has
-    assert ran == [1] and not scope.is_open and scope._host is None
+    scope.start_soon(work(), name="w2")
+    await scope.drain()
+    assert ran == [1, 1]
+    scope.start_soon(work(), name="w3")
+    await scope.drain()
+    while (host := scope._host) is not None:
+        await host  # the group ends by itself once its last task has
+    assert ran == [1, 1, 1] and not scope.is_open
     with pytest.raises(RuntimeError):
         scope.spawn(work())
 

@@ -320,8 +320,7 @@ async def test_the_iso_is_ejected_once_the_agent_reports(
         headers={"Authorization": f"Bearer {token}"},
     )
     assert r.status == 200, await r.text()
-    for task in list(svc._tasks):  # the eject runs in the background
-        await task
+    await svc.tasks.drain()  # the eject runs in the background
     assert (await _cd(sushy))["Inserted"] is False
     [ejected] = _events(store, mid, virtual_media.EJECTED_EVENT)
     # The event names the ISO with its nonce cut short (never the whole nonce).
