@@ -286,7 +286,7 @@ def _console(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
 
 def _provisioner(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
     """Owns the provisioning steps API calls start in the background, and stops them."""
-    from metald.provision.driver import Provisioner
+    from metald.provision.netboot import Provisioner
 
     return Provisioner(), []
 

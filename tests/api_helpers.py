@@ -166,3 +166,12 @@ class LoopbackApi:
     def __exit__(self, *_exc: object) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(30)
+
+
+async def drain_steps(client: TestClient[Any, Any]) -> None:
+    """Wait for every boot the app under ``client`` started in the background (its provision
+    service's runner)."""
+    from api.app import CTX_KEY
+    from api.workflows import provisioner
+
+    await provisioner(client.app[CTX_KEY]).steps.drain()

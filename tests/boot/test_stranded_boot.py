@@ -12,7 +12,7 @@ from sqlmodel import select
 
 from metald.auth import authenticate
 from metald.config import ProvisionConfig
-from metald.provision import driver
+from metald.provision import netboot
 from metald.provision.watchdog import MAX_REARMS, REARM_EVENT, STRANDED_EVENT, Watchdog
 from metald.store import Store
 from metald.store.models import ApiToken, Bmc, Event, Machine, utcnow
@@ -64,7 +64,7 @@ def _kinds(store: Store, machine_id: str) -> list[str]:
 async def test_a_token_no_agent_used_is_replaced_by_a_new_bmc_boot(store: Store) -> None:
     mid = claimed(store, 1)[0]
     _with_bmc(store, mid)
-    assert await driver.boot_from_network(store, FakeBmc(), mid, actor="t")
+    assert await netboot.boot_from_network(store, FakeBmc(), mid, actor="t")
     lost = boot_token(store, mid)  # the fetch took the boot; its answer never arrived
     assert lost is not None
     assert boot_token(store, mid) is None  # "first fetch wins": later fetches get no token
