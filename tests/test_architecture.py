@@ -204,3 +204,61 @@ def test_route_handlers_leave_integrity_and_service_probing_below() -> None:
             ):
                 offenders.append(f"{p.name}:{node.lineno} hasattr")
     assert not offenders, offenders
+
+
+#: Commands that enter or change host networking: only netconfig/ runs them (its functions are
+#: what the daemon calls). Netlink (pyroute2) is the host-networking-in-netconfig contract's.
+HOST_NETWORK_COMMANDS = ("nsenter", "ip", "nft", "wg")
+_SHELL_LINE = re.compile(rf"^\s*({'|'.join(HOST_NETWORK_COMMANDS)})\s+\S", re.MULTILINE)
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    return {
+        id(body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and (body := node.body)
+        and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+    }
+
+
+def host_network_commands(source: str) -> list[int]:
+    """Lines of ``source`` that spell a host-networking command: an argv whose first element
+    is one (``["nsenter", ...]``), or a shell line that starts with one."""
+    tree = ast.parse(source)
+    docs = _docstrings(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.List, ast.Tuple)) and node.elts:
+            first = node.elts[0]
+            if isinstance(first, ast.Constant) and first.value in HOST_NETWORK_COMMANDS:
+                found.append(node.lineno)
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in docs
+            and _SHELL_LINE.search(node.value)
+        ):
+            found.append(node.lineno)
+    return found
+
+
+def test_host_networking_commands_run_only_in_netconfig() -> None:
+    """docs/architecture.md: host networking lives in netconfig/. The daemon and the API call
+    its functions (netconfig.netns.exec_argv, run, links.veth_to_bridge ...), never nsenter,
+    ip, nft or wg themselves."""
+    offenders = [
+        f"{p.relative_to(ROOT)}:{line}"
+        for top in ("metald", "api")
+        for p in sorted((ROOT / top).rglob("*.py"))
+        for line in host_network_commands(p.read_text())
+    ]
+    assert not offenders, offenders
+
+
+def test_the_host_networking_check_sees_argv_and_shell_lines() -> None:
+    assert host_network_commands('subprocess.run(["nsenter", "--net=x", "sysctl"])') == [1]
+    assert host_network_commands('S = """trap\nip netns delete "$NS"\n"""') == [1]
+    assert host_network_commands('d = {"ip": 1}\nc = ("network", "ip")') == []
+    assert host_network_commands('def f():\n    """ip netns exec: no."""') == []
