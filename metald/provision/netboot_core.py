@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from typing import Any
 
 #: How long the step waits for a machine to read off after a hard power-off, and how often it
 #: reads in the meantime.
@@ -286,6 +287,8 @@ class Step:
 
 
 Decision = tuple[Step, Command | Outcome]
+#: One rule of the table: the step and the event (of the type the table keys it by).
+Rule = Callable[[Step, Any], Decision]
 
 
 def start() -> Decision:
@@ -316,7 +319,7 @@ def resumes(stored: StepLoaded) -> bool:
 # --- rules -------------------------------------------------------------------------------
 
 
-def _loaded(step: Step, e: StepLoaded) -> Decision:  # type: ignore[misc]
+def _loaded(step: Step, e: StepLoaded) -> Decision:
     if not e.booting:
         return step, Outcome.NOT_BOOTING
     if e.done:
@@ -378,9 +381,9 @@ def _off_sent(step: Step, e: Sent) -> Decision:
 def _wait_read(step: Step, e: PowerRead) -> Decision:
     if e.state == "off":
         return _after_off(replace(step, sent=POWER_OFF))
-    if step.off_since is None:
-        step = replace(step, off_since=e.now)  # resumed: the wait starts with its first read
-    if e.now - step.off_since > POWER_OFF_WAIT_S:  # type: ignore[operator]
+    since = e.now if step.off_since is None else step.off_since
+    step = replace(step, off_since=since)  # resumed: the wait starts with its first read
+    if e.now - since > POWER_OFF_WAIT_S:
         return advance(step, TimedOut())
     return step, ReadPower(delay_s=POWER_OFF_POLL_S)
 
@@ -407,14 +410,14 @@ def _on_read(step: Step, e: PowerRead) -> Decision:
     return replace(step, phase=Phase.POWERING_ON), PowerOn()
 
 
-def _then(phase: Phase, sent: str | None, command: Command) -> Callable[[Step, Event], Decision]:
+def _then(phase: Phase, sent: str | None, command: Command) -> Rule:
     def rule(step: Step, e: Event) -> Decision:
         return replace(step, phase=phase, sent=sent or step.sent), command
 
     return rule
 
 
-def _end(outcome: Outcome) -> Callable[[Step, Event], Decision]:
+def _end(outcome: Outcome) -> Rule:
     return lambda step, e: (step, outcome)
 
 
@@ -437,7 +440,7 @@ def _bmc_failed(step: Step, e: BmcFailed) -> Decision:
 
 
 #: (phase, event) -> the rule that gives the next command or the outcome.
-TABLE: dict[tuple[Phase, type], Callable[[Step, Event], Decision]] = {  # type: ignore[dict-item]
+TABLE: dict[tuple[Phase, type], Rule] = {
     (Phase.LOAD_STEP, StepLoaded): _loaded,
     (Phase.LOAD_VIA, ViaLoaded): _via,
     (Phase.CHECK_MEDIA, MediaArmed): _media_armed,
@@ -468,9 +471,11 @@ for _phase, _outcome in (
 ):
     for _event in (NotOwner, NoBmc, BmcFailed, StoreDown):
         TABLE[(_phase, _event)] = _end(_outcome)
+# ... except a failed state the store could not record: the step is postponed, not failed.
+TABLE[(Phase.FAILING, StoreDown)] = _end(Outcome.POSTPONED)
 
 #: What a failure does in any phase that has no rule of its own for it.
-_ON_FAILURE: dict[type, Callable[[Step, Event], Decision]] = {  # type: ignore[dict-item]
+_ON_FAILURE: dict[type, Rule] = {
     NotOwner: _not_owner,
     NoBmc: _no_bmc,
     BmcFailed: _bmc_failed,

@@ -324,3 +324,11 @@ def test_every_rule_of_the_table_names_a_phase_and_an_event() -> None:
     # every phase that waits on a command has a rule for its answer
     answered = {phase for phase, event in core.TABLE if event not in core._ON_FAILURE}
     assert answered == set(core.Phase)
+
+
+def test_a_failed_state_the_store_could_not_record_is_postponed() -> None:
+    step, todo = core.begin(core.StepLoaded(True))
+    step, todo = core.advance(step, core.BmcFailed("no answer"))
+    assert todo == core.Fail("BMC: no answer")
+    assert core.advance(step, core.StoreDown())[1] is core.Outcome.POSTPONED
+    assert core.advance(step, core.BmcFailed("x"))[1] is core.Outcome.FAILED
