@@ -8,6 +8,7 @@ here with import-linter's report of the offending chain.
 from __future__ import annotations
 
 import ast
+import functools
 import pkgutil
 import re
 import subprocess
@@ -237,10 +238,9 @@ def _docstrings(tree: ast.AST) -> set[int]:
     }
 
 
-def host_network_commands(source: str) -> list[int]:
-    """Lines of ``source`` that spell a host-networking command: an argv whose first element
+def host_network_commands(tree: ast.Module) -> list[int]:
+    """Lines of ``tree`` that spell a host-networking command: an argv whose first element
     is one (``["nsenter", ...]``), or a shell line that starts with one."""
-    tree = ast.parse(source)
     docs = _docstrings(tree)
     found = []
     for node in ast.walk(tree):
@@ -264,9 +264,8 @@ def test_host_networking_commands_run_only_in_netconfig() -> None:
     or wg themselves."""
     offenders = [
         f"{p.relative_to(ROOT)}:{line}"
-        for top in ("metald", "api")
-        for p in sorted((ROOT / top).rglob("*.py"))
-        for line in host_network_commands(p.read_text())
+        for p in _product_sources()
+        for line in host_network_commands(_tree(p))
     ]
     assert not offenders, offenders
 
@@ -274,14 +273,22 @@ def test_host_networking_commands_run_only_in_netconfig() -> None:
 def test_the_host_networking_check_sees_argv_and_shell_lines() -> None:
     """The host-networking check finds an argv and a shell line, not a dict key or a
     docstring."""
-    assert host_network_commands('subprocess.run(["nsenter", "--net=x", "sysctl"])') == [1]
-    assert host_network_commands('S = """trap\nip netns delete "$NS"\n"""') == [1]
-    assert host_network_commands('d = {"ip": 1}\nc = ("network", "ip")') == []
-    assert host_network_commands('def f():\n    """ip netns exec: no."""') == []
+    assert host_network_commands(ast.parse('subprocess.run(["nsenter", "--net=x", "sysctl"])')) == [
+        1
+    ]
+    assert host_network_commands(ast.parse('S = """trap\nip netns delete "$NS"\n"""')) == [1]
+    assert host_network_commands(ast.parse('d = {"ip": 1}\nc = ("network", "ip")')) == []
+    assert host_network_commands(ast.parse('def f():\n    """ip netns exec: no."""')) == []
 
 
 def _product_sources() -> list[Path]:
     return [*sorted((ROOT / "metald").rglob("*.py")), *sorted((ROOT / "api").rglob("*.py"))]
+
+
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """A product source, parsed once for every check of this file."""
+    return ast.parse(path.read_text())
 
 
 def _is_state_member(node: ast.AST) -> bool:
@@ -295,10 +302,10 @@ def _is_state_member(node: ast.AST) -> bool:
     )
 
 
-def state_writes(source: str) -> list[int]:
-    """Lines of ``source`` that assign a ``State`` to a ``.state`` or update Machine.state."""
+def state_writes(tree: ast.Module) -> list[int]:
+    """Lines of ``tree`` that assign a ``State`` to a ``.state`` or update Machine.state."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Attribute) and t.attr == "state" for t in node.targets
         ):
@@ -315,11 +322,11 @@ def state_writes(source: str) -> list[int]:
     return found
 
 
-def state_sets(source: str) -> int:
-    """How many collections of two or more ``State`` members ``source`` spells."""
+def state_sets(tree: ast.Module) -> int:
+    """How many collections of two or more ``State`` members ``tree`` spells."""
     return sum(
         1
-        for node in ast.walk(ast.parse(source))
+        for node in ast.walk(tree)
         if isinstance(node, (ast.Set, ast.List, ast.Tuple))
         and len(node.elts) >= 2
         and all(_is_state_member(e) for e in node.elts)
@@ -333,7 +340,7 @@ def test_machine_states_change_only_in_machines() -> None:
         f"{p.relative_to(ROOT)}:{line}"
         for p in _product_sources()
         if p != ROOT / "metald" / "machines.py"
-        for line in state_writes(p.read_text())
+        for line in state_writes(_tree(p))
     ]
     assert not offenders, offenders
 
@@ -351,7 +358,7 @@ def test_state_sets_are_derived_from_the_lifecycle_table() -> None:
     found = {
         str(p.relative_to(ROOT)): n
         for p in _product_sources()
-        if p != ROOT / "metald" / "lifecycle.py" and (n := state_sets(p.read_text()))
+        if p != ROOT / "metald" / "lifecycle.py" and (n := state_sets(_tree(p)))
     }
     assert found == STATE_SET_EXCEPTIONS
 
@@ -359,11 +366,11 @@ def test_state_sets_are_derived_from_the_lifecycle_table() -> None:
 def test_the_state_checks_see_writes_and_sets() -> None:
     """The state checks find a ``.state`` write, a Machine.state update and a literal set of
     states, and not a claim's string state or a single state."""
-    assert state_writes("m.state = State.READY.value") == [1]
-    assert state_writes("s.execute(update(Machine).values(state=x))") == [1]
-    assert state_writes('c.state = "released"') == []
-    assert state_sets("if m.state in (State.A.value, State.B.value): pass") == 1
-    assert state_sets("x = {S.A, S.B}\ny = [State.A]") == 1
+    assert state_writes(ast.parse("m.state = State.READY.value")) == [1]
+    assert state_writes(ast.parse("s.execute(update(Machine).values(state=x))")) == [1]
+    assert state_writes(ast.parse('c.state = "released"')) == []
+    assert state_sets(ast.parse("if m.state in (State.A.value, State.B.value): pass")) == 1
+    assert state_sets(ast.parse("x = {S.A, S.B}\ny = [State.A]")) == 1
 
 
 def test_every_routes_module_is_mounted() -> None:
