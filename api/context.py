@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from metald.config import Config
 from metald.events import EventBus
 from metald.provision.commissioning import SelReads
+from metald.provision.netboot import Provisioner
 from metald.secrets import SecretBox
 from metald.service import Service
 from metald.store import Store
@@ -19,7 +20,6 @@ if TYPE_CHECKING:
     from metald.boot.plane import BootPlane
     from metald.fleet.membership import Membership
     from metald.nodeguard import TenantNodeGuard
-    from metald.provision.driver import Provisioner
     from metald.provision.watchdog import Watchdog
     from metald.tenants.runtime import TenantRuntime
     from metald.token_sweep import TokenSweeper
@@ -63,8 +63,9 @@ class Services:
     bmc: BmcApi | None = None
     #: Serial consoles through the BMCs (always, in a daemon).
     console: ConsoleService | None = None
-    #: The background provisioning steps API calls start.
-    provision: Provisioner | None = None
+    #: The background provisioning steps API calls start (always: an app run without the
+    #: daemon, under test, gets its own).
+    provision: Provisioner = field(default_factory=Provisioner)
     #: Times out stuck machines and resumes cut-off steps.
     watchdog: Watchdog | None = None
     #: Tenants' WireGuard hubs and Slurm control planes ([tenants] hubs).

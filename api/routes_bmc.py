@@ -809,13 +809,14 @@ class BootOut(BaseModel):
     errors=(404, 409, 422, 502, 503),
 )
 async def boot_machine(req: ApiRequest) -> BootOut | web.Response:
-    """The provisioning driver's boot step, started now (202): confirmed power-off, then
+    """The network-boot step, started now (202): confirmed power-off, then
     (virtual-media) insert metald's ISO and a one-time CD boot, or (network) a one-time PXE
     boot; the boot is armed, so its first script carries the agent token; then power on.
     Only for a machine metald boots (inspecting, provisioning, wiping)."""
+    from api.workflows import provisioner
     from metald.bmc import media as virtual_media
     from metald.lifecycle import NETWORK_BOOT, State
-    from metald.provision import driver
+    from metald.provision import netboot
 
     b: BootRequest = req.body
     mid = req.params["id"]
@@ -842,8 +843,8 @@ async def boot_machine(req: ApiRequest) -> BootOut | web.Response:
             )
     else:
         await svc.control.row_for_machine(mid)  # 404 with what to do when it has no BMC
-    driver.spawn(
-        driver.boot_from_network(
+    provisioner(req.ctx).spawn(
+        netboot.boot_from_network(
             req.ctx.store, svc, mid, actor=req.actor, instance=req.ctx.instance, via=b.via
         )
     )

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from api.context import AppContext
 from metald.claims.workflow import ClaimWorkflow
-from metald.provision import driver
 from metald.provision.intents import DeployImage
+from metald.provision.netboot import Provisioner
 from metald.tenants import mesh
 from metald.tenants.runtime import TenantRuntime
 
@@ -34,6 +34,12 @@ def tenant_runtime(ctx: AppContext) -> TenantRuntime | None:
     return runtime if isinstance(runtime, TenantRuntime) else None
 
 
+def provisioner(ctx: AppContext) -> Provisioner:
+    """The ``provision`` service, which owns the boots API calls start in the background: the
+    daemon's, or (an app run without the daemon, under test) the one its ``Services`` made."""
+    return ctx.services.provision
+
+
 def deploy_image(ctx: AppContext) -> DeployImage:
     return DeployImage(ctx.cfg.provision.deploy_kernel, ctx.cfg.provision.deploy_initrd)
 
@@ -43,7 +49,7 @@ def claim_workflow(ctx: AppContext) -> ClaimWorkflow:
         store=ctx.store,
         instance=ctx.instance,
         deploy=deploy_image(ctx),
-        boot=driver,  # the provisioning runner's module functions are its BootControl
+        boot=provisioner(ctx),
         bmc=ctx.services.bmc if ctx.cfg.provision.use_bmc else None,
         hubs=tenant_runtime(ctx),
         notify=ctx.bus.notify,

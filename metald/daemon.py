@@ -246,7 +246,7 @@ def _build_services(d: Daemon) -> tuple[Services, list[web.RouteDef]]:
     from metald.bmc.console import ConsoleService
     from metald.bmc.console_links import BmcLinks
     from metald.provision.commissioning import SelReads
-    from metald.provision.driver import Provisioner
+    from metald.provision.netboot import Provisioner
     from metald.provision.watchdog import Watchdog
     from metald.tenants.mesh import MeshWatch
     from metald.token_sweep import TokenSweeper
@@ -257,7 +257,7 @@ def _build_services(d: Daemon) -> tuple[Services, list[web.RouteDef]]:
         d.store,
         d.cfg.provision,
         d.cfg.instance,
-        services={"bmc": bmc},
+        bmc=bmc,
         ownership=d.fleet,
         resume_interval_s=d.cfg.fleet.heartbeat_s,
     )

@@ -173,3 +173,12 @@ def use_services(ctx: AppContext, **services: Any) -> None:
     """Give a test's running app these services (``api.context.Services`` fields), as a
     daemon would have built them."""
     ctx.services = dataclasses.replace(ctx.services, **services)
+
+
+async def drain_steps(client: TestClient[Any, Any]) -> None:
+    """Wait for every boot the app under ``client`` started in the background (its provision
+    service's runner)."""
+    from api.app import CTX_KEY
+    from api.workflows import provisioner
+
+    await provisioner(client.app[CTX_KEY]).steps.drain()

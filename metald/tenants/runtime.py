@@ -51,7 +51,7 @@ from metald.store import Store
 from metald.store.models import Machine, Tenant, WgHub, WgPeer, as_utc
 from metald.tenants import clusters, controlplane, ctlstate, mesh
 from metald.tenants.hubs import LocalHubs
-from netconfig import guard, netns
+from netconfig import guard, links, netns
 from netconfig.uapi import PeerStatus
 from netconfig.wireguard import SOCKET_DIR
 
@@ -76,10 +76,8 @@ if [ -n "$c" ] && grep -qa slurmctld "/proc/$c/cmdline" 2>/dev/null; then
   for i in $(seq 100); do [ -d "/proc/$c" ] || break; sleep 0.1; done
   kill -KILL -- "-$c" 2>/dev/null
 fi
-ip netns delete "$NS" 2>/dev/null
-ip link del "$VETH" 2>/dev/null
-exit 0
 """
+REAPER += netns.TEARDOWN_SH + "exit 0\n"
 REAPER_NAME = "metald-hub-reaper"
 
 
@@ -231,19 +229,23 @@ class RunningHub:
         _wait_reaper(self.workdir)  # a killed metald's reaper finishes before this starts
         _kill_stale_wireguard(self.workdir, s.ifname)  # the control plane does its own
         netns.delete(self.ns)
-        _delete_link(veth_name(s.tenant_id))
+        links.delete(veth_name(s.tenant_id))
         netns.create(self.ns)
         try:
             self.reaper = _start_reaper(self.workdir, self.ns, veth_name(s.tenant_id))
             plen = _bridge_prefixlen(self.cfg.underlay_bridge, s.endpoint_host)
-            _veth_to_bridge(
-                veth_name(s.tenant_id), self.ns, self.cfg.underlay_bridge, hub_mac(s.tenant_id)
+            links.veth_to_bridge(
+                veth_name(s.tenant_id),
+                self.ns,
+                UNDERLAY_IF,
+                self.cfg.underlay_bridge,
+                hub_mac(s.tenant_id),
             )
             netns.address(self.ns, UNDERLAY_IF, f"{s.endpoint_host}/{plen}")
             guard.apply(self.ns, guard.render([UNDERLAY_IF], wireguard_port=s.listen_port))
             # Nodes talk to each other directly (the mesh); the hub forwards only for nodes
             # that have no mesh view yet (an image without the mesh agent).
-            _in_ns(self.ns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+            netns.enable_forwarding(self.ns)
             self.hubs.start(
                 tenant_id=s.tenant_id,
                 ns=self.ns,
@@ -299,7 +301,7 @@ class RunningHub:
             self.hubs.stop_one(self.spec.tenant_id)
         (self.workdir / "wg.pid").unlink(missing_ok=True)
         netns.delete(self.ns)  # takes the veth pair with it
-        _delete_link(veth_name(self.spec.tenant_id))
+        links.delete(veth_name(self.spec.tenant_id))
         _stop_reaper(self.reaper, self.workdir)
         self.reaper = None
 
@@ -524,28 +526,12 @@ class TenantRuntime:
 # -- host plumbing ------------------------------------------------------------------------
 
 
-def _in_ns(ns: str, *argv: str) -> None:
-    r = subprocess.run(
-        ["nsenter", f"--net={netns.path(ns)}", *argv], capture_output=True, text=True
-    )
-    if r.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} in {ns}: {r.stderr.strip()}")
-
-
 def _bridge_prefixlen(bridge: str, address: str) -> int:
-    """The prefix length of the bridge's IPv4 network that holds ``address``."""
-    from pyroute2 import IPRoute
-
-    want = ipaddress.ip_address(address)
-    with IPRoute() as ip:
-        idx = ip.link_lookup(ifname=bridge)
-        if not idx:
-            raise RuntimeError(f"tenants.underlay_bridge {bridge!r} does not exist here")
-        for a in ip.get_addr(index=idx[0], family=2):
-            net = ipaddress.ip_network(f"{a.get_attr('IFA_ADDRESS')}/{a['prefixlen']}", False)
-            if want in net:
-                return net.prefixlen
-    raise RuntimeError(f"hub address {address} is on none of {bridge}'s networks")
+    """The prefix length of the underlay bridge's IPv4 network that holds the hub's address."""
+    try:
+        return links.bridge_prefixlen(bridge, address)
+    except links.LinkError as e:
+        raise RuntimeError(f"tenants.underlay_bridge: {e}") from None
 
 
 def hub_mac(tenant_id: str) -> str:
@@ -554,26 +540,6 @@ def hub_mac(tenant_id: str) -> str:
     right and the nodes reconnect without waiting for the cache to expire."""
     raw = hashlib.sha256(f"metald-hub:{tenant_id}".encode()).digest()[:5]
     return "02:" + ":".join(f"{b:02x}" for b in raw)
-
-
-def _veth_to_bridge(host_if: str, ns: str, bridge: str, mac: str) -> None:
-    from pyroute2 import IPRoute
-
-    with IPRoute() as ip:
-        ip.link("add", ifname=host_if, kind="veth", peer={"ifname": UNDERLAY_IF, "address": mac})
-        peer = ip.link_lookup(ifname=UNDERLAY_IF)[0]
-        ip.link("set", index=peer, net_ns_fd=ns)
-        idx = ip.link_lookup(ifname=host_if)[0]
-        ip.link("set", index=idx, master=ip.link_lookup(ifname=bridge)[0], state="up")
-
-
-def _delete_link(ifname: str) -> None:
-    from pyroute2 import IPRoute
-
-    with IPRoute() as ip:
-        idx = ip.link_lookup(ifname=ifname)
-        if idx:
-            ip.link("del", index=idx[0])
 
 
 def clear_leftovers(state_dir: str | Path) -> list[str]:
@@ -595,7 +561,7 @@ def clear_leftovers(state_dir: str | Path) -> list[str]:
         if Path(netns.path(ns)).exists():
             netns.delete(ns)
             removed.append(ns)
-        _delete_link(veth_name(tenant_id))
+        links.delete(veth_name(tenant_id))
     return removed
 
 

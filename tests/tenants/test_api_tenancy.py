@@ -122,7 +122,7 @@ async def test_provision_instruction_carries_a_fresh_join_token(api) -> None:  #
 
     from metald.auth import issue_token
     from metald.claims.allocation import Selector, create_claim
-    from metald.provision import driver
+    from metald.provision import netboot
     from metald.store.models import Machine
     from tests.claims.helpers import DEPLOY, add_image, add_ready
 
@@ -139,7 +139,7 @@ async def test_provision_instruction_carries_a_fresh_join_token(api) -> None:  #
             "t", deploy=DEPLOY,
         )  # fmt: skip
         mid = s.exec(select(Machine).where(Machine.claim_id == claim.id)).one().id
-        assert driver.start_provisioning(s, [mid], actor="t") == [mid]
+        assert netboot.start_provisioning(s, [mid], actor="t") == [mid]
         _row, agent_secret = issue_token(s, name="agent", role="agent", scope=[mid])
     agent = {"Authorization": f"Bearer {agent_secret}"}
 
@@ -170,7 +170,7 @@ async def test_a_rebooted_stateless_node_rejoins(api) -> None:  # type: ignore[n
 
     from metald.auth import issue_token
     from metald.claims.allocation import Selector, create_claim
-    from metald.provision import driver
+    from metald.provision import netboot
     from metald.store.models import Machine
     from metald.tenants import clusters
     from tests.claims.helpers import DEPLOY, add_image, add_ready
@@ -190,7 +190,7 @@ async def test_a_rebooted_stateless_node_rejoins(api) -> None:  # type: ignore[n
                 add_image(store, f"img-{kind}", kind=kind), None, "t", deploy=DEPLOY,
             )  # fmt: skip
             mid = s.exec(select(Machine).where(Machine.claim_id == claim.id)).one().id
-            assert driver.start_provisioning(s, [mid], actor="t") == [mid]
+            assert netboot.start_provisioning(s, [mid], actor="t") == [mid]
             _row, secret = issue_token(s, name="agent", role="agent", scope=[mid])
         agents[kind] = (mid, {"Authorization": f"Bearer {secret}"})
 

@@ -12,10 +12,9 @@ from sqlmodel import col, select
 from api.app import CTX_KEY
 from metald import machines
 from metald.lifecycle import Trigger
-from metald.provision import driver
 from metald.store.models import Event, WgPeer
 from metald.tenants import clusters, keys, mesh
-from tests.api_helpers import use_services
+from tests.api_helpers import drain_steps, use_services
 from tests.claims.fakes import FakeBmc
 from tests.claims.helpers import add_ready
 
@@ -82,7 +81,7 @@ async def _claim(client: Any, tokens: Any, store: Any, n: int) -> tuple[str, lis
     )
     assert r.status == 201, await r.text()
     claim = await r.json()
-    await driver.drain()
+    await drain_steps(client)
     return claim["id"], [m["id"] for m in claim["machines"]]
 
 
@@ -254,7 +253,7 @@ async def test_release_waits_for_the_mesh_before_the_wipe(api, monkeypatch, acki
     bmc.calls.clear()
     r = await client.post(f"/api/v1/claims/{claim_id}/machines/{gone}/release", headers=orch)
     assert r.status == 200, await r.text()
-    await driver.drain()
+    await drain_steps(client)
     # The wipe's boot went through the BMC (power off confirmed, then one-time PXE).
     assert (gone, "boot", "pxe") in bmc.calls
     with store.session() as s:
