@@ -6,7 +6,9 @@ daemon hosts it as ``ctx.services["bmc"]``). No answer carries a BMC password.
 With several instances a command for a BMC runs on the instance that owns it: a request that
 reaches another one is forwarded to the owner's API URL with the caller's own token (the owner
 authorizes it again) and its answer returned as is. A forwarded request is never forwarded
-again: if ownership moved meanwhile, the answer is a 503 saying to retry.
+again: if ownership moved meanwhile, the answer is a 503 saying to retry. The forwarding mark
+is signed with a key only instances hold (``metald.fleet.forward_auth``): a client that sets it
+itself is refused (403), it does not get a non-owner to act on another instance's BMC.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from api.routing import STAFF, ApiRequest, Router
 from api.schemas import In
 from metald import machines
 from metald.errors import Conflict, MetaldError, Unprocessable
+from metald.fleet import forward_auth
 from metald.store.models import Bmc, utcnow
 
 router = Router()
@@ -248,8 +251,8 @@ def _bmc(req: ApiRequest) -> Any:
     return svc
 
 
-#: Set on a request one instance forwards to a BMC's owner (never forwarded again).
-FORWARDED = "X-Metald-Forwarded-By"
+#: Set on a request one instance forwards to a BMC's owner (never forwarded again); signed.
+FORWARDED = forward_auth.FORWARDED
 #: How long a forwarded command may take at the owner (retries of a slow BMC included).
 FORWARD_TIMEOUT_S = 120.0
 M = TypeVar("M", bound=BaseModel)
@@ -260,17 +263,29 @@ class ForwardFailed(MetaldError):
     title = "BMC owner unreachable"
 
 
+def forwarded_by(req: ApiRequest) -> str | None:
+    """The instance that forwarded this request to us, verified (``forward_auth.verify``: call
+    it once per request, a nonce counts once); None for a client's request; 403 when the mark
+    is forged, altered, stale or replayed."""
+    return forward_auth.verify(req.ctx.secrets, req.raw.method, req.raw.path_qs, req.raw.headers)
+
+
+def forward_headers(req: ApiRequest) -> dict[str, str]:
+    """The signed mark for forwarding this request to the BMC's owner (same method and path)."""
+    return forward_auth.sign(req.ctx.secrets, req.raw.method, req.raw.path_qs, req.ctx.instance)
+
+
 async def _on_owner(
     req: ApiRequest, out: type[M], *, machine_id: str | None = None, bmc_id: str | None = None
 ) -> M | None:
     """Forward the request to the instance that owns the BMC, when that is another one, and
     return its answer (an error answer raised as the same problem); None: run it here."""
-    if req.raw.headers.get(FORWARDED):
+    if forwarded_by(req):
         return None
     url = await _bmc(req).owner_url(machine_id=machine_id, bmc_id=bmc_id)
     if url is None:
         return None
-    headers = {FORWARDED: req.ctx.instance}
+    headers = forward_headers(req)
     if auth := req.raw.headers.get("Authorization"):
         headers["Authorization"] = auth
     body = req.body.model_dump(mode="json") if isinstance(req.body, BaseModel) else None

@@ -24,6 +24,8 @@ from typing import Any
 import pytest
 from sqlmodel import select
 
+from metald.fleet import forward_auth
+from metald.secrets import SecretBox
 from metald.store import Store
 from metald.store.models import Bmc, Machine
 from tests.bmc.peers import IpmiSim, start_ipmi_sim, stop_peer
@@ -161,13 +163,19 @@ def test_kill_9_the_bmc_owner_mid_claim_the_claim_completes_no_command_twice(
         vm = mids[next(i for i, b in enumerate(bmc_ids) if owners[b] == victim)]
         got = _http(ports[survivor], "GET", f"/api/v1/machines/{vm}/power", admin)
         assert got["power_state"] == "on"
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{ports[survivor]}/api/v1/machines/{vm}/power",
-            headers={"Authorization": f"Bearer {admin}", "X-Metald-Forwarded-By": "loop"},
-        )
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(req, timeout=30)
-        assert refused.value.code == 503  # a forwarded request is never forwarded again
+        path = f"/api/v1/machines/{vm}/power"
+        box = SecretBox.from_file(tmp_path / victim / "secrets.key")
+        for mark, code in (
+            ({forward_auth.FORWARDED: "loop"}, 403),  # a client's unsigned mark: refused
+            (forward_auth.sign(box, "GET", path, victim), 503),  # never forwarded again
+        ):
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{ports[survivor]}{path}",
+                headers={"Authorization": f"Bearer {admin}", **mark},
+            )
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(req, timeout=30)
+            assert refused.value.code == code
         assert victim in json.loads(refused.value.read())["detail"]
 
         orch = _http(
