@@ -27,6 +27,7 @@ from api.paging import PageQuery, page_items
 from api.routing import STAFF, ApiRequest, Router
 from api.schemas import In
 from metald import machines
+from metald.bmc import targets
 from metald.errors import Conflict, MetaldError, Unprocessable
 from metald.fleet import forward_auth
 from metald.store.models import Bmc, utcnow
@@ -124,6 +125,12 @@ class BmcCreate(In):
     verify_tls: bool = True
     ca_cert: Annotated[str, StringConstraints(max_length=65536)] | None = Field(
         default=None, description="PEM CA to trust for this BMC only (pinned)."
+    )
+    verify: bool = Field(
+        default=True,
+        description="false: store the BMC without connecting (health unreachable; a rack "
+        "staged before it is cabled); its owning instance verifies it once it answers. Needs "
+        "protocol ipmi or redfish.",
     )
 
 
@@ -330,7 +337,9 @@ _PROBLEM_FIELDS = {"type", "title", "status", "detail", "instance"}
     location="/api/v1/bmcs/{id}",
 )
 async def register_bmc(req: ApiRequest) -> BmcOut:
-    """Connects first (422 with the reason if refused or unreachable); links it to its machine."""
+    """Connects first (422 "could not verify the BMC" naming the failed step, after [bmc]
+    verify_s) unless verify is false; only to addresses [bmc] networks allows, never to
+    loopback, link-local or metald's own listeners unless configured; links it to its machine."""
     b: BmcCreate = req.body
     address, port = parse_bmc_address(b.address, b.port, b.protocol)
     out = await _bmc(req).register(
@@ -343,6 +352,8 @@ async def register_bmc(req: ApiRequest) -> BmcOut:
         verify_tls=b.verify_tls,
         ca_cert=b.ca_cert,
         actor=req.actor,
+        verify=b.verify,
+        own_listeners=targets.own_listeners(req.ctx.cfg),
     )
     req.ctx.bus.notify()
     return BmcOut.model_validate(out)

@@ -18,7 +18,7 @@ from metald.config import load_config
 from metald.events import EventBus
 from metald.secrets import SecretBox
 from metald.store import Store
-from tests.conftest import Tokens, seed
+from tests.conftest import LAB_BMC_ENV, Tokens, seed
 
 
 @dataclass
@@ -54,6 +54,7 @@ async def live_api(
         environ={
             "METALD_STATE_DIR": str(tmp_path / "state"),
             "METALD_STORE__URL": store.url,
+            **LAB_BMC_ENV,
             **(env or {}),
         },
     )
@@ -136,6 +137,7 @@ class LoopbackApi:
             environ={
                 "METALD_STATE_DIR": str(self.tmp_path / "state"),
                 "METALD_STORE__URL": self.url,
+                **LAB_BMC_ENV,
             },
         )
         self.store = Store(self.url)

@@ -27,6 +27,7 @@ from metald.secrets import SecretBox
 from metald.store.models import CommissioningResult, CommissioningRun
 from tests.bmc.peers import IpmiSim
 from tests.commissioning.test_api import SMART_OK, _inventoried, report
+from tests.conftest import LAB_BMC_NETWORKS
 
 FIX = Path(__file__).parent / "fixtures"
 
@@ -158,7 +159,13 @@ async def test_a_critical_event_logged_during_the_run_fails_it(  # type: ignore[
     svc = BmcService(
         store,
         SecretBox.from_file(tmp_path / "k"),
-        BmcConfig(min_interval_ms=0, timeout_s=3, retries=1, power_sync_interval_s=0),
+        BmcConfig(
+            networks=LAB_BMC_NETWORKS,
+            min_interval_ms=0,
+            timeout_s=3,
+            retries=1,
+            power_sync_interval_s=0,
+        ),
         instance="t",
     )
     ctx.services["bmc"] = svc

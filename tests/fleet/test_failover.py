@@ -30,6 +30,7 @@ from metald.store import Store
 from metald.store.models import Bmc, Machine
 from tests.bmc.peers import IpmiSim, start_ipmi_sim, stop_peer
 from tests.claims.helpers import add_image, add_ready, add_tenant, boot_token
+from tests.conftest import LAB_BMC_TOML
 from tests.test_daemon import BIN, share_secrets_key, wait_http
 from vmlab.labnet import free_port
 
@@ -45,7 +46,9 @@ def _conf(tmp: Path, name: str, port: int, url: str) -> Path:
         f'state_dir = "{tmp / name}"\ninstance = "{name}"\n[store]\nurl = "{url}"\n'
         f'[api]\nlisten = "127.0.0.1:{port}"\npublic_url = "http://127.0.0.1:{port}"\n'
         f"[fleet]\nheartbeat_s = {HEARTBEAT_S}\ndead_after_s = {DEAD_AFTER_S}\n"
-        "[bmc]\npower_sync_interval_s = 1\nmin_interval_ms = 0\ntimeout_s = 2\nretries = 1\n"
+        "[bmc]\n"
+        + LAB_BMC_TOML
+        + "power_sync_interval_s = 1\nmin_interval_ms = 0\ntimeout_s = 2\nretries = 1\n"
         "[provision]\nwatchdog_interval_s = 1\n"
     )
     return conf
