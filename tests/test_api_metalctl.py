@@ -297,6 +297,7 @@ class _ImportBmc:
     def __init__(self, refuse: str | None = None) -> None:
         self.rows: dict[str, dict[str, Any]] = {}
         self.passwords: dict[str, str] = {}
+        self.verify: dict[str, Any] = {}
         self.removed: list[str] = []
         self.refuse = refuse
 
@@ -319,6 +320,7 @@ class _ImportBmc:
             raise Unprocessable(f"BMC {address} did not answer; check its address and network")
         bmc_id = f"b{len(self.rows):07d}-0000-4000-8000-000000000000"
         self.passwords[address] = password
+        self.verify[address] = _kw.get("verify")
         self.rows[bmc_id] = {
             "id": bmc_id, "machine_id": machine_id, "address": address, "port": port,
             "protocol": protocol if protocol != "auto" else "ipmi", "username": username,
@@ -459,6 +461,18 @@ def test_bmc_import_reads_only_variables_the_operator_allowed(
         "--protocol", "redfish", "--username", "admin", "--password-env", "METALD_BMC_PASSWORD_R07",
     )  # fmt: skip
     assert rc == 0 and svc.passwords["https://203.0.113.9"] == "rack-pw"
+    assert svc.verify["https://203.0.113.9"] is True
+    # --no-verify stages BMCs that do not answer yet (register and import alike).
+    rc, out, _ = _run(
+        capsys, "bmcs", "register", "10.0.9.1", "--protocol", "ipmi", "--username", "admin",
+        "--password-env", "METALD_BMC_PASSWORD_R07", "--no-verify",
+    )  # fmt: skip
+    assert rc == 0 and svc.verify["10.0.9.1"] is False
+    rc, _, _ = _import(
+        live, capsys, tmp_path, CSV_HEAD + "10.0.9.2,ipmi,admin,METALD_BMC_PASSWORD_R07,\n",
+        "--no-verify",
+    )  # fmt: skip
+    assert rc == 0 and svc.verify["10.0.9.2"] is False
 
 
 # ---- --wait progress ------------------------------------------------------------------------

@@ -108,6 +108,12 @@ def register(sub: Subparsers) -> None:
     bi.add_argument("--partial", action="store_true", help="import the good rows anyway")
     bi.add_argument("--dry-run", action="store_true", help="check the file, register nothing")
     bi.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="store the BMCs without connecting (a rack not cabled yet: unreachable until its "
+        "owning instance hears from each); every row then names its protocol",
+    )
+    bi.add_argument(
         "--allow-env",
         action="append",
         default=[],
@@ -130,6 +136,12 @@ def register(sub: Subparsers) -> None:
     br.add_argument("--machine")
     br.add_argument(
         "--insecure", action="store_true", help="do not verify the BMC's TLS certificate"
+    )
+    br.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="store it without connecting (stored unreachable, verified once it answers); "
+        "needs --protocol ipmi or redfish",
     )
     br.set_defaults(func=register_bmc)
 
@@ -369,12 +381,11 @@ def import_bmcs(args: argparse.Namespace, c: Client) -> int:
     failed = False
     for r in good:
         out = {"line": r.line, "address": r.address, "machine": r.machine or "-"}
+        body = r.body(os.environ[r.password_env], machine_ids.get(r.line))
+        if args.no_verify:
+            body["verify"] = False
         try:
-            b = c.call(
-                "POST",
-                "/api/v1/bmcs",
-                r.body(os.environ[r.password_env], machine_ids.get(r.line)),
-            )
+            b = c.call("POST", "/api/v1/bmcs", body)
         except ApiError as e:
             failed = True
             results.append({**out, "result": "failed", "detail": f"{e.detail} (HTTP {e.status})"})
@@ -421,6 +432,8 @@ def register_bmc(args: argparse.Namespace, c: Client) -> None:
     }
     if args.port:
         body["port"] = args.port
+    if args.no_verify:
+        body["verify"] = False
     if args.machine:
         body["machine_id"] = args.machine
     r = c.call("POST", "/api/v1/bmcs", body)
