@@ -19,7 +19,7 @@ from metald.config import load_config
 from metald.events import EventBus
 from metald.secrets import SecretBox
 from metald.store import Store
-from tests.conftest import Tokens, seed
+from tests.conftest import LAB_BMC_ENV, Tokens, seed
 
 
 @dataclass
@@ -55,6 +55,7 @@ async def live_api(
         environ={
             "METALD_STATE_DIR": str(tmp_path / "state"),
             "METALD_STORE__URL": store.url,
+            **LAB_BMC_ENV,
             **(env or {}),
         },
     )
@@ -137,6 +138,7 @@ class LoopbackApi:
             environ={
                 "METALD_STATE_DIR": str(self.tmp_path / "state"),
                 "METALD_STORE__URL": self.url,
+                **LAB_BMC_ENV,
             },
         )
         self.store = Store(self.url)

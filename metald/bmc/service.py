@@ -105,9 +105,20 @@ class BmcService:
         verify_tls: bool = True,
         ca_cert: str | None = None,
         actor: str = "system",
+        **checks: Any,
     ) -> dict[str, Any]:
+        """``checks``: ``verify`` and ``own_listeners`` (``BmcRegistry.register``)."""
         row = await self.registry.register(
-            address, port, protocol, username, password, machine_id, verify_tls, ca_cert, actor
+            address,
+            port,
+            protocol,
+            username,
+            password,
+            machine_id,
+            verify_tls,
+            ca_cert,
+            actor,
+            **checks,
         )
         return public(row)
 

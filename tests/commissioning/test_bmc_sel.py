@@ -28,6 +28,7 @@ from metald.store.models import CommissioningResult, CommissioningRun
 from tests.api_helpers import use_services
 from tests.bmc.peers import IpmiSim
 from tests.commissioning.test_api import SMART_OK, _inventoried, report
+from tests.conftest import LAB_BMC_NETWORKS
 
 FIX = Path(__file__).parent / "fixtures"
 
@@ -159,7 +160,13 @@ async def test_a_critical_event_logged_during_the_run_fails_it(  # type: ignore[
     svc = BmcService(
         store,
         SecretBox.from_file(tmp_path / "k"),
-        BmcConfig(min_interval_ms=0, timeout_s=3, retries=1, power_sync_interval_s=0),
+        BmcConfig(
+            networks=LAB_BMC_NETWORKS,
+            min_interval_ms=0,
+            timeout_s=3,
+            retries=1,
+            power_sync_interval_s=0,
+        ),
         instance="t",
     )
     use_services(ctx, bmc=svc)

@@ -45,7 +45,7 @@ from metald.config import load_config
 from metald.events import EventBus
 from metald.secrets import SecretBox
 from metald.store import Store
-from tests.conftest import seed
+from tests.conftest import LAB_BMC_ENV, seed
 
 address, port, user, password = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 seen = bytearray()
@@ -53,7 +53,7 @@ seen = bytearray()
 async def main():
     tmp = Path(tempfile.mkdtemp())
     cfg = load_config(None, environ={"METALD_STATE_DIR": str(tmp / "state"),
-                                     "METALD_STORE__URL": f"sqlite:///{tmp}/m.db"})
+                                     "METALD_STORE__URL": f"sqlite:///{tmp}/m.db", **LAB_BMC_ENV})
     store = Store(cfg.store_url)
     store.migrate()
     secrets = SecretBox.from_file(cfg.secrets_key_path)
@@ -134,7 +134,7 @@ from metald.config import load_config
 from metald.events import EventBus
 from metald.secrets import SecretBox
 from metald.store import Store
-from tests.conftest import seed
+from tests.conftest import LAB_BMC_ENV, seed
 from tests.ui_browser import artifacts_dir, chromium, login, shoot
 
 address, port, user, password = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
@@ -144,7 +144,7 @@ ready, box = threading.Event(), {}
 async def serve():
     tmp = Path(tempfile.mkdtemp())
     cfg = load_config(None, environ={"METALD_STATE_DIR": str(tmp / "state"),
-                                     "METALD_STORE__URL": f"sqlite:///{tmp}/m.db"})
+                                     "METALD_STORE__URL": f"sqlite:///{tmp}/m.db", **LAB_BMC_ENV})
     store = Store(cfg.store_url)
     store.migrate()
     secrets = SecretBox.from_file(cfg.secrets_key_path)

@@ -21,7 +21,7 @@ from playwright.sync_api import expect
 
 from tests.bmc.peers import PASSWORD
 from tests.bmc.test_sol_ipmi_sim import SolSim, running_sol_sim
-from tests.conftest import Tokens, seed
+from tests.conftest import LAB_BMC_ENV, Tokens, seed
 from tests.ui_browser import axe_violations, open_as, shoot
 
 pytestmark = [
@@ -68,7 +68,12 @@ def console_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ConsoleApp
     async def serve() -> None:
         url = f"sqlite:///{tmp / 'metald.db'}"
         cfg = load_config(
-            None, environ={"METALD_STATE_DIR": str(tmp / "state"), "METALD_STORE__URL": url}
+            None,
+            environ={
+                "METALD_STATE_DIR": str(tmp / "state"),
+                "METALD_STORE__URL": url,
+                **LAB_BMC_ENV,
+            },
         )
         cfg.bmc.min_interval_ms, cfg.bmc.timeout_s, cfg.bmc.retries = 0, 3, 1
         store = Store(url)
