@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from metald.commissioning.verdict import Verdict, judge
 
@@ -14,13 +15,27 @@ _XID = re.compile(r"NVRM: Xid \(PCI:([0-9a-fA-F:.]+)\): (\d+),?\s*(.*)")
 HARDWARE_XIDS = frozenset({48, 61, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140})
 
 
-def judge_xid(kernel_log: str) -> Verdict:
-    """Any hardware XID in the log fails; application XIDs (13, 31, 43 ...) are reported."""
+def parse_xid(kernel_log: str) -> list[dict[str, Any]]:
+    """Every XID line of a kernel log (dmesg or the journal's kernel lines): the GPU's PCI
+    address, the XID number, the text after it (bounded) and the whole line (bounded)."""
     events = []
     for line in kernel_log.splitlines():
         m = _XID.search(line)
         if m:
-            events.append({"pci": m.group(1), "xid": int(m.group(2)), "text": m.group(3)[:200]})
+            events.append(
+                {
+                    "pci": m.group(1),
+                    "xid": int(m.group(2)),
+                    "text": m.group(3)[:200],
+                    "line": line.strip()[:400],
+                }
+            )
+    return events
+
+
+def judge_xid(kernel_log: str) -> Verdict:
+    """Any hardware XID in the log fails; application XIDs (13, 31, 43 ...) are reported."""
+    events = [{k: e[k] for k in ("pci", "xid", "text")} for e in parse_xid(kernel_log)]
     bad = [e for e in events if e["xid"] in HARDWARE_XIDS]
     problems = [
         f"XID {e['xid']} on GPU {e['pci']}" + (f" ({e['text']})" if e["text"] else "")
