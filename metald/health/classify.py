@@ -75,14 +75,14 @@ UNMATCHED, CLEAR = "unmatched", "clear"
 _FATAL_XIDS = (48, 63, 64, 74, 79, 94, 95)
 _OTHER_HW_XIDS = sorted(HARDWARE_XIDS - set(_FATAL_XIDS))
 _THROTTLE = "hw_slowdown|hw_thermal_slowdown|hw_power_brake_slowdown|sw_thermal_slowdown"
-F, D, T, O = Severity.FATAL, Severity.DEGRADED, Severity.TRANSIENT, Severity.OK
+F, D, T, N = Severity.FATAL, Severity.DEGRADED, Severity.TRANSIENT, Severity.OK  # N: no fault
 
 
 def _bmc_log_rules(kind: Kind, p: str) -> list[Rule]:
     """The same rules for IPMI SEL records and Redfish log entries: the code is
     ``<severity>: <message>`` as the BMC gave them."""
     return [
-        Rule(f"{p}-deasserted", kind, r".*(deassert|recovered|no longer|restored).*", O,
+        Rule(f"{p}-deasserted", kind, r".*(deassert|recovered|no longer|restored).*", N,
              "the event ended (a deassertion is no fault)"),
         Rule(f"{p}-memory-uncorrectable", kind, r".*uncorrectable ecc.*", F,
              "uncorrectable memory ECC", part="dimm"),
@@ -109,7 +109,7 @@ DEFAULT_RULES: tuple[Rule, ...] = (
     Rule("xid-hardware", Kind.XID, "|".join(map(str, _OTHER_HW_XIDS)), D,
          "other XIDs that blame the GPU (92 high single-bit ECC rate, 119/120 GSP, 140 "
          "unrecovered ECC, 61/62 internal micro-controller)", part="gpu"),
-    Rule("xid-application", Kind.XID, r"\d+", O,
+    Rule("xid-application", Kind.XID, r"\d+", N,
          "application XIDs (13, 31, 43 ...) are the program's fault, not the machine's"),
     Rule("gpu-ecc-uncorrectable", Kind.GPU_ECC, "uncorrectable-(volatile|aggregate)", F,
          "uncorrectable GPU memory ECC errors", min_value=1, part="gpu"),
@@ -178,7 +178,10 @@ def build_table(
 ) -> Table:
     """The built-in rules with the thresholds set, ``disable`` left out, and ``overrides``
     replacing rules of the same id in place or going first."""
-    thresholds = {"node-silent": node_silence_s, "gpu-ecc-correctable-storm": correctable_ecc_per_hour}
+    thresholds = {
+        "node-silent": node_silence_s,
+        "gpu-ecc-correctable-storm": correctable_ecc_per_hour,
+    }
     off = set(disable)
     by_id = {r.id: r for r in overrides}
     rules = [

@@ -13,7 +13,6 @@ from metald.health.classify import DEFAULT_RULES, Rule, Severity, Table, build_t
 from metald.health.signals import Kind
 
 
-
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True, frozen=True)
 

@@ -67,11 +67,7 @@ class Health:
 
 
 def _may_clear(clearer: Witness, fault: Fault) -> bool:
-    return (
-        clearer != Witness.NODE
-        and clearer == fault.witness
-        and fault.severity != Severity.FATAL
-    )
+    return clearer != Witness.NODE and clearer == fault.witness and fault.severity != Severity.FATAL
 
 
 def fold_one(h: Health, c: Classified) -> Health:

@@ -52,9 +52,9 @@ _GPU = re.compile(r"^GPU (\d+): (.*?) \(UUID")
 _LINK = re.compile(r"^\s*Link (\d+): (.*)$")
 
 
-def judge_nvlink(text: str, *, links_per_gpu: int | None = None) -> Verdict:
-    """``nvidia-smi nvlink -s``: every link of every GPU up (``<inactive>`` fails), and as
-    many links per GPU as the profile says."""
+def parse_nvlink(text: str) -> dict[str, dict[str, str]]:
+    """``nvidia-smi nvlink -s``: GPU index -> link number -> what the line says
+    (``26.562 GB/s`` or ``<inactive>``)."""
     gpus: dict[str, dict[str, str]] = {}
     current: str | None = None
     for line in text.splitlines():
@@ -66,6 +66,13 @@ def judge_nvlink(text: str, *, links_per_gpu: int | None = None) -> Verdict:
         link = _LINK.match(line)
         if link and current is not None:
             gpus[current][link.group(1)] = link.group(2).strip()
+    return gpus
+
+
+def judge_nvlink(text: str, *, links_per_gpu: int | None = None) -> Verdict:
+    """``nvidia-smi nvlink -s``: every link of every GPU up (``<inactive>`` fails), and as
+    many links per GPU as the profile says."""
+    gpus = parse_nvlink(text)
     problems = []
     for gpu, links in gpus.items():
         down = [n for n, v in links.items() if "inactive" in v.lower()]
