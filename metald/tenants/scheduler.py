@@ -56,8 +56,13 @@ class SlurmScheduler:
         return slurmstate.node_status(slurmstate.parse_show_node(r.stdout))
 
     def running_jobs(self, node: str) -> list[str]:
-        return slurmstate.parse_jobs(self._ok("squeue", "-h", "-w", node, "-t", _ON_NODE,
-                                              "-o", "%i"))  # fmt: skip
+        """Ids of the jobs on ``node``; none when the scheduler has no such node."""
+        r = self._call("squeue", "-h", "-w", node, "-t", _ON_NODE, "-o", "%i")
+        if r.returncode != 0 and slurmstate.INVALID_NODE.search(r.stderr):
+            return []
+        if r.returncode != 0:
+            raise SchedulerError(f"squeue -w {node} failed: {_one_line(r.stderr)}")
+        return slurmstate.parse_jobs(r.stdout)
 
     def remove_node(self, node: str, reason: str) -> None:
         """Down first (Slurm ends the jobs still on it; deleting a node in use is refused),
@@ -68,7 +73,11 @@ class SlurmScheduler:
                  f"reason={_one_line(reason)}")  # fmt: skip
         r = self._call("scontrol", "delete", f"nodename={node}")
         if r.returncode != 0 and self.node_state(node).state != NodeState.ABSENT:
-            raise SchedulerError(f"scontrol delete {node} failed: {_one_line(r.stderr)}")
+            # Slurm refuses while the jobs it ended are still completing: the caller retries
+            raise SchedulerError(
+                f"scontrol delete {node} failed (jobs may still be ending; try again): "
+                f"{_one_line(r.stderr)}"
+            )
 
     def drain_reasons(self) -> dict[str, str]:
         """Node -> reason, as ``sinfo -R`` lists them."""

@@ -14,7 +14,10 @@ from metald.health.scheduler import NodeState, NodeStatus
 
 _KEY = re.compile(r"(?:^|(?<=\s))([A-Za-z][A-Za-z0-9_]*)=")
 _STAMP = re.compile(r"\s*\[[^\]@]*@[^\]]*\]$")
+#: ``scontrol show node`` of a node it does not know (exit status 1).
 NOT_FOUND = re.compile(r"^Node \S+ not found", re.MULTILINE)
+#: ``squeue -w`` of a node it does not know (exit status 1).
+INVALID_NODE = re.compile(r"error: Invalid node name")
 
 
 def parse_show_node(line: str) -> dict[str, str]:
