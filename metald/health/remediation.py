@@ -199,7 +199,8 @@ def _outcome(
                     f"{jobs} job(s) still run on node {rem.node} after "
                     f"{rem.policy.job_wait_s} s: taking {m} out now"
                 )
-            return O.WAIT, f"waiting for {f.running_jobs} job(s) on node {rem.node}"
+            jobs = "its jobs" if f.running_jobs is None else f"{f.running_jobs} job(s)"
+            return O.WAIT, f"waiting for {jobs} on node {rem.node}"
         case S.REMOVE:
             if rem.policy.fatal == "replace":
                 return O.DONE, f"{m} is out of claim {rem.claim}: claiming a replacement"

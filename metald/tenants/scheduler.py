@@ -44,7 +44,9 @@ class SlurmScheduler:
                  f"reason={_one_line(reason)}")  # fmt: skip
 
     def undrain(self, node: str) -> None:
-        if self.node_state(node).state in (NodeState.DRAINED, NodeState.DRAINING):
+        st = self.node_state(node)
+        # a drained node that also stopped answering reads NOT_RESPONDING: the flag decides
+        if st.state in (NodeState.DRAINED, NodeState.DRAINING) or "DRAIN" in st.raw.split("+"):
             self._ok("scontrol", "update", f"nodename={node}", "state=resume")
 
     def node_state(self, node: str) -> NodeStatus:

@@ -232,7 +232,9 @@ def test_fatal_waits_for_jobs_up_to_the_bound() -> None:
     assert r.step == Step.WAIT_JOBS
     assert decide(r, Facts(T0 + timedelta(seconds=599), F, running_jobs=2)).next == r.step
     unknown = decide(r, Facts(T0 + timedelta(seconds=599), F, running_jobs=None))
-    assert unknown.next == Step.WAIT_JOBS
+    assert (
+        unknown.next == Step.WAIT_JOBS and unknown.reason == "waiting for its jobs on node node-m1"
+    )
     late = decide(r, Facts(T0 + timedelta(seconds=600), F, running_jobs=None))
     assert late.next == Step.REMOVE and "an unknown number of job(s)" in late.reason
     assert decide(r, Facts(T0 + timedelta(1), F, running_jobs=0)).outcome == "jobs-gone"

@@ -98,9 +98,6 @@ def _gpu(g: ET.Element) -> dict[str, Any]:
         "remap_pending": rows is not None and (text("remapped_rows/remapped_row_pending") == "Yes"),
         "remap_failure": rows is not None and (text("remapped_rows/remapped_row_failure") == "Yes"),
         "remapped_uncorrectable": _int(text("remapped_rows/remapped_row_unc")) or 0,
-        "retired_count": sum(
-            _int(el.text) or 0 for el in g.findall("retired_pages/*/retired_count")
-        ),
     }
 
 
