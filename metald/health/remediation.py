@@ -63,39 +63,37 @@ class Outcome(StrEnum):
     NO_REPLACEMENT = "no-replacement"
 
 
-S, O = Step, Outcome  # noqa: E741
-
 #: The action each step performs (steps without one only look at the facts).
 ACTIONS: dict[Step, Action] = {
-    S.DRAIN: Action.DRAIN,
-    S.REMOVE: Action.REMOVE,
-    S.REPLACE: Action.REPLACE,
-    S.REPAIR: Action.REPAIR,
-    S.UNDRAIN: Action.UNDRAIN,
+    Step.DRAIN: Action.DRAIN,
+    Step.REMOVE: Action.REMOVE,
+    Step.REPLACE: Action.REPLACE,
+    Step.REPAIR: Action.REPAIR,
+    Step.UNDRAIN: Action.UNDRAIN,
 }
 
 #: (step, outcome) -> the step stored next.
 TRANSITIONS: dict[tuple[Step, Outcome], Step] = {
-    (S.WAITING, O.ADMITTED): S.DRAIN,
-    (S.WAITING, O.REFUSED): S.WAITING,
-    (S.WAITING, O.NOTHING): S.DONE,
-    (S.DRAIN, O.TAKE_OUT): S.WAIT_JOBS,
-    (S.DRAIN, O.KEEP): S.DRAINED,
-    (S.WAIT_JOBS, O.JOBS_GONE): S.REMOVE,
-    (S.WAIT_JOBS, O.DEADLINE): S.REMOVE,
-    (S.WAIT_JOBS, O.WAIT): S.WAIT_JOBS,
-    (S.DRAINED, O.TAKE_OUT): S.WAIT_JOBS,
-    (S.DRAINED, O.CLEARED): S.UNDRAIN,
-    (S.DRAINED, O.WAIT): S.DRAINED,
-    (S.REMOVE, O.DONE): S.REPLACE,
-    (S.REMOVE, O.NO_REPLACEMENT): S.REPAIR,
-    (S.REPLACE, O.DONE): S.REPAIR,
-    (S.REPAIR, O.DONE): S.DONE,
-    (S.UNDRAIN, O.DONE): S.DONE,
+    (Step.WAITING, Outcome.ADMITTED): Step.DRAIN,
+    (Step.WAITING, Outcome.REFUSED): Step.WAITING,
+    (Step.WAITING, Outcome.NOTHING): Step.DONE,
+    (Step.DRAIN, Outcome.TAKE_OUT): Step.WAIT_JOBS,
+    (Step.DRAIN, Outcome.KEEP): Step.DRAINED,
+    (Step.WAIT_JOBS, Outcome.JOBS_GONE): Step.REMOVE,
+    (Step.WAIT_JOBS, Outcome.DEADLINE): Step.REMOVE,
+    (Step.WAIT_JOBS, Outcome.WAIT): Step.WAIT_JOBS,
+    (Step.DRAINED, Outcome.TAKE_OUT): Step.WAIT_JOBS,
+    (Step.DRAINED, Outcome.CLEARED): Step.UNDRAIN,
+    (Step.DRAINED, Outcome.WAIT): Step.DRAINED,
+    (Step.REMOVE, Outcome.DONE): Step.REPLACE,
+    (Step.REMOVE, Outcome.NO_REPLACEMENT): Step.REPAIR,
+    (Step.REPLACE, Outcome.DONE): Step.REPAIR,
+    (Step.REPAIR, Outcome.DONE): Step.DONE,
+    (Step.UNDRAIN, Outcome.DONE): Step.DONE,
 }
 
 #: Steps that hold one of the claim's and the rack's remediation slots.
-HOLDS_SLOT = frozenset(Step) - {S.WAITING, S.DONE}
+HOLDS_SLOT = frozenset(Step) - {Step.WAITING, Step.DONE}
 
 
 @dataclass(frozen=True)
@@ -109,7 +107,7 @@ class Remediation:
     severity: Severity
     evidence: str
     policy: PolicyConfig
-    step: Step = S.WAITING
+    step: Step = Step.WAITING
     drained_at: datetime | None = None
     #: The machine claimed in its place (recorded with the step after ``replace``).
     replacement: str | None = None
@@ -162,55 +160,58 @@ def _takes_out(policy: PolicyConfig) -> bool:
 def _outcome(
     rem: Remediation, f: Facts, active: Iterable[Remediation], limits: LimitsConfig
 ) -> tuple[Outcome, str]:
-    sev = worst((rem.severity, f.severity)) if rem.step != S.WAITING else f.severity
+    sev = worst((rem.severity, f.severity)) if rem.step != Step.WAITING else f.severity
     fatal = sev == Severity.FATAL
     m = rem.machine
     match rem.step:
-        case S.WAITING:
+        case Step.WAITING:
             if sev.rank < Severity.DEGRADED.rank:
-                return O.NOTHING, f"{m} is {sev} now: nothing to do"
+                return Outcome.NOTHING, f"{m} is {sev} now: nothing to do"
             if not fatal and rem.policy.degraded == "none":
-                return O.NOTHING, f"{m} is degraded and the claim's policy does nothing"
+                return Outcome.NOTHING, f"{m} is degraded and the claim's policy does nothing"
             why = refusal(rem, active, limits)
             if why is not None:
-                return O.REFUSED, why
+                return Outcome.REFUSED, why
             return (
-                O.ADMITTED,
+                Outcome.ADMITTED,
                 f"{m} is {sev}: draining node {rem.node} ({f.evidence or rem.evidence})",
             )
-        case S.DRAIN:
+        case Step.DRAIN:
             if fatal and _takes_out(rem.policy):
                 wait = rem.policy.job_wait_s
-                return O.TAKE_OUT, f"{m} drained; running jobs may finish for up to {wait} s"
-            return O.KEEP, f"{m} drained; it stays in the claim"
-        case S.DRAINED:
+                return Outcome.TAKE_OUT, f"{m} drained; running jobs may finish for up to {wait} s"
+            return Outcome.KEEP, f"{m} drained; it stays in the claim"
+        case Step.DRAINED:
             if fatal and _takes_out(rem.policy):
-                return O.TAKE_OUT, f"{m} is fatal now ({f.evidence}): it will be taken out"
+                return Outcome.TAKE_OUT, f"{m} is fatal now ({f.evidence}): it will be taken out"
             if f.severity.rank < Severity.DEGRADED.rank and not fatal:
-                return O.CLEARED, f"{m}'s fault cleared: undraining node {rem.node}"
-            return O.WAIT, f"{m} stays drained"
-        case S.WAIT_JOBS:
+                return Outcome.CLEARED, f"{m}'s fault cleared: undraining node {rem.node}"
+            return Outcome.WAIT, f"{m} stays drained"
+        case Step.WAIT_JOBS:
             if f.running_jobs == 0:
-                return O.JOBS_GONE, f"no job runs on node {rem.node}: taking {m} out"
+                return Outcome.JOBS_GONE, f"no job runs on node {rem.node}: taking {m} out"
             drained = rem.drained_at or f.now
             if f.now >= drained + timedelta(seconds=rem.policy.job_wait_s):
                 jobs = "an unknown number of" if f.running_jobs is None else str(f.running_jobs)
-                return O.DEADLINE, (
+                return Outcome.DEADLINE, (
                     f"{jobs} job(s) still run on node {rem.node} after "
                     f"{rem.policy.job_wait_s} s: taking {m} out now"
                 )
             jobs = "its jobs" if f.running_jobs is None else f"{f.running_jobs} job(s)"
-            return O.WAIT, f"waiting for {jobs} on node {rem.node}"
-        case S.REMOVE:
+            return Outcome.WAIT, f"waiting for {jobs} on node {rem.node}"
+        case Step.REMOVE:
             if rem.policy.fatal == "replace":
-                return O.DONE, f"{m} is out of claim {rem.claim}: claiming a replacement"
-            return O.NO_REPLACEMENT, f"{m} is out of claim {rem.claim} (the policy replaces none)"
-        case S.REPLACE:
-            return O.DONE, f"a replacement for {m} joins claim {rem.claim}"
-        case S.REPAIR:
-            return O.DONE, f"{m} is in the repair queue: {rem.evidence}"
-        case S.UNDRAIN:
-            return O.DONE, f"node {rem.node} is back in service"
+                return Outcome.DONE, f"{m} is out of claim {rem.claim}: claiming a replacement"
+            return (
+                Outcome.NO_REPLACEMENT,
+                f"{m} is out of claim {rem.claim} (the policy replaces none)",
+            )
+        case Step.REPLACE:
+            return Outcome.DONE, f"a replacement for {m} joins claim {rem.claim}"
+        case Step.REPAIR:
+            return Outcome.DONE, f"{m} is in the repair queue: {rem.evidence}"
+        case Step.UNDRAIN:
+            return Outcome.DONE, f"node {rem.node} is back in service"
     raise ValueError(f"remediation {rem.id} is done: nothing to decide")
 
 
@@ -226,7 +227,7 @@ def decide(
     outcome, reason = _outcome(rem, facts, active, limits)
     nxt = TRANSITIONS[(rem.step, outcome)]
     action = ACTIONS.get(rem.step, Action.NONE) if nxt != rem.step else Action.NONE
-    if rem.step == S.REPLACE and rem.replacement is not None:
+    if rem.step == Step.REPLACE and rem.replacement is not None:
         action = Action.NONE  # recorded already: never a second replacement
     return Decision(action, outcome, nxt, reason)
 
@@ -241,7 +242,7 @@ def advance(
             raise ValueError("a replace step is done only with the replacement's machine id")
         if rem.replacement not in (None, replacement):
             raise ValueError(f"{rem.machine} already has replacement {rem.replacement}")
-    sev = worst((rem.severity, facts.severity)) if rem.step != S.WAITING else facts.severity
+    sev = worst((rem.severity, facts.severity)) if rem.step != Step.WAITING else facts.severity
     evidence = facts.evidence if sev.rank > rem.severity.rank and facts.evidence else rem.evidence
     return replace(
         rem,
