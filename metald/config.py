@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from metald.health.config import HealthConfig
 from metald.inventory.rules import EnrollmentRule
 from metald.macaddr import normalize_mac
 
@@ -434,6 +435,8 @@ class Config(_Section):
     provision: ProvisionConfig = ProvisionConfig()
     tenants: TenantsConfig = TenantsConfig()
     fleet: FleetConfig = FleetConfig()
+    #: Day 2: classification rules, remediation policies and limits (docs/health.md).
+    health: HealthConfig = HealthConfig()
 
     @property
     def store_url(self) -> str:
