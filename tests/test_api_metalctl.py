@@ -423,7 +423,7 @@ def test_bmc_import_reads_only_variables_the_operator_allowed(
     import os
 
     svc = _ImportBmc()
-    live.runner.app[CTX_KEY].services["bmc"] = svc
+    use_services(live.runner.app[CTX_KEY], bmc=svc)
     token = os.environ["METALD_TOKEN"]
     monkeypatch.setenv("HOME_PW", "operator-secret")
     monkeypatch.setenv("METALD_BMC_PASSWORD_R07", "rack-pw")

@@ -21,7 +21,7 @@ import pytest
 from aiohttp import web
 
 from api.app import create_app
-from api.context import AppContext
+from api.context import AppContext, Services
 from metald.bmc.service import BmcService
 from metald.config import load_config
 from metald.events import EventBus
@@ -47,7 +47,9 @@ async def _api(aiohttp_client, store: Store, tmp_path: Path, env: dict[str, str]
     )
     secrets = SecretBox.from_file(cfg.secrets_key_path)
     svc = BmcService(store, secrets, cfg.bmc, cfg.instance)
-    ctx = AppContext(cfg=cfg, store=store, secrets=secrets, bus=EventBus(), services={"bmc": svc})
+    ctx = AppContext(
+        cfg=cfg, store=store, secrets=secrets, bus=EventBus(), services=Services(bmc=svc)
+    )
     tokens = seed(store)
     client = await aiohttp_client(create_app(ctx))
     return client, tokens, svc, cfg

@@ -23,7 +23,7 @@ from api import routes_bmc, routes_console
 from metald.errors import Conflict
 from metald.fleet import forward_auth
 from metald.secrets import SecretBox
-from tests.api_helpers import LiveApi, live_api
+from tests.api_helpers import LiveApi, live_api, use_services
 
 MID = "00000000-0000-4000-8000-0000000000aa"
 
@@ -84,8 +84,7 @@ async def live(aiohttp_client, store, tmp_path: Path) -> LiveApi:  # type: ignor
     live = await live_api(aiohttp_client, store, tmp_path)
     here = _Here()
     here.url = f"http://127.0.0.1:{live.port}"
-    live.ctx.services["bmc"] = here
-    live.ctx.services["console"] = here
+    use_services(live.ctx, bmc=here, console=here)
     return live
 
 
@@ -107,7 +106,8 @@ async def _call(live: LiveApi, key: str, path: str, headers: dict[str, str]) -> 
 async def test_a_forged_stale_or_replayed_forward_mark_is_refused(
     live: LiveApi, key: str, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    here: _Here = live.ctx.services["bmc"]
+    here = live.ctx.services.bmc
+    assert isinstance(here, _Here)
     box = live.ctx.secrets
     method = key.split()[0]
 
