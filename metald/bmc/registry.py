@@ -19,8 +19,8 @@ from typing import Any
 from sqlalchemy import String, cast, func, or_
 from sqlmodel import Session, select
 
-from metald.bmc.base import BmcAuthError, BmcEndpoint, BmcError, SystemIdentity
-from metald.bmc.commands import BmcControl, cause, get_bmc
+from metald.bmc.base import BmcAuthError, BmcEndpoint, BmcError, SystemIdentity, cause
+from metald.bmc.executor import BmcExecutor, get_bmc
 from metald.bmc.ipmi import guid_readings
 from metald.bmc.scheduler import Health
 from metald.errors import Conflict, Unprocessable
@@ -125,7 +125,7 @@ def match_machine(s: Session, row: Bmc, uuid_candidates: list[str]) -> tuple[str
 
 
 class BmcRegistry:
-    def __init__(self, store: Store, control: BmcControl, instance: str) -> None:
+    def __init__(self, store: Store, control: BmcExecutor, instance: str) -> None:
         self.store = store
         self.control = control
         self.instance = instance
