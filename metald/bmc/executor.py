@@ -366,17 +366,6 @@ class BmcExecutor:
             await self._generation(row)
         if before_send is not None:
             before_send()
-        return await self._command(row, name, fn, idempotent=idempotent, timeout_s=timeout_s)
-
-    async def _command(
-        self,
-        row: Bmc,
-        name: str,
-        fn: Callable[[BmcDriver], Awaitable[T]],
-        *,
-        idempotent: bool = True,
-        timeout_s: float | None = None,
-    ) -> T:
         try:
             return await self.run(row, name, fn, idempotent=idempotent, timeout_s=timeout_s)
         except LeaseEnded as e:
