@@ -285,7 +285,7 @@ class Views:
                 bmc["capabilities"] = None
         console = None
         if self.api.allows(ui, "GET", "/api/v1/machines/{id}/console"):
-            svc = ui.ctx.services.get("console")
+            svc = ui.ctx.services.console
             console = (
                 svc.status(m["id"]) if svc is not None else {"state": "unavailable", "watching": []}
             )

@@ -46,7 +46,9 @@ async def read_power(ex: Executor, machine_id: str, *, actor: str = "system") ->
 
 async def read_power_row(ex: Executor, row: Bmc) -> PowerState:
     """Ask the BMC now, and record what it said (not drift: someone asked)."""
-    state = await ex.execute(row, Capability.POWER, "get_power", lambda d: d.get_power())
+    state: PowerState = await ex.execute(
+        row, Capability.POWER, "get_power", lambda d: d.get_power()
+    )
     await ex.store.run(record_power, row.id, state, None, ex.instance)
     return state
 

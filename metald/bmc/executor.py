@@ -245,7 +245,7 @@ class BmcExecutor:
         self,
         row: Bmc,
         op_name: str,
-        fn: Callable[[BmcDriver], Awaitable[T]],
+        fn: Callable[[Any], Awaitable[T]],
         *,
         idempotent: bool = True,
         timeout_s: float | None = None,

@@ -37,7 +37,9 @@ def bios_drift(
     }
 
 
-def to_stage(desired: dict[str, Any], current: dict[str, Any], pending: dict[str, Any]) -> dict:
+def to_stage(
+    desired: dict[str, Any], current: dict[str, Any], pending: dict[str, Any]
+) -> dict[str, Any]:
     """What must be written to the pending settings so the next boot has the desired profile."""
     return {k: v for k, v in desired.items() if current.get(k) != v and pending.get(k) != v}
 
@@ -112,7 +114,7 @@ def record_bios(
 
 async def refresh_firmware(ex: Executor, machine_id: str, actor: str) -> list[FirmwareItem]:
     row = await ex.row_for_machine(machine_id)
-    items = await ex.execute(
+    items: list[FirmwareItem] = await ex.execute(
         row,
         Capability.FIRMWARE,
         "firmware_inventory",

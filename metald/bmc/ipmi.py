@@ -19,7 +19,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from metald.bmc import rmcp
 from metald.bmc.base import (
@@ -47,6 +47,7 @@ from metald.bmc.rmcp_session import (
 from metald.bmc.sol_link import SolLink
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 NETFN_CHASSIS = 0x00
 _CONTROL = {
@@ -283,7 +284,7 @@ class IpmiDriver(BmcDriver):
         cmd = self._pyghmi()
         return self._pyghmi_call(lambda: [_log_entry(e) for e in cmd.get_event_log()])
 
-    def _pyghmi_call(self, fn: Any) -> Any:
+    def _pyghmi_call(self, fn: Callable[[], T]) -> T:
         # pyghmi caches the session per BMC and user and expires it itself; logging it out here
         # would break the next Command built on the cached session.
         from pyghmi.exceptions import IpmiException
@@ -304,7 +305,7 @@ class IpmiDriver(BmcDriver):
 _PYGHMI_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyghmi")
 
 
-async def _in_pyghmi_thread(fn: Any) -> Any:
+async def _in_pyghmi_thread(fn: Callable[[], T]) -> T:
     return await asyncio.get_running_loop().run_in_executor(_PYGHMI_THREAD, fn)
 
 

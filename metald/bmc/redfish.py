@@ -576,7 +576,7 @@ def _basic_auth(user: str, password: str) -> str:
 
 
 def _health(x: dict[str, Any]) -> str:
-    h = (x.get("Status") or {}).get("Health")
+    h = str((x.get("Status") or {}).get("Health"))
     return {"OK": "ok", "Warning": "warning", "Critical": "critical"}.get(h, "unknown")
 
 
