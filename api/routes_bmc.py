@@ -28,6 +28,7 @@ from api.routing import STAFF, ApiRequest, Router
 from api.schemas import In
 from metald import machines
 from metald.bmc import targets
+from metald.bmc.capabilities import Capability
 from metald.errors import Conflict, MetaldError, Unprocessable
 from metald.fleet import forward_auth
 from metald.store.models import Bmc, utcnow
@@ -154,6 +155,11 @@ class BmcOut(BaseModel):
     owner_instance: str | None = Field(
         default=None,
         description="The live metald instance that owns this BMC now (power sync, commands).",
+    )
+    capabilities: list[Capability] = Field(
+        default_factory=list,
+        description="What its driver can be asked. A command for a capability not listed is "
+        "refused (422, naming it; 409 for the serial console) before anything is sent.",
     )
 
 

@@ -37,8 +37,8 @@ SPAWNS_ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
     # The BMC subsystem, being split into capability interfaces (issue 25, item 3): its
     # service's TaskScope should own these; today each object cancels its own at close/stop,
     # except the fire-and-forget session closes (drop_sessions, _expire).
-    ("metald/bmc/commands.py", "BmcControl.drop_sessions"): (1, "issue 25 item 3"),
-    ("metald/bmc/commands.py", "BmcControl.power_row"): (1, "issue 25 item 3"),
+    ("metald/bmc/executor.py", "BmcExecutor.drop_sessions"): (1, "issue 25 item 3"),
+    ("metald/bmc/executor.py", "BmcExecutor.spawn"): (1, "issue 25 item 3"),
     ("metald/bmc/console.py", "ConsoleService.attach"): (1, "issue 25 item 3"),
     ("metald/bmc/console.py", "ConsoleService.detach"): (1, "issue 25 item 3"),
     ("metald/bmc/ipmi.py", "IpmiDriver._expire"): (1, "issue 25 item 3"),

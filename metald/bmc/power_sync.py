@@ -2,7 +2,7 @@
 
 A change nobody asked for becomes a ``bmc.power-drift`` event; a reading that differs from a
 command metald sent within ``drift_grace_s`` is the command taking effect, not drift. Each
-round first settles ownership (``BmcControl.sync_ownership``), so with several instances each
+round first settles ownership (``BmcExecutor.sync_ownership``), so with several instances each
 BMC is read by exactly one of them.
 """
 
@@ -14,8 +14,9 @@ import time
 
 from sqlmodel import Session, select
 
-from metald.bmc.base import BmcError, PowerState
-from metald.bmc.commands import BmcControl, cause, record_power
+from metald.bmc.base import BmcError, PowerState, cause
+from metald.bmc.chassis import record_power
+from metald.bmc.executor import BmcExecutor
 from metald.bmc.scheduler import Health
 from metald.service import cancel
 from metald.store.models import Bmc
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 class PowerSync:
-    def __init__(self, control: BmcControl, interval_s: float, actor: str) -> None:
+    def __init__(self, control: BmcExecutor, interval_s: float, actor: str) -> None:
         self.control = control
         self.interval_s = interval_s
         self.actor = actor

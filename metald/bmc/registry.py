@@ -29,7 +29,7 @@ from sqlmodel import Session, select
 
 from metald.bmc import targets
 from metald.bmc.base import BmcAuthError, BmcEndpoint, BmcError, SystemIdentity
-from metald.bmc.commands import BmcControl, get_bmc
+from metald.bmc.executor import BmcExecutor, get_bmc
 from metald.bmc.ipmi import guid_readings
 from metald.bmc.scheduler import Health
 from metald.errors import Conflict, Unprocessable
@@ -136,7 +136,7 @@ def match_machine(s: Session, row: Bmc, uuid_candidates: list[str]) -> tuple[str
 
 
 class BmcRegistry:
-    def __init__(self, store: Store, control: BmcControl, instance: str) -> None:
+    def __init__(self, store: Store, control: BmcExecutor, instance: str) -> None:
         self.store = store
         self.control = control
         self.instance = instance

@@ -1,10 +1,13 @@
 """The ``bmc`` daemon service: the registry, the commands and power sync of one instance, and
 the answers the API gives about them.
 
-The three jobs live in their own modules: ``registry`` (the ``bmcs`` rows, linking to
-machines), ``control`` (typed commands through the scheduler, ownership-fenced; the
-``PowerControl`` provisioning calls) and ``power_sync`` (the periodic reading and drift). This
-class wires them and shapes their typed results into the API's dicts.
+The jobs live in their own modules: ``registry`` (the ``bmcs`` rows, linking to machines),
+``executor`` (the one fenced way a command is sent, and the ``PowerControl`` provisioning
+calls), one module per group of capabilities (``chassis``: power, boot device, locate light;
+``firmware``: firmware and BIOS; ``media``: virtual media; sensors and the event log are one
+``execute`` each) and ``power_sync`` (the periodic reading and drift). This class wires them and
+shapes their typed results into the API's dicts, each BMC with the capabilities its driver
+offers.
 """
 
 from __future__ import annotations
@@ -13,10 +16,11 @@ import builtins
 import logging
 from typing import Any
 
-from metald.bmc import firmware, media
+from metald.bmc import chassis, firmware, media
 from metald.bmc.base import BmcError, BootTarget, PowerAction
-from metald.bmc.commands import BmcControl
+from metald.bmc.capabilities import Capability
 from metald.bmc.control import BmcCommandFailed, BmcOwnership, NoBmc, NotOwner
+from metald.bmc.executor import BmcExecutor, capabilities_of
 from metald.bmc.power_sync import PowerSync
 from metald.bmc.registry import PROTOCOLS, BmcRegistry, public
 from metald.config import BmcConfig
@@ -50,12 +54,13 @@ class BmcService:
         self.cfg = cfg
         self.instance = instance
         self.actor = f"metald:{instance}"
-        self.control = BmcControl(store, secrets, cfg, instance)
+        #: The fenced executor every command goes through (also provisioning's PowerControl).
+        self.control = BmcExecutor(store, secrets, cfg, instance)
         self.registry = BmcRegistry(store, self.control, instance)
         self.control.ownership = ownership  # the fleet: which BMCs this instance commands
         if vmedia_base is not None:
             # Where BMCs fetch the boot ISO (read by metald.bmc.media).
-            self.control.vmedia_base = vmedia_base  # type: ignore[attr-defined]
+            self.control.vmedia_base = vmedia_base
         self.sync = PowerSync(self.control, cfg.power_sync_interval_s, self.actor)
         #: The background work after inspections and reports; stopped with the service.
         self.tasks = tasks if tasks is not None else TaskScope(self.name)
@@ -73,7 +78,7 @@ class BmcService:
         return self.control.scheduler
 
     def _public(self, row: Bmc) -> dict[str, Any]:
-        return {**public(row), "owner_instance": self.control.owner_of(row)}
+        return {**_shown(row), "owner_instance": self.control.owner_of(row)}
 
     # --- lifecycle ---
 
@@ -120,18 +125,18 @@ class BmcService:
             actor,
             **checks,
         )
-        return public(row)
+        return _shown(row)
 
     async def link(
         self, bmc_id: str, machine_id: str | None, actor: str = "system"
     ) -> dict[str, Any]:
-        return public(await self.registry.link(bmc_id, machine_id, actor))
+        return _shown(await self.registry.link(bmc_id, machine_id, actor))
 
     async def link_by_identity(
         self, machine_id: str, actor: str = "system"
     ) -> dict[str, Any] | None:
         row = await self.registry.link_by_identity(machine_id, actor)
-        return public(row) if row else None
+        return _shown(row) if row else None
 
     async def remove(self, bmc_id: str, actor: str = "system") -> None:
         await self.registry.remove(bmc_id, actor)
@@ -207,7 +212,7 @@ class BmcService:
         wait_s: float | None = None,
     ) -> dict[str, Any]:
         if action == "status":
-            state = await self.control.read_power_row(row)
+            state = await chassis.read_power_row(self.control, row)
             return {"machine_id": machine_id, "bmc_id": row.id, "power_state": state.value}
         try:
             act = PowerAction(action)
@@ -216,7 +221,7 @@ class BmcService:
                 f"unknown power action {action!r}; use one of status, "
                 + ", ".join(a.value for a in PowerAction)
             ) from None
-        cmd = await self.control.power_row(row, act, actor, wait_s=wait_s)
+        cmd = await chassis.power_row(self.control, row, act, actor, wait_s=wait_s)
         return {**cmd.public(), "machine_id": machine_id}
 
     async def set_boot_device(
@@ -248,9 +253,9 @@ class BmcService:
         """Turn the locate light on or off (``on`` None: only read it)."""
         row = await self.control.row_for_machine(machine_id)
         if on is None:
-            state = await self.control.read_locate(machine_id)
+            state = await chassis.read_locate(self.control, row)
         else:
-            state = await self.control.set_locate(machine_id, on, actor=actor)
+            state = await chassis.set_locate(self.control, row, on, actor=actor)
         return {"machine_id": machine_id, "bmc_id": row.id, "on": state}
 
     async def firmware(self, machine_id: str, actor: str = "system") -> dict[str, Any]:
@@ -303,9 +308,17 @@ class BmcService:
                 log.info("machine %s: after inspection: %s", machine_id, e)
 
     async def sensors(self, machine_id: str) -> builtins.list[dict[str, Any]]:
+        row = await self.control.row_for_machine(machine_id)
+        got = await self.control.execute(
+            row,
+            Capability.SENSORS,
+            "sensors",
+            lambda d: d.sensors(),
+            timeout_s=self.cfg.sensors_timeout_s,
+        )
         return [
             {"name": x.name, "kind": x.kind, "value": x.value, "units": x.unit, "health": x.health}
-            for x in await self.control.sensors(machine_id)
+            for x in got
         ]
 
     async def event_log(self, machine_id: str) -> builtins.list[dict[str, Any]]:
@@ -316,10 +329,21 @@ class BmcService:
                 "severity": e.severity,
                 "message": e.message,
             }
-            for e in await self.control.event_log(machine_id)
+            for e in await self.control.execute(
+                await self.control.row_for_machine(machine_id),
+                Capability.EVENT_LOG,
+                "event_log",
+                lambda d: d.event_log(),
+                timeout_s=self.cfg.sensors_timeout_s,
+            )
         ]
 
     # --- power sync ---
 
     async def sync_power_once(self) -> int:
         return await self.sync.sync_power_once()
+
+
+def _shown(row: Bmc) -> dict[str, Any]:
+    """The BMC as the API shows it, with what its driver can be asked."""
+    return {**public(row), "capabilities": sorted(c.value for c in capabilities_of(row.protocol))}

@@ -227,7 +227,9 @@ async def test_boot_refusals_say_what_to_do(api, store: Store, sushy: Sushy) -> 
     r = await client.post(f"/api/v1/machines/{tokens.machine_a}/boot", json=body, headers=tech)
     assert r.status == 422
     assert r.content_type == "application/problem+json"
-    assert '"via": "network"' in (await r.json())["detail"]
+    refused = await r.json()
+    assert '"via": "network"' in refused["detail"]
+    assert refused["capability"] == "virtual-media"  # named, and refused before any fence
     # A machine metald does not boot now (ready, unclaimed).
     await _register(client, tokens, sushy, tokens.machine_free)
     r = await client.post(f"/api/v1/machines/{tokens.machine_free}/boot", json=body, headers=tech)
