@@ -70,6 +70,11 @@ class ApiConfig(_Section):
     #: agent and boot endpoints (403 elsewhere, before any token is read): the tenant has root
     #: there. metald/nodeguard.py.
     guard_tenant_nodes: bool = True
+    #: Mesh long-polls (``POST /api/v1/mesh`` with ``wait_s``) held at once by one node token,
+    #: and by this instance in all; beyond either, a 429 with Retry-After (the node polls
+    #: again). A node holds one; a few more cover a poll whose client went away unseen.
+    mesh_polls_per_token: int = Field(default=4, ge=1)
+    mesh_polls_max: int = Field(default=4096, ge=1)
 
     @field_validator("listen")
     @classmethod
@@ -254,6 +259,12 @@ class BmcConfig(_Section):
     #: CIDRs of the BMCs this instance can reach; it owns only BMCs whose address lies in one
     #: (a host name matches any). Empty: every BMC. See docs/fleet.md.
     networks: list[IPv4Network | IPv6Network] = []
+    #: Serial-console viewers (``GET /api/v1/machines/{id}/console``) held at once by one
+    #: token, on one machine, and by this instance in all; beyond any, a 429 with Retry-After
+    #: and no ``console.attached`` event.
+    console_viewers_per_token: int = Field(default=8, ge=1)
+    console_viewers_per_machine: int = Field(default=16, ge=1)
+    console_viewers_max: int = Field(default=256, ge=1)
 
 
 class EnrollConfig(_Section):

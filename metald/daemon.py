@@ -281,7 +281,15 @@ def _console(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
     from metald.bmc.console import ConsoleService
     from metald.bmc.console_links import BmcLinks
 
-    return ConsoleService(d.store, d.cfg.instance, BmcLinks(d.ctx.services["bmc"], d.secrets)), []
+    bmc = d.cfg.bmc
+    return ConsoleService(
+        d.store,
+        d.cfg.instance,
+        BmcLinks(d.ctx.services["bmc"], d.secrets),
+        viewers_per_token=bmc.console_viewers_per_token,
+        viewers_per_machine=bmc.console_viewers_per_machine,
+        viewers_max=bmc.console_viewers_max,
+    ), []
 
 
 def _provisioner(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
