@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from typing import Any
 from urllib.parse import quote
 
 import pytest
 
 from api.paging import PageQuery, encode_keyset, page_items
+from metald import machines
 from metald.errors import Unprocessable
 
 JSON = {"Accept": "application/json"}
@@ -167,3 +169,30 @@ async def test_console_nul_in_the_fleet_cursor_is_not_a_cursor(api) -> None:  # 
     r = await client.get(f"/ui/?after={quote(forged)}", headers=JSON)
     assert r.status == 200, await r.text()
     assert "node0" in await r.text()
+
+
+async def test_nul_in_a_bulk_form_is_refused_per_machine_and_nothing_is_written(api) -> None:  # type: ignore[no-untyped-def]
+    """The bulk form's ids and reason go through the API's own checks (path ids, body text):
+    each machine's refusal is listed, nothing is written, never a 500."""
+    client, tokens, store = api
+    await _console(client, tokens.admin)
+    page = await (await client.get("/ui/")).text()
+    csrf = re.search(r'name="csrf" value="([^"]+)"', page)
+    assert csrf is not None
+    form = {
+        "csrf": csrf.group(1),
+        "action": "maintenance-on",
+        "confirm": "yes",
+        "reason": "racked\x00",
+        "id": tokens.machine_free,
+    }
+    r = await client.post("/ui/machines/bulk", data=form, headers=JSON)
+    assert r.status == 207, await r.text()
+    assert "NUL" in await r.text()
+    r = await client.post(
+        "/ui/machines/bulk", data={**form, "reason": "racked", "id": "m\x00"}, headers=JSON
+    )
+    assert r.status == 207, await r.text()
+    assert "NUL" in await r.text()
+    with store.session() as s:
+        assert machines.get_machine(s, tokens.machine_free).state == "ready"

@@ -19,6 +19,7 @@ from api.routing import (
     RouteSpec,
     SessionCaller,
     authorize,
+    check_json_values,
     check_path,
     validate_query,
     wire_json,
@@ -97,6 +98,7 @@ class Api:
             if spec.query is not None:
                 areq.query = validate_query(spec.query, query or {})
             if spec.body is not None:
+                check_json_values(body or {})  # form text (a reason): the API's body check
                 areq.body = body if spec.raw_body else spec.body.model_validate(body or {})
             return await spec.handler(areq)
         except Refusal as p:
