@@ -9,27 +9,9 @@ from pydantic import BaseModel, Field
 from api.routing import ApiRequest, Router
 from api.schemas import In
 from metald.errors import Unauthorized
-from metald.limits import Limiter
 from metald.tenants import mesh
 
 router = Router()
-#: Where the API keeps the caps on held long-polls (``api.mesh_polls_*``).
-POLLS = "mesh-polls"
-
-
-def polls(req: ApiRequest) -> Limiter:
-    """The instance's one limiter of held mesh long-polls (made on first use)."""
-    lim = req.ctx.services.get(POLLS)
-    if not isinstance(lim, Limiter):
-        cfg = req.ctx.cfg.api
-        lim = req.ctx.services[POLLS] = Limiter(
-            "mesh long-polls",
-            total=cfg.mesh_polls_max,
-            per={"token": cfg.mesh_polls_per_token},
-            retry_after_s=int(mesh.STORE_POLL_S * 5),
-            advice="poll again after Retry-After",
-        )
-    return lim
 
 
 class MeshSync(In):
@@ -106,7 +88,7 @@ async def mesh_sync(req: ApiRequest) -> MeshOut:
     gen = v.generation
     if gen <= b.applied and b.wait_s > 0:
         # A held poll counts against its node's token and the instance (429 past either).
-        with polls(req).holding(token=v.machine_id):
+        with req.ctx.mesh_polls.holding(token=v.machine_id):
             while gen <= b.applied and (left := deadline - loop.time()) > 0:
                 await watch.wait_changed(v.tenant_id, min(left, mesh.STORE_POLL_S))
                 gen = await watch.generation(req.ctx.store, v.tenant_id)

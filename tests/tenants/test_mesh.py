@@ -327,7 +327,9 @@ async def test_held_long_polls_are_capped_per_token_and_per_instance(api) -> Non
     A poll that does not wait is never refused; the held ones still wake on a change."""
     client, tokens, store = api
     ctx = client.server.app[CTX_KEY]
-    ctx.cfg.api.mesh_polls_per_token, ctx.cfg.api.mesh_polls_max = 2, 3
+    cfg = ctx.cfg.model_copy(deep=True)
+    cfg.api.mesh_polls_per_token, cfg.api.mesh_polls_max = 2, 3
+    ctx.mesh_polls = type(ctx)(cfg, ctx.store, ctx.secrets, ctx.bus).mesh_polls  # as configured
     await _hubs(client, tokens)
     orch = tokens.header("orchestrator")
     a1 = await _join(client, orch, tokens.machine_a, store)
@@ -345,7 +347,7 @@ async def test_held_long_polls_are_capped_per_token_and_per_instance(api) -> Non
 
     async def holding(n: int) -> None:
         async with asyncio.timeout(10):
-            while (lim := ctx.services.get("mesh-polls")) is None or lim.held() < n:
+            while ctx.mesh_polls.held() < n:
                 await asyncio.sleep(0.01)
 
     held = [asyncio.create_task(_mesh(client, t1, applied=gen, wait_s=30)) for _ in range(2)]
@@ -366,4 +368,4 @@ async def test_held_long_polls_are_capped_per_token_and_per_instance(api) -> Non
     assert r.status == 200, await r.text()
     answers = await asyncio.wait_for(asyncio.gather(*held), 25)
     assert [a.status for a in answers] == [200, 200, 401]  # t2's peer was the one revoked
-    assert ctx.services["mesh-polls"].held() == 0
+    assert ctx.mesh_polls.held() == 0
