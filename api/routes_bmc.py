@@ -1,7 +1,7 @@
 """/api/v1/bmcs and what a BMC does for a machine: power, next boot device, sensors, event log.
 
 Thin: validation and roles here, everything else in ``metald.bmc.service.BmcService`` (the
-daemon hosts it as ``ctx.services["bmc"]``). No answer carries a BMC password.
+daemon hosts it as ``ctx.services.bmc``). No answer carries a BMC password.
 
 With several instances a command for a BMC runs on the instance that owns it: a request that
 reaches another one is forwarded to the owner's API URL with the caller's own token (the owner
@@ -242,7 +242,7 @@ class ApprovalOut(BaseModel):
 
 
 def _bmc(req: ApiRequest) -> Any:
-    svc = req.ctx.services.get("bmc")
+    svc = req.ctx.services.bmc
     if svc is None:
         raise ServiceUnavailable("BMC control is not running in this metald instance")
     return svc

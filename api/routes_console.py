@@ -58,7 +58,7 @@ class NotAWebSocket(MetaldError):
 
 
 def _console(req: ApiRequest) -> ConsoleService:
-    svc = req.ctx.services.get("console")
+    svc = req.ctx.services.console
     if svc is None:
         raise ServiceUnavailable("serial consoles are not running in this metald instance")
     return svc

@@ -20,7 +20,7 @@ class MeshOfContext:
     async def released(self, tenant_id: str, machine_ids: list[str], actor: str) -> object:
         return await mesh.after_release(
             self.ctx.store,
-            self.ctx.services,
+            self.ctx.services.mesh_watch,
             tenant_id,
             machine_ids,
             actor=actor,
@@ -30,7 +30,7 @@ class MeshOfContext:
 
 def tenant_runtime(ctx: AppContext) -> TenantRuntime | None:
     """The running tenant hubs, when this daemon runs them (``[tenants] hubs``)."""
-    runtime = ctx.services.get("tenant_hubs")
+    runtime = ctx.services.tenant_hubs
     return runtime if isinstance(runtime, TenantRuntime) else None
 
 
@@ -44,7 +44,7 @@ def claim_workflow(ctx: AppContext) -> ClaimWorkflow:
         instance=ctx.instance,
         deploy=deploy_image(ctx),
         boot=driver,  # the provisioning runner's module functions are its BootControl
-        bmc=ctx.services.get("bmc") if ctx.cfg.provision.use_bmc else None,
+        bmc=ctx.services.bmc if ctx.cfg.provision.use_bmc else None,
         hubs=tenant_runtime(ctx),
         notify=ctx.bus.notify,
         require_bmc=ctx.cfg.enroll.require_bmc,

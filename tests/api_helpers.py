@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -166,3 +167,9 @@ class LoopbackApi:
     def __exit__(self, *_exc: object) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(30)
+
+
+def use_services(ctx: AppContext, **services: Any) -> None:
+    """Give a test's running app these services (``api.context.Services`` fields), as a
+    daemon would have built them."""
+    ctx.services = dataclasses.replace(ctx.services, **services)

@@ -14,7 +14,7 @@ import yaml
 
 from api.app import CTX_KEY
 from metald.metalctl.main import hoist_output, main
-from tests.api_helpers import LoopbackApi
+from tests.api_helpers import LoopbackApi, use_services
 from tests.claims.fakes import FakeBmc
 
 
@@ -144,7 +144,7 @@ class _LaggingBmc(FakeBmc):
 
 def test_power_off_waits_until_the_bmc_reports_it(live: LoopbackApi, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     bmc = _LaggingBmc()
-    live.runner.app[CTX_KEY].services["bmc"] = bmc
+    use_services(live.runner.app[CTX_KEY], bmc=bmc)
     monkeypatch.setattr("metald.metalctl.bmc.WAIT_INTERVAL_S", 0)
     rc, _, err = _run(capsys, "power", "node2", "off")  # no terminal, no --yes: refused
     assert rc == 2 and "--yes" in err and bmc.calls == []
@@ -264,7 +264,7 @@ def test_power_cycle_by_selector_confirms_reports_each_and_fails_if_any(
     for ref in ("node1", "node2"):
         c.call("PATCH", f"/api/v1/machines/{ref}", {"rack": "r07"})
     bmc = _RackBmc(broken=live.tokens.machine_free)  # node2
-    live.runner.app[CTX_KEY].services["bmc"] = bmc
+    use_services(live.runner.app[CTX_KEY], bmc=bmc)
     monkeypatch.setattr("sys.stdin.isatty", lambda: False)
     rc, _, err = _run(capsys, "machines", "power", "cycle", "--selector", "rack=r07")
     assert (
@@ -349,7 +349,7 @@ def test_bmc_import_checks_every_row_first_and_imports_nothing_if_one_is_bad(
     live: LoopbackApi, capsys, tmp_path: Path, monkeypatch
 ) -> None:  # type: ignore[no-untyped-def]
     svc = _ImportBmc()
-    live.runner.app[CTX_KEY].services["bmc"] = svc
+    use_services(live.runner.app[CTX_KEY], bmc=svc)
     monkeypatch.setenv("R07_PW", "s3cret-from-env")
     monkeypatch.delenv("R07_MISSING", raising=False)
     text = CSV_HEAD + (
@@ -385,7 +385,7 @@ def test_bmc_import_all_good_and_undone_when_the_api_refuses_a_row(
     live: LoopbackApi, capsys, tmp_path: Path, monkeypatch
 ) -> None:  # type: ignore[no-untyped-def]
     svc = _ImportBmc(refuse="10.0.7.3")
-    live.runner.app[CTX_KEY].services["bmc"] = svc
+    use_services(live.runner.app[CTX_KEY], bmc=svc)
     monkeypatch.setenv("R07_PW", "pw")
     rc, out, err = _import(
         live,

@@ -46,7 +46,7 @@ from metald.errors import Unprocessable
 from metald.lifecycle import State
 from metald.provision.metadata import hostname
 from metald.secrets import SecretBox
-from metald.service import cancel
+from metald.service import TaskScope, cancel
 from metald.store import Store
 from metald.store.models import Machine, Tenant, WgHub, WgPeer, as_utc
 from metald.tenants import clusters, controlplane, ctlstate, mesh
@@ -180,8 +180,8 @@ def observe_tenant(
         st = status.get(peer.public_key)
         seen = st.last_handshake if st else None
         joining = State(m.state) is State.JOINING
-        moved = st is not None and st.endpoint and st.endpoint != peer.last_endpoint
-        if moved:
+        moved = st is not None and bool(st.endpoint) and st.endpoint != peer.last_endpoint
+        if st is not None and moved:
             peer.last_endpoint = st.endpoint  # committed by observe below
             session.add(peer)
             mesh.bump(session, tenant_id)  # the other nodes dial it there from now on
@@ -361,7 +361,15 @@ class TenantRuntime:
     name = "tenant_hubs"
 
     def __init__(
-        self, store: Store, box: SecretBox, cfg: TenantsConfig, state_dir: str, instance: str
+        self,
+        store: Store,
+        box: SecretBox,
+        cfg: TenantsConfig,
+        state_dir: str,
+        instance: str,
+        *,
+        ownership: HubOwnership | None = None,
+        tasks: TaskScope | None = None,
     ) -> None:
         self.store = store
         self.box = box
@@ -370,12 +378,14 @@ class TenantRuntime:
         self.instance = instance
         self.hubs = LocalHubs()
         self.running: dict[str, RunningHub] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[None | None] | None = None
         self._lock = asyncio.Lock()
         #: Fleet membership: which tenants' hubs run here. None: every hub (one instance).
-        self.ownership: HubOwnership | None = None
+        self.ownership = ownership
         self._wake = asyncio.Event()
-        self._fencing: asyncio.Task[None] | None = None
+        #: The sync loop and the fencing take-down; stopped with the service.
+        self.tasks = tasks if tasks is not None else TaskScope(self.name)
+        self._fencing: asyncio.Task[None | None] | None = None
 
     def owns(self, tenant_id: str) -> bool:
         return self.ownership is None or self.ownership.owns_hub(tenant_id)
@@ -386,7 +396,7 @@ class TenantRuntime:
         self._wake.set()
         fenced = self.ownership is not None and self.ownership.fenced
         if fenced and self.running and self._fencing is None and self._task is not None:
-            self._fencing = asyncio.create_task(self._fence_down(), name="tenant-hubs-fence")
+            self._fencing = self.tasks.spawn(self._fence_down(), name="tenant-hubs-fence")
 
     async def _fence_down(self) -> None:
         try:
@@ -394,18 +404,20 @@ class TenantRuntime:
             async with self._lock:
                 log.warning("fenced (no heartbeat): taking every tenant hub here down")
                 await asyncio.to_thread(self._down_all, save=False)
-            self._task = asyncio.create_task(self._loop(), name="tenant-hubs")
+            self._task = self.tasks.spawn(self._loop(), name="tenant-hubs")
         finally:
             self._fencing = None
 
     async def start(self) -> None:
         await self.sync()
-        self._task = asyncio.create_task(self._loop(), name="tenant-hubs")
+        await self.tasks.open()
+        self._task = self.tasks.spawn(self._loop(), name="tenant-hubs")
 
     async def stop(self) -> None:
         await cancel(self._fencing)
         await cancel(self._task)
         self._task = None
+        await self.tasks.close()
         async with self._lock:  # a sync bringing a hub up finishes first, then all go down
             await asyncio.to_thread(self._down_all)
 

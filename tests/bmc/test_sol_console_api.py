@@ -35,7 +35,7 @@ async def sim(tmp_path: Path) -> AsyncIterator[SolSim]:
 async def console_api(request, cfg: Config, store: Store, aiohttp_client, sim: SolSim):  # type: ignore[no-untyped-def]
     """(client, tokens, consoles); ``indirect`` parametrization passes ConsoleService caps."""
     from api.app import create_app
-    from api.context import AppContext
+    from api.context import AppContext, Services
     from metald.events import EventBus
 
     secrets = SecretBox.from_file(cfg.secrets_key_path)
@@ -45,7 +45,7 @@ async def console_api(request, cfg: Config, store: Store, aiohttp_client, sim: S
     bmc = BmcService(store, secrets, cfg.bmc, cfg.instance)
     caps = getattr(request, "param", {})
     consoles = ConsoleService(store, cfg.instance, BmcLinks(bmc, secrets), linger_s=0.0, **caps)
-    services = {"bmc": bmc, "console": consoles}
+    services = Services(bmc=bmc, console=consoles)
     ctx = AppContext(cfg=cfg, store=store, secrets=secrets, bus=EventBus(), services=services)
     tokens = seed(store)
     client = await aiohttp_client(create_app(ctx))

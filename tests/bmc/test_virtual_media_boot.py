@@ -51,7 +51,7 @@ async def boot_http() -> AsyncIterator[tuple[str, list[str]]]:
 @pytest.fixture
 async def api(cfg: Config, store: Store, aiohttp_client, boot_http):  # type: ignore[no-untyped-def]
     from api.app import create_app
-    from api.context import AppContext
+    from api.context import AppContext, Services
     from metald.events import EventBus
 
     secrets = SecretBox.from_file(cfg.secrets_key_path)
@@ -60,7 +60,9 @@ async def api(cfg: Config, store: Store, aiohttp_client, boot_http):  # type: ig
     cfg.bmc.retries = 1
     svc = BmcService(store, secrets, cfg.bmc, cfg.instance)
     svc.control.vmedia_base = boot_http[0]
-    ctx = AppContext(cfg=cfg, store=store, secrets=secrets, bus=EventBus(), services={"bmc": svc})
+    ctx = AppContext(
+        cfg=cfg, store=store, secrets=secrets, bus=EventBus(), services=Services(bmc=svc)
+    )
     tokens = seed(store)
     client = await aiohttp_client(create_app(ctx))
     yield client, tokens, svc
@@ -318,8 +320,7 @@ async def test_the_iso_is_ejected_once_the_agent_reports(
         headers={"Authorization": f"Bearer {token}"},
     )
     assert r.status == 200, await r.text()
-    for task in list(svc._tasks):  # the eject runs in the background
-        await task
+    await svc.tasks.drain()  # the eject runs in the background
     assert (await _cd(sushy))["Inserted"] is False
     [ejected] = _events(store, mid, virtual_media.EJECTED_EVENT)
     # The event names the ISO with its nonce cut short (never the whole nonce).

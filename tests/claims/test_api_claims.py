@@ -11,6 +11,7 @@ from api.app import CTX_KEY
 from metald.auth import issue_token
 from metald.provision import driver
 from metald.store.models import ApiToken, Machine
+from tests.api_helpers import use_services
 from tests.claims.fakes import FakeBmc
 from tests.claims.helpers import DISK_SPEC, add_ready, boot_token, wipe_evidence
 
@@ -75,7 +76,7 @@ async def test_images_catalog(api) -> None:  # type: ignore[no-untyped-def]
 async def test_claim_progress_release_wipe(api) -> None:  # type: ignore[no-untyped-def]
     client, tokens, store = api
     bmc = FakeBmc(power_state="off")
-    client.server.app[CTX_KEY].services["bmc"] = bmc
+    use_services(client.server.app[CTX_KEY], bmc=bmc)
     image_id = await _image(client, tokens)
     add_ready(store, 3, labels={"pool": "train"})
     body = {

@@ -16,6 +16,7 @@ from metald.config import EnrollConfig
 from metald.enrollment import enrollment_boot_hooks
 from metald.provision import driver
 from metald.store.models import ApiToken, Event, Machine, Nic
+from tests.api_helpers import use_services
 from tests.claims.fakes import FakeBmc
 from tests.claims.helpers import DISK_SPEC, add_ready, boot_token, wipe_evidence
 from tests.dhcp_leases import add_lease
@@ -51,7 +52,7 @@ async def _claimed_machine(client, tokens, store, bmc: FakeBmc | None) -> tuple[
     Returns (claim id, machine id, MAC)."""
     ctx = client.server.app[CTX_KEY]
     if bmc is not None:
-        ctx.services["bmc"] = bmc
+        use_services(ctx, bmc=bmc)
     r = await client.post(
         "/api/v1/images",
         json={"name": "node", "kind": "disk", **DISK_SPEC},
@@ -125,7 +126,7 @@ async def test_the_tenant_cannot_end_the_wipe_of_its_own_machine(api) -> None:  
     assert _machine(store, mid).state == "wiping"
 
     # Now metald takes the machine: off (confirmed), PXE, armed, on.
-    client.server.app[CTX_KEY].services["bmc"] = bmc
+    use_services(client.server.app[CTX_KEY], bmc=bmc)
     assert await driver.boot_from_network(store, bmc, mid, actor="t")
     assert [c[1:] for c in bmc.calls] == [
         ("power", "status"),
@@ -176,7 +177,7 @@ async def test_the_tenant_cannot_end_the_wipe_of_its_own_machine(api) -> None:  
 async def test_without_a_bmc_only_a_technician_returns_it_to_ready(api) -> None:  # type: ignore[no-untyped-def]
     client, tokens, store = api
     claim_id, mid, mac = await _claimed_machine(client, tokens, store, bmc=FakeBmc())
-    client.server.app[CTX_KEY].services["bmc"] = FakeBmc(fail="absent")
+    use_services(client.server.app[CTX_KEY], bmc=FakeBmc(fail="absent"))
     r = await client.post(
         f"/api/v1/claims/{claim_id}/release", headers=tokens.header("orchestrator")
     )

@@ -204,9 +204,8 @@ def test_daemon_mounts_the_watchdog(cfg) -> None:  # type: ignore[no-untyped-def
 
     d = Daemon(cfg)
     try:
-        d._build_services()
-        dog = d.ctx.services["watchdog"]
-        assert isinstance(dog, Watchdog) and dog.services is d.ctx.services
+        dog = d.ctx.services.watchdog
+        assert isinstance(dog, Watchdog) and dog.services["bmc"] is d.ctx.services.bmc
     finally:
         d.store.close()
 

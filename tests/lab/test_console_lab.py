@@ -37,7 +37,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp.test_utils import TestServer
 from api.app import create_app
-from api.context import AppContext
+from api.context import AppContext, Services
 from metald.bmc.console import ConsoleService
 from metald.bmc.console_links import BmcLinks
 from metald.bmc.service import BmcService
@@ -60,7 +60,7 @@ async def main():
     bmc = BmcService(store, secrets, cfg.bmc, cfg.instance)
     consoles = ConsoleService(store, cfg.instance, BmcLinks(bmc, secrets))
     ctx = AppContext(cfg=cfg, store=store, secrets=secrets, bus=EventBus(),
-                     services={"bmc": bmc, "console": consoles})
+                     services=Services(bmc=bmc, console=consoles))
     tokens = seed(store)
     server = TestServer(create_app(ctx), host="127.0.0.1")
     await server.start_server()
@@ -126,7 +126,7 @@ import requests
 from playwright.sync_api import expect
 from aiohttp import web
 from api.app import create_app
-from api.context import AppContext
+from api.context import AppContext, Services
 from metald.bmc.console import ConsoleService
 from metald.bmc.console_links import BmcLinks
 from metald.bmc.service import BmcService
@@ -151,7 +151,7 @@ async def serve():
     bmc = BmcService(store, secrets, cfg.bmc, cfg.instance)
     consoles = ConsoleService(store, cfg.instance, BmcLinks(bmc, secrets))
     ctx = AppContext(cfg=cfg, store=store, secrets=secrets, bus=EventBus(),
-                     services={"bmc": bmc, "console": consoles})
+                     services=Services(bmc=bmc, console=consoles))
     box["tokens"] = seed(store)
     runner = web.AppRunner(create_app(ctx), access_log=None)
     await runner.setup()

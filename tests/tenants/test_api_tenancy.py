@@ -5,6 +5,7 @@ from __future__ import annotations
 from api.app import CTX_KEY
 from metald.store.models import utcnow
 from metald.tenants import keys
+from tests.api_helpers import use_services
 from tests.tenants.conftest import provisioned
 
 
@@ -43,7 +44,7 @@ async def test_hub_token_join_flow(api) -> None:  # type: ignore[no-untyped-def]
         def remove_peer(self, tenant_id: str, public_key: str) -> None:
             calls.append(("remove", tenant_id, public_key))
 
-    client.app[CTX_KEY].services["tenant_hubs"] = RecordingHubs()
+    use_services(client.app[CTX_KEY], tenant_hubs=RecordingHubs())
     pub = keys.public_key(keys.generate_private_key())
     r = await client.post("/api/v1/join", json={"token": secret, "public_key": pub})
     assert r.status == 200, await r.text()

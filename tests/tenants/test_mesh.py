@@ -15,6 +15,7 @@ from metald.lifecycle import Trigger
 from metald.provision import driver
 from metald.store.models import Event, WgPeer
 from metald.tenants import clusters, keys, mesh
+from tests.api_helpers import use_services
 from tests.claims.fakes import FakeBmc
 from tests.claims.helpers import add_ready
 
@@ -233,7 +234,7 @@ async def test_release_waits_for_the_mesh_before_the_wipe(api, monkeypatch, acki
     await _hubs(client, tokens)
     applied: dict[str, dict] = {}
     bmc = WatchingBmc(applied)
-    client.server.app[CTX_KEY].services["bmc"] = bmc
+    use_services(client.server.app[CTX_KEY], bmc=bmc)
     claim_id, ids = await _claim(client, tokens, store, 3)
     orch = tokens.header("orchestrator")
     joins = {mid: await _join(client, orch, mid, store) for mid in ids}
@@ -281,7 +282,7 @@ async def test_tenant_machines_may_reach_their_mesh_view(api) -> None:  # type: 
     j = await _join(client, tokens.header("orchestrator"), tokens.machine_a, store)
     g = TenantNodeGuard(store)
     g.addresses = frozenset({"127.0.0.1"})  # this test client is a tenant's machine
-    client.server.app[CTX_KEY].services["tenant_node_guard"] = g
+    use_services(client.server.app[CTX_KEY], tenant_node_guard=g)
     r = await _mesh(client, j["mesh"]["node_token"])
     assert r.status == 200, await r.text()
     r = await client.get("/api/v1/mesh", headers={"Authorization": f"Bearer {tokens.admin}"})

@@ -50,7 +50,7 @@ def console_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ConsoleApp
     from aiohttp import web
 
     from api.app import create_app
-    from api.context import AppContext
+    from api.context import AppContext, Services
     from metald.bmc.console import ConsoleService
     from metald.bmc.console_links import BmcLinks
     from metald.bmc.service import BmcService
@@ -82,7 +82,7 @@ def console_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ConsoleApp
             store=store,
             secrets=secrets,
             bus=EventBus(),
-            services={"bmc": bmc, "console": consoles},
+            services=Services(bmc=bmc, console=consoles),
         )
         async with running_sol_sim(tmp) as sim:
             runner = web.AppRunner(create_app(ctx), access_log=None)
