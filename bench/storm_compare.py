@@ -120,6 +120,10 @@ def fmt(x: float | None, d: int = 1) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default=DEFAULT_BASE, help=f"previous tree (default {DEFAULT_BASE})")
+    ap.add_argument(
+        "--head",
+        help="compare this rev (exported too) instead of the working tree as it is",
+    )
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (at least 3)")
     ap.add_argument("--machines", type=int, default=1000)
     ap.add_argument(
@@ -141,17 +145,24 @@ def main() -> int:
         old_tree = work / "base"
         old_tree.mkdir()
         sha = export(args.base, old_tree)
-        head = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-        trees = {f"base {sha}": old_tree, f"this {head}{'+' if dirty else ''}": ROOT}
+        if args.head:
+            new_tree = work / "head"
+            new_tree.mkdir()
+            name = f"this {export(args.head, new_tree)}"
+        else:
+            new_tree = ROOT
+            head = subprocess.run(
+                ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+            ).stdout.strip()
+            dirty = subprocess.run(
+                ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+            ).stdout.strip()
+            name = f"this {head}{'+' if dirty else ''}"
+        trees = {f"base {sha}": old_tree, name: new_tree}
         print(
             f"storm {args.machines} machines --enroll-only (SQLite), {args.rounds} interleaved "
             f"rounds: {' vs '.join(trees)}",
