@@ -28,7 +28,7 @@ if _OUT and "serve" in sys.argv:
     _state = {"total": 0, "startup": None}
     _table = re.compile(r"\b(?:FROM|INTO|UPDATE)\s+\"?(\w+)", re.IGNORECASE)
 
-    _log = open(os.environ["STORM_SQLLOG"], "w") if os.environ.get("STORM_SQLLOG") else None
+    _log = open(os.environ["STORM_SQLLOG"], "w") if os.environ.get("STORM_SQLLOG") else None  # noqa: SIM115 - open for the process's life
 
     def _on_statement(_conn, _cur, statement, _params, _ctx, _many):  # type: ignore[no-untyped-def]
         if _log is not None:  # every statement, one line each (STORM_SQLLOG: debugging only)
