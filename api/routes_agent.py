@@ -151,7 +151,7 @@ async def post_inventory(req: ApiRequest) -> InventoryAccepted:
         )
 
     out = await req.write(run)
-    bmc = req.ctx.services.get("bmc")
+    bmc = req.ctx.services.bmc
     if bmc is not None:
         # A BMC registered before its machine was known is linked by UUID, serial or MAC now.
         await bmc.link_by_identity(mid, actor=f"metald:{req.ctx.instance}")
@@ -215,7 +215,7 @@ async def post_progress(req: ApiRequest) -> ProgressAccepted:
 
     out = await req.run(run)
     req.ctx.bus.notify()
-    after = getattr(req.ctx.services.get("bmc"), "after_report", None)
+    after = getattr(req.ctx.services.bmc, "after_report", None)
     if (b.done or b.error) and after is not None:
         after(mid)  # a virtual-media boot's ISO is ejected
     if State(out.state) is State.INSPECTING:  # wiped; its profile asks to commission again

@@ -201,9 +201,9 @@ async def agent_plan(req: ApiRequest) -> PlanOut:
     return plan
 
 
-def _sel_read(req: ApiRequest, phase: str, run_id: str, machine_id: str) -> asyncio.Task[Any]:
-    bmc = req.ctx.services.get("bmc")
-    return runs.sel_read(
+def _sel_read(req: ApiRequest, phase: str, run_id: str, machine_id: str) -> asyncio.Future[None]:
+    bmc = req.ctx.services.bmc
+    return req.ctx.services.sel_reads.read(
         phase,
         run_id,
         machine_id,

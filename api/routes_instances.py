@@ -64,7 +64,7 @@ class InstanceList(BaseModel):
 async def list_instances(req: ApiRequest) -> InstanceList:
     """Every instance recorded in the store with its liveness (by the database's clock) and
     what it owns now. Dead instances stay listed (alive false) with owns.bmcs 0."""
-    fleet: Any = req.ctx.services.get("fleet")
+    fleet = req.ctx.services.fleet
     dead_after = req.ctx.cfg.fleet.dead_after_s
 
     def run(s: Session) -> tuple[list[registry.Member], list[tuple[str, str]]]:

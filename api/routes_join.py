@@ -11,7 +11,7 @@ from pydantic import BaseModel, StringConstraints
 
 from api.routing import ApiRequest, Router
 from api.schemas import In
-from metald.tenants import clusters, mesh
+from metald.tenants import clusters
 from metald.tenants.hubs import HubRuntime
 
 log = logging.getLogger("metald.tenants")
@@ -78,8 +78,8 @@ async def join(req: ApiRequest) -> JoinResponse:
             registered_from=_remote_ip(req),
         )
     )
-    mesh.watch_of(req.ctx.services).changed(result.hub.tenant_id)
-    hubs = req.ctx.services.get("tenant_hubs")
+    req.ctx.services.mesh_watch.changed(result.hub.tenant_id)
+    hubs = req.ctx.services.tenant_hubs
     if hubs is not None:  # else the stored peer is applied when the hub is (re)started
         try:
             await asyncio.to_thread(_apply_peer, hubs, result)

@@ -40,7 +40,7 @@ from metald.errors import Conflict, NotFound, Unprocessable
 from metald.lifecycle import State, Trigger, allowed_triggers
 from metald.machines import get_machine
 from metald.store.models import Machine, Nic
-from metald.tenants import clusters, mesh
+from metald.tenants import clusters
 
 log = logging.getLogger("metald.tenants")
 router = Router()
@@ -504,8 +504,8 @@ async def revoke_peer(req: ApiRequest) -> PeerOut:
         return PeerOut.model_validate(peer.model_dump()), peer.tenant_id
 
     out, tenant_id = await req.write(run)
-    mesh.watch_of(req.ctx.services).changed(tenant_id)
-    hubs = req.ctx.services.get("tenant_hubs")
+    req.ctx.services.mesh_watch.changed(tenant_id)
+    hubs = req.ctx.services.tenant_hubs
     if hubs is not None:  # else the hub drops it when it next syncs with the store
         try:
             await asyncio.to_thread(hubs.remove_peer, tenant_id, out.public_key)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from api.context import AppContext
 from metald.claims.workflow import ClaimWorkflow
-from metald.provision import driver
 from metald.provision.intents import DeployImage
+from metald.provision.netboot import Provisioner
 from metald.tenants import mesh
 from metald.tenants.runtime import TenantRuntime
 
@@ -20,7 +20,7 @@ class MeshOfContext:
     async def released(self, tenant_id: str, machine_ids: list[str], actor: str) -> object:
         return await mesh.after_release(
             self.ctx.store,
-            self.ctx.services,
+            self.ctx.services.mesh_watch,
             tenant_id,
             machine_ids,
             actor=actor,
@@ -30,8 +30,14 @@ class MeshOfContext:
 
 def tenant_runtime(ctx: AppContext) -> TenantRuntime | None:
     """The running tenant hubs, when this daemon runs them (``[tenants] hubs``)."""
-    runtime = ctx.services.get("tenant_hubs")
+    runtime = ctx.services.tenant_hubs
     return runtime if isinstance(runtime, TenantRuntime) else None
+
+
+def provisioner(ctx: AppContext) -> Provisioner:
+    """The ``provision`` service, which owns the boots API calls start in the background: the
+    daemon's, or (an app run without the daemon, under test) the one its ``Services`` made."""
+    return ctx.services.provision
 
 
 def deploy_image(ctx: AppContext) -> DeployImage:
@@ -43,8 +49,8 @@ def claim_workflow(ctx: AppContext) -> ClaimWorkflow:
         store=ctx.store,
         instance=ctx.instance,
         deploy=deploy_image(ctx),
-        boot=driver,  # the provisioning runner's module functions are its BootControl
-        bmc=ctx.services.get("bmc") if ctx.cfg.provision.use_bmc else None,
+        boot=provisioner(ctx),
+        bmc=ctx.services.bmc if ctx.cfg.provision.use_bmc else None,
         hubs=tenant_runtime(ctx),
         notify=ctx.bus.notify,
         require_bmc=ctx.cfg.enroll.require_bmc,

@@ -25,6 +25,7 @@ from metald.bmc.service import BmcService
 from metald.config import BmcConfig, EnrollConfig
 from metald.inventory.rules import EnrollmentRule
 from metald.secrets import SecretBox
+from tests.api_helpers import use_services
 from tests.test_enrollment import enrolled_via_hooks, payload
 
 #: Statements one enrolled machine costs (BEGIN not counted: PostgreSQL's is not a cursor
@@ -60,7 +61,7 @@ async def test_one_enrolled_machine_costs_a_bounded_number_of_statements(  # typ
     )
     box = SecretBox.from_file(tmp_path / "state" / "secrets.key")
     bmc = BmcService(store, box, BmcConfig(power_sync_interval_s=0), instance="t")
-    ctx.services["bmc"] = bmc
+    use_services(ctx, bmc=bmc)
     try:
         with statements(store) as seen:
             _hooks, target = await enrolled_via_hooks(store)
@@ -73,9 +74,7 @@ async def test_one_enrolled_machine_costs_a_bounded_number_of_statements(  # typ
             assert r.status == 200, await r.text()
             assert (await r.json())["state"] == "ready"
             # What the inventory started in the background (after_inspection) counts too.
-            if bmc._tasks:
-                done, pending = await asyncio.wait(set(bmc._tasks), timeout=30)
-                assert not pending
+            await asyncio.wait_for(bmc.tasks.drain(), 30)
             r = await client.get("/api/v1/agent/next", headers=agent)
             assert (await r.json())["action"] == "poweroff"
     finally:

@@ -275,7 +275,7 @@ class Views:
         bmc = await ui.ctx.store.read(_bmc_of, m["id"]) if staff else None
         console = None
         if self.api.allows(ui, "GET", "/api/v1/machines/{id}/console"):
-            svc = ui.ctx.services.get("console")
+            svc = ui.ctx.services.console
             console = (
                 svc.status(m["id"]) if svc is not None else {"state": "unavailable", "watching": []}
             )

@@ -94,7 +94,7 @@ class BmcControl:
         self.ownership: BmcOwnership | None = None
         #: bmc id -> the generation this instance acquired it at.
         self.held: dict[str, int] = {}
-        #: Machines whose provisioning step runs in this instance now (metald.provision.driver).
+        #: Machines whose provisioning step runs in this instance now (metald.provision.netboot).
         self.in_flight: set[str] = set()
         #: Power commands by id, and the tasks confirming them (``metald.bmc.power_confirm``).
         self.commands = CommandBook()

@@ -71,6 +71,8 @@ class PowerSync:
             return list(s.exec(select(Bmc).where(Bmc.health != Health.AUTH_FAILED.value)).all())
 
         async def one(row: Bmc) -> bool:
+            if row.last_seen_at is None and not await self.verify(row):
+                return False
             try:
                 state = await c.run(row, "sync_power", lambda d: d.get_power())
             except BmcError as e:
@@ -86,6 +88,19 @@ class PowerSync:
             if c.owns(r) and (c.ownership is None or r.id in c.held)
         ]
         return sum(await asyncio.gather(*(one(r) for r in owned)))
+
+    async def verify(self, row: Bmc) -> bool:
+        """A BMC registered without verification (``verify=false``; never seen): ask it who it
+        is, then keep that and link it (``registry.record_identity``). False: not yet."""
+        from metald.bmc.registry import record_identity
+
+        try:
+            ident = await self.control.run(row, "identify", lambda d: d.identify())
+        except BmcError as e:
+            log.debug("BMC %s (registered unverified) still does not answer: %s", row.id, cause(e))
+            return False
+        await self.control.store.run(record_identity, row.id, ident, self.control.instance)
+        return True
 
     async def record(self, row: Bmc, observed: PowerState) -> bool:
         expected = self.control.expected.get(row.id)

@@ -9,7 +9,7 @@ class wires them and shapes their typed results into the API's dicts.
 
 from __future__ import annotations
 
-import asyncio
+import builtins
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -23,7 +23,7 @@ from metald.bmc.registry import PROTOCOLS, BmcRegistry, public
 from metald.config import BmcConfig
 from metald.errors import MetaldError, NotFound, Unprocessable
 from metald.secrets import SecretBox
-from metald.service import cancel
+from metald.service import TaskScope
 from metald.store.db import Store
 from metald.store.models import Bmc
 
@@ -35,7 +35,17 @@ __all__ = ["PROTOCOLS", "BmcCommandFailed", "BmcService", "NoBmc", "NotOwner"]
 class BmcService:
     name = "bmc"
 
-    def __init__(self, store: Store, secrets: SecretBox, cfg: BmcConfig, instance: str) -> None:
+    def __init__(
+        self,
+        store: Store,
+        secrets: SecretBox,
+        cfg: BmcConfig,
+        instance: str,
+        *,
+        ownership: BmcOwnership | None = None,
+        vmedia_base: str | None = None,
+        tasks: TaskScope | None = None,
+    ) -> None:
         self.store = store
         self.secrets = secrets
         self.cfg = cfg
@@ -43,8 +53,13 @@ class BmcService:
         self.actor = f"metald:{instance}"
         self.control = BmcControl(store, secrets, cfg, instance)
         self.registry = BmcRegistry(store, self.control, instance)
+        self.control.ownership = ownership  # the fleet: which BMCs this instance commands
+        if vmedia_base is not None:
+            # Where BMCs fetch the boot ISO (read by metald.bmc.media).
+            self.control.vmedia_base = vmedia_base  # type: ignore[attr-defined]
         self.sync = PowerSync(self.control, cfg.power_sync_interval_s, self.actor)
-        self._tasks: set[asyncio.Task[None]] = set()
+        #: The background work after inspections and reports; stopped with the service.
+        self.tasks = tasks if tasks is not None else TaskScope(self.name)
 
     @property
     def ownership(self) -> BmcOwnership | None:
@@ -64,11 +79,11 @@ class BmcService:
     # --- lifecycle ---
 
     async def start(self) -> None:
+        await self.tasks.open()
         await self.sync.start()
 
     async def stop(self) -> None:
-        for task in list(self._tasks):
-            await cancel(task)
+        await self.tasks.close()
         await self.sync.stop()
         await self.control.close()
 
@@ -91,9 +106,20 @@ class BmcService:
         verify_tls: bool = True,
         ca_cert: str | None = None,
         actor: str = "system",
+        **checks: Any,
     ) -> dict[str, Any]:
+        """``checks``: ``verify`` and ``own_listeners`` (``BmcRegistry.register``)."""
         row = await self.registry.register(
-            address, port, protocol, username, password, machine_id, verify_tls, ca_cert, actor
+            address,
+            port,
+            protocol,
+            username,
+            password,
+            machine_id,
+            verify_tls,
+            ca_cert,
+            actor,
+            **checks,
         )
         return public(row)
 
@@ -257,18 +283,14 @@ class BmcService:
         """A machine's inventory was just accepted: record its firmware versions and stage its
         BIOS profile in the background (its next reboot applies it). Best effort: a BMC that
         offers neither, or no BMC, changes nothing."""
-        task = asyncio.create_task(self._after_inspection(machine_id), name="bmc-inspection")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.tasks.start_soon(self._after_inspection(machine_id), name="bmc-inspection")
 
     def after_report(self, machine_id: str) -> None:
         """A machine's agent ended its boot's work (a provision or wipe done or failed): eject
         a virtual-media boot's ISO in the background (``media.eject_after_report``)."""
-        task = asyncio.create_task(
+        self.tasks.start_soon(
             media.eject_after_report(self.control, machine_id, self.actor), name="bmc-eject"
         )
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     async def _after_inspection(self, machine_id: str) -> None:
         # One read first (off the writer): most machines (a power-on storm's all) have no
@@ -286,13 +308,13 @@ class BmcService:
             except (MetaldError, BmcError) as e:
                 log.info("machine %s: after inspection: %s", machine_id, e)
 
-    async def sensors(self, machine_id: str) -> list[dict[str, Any]]:
+    async def sensors(self, machine_id: str) -> builtins.list[dict[str, Any]]:
         return [
             {"name": x.name, "kind": x.kind, "value": x.value, "units": x.unit, "health": x.health}
             for x in await self.control.sensors(machine_id)
         ]
 
-    async def event_log(self, machine_id: str) -> list[dict[str, Any]]:
+    async def event_log(self, machine_id: str) -> builtins.list[dict[str, Any]]:
         return [
             {
                 "id": e.id,

@@ -15,7 +15,7 @@ from tests.conftest import seed
 @pytest.fixture
 async def bmc_api(cfg: Config, store: Store, aiohttp_client):  # type: ignore[no-untyped-def]
     from api.app import create_app
-    from api.context import AppContext
+    from api.context import AppContext, Services
     from metald.events import EventBus
 
     secrets = SecretBox.from_file(cfg.secrets_key_path)
@@ -23,7 +23,9 @@ async def bmc_api(cfg: Config, store: Store, aiohttp_client):  # type: ignore[no
     cfg.bmc.timeout_s = 3
     cfg.bmc.retries = 1
     svc = BmcService(store, secrets, cfg.bmc, cfg.instance)
-    ctx = AppContext(cfg=cfg, store=store, secrets=secrets, bus=EventBus(), services={"bmc": svc})
+    ctx = AppContext(
+        cfg=cfg, store=store, secrets=secrets, bus=EventBus(), services=Services(bmc=svc)
+    )
     tokens = seed(store)
     client = await aiohttp_client(create_app(ctx))
     yield client, tokens
@@ -92,7 +94,8 @@ async def test_errors_are_problems_without_secrets(bmc_api, ipmi_sim: IpmiSim) -
     }
     r = await client.post("/api/v1/bmcs", json=wrong, headers=tech)
     text = await r.text()
-    assert r.status == 422 and "refused these credentials" in text and "Wrong-Pass-77" not in text
+    assert r.status == 422 and "the login step did not succeed" in text
+    assert "Wrong-Pass-77" not in text
     assert r.headers["Content-Type"].startswith("application/problem+json")
 
     too_long = {**wrong, "password": "X" * 300 + "Secret-Tail"}
@@ -101,7 +104,7 @@ async def test_errors_are_problems_without_secrets(bmc_api, ipmi_sim: IpmiSim) -
 
     dead = {**wrong, "port": free_port(), "password": "x"}
     r = await client.post("/api/v1/bmcs", json=dead, headers=tech)
-    assert r.status == 422 and "could not talk" in (await r.json())["detail"]
+    assert r.status == 422 and "could not verify the BMC" in (await r.json())["detail"]
 
     r = await client.post(
         f"/api/v1/machines/{tokens.machine_a}/power", json={"action": "on"}, headers=tech
