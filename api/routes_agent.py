@@ -132,9 +132,17 @@ async def post_inventory(req: ApiRequest) -> InventoryAccepted:
 
     def run(s: Session) -> InventoryAccepted:
         # A provisioning or wipe token of this machine cannot rewrite its inventory.
-        require_agent_phase(p, machines.get_machine(s, mid).state, {"inspect"})
+        m = machines.get_machine(s, mid)
+        require_agent_phase(p, m.state, {"inspect"})
         m = enrollment.accept_inventory(
-            s, mid, req.body, actor=req.actor, cfg=cfg, instance=req.ctx.instance, commit=False
+            s,
+            mid,
+            req.body,
+            actor=req.actor,
+            cfg=cfg,
+            instance=req.ctx.instance,
+            commit=False,
+            machine=m,
         )
         nxt = _instruction(s, m, cfg)  # in the same transaction: the run it just started
         s.commit()
