@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
+import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -147,3 +148,57 @@ def test_the_gpu_standin_switches_faults(tmp_path: Path) -> None:
     assert "NVRM: Xid (PCI:0000:01:00): 79," in kmsg.read_text()
     with pytest.raises(ValueError, match="unknown GPU fault"):
         faults.set_gpu_mode(tmp_path / "gpu", "on-fire")
+
+
+_LAB_BMC = """
+import sys
+from vmlab.vbmc import LabIpmiBmc
+bmc = LabIpmiBmc({"admin": sys.argv[2]}, "127.0.0.1", int(sys.argv[1]),
+                 "6f0b8a52-3c1d-4e8e-9d1a-2b7c5e4f0a11", None, None)
+bmc.listen()
+"""
+
+
+@pytest.fixture
+def lab_bmc(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """The lab's own virtual BMC (vmlab.vbmc's IPMI server) without a machine behind it: the
+    SEL commands need none."""
+    from tests.bmc.peers import _stop, _wait_udp_bound, free_port
+
+    port, password = free_port(), "lab-bmc-pw-1234"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _LAB_BMC, str(port), password],
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "vbmc.log").open("wb"),
+    )
+    try:
+        _wait_udp_bound(port, proc)
+        yield faults.BmcTarget("127.0.0.1", port, "admin", password)
+    finally:
+        _stop(proc)
+
+
+@pytest.mark.skipif(shutil.which("ipmitool") is None, reason="needs ipmitool")
+async def test_the_lab_bmc_keeps_a_sel_metald_reads(lab_bmc: faults.BmcTarget) -> None:
+    ep = BmcEndpoint(lab_bmc.address, lab_bmc.port, lab_bmc.username, lab_bmc.password)
+    d = IpmiDriver(ep, request_timeout_s=5.0, resend_s=0.3)
+    try:
+        assert await d.event_log() == []  # an empty SEL reads as empty, not as an error
+        first = await asyncio.to_thread(faults.add_sel, lab_bmc, faults.psu_failure())
+        second = await asyncio.to_thread(
+            faults.add_sel, lab_bmc, faults.memory_uncorrectable_ecc(dimm=1)
+        )
+        assert (first, second) == (1, 2)
+        log = await d.event_log()
+    finally:
+        await d.close()
+    assert [e.id for e in log] == ["1", "2"]
+    assert "Power Supply" in log[0].message and "ailure" in log[0].message
+    assert "Memory" in log[1].message and "ncorrectable" in log[1].message
+    assert all(e.severity == "critical" and e.at is not None for e in log)
+    out = subprocess.run(
+        ["ipmitool", "-I", "lanplus", "-C", "3", "-H", lab_bmc.address, "-p", str(lab_bmc.port),
+         "-U", lab_bmc.username, "-P", lab_bmc.password, "sel", "list"],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout  # fmt: skip
+    assert "Failure detected" in out and "Uncorrectable ECC" in out

@@ -3,9 +3,8 @@ SEL Entry), a stand-in ``nvidia-smi`` that can be switched to report a GPU fault
 machine paused and resumed through QMP (a node that stops answering).
 
 ``add_sel`` speaks IPMI over RMCP+ (cipher suite 3) with ipmitool, the same way a BMC's owner
-would: any BMC with a System Event Log takes it (OpenIPMI's ``ipmi_sim``, a real BMC). The
-lab's own virtual BMC (``vmlab.vbmc``, pyghmi's BMC server) keeps no SEL yet and answers the
-command "invalid".
+would: any BMC with a System Event Log takes it (OpenIPMI's ``ipmi_sim``, a real BMC, the
+lab's own virtual BMC with its ``vmlab.vsel``).
 """
 
 from __future__ import annotations
