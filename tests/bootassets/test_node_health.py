@@ -109,10 +109,11 @@ def kmsg(node: Path, *records: tuple[int, str]) -> None:
             f.write(f"6,{seq},{seq * 1000 + 5},-;{msg}\n SUBSYSTEM=pci\n")
 
 
-async def health_once(node: Path, srv: Server) -> tuple[str, int]:
-    """One ``health_once`` under busybox sh; (its output, HEALTH_NEXT)."""
+async def health_once(node: Path, srv: Server, first: Path | None = None) -> tuple[str, int]:
+    """One ``health_once`` under busybox sh (``first``: a folder before the others on PATH);
+    (its output, HEALTH_NEXT)."""
     env = {
-        "PATH": f"{node / 'bin'}:/usr/bin:/bin",
+        "PATH": f"{f'{first}:' if first else ''}{node / 'bin'}:/usr/bin:/bin",
         "METALD_NODE_LIB": "1",
         "METALD_NODE_STATE": str(node / "state"),
         "METALD_NODE_KMSG": str(node / "kmsg"),
@@ -184,12 +185,12 @@ async def test_awkward_bytes_are_escaped_and_come_back_unchanged(
 ) -> None:
     xml = node / "odd.xml"
     odd = '<nvidia_smi_log note="a \\"q\\" \\\\ b">\ttab\r\n\u00e9\u4e2d\U0001f600 </x>\x01\x1f\n'
-    xml.write_bytes(odd.encode())
+    xml.write_bytes(odd.encode() + b"bad utf-8 \xff, a NUL \x00.\n")
     nvidia_smi(node, xml, nvlink=None)
     kmsg(node, (7, 'mce: [Hardware Error]: "quoted" \\ back\tslash \u00e9'))
     await health_once(node, server)
     doc = sent(server)
-    assert doc["nvidia_smi_xml"] == odd
+    assert doc["nvidia_smi_xml"] == odd + "bad utf-8 \ufffd, a NUL .\n"
     assert doc["nvlink"] is None  # nvidia-smi nvlink failed: null, not its error text
     assert doc["kernel_log"] == '[0.007005] mce: [Hardware Error]: "quoted" \\ back\tslash \u00e9\n'
     # metald says what it could not read, and reads the rest
@@ -301,3 +302,27 @@ def test_the_agent_starts_the_health_loop_after_the_join() -> None:
     run = text[text.index("\nrun() {") :]
     assert run.index("start_health") > run.index("start_mesh")
     assert os.path.basename(str(SCRIPT)) == "metald-node"
+
+
+@pytest.mark.parametrize(
+    ("mode", "found"),
+    [
+        ("healthy", set()),
+        ("missing-gpu", {(Kind.GPU_COUNT, "missing")}),
+        (
+            "uncorrectable-ecc",
+            {(Kind.GPU_ECC, f"uncorrectable-{s}") for s in ("volatile", "aggregate")},
+        ),
+    ],
+)
+async def test_the_lab_gpu_standin_through_the_agent(
+    node: Path, server: Server, mode: str, found: set
+) -> None:
+    from vmlab import faults
+
+    standin = faults.install_gpu_standin(node / "gpu", A100_XML.read_text(), mode)
+    await health_once(node, server, first=standin)
+    sig = parsed(sent(server), gpu_count=1)
+    assert sig.unreadable == []
+    faulty = {(s.kind, s.code) for s in sig.signals if s.code != "correctable-aggregate"}
+    assert faulty == found
