@@ -230,6 +230,10 @@ async def test_429_retry_after_sets_the_next_report(node: Path, server: Server) 
     assert nxt == 42 and "wait 42 s" in out
     _, nxt = await health_once(node, server)
     assert nxt == 15
+    for asked, got in ((0, 1), (7200, 3600), (10**6, 3600), (10**20, 15), ("soon", 15), (2.9, 2)):
+        server.answers = [(200, {}, {"interval_s": asked})]
+        _, nxt = await health_once(node, server)
+        assert nxt == got, asked
     assert XID_LINE in sent(server, 1)["kernel_log"]  # refused reports lose no line
 
 
