@@ -21,6 +21,7 @@ from metald.health.node import NodeReport, report_signals
 from metald.health.signals import Kind
 from tests.bmc.peers import IpmiSim
 from vmlab import faults, procs
+from vmlab.power import MachineControl, hung_marker
 
 A100_XML = Path("/work/shared/fixtures/gpu/nvidia-smi-q-x_a100-sxm4-80gb_mig_drv535.54.03.xml")
 
@@ -83,23 +84,34 @@ def test_a_lab_state_entry_is_a_target() -> None:
 
 @pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None, reason="needs QEMU")
 async def test_pause_and_resume_through_qmp(tmp_path: Path) -> None:
-    sock = tmp_path / "m.qmp"
+    sock, bmc_sock = tmp_path / "m.qmp", tmp_path / "m.qmp-bmc"
     proc = subprocess.Popen(
         ["qemu-system-x86_64", "-accel", "tcg", "-machine", "none", "-nodefaults",
-         "-display", "none", "-qmp", f"unix:{sock},server=on,wait=off"],
+         "-display", "none", "-qmp", f"unix:{sock},server=on,wait=off",
+         "-qmp", f"unix:{bmc_sock},server=on,wait=off"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 30
-        while not sock.exists():
+        while not (sock.exists() and bmc_sock.exists()):
             assert proc.poll() is None and time.monotonic() < deadline, "QEMU did not start"
             await asyncio.sleep(0.05)
         machine = {"qmp": str(sock)}
-        assert await faults.vm_status(machine) == "running"
-        await faults.pause(machine)
-        assert await faults.vm_status(machine) == "paused"
-        await faults.resume(machine)
-        assert await faults.vm_status(machine) == "running"
+        # the lab BMC's view of the same machine, as vmlab.vbmc builds it
+        bmc = MachineControl(str(bmc_sock), hung=hung_marker(bmc_sock))
+        await bmc.connect()
+        try:
+            assert await faults.vm_status(machine) == "running"
+            await faults.pause(machine)
+            assert await faults.vm_status(machine) == "paused"
+            assert await bmc.is_on()  # hung, not off: the BMC still sees power
+            await faults.resume(machine)
+            assert await faults.vm_status(machine) == "running"
+            await faults.pause(machine)
+            await bmc.power_off()  # the BMC's owner pulls the power: the hang is over
+            assert not await bmc.is_on() and not hung_marker(sock).exists()
+        finally:
+            await bmc.close()
     finally:
         procs.stop_group(proc)
 

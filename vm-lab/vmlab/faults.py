@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .power import hung_marker
 from .qmp import QmpClient
 
 # ---- the BMC's System Event Log ------------------------------------------------------------
@@ -136,16 +137,21 @@ async def vm_status(machine: dict[str, Any] | str | Path) -> str:
 
 
 async def pause(machine: dict[str, Any] | str | Path) -> None:
-    """Freeze the machine's CPUs (QMP ``stop``): the node goes silent with its BMC still up,
-    as a hung kernel would."""
-    async with QmpClient(_qmp_path(machine)) as q:
+    """Freeze the machine's CPUs (QMP ``stop``): the node goes silent while its BMC still
+    answers and still reports power on (the marker ``power.hung_marker``), as with a hung
+    kernel. A power off, reset or cycle through the BMC ends the hang."""
+    path = _qmp_path(machine)
+    hung_marker(path).write_text("paused by vmlab.faults\n")
+    async with QmpClient(path) as q:
         await q.execute("stop")
 
 
 async def resume(machine: dict[str, Any] | str | Path) -> None:
     """Let a paused machine run on (QMP ``cont``)."""
-    async with QmpClient(_qmp_path(machine)) as q:
+    path = _qmp_path(machine)
+    async with QmpClient(path) as q:
         await q.execute("cont")
+    hung_marker(path).unlink(missing_ok=True)
 
 
 def _qmp_path(machine: dict[str, Any] | str | Path) -> str:

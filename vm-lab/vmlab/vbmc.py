@@ -28,7 +28,7 @@ import pyghmi.ipmi.private.serversession as serversession
 from aiohttp import web
 
 from . import qemu, redfish
-from .power import MachineControl
+from .power import MachineControl, hung_marker
 from .vsel import SystemEventLog
 from .vsol import SolBridge
 
@@ -191,7 +191,10 @@ async def serve(state_path: Path, machine_name: str) -> None:
     machine = machine_entry(state, machine_name)
     bmc = machine["bmc"]
     control = MachineControl(
-        machine["qmp_bmc"], machine.get("bmc_commands"), machine.get("bmc_hold_off")
+        machine["qmp_bmc"],
+        machine.get("bmc_commands"),
+        machine.get("bmc_hold_off"),
+        hung=hung_marker(machine["qmp_bmc"]),
     )
     await control.connect()
 
