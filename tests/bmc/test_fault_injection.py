@@ -20,6 +20,7 @@ from metald.bmc.ipmi import IpmiDriver
 from metald.health.node import NodeReport, report_signals
 from metald.health.signals import Kind
 from tests.bmc.peers import IpmiSim
+from vmlab import cli as vmlab_cli
 from vmlab import faults, procs
 from vmlab.power import MachineControl, hung_marker
 
@@ -105,6 +106,7 @@ async def test_pause_and_resume_through_qmp(tmp_path: Path) -> None:
             await faults.pause(machine)
             assert await faults.vm_status(machine) == "paused"
             assert await bmc.is_on()  # hung, not off: the BMC still sees power
+            assert await asyncio.to_thread(vmlab_cli._power, str(sock)) == "hung"
             await faults.resume(machine)
             assert await faults.vm_status(machine) == "running"
             await faults.pause(machine)
