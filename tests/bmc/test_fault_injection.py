@@ -24,7 +24,10 @@ from vmlab import cli as vmlab_cli
 from vmlab import faults, procs
 from vmlab.power import MachineControl, hung_marker
 
-A100_XML = Path("/work/shared/fixtures/gpu/nvidia-smi-q-x_a100-sxm4-80gb_mig_drv535.54.03.xml")
+A100_XML = (
+    Path(__file__).resolve().parents[2]
+    / "tests/fixtures/gpu/nvidia-smi-q-x_a100-sxm4-80gb_mig_drv535.54.03.xml"
+)
 
 
 def _target(sim: IpmiSim) -> faults.BmcTarget:

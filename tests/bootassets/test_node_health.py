@@ -24,7 +24,7 @@ from metald.health.signals import Kind
 from tests.bootassets.conftest import ROOT
 
 SCRIPT = ROOT / "bootassets/node/metald-node"
-A100_XML = Path("/work/shared/fixtures/gpu/nvidia-smi-q-x_a100-sxm4-80gb_mig_drv535.54.03.xml")
+A100_XML = ROOT / "tests/fixtures/gpu/nvidia-smi-q-x_a100-sxm4-80gb_mig_drv535.54.03.xml"
 FIELDS = {"version", "kernel_log", "nvidia_smi_xml", "nvlink", "smart", "ib_ports"}
 APPLETS = ("nc", "timeout", "awk", "sed", "tr", "head", "tail", "wc", "cat", "od", "mkfifo")
 TOKEN = "node-token-sekrit-0123456789"
