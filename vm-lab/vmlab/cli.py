@@ -12,6 +12,7 @@ from typing import Any
 
 from . import netns, plan
 from .lab import Lab, LabError, default_home, down_all, list_labs, read_state
+from .power import hung_marker
 from .qmp import QmpClient, QmpError
 
 
@@ -77,7 +78,9 @@ def _power(qmp_path: str) -> str:
             return "?"
         finally:
             await qmp.close()
-        return "on" if status["status"] == "running" else "off"
+        if status["status"] == "running":
+            return "on"
+        return "hung" if hung_marker(qmp_path).exists() else "off"  # vmlab.faults.pause
 
     return asyncio.run(query())
 

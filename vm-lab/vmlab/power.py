@@ -4,7 +4,8 @@ Both faces of the virtual BMC (IPMI and Redfish) call this class, so they share 
 override and agree on the power state.
 
   off            the VM is paused (prelaunch, paused, or a guest poweroff under -no-shutdown)
-  on             the VM runs
+  on             the VM runs, or is paused as a hung machine (vmlab.faults.pause: the marker
+                 file ``hung_marker``); a power off, reset or cycle ends the hang
   power on       system_reset -> wait for its RESET event -> cont
   power off      stop (instant, like pulling power)
   soft off       system_powerdown: ACPI power button, the guest decides
@@ -53,9 +54,19 @@ class BootOverride:
         return self.mode != "disabled" and self.target != "none"
 
 
+def hung_marker(qmp_path: str | Path) -> Path:
+    """The file that says the machine's pause is a hang, not a power-off: ``<machine>.hung``
+    beside its QMP sockets (``<machine>.qmp``, ``<machine>.qmp-bmc``)."""
+    return Path(qmp_path).with_suffix(".hung")
+
+
 class MachineControl:
     def __init__(
-        self, qmp_path: str, command_log: str | None = None, hold_off: str | None = None
+        self,
+        qmp_path: str,
+        command_log: str | None = None,
+        hold_off: str | None = None,
+        hung: str | Path | None = None,
     ) -> None:
         self.qmp = QmpClient(qmp_path)
         self.override = BootOverride()
@@ -65,6 +76,7 @@ class MachineControl:
         self.command_log = Path(command_log) if command_log else None
         self.hold_off = Path(hold_off) if hold_off else None
         self._held: asyncio.Task[None] | None = None
+        self.hung = Path(hung) if hung else None
 
     def record(self, source: str, face: str, command: str) -> None:
         """Append one request to the command log ("power off", "boot pxe once", "read")."""
@@ -87,7 +99,14 @@ class MachineControl:
 
     async def is_on(self) -> bool:
         status = await self.qmp.execute("query-status")
+        if self.hung is not None and status["status"] == "paused" and self.hung.exists():
+            return True  # frozen, not off: the BMC still sees power
         return status["status"] == RUNNING
+
+    def _end_hang(self) -> None:
+        """A power action from the BMC ends a hang: the machine is what QEMU says again."""
+        if self.hung is not None:
+            self.hung.unlink(missing_ok=True)
 
     async def power_on(self) -> None:
         async with self._lock:
@@ -101,6 +120,7 @@ class MachineControl:
                 if self._held is None:
                     self._held = asyncio.create_task(self._off_when_released())
                 return
+            self._end_hang()
             await self.qmp.execute("stop")
 
     async def _off_when_released(self) -> None:
@@ -108,6 +128,7 @@ class MachineControl:
         while self.hold_off.exists():  # a file the test removes: polled, nothing to wait on
             await asyncio.sleep(HOLD_POLL_S)
         async with self._lock:
+            self._end_hang()
             await self.qmp.execute("stop")
         self._held = None
 
@@ -119,6 +140,7 @@ class MachineControl:
     async def reset(self) -> None:
         """Hard reset; a machine that is off is powered on (what BMCs commonly do)."""
         async with self._lock:
+            self._end_hang()
             was_on = await self.is_on()
             await self._reset()
             if not was_on:
@@ -126,6 +148,7 @@ class MachineControl:
 
     async def power_cycle(self) -> None:
         async with self._lock:
+            self._end_hang()
             await self.qmp.execute("stop")
             await self._reset()
             await self.qmp.execute("cont")
