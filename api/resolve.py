@@ -15,13 +15,15 @@ from sqlmodel import Session, col, or_, select
 from metald.auth import Principal, Role
 from metald.errors import Conflict
 from metald.store.models import Bmc, Claim, Image, Machine, Tenant
+from metald.usecases import ID_SHAPED
 
 #: Shortest id prefix accepted (8 hex digits of a UUID: one in four billion per pair).
 MIN_PREFIX = 8
 #: Most matches an ambiguous reference lists.
 MAX_LISTED = 10
 _ID_CHARS = re.compile(r"[0-9a-f-]+")
-FULL_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+#: A whole id (names may not have this shape: ``metald.usecases.ID_SHAPED``).
+FULL_ID = ID_SHAPED
 
 _STAFF = (Role.ADMIN, Role.TECHNICIAN)
 

@@ -12,7 +12,6 @@ from sqlmodel import Session
 
 from api.roles import AGENT
 from api.routes_bmc import ServiceUnavailable
-from api.routes_machines import load_visible
 from api.routing import ALL_ROLES, STAFF, ApiRequest, Router
 from api.schemas import In
 from api.workflows import claim_workflow
@@ -26,6 +25,7 @@ from metald.inventory.rules import profile_for
 from metald.lifecycle import COMMISSION_RUNNING, State
 from metald.provision import commissioning as runs
 from metald.store.models import Machine
+from metald.usecases.machines import load_visible
 
 router = Router()
 TAG = "commissioning"

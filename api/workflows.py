@@ -1,6 +1,9 @@
-"""The domain workflows the route handlers hand off to, wired from the app's context."""
+"""The domain workflows and use cases the route handlers hand off to, wired from the app's
+context (each route names its use case: ``Router.route(..., use_case=...)``)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from api.context import AppContext
 from metald.claims.workflow import ClaimWorkflow
@@ -8,6 +11,14 @@ from metald.provision import driver
 from metald.provision.intents import DeployImage
 from metald.tenants import mesh
 from metald.tenants.runtime import TenantRuntime
+from metald.usecases.images import Images
+from metald.usecases.join import Join
+from metald.usecases.machines import Machines
+from metald.usecases.tenants import Tenants
+from metald.usecases.tokens import Tokens
+
+if TYPE_CHECKING:
+    from api.routing import ApiRequest
 
 
 class MeshOfContext:
@@ -49,4 +60,44 @@ def claim_workflow(ctx: AppContext) -> ClaimWorkflow:
         notify=ctx.bus.notify,
         require_bmc=ctx.cfg.enroll.require_bmc,
         mesh=MeshOfContext(ctx),
+    )
+
+
+# ---- use cases (``metald.usecases``), one per resource, built for a request ---------------
+
+
+def machines(req: ApiRequest) -> Machines:
+    ctx = req.ctx
+    return Machines(ctx.store, ctx.instance, ctx.bus.notify, workflow=claim_workflow(ctx))
+
+
+def tenants(req: ApiRequest) -> Tenants:
+    ctx = req.ctx
+    return Tenants(
+        ctx.store,
+        ctx.secrets,
+        ctx.instance,
+        vlan_range=ctx.cfg.tenants.vlan_range,
+        hub_addresses=ctx.cfg.tenants.hub_addresses,
+        hubs=tenant_runtime(ctx),
+    )
+
+
+def tokens(req: ApiRequest) -> Tokens:
+    return Tokens(req.ctx.store, req.ctx.instance, req.ctx.bus.notify)
+
+
+def images(req: ApiRequest) -> Images:
+    return Images(req.ctx.store, req.ctx.instance)
+
+
+def join(req: ApiRequest) -> Join:
+    ctx = req.ctx
+    return Join(
+        ctx.store,
+        ctx.secrets,
+        ctx.instance,
+        ctx.bus.notify,
+        mesh=mesh.watch_of(ctx.services),
+        hubs=ctx.services.get("tenant_hubs"),
     )
