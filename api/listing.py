@@ -44,8 +44,9 @@ def paging(req: ApiRequest) -> Paging:
     return Paging(q, req.page_limit(q))
 
 
-def answer(model: type[M], page: Page[Any], p: Paging, req: ApiRequest) -> M:
-    """The list answer: this page's items, the total, and the link to the next page."""
+def answer(model: type[M], page: Page[Any], p: Paging, req: ApiRequest, **extra: Any) -> M:
+    """The list answer: this page's items, the total, the link to the next page, and the
+    list's ``extra`` fields."""
     return model.model_validate(
         {
             "items": page.items,
@@ -53,5 +54,6 @@ def answer(model: type[M], page: Page[Any], p: Paging, req: ApiRequest) -> M:
             "limit": p.limit,
             "offset": p.query.offset,
             "next": req.next_link(page.cursor),
+            **extra,
         }
     )

@@ -6,8 +6,9 @@ with the rest of the BMC subsystem's routes."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, StringConstraints
 
@@ -32,6 +33,22 @@ from metald.usecases.machines import ACTIONS, Machines
 
 router = Router()
 TAG = "machines"
+
+
+async def _change(
+    req: ApiRequest, step: Callable[..., Awaitable[dict[str, Any]]], *args: Any, **kw: Any
+) -> MachineOut:
+    """One write of ``step`` to the path's machine, as the caller, conditional on the version
+    the request names (``If-Match`` or the body's ``version``)."""
+    out = await step(
+        req.require_principal(),
+        req.params["id"],
+        *args,
+        actor=req.actor,
+        expected_version=req.expected_version(req.body.version),
+        **kw,
+    )
+    return MachineOut.model_validate(out)
 
 
 @router.route(
@@ -103,16 +120,8 @@ async def show_machine(req: ApiRequest, machines: Machines) -> MachineOut:
 async def patch_machine(req: ApiRequest, machines: Machines) -> MachineOut:
     """Set the machine's name (unique; every path that takes its id takes the name too) or
     rack. Fields left out are unchanged."""
-    b: MachinePatch = req.body
-    values = b.model_dump(exclude_unset=True, exclude={"version"})
-    m = await machines.update(
-        req.require_principal(),
-        req.params["id"],
-        values,
-        actor=req.actor,
-        expected_version=req.expected_version(b.version),
-    )
-    return MachineOut.model_validate(m)
+    values = req.body.model_dump(exclude_unset=True, exclude={"version"})
+    return await _change(req, machines.update, values)
 
 
 @router.route(
@@ -129,15 +138,7 @@ async def patch_machine(req: ApiRequest, machines: Machines) -> MachineOut:
 )
 async def patch_labels(req: ApiRequest, machines: Machines) -> MachineOut:
     """Merge-patch labels: a string value sets the label, null removes it."""
-    b: LabelsPatch = req.body
-    m = await machines.patch_labels(
-        req.require_principal(),
-        req.params["id"],
-        b.labels,
-        actor=req.actor,
-        expected_version=req.expected_version(b.version),
-    )
-    return MachineOut.model_validate(m)
+    return await _change(req, machines.patch_labels, req.body.labels)
 
 
 @router.route(
@@ -154,16 +155,7 @@ async def patch_labels(req: ApiRequest, machines: Machines) -> MachineOut:
 )
 async def machine_action(req: ApiRequest, machines: Machines) -> MachineOut:
     """inspect, maintenance-on/off, mark-broken, repair, retire. Illegal in the current state: 409."""
-    b: MachineAction = req.body
-    m = await machines.act(
-        req.require_principal(),
-        req.params["id"],
-        b.action,
-        actor=req.actor,
-        reason=b.reason,
-        expected_version=req.expected_version(b.version),
-    )
-    return MachineOut.model_validate(m)
+    return await _change(req, machines.act, req.body.action, reason=req.body.reason)
 
 
 __all__ = ["router", "ACTIONS", "State"]
@@ -198,15 +190,7 @@ async def retry_machine(req: ApiRequest, machines: Machines) -> MachineOut:
     """Start a failed operation again: provision-failed -> provisioning, wipe-failed -> wiping,
     inspect-failed -> inspecting, join-failed -> joining. Network-booting ones are power-cycled
     into PXE through their BMC. Any other state: 409."""
-    b: RetryIn = req.body
-    m = await machines.retry(
-        req.require_principal(),
-        req.params["id"],
-        actor=req.actor,
-        reason=b.reason,
-        expected_version=req.expected_version(b.version),
-    )
-    return MachineOut.model_validate(m)
+    return await _change(req, machines.retry, reason=req.body.reason)
 
 
 @router.route(
@@ -225,15 +209,7 @@ async def wipe_machine(req: ApiRequest, machines: Machines) -> MachineOut:
     """Start a wipe of a machine in maintenance or wipe-failed (e.g. one marked broken during
     a claim, repaired, and owing a wipe): power-off, PXE and the wipe image through its BMC,
     then ready once the agent's evidence fits its recorded disks. Any other state: 409."""
-    b: RetryIn = req.body
-    m = await machines.wipe(
-        req.require_principal(),
-        req.params["id"],
-        actor=req.actor,
-        reason=b.reason,
-        expected_version=req.expected_version(b.version),
-    )
-    return MachineOut.model_validate(m)
+    return await _change(req, machines.wipe, reason=req.body.reason)
 
 
 @router.route(
@@ -254,15 +230,7 @@ async def confirm_wipe(req: ApiRequest, machines: Machines) -> MachineOut:
     releasing, wiping, wipe-failed or maintenance to ready, detached from any tenant and claim.
     The reason is required and recorded with the technician's name (``machine.wipe-confirmed``
     event)."""
-    b: TechnicianNote = req.body
-    m = await machines.confirm_wipe(
-        req.require_principal(),
-        req.params["id"],
-        actor=req.actor,
-        reason=b.reason,
-        expected_version=req.expected_version(b.version),
-    )
-    return MachineOut.model_validate(m)
+    return await _change(req, machines.confirm_wipe, reason=req.body.reason)
 
 
 # ---- tenant nodes: join tokens and hub peers --------------------------------------------

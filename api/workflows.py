@@ -11,7 +11,11 @@ from metald.provision import driver
 from metald.provision.intents import DeployImage
 from metald.tenants import mesh
 from metald.tenants.runtime import TenantRuntime
+from metald.usecases.claims import Claims
+from metald.usecases.commissioning import Commissioning
+from metald.usecases.events import Events
 from metald.usecases.images import Images
+from metald.usecases.instances import Instances
 from metald.usecases.join import Join
 from metald.usecases.machines import Machines
 from metald.usecases.tenants import Tenants
@@ -101,3 +105,31 @@ def join(req: ApiRequest) -> Join:
         mesh=mesh.watch_of(ctx.services),
         hubs=ctx.services.get("tenant_hubs"),
     )
+
+
+def commissioning(req: ApiRequest) -> Commissioning:
+    ctx = req.ctx
+    bmc = ctx.services.get("bmc")
+    return Commissioning(
+        ctx.store,
+        req,  # the agent's results: its token's first use is stamped in the same commit
+        ctx.instance,
+        ctx.bus.notify,
+        rules=ctx.cfg.enroll.rules,
+        sel_reader=None if bmc is None else bmc.event_log,
+        sel_timeout_s=ctx.cfg.bmc.sensors_timeout_s * (ctx.cfg.bmc.retries + 2),
+        workflow=claim_workflow(ctx),
+    )
+
+
+def claims(req: ApiRequest) -> Claims:
+    return Claims(req.ctx.store, claim_workflow(req.ctx))
+
+
+def instances(req: ApiRequest) -> Instances:
+    ctx = req.ctx
+    return Instances(ctx.store, ctx.cfg.fleet.dead_after_s, fleet=ctx.services.get("fleet"))
+
+
+def events(req: ApiRequest) -> Events:
+    return Events(req.ctx.store)

@@ -22,11 +22,17 @@ ID_SHAPED = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f
 T = TypeVar("T")
 
 
-class Transactions(Protocol):
-    """Where a use case runs its transaction: ``metald.store.Store`` (``run`` writes, ``read``
-    is a read-only transaction)."""
+class Writes(Protocol):
+    """Where a use case runs a write transaction: ``metald.store.Store``, or the API request
+    (``api.routing.ApiRequest.run``: it stamps an agent token's first use in the same
+    commit)."""
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T: ...
+
+
+class Transactions(Writes, Protocol):
+    """Where a use case runs its transactions: ``metald.store.Store`` (``run`` writes, ``read``
+    is a read-only transaction)."""
 
     async def read(self, fn: Callable[..., T], *args: Any) -> T: ...
 

@@ -65,9 +65,14 @@ def page(
 
 
 def page_items(
-    items: list[T], pager: Pager, default: Order, view: Callable[[list[T]], list[V]]
+    items: list[T],
+    pager: Pager,
+    default: Order,
+    view: Callable[[list[T]], list[V]],
+    *,
+    get: Callable[[Any, str], Any] = getattr,
 ) -> Page[V]:
     """``page`` for a list already held in memory (filtered by Python, e.g. on a JSON
-    column); its items' fields are read as attributes."""
-    rows, cursor = pager.items(items, default, getattr)
+    column); ``get(item, field)`` reads a sort field (an attribute, unless told)."""
+    rows, cursor = pager.items(items, default, get)
     return Page(view(rows), len(items), cursor)
