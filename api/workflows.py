@@ -11,6 +11,7 @@ from metald.provision import driver
 from metald.provision.intents import DeployImage
 from metald.tenants import mesh
 from metald.tenants.runtime import TenantRuntime
+from metald.usecases.agent import Agent
 from metald.usecases.claims import Claims
 from metald.usecases.commissioning import Commissioning
 from metald.usecases.events import Events
@@ -133,3 +134,18 @@ def instances(req: ApiRequest) -> Instances:
 
 def events(req: ApiRequest) -> Events:
     return Events(req.ctx.store)
+
+
+def agent(req: ApiRequest) -> Agent:
+    ctx = req.ctx
+    return Agent(
+        ctx.store,
+        req,  # an agent token's first use is stamped in its request's first commit
+        ctx.instance,
+        ctx.bus.notify,
+        enroll=ctx.cfg.enroll,
+        progress_interval_s=ctx.cfg.provision.progress_event_interval_s,
+        join_token_ttl_s=ctx.cfg.tenants.join_token_ttl_s,
+        bmc=ctx.services.get("bmc"),
+        workflow=claim_workflow(ctx),
+    )

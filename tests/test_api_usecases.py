@@ -22,15 +22,12 @@ ROOT = Path(__file__).resolve().parents[1]
 #: this list (the test says so), so it only shrinks.
 NOT_MOVED_YET = {
     "api/paging.py",  # the keyset pager the read model (metald.usecases.reads) calls
-    "api/resolve.py",  # names and id prefixes in paths, before any handler runs
-    "api/routes_agent.py",
     "api/routes_bmc.py",  # its own step: owner forwarding becomes a router feature
-    "api/routes_console.py",
-    "api/routes_mesh.py",
-    "api/routes_system.py",
+    "api/routes_console.py",  # like routes_bmc: under security fixes while this moved
+    "api/routes_mesh.py",  # likewise
+    "api/routes_system.py",  # the health probe's store ping
     "api/routing.py",  # the router's own reads: token lookup, first use, path names
-    "api/scrape.py",
-    "api/ui/dispatch.py",
+    "api/ui/dispatch.py",  # the console's in-process calls resolve path names, as routing does
 }
 #: Calls that reach the store from a module: a query, a transaction, a session of its own.
 STORE_CALLS = {"select", "run", "read", "read_aside", "write", "session", "exec", "get"}
@@ -108,6 +105,7 @@ MOVED = {
     "routes_claims",
     "routes_instances",
     "routes_events",
+    "routes_agent",
 }
 
 
