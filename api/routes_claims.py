@@ -191,16 +191,22 @@ async def show_claim(req: ApiRequest, claims: Claims) -> ClaimOut:
     return ClaimOut.model_validate(await claims.show(req.require_principal(), req.params["id"]))
 
 
+#: What both releases declare (the claim's, one machine's).
+_RELEASE: dict[str, Any] = {
+    "roles": CLAIMERS,
+    "response": ClaimOut,
+    "tag": TAG,
+    "errors": (404, 409),
+    "versioned": True,
+    "use_case": workflows.claims,
+}
+
+
 @router.route(
     "POST",
     "/api/v1/claims/{id}/release",
     summary="Release a claim",
-    roles=CLAIMERS,
-    response=ClaimOut,
-    tag=TAG,
-    errors=(404, 409),
-    versioned=True,
-    use_case=workflows.claims,
+    **_RELEASE,
 )
 async def release_claim(req: ApiRequest, claims: Claims) -> ClaimOut:
     """End the claim: each machine leaves the tenant (tokens revoked, off the hub, detached),
@@ -216,12 +222,7 @@ async def release_claim(req: ApiRequest, claims: Claims) -> ClaimOut:
     "POST",
     "/api/v1/claims/{id}/machines/{machine_id}/release",
     summary="Release one machine of a claim",
-    roles=CLAIMERS,
-    response=ClaimOut,
-    tag=TAG,
-    errors=(404, 409),
-    versioned=True,
-    use_case=workflows.claims,
+    **_RELEASE,
 )
 async def release_claim_machine(req: ApiRequest, claims: Claims) -> ClaimOut:
     """Scale a claim down by one machine: it leaves the tenant (tokens revoked, off the hub and

@@ -35,6 +35,16 @@ router = Router()
 TAG = "machines"
 
 
+#: What every technician's write to one machine declares: staff only, answers the machine,
+#: honours If-Match, runs in the machines use case.
+_TECHNICIAN_WRITE: dict[str, Any] = {
+    "roles": STAFF,
+    "response": MachineOut,
+    "versioned": True,
+    "use_case": workflows.machines,
+}
+
+
 async def _change(
     req: ApiRequest, step: Callable[..., Awaitable[dict[str, Any]]], *args: Any, **kw: Any
 ) -> MachineOut:
@@ -109,13 +119,10 @@ async def show_machine(req: ApiRequest, machines: Machines) -> MachineOut:
     "PATCH",
     "/api/v1/machines/{id}",
     summary="Rename a machine",
-    roles=STAFF,
     body=MachinePatch,
-    response=MachineOut,
     tag=TAG,
     errors=(404, 409, 422),
-    versioned=True,
-    use_case=workflows.machines,
+    **_TECHNICIAN_WRITE,
 )
 async def patch_machine(req: ApiRequest, machines: Machines) -> MachineOut:
     """Set the machine's name (unique; every path that takes its id takes the name too) or
@@ -128,13 +135,10 @@ async def patch_machine(req: ApiRequest, machines: Machines) -> MachineOut:
     "PATCH",
     "/api/v1/machines/{id}/labels",
     summary="Edit a machine's labels",
-    roles=STAFF,
     body=LabelsPatch,
-    response=MachineOut,
     tag=TAG,
     errors=(404, 409, 422),
-    versioned=True,
-    use_case=workflows.machines,
+    **_TECHNICIAN_WRITE,
 )
 async def patch_labels(req: ApiRequest, machines: Machines) -> MachineOut:
     """Merge-patch labels: a string value sets the label, null removes it."""
@@ -145,13 +149,10 @@ async def patch_labels(req: ApiRequest, machines: Machines) -> MachineOut:
     "POST",
     "/api/v1/machines/{id}/actions",
     summary="Act on a machine",
-    roles=STAFF,
     body=MachineAction,
-    response=MachineOut,
     tag=TAG,
     errors=(404, 409, 422),
-    versioned=True,
-    use_case=workflows.machines,
+    **_TECHNICIAN_WRITE,
 )
 async def machine_action(req: ApiRequest, machines: Machines) -> MachineOut:
     """inspect, maintenance-on/off, mark-broken, repair, retire. Illegal in the current state: 409."""
@@ -178,13 +179,10 @@ class TechnicianNote(In):
     "POST",
     "/api/v1/machines/{id}/retry",
     summary="Retry a failed machine",
-    roles=STAFF,
     body=RetryIn,
-    response=MachineOut,
     tag="machines",
     errors=(404, 409),
-    versioned=True,
-    use_case=workflows.machines,
+    **_TECHNICIAN_WRITE,
 )
 async def retry_machine(req: ApiRequest, machines: Machines) -> MachineOut:
     """Start a failed operation again: provision-failed -> provisioning, wipe-failed -> wiping,
@@ -197,13 +195,10 @@ async def retry_machine(req: ApiRequest, machines: Machines) -> MachineOut:
     "POST",
     "/api/v1/machines/{id}/wipe",
     summary="Wipe a machine",
-    roles=STAFF,
     body=RetryIn,
-    response=MachineOut,
     tag="machines",
     errors=(404, 409),
-    versioned=True,
-    use_case=workflows.machines,
+    **_TECHNICIAN_WRITE,
 )
 async def wipe_machine(req: ApiRequest, machines: Machines) -> MachineOut:
     """Start a wipe of a machine in maintenance or wipe-failed (e.g. one marked broken during
@@ -216,13 +211,10 @@ async def wipe_machine(req: ApiRequest, machines: Machines) -> MachineOut:
     "POST",
     "/api/v1/machines/{id}/confirm-wipe",
     summary="Confirm a machine's disks were wiped",
-    roles=STAFF,
     body=TechnicianNote,
-    response=MachineOut,
     tag="machines",
     errors=(404, 409, 422),
-    versioned=True,
-    use_case=workflows.machines,
+    **_TECHNICIAN_WRITE,
 )
 async def confirm_wipe(req: ApiRequest, machines: Machines) -> MachineOut:
     """A technician vouches that the machine's disks were erased (by hand, or it has no BMC
