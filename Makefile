@@ -29,6 +29,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/mypy
 
 format: setup
 	$(VENV)/bin/ruff format .

@@ -127,7 +127,7 @@ async def tenant_node_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     """Tenant machines reach only the join, agent and boot endpoints (metald/nodeguard.py)."""
-    guard = request.app[CTX_KEY].services.get("tenant_node_guard")
+    guard = request.app[CTX_KEY].services.tenant_node_guard
     if guard is not None and guard.refuses(request.remote, request.path):
         log.warning(
             "refused %s %s from tenant machine %s", request.method, request.path, request.remote
@@ -150,8 +150,8 @@ FENCED_SERVES_UNDER = ("/boot/assets/",)
 
 def fenced(ctx: AppContext) -> bool:
     """Whether this instance fenced itself (no heartbeat confirmed within its lease)."""
-    fleet = ctx.services.get("fleet")
-    return fleet is not None and bool(getattr(fleet, "fenced", False))
+    fleet = ctx.services.fleet
+    return fleet is not None and fleet.fenced
 
 
 @web.middleware

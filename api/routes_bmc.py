@@ -1,12 +1,14 @@
 """/api/v1/bmcs and what a BMC does for a machine: power, next boot device, sensors, event log.
 
 Thin: validation and roles here, everything else in ``metald.bmc.service.BmcService`` (the
-daemon hosts it as ``ctx.services["bmc"]``). No answer carries a BMC password.
+daemon hosts it as ``ctx.services.bmc``). No answer carries a BMC password.
 
 With several instances a command for a BMC runs on the instance that owns it: a request that
 reaches another one is forwarded to the owner's API URL with the caller's own token (the owner
 authorizes it again) and its answer returned as is. A forwarded request is never forwarded
-again: if ownership moved meanwhile, the answer is a 503 saying to retry.
+again: if ownership moved meanwhile, the answer is a 503 saying to retry. The forwarding mark
+is signed with a key only instances hold (``metald.fleet.forward_auth``): a client that sets it
+itself is refused (403), it does not get a non-owner to act on another instance's BMC.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ from api.paging import PageQuery, page_items
 from api.routing import STAFF, ApiRequest, Router
 from api.schemas import In
 from metald import machines
+from metald.bmc import targets
+from metald.bmc.capabilities import Capability
 from metald.errors import Conflict, MetaldError, Unprocessable
+from metald.fleet import forward_auth
 from metald.store.models import Bmc, utcnow
 
 router = Router()
@@ -122,6 +127,12 @@ class BmcCreate(In):
     ca_cert: Annotated[str, StringConstraints(max_length=65536)] | None = Field(
         default=None, description="PEM CA to trust for this BMC only (pinned)."
     )
+    verify: bool = Field(
+        default=True,
+        description="false: store the BMC without connecting (health unreachable; a rack "
+        "staged before it is cabled); its owning instance verifies it once it answers. Needs "
+        "protocol ipmi or redfish.",
+    )
 
 
 class BmcOut(BaseModel):
@@ -144,6 +155,11 @@ class BmcOut(BaseModel):
     owner_instance: str | None = Field(
         default=None,
         description="The live metald instance that owns this BMC now (power sync, commands).",
+    )
+    capabilities: list[Capability] = Field(
+        default_factory=list,
+        description="What its driver can be asked. A command for a capability not listed is "
+        "refused (422, naming it; 409 for the serial console) before anything is sent.",
     )
 
 
@@ -242,14 +258,14 @@ class ApprovalOut(BaseModel):
 
 
 def _bmc(req: ApiRequest) -> Any:
-    svc = req.ctx.services.get("bmc")
+    svc = req.ctx.services.bmc
     if svc is None:
         raise ServiceUnavailable("BMC control is not running in this metald instance")
     return svc
 
 
-#: Set on a request one instance forwards to a BMC's owner (never forwarded again).
-FORWARDED = "X-Metald-Forwarded-By"
+#: Set on a request one instance forwards to a BMC's owner (never forwarded again); signed.
+FORWARDED = forward_auth.FORWARDED
 #: How long a forwarded command may take at the owner (retries of a slow BMC included).
 FORWARD_TIMEOUT_S = 120.0
 M = TypeVar("M", bound=BaseModel)
@@ -260,17 +276,29 @@ class ForwardFailed(MetaldError):
     title = "BMC owner unreachable"
 
 
+def forwarded_by(req: ApiRequest) -> str | None:
+    """The instance that forwarded this request to us, verified (``forward_auth.verify``: call
+    it once per request, a nonce counts once); None for a client's request; 403 when the mark
+    is forged, altered, stale or replayed."""
+    return forward_auth.verify(req.ctx.secrets, req.raw.method, req.raw.path_qs, req.raw.headers)
+
+
+def forward_headers(req: ApiRequest) -> dict[str, str]:
+    """The signed mark for forwarding this request to the BMC's owner (same method and path)."""
+    return forward_auth.sign(req.ctx.secrets, req.raw.method, req.raw.path_qs, req.ctx.instance)
+
+
 async def _on_owner(
     req: ApiRequest, out: type[M], *, machine_id: str | None = None, bmc_id: str | None = None
 ) -> M | None:
     """Forward the request to the instance that owns the BMC, when that is another one, and
     return its answer (an error answer raised as the same problem); None: run it here."""
-    if req.raw.headers.get(FORWARDED):
+    if forwarded_by(req):
         return None
     url = await _bmc(req).owner_url(machine_id=machine_id, bmc_id=bmc_id)
     if url is None:
         return None
-    headers = {FORWARDED: req.ctx.instance}
+    headers = forward_headers(req)
     if auth := req.raw.headers.get("Authorization"):
         headers["Authorization"] = auth
     body = req.body.model_dump(mode="json") if isinstance(req.body, BaseModel) else None
@@ -315,7 +343,9 @@ _PROBLEM_FIELDS = {"type", "title", "status", "detail", "instance"}
     location="/api/v1/bmcs/{id}",
 )
 async def register_bmc(req: ApiRequest) -> BmcOut:
-    """Connects first (422 with the reason if refused or unreachable); links it to its machine."""
+    """Connects first (422 "could not verify the BMC" naming the failed step, after [bmc]
+    verify_s) unless verify is false; only to addresses [bmc] networks allows, never to
+    loopback, link-local or metald's own listeners unless configured; links it to its machine."""
     b: BmcCreate = req.body
     address, port = parse_bmc_address(b.address, b.port, b.protocol)
     out = await _bmc(req).register(
@@ -328,6 +358,8 @@ async def register_bmc(req: ApiRequest) -> BmcOut:
         verify_tls=b.verify_tls,
         ca_cert=b.ca_cert,
         actor=req.actor,
+        verify=b.verify,
+        own_listeners=targets.own_listeners(req.ctx.cfg),
     )
     req.ctx.bus.notify()
     return BmcOut.model_validate(out)
@@ -809,13 +841,14 @@ class BootOut(BaseModel):
     errors=(404, 409, 422, 502, 503),
 )
 async def boot_machine(req: ApiRequest) -> BootOut | web.Response:
-    """The provisioning driver's boot step, started now (202): confirmed power-off, then
+    """The network-boot step, started now (202): confirmed power-off, then
     (virtual-media) insert metald's ISO and a one-time CD boot, or (network) a one-time PXE
     boot; the boot is armed, so its first script carries the agent token; then power on.
     Only for a machine metald boots (inspecting, provisioning, wiping)."""
+    from api.workflows import provisioner
     from metald.bmc import media as virtual_media
     from metald.lifecycle import NETWORK_BOOT, State
-    from metald.provision import driver
+    from metald.provision import netboot
 
     b: BootRequest = req.body
     mid = req.params["id"]
@@ -842,8 +875,8 @@ async def boot_machine(req: ApiRequest) -> BootOut | web.Response:
             )
     else:
         await svc.control.row_for_machine(mid)  # 404 with what to do when it has no BMC
-    driver.spawn(
-        driver.boot_from_network(
+    provisioner(req.ctx).spawn(
+        netboot.boot_from_network(
             req.ctx.store, svc, mid, actor=req.actor, instance=req.ctx.instance, via=b.via
         )
     )

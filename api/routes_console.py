@@ -13,7 +13,9 @@ so orchestrators get none, not even read-only. The caller's token is checked aga
 
 In a fleet the BMC's SOL runs on the instance that owns the BMC: another instance proxies
 the WebSocket there with the caller's own credential (the owner authorizes it again), so
-clients need only one URL. A proxied connection is never proxied again. That credential is the
+clients need only one URL. A proxied connection is never proxied again; its mark is signed
+(``metald.fleet.forward_auth``), so a client cannot claim to be a proxying instance and get a
+non-owner to open its own SOL session. That credential is the
 bearer token, or for the web console's session (which holds none, ``ApiRequest.session``) the
 session's cookie to the owner's own console route: the owner resolves the same principal from
 the shared store and checks the session there.
@@ -30,7 +32,7 @@ import aiohttp
 from aiohttp import WSMsgType, web
 from pydantic import Field
 
-from api.routes_bmc import FORWARDED, ForwardFailed, ServiceUnavailable, _bmc
+from api.routes_bmc import ForwardFailed, ServiceUnavailable, _bmc, forward_headers, forwarded_by
 from api.routing import STAFF, ApiRequest, Router, bearer_token
 from api.schemas import In
 from metald.auth import authenticate
@@ -58,7 +60,7 @@ class NotAWebSocket(MetaldError):
 
 
 def _console(req: ApiRequest) -> ConsoleService:
-    svc = req.ctx.services.get("console")
+    svc = req.ctx.services.console
     if svc is None:
         raise ServiceUnavailable("serial consoles are not running in this metald instance")
     return svc
@@ -85,7 +87,7 @@ async def console(req: ApiRequest) -> web.StreamResponse:
         )
     machine_id = req.params["id"]
     svc = _console(req)
-    if not req.raw.headers.get(FORWARDED):
+    if not forwarded_by(req):
         url = await _bmc(req).owner_url(machine_id=machine_id)
         if url is not None:
             return await _proxy(req, url)
@@ -197,7 +199,7 @@ async def _pump(
 
 async def _proxy(req: ApiRequest, owner_url: str) -> web.StreamResponse:
     """Carry the WebSocket to the BMC's owner instance, frames as they are, both ways."""
-    headers = {FORWARDED: req.ctx.instance}
+    headers = forward_headers(req)
     if req.session is not None:
         headers |= req.session.forward_headers(owner_url)
     elif auth := req.raw.headers.get("Authorization"):

@@ -77,7 +77,7 @@ async def mesh_sync(req: ApiRequest) -> MeshOut:
     than ``applied`` or after ``wait_s`` seconds. Never a peer of another tenant."""
     b: MeshSync = req.body
     secret = _bearer(req)
-    watch = mesh.watch_of(req.ctx.services)
+    watch = req.ctx.services.mesh_watch
     loop = asyncio.get_running_loop()
     deadline = loop.time() + b.wait_s
     v, moved = await req.ctx.store.run(mesh.sync, secret, b.applied)  # the ack comes first

@@ -21,7 +21,7 @@ async def healthz(req: ApiRequest) -> web.StreamResponse:
     def ping(s: Session) -> None:
         s.exec(text("SELECT 1"))  # type: ignore[call-overload]
 
-    fleet = req.ctx.services.get("fleet")
+    fleet = req.ctx.services.fleet
     if fleet is not None and fleet.fenced:
         db = "fenced: no heartbeat confirmed within the lease (not asked)"
     else:
@@ -30,9 +30,7 @@ async def healthz(req: ApiRequest) -> web.StreamResponse:
             db = "ok"
         except Exception as e:  # noqa: BLE001 - any database failure is "unhealthy"
             db = f"error: {type(e).__name__}"
-    services = {
-        name: getattr(svc, "health", lambda: "running")() for name, svc in req.ctx.services.items()
-    }
+    services = req.ctx.services.health()
     body = Health(
         status="ok" if db == "ok" else "degraded",
         database=db,
@@ -53,7 +51,7 @@ async def healthz(req: ApiRequest) -> web.StreamResponse:
 )
 async def show_metrics(req: ApiRequest) -> web.Response:
     """Prometheus text format: API, lifecycle, DHCP/TFTP and BMC counters."""
-    fleet = req.ctx.services.get("fleet")
+    fleet = req.ctx.services.fleet
     if fleet is None or not fleet.fenced:  # fenced: this process's counters, no store gauges
         await gauges.refresh(req.ctx.store, req.ctx.cfg.boot.networks)
     return web.Response(body=metrics.render(), content_type="text/plain", charset="utf-8")

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 from api.context import AppContext
 from metald.claims.workflow import ClaimWorkflow
-from metald.provision import driver
 from metald.provision.intents import DeployImage
+from metald.provision.netboot import Provisioner
 from metald.tenants import mesh
 from metald.tenants.runtime import TenantRuntime
 from metald.usecases.agent import Agent
@@ -36,7 +36,7 @@ class MeshOfContext:
     async def released(self, tenant_id: str, machine_ids: list[str], actor: str) -> object:
         return await mesh.after_release(
             self.ctx.store,
-            self.ctx.services,
+            self.ctx.services.mesh_watch,
             tenant_id,
             machine_ids,
             actor=actor,
@@ -46,8 +46,14 @@ class MeshOfContext:
 
 def tenant_runtime(ctx: AppContext) -> TenantRuntime | None:
     """The running tenant hubs, when this daemon runs them (``[tenants] hubs``)."""
-    runtime = ctx.services.get("tenant_hubs")
+    runtime = ctx.services.tenant_hubs
     return runtime if isinstance(runtime, TenantRuntime) else None
+
+
+def provisioner(ctx: AppContext) -> Provisioner:
+    """The ``provision`` service, which owns the boots API calls start in the background: the
+    daemon's, or (an app run without the daemon, under test) the one its ``Services`` made."""
+    return ctx.services.provision
 
 
 def deploy_image(ctx: AppContext) -> DeployImage:
@@ -59,8 +65,8 @@ def claim_workflow(ctx: AppContext) -> ClaimWorkflow:
         store=ctx.store,
         instance=ctx.instance,
         deploy=deploy_image(ctx),
-        boot=driver,  # the provisioning runner's module functions are its BootControl
-        bmc=ctx.services.get("bmc") if ctx.cfg.provision.use_bmc else None,
+        boot=provisioner(ctx),
+        bmc=ctx.services.bmc if ctx.cfg.provision.use_bmc else None,
         hubs=tenant_runtime(ctx),
         notify=ctx.bus.notify,
         require_bmc=ctx.cfg.enroll.require_bmc,
@@ -103,14 +109,14 @@ def join(req: ApiRequest) -> Join:
         ctx.secrets,
         ctx.instance,
         ctx.bus.notify,
-        mesh=mesh.watch_of(ctx.services),
-        hubs=ctx.services.get("tenant_hubs"),
+        mesh=ctx.services.mesh_watch,
+        hubs=ctx.services.tenant_hubs,
     )
 
 
 def commissioning(req: ApiRequest) -> Commissioning:
     ctx = req.ctx
-    bmc = ctx.services.get("bmc")
+    bmc = ctx.services.bmc
     return Commissioning(
         ctx.store,
         req,  # the agent's results: its token's first use is stamped in the same commit
@@ -119,6 +125,7 @@ def commissioning(req: ApiRequest) -> Commissioning:
         rules=ctx.cfg.enroll.rules,
         sel_reader=None if bmc is None else bmc.event_log,
         sel_timeout_s=ctx.cfg.bmc.sensors_timeout_s * (ctx.cfg.bmc.retries + 2),
+        sel_reads=ctx.services.sel_reads,
         workflow=claim_workflow(ctx),
     )
 
@@ -129,7 +136,7 @@ def claims(req: ApiRequest) -> Claims:
 
 def instances(req: ApiRequest) -> Instances:
     ctx = req.ctx
-    return Instances(ctx.store, ctx.cfg.fleet.dead_after_s, fleet=ctx.services.get("fleet"))
+    return Instances(ctx.store, ctx.cfg.fleet.dead_after_s, fleet=ctx.services.fleet)
 
 
 def events(req: ApiRequest) -> Events:
@@ -146,6 +153,6 @@ def agent(req: ApiRequest) -> Agent:
         enroll=ctx.cfg.enroll,
         progress_interval_s=ctx.cfg.provision.progress_event_interval_s,
         join_token_ttl_s=ctx.cfg.tenants.join_token_ttl_s,
-        bmc=ctx.services.get("bmc"),
+        bmc=ctx.services.bmc,
         workflow=claim_workflow(ctx),
     )

@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from metald.health.config import HealthConfig
 from metald.inventory.rules import EnrollmentRule
 from metald.macaddr import normalize_mac
 
@@ -252,8 +253,15 @@ class BmcConfig(_Section):
     #: How long that polling goes on in the background before the command is an error event.
     power_state_give_up_s: float = Field(default=300.0, gt=0)
     #: CIDRs of the BMCs this instance can reach; it owns only BMCs whose address lies in one
-    #: (a host name matches any). Empty: every BMC. See docs/fleet.md.
+    #: (a host name matches any). Empty: every BMC. See docs/fleet.md. Registration
+    #: (POST /api/v1/bmcs) connects only inside them when set, and to loopback or link-local
+    #: addresses only when an entry inside that range names them (e.g. "127.0.0.0/8" for a lab
+    #: of simulated BMCs); never to metald's own listeners. docs/security.md.
     networks: list[IPv4Network | IPv6Network] = []
+    #: Deadline of verifying a BMC at registration (every protocol tried). A failed one is
+    #: answered only once it has passed: the answer's timing does not tell a closed port from a
+    #: silent one.
+    verify_s: float = Field(default=20.0, gt=0, le=300)
 
 
 class EnrollConfig(_Section):
@@ -427,6 +435,8 @@ class Config(_Section):
     provision: ProvisionConfig = ProvisionConfig()
     tenants: TenantsConfig = TenantsConfig()
     fleet: FleetConfig = FleetConfig()
+    #: Day 2: classification rules, remediation policies and limits (docs/health.md).
+    health: HealthConfig = HealthConfig()
 
     @property
     def store_url(self) -> str:

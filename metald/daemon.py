@@ -11,12 +11,12 @@ import ssl
 import stat
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from api.app import create_app, server_settings
-from api.context import AppContext
+from api.context import AppContext, Services
 from metald import __version__
 from metald.auth import bootstrap_admin
 from metald.config import Config, check_assets_root, split_hostport
@@ -26,8 +26,14 @@ from metald.fleet.startup import hold_sqlite_lock, verify_secrets_key
 from metald.nodeguard import path_allowed
 from metald.problem import problem
 from metald.secrets import SecretBox
-from metald.service import Service
+from metald.service import Service, TaskScope
 from metald.store import Store
+
+if TYPE_CHECKING:
+    from metald.bmc.service import BmcService
+    from metald.boot.plane import BootPlane
+    from metald.nodeguard import TenantNodeGuard
+    from metald.tenants.runtime import TenantRuntime
 
 log = logging.getLogger("metald")
 
@@ -112,8 +118,8 @@ class Daemon:
         self.store = Store(cfg.store_url, workers=cfg.store.workers)
         self.secrets = SecretBox.from_file(cfg.secrets_key_path)
         self.bus = EventBus()
-        self.ctx = AppContext(cfg=cfg, store=self.store, secrets=self.secrets, bus=self.bus)
-        self.services: list[Service] = []
+        #: Every service's task group runs inside this one (``TaskScope.child``).
+        self.tasks = TaskScope("metald")
         self.fleet = Membership(
             self.store,
             cfg.instance,
@@ -121,21 +127,16 @@ class Daemon:
             dead_after_s=cfg.fleet.dead_after_s,
             api_url=cfg.api.public_url or f"http://{cfg.api.listen}",
             serves=_serves(cfg),
+            tasks=self.tasks.child("fleet"),
         )
+        self.services, self._routes = _build_services(self)
+        self.ctx = AppContext(
+            cfg=cfg, store=self.store, secrets=self.secrets, bus=self.bus, services=self.services
+        )
+        self._started: list[Service] = []
         self._store_lock: Any = None
         self._runners: list[web.AppRunner] = []
         self._stopping = asyncio.Event()
-
-    def _build_services(self) -> list[web.RouteDef]:
-        """Instantiate optional subsystems that exist in this build; return extra HTTP routes."""
-        routes: list[web.RouteDef] = []
-        for factory in _SERVICE_FACTORIES:
-            svc, extra = factory(self)
-            if svc is not None:
-                self.services.append(svc)
-                self.ctx.services[svc.name] = svc
-            routes.extend(extra)
-        return routes
 
     async def _serve(self, app: web.Application, listen: str, tls: ssl.SSLContext | None) -> None:
         runner = web.AppRunner(app, access_log=None, handle_signals=False, **server_settings())
@@ -145,6 +146,7 @@ class Daemon:
         await web.TCPSite(runner, host, port, reuse_address=True, ssl_context=tls).start()
 
     async def start(self) -> None:
+        await self.tasks.open()
         self._store_lock = hold_sqlite_lock(self.cfg.store_url)
         self.fleet.sole_user = self._store_lock is not None
         await asyncio.get_running_loop().run_in_executor(None, self.store.migrate)
@@ -152,11 +154,10 @@ class Daemon:
             log.info("secrets key check value written: other instances must use the same key")
         # Membership first: a name held by a live instance stops this one before it serves.
         await self.fleet.start()
-        self.ctx.services[self.fleet.name] = self.fleet
         created = await self.store.run(bootstrap_admin, self.cfg.admin_token_path)
         if created:
             log.warning("first start: an admin token was written to %s (mode 0600)", created)
-        extra = self._build_services()
+        extra = self._routes
         staff = create_app(self.ctx, extra=extra)
         machines_listen = self.cfg.boot.http_listen
         if machines_listen:
@@ -175,7 +176,8 @@ class Daemon:
                 self.cfg.api.listen,
             )
         await self._serve(staff, self.cfg.api.listen, staff_tls(self.cfg))
-        for svc in self.services:
+        for svc in self.services.hosted():
+            self._started.append(svc)  # stopped at stop even if its start fails half-way
             await svc.start()
             log.info("service %s started", svc.name)
         log.info(
@@ -189,15 +191,17 @@ class Daemon:
         )
 
     async def stop(self) -> None:
-        for svc in reversed(self.services):
+        for svc in reversed(self._started):
             try:
                 await svc.stop()
             except Exception:
                 log.exception("stopping %s failed", svc.name)
+        self._started.clear()
         for runner in reversed(self._runners):
             await runner.cleanup()
         self._runners.clear()
         await self.fleet.stop()
+        await self.tasks.close()  # whatever a service left running ends here
         self.store.close()
         if self._store_lock is not None:
             self._store_lock.close()
@@ -234,7 +238,52 @@ def _serves(cfg: Config) -> dict[str, Any]:
     }
 
 
-def _boot_plane(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
+def _build_services(d: Daemon) -> tuple[Services, list[web.RouteDef]]:
+    """Every service this instance hosts, wired by constructor, and the HTTP routes some of
+    them add to the API (boot)."""
+    boot, routes = _boot_plane(d)
+    bmc = _bmc(d)
+    from metald.bmc.console import ConsoleService
+    from metald.bmc.console_links import BmcLinks
+    from metald.provision.commissioning import SelReads
+    from metald.provision.netboot import Provisioner
+    from metald.provision.watchdog import Watchdog
+    from metald.tenants.mesh import MeshWatch
+    from metald.token_sweep import TokenSweeper
+
+    # Resumes claims and steps cut off by a restart or a dead instance, for the machines
+    # this instance owns, and times out stuck machines.
+    watchdog = Watchdog(
+        d.store,
+        d.cfg.provision,
+        d.cfg.instance,
+        bmc=bmc,
+        ownership=d.fleet,
+        resume_interval_s=d.cfg.fleet.heartbeat_s,
+    )
+    d.fleet.on_change(watchdog.wake)
+    services = Services(
+        fleet=d.fleet,
+        tenant_node_guard=_tenant_node_guard(d),
+        boot=boot,
+        bmc=bmc,
+        # Serial consoles through the BMCs (IPMI Serial-over-LAN), shared by their viewers.
+        console=ConsoleService(d.store, d.cfg.instance, BmcLinks(bmc, d.secrets)),
+        # Owns the provisioning steps API calls start in the background, and stops them.
+        provision=Provisioner(),
+        watchdog=watchdog,
+        tenant_hubs=_tenant_hubs(d),
+        # Deletes tokens revoked or expired more than a day ago, hourly (one instance).
+        token_sweeper=TokenSweeper(
+            d.store, d.cfg.instance, ownership=d.fleet, tasks=d.tasks.child("token-sweeper")
+        ),
+        sel_reads=SelReads(tasks=d.tasks.child("commissioning_sel")),
+        mesh_watch=MeshWatch(),
+    )
+    return services, routes
+
+
+def _boot_plane(d: Daemon) -> tuple[BootPlane | None, list[web.RouteDef]]:
     """DHCP, TFTP and RA as a service; HTTP boot as routes on the API's port."""
     if not d.cfg.boot.enabled:
         return None, []
@@ -249,11 +298,14 @@ def _boot_plane(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
             "goes to whoever asks for its MAC on the provisioning network"
         )
     hooks = enrollment_boot_hooks(
-        d.store, d.cfg.instance, d.cfg.enroll, leased_clients_only=leased_only
+        d.store,
+        d.cfg.instance,
+        d.cfg.enroll,
+        leased_clients_only=leased_only,
+        fleet=d.fleet,  # the other instances' URLs ride on agent scripts (metald.urls=)
     )
-    plane = BootPlane(d.cfg, d.store, hooks)
-    plane.fleet = d.fleet  # shares leases and splits DHCP clients with the other instances
-    hooks.fleet = d.fleet  # the other instances' URLs ride on agent scripts (metald.urls=)
+    # The fleet: shares leases and splits DHCP clients with the other instances.
+    plane = BootPlane(d.cfg, d.store, hooks, fleet=d.fleet)
     # Never the state folder (check_assets_root): the assets are served without a token.
     routes = boot_routes(hooks, Path(d.cfg.boot.assets_dir), http_base_url(d.cfg))
     from metald.provision.media_boot import MediaBootRoutes  # virtual-media nonce URLs
@@ -262,87 +314,48 @@ def _boot_plane(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
     return plane, routes
 
 
-def _bmc(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
+def _bmc(d: Daemon) -> BmcService:
     """BMC control. Always on: its drivers' dependencies are metald's own, so an import that
     fails here is a broken install and stops the start, never a daemon silently without BMCs."""
     from metald.bmc.service import BmcService
-
-    svc = BmcService(d.store, d.secrets, d.cfg.bmc, d.cfg.instance)
-    svc.ownership = d.fleet
     from metald.boot.plane import http_base_url
 
-    svc.control.vmedia_base = http_base_url(d.cfg)  # where BMCs fetch the boot ISO
-    d.fleet.on_change(svc.wake)
-    return svc, []
-
-
-def _console(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
-    """Serial consoles through the BMCs (IPMI Serial-over-LAN), shared by their viewers."""
-    from metald.bmc.console import ConsoleService
-    from metald.bmc.console_links import BmcLinks
-
-    return ConsoleService(d.store, d.cfg.instance, BmcLinks(d.ctx.services["bmc"], d.secrets)), []
-
-
-def _provisioner(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
-    """Owns the provisioning steps API calls start in the background, and stops them."""
-    from metald.provision.driver import Provisioner
-
-    return Provisioner(), []
-
-
-def _provision_watchdog(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
-    """Times out stuck machines and resumes claims and steps cut off by a restart or a dead
-    instance, for the machines this instance owns."""
-    from metald.provision.watchdog import Watchdog
-
-    dog = Watchdog(
+    svc = BmcService(
         d.store,
-        d.cfg.provision,
+        d.secrets,
+        d.cfg.bmc,
         d.cfg.instance,
-        services=d.ctx.services,
         ownership=d.fleet,
-        resume_interval_s=d.cfg.fleet.heartbeat_s,
+        vmedia_base=http_base_url(d.cfg),  # where BMCs fetch the boot ISO
+        tasks=d.tasks.child("bmc"),
     )
-    d.fleet.on_change(dog.wake)
-    return dog, []
+    d.fleet.on_change(svc.wake)
+    return svc
 
 
-def _tenant_hubs(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
+def _tenant_hubs(d: Daemon) -> TenantRuntime | None:
     """Tenants' WireGuard hubs and Slurm control planes on this host ([tenants] hubs)."""
     if not d.cfg.tenants.hubs:
-        return None, []
+        return None
     from metald.tenants.runtime import TenantRuntime
 
-    runtime = TenantRuntime(d.store, d.secrets, d.cfg.tenants, d.cfg.state_dir, d.cfg.instance)
-    runtime.ownership = d.fleet
+    runtime = TenantRuntime(
+        d.store,
+        d.secrets,
+        d.cfg.tenants,
+        d.cfg.state_dir,
+        d.cfg.instance,
+        ownership=d.fleet,
+        tasks=d.tasks.child("tenant_hubs"),
+    )
     d.fleet.on_change(runtime.wake)
-    return runtime, []
+    return runtime
 
 
-def _tenant_node_guard(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
+def _tenant_node_guard(d: Daemon) -> TenantNodeGuard | None:
     """Requests from tenants' machines reach only the join, agent and boot endpoints."""
     if not d.cfg.api.guard_tenant_nodes:
-        return None, []
+        return None
     from metald.nodeguard import TenantNodeGuard
 
-    return TenantNodeGuard(d.store), []
-
-
-def _token_sweeper(d: Daemon) -> tuple[Any, list[web.RouteDef]]:
-    """Deletes tokens revoked or expired more than a day ago, hourly (one instance of a fleet)."""
-    from metald.token_sweep import TokenSweeper
-
-    return TokenSweeper(d.store, d.cfg.instance, ownership=d.fleet), []
-
-
-_SERVICE_FACTORIES = [
-    _tenant_node_guard,
-    _boot_plane,
-    _bmc,
-    _console,
-    _provisioner,
-    _provision_watchdog,
-    _tenant_hubs,
-    _token_sweeper,
-]
+    return TenantNodeGuard(d.store, tasks=d.tasks.child("tenant_node_guard"))

@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlmodel import Session, select
 
@@ -33,6 +33,9 @@ from metald.lifecycle import (
 )
 from metald.provision import boots, commissioning
 from metald.store.models import Event, Machine, as_utc, utcnow
+
+if TYPE_CHECKING:
+    from metald.fleet.membership import Membership
 
 
 def mint_agent_token(
@@ -83,7 +86,12 @@ def mint_agent_token(
 
 
 def enrollment_boot_hooks(
-    store: Any, instance: str, cfg: EnrollConfig, *, leased_clients_only: bool = False
+    store: Any,
+    instance: str,
+    cfg: EnrollConfig,
+    *,
+    leased_clients_only: bool = False,
+    fleet: Membership | None = None,
 ) -> StoreBootHooks:
     """The boot plane's hooks with enrollment: MACs first seen over HTTP are enrolled (when the
     asking address holds their lease), agent boots carry a fresh agent token
@@ -104,6 +112,7 @@ def enrollment_boot_hooks(
         leased_clients_only=leased_clients_only,
         enroll_unknown=True,
         agent_console=True,
+        fleet=fleet,
     )
 
 

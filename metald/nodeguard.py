@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 
 from sqlmodel import Session, col, select
 
-from metald.service import cancel
+from metald.service import TaskScope, cancel
 from metald.store.db import Store
 from metald.store.models import Lease, Machine, Nic, as_utc
 
@@ -55,12 +55,15 @@ class TenantNodeGuard:
 
     name = "tenant_node_guard"
 
-    def __init__(self, store: Store, *, interval_s: float = 5.0) -> None:
+    def __init__(
+        self, store: Store, *, interval_s: float = 5.0, tasks: TaskScope | None = None
+    ) -> None:
         self.store = store
         self.interval_s = interval_s
         self.addresses: frozenset[str] = frozenset()
         self.refused = 0
-        self._task: asyncio.Task[None] | None = None
+        self.tasks = tasks if tasks is not None else TaskScope(self.name)
+        self._task: asyncio.Task[None | None] | None = None
 
     def refuses(self, remote: str | None, path: str) -> bool:
         if remote is None or remote not in self.addresses or path_allowed(path):
@@ -73,7 +76,8 @@ class TenantNodeGuard:
 
     async def start(self) -> None:
         await self.refresh()
-        self._task = asyncio.get_running_loop().create_task(self._loop())
+        await self.tasks.open()
+        self._task = self.tasks.spawn(self._loop(), name="tenant-node-guard")
 
     async def _loop(self) -> None:
         while True:
@@ -86,3 +90,4 @@ class TenantNodeGuard:
     async def stop(self) -> None:
         await cancel(self._task)
         self._task = None
+        await self.tasks.close()

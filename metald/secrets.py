@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 
 from cryptography.fernet import Fernet, InvalidToken
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 
 class SecretError(Exception):
@@ -20,6 +22,7 @@ class SecretError(Exception):
 class SecretBox:
     def __init__(self, key: bytes) -> None:
         self._fernet = Fernet(key)
+        self._key = key
 
     @classmethod
     def from_file(cls, path: Path) -> SecretBox:
@@ -44,6 +47,15 @@ class SecretBox:
             return self._fernet.decrypt(token).decode()
         except InvalidToken:
             raise SecretError("stored secret cannot be decrypted with this key file") from None
+
+    def derive_key(self, purpose: str) -> bytes:
+        """A 32-byte key for ``purpose`` (HKDF-SHA256 of the secrets key): every instance that
+        shares the key file derives the same one, and it reveals nothing of the key or of any
+        other purpose's key. Used for what instances prove to each other
+        (``metald.fleet.forward_auth``)."""
+        return HKDF(
+            algorithm=hashes.SHA256(), length=32, salt=None, info=b"metald/" + purpose.encode()
+        ).derive(self._key)
 
     def __repr__(self) -> str:  # never show key material
         return "SecretBox(<redacted>)"

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Protocol
 
 from sqlmodel import Session
 
 from metald.auth import TOKEN_RETENTION, purge_tokens
 from metald.machines import add_event
-from metald.service import cancel
+from metald.service import TaskScope, cancel
 from metald.store.db import Store
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,12 @@ def purge_and_record(s: Session, *, actor: str, instance: str | None) -> int:
 SWEEP_KEY = "sweep:tokens"
 
 
+class KeyOwnership(Protocol):
+    """Which instance of a fleet does a fleet-wide job (``metald.fleet.membership``)."""
+
+    def owns_key(self, key: str) -> bool: ...
+
+
 class TokenSweeper:
     name = "token-sweeper"
 
@@ -49,21 +55,25 @@ class TokenSweeper:
         instance: str,
         *,
         interval_s: float = 3600.0,
-        ownership: Any = None,
+        ownership: KeyOwnership | None = None,
+        tasks: TaskScope | None = None,
     ) -> None:
         self.store = store
         self.instance = instance
         self.interval_s = interval_s
         #: The fleet's Membership (``owns_key``); None: this instance is the only one.
         self.ownership = ownership
-        self._task: asyncio.Task[None] | None = None
+        self.tasks = tasks if tasks is not None else TaskScope(self.name)
+        self._task: asyncio.Task[None | None] | None = None
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="token-sweeper")
+        await self.tasks.open()
+        self._task = self.tasks.spawn(self._loop(), name="token-sweeper")
 
     async def stop(self) -> None:
         await cancel(self._task)
         self._task = None
+        await self.tasks.close()
 
     async def sweep_once(self) -> int:
         """Purge now if this instance owns the sweep; the number of tokens removed."""

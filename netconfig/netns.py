@@ -71,6 +71,30 @@ def exec_argv(name: str, argv: Sequence[str]) -> list[str]:
     return ["nsenter", f"--net={path(name)}", "--", *argv]
 
 
+def run(name: str, *argv: str) -> None:
+    """Run ``argv`` inside the namespace and wait for it; NetnsError with its stderr if it
+    fails."""
+    r = subprocess.run(exec_argv(name, argv), capture_output=True, text=True)
+    if r.returncode != 0:
+        raise NetnsError(f"{' '.join(argv)} in {name}: {r.stderr.strip()}")
+
+
+def enable_forwarding(name: str) -> None:
+    """Let the namespace route IPv4 between its interfaces."""
+    run(name, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+
+
+def pid_exec_argv(pid: int, argv: Sequence[str]) -> list[str]:
+    """argv that runs ``argv`` in the mount, network and UTS namespaces of process ``pid`` (a
+    simulated machine started with ``exec_argv(name, ["unshare", ...])``)."""
+    return ["nsenter", "-t", str(pid), "-m", "-n", "-u", "--", *argv]
+
+
+#: Shell lines that remove namespace ``$NS`` and host link ``$VETH``, quietly, for a script that
+#: must not import anything (a reaper that outlives its Python process).
+TEARDOWN_SH = 'ip netns delete "$NS" 2>/dev/null\nip link del "$VETH" 2>/dev/null\n'
+
+
 def links(ns_name: str) -> list[str]:
     out = _ip("-n", ns_name, "-o", "link", "show")
     # "2: uh0@if5: <...>" -> "uh0"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from metald.config import load_config
 from metald.events import EventBus
 from metald.secrets import SecretBox
 from metald.store import Store
-from tests.conftest import Tokens, seed
+from tests.conftest import LAB_BMC_ENV, Tokens, seed
 
 
 @dataclass
@@ -54,6 +55,7 @@ async def live_api(
         environ={
             "METALD_STATE_DIR": str(tmp_path / "state"),
             "METALD_STORE__URL": store.url,
+            **LAB_BMC_ENV,
             **(env or {}),
         },
     )
@@ -136,6 +138,7 @@ class LoopbackApi:
             environ={
                 "METALD_STATE_DIR": str(self.tmp_path / "state"),
                 "METALD_STORE__URL": self.url,
+                **LAB_BMC_ENV,
             },
         )
         self.store = Store(self.url)
@@ -166,3 +169,18 @@ class LoopbackApi:
     def __exit__(self, *_exc: object) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(30)
+
+
+def use_services(ctx: AppContext, **services: Any) -> None:
+    """Give a test's running app these services (``api.context.Services`` fields), as a
+    daemon would have built them."""
+    ctx.services = dataclasses.replace(ctx.services, **services)
+
+
+async def drain_steps(client: TestClient[Any, Any]) -> None:
+    """Wait for every boot the app under ``client`` started in the background (its provision
+    service's runner)."""
+    from api.app import CTX_KEY
+    from api.workflows import provisioner
+
+    await provisioner(client.app[CTX_KEY]).steps.drain()

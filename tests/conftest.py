@@ -46,10 +46,25 @@ def store(db_url: str) -> Iterator[Store]:
         s.close()
 
 
+#: The tests' simulated BMCs (ipmi_sim, sushy-emulator, fakes) listen on loopback: their
+#: configs allow it explicitly ([bmc] networks, docs/security.md); the default refuses it.
+LAB_BMC_NETWORKS = ["127.0.0.0/8", "0.0.0.0/0", "::/0"]
+LAB_BMC_ENV = {
+    "METALD_BMC__NETWORKS": '["127.0.0.0/8", "0.0.0.0/0", "::/0"]',
+    "METALD_BMC__VERIFY_S": "5",
+}
+LAB_BMC_TOML = 'networks = ["127.0.0.0/8", "0.0.0.0/0", "::/0"]\n'
+
+
 @pytest.fixture
 def cfg(tmp_path: Path, db_url: str) -> Config:
     return load_config(
-        None, environ={"METALD_STATE_DIR": str(tmp_path / "state"), "METALD_STORE__URL": db_url}
+        None,
+        environ={
+            "METALD_STATE_DIR": str(tmp_path / "state"),
+            "METALD_STORE__URL": db_url,
+            **LAB_BMC_ENV,
+        },
     )
 
 

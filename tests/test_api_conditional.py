@@ -5,7 +5,7 @@ a write sent with ``If-Match`` happens only at that version (412 otherwise), bes
 from __future__ import annotations
 
 from api.app import CTX_KEY
-from metald.provision import driver
+from tests.api_helpers import drain_steps, use_services
 from tests.claims.fakes import FakeBmc
 from tests.claims.helpers import DISK_SPEC, add_ready
 
@@ -81,7 +81,7 @@ async def test_malformed_if_match_is_412(api) -> None:  # type: ignore[no-untype
 
 async def test_claim_etag_and_if_match_on_release(api) -> None:  # type: ignore[no-untyped-def]
     client, tokens, store = api
-    client.server.app[CTX_KEY].services["bmc"] = FakeBmc(power_state="off")
+    use_services(client.server.app[CTX_KEY], bmc=FakeBmc(power_state="off"))
     r = await client.post(
         "/api/v1/images",
         json={"name": "node", "kind": "disk", **DISK_SPEC},
@@ -102,7 +102,7 @@ async def test_claim_etag_and_if_match_on_release(api) -> None:  # type: ignore[
     )
     assert r.status == 201, await r.text()
     claim = await r.json()
-    await driver.drain()  # provisioning steps bump the claim's version; let them finish
+    await drain_steps(client)  # provisioning steps bump the claim's version; let them finish
     r = await client.get(f"/api/v1/claims/{claim['id']}", headers=orch)
     tag = r.headers["ETag"]
     assert tag == f'"{(await r.json())["version"]}"'

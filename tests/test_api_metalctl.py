@@ -14,7 +14,7 @@ import yaml
 
 from api.app import CTX_KEY
 from metald.metalctl.main import hoist_output, main
-from tests.api_helpers import LoopbackApi
+from tests.api_helpers import LoopbackApi, use_services
 from tests.claims.fakes import FakeBmc
 
 
@@ -144,7 +144,7 @@ class _LaggingBmc(FakeBmc):
 
 def test_power_off_waits_until_the_bmc_reports_it(live: LoopbackApi, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     bmc = _LaggingBmc()
-    live.runner.app[CTX_KEY].services["bmc"] = bmc
+    use_services(live.runner.app[CTX_KEY], bmc=bmc)
     monkeypatch.setattr("metald.metalctl.bmc.WAIT_INTERVAL_S", 0)
     rc, _, err = _run(capsys, "power", "node2", "off")  # no terminal, no --yes: refused
     assert rc == 2 and "--yes" in err and bmc.calls == []
@@ -264,7 +264,7 @@ def test_power_cycle_by_selector_confirms_reports_each_and_fails_if_any(
     for ref in ("node1", "node2"):
         c.call("PATCH", f"/api/v1/machines/{ref}", {"rack": "r07"})
     bmc = _RackBmc(broken=live.tokens.machine_free)  # node2
-    live.runner.app[CTX_KEY].services["bmc"] = bmc
+    use_services(live.runner.app[CTX_KEY], bmc=bmc)
     monkeypatch.setattr("sys.stdin.isatty", lambda: False)
     rc, _, err = _run(capsys, "machines", "power", "cycle", "--selector", "rack=r07")
     assert (
@@ -297,6 +297,7 @@ class _ImportBmc:
     def __init__(self, refuse: str | None = None) -> None:
         self.rows: dict[str, dict[str, Any]] = {}
         self.passwords: dict[str, str] = {}
+        self.verify: dict[str, Any] = {}
         self.removed: list[str] = []
         self.refuse = refuse
 
@@ -319,6 +320,7 @@ class _ImportBmc:
             raise Unprocessable(f"BMC {address} did not answer; check its address and network")
         bmc_id = f"b{len(self.rows):07d}-0000-4000-8000-000000000000"
         self.passwords[address] = password
+        self.verify[address] = _kw.get("verify")
         self.rows[bmc_id] = {
             "id": bmc_id, "machine_id": machine_id, "address": address, "port": port,
             "protocol": protocol if protocol != "auto" else "ipmi", "username": username,
@@ -339,23 +341,26 @@ class _ImportBmc:
 CSV_HEAD = "address,protocol,username,password-env,machine\n"
 
 
-def _import(live: LoopbackApi, capsys, tmp_path: Path, text: str, *extra: str):  # type: ignore[no-untyped-def]
+def _import(
+    live: LoopbackApi, capsys, tmp_path: Path, text: str, *extra: str, allow: str = "R07_PW"
+):  # type: ignore[no-untyped-def]  # noqa: E501
     f = tmp_path / "rack07.csv"
     f.write_text(text)
-    return _run(capsys, "bmcs", "import", str(f), *extra)
+    allowed = ("--allow-env", allow) if allow else ()
+    return _run(capsys, "bmcs", "import", str(f), *allowed, *extra)
 
 
 def test_bmc_import_checks_every_row_first_and_imports_nothing_if_one_is_bad(
     live: LoopbackApi, capsys, tmp_path: Path, monkeypatch
 ) -> None:  # type: ignore[no-untyped-def]
     svc = _ImportBmc()
-    live.runner.app[CTX_KEY].services["bmc"] = svc
+    use_services(live.runner.app[CTX_KEY], bmc=svc)
     monkeypatch.setenv("R07_PW", "s3cret-from-env")
-    monkeypatch.delenv("R07_MISSING", raising=False)
+    monkeypatch.delenv("METALD_BMC_PASSWORD_R07_MISSING", raising=False)
     text = CSV_HEAD + (
         "10.0.7.1,ipmi,admin,R07_PW,node0\n"
         "10.0.7.2,telnet,admin,R07_PW,\n"  # line 3: protocol
-        "10.0.7.3,redfish,admin,R07_MISSING,node1\n"  # line 4: the variable is not set
+        "10.0.7.3,redfish,admin,METALD_BMC_PASSWORD_R07_MISSING,node1\n"  # line 4: not set
         "10.0.7.1,ipmi,admin,R07_PW,\n"  # line 5: the address again
         "10.0.7.6,auto,admin,R07_PW,no-such-machine\n"  # line 6: the machine
         "10.0.7.7,auto,admin,R07_PW,node2\n"
@@ -364,7 +369,11 @@ def test_bmc_import_checks_every_row_first_and_imports_nothing_if_one_is_bad(
     assert rc == 2 and "nothing was imported" in err and svc.rows == {}
     bad = sorted(int(ln.split(":")[1]) for ln in err.splitlines() if "rack07.csv:" in ln)
     assert bad == [3, 4, 5, 6]
-    assert "telnet" in err and "$R07_MISSING is not set" in err and "already on line 2" in err
+    assert (
+        "telnet" in err
+        and "$METALD_BMC_PASSWORD_R07_MISSING is not set" in err
+        and "already on line 2" in err
+    )
     # A password column is refused outright, whatever it holds.
     rc, _, err = _import(live, capsys, tmp_path, "address,username,password\n10.0.7.1,a,b\n")
     assert rc == 2 and "never read from the file" in err and svc.rows == {}
@@ -385,7 +394,7 @@ def test_bmc_import_all_good_and_undone_when_the_api_refuses_a_row(
     live: LoopbackApi, capsys, tmp_path: Path, monkeypatch
 ) -> None:  # type: ignore[no-untyped-def]
     svc = _ImportBmc(refuse="10.0.7.3")
-    live.runner.app[CTX_KEY].services["bmc"] = svc
+    use_services(live.runner.app[CTX_KEY], bmc=svc)
     monkeypatch.setenv("R07_PW", "pw")
     rc, out, err = _import(
         live,
@@ -402,6 +411,68 @@ def test_bmc_import_all_good_and_undone_when_the_api_refuses_a_row(
         live, capsys, tmp_path, CSV_HEAD + "10.0.7.9,ipmi,admin,R07_PW,\n", "--dry-run"
     )
     assert rc == 0 and "1 row(s) would be imported" in out and len(svc.rows) == 1
+
+
+def test_bmc_import_reads_only_variables_the_operator_allowed(
+    live: LoopbackApi, capsys, tmp_path: Path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """A CSV's author picks the password-env names and the addresses the passwords go to: a
+    row naming METALD_TOKEN would send the operator's API token to the author's host (HTTP
+    Basic for Redfish, plain HTTPS with insecure=true included). Only METALD_BMC_PASSWORD_*
+    and names given with --allow-env are read; METALD_* secrets never, even when allowed."""
+    import os
+
+    svc = _ImportBmc()
+    use_services(live.runner.app[CTX_KEY], bmc=svc)
+    token = os.environ["METALD_TOKEN"]
+    monkeypatch.setenv("HOME_PW", "operator-secret")
+    monkeypatch.setenv("METALD_BMC_PASSWORD_R07", "rack-pw")
+    monkeypatch.setenv("metald_token", token)
+    text = "address,protocol,username,password-env,insecure\n" + (
+        "https://203.0.113.9:8443,redfish,admin,METALD_TOKEN,true\n"  # line 2
+        "http://203.0.113.9,redfish,admin,HOME_PW,false\n"  # line 3: not allowed
+        "203.0.113.10,ipmi,admin,metald_token,\n"  # line 4: any case
+        "10.0.7.4,ipmi,admin,METALD_BMC_PASSWORD_R07,\n"
+    )
+    rc, out, err = _import(live, capsys, tmp_path, text, "--partial", allow="")
+    assert rc == 1
+    bad = sorted(int(ln.split(":")[1]) for ln in err.splitlines() if "rack07.csv:" in ln)
+    assert bad == [2, 3, 4]
+    assert "METALD_BMC_PASSWORD_" in err and "--allow-env HOME_PW" in err
+    assert svc.passwords == {"10.0.7.4": "rack-pw"}
+    assert token not in err and token not in out and "operator-secret" not in out + err
+    # The operator allows HOME_PW by name: that row goes in. METALD_TOKEN cannot be allowed.
+    rc, _, err = _import(live, capsys, tmp_path, text, "--partial", allow="HOME_PW")
+    assert svc.passwords["http://203.0.113.9"] == "operator-secret"
+    assert token not in svc.passwords.values()
+    for name in ("METALD_TOKEN", "METALD_URL", "metald_token"):
+        rc, _, err = _import(live, capsys, tmp_path, text, allow=name)
+        assert rc == 2 and "METALD_* variables" in err
+    assert token not in svc.passwords.values()
+    # bmcs register --password-env: the operator names it, but never a METALD_* secret.
+    rc, _, err = _run(
+        capsys, "bmcs", "register", "https://203.0.113.9", "--insecure",
+        "--protocol", "redfish", "--username", "admin", "--password-env", "METALD_TOKEN",
+    )  # fmt: skip
+    assert rc == 2 and "METALD_* variables" in err and token not in err
+    assert "https://203.0.113.9" not in svc.passwords
+    rc, out, _ = _run(
+        capsys, "bmcs", "register", "https://203.0.113.9", "--insecure",
+        "--protocol", "redfish", "--username", "admin", "--password-env", "METALD_BMC_PASSWORD_R07",
+    )  # fmt: skip
+    assert rc == 0 and svc.passwords["https://203.0.113.9"] == "rack-pw"
+    assert svc.verify["https://203.0.113.9"] is True
+    # --no-verify stages BMCs that do not answer yet (register and import alike).
+    rc, out, _ = _run(
+        capsys, "bmcs", "register", "10.0.9.1", "--protocol", "ipmi", "--username", "admin",
+        "--password-env", "METALD_BMC_PASSWORD_R07", "--no-verify",
+    )  # fmt: skip
+    assert rc == 0 and svc.verify["10.0.9.1"] is False
+    rc, _, _ = _import(
+        live, capsys, tmp_path, CSV_HEAD + "10.0.9.2,ipmi,admin,METALD_BMC_PASSWORD_R07,\n",
+        "--no-verify",
+    )  # fmt: skip
+    assert rc == 0 and svc.verify["10.0.9.2"] is False
 
 
 # ---- --wait progress ------------------------------------------------------------------------

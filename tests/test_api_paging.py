@@ -170,11 +170,12 @@ async def test_bmcs_and_instances_page_like_the_others(api) -> None:  # type: ig
             s.add(Bmc(address=f"10.0.7.{i}", protocol="ipmi", username="admin", password_enc=b"x"))
         s.commit()
     from api.app import CTX_KEY
+    from tests.api_helpers import use_services
 
     ctx = client.server.app[CTX_KEY]
     cfg = load_config(None, environ={"METALD_STATE_DIR": str(ctx.cfg.state_dir)})
-    ctx.services["bmc"] = BmcService(
-        store, SecretBox.from_file(ctx.cfg.secrets_key_path), cfg.bmc, "t"
+    use_services(
+        ctx, bmc=BmcService(store, SecretBox.from_file(ctx.cfg.secrets_key_path), cfg.bmc, "t")
     )
     ids = await _walk(client, "/api/v1/bmcs?limit=2", admin)
     everything = await (await client.get("/api/v1/bmcs?limit=1000", headers=admin)).json()

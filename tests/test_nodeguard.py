@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from api.app import CTX_KEY
 from metald.nodeguard import TenantNodeGuard, path_allowed, tenant_node_addresses
+from tests.api_helpers import use_services
 from tests.dhcp_leases import add_lease
 
 # seed(): node0 (52:54:00:00:00:01) is tenant A's, node1 (...:02) tenant B's, node2 (...:03) free.
@@ -30,7 +31,7 @@ def test_allowed_paths() -> None:
 async def test_tenant_machine_gets_403_beyond_join_and_agent(api) -> None:  # type: ignore[no-untyped-def]
     client, tokens, store = api
     guard = TenantNodeGuard(store)
-    client.server.app[CTX_KEY].services[guard.name] = guard
+    use_services(client.server.app[CTX_KEY], tenant_node_guard=guard)
     admin = tokens.header("admin")
 
     # The test client speaks from 127.0.0.1: make that tenant A's machine's lease.
@@ -65,7 +66,7 @@ async def test_tenant_machine_gets_403_beyond_join_and_agent(api) -> None:  # ty
 async def test_dot_segments_do_not_slip_past(api) -> None:  # type: ignore[no-untyped-def]
     client, tokens, store = api
     guard = TenantNodeGuard(store)
-    client.server.app[CTX_KEY].services[guard.name] = guard
+    use_services(client.server.app[CTX_KEY], tenant_node_guard=guard)
     add_lease(store, "52:54:00:00:00:01", "127.0.0.1")
     await guard.refresh()
     for raw in (

@@ -272,12 +272,25 @@ class Views:
                 commissioning = None
         staff = self.api.allows(ui, "GET", "/api/v1/bmcs")
         bmc = await _console(ui).bmc_of(m["id"]) if staff else None
+        if bmc is not None:
+            # What its driver can be asked: the page offers only those actions (None: unknown,
+            # every action is offered and the API refuses what the BMC lacks).
+            try:
+                shown = await self.api.call(
+                    ui, "GET", "/api/v1/bmcs/{id}", params={"id": bmc["id"]}
+                )
+                bmc["capabilities"] = shown.get("capabilities")
+            except Refused:
+                bmc["capabilities"] = None
         console = None
         if self.api.allows(ui, "GET", "/api/v1/machines/{id}/console"):
-            svc = ui.ctx.services.get("console")
+            svc = ui.ctx.services.console
             console = (
                 svc.status(m["id"]) if svc is not None else {"state": "unavailable", "watching": []}
             )
+        caps = (bmc or {}).get("capabilities")
+        if caps is not None and "serial-console" not in caps:
+            console = None  # the machine's BMC has none metald speaks: no console offered
         inv = (m.get("inventory") or {}).get("normalized") or {}
         last_event = max((e["id"] for e in events["items"]), default=0)
         return page(

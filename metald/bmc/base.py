@@ -1,4 +1,5 @@
-"""The one narrow interface every BMC driver implements, its value types and its errors.
+"""What every BMC driver is (``BmcDriver``), its value types and its errors; what each can do
+beyond that is one interface per capability (``metald.bmc.capabilities``).
 
 Drivers know one protocol and nothing else: no store, no retries, no scheduling. The scheduler
 (``metald.bmc.scheduler``) wraps them with serialisation, timeouts, retries and health; the
@@ -100,6 +101,11 @@ class BmcError(Exception):
     maybe_delivered = False
 
 
+def cause(e: BaseException) -> str:
+    """What went wrong, in words (an error's message, or its type where it has none)."""
+    return str(e) or type(e).__name__
+
+
 class BmcAuthError(BmcError):
     """The BMC refused the credentials. Never retried: it would only lock the account."""
 
@@ -127,46 +133,19 @@ class BmcUnsupported(BmcError):
 
 
 class BmcDriver(abc.ABC):
-    """One BMC, one protocol. Methods are coroutines; none of them retries."""
+    """One BMC, one protocol. Methods are coroutines; none of them retries.
+
+    Beyond logging in (``identify``) a driver implements the capability interfaces of
+    ``metald.bmc.capabilities`` its protocol carries, and names them in ``capabilities``: the
+    executor sends a driver only what it advertises."""
 
     protocol: str = ""
+    #: The ``metald.bmc.capabilities.Capability`` values this driver implements.
+    capabilities: frozenset[str] = frozenset()
 
     @abc.abstractmethod
     async def identify(self) -> SystemIdentity:
         """Connect and log in (proving address and credentials), and say what system it manages."""
-
-    @abc.abstractmethod
-    async def get_power(self) -> PowerState: ...
-
-    @abc.abstractmethod
-    async def set_power(self, action: PowerAction) -> None: ...
-
-    @abc.abstractmethod
-    async def set_boot_device(self, boot: BootDevice) -> None: ...
-
-    async def sensors(self) -> list[Sensor]:
-        raise BmcUnsupported(f"{self.protocol} driver cannot read sensors")
-
-    async def event_log(self) -> list[LogEntry]:
-        raise BmcUnsupported(f"{self.protocol} driver cannot read the event log")
-
-    async def set_locate(self, on: bool) -> None:
-        """Turn the chassis identify light on (until turned off) or off."""
-        raise BmcUnsupported(f"{self.protocol} driver cannot light the locate indicator")
-
-    async def get_locate(self) -> bool | None:
-        """Whether the locate light is on; None where the BMC does not say."""
-        raise BmcUnsupported(f"{self.protocol} driver cannot read the locate indicator")
-
-    async def firmware_inventory(self) -> list[FirmwareItem]:
-        raise BmcUnsupported(f"{self.protocol} driver cannot read the firmware inventory")
-
-    async def bios(self) -> BiosSettings:
-        raise BmcUnsupported(f"{self.protocol} driver cannot read BIOS settings")
-
-    async def set_bios_pending(self, attributes: dict[str, Any]) -> None:
-        """Stage BIOS attributes; the firmware applies them at its next boot."""
-        raise BmcUnsupported(f"{self.protocol} driver cannot change BIOS settings")
 
     async def close(self) -> None:  # noqa: B027 - optional: drivers without sessions need none
         """Release sessions and sockets. Safe to call twice."""

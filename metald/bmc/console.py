@@ -63,18 +63,6 @@ class RingBuffer:
         return len(self._buf)
 
 
-class Link:
-    """What a console carries (``SolLink`` is one): open, write, break, close, and a future
-    that resolves with the reason it ended."""
-
-    closed: asyncio.Future[str] | None
-
-    async def open(self) -> None: ...
-    def write(self, data: bytes) -> None: ...
-    def send_break(self) -> None: ...
-    async def close(self) -> None: ...
-
-
 #: Builds the link for a machine, given where its output goes. Raises ConsoleUnsupported when
 #: the machine's BMC has no console metald speaks.
 LinkFactory = Callable[[str, Callable[[bytes], None]], Awaitable[Any]]

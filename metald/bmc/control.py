@@ -1,8 +1,10 @@
 """BMC control as the rest of metald sees it: the typed interface and its errors.
 
 ``PowerControl`` is the narrow interface the provisioning code calls (``PowerAction`` in,
-``PowerState`` out; no dicts, no strings). ``metald.bmc.commands.BmcControl`` implements it over
+``PowerState`` out; no dicts, no strings). ``metald.bmc.executor.BmcExecutor`` implements it over
 the drivers and the scheduler; this module names no protocol, so callers reach none.
+``Executor`` is what the capability modules (``chassis``, ``firmware``, ``media``) send their
+commands through: one public, fenced ``execute``.
 
 With several instances (metald.fleet) a command is sent only by the BMC's owner, and only after
 the store confirmed, in the same statement that journals it, that this instance still holds
@@ -12,11 +14,21 @@ the BMC at the generation it acquired (``metald.bmc.ownership``): an instance th
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from metald.bmc.base import BootTarget, PowerAction, PowerState
+from metald.bmc.capabilities import Capability
+from metald.config import BmcConfig
 from metald.errors import MetaldError, NotFound
-from metald.store.models import Machine, as_utc
+from metald.store.db import Store
+from metald.store.models import Bmc, Machine, as_utc
+
+if TYPE_CHECKING:
+    from metald.bmc.power_confirm import CommandBook
+
+T = TypeVar("T")
 
 
 class BmcCommandFailed(MetaldError):
@@ -85,6 +97,51 @@ class BmcOwnership(Protocol):
     def bmc_owner(self, bmc_id: str, address: str) -> str | None: ...
 
     def owns_bmc(self, bmc_id: str, address: str) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Expected:
+    """The power state metald asked for, and until when a different reading is not drift."""
+
+    state: PowerState
+    until: float
+
+
+class Executor(Protocol):
+    """The fenced executor (``metald.bmc.executor.BmcExecutor``) as commands use it."""
+
+    store: Store
+    cfg: BmcConfig
+    instance: str
+    #: bmc id -> what metald asked for (see power sync's drift check).
+    expected: dict[str, Expected]
+    #: Power commands this instance sent, by id.
+    commands: CommandBook
+
+    async def execute(
+        self,
+        row: Bmc,
+        capability: Capability,
+        name: str,
+        fn: Callable[[Any], Awaitable[T]],
+        *,
+        write: bool = ...,
+        journal: str | None = ...,
+        step: str | None = ...,
+        before_send: Callable[[], None] | None = ...,
+        idempotent: bool = ...,
+        timeout_s: float | None = ...,
+    ) -> T:
+        """One command, fenced, journaled, scheduled (see ``BmcExecutor.execute``)."""
+
+    async def run(self, row: Bmc, op_name: str, fn: Callable[[Any], Awaitable[T]]) -> T:
+        """Under the scheduler within the lease, unfenced: reads that confirm a sent command."""
+
+    def require(self, row: Bmc, capability: Capability, hint: str = ...) -> None: ...
+
+    async def row_for_machine(self, machine_id: str) -> Bmc: ...
+
+    def spawn(self, work: Coroutine[Any, Any, None], name: str) -> Any: ...
 
 
 def step_key(m: Machine) -> str:

@@ -11,16 +11,15 @@ reported as a ``bmc.bios-drift`` event when it changes. Nothing is flashed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlmodel import Session
 
 from metald.bmc.base import BiosSettings, FirmwareItem
+from metald.bmc.capabilities import Capability
+from metald.bmc.control import Executor
 from metald.machines import add_event, get_machine
 from metald.store.models import utcnow
-
-if TYPE_CHECKING:
-    from metald.bmc.commands import BmcControl
 
 #: Attributes and values a hostile BMC can make metald store, at most.
 MAX_ATTRIBUTES = 512
@@ -38,7 +37,9 @@ def bios_drift(
     }
 
 
-def to_stage(desired: dict[str, Any], current: dict[str, Any], pending: dict[str, Any]) -> dict:
+def to_stage(
+    desired: dict[str, Any], current: dict[str, Any], pending: dict[str, Any]
+) -> dict[str, Any]:
     """What must be written to the pending settings so the next boot has the desired profile."""
     return {k: v for k, v in desired.items() if current.get(k) != v and pending.get(k) != v}
 
@@ -111,42 +112,42 @@ def record_bios(
     return record
 
 
-async def refresh_firmware(control: BmcControl, machine_id: str, actor: str) -> list[FirmwareItem]:
-    row = await control.row_for_machine(machine_id)
-    await control._generation(row)
-    items = await control._command(
+async def refresh_firmware(ex: Executor, machine_id: str, actor: str) -> list[FirmwareItem]:
+    row = await ex.row_for_machine(machine_id)
+    items: list[FirmwareItem] = await ex.execute(
         row,
+        Capability.FIRMWARE,
         "firmware_inventory",
         lambda d: d.firmware_inventory(),
-        timeout_s=control.cfg.sensors_timeout_s,
+        timeout_s=ex.cfg.sensors_timeout_s,
     )
-    await control.store.run(record_firmware, machine_id, items, actor, control.instance)
+    await ex.store.run(record_firmware, machine_id, items, actor, ex.instance)
     return items
 
 
-async def read_bios(control: BmcControl, machine_id: str, actor: str) -> dict[str, Any]:
-    row = await control.row_for_machine(machine_id)
-    await control._generation(row)
-    settings = await control._command(row, "bios", lambda d: d.bios())
-    return await control.store.run(record_bios, machine_id, settings, actor, control.instance)
+async def read_bios(ex: Executor, machine_id: str, actor: str) -> dict[str, Any]:
+    row = await ex.row_for_machine(machine_id)
+    settings = await ex.execute(row, Capability.BIOS, "bios", lambda d: d.bios())
+    return await ex.store.run(record_bios, machine_id, settings, actor, ex.instance)
 
 
 async def stage_bios(
-    control: BmcControl, machine_id: str, desired: dict[str, Any] | None, actor: str
+    ex: Executor, machine_id: str, desired: dict[str, Any] | None, actor: str
 ) -> dict[str, Any]:
     """Make ``desired`` (None: the machine's stored profile) the machine's profile, stage what
     the firmware lacks as pending settings, and record what the BMC reports afterwards."""
-    row = await control.row_for_machine(machine_id)
-    await control._generation(row)
+    row = await ex.row_for_machine(machine_id)
+    ex.require(row, Capability.BIOS)
     if desired is None:
-        m = await control.store.run(get_machine, machine_id)
+        m = await ex.store.run(get_machine, machine_id)
         desired = dict((m.bios or {}).get("desired") or {})
-    settings = await control._command(row, "bios", lambda d: d.bios())
+    settings = await ex.execute(row, Capability.BIOS, "bios", lambda d: d.bios())
     staged = to_stage(desired, settings.current, settings.pending)
     if staged:
-        await control._fence(row, None, None)
-        await control._command(row, "set_bios", lambda d: d.set_bios_pending(staged))
-        settings = await control._command(row, "bios", lambda d: d.bios())
+        await ex.execute(
+            row, Capability.BIOS, "set_bios", lambda d: d.set_bios_pending(staged), write=True
+        )
+        settings = await ex.execute(row, Capability.BIOS, "bios", lambda d: d.bios())
 
         def event(s: Session) -> None:
             add_event(
@@ -154,13 +155,11 @@ async def stage_bios(
                 "bmc.bios-staged",
                 actor,
                 machine_id=machine_id,
-                instance=control.instance,
+                instance=ex.instance,
                 reason="pending BIOS settings; the firmware applies them at the next reboot",
                 data={"bmc_id": row.id, "attributes": staged},
             )
             s.commit()
 
-        await control.store.run(event)
-    return await control.store.run(
-        record_bios, machine_id, settings, actor, control.instance, desired
-    )
+        await ex.store.run(event)
+    return await ex.store.run(record_bios, machine_id, settings, actor, ex.instance, desired)

@@ -6,10 +6,10 @@ of thousands of threads (pyghmi's client holds the GIL for ~4 ms per session, wh
 spend the whole fan-out budget; see bench/BMC.md). The long tail, sensors (SDR decoding and unit
 conversion) and the event log, goes through pyghmi's client in a worker thread.
 
-A session is opened on first use and kept for ``idle_s`` so a status read and the command after
-it share one handshake. UDP loss is the protocol's normal weather: a request is re-sent with the
-same IPMI sequence number (so a BMC that saw it can answer from its cache instead of acting
-twice) until the caller's deadline; that is transmission, not the scheduler's retry policy.
+A session (``metald.bmc.rmcp_session``, the same type the Serial-over-LAN link logs in with) is
+opened on first use and kept for ``idle_s`` so a status read and the command after it share one
+handshake. A request is re-sent with the same IPMI sequence number (so a BMC that saw it can
+answer from its cache instead of acting twice) until the caller's deadline.
 """
 
 from __future__ import annotations
@@ -17,17 +17,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import struct
-from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from metald.bmc import rmcp
 from metald.bmc.base import (
     BmcAuthError,
     BmcDriver,
     BmcEndpoint,
-    BmcError,
     BmcProtocolError,
     BmcTimeout,
     BmcUnreachable,
@@ -39,12 +37,19 @@ from metald.bmc.base import (
     Sensor,
     SystemIdentity,
 )
+from metald.bmc.capabilities import Capability
+from metald.bmc.rmcp_session import (
+    CMD_SET_PRIVILEGE,
+    DEFAULT_PORT,
+    NETFN_APP,
+    RmcpSession,
+)
+from metald.bmc.sol_link import SolLink
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
-DEFAULT_PORT = 623
 NETFN_CHASSIS = 0x00
-NETFN_APP = 0x06
 _CONTROL = {
     PowerAction.OFF: 0,
     PowerAction.ON: 1,
@@ -58,47 +63,18 @@ class CompletionCodeError(BmcProtocolError):
     """The BMC answered the command with a non-zero completion code."""
 
 
-class _Datagrams(asyncio.DatagramProtocol):
-    """Replies in arrival order, with one waiter: cheaper than a Queue plus wait_for per packet,
-    which matters when one loop carries thousands of BMCs."""
-
-    def __init__(self) -> None:
-        self.inbox: deque[bytes | Exception] = deque()
-        self.waiter: asyncio.Future[None] | None = None
-
-    def datagram_received(self, data: bytes, addr: Any) -> None:
-        self.inbox.append(data)
-        self._wake()
-
-    def error_received(self, exc: Exception) -> None:
-        # A connected UDP socket reports ICMP port unreachable here: nothing listens there.
-        self.inbox.append(exc)
-        self._wake()
-
-    def _wake(self) -> None:
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
-
-    async def next(self, timeout: float) -> bytes | Exception | None:
-        """The next datagram or socket error, or None after ``timeout`` seconds."""
-        if not self.inbox:
-            loop = asyncio.get_running_loop()
-            fut = self.waiter = loop.create_future()
-            timer = loop.call_later(timeout, self._wake)
-            try:
-                await fut
-            finally:
-                timer.cancel()
-                self.waiter = None
-        return self.inbox.popleft() if self.inbox else None
-
-
-class BmcSuiteRefused(BmcError):
-    """The BMC offers none of the cipher suites metald is configured to propose."""
-
-
 class IpmiDriver(BmcDriver):
     protocol = "ipmi"
+    capabilities = frozenset(
+        {
+            Capability.POWER,
+            Capability.BOOT_DEVICE,
+            Capability.INDICATOR,
+            Capability.SENSORS,
+            Capability.EVENT_LOG,
+            Capability.SERIAL_CONSOLE,
+        }
+    )
 
     def __init__(
         self,
@@ -113,17 +89,19 @@ class IpmiDriver(BmcDriver):
         #: Proposed in this order at login (one open-session each); the one that worked
         #: goes first next time.
         self.cipher_suites = tuple(s for s in cipher_suites if s in rmcp.SUITES) or (3,)
-        self.suite: int | None = None
         self.port = endpoint.port or DEFAULT_PORT
         self.resend_s = resend_s
         self.request_timeout_s = request_timeout_s
         self.idle_s = idle_s
-        self._transport: asyncio.DatagramTransport | None = None
-        self._proto: _Datagrams | None = None
-        self._keys: rmcp.SessionKeys | None = None
-        self._console_sid = b""
-        self._bmc_sid = 0
-        self._seq = 0
+        #: The command session (power, boot device, identify light).
+        self.session = RmcpSession(
+            endpoint.address,
+            self.port,
+            endpoint.username,
+            endpoint.password,
+            resend_s=resend_s,
+            timeout_s=request_timeout_s,
+        )
         self._rq_seq = 0
         self._admin = False
         self._lock = asyncio.Lock()
@@ -135,98 +113,16 @@ class IpmiDriver(BmcDriver):
 
     @property
     def _where(self) -> str:
-        return f"IPMI BMC {self.ep.address}:{self.port}"
+        return self.session.where
 
-    # --- transport ---
-
-    async def _open_socket(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            self._transport, self._proto = await loop.create_datagram_endpoint(
-                _Datagrams, remote_addr=(self.ep.address, self.port)
-            )
-        except OSError as e:
-            raise BmcUnreachable(f"{self._where}: {e.strerror or e}") from None
+    @property
+    def suite(self) -> int | None:
+        """The cipher suite of the last login that worked."""
+        return self.session.suite
 
     def _drop_session(self) -> None:
-        if self._transport is not None:
-            self._transport.close()
-        self._transport = self._proto = None
-        self._keys = None
+        self.session.drop()
         self._admin = False
-
-    async def _exchange(self, packet_for_try: Any, accept: Any, deadline: float) -> Any:
-        """Send, re-sending every ``resend_s``, until ``accept(packet)`` returns non-None."""
-        assert self._transport is not None and self._proto is not None
-        loop = asyncio.get_running_loop()
-        while True:
-            now = loop.time()
-            if now >= deadline:
-                raise BmcTimeout(f"{self._where}: no reply within {self.request_timeout_s:g} s")
-            self._transport.sendto(packet_for_try())
-            wait_until = min(deadline, now + self.resend_s)
-            while (left := wait_until - loop.time()) > 0:
-                item = await self._proto.next(left)
-                if item is None:
-                    break
-                if isinstance(item, Exception):
-                    raise BmcUnreachable(f"{self._where}: {_oserror_text(item)}")
-                try:
-                    got = accept(item)
-                except rmcp.SuiteRefused as e:
-                    raise BmcSuiteRefused(f"{self._where}: {e}") from None
-                except rmcp.RmcpAuthError as e:
-                    raise BmcAuthError(f"{self._where}: login refused: {e}") from None
-                except rmcp.RmcpError as e:
-                    log.debug("%s: ignored packet: %s", self._where, e)
-                    continue
-                if got is not None:
-                    return got
-
-    # --- session ---
-
-    async def _login(self, deadline: float) -> None:
-        order = self.cipher_suites
-        if self.suite in order:
-            order = (self.suite, *(s for s in order if s != self.suite))
-        for n, suite in enumerate(order):
-            try:
-                await self._login_with(rmcp.SUITES[suite], deadline)
-            except BmcSuiteRefused:
-                if n == len(order) - 1:
-                    raise
-                continue
-            self.suite = suite
-            return
-
-    async def _login_with(self, suite: rmcp.CipherSuite, deadline: float) -> None:
-        # A new socket for each try: some BMCs key sessions by the client's address and port.
-        self._drop_session()
-        await self._open_socket()
-        try:
-            hs = rmcp.ClientHandshake(
-                self.ep.username.encode(), self.ep.password.encode(), suite=suite
-            )
-        except ValueError as e:
-            raise BmcAuthError(f"{self._where}: {e}") from None
-
-        def step(ptype: int, payload: bytes, want: int, then: Any) -> Any:
-            pkt = rmcp.encode_packet(ptype, 0, 0, payload)
-
-            def accept(data: bytes) -> Any:
-                p = rmcp.decode_packet(data)
-                return then(p.payload) if p.payload_type == want else None
-
-            return self._exchange(lambda: pkt, accept, deadline)
-
-        rakp1 = await step(
-            rmcp.PAYLOAD_OPEN_REQ, hs.open_request(), rmcp.PAYLOAD_OPEN_RSP, hs.on_open_response
-        )
-        rakp3 = await step(rmcp.PAYLOAD_RAKP1, rakp1, rmcp.PAYLOAD_RAKP2, hs.on_rakp2)
-        self._keys = await step(rmcp.PAYLOAD_RAKP3, rakp3, rmcp.PAYLOAD_RAKP4, hs.on_rakp4)
-        self._console_sid = hs.console_sid
-        self._bmc_sid = struct.unpack("<I", hs.bmc_sid)[0]
-        self._seq = 0
 
     async def _request(
         self, netfn: int, cmd: int, data: bytes = b"", *, admin: bool = False
@@ -238,10 +134,13 @@ class IpmiDriver(BmcDriver):
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self.request_timeout_s
             try:
-                if self._keys is None:
-                    await self._login(deadline)
+                if self.session.keys is None:
+                    self._admin = False
+                    await self.session.login(self.cipher_suites, deadline)
                 if admin and not self._admin:
-                    await self._call(NETFN_APP, 0x3B, bytes([rmcp.ROLE_ADMIN]), deadline)
+                    await self._call(
+                        NETFN_APP, CMD_SET_PRIVILEGE, bytes([rmcp.ROLE_ADMIN]), deadline
+                    )
                     self._admin = True
                 try:
                     rsp = await self._call(netfn, cmd, data, deadline)
@@ -259,16 +158,12 @@ class IpmiDriver(BmcDriver):
             return rsp
 
     async def _call(self, netfn: int, cmd: int, data: bytes, deadline: float) -> bytes:
-        keys = self._keys
+        session = self.session
+        keys = session.keys
         assert keys is not None
         self._rq_seq = (self._rq_seq + 1) & 0x3F
         rq_seq = self._rq_seq
         msg = rmcp.encode_request(netfn, cmd, data, rq_seq)
-
-        def packet() -> bytes:
-            # A fresh session sequence number per transmission (anti-replay), same rq_seq.
-            self._seq = (self._seq + 1) & 0xFFFFFFFF or 1
-            return rmcp.encode_packet(rmcp.PAYLOAD_IPMI, self._bmc_sid, self._seq, msg, keys)
 
         def accept(raw: bytes) -> rmcp.IpmiResponse | None:
             p = rmcp.decode_packet(raw, keys)
@@ -277,7 +172,8 @@ class IpmiDriver(BmcDriver):
             r = rmcp.decode_response(p.payload)
             return r if (r.rq_seq, r.cmd, r.netfn) == (rq_seq, cmd, netfn | 1) else None
 
-        r = await self._exchange(packet, accept, deadline)
+        # A fresh session sequence number per transmission (``seal``), the same rq_seq.
+        r = await session.exchange(lambda: session.seal(rmcp.PAYLOAD_IPMI, msg), accept, deadline)
         if r.code != 0:
             what = rmcp.COMPLETION.get(r.code, "error")
             if r.code == 0xD4:
@@ -297,14 +193,7 @@ class IpmiDriver(BmcDriver):
         if self._idle is not None:
             self._idle.cancel()
             self._idle = None
-        if self._keys is not None and self._transport is not None:
-            # Close Session frees the BMC's session slot; best effort, no retransmission.
-            msg = rmcp.encode_request(NETFN_APP, 0x3C, struct.pack("<I", self._bmc_sid), 0)
-            self._seq += 1
-            with contextlib.suppress(OSError):
-                self._transport.sendto(
-                    rmcp.encode_packet(rmcp.PAYLOAD_IPMI, self._bmc_sid, self._seq, msg, self._keys)
-                )
+        self.session.send_close()
         self._drop_session()
 
     # --- the driver interface ---
@@ -356,6 +245,17 @@ class IpmiDriver(BmcDriver):
     async def event_log(self) -> list[LogEntry]:
         return await _in_pyghmi_thread(self._pyghmi_event_log)
 
+    def serial_console(self, on_data: Callable[[bytes], None], *, timeout_s: float) -> SolLink:
+        return SolLink(
+            self.ep.address,
+            self.port,
+            self.ep.username,
+            self.ep.password,
+            on_data,
+            resend_s=self.resend_s,
+            timeout_s=timeout_s,
+        )
+
     # --- pyghmi, in a thread ---
 
     def _pyghmi(self) -> Any:
@@ -384,7 +284,7 @@ class IpmiDriver(BmcDriver):
         cmd = self._pyghmi()
         return self._pyghmi_call(lambda: [_log_entry(e) for e in cmd.get_event_log()])
 
-    def _pyghmi_call(self, fn: Any) -> Any:
+    def _pyghmi_call(self, fn: Callable[[], T]) -> T:
         # pyghmi caches the session per BMC and user and expires it itself; logging it out here
         # would break the next Command built on the cached session.
         from pyghmi.exceptions import IpmiException
@@ -405,7 +305,7 @@ class IpmiDriver(BmcDriver):
 _PYGHMI_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyghmi")
 
 
-async def _in_pyghmi_thread(fn: Any) -> Any:
+async def _in_pyghmi_thread(fn: Callable[[], T]) -> T:
     return await asyncio.get_running_loop().run_in_executor(_PYGHMI_THREAD, fn)
 
 
@@ -418,12 +318,6 @@ def guid_readings(guid: bytes) -> tuple[str, str, str]:
         str(uuid.UUID(bytes_le=bytes(guid))),
         str(uuid.UUID(bytes=bytes(guid))),
     )
-
-
-def _oserror_text(e: Exception) -> str:
-    if isinstance(e, ConnectionRefusedError):
-        return "nothing answers on that port (ICMP port unreachable)"
-    return getattr(e, "strerror", None) or str(e)
 
 
 def _pyghmi_error(where: str, e: Exception) -> Exception:

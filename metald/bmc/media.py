@@ -1,9 +1,10 @@
 """Virtual media boot through a machine's BMC, as the API and the provisioning driver use it:
 which machines boot this way (a label), where BMCs fetch each boot's ISO, the fenced, journaled
 commands (``insert_for``, ``boot_cd_for``, ``eject_for``), the eject once the boot's agent
-reported (``eject_after_report``) and the redaction of nonce URLs (``redact``). The Redfish requests themselves are
-``metald.bmc.virtual_media``'s, run through ``BmcControl.virtual_media``, so nothing outside
-metald.bmc imports a protocol module (docs/architecture.md).
+reported (``eject_after_report``) and the redaction of nonce URLs (``redact``). The requests
+themselves are the ``VirtualMedia`` capability of the BMC's driver
+(``metald.bmc.capabilities``; Redfish has it), sent through the fenced executor, so nothing
+outside metald.bmc imports a protocol module (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from typing import Any
 
 from sqlmodel import Session, col, select
 
+from metald.bmc.capabilities import Capability
+from metald.bmc.control import Executor
 from metald.errors import Unprocessable
 from metald.machines import add_event
-from metald.store.models import Event
+from metald.store.models import Bmc, Event
 
 log = logging.getLogger(__name__)
 
@@ -50,22 +53,25 @@ def wants_virtual_media(labels: dict[str, str] | None) -> bool:
     return (labels or {}).get(BOOT_VIA_LABEL) == VIRTUAL_MEDIA
 
 
-async def _redfish_row(control: Any, machine_id: str) -> Any:
-    row = await control.row_for_machine(machine_id)
-    if row.protocol != "redfish":
-        raise Unprocessable(
-            f"machine {machine_id}'s BMC {row.id} speaks {row.protocol}, and virtual media "
-            'needs Redfish: boot it with {"via": "network"}, or register its Redfish BMC',
-            bmc_id=row.id,
-        )
+async def _media_row(ex: Executor, machine_id: str) -> Bmc:
+    """The machine's BMC, refused (422, naming the capability) unless its driver has virtual
+    media."""
+    row = await ex.row_for_machine(machine_id)
+    ex.require(
+        row,
+        Capability.VIRTUAL_MEDIA,
+        f'boot machine {machine_id} with {{"via": "network"}}, or register its Redfish BMC',
+    )
     return row
 
 
-async def check_for(control: Any, machine_id: str) -> None:
-    """Raise a problem (422) unless the machine's BMC is Redfish and offers a virtual CD."""
-    row = await _redfish_row(control, machine_id)
+async def check_for(ex: Executor, machine_id: str) -> None:
+    """Raise a problem (422) unless the machine's BMC has virtual media and offers a CD."""
+    row = await _media_row(ex, machine_id)
     try:
-        await control.virtual_media(row, "find_virtual_cd")
+        await ex.execute(
+            row, Capability.VIRTUAL_MEDIA, "find_virtual_cd", lambda d: d.find_virtual_cd()
+        )
     except Unprocessable as e:
         raise Unprocessable(
             f'{e.detail}; boot machine {machine_id} with {{"via": "network"}} instead',
@@ -73,12 +79,19 @@ async def check_for(control: Any, machine_id: str) -> None:
         ) from None
 
 
-async def insert_for(control: Any, machine_id: str, url: str, step: str | None) -> None:
+async def insert_for(ex: Executor, machine_id: str, url: str, step: str | None) -> None:
     """Insert ``url`` into the machine's virtual CD, journaled as ``vmedia:insert``."""
-    row = await _redfish_row(control, machine_id)
-    await control._fence(row, "vmedia:insert", step)
+    row = await _media_row(ex, machine_id)
     try:
-        await control.virtual_media(row, "insert_media", url)
+        await ex.execute(
+            row,
+            Capability.VIRTUAL_MEDIA,
+            "insert_media",
+            lambda d: d.insert_media(url),
+            journal="vmedia:insert",
+            step=step,
+            write=True,
+        )
     except Exception as e:
         # The URL carries the boot's nonce: what is recorded of a failure (an event, the
         # machine's last_error) shows its first digits only.
@@ -88,17 +101,25 @@ async def insert_for(control: Any, machine_id: str, url: str, step: str | None) 
         raise
 
 
-async def boot_cd_for(control: Any, machine_id: str, step: str | None) -> None:
+async def boot_cd_for(ex: Executor, machine_id: str, step: str | None) -> None:
     """The machine's next boot (only) from its virtual CD, journaled as ``boot:cd``."""
-    row = await _redfish_row(control, machine_id)
-    await control._fence(row, "boot:cd", step)
-    await control.virtual_media(row, "boot_cd_once")
+    row = await _media_row(ex, machine_id)
+    await ex.execute(
+        row,
+        Capability.VIRTUAL_MEDIA,
+        "boot_cd_once",
+        lambda d: d.boot_cd_once(),
+        journal="boot:cd",
+        step=step,
+        write=True,
+    )
 
 
-async def eject_for(control: Any, machine_id: str) -> None:
-    row = await _redfish_row(control, machine_id)
-    await control._fence(row, None, None)
-    await control.virtual_media(row, "eject_media")
+async def eject_for(ex: Executor, machine_id: str) -> None:
+    row = await _media_row(ex, machine_id)
+    await ex.execute(
+        row, Capability.VIRTUAL_MEDIA, "eject_media", lambda d: d.eject_media(), write=True
+    )
 
 
 def _media_boot_to_eject(s: Session, machine_id: str) -> str | None:
@@ -119,18 +140,18 @@ def _media_boot_to_eject(s: Session, machine_id: str) -> str | None:
     return data.get("image") if data.get("via") == VIRTUAL_MEDIA else None
 
 
-async def eject_after_report(control: Any, machine_id: str, actor: str) -> bool | None:
+async def eject_after_report(ex: Executor, machine_id: str, actor: str) -> bool | None:
     """The agent of a virtual-media boot reported (inventory, or the end of a provision or
     wipe): the ISO has done its work, so eject it through the BMC. Recorded as an event
     (``bmc.vmedia-ejected``, or ``bmc.vmedia-eject-failed`` with the BMC's answer: a BMC that
     will not eject leaves the CD in, never the machine stuck). None when there was nothing to
     eject (not a virtual-media boot, or already done)."""
-    image = await control.store.run(_media_boot_to_eject, machine_id)
+    image = await ex.store.run(_media_boot_to_eject, machine_id)
     if image is None:
         return None
-    instance = getattr(control, "instance", None)
+    instance = ex.instance
     try:
-        await eject_for(control, machine_id)
+        await eject_for(ex, machine_id)
     except Exception as e:  # noqa: BLE001 - any failure to eject is an event, never raised
         detail = getattr(e, "detail", None) or str(e) or type(e).__name__
         log.warning("machine %s: ejecting the boot ISO failed: %s", machine_id, detail)
@@ -145,5 +166,5 @@ async def eject_after_report(control: Any, machine_id: str, actor: str) -> bool 
         )  # fmt: skip
         s.commit()
 
-    await control.store.run(note)
+    await ex.store.run(note)
     return ok

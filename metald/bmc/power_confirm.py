@@ -3,7 +3,7 @@
 A BMC accepts a reset and applies it later (sushy-emulator: 1-11 s; real BMCs: seconds, or
 never when a PSU is out). ``PowerCommand`` is one sent command and what the BMC said since;
 ``poll_delays`` is the backoff the confirmation reads with. The polling itself is
-``BmcControl._confirm`` (it reads through the scheduler, like every other command).
+``metald.bmc.chassis`` (it reads through the scheduler, like every other command).
 """
 
 from __future__ import annotations

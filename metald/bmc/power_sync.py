@@ -2,7 +2,7 @@
 
 A change nobody asked for becomes a ``bmc.power-drift`` event; a reading that differs from a
 command metald sent within ``drift_grace_s`` is the command taking effect, not drift. Each
-round first settles ownership (``BmcControl.sync_ownership``), so with several instances each
+round first settles ownership (``BmcExecutor.sync_ownership``), so with several instances each
 BMC is read by exactly one of them.
 """
 
@@ -14,8 +14,9 @@ import time
 
 from sqlmodel import Session, select
 
-from metald.bmc.base import BmcError, PowerState
-from metald.bmc.commands import BmcControl, cause, record_power
+from metald.bmc.base import BmcError, PowerState, cause
+from metald.bmc.chassis import record_power
+from metald.bmc.executor import BmcExecutor
 from metald.bmc.scheduler import Health
 from metald.service import cancel
 from metald.store.models import Bmc
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 class PowerSync:
-    def __init__(self, control: BmcControl, interval_s: float, actor: str) -> None:
+    def __init__(self, control: BmcExecutor, interval_s: float, actor: str) -> None:
         self.control = control
         self.interval_s = interval_s
         self.actor = actor
@@ -71,6 +72,8 @@ class PowerSync:
             return list(s.exec(select(Bmc).where(Bmc.health != Health.AUTH_FAILED.value)).all())
 
         async def one(row: Bmc) -> bool:
+            if row.last_seen_at is None and not await self.verify(row):
+                return False
             try:
                 state = await c.run(row, "sync_power", lambda d: d.get_power())
             except BmcError as e:
@@ -86,6 +89,19 @@ class PowerSync:
             if c.owns(r) and (c.ownership is None or r.id in c.held)
         ]
         return sum(await asyncio.gather(*(one(r) for r in owned)))
+
+    async def verify(self, row: Bmc) -> bool:
+        """A BMC registered without verification (``verify=false``; never seen): ask it who it
+        is, then keep that and link it (``registry.record_identity``). False: not yet."""
+        from metald.bmc.registry import record_identity
+
+        try:
+            ident = await self.control.run(row, "identify", lambda d: d.identify())
+        except BmcError as e:
+            log.debug("BMC %s (registered unverified) still does not answer: %s", row.id, cause(e))
+            return False
+        await self.control.store.run(record_identity, row.id, ident, self.control.instance)
+        return True
 
     async def record(self, row: Bmc, observed: PowerState) -> bool:
         expected = self.control.expected.get(row.id)

@@ -12,6 +12,11 @@ followed only on the BMC's own scheme, host and port: a relative path, or an abs
 that same origin. Anything else is refused (``BmcProtocolError``, counted in
 ``metald_bmc_redfish_foreign_urls_total``) before a byte is sent, so a hostile BMC cannot send
 metald's credentials (session login body, basic auth, X-Auth-Token) to another host.
+
+VirtualMedia (insert an ISO by URL into the BMC's virtual CD, boot from it once, eject it) goes
+through the same requests, so the same guards hold. The virtual CD is looked for under the
+system (newer Redfish) and under its managers (older). The fenced, journaled commands that use
+it are ``metald.bmc.media``'s.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from metald.bmc.base import (
     Sensor,
     SystemIdentity,
 )
+from metald.bmc.capabilities import Capability
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +62,8 @@ RESET_CHOICES: dict[PowerAction, tuple[str, ...]] = {
     PowerAction.RESET: ("ForceRestart", "PowerCycle"),
 }
 _TASK_DONE = {"Completed", "Exception", "Killed", "Cancelled"}
+#: VirtualMedia devices metald boots from.
+CD_TYPES = {"CD", "DVD"}
 
 foreign_urls = Counter(
     "metald_bmc_redfish_foreign_urls_total",
@@ -82,6 +90,18 @@ def same_origin_url(base: URL, link: str) -> URL | None:
 
 class RedfishDriver(BmcDriver):
     protocol = "redfish"
+    capabilities = frozenset(
+        {
+            Capability.POWER,
+            Capability.BOOT_DEVICE,
+            Capability.INDICATOR,
+            Capability.SENSORS,
+            Capability.EVENT_LOG,
+            Capability.FIRMWARE,
+            Capability.BIOS,
+            Capability.VIRTUAL_MEDIA,
+        }
+    )
 
     def __init__(
         self,
@@ -474,6 +494,63 @@ class RedfishDriver(BmcDriver):
                 ]
         raise BmcUnsupported(f"{self._where}: the BMC exposes no log service")
 
+    # --- VirtualMedia ---
+
+    async def find_virtual_cd(self) -> tuple[str, dict[str, Any]]:
+        """The path and resource of the first virtual media device that takes a CD or DVD."""
+        system = await self._system_resource()
+        collections: list[str] = []
+        if vm := (system.get("VirtualMedia") or {}).get("@odata.id"):
+            collections.append(vm)
+        managers = [m["@odata.id"] for m in (system.get("Links") or {}).get("ManagedBy", [])]
+        if not managers:
+            coll = await self._get("/redfish/v1/Managers")
+            managers = [m["@odata.id"] for m in coll.get("Members", []) if "@odata.id" in m]
+        for path in managers:
+            mgr = await self._get(path)
+            if vm := (mgr.get("VirtualMedia") or {}).get("@odata.id"):
+                collections.append(vm)
+        for coll_path in collections:
+            coll = await self._get(coll_path)
+            for member in coll.get("Members", []):
+                if "@odata.id" not in member:
+                    continue
+                res = await self._get(member["@odata.id"])
+                if CD_TYPES & set(res.get("MediaTypes") or []):
+                    return member["@odata.id"], res
+        raise BmcUnsupported(f"{self._where}: the BMC offers no virtual CD or DVD")
+
+    async def insert_media(self, image_url: str) -> str:
+        """Insert ``image_url`` (ejecting what was there); returns the device's path once the
+        BMC reports the image inserted."""
+        path, res = await self.find_virtual_cd()
+        if res.get("Inserted"):
+            await self._act("POST", _media_action(path, res, "EjectMedia"), {})
+        body = {"Image": image_url, "Inserted": True, "WriteProtected": True}
+        await self._act("POST", _media_action(path, res, "InsertMedia"), body)
+        now = await self._get(path)
+        if not now.get("Inserted") or now.get("Image") != image_url:
+            raise BmcProtocolError(
+                f"{self._where}: asked to insert {image_url}, the BMC reports "
+                f"Inserted={now.get('Inserted')!r} Image={now.get('Image')!r}"
+            )
+        return path
+
+    async def eject_media(self) -> None:
+        path, res = await self.find_virtual_cd()
+        if res.get("Inserted"):
+            await self._act("POST", _media_action(path, res, "EjectMedia"), {})
+
+    async def boot_cd_once(self) -> None:
+        """The next boot (only) from the virtual CD."""
+        s = await self._system_resource()
+        allowed = (s.get("Boot") or {}).get("BootSourceOverrideTarget@Redfish.AllowableValues")
+        if allowed and "Cd" not in allowed:
+            raise BmcUnsupported(f"{self._where}: boot target Cd not offered ({allowed})")
+        assert self._system_uri is not None
+        body = {"Boot": {"BootSourceOverrideTarget": "Cd", "BootSourceOverrideEnabled": "Once"}}
+        await self._act("PATCH", self._system_uri, body)
+
     async def close(self) -> None:
         if self._http is not None and not self._http.closed:
             if self._token and self._session_uri:
@@ -499,7 +576,7 @@ def _basic_auth(user: str, password: str) -> str:
 
 
 def _health(x: dict[str, Any]) -> str:
-    h = (x.get("Status") or {}).get("Health")
+    h = str((x.get("Status") or {}).get("Health"))
     return {"OK": "ok", "Warning": "warning", "Critical": "critical"}.get(h, "unknown")
 
 
@@ -527,3 +604,8 @@ def _parse_time(v: Any) -> Any:
         return datetime.fromisoformat(str(v)) if v else None
     except ValueError:
         return None
+
+
+def _media_action(path: str, res: dict[str, Any], name: str) -> str:
+    target = ((res.get("Actions") or {}).get(f"#VirtualMedia.{name}") or {}).get("target")
+    return target or f"{path.rstrip('/')}/Actions/VirtualMedia.{name}"

@@ -1,5 +1,12 @@
 """The registered BMCs: register (connect first, then store), link to machines, remove, list.
 
+Registration connects only to an allowed target (``metald.bmc.targets``) and, when that fails,
+answers one fixed sentence naming the failed step, never what the peer said, and only once the
+verification deadline (``[bmc] verify_s``) has passed, so neither the answer nor its timing
+tells a closed port from a silent one or from a service that is not a BMC. ``verify=False``
+stores a BMC that does not answer yet (a rack staged before it is cabled) as ``unreachable``;
+its owning instance's power sync verifies it once it answers (``record_identity``).
+
 Owns the ``bmcs`` rows' identity and links. Credentials are stored encrypted
 (``metald.secrets``) and only ever decrypted into a driver's endpoint; every dict built here
 goes through ``public`` and so carries no secret.
@@ -11,6 +18,7 @@ the machine's. Registration (BMC first known) and enrollment (machine first know
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -19,8 +27,9 @@ from typing import Any
 from sqlalchemy import String, cast, func, or_
 from sqlmodel import Session, select
 
+from metald.bmc import targets
 from metald.bmc.base import BmcAuthError, BmcEndpoint, BmcError, SystemIdentity
-from metald.bmc.commands import BmcControl, cause, get_bmc
+from metald.bmc.executor import BmcExecutor, get_bmc
 from metald.bmc.ipmi import guid_readings
 from metald.bmc.scheduler import Health
 from metald.errors import Conflict, Unprocessable
@@ -29,6 +38,8 @@ from metald.store.db import Store
 from metald.store.models import Bmc, Machine, Nic, utcnow
 
 PROTOCOLS = ("ipmi", "redfish", "auto")
+#: health_detail of a BMC registered with verify=False until its owner has heard from it.
+NOT_VERIFIED = "registered without verification: its owning instance verifies it once it answers"
 
 
 # --- the matching rule (pure) ---------------------------------------------------------------
@@ -125,7 +136,7 @@ def match_machine(s: Session, row: Bmc, uuid_candidates: list[str]) -> tuple[str
 
 
 class BmcRegistry:
-    def __init__(self, store: Store, control: BmcControl, instance: str) -> None:
+    def __init__(self, store: Store, control: BmcExecutor, instance: str) -> None:
         self.store = store
         self.control = control
         self.instance = instance
@@ -141,8 +152,12 @@ class BmcRegistry:
         verify_tls: bool = True,
         ca_cert: str | None = None,
         actor: str = "system",
+        *,
+        verify: bool = True,
+        own_listeners: Iterable[tuple[str, int]] = (),
     ) -> Bmc:
-        """Connect with the credentials, then store the BMC and link it to its machine."""
+        """Connect with the credentials, then store the BMC and link it to its machine
+        (``verify=False``: store it as unreachable without connecting)."""
         address = (address or "").strip()
         if not address:
             raise Unprocessable("address is required (a host name, an IP, or a Redfish URL)")
@@ -175,39 +190,68 @@ class BmcRegistry:
                 bmc_id=existing.id,
             )
 
-        ep = BmcEndpoint(address, port, username, password, verify_tls, ca_cert)
+        await targets.check(address, port, protocol, self.control.cfg.networks, own_listeners)
         tried = ["redfish", "ipmi"] if protocol == "auto" else [protocol]
         if protocol == "auto" and address.startswith(("http://", "https://")):
             tried = ["redfish"]
-        failures: list[str] = []
-        ident: SystemIdentity | None = None
-        used = ""
-        scheduler = self.control.scheduler
-        for proto in tried:
-            driver = self.control.make_driver(proto, ep)
-            key = f"register:{uuid.uuid4()}"
-            try:
-                ident = await scheduler.run(key, driver.identify, name="identify")
-                used = proto
-                break
-            except BmcAuthError as e:
-                await driver.close()
+        if not verify:
+            if len(tried) > 1:
                 raise Unprocessable(
-                    f"the BMC at {address} refused these credentials ({proto}): {cause(e)}; "
-                    "check the user name and password",
-                    protocol=proto,
-                ) from None
-            except BmcError as e:
-                failures.append(f"{proto}: {cause(e)}")
-                await driver.close()
-            except BaseException:  # a bug or a cancel: still close the driver's client session
-                await driver.close()
-                raise
-            finally:
-                scheduler.forget(key)
+                    "a BMC registered without verifying it needs its protocol: send protocol "
+                    '"ipmi" or "redfish" (auto is decided by asking the BMC)'
+                )
+            staged = Bmc(
+                address=address,
+                port=port,
+                protocol=tried[0],
+                username=username,
+                password_enc=self.control.secrets.encrypt(password),
+                verify_tls=verify_tls,
+                ca_cert=ca_cert,
+                health=Health.UNREACHABLE.value,
+                health_detail=NOT_VERIFIED,
+                macs=[],
+            )
+            return await self.store.run(self._insert, staged, machine_id, [], actor)
+        ep = BmcEndpoint(address, port, username, password, verify_tls, ca_cert)
+        ident: SystemIdentity | None = None
+        used, step = "", "identify"
+        scheduler = self.control.scheduler
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.control.cfg.verify_s
+        try:
+            async with asyncio.timeout_at(deadline):
+                for proto in tried:
+                    driver = self.control.make_driver(proto, ep)
+                    key = f"register:{uuid.uuid4()}"
+                    try:
+                        ident = await scheduler.run(key, driver.identify, name="identify")
+                        used = proto
+                        break
+                    except BmcAuthError:
+                        await driver.close()
+                        step = "login"
+                        break
+                    except BmcError:
+                        await driver.close()
+                    except BaseException:  # a bug, a cancel, the deadline: still close it
+                        await driver.close()
+                        raise
+                    finally:
+                        scheduler.forget(key)
+        except TimeoutError:
+            ident = None
         if ident is None:
+            # Whatever failed and however fast: the same sentence, at the same time.
+            await asyncio.sleep(max(0.0, deadline - loop.time()))
             raise Unprocessable(
-                f"could not talk to a BMC at {address}: " + "; ".join(failures), tried=tried
+                f"could not verify the BMC at {address}: the {step} step did not succeed "
+                f"({' then '.join(tried)}). Check the address, port, protocol, user name and "
+                "password, and that metald reaches the BMC's network; to register a BMC that "
+                "does not answer yet, send verify: false (stored as unreachable, verified by "
+                "its owning instance once it answers)",
+                step=step,
+                tried=tried,
             )
         row = Bmc(
             address=address,
@@ -352,6 +396,35 @@ class BmcRegistry:
 
     async def get(self, bmc_id: str) -> Bmc:
         return await self.store.run(get_bmc, bmc_id)
+
+
+def record_identity(s: Session, bmc_id: str, ident: SystemIdentity, instance: str) -> Bmc:
+    """A BMC registered without verification answered its owner: keep what it says about its
+    host and link it to its machine by the same rule as registration."""
+    row = get_bmc(s, bmc_id)
+    row.system_uuid, row.serial = ident.system_uuid, ident.serial
+    row.macs = [normalize_mac(m) for m in ident.macs]
+    row.last_seen_at = row.last_seen_at or utcnow()
+    if row.health_detail == NOT_VERIFIED:
+        row.health_detail = None
+    how = None
+    if row.machine_id is None:
+        machine_id, how = match_machine(s, row, ident.extra.get("uuid_candidates", []))
+        if machine_id and not s.exec(select(Bmc).where(Bmc.machine_id == machine_id)).first():
+            row.machine_id = machine_id
+        else:
+            how = None
+    s.add(row)
+    add_event(
+        s,
+        "bmc.verified",
+        "system",
+        machine_id=row.machine_id,
+        instance=instance,
+        data={"bmc_id": row.id, "address": row.address, "linked": how},
+    )
+    s.commit()
+    return row
 
 
 def public(row: Bmc) -> dict[str, Any]:

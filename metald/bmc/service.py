@@ -1,28 +1,32 @@
 """The ``bmc`` daemon service: the registry, the commands and power sync of one instance, and
 the answers the API gives about them.
 
-The three jobs live in their own modules: ``registry`` (the ``bmcs`` rows, linking to
-machines), ``control`` (typed commands through the scheduler, ownership-fenced; the
-``PowerControl`` provisioning calls) and ``power_sync`` (the periodic reading and drift). This
-class wires them and shapes their typed results into the API's dicts.
+The jobs live in their own modules: ``registry`` (the ``bmcs`` rows, linking to machines),
+``executor`` (the one fenced way a command is sent, and the ``PowerControl`` provisioning
+calls), one module per group of capabilities (``chassis``: power, boot device, locate light;
+``firmware``: firmware and BIOS; ``media``: virtual media; sensors and the event log are one
+``execute`` each) and ``power_sync`` (the periodic reading and drift). This class wires them and
+shapes their typed results into the API's dicts, each BMC with the capabilities its driver
+offers.
 """
 
 from __future__ import annotations
 
-import asyncio
+import builtins
 import logging
 from typing import Any
 
-from metald.bmc import firmware, media
+from metald.bmc import chassis, firmware, media
 from metald.bmc.base import BmcError, BootTarget, PowerAction
-from metald.bmc.commands import BmcControl
+from metald.bmc.capabilities import Capability
 from metald.bmc.control import BmcCommandFailed, BmcOwnership, NoBmc, NotOwner
+from metald.bmc.executor import BmcExecutor, capabilities_of
 from metald.bmc.power_sync import PowerSync
 from metald.bmc.registry import PROTOCOLS, BmcRegistry, public
 from metald.config import BmcConfig
 from metald.errors import MetaldError, NotFound, Unprocessable
 from metald.secrets import SecretBox
-from metald.service import cancel
+from metald.service import TaskScope
 from metald.store.db import Store
 from metald.store.models import Bmc
 
@@ -34,16 +38,32 @@ __all__ = ["PROTOCOLS", "BmcCommandFailed", "BmcService", "NoBmc", "NotOwner"]
 class BmcService:
     name = "bmc"
 
-    def __init__(self, store: Store, secrets: SecretBox, cfg: BmcConfig, instance: str) -> None:
+    def __init__(
+        self,
+        store: Store,
+        secrets: SecretBox,
+        cfg: BmcConfig,
+        instance: str,
+        *,
+        ownership: BmcOwnership | None = None,
+        vmedia_base: str | None = None,
+        tasks: TaskScope | None = None,
+    ) -> None:
         self.store = store
         self.secrets = secrets
         self.cfg = cfg
         self.instance = instance
         self.actor = f"metald:{instance}"
-        self.control = BmcControl(store, secrets, cfg, instance)
+        #: The fenced executor every command goes through (also provisioning's PowerControl).
+        self.control = BmcExecutor(store, secrets, cfg, instance)
         self.registry = BmcRegistry(store, self.control, instance)
+        self.control.ownership = ownership  # the fleet: which BMCs this instance commands
+        if vmedia_base is not None:
+            # Where BMCs fetch the boot ISO (read by metald.bmc.media).
+            self.control.vmedia_base = vmedia_base
         self.sync = PowerSync(self.control, cfg.power_sync_interval_s, self.actor)
-        self._tasks: set[asyncio.Task[None]] = set()
+        #: The background work after inspections and reports; stopped with the service.
+        self.tasks = tasks if tasks is not None else TaskScope(self.name)
 
     @property
     def ownership(self) -> BmcOwnership | None:
@@ -58,16 +78,16 @@ class BmcService:
         return self.control.scheduler
 
     def _public(self, row: Bmc) -> dict[str, Any]:
-        return {**public(row), "owner_instance": self.control.owner_of(row)}
+        return {**_shown(row), "owner_instance": self.control.owner_of(row)}
 
     # --- lifecycle ---
 
     async def start(self) -> None:
+        await self.tasks.open()
         await self.sync.start()
 
     async def stop(self) -> None:
-        for task in list(self._tasks):
-            await cancel(task)
+        await self.tasks.close()
         await self.sync.stop()
         await self.control.close()
 
@@ -90,22 +110,33 @@ class BmcService:
         verify_tls: bool = True,
         ca_cert: str | None = None,
         actor: str = "system",
+        **checks: Any,
     ) -> dict[str, Any]:
+        """``checks``: ``verify`` and ``own_listeners`` (``BmcRegistry.register``)."""
         row = await self.registry.register(
-            address, port, protocol, username, password, machine_id, verify_tls, ca_cert, actor
+            address,
+            port,
+            protocol,
+            username,
+            password,
+            machine_id,
+            verify_tls,
+            ca_cert,
+            actor,
+            **checks,
         )
-        return public(row)
+        return _shown(row)
 
     async def link(
         self, bmc_id: str, machine_id: str | None, actor: str = "system"
     ) -> dict[str, Any]:
-        return public(await self.registry.link(bmc_id, machine_id, actor))
+        return _shown(await self.registry.link(bmc_id, machine_id, actor))
 
     async def link_by_identity(
         self, machine_id: str, actor: str = "system"
     ) -> dict[str, Any] | None:
         row = await self.registry.link_by_identity(machine_id, actor)
-        return public(row) if row else None
+        return _shown(row) if row else None
 
     async def remove(self, bmc_id: str, actor: str = "system") -> None:
         await self.registry.remove(bmc_id, actor)
@@ -181,7 +212,7 @@ class BmcService:
         wait_s: float | None = None,
     ) -> dict[str, Any]:
         if action == "status":
-            state = await self.control.read_power_row(row)
+            state = await chassis.read_power_row(self.control, row)
             return {"machine_id": machine_id, "bmc_id": row.id, "power_state": state.value}
         try:
             act = PowerAction(action)
@@ -190,7 +221,7 @@ class BmcService:
                 f"unknown power action {action!r}; use one of status, "
                 + ", ".join(a.value for a in PowerAction)
             ) from None
-        cmd = await self.control.power_row(row, act, actor, wait_s=wait_s)
+        cmd = await chassis.power_row(self.control, row, act, actor, wait_s=wait_s)
         return {**cmd.public(), "machine_id": machine_id}
 
     async def set_boot_device(
@@ -222,9 +253,9 @@ class BmcService:
         """Turn the locate light on or off (``on`` None: only read it)."""
         row = await self.control.row_for_machine(machine_id)
         if on is None:
-            state = await self.control.read_locate(machine_id)
+            state = await chassis.read_locate(self.control, row)
         else:
-            state = await self.control.set_locate(machine_id, on, actor=actor)
+            state = await chassis.set_locate(self.control, row, on, actor=actor)
         return {"machine_id": machine_id, "bmc_id": row.id, "on": state}
 
     async def firmware(self, machine_id: str, actor: str = "system") -> dict[str, Any]:
@@ -256,18 +287,14 @@ class BmcService:
         """A machine's inventory was just accepted: record its firmware versions and stage its
         BIOS profile in the background (its next reboot applies it). Best effort: a BMC that
         offers neither, or no BMC, changes nothing."""
-        task = asyncio.create_task(self._after_inspection(machine_id), name="bmc-inspection")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.tasks.start_soon(self._after_inspection(machine_id), name="bmc-inspection")
 
     def after_report(self, machine_id: str) -> None:
         """A machine's agent ended its boot's work (a provision or wipe done or failed): eject
         a virtual-media boot's ISO in the background (``media.eject_after_report``)."""
-        task = asyncio.create_task(
+        self.tasks.start_soon(
             media.eject_after_report(self.control, machine_id, self.actor), name="bmc-eject"
         )
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     async def _after_inspection(self, machine_id: str) -> None:
         for step in (
@@ -280,13 +307,21 @@ class BmcService:
             except (MetaldError, BmcError) as e:
                 log.info("machine %s: after inspection: %s", machine_id, e)
 
-    async def sensors(self, machine_id: str) -> list[dict[str, Any]]:
+    async def sensors(self, machine_id: str) -> builtins.list[dict[str, Any]]:
+        row = await self.control.row_for_machine(machine_id)
+        got = await self.control.execute(
+            row,
+            Capability.SENSORS,
+            "sensors",
+            lambda d: d.sensors(),
+            timeout_s=self.cfg.sensors_timeout_s,
+        )
         return [
             {"name": x.name, "kind": x.kind, "value": x.value, "units": x.unit, "health": x.health}
-            for x in await self.control.sensors(machine_id)
+            for x in got
         ]
 
-    async def event_log(self, machine_id: str) -> list[dict[str, Any]]:
+    async def event_log(self, machine_id: str) -> builtins.list[dict[str, Any]]:
         return [
             {
                 "id": e.id,
@@ -294,10 +329,21 @@ class BmcService:
                 "severity": e.severity,
                 "message": e.message,
             }
-            for e in await self.control.event_log(machine_id)
+            for e in await self.control.execute(
+                await self.control.row_for_machine(machine_id),
+                Capability.EVENT_LOG,
+                "event_log",
+                lambda d: d.event_log(),
+                timeout_s=self.cfg.sensors_timeout_s,
+            )
         ]
 
     # --- power sync ---
 
     async def sync_power_once(self) -> int:
         return await self.sync.sync_power_once()
+
+
+def _shown(row: Bmc) -> dict[str, Any]:
+    """The BMC as the API shows it, with what its driver can be asked."""
+    return {**public(row), "capabilities": sorted(c.value for c in capabilities_of(row.protocol))}

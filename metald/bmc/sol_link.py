@@ -1,5 +1,6 @@
-"""One IPMI Serial-over-LAN link on asyncio: an RMCP+ session of its own (cipher suite 3, as in
-``metald.bmc.rmcp``), SOL activated on it, and ``metald.bmc.sol.SolCore`` fed from one UDP
+"""One IPMI Serial-over-LAN link on asyncio: an RMCP+ session of its own
+(``metald.bmc.rmcp_session``, the type the IPMI driver logs in with; cipher suite 3), SOL
+activated on it, and ``metald.bmc.sol.SolCore`` fed from one UDP
 socket. It owns one reader task and stops it itself.
 
 The link is separate from the driver's power-control session on purpose: a console stays open
@@ -16,19 +17,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import struct
 from collections.abc import Callable
 from typing import Any
 
 from metald.bmc import rmcp, sol
-from metald.bmc.base import BmcAuthError, BmcProtocolError, BmcTimeout, BmcUnreachable
-from metald.bmc.ipmi import DEFAULT_PORT, NETFN_APP, _Datagrams, _oserror_text
+from metald.bmc.base import BmcProtocolError, BmcTimeout, BmcUnreachable
+from metald.bmc.rmcp_session import (
+    CMD_SET_PRIVILEGE,
+    NETFN_APP,
+    RmcpSession,
+    oserror_text,
+)
 
 log = logging.getLogger(__name__)
 
 CMD_GET_DEVICE_ID = 0x01
-CMD_SET_PRIVILEGE = 0x3B
-CMD_CLOSE_SESSION = 0x3C
+#: The cipher suites the link proposes.
+SUITES = (3,)
 
 
 class SolUnavailable(BmcProtocolError):
@@ -49,10 +54,9 @@ class SolLink:
         keepalive_s: float = 15.0,
         retransmit_s: float = 1.0,
     ) -> None:
-        self.address = address
-        self.port = port or DEFAULT_PORT
-        self.username = username
-        self.password = password
+        self.session = RmcpSession(
+            address, port, username, password, resend_s=resend_s, timeout_s=timeout_s
+        )
         self.on_data = on_data
         self.resend_s = resend_s
         self.timeout_s = timeout_s
@@ -63,11 +67,6 @@ class SolLink:
         self.took_over = False
         #: Keepalives the BMC answered (the session is known good up to the last one).
         self.keepalives = 0
-        self._transport: asyncio.DatagramTransport | None = None
-        self._proto: _Datagrams | None = None
-        self._keys: rmcp.SessionKeys | None = None
-        self._bmc_sid = 0
-        self._seq = 0
         self._rq_seq = 0
         self._pending: dict[tuple[int, int, int], asyncio.Future[rmcp.IpmiResponse]] = {}
         self._reader: asyncio.Task[None] | None = None
@@ -75,7 +74,7 @@ class SolLink:
 
     @property
     def _where(self) -> str:
-        return f"IPMI BMC {self.address}:{self.port}"
+        return self.session.where
 
     # --- public ---
 
@@ -84,13 +83,7 @@ class SolLink:
         loop = asyncio.get_running_loop()
         self.closed = loop.create_future()
         try:
-            self._transport, self._proto = await loop.create_datagram_endpoint(
-                _Datagrams, remote_addr=(self.address, self.port)
-            )
-        except OSError as e:
-            raise BmcUnreachable(f"{self._where}: {e.strerror or e}") from None
-        try:
-            await self._login(loop.time() + self.timeout_s)
+            await self.session.login(SUITES, loop.time() + self.timeout_s)
             self._reader = loop.create_task(self._run(), name=f"sol {self._where}")
             await self._call(NETFN_APP, CMD_SET_PRIVILEGE, bytes([rmcp.ROLE_ADMIN]))
             rsp = await self._call(
@@ -110,7 +103,7 @@ class SolLink:
             if act.inbound_size >= 5:
                 self.core.chunk = min(self.core.chunk, act.inbound_size - 4)
             # 623 is what a BMC behind a port forward believes it listens on.
-            if act.port not in (0, 623, self.port):
+            if act.port not in (0, 623, self.session.port):
                 raise SolUnavailable(
                     f"{self._where}: the BMC carries SOL on another port ({act.port}), "
                     "which metald does not follow"
@@ -129,7 +122,7 @@ class SolLink:
 
     async def close(self) -> None:
         """Deactivate SOL and close the session (best effort), then stop the reader."""
-        if self._keys is not None and self._transport is not None:
+        if self.session.active:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(
                     self._call(
@@ -137,63 +130,13 @@ class SolLink:
                     ),
                     self.resend_s * 2,
                 )
-            self._send_ipmi(
-                rmcp.encode_request(
-                    NETFN_APP, CMD_CLOSE_SESSION, struct.pack("<I", self._bmc_sid), 0
-                )
-            )
+            self.session.send_close()
         await self._teardown("closed")
 
-    # --- session ---
-
-    async def _login(self, deadline: float) -> None:
-        assert self._transport is not None and self._proto is not None
-        try:
-            hs = rmcp.ClientHandshake(self.username.encode(), self.password.encode())
-        except ValueError as e:
-            raise BmcAuthError(f"{self._where}: {e}") from None
-        loop = asyncio.get_running_loop()
-
-        async def step(ptype: int, payload: bytes, want: int, then: Any) -> Any:
-            assert self._transport is not None and self._proto is not None
-            pkt = rmcp.encode_packet(ptype, 0, 0, payload)
-            while loop.time() < deadline:
-                self._transport.sendto(pkt)
-                until = min(deadline, loop.time() + self.resend_s)
-                while (left := until - loop.time()) > 0:
-                    item = await self._proto.next(left)
-                    if item is None:
-                        break
-                    if isinstance(item, Exception):
-                        raise BmcUnreachable(f"{self._where}: {_oserror_text(item)}")
-                    try:
-                        p = rmcp.decode_packet(item)
-                        if p.payload_type == want:
-                            return then(p.payload)
-                    except rmcp.RmcpAuthError as e:
-                        raise BmcAuthError(f"{self._where}: login refused: {e}") from None
-                    except rmcp.RmcpError:
-                        continue
-            raise BmcTimeout(f"{self._where}: no reply within {self.timeout_s:g} s")
-
-        rakp1 = await step(
-            rmcp.PAYLOAD_OPEN_REQ, hs.open_request(), rmcp.PAYLOAD_OPEN_RSP, hs.on_open_response
-        )
-        rakp3 = await step(rmcp.PAYLOAD_RAKP1, rakp1, rmcp.PAYLOAD_RAKP2, hs.on_rakp2)
-        self._keys = await step(rmcp.PAYLOAD_RAKP3, rakp3, rmcp.PAYLOAD_RAKP4, hs.on_rakp4)
-        self._bmc_sid = struct.unpack("<I", hs.bmc_sid)[0]
-
-    def _send(self, ptype: int, payload: bytes) -> None:
-        if self._transport is None or self._keys is None:
-            return
-        self._seq = (self._seq + 1) & 0xFFFFFFFF or 1
-        with contextlib.suppress(OSError):
-            self._transport.sendto(
-                rmcp.encode_packet(ptype, self._bmc_sid, self._seq, payload, self._keys)
-            )
+    # --- requests ---
 
     def _send_ipmi(self, msg: bytes) -> None:
-        self._send(rmcp.PAYLOAD_IPMI, msg)
+        self.session.send(rmcp.PAYLOAD_IPMI, msg)
 
     async def _call(
         self, netfn: int, cmd: int, data: bytes = b"", *, check: bool = True
@@ -230,7 +173,6 @@ class SolLink:
     # --- the reader: datagrams, the SOL core's timers, keepalive ---
 
     async def _run(self) -> None:
-        assert self._proto is not None
         loop = asyncio.get_running_loop()
         next_keepalive = loop.time() + self.keepalive_s
         keepalive: asyncio.Task[Any] | None = None
@@ -239,7 +181,7 @@ class SolLink:
             while True:
                 now = loop.time()
                 for payload in self.core.due(now):
-                    self._send(sol.PAYLOAD_SOL, payload)
+                    self.session.send(sol.PAYLOAD_SOL, payload)
                 if self.core.failed:
                     reason = "the BMC stopped acknowledging console data"
                     break
@@ -260,7 +202,7 @@ class SolLink:
                     wake = min(wake, d)
                 item = await self._next(max(0.0, wake - loop.time()), keepalive)
                 if isinstance(item, Exception):
-                    reason = f"{_oserror_text(item)}"
+                    reason = f"{oserror_text(item)}"
                     break
                 if item is not None:
                     self._dispatch(item, loop.time())
@@ -275,12 +217,13 @@ class SolLink:
 
     async def _next(self, timeout: float, keepalive: asyncio.Task[Any] | None) -> Any:
         """A datagram, or None when the timeout passes, a write arrives or a keepalive ends."""
-        assert self._proto is not None
-        if self._proto.inbox:
-            return self._proto.inbox.popleft()
+        datagrams = self.session.datagrams
+        assert datagrams is not None
+        if datagrams.inbox:
+            return datagrams.inbox.popleft()
         self._kick.clear()
         waits: list[asyncio.Future[Any]] = [
-            asyncio.ensure_future(self._proto.next(timeout)),
+            asyncio.ensure_future(datagrams.next(timeout)),
             asyncio.ensure_future(self._kick.wait()),
         ]
         if keepalive is not None:
@@ -295,7 +238,7 @@ class SolLink:
 
     def _dispatch(self, raw: bytes, now: float) -> None:
         try:
-            p = rmcp.decode_packet(raw, self._keys)
+            p = rmcp.decode_packet(raw, self.session.keys)
         except rmcp.RmcpError:
             self.core.counters.malformed += 1
             return
@@ -320,7 +263,4 @@ class SolLink:
                 await self._reader
         if self.closed is not None and not self.closed.done():
             self.closed.set_result(reason)
-        if self._transport is not None:
-            self._transport.close()
-        self._transport = None
-        self._keys = None
+        self.session.drop()

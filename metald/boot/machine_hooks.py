@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlmodel import Session, select
 
@@ -29,8 +29,12 @@ from metald.boot.hooks import (
     with_peer_urls,
 )
 from metald.errors import Conflict, MetaldError
+from metald.macaddr import normalize_mac
 from metald.store.db import Store
 from metald.store.models import Lease, Machine, as_utc
+
+if TYPE_CHECKING:
+    from metald.fleet.membership import Membership
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +55,7 @@ class StoreBootHooks:
       enrolled when the asking address holds its lease, and refused otherwise.
     - ``agent_console``: agent boots get the serial console and quiet kernel arguments
       (``hooks.with_agent_console``).
-    - ``fleet`` (the daemon's ``Membership``, set after construction): a script carrying a
+    - ``fleet`` (the daemon's ``Membership``): a script carrying a
       token also carries ``metald.urls=``, the boot URLs of the other live instances serving
       this instance's provisioning networks, so an agent whose instance dies finishes through
       another (agent tokens live in the store: every instance accepts them).
@@ -66,6 +70,7 @@ class StoreBootHooks:
         leased_clients_only: bool = False,
         enroll_unknown: bool = False,
         agent_console: bool = False,
+        fleet: Membership | None = None,
     ) -> None:
         self.store = store
         self.instance = instance
@@ -74,7 +79,7 @@ class StoreBootHooks:
         self.leased_clients_only = leased_clients_only
         self.enroll_unknown = enroll_unknown
         self.agent_console = agent_console
-        self.fleet: Any = None
+        self.fleet = fleet
 
     async def client_seen(
         self, mac: str, *, arch: str, network: str | None, relay_agent: dict[str, str] | None
@@ -189,7 +194,7 @@ def holds_lease(s: Session, mac: str, client: str | None) -> bool:
     now = datetime.now(UTC)
     for lease in s.exec(
         select(Lease).where(
-            Lease.mac == machines.normalize_mac(mac),
+            Lease.mac == normalize_mac(mac),
             Lease.ip == client,
             Lease.state == "bound",
         )

@@ -92,7 +92,9 @@ def join_fleet(
 class BootPlane:
     name = "boot"
 
-    def __init__(self, cfg: Config, store: Store, hooks: BootHooks) -> None:
+    def __init__(
+        self, cfg: Config, store: Store, hooks: BootHooks, *, fleet: Membership | None = None
+    ) -> None:
         b = cfg.boot
         if b.enabled and b.server_address is None:
             raise ConfigError("invalid config: boot.server_address is required when boot.enabled")
@@ -101,9 +103,9 @@ class BootPlane:
         self.hooks = hooks
         self.leases = LeaseStore(store)
         self.services: list[Any] = []
-        #: The fleet membership (the daemon sets it): with it, on PostgreSQL, several instances
-        #: share the leases and split the clients of a network (docs/fleet.md).
-        self.fleet: Membership | None = None
+        #: The fleet membership: with it, on PostgreSQL, several instances share the leases and
+        #: split the clients of a network (docs/fleet.md).
+        self.fleet = fleet
         self.feed: LeaseFeed | None = None
         self.dhcp: DhcpServer | None = None
         if not b.enabled:

@@ -43,7 +43,7 @@ class MeshRelease(Protocol):
 
 
 class BootControl(Protocol):
-    """The provisioning runner (``metald.provision.driver``) as the flows use it: database
+    """The provisioning runner (``metald.provision.netboot.Provisioner``) as the flows use it: database
     steps run inside the flow's transaction, the BMC steps in the background."""
 
     def start_provisioning(

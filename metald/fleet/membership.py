@@ -33,7 +33,7 @@ from metald.fleet import registry
 from metald.fleet.registry import Member
 from metald.fleet.rendezvous import owner
 from metald.metrics import REGISTRY
-from metald.service import cancel
+from metald.service import TaskScope, cancel
 from metald.store import Store
 
 log = logging.getLogger("metald.fleet")
@@ -76,6 +76,7 @@ class Membership:
         dead_after_s: float = 10.0,
         api_url: str | None = None,
         serves: dict[str, Any] | None = None,
+        tasks: TaskScope | None = None,
     ) -> None:
         if dead_after_s <= heartbeat_s:
             raise ValueError("fleet.dead_after_s must be longer than fleet.heartbeat_s")
@@ -97,7 +98,9 @@ class Membership:
         self.lease_epoch = 0
         self._taken_over = False
         self._said_fenced = False
-        self._task: asyncio.Task[None] | None = None
+        #: The heartbeat's tasks; the daemon's scope holds it (``tasks=``).
+        self.tasks = tasks if tasks is not None else TaskScope(self.name)
+        self._task: asyncio.Task[None | None] | None = None
         self._listeners: list[Callable[[], None]] = []
 
     def on_change(self, callback: Callable[[], None]) -> None:
@@ -141,11 +144,13 @@ class Membership:
         await self.refresh()
         # Read when scraped: one Membership per process (the last started, in tests).
         fenced_gauge.set_function(lambda: 1.0 if self.fenced else 0.0)
-        self._task = asyncio.create_task(self._loop(), name="fleet-heartbeat")
+        await self.tasks.open()
+        self._task = self.tasks.spawn(self._loop(), name="fleet-heartbeat")
 
     async def stop(self) -> None:
         await cancel(self._task)
         self._task = None
+        await self.tasks.close()
         if not self._taken_over:
             try:
                 await self.store.run(registry.mark_stopped, self.instance, self.incarnation)
@@ -160,12 +165,12 @@ class Membership:
     async def _loop(self) -> None:
         # A heartbeat that hangs on an unreachable store must not stop the clock: fencing is
         # judged by time here, and listeners hear of it, whatever the store call is doing.
-        beat: asyncio.Task[None] | None = None
+        beat: asyncio.Task[None | None] | None = None
         try:
             while True:
                 before = self._view()
                 if beat is None or beat.done():
-                    beat = asyncio.create_task(self.beat_once(), name="fleet-beat")
+                    beat = self.tasks.spawn(self.beat_once(), name="fleet-beat")
                 due = time.monotonic() + self.heartbeat_s
                 while (now := time.monotonic()) < due:
                     # Wake at the fencing deadline too: listeners act when it passes (BMC

@@ -77,7 +77,7 @@ def register(
                 f"last heartbeat {age:.1f} s ago): give each instance its own `instance` name, "
                 f"or wait {dead_after_s - age:.0f} s if that process has died"
             )
-    values = dict(
+    values: dict[str, Any] = dict(
         incarnation=incarnation,
         version=version,
         api_url=api_url,
@@ -124,7 +124,7 @@ def beat(s: Session, name: str, incarnation: str) -> bool:
         .values(heartbeat_at=db_now(s), stopped_at=None)
     )
     s.commit()
-    return res.rowcount == 1  # type: ignore[attr-defined]
+    return bool(res.rowcount == 1)  # type: ignore[attr-defined]
 
 
 def mark_stopped(s: Session, name: str, incarnation: str) -> None:
@@ -139,7 +139,7 @@ def mark_stopped(s: Session, name: str, incarnation: str) -> None:
 def members(s: Session, dead_after_s: float) -> list[Member]:
     """Every recorded instance, alive or not, by name."""
     now = db_now(s)
-    rows = s.execute(select(Instance).order_by(Instance.name)).scalars().all()  # type: ignore[arg-type]
+    rows = s.execute(select(Instance).order_by(Instance.name)).scalars().all()
     out = []
     for r in rows:
         age = max(0.0, (now - as_utc(r.heartbeat_at)).total_seconds())

@@ -107,16 +107,41 @@ def register(sub: Subparsers) -> None:
     bi.add_argument("file", help="the CSV file ('-': standard input)")
     bi.add_argument("--partial", action="store_true", help="import the good rows anyway")
     bi.add_argument("--dry-run", action="store_true", help="check the file, register nothing")
+    bi.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="store the BMCs without connecting (a rack not cabled yet: unreachable until its "
+        "owning instance hears from each); every row then names its protocol",
+    )
+    bi.add_argument(
+        "--allow-env",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a variable the file's password-env column may name (repeatable); without it only "
+        f"{bmcimport.PASSWORD_PREFIX}* variables are read, and METALD_TOKEN never",
+    )
     bi.set_defaults(func=import_bmcs)
     br = bsub.add_parser("register")
     br.add_argument("address")
     br.add_argument("--port", type=int)
     br.add_argument("--protocol", default="auto", choices=["auto", "ipmi", "redfish"])
     br.add_argument("--username", required=True)
-    br.add_argument("--password-env", default="BMC_PASSWORD", help="env var holding the password")
+    br.add_argument(
+        "--password-env",
+        default="BMC_PASSWORD",
+        help="env var holding the password (not a METALD_* one other than "
+        f"{bmcimport.PASSWORD_PREFIX}*)",
+    )
     br.add_argument("--machine")
     br.add_argument(
         "--insecure", action="store_true", help="do not verify the BMC's TLS certificate"
+    )
+    br.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="store it without connecting (stored unreachable, verified once it answers); "
+        "needs --protocol ipmi or redfish",
     )
     br.set_defaults(func=register_bmc)
 
@@ -322,7 +347,10 @@ def import_bmcs(args: argparse.Namespace, c: Client) -> int:
                 text = f.read()
         except OSError as e:
             raise UsageError(f"cannot read {args.file}: {e.strerror}") from None
-    parsed = bmcimport.parse(text, os.environ)
+    for name in args.allow_env:
+        if refusal := bmcimport.password_env_refusal(name):
+            raise UsageError(f"--allow-env {name}: {refusal}")
+    parsed = bmcimport.parse(text, os.environ, frozenset(args.allow_env))
     errors = dict(parsed.errors)
     registered = {(b["address"].lower(), b.get("port")) for b in c.iterate("/api/v1/bmcs")}
     machine_ids: dict[int, str | None] = {}
@@ -353,12 +381,11 @@ def import_bmcs(args: argparse.Namespace, c: Client) -> int:
     failed = False
     for r in good:
         out = {"line": r.line, "address": r.address, "machine": r.machine or "-"}
+        body = r.body(os.environ[r.password_env], machine_ids.get(r.line))
+        if args.no_verify:
+            body["verify"] = False
         try:
-            b = c.call(
-                "POST",
-                "/api/v1/bmcs",
-                r.body(os.environ[r.password_env], machine_ids.get(r.line)),
-            )
+            b = c.call("POST", "/api/v1/bmcs", body)
         except ApiError as e:
             failed = True
             results.append({**out, "result": "failed", "detail": f"{e.detail} (HTTP {e.status})"})
@@ -389,6 +416,8 @@ def bmc_power(args: argparse.Namespace, c: Client) -> None:
 
 
 def register_bmc(args: argparse.Namespace, c: Client) -> None:
+    if refusal := bmcimport.password_env_refusal(args.password_env):
+        raise UsageError(f"--password-env {args.password_env}: {refusal}")
     password = os.environ.get(args.password_env)
     if not password:
         raise UsageError(
@@ -403,6 +432,8 @@ def register_bmc(args: argparse.Namespace, c: Client) -> None:
     }
     if args.port:
         body["port"] = args.port
+    if args.no_verify:
+        body["verify"] = False
     if args.machine:
         body["machine_id"] = args.machine
     r = c.call("POST", "/api/v1/bmcs", body)

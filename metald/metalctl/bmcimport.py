@@ -2,14 +2,20 @@
 (``address,protocol,username,password-env,machine``; ``port`` and ``insecure`` optional),
 checks every row, and says what is wrong with each bad one by its line number. Passwords
 come from the environment variable a row names, never from the file: a ``password`` column is
-refused outright, so a file with secrets in it does not get used (or copied around) as one."""
+refused outright, so a file with secrets in it does not get used (or copied around) as one.
+
+The file is input from someone else (a rack vendor, a colleague), so it may not pick which of
+the operator's variables are read and sent to its address: a row may name only a variable
+starting with ``METALD_BMC_PASSWORD_`` or one the operator allowed on the command line
+(``--allow-env NAME``), and never another ``METALD_*`` one (``METALD_TOKEN`` is the operator's
+API token; see ``password_env_refusal``)."""
 
 from __future__ import annotations
 
 import csv
 import io
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +23,36 @@ REQUIRED = ("address", "username", "password-env")
 OPTIONAL = ("protocol", "machine", "port", "insecure")
 PROTOCOLS = ("auto", "ipmi", "redfish")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+#: The variables a CSV row may name without the operator allowing each on the command line.
+PASSWORD_PREFIX = "METALD_BMC_PASSWORD_"
+#: metalctl's and metald's own settings and secrets (METALD_TOKEN): never read as a password.
+_RESERVED_PREFIX = "METALD_"
+
+
+def password_env_refusal(name: str, allowed: Collection[str] | None = None) -> str | None:
+    """Why the BMC password may not be read from ``$name`` (None: it may).
+
+    Never a ``METALD_*`` variable other than ``METALD_BMC_PASSWORD_<NAME>``: those hold the
+    operator's token and settings, and the value read is sent to the BMC's address. With
+    ``allowed`` (a CSV import) the name must also start with that prefix or be in ``allowed``,
+    the names the operator gave on the command line; without it (``bmcs register
+    --password-env``) the operator typed the name, so only the first rule applies."""
+    if name.upper().startswith(_RESERVED_PREFIX) and not (
+        name.startswith(PASSWORD_PREFIX) and len(name) > len(PASSWORD_PREFIX)
+    ):
+        return (
+            f"${name} is not read as a BMC password: METALD_* variables hold metalctl's own "
+            f"settings and secrets (METALD_TOKEN), and the password is sent to the BMC's "
+            f"address; put the password in {PASSWORD_PREFIX}<NAME> or another variable"
+        )
+    if allowed is not None and not name.startswith(PASSWORD_PREFIX) and name not in allowed:
+        return (
+            f"password-env {name} is not allowed: a CSV row may name only a variable starting "
+            f"with {PASSWORD_PREFIX} or one allowed on the command line (--allow-env {name})"
+        )
+    return None
+
+
 _TRUE = {"true", "yes", "1"}
 _FALSE = {"", "false", "no", "0"}
 #: Rows one file may hold (a rack is tens; this bounds a mistaken file, not a real one).
@@ -57,9 +93,10 @@ class Parsed:
     errors: list[tuple[int, str]] = field(default_factory=list)
 
 
-def parse(text: str, environ: Mapping[str, str]) -> Parsed:
-    """Every row checked on its own (fields, the named password variable set) and against the
-    others (an address or a machine twice); bad rows are in ``errors``, good ones in ``rows``."""
+def parse(text: str, environ: Mapping[str, str], allowed_env: Collection[str] = ()) -> Parsed:
+    """Every row checked on its own (fields, the named password variable allowed and set) and
+    against the others (an address or a machine twice); bad rows are in ``errors``, good ones in
+    ``rows``. ``allowed_env``: variables the operator allowed besides ``METALD_BMC_PASSWORD_*``."""
     out = Parsed()
     reader = csv.reader(io.StringIO(text))
     header: list[str] | None = None
@@ -89,7 +126,7 @@ def parse(text: str, environ: Mapping[str, str]) -> Parsed:
             )
             continue
         values = {h: v.strip() for h, v in zip(header, record, strict=True)}
-        row, wrong = _row(line, values, environ)
+        row, wrong = _row(line, values, environ, allowed_env)
         if row is not None:
             key = (row.address.lower(), row.port)
             if key in seen_address:
@@ -139,7 +176,9 @@ def _check_header(header: list[str]) -> str | None:
     return None
 
 
-def _row(line: int, v: dict[str, str], environ: Mapping[str, str]) -> tuple[Row | None, list[str]]:
+def _row(
+    line: int, v: dict[str, str], environ: Mapping[str, str], allowed_env: Collection[str]
+) -> tuple[Row | None, list[str]]:
     wrong: list[str] = []
     address, username, env = v["address"], v["username"], v["password-env"]
     if not address:
@@ -154,6 +193,8 @@ def _row(line: int, v: dict[str, str], environ: Mapping[str, str]) -> tuple[Row 
         wrong.append(
             f"password-env {env[:40]!r} is not an environment variable name (e.g. RACK07_BMC_PW)"
         )
+    elif refusal := password_env_refusal(env, allowed_env):
+        wrong.append(refusal)
     elif not environ.get(env):
         wrong.append(f"${env} is not set (or empty): export it with the BMC's password")
     protocol = (v.get("protocol") or "auto").lower()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import exists
+from sqlalchemy import ColumnElement, exists
 from sqlmodel import Session, col, select
 
 from metald import machines
@@ -32,6 +32,7 @@ from metald.errors import Conflict, MetaldError, Unprocessable
 from metald.inventory.normalize import NormalizedInventory
 from metald.inventory.rules import profile_for
 from metald.lifecycle import COMMISSION_REQUESTABLE, COMMISSION_RUNNING, State, Trigger
+from metald.service import TaskScope
 from metald.store.models import CommissioningResult, CommissioningRun, Machine, as_utc, utcnow
 
 log = logging.getLogger(__name__)
@@ -443,53 +444,78 @@ async def read_event_log(
         return None, f"{type(e).__name__} reading the BMC's event log"
 
 
-#: Reads in flight, per (phase, run): requests that ask again wait on the same read.
-_SEL_READS: dict[tuple[str, str], asyncio.Task[Any]] = {}
+class SelReads:
+    """The BMC event-log reads of commissioning runs, in the background, once per run and
+    phase: requests that ask again wait on the same read. Its task group owns them (a read
+    outlives the request that started it), and stopping it cancels those still running."""
 
+    name = "commissioning_sel"
 
-def sel_read(
-    phase: str,
-    run_id: str,
-    machine_id: str,
-    *,
-    store: Any,
-    reader: EventLogReader | None,
-    timeout_s: float,
-    actor: str,
-    instance: str | None = None,
-    notify: Callable[[], None] | None = None,
-) -> asyncio.Task[Any]:
-    """Read the machine's BMC event log in the background, once per run and phase, and store
-    what it said: ``before`` (when the agent asks for its plan) or ``after`` (when its last
-    check is in; this finishes the run). Requests await the task for a while and answer
-    without it if the BMC is slow; the task outlives them."""
-    key = (phase, run_id)
-    task = _SEL_READS.get(key)
-    if task is not None:
-        return task
+    def __init__(self, *, tasks: TaskScope | None = None) -> None:
+        self.tasks = tasks if tasks is not None else TaskScope(self.name)
+        self._reads: dict[tuple[str, str], asyncio.Future[None]] = {}
 
-    async def go() -> None:
-        entries, why = await read_event_log(reader, machine_id, timeout_s=timeout_s)
-        at = utcnow().isoformat()
-        try:
-            if phase == "before":
-                doc = bmc_sel.reading(entries, at=at, error_text=why)
-                await store.run(store_sel_before, run_id, doc)
-            else:
-                await store.run(
-                    lambda s: finish_with_sel(
-                        s, run_id, entries, error_text=why, actor=actor, instance=instance
+    async def start(self) -> None:
+        await self.tasks.open()
+
+    async def stop(self) -> None:
+        await self.tasks.close()
+        for fut in self._reads.values():
+            fut.cancel()
+        self._reads.clear()
+
+    def read(
+        self,
+        phase: str,
+        run_id: str,
+        machine_id: str,
+        *,
+        store: Any,
+        reader: EventLogReader | None,
+        timeout_s: float,
+        actor: str,
+        instance: str | None = None,
+        notify: Callable[[], None] | None = None,
+    ) -> asyncio.Future[None]:
+        """Read the machine's BMC event log and store what it said: ``before`` (when the agent
+        asks for its plan) or ``after`` (when its last check is in; this finishes the run).
+        Requests await the returned future for a while and answer without it if the BMC is
+        slow; the read outlives them."""
+        key = (phase, run_id)
+        done = self._reads.get(key)
+        if done is not None:
+            return done
+        done = asyncio.get_running_loop().create_future()
+        self._reads[key] = done
+
+        async def go() -> None:
+            try:
+                entries, why = await read_event_log(reader, machine_id, timeout_s=timeout_s)
+                at = utcnow().isoformat()
+                try:
+                    if phase == "before":
+                        doc = bmc_sel.reading(entries, at=at, error_text=why)
+                        await store.run(store_sel_before, run_id, doc)
+                    else:
+                        await store.run(
+                            lambda s: finish_with_sel(
+                                s, run_id, entries, error_text=why, actor=actor, instance=instance
+                            )
+                        )
+                except Exception:  # a lost race or a store outage: the agent's next request
+                    log.exception(  # retries
+                        "machine %s: storing the BMC event log reading (%s)", machine_id, phase
                     )
-                )
-        except Exception:  # a lost race or a store outage: the agent's next request retries
-            log.exception("machine %s: storing the BMC event log reading (%s)", machine_id, phase)
-        if notify is not None:
-            notify()
+                if notify is not None:
+                    notify()
+            finally:
+                if self._reads.get(key) is done:
+                    del self._reads[key]
+                if not done.done():
+                    done.set_result(None)
 
-    task = asyncio.create_task(go(), name=f"commissioning-sel-{phase}-{run_id}")
-    _SEL_READS[key] = task
-    task.add_done_callback(lambda _t: _SEL_READS.pop(key, None))
-    return task
+        self.tasks.start_soon(go(), name=f"commissioning-sel-{phase}-{run_id}")
+        return done
 
 
 def run_profile(run: CommissioningRun) -> CommissioningProfile:
@@ -555,12 +581,12 @@ def require_passed(
     ``within_days``, of ``profile``), in SQL on every backend: what a claim's selector asks."""
     if within_days is None and profile is None:
         return stmt
-    cond = [
+    cond: list[ColumnElement[bool]] = [
         col(CommissioningRun.machine_id) == col(Machine.id),
-        CommissioningRun.status == Status.PASSED.value,
+        col(CommissioningRun.status) == Status.PASSED.value,
     ]
     if within_days is not None:
         cond.append(col(CommissioningRun.finished_at) >= days_ago(within_days, now))
     if profile is not None:
-        cond.append(CommissioningRun.profile == profile)
+        cond.append(col(CommissioningRun.profile) == profile)
     return stmt.where(exists().where(*cond))

@@ -31,7 +31,7 @@ from metald.bmc.control import step_key
 from metald.config import ProvisionConfig
 from metald.lifecycle import AGENT_OPERATIONS as BOOTING_STATES
 from metald.lifecycle import TIMEOUTS, IllegalTransition, State
-from metald.provision import driver
+from metald.provision import netboot, netboot_core
 from metald.service import cancel
 from metald.store.db import Store
 from metald.store.models import ApiToken, Bmc, Event, Machine, as_utc, utcnow
@@ -173,7 +173,7 @@ def interrupted_boots(
     handled = session.exec(
         select(Event.machine_id, Event.at).where(
             col(Event.machine_id).in_(list(waiting)),
-            col(Event.kind).in_(driver.BOOT_HANDLED_EVENTS),
+            col(Event.kind).in_(netboot.BOOT_HANDLED_EVENTS),
             col(Event.at) >= since,
         )
     ).all()
@@ -203,7 +203,7 @@ def stranded_boots(
         select(Machine.id, Machine.boot_current, ApiToken.created_at)
         .join(ApiToken, col(ApiToken.machine_id) == col(Machine.id))
         .where(
-            col(Machine.state).in_([s.value for s in driver.NETWORK_BOOT_STATES]),
+            col(Machine.state).in_([s.value for s in netboot.NETWORK_BOOT_STATES]),
             col(Machine.boot_armed).is_(None),
             col(Machine.boot_current).is_not(None),
             col(ApiToken.boot) == col(Machine.boot_current),
@@ -227,7 +227,7 @@ def rearm_stranded(
 ) -> bool:
     """Hand a stranded boot back to the BMC: its unused token is revoked and the machine's
     network-boot step is marked to be done again (power off confirmed, one-time PXE, a new
-    armed boot, power on: ``driver.boot_from_network``), with a ``boot.rearmed`` event. False
+    armed boot, power on: ``netboot.boot_from_network``), with a ``boot.rearmed`` event. False
     (nothing changed) when the boot moved on meanwhile, when the machine has no BMC or when
     this operation was started again ``MAX_REARMS`` times already (or ``can_boot`` is False: no
     BMC service here); a ``boot.stranded`` event then tells a technician, once per boot."""
@@ -306,7 +306,12 @@ def unfinished_steps(session: Session, owns_bmc: Callable[[str, str], bool] | No
         if owns_bmc is not None and not owns_bmc(bid, address):
             continue
         m = session.get(Machine, mid)
-        if m is not None and State(m.state) in driver.NETWORK_BOOT_STATES and step_key(m) == step:
+        # The stored step, fed to the step's own core: resumed unless it is one the machine
+        # has left (or its state no longer boots over the network).
+        booting = (
+            m is not None and State(m.state) in netboot.NETWORK_BOOT_STATES and step_key(m) == step
+        )
+        if netboot_core.resumes(netboot_core.StepLoaded(booting=booting)):
             out.append(mid)
         else:
             ownership.mark_step(session, mid, step, command=None, done=True)
@@ -314,7 +319,7 @@ def unfinished_steps(session: Session, owns_bmc: Callable[[str, str], bool] | No
 
 
 class Watchdog:
-    """The sweep as a daemon service. ``services`` is the daemon's registry (for the BMC).
+    """The sweep as a daemon service. ``bmc`` is the daemon's BMC service (None: no BMCs).
 
     ``ownership`` (the fleet's Membership) splits the sweep across instances; without it this
     instance sweeps everything. Unfinished steps are resumed every ``resume_interval_s`` (the
@@ -328,7 +333,7 @@ class Watchdog:
         store: Store,
         cfg: ProvisionConfig,
         instance: str,
-        services: dict[str, Any] | None = None,
+        bmc: Any = None,
         *,
         ownership: Any = None,
         resume_interval_s: float | None = None,
@@ -337,7 +342,7 @@ class Watchdog:
         self.cfg = cfg
         self.instance = instance
         self.actor = f"metald:{instance}"
-        self.services = services if services is not None else {}
+        self.bmc = bmc
         self.ownership = ownership
         self.resume_interval_s = resume_interval_s or cfg.watchdog_interval_s
         self._task: asyncio.Task[None] | None = None
@@ -361,20 +366,20 @@ class Watchdog:
         return None if own is None else own.owns_machine
 
     def _bmc(self) -> Any:
-        return self.services.get("bmc") if self.cfg.use_bmc else None
+        return self.bmc if self.cfg.use_bmc else None
 
     async def resume_once(self) -> list[str]:
         """Resume the unfinished steps of the BMCs this instance holds."""
         bmc = self._bmc()
         if bmc is None or (self.ownership is not None and self.ownership.fenced):
             return []
-        control = driver.control_of(bmc)
+        control = netboot.control_of(bmc)
         busy = getattr(control, "in_flight", set())
         owns_bmc = None if self.ownership is None else self.ownership.owns_bmc
         todo = [m for m in await self.store.run(unfinished_steps, owns_bmc) if m not in busy]
         for mid in todo:
             log.warning("machine %s: resuming an unfinished network-boot step", mid)
-        await driver.reboot_all(self.store, bmc, todo, actor=self.actor, instance=self.instance)
+        await netboot.reboot_all(self.store, bmc, todo, actor=self.actor, instance=self.instance)
         return todo
 
     async def sweep_once(self) -> list[str]:
@@ -390,7 +395,7 @@ class Watchdog:
         if self.cfg.claimed_resume_s > 0:
             stalled = await self.store.run(stalled_claims, self.cfg.claimed_resume_s, None, owns)
             resumed = await self.store.run(
-                driver.start_provisioning, stalled, actor=self.actor, instance=self.instance
+                netboot.start_provisioning, stalled, actor=self.actor, instance=self.instance
             )
         if self.cfg.claimed_resume_s > 0 and bmc is not None:
             # Resumed claims were just moved to provisioning: they boot below, once.
@@ -401,7 +406,7 @@ class Watchdog:
             resumed += cut_off
         if self.cfg.stranded_boot_s > 0:
             resumed += await self._rearm_stranded(owns, bmc, exclude=set(resumed))
-        await driver.reboot_all(self.store, bmc, resumed, actor=self.actor, instance=self.instance)
+        await netboot.reboot_all(self.store, bmc, resumed, actor=self.actor, instance=self.instance)
         return moved + resumed + await self.resume_once()
 
     async def _rearm_stranded(self, owns: Owns | None, bmc: Any, exclude: set[str]) -> list[str]:

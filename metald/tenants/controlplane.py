@@ -72,8 +72,8 @@ def start_machine(
     env = dict(os.environ, HOST=host, DIR=str(workdir))
     with open(workdir / log_name, "ab") as out:
         return subprocess.Popen(
-            ["nsenter", f"--net={netns.path(ns)}", "unshare", "--mount", "--uts",
-             "--propagation", "private", "bash", "-c", MACHINE, "machine", *argv],
+            netns.exec_argv(ns, ["unshare", "--mount", "--uts", "--propagation", "private",
+                                 "bash", "-c", MACHINE, "machine", *argv]),
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=out,
@@ -96,7 +96,7 @@ def stop_process(p: subprocess.Popen[bytes] | None, *, wait: float = 10.0) -> No
 
 def exec_argv(pid: int, argv: list[str]) -> list[str]:
     """The command that runs ``argv`` inside the control plane whose PID-holder is ``pid``."""
-    return ["nsenter", "-t", str(pid), "-m", "-n", "-u", *argv]
+    return netns.pid_exec_argv(pid, argv)
 
 
 @dataclass

@@ -140,7 +140,8 @@ def view(session: Session, me: WgPeer) -> MeshView:
         .where(WgPeer.tenant_id == me.tenant_id, WgPeer.id != me.id)
         .order_by(col(WgPeer.address))
     ).all()
-    peers, sources = [], set()
+    peers: list[dict[str, Any]] = []
+    sources: set[str] = set()
     _add_source(sources, endpoint_host(hub.endpoint))
     for p in others:
         ep = endpoint_of(p)
@@ -276,14 +277,6 @@ async def _wait(ev: asyncio.Event, timeout: float) -> None:
         await asyncio.wait_for(ev.wait(), max(timeout, 0.0))
 
 
-def watch_of(services: dict[str, Any]) -> MeshWatch:
-    """The API process's watch (made on first use; it holds no task, nothing to stop)."""
-    w = services.get(MeshWatch.name)
-    if not isinstance(w, MeshWatch):
-        w = services[MeshWatch.name] = MeshWatch()
-    return w
-
-
 @dataclass
 class AckResult:
     tenant_id: str
@@ -343,7 +336,7 @@ async def await_acks(
 
 async def after_release(
     store: Store,
-    services: dict[str, Any],
+    watch: MeshWatch,
     tenant_id: str,
     released: list[str],
     *,
@@ -353,7 +346,6 @@ async def after_release(
 ) -> AckResult:
     """The release flow's hook, after its commit and before the wipe's power cycle: wake the
     tenant's long-polling nodes, then ``await_acks``."""
-    watch = watch_of(services)
     watch.changed(tenant_id)
     return await await_acks(
         store, watch, tenant_id, released=released, actor=actor, instance=instance, timeout=timeout

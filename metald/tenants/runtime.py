@@ -46,12 +46,12 @@ from metald.errors import Unprocessable
 from metald.lifecycle import State
 from metald.provision.metadata import hostname
 from metald.secrets import SecretBox
-from metald.service import cancel
+from metald.service import TaskScope, cancel
 from metald.store import Store
 from metald.store.models import Machine, Tenant, WgHub, WgPeer, as_utc
 from metald.tenants import clusters, controlplane, ctlstate, mesh
 from metald.tenants.hubs import LocalHubs
-from netconfig import guard, netns
+from netconfig import guard, links, netns
 from netconfig.uapi import PeerStatus
 from netconfig.wireguard import SOCKET_DIR
 
@@ -76,10 +76,8 @@ if [ -n "$c" ] && grep -qa slurmctld "/proc/$c/cmdline" 2>/dev/null; then
   for i in $(seq 100); do [ -d "/proc/$c" ] || break; sleep 0.1; done
   kill -KILL -- "-$c" 2>/dev/null
 fi
-ip netns delete "$NS" 2>/dev/null
-ip link del "$VETH" 2>/dev/null
-exit 0
 """
+REAPER += netns.TEARDOWN_SH + "exit 0\n"
 REAPER_NAME = "metald-hub-reaper"
 
 
@@ -180,8 +178,8 @@ def observe_tenant(
         st = status.get(peer.public_key)
         seen = st.last_handshake if st else None
         joining = State(m.state) is State.JOINING
-        moved = st is not None and st.endpoint and st.endpoint != peer.last_endpoint
-        if moved:
+        moved = st is not None and bool(st.endpoint) and st.endpoint != peer.last_endpoint
+        if st is not None and moved:
             peer.last_endpoint = st.endpoint  # committed by observe below
             session.add(peer)
             mesh.bump(session, tenant_id)  # the other nodes dial it there from now on
@@ -231,19 +229,23 @@ class RunningHub:
         _wait_reaper(self.workdir)  # a killed metald's reaper finishes before this starts
         _kill_stale_wireguard(self.workdir, s.ifname)  # the control plane does its own
         netns.delete(self.ns)
-        _delete_link(veth_name(s.tenant_id))
+        links.delete(veth_name(s.tenant_id))
         netns.create(self.ns)
         try:
             self.reaper = _start_reaper(self.workdir, self.ns, veth_name(s.tenant_id))
             plen = _bridge_prefixlen(self.cfg.underlay_bridge, s.endpoint_host)
-            _veth_to_bridge(
-                veth_name(s.tenant_id), self.ns, self.cfg.underlay_bridge, hub_mac(s.tenant_id)
+            links.veth_to_bridge(
+                veth_name(s.tenant_id),
+                self.ns,
+                UNDERLAY_IF,
+                self.cfg.underlay_bridge,
+                hub_mac(s.tenant_id),
             )
             netns.address(self.ns, UNDERLAY_IF, f"{s.endpoint_host}/{plen}")
             guard.apply(self.ns, guard.render([UNDERLAY_IF], wireguard_port=s.listen_port))
             # Nodes talk to each other directly (the mesh); the hub forwards only for nodes
             # that have no mesh view yet (an image without the mesh agent).
-            _in_ns(self.ns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+            netns.enable_forwarding(self.ns)
             self.hubs.start(
                 tenant_id=s.tenant_id,
                 ns=self.ns,
@@ -299,7 +301,7 @@ class RunningHub:
             self.hubs.stop_one(self.spec.tenant_id)
         (self.workdir / "wg.pid").unlink(missing_ok=True)
         netns.delete(self.ns)  # takes the veth pair with it
-        _delete_link(veth_name(self.spec.tenant_id))
+        links.delete(veth_name(self.spec.tenant_id))
         _stop_reaper(self.reaper, self.workdir)
         self.reaper = None
 
@@ -361,7 +363,15 @@ class TenantRuntime:
     name = "tenant_hubs"
 
     def __init__(
-        self, store: Store, box: SecretBox, cfg: TenantsConfig, state_dir: str, instance: str
+        self,
+        store: Store,
+        box: SecretBox,
+        cfg: TenantsConfig,
+        state_dir: str,
+        instance: str,
+        *,
+        ownership: HubOwnership | None = None,
+        tasks: TaskScope | None = None,
     ) -> None:
         self.store = store
         self.box = box
@@ -370,12 +380,14 @@ class TenantRuntime:
         self.instance = instance
         self.hubs = LocalHubs()
         self.running: dict[str, RunningHub] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[None | None] | None = None
         self._lock = asyncio.Lock()
         #: Fleet membership: which tenants' hubs run here. None: every hub (one instance).
-        self.ownership: HubOwnership | None = None
+        self.ownership = ownership
         self._wake = asyncio.Event()
-        self._fencing: asyncio.Task[None] | None = None
+        #: The sync loop and the fencing take-down; stopped with the service.
+        self.tasks = tasks if tasks is not None else TaskScope(self.name)
+        self._fencing: asyncio.Task[None | None] | None = None
 
     def owns(self, tenant_id: str) -> bool:
         return self.ownership is None or self.ownership.owns_hub(tenant_id)
@@ -386,7 +398,7 @@ class TenantRuntime:
         self._wake.set()
         fenced = self.ownership is not None and self.ownership.fenced
         if fenced and self.running and self._fencing is None and self._task is not None:
-            self._fencing = asyncio.create_task(self._fence_down(), name="tenant-hubs-fence")
+            self._fencing = self.tasks.spawn(self._fence_down(), name="tenant-hubs-fence")
 
     async def _fence_down(self) -> None:
         try:
@@ -394,18 +406,20 @@ class TenantRuntime:
             async with self._lock:
                 log.warning("fenced (no heartbeat): taking every tenant hub here down")
                 await asyncio.to_thread(self._down_all, save=False)
-            self._task = asyncio.create_task(self._loop(), name="tenant-hubs")
+            self._task = self.tasks.spawn(self._loop(), name="tenant-hubs")
         finally:
             self._fencing = None
 
     async def start(self) -> None:
         await self.sync()
-        self._task = asyncio.create_task(self._loop(), name="tenant-hubs")
+        await self.tasks.open()
+        self._task = self.tasks.spawn(self._loop(), name="tenant-hubs")
 
     async def stop(self) -> None:
         await cancel(self._fencing)
         await cancel(self._task)
         self._task = None
+        await self.tasks.close()
         async with self._lock:  # a sync bringing a hub up finishes first, then all go down
             await asyncio.to_thread(self._down_all)
 
@@ -512,28 +526,12 @@ class TenantRuntime:
 # -- host plumbing ------------------------------------------------------------------------
 
 
-def _in_ns(ns: str, *argv: str) -> None:
-    r = subprocess.run(
-        ["nsenter", f"--net={netns.path(ns)}", *argv], capture_output=True, text=True
-    )
-    if r.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} in {ns}: {r.stderr.strip()}")
-
-
 def _bridge_prefixlen(bridge: str, address: str) -> int:
-    """The prefix length of the bridge's IPv4 network that holds ``address``."""
-    from pyroute2 import IPRoute
-
-    want = ipaddress.ip_address(address)
-    with IPRoute() as ip:
-        idx = ip.link_lookup(ifname=bridge)
-        if not idx:
-            raise RuntimeError(f"tenants.underlay_bridge {bridge!r} does not exist here")
-        for a in ip.get_addr(index=idx[0], family=2):
-            net = ipaddress.ip_network(f"{a.get_attr('IFA_ADDRESS')}/{a['prefixlen']}", False)
-            if want in net:
-                return net.prefixlen
-    raise RuntimeError(f"hub address {address} is on none of {bridge}'s networks")
+    """The prefix length of the underlay bridge's IPv4 network that holds the hub's address."""
+    try:
+        return links.bridge_prefixlen(bridge, address)
+    except links.LinkError as e:
+        raise RuntimeError(f"tenants.underlay_bridge: {e}") from None
 
 
 def hub_mac(tenant_id: str) -> str:
@@ -542,26 +540,6 @@ def hub_mac(tenant_id: str) -> str:
     right and the nodes reconnect without waiting for the cache to expire."""
     raw = hashlib.sha256(f"metald-hub:{tenant_id}".encode()).digest()[:5]
     return "02:" + ":".join(f"{b:02x}" for b in raw)
-
-
-def _veth_to_bridge(host_if: str, ns: str, bridge: str, mac: str) -> None:
-    from pyroute2 import IPRoute
-
-    with IPRoute() as ip:
-        ip.link("add", ifname=host_if, kind="veth", peer={"ifname": UNDERLAY_IF, "address": mac})
-        peer = ip.link_lookup(ifname=UNDERLAY_IF)[0]
-        ip.link("set", index=peer, net_ns_fd=ns)
-        idx = ip.link_lookup(ifname=host_if)[0]
-        ip.link("set", index=idx, master=ip.link_lookup(ifname=bridge)[0], state="up")
-
-
-def _delete_link(ifname: str) -> None:
-    from pyroute2 import IPRoute
-
-    with IPRoute() as ip:
-        idx = ip.link_lookup(ifname=ifname)
-        if idx:
-            ip.link("del", index=idx[0])
 
 
 def clear_leftovers(state_dir: str | Path) -> list[str]:
@@ -583,7 +561,7 @@ def clear_leftovers(state_dir: str | Path) -> list[str]:
         if Path(netns.path(ns)).exists():
             netns.delete(ns)
             removed.append(ns)
-        _delete_link(veth_name(tenant_id))
+        links.delete(veth_name(tenant_id))
     return removed
 
 

@@ -23,6 +23,7 @@ from metald.inventory.normalize import NormalizedInventory
 from metald.inventory.rules import profile_for
 from metald.lifecycle import COMMISSION_RUNNING, State
 from metald.provision import commissioning as runs
+from metald.provision.commissioning import SelReads
 from metald.store.db import Store
 from metald.store.models import CommissioningRun, Machine
 from metald.usecases import Writes
@@ -72,6 +73,8 @@ class Commissioning:
     sel_reader: Any
     #: How long one event-log read may take.
     sel_timeout_s: float
+    #: The daemon's background event-log reads (``provision.commissioning.SelReads``).
+    sel_reads: SelReads
     workflow: ClaimWorkflow | None = None
     #: How long an agent's request waits for it before it is answered without it.
     sel_wait_s: float = SEL_WAIT_S
@@ -103,7 +106,7 @@ class Commissioning:
         )
 
     def _sel_read(self, phase: str, run_id: str, machine_id: str, actor: str) -> Any:
-        return runs.sel_read(
+        return self.sel_reads.read(
             phase,
             run_id,
             machine_id,

@@ -99,7 +99,9 @@ def _uncursor(cursor: str) -> tuple[str, str] | None:
         key, mid = json.loads(base64.urlsafe_b64decode(cursor.encode()))
     except (ValueError, TypeError):
         return None
-    return (key, mid) if isinstance(key, str) and isinstance(mid, str) else None
+    if not isinstance(key, str) or not isinstance(mid, str) or "\x00" in key + mid:
+        return None  # not a cursor this page issued (NUL: PostgreSQL text cannot hold it)
+    return key, mid
 
 
 def scope(p: Principal) -> list[Any]:

@@ -15,7 +15,7 @@ from tests.conftest import seed
 @pytest.fixture
 async def bmc_api(cfg: Config, store: Store, aiohttp_client):  # type: ignore[no-untyped-def]
     from api.app import create_app
-    from api.context import AppContext
+    from api.context import AppContext, Services
     from metald.events import EventBus
 
     secrets = SecretBox.from_file(cfg.secrets_key_path)
@@ -23,25 +23,68 @@ async def bmc_api(cfg: Config, store: Store, aiohttp_client):  # type: ignore[no
     cfg.bmc.timeout_s = 3
     cfg.bmc.retries = 1
     svc = BmcService(store, secrets, cfg.bmc, cfg.instance)
-    ctx = AppContext(cfg=cfg, store=store, secrets=secrets, bus=EventBus(), services={"bmc": svc})
+    ctx = AppContext(
+        cfg=cfg, store=store, secrets=secrets, bus=EventBus(), services=Services(bmc=svc)
+    )
     tokens = seed(store)
     client = await aiohttp_client(create_app(ctx))
     yield client, tokens
     await svc.stop()
 
 
-async def test_register_power_boot_sensors_over_http(bmc_api, ipmi_sim: IpmiSim) -> None:  # type: ignore[no-untyped-def]
-    client, tokens = bmc_api
-    tech = tokens.header("technician")
-    mid = tokens.machine_free
-    body = {
+def _ipmi_body(ipmi_sim: IpmiSim, machine_id: str) -> dict[str, object]:
+    return {
         "address": "127.0.0.1",
         "port": ipmi_sim.port,
         "protocol": "ipmi",
         "username": "admin",
         "password": ipmi_sim.password,
-        "machine_id": mid,
+        "machine_id": machine_id,
     }
+
+
+IPMI_CAPABILITIES = ["boot-device", "event-log", "indicator", "power", "sensors", "serial-console"]
+
+
+async def test_a_bmc_shows_its_capabilities_and_one_it_lacks_is_refused_by_name(
+    bmc_api, ipmi_sim: IpmiSim
+) -> None:  # type: ignore[no-untyped-def]
+    client, tokens = bmc_api
+    tech = tokens.header("technician")
+    mid = tokens.machine_free
+    body = _ipmi_body(ipmi_sim, mid)
+    r = await client.post("/api/v1/bmcs", json=body, headers=tech)
+    assert r.status == 201, await r.text()
+    bmc = await r.json()
+    assert bmc["capabilities"] == IPMI_CAPABILITIES
+    r = await client.get(f"/api/v1/bmcs/{bmc['id']}", headers=tech)
+    assert (await r.json())["capabilities"] == IPMI_CAPABILITIES
+    r = await client.get("/api/v1/bmcs", headers=tech)
+    assert [b["capabilities"] for b in (await r.json())["items"]] == [IPMI_CAPABILITIES]
+    spec = (await (await client.get("/api/v1/openapi.json")).json())["components"]["schemas"]
+    assert "capabilities" in spec["BmcOut"]["properties"]
+
+    sent = ipmi_sim.calls()
+    for method, path, payload, capability in [
+        ("GET", f"/api/v1/machines/{mid}/firmware", None, "firmware"),
+        ("GET", f"/api/v1/machines/{mid}/bios", None, "bios"),
+        ("PUT", f"/api/v1/machines/{mid}/bios", {"attributes": {"BootMode": "Uefi"}}, "bios"),
+    ]:
+        r = await client.request(method, path, json=payload, headers=tech)
+        assert r.status == 422, await r.text()
+        assert r.content_type == "application/problem+json"
+        problem = await r.json()
+        assert problem["capability"] == capability
+        assert f"no {capability} capability" in problem["detail"]
+        assert problem["bmc_id"] == bmc["id"]
+    assert ipmi_sim.calls() == sent  # refused before anything reached the BMC
+
+
+async def test_register_power_boot_sensors_over_http(bmc_api, ipmi_sim: IpmiSim) -> None:  # type: ignore[no-untyped-def]
+    client, tokens = bmc_api
+    tech = tokens.header("technician")
+    mid = tokens.machine_free
+    body = _ipmi_body(ipmi_sim, mid)
     r = await client.post("/api/v1/bmcs", json=body, headers=tech)
     text = await r.text()
     assert r.status == 201, text
@@ -92,7 +135,8 @@ async def test_errors_are_problems_without_secrets(bmc_api, ipmi_sim: IpmiSim) -
     }
     r = await client.post("/api/v1/bmcs", json=wrong, headers=tech)
     text = await r.text()
-    assert r.status == 422 and "refused these credentials" in text and "Wrong-Pass-77" not in text
+    assert r.status == 422 and "the login step did not succeed" in text
+    assert "Wrong-Pass-77" not in text
     assert r.headers["Content-Type"].startswith("application/problem+json")
 
     too_long = {**wrong, "password": "X" * 300 + "Secret-Tail"}
@@ -101,7 +145,7 @@ async def test_errors_are_problems_without_secrets(bmc_api, ipmi_sim: IpmiSim) -
 
     dead = {**wrong, "port": free_port(), "password": "x"}
     r = await client.post("/api/v1/bmcs", json=dead, headers=tech)
-    assert r.status == 422 and "could not talk" in (await r.json())["detail"]
+    assert r.status == 422 and "could not verify the BMC" in (await r.json())["detail"]
 
     r = await client.post(
         f"/api/v1/machines/{tokens.machine_a}/power", json={"action": "on"}, headers=tech
@@ -118,3 +162,39 @@ async def test_without_the_service_routes_answer_503(api) -> None:  # type: igno
     r = await client.get("/api/v1/bmcs", headers=tokens.header("admin"))
     assert r.status == 503
     assert "not running" in (await r.json(content_type=None))["detail"]
+
+
+async def test_the_machine_page_offers_only_what_the_bmc_can_do(bmc_api, store: Store) -> None:  # type: ignore[no-untyped-def]
+    from metald.store.models import Bmc
+
+    client, tokens = bmc_api
+    rows = {
+        tokens.machine_a: Bmc(
+            machine_id=tokens.machine_a, address="192.0.2.1", protocol="ipmi", username="u",
+            password_enc=b"x",
+        ),
+        tokens.machine_b: Bmc(
+            machine_id=tokens.machine_b, address="192.0.2.2", protocol="redfish", username="u",
+            password_enc=b"x",
+        ),
+    }  # fmt: skip
+
+    def add(s) -> None:  # type: ignore[no-untyped-def]
+        s.add_all(rows.values())
+        s.commit()
+
+    await store.run(add)
+    origin = str(client.make_url("/")).rstrip("/")
+    r = await client.post(
+        "/ui/login",
+        data={"token": tokens.admin},
+        headers={"Origin": origin},
+        allow_redirects=False,
+    )
+    assert r.status == 303, await r.text()
+    ipmi = await (await client.get(f"/ui/machines/{tokens.machine_a}")).text()
+    redfish = await (await client.get(f"/ui/machines/{tokens.machine_b}")).text()
+    assert "boot-device, event-log, indicator, power, sensors, serial-console" in ipmi
+    assert "Open console" in ipmi and "Read sensors" in ipmi
+    assert "virtual-media" in redfish and "serial-console" not in redfish
+    assert "Open console" not in redfish and "Read sensors" in redfish

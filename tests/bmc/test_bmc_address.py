@@ -94,7 +94,7 @@ async def test_every_failed_registration_closes_its_driver(
     from api.app import CTX_KEY
 
     client, tokens = bmc_api
-    svc: BmcService = client.app[CTX_KEY].services["bmc"]
+    svc: BmcService = client.app[CTX_KEY].services.bmc
     ExplodingDriver.made.clear()
     monkeypatch.setattr(
         svc.control, "make_driver", lambda proto, ep: ExplodingDriver(where == "identify")

@@ -93,12 +93,12 @@ async def test_session_is_reused_across_commands(ipmi_sim: IpmiSim) -> None:
     d = _driver(ipmi_sim)
     try:
         await d.get_power()
-        keys = d._keys
+        keys = d.session.keys
         await d.get_power()
-        assert d._keys is keys and keys is not None
+        assert d.session.keys is keys and keys is not None
     finally:
         await d.close()
-    assert d._keys is None
+    assert d.session.keys is None
 
 
 async def test_wrong_password_is_an_auth_error_with_a_clear_message(ipmi_sim: IpmiSim) -> None:

@@ -22,6 +22,7 @@ from metald.machines import create_machine
 from metald.secrets import SecretBox
 from metald.store.db import Store
 from metald.store.models import Bmc
+from tests.conftest import LAB_BMC_NETWORKS
 
 OTHERS = 150
 
@@ -29,7 +30,9 @@ OTHERS = 150
 @pytest.fixture
 async def svc(store: Store, tmp_path: Path):
     box = SecretBox.from_file(tmp_path / "state" / "secrets.key")
-    service = BmcService(store, box, BmcConfig(power_sync_interval_s=0), instance="test")
+    service = BmcService(
+        store, box, BmcConfig(networks=LAB_BMC_NETWORKS, power_sync_interval_s=0), instance="test"
+    )
     service.box = box
     yield service
     await service.stop()

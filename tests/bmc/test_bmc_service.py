@@ -20,6 +20,7 @@ from metald.secrets import SecretBox
 from metald.store.db import Store
 from metald.store.models import Bmc, Event, Machine
 from tests.bmc.peers import PASSWORD, IpmiSim, Sushy, free_port
+from tests.conftest import LAB_BMC_NETWORKS
 
 
 @pytest.fixture
@@ -28,7 +29,13 @@ async def svc(store: Store, tmp_path: Path):
     box = SecretBox.from_file(key)
     assert key.stat().st_mode & 0o777 == 0o600
     cfg = BmcConfig(
-        min_interval_ms=0, timeout_s=3, retries=1, backoff_base_ms=20, power_sync_interval_s=0
+        networks=LAB_BMC_NETWORKS,
+        min_interval_ms=0,
+        timeout_s=3,
+        retries=1,
+        backoff_base_ms=20,
+        power_sync_interval_s=0,
+        verify_s=3,
     )
     service = BmcService(store, box, cfg, instance="test")
     yield service
@@ -113,13 +120,13 @@ async def test_auto_finds_redfish_and_links_by_mac(
 
 
 async def test_refused_credentials_store_nothing(svc: BmcService, sushy_auth: Sushy) -> None:
-    with pytest.raises(Unprocessable, match="refused these credentials"):
+    with pytest.raises(Unprocessable, match="the login step did not succeed"):
         await svc.register("http://127.0.0.1", sushy_auth.port, "redfish", "admin", "wrong")
     assert await svc.list() == []
 
 
 async def test_unreachable_and_duplicate_and_bad_input(svc: BmcService, ipmi_sim: IpmiSim) -> None:
-    with pytest.raises(Unprocessable, match="could not talk"):
+    with pytest.raises(Unprocessable, match="could not verify the BMC"):
         await svc.register("127.0.0.1", free_port(), "ipmi", "admin", "x")
     with pytest.raises(Unprocessable, match="protocol"):
         await svc.register("127.0.0.1", 623, "snmp", "admin", "x")
@@ -161,7 +168,13 @@ async def test_power_and_boot_device_through_the_machine(
 async def test_power_sync_reports_drift_not_our_own_commands(
     store: Store, tmp_path: Path, ipmi_sim: IpmiSim
 ) -> None:
-    cfg = BmcConfig(min_interval_ms=0, timeout_s=3, retries=1, power_sync_interval_s=0.2)
+    cfg = BmcConfig(
+        networks=LAB_BMC_NETWORKS,
+        min_interval_ms=0,
+        timeout_s=3,
+        retries=1,
+        power_sync_interval_s=0.2,
+    )
     svc = BmcService(store, SecretBox.from_file(tmp_path / "k"), cfg, instance="test")
     mid = await _machine(store, "52:54:00:00:00:04")
     await svc.register(

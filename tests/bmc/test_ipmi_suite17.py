@@ -20,7 +20,8 @@ import pytest
 
 from metald.bmc import rmcp
 from metald.bmc.base import BmcEndpoint, PowerAction, PowerState
-from metald.bmc.ipmi import BmcSuiteRefused, IpmiDriver
+from metald.bmc.ipmi import IpmiDriver
+from metald.bmc.rmcp_session import BmcSuiteRefused
 from tests.bmc.peers import IpmiSim, free_port
 
 GUID = bytes(range(16))

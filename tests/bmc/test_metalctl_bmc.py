@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.bmc.peers import IpmiSim, free_port
+from tests.conftest import LAB_BMC_TOML
 from tests.test_daemon import wait_http
 
 BIN = Path(sys.executable).parent
@@ -27,7 +28,7 @@ def debug_daemon(tmp_path: Path):  # type: ignore[no-untyped-def]
     conf.write_text(
         f'state_dir = "{tmp_path / "state"}"\ninstance = "bmc-test"\n'
         f'[api]\nlisten = "127.0.0.1:{port}"\n[log]\nlevel = "debug"\nformat = "json"\n'
-        "[bmc]\nmin_interval_ms = 0\ntimeout_s = 5\nretries = 1\n"
+        "[bmc]\n" + LAB_BMC_TOML + "min_interval_ms = 0\ntimeout_s = 5\nretries = 1\n"
     )
     log = (tmp_path / "metald.log").open("w+")
     proc = subprocess.Popen(

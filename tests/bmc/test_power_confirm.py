@@ -22,7 +22,7 @@ from tests.conftest import seed
 @pytest.fixture
 async def api(cfg: Config, store: Store, aiohttp_client):  # type: ignore[no-untyped-def]
     from api.app import create_app
-    from api.context import AppContext
+    from api.context import AppContext, Services
     from metald.events import EventBus
 
     secrets = SecretBox.from_file(cfg.secrets_key_path)
@@ -31,7 +31,9 @@ async def api(cfg: Config, store: Store, aiohttp_client):  # type: ignore[no-unt
     cfg.bmc.retries = 1
     cfg.bmc.power_state_timeout_s = 30
     svc = BmcService(store, secrets, cfg.bmc, cfg.instance)
-    ctx = AppContext(cfg=cfg, store=store, secrets=secrets, bus=EventBus(), services={"bmc": svc})
+    ctx = AppContext(
+        cfg=cfg, store=store, secrets=secrets, bus=EventBus(), services=Services(bmc=svc)
+    )
     tokens = seed(store)
     client = await aiohttp_client(create_app(ctx))
     yield client, tokens, svc

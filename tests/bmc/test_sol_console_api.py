@@ -34,7 +34,7 @@ async def sim(tmp_path: Path) -> AsyncIterator[SolSim]:
 @pytest.fixture
 async def console_api(cfg: Config, store: Store, aiohttp_client, sim: SolSim):  # type: ignore[no-untyped-def]
     from api.app import create_app
-    from api.context import AppContext
+    from api.context import AppContext, Services
     from metald.events import EventBus
 
     secrets = SecretBox.from_file(cfg.secrets_key_path)
@@ -43,7 +43,7 @@ async def console_api(cfg: Config, store: Store, aiohttp_client, sim: SolSim):  
     cfg.bmc.retries = 1
     bmc = BmcService(store, secrets, cfg.bmc, cfg.instance)
     consoles = ConsoleService(store, cfg.instance, BmcLinks(bmc, secrets), linger_s=0.0)
-    services = {"bmc": bmc, "console": consoles}
+    services = Services(bmc=bmc, console=consoles)
     ctx = AppContext(cfg=cfg, store=store, secrets=secrets, bus=EventBus(), services=services)
     tokens = seed(store)
     client = await aiohttp_client(create_app(ctx))

@@ -35,7 +35,7 @@ async def _instance(
     name: str, cfg: Config, store: Store, bmc_networks: list[str]
 ) -> tuple[TestServer, Membership, list[Any]]:
     from api.app import create_app
-    from api.context import AppContext
+    from api.context import AppContext, Services
     from metald.events import EventBus
 
     secrets = SecretBox.from_file(cfg.secrets_key_path)
@@ -50,7 +50,7 @@ async def _instance(
         store=store,
         secrets=secrets,
         bus=EventBus(),
-        services={"bmc": bmc, "console": consoles},
+        services=Services(bmc=bmc, console=consoles),
     )
     server = TestServer(create_app(ctx), host="127.0.0.1")
     await server.start_server()

@@ -211,8 +211,8 @@ async def test_a_stale_activation_is_taken_over(sim: SolSim) -> None:
     # Drop it on the floor: no deactivate, no close session.
     assert first._reader is not None
     first._reader.cancel()
-    assert first._transport is not None
-    first._transport.close()
+    assert first.session.transport is not None
+    first.session.transport.close()
 
     screen = Screen()
     second = _link(sim, screen)

@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from metald.bmc import virtual_media
 from metald.bmc.base import BmcEndpoint
 from metald.bmc.redfish import RedfishDriver
 from tests.bmc.peers import Sushy
@@ -43,16 +42,16 @@ async def test_insert_boot_once_from_cd_and_eject(sushy: Sushy, iso_url) -> None
         BmcEndpoint("127.0.0.1", sushy.port, "admin", "unused"), scheme="http", request_timeout_s=10
     )
     try:
-        path = await virtual_media.insert(d, url)
+        path = await d.insert_media(url)
         assert fetched == ["/boot/discovery.iso"]  # the BMC fetched the image itself
         res = await d._get(path)
         assert res["Inserted"] is True and res["Image"] == url
 
-        await virtual_media.boot_cd_once(d)
+        await d.boot_cd_once()
         boot = (await d._system_resource(refresh=True))["Boot"]
         assert boot["BootSourceOverrideTarget"] == "Cd"
 
-        await virtual_media.eject(d)
+        await d.eject_media()
         res = await d._get(path)
         assert res["Inserted"] is False
     finally:

@@ -1,6 +1,6 @@
 """Virtual media boot (issue 16 item 3) against sushy-emulator, whose VirtualMedia insert
 really downloads the image: ``POST /api/v1/machines/{id}/boot {"via": "virtual-media"}`` runs
-the provisioning driver's fenced, journaled step (confirmed power-off, insert metald's ISO,
+the network-boot step (fenced, journaled: confirmed power-off, insert metald's ISO,
 one-time CD boot, arm, power on), and the claim workflow's boot takes the same path for a
 machine labelled ``boot-via=virtual-media``."""
 
@@ -17,10 +17,11 @@ from metald.bmc import media as virtual_media
 from metald.bmc.service import BmcService
 from metald.config import Config
 from metald.lifecycle import Trigger
-from metald.provision import driver, media_boot
+from metald.provision import media_boot, netboot
 from metald.secrets import SecretBox
 from metald.store import Store
 from metald.store.models import Bmc, Event, Machine
+from tests.api_helpers import drain_steps
 from tests.bmc.peers import Sushy
 from tests.bmc.test_bmc_redfish import _system_json
 from tests.conftest import seed
@@ -51,7 +52,7 @@ async def boot_http() -> AsyncIterator[tuple[str, list[str]]]:
 @pytest.fixture
 async def api(cfg: Config, store: Store, aiohttp_client, boot_http):  # type: ignore[no-untyped-def]
     from api.app import create_app
-    from api.context import AppContext
+    from api.context import AppContext, Services
     from metald.events import EventBus
 
     secrets = SecretBox.from_file(cfg.secrets_key_path)
@@ -60,11 +61,13 @@ async def api(cfg: Config, store: Store, aiohttp_client, boot_http):  # type: ig
     cfg.bmc.retries = 1
     svc = BmcService(store, secrets, cfg.bmc, cfg.instance)
     svc.control.vmedia_base = boot_http[0]
-    ctx = AppContext(cfg=cfg, store=store, secrets=secrets, bus=EventBus(), services={"bmc": svc})
+    ctx = AppContext(
+        cfg=cfg, store=store, secrets=secrets, bus=EventBus(), services=Services(bmc=svc)
+    )
     tokens = seed(store)
     client = await aiohttp_client(create_app(ctx))
     yield client, tokens, svc
-    await driver.drain()
+    await drain_steps(client)
     await svc.stop()
 
 
@@ -134,7 +137,7 @@ async def test_boot_via_virtual_media_inserts_boots_cd_once_arms_and_powers_on(
     assert r.status == 202, await r.text()
     prefix = f"{base}/boot/n/{mid}/"
     assert (await r.json())["image_url"] == prefix
-    await driver.drain()
+    await drain_steps(client)
 
     with store.session() as s:
         armed = s.get(Machine, mid).boot_armed
@@ -153,18 +156,18 @@ async def test_boot_via_virtual_media_inserts_boots_cd_once_arms_and_powers_on(
         assert m.state == "provisioning" and m.boot_armed  # the first script gets the token
         bmc = s.exec(select(Bmc).where(Bmc.machine_id == mid)).one()
         assert bmc.step_done is True
-        notes = s.exec(select(Event).where(Event.kind == driver.NETWORK_BOOT_EVENT)).all()
+        notes = s.exec(select(Event).where(Event.kind == netboot.NETWORK_BOOT_EVENT)).all()
         assert any("one-time CD boot" in (e.reason or "") for e in notes)
         steps = [
             e.kind if e.kind != "bmc.power" else f"power:{e.data['action']}:{e.data['status']}"
             for e in s.exec(select(Event).order_by(Event.id)).all()  # type: ignore[arg-type]
-            if e.kind in ("bmc.power", driver.NETWORK_BOOT_EVENT)
+            if e.kind in ("bmc.power", netboot.NETWORK_BOOT_EVENT)
         ]
     # Confirmed off before the boot was armed, on after: what the tenant ran is gone first.
     assert steps == [
         "power:on:confirmed",
         "power:off:confirmed",
-        driver.NETWORK_BOOT_EVENT,
+        netboot.NETWORK_BOOT_EVENT,
         "power:on:confirmed",
     ]
 
@@ -184,7 +187,7 @@ async def test_claim_workflow_boot_takes_virtual_media_when_the_machine_says_so(
         s.add(m)
         s.commit()
     _provision(store, mid)
-    await driver.reboot_all(store, svc, [mid], actor="test")  # what a claim's release runs
+    await netboot.reboot_all(store, svc, [mid], actor="test")  # what a claim's release runs
     cd = await _cd(sushy)
     assert cd["Inserted"] is True
     assert cd["Image"].startswith(f"{boot_http[0]}/boot/n/{mid}/")
@@ -196,7 +199,7 @@ async def test_unlabelled_machine_still_boots_pxe(api, store: Store, sushy: Sush
     mid = tokens.machine_a
     await _register(client, tokens, sushy, mid)
     _provision(store, mid)
-    await driver.reboot_all(store, svc, [mid], actor="test")
+    await netboot.reboot_all(store, svc, [mid], actor="test")
     assert (await _cd(sushy))["Inserted"] is False
     assert (await _system_json(sushy))["Boot"]["BootSourceOverrideTarget"] == "Pxe"
 
@@ -224,7 +227,9 @@ async def test_boot_refusals_say_what_to_do(api, store: Store, sushy: Sushy) -> 
     r = await client.post(f"/api/v1/machines/{tokens.machine_a}/boot", json=body, headers=tech)
     assert r.status == 422
     assert r.content_type == "application/problem+json"
-    assert '"via": "network"' in (await r.json())["detail"]
+    refused = await r.json()
+    assert '"via": "network"' in refused["detail"]
+    assert refused["capability"] == "virtual-media"  # named, and refused before any fence
     # A machine metald does not boot now (ready, unclaimed).
     await _register(client, tokens, sushy, tokens.machine_free)
     r = await client.post(f"/api/v1/machines/{tokens.machine_free}/boot", json=body, headers=tech)
@@ -260,7 +265,7 @@ async def test_a_step_cut_off_after_the_insert_resumes_without_a_second_power_of
         step = step_key(s.get(Machine, mid))
         ownership.mark_step(s, mid, step, command="vmedia:insert", done=False)
         s.commit()
-    assert await driver.boot_from_network(store, svc, mid, actor="test", via="virtual-media")
+    assert await netboot.boot_from_network(store, svc, mid, actor="test", via="virtual-media")
     cd = await _cd(sushy)
     assert cd["Inserted"] is True
     assert (await _system_json(sushy))["Boot"]["BootSourceOverrideTarget"] == "Cd"
@@ -277,7 +282,7 @@ async def _media_boot(client, tokens, store: Store, sushy: Sushy, svc) -> str:  
     mid = tokens.machine_a
     await _register(client, tokens, sushy, mid)
     _provision(store, mid)
-    assert await driver.boot_from_network(store, svc, mid, actor="test", via="virtual-media")
+    assert await netboot.boot_from_network(store, svc, mid, actor="test", via="virtual-media")
     assert (await _cd(sushy))["Inserted"] is True
     return mid
 
@@ -318,8 +323,7 @@ async def test_the_iso_is_ejected_once_the_agent_reports(
         headers={"Authorization": f"Bearer {token}"},
     )
     assert r.status == 200, await r.text()
-    for task in list(svc._tasks):  # the eject runs in the background
-        await task
+    await svc.tasks.drain()  # the eject runs in the background
     assert (await _cd(sushy))["Inserted"] is False
     [ejected] = _events(store, mid, virtual_media.EJECTED_EVENT)
     # The event names the ISO with its nonce cut short (never the whole nonce).
@@ -334,7 +338,7 @@ async def test_a_pxe_boot_is_never_ejected(api, store: Store, sushy: Sushy) -> N
     mid = tokens.machine_a
     await _register(client, tokens, sushy, mid)
     _provision(store, mid)
-    assert await driver.boot_from_network(store, svc, mid, actor="test", via="network")
+    assert await netboot.boot_from_network(store, svc, mid, actor="test", via="network")
     assert await virtual_media.eject_after_report(svc.control, mid, "test") is None
     assert _events(store, mid, virtual_media.EJECT_FAILED_EVENT) == []
 

@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from metald.bmc import virtual_media
 from metald.bmc.base import BmcEndpoint, BmcError
 from metald.bmc.redfish import RedfishDriver
 from tests.bmc.peers import PASSWORD, _stop, free_port, qmp_control
@@ -101,30 +100,30 @@ async def _bootindex(control: Any, device: str) -> int:
 
 async def test_insert_boot_cd_once_and_eject_through_qmp(lab_cd) -> None:  # type: ignore[no-untyped-def]
     d, control, base = lab_cd
-    path, cd = await virtual_media.find_cd(d)
+    path, cd = await d.find_virtual_cd()
     assert path.endswith("/VirtualMedia/Cd") and cd["Inserted"] is False and cd["Image"] is None
     assert await _bootindex(control, "cd0") == -1  # not in the boot order until asked
 
     # An image the BMC cannot fetch: refused, nothing inserted.
     with pytest.raises(BmcError):
-        await virtual_media.insert(d, f"{base}/missing.iso")
+        await d.insert_media(f"{base}/missing.iso")
     assert await _drive_file(control) is None
 
     url = f"{base}/boot.iso"
-    await virtual_media.insert(d, url)  # metald checks Inserted and Image itself
+    await d.insert_media(url)  # metald checks Inserted and Image itself
     media = await _drive_file(control)
     assert media is not None and Path(media).read_bytes() == IMAGE  # QEMU holds the fetched file
     # Inserting again: metald ejects first (the lab BMC refuses an insert over a medium).
-    await virtual_media.insert(d, f"{base}/other.iso")
-    assert (await virtual_media.find_cd(d))[1]["Image"] == f"{base}/other.iso"
+    await d.insert_media(f"{base}/other.iso")
+    assert (await d.find_virtual_cd())[1]["Image"] == f"{base}/other.iso"
 
-    await virtual_media.boot_cd_once(d)
+    await d.boot_cd_once()
     assert await _bootindex(control, "cd0") == 1  # the CD first for the next boot
     system = await d._system_resource(refresh=True)
     assert system["Boot"]["BootSourceOverrideTarget"] == "Cd"
     assert system["Boot"]["BootSourceOverrideEnabled"] == "Once"
 
-    await virtual_media.eject(d)
+    await d.eject_media()
     assert await _drive_file(control) is None
-    cd = (await virtual_media.find_cd(d))[1]
+    cd = (await d.find_virtual_cd())[1]
     assert cd["Inserted"] is False and cd["Image"] is None

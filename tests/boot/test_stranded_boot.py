@@ -12,7 +12,7 @@ from sqlmodel import select
 
 from metald.auth import authenticate
 from metald.config import ProvisionConfig
-from metald.provision import driver
+from metald.provision import netboot
 from metald.provision.watchdog import MAX_REARMS, REARM_EVENT, STRANDED_EVENT, Watchdog
 from metald.store import Store
 from metald.store.models import ApiToken, Bmc, Event, Machine, utcnow
@@ -64,12 +64,12 @@ def _kinds(store: Store, machine_id: str) -> list[str]:
 async def test_a_token_no_agent_used_is_replaced_by_a_new_bmc_boot(store: Store) -> None:
     mid = claimed(store, 1)[0]
     _with_bmc(store, mid)
-    assert await driver.boot_from_network(store, FakeBmc(), mid, actor="t")
+    assert await netboot.boot_from_network(store, FakeBmc(), mid, actor="t")
     lost = boot_token(store, mid)  # the fetch took the boot; its answer never arrived
     assert lost is not None
     assert boot_token(store, mid) is None  # "first fetch wins": later fetches get no token
     bmc = FakeBmc()
-    dog = Watchdog(store, CFG, "owner", services={"bmc": bmc})
+    dog = Watchdog(store, CFG, "owner", bmc=bmc)
     assert await dog.sweep_once() == []  # minted moments ago: the agent may still be booting
     _minted_ago(store, mid, 181)
     assert await dog.sweep_once() == [mid]
@@ -98,7 +98,7 @@ async def test_without_a_bmc_or_after_the_last_try_a_technician_is_told_once(
     bare, tried = claimed(store, 2)
     _with_bmc(store, tried)
     bmc = FakeBmc()
-    dog = Watchdog(store, CFG, "owner", services={"bmc": bmc})
+    dog = Watchdog(store, CFG, "owner", bmc=bmc)
     # bare: armed on entry to provisioning (no BMC to boot it; a person powered it on)
     for attempt in range(MAX_REARMS + 1):
         assert boot_token(store, tried) is not None

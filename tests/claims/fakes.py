@@ -1,4 +1,4 @@
-"""A stand-in for the BMC's PowerControl (metald.bmc.control): records what the driver asks, keeps one power state for every
+"""A stand-in for the BMC's PowerControl (metald.bmc.control): records what the network-boot step asks, keeps one power state for every
 machine (off/on as commanded), fails on demand."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from sqlmodel import select
 
 from metald.claims.allocation import Selector, create_claim
 from metald.lifecycle import State
-from metald.provision import driver
+from metald.provision import netboot
 from metald.provision.intents import DeployImage
 from metald.store import Store
 from metald.store.models import Image, Machine
@@ -127,5 +127,5 @@ def claimed(store: Store, n: int = 1, *, provision: bool = True) -> list[str]:
         )
         ids = [m.id for m in s.exec(select(Machine).where(Machine.claim_id == claim.id))]
         if provision:
-            assert driver.start_provisioning(s, ids, actor="test") == ids
+            assert netboot.start_provisioning(s, ids, actor="test") == ids
         return ids

@@ -9,8 +9,8 @@ from sqlmodel import select
 
 from api.app import CTX_KEY
 from metald.auth import issue_token
-from metald.provision import driver
 from metald.store.models import ApiToken, Machine
+from tests.api_helpers import drain_steps, use_services
 from tests.claims.fakes import FakeBmc
 from tests.claims.helpers import DISK_SPEC, add_ready, boot_token, wipe_evidence
 
@@ -75,7 +75,7 @@ async def test_images_catalog(api) -> None:  # type: ignore[no-untyped-def]
 async def test_claim_progress_release_wipe(api) -> None:  # type: ignore[no-untyped-def]
     client, tokens, store = api
     bmc = FakeBmc(power_state="off")
-    client.server.app[CTX_KEY].services["bmc"] = bmc
+    use_services(client.server.app[CTX_KEY], bmc=bmc)
     image_id = await _image(client, tokens)
     add_ready(store, 3, labels={"pool": "train"})
     body = {
@@ -93,7 +93,7 @@ async def test_claim_progress_release_wipe(api) -> None:  # type: ignore[no-unty
     assert claim["state"] == "allocated" and not claim["replayed"]
     assert [m["state"] for m in claim["machines"]] == ["provisioning"] * 2
     ids = [m["id"] for m in claim["machines"]]
-    await driver.drain()
+    await drain_steps(client)
     # One-time PXE boot, then power on (the machines were off), per machine.
     assert sorted(bmc.calls) == sorted(
         [(i, "boot", "pxe") for i in ids]
@@ -172,7 +172,7 @@ async def test_claim_progress_release_wipe(api) -> None:  # type: ignore[no-unty
             if t.revoked_at is None
         ]
         assert not [t for t in live if set(t.scope) & set(ids)]
-    await driver.drain()
+    await drain_steps(client)
     for i in ids:
         mine = [c[1:] for c in bmc.calls if c[0] == i]
         assert mine == [
@@ -210,7 +210,7 @@ async def test_claim_progress_release_wipe(api) -> None:  # type: ignore[no-unty
         f"/api/v1/machines/{ids[1]}/retry", json={}, headers=tokens.header("technician")
     )
     assert r.status == 200 and (await r.json())["state"] == "wiping"
-    await driver.drain()
+    await drain_steps(client)
     assert (ids[1], "power", "on") in bmc.calls
     r = await client.post(
         f"/api/v1/machines/{ids[1]}/retry", json={}, headers=tokens.header("technician")

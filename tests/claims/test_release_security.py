@@ -14,8 +14,9 @@ from metald.auth import issue_token
 from metald.boot.machine_hooks import StoreBootHooks
 from metald.config import EnrollConfig
 from metald.enrollment import enrollment_boot_hooks
-from metald.provision import driver
+from metald.provision import netboot
 from metald.store.models import ApiToken, Event, Machine, Nic
+from tests.api_helpers import drain_steps, use_services
 from tests.claims.fakes import FakeBmc
 from tests.claims.helpers import DISK_SPEC, add_ready, boot_token, wipe_evidence
 from tests.dhcp_leases import add_lease
@@ -51,7 +52,7 @@ async def _claimed_machine(client, tokens, store, bmc: FakeBmc | None) -> tuple[
     Returns (claim id, machine id, MAC)."""
     ctx = client.server.app[CTX_KEY]
     if bmc is not None:
-        ctx.services["bmc"] = bmc
+        use_services(ctx, bmc=bmc)
     r = await client.post(
         "/api/v1/images",
         json={"name": "node", "kind": "disk", **DISK_SPEC},
@@ -76,7 +77,7 @@ async def _claimed_machine(client, tokens, store, bmc: FakeBmc | None) -> tuple[
     )
     assert r.status == 201, await r.text()
     claim = await r.json()
-    await driver.drain()
+    await drain_steps(client)
     deploy = _bearer(boot_token(store, mid))
     r = await client.post(
         "/api/v1/agent/progress", json={"phase": "verify", "done": True}, headers=deploy
@@ -125,8 +126,8 @@ async def test_the_tenant_cannot_end_the_wipe_of_its_own_machine(api) -> None:  
     assert _machine(store, mid).state == "wiping"
 
     # Now metald takes the machine: off (confirmed), PXE, armed, on.
-    client.server.app[CTX_KEY].services["bmc"] = bmc
-    assert await driver.boot_from_network(store, bmc, mid, actor="t")
+    use_services(client.server.app[CTX_KEY], bmc=bmc)
+    assert await netboot.boot_from_network(store, bmc, mid, actor="t")
     assert [c[1:] for c in bmc.calls] == [
         ("power", "status"),
         ("power", "off"),
@@ -176,12 +177,12 @@ async def test_the_tenant_cannot_end_the_wipe_of_its_own_machine(api) -> None:  
 async def test_without_a_bmc_only_a_technician_returns_it_to_ready(api) -> None:  # type: ignore[no-untyped-def]
     client, tokens, store = api
     claim_id, mid, mac = await _claimed_machine(client, tokens, store, bmc=FakeBmc())
-    client.server.app[CTX_KEY].services["bmc"] = FakeBmc(fail="absent")
+    use_services(client.server.app[CTX_KEY], bmc=FakeBmc(fail="absent"))
     r = await client.post(
         f"/api/v1/claims/{claim_id}/release", headers=tokens.header("orchestrator")
     )
     assert r.status == 200
-    await driver.drain()
+    await drain_steps(client)
     assert _events(store, mid, "provision.no-bmc")
     # Nothing armed: the script never carries a token, so no agent can report the wipe done.
     assert "metald.token" not in (await _hooks(store).boot_target(mac, client=NODE_IP)).kernel_args
@@ -308,7 +309,7 @@ async def test_a_machine_broken_during_a_claim_leaves_with_it_and_must_be_wiped(
     bmc.calls.clear()
     r = await client.post(f"/api/v1/machines/{mid}/wipe", json={}, headers=tech)
     assert r.status == 200 and (await r.json())["state"] == "wiping", await r.text()
-    await driver.drain()
+    await drain_steps(client)
     assert (mid, "power", "on") in bmc.calls
     r = await client.post(
         "/api/v1/agent/progress",
@@ -323,7 +324,7 @@ async def test_a_failed_wipe_does_not_return_to_ready_through_maintenance(api) -
     client, tokens, store = api
     claim_id, mid, _mac = await _claimed_machine(client, tokens, store, bmc=FakeBmc())
     await client.post(f"/api/v1/claims/{claim_id}/release", headers=tokens.header("orchestrator"))
-    await driver.drain()
+    await drain_steps(client)
     r = await client.post(
         "/api/v1/agent/progress",
         json={"phase": "wipe", "error": "nvme0n1: I/O error"},
@@ -374,7 +375,7 @@ async def test_a_forged_wipe_done_is_refused(api) -> None:  # type: ignore[no-un
     client, tokens, store = api
     claim_id, mid, _mac = await _claimed_machine(client, tokens, store, bmc=FakeBmc())
     await client.post(f"/api/v1/claims/{claim_id}/release", headers=tokens.header("orchestrator"))
-    await driver.drain()
+    await drain_steps(client)
     with store.session() as s:
         _row, forged = issue_token(s, name="agent", role="agent", scope=[mid])
     r = await client.post(

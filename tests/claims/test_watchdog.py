@@ -1,4 +1,4 @@
-"""Watchdog timeouts, the retry action, the driver's BMC failure path, and resuming after a
+"""Watchdog timeouts, the retry action, the network-boot step's BMC failure path, and resuming after a
 restart (state and boot intent are all in the database). Both backends."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from metald.boot.hooks import BootAction, target_for_machine
 from metald.claims.allocation import Selector, create_claim
 from metald.config import ProvisionConfig
 from metald.lifecycle import State
-from metald.provision import driver
+from metald.provision import netboot
 from metald.provision.watchdog import Watchdog, sweep, timeouts
 from metald.store import Store
 from metald.store.models import Event, Machine, utcnow
@@ -54,7 +54,7 @@ def test_stuck_provisioning_times_out_then_retry_resumes(store: Store) -> None:
     assert m.state == State.PROVISION_FAILED.value and "more than 600 s" in (m.last_error or "")
     assert _get(store, fresh).state == State.PROVISIONING.value
     with store.session() as s:
-        m = driver.retry(s, stale, actor="tech", deploy=DEPLOY)
+        m = netboot.retry(s, stale, actor="tech", deploy=DEPLOY)
     assert m.state == State.PROVISIONING.value and m.last_error is None
     assert target_for_machine(m).action is BootAction.PROVISION
 
@@ -82,11 +82,11 @@ def test_racing_sweeps_move_each_machine_once(store: Store) -> None:
 
 async def test_bmc_failure_fails_provisioning_and_no_bmc_leaves_it(store: Store) -> None:
     failing, absent = claimed(store, 2)
-    assert not await driver.boot_from_network(store, FakeBmc(fail="error"), failing, actor="t")
+    assert not await netboot.boot_from_network(store, FakeBmc(fail="error"), failing, actor="t")
     m = _get(store, failing)
     assert m.state == State.PROVISION_FAILED.value
     assert m.last_error == "BMC: the BMC did not answer within 10 s"
-    assert not await driver.boot_from_network(store, FakeBmc(fail="absent"), absent, actor="t")
+    assert not await netboot.boot_from_network(store, FakeBmc(fail="absent"), absent, actor="t")
     assert _get(store, absent).state == State.PROVISIONING.value
     with store.session() as s:
         assert (
@@ -116,7 +116,7 @@ async def test_restart_resumes_where_it_was(db_url: str) -> None:
         assert target.action is BootAction.PROVISION and target.kernel == DEPLOY.kernel
         assert target.kernel_args["metald.image.url"].startswith("http://images.test/")
         bmc = FakeBmc()
-        dog = Watchdog(store, CFG, "restarted", services={"bmc": bmc})
+        dog = Watchdog(store, CFG, "restarted", bmc=bmc)
         assert await dog.sweep_once() == []  # claimed only moments ago: not stalled yet
         _age(store, [stalled], 61)
         assert await dog.sweep_once() == [stalled]
@@ -141,7 +141,7 @@ async def test_restart_resumes_a_boot_cut_off_before_the_bmc_call(store: Store) 
     agent reports) is left alone."""
     cut, booted, reporting = claimed(store, 3)
     bmc = FakeBmc()
-    assert await driver.boot_from_network(store, bmc, booted, actor="t")
+    assert await netboot.boot_from_network(store, bmc, booted, actor="t")
     with store.session() as s:  # the agent of a machine booted by hand already reports
         from metald.machines import add_event
 
@@ -172,7 +172,7 @@ async def test_restart_resumes_a_boot_cut_off_before_the_bmc_call(store: Store) 
 
         assert interrupted_boots(s, 120) == sorted([cut, booted, reporting])
     bmc = FakeBmc()
-    dog = Watchdog(store, ProvisionConfig(claimed_resume_s=120), "restarted", services={"bmc": bmc})
+    dog = Watchdog(store, ProvisionConfig(claimed_resume_s=120), "restarted", bmc=bmc)
     assert sorted(await dog.sweep_once()) == sorted([cut, booted, reporting])
     assert sorted(c[0] for c in bmc.calls if c[1:] == ("power", "on")) == sorted(
         [cut, booted, reporting]
@@ -183,7 +183,7 @@ async def test_restart_resumes_a_boot_cut_off_before_the_bmc_call(store: Store) 
 
 async def test_resume_skips_recent_and_handled_provisioning(store: Store) -> None:
     cut, booted, reporting = claimed(store, 3)
-    assert await driver.boot_from_network(store, FakeBmc(), booted, actor="t")
+    assert await netboot.boot_from_network(store, FakeBmc(), booted, actor="t")
     with store.session() as s:
         from metald.machines import add_event
 
@@ -204,9 +204,8 @@ def test_daemon_mounts_the_watchdog(cfg) -> None:  # type: ignore[no-untyped-def
 
     d = Daemon(cfg)
     try:
-        d._build_services()
-        dog = d.ctx.services["watchdog"]
-        assert isinstance(dog, Watchdog) and dog.services is d.ctx.services
+        dog = d.ctx.services.watchdog
+        assert isinstance(dog, Watchdog) and dog.bmc is d.ctx.services.bmc
     finally:
         d.store.close()
 
@@ -220,11 +219,11 @@ async def test_each_service_stops_only_its_own_background_steps(store: Store) ->
         started.set()
         await asyncio.Event().wait()
 
-    from metald.provision.driver import Provisioner
+    from metald.provision.netboot import Provisioner
 
     owner = Provisioner()
     await owner.start()
-    task = driver.spawn(step())
+    task = owner.spawn(step())
     await started.wait()
     dog = Watchdog(store, ProvisionConfig(watchdog_interval_s=0), "x")
     await dog.start()
@@ -252,10 +251,10 @@ class _Owner:
 async def test_a_machine_is_swept_by_its_owner_only(store: Store) -> None:
     stale = claimed(store, 1)[0]
     _age(store, [stale], 601)
-    other = Watchdog(store, CFG, "b", services={"bmc": FakeBmc()}, ownership=_Owner("b"))
+    other = Watchdog(store, CFG, "b", bmc=FakeBmc(), ownership=_Owner("b"))
     assert await other.sweep_once() == []
     assert _get(store, stale).state == State.PROVISIONING.value
-    mine = Watchdog(store, CFG, "a", services={"bmc": FakeBmc()}, ownership=_Owner("a"))
+    mine = Watchdog(store, CFG, "a", bmc=FakeBmc(), ownership=_Owner("a"))
     assert await mine.sweep_once() == [stale]
     assert _get(store, stale).state == State.PROVISION_FAILED.value
 
@@ -290,8 +289,10 @@ def _journal(store: Store, machine_id: str, command: str) -> str:
     [
         # The power-off reached the BMC: read until off, never send it again.
         ("wiping", "power:off", [("power", "status"), ("boot", "pxe"), ("power", "on")]),
-        # The boot device was set: arm and power on.
-        ("inspecting", "boot:pxe", [("power", "on")]),
+        # The boot device was journaled, which is done before it is sent: it may never have
+        # reached the BMC, so it is set again (a one-time override cannot act twice), then
+        # arm and power on.
+        ("inspecting", "boot:pxe", [("boot", "pxe"), ("power", "on")]),
         # The power-on was sent and the machine is on: nothing to send.
         ("provisioning", "power:on", [("power", "status")]),
     ],
@@ -308,7 +309,7 @@ async def test_a_step_cut_off_mid_way_resumes_from_its_journal(
             s.commit()
     _journal(store, mid, sent)
     bmc = FakeBmc(power_state="off" if sent == "power:off" else "on")
-    dog = Watchdog(store, CFG, "survivor", services={"bmc": bmc})
+    dog = Watchdog(store, CFG, "survivor", bmc=bmc)
     assert await dog.resume_once() == [mid]
     assert [c[1:] for c in bmc.calls] == expected
     assert await dog.resume_once() == []  # done: journaled as finished

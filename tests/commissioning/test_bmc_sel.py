@@ -25,8 +25,10 @@ from metald.commissioning.profile import CheckSpec, CommissioningProfile
 from metald.config import BmcConfig
 from metald.secrets import SecretBox
 from metald.store.models import CommissioningResult, CommissioningRun
+from tests.api_helpers import use_services
 from tests.bmc.peers import IpmiSim
 from tests.commissioning.test_api import SMART_OK, _inventoried, report
+from tests.conftest import LAB_BMC_NETWORKS
 
 FIX = Path(__file__).parent / "fixtures"
 
@@ -158,10 +160,16 @@ async def test_a_critical_event_logged_during_the_run_fails_it(  # type: ignore[
     svc = BmcService(
         store,
         SecretBox.from_file(tmp_path / "k"),
-        BmcConfig(min_interval_ms=0, timeout_s=3, retries=1, power_sync_interval_s=0),
+        BmcConfig(
+            networks=LAB_BMC_NETWORKS,
+            min_interval_ms=0,
+            timeout_s=3,
+            retries=1,
+            power_sync_interval_s=0,
+        ),
         instance="t",
     )
-    ctx.services["bmc"] = svc
+    use_services(ctx, bmc=svc)
     try:
         target, agent = await _inventoried(client, store, _profile())
         mid = target.machine_id

@@ -22,6 +22,7 @@ from metald.secrets import SecretBox
 from metald.store import Store
 from metald.store.models import Bmc, Instance, utcnow
 from tests.bmc.peers import IpmiSim, ipmi_sim  # noqa: F401 - fixture
+from tests.conftest import LAB_BMC_NETWORKS
 
 DEAD_AFTER_S = 10.0
 
@@ -103,7 +104,13 @@ class View:
 
 @pytest.fixture
 async def svc(store: Store, tmp_path: Path):  # type: ignore[no-untyped-def]
-    cfg = BmcConfig(min_interval_ms=0, timeout_s=3, retries=1, power_sync_interval_s=0)
+    cfg = BmcConfig(
+        networks=LAB_BMC_NETWORKS,
+        min_interval_ms=0,
+        timeout_s=3,
+        retries=1,
+        power_sync_interval_s=0,
+    )
     service = BmcService(store, SecretBox.from_file(tmp_path / "k"), cfg, instance="a")
     yield service
     await service.stop()

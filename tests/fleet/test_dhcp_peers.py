@@ -406,8 +406,7 @@ pool_end = "127.0.1.200"
     cfg = load_config(conf, environ={"METALD_STATE_DIR": str(tmp_path / "state")})
     m = Membership(pg_store, "i0", heartbeat_s=HEARTBEAT_S, dead_after_s=DEAD_AFTER_S)
     await m.start()
-    plane = BootPlane(cfg, pg_store, MemoryBootHooks())
-    plane.fleet = m
+    plane = BootPlane(cfg, pg_store, MemoryBootHooks(), fleet=m)
     try:
         plane._join_peers()
         assert plane.dhcp is not None

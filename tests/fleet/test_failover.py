@@ -24,10 +24,13 @@ from typing import Any
 import pytest
 from sqlmodel import select
 
+from metald.fleet import forward_auth
+from metald.secrets import SecretBox
 from metald.store import Store
 from metald.store.models import Bmc, Machine
 from tests.bmc.peers import IpmiSim, start_ipmi_sim, stop_peer
 from tests.claims.helpers import add_image, add_ready, add_tenant, boot_token
+from tests.conftest import LAB_BMC_TOML
 from tests.test_daemon import BIN, share_secrets_key, wait_http
 from vmlab.labnet import free_port
 
@@ -43,7 +46,9 @@ def _conf(tmp: Path, name: str, port: int, url: str) -> Path:
         f'state_dir = "{tmp / name}"\ninstance = "{name}"\n[store]\nurl = "{url}"\n'
         f'[api]\nlisten = "127.0.0.1:{port}"\npublic_url = "http://127.0.0.1:{port}"\n'
         f"[fleet]\nheartbeat_s = {HEARTBEAT_S}\ndead_after_s = {DEAD_AFTER_S}\n"
-        "[bmc]\npower_sync_interval_s = 1\nmin_interval_ms = 0\ntimeout_s = 2\nretries = 1\n"
+        "[bmc]\n"
+        + LAB_BMC_TOML
+        + "power_sync_interval_s = 1\nmin_interval_ms = 0\ntimeout_s = 2\nretries = 1\n"
         "[provision]\nwatchdog_interval_s = 1\n"
     )
     return conf
@@ -161,13 +166,19 @@ def test_kill_9_the_bmc_owner_mid_claim_the_claim_completes_no_command_twice(
         vm = mids[next(i for i, b in enumerate(bmc_ids) if owners[b] == victim)]
         got = _http(ports[survivor], "GET", f"/api/v1/machines/{vm}/power", admin)
         assert got["power_state"] == "on"
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{ports[survivor]}/api/v1/machines/{vm}/power",
-            headers={"Authorization": f"Bearer {admin}", "X-Metald-Forwarded-By": "loop"},
-        )
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(req, timeout=30)
-        assert refused.value.code == 503  # a forwarded request is never forwarded again
+        path = f"/api/v1/machines/{vm}/power"
+        box = SecretBox.from_file(tmp_path / victim / "secrets.key")
+        for mark, code in (
+            ({forward_auth.FORWARDED: "loop"}, 403),  # a client's unsigned mark: refused
+            (forward_auth.sign(box, "GET", path, victim), 503),  # never forwarded again
+        ):
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{ports[survivor]}{path}",
+                headers={"Authorization": f"Bearer {admin}", **mark},
+            )
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(req, timeout=30)
+            assert refused.value.code == code
         assert victim in json.loads(refused.value.read())["detail"]
 
         orch = _http(

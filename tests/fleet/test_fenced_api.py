@@ -11,6 +11,7 @@ from api.app import CTX_KEY
 from metald.fleet.membership import Membership
 from metald.service import cancel
 from metald.store import Store
+from tests.api_helpers import use_services
 from tests.fleet.test_membership import wait_for
 
 
@@ -54,7 +55,7 @@ async def test_a_fenced_instance_answers_503_at_once_and_says_so(api) -> None:  
     # it again once healed (with 0.5 s it did, between the 200 and the /metrics read below).
     fleet = Membership(link, "rack1", heartbeat_s=0.2, dead_after_s=2.0)  # type: ignore[arg-type]
     await fleet.start()
-    ctx.services["fleet"] = fleet
+    use_services(ctx, fleet=fleet)
     admin = tokens.header("admin")
     try:
         assert (await client.get("/api/v1/machines", headers=admin)).status == 200
@@ -94,7 +95,7 @@ async def test_a_fenced_instance_answers_503_at_once_and_says_so(api) -> None:  
     finally:
         link.healed.set()
         await fleet.stop()
-        ctx.services.pop("fleet", None)
+        use_services(ctx, fleet=None)
         ctx.store = store
 
 

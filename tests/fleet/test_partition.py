@@ -40,6 +40,7 @@ from metald.bmc.service import BmcService
 from metald.fleet.rendezvous import owner
 from metald.store import Store
 from tests.bmc.peers import IpmiSim, ipmi_sim, start_ipmi_sim, stop_peer  # noqa: F401
+from tests.conftest import LAB_BMC_TOML
 from tests.fleet.test_bmc_ownership import View, _instance, _registered, _sets, svc  # noqa: F401
 from tests.test_daemon import BIN, share_secrets_key
 from vmlab.pg import PgServer, pg_bindir
@@ -128,7 +129,7 @@ def _conf(tmp: Path, name: str, url: str) -> Path:
         f'state_dir = "{tmp / name}"\ninstance = "{name}"\n[store]\nurl = "{url}"\n'
         f'[api]\nlisten = "{ip}:{API_PORT}"\npublic_url = "http://{ip}:{API_PORT}"\n'
         f"[fleet]\nheartbeat_s = {HEARTBEAT_S}\ndead_after_s = {DEAD_AFTER_S}\n"
-        "[bmc]\npower_sync_interval_s = 0.5\nmin_interval_ms = 0\n"
+        "[bmc]\n" + LAB_BMC_TOML + "power_sync_interval_s = 0.5\nmin_interval_ms = 0\n"
         f"timeout_s = {BMC_TIMEOUT_S}\nretries = {BMC_RETRIES}\n"
         "[provision]\nwatchdog_interval_s = 1\n"
         f'[boot]\nenabled = true\ninterfaces = ["eth0"]\nserver_address = "{ip}"\n'

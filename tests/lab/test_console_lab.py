@@ -37,7 +37,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp.test_utils import TestServer
 from api.app import create_app
-from api.context import AppContext
+from api.context import AppContext, Services
 from metald.bmc.console import ConsoleService
 from metald.bmc.console_links import BmcLinks
 from metald.bmc.service import BmcService
@@ -45,7 +45,7 @@ from metald.config import load_config
 from metald.events import EventBus
 from metald.secrets import SecretBox
 from metald.store import Store
-from tests.conftest import seed
+from tests.conftest import LAB_BMC_ENV, seed
 
 address, port, user, password = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 seen = bytearray()
@@ -53,14 +53,14 @@ seen = bytearray()
 async def main():
     tmp = Path(tempfile.mkdtemp())
     cfg = load_config(None, environ={"METALD_STATE_DIR": str(tmp / "state"),
-                                     "METALD_STORE__URL": f"sqlite:///{tmp}/m.db"})
+                                     "METALD_STORE__URL": f"sqlite:///{tmp}/m.db", **LAB_BMC_ENV})
     store = Store(cfg.store_url)
     store.migrate()
     secrets = SecretBox.from_file(cfg.secrets_key_path)
     bmc = BmcService(store, secrets, cfg.bmc, cfg.instance)
     consoles = ConsoleService(store, cfg.instance, BmcLinks(bmc, secrets))
     ctx = AppContext(cfg=cfg, store=store, secrets=secrets, bus=EventBus(),
-                     services={"bmc": bmc, "console": consoles})
+                     services=Services(bmc=bmc, console=consoles))
     tokens = seed(store)
     server = TestServer(create_app(ctx), host="127.0.0.1")
     await server.start_server()
@@ -126,7 +126,7 @@ import requests
 from playwright.sync_api import expect
 from aiohttp import web
 from api.app import create_app
-from api.context import AppContext
+from api.context import AppContext, Services
 from metald.bmc.console import ConsoleService
 from metald.bmc.console_links import BmcLinks
 from metald.bmc.service import BmcService
@@ -134,7 +134,7 @@ from metald.config import load_config
 from metald.events import EventBus
 from metald.secrets import SecretBox
 from metald.store import Store
-from tests.conftest import seed
+from tests.conftest import LAB_BMC_ENV, seed
 from tests.ui_browser import artifacts_dir, chromium, login, shoot
 
 address, port, user, password = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
@@ -144,14 +144,14 @@ ready, box = threading.Event(), {}
 async def serve():
     tmp = Path(tempfile.mkdtemp())
     cfg = load_config(None, environ={"METALD_STATE_DIR": str(tmp / "state"),
-                                     "METALD_STORE__URL": f"sqlite:///{tmp}/m.db"})
+                                     "METALD_STORE__URL": f"sqlite:///{tmp}/m.db", **LAB_BMC_ENV})
     store = Store(cfg.store_url)
     store.migrate()
     secrets = SecretBox.from_file(cfg.secrets_key_path)
     bmc = BmcService(store, secrets, cfg.bmc, cfg.instance)
     consoles = ConsoleService(store, cfg.instance, BmcLinks(bmc, secrets))
     ctx = AppContext(cfg=cfg, store=store, secrets=secrets, bus=EventBus(),
-                     services={"bmc": bmc, "console": consoles})
+                     services=Services(bmc=bmc, console=consoles))
     box["tokens"] = seed(store)
     runner = web.AppRunner(create_app(ctx), access_log=None)
     await runner.setup()

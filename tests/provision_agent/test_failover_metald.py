@@ -17,7 +17,7 @@ from api.context import AppContext
 from metald.config import load_config
 from metald.events import EventBus
 from metald.lifecycle import State
-from metald.provision import driver
+from metald.provision import netboot
 from metald.secrets import SecretBox
 from metald.store import Store
 from metald.store.models import Event, Image, Machine
@@ -60,7 +60,7 @@ async def test_a_deploy_finishes_through_a_live_instance(
         }
         s.add(img)
         s.commit()
-    assert await driver.boot_from_network(store, FakeBmc(), mid, actor="t")
+    assert await netboot.boot_from_network(store, FakeBmc(), mid, actor="t")
     token = boot_token(store, mid)  # the script instance a served
     assert token is not None
 

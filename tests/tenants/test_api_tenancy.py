@@ -5,6 +5,7 @@ from __future__ import annotations
 from api.app import CTX_KEY
 from metald.store.models import utcnow
 from metald.tenants import keys
+from tests.api_helpers import use_services
 from tests.tenants.conftest import provisioned
 
 
@@ -43,7 +44,7 @@ async def test_hub_token_join_flow(api) -> None:  # type: ignore[no-untyped-def]
         def remove_peer(self, tenant_id: str, public_key: str) -> None:
             calls.append(("remove", tenant_id, public_key))
 
-    client.app[CTX_KEY].services["tenant_hubs"] = RecordingHubs()
+    use_services(client.app[CTX_KEY], tenant_hubs=RecordingHubs())
     pub = keys.public_key(keys.generate_private_key())
     r = await client.post("/api/v1/join", json={"token": secret, "public_key": pub})
     assert r.status == 200, await r.text()
@@ -121,7 +122,7 @@ async def test_provision_instruction_carries_a_fresh_join_token(api) -> None:  #
 
     from metald.auth import issue_token
     from metald.claims.allocation import Selector, create_claim
-    from metald.provision import driver
+    from metald.provision import netboot
     from metald.store.models import Machine
     from tests.claims.helpers import DEPLOY, add_image, add_ready
 
@@ -138,7 +139,7 @@ async def test_provision_instruction_carries_a_fresh_join_token(api) -> None:  #
             "t", deploy=DEPLOY,
         )  # fmt: skip
         mid = s.exec(select(Machine).where(Machine.claim_id == claim.id)).one().id
-        assert driver.start_provisioning(s, [mid], actor="t") == [mid]
+        assert netboot.start_provisioning(s, [mid], actor="t") == [mid]
         _row, agent_secret = issue_token(s, name="agent", role="agent", scope=[mid])
     agent = {"Authorization": f"Bearer {agent_secret}"}
 
@@ -169,7 +170,7 @@ async def test_a_rebooted_stateless_node_rejoins(api) -> None:  # type: ignore[n
 
     from metald.auth import issue_token
     from metald.claims.allocation import Selector, create_claim
-    from metald.provision import driver
+    from metald.provision import netboot
     from metald.store.models import Machine
     from metald.tenants import clusters
     from tests.claims.helpers import DEPLOY, add_image, add_ready
@@ -189,7 +190,7 @@ async def test_a_rebooted_stateless_node_rejoins(api) -> None:  # type: ignore[n
                 add_image(store, f"img-{kind}", kind=kind), None, "t", deploy=DEPLOY,
             )  # fmt: skip
             mid = s.exec(select(Machine).where(Machine.claim_id == claim.id)).one().id
-            assert driver.start_provisioning(s, [mid], actor="t") == [mid]
+            assert netboot.start_provisioning(s, [mid], actor="t") == [mid]
             _row, secret = issue_token(s, name="agent", role="agent", scope=[mid])
         agents[kind] = (mid, {"Authorization": f"Bearer {secret}"})
 

@@ -12,9 +12,9 @@ from sqlmodel import col, select
 from api.app import CTX_KEY
 from metald import machines
 from metald.lifecycle import Trigger
-from metald.provision import driver
 from metald.store.models import Event, WgPeer
 from metald.tenants import clusters, keys, mesh
+from tests.api_helpers import drain_steps, use_services
 from tests.claims.fakes import FakeBmc
 from tests.claims.helpers import add_ready
 
@@ -81,7 +81,7 @@ async def _claim(client: Any, tokens: Any, store: Any, n: int) -> tuple[str, lis
     )
     assert r.status == 201, await r.text()
     claim = await r.json()
-    await driver.drain()
+    await drain_steps(client)
     return claim["id"], [m["id"] for m in claim["machines"]]
 
 
@@ -233,7 +233,7 @@ async def test_release_waits_for_the_mesh_before_the_wipe(api, monkeypatch, acki
     await _hubs(client, tokens)
     applied: dict[str, dict] = {}
     bmc = WatchingBmc(applied)
-    client.server.app[CTX_KEY].services["bmc"] = bmc
+    use_services(client.server.app[CTX_KEY], bmc=bmc)
     claim_id, ids = await _claim(client, tokens, store, 3)
     orch = tokens.header("orchestrator")
     joins = {mid: await _join(client, orch, mid, store) for mid in ids}
@@ -253,7 +253,7 @@ async def test_release_waits_for_the_mesh_before_the_wipe(api, monkeypatch, acki
     bmc.calls.clear()
     r = await client.post(f"/api/v1/claims/{claim_id}/machines/{gone}/release", headers=orch)
     assert r.status == 200, await r.text()
-    await driver.drain()
+    await drain_steps(client)
     # The wipe's boot went through the BMC (power off confirmed, then one-time PXE).
     assert (gone, "boot", "pxe") in bmc.calls
     with store.session() as s:
@@ -281,7 +281,7 @@ async def test_tenant_machines_may_reach_their_mesh_view(api) -> None:  # type: 
     j = await _join(client, tokens.header("orchestrator"), tokens.machine_a, store)
     g = TenantNodeGuard(store)
     g.addresses = frozenset({"127.0.0.1"})  # this test client is a tenant's machine
-    client.server.app[CTX_KEY].services["tenant_node_guard"] = g
+    use_services(client.server.app[CTX_KEY], tenant_node_guard=g)
     r = await _mesh(client, j["mesh"]["node_token"])
     assert r.status == 200, await r.text()
     r = await client.get("/api/v1/mesh", headers={"Authorization": f"Bearer {tokens.admin}"})

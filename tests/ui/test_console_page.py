@@ -21,7 +21,7 @@ from playwright.sync_api import expect
 
 from tests.bmc.peers import PASSWORD
 from tests.bmc.test_sol_ipmi_sim import SolSim, running_sol_sim
-from tests.conftest import Tokens, seed
+from tests.conftest import LAB_BMC_ENV, Tokens, seed
 from tests.ui_browser import axe_violations, open_as, shoot
 
 pytestmark = [
@@ -50,7 +50,7 @@ def console_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ConsoleApp
     from aiohttp import web
 
     from api.app import create_app
-    from api.context import AppContext
+    from api.context import AppContext, Services
     from metald.bmc.console import ConsoleService
     from metald.bmc.console_links import BmcLinks
     from metald.bmc.service import BmcService
@@ -68,7 +68,12 @@ def console_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ConsoleApp
     async def serve() -> None:
         url = f"sqlite:///{tmp / 'metald.db'}"
         cfg = load_config(
-            None, environ={"METALD_STATE_DIR": str(tmp / "state"), "METALD_STORE__URL": url}
+            None,
+            environ={
+                "METALD_STATE_DIR": str(tmp / "state"),
+                "METALD_STORE__URL": url,
+                **LAB_BMC_ENV,
+            },
         )
         cfg.bmc.min_interval_ms, cfg.bmc.timeout_s, cfg.bmc.retries = 0, 3, 1
         store = Store(url)
@@ -82,7 +87,7 @@ def console_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ConsoleApp
             store=store,
             secrets=secrets,
             bus=EventBus(),
-            services={"bmc": bmc, "console": consoles},
+            services=Services(bmc=bmc, console=consoles),
         )
         async with running_sol_sim(tmp) as sim:
             runner = web.AppRunner(create_app(ctx), access_log=None)

@@ -332,6 +332,7 @@ def run_local(workdir: Path) -> tuple[Ctl, Callable[[], None], dict[str, float]]
     conf = workdir / "metald.toml"
     conf.write_text(
         f'state_dir = "{workdir}"\ninstance = "demo"\n[api]\nlisten = "127.0.0.1:{port}"\n[bmc]\npower_sync_interval_s = 0\n'
+        'networks = ["127.0.0.0/8", "0.0.0.0/0", "::/0"]\n'
     )
     step(f"Start metald (SQLite in {workdir})")
     log = open(workdir / "metald.log", "w")  # noqa: SIM115 - lives as long as the daemon

@@ -119,6 +119,7 @@ class LabFleet(LabRack):
             f'[api]\nlisten = "{inst.address}:{API_PORT}"\npublic_url = "{inst.url}"\n'
             f"[fleet]\nheartbeat_s = {self.heartbeat_s}\ndead_after_s = {self.dead_after_s}\n"
             "[bmc]\npower_sync_interval_s = 0\nmin_interval_ms = 0\n"
+            'networks = ["127.0.0.0/8", "0.0.0.0/0", "::/0"]\n'
             f'[boot]\nenabled = true\ninterfaces = ["{inst.interface}"]\n'
             f'server_address = "{inst.address}"\nassets_dir = "{self.assets}"\n'
             'router_advertisements = true\ndhcp_peers_mode = "load-balancing"\n'

@@ -168,6 +168,7 @@ class LabRack:
             f'state_dir = "{self.state_dir}"\ninstance = "{self.lab.name}"\n'
             f'[api]\nlisten = "{addr}:8080"\n'
             "[bmc]\npower_sync_interval_s = 0\nmin_interval_ms = 0\n"
+            'networks = ["127.0.0.0/8", "0.0.0.0/0", "::/0"]\n'
             f'[boot]\nenabled = true\ninterfaces = ["{bridge}"]\nserver_address = "{addr}"\n'
             f'assets_dir = "{self.assets}"\nrouter_advertisements = true\n{self._boot_config}'
             f'[[boot.networks]]\nname = "lab"\nsubnet = "{st["subnet"]}"\npool_start = "{lo}"\n'

@@ -192,7 +192,8 @@ class DhcpPacket:
         if not v:
             return []
         items = [v]
-        i, parsed = 0, []
+        i = 0
+        parsed: list[bytes] = []
         while i < len(v):
             n = v[i]
             if n == 0 or i + 1 + n > len(v):
@@ -392,6 +393,7 @@ def serialize(pkt: DhcpPacket, *, min_size: int = 300) -> bytes:
     sname, file, chaddr, opts = pkt.sname, pkt.file, pkt.chaddr, pkt.options
     if len(sname) > 63 or len(file) > 127:
         raise ValueError("sname or file too long for the fixed fields")
+    block: bytes | None
     if min_size != 300:  # padded below instead (the cached blocks are padded for 300)
         key, block = None, _options_block(opts, 0)
     else:
@@ -402,9 +404,10 @@ def serialize(pkt: DhcpPacket, *, min_size: int = 300) -> bytes:
             key, block = None, _options_block(opts)
     if block is None:
         block = _options_block(opts)
-        if len(_BLOCKS) >= _BLOCKS_MAX:
-            _BLOCKS.clear()
-        _BLOCKS[key] = block  # type: ignore[index]
+        if key is not None:  # an encoding of unhashable values is not cached
+            if len(_BLOCKS) >= _BLOCKS_MAX:
+                _BLOCKS.clear()
+            _BLOCKS[key] = block
     out = (
         _HEADER.pack(
             pkt.op,

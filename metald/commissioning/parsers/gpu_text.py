@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from metald.commissioning.verdict import Verdict, judge
 
@@ -14,13 +15,27 @@ _XID = re.compile(r"NVRM: Xid \(PCI:([0-9a-fA-F:.]+)\): (\d+),?\s*(.*)")
 HARDWARE_XIDS = frozenset({48, 61, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140})
 
 
-def judge_xid(kernel_log: str) -> Verdict:
-    """Any hardware XID in the log fails; application XIDs (13, 31, 43 ...) are reported."""
+def parse_xid(kernel_log: str) -> list[dict[str, Any]]:
+    """Every XID line of a kernel log (dmesg or the journal's kernel lines): the GPU's PCI
+    address, the XID number, the text after it (bounded) and the whole line (bounded)."""
     events = []
     for line in kernel_log.splitlines():
         m = _XID.search(line)
         if m:
-            events.append({"pci": m.group(1), "xid": int(m.group(2)), "text": m.group(3)[:200]})
+            events.append(
+                {
+                    "pci": m.group(1),
+                    "xid": int(m.group(2)),
+                    "text": m.group(3)[:200],
+                    "line": line.strip()[:400],
+                }
+            )
+    return events
+
+
+def judge_xid(kernel_log: str) -> Verdict:
+    """Any hardware XID in the log fails; application XIDs (13, 31, 43 ...) are reported."""
+    events = [{k: e[k] for k in ("pci", "xid", "text")} for e in parse_xid(kernel_log)]
     bad = [e for e in events if e["xid"] in HARDWARE_XIDS]
     problems = [
         f"XID {e['xid']} on GPU {e['pci']}" + (f" ({e['text']})" if e["text"] else "")
@@ -37,9 +52,9 @@ _GPU = re.compile(r"^GPU (\d+): (.*?) \(UUID")
 _LINK = re.compile(r"^\s*Link (\d+): (.*)$")
 
 
-def judge_nvlink(text: str, *, links_per_gpu: int | None = None) -> Verdict:
-    """``nvidia-smi nvlink -s``: every link of every GPU up (``<inactive>`` fails), and as
-    many links per GPU as the profile says."""
+def parse_nvlink(text: str) -> dict[str, dict[str, str]]:
+    """``nvidia-smi nvlink -s``: GPU index -> link number -> what the line says
+    (``26.562 GB/s`` or ``<inactive>``)."""
     gpus: dict[str, dict[str, str]] = {}
     current: str | None = None
     for line in text.splitlines():
@@ -51,6 +66,13 @@ def judge_nvlink(text: str, *, links_per_gpu: int | None = None) -> Verdict:
         link = _LINK.match(line)
         if link and current is not None:
             gpus[current][link.group(1)] = link.group(2).strip()
+    return gpus
+
+
+def judge_nvlink(text: str, *, links_per_gpu: int | None = None) -> Verdict:
+    """``nvidia-smi nvlink -s``: every link of every GPU up (``<inactive>`` fails), and as
+    many links per GPU as the profile says."""
+    gpus = parse_nvlink(text)
     problems = []
     for gpu, links in gpus.items():
         down = [n for n, v in links.items() if "inactive" in v.lower()]

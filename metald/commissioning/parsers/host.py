@@ -16,6 +16,56 @@ def _json(text: str, tool: str) -> Any:
         raise ValueError(f"{tool} output is not JSON: {e}") from None
 
 
+def parse_smart(text: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """``smartctl -j -a /dev/X``, one document per disk (a JSON list, or one per line): the
+    facts of each disk with SMART data (device, model, passed, NVMe wear, critical warning,
+    media errors, available spare and its threshold), and the devices without any SMART
+    interface (virtio, loop, some RAID volumes). Raises ValueError for output that is not
+    smartctl's JSON, and for a disk it could not read."""
+    docs: list[Any] = []
+    try:
+        parsed = _json(text, "smartctl") if text.lstrip()[:1] in ("[", "{") else None
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, list):
+        docs = parsed
+    elif isinstance(parsed, dict):
+        docs = [parsed]
+    else:
+        docs = [_json(line, "smartctl") for line in text.splitlines() if line.strip()]
+    disks: list[dict[str, Any]] = []
+    without: list[str] = []
+    for d in docs:
+        if not isinstance(d, dict):
+            raise ValueError("smartctl output is not a JSON object per disk")
+        status = d.get("smart_status")
+        if not isinstance(status, dict):
+            msgs = [m.get("string", "") for m in (d.get("smartctl") or {}).get("messages", [])]
+            argv = (d.get("smartctl") or {}).get("argv") or ["?"]
+            if _no_smart_interface(d):
+                without.append(str(argv[-1]))
+                continue
+            raise ValueError(
+                f"smartctl read no SMART data from {argv[-1]}: {'; '.join(msgs)[:200]}"
+            )
+        nvme = d.get("nvme_smart_health_information_log") or {}
+        disks.append(
+            {
+                "device": (d.get("device") or {}).get("name") or "?",
+                "model": d.get("model_name"),
+                "passed": status.get("passed"),
+                "percentage_used": nvme.get("percentage_used"),
+                "critical_warning": nvme.get("critical_warning", 0) or 0,
+                "media_errors": nvme.get("media_errors", 0) or 0,
+                "available_spare": nvme.get("available_spare"),
+                "available_spare_threshold": nvme.get("available_spare_threshold"),
+            }
+        )
+    if not docs:
+        raise ValueError("smartctl reported no disk")
+    return disks, without
+
+
 def judge_smart(
     text: str,
     *,
@@ -23,58 +73,24 @@ def judge_smart(
     min_available_spare: int | None = None,
     max_media_errors: int | None = None,
 ) -> Verdict:
-    """``smartctl -j -a /dev/X``, one document per disk (a JSON list, or one per line): a
-    document without SMART data (the device could not be opened) is an error; overall health
-    failed, an NVMe critical warning, NVMe media errors (a drive can report PASSED with them;
-    more than ``max_media_errors`` when the profile allows some), NVMe wear of 90 % or more
-    (or above ``max_percentage_used``), or available spare below ``min_available_spare`` (or
-    below the drive's own threshold) fail."""
+    """``smartctl -j -a /dev/X`` (``parse_smart``): a document without SMART data (the device
+    could not be opened) is an error; overall health failed, an NVMe critical warning, NVMe
+    media errors (a drive can report PASSED with them; more than ``max_media_errors`` when the
+    profile allows some), NVMe wear of 90 % or more (or above ``max_percentage_used``), or
+    available spare below ``min_available_spare`` (or below the drive's own threshold) fail."""
     wear_max = 89 if max_percentage_used is None else max_percentage_used
     media_max = 0 if max_media_errors is None else max_media_errors
-    docs: list[Any] = []
     try:
-        parsed = _json(text, "smartctl") if text.lstrip()[:1] in ("[", "{") else None
-    except ValueError:
-        parsed = None
-    try:
-        if isinstance(parsed, list):
-            docs = parsed
-        elif isinstance(parsed, dict):
-            docs = [parsed]
-        else:
-            docs = [_json(line, "smartctl") for line in text.splitlines() if line.strip()]
+        parsed, without = parse_smart(text)
     except ValueError as e:
         return error(str(e))
-    disks, problems, without = [], [], []
-    for d in docs:
-        if not isinstance(d, dict):
-            return error("smartctl output is not a JSON object per disk")
-        name = (d.get("device") or {}).get("name") or "?"
-        status = d.get("smart_status")
-        if not isinstance(status, dict):
-            msgs = [m.get("string", "") for m in (d.get("smartctl") or {}).get("messages", [])]
-            argv = (d.get("smartctl") or {}).get("argv") or ["?"]
-            if _no_smart_interface(d):
-                without.append(str(argv[-1]))  # virtio, loop, some RAID volumes: no SMART at all
-                continue
-            return error(f"smartctl read no SMART data from {argv[-1]}: {'; '.join(msgs)[:200]}")
-        nvme = d.get("nvme_smart_health_information_log") or {}
-        wear = nvme.get("percentage_used")
-        crit = nvme.get("critical_warning", 0) or 0
-        media = nvme.get("media_errors", 0) or 0
-        spare, spare_min = nvme.get("available_spare"), nvme.get("available_spare_threshold")
-        disks.append(
-            {
-                "device": name,
-                "model": d.get("model_name"),
-                "passed": status.get("passed"),
-                "percentage_used": wear,
-                "critical_warning": crit,
-                "media_errors": media,
-                "available_spare": spare,
-            }
-        )
-        if status.get("passed") is False:
+    disks, problems = [], []
+    for disk in parsed:
+        spare_min = disk.pop("available_spare_threshold")
+        disks.append(disk)
+        name, wear, crit = disk["device"], disk["percentage_used"], disk["critical_warning"]
+        media, spare = disk["media_errors"], disk["available_spare"]
+        if disk["passed"] is False:
             problems.append(f"{name} SMART overall health failed")
         if crit:
             problems.append(f"{name} NVMe critical warning {crit:#x}")
@@ -89,8 +105,6 @@ def judge_smart(
             if isinstance(floor, int) and spare < floor:
                 whose = "the profile's" if min_available_spare is not None else "the drive's"
                 problems.append(f"{name} NVMe available spare {spare} %, below {whose} {floor} %")
-    if not docs:
-        return error("smartctl reported no disk")
     if not disks:
         return skipped(
             f"no disk has a SMART interface ({', '.join(without)}: smartctl cannot detect a "

@@ -5,18 +5,25 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from metald.commissioning.verdict import Verdict, judge
 
 _LINE = re.compile(r"^(\S+/\d+)\s+\d+:\s*(\S+)\s+(\d+(?:\.\d+)?)\s*Gb/sec")
 
 
-def judge_ib(text: str, *, count: int, rate_gbps: int = 0) -> Verdict:
+def parse_ib(text: str) -> list[dict[str, Any]]:
+    """One ``{"port", "state", "rate_gbps"}`` per port line."""
     ports = []
     for line in text.splitlines():
         m = _LINE.match(line.strip())
         if m:
             ports.append({"port": m.group(1), "state": m.group(2), "rate_gbps": float(m.group(3))})
+    return ports
+
+
+def judge_ib(text: str, *, count: int, rate_gbps: int = 0) -> Verdict:
+    ports = parse_ib(text)
     good = [p for p in ports if p["state"] == "ACTIVE" and p["rate_gbps"] >= rate_gbps]
     problems = []
     if len(good) < count:

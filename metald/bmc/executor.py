@@ -1,7 +1,11 @@
-"""BMC commands, implemented: drivers, the scheduler, health, and ownership fencing.
+"""The one way a BMC command is sent: ``BmcExecutor.execute``.
 
-``BmcControl`` implements ``metald.bmc.control.PowerControl`` and owns the per-BMC driver
-sessions and their health. With several instances (metald.fleet) a command is sent only by the
+It refuses a capability the BMC's driver lacks (``metald.bmc.capabilities``), confirms this
+instance still holds the BMC (lease, fencing generation), journals a provisioning step's command
+before it is sent, runs it under the scheduler (serialised per BMC, timeouts, retries, health)
+within the lease, and maps what went wrong onto the API's problems. The commands themselves are
+the capability modules' (``chassis``, ``firmware``, ``media``); the executor also owns the
+per-BMC driver sessions and their health, and is the ``PowerControl`` provisioning calls. With several instances (metald.fleet) a command is sent only by the
 BMC's owner, and only after the store confirmed, in the same statement that journals it, that
 this instance still holds the BMC at the generation it acquired (``metald.bmc.ownership``): an
 instance that lost the BMC (judged dead, superseded) cannot send anything, and a fenced one
@@ -15,54 +19,47 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from sqlalchemy import update
 from sqlmodel import Session, select
 
-from metald.bmc import ownership
+from metald.bmc import chassis, ownership
 from metald.bmc.base import (
     BmcDriver,
     BmcEndpoint,
     BmcError,
     BmcUnsupported,
-    BootDevice,
-    BootTarget,
-    LogEntry,
-    PowerAction,
-    PowerState,
-    Sensor,
+    cause,
 )
-from metald.bmc.control import BmcCommandFailed, BmcOwnership, NoBmc, NotOwner
+from metald.bmc.capabilities import Capability, CapabilityMissing
+from metald.bmc.control import BmcCommandFailed, BmcOwnership, Expected, NoBmc, NotOwner
 from metald.bmc.ipmi import IpmiDriver
-from metald.bmc.power_confirm import (
-    CommandBook,
-    CommandStatus,
-    PowerCommand,
-    target_of,
-    wait_for_state,
-)
+from metald.bmc.power_confirm import CommandBook
 from metald.bmc.redfish import RedfishDriver
 from metald.bmc.scheduler import BmcScheduler, Health
 from metald.config import BmcConfig
 from metald.errors import NotFound, Unprocessable
-from metald.machines import add_event, get_machine
+from metald.machines import get_machine
 from metald.secrets import SecretBox
 from metald.service import cancel
 from metald.store.db import Store
-from metald.store.models import Bmc, Machine, utcnow
+from metald.store.models import Bmc, utcnow
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+#: The driver of each protocol.
+DRIVERS: dict[str, type[IpmiDriver] | type[RedfishDriver]] = {
+    "ipmi": IpmiDriver,
+    "redfish": RedfishDriver,
+}
 
-@dataclass(frozen=True)
-class Expected:
-    """The power state metald asked for, and until when a different reading is not drift."""
 
-    state: PowerState
-    until: float
+def capabilities_of(protocol: str) -> frozenset[Capability]:
+    """What a BMC of this protocol can be asked (none for a protocol metald has no driver of)."""
+    driver = DRIVERS.get(protocol)
+    return frozenset(Capability(c) for c in driver.capabilities) if driver else frozenset()
 
 
 class LeaseEnded(BmcError):
@@ -70,8 +67,8 @@ class LeaseEnded(BmcError):
     was stopped, its retries and retransmissions with it. Never retried here."""
 
 
-class BmcControl:
-    """Drivers, scheduler and ownership: every BMC command goes through ``_send``."""
+class BmcExecutor:
+    """Drivers, scheduler and ownership: every BMC command goes through ``execute``."""
 
     def __init__(self, store: Store, secrets: SecretBox, cfg: BmcConfig, instance: str) -> None:
         self.store = store
@@ -94,11 +91,13 @@ class BmcControl:
         self.ownership: BmcOwnership | None = None
         #: bmc id -> the generation this instance acquired it at.
         self.held: dict[str, int] = {}
-        #: Machines whose provisioning step runs in this instance now (metald.provision.driver).
+        #: The boot HTTP listener's URL, where BMCs fetch a boot's ISO (``metald.bmc.media``).
+        self.vmedia_base: str | None = None
+        #: Machines whose provisioning step runs in this instance now (metald.provision.netboot).
         self.in_flight: set[str] = set()
         #: Power commands by id, and the tasks confirming them (``metald.bmc.power_confirm``).
         self.commands = CommandBook()
-        self._confirming: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[None]] = set()
 
     # --- ownership ------------------------------------------------------------------------
 
@@ -227,8 +226,15 @@ class BmcControl:
             task = loop.create_task(d.close())
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
+    def spawn(self, work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        """Run ``work`` (a power command's confirmation) in the background until ``close``."""
+        task = asyncio.create_task(work, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
     async def close(self) -> None:
-        for task in list(self._confirming):
+        for task in list(self._background):
             await cancel(task)
         drivers, self.drivers = list(self.drivers.values()), {}
         for d in drivers:
@@ -239,7 +245,7 @@ class BmcControl:
         self,
         row: Bmc,
         op_name: str,
-        fn: Callable[[BmcDriver], Awaitable[T]],
+        fn: Callable[[Any], Awaitable[T]],
         *,
         idempotent: bool = True,
         timeout_s: float | None = None,
@@ -326,23 +332,40 @@ class BmcControl:
 
         await self.store.run(write)
 
-    async def virtual_media(self, row: Bmc, op: str, *args: Any) -> Any:
-        """A Redfish VirtualMedia request (``metald.bmc.virtual_media.OPERATIONS``) on the BMC;
-        the caller fences and journals it first (``metald.bmc.media``)."""
-        from metald.bmc import virtual_media
+    def require(self, row: Bmc, capability: Capability, hint: str = "") -> None:
+        """Raise ``CapabilityMissing`` (422, naming it) unless the BMC's driver offers it."""
+        offered = capabilities_of(row.protocol)
+        if capability not in offered:
+            raise CapabilityMissing(row.id, row.protocol, capability, offered, hint)
 
-        fn = virtual_media.OPERATIONS[op]
-        return await self._command(row, op, lambda d: fn(d, *args))  # type: ignore[arg-type]
-
-    async def _command(
+    async def execute(
         self,
         row: Bmc,
+        capability: Capability,
         name: str,
-        fn: Callable[[BmcDriver], Awaitable[T]],
+        fn: Callable[[Any], Awaitable[T]],
         *,
+        write: bool = False,
+        journal: str | None = None,
+        step: str | None = None,
+        before_send: Callable[[], None] | None = None,
         idempotent: bool = True,
         timeout_s: float | None = None,
     ) -> T:
+        """Send one command: ``fn`` on the BMC's driver (which implements ``capability``).
+
+        A read only needs this instance to own the BMC; a ``write`` is fenced in the store
+        first, and a provisioning ``step``'s ``journal`` entry (``power:on``, ``boot:pxe``)
+        recorded as sent before it is. ``before_send`` runs after the fence, right before the
+        command leaves. Raises ``CapabilityMissing``, ``NotOwner``, ``Unprocessable`` (the BMC
+        does not offer it after all) or ``BmcCommandFailed``."""
+        self.require(row, capability)
+        if write or journal is not None or step is not None:
+            await self._fence(row, journal, step)
+        else:
+            await self._generation(row)
+        if before_send is not None:
+            before_send()
         try:
             return await self.run(row, name, fn, idempotent=idempotent, timeout_s=timeout_s)
         except LeaseEnded as e:
@@ -380,267 +403,11 @@ class BmcControl:
     async def row(self, bmc_id: str) -> Bmc:
         return await self.store.run(get_bmc, bmc_id)
 
-    # --- commands (PowerControl) ----------------------------------------------------------
+    # --- PowerControl, as provisioning calls it: the chassis commands on this executor ---
 
-    async def power(
-        self,
-        machine_id: str,
-        action: PowerAction,
-        *,
-        actor: str = "system",
-        step: str | None = None,
-    ) -> PowerState:
-        # Provisioning gets the state the BMC reported (the target once confirmed); a
-        # command still pending after power_state_timeout_s reports its last reading.
-        row = await self.row_for_machine(machine_id)
-        cmd = await self.power_row(row, action, actor, step)
-        return cmd.observed if cmd.observed is not None else await self.read_power_row(row)
-
-    async def read_power(self, machine_id: str, *, actor: str = "system") -> PowerState:
-        return await self.read_power_row(await self.row_for_machine(machine_id))
-
-    async def set_boot_device(
-        self,
-        machine_id: str,
-        device: BootTarget,
-        persistent: bool = False,
-        *,
-        uefi: bool | None = None,
-        actor: str = "system",
-        step: str | None = None,
-    ) -> None:
-        row = await self.row_for_machine(machine_id)
-        boot = BootDevice(BootTarget(device), bool(persistent), uefi)
-        await self._fence(row, f"boot:{boot.device.value}", step)
-        await self._command(row, "set_boot_device", lambda d: d.set_boot_device(boot))
-
-        def record(s: Session) -> None:
-            add_event(
-                s,
-                "bmc.boot-device",
-                actor,
-                machine_id=machine_id,
-                instance=self.instance,
-                data={
-                    "bmc_id": row.id,
-                    "device": boot.device.value,
-                    "persistent": boot.persistent,
-                    "uefi": boot.uefi,
-                },
-            )
-            s.commit()
-
-        await self.store.run(record)
-
-    async def read_power_row(self, row: Bmc) -> PowerState:
-        """Ask the BMC now, and record what it said (not drift: someone asked)."""
-        await self._generation(row)
-        state = await self._command(row, "get_power", lambda d: d.get_power())
-        await self.store.run(record_power, row.id, state, None, self.instance)
-        return state
-
-    async def power_row(
-        self,
-        row: Bmc,
-        action: PowerAction,
-        actor: str,
-        step: str | None = None,
-        *,
-        wait_s: float | None = None,
-    ) -> PowerCommand:
-        """Send a power action, then wait up to ``wait_s`` (default ``power_state_timeout_s``)
-        for the BMC to report the state it ends in. The command comes back confirmed, failed,
-        or still pending (``answered``): its confirmation then goes on in the background until
-        ``power_state_give_up_s`` and reports its outcome as an event. The recorded power
-        state is only ever what the BMC reported."""
-        act = PowerAction(action)
-        cmd = PowerCommand(row.id, row.machine_id, act, target_of(act))
-        await self._fence(row, f"power:{act.value}", step)
-        # Expected before it is sent, so a sync reading in between is not reported as drift.
-        self.expected[row.id] = Expected(cmd.target, time.monotonic() + self.cfg.drift_grace_s)
-        await self._command(
-            row,
-            f"power_{act.value}",
-            lambda d: d.set_power(act),
-            idempotent=act not in (PowerAction.CYCLE, PowerAction.RESET),
-        )
-        self.commands.add(cmd)
-        task = asyncio.create_task(self._confirm(row, cmd, actor), name=f"bmc-confirm-{cmd.id}")
-        self._confirming.add(task)
-        task.add_done_callback(self._confirming.discard)
-        wait = self.cfg.power_state_timeout_s
-        if wait_s is not None:
-            wait = min(wait, max(0.0, wait_s))
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(task), wait)
-        # Nothing runs between the timeout and this line: the task sees ``answered`` when done.
-        cmd.answered = not task.done()
-
-        def record(s: Session) -> None:
-            add_event(
-                s,
-                "bmc.power",
-                actor,
-                machine_id=row.machine_id,
-                instance=self.instance,
-                data={
-                    "bmc_id": row.id,
-                    "action": act.value,
-                    "command_id": cmd.id,
-                    "status": cmd.status.value,
-                    "power_state": cmd.observed.value if cmd.observed else None,
-                    "elapsed_s": cmd.elapsed_s,
-                },
-            )
-            s.commit()
-
-        await self.store.run(record)
-        if cmd.status is CommandStatus.FAILED:
-            raise BmcCommandFailed(
-                f"power {act.value} on BMC {row.id}: the BMC accepted it but did not report "
-                f"power {cmd.target.value} within {self.cfg.power_state_give_up_s:g} s "
-                f"(last reading: {cmd.observed.value if cmd.observed else 'none'}); check the "
-                "machine's power supply and the BMC",
-                bmc_id=row.id,
-                command_id=cmd.id,
-            )
-        return cmd
-
-    async def _confirm(self, row: Bmc, cmd: PowerCommand, actor: str) -> None:
-        """Read the BMC (backing off) until it reports the command's target state or
-        ``power_state_give_up_s`` passed; record each reading; when the request already
-        answered 202, report the outcome as an event."""
-
-        async def reading(state: PowerState) -> None:
-            cmd.last_error = None
-            if state is not cmd.observed:
-                cmd.observed = state
-                await self.store.run(record_power, row.id, state, None, self.instance)
-
-        def failed_read(e: Exception) -> None:
-            cmd.last_error = cause(e)
-
-        cmd.status = await wait_for_state(
-            lambda: self.run(row, "confirm_power", lambda d: d.get_power()),
-            cmd.target,
-            cmd.sent_at + self.cfg.power_state_give_up_s,
-            reading,
-            failed_read,
-            (BmcError,),
-        )
-        cmd.done_at = time.monotonic()
-        if not cmd.answered and cmd.status is CommandStatus.CONFIRMED:
-            return
-        failed = cmd.status is CommandStatus.FAILED
-        if failed:
-            log.warning("BMC %s never reported power %s", row.id, cmd.target.value)
-
-        def record(s: Session) -> None:
-            add_event(
-                s,
-                "bmc.power-failed" if failed else "bmc.power-confirmed",
-                actor,
-                machine_id=row.machine_id,
-                instance=self.instance,
-                reason=(
-                    f"the BMC did not report power {cmd.target.value} within "
-                    f"{self.cfg.power_state_give_up_s:g} s of power {cmd.action.value}"
-                    if failed
-                    else None
-                ),
-                data=cmd.public(),
-            )
-            s.commit()
-
-        await self.store.run(record)
-
-    async def set_locate(self, machine_id: str, on: bool, *, actor: str = "system") -> bool | None:
-        """Light (or turn off) the machine's locate indicator; returns what the BMC reports
-        afterwards (None where it does not say)."""
-        row = await self.row_for_machine(machine_id)
-        await self._fence(row, None, None)
-        await self._command(row, "set_locate", lambda d: d.set_locate(on))
-        state = await self._read_locate(row)
-
-        def record(s: Session) -> None:
-            add_event(
-                s,
-                "bmc.locate",
-                actor,
-                machine_id=machine_id,
-                instance=self.instance,
-                data={"bmc_id": row.id, "on": on, "reported": state},
-            )
-            s.commit()
-
-        await self.store.run(record)
-        return state
-
-    async def read_locate(self, machine_id: str) -> bool | None:
-        row = await self.row_for_machine(machine_id)
-        await self._generation(row)
-        return await self._read_locate(row)
-
-    async def _read_locate(self, row: Bmc) -> bool | None:
-        try:
-            return await self._command(row, "get_locate", lambda d: d.get_locate())
-        except Unprocessable:  # the BMC lights it but cannot say whether it is lit
-            return None
-
-    async def sensors(self, machine_id: str) -> list[Sensor]:
-        row = await self.row_for_machine(machine_id)
-        await self._generation(row)
-        return await self._command(
-            row, "sensors", lambda d: d.sensors(), timeout_s=self.cfg.sensors_timeout_s
-        )
-
-    async def event_log(self, machine_id: str) -> list[LogEntry]:
-        row = await self.row_for_machine(machine_id)
-        await self._generation(row)
-        return await self._command(
-            row, "event_log", lambda d: d.event_log(), timeout_s=self.cfg.sensors_timeout_s
-        )
-
-
-def set_power(s: Session, bmc_id: str, machine_id: str | None, state: str) -> None:
-    # power_state is an observation, not a lifecycle change: no version bump, so it never makes a
-    # concurrent lifecycle writer fail its compare-and-swap.
-    s.execute(update(Bmc).where(Bmc.id == bmc_id).values(power_state=str(state)))  # type: ignore[arg-type]
-    if machine_id:
-        s.execute(
-            update(Machine)
-            .where(Machine.id == machine_id)  # type: ignore[arg-type]
-            .values(power_state=str(state))
-        )
-
-
-def record_power(
-    s: Session, bmc_id: str, observed: PowerState, drift_actor: str | None, instance: str
-) -> bool:
-    """Store an observed power state; with ``drift_actor``, a change nobody asked for becomes a
-    ``bmc.power-drift`` event. Returns whether it drifted."""
-    current = s.get(Bmc, bmc_id)
-    if current is None:
-        return False
-    before = current.power_state
-    if before == observed.value:
-        return False
-    drift = drift_actor is not None and before is not None
-    if drift:
-        add_event(
-            s,
-            "bmc.power-drift",
-            drift_actor or "",
-            machine_id=current.machine_id,
-            from_state=before,
-            to_state=observed.value,
-            instance=instance,
-            reason="power state changed without a metald command",
-            data={"bmc_id": bmc_id},
-        )
-    set_power(s, bmc_id, current.machine_id, observed)
-    s.commit()
-    return drift
+    power = chassis.power
+    read_power = chassis.read_power
+    set_boot_device = chassis.set_boot_device
 
 
 def get_bmc(s: Session, bmc_id: str) -> Bmc:
@@ -655,7 +422,3 @@ def split_scheme(address: str) -> tuple[str, str]:
         if address.startswith(scheme + "://"):
             return scheme, address[len(scheme) + 3 :].rstrip("/")
     return "https", address
-
-
-def cause(e: BaseException) -> str:
-    return str(e) or type(e).__name__

@@ -1,17 +1,18 @@
-"""The step after a claim or release: move machines into provisioning or wiping, then make them
-network-boot through their BMC (one-time PXE boot, then power cycle or on).
+"""The network-boot step and the steps around it: move machines into provisioning or wiping,
+then make them network-boot through their BMC (one-time PXE boot, then power cycle or on).
 
-Database steps are plain Session functions; BMC steps are async and run in the background
-(``spawn``), so an API request never waits on a slow BMC. A BMC failure moves the machine to
-the failed state with ``last_error``; a machine without a BMC is left to boot when someone
-powers it (the watchdog times it out otherwise).
+Database steps are plain Session functions; the boot itself is async and runs in the
+background under the ``Provisioner`` service's runner, so an API request never waits on a slow
+BMC. What the boot does next is decided by the pure ``netboot_core``; ``NetBootRun`` here only
+carries its commands out against the store and the BMC. A BMC failure moves the machine to the
+failed state with ``last_error``; a machine without a BMC is left to boot when someone powers
+it (the watchdog times it out otherwise).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import weakref
 from collections.abc import Coroutine
 from typing import Any
 
@@ -20,14 +21,14 @@ from sqlmodel import Session
 from metald import machines
 from metald.bmc import media as virtual_media
 from metald.bmc import ownership
-from metald.bmc.base import BootTarget, PowerAction, PowerState
+from metald.bmc.base import BootTarget, PowerAction
 from metald.bmc.control import NotOwner, PowerControl, step_key
-from metald.bmc.ownership import StepJournal
 from metald.errors import Conflict, MetaldError, NotFound
 from metald.lifecycle import NETWORK_BOOT as NETWORK_BOOT_STATES
 from metald.lifecycle import OPERATION_FAIL as _FAIL
 from metald.lifecycle import RETRY, IllegalTransition, State, Trigger
 from metald.provision import boots, media_boot
+from metald.provision import netboot_core as core
 from metald.provision.intents import DeployImage, inspect_intent, wipe_intent
 from metald.store.db import Store, store_unavailable
 from metald.store.models import Machine
@@ -64,46 +65,62 @@ class StepRunner:
 
 
 class Provisioner:
-    """The ``provision`` service: owns the background steps started by API calls."""
+    """The ``provision`` service: owns the background steps started by API calls (its
+    ``steps``, given by whoever builds it), and stops them at ``stop``. It is the claim
+    workflows' ``BootControl``: database steps run in the caller's transaction, BMC steps in
+    the background under its runner."""
 
     name = "provision"
 
-    def __init__(self) -> None:
-        self.steps = StepRunner()
+    def __init__(self, steps: StepRunner | None = None) -> None:
+        self.steps = steps if steps is not None else StepRunner()
 
     async def start(self) -> None:
-        _RUNNERS[asyncio.get_running_loop()] = self.steps
+        pass
 
     async def stop(self) -> None:
-        loop = asyncio.get_running_loop()
-        if _RUNNERS.get(loop) is self.steps:
-            del _RUNNERS[loop]
         await self.steps.cancel_all()
 
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run ``coro`` in the background under this service's runner."""
+        return self.steps.spawn(coro)
 
-#: The runner ``spawn`` hands API-started steps to, per event loop: the daemon's Provisioner
-#: while it runs (it stops them), else one made on first use (an API under test).
-_RUNNERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, StepRunner] = (
-    weakref.WeakKeyDictionary()
-)
+    def start_provisioning(
+        self, session: Session, machine_ids: list[str], *, actor: str, instance: str | None = None
+    ) -> list[str]:
+        return start_provisioning(session, machine_ids, actor=actor, instance=instance)
 
+    def retry(
+        self,
+        session: Session,
+        machine_id: str,
+        *,
+        actor: str,
+        deploy: DeployImage,
+        reason: str | None = None,
+        version: int | None = None,
+        instance: str | None = None,
+    ) -> Machine:
+        return retry(
+            session,
+            machine_id,
+            actor=actor,
+            deploy=deploy,
+            reason=reason,
+            version=version,
+            instance=instance,
+        )
 
-def runner() -> StepRunner:
-    loop = asyncio.get_running_loop()
-    r = _RUNNERS.get(loop)
-    if r is None:
-        r = _RUNNERS[loop] = StepRunner()
-    return r
-
-
-def spawn(coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-    """Run ``coro`` in the background under this loop's step runner (see ``Provisioner``)."""
-    return runner().spawn(coro)
-
-
-async def drain() -> None:
-    """Wait for every background step of this loop's runner (tests)."""
-    await runner().drain()
+    async def reboot_all(
+        self,
+        store: Store,
+        bmc: Any,
+        machine_ids: list[str],
+        *,
+        actor: str,
+        instance: str | None = None,
+    ) -> None:
+        await reboot_all(store, bmc, machine_ids, actor=actor, instance=instance)
 
 
 def start_provisioning(
@@ -242,45 +259,23 @@ def _media_armed(session: Session, machine_id: str) -> bool:
     return media_boot.is_media_boot(machines.get_machine(session, machine_id).boot_armed)
 
 
-#: How long the driver waits for a machine to report off after a hard power-off.
-POWER_OFF_WAIT_S = 60.0
-POWER_OFF_POLL_S = 1.0
-
-
 def control_of(bmc: Any) -> PowerControl:
     """The typed control behind what callers pass as ``bmc``: the daemon's BmcService (its
     ``control``) or a PowerControl itself."""
     return getattr(bmc, "control", bmc)
 
 
-async def _wait_off(bmc: PowerControl, machine_id: str, actor: str) -> None:
-    deadline = asyncio.get_running_loop().time() + POWER_OFF_WAIT_S
-    while await bmc.read_power(machine_id, actor=actor) is not PowerState.OFF:
-        if asyncio.get_running_loop().time() > deadline:
-            raise MetaldError(
-                f"the BMC did not report the machine off within {POWER_OFF_WAIT_S:.0f} s of a "
-                "power-off; check the BMC and retry"
-            )
-        await asyncio.sleep(POWER_OFF_POLL_S)
-
-
-async def _power_off(bmc: PowerControl, machine_id: str, actor: str, step: str | None) -> None:
-    """Hard power-off through the BMC, and wait until the BMC reports the machine off: from
-    then on nothing the machine ran before (a tenant's OS) can ask metald for anything."""
-    if await bmc.read_power(machine_id, actor=actor) is PowerState.OFF:
-        return
-    await bmc.power(machine_id, PowerAction.OFF, actor=actor, step=step)
-    await _wait_off(bmc, machine_id, actor)
-
-
-def _step_of(session: Session, machine_id: str) -> tuple[str | None, StepJournal | None]:
+def _load_step(session: Session, machine_id: str) -> tuple[str | None, core.StepLoaded]:
     """The machine's current step (None when its state does not boot over the network) and
-    its BMC's journal of that step."""
+    what its BMC's journal holds of that step."""
     m = machines.get_machine(session, machine_id)
     if State(m.state) not in NETWORK_BOOT_STATES:
-        return None, None
+        return None, core.StepLoaded(booting=False)
     step = step_key(m)
-    return step, ownership.read_step(session, machine_id, step)
+    journal = ownership.read_step(session, machine_id, step)
+    if journal is None:
+        return step, core.StepLoaded(booting=True)
+    return step, core.StepLoaded(booting=True, command=journal.command, done=journal.done)
 
 
 async def boot_from_network(
@@ -299,8 +294,8 @@ async def boot_from_network(
 
     Resumable: each command is journaled on the BMC's row before it is sent, so a step cut
     off (this or another instance killed) continues from there, and a command whose effect
-    can be read (power) is read, never sent again blindly. One run per machine at a time in
-    this instance.
+    can be read (power) is read, never sent again blindly (``netboot_core`` decides each
+    command). One run per machine at a time in this instance.
 
     ``via`` "virtual-media" (or None and the machine labelled ``boot-via=virtual-media``):
     instead of a PXE boot, insert metald's boot ISO into the BMC's virtual CD (Redfish) and
@@ -312,7 +307,8 @@ async def boot_from_network(
             return False
         busy.add(machine_id)
     try:
-        return await _boot(store, control, machine_id, actor, instance, via)
+        run = NetBootRun(store, control, machine_id, actor, instance, via)
+        return (await run.run()).ok
     finally:
         if busy is not None:
             busy.discard(machine_id)
@@ -334,93 +330,117 @@ def _iso_for(session: Session, bmc: Any, machine_id: str, via: str | None) -> st
     return url
 
 
-async def _boot(
-    store: Store,
-    bmc: PowerControl,
-    machine_id: str,
-    actor: str,
-    instance: str | None,
-    via: str | None = None,
-) -> bool:
-    step: str | None = None
-    try:
-        step, journal = await store.run(_step_of, machine_id)
-        if step is None:
-            return False
-        if journal is not None and journal.done:
-            return True
-        sent = journal.command if journal is not None else None
-        iso = await store.run(_iso_for, bmc, machine_id, via)
-        if sent in (None, "requested"):
-            await _power_off(bmc, machine_id, actor, step)
-            sent = "power:off"
-        elif sent == "power:off":  # sent before a failover: wait for it, never send it again
-            await _wait_off(bmc, machine_id, actor)
-        if iso is not None and sent == "boot:cd" and not await store.run(_media_armed, machine_id):
-            sent = "power:off"  # the inserted ISO's boot is gone (taken or re-armed): again
-        if iso is not None and sent in ("power:off", "vmedia:insert"):
-            # Armed first, with a nonce of its own: the ISO (built per boot) carries its URL,
-            # the only way to this boot's token (media_boot). The machine is off, and the
-            # per-MAC script never hands out a media boot's token. Inserting again after a
-            # failover is harmless (insert ejects what is there first; a new nonce).
-            reason = "power off, insert the boot ISO, one-time CD boot and power on through the BMC"
-            armed = await store.run(_arm, machine_id, reason, actor, instance, iso, True)
-            if not armed:
-                return False
-            url = media_boot.iso_url(iso, machine_id, armed)
-            await virtual_media.insert_for(bmc, machine_id, url, step)  # type: ignore[arg-type]
-            await virtual_media.boot_cd_for(bmc, machine_id, step)  # type: ignore[arg-type]
-            await bmc.power(machine_id, PowerAction.ON, actor=actor, step=step)
-        elif sent == "boot:cd":
-            await bmc.power(machine_id, PowerAction.ON, actor=actor, step=step)
-        elif sent == "power:off":
-            # uefi=None: keep the machine's own firmware mode (a BIOS machine refuses a UEFI
-            # override and a UEFI one may not PXE in legacy mode).
-            await bmc.set_boot_device(
-                machine_id, BootTarget.PXE, False, uefi=None, actor=actor, step=step
-            )
-            sent = "boot:pxe"
-        if sent == "boot:pxe":
-            # The watchdog reads the note to tell a boot that was asked for from one a
-            # restart cut off.
-            reason = "power off, one-time PXE boot and power on through the BMC"
-            if not await store.run(_arm, machine_id, reason, actor, instance):
-                return False
-            await bmc.power(machine_id, PowerAction.ON, actor=actor, step=step)
-        elif (
-            sent == "power:on"
-            and await bmc.read_power(machine_id, actor=actor) is not PowerState.ON
-        ):
-            # Sent before a failover, and the machine reads off: the command never reached
-            # the BMC (powering on what is off cannot act twice). On: it is booting.
-            await bmc.power(machine_id, PowerAction.ON, actor=actor, step=step)
-        await store.run(ownership.mark_step, machine_id, step, command=None, done=True)
-        return True
-    except NotOwner as e:
-        # Another instance owns the BMC: the step is left in the store for it (its watchdog
-        # runs unfinished steps of the BMCs it holds).
-        log.info("machine %s: network boot left to the BMC's owner (%s)", machine_id, e.detail)
-        if step is not None:
-            try:
-                await store.run(
-                    ownership.mark_step, machine_id, step, command="requested", done=False
+class NetBootRun:
+    """One run of the step: carries out what ``netboot_core`` decides, one command at a time,
+    and tells it what happened. Everything here is I/O; every decision is the core's."""
+
+    def __init__(
+        self,
+        store: Store,
+        bmc: PowerControl,
+        machine_id: str,
+        actor: str,
+        instance: str | None,
+        via: str | None = None,
+    ) -> None:
+        self.store = store
+        self.bmc = bmc
+        self.machine_id = machine_id
+        self.actor = actor
+        self.instance = instance
+        self.via = via
+        self.step: str | None = None  # the step's journal key, once loaded
+        self.iso: str | None = None  # the boot HTTP base of a virtual-media boot
+
+    async def run(self) -> core.Outcome:
+        state, todo = core.start()
+        while not isinstance(todo, core.Outcome):
+            event = await self._event(todo)
+            state, todo = core.advance(state, event)
+        self._log(todo)
+        return todo
+
+    async def _event(self, command: core.Command) -> core.Event:
+        """Carry out ``command``; what happened, failures included, as the core's event."""
+        try:
+            return await self._do(command)
+        except NotOwner as e:
+            return core.NotOwner(e.detail)
+        except NotFound as e:
+            return core.NoBmc(e.detail)
+        except Exception as e:  # noqa: BLE001 - any failure ends the step visibly, never silently
+            if store_unavailable(e):  # not the BMC's failure: the watchdog resumes the boot
+                return core.StoreDown()
+            detail = e.detail if isinstance(e, MetaldError) else f"{type(e).__name__}: {e}"
+            return core.BmcFailed(detail)
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    async def _do(self, c: core.Command) -> core.Event:  # noqa: C901 - one arm per command
+        mid, actor, step, run = self.machine_id, self.actor, self.step, self.store.run
+        match c:
+            case core.LoadStep():
+                self.step, stored = await run(_load_step, mid)
+                return stored
+            case core.LoadVia():
+                self.iso = await run(_iso_for, self.bmc, mid, self.via)
+                return core.ViaLoaded(media=self.iso is not None)
+            case core.CheckMediaArmed():
+                return core.MediaArmed(await run(_media_armed, mid))
+            case core.ReadPower(delay_s=delay):
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                state = await self.bmc.read_power(mid, actor=actor)
+                return core.PowerRead(str(state), self._now())
+            case core.PowerOff():
+                await self.bmc.power(mid, PowerAction.OFF, actor=actor, step=step)
+            case core.PowerOn():
+                await self.bmc.power(mid, PowerAction.ON, actor=actor, step=step)
+            case core.SetBootPxe():
+                # uefi=None: keep the machine's own firmware mode (a BIOS machine refuses a
+                # UEFI override and a UEFI one may not PXE in legacy mode).
+                await self.bmc.set_boot_device(
+                    mid, BootTarget.PXE, False, uefi=None, actor=actor, step=step
                 )
-            except Exception:  # noqa: BLE001 - fenced: the store is unreachable
-                log.warning("machine %s: could not hand the step over", machine_id, exc_info=True)
-        return False
-    except NotFound as e:
-        await store.run(_note, machine_id, "provision.no-bmc", e.detail, actor, instance)
-        return False
-    except Exception as e:  # any BMC failure ends the operation visibly, never silently
-        if store_unavailable(e):  # not the BMC's failure: the watchdog resumes the boot
-            log.warning("machine %s: network boot postponed: database unavailable", machine_id)
-            return False
-        detail = e.detail if isinstance(e, MetaldError) else f"{type(e).__name__}: {e}"
-        log.warning("machine %s: network boot through the BMC failed: %s", machine_id, detail)
-        await store.run(_fail, machine_id, f"BMC: {detail}", actor, instance)
-        if step is not None:
-            await store.run(ownership.mark_step, machine_id, step, command=None, done=True)
-        return False
+            case core.Arm(media=True):
+                # The machine is off, and the per-MAC script never hands out a media boot's
+                # token: the ISO's URL (with the nonce) is the only way to it (media_boot).
+                reason = (
+                    "power off, insert the boot ISO, one-time CD boot and power on through the BMC"
+                )
+                return core.Armed(
+                    await run(_arm, mid, reason, actor, self.instance, self.iso, True)
+                )
+            case core.Arm():
+                # The watchdog reads the note to tell a boot that was asked for from one a
+                # restart cut off.
+                reason = "power off, one-time PXE boot and power on through the BMC"
+                return core.Armed(await run(_arm, mid, reason, actor, self.instance))
+            case core.InsertMedia(nonce=nonce):
+                url = media_boot.iso_url(self.iso, mid, nonce)  # type: ignore[arg-type]
+                await virtual_media.insert_for(self.bmc, mid, url, step)
+            case core.BootCd():
+                await virtual_media.boot_cd_for(self.bmc, mid, step)
+            case core.MarkDone() if step is not None:
+                await run(ownership.mark_step, mid, step, command=None, done=True)
+            case core.HandOver() if step is not None:
+                # Another instance owns the BMC: the step is left in the store for it (its
+                # watchdog runs unfinished steps of the BMCs it holds).
+                await run(ownership.mark_step, mid, step, command=core.REQUESTED, done=False)
+            case core.NoteNoBmc(detail=detail):
+                await run(_note, mid, "provision.no-bmc", detail, actor, self.instance)
+            case core.Fail(error=error):
+                log.warning("machine %s: network boot through the BMC failed: %s", mid, error)
+                await run(_fail, mid, error, actor, self.instance)
+        return core.Sent(self._now())
+
+    def _log(self, outcome: core.Outcome) -> None:
+        mid = self.machine_id
+        if outcome is core.Outcome.LEFT_TO_OWNER:
+            log.info("machine %s: network boot left to the BMC's owner", mid)
+        elif outcome is core.Outcome.POSTPONED:
+            log.warning("machine %s: network boot postponed: database unavailable", mid)
 
 
 async def reboot_all(
