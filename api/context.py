@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from metald.config import Config
 from metald.events import EventBus
+from metald.limits import Limiter
 from metald.provision.commissioning import SelReads
 from metald.provision.netboot import Provisioner
 from metald.secrets import SecretBox
@@ -104,6 +105,17 @@ class AppContext:
     bus: EventBus
     #: The services the daemon hosts; absent ones (None) answer 503.
     services: Services = field(default_factory=Services)
+    #: Caps on held mesh long-polls (``[api] mesh_polls_*``; ``metald.limits``).
+    mesh_polls: Limiter = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.mesh_polls = Limiter(
+            "mesh long-polls",
+            total=self.cfg.api.mesh_polls_max,
+            per={"token": self.cfg.api.mesh_polls_per_token},
+            retry_after_s=5,
+            advice="poll again after Retry-After",
+        )
 
     @property
     def instance(self) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from functools import cmp_to_key
@@ -21,9 +22,13 @@ from typing import Any, ClassVar
 from urllib.parse import urlencode
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from sqlalchemy import and_, false, or_
+from sqlalchemy import Boolean, DateTime, Float, Integer, Numeric, String, and_, false, or_
+from sqlalchemy.types import TypeDecorator
 from sqlmodel import col
 
+#: Integers a cursor may carry: those a signed 64-bit column holds (``api.routing`` refuses
+#: the same in bodies and queries).
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 _OFFSET = "o1:"
 _KEYSET = "k1:"
 #: Longest cursor accepted and issued (kept well inside a request line's 8 KiB). A key too
@@ -186,6 +191,57 @@ def _columns(model: Any, order: Order) -> list[tuple[Any, bool, bool]]:
     return out
 
 
+_BAD_KEY = (
+    "this cursor's values do not fit the list's sort fields; it was not issued by this API: "
+    "follow the 'next' link as it is, or start again without a cursor"
+)
+
+
+def _key_error(detail: str = _BAD_KEY) -> Exception:
+    from metald.errors import Unprocessable
+
+    return Unprocessable(detail)
+
+
+def _text_ok(v: Any) -> bool:
+    return isinstance(v, str) and "\x00" not in v
+
+
+def _fits(column: Any, v: Any) -> bool:
+    """Whether ``v`` (a cursor value) can be bound against ``column`` on every backend: the
+    column's type, integers within 64 bits, text without NUL (PostgreSQL refuses both at the
+    driver, SQLite the first), a timestamp the driver can send."""
+    if v is None:
+        return True
+    t = column.type
+    if isinstance(t, TypeDecorator):  # sqlmodel's AutoString: a String underneath
+        t = t.impl
+    if isinstance(t, Boolean):
+        return isinstance(v, bool)
+    if isinstance(t, Integer):
+        return isinstance(v, int) and not isinstance(v, bool) and INT64_MIN <= v <= INT64_MAX
+    if isinstance(t, Float | Numeric):
+        ok = isinstance(v, int | float) and not isinstance(v, bool)
+        return ok and math.isfinite(v)
+    if isinstance(t, String):
+        return _text_ok(v)
+    if isinstance(t, DateTime):
+        return isinstance(v, datetime)
+    return False  # a column no list sorts by (JSON): nothing a cursor may carry
+
+
+def _check_key(model: Any, order: Order, after: list[Any] | Ref) -> None:
+    """A decoded cursor's values checked against the columns they are compared with, so a
+    forged cursor is a 422, never a driver error (a 500)."""
+    if isinstance(after, Ref):
+        if not _text_ok(after):
+            raise _key_error()
+        return
+    for field, v in zip(order, after, strict=True):
+        if not _fits(model.__table__.c[field.removeprefix("-")], v):
+            raise _key_error()
+
+
 def _after_clause(columns: list[tuple[Any, bool, bool]], values: list[Any]) -> Any:
     """Rows whose key comes after ``values`` in the order of ``columns`` (NULLs last)."""
     terms: list[Any] = []
@@ -219,6 +275,8 @@ def page_rows(
         keys.append(c.desc() if desc else c.asc())
     stmt = stmt.order_by(*keys)
     after = q.after(order)
+    if after is not None:
+        _check_key(model, order, after)
     if isinstance(after, Ref):
         # Looked up through the list's own filters (the caller's scope among them), so a
         # forged reference to a row the caller cannot list reveals nothing of where it sorts.
@@ -272,7 +330,10 @@ def page_items(
             raise _gone()
         after = key(found[0])
     if after is not None:
-        ordered = [i for i in ordered if _compare(key(i), after, order) > 0]
+        try:
+            ordered = [i for i in ordered if _compare(key(i), after, order) > 0]
+        except TypeError:  # a forged key whose values do not compare with the fields'
+            raise _key_error() from None
     elif q.offset:
         ordered = ordered[q.offset :]
     return _cut(ordered[: limit + 1], order, limit, get)

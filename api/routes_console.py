@@ -74,7 +74,7 @@ def _console(req: ApiRequest) -> ConsoleService:
     query=ConsoleQuery,
     tag=TAG,
     raw_response="application/octet-stream",
-    errors=(404, 409, 426, 502, 503),
+    errors=(404, 409, 426, 429, 502, 503),
 )
 async def console(req: ApiRequest) -> web.StreamResponse:
     """Upgrades to a WebSocket carrying the serial console (IPMI Serial-over-LAN through the
@@ -94,7 +94,11 @@ async def console(req: ApiRequest) -> web.StreamResponse:
     await svc.check(machine_id)
     q: ConsoleQuery = req.query
     actor = req.actor
-    viewer, buffered = await svc.attach(machine_id, actor, q.mode)
+    # Past a viewer cap (per token, per machine, per instance) a 429 before the WebSocket
+    # opens and before any event is written.
+    viewer, buffered = await svc.attach(
+        machine_id, actor, q.mode, token=req.require_principal().token_id
+    )
     req.ctx.bus.notify()
     ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=MAX_INPUT_BYTES * 2)
     try:

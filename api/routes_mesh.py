@@ -66,15 +66,17 @@ def _bearer(req: ApiRequest) -> str:
     body=MeshSync,
     response=MeshOut,
     tag="tenants",
-    errors=(401, 422),
+    errors=(401, 422, 429),
 )
 async def mesh_sync(req: ApiRequest) -> MeshOut:
     """Called by a node with its node token (``Authorization: Bearer mnt_...``, from its join
-    answer; no other token works here and this token works nowhere else). ``applied`` is the
-    mesh generation it has applied, recorded as its acknowledgement (a release waits for it).
-    Answers with its tenant's other nodes (public key, /32, endpoint), the hub, and the
-    addresses its underlay guard admits WireGuard from, once the tenant's generation is newer
-    than ``applied`` or after ``wait_s`` seconds. Never a peer of another tenant."""
+        answer; no other token works here and this token works nowhere else). ``applied`` is the
+        mesh generation it has applied, recorded as its acknowledgement (a release waits for it).
+        Answers with its tenant's other nodes (public key, /32, endpoint), the hub, and the
+        addresses its underlay guard admits WireGuard from, once the tenant's generation is newer
+        than ``applied`` or after ``wait_s`` seconds. Never a peer of another tenant. A node token
+    may hold a few waiting polls and the instance a bounded number (429 with Retry-After beyond;
+    the acknowledgement is recorded all the same)."""
     b: MeshSync = req.body
     secret = _bearer(req)
     watch = req.ctx.services.mesh_watch
@@ -84,9 +86,12 @@ async def mesh_sync(req: ApiRequest) -> MeshOut:
     if moved:
         watch.acked(v.tenant_id)
     gen = v.generation
-    while gen <= b.applied and (left := deadline - loop.time()) > 0:
-        await watch.wait_changed(v.tenant_id, min(left, mesh.STORE_POLL_S))
-        gen = await watch.generation(req.ctx.store, v.tenant_id)
+    if gen <= b.applied and b.wait_s > 0:
+        # A held poll counts against its node's token and the instance (429 past either).
+        with req.ctx.mesh_polls.holding(token=v.machine_id):
+            while gen <= b.applied and (left := deadline - loop.time()) > 0:
+                await watch.wait_changed(v.tenant_id, min(left, mesh.STORE_POLL_S))
+                gen = await watch.generation(req.ctx.store, v.tenant_id)
     if gen != v.generation:  # authenticated again: a released node's poll ends in a 401
         v = await req.ctx.store.run(mesh.view_for_token, secret)
     return MeshOut.model_validate(v.response())

@@ -12,18 +12,19 @@ import functools
 import json
 import re
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import StreamReader, web
 from aiohttp.web_protocol import RequestPayloadError
+from multidict import MultiMapping
 from pydantic import BaseModel, ValidationError
 from pydantic_core import to_jsonable_python
 from sqlalchemy import event
 
-from api.paging import next_link
+from api.paging import INT64_MAX, INT64_MIN, next_link
 from api.problem import problem, validation_problem
 from api.resolve import FULL_ID, path_kinds, resolve
 from metald import metrics
@@ -291,9 +292,9 @@ async def _settle_first_use(
 
 #: A request body must arrive whole within this many seconds (a trickled body holds a socket).
 BODY_TIMEOUT_S = 60.0
-#: JSON the API accepts: nested at most this deep, integers within a signed 64-bit column.
+#: JSON the API accepts: nested at most this deep, integers within a signed 64-bit column
+#: (``api.paging.INT64_MIN``/``INT64_MAX``).
 MAX_JSON_DEPTH = 64
-INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 #: PostgreSQL text cannot hold NUL, and no name, id or label needs one.
 _NUL = "NUL characters (\\u0000) are not allowed"
 
@@ -401,20 +402,47 @@ async def _read_body(request: web.Request, spec: RouteSpec, limit: int) -> Any:
     return data if spec.raw_body else spec.body.model_validate(data)
 
 
+def check_path(params: Mapping[str, str]) -> None:
+    """Refuse a path whose parameters (ids, names) hold NUL: 404, as no resource has one."""
+    if any("\x00" in v for v in params.values()):
+        raise _Problem(404, "Not found", f"there is no resource at this path ({_NUL})")
+
+
+def check_query(query: MultiMapping[str]) -> None:
+    """Refuse query parameters (names or values) that hold NUL: 422."""
+    for key in query:
+        if "\x00" in key or any("\x00" in v for v in query.getall(key)):
+            raise _Problem(422, "Invalid request", f"query parameter {key[:64]!r}: {_NUL}")
+
+
+def check_inputs(request: web.Request) -> None:
+    """The text inputs of a request (path parameters, query) checked once, the same way for
+    the API (``make_handler``) and the web console (``api.ui.guard``): what PostgreSQL cannot
+    hold (NUL) is a 4xx here, never a driver error."""
+    check_path(request.match_info)
+    check_query(request.query)
+
+
+def validate_query(model: type[BaseModel], data: Mapping[str, Any]) -> Any:
+    """A route's query model from ``data`` (a request's parameters, or the console's own), with
+    what the store cannot hold refused first (NUL) and after (integers beyond 64 bits: they
+    reach SQL as parameters)."""
+    check_json_values(dict(data))
+    query = model.model_validate(data)
+    check_json_values(query.model_dump(mode="json"))
+    return query
+
+
 def _query(request: web.Request, spec: RouteSpec) -> Any:
     assert spec.query is not None
+    check_query(request.query)
     data: dict[str, Any] = {}
     for key in request.query:
         values = request.query.getall(key)
-        if "\x00" in key or any("\x00" in v for v in values):
-            raise _Problem(422, "Invalid request", f"query parameter {key!r}: {_NUL}")
         fld = spec.query.model_fields.get(key)
         is_list = fld is not None and "list" in str(fld.annotation)
         data[key] = values if is_list else values[-1]
-    query = spec.query.model_validate(data)
-    # Query integers reach SQL as parameters: one beyond int64 must be a 422, not a driver error.
-    check_json_values(query.model_dump(mode="json"))
-    return query
+    return validate_query(spec.query, data)
 
 
 def etag(version: int) -> str:
@@ -536,8 +564,7 @@ def make_handler(
             if spec.roles is not None:
                 principal = await _principal(request, ctx)
                 authorize(spec, principal)
-            if any("\x00" in v for v in request.match_info.values()):
-                raise _Problem(404, "Not found", f"there is no resource at this path ({_NUL})")
+            check_path(request.match_info)
             params = dict(request.match_info)
             to_resolve = {n: kinds[n] for n in kinds if not FULL_ID.fullmatch(params[n])}
             if to_resolve:  # a name or an id prefix: the same rules on every route

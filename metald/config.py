@@ -71,6 +71,11 @@ class ApiConfig(_Section):
     #: agent and boot endpoints (403 elsewhere, before any token is read): the tenant has root
     #: there. metald/nodeguard.py.
     guard_tenant_nodes: bool = True
+    #: Mesh long-polls (``POST /api/v1/mesh`` with ``wait_s``) held at once by one node token,
+    #: and by this instance in all; beyond either, a 429 with Retry-After (the node polls
+    #: again). A node holds one; a few more cover a poll whose client went away unseen.
+    mesh_polls_per_token: int = Field(default=4, ge=1)
+    mesh_polls_max: int = Field(default=4096, ge=1)
 
     @field_validator("listen")
     @classmethod
@@ -262,6 +267,12 @@ class BmcConfig(_Section):
     #: answered only once it has passed: the answer's timing does not tell a closed port from a
     #: silent one.
     verify_s: float = Field(default=20.0, gt=0, le=300)
+    #: Serial-console viewers (``GET /api/v1/machines/{id}/console``) held at once by one
+    #: token, on one machine, and by this instance in all; beyond any, a 429 with Retry-After
+    #: and no ``console.attached`` event.
+    console_viewers_per_token: int = Field(default=8, ge=1)
+    console_viewers_per_machine: int = Field(default=16, ge=1)
+    console_viewers_max: int = Field(default=256, ge=1)
 
 
 class EnrollConfig(_Section):

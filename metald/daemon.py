@@ -268,7 +268,14 @@ def _build_services(d: Daemon) -> tuple[Services, list[web.RouteDef]]:
         boot=boot,
         bmc=bmc,
         # Serial consoles through the BMCs (IPMI Serial-over-LAN), shared by their viewers.
-        console=ConsoleService(d.store, d.cfg.instance, BmcLinks(bmc, d.secrets)),
+        console=ConsoleService(
+            d.store,
+            d.cfg.instance,
+            BmcLinks(bmc, d.secrets),
+            viewers_per_token=d.cfg.bmc.console_viewers_per_token,
+            viewers_per_machine=d.cfg.bmc.console_viewers_per_machine,
+            viewers_max=d.cfg.bmc.console_viewers_max,
+        ),
         # Owns the provisioning steps API calls start in the background, and stops them.
         provision=Provisioner(),
         watchdog=watchdog,

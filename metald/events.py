@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import BigInteger, Text, func, tuple_
 from sqlmodel import Session, col, select
 
-from metald.errors import MetaldError
+from metald.limits import Hold, Limiter, TooMany
 from metald.store.models import ApiToken, Event, utcnow
 
 if TYPE_CHECKING:
@@ -59,8 +59,7 @@ PAGE = 500
 PENDING_RETRY_S = 0.02
 
 
-class TooManyStreams(MetaldError):
-    status = 429
+class TooManyStreams(TooMany):
     title = "Too many event streams"
 
 
@@ -90,6 +89,8 @@ class Subscription:
     token_id: str
     queue_batches: int
     closed: str | None = None
+    #: Its place under the bus's caps (``EventBus.limiter``).
+    hold: Hold | None = None
     _batches: deque[Batch] = field(init=False)
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -246,7 +247,16 @@ class EventBus:
         self.queue_batches = queue_batches
         self.store: Store | None = None
         self._subs: set[Subscription] = set()
-        self._per_token: Counter[str] = Counter()
+        #: The caps on streams (``metald.limits``: the same mechanism as mesh long-polls and
+        #: console viewers).
+        self.limiter = Limiter(
+            "event streams",
+            total=max_streams,
+            per={"token": max_streams_per_token},
+            retry_after_s=int(poll_s * 5) or 1,
+            advice="retry later, or page with GET /api/v1/events",
+            error=TooManyStreams,
+        )
         self._wake: asyncio.Event | None = None
         self._recheck = False
         self._task: asyncio.Task[None] | None = None
@@ -278,21 +288,9 @@ class EventBus:
         """A new subscription for a stream, or TooManyStreams (429) past either cap."""
         if self.store is None:
             raise RuntimeError("EventBus.bind(store) was not called")
-        if len(self._subs) >= self.max_streams:
-            raise TooManyStreams(
-                f"this metald serves at most {self.max_streams} event streams at once; "
-                "retry later, or page with GET /api/v1/events",
-                retry_after_s=int(self.poll_s * 5) or 1,
-            )
-        if self._per_token[token_id] >= self.max_streams_per_token:
-            raise TooManyStreams(
-                f"a token may hold at most {self.max_streams_per_token} event streams at once; "
-                "close one first",
-                retry_after_s=int(self.poll_s * 5) or 1,
-            )
         sub = Subscription(token_id, self.queue_batches)
+        sub.hold = self.limiter.take(token=token_id)
         self._subs.add(sub)
-        self._per_token[token_id] += 1
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run(), name="event-poller")
         return sub
@@ -300,9 +298,8 @@ class EventBus:
     def unsubscribe(self, sub: Subscription) -> None:
         if sub in self._subs:
             self._subs.discard(sub)
-            self._per_token[sub.token_id] -= 1
-            if self._per_token[sub.token_id] <= 0:
-                del self._per_token[sub.token_id]
+        if sub.hold is not None:
+            self.limiter.give(sub.hold)
         sub.close("unsubscribed")
         if not self._subs:
             self._event().set()  # the poller sees no subscriber and ends

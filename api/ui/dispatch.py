@@ -13,7 +13,17 @@ from pydantic import BaseModel, ValidationError
 
 from api.problem import describe_validation
 from api.resolve import FULL_ID, path_kinds, resolve
-from api.routing import ApiRequest, Refusal, RouteSpec, SessionCaller, authorize, wire_json
+from api.routing import (
+    ApiRequest,
+    Refusal,
+    RouteSpec,
+    SessionCaller,
+    authorize,
+    check_json_values,
+    check_path,
+    validate_query,
+    wire_json,
+)
 from api.ui.guard import UiRequest
 from metald.errors import MetaldError
 from metald.lifecycle import IllegalTransition
@@ -72,6 +82,7 @@ class Api:
     ) -> Any:
         try:
             authorize(spec, ui.principal)
+            check_path(params)  # ids from the console's forms and links: the API's checks
             kinds = path_kinds(spec.path)
             names = {n: kinds[n] for n in kinds if not FULL_ID.fullmatch(params.get(n, ""))}
             if names:
@@ -85,8 +96,9 @@ class Api:
                 }
             areq = ApiRequest(raw, ui.ctx, ui.principal, params=params, session=session)
             if spec.query is not None:
-                areq.query = spec.query.model_validate(query or {})
+                areq.query = validate_query(spec.query, query or {})
             if spec.body is not None:
+                check_json_values(body or {})  # form text (a reason): the API's body check
                 areq.body = body if spec.raw_body else spec.body.model_validate(body or {})
             return await spec.handler(areq)
         except Refusal as p:

@@ -15,6 +15,7 @@ from urllib.parse import quote
 
 from aiohttp import web
 
+from api.routing import Refusal, check_inputs
 from metald.auth import Principal
 from metald.usecases import ui_sessions as sessions
 
@@ -118,6 +119,10 @@ def make(
     login page, or 401 for a script), then for an action the Origin and the CSRF token."""
 
     async def handle(request: web.Request) -> web.StreamResponse:
+        try:
+            check_inputs(request)  # the API's own check of path and query (NUL: a 4xx)
+        except Refusal as p:
+            return _refuse(request, p.status, p.title, p.detail)
         ui = await current(request, ctx)
         if ui is None:
             if request.method == "GET" and not _is_script(request):

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
+from api.routing import Refusal, check_inputs
 from api.ui.dispatch import Api, Refused
 from api.ui.guard import COOKIE, CSRF_FIELD, UI_CTX, UiRequest, current, origin_ok
 from api.ui.render import error
@@ -90,6 +91,10 @@ class Live:
         """The machine's serial console (``GET /api/v1/machines/{id}/console``) for this
         session: cookie, our own Origin, and the session's CSRF token in the query."""
         ctx = request.app[UI_CTX]
+        try:
+            check_inputs(request)  # the API's own check of path and query (NUL: a 4xx)
+        except Refusal as p:
+            return error(request, p.status, p.title, p.detail)
         ui = await current(request, ctx)
         if ui is None:
             return error(request, 401, "Not logged in", "log in to the console first (/ui/login)")

@@ -23,6 +23,7 @@ from typing import Any
 
 from metald.bmc.base import BmcAuthError, BmcError
 from metald.errors import MetaldError
+from metald.limits import Hold, Limiter
 from metald.machines import add_event
 from metald.store.db import Store
 
@@ -77,6 +78,8 @@ class Viewer:
         default_factory=lambda: asyncio.Queue(MAX_QUEUED)
     )
     cut_reason: str | None = None
+    #: Its place under the service's viewer caps (``ConsoleService.limiter``).
+    hold: Hold | None = None
 
     def offer(self, item: bytes | dict[str, Any]) -> None:
         if self.cut_reason is not None:
@@ -124,6 +127,9 @@ class ConsoleService:
         *,
         linger_s: float = LINGER_S,
         backoff_s: tuple[float, ...] = BACKOFF_S,
+        viewers_per_token: int = 8,
+        viewers_per_machine: int = 16,
+        viewers_max: int = 256,
     ) -> None:
         self.store = store
         self.instance = instance
@@ -131,6 +137,15 @@ class ConsoleService:
         self.linger_s = linger_s
         self.backoff_s = backoff_s
         self.consoles: dict[str, MachineConsole] = {}
+        #: Viewers held at once per token, per machine and in this instance (``bmc.console_
+        #: viewers_*``; the same mechanism as event streams and mesh long-polls).
+        self.limiter = Limiter(
+            "console viewers",
+            total=viewers_max,
+            per={"token": viewers_per_token, "machine": viewers_per_machine},
+            retry_after_s=5,
+            advice="retry once a viewer has left",
+        )
         self._stopping = False
 
     async def start(self) -> None:
@@ -155,27 +170,38 @@ class ConsoleService:
 
     # --- viewers ---
 
-    async def attach(self, machine_id: str, actor: str, mode: str) -> tuple[Viewer, bytes]:
+    async def attach(
+        self, machine_id: str, actor: str, mode: str, token: str = ""
+    ) -> tuple[Viewer, bytes]:
         """A viewer of the machine's console and the buffered output to show it first.
-        ``mode``: write (409 if someone writes), read, or auto (write when free)."""
+        ``mode``: write (409 if someone writes), read, or auto (write when free). Past a cap
+        (``limiter``: per ``token``, per machine, in all) a 429, before any event is written."""
         c = self.consoles.get(machine_id)
-        if c is None:
-            c = self.consoles[machine_id] = MachineConsole(machine_id)
-        if mode == "write" and c.writer is not None:
+        if mode == "write" and c is not None and c.writer is not None:
             raise WriterTaken(
                 f"{c.writer.actor} is typing on this console; attach read-only "
                 "(mode=read) or ask them to leave",
                 writer=c.writer.actor,
             )
+        hold = self.limiter.take(token=token or actor, machine=machine_id)
+        if c is None:
+            c = self.consoles[machine_id] = MachineConsole(machine_id)
         writes = mode == "write" or (mode == "auto" and c.writer is None)
-        v = Viewer(actor=actor, writer=writes)
+        v = Viewer(actor=actor, writer=writes, hold=hold)
         if c.linger is not None:
             c.linger.cancel()
             c.linger = None
         c.viewers.add(v)
         if writes:
             c.writer = v
-        await self._event("console.attached", machine_id, actor, v)
+        try:
+            await self._event("console.attached", machine_id, actor, v)
+        except BaseException:
+            c.viewers.discard(v)
+            if c.writer is v:
+                c.writer = None
+            self.limiter.give(hold)
+            raise
         if c.task is None or c.task.done():
             c.task = asyncio.get_running_loop().create_task(
                 self._keep_up(c), name=f"console {machine_id}"
@@ -187,6 +213,8 @@ class ConsoleService:
         if c is None or v not in c.viewers:
             return
         c.viewers.discard(v)
+        if v.hold is not None:
+            self.limiter.give(v.hold)
         if c.writer is v:
             c.writer = None
         await self._event("console.detached", machine_id, v.actor, v)

@@ -32,7 +32,8 @@ async def sim(tmp_path: Path) -> AsyncIterator[SolSim]:
 
 
 @pytest.fixture
-async def console_api(cfg: Config, store: Store, aiohttp_client, sim: SolSim):  # type: ignore[no-untyped-def]
+async def console_api(request, cfg: Config, store: Store, aiohttp_client, sim: SolSim):  # type: ignore[no-untyped-def]
+    """(client, tokens, consoles); ``indirect`` parametrization passes ConsoleService caps."""
     from api.app import create_app
     from api.context import AppContext, Services
     from metald.events import EventBus
@@ -42,7 +43,8 @@ async def console_api(cfg: Config, store: Store, aiohttp_client, sim: SolSim):  
     cfg.bmc.timeout_s = 3
     cfg.bmc.retries = 1
     bmc = BmcService(store, secrets, cfg.bmc, cfg.instance)
-    consoles = ConsoleService(store, cfg.instance, BmcLinks(bmc, secrets), linger_s=0.0)
+    caps = getattr(request, "param", {})
+    consoles = ConsoleService(store, cfg.instance, BmcLinks(bmc, secrets), linger_s=0.0, **caps)
     services = Services(bmc=bmc, console=consoles)
     ctx = AppContext(cfg=cfg, store=store, secrets=secrets, bus=EventBus(), services=services)
     tokens = seed(store)
@@ -246,3 +248,65 @@ async def test_metalctl_on_a_real_terminal(console_api, sim: SolSim) -> None:  #
             await proc.wait()
         os.close(master)
         os.close(slave)
+
+
+@pytest.mark.parametrize(
+    "console_api",
+    [{"viewers_per_token": 3, "viewers_per_machine": 4, "viewers_max": 5}],
+    indirect=True,
+)
+async def test_viewers_are_capped_per_token_machine_and_instance(console_api, store: Store) -> None:  # type: ignore[no-untyped-def]
+    """Past a cap (per token, per machine, per instance) the attach is a 429 with Retry-After
+    before any WebSocket opens, and no ``console.attached`` event is written for it."""
+    client, tokens, consoles = console_api
+    mid = tokens.machine_free
+    url = f"/api/v1/machines/{mid}/console?mode=read"
+
+    def attached(s: Any) -> int:
+        rows = s.exec(
+            select(Event).where(Event.machine_id == mid, Event.kind == "console.attached")
+        ).all()
+        return len(rows)
+
+    async def refused(role: str) -> tuple[int, str, str]:
+        with pytest.raises(aiohttp.WSServerHandshakeError) as e:
+            await client.ws_connect(url, headers=tokens.header(role))
+        # The handshake error keeps the status and headers; read the problem itself too.
+        r = await client.get(
+            url,
+            headers={
+                **tokens.header(role),
+                "Connection": "Upgrade",
+                "Upgrade": "websocket",
+                "Sec-WebSocket-Version": "13",
+                "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
+            },
+        )
+        assert r.status == e.value.status
+        return e.value.status, e.value.headers.get("Retry-After", ""), (await r.json())["detail"]
+
+    open_ws = [await client.ws_connect(url, headers=tokens.header("technician")) for _ in range(3)]
+    status, retry, detail = await refused("technician")  # a 4th for one token
+    assert status == 429 and retry.isdigit(), detail
+    assert "a token may hold at most 3 console viewers" in detail
+    open_ws.append(await client.ws_connect(url, headers=tokens.header("admin")))
+    status, _, detail = await refused("admin")  # a 5th on one machine
+    assert status == 429 and "a machine may hold at most 4 console viewers" in detail
+    assert await store.run(attached) == 4  # refused attaches wrote nothing
+    assert consoles.status(mid)["viewers"] == 4
+
+    # The instance's cap (5 in all), reached here on one machine once its own cap is raised.
+    consoles.limiter.per["machine"] = 10
+    open_ws.append(await client.ws_connect(url, headers=tokens.header("admin")))
+    status, _, detail = await refused("admin")
+    assert status == 429 and "at most 5 console viewers at once" in detail
+    assert await store.run(attached) == 5
+
+    # Leaving gives the places back.
+    for ws in open_ws:
+        await ws.close()
+    async with asyncio.timeout(10):
+        while consoles.limiter.held() > 0:
+            await asyncio.sleep(0.01)
+    ws = await client.ws_connect(url, headers=tokens.header("technician"))
+    await ws.close()

@@ -319,3 +319,53 @@ def test_where_the_hub_sees_a_node_becomes_its_mesh_endpoint(env) -> None:  # ty
         # Its own view never lists itself; the guard admits the hub.
         v = mesh.view_for_token(s, me_token)
         assert v.peers == [] and v.sources == ["10.99.0.1"]
+
+
+async def test_held_long_polls_are_capped_per_token_and_per_instance(api) -> None:  # type: ignore[no-untyped-def]
+    """A node token may hold ``api.mesh_polls_per_token`` waiting polls and the instance
+    ``api.mesh_polls_max``; beyond either, a 429 with Retry-After at once (not a held socket).
+    A poll that does not wait is never refused; the held ones still wake on a change."""
+    client, tokens, store = api
+    ctx = client.server.app[CTX_KEY]
+    cfg = ctx.cfg.model_copy(deep=True)
+    cfg.api.mesh_polls_per_token, cfg.api.mesh_polls_max = 2, 3
+    ctx.mesh_polls = type(ctx)(cfg, ctx.store, ctx.secrets, ctx.bus).mesh_polls  # as configured
+    await _hubs(client, tokens)
+    orch = tokens.header("orchestrator")
+    a1 = await _join(client, orch, tokens.machine_a, store)
+    with store.session() as s:
+        machines.transition(
+            s,
+            tokens.machine_free,
+            Trigger.CLAIM,
+            actor="test",
+            updates={"tenant_id": tokens.tenant_a},
+        )
+    a2 = await _join(client, orch, tokens.machine_free, store)
+    t1, t2 = a1["mesh"]["node_token"], a2["mesh"]["node_token"]
+    gen = (await (await _mesh(client, t1)).json())["generation"]
+
+    async def holding(n: int) -> None:
+        async with asyncio.timeout(10):
+            while ctx.mesh_polls.held() < n:
+                await asyncio.sleep(0.01)
+
+    held = [asyncio.create_task(_mesh(client, t1, applied=gen, wait_s=30)) for _ in range(2)]
+    await holding(2)
+    r = await asyncio.wait_for(_mesh(client, t1, applied=gen, wait_s=30), 5)
+    assert r.status == 429, await r.text()
+    assert r.headers["Retry-After"].isdigit()
+    assert "a token may hold at most 2 mesh long-polls" in (await r.json())["detail"]
+    held.append(asyncio.create_task(_mesh(client, t2, applied=gen, wait_s=30)))
+    await holding(3)
+    r = await asyncio.wait_for(_mesh(client, t2, applied=gen, wait_s=30), 5)
+    assert r.status == 429, await r.text()
+    assert "at most 3 mesh long-polls" in (await r.json())["detail"]
+    r = await _mesh(client, t2, applied=gen)  # no wait: answered at once, whatever is held
+    assert r.status == 200, await r.text()
+    # A change wakes every held poll; their places are given back.
+    r = await client.delete(f"/api/v1/machines/{tokens.machine_free}/peer", headers=orch)
+    assert r.status == 200, await r.text()
+    answers = await asyncio.wait_for(asyncio.gather(*held), 25)
+    assert [a.status for a in answers] == [200, 200, 401]  # t2's peer was the one revoked
+    assert ctx.mesh_polls.held() == 0
