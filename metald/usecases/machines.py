@@ -109,7 +109,7 @@ def _filtered(f: MachineFilter, p: Principal) -> Any:
         stmt = stmt.where(col(Machine.state).in_([x.value for x in f.state]))
     for item in f.label:
         key, _, value = item.partition("=")
-        stmt = stmt.where(Machine.labels[key].as_string() == value)  # type: ignore[index]
+        stmt = stmt.where(Machine.labels[key].as_string() == value)  # type: ignore[attr-defined]
     if f.gpu_model:
         stmt = stmt.where(Machine.gpu_model == f.gpu_model)
     if f.gpu_count is not None:
@@ -160,7 +160,7 @@ class Machines:
         self,
         *,
         actor: str,
-        macs: list[str],
+        macs: Sequence[str],
         name: str | None,
         labels: dict[str, str],
         rack: str | None,
@@ -169,9 +169,14 @@ class Machines:
 
         def run(s: Session) -> dict[str, Any]:
             m = svc.create_machine(
-                s, macs=macs, actor=actor, name=name, labels=labels, rack=rack,
+                s,
+                macs=list(macs),
+                actor=actor,
+                name=name,
+                labels=labels,
+                rack=rack,
                 instance=self.instance,
-            )  # fmt: skip
+            )
             return view_of(s, m)
 
         return await self._write(run)
