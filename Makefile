@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 MACHINES ?= 3
 LAB ?= lab
 
-.PHONY: all setup demo test test-long test-fast lint format bench bootassets nodeimage lab-up lab-down clean
+.PHONY: all setup demo test test-long test-fast lint format bench bench-storm-regress bootassets nodeimage lab-up lab-down clean
 
 all: test
 
@@ -37,6 +37,13 @@ format: setup
 bench: setup
 	@for b in bench/dhcp_bench.py bench/tftp_bench.py bench/http_bench.py bench/bmc_fanout.py bench/storm.py bench/fleet.py bench/ui_fleet.py bench/boot_path.py; do \
 		echo "== $$b"; $(PY) $$b || exit 1; done
+
+# The enrollment storm on STORM_BASE (a git rev, exported) and on this tree, interleaved
+# rounds; fails when this tree's metald CPU per machine is over 1.15x the base's (bench/STORM.md).
+STORM_BASE ?= 9bfe316
+STORM_ROUNDS ?= 3
+bench-storm-regress: setup
+	$(PY) bench/storm_compare.py --base $(STORM_BASE) --rounds $(STORM_ROUNDS)
 
 bootassets: setup
 	$(PY) -m bootassets build

@@ -354,7 +354,11 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
 
 def check_json_values(data: Any, where: str = "") -> None:
     """Refuse nesting deeper than MAX_JSON_DEPTH and integers outside int64 (iteratively, so
-    a deep document cannot exhaust the stack here either)."""
+    a deep document cannot exhaust the stack here either). A first pass without paths
+    (``_json_values_ok``) accepts the common, clean body; only a body it cannot vouch for is
+    walked again with paths, which finds and words the problem."""
+    if _json_values_ok(data):
+        return
     stack: list[tuple[Any, str, int]] = [(data, where, 0)]
     while stack:
         node, path, depth = stack.pop()
@@ -381,6 +385,46 @@ def check_json_values(data: Any, where: str = "") -> None:
                 400, "Malformed JSON", f"the body is nested more than {MAX_JSON_DEPTH} levels deep"
             )
         stack.extend((v, f"{path}.{k}" if path else k, depth + 1) for k, v in children)
+
+
+def _json_values_ok(data: Any) -> bool:
+    """True only if ``check_json_values`` would accept ``data``: the same rules (no NUL in a
+    key or string, integers within int64, containers at most MAX_JSON_DEPTH deep), without
+    building a path per value (a 6 KB inventory has ~600 values). False for anything it does
+    not know for sure (a type other than JSON's own): the caller then walks with paths."""
+    stack: list[tuple[Any, int]] = [(data, 0)]
+    pop, push = stack.pop, stack.append
+    lo, hi = INT64_MIN, INT64_MAX
+    while stack:
+        node, depth = pop()
+        t = type(node)
+        if t is dict:
+            if depth >= MAX_JSON_DEPTH:
+                return False
+            for k in node:
+                if type(k) is not str or "\x00" in k:
+                    return False
+            values: Iterable[Any] = node.values()
+        elif t is list:
+            if depth >= MAX_JSON_DEPTH:
+                return False
+            values = node
+        else:
+            values = (node,)
+            depth -= 1  # a scalar root: checked below as a value
+        for v in values:
+            t = type(v)
+            if t is str:
+                if "\x00" in v:
+                    return False
+            elif t is int:
+                if not lo <= v <= hi:
+                    return False
+            elif t is dict or t is list:
+                push((v, depth + 1))
+            elif not (t is float or t is bool or v is None):
+                return False
+    return True
 
 
 async def _read_body(request: web.Request, spec: RouteSpec, limit: int) -> Any:

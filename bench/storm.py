@@ -476,6 +476,14 @@ class Storm:
         )
         return int(out["total"])
 
+    async def api_reader(self, done: asyncio.Event, lat: list[float]) -> None:
+        """Lists the machines (100 a page, newest first) until ``done``; each answer's time."""
+        url = f"{self.api}/api/v1/machines?limit=100"
+        while not done.is_set():
+            t = time.monotonic()
+            await self.http("GET", url, token=self.admin, api=True)
+            lat.append(time.monotonic() - t)
+
     async def wait_count(self, state: str, want: int, timeout: float = 60) -> int:
         deadline = time.monotonic() + timeout
         while True:
@@ -617,7 +625,19 @@ class Storm:
         # Phase 1
         log(f"phase 1: {self.n} machines power on")
         cpu0, me0, t0 = self.cpu(), self.self_cpu(), time.monotonic()
-        await asyncio.gather(*(self.enroll(s, t0) for s in self.sims))
+        # --api-load K: K API clients list the fleet back to back while the machines enroll
+        # (an operator's console, an orchestrator's poller): load on the API and the store.
+        done = asyncio.Event()
+        api_lat: list[float] = []
+        readers = [
+            asyncio.create_task(self.api_reader(done, api_lat))
+            for _ in range(self.p.get("api_load") or 0)
+        ]
+        try:
+            await asyncio.gather(*(self.enroll(s, t0) for s in self.sims))
+        finally:
+            done.set()
+            await asyncio.gather(*readers, return_exceptions=True)
         t_agents = time.monotonic() - t0
         ready = await self.wait_count("ready", self.n)
         wall = time.monotonic() - t0
@@ -635,6 +655,9 @@ class Storm:
             "commission_s": self.p.get("commission_s"),
             "check_posts": self.c.check_posts,
             "tokenless_scripts": self.c.tokenless_scripts,
+            "api_load": self.p.get("api_load") or 0,
+            "api_load_requests": len(api_lat),
+            "api_load_latency_s": _percentiles(api_lat),
             "commission_overhead_s": _percentiles(self.c.commission_overhead),
             "commission_steps_s": {k: _percentiles(v) for k, v in self.c.commission_steps.items()},
             "check_sleep_s_per_machine": self.c.check_sleep_s / self.n,
@@ -949,6 +972,7 @@ def run_one(n: int, args: argparse.Namespace, commission_s: int | None = None) -
                 "enroll_only": args.enroll_only or commission_s is not None,
                 "commission_s": commission_s,
                 "legacy_agent": args.legacy_agent,
+                "api_load": args.api_load,
                 "connections": args.connections,
                 "metald_pid": metald.pid,
                 "admin_token": str(state / "admin.token"),
@@ -1057,6 +1081,16 @@ def report(results: list[dict[str, Any]]) -> None:
             "(a 5M-addition Python loop, best of 3; lower is faster)"
         )
         print(table(HEADERS, rates(r)))
+        p1 = r["phase1"]
+        if p1.get("api_load"):
+            q = p1.get("api_load_latency_s") or {}
+            print(
+                f"API load beside phase 1: {p1['api_load']} clients listing machines, "
+                f"{p1['api_load_requests']} answers, p50/p99 {q.get('p50', 0):.3f}/"
+                f"{q.get('p99', 0):.3f} s; DHCP retransmits per machine "
+                f"{p1['dhcp_retransmits'] / r['machines']:.2f}, PXE restarts {p1['pxe_restarts']}, "
+                f"scripts without a token {p1.get('tokenless_scripts', 0)}"
+            )
         if c is None:
             print(f"checks (from the API): ready {r['phase1']['ready']}/{r['machines']}")
             continue
@@ -1190,6 +1224,14 @@ def main() -> int:
         action="store_true",
         help="with --commission: skip the run without commissioning (the overhead and the "
         "step times come from the run with it alone)",
+    )
+    ap.add_argument(
+        "--api-load",
+        type=int,
+        default=0,
+        metavar="K",
+        help="phase 1 with K API clients listing the machines back to back (API and store load "
+        "beside the storm: does the boot plane still answer?)",
     )
     ap.add_argument(
         "--legacy-agent",

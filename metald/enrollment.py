@@ -155,11 +155,14 @@ def accept_inventory(
     cfg: EnrollConfig,
     instance: str | None = None,
     commit: bool = True,
+    machine: Machine | None = None,
 ) -> Machine:
     """Validate and store an agent's inventory post. On refusal: an event, nothing else.
-    ``commit=False``: the caller commits (it reads more in the same transaction)."""
+    ``commit=False``: the caller commits (it reads more in the same transaction). ``machine``:
+    the row as the caller just read it in this transaction (``get_machine``), not read again;
+    the transition's compare-and-swap on its version still refuses it if it changed since."""
     try:
-        m = machines.get_machine(s, machine_id)
+        m = machine if machine is not None else machines.get_machine(s, machine_id)
         accepted = validate_inventory(data, token_machine_id=machine_id, stored=m.inventory)
         if State(m.state) not in INVENTORY_ACCEPTED:
             raise Conflict(

@@ -13,7 +13,9 @@ import logging
 import re
 from typing import Any
 
-from sqlmodel import Session, col, select
+from sqlalchemy import bindparam
+from sqlalchemy import select as sa_select
+from sqlmodel import Session
 
 from metald.bmc.capabilities import Capability
 from metald.bmc.control import Executor
@@ -124,20 +126,39 @@ async def eject_for(ex: Executor, machine_id: str) -> None:
 
 def _media_boot_to_eject(s: Session, machine_id: str) -> str | None:
     """The ISO URL of the machine's latest armed boot when it was a virtual-media boot whose
-    media has not been ejected (nor its eject tried) since; else None."""
-    rows = s.exec(
-        select(Event)
-        .where(
-            Event.machine_id == machine_id,
-            col(Event.kind).in_([BOOT_EVENT, EJECTED_EVENT, EJECT_FAILED_EVENT]),
-        )
-        .order_by(col(Event.id).desc())
-        .limit(1)
-    ).first()
-    if rows is None or rows.kind != BOOT_EVENT:
+    media has not been ejected (nor its eject tried) since; else None. One Core SELECT of the
+    latest such event's kind and data (no ORM object: it runs after every inventory)."""
+    row = s.connection().execute(_LATEST_MEDIA_EVENT, {"m": machine_id}).first()
+    if row is None or row.kind != BOOT_EVENT:
         return None
-    data = rows.data or {}
+    data = row.data or {}
     return data.get("image") if data.get("via") == VIRTUAL_MEDIA else None
+
+
+_EVENTS = Event.__table__  # type: ignore[attr-defined]
+_LATEST_MEDIA_EVENT = (
+    sa_select(_EVENTS.c.kind, _EVENTS.c.data)
+    .where(
+        _EVENTS.c.machine_id == bindparam("m"),
+        _EVENTS.c.kind.in_([BOOT_EVENT, EJECTED_EVENT, EJECT_FAILED_EVENT]),
+    )
+    .order_by(_EVENTS.c.id.desc())
+    .limit(1)
+)
+
+
+def after_inspection_probe(s: Session, machine_id: str) -> tuple[str | None, bool]:
+    """What the work after an accepted inventory needs to know, in one read: the virtual-media
+    ISO to eject (``_media_boot_to_eject``) and whether the machine has a BMC at all (without
+    one there is no firmware to read nor BIOS to stage). A storm's machines have neither, and
+    then nothing else is read or written for them."""
+    image = _media_boot_to_eject(s, machine_id)
+    linked = s.connection().execute(_BMC_OF_MACHINE, {"m": machine_id}).first() is not None
+    return image, linked
+
+
+_BMCS = Bmc.__table__  # type: ignore[attr-defined]
+_BMC_OF_MACHINE = sa_select(_BMCS.c.id).where(_BMCS.c.machine_id == bindparam("m")).limit(1)
 
 
 async def eject_after_report(ex: Executor, machine_id: str, actor: str) -> bool | None:

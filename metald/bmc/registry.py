@@ -24,7 +24,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import String, cast, func, or_
+from sqlalchemy import String, bindparam, cast, exists, func, or_
+from sqlalchemy import select as sa_select
 from sqlmodel import Session, select
 
 from metald.bmc import targets
@@ -341,6 +342,12 @@ class BmcRegistry:
         arrives after the BMC was registered). Returns the BMC, or None."""
 
         def do(s: Session) -> Bmc | None:
+            # One Core probe first: the machine exists (else NotFound, below), has no BMC yet,
+            # and some BMC is unlinked at all. In a power-on storm no BMC is unlinked, and the
+            # probe is all a machine's inventory costs here (not four ORM reads).
+            probe = s.connection().execute(_LINK_PROBE, {"m": machine_id}).first()
+            if probe is not None and (probe.linked or not probe.unlinked):
+                return None
             m = get_machine(s, machine_id)
             if s.exec(select(Bmc).where(Bmc.machine_id == machine_id)).first():
                 return None
@@ -425,6 +432,17 @@ def record_identity(s: Session, bmc_id: str, ident: SystemIdentity, instance: st
     )
     s.commit()
     return row
+
+
+_BMCS = Bmc.__table__  # type: ignore[attr-defined]
+_MACHINES = Machine.__table__  # type: ignore[attr-defined]
+#: link_by_identity's first read: the machine's row (None: no such machine), whether a BMC is
+#: linked to it, and whether any BMC is unlinked (only then can identity link one).
+_LINK_PROBE = sa_select(
+    _MACHINES.c.id,
+    exists().where(_BMCS.c.machine_id == _MACHINES.c.id).label("linked"),
+    exists().where(_BMCS.c.machine_id.is_(None)).label("unlinked"),
+).where(_MACHINES.c.id == bindparam("m"))
 
 
 def public(row: Bmc) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import builtins
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from metald.bmc import chassis, firmware, media
@@ -297,11 +298,16 @@ class BmcService:
         )
 
     async def _after_inspection(self, machine_id: str) -> None:
-        for step in (
-            lambda: media.eject_after_report(self.control, machine_id, self.actor),
-            lambda: firmware.refresh_firmware(self.control, machine_id, self.actor),
-            lambda: firmware.stage_bios(self.control, machine_id, None, self.actor),
-        ):
+        # One read first (off the writer): most machines (a power-on storm's all) have no
+        # virtual-media ISO in and no BMC, and then there is nothing to do.
+        image, has_bmc = await self.store.read_aside(media.after_inspection_probe, machine_id)
+        steps: list[Callable[[], Awaitable[Any]]] = []
+        if image is not None:
+            steps.append(lambda: media.eject_after_report(self.control, machine_id, self.actor))
+        if has_bmc:
+            steps.append(lambda: firmware.refresh_firmware(self.control, machine_id, self.actor))
+            steps.append(lambda: firmware.stage_bios(self.control, machine_id, None, self.actor))
+        for step in steps:
             try:
                 await step()
             except (MetaldError, BmcError) as e:

@@ -74,9 +74,17 @@ class Agent:
 
         def run(s: Session) -> dict[str, Any]:
             # A provisioning or wipe token of this machine cannot rewrite its inventory.
-            require_agent_phase(p, machines.get_machine(s, mid).state, {"inspect"})
+            m = machines.get_machine(s, mid)
+            require_agent_phase(p, m.state, {"inspect"})
             m = enrollment.accept_inventory(
-                s, mid, payload, actor=actor, cfg=cfg, instance=self.instance, commit=False
+                s,
+                mid,
+                payload,
+                actor=actor,
+                cfg=cfg,
+                instance=self.instance,
+                commit=False,
+                machine=m,
             )
             nxt = instruction(s, m, cfg)  # in the same transaction: the run it just started
             s.commit()

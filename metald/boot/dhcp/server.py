@@ -101,7 +101,11 @@ MAX_DRAIN = 256
 POLL_INTERVAL = COMMIT_INTERVAL
 
 #: Hook calls in flight at most; beyond it a sighting is skipped (the next DHCP retry reports).
-MAX_HOOK_CALLS = 64
+#: Above the enroll limiter's default total burst (2,000): the limiter is what sheds a flood,
+#: this only bounds what a stuck store can hold. At 64, a 1,000-machine power-on skipped most
+#: sightings (their calls queue on the store's writer), and with ``script_clients = "any"``
+#: each such machine was then served its script without a token: a wasted discovery boot.
+MAX_HOOK_CALLS = 2048
 
 #: Metric labels, computed once instead of ``mtype.name.lower()`` per packet.
 _TYPE_LABELS = {t: t.name.lower() for t in MessageType}
