@@ -6,49 +6,12 @@ token can see, so names and prefixes reveal nothing a scoped token could not lis
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
-from sqlmodel import Session, col, or_, select
+from metald.usecases import ID_SHAPED
+from metald.usecases.names import KINDS, resolve
 
-from metald.auth import Principal, Role
-from metald.errors import Conflict
-from metald.store.models import Bmc, Claim, Image, Machine, Tenant
-
-#: Shortest id prefix accepted (8 hex digits of a UUID: one in four billion per pair).
-MIN_PREFIX = 8
-#: Most matches an ambiguous reference lists.
-MAX_LISTED = 10
-_ID_CHARS = re.compile(r"[0-9a-f-]+")
-FULL_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
-
-_STAFF = (Role.ADMIN, Role.TECHNICIAN)
-
-
-@dataclass(frozen=True)
-class Kind:
-    model: Any
-    #: The unique column a reference may name, if the resource has one.
-    name: str | None
-    #: Whether a non-staff caller may see this row (staff see all).
-    visible: Callable[[Principal, Any], bool]
-
-
-KINDS: dict[str, Kind] = {
-    "machines": Kind(Machine, "name", lambda p, m: p.can_see_machine(m.id, m.tenant_id)),
-    "tenants": Kind(Tenant, "name", lambda p, t: p.can_see_tenant(t.id)),
-    "images": Kind(
-        Image,
-        "name",
-        lambda p, i: (
-            p.role is Role.ORCHESTRATOR
-            and (not i.tenants or any(p.can_see_tenant(t) for t in i.tenants))
-        ),
-    ),
-    "claims": Kind(Claim, None, lambda p, c: p.can_see_tenant(c.tenant_id)),
-    "bmcs": Kind(Bmc, None, lambda p, b: False),
-}
+#: A whole id (names may not have this shape: ``metald.usecases.ID_SHAPED``).
+FULL_ID = ID_SHAPED
 
 
 def path_kinds(path: str) -> dict[str, str]:
@@ -61,44 +24,4 @@ def path_kinds(path: str) -> dict[str, str]:
     return out
 
 
-def resolve(session: Session, principal: Principal | None, kind: str, ref: str) -> str:
-    """The id ``ref`` names among the ``kind`` rows the caller may see: itself when it is an
-    id, else the row with that name, else the one row whose id starts with it (8+ characters).
-    Several matches: 409 listing them. None: ``ref`` unchanged, for the route's own 404."""
-    if FULL_ID.fullmatch(ref):
-        return ref
-    k = KINDS[kind]
-    model = k.model
-
-    def may_see(row: Any) -> bool:
-        if principal is None:
-            return False
-        return principal.role in _STAFF or k.visible(principal, row)
-
-    row = session.get(model, ref)
-    if row is not None:
-        return ref
-    if principal is None:
-        return ref
-    clauses = []
-    if k.name is not None:
-        clauses.append(getattr(model, k.name) == ref)
-    by_prefix = len(ref) >= MIN_PREFIX and _ID_CHARS.fullmatch(ref) is not None
-    if by_prefix:  # hex digits and dashes only: no LIKE wildcard can reach the pattern
-        clauses.append(col(model.id).startswith(ref))
-    if not clauses:
-        return ref
-    rows = [r for r in session.exec(select(model).where(or_(*clauses)).limit(200)) if may_see(r)]
-    if k.name is not None:
-        named = [r for r in rows if getattr(r, k.name) == ref]
-        if named:
-            return str(named[0].id)
-    if len(rows) == 1:
-        return str(rows[0].id)
-    if len(rows) > 1:
-        listed = sorted(str(r.id) for r in rows)[:MAX_LISTED]
-        raise Conflict(
-            f"{ref!r} matches {len(rows)} {kind}; use more of the id or the full id",
-            matches=listed,
-        )
-    return ref
+__all__ = ["FULL_ID", "KINDS", "path_kinds", "resolve"]

@@ -7,26 +7,16 @@ The flows themselves are ``metald.claims.workflow``'s.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, StringConstraints
-from sqlalchemy import func
-from sqlmodel import Session, col, select
 
-from api.paging import page_rows
+from api import listing, workflows
 from api.roles import CLAIMERS, READERS
 from api.routing import ApiRequest, Router
 from api.schemas import SQL_INT_MAX, In, LabelKey, LabelValue, Name, PageQuery, Text
-from api.workflows import claim_workflow
-from metald.auth import Principal, Role
-from metald.claims.allocation import Selector
-from metald.claims.records import claim_machines, latest_progress
-from metald.claims.workflow import ClaimRequest
-from metald.errors import NotFound
-from metald.machines import ConcurrentUpdate
-from metald.store.models import Claim
+from metald.usecases.claims import Claims
 
 router = Router()
 TAG = "claims"
@@ -134,56 +124,6 @@ class ClaimQuery(PageQuery):
     state: Literal["allocated", "released"] | None = None
 
 
-# ---- helpers ----------------------------------------------------------------------------
-
-
-def _loader_if_match(req: ApiRequest) -> Callable[[Session, str], Claim]:
-    """How the release workflow reads the claim for this request: one its token may see, and,
-    when ``If-Match`` names a version, only at that version (checked in the release's own
-    transaction, so nothing is released on a stale read)."""
-    p = req.require_principal()
-    checked: list[bool] = []  # the workflow loads again to render its answer: check once
-
-    def load(s: Session, claim_id: str) -> Claim:
-        c = load_claim(s, p, claim_id)
-        if req.if_match is not None and not checked and c.version != req.if_match:
-            raise ConcurrentUpdate(
-                f"claim {c.id} is at version {c.version}, not {req.if_match}; "
-                "read it again and retry"
-            )
-        checked.append(True)
-        return c
-
-    return load
-
-
-def claim_out(s: Session, c: Claim, *, replayed: bool = False) -> ClaimOut:
-    ms = claim_machines(s, c.id)
-    progress = latest_progress(s, ms)
-    return ClaimOut(
-        **c.model_dump(exclude={"image", "ssh_authorized_keys"}),
-        image_id=c.image,
-        ssh_authorized_keys=list(c.ssh_authorized_keys or []),
-        replayed=replayed,
-        machines=[
-            ClaimMachineOut(
-                **m.model_dump(include={"id", "name", "state", "gpu_model", "gpu_count"}),
-                last_error=m.last_error,
-                progress=ProgressOut(**progress[m.id]) if m.id in progress else None,
-            )
-            for m in ms
-        ],
-    )
-
-
-def load_claim(s: Session, p: Principal, claim_id: str) -> Claim:
-    c = s.get(Claim, claim_id, populate_existing=True)
-    # Another tenant's claim is reported as absent, so scoped tokens cannot probe for ids.
-    if c is None or not p.can_see_tenant(c.tenant_id):
-        raise NotFound(f"no claim with id {claim_id!r} among the claims this token may see")
-    return c
-
-
 # ---- claims -----------------------------------------------------------------------------
 
 
@@ -198,32 +138,25 @@ def load_claim(s: Session, p: Principal, claim_id: str) -> Claim:
     tag=TAG,
     errors=(404, 409, 422),
     location="/api/v1/claims/{id}",
+    use_case=workflows.claims,
 )
-async def create_claim(req: ApiRequest) -> ClaimOut:
+async def create_claim(req: ApiRequest, claims: Claims) -> ClaimOut:
     """Allocate ``count`` machines matching the selector to the tenant, all or none, and start
     installing the image on them. A repeated ``idempotency_key`` returns the first claim
     (``replayed``); the same key with a different request is 409. Too few machines: 422 with
     ``matched`` (machines matching the selector) and ``available`` (of those, ready and free)."""
     b: ClaimCreate = req.body
-    p = req.require_principal()
-    if not p.can_see_tenant(b.tenant_id):
-        raise NotFound(
-            f"no tenant with id {b.tenant_id!r} among this token's tenants; "
-            "an orchestrator token claims only for the tenants in its scope"
-        )
-    request = ClaimRequest(
+    out = await claims.claim(
+        req.require_principal(),
+        actor=req.actor,
         tenant_id=b.tenant_id,
         count=b.count,
-        selector=Selector.from_dict(b.selector.model_dump()),
+        selector=b.selector.model_dump(),
         image_id=b.image_id,
         idempotency_key=b.idempotency_key or req.raw.headers.get("Idempotency-Key") or None,
         ssh_authorized_keys=b.ssh_authorized_keys,
     )
-    return await claim_workflow(req.ctx).claim(
-        request,
-        actor=req.actor,
-        render=lambda s, c, replayed: claim_out(s, c, replayed=replayed),
-    )
+    return ClaimOut.model_validate(out)
 
 
 @router.route(
@@ -234,32 +167,13 @@ async def create_claim(req: ApiRequest) -> ClaimOut:
     query=ClaimQuery,
     response=ClaimList,
     tag=TAG,
+    use_case=workflows.claims,
 )
-async def list_claims(req: ApiRequest) -> ClaimList:
+async def list_claims(req: ApiRequest, claims: Claims) -> ClaimList:
     """Claims visible to the caller (an orchestrator: its tenants' only), newest first."""
-    q: ClaimQuery = req.query
-    p = req.require_principal()
-
-    def run(s: Session) -> ClaimList:
-        stmt = select(Claim)
-        if p.role is Role.ORCHESTRATOR:
-            stmt = stmt.where(col(Claim.tenant_id).in_(sorted(p.scope)))
-        if q.tenant_id:
-            stmt = stmt.where(Claim.tenant_id == q.tenant_id)
-        if q.state:
-            stmt = stmt.where(Claim.state == q.state)
-        total = s.exec(select(func.count()).select_from(stmt.subquery())).one()
-        limit = req.page_limit(q)
-        rows, cursor = page_rows(s, stmt, Claim, q, ["-created_at", "id"], limit)
-        return ClaimList(
-            items=[claim_out(s, c) for c in rows],
-            total=total,
-            limit=limit,
-            offset=q.offset,
-            next=req.next_link(cursor),
-        )
-
-    return await req.ctx.store.run(run)
+    paging = listing.paging(req)
+    page = await claims.list(req.require_principal(), req.query, paging)
+    return listing.answer(ClaimList, page, paging, req)
 
 
 @router.route(
@@ -270,55 +184,60 @@ async def list_claims(req: ApiRequest) -> ClaimList:
     response=ClaimOut,
     tag=TAG,
     errors=(404,),
+    use_case=workflows.claims,
 )
-async def show_claim(req: ApiRequest) -> ClaimOut:
+async def show_claim(req: ApiRequest, claims: Claims) -> ClaimOut:
     """One claim with each machine's state and latest progress (phase, percent, bytes, rate)."""
-    p = req.require_principal()
-    return await req.ctx.store.run(lambda s: claim_out(s, load_claim(s, p, req.params["id"])))
+    return ClaimOut.model_validate(await claims.show(req.require_principal(), req.params["id"]))
+
+
+#: What both releases declare (the claim's, one machine's).
+_RELEASE: dict[str, Any] = {
+    "roles": CLAIMERS,
+    "response": ClaimOut,
+    "tag": TAG,
+    "errors": (404, 409),
+    "versioned": True,
+    "use_case": workflows.claims,
+}
 
 
 @router.route(
     "POST",
     "/api/v1/claims/{id}/release",
     summary="Release a claim",
-    roles=CLAIMERS,
-    response=ClaimOut,
-    tag=TAG,
-    errors=(404, 409),
-    versioned=True,
+    **_RELEASE,
 )
-async def release_claim(req: ApiRequest) -> ClaimOut:
+async def release_claim(req: ApiRequest, claims: Claims) -> ClaimOut:
     """End the claim: each machine leaves the tenant (tokens revoked, off the hub, detached),
     then metald powers it off through its BMC and boots it into the wipe image; it returns to
     ready when the wipe agent's evidence fits its recorded disks (a failed wipe leaves it in
     wipe-failed; a machine without a BMC waits for a technician's confirm-wipe). A machine
     marked broken during the claim is detached and owes a wipe. Releasing a released claim
     changes nothing."""
-    return await claim_workflow(req.ctx).release(
-        req.params["id"],
-        actor=req.actor,
-        load=_loader_if_match(req),
-        render=claim_out,
-    )
+    return await _release(req, claims)
 
 
 @router.route(
     "POST",
     "/api/v1/claims/{id}/machines/{machine_id}/release",
     summary="Release one machine of a claim",
-    roles=CLAIMERS,
-    response=ClaimOut,
-    tag=TAG,
-    errors=(404, 409),
-    versioned=True,
+    **_RELEASE,
 )
-async def release_claim_machine(req: ApiRequest) -> ClaimOut:
+async def release_claim_machine(req: ApiRequest, claims: Claims) -> ClaimOut:
     """Scale a claim down by one machine: it leaves the tenant (tokens revoked, off the hub and
     out of the cluster) and is wiped back to ready. The claim ends with its last machine."""
-    return await claim_workflow(req.ctx).release(
+    return await _release(req, claims)
+
+
+async def _release(req: ApiRequest, claims: Claims) -> ClaimOut:
+    """The claim, or the one machine of it the path names, released as the caller; only at
+    the version ``If-Match`` names, if it names one."""
+    out = await claims.release(
+        req.require_principal(),
         req.params["id"],
         actor=req.actor,
-        load=_loader_if_match(req),
-        render=claim_out,
-        machine_id=req.params["machine_id"],
+        if_match=req.if_match,
+        machine_id=req.params.get("machine_id"),
     )
+    return ClaimOut.model_validate(out)

@@ -5,18 +5,17 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from typing import Any
 from urllib.parse import urlencode
 
 from aiohttp import web
-from sqlmodel import Session, col
 
+from api import workflows
 from api.routing import ApiRequest, Router, wire_json
 from api.schemas import SQL_INT_MAX, EventOut, EventPage, EventQuery
-from metald.auth import Principal, Role
+from metald.auth import Role
 from metald.errors import MetaldError, Unprocessable
-from metald.events import Position, final_events, position, position_of, read_events
-from metald.store.models import Event, Machine
+from metald.events import position
+from metald.usecases.events import Events, matches
 
 router = Router()
 TAG = "events"
@@ -26,48 +25,6 @@ KEEPALIVE_SECONDS = 15.0
 #: Tells EventSource clients to reconnect after this many milliseconds when a stream ends.
 RETRY_MS = 3000
 _EVENT_ID = re.compile(r"[0-9]{1,10}")
-
-
-def _filters(p: Principal, q: EventQuery) -> list[Any]:
-    where: list[Any] = []
-    if q.machine_id:
-        where.append(col(Event.machine_id) == q.machine_id)
-    if q.kind:
-        where.append(col(Event.kind) == q.kind)
-    if p.role is Role.ORCHESTRATOR:
-        where.append(col(Event.tenant_id).in_(sorted(p.scope)))
-    return where
-
-
-def _page(s: Session, p: Principal, q: EventQuery, after: int, limit: int) -> EventPage:
-    """A page in delivery order after event ``after`` (``next_after``: the last event's id, the
-    cursor for the next page), or with ``sort=-id`` the newest events, newest first. Only
-    events whose transaction and every older one has finished are listed (metald.events): a
-    later page never holds one that sorts before this one's cursor."""
-    if q.sort == "-id":
-        rows = final_events(s, position_of(s, after), limit, _filters(p, q))
-        last = max(rows, key=position, default=None)
-    else:
-        rows, _ = read_events(s, position_of(s, after), limit, _filters(p, q))
-        last = rows[-1] if rows else None
-    items = [EventOut.model_validate(r.model_dump()) for r in rows]
-    return EventPage(items=items, next_after=last.id if last and last.id else after)
-
-
-def _catch_up(
-    s: Session, p: Principal, q: EventQuery, after: Position, limit: int
-) -> tuple[list[EventOut], Position]:
-    """The caller's events after ``after`` and the position up to which it has seen all."""
-    rows, cursor = read_events(s, after, limit, _filters(p, q))
-    return [EventOut.model_validate(r.model_dump()) for r in rows], cursor
-
-
-def _matches(p: Principal, q: EventQuery, ev: Event) -> bool:
-    if q.machine_id and ev.machine_id != q.machine_id:
-        return False
-    if q.kind and ev.kind != q.kind:
-        return False
-    return p.role is not Role.ORCHESTRATOR or ev.tenant_id in p.scope
 
 
 def _sse(ev: EventOut) -> bytes:
@@ -87,15 +44,6 @@ def _resume_after(req: ApiRequest, q: EventQuery) -> int:
     return int(last_id)
 
 
-def _check_machine_scope(s: Session, p: Principal, machine_id: str | None) -> None:
-    if machine_id and p.role is Role.ORCHESTRATOR:
-        m = s.get(Machine, machine_id)
-        if m is None or not p.can_see_machine(m.id, m.tenant_id):
-            from metald.errors import NotFound
-
-            raise NotFound(f"no machine with id {machine_id!r}")
-
-
 @router.route(
     "GET",
     "/api/v1/events",
@@ -105,20 +53,16 @@ def _check_machine_scope(s: Session, p: Principal, machine_id: str | None) -> No
     response=EventPage,
     tag=TAG,
     errors=(404,),
+    use_case=workflows.events,
 )
-async def list_events(req: ApiRequest) -> EventPage:
+async def list_events(req: ApiRequest, events: Events) -> EventPage:
     """Events in delivery order (commit order) after the ``after`` cursor; pass ``next_after``
     back to read on. Orchestrators see their tenants' events."""
     p = req.require_principal()
     q: EventQuery = req.query
-
     limit = req.page_limit(q)
-
-    def run(s: Session) -> EventPage:
-        _check_machine_scope(s, p, q.machine_id)
-        return _page(s, p, q, q.after, limit)
-
-    page = await req.ctx.store.run(run)
+    items, next_after = await events.page(p, q, q.after, limit)
+    page = EventPage(items=items, next_after=next_after)
     if q.sort == "id" and len(page.items) == limit:
         params = [(k, v) for k, v in req.raw.query.items() if k != "after"]
         page.next = f"{req.raw.path}?{urlencode([*params, ('after', str(page.next_after))])}"
@@ -134,8 +78,9 @@ async def list_events(req: ApiRequest) -> EventPage:
     tag=TAG,
     raw_response="text/event-stream",
     errors=(400, 404, 429),
+    use_case=workflows.events,
 )
-async def stream_events(req: ApiRequest) -> web.StreamResponse:
+async def stream_events(req: ApiRequest, events: Events) -> web.StreamResponse:
     """Server-Sent Events: each event as ``id:``/``event:``/``data:``. Resumes after
     ``Last-Event-ID`` or ``after``. A stream ends when its token is revoked or expires (within
     seconds) and after at most an hour; reconnect with ``Last-Event-ID``. Each token may hold a
@@ -147,11 +92,7 @@ async def stream_events(req: ApiRequest) -> web.StreamResponse:
     bus = req.ctx.bus
     after = _resume_after(req, q)
 
-    def start(s: Session) -> Position:
-        _check_machine_scope(s, p, q.machine_id)
-        return position_of(s, after)
-
-    covered = await req.ctx.store.read(start)
+    covered = await events.stream_start(p, q, after)
     limit = req.page_limit(q)
     sub = bus.subscribe(p.token_id)
     loop = asyncio.get_running_loop()
@@ -170,9 +111,9 @@ async def stream_events(req: ApiRequest) -> web.StreamResponse:
         quiet_since = loop.time()
         while sub.closed is None:
             if behind:
-                items, covered = await req.ctx.store.read(_catch_up, p, q, covered, limit)
+                items, covered = await events.catch_up(p, q, covered, limit)
                 for ev in items:
-                    await resp.write(_sse(ev))
+                    await resp.write(_sse(EventOut.model_validate(ev)))
                     quiet_since = loop.time()
                 behind = len(items) == limit
                 continue
@@ -186,7 +127,7 @@ async def stream_events(req: ApiRequest) -> web.StreamResponse:
                     behind = True  # batches were missed: read the gap from the store
                     continue
                 for row in batch.events:
-                    if row.id is not None and position(row) > covered and _matches(p, q, row):
+                    if row.id is not None and position(row) > covered and matches(p, q, row):
                         wire = batch.encoded.get(row.id)
                         if wire is None:
                             wire = _sse(EventOut.model_validate(row.model_dump()))

@@ -6,17 +6,13 @@ with the rest of the BMC subsystem's routes."""
 
 from __future__ import annotations
 
-import asyncio
-import logging
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, StringConstraints
-from sqlalchemy import func
-from sqlmodel import Session, select
 
-from api.paging import page_rows
-from api.resolve import FULL_ID
+from api import listing, workflows
 from api.roles import JOIN_MINTERS
 from api.routes_tenants import PeerOut
 from api.routing import ALL_ROLES, STAFF, ApiRequest, Router
@@ -29,65 +25,40 @@ from api.schemas import (
     MachinePage,
     MachinePatch,
     MachineQuery,
-    NicOut,
     Version,
 )
-from api.workflows import claim_workflow
-from metald import machines as svc
-from metald import metrics
-from metald.auth import Principal, Role, revoke_machine_tokens
-from metald.errors import Conflict, NotFound, Unprocessable
-from metald.lifecycle import State, Trigger, allowed_triggers
-from metald.machines import get_machine
-from metald.store.models import Machine, Nic
-from metald.tenants import clusters
+from metald.lifecycle import State
+from metald.usecases.join import Join
+from metald.usecases.machines import ACTIONS, Machines
 
-log = logging.getLogger("metald.tenants")
 router = Router()
 TAG = "machines"
 
-#: What each API action does, as lifecycle triggers. Technician actions only.
-ACTIONS: dict[str, Trigger] = {
-    "inspect": Trigger.INSPECT,
-    "maintenance-on": Trigger.MAINTENANCE_ON,
-    "maintenance-off": Trigger.MAINTENANCE_OFF,
-    "mark-broken": Trigger.MARK_BROKEN,
-    "repair": Trigger.REPAIR,
-    "retire": Trigger.RETIRE,
+
+#: What every technician's write to one machine declares: staff only, answers the machine,
+#: honours If-Match, runs in the machines use case.
+_TECHNICIAN_WRITE: dict[str, Any] = {
+    "roles": STAFF,
+    "response": MachineOut,
+    "versioned": True,
+    "use_case": workflows.machines,
 }
 
 
-def machine_out(m: Machine, nics: list[Nic], *, with_inventory: bool = False) -> MachineOut:
-    # Not model_dump's inventory: it reads an unloaded (deferred) column as None, silently.
-    data: dict[str, Any] = m.model_dump(exclude={"inventory"})
-    data["labels"] = dict(m.labels or {})
-    data["allowed_actions"] = [
-        a for a, t in ACTIONS.items() if t.value in allowed_triggers(m.state)
-    ]
-    data["nics"] = [NicOut.model_validate(n.model_dump()) for n in nics]
-    data["inventory"] = m.inventory if with_inventory else None
-    return MachineOut.model_validate(data)
-
-
-def visible(p: Principal, m: Machine) -> bool:
-    return p.can_see_machine(m.id, m.tenant_id)
-
-
-def load_visible(session: Session, p: Principal, machine_id: str) -> Machine:
-    m = session.get(Machine, machine_id)
-    # A machine outside the caller's scope is reported as absent, not forbidden, so scoped
-    # tokens cannot probe which ids exist.
-    if m is None or not visible(p, m):
-        raise NotFound(f"no machine with id {machine_id!r}")
-    return m
-
-
-def _nics(session: Session, machine_ids: list[str]) -> dict[str, list[Nic]]:
-    out: dict[str, list[Nic]] = {i: [] for i in machine_ids}
-    if machine_ids:
-        for n in session.exec(select(Nic).where(Nic.machine_id.in_(machine_ids)).order_by(Nic.mac)):  # type: ignore[attr-defined]
-            out[n.machine_id].append(n)
-    return out
+async def _change(
+    req: ApiRequest, step: Callable[..., Awaitable[dict[str, Any]]], *args: Any, **kw: Any
+) -> MachineOut:
+    """One write of ``step`` to the path's machine, as the caller, conditional on the version
+    the request names (``If-Match`` or the body's ``version``)."""
+    out = await step(
+        req.require_principal(),
+        req.params["id"],
+        *args,
+        actor=req.actor,
+        expected_version=req.expected_version(req.body.version),
+        **kw,
+    )
+    return MachineOut.model_validate(out)
 
 
 @router.route(
@@ -98,46 +69,13 @@ def _nics(session: Session, machine_ids: list[str]) -> dict[str, list[Nic]]:
     query=MachineQuery,
     response=MachinePage,
     tag=TAG,
+    use_case=workflows.machines,
 )
-async def list_machines(req: ApiRequest) -> MachinePage:
+async def list_machines(req: ApiRequest, machines: Machines) -> MachinePage:
     """Machines visible to the caller, filtered and paginated (newest first)."""
-    q: MachineQuery = req.query
-    p = req.require_principal()
-    limit = req.page_limit(q)
-
-    def run(s: Session) -> MachinePage:
-        stmt = select(Machine)
-        if q.state:
-            stmt = stmt.where(Machine.state.in_([x.value for x in q.state]))  # type: ignore[attr-defined]
-        for item in q.label:
-            key, _, value = item.partition("=")
-            stmt = stmt.where(Machine.labels[key].as_string() == value)  # type: ignore[index]
-        if q.gpu_model:
-            stmt = stmt.where(Machine.gpu_model == q.gpu_model)
-        if q.gpu_count is not None:
-            stmt = stmt.where(Machine.gpu_count == q.gpu_count)
-        if q.min_gpu_count is not None:
-            stmt = stmt.where(Machine.gpu_count >= q.min_gpu_count)
-        if q.rack:
-            stmt = stmt.where(Machine.rack == q.rack)
-        if q.tenant_id:
-            stmt = stmt.where(Machine.tenant_id == q.tenant_id)
-        if p.role is Role.ORCHESTRATOR:
-            stmt = stmt.where(Machine.tenant_id.in_(sorted(p.scope)))  # type: ignore[union-attr]
-        elif p.role is Role.AGENT:
-            stmt = stmt.where(Machine.id.in_(sorted(p.scope)))  # type: ignore[attr-defined]
-        total = s.exec(select(func.count()).select_from(stmt.subquery())).one()
-        rows, cursor = page_rows(s, stmt, Machine, q, ["-created_at", "id"], limit)
-        nics = _nics(s, [m.id for m in rows])
-        return MachinePage(
-            items=[machine_out(m, nics[m.id]) for m in rows],
-            total=total,
-            limit=limit,
-            offset=q.offset,
-            next=req.next_link(cursor),
-        )
-
-    return await req.ctx.store.run(run)
+    paging = listing.paging(req)
+    page = await machines.list(req.require_principal(), req.query, paging)
+    return listing.answer(MachinePage, page, paging, req)
 
 
 @router.route(
@@ -151,24 +89,15 @@ async def list_machines(req: ApiRequest) -> MachinePage:
     tag=TAG,
     errors=(409, 422),
     location="/api/v1/machines/{id}",
+    use_case=workflows.machines,
 )
-async def create_machine(req: ApiRequest) -> MachineOut:
+async def create_machine(req: ApiRequest, machines: Machines) -> MachineOut:
     """Pre-register a machine by its MACs (machines that PXE-boot are registered on their own)."""
     b: MachineCreate = req.body
-
-    def run(s: Session) -> MachineOut:
-        m = svc.create_machine(
-            s,
-            macs=b.macs,
-            actor=req.actor,
-            name=b.name,
-            labels=b.labels,
-            rack=b.rack,
-            instance=req.ctx.instance,
-        )
-        return machine_out(m, _nics(s, [m.id])[m.id])
-
-    return await req.write(run)
+    m = await machines.create(
+        actor=req.actor, macs=b.macs, name=b.name, labels=b.labels, rack=b.rack
+    )
+    return MachineOut.model_validate(m)
 
 
 @router.route(
@@ -179,151 +108,58 @@ async def create_machine(req: ApiRequest) -> MachineOut:
     response=MachineOut,
     tag=TAG,
     errors=(404,),
+    use_case=workflows.machines,
 )
-async def show_machine(req: ApiRequest) -> MachineOut:
+async def show_machine(req: ApiRequest, machines: Machines) -> MachineOut:
     """One machine with its NICs and full inventory."""
-    p = req.require_principal()
-
-    def run(s: Session) -> MachineOut:
-        m = load_visible(s, p, req.params["id"])
-        return machine_out(m, _nics(s, [m.id])[m.id], with_inventory=True)
-
-    return await req.ctx.store.run(run)
+    return MachineOut.model_validate(await machines.show(req.require_principal(), req.params["id"]))
 
 
 @router.route(
     "PATCH",
     "/api/v1/machines/{id}",
     summary="Rename a machine",
-    roles=STAFF,
     body=MachinePatch,
-    response=MachineOut,
     tag=TAG,
     errors=(404, 409, 422),
-    versioned=True,
+    **_TECHNICIAN_WRITE,
 )
-async def patch_machine(req: ApiRequest) -> MachineOut:
+async def patch_machine(req: ApiRequest, machines: Machines) -> MachineOut:
     """Set the machine's name (unique; every path that takes its id takes the name too) or
     rack. Fields left out are unchanged."""
-    b: MachinePatch = req.body
-    p = req.require_principal()
-    values = b.model_dump(exclude_unset=True, exclude={"version"})
-
-    def run(s: Session) -> MachineOut:
-        m = load_visible(s, p, req.params["id"])
-        name = values.get("name")
-        if name is not None and FULL_ID.fullmatch(name):
-            raise Unprocessable("a name cannot look like an id (paths would read it as one)")
-        if name is not None and name != m.name:
-            other = s.exec(select(Machine).where(Machine.name == name)).first()
-            if other is not None:
-                raise Conflict(f"machine {other.id} is already named {name!r}; pick another name")
-        # A rename that loses a race for the name after the check is the domain's 409.
-        m = svc.update_fields(
-            s,
-            m.id,
-            actor=req.actor,
-            kind="machine.updated",
-            values=values,
-            expected_version=req.expected_version(b.version),
-            data={"from": {k: getattr(m, k) for k in values}, "to": values},
-            instance=req.ctx.instance,
-        )
-        return machine_out(m, _nics(s, [m.id])[m.id])
-
-    return await req.write(run)
+    values = req.body.model_dump(exclude_unset=True, exclude={"version"})
+    return await _change(req, machines.update, values)
 
 
 @router.route(
     "PATCH",
     "/api/v1/machines/{id}/labels",
     summary="Edit a machine's labels",
-    roles=STAFF,
     body=LabelsPatch,
-    response=MachineOut,
     tag=TAG,
     errors=(404, 409, 422),
-    versioned=True,
+    **_TECHNICIAN_WRITE,
 )
-async def patch_labels(req: ApiRequest) -> MachineOut:
+async def patch_labels(req: ApiRequest, machines: Machines) -> MachineOut:
     """Merge-patch labels: a string value sets the label, null removes it."""
-    b: LabelsPatch = req.body
-    p = req.require_principal()
-
-    def run(s: Session) -> MachineOut:
-        m = load_visible(s, p, req.params["id"])
-        labels = dict(m.labels or {})
-        for k, v in b.labels.items():
-            if v is None:
-                labels.pop(k, None)
-            else:
-                labels[k] = v
-        if len(labels) > 64:
-            raise Conflict("a machine can carry at most 64 labels")
-        m = svc.update_fields(
-            s,
-            m.id,
-            actor=req.actor,
-            kind="machine.labels",
-            values={"labels": labels},
-            expected_version=req.expected_version(b.version),
-            data={"patch": b.labels},
-            instance=req.ctx.instance,
-        )
-        return machine_out(m, _nics(s, [m.id])[m.id])
-
-    return await req.write(run)
+    return await _change(req, machines.patch_labels, req.body.labels)
 
 
 @router.route(
     "POST",
     "/api/v1/machines/{id}/actions",
     summary="Act on a machine",
-    roles=STAFF,
     body=MachineAction,
-    response=MachineOut,
     tag=TAG,
     errors=(404, 409, 422),
-    versioned=True,
+    **_TECHNICIAN_WRITE,
 )
-async def machine_action(req: ApiRequest) -> MachineOut:
+async def machine_action(req: ApiRequest, machines: Machines) -> MachineOut:
     """inspect, maintenance-on/off, mark-broken, repair, retire. Illegal in the current state: 409."""
-    b: MachineAction = req.body
-    p = req.require_principal()
-    trigger = ACTIONS[b.action]
-
-    def run(s: Session) -> MachineOut:
-        m = load_visible(s, p, req.params["id"])
-        updates: dict[str, Any] = {}
-        if trigger is Trigger.MAINTENANCE_OFF and m.inventory is None:
-            raise Conflict(
-                f"machine {m.id} has never been inspected, so it cannot go straight to ready; "
-                "use the 'inspect' action instead"
-            )
-        if trigger is Trigger.INSPECT:
-            updates["boot_intent"] = {"action": "inspect"}
-        if trigger is Trigger.RETIRE:
-            # A retired machine must not boot anything from us again.
-            updates["boot_intent"] = {"action": "local"}
-            revoke_machine_tokens(s, m.id, commit=False)
-        m = svc.transition(
-            s,
-            m.id,
-            trigger,
-            actor=req.actor,
-            reason=b.reason,
-            expected_version=req.expected_version(b.version),
-            updates=updates,
-            instance=req.ctx.instance,
-        )
-        return machine_out(m, _nics(s, [m.id])[m.id])
-
-    out = await req.write(run)
-    metrics.transitions.labels(trigger.value).inc()
-    return out
+    return await _change(req, machines.act, req.body.action, reason=req.body.reason)
 
 
-__all__ = ["router", "machine_out", "load_visible", "ACTIONS", "State"]
+__all__ = ["router", "ACTIONS", "State"]
 
 
 # ---- operations: retry, wipe (metald.claims.workflow) ----------------------------------
@@ -339,93 +175,54 @@ class TechnicianNote(In):
     version: Version = None
 
 
-def _as_caller(req: ApiRequest) -> dict[str, Any]:
-    """How a machine step of the workflow acts for this request: as its actor, on machines
-    its token may see, answering with the machine as the API shows it."""
-    p = req.require_principal()
-    return {
-        "actor": req.actor,
-        "load": lambda s, mid: load_visible(s, p, mid),
-        "render": _machine_view,
-    }
-
-
-def _machine_view(s: Session, m: Machine) -> MachineOut:
-    return machine_out(m, list(s.exec(select(Nic).where(Nic.machine_id == m.id)).all()))
-
-
 @router.route(
     "POST",
     "/api/v1/machines/{id}/retry",
     summary="Retry a failed machine",
-    roles=STAFF,
     body=RetryIn,
-    response=MachineOut,
     tag="machines",
     errors=(404, 409),
-    versioned=True,
+    **_TECHNICIAN_WRITE,
 )
-async def retry_machine(req: ApiRequest) -> MachineOut:
+async def retry_machine(req: ApiRequest, machines: Machines) -> MachineOut:
     """Start a failed operation again: provision-failed -> provisioning, wipe-failed -> wiping,
     inspect-failed -> inspecting, join-failed -> joining. Network-booting ones are power-cycled
     into PXE through their BMC. Any other state: 409."""
-    b: RetryIn = req.body
-    return await claim_workflow(req.ctx).retry(
-        req.params["id"],
-        reason=b.reason,
-        version=req.expected_version(b.version),
-        **_as_caller(req),
-    )
+    return await _change(req, machines.retry, reason=req.body.reason)
 
 
 @router.route(
     "POST",
     "/api/v1/machines/{id}/wipe",
     summary="Wipe a machine",
-    roles=STAFF,
     body=RetryIn,
-    response=MachineOut,
     tag="machines",
     errors=(404, 409),
-    versioned=True,
+    **_TECHNICIAN_WRITE,
 )
-async def wipe_machine(req: ApiRequest) -> MachineOut:
+async def wipe_machine(req: ApiRequest, machines: Machines) -> MachineOut:
     """Start a wipe of a machine in maintenance or wipe-failed (e.g. one marked broken during
     a claim, repaired, and owing a wipe): power-off, PXE and the wipe image through its BMC,
     then ready once the agent's evidence fits its recorded disks. Any other state: 409."""
-    b: RetryIn = req.body
-    return await claim_workflow(req.ctx).wipe(
-        req.params["id"],
-        reason=b.reason,
-        version=req.expected_version(b.version),
-        **_as_caller(req),
-    )
+    return await _change(req, machines.wipe, reason=req.body.reason)
 
 
 @router.route(
     "POST",
     "/api/v1/machines/{id}/confirm-wipe",
     summary="Confirm a machine's disks were wiped",
-    roles=STAFF,
     body=TechnicianNote,
-    response=MachineOut,
     tag="machines",
     errors=(404, 409, 422),
-    versioned=True,
+    **_TECHNICIAN_WRITE,
 )
-async def confirm_wipe(req: ApiRequest) -> MachineOut:
+async def confirm_wipe(req: ApiRequest, machines: Machines) -> MachineOut:
     """A technician vouches that the machine's disks were erased (by hand, or it has no BMC
     through which metald could boot its wipe image, or no disks the agent can see): from
     releasing, wiping, wipe-failed or maintenance to ready, detached from any tenant and claim.
     The reason is required and recorded with the technician's name (``machine.wipe-confirmed``
     event)."""
-    b: TechnicianNote = req.body
-    return await claim_workflow(req.ctx).confirm_wipe(
-        req.params["id"],
-        reason=b.reason,
-        version=req.expected_version(b.version),
-        **_as_caller(req),
-    )
+    return await _change(req, machines.confirm_wipe, reason=req.body.reason)
 
 
 # ---- tenant nodes: join tokens and hub peers --------------------------------------------
@@ -451,28 +248,20 @@ class JoinTokenCreated(BaseModel):
     status=201,
     tag="tenants",
     errors=(404, 409),
+    use_case=workflows.join,
 )
-async def create_join_token(req: ApiRequest) -> JoinTokenCreated:
+async def create_join_token(req: ApiRequest, join: Join) -> JoinTokenCreated:
     """A one-time, short-lived token for the machine's first-boot metadata. The secret is in
     this response and nowhere else. Admin, or the orchestrator of the machine's tenant; 409
     while the machine is on its hub (a join never replaces an active peer)."""
     b: JoinTokenCreate = req.body
-    p = req.require_principal()
-
-    def run(s: Session) -> JoinTokenCreated:
-        m = get_machine(s, req.params["id"])
-        if not p.can_see_machine(m.id, m.tenant_id):
-            raise NotFound(f"no machine with id {req.params['id']!r}")
-        secret, expires = clusters.issue_join_token(
-            s,
-            m.id,
-            actor=req.actor,
-            ttl=timedelta(seconds=b.ttl_seconds),
-            instance=req.ctx.instance,
-        )
-        return JoinTokenCreated(machine_id=m.id, token=secret, expires_at=expires)
-
-    return await req.ctx.store.run(run)
+    machine_id, secret, expires = await join.issue_token(
+        req.require_principal(),
+        req.params["id"],
+        actor=req.actor,
+        ttl=timedelta(seconds=b.ttl_seconds),
+    )
+    return JoinTokenCreated(machine_id=machine_id, token=secret, expires_at=expires)
 
 
 @router.route(
@@ -483,32 +272,12 @@ async def create_join_token(req: ApiRequest) -> JoinTokenCreated:
     response=PeerOut,
     tag="tenants",
     errors=(404,),
+    use_case=workflows.join,
 )
-async def revoke_peer(req: ApiRequest) -> PeerOut:
+async def revoke_peer(req: ApiRequest, join: Join) -> PeerOut:
     """Take the machine's WireGuard peer off its tenant's hub (and revoke its unused join
     tokens), with a ``tenant.peer.removed`` event: the explicit step before a node may join
     again with a new key (a fresh seed and join token), since a join never replaces an active
     peer. Admin, or the orchestrator of the machine's tenant."""
-    p = req.require_principal()
-
-    def run(s: Session) -> tuple[PeerOut, str]:
-        m = get_machine(s, req.params["id"])
-        if not p.can_see_machine(m.id, m.tenant_id):
-            raise NotFound(f"no machine with id {req.params['id']!r}")
-        peer = clusters.remove_peer(
-            s, m.id, actor=req.actor, instance=req.ctx.instance, reason="revoked"
-        )
-        if peer is None:
-            raise NotFound(f"machine {m.id} has no peer on a tenant's hub")
-        s.commit()
-        return PeerOut.model_validate(peer.model_dump()), peer.tenant_id
-
-    out, tenant_id = await req.write(run)
-    req.ctx.services.mesh_watch.changed(tenant_id)
-    hubs = req.ctx.services.tenant_hubs
-    if hubs is not None:  # else the hub drops it when it next syncs with the store
-        try:
-            await asyncio.to_thread(hubs.remove_peer, tenant_id, out.public_key)
-        except Exception:
-            log.exception("could not take machine %s's peer off its hub", out.machine_id)
-    return out
+    peer = await join.revoke_peer(req.require_principal(), req.params["id"], actor=req.actor)
+    return PeerOut.model_validate(peer)

@@ -6,10 +6,10 @@ from aiohttp import web
 from sqlalchemy import text
 from sqlmodel import Session
 
-from api import scrape
 from api.routing import ApiRequest, Router
 from api.schemas import Health
 from metald import __version__, metrics
+from metald.usecases import gauges
 
 router = Router()
 
@@ -53,5 +53,5 @@ async def show_metrics(req: ApiRequest) -> web.Response:
     """Prometheus text format: API, lifecycle, DHCP/TFTP and BMC counters."""
     fleet = req.ctx.services.fleet
     if fleet is None or not fleet.fenced:  # fenced: this process's counters, no store gauges
-        await scrape.refresh(req.ctx.store, req.ctx.cfg.boot.networks)
+        await gauges.refresh(req.ctx.store, req.ctx.cfg.boot.networks)
     return web.Response(body=metrics.render(), content_type="text/plain", charset="utf-8")

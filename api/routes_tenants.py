@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, StringConstraints
-from sqlalchemy import func
-from sqlmodel import Session, col, select
 
-from api.paging import page_rows
+from api import listing, workflows
 from api.roles import ADMIN, READERS
 from api.routing import ApiRequest, Router
 from api.schemas import In, TenantCreate, TenantList, TenantOut, TenantQuery
-from api.workflows import tenant_runtime
-from metald.auth import Role
-from metald.errors import NotFound, Unprocessable
-from metald.store.models import Tenant
-from metald.tenants import clusters, fabric
-from metald.tenants.runtime import free_hub_address
+from metald.tenants import clusters
+from metald.usecases.tenants import Tenants, hub_view
 
 router = Router()
 
@@ -49,26 +43,9 @@ class HubOut(BaseModel):
     peers: list[PeerOut]
 
 
-def _hub_out(s: Session, tenant: Tenant) -> HubOut:
-    hub = clusters.get_hub(s, tenant.id)
-    return HubOut(
-        tenant_id=tenant.id,
-        cluster_kind=tenant.cluster_kind,
-        ifname=hub.ifname,
-        public_key=hub.public_key,
-        endpoint=hub.endpoint,
-        listen_port=hub.listen_port,
-        address=hub.address,
-        overlay_prefix=tenant.overlay_prefix or "",
-        peers=[PeerOut.model_validate(p.model_dump()) for p in clusters.peers(s, tenant.id)],
-    )
-
-
-def _tenant(s: Session, req: ApiRequest) -> Tenant:
-    t = s.get(Tenant, req.params["id"])
-    if t is None or not req.require_principal().can_see_tenant(t.id):
-        raise NotFound(f"no tenant with id {req.params['id']!r}")
-    return t
+def _hub_out(s: Any, tenant: Any) -> HubOut:
+    """The tenant's hub as the API shows it (``metald.usecases.tenants.hub_view``)."""
+    return HubOut.model_validate(hub_view(s, tenant))
 
 
 @router.route(
@@ -82,24 +59,15 @@ def _tenant(s: Session, req: ApiRequest) -> Tenant:
     tag="tenants",
     errors=(409, 422),
     location="/api/v1/tenants/{id}",
+    use_case=workflows.tenants,
 )
-async def create_tenant(req: ApiRequest) -> TenantOut:
+async def create_tenant(req: ApiRequest, tenants: Tenants) -> TenantOut:
     """A tenant that orchestrator tokens can be scoped to."""
     b: TenantCreate = req.body
-
-    def run(s: Session) -> TenantOut:
-        t = clusters.add_tenant(
-            s,
-            name=b.name,
-            cluster_kind=b.cluster_kind,
-            control_plane=b.control_plane,
-            vlan_range=req.ctx.cfg.tenants.vlan_range,
-            actor=req.actor,
-            instance=req.ctx.instance,
-        )
-        return TenantOut.model_validate(t.model_dump())
-
-    return await req.ctx.store.run(run)
+    t = await tenants.create(
+        actor=req.actor, name=b.name, cluster_kind=b.cluster_kind, control_plane=b.control_plane
+    )
+    return TenantOut.model_validate(t)
 
 
 @router.route(
@@ -110,28 +78,13 @@ async def create_tenant(req: ApiRequest) -> TenantOut:
     query=TenantQuery,
     response=TenantList,
     tag="tenants",
+    use_case=workflows.tenants,
 )
-async def list_tenants(req: ApiRequest) -> TenantList:
+async def list_tenants(req: ApiRequest, tenants: Tenants) -> TenantList:
     """Tenants by name, paginated; an orchestrator sees only those in its scope."""
-    p = req.require_principal()
-    q: TenantQuery = req.query
-    limit = req.page_limit(q)
-
-    def run(s: Session) -> TenantList:
-        stmt = select(Tenant)
-        if p.role is Role.ORCHESTRATOR:
-            stmt = stmt.where(col(Tenant.id).in_(sorted(p.scope)))
-        total = s.exec(select(func.count()).select_from(stmt.subquery())).one()
-        rows, cursor = page_rows(s, stmt, Tenant, q, ["name", "id"], limit)
-        return TenantList(
-            items=[TenantOut.model_validate(t.model_dump()) for t in rows],
-            total=total,
-            limit=limit,
-            offset=q.offset,
-            next=req.next_link(cursor),
-        )
-
-    return await req.ctx.store.read(run)
+    paging = listing.paging(req)
+    page = await tenants.list(req.require_principal(), paging)
+    return listing.answer(TenantList, page, paging, req)
 
 
 @router.route(
@@ -142,18 +95,11 @@ async def list_tenants(req: ApiRequest) -> TenantList:
     response=TenantOut,
     tag="tenants",
     errors=(404,),
+    use_case=workflows.tenants,
 )
-async def show_tenant(req: ApiRequest) -> TenantOut:
+async def show_tenant(req: ApiRequest, tenants: Tenants) -> TenantOut:
     """One tenant (never its secrets)."""
-    p = req.require_principal()
-
-    def run(s: Session) -> TenantOut:
-        t = s.get(Tenant, req.params["id"])
-        if t is None or not p.can_see_tenant(t.id):
-            raise NotFound(f"no tenant with id {req.params['id']!r}")
-        return TenantOut.model_validate(t.model_dump())
-
-    return await req.ctx.store.run(run)
+    return TenantOut.model_validate(await tenants.show(req.require_principal(), req.params["id"]))
 
 
 @router.route(
@@ -167,31 +113,19 @@ async def show_tenant(req: ApiRequest) -> TenantOut:
     tag="tenants",
     errors=(404, 409, 422),
     location="/api/v1/tenants/{tenant_id}/hub",
+    use_case=workflows.tenants,
 )
-async def create_hub(req: ApiRequest) -> HubOut:
+async def create_hub(req: ApiRequest, tenants: Tenants) -> HubOut:
     """Give the tenant its WireGuard hub (key pair, overlay prefix no other tenant overlaps,
     listen endpoint) and its scheduler secrets (munge key, or a Kubernetes CA), encrypted."""
     b: HubCreate = req.body
-
-    pool = req.ctx.cfg.tenants.hub_addresses
-
-    def run(s: Session) -> HubOut:
-        t = _tenant(s, req)
-        host = b.endpoint_host
-        if host is None:
-            if pool is None:
-                raise Unprocessable(
-                    "endpoint_host: required (tenants.hub_addresses is not configured)"
-                )
-            host = free_hub_address(s, pool)
-        clusters.setup_hub(s, req.ctx.secrets, t.id, endpoint_host=host, listen_port=b.listen_port)
-        return _hub_out(s, t)
-
-    out = await req.ctx.store.run(run)
-    runtime = tenant_runtime(req.ctx)
-    if runtime is not None:
-        await runtime.sync()  # up now, not at the next interval (errors are logged there)
-    return out
+    hub = await tenants.create_hub(
+        req.require_principal(),
+        req.params["id"],
+        endpoint_host=b.endpoint_host,
+        listen_port=b.listen_port,
+    )
+    return HubOut.model_validate(hub)
 
 
 @router.route(
@@ -202,14 +136,11 @@ async def create_hub(req: ApiRequest) -> HubOut:
     response=HubOut,
     tag="tenants",
     errors=(404,),
+    use_case=workflows.tenants,
 )
-async def show_hub(req: ApiRequest) -> HubOut:
+async def show_hub(req: ApiRequest, tenants: Tenants) -> HubOut:
     """The hub's public key, endpoint, overlay prefix and peers (never a private key)."""
-
-    def run(s: Session) -> HubOut:
-        return _hub_out(s, _tenant(s, req))
-
-    return await req.ctx.store.run(run)
+    return HubOut.model_validate(await tenants.show_hub(req.require_principal(), req.params["id"]))
 
 
 class FabricPort(BaseModel):
@@ -234,15 +165,13 @@ class FabricOut(BaseModel):
     response=FabricOut,
     tag="tenants",
     errors=(404, 409),
+    use_case=workflows.tenants,
 )
-async def show_fabric(req: ApiRequest) -> FabricOut:
+async def show_fabric(req: ApiRequest, tenants: Tenants) -> FabricOut:
     """What a subnet manager or switch automation needs for the tenant: its VLAN id, its
     InfiniBand partition key (allocated now for a tenant from before PKeys), each machine it
     holds with its port GUIDs (from inventory, when listed), and an OpenSM partitions.conf
     fragment."""
-
-    def run(s: Session) -> FabricOut:
-        t = _tenant(s, req)
-        return FabricOut.model_validate(fabric.describe(s, t.id))
-
-    return await req.ctx.store.run(run)
+    return FabricOut.model_validate(
+        await tenants.show_fabric(req.require_principal(), req.params["id"])
+    )

@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
-
-from sqlalchemy import func
-from sqlmodel import Session, select
-
-from api.paging import page_rows
+from api import listing, workflows
 from api.roles import ADMIN
 from api.routing import ALL_ROLES, ApiRequest, Router
 from api.schemas import (
@@ -18,22 +13,9 @@ from api.schemas import (
     TokenQuery,
     WhoAmI,
 )
-from metald.auth import Role, issue_token, revoke_token
-from metald.errors import Conflict, Unprocessable
-from metald.machines import add_event
-from metald.store.models import ApiToken, Machine, Tenant
+from metald.usecases.tokens import Tokens
 
 router = Router()
-
-
-def _check_scope(s: Session, role: Role, scope: list[str]) -> None:
-    if role is Role.ORCHESTRATOR:
-        known = {t.id for t in s.exec(select(Tenant).where(Tenant.id.in_(scope)))}  # type: ignore[attr-defined]
-        missing = [x for x in scope if x not in known]
-        if missing:
-            raise Unprocessable(f"scope names tenants that do not exist: {', '.join(missing)}")
-    if role is Role.AGENT and scope and s.get(Machine, scope[0]) is None:
-        raise Unprocessable(f"scope names a machine that does not exist: {scope[0]}")
 
 
 @router.route(
@@ -47,33 +29,15 @@ def _check_scope(s: Session, role: Role, scope: list[str]) -> None:
     tag="tokens",
     errors=(422,),
     location="/api/v1/tokens/{id}",
+    use_case=workflows.tokens,
 )
-async def create_token(req: ApiRequest) -> TokenCreated:
+async def create_token(req: ApiRequest, tokens: Tokens) -> TokenCreated:
     """Issue a token with a role and scope. The secret is in the response and nowhere else."""
     b: TokenCreate = req.body
-
-    def run(s: Session) -> TokenCreated:
-        _check_scope(s, b.role, b.scope)
-        row, secret = issue_token(
-            s,
-            name=b.name,
-            role=b.role,
-            scope=b.scope,
-            created_by=req.actor,
-            ttl=timedelta(seconds=b.ttl_seconds) if b.ttl_seconds else None,
-            commit=False,
-        )
-        add_event(
-            s,
-            "token.created",
-            req.actor,
-            data={"token_id": row.id, "name": row.name, "role": row.role, "scope": row.scope},
-            instance=req.ctx.instance,
-        )
-        s.commit()
-        return TokenCreated(**TokenOut.model_validate(row.model_dump()).model_dump(), token=secret)
-
-    return await req.ctx.store.run(run)
+    row, secret = await tokens.issue(
+        actor=req.actor, name=b.name, role=b.role, scope=b.scope, ttl_seconds=b.ttl_seconds
+    )
+    return TokenCreated(**TokenOut.model_validate(row).model_dump(), token=secret)
 
 
 @router.route(
@@ -84,25 +48,13 @@ async def create_token(req: ApiRequest) -> TokenCreated:
     query=TokenQuery,
     response=TokenList,
     tag="tokens",
+    use_case=workflows.tokens,
 )
-async def list_tokens(req: ApiRequest) -> TokenList:
+async def list_tokens(req: ApiRequest, tokens: Tokens) -> TokenList:
     """Tokens, oldest first, paginated (never their secrets or hashes). Revoked and expired
     tokens are listed until the token purge removes them."""
-    q: TokenQuery = req.query
-    limit = req.page_limit(q)
-
-    def run(s: Session) -> TokenList:
-        total = s.exec(select(func.count()).select_from(ApiToken)).one()
-        rows, cursor = page_rows(s, select(ApiToken), ApiToken, q, ["created_at", "id"], limit)
-        return TokenList(
-            items=[TokenOut.model_validate(r.model_dump()) for r in rows],
-            total=total,
-            limit=limit,
-            offset=q.offset,
-            next=req.next_link(cursor),
-        )
-
-    return await req.ctx.store.read(run)
+    paging = listing.paging(req)
+    return listing.answer(TokenList, await tokens.list(paging), paging, req)
 
 
 @router.route(
@@ -113,28 +65,14 @@ async def list_tokens(req: ApiRequest) -> TokenList:
     response=TokenOut,
     tag="tokens",
     errors=(404, 409),
+    use_case=workflows.tokens,
 )
-async def delete_token(req: ApiRequest) -> TokenOut:
+async def delete_token(req: ApiRequest, tokens: Tokens) -> TokenOut:
     """Revoke a token at once. Revoking the token in use by this very request is refused."""
-    p = req.require_principal()
-    if req.params["id"] == p.token_id:
-        raise Conflict("refusing to revoke the token making this request; use another admin token")
-
-    def run(s: Session) -> TokenOut:
-        row = revoke_token(s, req.params["id"])
-        add_event(
-            s,
-            "token.revoked",
-            req.actor,
-            data={"token_id": row.id, "name": row.name},
-            instance=req.ctx.instance,
-        )
-        s.commit()
-        return TokenOut.model_validate(row.model_dump())
-
-    out = await req.ctx.store.run(run)
-    req.ctx.bus.notify(tokens=True)  # its event streams end now, not at the next re-check
-    return out
+    row = await tokens.revoke(
+        req.params["id"], actor=req.actor, caller_token_id=req.require_principal().token_id
+    )
+    return TokenOut.model_validate(row)
 
 
 @router.route(

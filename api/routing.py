@@ -8,6 +8,7 @@ runs, and to generate ``/api/v1/openapi.json`` — so the document cannot drift 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import time
@@ -65,6 +66,11 @@ class RouteSpec:
     location: str | None = None
     #: The route writes a versioned row and honours ``If-Match`` (its ETag is the version).
     versioned: bool = False
+    #: Builds the use case (``metald.usecases``) the handler delegates to, from the request;
+    #: the handler is then called as ``handler(req, use_case)``.
+    use_case: Callable[[ApiRequest], Any] | None = None
+    #: Which instance owns the resource the route acts on (not acted on by the router yet).
+    owner: Any = None
 
     @property
     def path_params(self) -> list[str]:
@@ -200,13 +206,15 @@ class Router:
         max_body: int | None = None,
         location: str | None = None,
         versioned: bool = False,
-    ) -> Callable[[Handler], Handler]:
-        def deco(fn: Handler) -> Handler:
+        use_case: Callable[[ApiRequest], Any] | None = None,
+        owner: Any = None,
+    ) -> Callable[[Any], Any]:
+        def deco(fn: Any) -> Any:
             self.specs.append(
                 RouteSpec(
                     method=method.upper(),
                     path=path,
-                    handler=fn,
+                    handler=fn if use_case is None else _with_use_case(fn, use_case),
                     summary=summary,
                     roles=frozenset(roles) if roles is not None else None,
                     body=body,
@@ -221,11 +229,25 @@ class Router:
                     max_body=max_body,
                     location=location,
                     versioned=versioned,
+                    use_case=use_case,
+                    owner=owner,
                 )
             )
             return fn
 
         return deco
+
+
+def _with_use_case(
+    fn: Callable[[ApiRequest, Any], Awaitable[Any]], use_case: Callable[[ApiRequest], Any]
+) -> Handler:
+    """The handler of a route declared with ``use_case``: ``fn(req, use_case(req))``."""
+
+    @functools.wraps(fn)
+    async def handler(req: ApiRequest) -> Any:
+        return await fn(req, use_case(req))
+
+    return handler
 
 
 def _article(word: str) -> str:

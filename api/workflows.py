@@ -1,6 +1,9 @@
-"""The domain workflows the route handlers hand off to, wired from the app's context."""
+"""The domain workflows and use cases the route handlers hand off to, wired from the app's
+context (each route names its use case: ``Router.route(..., use_case=...)``)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from api.context import AppContext
 from metald.claims.workflow import ClaimWorkflow
@@ -8,6 +11,19 @@ from metald.provision.intents import DeployImage
 from metald.provision.netboot import Provisioner
 from metald.tenants import mesh
 from metald.tenants.runtime import TenantRuntime
+from metald.usecases.agent import Agent
+from metald.usecases.claims import Claims
+from metald.usecases.commissioning import Commissioning
+from metald.usecases.events import Events
+from metald.usecases.images import Images
+from metald.usecases.instances import Instances
+from metald.usecases.join import Join
+from metald.usecases.machines import Machines
+from metald.usecases.tenants import Tenants
+from metald.usecases.tokens import Tokens
+
+if TYPE_CHECKING:
+    from api.routing import ApiRequest
 
 
 class MeshOfContext:
@@ -55,4 +71,88 @@ def claim_workflow(ctx: AppContext) -> ClaimWorkflow:
         notify=ctx.bus.notify,
         require_bmc=ctx.cfg.enroll.require_bmc,
         mesh=MeshOfContext(ctx),
+    )
+
+
+# ---- use cases (``metald.usecases``), one per resource, built for a request ---------------
+
+
+def machines(req: ApiRequest) -> Machines:
+    ctx = req.ctx
+    return Machines(ctx.store, ctx.instance, ctx.bus.notify, workflow=claim_workflow(ctx))
+
+
+def tenants(req: ApiRequest) -> Tenants:
+    ctx = req.ctx
+    return Tenants(
+        ctx.store,
+        ctx.secrets,
+        ctx.instance,
+        vlan_range=ctx.cfg.tenants.vlan_range,
+        hub_addresses=ctx.cfg.tenants.hub_addresses,
+        hubs=tenant_runtime(ctx),
+    )
+
+
+def tokens(req: ApiRequest) -> Tokens:
+    return Tokens(req.ctx.store, req.ctx.instance, req.ctx.bus.notify)
+
+
+def images(req: ApiRequest) -> Images:
+    return Images(req.ctx.store, req.ctx.instance)
+
+
+def join(req: ApiRequest) -> Join:
+    ctx = req.ctx
+    return Join(
+        ctx.store,
+        ctx.secrets,
+        ctx.instance,
+        ctx.bus.notify,
+        mesh=ctx.services.mesh_watch,
+        hubs=ctx.services.tenant_hubs,
+    )
+
+
+def commissioning(req: ApiRequest) -> Commissioning:
+    ctx = req.ctx
+    bmc = ctx.services.bmc
+    return Commissioning(
+        ctx.store,
+        req,  # the agent's results: its token's first use is stamped in the same commit
+        ctx.instance,
+        ctx.bus.notify,
+        rules=ctx.cfg.enroll.rules,
+        sel_reader=None if bmc is None else bmc.event_log,
+        sel_timeout_s=ctx.cfg.bmc.sensors_timeout_s * (ctx.cfg.bmc.retries + 2),
+        sel_reads=ctx.services.sel_reads,
+        workflow=claim_workflow(ctx),
+    )
+
+
+def claims(req: ApiRequest) -> Claims:
+    return Claims(req.ctx.store, claim_workflow(req.ctx))
+
+
+def instances(req: ApiRequest) -> Instances:
+    ctx = req.ctx
+    return Instances(ctx.store, ctx.cfg.fleet.dead_after_s, fleet=ctx.services.fleet)
+
+
+def events(req: ApiRequest) -> Events:
+    return Events(req.ctx.store)
+
+
+def agent(req: ApiRequest) -> Agent:
+    ctx = req.ctx
+    return Agent(
+        ctx.store,
+        req,  # an agent token's first use is stamped in its request's first commit
+        ctx.instance,
+        ctx.bus.notify,
+        enroll=ctx.cfg.enroll,
+        progress_interval_s=ctx.cfg.provision.progress_event_interval_s,
+        join_token_ttl_s=ctx.cfg.tenants.join_token_ttl_s,
+        bmc=ctx.services.bmc,
+        workflow=claim_workflow(ctx),
     )

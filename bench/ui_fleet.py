@@ -8,7 +8,7 @@ machines, a commissioning run on every tenth), serves metald's app on loopback, 
 technician and asks for the fleet page ``--runs`` times per view: the first page, a deep page
 (keyset cursor), a state + rack filter, and searches by MAC, IP and BMC address. Prints the
 median and p95 of the whole request (loopback HTTP, so server time plus a little client) and
-of the query alone (``api.ui.fleet.fleet_page``). A benchmark, not a test: nothing here passes
+of the query alone (``metald.usecases.console.fleet_page``). A benchmark, not a test: nothing here passes
 or fails on a timing.
 """
 
@@ -28,7 +28,6 @@ from aiohttp import web
 
 from api.app import create_app, server_settings
 from api.context import AppContext
-from api.ui import fleet as ui_fleet
 from metald.auth import issue_token
 from metald.config import load_config
 from metald.events import EventBus
@@ -43,6 +42,7 @@ from metald.store.models import (
     Tenant,
     utcnow,
 )
+from metald.usecases import console as ui_fleet
 
 STATES = ["ready"] * 6 + ["claimed", "deployed", "maintenance", "broken"]
 

@@ -167,7 +167,7 @@ def _live(row: Any) -> bool:
 def principal_of_token(session: Session, token_id: str) -> Principal | None:
     """The principal of the token with this id, by the same rules as ``authenticate`` (None
     once it is revoked or expired): for callers bound to a token they no longer hold, like a
-    web console session (``api.ui.sessions``). Agent tokens act only with their secret."""
+    web console session (``metald.usecases.ui_sessions``). Agent tokens act only with their secret."""
     row = session.connection().execute(_BY_ID, {"i": token_id}).first()
     if not _live(row) or row.role == Role.AGENT.value:
         return None

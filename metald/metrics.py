@@ -9,7 +9,7 @@ Three kinds live here:
   phase durations);
 - gauges of what the store holds (machines by state, leases per network, claims, BMC health,
   hub handshakes, instance heartbeats, event rows). They are refreshed at scrape time from one
-  query each (``api.scrape``), so they cost nothing between scrapes and every instance sharing
+  query each (``metald.usecases.gauges``), so they cost nothing between scrapes and every instance sharing
   one database reports the same numbers (aggregate them with ``max``, not ``sum``);
 - the process and platform collectors of prometheus_client and ``metald_build_info``.
 

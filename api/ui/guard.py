@@ -16,8 +16,8 @@ from urllib.parse import quote
 from aiohttp import web
 
 from api.routing import Refusal, check_inputs
-from api.ui import sessions
 from metald.auth import Principal
+from metald.usecases import ui_sessions as sessions
 
 if TYPE_CHECKING:
     from api.context import AppContext
@@ -67,7 +67,7 @@ async def current(request: web.Request, ctx: AppContext) -> UiRequest | None:
     sid = request.cookies.get(COOKIE, "")
     if not sid:
         return None
-    live = await ctx.store.run(sessions.load_session, sid)
+    live = await sessions.UiSessions(ctx.store).load(sid)
     if live is None:
         return None
     return UiRequest(request, ctx, sid, live.principal, live.row.csrf)

@@ -18,10 +18,10 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from api.routing import Refusal, check_inputs
-from api.ui import sessions
 from api.ui.dispatch import Api, Refused
 from api.ui.guard import COOKIE, CSRF_FIELD, UI_CTX, UiRequest, current, origin_ok
 from api.ui.render import error
+from metald.usecases import ui_sessions as sessions
 
 #: How often an open stream or console checks that its session still stands.
 RECHECK_S = 2.0
@@ -29,7 +29,7 @@ RECHECK_S = 2.0
 
 def _still_valid(ui: UiRequest):  # type: ignore[no-untyped-def]
     async def check() -> bool:
-        return await ui.ctx.store.run(sessions.load_session, ui.session_id) is not None
+        return await sessions.UiSessions(ui.ctx.store).load(ui.session_id) is not None
 
     return check
 

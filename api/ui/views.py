@@ -7,14 +7,12 @@ import asyncio
 from typing import Any
 
 from aiohttp import web
-from sqlmodel import Session, col, func, select
 
-from api.ui import fleet, sessions
 from api.ui.dispatch import Api, Refused
 from api.ui.guard import UI_CTX, UiRequest, clear_cookie, current, origin_ok, set_cookie
 from api.ui.render import error, fragment, page
-from api.ui.tenants import tenant_details
-from metald.store.models import Bmc, Event
+from metald.usecases import ui_sessions as sessions
+from metald.usecases.console import Console, FleetQuery
 
 #: Bulk actions: the API route each one calls, its body, and whether it must be confirmed
 #: (destructive: it takes a machine away from whoever uses it) or needs a reason.
@@ -113,7 +111,7 @@ class Views:
         secret = str(form.get("token", ""))
         target = _safe_next(str(form.get("next", "")))
         try:
-            opened = await ctx.store.run(sessions.open_session, secret)
+            opened = await sessions.UiSessions(ctx.store).open(secret)
         except sessions.LoginRefused as e:
             return page(
                 "login.html",
@@ -130,7 +128,7 @@ class Views:
         raise resp
 
     async def logout(self, ui: UiRequest) -> web.StreamResponse:
-        await ui.ctx.store.run(sessions.close_session, ui.session_id)
+        await sessions.UiSessions(ui.ctx.store).close(ui.session_id)
         resp = web.HTTPSeeOther("/ui/login")
         clear_cookie(resp)
         raise resp
@@ -142,9 +140,9 @@ class Views:
             self.need(ui, "GET", "/api/v1/machines")
         except Refused as r:
             return self.refused(ui, r, "fleet")
-        f = fleet.FleetQuery.from_params(ui.raw.query)
-        data = await ui.ctx.store.read(fleet.fleet_page, ui.principal, f)
-        last_event = await ui.ctx.store.read(_last_event_id)
+        f = FleetQuery.from_params(ui.raw.query)
+        data = await _console(ui).fleet_page(ui.principal, f)
+        last_event = await _console(ui).last_event_id()
         return page(
             "fleet.html",
             title="Fleet",
@@ -163,11 +161,12 @@ class Views:
         page's own query (scope, filters, search: the page's query parameters) lists them."""
         ids = ui.raw.query.getall("id", [])
         add = ui.raw.query.getall("add", [])
-        rows = await ui.ctx.store.read(fleet.rows_by_id, ui.principal, ids)
-        f = fleet.FleetQuery.from_params(ui.raw.query)
-        added = await ui.ctx.store.read(fleet.rows_matching, ui.principal, f, add)
+        console = _console(ui)
+        rows = await console.rows_by_id(ui.principal, ids)
+        f = FleetQuery.from_params(ui.raw.query)
+        added = await console.rows_matching(ui.principal, f, add)
         can_act = self.api.allows(ui, "POST", "/api/v1/machines/{id}/actions")
-        counts = await ui.ctx.store.read(_counts, ui.principal)
+        counts = await console.counts(ui.principal)
         return web.json_response(
             {
                 "rows": {r.m.id: fragment("_row.html", r=r, can_act=can_act) for r in rows},
@@ -272,7 +271,7 @@ class Views:
             except Refused:
                 commissioning = None
         staff = self.api.allows(ui, "GET", "/api/v1/bmcs")
-        bmc = await ui.ctx.store.read(_bmc_of, m["id"]) if staff else None
+        bmc = await _console(ui).bmc_of(m["id"]) if staff else None
         if bmc is not None:
             # What its driver can be asked: the page offers only those actions (None: unknown,
             # every action is offered and the API refuses what the BMC lacks).
@@ -350,7 +349,7 @@ class Views:
         return page(template, title=nav.capitalize(), data=data, **extra, **self.base(ui, nav))
 
     async def claims(self, ui: UiRequest) -> web.StreamResponse:
-        last_event = await ui.ctx.store.read(_last_event_id)
+        last_event = await _console(ui).last_event_id()
         return await self.listing(
             ui, "claims", "/api/v1/claims", "claims.html", last_event=last_event
         )
@@ -372,7 +371,7 @@ class Views:
         except Refused as r:
             return self.refused(ui, r, "tenants")
         ids = [t["id"] for t in data["items"]]
-        details = await ui.ctx.store.read(tenant_details, ui.principal, ids)
+        details = await _console(ui).tenant_details(ui.principal, ids)
         return page(
             "tenants.html",
             title="Tenants",
@@ -392,7 +391,7 @@ class Views:
         except Refused as r:
             return self.refused(ui, r, "events")
         last = max((e["id"] for e in data["items"]), default=0)
-        last = max(last, await ui.ctx.store.read(_last_event_id))
+        last = max(last, await _console(ui).last_event_id())
         return page(
             "events.html",
             title="Events",
@@ -416,33 +415,6 @@ def _safe_next(target: str | None) -> str:
     return target
 
 
-def _last_event_id(s: Session) -> int:
-    return s.exec(select(func.max(Event.id))).one() or 0
-
-
-def _counts(s: Session, p: Any) -> dict[str, int]:
-    from metald.store.models import Machine
-
-    return dict(
-        s.exec(
-            select(Machine.state, func.count()).where(*fleet.scope(p)).group_by(Machine.state)
-        ).all()
-    )  # type: ignore[arg-type]
-
-
-def _bmc_of(s: Session, machine_id: str) -> dict[str, Any] | None:
-    b = s.exec(select(Bmc).where(col(Bmc.machine_id) == machine_id)).first()
-    if b is None:
-        return None
-    return b.model_dump(
-        include={
-            "id",
-            "address",
-            "port",
-            "protocol",
-            "health",
-            "health_detail",
-            "power_state",
-            "last_seen_at",
-        }
-    )
+def _console(ui: UiRequest) -> Console:
+    """The console's own reads (``metald.usecases.console``)."""
+    return Console(ui.ctx.store)

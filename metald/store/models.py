@@ -310,7 +310,7 @@ class ApiToken(SQLModel, table=True):
 
 
 class UiSession(SQLModel, table=True):
-    """A web console login (``api.ui.sessions``): bound to the API token it was opened with,
+    """A web console login (``metald.usecases.ui_sessions``): bound to the API token it was opened with,
     which every request checks again. The cookie carries a random id; only its SHA-256 is kept
     here, so a copy of the database opens no session."""
 

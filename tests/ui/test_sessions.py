@@ -8,10 +8,10 @@ from datetime import timedelta
 import pytest
 from sqlmodel import select
 
-from api.ui import sessions
 from metald.auth import issue_token, revoke_token
 from metald.store import Store
 from metald.store.models import UiSession, utcnow
+from metald.usecases import ui_sessions as sessions
 
 
 @pytest.fixture

@@ -15,13 +15,13 @@ from sqlalchemy.engine import Engine
 from sqlmodel import select
 
 from api.routes_tenants import _hub_out
-from api.ui.tenants import tenant_details
 from metald.auth import authenticate
 from metald.config import Config
 from metald.secrets import SecretBox
 from metald.store import Store
 from metald.store.models import Tenant, WgPeer
 from metald.tenants import clusters
+from metald.usecases.console import tenant_details
 from tests.conftest import seed
 from tests.ui.conftest import serve
 

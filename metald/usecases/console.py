@@ -1,16 +1,24 @@
-"""The fleet table's query: one page of machines visible to the caller, filtered and searched,
-in name order with a keyset cursor, plus the counts by state. A pure function over a store
-``Session`` (the benchmark, ``bench/ui_fleet.py``, times it with the page around it).
+"""The web console's own reads (``api.ui``): the fleet table, the tenants page's hubs, peers
+and nodes, the newest event's id, a machine's BMC. Everything else the console shows comes
+from the API's routes, called in process.
 
-One statement selects the page's machines (the filters, search and scope are WHERE clauses on
-indexed columns or ``IN`` subqueries); the BMCs, tenants and last commissioning verdicts of
-those rows are then read in one statement each, so a page costs the same with 50 machines or
-50,000."""
+The fleet table: one page of machines visible to the caller, filtered and searched, in name
+order with a keyset cursor, plus the counts by state (the benchmark, ``bench/ui_fleet.py``,
+times ``fleet_page`` with the page around it). One statement selects the page's machines (the
+filters, search and scope are WHERE clauses on indexed columns or ``IN`` subqueries); the
+BMCs, tenants and last commissioning verdicts of those rows are then read in one statement
+each, so a page costs the same with 50 machines or 50,000.
+
+The tenants page: hubs, peers and nodes for all listed tenants at once, three statements
+whatever the number of tenants. The tenants themselves come from the API's own list route
+(scoped to the caller); the nodes are filtered again by the fleet's scope rule (``scope``), and
+a hub is shown with the fields ``GET /api/v1/tenants/{id}/hub`` shows (never its private key)."""
 
 from __future__ import annotations
 
 import base64
 import json
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +26,19 @@ from sqlalchemy import and_, func, or_
 from sqlmodel import Session, col, select
 
 from metald.auth import Principal, Role
-from metald.store.models import Bmc, CommissioningRun, Lease, Machine, Nic, Tenant
+from metald.store.models import (
+    Bmc,
+    CommissioningRun,
+    Event,
+    Lease,
+    Machine,
+    Nic,
+    Tenant,
+    WgHub,
+    WgPeer,
+)
+from metald.usecases import Transactions
+from metald.usecases.tenants import peer_view
 
 #: Rows on one page of the fleet table.
 PAGE_SIZE = 100
@@ -222,4 +242,113 @@ def rows_matching(s: Session, p: Principal, f: FleetQuery, ids: list[str]) -> li
     return decorate(s, list(s.exec(stmt)))
 
 
-__all__ = ["FleetPage", "FleetQuery", "FleetRow", "fleet_page", "rows_by_id", "rows_matching"]
+@dataclass
+class TenantDetails:
+    #: tenant id -> the hub (ifname, endpoint, address, public_key, listen_port, peers)
+    hubs: dict[str, dict[str, Any]]
+    #: tenant id -> its machines the caller may see, in name order
+    nodes: dict[str, list[dict[str, Any]]]
+
+
+def tenant_details(s: Session, p: Principal, tenant_ids: list[str]) -> TenantDetails:
+    if not tenant_ids:
+        return TenantDetails({}, {})
+    hubs: dict[str, dict[str, Any]] = {}
+    for h in s.exec(select(WgHub).where(col(WgHub.tenant_id).in_(tenant_ids))):
+        hubs[h.tenant_id] = {
+            "ifname": h.ifname,
+            "public_key": h.public_key,
+            "endpoint": h.endpoint,
+            "listen_port": h.listen_port,
+            "address": h.address,
+            "peers": [],
+        }
+    peers = s.exec(
+        select(WgPeer)
+        .where(col(WgPeer.tenant_id).in_(list(hubs)))
+        .order_by(col(WgPeer.tenant_id), col(WgPeer.address))
+    )
+    for peer in peers if hubs else ():
+        hubs[peer.tenant_id]["peers"].append(peer_view(peer))
+    nodes: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    machines = s.exec(
+        select(Machine.id, Machine.name, Machine.state, Machine.tenant_id)
+        .where(col(Machine.tenant_id).in_(tenant_ids), *scope(p))
+        .order_by(col(Machine.name), col(Machine.id))
+    )
+    for mid, name, state, tenant_id in machines:
+        nodes[tenant_id].append({"id": mid, "name": name, "state": state})
+    return TenantDetails(hubs, dict(nodes))
+
+
+def last_event_id(s: Session) -> int:
+    """The newest event's id (0: none yet): where a live page's event stream starts."""
+    return s.exec(select(func.max(Event.id))).one() or 0
+
+
+def counts(s: Session, p: Principal) -> dict[str, int]:
+    """How many machines the caller may see are in each state."""
+    return dict(
+        s.exec(
+            select(Machine.state, func.count()).where(*scope(p)).group_by(Machine.state)  # type: ignore[arg-type]
+        ).all()
+    )
+
+
+#: What a machine page shows of its BMC (staff only).
+BMC_FIELDS = {
+    "id",
+    "address",
+    "port",
+    "protocol",
+    "health",
+    "health_detail",
+    "power_state",
+    "last_seen_at",
+}
+
+
+def bmc_of(s: Session, machine_id: str) -> dict[str, Any] | None:
+    b = s.exec(select(Bmc).where(col(Bmc.machine_id) == machine_id)).first()
+    return None if b is None else b.model_dump(include=BMC_FIELDS)
+
+
+@dataclass
+class Console:
+    """The console's reads, each in a read-only transaction of its own."""
+
+    store: Transactions
+
+    async def fleet_page(self, p: Principal, f: FleetQuery) -> FleetPage:
+        return await self.store.read(fleet_page, p, f)
+
+    async def rows_by_id(self, p: Principal, ids: list[str]) -> list[FleetRow]:
+        return await self.store.read(rows_by_id, p, ids)
+
+    async def rows_matching(self, p: Principal, f: FleetQuery, ids: list[str]) -> list[FleetRow]:
+        return await self.store.read(rows_matching, p, f, ids)
+
+    async def counts(self, p: Principal) -> dict[str, int]:
+        return await self.store.read(counts, p)
+
+    async def last_event_id(self) -> int:
+        return await self.store.read(last_event_id)
+
+    async def bmc_of(self, machine_id: str) -> dict[str, Any] | None:
+        return await self.store.read(bmc_of, machine_id)
+
+    async def tenant_details(self, p: Principal, tenant_ids: list[str]) -> TenantDetails:
+        return await self.store.read(tenant_details, p, tenant_ids)
+
+
+__all__ = [
+    "Console",
+    "FleetPage",
+    "FleetQuery",
+    "FleetRow",
+    "TenantDetails",
+    "fleet_page",
+    "rows_by_id",
+    "rows_matching",
+    "tenant_details",
+]

@@ -1,6 +1,6 @@
 """The web console's sessions: opened with an API token once, kept server-side, bound to that
-token. Pure store functions (a ``Session`` in, rows and decisions out); ``api.ui.guard`` calls
-them on every request.
+token. Store functions (a ``Session`` in, rows and decisions out), each in a transaction of its own
+through ``UiSessions``; ``api.ui.guard`` loads the session on every request.
 
 The cookie carries a random 256-bit id; the store keeps its SHA-256 (a copy of the database
 opens no session) and the id of the token it was opened with, never the token's secret. A
@@ -20,6 +20,7 @@ from sqlmodel import Session, delete
 
 from metald.auth import Principal, Role, authenticate, principal_of_token
 from metald.store.models import ApiToken, UiSession, as_utc, utcnow
+from metald.usecases import Writes
 
 #: A session unused this long ends (the live pages' event stream counts as use).
 IDLE = timedelta(hours=1)
@@ -133,3 +134,21 @@ def csrf_matches(expected: str, presented: str | None) -> bool:
     return presented is not None and hmac.compare_digest(
         expected.encode(), presented.encode("utf-8", "replace")
     )
+
+
+@dataclass
+class UiSessions:
+    """Console sessions, each step in a transaction of its own."""
+
+    store: Writes
+
+    async def open(self, secret: str) -> Opened:
+        """Log in with an API token (``LoginRefused``: not a live token of a person)."""
+        return await self.store.run(open_session, secret)
+
+    async def load(self, session_id: str) -> Live | None:
+        """The session if it still stands (touched: it counts as use)."""
+        return await self.store.run(load_session, session_id)
+
+    async def close(self, session_id: str) -> None:
+        await self.store.run(close_session, session_id)

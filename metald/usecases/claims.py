@@ -1,0 +1,149 @@
+"""Claims as the API shows and drives them: claim machines for a tenant, list and show
+claims with each machine's progress, release a claim or one machine of it. The flows are
+``metald.claims.workflow``'s; this module decides what a caller may see and act on.
+
+An orchestrator acts for the tenants in its scope only; another tenant's claim is reported as
+absent, so scoped tokens cannot probe for ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from sqlmodel import Session, col, select
+
+from metald.auth import Principal, Role
+from metald.claims.allocation import Selector
+from metald.claims.records import claim_machines, latest_progress
+from metald.claims.workflow import ClaimRequest, ClaimWorkflow
+from metald.errors import NotFound
+from metald.machines import ConcurrentUpdate
+from metald.store.models import Claim
+from metald.usecases import Transactions
+from metald.usecases.reads import Page, Pager, page
+
+#: Newest first.
+DEFAULT_ORDER = ["-created_at", "id"]
+
+
+class ClaimFilter(Protocol):
+    """What a claim list is narrowed by (``api.routes_claims.ClaimQuery``)."""
+
+    tenant_id: str | None
+    state: str | None
+
+
+def claim_view(s: Session, c: Claim, *, replayed: bool = False) -> dict[str, Any]:
+    """A claim with each of its machines' state and latest progress."""
+    ms = claim_machines(s, c.id)
+    progress = latest_progress(s, ms)
+    return {
+        **c.model_dump(exclude={"image", "ssh_authorized_keys"}),
+        "image_id": c.image,
+        "ssh_authorized_keys": list(c.ssh_authorized_keys or []),
+        "replayed": replayed,
+        "machines": [
+            {
+                **m.model_dump(include={"id", "name", "state", "gpu_model", "gpu_count"}),
+                "last_error": m.last_error,
+                "progress": progress.get(m.id),
+            }
+            for m in ms
+        ],
+    }
+
+
+def _views(s: Session, rows: list[Claim]) -> list[dict[str, Any]]:
+    return [claim_view(s, c) for c in rows]
+
+
+def load_claim(s: Session, p: Principal, claim_id: str) -> Claim:
+    c = s.get(Claim, claim_id, populate_existing=True)
+    if c is None or not p.can_see_tenant(c.tenant_id):
+        raise NotFound(f"no claim with id {claim_id!r} among the claims this token may see")
+    return c
+
+
+@dataclass
+class Claims:
+    store: Transactions
+    workflow: ClaimWorkflow
+
+    async def claim(
+        self,
+        p: Principal,
+        *,
+        actor: str,
+        tenant_id: str,
+        count: int,
+        selector: dict[str, Any],
+        image_id: str,
+        idempotency_key: str | None,
+        ssh_authorized_keys: list[str],
+    ) -> dict[str, Any]:
+        """Allocate the machines and start installing the image (``ClaimWorkflow.claim``),
+        for a tenant the caller may claim for."""
+        if not p.can_see_tenant(tenant_id):
+            raise NotFound(
+                f"no tenant with id {tenant_id!r} among this token's tenants; "
+                "an orchestrator token claims only for the tenants in its scope"
+            )
+        request = ClaimRequest(
+            tenant_id=tenant_id,
+            count=count,
+            selector=Selector.from_dict(selector),
+            image_id=image_id,
+            idempotency_key=idempotency_key,
+            ssh_authorized_keys=ssh_authorized_keys,
+        )
+        return await self.workflow.claim(
+            request,
+            actor=actor,
+            render=lambda s, c, replayed: claim_view(s, c, replayed=replayed),
+        )
+
+    async def list(self, p: Principal, f: ClaimFilter, pager: Pager) -> Page[dict[str, Any]]:
+        """The claims the caller may see (an orchestrator: its tenants'), newest first."""
+
+        def run(s: Session) -> Page[dict[str, Any]]:
+            stmt = select(Claim)
+            if p.role is Role.ORCHESTRATOR:
+                stmt = stmt.where(col(Claim.tenant_id).in_(sorted(p.scope)))
+            if f.tenant_id:
+                stmt = stmt.where(Claim.tenant_id == f.tenant_id)
+            if f.state:
+                stmt = stmt.where(Claim.state == f.state)
+            return page(s, stmt, Claim, pager, DEFAULT_ORDER, _views)
+
+        return await self.store.run(run)
+
+    async def show(self, p: Principal, claim_id: str) -> dict[str, Any]:
+        return await self.store.run(lambda s: claim_view(s, load_claim(s, p, claim_id)))
+
+    async def release(
+        self,
+        p: Principal,
+        claim_id: str,
+        *,
+        actor: str,
+        if_match: int | None,
+        machine_id: str | None = None,
+    ) -> dict[str, Any]:
+        """End the claim, or release one machine of it (``ClaimWorkflow.release``); with
+        ``if_match``, only while the claim is at that version (checked in the release's own
+        transaction, so nothing is released on a stale read)."""
+        checked: list[bool] = []  # the workflow loads again to render its answer: check once
+
+        def load(s: Session, cid: str) -> Claim:
+            c = load_claim(s, p, cid)
+            if if_match is not None and not checked and c.version != if_match:
+                raise ConcurrentUpdate(
+                    f"claim {c.id} is at version {c.version}, not {if_match}; "
+                    "read it again and retry"
+                )
+            checked.append(True)
+            return c
+
+        return await self.workflow.release(
+            claim_id, actor=actor, load=load, render=claim_view, machine_id=machine_id
+        )

@@ -1,0 +1,111 @@
+"""API tokens as an admin manages them: issue (scope checked against what exists), list
+(never a secret or hash), revoke (its event streams end at once)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from sqlmodel import Session, col, select
+
+from metald.auth import Role, issue_token, revoke_token
+from metald.errors import Conflict, Unprocessable
+from metald.machines import add_event
+from metald.store.models import ApiToken, Machine, Tenant
+from metald.usecases import Transactions
+from metald.usecases.reads import Page, Pager, page
+
+#: Oldest first.
+DEFAULT_ORDER = ["created_at", "id"]
+
+
+def token_view(row: ApiToken) -> dict[str, Any]:
+    return row.model_dump(exclude={"token_hash"})
+
+
+def _views(_: Session, rows: list[ApiToken]) -> list[dict[str, Any]]:
+    return [token_view(r) for r in rows]
+
+
+def check_scope(s: Session, role: Role, scope: list[str]) -> None:
+    """An orchestrator's scope names tenants, an agent's a machine: each must exist."""
+    if role is Role.ORCHESTRATOR:
+        known = {t.id for t in s.exec(select(Tenant).where(col(Tenant.id).in_(scope)))}
+        missing = [x for x in scope if x not in known]
+        if missing:
+            raise Unprocessable(f"scope names tenants that do not exist: {', '.join(missing)}")
+    if role is Role.AGENT and scope and s.get(Machine, scope[0]) is None:
+        raise Unprocessable(f"scope names a machine that does not exist: {scope[0]}")
+
+
+@dataclass
+class Tokens:
+    store: Transactions
+    instance: str
+    #: Wakes the live event streams; ``tokens=True`` makes them re-check their tokens now.
+    notify: Callable[..., None]
+
+    async def issue(
+        self,
+        *,
+        actor: str,
+        name: str,
+        role: Role,
+        scope: list[str],
+        ttl_seconds: int | None,
+    ) -> tuple[dict[str, Any], str]:
+        """A token with a role and scope: its view and its secret (stored nowhere)."""
+
+        def run(s: Session) -> tuple[dict[str, Any], str]:
+            check_scope(s, role, scope)
+            row, secret = issue_token(
+                s,
+                name=name,
+                role=role,
+                scope=scope,
+                created_by=actor,
+                ttl=timedelta(seconds=ttl_seconds) if ttl_seconds else None,
+                commit=False,
+            )
+            add_event(
+                s,
+                "token.created",
+                actor,
+                data={"token_id": row.id, "name": row.name, "role": row.role, "scope": row.scope},
+                instance=self.instance,
+            )
+            s.commit()
+            return token_view(row), secret
+
+        return await self.store.run(run)
+
+    async def list(self, pager: Pager) -> Page[dict[str, Any]]:
+        """Every token, revoked and expired ones until the purge removes them."""
+        return await self.store.read(
+            lambda s: page(s, select(ApiToken), ApiToken, pager, DEFAULT_ORDER, _views)
+        )
+
+    async def revoke(self, token_id: str, *, actor: str, caller_token_id: str) -> dict[str, Any]:
+        """Revoke a token at once (not the caller's own); its event streams end now."""
+        if token_id == caller_token_id:
+            raise Conflict(
+                "refusing to revoke the token making this request; use another admin token"
+            )
+
+        def run(s: Session) -> dict[str, Any]:
+            row = revoke_token(s, token_id)
+            add_event(
+                s,
+                "token.revoked",
+                actor,
+                data={"token_id": row.id, "name": row.name},
+                instance=self.instance,
+            )
+            s.commit()
+            return token_view(row)
+
+        out = await self.store.run(run)
+        self.notify(tokens=True)  # its event streams end now, not at the next re-check
+        return out
