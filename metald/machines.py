@@ -124,6 +124,19 @@ _BY_MAC = (
     .execution_options(populate_existing=True)
 )
 
+_NAME_TAKEN = (
+    sa_select(Machine.__table__.c.id)
+    .where(  # type: ignore[attr-defined]
+        Machine.__table__.c.name == bindparam("name")  # type: ignore[attr-defined]
+    )
+    .limit(1)
+)
+
+
+def _writes_serialized(session: Session) -> bool:
+    """Whether the store serializes write transactions (SQLite's BEGIN IMMEDIATE)."""
+    return session.get_bind().dialect.name == "sqlite"
+
 
 def create_machine(
     session: Session,
@@ -171,7 +184,13 @@ def create_machine(
     # index says so: no SELECT first, which every enrollment of a storm paid for the rare
     # replaced machine). Two machines enrolling at once behind one switch port (several
     # instances, or a flood) may both pick it: the loser goes unnamed instead of failing.
-    if default:
+    if default and _writes_serialized(session):
+        # SQLite: the store's write transactions begin IMMEDIATE (one writer at a time), so
+        # nobody can take the name between this read and the insert; one indexed read is
+        # cheaper than a savepoint (two statements and SQLAlchemy's nested-transaction work).
+        taken = session.connection().execute(_NAME_TAKEN, {"name": default}).first()
+        m = new(None if taken is not None else default)
+    elif default:
         try:
             with session.begin_nested():
                 m = new(default)

@@ -24,14 +24,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import String, bindparam, cast, exists, func, or_
-from sqlalchemy import select as sa_select
+from sqlalchemy import String, cast, func, or_
 from sqlmodel import Session, select
 
 from metald.bmc import targets
 from metald.bmc.base import BmcAuthError, BmcEndpoint, BmcError, SystemIdentity
 from metald.bmc.executor import BmcExecutor, get_bmc
 from metald.bmc.ipmi import guid_readings
+from metald.bmc.links import LINK_PROBE
 from metald.bmc.scheduler import Health
 from metald.errors import Conflict, Unprocessable
 from metald.machines import add_event, get_machine, normalize_mac
@@ -345,7 +345,7 @@ class BmcRegistry:
             # One Core probe first: the machine exists (else NotFound, below), has no BMC yet,
             # and some BMC is unlinked at all. In a power-on storm no BMC is unlinked, and the
             # probe is all a machine's inventory costs here (not four ORM reads).
-            probe = s.connection().execute(_LINK_PROBE, {"m": machine_id}).first()
+            probe = s.connection().execute(LINK_PROBE, {"m": machine_id}).first()
             if probe is not None and (probe.linked or not probe.unlinked):
                 return None
             m = get_machine(s, machine_id)
@@ -432,17 +432,6 @@ def record_identity(s: Session, bmc_id: str, ident: SystemIdentity, instance: st
     )
     s.commit()
     return row
-
-
-_BMCS = Bmc.__table__  # type: ignore[attr-defined]
-_MACHINES = Machine.__table__  # type: ignore[attr-defined]
-#: link_by_identity's first read: the machine's row (None: no such machine), whether a BMC is
-#: linked to it, and whether any BMC is unlinked (only then can identity link one).
-_LINK_PROBE = sa_select(
-    _MACHINES.c.id,
-    exists().where(_BMCS.c.machine_id == _MACHINES.c.id).label("linked"),
-    exists().where(_BMCS.c.machine_id.is_(None)).label("unlinked"),
-).where(_MACHINES.c.id == bindparam("m"))
 
 
 def public(row: Bmc) -> dict[str, Any]:

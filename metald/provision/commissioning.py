@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, exists
+from sqlalchemy import ColumnElement, bindparam, exists
 from sqlmodel import Session, col, select
 
 from metald import machines
@@ -47,11 +47,19 @@ def _open_run(s: Session, machine_id: str, status: str) -> CommissioningRun | No
     # Found through ix_commissioning_runs_machine_status (machine and status). With the status
     # index alone SQLite's planner (no statistics) read every running run for each agent
     # request of a storm: quadratic in the machines commissioning at once.
-    return s.exec(
-        select(CommissioningRun)
-        .where(CommissioningRun.machine_id == machine_id, CommissioningRun.status == status)
-        .order_by(col(CommissioningRun.created_at).desc())
-    ).first()
+    # One statement built once: building and keying a new one per call was most of its cost,
+    # and every accepted inventory of a storm asks it.
+    return s.exec(_OPEN_RUN, params={"m": machine_id, "status": status}).first()
+
+
+_OPEN_RUN = (
+    select(CommissioningRun)
+    .where(
+        CommissioningRun.machine_id == bindparam("m"),
+        CommissioningRun.status == bindparam("status"),
+    )
+    .order_by(col(CommissioningRun.created_at).desc())
+)
 
 
 def request_run(

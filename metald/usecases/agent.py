@@ -15,6 +15,7 @@ from sqlmodel import Session
 
 from metald import enrollment, machines
 from metald.auth import Principal, require_agent_phase
+from metald.bmc.links import link_probe
 from metald.claims.provisioning import next_step
 from metald.claims.workflow import ClaimWorkflow
 from metald.lifecycle import State
@@ -72,7 +73,7 @@ class Agent:
         mid = _machine_id(p)
         cfg = self.enroll
 
-        def run(s: Session) -> dict[str, Any]:
+        def run(s: Session) -> tuple[dict[str, Any], tuple[bool, bool]]:
             # A provisioning or wipe token of this machine cannot rewrite its inventory.
             m = machines.get_machine(s, mid)
             require_agent_phase(p, m.state, {"inspect"})
@@ -87,6 +88,9 @@ class Agent:
                 machine=m,
             )
             nxt = instruction(s, m, cfg)  # in the same transaction: the run it just started
+            # What the BMC work after commit needs, read here (one Core read) rather than in
+            # transactions of its own: a storm's machines have no BMC and none is unlinked.
+            bmc_state = link_probe(s, mid) if self.bmc is not None else (False, False)
             s.commit()
             return {
                 "machine_id": m.id,
@@ -94,16 +98,21 @@ class Agent:
                 "gpu_model": m.gpu_model,
                 "gpu_count": m.gpu_count,
                 "next": nxt,
-            }
+            }, bmc_state
 
         try:
-            out = await self.tx.run(run)
+            out, (linked, unlinked) = await self.tx.run(run)
         finally:
             self.notify()
         if self.bmc is not None:
-            # A BMC registered before its machine was known is linked by UUID, serial or MAC.
-            await self.bmc.link_by_identity(mid, actor=f"metald:{self.instance}")
-            self.bmc.after_inspection(mid)  # firmware versions, BIOS profile (background)
+            if not linked and unlinked:
+                # A BMC registered before its machine was known is linked by UUID, serial or MAC.
+                row = await self.bmc.link_by_identity(mid, actor=f"metald:{self.instance}")
+                linked = row is not None
+            if linked:
+                # Firmware versions, BIOS profile, a virtual-media ISO to eject (background).
+                # Without a BMC there is none of these to read, stage or eject.
+                self.bmc.after_inspection(mid)
         return out
 
     async def next_instruction(self, p: Principal) -> dict[str, Any]:
