@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from sqlmodel import Session, col, select
 
 from metald import machines as svc
-from metald import metrics
+from metald import metrics, repairs
 from metald.auth import Principal, Role, revoke_machine_tokens
 from metald.claims.workflow import ClaimWorkflow
 from metald.errors import Conflict, NotFound, Unprocessable
@@ -274,6 +274,7 @@ class Machines:
                 # A retired machine must not boot anything from us again.
                 updates["boot_intent"] = {"action": "local"}
                 revoke_machine_tokens(s, m.id, commit=False)
+                repairs.retired(s, m, actor=actor, instance=self.instance)
             m = svc.transition(
                 s,
                 m.id,
