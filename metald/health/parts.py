@@ -66,7 +66,8 @@ def locate(fault: Mapping[str, Any] | Any, inventory: Mapping[str, Any] | None) 
     if kind == "ib-port" or part == "nic":
         return {"part": "nic", "where": f"InfiniBand port {subject}", "port": subject}
     if kind == "technician":
-        return {"part": part or "node", "where": subject or "the whole machine"}
+        named = subject if subject and subject != "node" else "the whole machine"
+        return {"part": part or "node", "where": f"{named} (as reported by a technician)"}
     return {"part": part or "node", "where": "the whole machine (no single part named)"}
 
 
