@@ -106,6 +106,8 @@ class RepairQueue:
 
     instance: str
     actor: str = "metald:remediation"
+    #: remediation, or commissioning where a commissioning failure is handed over.
+    source: svc.Source = svc.Source.REMEDIATION
 
     def open(
         self,
@@ -119,7 +121,7 @@ class RepairQueue:
             session,
             machine_id,
             faults=faults,
-            source=svc.Source.REMEDIATION if remediation_id else svc.Source.COMMISSIONING,
+            source=self.source,
             actor=self.actor,
             remediation_id=remediation_id,
             instance=self.instance,

@@ -60,7 +60,7 @@ def queue(_cfg: Any, store: Any, tokens: Tokens) -> None:
             s, tokens.machine_a, source="technician", actor="admin:admin",
             faults=[{"kind": "technician", "subject": "psu", "code": "reported",
                      "severity": "fatal", "witness": "technician", "evidence": "PSU2 is dark",
-                     "part": "psu"}],
+                     "part": "psu", "why": "PSU2 is dark"}],
         )  # fmt: skip
 
 
