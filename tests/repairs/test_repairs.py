@@ -304,3 +304,64 @@ async def test_retiring_a_machine_closes_its_repair(api) -> None:  # type: ignor
         else:
             raise AssertionError("a retired machine got a repair")
     assert Trigger.TAKE_REPAIR.value == "take-repair"
+
+
+async def test_a_machine_that_held_a_tenants_data_is_wiped_before_its_commissioning(api) -> None:  # type: ignore[no-untyped-def]
+    """Taken from a tenant, the machine owes a wipe: "repaired" wipes it first, and the wipe's
+    end (in its own transaction) requests the commissioning run that verifies the repair."""
+    from api.app import CTX_KEY
+    from metald.provision import commissioning
+    from metald.provision.progress import Progress, record_progress
+
+    client, tokens, store = api
+    tech = tokens.header("technician")
+    mid, _agent = await _ready(client, store)
+    with store.session() as s:
+        machines.update_fields(s, mid, actor="t", kind="test", values={"wipe_required": True})
+    r = await client.post(
+        "/api/v1/repairs", json={"machine": mid, "summary": "GPU 3 missing"}, headers=tech
+    )
+    rid = (await r.json())["id"]
+    await client.post(f"/api/v1/repairs/{rid}/take", headers=tech)
+    r = await client.post(f"/api/v1/repairs/{rid}/repaired", json={}, headers=tech)
+    body = await r.json()
+    assert (body["status"], body["machine"]["state"]) == ("verifying", "wiping"), body
+    size, mib = 3840755982336, 1 << 20
+    evidence = [
+        {
+            "device": "/dev/nvme0n1",
+            "size_bytes": size,
+            "method": "zero-ends",
+            "reads": [
+                {"offset": 0, "length": mib, "zero": True},
+                {"offset": size - mib, "length": mib, "zero": True},
+            ],
+        }
+    ]
+    rules = client.server.app[CTX_KEY].cfg.enroll.rules
+    with store.session() as s:
+        m = machines.get_machine(s, mid)
+        m = record_progress(
+            s,
+            mid,
+            Progress(phase="wipe", done=True, disks=evidence),
+            actor="agent",
+            token_boot=m.boot_current,
+            on_wiped=lambda s, m: commissioning.after_wipe(s, m, rules, actor="agent"),
+        )
+        assert m.state == "inspecting"  # never ready in between
+    out = await _boot_and_commission(client, store, mid, SMART_OK)
+    assert out["state"] == "ready"
+    body = await (await client.get(f"/api/v1/repairs/{rid}", headers=tech)).json()
+    assert (body["status"], body["outcome"]) == ("closed", "returned")
+
+
+def test_the_lifecycle_has_no_way_from_repair_to_the_pool_but_commissioning() -> None:
+    from metald import lifecycle
+
+    assert lifecycle.sources(Trigger.TAKE_REPAIR) == {State.BROKEN}
+    leaves = {t for (src, t) in lifecycle.TRANSITIONS if src is State.REPAIRING}
+    assert leaves == {Trigger.INSPECT, Trigger.WIPE, Trigger.MARK_BROKEN, Trigger.RETIRE}
+    assert {State.BROKEN, State.REPAIRING} == lifecycle.IN_REPAIR
+    assert State.REPAIRING in lifecycle.OUT_OF_SERVICE
+    assert Trigger.TAKE_REPAIR in lifecycle.TENANT_BLOCKS
