@@ -34,7 +34,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from metald import machines
-from metald.errors import Conflict, NotFound, Unprocessable
+from metald.errors import Conflict, Forbidden, NotFound, Unprocessable
 from metald.health.parts import locate
 from metald.lifecycle import IN_REPAIR, State, Trigger
 from metald.store.models import Machine, Repair, utcnow
@@ -224,6 +224,11 @@ def open_repair(
     if remediation_id is not None:
         done = s.exec(select(Repair).where(Repair.remediation_id == remediation_id)).first()
         if done is not None:
+            if done.machine_id != machine_id:
+                raise Conflict(
+                    f"remediation {remediation_id} already opened repair {done.id} for machine "
+                    f"{done.machine_id}, not {machine_id}"
+                )
             return done
     m = machines.get_machine(s, machine_id)
     if State(m.state) is State.RETIRED:
@@ -298,6 +303,32 @@ def open_repair(
     if commit:
         s.commit()
     return r
+
+
+#: Technician actions that would take a machine out of broken towards the pool by hand.
+_OUT_OF_BROKEN = frozenset({"repair", "maintenance-on"})
+
+
+def check_manual(s: Session, machine_id: str, action: str, *, admin: bool) -> None:
+    """Refuse a technician's direct action on a machine the queue holds, so nothing reaches
+    the pool around commissioning: while a repair is open only the queue moves the machine
+    (retire excepted); a machine whose last repair ended ``out`` leaves broken only by an
+    admin's hand."""
+    if action == "retire":
+        return
+    r = open_of(s, machine_id)
+    if r is not None:
+        raise Conflict(
+            f"machine {machine_id} is in repair {r.id} ({r.status}); work through the repair "
+            f"queue (take it, then mark it repaired: POST /api/v1/repairs/{r.id}/take, "
+            ".../repaired): commissioning returns it to the pool"
+        )
+    last = last_of(s, machine_id)
+    if action in _OUT_OF_BROKEN and not admin and last is not None and last.outcome == Outcome.OUT:
+        raise Forbidden(
+            f"machine {machine_id} failed commissioning {last.commission_failures} times after "
+            f"repair {last.id} and stays out of the pool; only an admin can {action} it"
+        )
 
 
 def take(s: Session, repair_id: str, *, actor: str, instance: str | None = None) -> Repair:

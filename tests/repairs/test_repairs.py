@@ -365,3 +365,69 @@ def test_the_lifecycle_has_no_way_from_repair_to_the_pool_but_commissioning() ->
     assert {State.BROKEN, State.REPAIRING} == lifecycle.IN_REPAIR
     assert State.REPAIRING in lifecycle.OUT_OF_SERVICE
     assert Trigger.TAKE_REPAIR in lifecycle.TENANT_BLOCKS
+
+
+async def test_no_direct_action_moves_a_machine_around_the_queue(api) -> None:  # type: ignore[no-untyped-def]
+    """While a repair holds the machine, the machine routes that could bring it to the pool
+    without commissioning (inspect, maintenance, wipe, confirm-wipe, commission) are refused
+    with the way through the queue; after the second failure only an admin may take it out of
+    broken by hand."""
+    client, tokens, store = api
+    tech, admin = tokens.header("technician"), tokens.header("admin")
+    mid, _agent = await _ready(client, store)
+    r = await client.post(
+        "/api/v1/repairs", json={"machine": mid, "summary": "DIMM errors"}, headers=tech
+    )
+    rid = (await r.json())["id"]
+    for action in ("repair", "maintenance-on"):  # broken, in the queue
+        r = await client.post(
+            f"/api/v1/machines/{mid}/actions", json={"action": action}, headers=admin
+        )
+        assert r.status == 409 and f"/api/v1/repairs/{rid}/take" in (await r.json())["detail"]
+    await client.post(f"/api/v1/repairs/{rid}/take", headers=tech)
+    calls = [
+        (f"/api/v1/machines/{mid}/actions", {"action": "inspect"}),
+        (f"/api/v1/machines/{mid}/wipe", {}),
+        (f"/api/v1/machines/{mid}/confirm-wipe", {"reason": "erased by hand"}),
+        (f"/api/v1/machines/{mid}/commission", {}),
+    ]
+    for path, body in calls:
+        r = await client.post(path, json=body, headers=tech)
+        assert r.status == 409, (path, r.status, await r.text())
+        assert f"in repair {rid} (taken)" in (await r.json())["detail"]
+    assert (await _state(store, mid)).state == "repairing"
+    # The repair ends out: a technician cannot take the machine out of broken by hand.
+    with store.session() as s:
+        from metald import repairs
+
+        r_ = repairs.get(s, rid)
+        repairs._save(
+            s, r_, r_.version, status="closed", open_machine_id=None, outcome="out",
+            commission_failures=2,
+        )  # fmt: skip
+        machines.transition(s, mid, Trigger.MARK_BROKEN, actor="t")
+    for action in ("repair", "maintenance-on"):
+        r = await client.post(
+            f"/api/v1/machines/{mid}/actions", json={"action": action}, headers=tech
+        )
+        assert r.status == 403 and "only an admin" in (await r.json())["detail"]
+    r = await client.post(
+        f"/api/v1/machines/{mid}/actions", json={"action": "repair"}, headers=admin
+    )
+    assert r.status == 200 and (await r.json())["state"] == "maintenance"
+
+
+async def test_a_remediation_id_names_one_machine(api) -> None:  # type: ignore[no-untyped-def]
+    from metald.errors import Conflict
+
+    client, tokens, store = api
+    with store.session() as s:
+        q = RepairQueue("t")
+        q.open(s, machine_id=tokens.machine_free, remediation_id="rem-9", faults=[SEL_ECC])
+        s.commit()
+        try:
+            q.open(s, machine_id=tokens.machine_b, remediation_id="rem-9", faults=[SEL_ECC])
+        except Conflict as e:
+            assert "already opened repair" in str(e)
+        else:
+            raise AssertionError("one remediation opened repairs on two machines")
