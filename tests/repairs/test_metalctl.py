@@ -52,3 +52,31 @@ def test_repairs_from_the_command_line(live: LoopbackApi, capsys) -> None:  # ty
     assert rc != 0 and "commissioning profile" in capsys.readouterr().err
     assert main(["machines", "repairs", "show", rid, "-o", "json"]) == 0
     assert json.loads(capsys.readouterr().out)["status"] == "taken"  # nothing half-done
+
+
+async def test_the_async_client_has_the_same_calls(live: LoopbackApi) -> None:
+    from metald.client import ApiError
+    from metald.client.aio import AsyncClient
+
+    assert live.tokens is not None
+    async with AsyncClient(live.base, live.tokens.technician) as c:
+        r = await c.open_repair("node2", "fan 3 grinds", part="fan")
+        assert (r["status"], r["parts"][0]["part"]) == ("open", "fan")
+        assert [x["id"] async for x in c.repairs(rack="none")] == []
+        assert [x["id"] async for x in c.repairs(status="all")] == [r["id"]]
+        assert (await c.take_repair(r["id"][:8]))["status"] == "taken"
+        assert (await c.note_repair(r["id"], "new fan"))["notes"][0]["text"] == "new fan"
+        assert (await c.repair(r["id"]))["machine"]["state"] == "repairing"
+        try:
+            await c.repaired(r["id"], "fan swapped")
+        except ApiError as e:
+            assert e.status == 422
+        else:
+            raise AssertionError("repaired without a commissioning profile")
+    async with AsyncClient(live.base, live.tokens.orchestrator) as o:
+        try:
+            await o.repair(r["id"])
+        except ApiError as e:
+            assert e.status == 403
+        else:
+            raise AssertionError("an orchestrator read a repair")
