@@ -271,6 +271,12 @@ class Views:
                 )
             except Refused:
                 commissioning = None
+        repair = None
+        if self.api.allows(ui, "GET", "/api/v1/repairs"):
+            found = await self.api.call(
+                ui, "GET", "/api/v1/repairs", query={"machine": m["id"], "limit": 1}
+            )
+            repair = found["items"][0] if found["items"] else None
         staff = self.api.allows(ui, "GET", "/api/v1/bmcs")
         bmc = await _console(ui).bmc_of(m["id"]) if staff else None
         if bmc is not None:
@@ -301,6 +307,7 @@ class Views:
             inv=inv,
             events=events["items"],
             commissioning=commissioning,
+            repair=repair,
             bmc=bmc,
             console=console,
             bulk=BULK,
@@ -462,8 +469,10 @@ class RepairFilter:
 
     STATUSES = ("open", "taken", "verifying", "closed", "all")
 
-    def __init__(self, status: str, rack: str | None, taken_by: str | None) -> None:
-        self.status, self.rack, self.taken_by = status, rack, taken_by
+    def __init__(
+        self, status: str, rack: str | None, taken_by: str | None, machine: str | None = None
+    ) -> None:
+        self.status, self.rack, self.taken_by, self.machine = status, rack, taken_by, machine
 
     @classmethod
     def from_params(cls, q: Any) -> RepairFilter:
@@ -472,6 +481,7 @@ class RepairFilter:
             status if status in cls.STATUSES else "open",
             (q.get("rack") or "").strip()[:128] or None,
             (q.get("taken_by") or "").strip()[:128] or None,
+            (q.get("machine") or "").strip()[:128] or None,
         )
 
     def query(self) -> dict[str, Any]:
@@ -480,6 +490,8 @@ class RepairFilter:
             q["rack"] = self.rack
         if self.taken_by:
             q["taken_by"] = self.taken_by
+        if self.machine:
+            q["machine"] = self.machine
         return q
 
 

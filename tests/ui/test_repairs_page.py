@@ -120,6 +120,13 @@ def test_the_queue_shows_the_part_and_acts_through_the_api(browser, app, tokens,
     shoot(page, shots, "repairs-refused", full=True)
     page.goto("/ui/repairs?status=taken")
     assert page.locator("tbody tr").count() == 1
+    # The machine's page names its repair and links to it.
+    page.get_by_role("link", name="r9-00", exact=True).click()
+    expect(page.locator("#h-summary + dl")).to_contain_text(
+        "taken by technician:technician: fatal xid on 00000000:01:00.0"
+    )
+    page.get_by_role("link", name="taken by technician:technician").click()
+    assert page.locator("tbody tr").count() == 1
     page.context.close()
     with app.store.session() as s:
         assert {r.status for r in s.exec(select(Repair))} == {"open", "taken"}
