@@ -431,3 +431,32 @@ async def test_a_remediation_id_names_one_machine(api) -> None:  # type: ignore[
             assert "already opened repair" in str(e)
         else:
             raise AssertionError("one remediation opened repairs on two machines")
+
+
+async def test_two_technicians_taking_at_once_get_one_winner(api) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    client, tokens, store = api
+    tech, admin = tokens.header("technician"), tokens.header("admin")
+    r = await client.post(
+        "/api/v1/repairs", json={"machine": "node2", "summary": "no video"}, headers=tech
+    )
+    rid = (await r.json())["id"]
+    for _ in range(3):  # a few rounds: the race is decided by the store, not by luck
+        answers = await asyncio.gather(
+            client.post(f"/api/v1/repairs/{rid}/take", headers=tech),
+            client.post(f"/api/v1/repairs/{rid}/take", headers=admin),
+        )
+        assert sorted(a.status for a in answers) == [200, 409]
+        with store.session() as s:
+            m = machines.get_machine(s, tokens.machine_free)
+            assert m.state == "repairing"
+            from metald import repairs
+
+            rep = repairs.get(s, rid)
+            winner = next(a for a in answers if a.status == 200)
+            assert rep.taken_by == (await winner.json())["taken_by"]
+            # Back in the queue for the next round.
+            repairs._save(s, rep, rep.version, status="open", taken_by=None)
+            machines.transition(s, m.id, Trigger.MARK_BROKEN, actor="t")
+            s.commit()
