@@ -20,6 +20,7 @@ from api import (
     routes_join,
     routes_machines,
     routes_mesh,
+    routes_repairs,
     routes_system,
     routes_tenants,
     routes_tokens,
@@ -68,6 +69,7 @@ ROUTERS: list[Router] = [
     routes_tenants.router,
     routes_join.router,
     routes_mesh.router,
+    routes_repairs.router,
 ]
 
 

@@ -19,6 +19,7 @@ from metald.usecases.images import Images
 from metald.usecases.instances import Instances
 from metald.usecases.join import Join
 from metald.usecases.machines import Machines
+from metald.usecases.repairs import Repairs
 from metald.usecases.tenants import Tenants
 from metald.usecases.tokens import Tokens
 
@@ -156,3 +157,11 @@ def agent(req: ApiRequest) -> Agent:
         bmc=ctx.services.bmc,
         workflow=claim_workflow(ctx),
     )
+
+
+def repairs(req: ApiRequest) -> Repairs:
+    ctx = req.ctx
+    return Repairs(
+        ctx.store, ctx.instance, ctx.bus.notify, rules=ctx.cfg.enroll.rules,
+        workflow=claim_workflow(ctx),
+    )  # fmt: skip

@@ -30,6 +30,9 @@ class State(StrEnum):
     WIPE_FAILED = "wipe-failed"
     MAINTENANCE = "maintenance"
     BROKEN = "broken"
+    #: A technician works on the machine's repair (``metald.repairs``): out of service until
+    #: "repaired" sends it through commissioning again.
+    REPAIRING = "repairing"
     RETIRED = "retired"
 
 
@@ -57,6 +60,10 @@ class Trigger(StrEnum):
     MAINTENANCE_OFF = "maintenance-off"
     MARK_BROKEN = "mark-broken"
     REPAIR = "repair"  # broken -> maintenance, for the technician to work on it
+    #: A technician takes the machine's repair from the queue (``metald.repairs``); "repaired"
+    #: is an ``inspect`` (with a commissioning run) or, when a tenant's data is still on its
+    #: disks, a ``wipe`` followed by commissioning.
+    TAKE_REPAIR = "take-repair"
     RETIRE = "retire"
     #: A technician vouches that a machine's disks were wiped by hand (no BMC to boot the wipe
     #: image through, or no disk the agent can see): back to ready, recorded with who and why.
@@ -98,7 +105,11 @@ def _table() -> dict[tuple[State, Trigger], State]:
             t[(src, trigger)] = target
 
     # Inspection
-    add({S.DISCOVERED, S.READY, S.INSPECT_FAILED, S.MAINTENANCE}, T.INSPECT, S.INSPECTING)
+    add(
+        {S.DISCOVERED, S.READY, S.INSPECT_FAILED, S.MAINTENANCE, S.REPAIRING},
+        T.INSPECT,
+        S.INSPECTING,
+    )
     add(S.INSPECTING, T.INSPECTED, S.READY)
     add(S.INSPECTING, T.INSPECT_FAIL, S.INSPECT_FAILED)
     # Commissioning: in the same discovery boot, right after the inventory. On demand (and
@@ -119,7 +130,7 @@ def _table() -> dict[tuple[State, Trigger], State]:
     add(S.JOINING, T.JOIN_FAIL, S.JOIN_FAILED)
     # Release and wipe
     add(ALLOCATED, T.RELEASE, S.RELEASING)
-    add({S.RELEASING, S.WIPE_FAILED, S.MAINTENANCE}, T.WIPE, S.WIPING)
+    add({S.RELEASING, S.WIPE_FAILED, S.MAINTENANCE, S.REPAIRING}, T.WIPE, S.WIPING)
     add(S.WIPING, T.WIPED, S.READY)
     add(S.WIPING, T.WIPE_FAIL, S.WIPE_FAILED)
     add({S.RELEASING, S.WIPING, S.WIPE_FAILED, S.MAINTENANCE}, T.CONFIRM_WIPE, S.READY)
@@ -128,7 +139,11 @@ def _table() -> dict[tuple[State, Trigger], State]:
     add(S.MAINTENANCE, T.MAINTENANCE_OFF, S.READY)
     add(set(State) - {S.BROKEN, S.RETIRED}, T.MARK_BROKEN, S.BROKEN)
     add(S.BROKEN, T.REPAIR, S.MAINTENANCE)
-    add(IDLE | {S.MAINTENANCE, S.BROKEN}, T.RETIRE, S.RETIRED)
+    # The repair queue: a technician takes a broken machine's repair; "repaired" leaves
+    # through inspect (commissioning) or wipe, both above; a failed verification marks the
+    # machine broken again (mark-broken), back in the queue or out for good.
+    add(S.BROKEN, T.TAKE_REPAIR, S.REPAIRING)
+    add(IDLE | {S.MAINTENANCE, S.BROKEN, S.REPAIRING}, T.RETIRE, S.RETIRED)
     return t
 
 
@@ -156,7 +171,9 @@ DISARM_ON_ENTRY = frozenset({S.WIPING, S.RELEASING})
 WIPE_ENDS = frozenset({T.WIPED, T.CONFIRM_WIPE})
 #: Triggers refused while a tenant is attached (a machine marked broken during a claim stays
 #: the tenant's until the claim releases it).
-TENANT_BLOCKS = frozenset({T.REPAIR, T.MAINTENANCE_ON, T.MAINTENANCE_OFF, T.INSPECT, T.RETIRE})
+TENANT_BLOCKS = frozenset(
+    {T.REPAIR, T.TAKE_REPAIR, T.MAINTENANCE_ON, T.MAINTENANCE_OFF, T.INSPECT, T.RETIRE}
+)
 
 
 def sources(trigger: Trigger) -> frozenset[State]:
@@ -217,6 +234,8 @@ JOINABLE = ALLOCATED - {TRANSITIONS[(S.PROVISIONING, TIMEOUTS[S.PROVISIONING])]}
 JOIN_STARTS = sources(T.JOIN)
 #: States metald leaves by itself at once (the runner starts provisioning or the wipe).
 HANDOFF = frozenset({S.CLAIMED, S.RELEASING})
+#: A machine in the repair queue's hands: broken, or taken by a technician (repairing).
+IN_REPAIR = reachable(S.BROKEN, frozenset({T.TAKE_REPAIR}))
 #: Where a machine of a claim stops moving on its own, from the claim to its release back to
 #: ready: neither an operation under way (``TIMEOUTS``) nor a hand-off.
 SETTLED = (

@@ -44,6 +44,10 @@ def setup(app: web.Application, ctx: AppContext, specs: list[RouteSpec]) -> None
     app.router.add_get("/ui/claims", page(views.claims))
     app.router.add_get("/ui/claims/{id}", page(views.claim_fragment))
     app.router.add_get("/ui/tenants", page(views.tenants))
+    app.router.add_get("/ui/repairs", page(views.repairs))
+    app.router.add_post(
+        "/ui/repairs/{id}/{action:take|note|repaired}", page(views.repair_action, action=True)
+    )
     app.router.add_get("/ui/events", page(views.events))
     app.router.add_get("/ui/events/stream", page(live.events))
     app.router.add_get("/ui/instances", page(views.instances))

@@ -51,6 +51,7 @@ NAV = (
     ("fleet", "/ui/", "Fleet", ("GET", "/api/v1/machines")),
     ("claims", "/ui/claims", "Claims", ("GET", "/api/v1/claims")),
     ("tenants", "/ui/tenants", "Tenants", ("GET", "/api/v1/tenants")),
+    ("repairs", "/ui/repairs", "Repairs", ("GET", "/api/v1/repairs")),
     ("events", "/ui/events", "Events", ("GET", "/api/v1/events")),
     ("instances", "/ui/instances", "Instances", ("GET", "/api/v1/instances")),
     ("tokens", "/ui/tokens", "Tokens", ("GET", "/api/v1/tokens")),
@@ -270,6 +271,12 @@ class Views:
                 )
             except Refused:
                 commissioning = None
+        repair = None
+        if self.api.allows(ui, "GET", "/api/v1/repairs"):
+            found = await self.api.call(
+                ui, "GET", "/api/v1/repairs", query={"machine": m["id"], "limit": 1}
+            )
+            repair = found["items"][0] if found["items"] else None
         staff = self.api.allows(ui, "GET", "/api/v1/bmcs")
         bmc = await _console(ui).bmc_of(m["id"]) if staff else None
         if bmc is not None:
@@ -300,6 +307,7 @@ class Views:
             inv=inv,
             events=events["items"],
             commissioning=commissioning,
+            repair=repair,
             bmc=bmc,
             console=console,
             bulk=BULK,
@@ -401,11 +409,90 @@ class Views:
             **self.base(ui, "events"),
         )
 
+    async def repairs(
+        self, ui: UiRequest, *, problem: dict[str, Any] | None = None, done: str | None = None
+    ) -> web.StreamResponse:
+        """The repair queue: machine, rack position, fault, evidence, part, who took it, and
+        the actions the caller's role allows (the API's own routes)."""
+        f = RepairFilter.from_params(ui.raw.query)
+        if done is None and (last := ui.raw.query.get("done", "").strip()[:80]):
+            done = f"Done: {last}"
+        try:
+            self.need(ui, "GET", "/api/v1/repairs")
+            data = await self.api.call(ui, "GET", "/api/v1/repairs", query=f.query())
+        except Refused as r:
+            return self.refused(ui, r, "repairs")
+        return page(
+            "repairs.html",
+            status=problem["status"] if problem else 200,
+            title="Repairs",
+            data=data,
+            f=f,
+            problem=problem,
+            done=done,
+            can_act=self.api.allows(ui, "POST", "/api/v1/repairs/{id}/take"),
+            **self.base(ui, "repairs"),
+        )
+
+    async def repair_action(self, ui: UiRequest) -> web.StreamResponse:
+        """Take, note or repaired, through the API's route; back to the queue (303) or the
+        queue with the API's refusal."""
+        rid, action = ui.raw.match_info["id"], ui.raw.match_info["action"]
+        form = await ui.raw.post()
+        body: dict[str, Any] | None = None
+        if action == "note":
+            body = {"text": str(form.get("text", "")).strip()[:2000]}
+        elif action == "repaired":
+            body = {}
+        try:
+            r = await self.api.call(
+                ui, "POST", f"/api/v1/repairs/{{id}}/{action}", params={"id": rid}, body=body
+            )
+        except Refused as e:
+            return await self.repairs(
+                ui, problem={"status": e.status, "title": e.title, "detail": e.detail}
+            )
+        finally:
+            ui.ctx.bus.notify()
+        name = (r.get("machine") or {}).get("name") or r["machine_id"][:8]
+        raise web.HTTPSeeOther(f"/ui/repairs?status=open&done={action}+{name}")
+
     async def instances(self, ui: UiRequest) -> web.StreamResponse:
         return await self.listing(ui, "instances", "/api/v1/instances", "instances.html")
 
     async def tokens(self, ui: UiRequest) -> web.StreamResponse:
         return await self.listing(ui, "tokens", "/api/v1/tokens", "tokens.html")
+
+
+class RepairFilter:
+    """The repair page's filters (its query parameters), as the API's list query."""
+
+    STATUSES = ("open", "taken", "verifying", "closed", "all")
+
+    def __init__(
+        self, status: str, rack: str | None, taken_by: str | None, machine: str | None = None
+    ) -> None:
+        self.status, self.rack, self.taken_by, self.machine = status, rack, taken_by, machine
+
+    @classmethod
+    def from_params(cls, q: Any) -> RepairFilter:
+        status = q.get("status", "open")
+        return cls(
+            status if status in cls.STATUSES else "open",
+            (q.get("rack") or "").strip()[:128] or None,
+            (q.get("taken_by") or "").strip()[:128] or None,
+            (q.get("machine") or "").strip()[:128] or None,
+        )
+
+    def query(self) -> dict[str, Any]:
+        q: dict[str, Any] = {"status": self.status, "limit": 200}
+        if self.rack:
+            q["rack"] = self.rack
+        if self.taken_by:
+            q["taken_by"] = self.taken_by
+        if self.machine:
+            q["machine"] = self.machine
+        return q
 
 
 def _safe_next(target: str | None) -> str:

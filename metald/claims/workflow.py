@@ -18,6 +18,7 @@ from typing import Any, Protocol, TypeVar
 from sqlmodel import Session
 
 from metald.claims import allocation, records, release
+from metald.errors import Unprocessable
 from metald.lifecycle import NETWORK_BOOT
 from metald.provision import commissioning
 from metald.provision.intents import DeployImage
@@ -262,6 +263,44 @@ class ClaimWorkflow:
         def step(s: Session, m: Machine) -> Machine:
             commissioning.request_run(
                 s, m.id, profile=profile_of(m), actor=actor, reason=reason, instance=self.instance
+            )
+            return load(s, m.id)
+
+        return await self._on_machine(
+            machine_id, step, actor=actor, load=load, render=render, boot=NETWORK_BOOT
+        )
+
+    async def verify_repair(
+        self,
+        machine_id: str,
+        *,
+        actor: str,
+        load: LoadMachine,
+        render: Callable[[Session, Machine], R],
+        profile_of: Callable[[Machine], Any],
+        mark: Callable[[Session, Machine], object],
+        reason: str,
+    ) -> R:
+        """A repaired machine back through commissioning, booted through the BMC: wiped first
+        when a tenant's data is still on its disks (the wipe's end requests the run:
+        ``provision.commissioning.after_wipe``), else inspected again with a run requested.
+        ``mark`` records the repair's side in the same transaction."""
+
+        def step(s: Session, m: Machine) -> Machine:
+            profile = profile_of(m)
+            if profile is None:
+                raise Unprocessable(
+                    f"no enroll rule gives machine {m.id} a commissioning profile, so nothing "
+                    "could verify the repair; add a [enroll.rules.commissioning] profile whose "
+                    "rule matches it, then mark it repaired again"
+                )
+            mark(s, m)
+            if m.wipe_required:
+                return release.start_wipe(
+                    s, m, actor, deploy=self.deploy, reason=reason, instance=self.instance
+                )
+            commissioning.request_run(
+                s, m.id, profile=profile, actor=actor, reason=reason, instance=self.instance
             )
             return load(s, m.id)
 

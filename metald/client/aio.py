@@ -17,6 +17,7 @@ from metald.client.core import (
     claim_settled,
     error_for,
     headers,
+    repair_body,
     with_query,
 )
 
@@ -99,6 +100,25 @@ class AsyncClient:
         if reason:
             body["reason"] = reason
         return await self.call("POST", f"/api/v1/machines/{ref}/actions", body, if_match=if_match)
+
+    def repairs(self, **filters: str) -> AsyncIterator[Json]:
+        return self.iterate("/api/v1/repairs", list(filters.items()))
+
+    async def repair(self, ref: str) -> Json:
+        return await self.call("GET", f"/api/v1/repairs/{ref}")
+
+    async def open_repair(self, machine: str, summary: str, *, part: str | None = None) -> Json:
+        return await self.call("POST", "/api/v1/repairs", repair_body(machine, summary, part))
+
+    async def take_repair(self, ref: str) -> Json:
+        return await self.call("POST", f"/api/v1/repairs/{ref}/take")
+
+    async def note_repair(self, ref: str, text: str) -> Json:
+        return await self.call("POST", f"/api/v1/repairs/{ref}/note", {"text": text})
+
+    async def repaired(self, ref: str, note: str | None = None) -> Json:
+        body: Json = {"note": note} if note else {}
+        return await self.call("POST", f"/api/v1/repairs/{ref}/repaired", body)
 
     async def claim(
         self,

@@ -89,3 +89,10 @@ def claim_body(
     if idempotency_key:
         body["idempotency_key"] = idempotency_key
     return body
+
+
+def repair_body(machine: str, summary: str, part: str | None) -> Json:
+    body: Json = {"machine": machine, "summary": summary}
+    if part:
+        body["part"] = part
+    return body

@@ -18,6 +18,7 @@ from metald.client.core import (
     claim_settled,
     error_for,
     headers,
+    repair_body,
     with_query,
 )
 
@@ -110,6 +111,31 @@ class Client:
 
     def rename_machine(self, ref: str, name: str, *, if_match: str | None = None) -> Json:
         return self.call("PATCH", f"/api/v1/machines/{ref}", {"name": name}, if_match=if_match)
+
+    # ---- the repair queue (staff tokens) -------------------------------------------
+
+    def repairs(self, **filters: str) -> Iterator[Json]:
+        """The repair queue: ``status`` open (default), closed, taken, verifying or all;
+        ``rack``, ``taken_by``, ``machine``."""
+        return self.iterate("/api/v1/repairs", list(filters.items()))
+
+    def repair(self, ref: str) -> Json:
+        return self.call("GET", f"/api/v1/repairs/{ref}")
+
+    def open_repair(self, machine: str, summary: str, *, part: str | None = None) -> Json:
+        """Put a machine in the queue by hand (it is marked broken)."""
+        return self.call("POST", "/api/v1/repairs", repair_body(machine, summary, part))
+
+    def take_repair(self, ref: str) -> Json:
+        return self.call("POST", f"/api/v1/repairs/{ref}/take")
+
+    def note_repair(self, ref: str, text: str) -> Json:
+        return self.call("POST", f"/api/v1/repairs/{ref}/note", {"text": text})
+
+    def repaired(self, ref: str, note: str | None = None) -> Json:
+        """Done: the machine goes back through commissioning."""
+        body: Json = {"note": note} if note else {}
+        return self.call("POST", f"/api/v1/repairs/{ref}/repaired", body)
 
     # ---- claims ----------------------------------------------------------------------
 

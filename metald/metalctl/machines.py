@@ -9,7 +9,7 @@ from typing import Any
 
 from metald.lifecycle import HANDOFF, TIMEOUTS
 
-from . import bmc, bulk, commissioning, console
+from . import bmc, bulk, commissioning, console, repairs
 from .client import Client
 from .names import shown, tenant_names
 from .options import POWER_ACTIONS, Subparsers, confirm, key_values, machine_ref
@@ -111,6 +111,7 @@ def register(sub: Subparsers) -> None:
     mn.add_argument("name")
     mn.set_defaults(func=rename)
     commissioning.register(msub)
+    repairs.register(msub)
     console.add_to(msub)
 
 

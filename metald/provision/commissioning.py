@@ -18,7 +18,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, bindparam, exists
 from sqlmodel import Session, col, select
 
-from metald import machines
+from metald import machines, repairs
 from metald.commissioning.checks import RAW_LIMIT, CheckReport, judge_check, summarise
 from metald.commissioning.parsers import bmc_sel
 from metald.commissioning.profile import (
@@ -121,16 +121,15 @@ def after_wipe(
     if doc is None:
         return False
     profile = profile_for(rules, NormalizedInventory.model_validate(doc), m.rack_position)
-    if profile is None or not profile.on_release:
+    repaired = repairs.verifying(s, m.id) is not None
+    if profile is None or not (profile.on_release or repaired):
         return False
-    request_run(
-        s,
-        m.id,
-        profile=profile,
-        actor=actor,
-        reason=f"commissioning again after release (profile {profile.name} asks on_release)",
-        instance=instance,
+    why = (
+        "commissioning after repair (the wipe came first)"
+        if repaired
+        else f"commissioning again after release (profile {profile.name} asks on_release)"
     )
+    request_run(s, m.id, profile=profile, actor=actor, reason=why, instance=instance)
     return True
 
 
@@ -248,7 +247,7 @@ def _finish(
     run.status, run.summary, run.finished_at = status.value, summary, utcnow()
     s.add(run)
     passed = status is Status.PASSED
-    return machines.transition(
+    m = machines.transition(
         s,
         m.id,
         Trigger.COMMISSIONED if passed else Trigger.COMMISSION_FAIL,
@@ -260,6 +259,10 @@ def _finish(
         commit=False,
         machine=m,
     )
+    # A machine back from repair: the verdict closes its repair or counts a failure.
+    why = f"run {run.id} ({run.profile}) {status.value}: {summary}"
+    repairs.verification_ended(s, m, passed=passed, why=why, actor=actor, instance=instance)
+    return m
 
 
 def current_run(s: Session, machine_id: str) -> CommissioningRun | None:

@@ -24,13 +24,13 @@ from typing import Any
 from sqlalchemy import update
 from sqlmodel import Session, col, select
 
-from metald import machines
+from metald import machines, repairs
 from metald.auth import revoke_machine_tokens
 from metald.bmc import ownership
 from metald.bmc.control import step_key
 from metald.config import ProvisionConfig
 from metald.lifecycle import AGENT_OPERATIONS as BOOTING_STATES
-from metald.lifecycle import TIMEOUTS, IllegalTransition, State
+from metald.lifecycle import COMMISSION_RUNNING, TIMEOUTS, UNINSPECTED, IllegalTransition, State
 from metald.provision import netboot, netboot_core
 from metald.service import cancel
 from metald.store.db import Store
@@ -57,6 +57,9 @@ def _owned(session: Session, machine_ids: list[str], owns: Owns | None) -> set[s
 
 
 log = logging.getLogger(__name__)
+#: Operations whose timeout fails a repaired machine's verification (it is inspected, then
+#: commissioned); a wipe's timeout does not (the wipe is retried, the repair waits).
+VERIFIES_REPAIR = (UNINSPECTED | COMMISSION_RUNNING) & TIMEOUTS.keys()
 
 
 def timeouts(cfg: ProvisionConfig) -> dict[State, int]:
@@ -106,7 +109,7 @@ def sweep(
         limit = limits[state]
         reason = f"stuck in {state.value} for more than {limit} s (watchdog)"
         try:
-            machines.transition(
+            m = machines.transition(
                 session,
                 mid,
                 TIMEOUTS[state],
@@ -117,6 +120,12 @@ def sweep(
                 instance=instance,
                 commit=False,
             )
+            if state in VERIFIES_REPAIR:
+                # A machine back from repair that never finished its inspection or
+                # commissioning failed its verification.
+                repairs.verification_ended(
+                    session, m, passed=False, why=reason, actor=actor, instance=instance
+                )
         except (machines.ConcurrentUpdate, IllegalTransition):
             session.rollback()  # another instance or the agent got there first
             continue

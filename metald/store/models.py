@@ -496,3 +496,52 @@ class CommissioningResult(SQLModel, table=True):
     values: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     raw: str | None = Field(default=None, sa_column=Column(Text))
     at: datetime = _ts()
+
+
+class Repair(SQLModel, table=True):
+    """A machine in the technicians' repair queue (``metald.repairs``): why (the faults and
+    their evidence, bounded), the part to look at, who took it, their notes, and how it ended.
+
+    ``open_machine_id`` is the machine's id while the repair is not closed and None after: its
+    unique index keeps one open repair per machine, whoever opens it at the same moment."""
+
+    __tablename__ = "repairs"
+
+    id: str = Field(default_factory=new_id, primary_key=True)
+    machine_id: str = Field(foreign_key="machines.id", index=True)
+    open_machine_id: str | None = Field(default=None, unique=True)
+    #: open (in the queue), taken (a technician works on it), verifying (repaired: wipe and
+    #: commissioning under way), closed.
+    status: str = Field(index=True)
+    #: remediation, technician or commissioning.
+    source: str
+    #: The remediation that opened it (its key: a remediation opens one repair, once).
+    remediation_id: str | None = Field(default=None, unique=True)
+    opened_by: str
+    opened_at: datetime = _ts()
+    #: The worst fault in a sentence.
+    summary: str
+    #: The fault records (kind, subject, code, severity, witness, evidence, first_seen ...).
+    faults: list[dict[str, Any]] = Field(
+        default_factory=list, sa_column=Column(JSON, nullable=False)
+    )
+    #: Where to look, one entry per faulty part (GPU by PCI address and serial, DIMM slot ...).
+    parts: list[dict[str, Any]] = Field(
+        default_factory=list, sa_column=Column(JSON, nullable=False)
+    )
+    taken_by: str | None = None
+    taken_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    notes: list[dict[str, Any]] = Field(
+        default_factory=list, sa_column=Column(JSON, nullable=False)
+    )
+    repaired_by: str | None = None
+    repaired_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    #: Commissioning runs that failed after this repair was marked repaired.
+    commission_failures: int = 0
+    closed_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    #: returned (commissioning passed: ready), out (failed commissioning twice after repair).
+    outcome: str | None = None
+    #: Why it ended, in a sentence.
+    outcome_reason: str | None = None
+    #: Bumped by every write; writers compare-and-swap on it.
+    version: int = 1

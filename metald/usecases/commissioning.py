@@ -14,8 +14,8 @@ from typing import Any
 
 from sqlmodel import Session
 
-from metald import machines
-from metald.auth import Principal, require_agent_phase
+from metald import machines, repairs
+from metald.auth import Principal, Role, require_agent_phase
 from metald.claims.workflow import ClaimWorkflow
 from metald.commissioning.profile import CommissioningProfile
 from metald.errors import Conflict
@@ -55,6 +55,12 @@ def _agent_machine(s: Session, p: Principal) -> Machine:
         raise Conflict(f"machine {mid} is {m.state}, not commissioning; ask /api/v1/agent/next")
     if p.boot is not None and p.boot != m.boot_current:
         raise Conflict("this agent token belongs to an earlier boot of the machine; boot again")
+    return m
+
+
+def _not_in_repair(s: Session, p: Principal, m: Machine) -> Machine:
+    """A machine the repair queue holds is commissioned through it ("repaired")."""
+    repairs.check_manual(s, m.id, "commission", admin=p.role is Role.ADMIN)
     return m
 
 
@@ -99,7 +105,7 @@ class Commissioning:
         return await self.workflow.commission(
             machine_id,
             actor=actor,
-            load=lambda s, mid: load_visible(s, p, mid),
+            load=lambda s, mid: _not_in_repair(s, p, load_visible(s, p, mid)),
             render=lambda s, m: commissioning_view(s, m.id),
             profile_of=self._profile_of,
             reason=reason,

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from sqlmodel import Session, col, select
 
 from metald import machines as svc
-from metald import metrics
+from metald import metrics, repairs
 from metald.auth import Principal, Role, revoke_machine_tokens
 from metald.claims.workflow import ClaimWorkflow
 from metald.errors import Conflict, NotFound, Unprocessable
@@ -262,6 +262,7 @@ class Machines:
 
         def run(s: Session) -> dict[str, Any]:
             m = load_visible(s, p, machine_id)
+            repairs.check_manual(s, m.id, action, admin=p.role is Role.ADMIN)
             updates: dict[str, Any] = {}
             if trigger is Trigger.MAINTENANCE_OFF and m.inventory is None:
                 raise Conflict(
@@ -274,6 +275,7 @@ class Machines:
                 # A retired machine must not boot anything from us again.
                 updates["boot_intent"] = {"action": "local"}
                 revoke_machine_tokens(s, m.id, commit=False)
+                repairs.retired(s, m, actor=actor, instance=self.instance)
             m = svc.transition(
                 s,
                 m.id,
@@ -292,12 +294,13 @@ class Machines:
 
     # ---- operations of the claim workflow, on the machines the caller may see ----------
 
-    def _operation(self, p: Principal, actor: str) -> dict[str, Any]:
-        return {
-            "actor": actor,
-            "load": lambda s, mid: load_visible(s, p, mid),
-            "render": view_of,
-        }
+    def _operation(self, p: Principal, actor: str, what: str) -> dict[str, Any]:
+        def load(s: Session, mid: str) -> Machine:
+            m = load_visible(s, p, mid)
+            repairs.check_manual(s, m.id, what, admin=p.role is Role.ADMIN)
+            return m
+
+        return {"actor": actor, "load": load, "render": view_of}
 
     def _workflow(self) -> ClaimWorkflow:
         assert self.workflow is not None, "Machines built without its claim workflow"
@@ -309,7 +312,10 @@ class Machines:
     ) -> dict[str, Any]:  # fmt: skip
         """Start a failed operation again (``ClaimWorkflow.retry``)."""
         return await self._workflow().retry(
-            machine_id, reason=reason, version=expected_version, **self._operation(p, actor)
+            machine_id,
+            reason=reason,
+            version=expected_version,
+            **self._operation(p, actor, "retry"),
         )
 
     async def wipe(
@@ -318,7 +324,10 @@ class Machines:
     ) -> dict[str, Any]:  # fmt: skip
         """Start a wipe (``ClaimWorkflow.wipe``)."""
         return await self._workflow().wipe(
-            machine_id, reason=reason, version=expected_version, **self._operation(p, actor)
+            machine_id,
+            reason=reason,
+            version=expected_version,
+            **self._operation(p, actor, "wipe"),
         )
 
     async def confirm_wipe(
@@ -327,5 +336,8 @@ class Machines:
     ) -> dict[str, Any]:  # fmt: skip
         """A technician vouches for a wipe done by hand (``ClaimWorkflow.confirm_wipe``)."""
         return await self._workflow().confirm_wipe(
-            machine_id, reason=reason, version=expected_version, **self._operation(p, actor)
+            machine_id,
+            reason=reason,
+            version=expected_version,
+            **self._operation(p, actor, "confirm-wipe"),
         )

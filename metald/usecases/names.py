@@ -14,7 +14,7 @@ from sqlmodel import Session, col, or_, select
 
 from metald.auth import Principal, Role
 from metald.errors import Conflict
-from metald.store.models import Bmc, Claim, Image, Machine, Tenant
+from metald.store.models import Bmc, Claim, Image, Machine, Repair, Tenant
 from metald.usecases import ID_SHAPED
 
 #: Shortest id prefix accepted (8 hex digits of a UUID: one in four billion per pair).
@@ -48,6 +48,8 @@ KINDS: dict[str, Kind] = {
     ),
     "claims": Kind(Claim, None, lambda p, c: p.can_see_tenant(c.tenant_id)),
     "bmcs": Kind(Bmc, None, lambda p, b: False),
+    #: The repair queue is staff business: no scoped token resolves a repair.
+    "repairs": Kind(Repair, None, lambda p, r: False),
 }
 
 
