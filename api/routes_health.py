@@ -61,5 +61,6 @@ async def health_report(req: ApiRequest) -> HealthReportOut:
         b.model_dump(exclude={"version"}),
         cfg=req.ctx.cfg.health,
         instance=req.ctx.instance,
+        wake=req.ctx.services.health_watch.wake if req.ctx.services.health_watch else lambda: None,
     )
     return HealthReportOut.model_validate(out)

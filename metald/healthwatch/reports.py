@@ -17,6 +17,7 @@ from metald.health.classify import Table
 from metald.health.config import HealthConfig
 from metald.health.node import NodeReport, report_signals
 from metald.healthwatch import faults
+from metald.healthwatch.workflow import open_for
 from metald.lifecycle import State
 from metald.limits import TooMany
 from metald.store.models import Machine, NodeHeartbeat, as_utc
@@ -33,6 +34,8 @@ class Accepted:
     signals: int
     new_faults: int
     unreadable: list[str]
+    #: A remediation was opened (the watch should look now).
+    remediation: bool = False
 
 
 def accept(
@@ -82,9 +85,17 @@ def accept(
         actor=actor,
         instance=instance,
     )
+    opened = open_for(s, m, rec.health, cfg, actor=actor, instance=instance)
     if hb is None:
         hb = NodeHeartbeat(machine_id=m.id, last_at=now, reports=0)
     hb.last_at, hb.reports, hb.unreadable = now, hb.reports + 1, got.unreadable[:10]
     s.add(hb)
     s.commit()
-    return Accepted(m.id, cfg.report_interval_s, len(got.signals), len(rec.new), got.unreadable)
+    return Accepted(
+        m.id,
+        cfg.report_interval_s,
+        len(got.signals),
+        len(rec.new),
+        got.unreadable,
+        opened is not None,
+    )

@@ -3,6 +3,7 @@ body says (``metald.healthwatch.reports``); the report is recorded in one transa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -33,6 +34,7 @@ async def node_report(
     *,
     cfg: HealthConfig,
     instance: str | None,
+    wake: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
     """Record one report; answers ``{"interval_s": N, ...}`` (when to send the next)."""
     table = table_for(cfg)
@@ -53,6 +55,8 @@ async def node_report(
             "another report of this node is being recorded; send the next after Retry-After",
             retry_after_s=max(1, int(cfg.report_min_interval_s) or 1),
         ) from None
+    if got.remediation or got.new_faults:
+        wake()  # the health watch carries the remediation forward now, not at its interval
     return {
         "interval_s": got.interval_s,
         "signals": got.signals,
