@@ -137,3 +137,13 @@ def events(store: Store, prefix: str) -> list[Event]:
 
 def claim_members(s: Session, claim_id: str) -> list[str]:
     return sorted(m.id for m in s.exec(select(Machine).where(Machine.claim_id == claim_id)))
+
+
+def node_name(store: Store, machine_id: str) -> str:
+    """The machine's node name in the tenant's scheduler."""
+    from metald.provision.metadata import hostname
+
+    with store.session() as s:
+        m = s.get(Machine, machine_id)
+        assert m is not None
+        return hostname(m.id, m.name)
