@@ -72,7 +72,9 @@ def record(
 ) -> Recorded:
     """Fold ``classified`` into the machine's open faults and write the difference (not
     committed). Transient faults older than the ttl are expired first."""
-    rows = {(r.witness, r.kind, r.subject, r.rule): r for r in open_rows(s, m.id)}
+    rows: dict[FaultKey, HealthFault] = {
+        (Witness(r.witness), Kind(r.kind), r.subject, r.rule): r for r in open_rows(s, m.id)
+    }
     before = Health({f.key: f for f in map(_fault, rows.values())})
     aged = expire(before, now, timedelta(seconds=transient_ttl_s))
     items = list(classified)

@@ -18,13 +18,10 @@ from metald.health.config import HealthConfig
 from metald.health.node import NodeReport, report_signals
 from metald.healthwatch import faults
 from metald.healthwatch.workflow import open_for
-from metald.lifecycle import State
+from metald.lifecycle import IN_USE, State
 from metald.limits import TooMany
 from metald.store.models import Machine, NodeHeartbeat, as_utc
 from metald.tenants import mesh
-
-#: Machine states whose health is watched: provisioned, joining the tenant's cluster, active.
-IN_USE = frozenset({State.PROVISIONED, State.JOINING, State.ACTIVE})
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
+from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, select
 
 from metald.commissioning.parsers.bmc_sel import MAX_KEYS
@@ -42,8 +43,8 @@ from metald.health.node import silence
 from metald.health.scheduler import SchedulerError, state_signal
 from metald.health.signals import Kind, Signal
 from metald.healthwatch import faults
-from metald.healthwatch.reports import IN_USE
 from metald.healthwatch.workflow import Remediations, SchedulerFor, open_for
+from metald.lifecycle import IN_USE
 from metald.provision.metadata import hostname
 from metald.service import TaskScope
 from metald.store.db import Store
@@ -87,8 +88,16 @@ class InUse:
 
 
 def in_use(s: Session) -> list[InUse]:
-    rows = s.exec(
-        select(Machine.id, Machine.tenant_id, Machine.name, Bmc.id, Bmc.address, Bmc.protocol)
+    # Six columns: past sqlmodel's typed select overloads, so SQLAlchemy's own.
+    rows = s.execute(
+        sa_select(
+            col(Machine.id),
+            col(Machine.tenant_id),
+            col(Machine.name),
+            col(Bmc.id),
+            col(Bmc.address),
+            col(Bmc.protocol),
+        )
         .join(Bmc, col(Bmc.machine_id) == col(Machine.id), isouter=True)
         .where(col(Machine.state).in_(_IN_USE))
         .order_by(col(Machine.id))

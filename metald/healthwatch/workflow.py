@@ -49,7 +49,7 @@ from metald.health.config import HealthConfig, PolicyConfig
 from metald.health.scheduler import NodeState, NodeStatus, SchedulerError, TenantScheduler
 from metald.health.trust import Fault, Health
 from metald.healthwatch import faults
-from metald.lifecycle import ALLOCATED, State, Trigger
+from metald.lifecycle import ALLOCATED, State, Trigger, sources
 from metald.provision.intents import DeployImage
 from metald.provision.metadata import hostname
 from metald.store.db import Store
@@ -85,8 +85,8 @@ class MarkBroken:
         self, session: Session, *, machine_id: str, remediation_id: str, faults: list[Fault]
     ) -> None:
         m = machines.get_machine(session, machine_id)
-        if m.state in (State.BROKEN, State.RETIRED):
-            return
+        if State(m.state) not in sources(Trigger.MARK_BROKEN):
+            return  # broken (or retired) already
         evidence = "; ".join(dict.fromkeys(f.evidence for f in faults)) or "no evidence kept"
         machines.transition(
             session,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 from sqlalchemy.exc import IntegrityError
@@ -39,16 +40,11 @@ async def node_report(
     """Record one report; answers ``{"interval_s": N, ...}`` (when to send the next)."""
     table = table_for(cfg)
     try:
-        got = await tx.run(
-            reports.accept,
-            secret,
-            body,
-            cfg=cfg,
-            table=table,
-            now=datetime.now(UTC),
-            actor="node",
+        accept = partial(
+            reports.accept, cfg=cfg, table=table, now=datetime.now(UTC), actor="node",
             instance=instance,
-        )
+        )  # fmt: skip
+        got = await tx.run(accept, secret, body)
     except IntegrityError:
         # Two reports of one node at once on PostgreSQL (the first heartbeat row): one wins.
         raise TooMany(
