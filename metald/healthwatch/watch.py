@@ -40,15 +40,23 @@ from metald.health import bmc as bmc_signals
 from metald.health.classify import Table
 from metald.health.config import HealthConfig
 from metald.health.node import silence
-from metald.health.scheduler import SchedulerError, state_signal
-from metald.health.signals import Kind, Signal
+from metald.health.scheduler import NodeState, SchedulerError, state_signal
+from metald.health.signals import OK, Kind, Signal, Witness
 from metald.healthwatch import faults
 from metald.healthwatch.workflow import Remediations, SchedulerFor, open_for
 from metald.lifecycle import IN_USE
 from metald.provision.metadata import hostname
 from metald.service import TaskScope
 from metald.store.db import Store
-from metald.store.models import Bmc, BmcLogCursor, Machine, NodeHeartbeat, Remediation, as_utc
+from metald.store.models import (
+    Bmc,
+    BmcLogCursor,
+    HealthFault,
+    Machine,
+    NodeHeartbeat,
+    Remediation,
+    as_utc,
+)
 
 log = logging.getLogger("metald.health")
 _IN_USE = [s.value for s in IN_USE]
@@ -185,6 +193,19 @@ def _open_remediation_machines(s: Session) -> set[str]:
     }
 
 
+_RESPONDING_DRAINED = frozenset({NodeState.DRAINED, NodeState.DRAINING})
+
+
+def _scheduler_faulted(s: Session) -> set[str]:
+    return set(
+        s.exec(
+            select(HealthFault.machine_id).where(
+                HealthFault.witness == "scheduler", col(HealthFault.cleared_at).is_(None)
+            )
+        )
+    )
+
+
 class HealthWatch:
     name = "health"
 
@@ -318,23 +339,48 @@ class HealthWatch:
             self.wake()
 
     async def read_schedulers(self, machines: list[InUse]) -> None:
+        """The scheduler's word on each node of the tenants whose control plane runs here:
+        one ``node_states`` call per tenant where the scheduler has it (Slurm), else one
+        ``node_state`` per node. Nodes under remediation are left out (drained by it)."""
         if self.scheduler_for is None:
             return
         busy = await self.store.read(_open_remediation_machines)
+        # A clear is written only where the scheduler has a fault open (no write per node).
+        open_faults = await self.store.read(_scheduler_faulted)
+        by_tenant: dict[str, list[InUse]] = {}
         for u in machines:
-            if u.tenant_id is None or u.machine_id in busy or not self._owns_hub(u.tenant_id):
+            watched = u.machine_id not in busy or u.machine_id in open_faults
+            if u.tenant_id is not None and watched:
+                by_tenant.setdefault(u.tenant_id, []).append(u)
+        for tenant_id, us in sorted(by_tenant.items()):
+            if not self._owns_hub(tenant_id):
                 continue
-            sched = self.scheduler_for(u.tenant_id)
+            sched = self.scheduler_for(tenant_id)
             if sched is None:
                 continue
-            node = hostname(u.machine_id, u.name)
             try:
-                st = await asyncio.to_thread(sched.node_state, node)
+                bulk = getattr(sched, "node_states", None)
+                states = await asyncio.to_thread(bulk) if bulk is not None else None
             except SchedulerError as e:
-                log.info("health: node %s: %s", node, e)
+                log.info("health: tenant %s: %s", tenant_id, e)
                 continue
-            sig = state_signal(node, st, self.clock())
-            if sig is not None:
-                await self.store.run(record_signals, u.machine_id, [sig], cfg=self.cfg,
-                                     table=self.table, now=self.clock(), actor=self.actor,
-                                     instance=self.instance)  # fmt: skip
+            now = self.clock()
+            for u in us:
+                node = hostname(u.machine_id, u.name)
+                if states is not None:
+                    st = states.get(node)
+                else:
+                    try:
+                        st = await asyncio.to_thread(sched.node_state, node)
+                    except SchedulerError as e:
+                        log.info("health: node %s: %s", node, e)
+                        continue
+                sig = None if st is None else state_signal(node, st, now)
+                if st is not None and st.state in _RESPONDING_DRAINED:
+                    # drained (by the remediation) and answering: no longer down
+                    sig = Signal(Kind.SCHEDULER_STATE, Witness.SCHEDULER, "node", OK, now,
+                                 f"scheduler: node {node} {st.raw or st.state}")  # fmt: skip
+                if sig is not None and (not sig.is_clear or u.machine_id in open_faults):
+                    await self.store.run(record_signals, u.machine_id, [sig], cfg=self.cfg,
+                                         table=self.table, now=now, actor=self.actor,
+                                         instance=self.instance)  # fmt: skip

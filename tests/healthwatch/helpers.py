@@ -65,6 +65,8 @@ class FakeScheduler:
     drained: dict[str, str] = field(default_factory=dict)
     removed: set[str] = field(default_factory=set)
     calls: list[tuple[str, str]] = field(default_factory=list)
+    #: States set by the test (DOWN, NOT_RESPONDING) win over the recorded ones.
+    states: dict[str, NodeState] = field(default_factory=dict)
 
     def drain(self, node: str, reason: str) -> None:
         self.calls.append(("drain", node))
@@ -75,6 +77,8 @@ class FakeScheduler:
         self.drained.pop(node, None)
 
     def node_state(self, node: str) -> NodeStatus:
+        if node in self.states:
+            return NodeStatus(self.states[node], "Not responding", self.states[node].upper())
         if node in self.removed:
             return NodeStatus(NodeState.ABSENT)
         if node in self.drained:

@@ -74,6 +74,7 @@ async def test_drain_wait_remove_replace_repair_on_a_real_slurm(tmp_path: Path) 
                     return None
 
             assert wait_for(lambda: state() == NodeState.IDLE, 30)
+            assert sched.node_states()[node].state == NodeState.IDLE  # the watch's bulk read
             job = cp.run("sbatch", "-N1", "-w", node, "--wrap", "sleep 300")
             assert job.returncode == 0, job.stderr
             job_id = job.stdout.split()[-1]

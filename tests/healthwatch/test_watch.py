@@ -17,6 +17,7 @@ from sqlmodel import select
 from metald.bmc.base import BmcEndpoint
 from metald.bmc.ipmi import IpmiDriver
 from metald.health.remediation import Step
+from metald.health.scheduler import NodeState
 from metald.healthwatch.watch import HealthWatch
 from metald.store.models import Bmc, BmcLogCursor, HealthFault, NodeHeartbeat
 from tests.bmc.peers import IpmiSim
@@ -164,3 +165,30 @@ async def test_silence_is_judged_only_after_a_first_report(store) -> None:  # ty
         (f,) = s.exec(select(HealthFault)).all()
         assert (f.witness, f.rule, f.severity) == ("metald", "node-silent", "fatal")
         assert "no node report since" in f.evidence
+
+
+async def test_the_schedulers_down_is_a_fault_and_its_own_clear_ends_it(store) -> None:  # type: ignore[no-untyped-def]
+    c = active_claim(store, 2, spares=0)
+    cfg = health_cfg()
+    sched = FakeScheduler()
+    node = node_name(store, c.machines[0])
+    sched.states[node] = NodeState.DOWN
+    wf = workflow(store, sched, cfg)
+    watch = HealthWatch(store, cfg, "i1", remediations=wf, table=cfg.table(),
+                        scheduler_for=lambda _t: sched)  # fmt: skip
+    await watch.round(reads=True)
+    with store.session() as s:
+        (f,) = s.exec(select(HealthFault)).all()
+        assert (f.witness, f.rule, f.severity) == ("scheduler", "scheduler-down", "degraded")
+        assert f.machine_id == c.machines[0]
+    (row,) = rem_rows(store)
+    assert row.step == Step.DRAINED and sched.drained[node].startswith("metald: scheduler:")
+    # The node answers again (drained by the remediation): the scheduler's own degraded
+    # fault clears and the node is undrained.
+    del sched.states[node]
+    await watch.round(reads=True)
+    (row,) = rem_rows(store)
+    assert row.step == Step.DONE and ("undrain", node) in sched.calls
+    with store.session() as s:
+        (f,) = s.exec(select(HealthFault)).all()
+        assert f.cleared_by == "scheduler" and f.open_key is None
