@@ -162,26 +162,67 @@ def record_bmc_log(
     instance: str | None,
 ) -> int:
     """The entries after the BMC's cursor (the first read only sets it) and the sensors, as
-    signals; the cursor moves in the same transaction. Returns the new faults."""
-    cur = s.get(BmcLogCursor, bmc_id, with_for_update=True)
+    signals; the cursor moves in the same transaction. Returns the new faults. A visit that
+    finds nothing new (the same last record, sensors fine, no BMC fault to clear) writes
+    nothing."""
+    cur = s.get(BmcLogCursor, bmc_id)
     first = cur is None
-    if cur is None:
-        cur = BmcLogCursor(bmc_id=bmc_id, keys=[])
-    sigs, keys = bmc_signals.log_signals(entries, seen=cur.keys, at=now, kind=kind)
-    cur.keys = keys[-MAX_KEYS:]
-    cur.entries = len(entries)
-    cur.last_id = str(entries[-1].get("id")) if entries else cur.last_id
-    cur.read_at, cur.reader = now, instance
-    s.add(cur)
-    found = [] if first else sigs
-    found += bmc_signals.sensor_signals(
+    last = str(entries[-1].get("id")) if entries else None
+    unchanged = cur is not None and cur.last_id == last and cur.entries == len(entries)
+    sensor_sigs = bmc_signals.sensor_signals(
         [{**x, "unit": x.get("units") or x.get("unit")} for x in sensors], at=now
     )
+    findings = [x for x in sensor_sigs if not x.is_clear]
+    clears = [x for x in sensor_sigs if x.is_clear]
+    if clears and not findings:
+        # a clear matters only where the BMC has a fault of that kind open
+        open_bmc = s.exec(
+            select(HealthFault.id).where(
+                HealthFault.machine_id == machine_id,
+                HealthFault.witness == "bmc",
+                HealthFault.kind == Kind.SENSOR.value,
+                col(HealthFault.cleared_at).is_(None),
+            )
+        ).first()
+        clears = clears if open_bmc else []
+    if unchanged and not findings and not clears:
+        s.rollback()
+        return 0
+    if cur is None:
+        cur = BmcLogCursor(bmc_id=bmc_id, keys=[])
+    sigs: list[Signal] = []
+    if not unchanged:
+        sigs, keys = bmc_signals.log_signals(entries, seen=cur.keys, at=now, kind=kind)
+        cur.keys = keys[-MAX_KEYS:]
+        cur.entries = len(entries)
+        cur.last_id = last if last is not None else cur.last_id
+        cur.read_at, cur.reader = now, instance
+        s.add(cur)
+    found = ([] if first else sigs) + findings + clears
     if not found:
         s.commit()
         return 0
     return record_signals(s, machine_id, found, cfg=cfg, table=table, now=now, actor=actor,
                           instance=instance)  # fmt: skip
+
+
+def _nothing_new(s: Session, machine_id: str, bmc_id: str, last: str | None, n: int) -> bool:
+    """The log's last record and length are the cursor's, and the BMC has no sensor fault
+    open that a fine sensor would clear."""
+    cur = s.get(BmcLogCursor, bmc_id)
+    if cur is None or cur.last_id != last or cur.entries != n:
+        return False
+    return (
+        s.exec(
+            select(HealthFault.id).where(
+                HealthFault.machine_id == machine_id,
+                HealthFault.witness == "bmc",
+                HealthFault.kind == Kind.SENSOR.value,
+                col(HealthFault.cleared_at).is_(None),
+            )
+        ).first()
+        is None
+    )
 
 
 def _open_remediation_machines(s: Session) -> set[str]:
@@ -332,6 +373,12 @@ class HealthWatch:
                 log.info("health: machine %s: sensors not read: %s", u.machine_id, e)
                 sensors = []
         self.bmc_reads += 1
+        last = str(entries[-1].get("id")) if entries else None
+        fine = all(str(x.get("health") or "").lower() not in ("warning", "critical")
+                   for x in sensors)  # fmt: skip
+        if fine and await self.store.read(_nothing_new, u.machine_id, u.bmc_id, last,
+                                          len(entries)):  # fmt: skip
+            return  # the common visit: no write transaction at all
         n = await self.store.run(record_bmc_log, u.machine_id, u.bmc_id, kind, entries, sensors,
                                  cfg=self.cfg, table=self.table, now=self.clock(),
                                  actor=self.actor, instance=self.instance)  # fmt: skip
