@@ -87,8 +87,6 @@ class HealthConfig(_Model):
     bmc_interval_s: float = Field(default=20.0, ge=1, le=86400)
     #: How often the watch looks for silent nodes and advances remediations.
     watch_interval_s: float = Field(default=5.0, ge=0.2, le=3600)
-    #: Remediation steps that fail (the scheduler did not answer) are tried again after this.
-    retry_s: float = Field(default=10.0, ge=0.1, le=3600)
     #: Off: nothing is read, recorded or remediated (the report route still answers).
     enabled: bool = True
 
