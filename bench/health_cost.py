@@ -98,7 +98,8 @@ def fleet(store: Store, n: int) -> list[str]:
                 machines.transition(s, mid, trig, actor="b")
             s.add(Bmc(machine_id=mid, address=f"10.9.{len(ids) // 250}.{len(ids) % 250}",
                       port=None, protocol="ipmi", username="u", password_enc=b"x"))  # fmt: skip
-            s.add(NodeHeartbeat(machine_id=mid, last_at=datetime.now(UTC), reports=1))
+            s.add(NodeHeartbeat(machine_id=mid, claim_id=claim.id, last_at=datetime.now(UTC),
+                                reports=1))  # fmt: skip
         s.commit()
         return ids
 

@@ -86,6 +86,7 @@ def accept(
     if hb is None:
         hb = NodeHeartbeat(machine_id=m.id, last_at=now, reports=0)
     hb.last_at, hb.reports, hb.unreadable = now, hb.reports + 1, got.unreadable[:10]
+    hb.claim_id = m.claim_id
     s.add(hb)
     s.commit()
     return Accepted(

@@ -33,6 +33,7 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from sqlalchemy import select as sa_select
+from sqlalchemy import update
 from sqlmodel import Session, col, select
 
 from metald.commissioning.parsers.bmc_sel import MAX_KEYS
@@ -44,7 +45,7 @@ from metald.health.scheduler import NodeState, SchedulerError, state_signal
 from metald.health.signals import OK, Kind, Signal, Witness
 from metald.healthwatch import faults
 from metald.healthwatch.workflow import Remediations, SchedulerFor, open_for
-from metald.lifecycle import IN_USE
+from metald.lifecycle import IN_USE, State
 from metald.provision.metadata import hostname
 from metald.service import TaskScope
 from metald.store.db import Store
@@ -118,7 +119,11 @@ def silent(s: Session, before: datetime) -> list[tuple[str, datetime]]:
     rows = s.exec(
         select(NodeHeartbeat.machine_id, NodeHeartbeat.last_at)
         .join(Machine, col(Machine.id) == col(NodeHeartbeat.machine_id))
-        .where(col(Machine.state).in_(_IN_USE), col(NodeHeartbeat.last_at) < before)
+        .where(
+            col(Machine.state).in_(_IN_USE),
+            col(NodeHeartbeat.last_at) < before,
+            col(NodeHeartbeat.claim_id) == col(Machine.claim_id),
+        )
     ).all()
     return [(r[0], as_utc(r[1])) for r in rows]
 
@@ -237,6 +242,31 @@ def _open_remediation_machines(s: Session) -> set[str]:
 _RESPONDING_DRAINED = frozenset({NodeState.DRAINED, NodeState.DRAINING})
 
 
+def close_returned(s: Session, now: datetime) -> int:
+    """Faults still open on machines back in the pool (ready: wiped, commissioned or returned
+    by a technician) are closed: they were the last tenancy's. Committed."""
+    pooled = select(Machine.id).where(Machine.state == State.READY.value)
+    res = s.connection().execute(
+        update(HealthFault)
+        .where(col(HealthFault.cleared_at).is_(None), col(HealthFault.machine_id).in_(pooled))
+        .values(cleared_at=now, open_key=None, cleared_by="back in the pool")
+    )
+    s.commit()
+    return int(res.rowcount or 0)
+
+
+def _any_returned(s: Session) -> bool:
+    return (
+        s.exec(
+            select(HealthFault.id)
+            .join(Machine, col(Machine.id) == col(HealthFault.machine_id))
+            .where(col(HealthFault.cleared_at).is_(None), Machine.state == State.READY.value)
+            .limit(1)
+        ).first()
+        is not None
+    )
+
+
 def _scheduler_faulted(s: Session) -> set[str]:
     return set(
         s.exec(
@@ -327,6 +357,8 @@ class HealthWatch:
         if reads is None:
             reads = time.monotonic() >= self._next_reads
         machines = await self.store.read(in_use)
+        if await self.store.read(_any_returned):
+            await self.store.run(close_returned, now)
         await self.check_silence(machines, now)
         if reads:
             self._next_reads = time.monotonic() + self.cfg.bmc_interval_s

@@ -557,6 +557,9 @@ class NodeHeartbeat(SQLModel, table=True):
     __tablename__ = "node_heartbeats"
 
     machine_id: str = Field(foreign_key="machines.id", primary_key=True)
+    #: The claim the machine was in at that report: silence counts only within the same claim
+    #: (a machine claimed again is not silent for its old report).
+    claim_id: str | None = None
     last_at: datetime = _ts()
     reports: int = 0
     #: Parts of the last report metald could not read, in a sentence each.

@@ -24,6 +24,7 @@ from tests.bmc.peers import IpmiSim
 from tests.healthwatch.helpers import (
     FakeScheduler,
     active_claim,
+    bmc_fault,
     health_cfg,
     node_name,
     rem_rows,
@@ -152,7 +153,11 @@ async def test_silence_is_judged_only_after_a_first_report(store) -> None:  # ty
     watch = HealthWatch(store, cfg, "i1", remediations=wf, table=cfg.table(),
                         clock=lambda: now[0])  # fmt: skip
     with store.session() as s:  # the first machine's agent reported once; the second never
-        s.add(NodeHeartbeat(machine_id=c.machines[0], last_at=now[0], reports=1))
+        s.add(NodeHeartbeat(machine_id=c.machines[0], claim_id=c.claim_id, last_at=now[0],
+                            reports=1))  # fmt: skip
+        # An old report from an earlier claim of the second machine: not this claim's
+        s.add(NodeHeartbeat(machine_id=c.machines[1], claim_id="an-earlier-claim",
+                            last_at=now[0], reports=9))  # fmt: skip
         s.commit()
     now[0] += timedelta(seconds=59)
     await watch.round(reads=False)
@@ -192,3 +197,22 @@ async def test_the_schedulers_down_is_a_fault_and_its_own_clear_ends_it(store) -
     with store.session() as s:
         (f,) = s.exec(select(HealthFault)).all()
         assert f.cleared_by == "scheduler" and f.open_key is None
+
+
+async def test_faults_of_a_machine_back_in_the_pool_are_closed(store) -> None:  # type: ignore[no-untyped-def]
+    from metald import machines as ms
+    from metald.lifecycle import Trigger
+
+    c = active_claim(store, 1, spares=0)
+    cfg = health_cfg()
+    bmc_fault(store, c.machines[0], cfg)
+    with store.session() as s:  # out of its claim by hand, wiped, ready again
+        for trig in (Trigger.RELEASE, Trigger.WIPE, Trigger.WIPED):
+            ms.transition(s, c.machines[0], trig, actor="t",
+                          updates={"tenant_id": None, "wipe_required": False})  # fmt: skip
+    watch = HealthWatch(store, cfg, "i1", remediations=workflow(store, FakeScheduler(), cfg),
+                        table=cfg.table())  # fmt: skip
+    await watch.round(reads=False)
+    with store.session() as s:
+        (f,) = s.exec(select(HealthFault)).all()
+        assert f.cleared_by == "back in the pool" and f.open_key is None

@@ -57,6 +57,7 @@ def upgrade() -> None:
     op.create_table(
         "node_heartbeats",
         sa.Column("machine_id", sa.String(), sa.ForeignKey("machines.id"), primary_key=True),
+        sa.Column("claim_id", sa.String(), nullable=True),
         sa.Column("last_at", _TS, nullable=False),
         sa.Column("reports", sa.Integer(), nullable=False),
         sa.Column("unreadable", sa.JSON(), nullable=False),
