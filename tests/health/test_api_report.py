@@ -4,6 +4,8 @@ problem+json errors, and the faults and events it records."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,11 @@ from sqlmodel import col, select
 
 from api.app import CTX_KEY
 from metald.health.config import HealthConfig
-from metald.store.models import Event, HealthFault, NodeHeartbeat
+from metald.health.remediation import Step
+from metald.healthwatch.watch import HealthWatch
+from metald.provision.metadata import hostname
+from metald.store.models import Event, HealthFault, Machine, NodeHeartbeat
+from tests.healthwatch.helpers import FakeScheduler, rem_rows, workflow
 from tests.tenants.test_mesh import _claim, _hubs, _join
 
 XID79 = "[12345.678] NVRM: Xid (PCI:0000:3b:00): 79, pid=0, GPU has fallen off the bus.\n"
@@ -115,3 +121,38 @@ async def test_a_node_reporting_too_often_gets_429_with_retry_after(api) -> None
     with store.session() as s:  # nothing of the refused report was recorded
         assert s.get(NodeHeartbeat, mid).reports == 1
         assert not s.exec(select(HealthFault).where(col(HealthFault.machine_id) == mid)).all()
+
+
+async def test_a_report_wakes_the_running_watch_which_drains_the_node(api) -> None:  # type: ignore[no-untyped-def]
+    """The route and the ``health`` service together: no interval to wait for (the watch's
+    is an hour here), the report's fault is drained at once; prints report -> drained."""
+    client, tokens, store = api
+    _health(client, report_min_interval_s=0, watch_interval_s=3600)
+    ctx = client.app[CTX_KEY]
+    cfg = ctx.cfg.health
+    sched = FakeScheduler()
+    watch = HealthWatch(store, cfg, "i1", remediations=workflow(store, sched, cfg),
+                        table=cfg.table(), scheduler_for=lambda _t: sched)  # fmt: skip
+    await watch.start()
+    try:
+        await asyncio.sleep(0)  # its first round (nothing to do) runs now
+        ctx.services = ctx.services.__class__(health_watch=watch)
+        _, mid, token = await _node(client, tokens, store)
+        with store.session() as s:
+            m = s.get(Machine, mid)
+            node = hostname(m.id, m.name)
+        sched.jobs[node] = ["1"]  # a job runs on: the remediation stops at wait-jobs
+        t0 = time.monotonic()
+        r = await _report(client, token, {"kernel_log": XID79})
+        assert r.status == 200
+        deadline = time.monotonic() + 10
+        while node not in sched.drained:
+            assert time.monotonic() < deadline, rem_rows(store)
+            await asyncio.sleep(0.01)
+        print(f"node report posted -> drained (through the API and the woken watch): "
+              f"{(time.monotonic() - t0) * 1000:.0f} ms")  # fmt: skip
+        assert sched.drained[node] == f"metald: {XID79.strip()}"
+        (row,) = rem_rows(store)
+        assert row.step in (Step.DRAIN, Step.WAIT_JOBS)
+    finally:
+        await watch.stop()
