@@ -32,7 +32,7 @@ import asyncio
 import logging
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -60,6 +60,11 @@ log = logging.getLogger("metald.health")
 
 #: The admission lock's key (PostgreSQL advisory lock): admissions are decided one at a time.
 ADMISSION_LOCK = zlib.crc32(b"metald:health:admission")
+#: Steps at which the machine is still in its claim (the remediation has not taken it out).
+_BEFORE_TAKE_OUT = frozenset(
+    {core.Step.WAITING, core.Step.DRAIN, core.Step.WAIT_JOBS, core.Step.DRAINED,
+     core.Step.REMOVE, core.Step.UNDRAIN}
+)  # fmt: skip
 _OPEN = [s.value for s in core.Step if s is not core.Step.DONE]
 _HOLDING = [s.value for s in core.HOLDS_SLOT]
 
@@ -482,6 +487,8 @@ class Remediations:
         if sched_tenant is None:
             return False
         row_step, version, tenant_id, node, cluster_kind = sched_tenant
+        if row_step in _BEFORE_TAKE_OUT and await self.store.run(self._left, rem_id, version):
+            return True
         if row_step == core.Step.WAITING:
             d = await self.store.run(self._admit, rem_id)
             return d is not None and d.next is not core.Step.WAITING
@@ -533,6 +540,25 @@ class Remediations:
         if moved:
             self.notify()
         return moved
+
+    def _left(self, s: Session, rem_id: str, version: int) -> bool:
+        """A machine that left its claim some other way (the tenant released it) before the
+        remediation took it out: the remediation ends there (no replacement for a machine the
+        tenant gave back). A node drained here stays drained: it is off the cluster anyway."""
+        row = s.get(Remediation, rem_id, populate_existing=True)
+        m = s.get(Machine, row.machine_id) if row is not None else None
+        if row is None or row.version != version or m is None:
+            s.rollback()
+            return False
+        if m.claim_id == row.claim_id and State(m.state) in ALLOCATED:
+            s.rollback()
+            return False
+        why = f"{m.id} left claim {row.claim_id} ({m.state}): the remediation ends"
+        d = core.Decision(core.Action.NONE, core.Outcome.NOTHING, core.Step.DONE, why)
+        after = replace(core_of(row), step=core.Step.DONE)
+        _write(s, row, after, d, actor=self.actor, instance=self.instance, now=self.clock())
+        s.commit()
+        return True
 
     def _peek(self, s: Session, rem_id: str) -> tuple[str, int, str, str, str] | None:
         row = s.get(Remediation, rem_id)

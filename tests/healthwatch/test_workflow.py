@@ -196,3 +196,28 @@ async def test_no_free_machine_waits_with_a_sentence(store) -> None:  # type: ig
     assert row.step == Step.REPLACE
     (e,) = events(store, "health.remediation.stalled")
     assert "no free machine matches claim" in e.reason and e.data["claim_id"] == c.claim_id
+
+
+async def test_a_machine_the_tenant_released_meanwhile_gets_no_replacement(store) -> None:  # type: ignore[no-untyped-def]
+    from metald.claims.release import release_machine
+    from metald.store.models import Claim
+    from tests.claims.helpers import DEPLOY
+
+    c = active_claim(store, 2, spares=1)
+    cfg = health_cfg(job_wait_s=3600)
+    sched = FakeScheduler()
+    bmc_fault(store, c.machines[0], cfg)
+    (row,) = rem_rows(store)
+    sched.jobs[row.node] = ["1"]
+    wf = workflow(store, sched, cfg)
+    await wf.run_all()
+    assert rem_rows(store)[0].step == Step.WAIT_JOBS
+    with store.session() as s:  # the tenant scales down by that very machine
+        release_machine(s, s.get(Claim, c.claim_id), c.machines[0], "orch", deploy=DEPLOY)
+    await wf.run_all()
+    (row,) = rem_rows(store)
+    assert row.step == Step.DONE and row.replacement_id is None
+    assert "left claim" in row.reason
+    assert ("remove", row.node) not in sched.calls
+    with store.session() as s:
+        assert s.get(Machine, c.spares[0]).state == State.READY
