@@ -154,5 +154,16 @@ async def test_a_report_wakes_the_running_watch_which_drains_the_node(api) -> No
         assert sched.drained[node] == f"metald: {XID79.strip()}"
         (row,) = rem_rows(store)
         assert row.step in (Step.DRAIN, Step.WAIT_JOBS)
+        # The tenant's orchestrator sees every action on its stream, with the claim and why.
+        for role, sees in (("orchestrator", True), ("orchestrator_other", False)):
+            r = await client.get("/api/v1/events?limit=200", headers=tokens.header(role))
+            assert r.status == 200
+            got = {e["kind"]: e for e in (await r.json())["items"]}
+            assert ("health.remediation.drain" in got) is sees, role
+        r = await client.get("/api/v1/events?limit=200", headers=tokens.header("orchestrator"))
+        got_a = {e["kind"]: e for e in (await r.json())["items"]}
+        drain = got_a["health.remediation.drain"]
+        assert drain["data"]["claim_id"] == row.claim_id and "draining node" in drain["reason"]
+        assert got_a["health.fault"]["data"]["witness"] == "node"
     finally:
         await watch.stop()
