@@ -301,15 +301,17 @@ def _health_watch(
     Slurm) and remediated with the tenant's scheduler in the loop (docs/health.md)."""
     from metald.health.scheduler import TenantScheduler
     from metald.healthwatch.watch import HealthWatch
-    from metald.healthwatch.workflow import MarkBroken, Remediations
+    from metald.healthwatch.workflow import MarkBroken, NoScheduler, Remediations
     from metald.provision.intents import DeployImage
     from metald.tenants.scheduler import SlurmScheduler
 
     cfg = d.cfg
 
     def scheduler_for(tenant_id: str) -> TenantScheduler | None:
-        cp = hubs.control_plane(tenant_id) if hubs is not None else None
-        return SlurmScheduler(cp.run) if cp is not None else None
+        if hubs is None or not cfg.tenants.control_planes:
+            return NoScheduler()  # the tenant runs its own scheduler: draining is theirs
+        cp = hubs.control_plane(tenant_id)
+        return SlurmScheduler(cp.run) if cp is not None else None  # None: not up yet
 
     def network_boot(ids: list[str], actor: str) -> None:
         if cfg.provision.use_bmc:

@@ -13,7 +13,7 @@ from typing import Any
 from sqlmodel import Session
 
 from metald.errors import Forbidden
-from metald.health.classify import Table
+from metald.health.classify import Severity, Table
 from metald.health.config import HealthConfig
 from metald.health.node import NodeReport, report_signals
 from metald.healthwatch import faults
@@ -73,16 +73,15 @@ def accept(
         ib_ports=body.get("ib_ports"),
     )
     got = report_signals(report, gpu_count=m.gpu_count or None)
-    rec = faults.record(
-        s,
-        m,
-        [table.classify(sig) for sig in got.signals],
-        now=now,
-        transient_ttl_s=cfg.transient_ttl_s,
-        actor=actor,
-        instance=instance,
-    )
-    opened = open_for(s, m, rec.health, cfg, actor=actor, instance=instance)
+    classified = [table.classify(sig) for sig in got.signals]
+    new_faults, opened = 0, None
+    # Nothing the node says can clear a fault (the trust rule): a report without a finding
+    # changes no fault, so the faults are not even read.
+    if any(c.severity != Severity.OK for c in classified):
+        rec = faults.record(s, m, classified, now=now, transient_ttl_s=cfg.transient_ttl_s,
+                            actor=actor, instance=instance)  # fmt: skip
+        new_faults = len(rec.new)
+        opened = open_for(s, m, rec.health, cfg, actor=actor, instance=instance)
     if hb is None:
         hb = NodeHeartbeat(machine_id=m.id, last_at=now, reports=0)
     hb.last_at, hb.reports, hb.unreadable = now, hb.reports + 1, got.unreadable[:10]
@@ -93,7 +92,7 @@ def accept(
         m.id,
         cfg.report_interval_s,
         len(got.signals),
-        len(rec.new),
+        new_faults,
         got.unreadable,
         opened is not None,
     )

@@ -83,6 +83,10 @@ class Ownership(Protocol):
 
     def owns_hub(self, tenant_id: str) -> bool: ...
 
+    def hub_owner(self, tenant_id: str) -> str | None: ...
+
+    def owns_key(self, key: str) -> bool: ...
+
     def owns_machine(self, machine_id: str, bmc: tuple[str, str] | None) -> bool: ...
 
 
@@ -335,7 +339,14 @@ class HealthWatch:
         return self.ownership.owns_machine(u.machine_id, bmc)
 
     def _owns_hub(self, tenant_id: str) -> bool:
-        return self.ownership is None or self.ownership.owns_hub(tenant_id)
+        """Whether this instance drives the tenant's remediations: the one running its hub
+        (and control plane), or, where no instance runs hubs, the rendezvous owner of the
+        tenant's key."""
+        if self.ownership is None:
+            return True
+        if self.ownership.hub_owner(tenant_id) is None:
+            return self.ownership.owns_key(f"health:{tenant_id}")
+        return self.ownership.owns_hub(tenant_id)
 
     async def _loop(self) -> None:
         while True:

@@ -73,6 +73,12 @@ class _Owner:
     def owns_hub(self, tenant_id: str) -> bool:
         return True
 
+    def hub_owner(self, tenant_id: str) -> str | None:
+        return "i1"
+
+    def owns_key(self, key: str) -> bool:
+        return False
+
     def owns_machine(self, machine_id: str, bmc: Any) -> bool:
         return self.bmcs if bmc is not None else True
 
