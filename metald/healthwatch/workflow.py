@@ -176,6 +176,9 @@ def open_for(
         return None
     if s.exec(select(Remediation.id).where(Remediation.open_machine == m.id)).first():
         return None
+    policy = policy_of(s, m, cfg)
+    if health.severity is not Severity.FATAL and policy.degraded == "none":
+        return None  # the claim's policy does nothing for degraded: no record to open and end
     ev = faults.evidence(health)
     row = Remediation(
         machine_id=m.id,
@@ -187,7 +190,7 @@ def open_for(
         step=core.Step.WAITING,
         severity=health.severity,
         evidence=ev,
-        policy=policy_of(s, m, cfg).model_dump(),
+        policy=policy.model_dump(),
         reason=f"{m.id} is {health.severity}: {ev}",
         owner=instance,
     )
