@@ -221,3 +221,21 @@ async def test_a_machine_the_tenant_released_meanwhile_gets_no_replacement(store
     assert ("remove", row.node) not in sched.calls
     with store.session() as s:
         assert s.get(Machine, c.spares[0]).state == State.READY
+
+
+async def test_the_rack_limit_holds_too(store) -> None:  # type: ignore[no-untyped-def]
+    c = active_claim(store, 3, spares=0, racks=["r1", "r1", "r2"])
+    cfg = health_cfg(job_wait_s=3600, limits={"per_claim": 10, "per_rack": 1})
+    sched = FakeScheduler()
+    for i, mid in enumerate(c.machines):
+        bmc_fault(store, mid, cfg)
+    for i in range(3):
+        sched.jobs[f"gpu{i}-0"] = ["1"]
+    await workflow(store, sched, cfg).run_all()
+    rows = {r.machine_id: r for r in rem_rows(store)}
+    with store.session() as s:
+        racks = {mid: s.get(Machine, mid).rack for mid in c.machines}
+    acting = sorted(racks[m] for m, r in rows.items() if r.step != Step.WAITING)
+    assert acting == ["r1", "r2"]
+    (told,) = events(store, "health.remediation.waiting")
+    assert "rack r1 already has 1 machine(s) in remediation" in told.reason
