@@ -227,7 +227,7 @@ async def test_the_rack_limit_holds_too(store) -> None:  # type: ignore[no-untyp
     c = active_claim(store, 3, spares=0, racks=["r1", "r1", "r2"])
     cfg = health_cfg(job_wait_s=3600, limits={"per_claim": 10, "per_rack": 1})
     sched = FakeScheduler()
-    for i, mid in enumerate(c.machines):
+    for mid in c.machines:
         bmc_fault(store, mid, cfg)
     for i in range(3):
         sched.jobs[f"gpu{i}-0"] = ["1"]
