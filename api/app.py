@@ -15,6 +15,7 @@ from api import (
     routes_commissioning,
     routes_console,
     routes_events,
+    routes_health,
     routes_images,
     routes_instances,
     routes_join,
@@ -70,6 +71,7 @@ ROUTERS: list[Router] = [
     routes_join.router,
     routes_mesh.router,
     routes_repairs.router,
+    routes_health.router,
 ]
 
 

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from metald.bmc.console import ConsoleService
     from metald.boot.plane import BootPlane
     from metald.fleet.membership import Membership
+    from metald.healthwatch.watch import HealthWatch
     from metald.nodeguard import TenantNodeGuard
     from metald.provision.watchdog import Watchdog
     from metald.tenants.runtime import TenantRuntime
@@ -73,6 +74,8 @@ class Services:
     tenant_hubs: TenantRuntime | None = None
     #: Deletes long-dead tokens.
     token_sweeper: TokenSweeper | None = None
+    #: Watches machines in use and remediates them ([health]; docs/health.md).
+    health_watch: HealthWatch | None = None
     #: Commissioning's background BMC event-log reads (owned, stopped with the daemon).
     sel_reads: SelReads = field(default_factory=SelReads)
     #: The tenant meshes' long-poll wake-ups (no task: nothing to start or stop).

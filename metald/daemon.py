@@ -32,6 +32,7 @@ from metald.store import Store
 if TYPE_CHECKING:
     from metald.bmc.service import BmcService
     from metald.boot.plane import BootPlane
+    from metald.healthwatch.watch import HealthWatch
     from metald.nodeguard import TenantNodeGuard
     from metald.tenants.runtime import TenantRuntime
 
@@ -262,6 +263,8 @@ def _build_services(d: Daemon) -> tuple[Services, list[web.RouteDef]]:
         resume_interval_s=d.cfg.fleet.heartbeat_s,
     )
     d.fleet.on_change(watchdog.wake)
+    hubs = _tenant_hubs(d)
+    provision = Provisioner()
     services = Services(
         fleet=d.fleet,
         tenant_node_guard=_tenant_node_guard(d),
@@ -277,17 +280,74 @@ def _build_services(d: Daemon) -> tuple[Services, list[web.RouteDef]]:
             viewers_max=d.cfg.bmc.console_viewers_max,
         ),
         # Owns the provisioning steps API calls start in the background, and stops them.
-        provision=Provisioner(),
+        provision=provision,
         watchdog=watchdog,
-        tenant_hubs=_tenant_hubs(d),
+        tenant_hubs=hubs,
         # Deletes tokens revoked or expired more than a day ago, hourly (one instance).
         token_sweeper=TokenSweeper(
             d.store, d.cfg.instance, ownership=d.fleet, tasks=d.tasks.child("token-sweeper")
         ),
+        health_watch=_health_watch(d, bmc, hubs, provision),
         sel_reads=SelReads(tasks=d.tasks.child("commissioning_sel")),
         mesh_watch=MeshWatch(),
     )
     return services, routes
+
+
+def _health_watch(
+    d: Daemon, bmc: BmcService, hubs: TenantRuntime | None, provision: Any
+) -> HealthWatch:
+    """Machines in use watched (BMC logs and sensors by their owner, node silence, the tenant's
+    Slurm) and remediated with the tenant's scheduler in the loop (docs/health.md)."""
+    from metald.health.scheduler import TenantScheduler
+    from metald.healthwatch.watch import HealthWatch
+    from metald.healthwatch.workflow import NoScheduler, Remediations
+    from metald.provision.intents import DeployImage
+    from metald.tenants.scheduler import SlurmScheduler
+    from metald.usecases.repairs import RepairQueue
+
+    cfg = d.cfg
+
+    def scheduler_for(tenant_id: str) -> TenantScheduler | None:
+        if hubs is None or not cfg.tenants.control_planes:
+            return NoScheduler()  # the tenant runs its own scheduler: draining is theirs
+        cp = hubs.control_plane(tenant_id)
+        return SlurmScheduler(cp.run) if cp is not None else None  # None: not up yet
+
+    def network_boot(ids: list[str], actor: str) -> None:
+        if cfg.provision.use_bmc:
+            provision.spawn(
+                provision.reboot_all(d.store, bmc, ids, actor=actor, instance=cfg.instance)
+            )
+
+    actor = f"metald:{cfg.instance}"
+    remediations = Remediations(
+        store=d.store,
+        cfg=cfg.health,
+        instance=cfg.instance,
+        scheduler_for=scheduler_for,
+        # The bad machine goes to the technicians' queue with its faults (docs/repairs.md).
+        repair=RepairQueue(instance=cfg.instance, actor=actor),
+        deploy=DeployImage(cfg.provision.deploy_kernel, cfg.provision.deploy_initrd),
+        boot=provision,
+        network_boot=network_boot,
+        require_bmc=cfg.enroll.require_bmc,
+        hubs=hubs,
+        notify=d.bus.notify,
+    )
+    watch = HealthWatch(
+        d.store,
+        cfg.health,
+        cfg.instance,
+        remediations=remediations,
+        table=cfg.health.table(),
+        bmc=bmc,
+        ownership=d.fleet,
+        scheduler_for=scheduler_for,
+        tasks=d.tasks.child("health"),
+    )
+    d.fleet.on_change(watch.wake)
+    return watch
 
 
 def _boot_plane(d: Daemon) -> tuple[BootPlane | None, list[web.RouteDef]]:

@@ -84,6 +84,8 @@ ALLOCATED = frozenset(
         S.ACTIVE,
     }
 )
+#: States in which a machine runs its tenant's image: what Day 2 watches (metald.healthwatch).
+IN_USE = frozenset({S.PROVISIONED, S.JOINING, S.ACTIVE})
 #: States in which a machine is not allocated and no operation is under way.
 IDLE = frozenset({S.DISCOVERED, S.READY, S.INSPECT_FAILED, S.COMMISSION_FAILED, S.WIPE_FAILED})
 #: States a watchdog times out of, and where it sends them.
