@@ -239,3 +239,31 @@ async def test_the_rack_limit_holds_too(store) -> None:  # type: ignore[no-untyp
     assert acting == ["r1", "r2"]
     (told,) = events(store, "health.remediation.waiting")
     assert "rack r1 already has 1 machine(s) in remediation" in told.reason
+
+
+async def test_the_repair_step_puts_the_machine_in_the_technicians_queue_with_its_evidence(  # type: ignore[no-untyped-def]
+    store,
+) -> None:
+    """The daemon's wiring: the remediation's repair step opens the machine's repair (the
+    queue technicians work from, docs/repairs.md) with the BMC's record as evidence, once."""
+    from metald.store.models import Repair
+    from metald.usecases.repairs import RepairQueue
+
+    c = active_claim(store, 2, spares=1)
+    cfg = health_cfg()
+    bad = c.machines[0]
+    bmc_fault(store, bad, cfg)
+    wf = workflow(store, FakeScheduler(), cfg, repair=RepairQueue(instance="i1", actor="metald:i1"))
+    await wf.run_all()
+    await wf.run_all()  # nothing left: the queue gets the machine once
+    (row,) = rem_rows(store)
+    assert row.step == Step.DONE
+    with store.session() as s:
+        (repair,) = s.exec(select(Repair)).all()
+        assert (repair.machine_id, repair.status, repair.source) == (bad, "open", "remediation")
+        assert repair.remediation_id == row.id
+        assert any(
+            "Uncorrectable" in f["evidence"] and f["witness"] == "bmc" for f in repair.faults
+        )
+        assert s.get(Machine, bad).state == State.BROKEN
+    assert [e.kind for e in events(store, "repair.opened")] == ["repair.opened"]
