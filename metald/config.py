@@ -177,6 +177,12 @@ class BootConfig(_Section):
     #: IPv6 prefix advertised as on-link and autonomous in RAs (e.g. "fd00:10::/64"). Empty:
     #: RAs carry no prefix (enough to end iPXE's wait; no IPv6 addresses are configured).
     ra_prefix: IPv6Network | None = None
+    #: Which iPXE binaries DHCP hands out. "auto": metald's own build (``python -m bootassets
+    #: ipxe --install <assets_dir>``: HTTPS pinned to metald's CA, no banner wait, an embedded
+    #: script) from <assets_dir>/ipxe/ for each architecture it is there for, else the file
+    #: named below (Debian's), with the reason logged at start. "built": only the built ones
+    #: (metald does not start without them). "debian": always the files named below.
+    ipxe: Literal["auto", "built", "debian"] = "auto"
     #: Boot file for legacy BIOS PXE clients (option 93 arch 0), under assets_dir.
     bios_file: str = "undionly.kpxe"
     #: Boot file for x86-64 UEFI PXE and UEFI HTTP boot clients (arch 7, 9, 16).
