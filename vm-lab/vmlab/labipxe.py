@@ -61,6 +61,60 @@ def lab_ca(cache_dir: Path | str | None = None) -> Path:
     return cert_path
 
 
+def server_cert(
+    into: Path, address: str, *, cache_dir: Path | str | None = None, foreign: bool = False
+) -> tuple[Path, Path]:
+    """A TLS certificate and key for ``address`` (an IP), signed by the lab's CA, or with
+    ``foreign`` by a CA of its own that nothing trusts (a man in the middle's), as
+    ``into/server.pem`` and ``into/server.key``."""
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    if foreign:
+        ca_key = ec.generate_private_key(ec.SECP256R1())
+        ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "metald lab CA")])
+    else:
+        ca_pem = lab_ca(cache_dir)
+        ca_cert = x509.load_pem_x509_certificate(ca_pem.read_bytes())
+        loaded = serialization.load_pem_private_key((ca_pem.parent / "ca.key").read_bytes(), None)
+        assert isinstance(loaded, ec.EllipticCurvePrivateKey)
+        ca_key, ca_name = loaded, ca_cert.subject
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, address)]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=30))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(address))]),
+            critical=False,
+        )
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    into.mkdir(parents=True, exist_ok=True)
+    cert_path, key_path = into / "server.pem", into / "server.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+    return cert_path, key_path
+
+
 def built_ipxe(cache_dir: Path | str | None = None) -> Path:
     """The lab's iPXE build (built on first use, ~5 minutes on 2 cores; cached)."""
     return ensure_ipxe_built(cache_dir, ca=lab_ca(cache_dir))
