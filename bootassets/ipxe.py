@@ -9,7 +9,8 @@ upstream repository) or any iPXE tree an operator points it at (an upstream clon
   (BIOS builds leave it out by default), the commands metald's scripts use, and the ones it does
   not (SAN boot, wireless, Infiniband and Fibre Channel management, NTLM) left out;
 - ``TRUST=`` metald's CA certificate: the only root the binaries accept for HTTPS, and DHCP
-  cannot replace it (iPXE allows a trust override only when no ``TRUST`` is given);
+  cannot replace it (iPXE allows a trust override only when no ``TRUST`` is given); ``CERT=``
+  the same certificate, built in, so a server need not send it;
 - ``EMBED=`` metald's script (``embedded_script``): DHCP, then chain to the boot file metald's
   DHCP server hands iPXE (its per-MAC script URL), retrying without a prompt.
 
@@ -254,7 +255,9 @@ def _unpack(source: Path, into: Path) -> Path:
 
 
 def _make(src: Path, targets: list[Target], script: Path, ca: Path, jobs: int) -> None:
-    args = ["make", "-C", str(src), f"-j{jobs}", f"EMBED={script}", f"TRUST={ca}"]
+    # TRUST= holds only the CA's fingerprint; CERT= embeds the CA itself, so iPXE can complete
+    # the chain of a server that sends its own certificate alone (else it asks ca.ipxe.org).
+    args = ["make", "-C", str(src), f"-j{jobs}", f"EMBED={script}", f"TRUST={ca}", f"CERT={ca}"]
     if targets[0].cross:
         args.append(f"CROSS={targets[0].cross}")
     args += [t.make for t in targets]

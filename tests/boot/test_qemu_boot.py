@@ -168,7 +168,9 @@ def test_uefi_firmware_pxe_tftp_chainload_to_script(tmp_path: Path, assets: Path
     os.environ.get("METALD_LAB_LONG") != "1",
     reason="builds metald's iPXE on first use (~5 min on 2 cores): METALD_LAB_LONG=1",
 )
-def test_uefi_firmware_pxe_boots_metalds_own_ipxe(tmp_path: Path, assets: Path) -> None:
+def test_uefi_firmware_pxe_boots_metalds_own_ipxe(
+    tmp_path: Path, assets: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from bootassets.build import BuildError
     from bootassets.ipxe import find_source, install
     from vmlab.labipxe import built_ipxe
@@ -177,6 +179,8 @@ def test_uefi_firmware_pxe_boots_metalds_own_ipxe(tmp_path: Path, assets: Path) 
         find_source()
     except BuildError as e:
         pytest.skip(str(e))
+    # metald reads every METALD_* variable as a setting: not this one, which is the tests'
+    monkeypatch.delenv("METALD_LAB_LONG")
     debian = boot_vm(tmp_path / "debian", assets, firmware="uefi", ra=True, mac="52:54:00:79:00:05")
     install(built_ipxe(), assets)
     built = boot_vm(tmp_path / "built", assets, firmware="uefi", ra=True, mac="52:54:00:79:00:06")
@@ -195,7 +199,7 @@ def test_uefi_firmware_pxe_boots_metalds_own_ipxe(tmp_path: Path, assets: Path) 
     reason="builds metald's iPXE on first use (~5 min on 2 cores): METALD_LAB_LONG=1",
 )
 def test_metalds_ipxe_fetches_its_script_over_https_pinned_to_its_ca(
-    tmp_path: Path, assets: Path
+    tmp_path: Path, assets: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """metald's TLS certificate from the CA the iPXE was built with: the script comes over
     HTTPS. The same address answering with another CA's certificate (a man in the middle):
@@ -208,6 +212,8 @@ def test_metalds_ipxe_fetches_its_script_over_https_pinned_to_its_ca(
         find_source()
     except BuildError as e:
         pytest.skip(str(e))
+    # metald reads every METALD_* variable as a setting: not this one, which is the tests'
+    monkeypatch.delenv("METALD_LAB_LONG")
     install(built_ipxe(), assets)
 
     def tls(where: Path, foreign: bool) -> str:
