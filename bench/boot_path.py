@@ -564,13 +564,16 @@ def main() -> None:
                 for f in ("serial.txt", "packets.jsonl", "metald.log", "tap.txt"):
                     if (Path(d) / f).exists():
                         (dest / f).write_bytes((Path(d) / f).read_bytes())
-            print(f"\n== run {i + 1}/{args.runs} ({args.firmware}, {order}, {ipxe}'s iPXE)")
+            print(f"\n== run {i + 1}/{args.runs} ({args.firmware}, {order}, {WHOSE[ipxe]} iPXE)")
             print_run(run)
             runs.append(run)
     for order, ipxe in combos:
         mine = [r for r in runs if (r.boot_order, r.ipxe) == (order, ipxe)]
         if len(mine) > 1:
-            print_medians(f"{args.firmware}, {order}, {ipxe}'s iPXE", mine)
+            print_medians(f"{args.firmware}, {order}, {WHOSE[ipxe]} iPXE", mine)
+
+
+WHOSE = {"debian": "Debian's", "built": "metald's"}
 
 
 def print_medians(name: str, runs: list[Run]) -> None:
