@@ -29,13 +29,14 @@ log = logging.getLogger(__name__)
 
 
 def http_base_url(cfg: Config) -> str:
-    """How machines reach HTTP boot: boot.http_url, the provisioning listener's port,
-    api.public_url, or server_address:<api port>."""
+    """How machines reach HTTP boot: boot.http_url, the provisioning listener's port (https
+    with boot.tls_cert), api.public_url, or server_address:<api port>."""
     if cfg.boot.http_url:
         return cfg.boot.http_url.rstrip("/")
     if cfg.boot.http_listen:
         _, port = split_hostport(cfg.boot.http_listen)
-        return f"http://{cfg.boot.server_address}:{port}"
+        scheme = "https" if cfg.boot.tls_cert else "http"
+        return f"{scheme}://{cfg.boot.server_address}:{port}"
     if cfg.api.public_url:
         return cfg.api.public_url.rstrip("/")
     _, port = split_hostport(cfg.api.listen)
