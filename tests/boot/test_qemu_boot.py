@@ -8,7 +8,7 @@
 - UEFI with metald's own iPXE (bootassets/ipxe.py, installed in the assets' ``ipxe/``): the
   same path, side by side with Debian's snponly.efi; no banner wait, the embedded script chains
   to the URL metald's DHCP hands iPXE. Under METALD_LAB_LONG=1: the first run on a machine
-  builds iPXE (~5 minutes on 2 cores; cached after).
+  builds iPXE (9-15 minutes on 2 busy cores; cached after).
 
 Each prints the time from power-on to the script (with and without Router Advertisements);
 timings are printed, never asserted.
@@ -166,7 +166,7 @@ def test_uefi_firmware_pxe_tftp_chainload_to_script(tmp_path: Path, assets: Path
 @pytest.mark.skipif(not OVMF.exists(), reason="needs ovmf")
 @pytest.mark.skipif(
     os.environ.get("METALD_LAB_LONG") != "1",
-    reason="builds metald's iPXE on first use (~5 min on 2 cores): METALD_LAB_LONG=1",
+    reason="builds metald's iPXE on first use (~10 min on 2 cores): METALD_LAB_LONG=1",
 )
 def test_uefi_firmware_pxe_boots_metalds_own_ipxe(
     tmp_path: Path, assets: Path, monkeypatch: pytest.MonkeyPatch
@@ -196,7 +196,7 @@ def test_uefi_firmware_pxe_boots_metalds_own_ipxe(
 @pytest.mark.skipif(not OVMF.exists(), reason="needs ovmf")
 @pytest.mark.skipif(
     os.environ.get("METALD_LAB_LONG") != "1",
-    reason="builds metald's iPXE on first use (~5 min on 2 cores): METALD_LAB_LONG=1",
+    reason="builds metald's iPXE on first use (~10 min on 2 cores): METALD_LAB_LONG=1",
 )
 def test_metalds_ipxe_fetches_its_script_over_https_pinned_to_its_ca(
     tmp_path: Path, assets: Path, monkeypatch: pytest.MonkeyPatch

@@ -2,7 +2,7 @@
 
 The build is cached by its inputs, the CA among them, so the lab's CA is made once per machine
 and kept in the boot-asset cache (``<cache>/lab-ca/``): every lab, test and benchmark then
-shares one build instead of paying ~5 minutes each.
+shares one build instead of paying 9-15 minutes each (2 busy cores).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def server_cert(
 
 
 def built_ipxe(cache_dir: Path | str | None = None) -> Path:
-    """The lab's iPXE build (built on first use, ~5 minutes on 2 cores; cached)."""
+    """The lab's iPXE build (built on first use, 9-15 minutes on 2 busy cores; cached)."""
     return ensure_ipxe_built(cache_dir, ca=lab_ca(cache_dir))
 
 
