@@ -98,13 +98,18 @@ def only_paths(allowed: Callable[[str], bool], listener: str) -> Any:
     return mw
 
 
-def staff_tls(cfg: Config) -> ssl.SSLContext | None:
-    if not cfg.api.tls_cert:
+def server_tls(cert: str, key: str) -> ssl.SSLContext | None:
+    """A TLS 1.2+ server context for ``cert`` and ``key``, or None when not given."""
+    if not cert:
         return None
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_cert_chain(cfg.api.tls_cert, cfg.api.tls_key)
+    ctx.load_cert_chain(cert, key)
     return ctx
+
+
+def staff_tls(cfg: Config) -> ssl.SSLContext | None:
+    return server_tls(cfg.api.tls_cert, cfg.api.tls_key)
 
 
 class Daemon:
@@ -167,7 +172,9 @@ class Daemon:
             staff.middlewares.insert(0, only_paths(lambda p: not path_allowed(p), "staff API"))
             machines = create_app(self.ctx, extra=extra)
             machines.middlewares.insert(0, only_paths(path_allowed, "provisioning"))
-            await self._serve(machines, machines_listen, None)
+            await self._serve(
+                machines, machines_listen, server_tls(self.cfg.boot.tls_cert, self.cfg.boot.tls_key)
+            )
         elif self.cfg.boot.enabled:
             log.warning(
                 "boot.http_listen is empty: the staff API and the boot, agent and join endpoints "
@@ -187,7 +194,9 @@ class Daemon:
             self.cfg.instance,
             self.cfg.api.listen,
             " (TLS)" if self.cfg.api.tls_cert else "",
-            f", machines on {machines_listen}" if machines_listen else "",
+            f", machines on {machines_listen}{' (TLS)' if self.cfg.boot.tls_cert else ''}"
+            if machines_listen
+            else "",
             "sqlite" if self.store.is_sqlite else "postgresql",
         )
 
