@@ -73,9 +73,10 @@ async def _change(
 )
 async def list_machines(req: ApiRequest, machines: Machines) -> MachinePage:
     """Machines visible to the caller, filtered and paginated (newest first)."""
-    paging = listing.paging(req)
-    page = await machines.list(req.require_principal(), req.query, paging)
-    return listing.answer(MachinePage, page, paging, req)
+    p = req.require_principal()
+    return await listing.listed(
+        req, MachinePage, lambda paging: machines.list(p, req.query, paging)
+    )
 
 
 @router.route(

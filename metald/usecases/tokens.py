@@ -10,7 +10,7 @@ from typing import Any
 
 from sqlmodel import Session, col, select
 
-from metald.auth import Role, issue_token, revoke_token
+from metald.auth import Role, authenticate, issue_token, revoke_token
 from metald.errors import Conflict, Unprocessable
 from metald.machines import add_event
 from metald.store.models import ApiToken, Machine, Tenant
@@ -19,6 +19,12 @@ from metald.usecases.reads import Page, Pager, page
 
 #: Oldest first.
 DEFAULT_ORDER = ["created_at", "id"]
+
+
+async def still_authenticated(store: Transactions, secret: str) -> bool:
+    """Whether the token ``secret`` still stands (not revoked, not expired): what a
+    long-lived request (the serial console) checks again while it is open."""
+    return await store.run(authenticate, secret) is not None
 
 
 def token_view(row: ApiToken) -> dict[str, Any]:

@@ -10,7 +10,7 @@ refused (403) on every route that forwards, the console's WebSocket included, an
 
 from __future__ import annotations
 
-import inspect
+import ast
 import re
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,10 @@ import aiohttp
 import pytest
 from cryptography.fernet import Fernet
 
+import api
 from api import routes_bmc, routes_console
+from api.app import ROUTERS, all_specs
+from api.routing import Owner
 from metald.errors import Conflict
 from metald.fleet import forward_auth
 from metald.secrets import SecretBox
@@ -40,12 +43,11 @@ BODIES: dict[str, Any] = {
 
 
 def _forwarding_routes() -> list[tuple[str, str]]:
-    """Every route whose handler takes the forwarding decision (found in the source, so a new
-    forwarding route is tested without being listed here)."""
+    """Every route the router forwards to an owner: those declared with ``owner=`` (found in
+    the declarations, so a new forwarding route is tested without being listed here)."""
     out = []
-    for spec in routes_bmc.router.specs + routes_console.router.specs:
-        src = inspect.getsource(spec.handler)
-        if any(mark in src for mark in ("_on_owner(", "forwarded_by(", "FORWARDED")):
+    for spec in all_specs(ROUTERS):
+        if spec.owner is not None:
             path = re.sub(r"{(\w+)(?::[^}]*)?}", lambda m: MID if m[1] == "id" else "c1", spec.path)
             out.append((f"{spec.method} {spec.path}", path))
     return out
@@ -58,6 +60,36 @@ def test_every_forwarding_route_is_found() -> None:
     keys = {k for k, _ in ROUTES}
     assert "GET /api/v1/machines/{id}/console" in keys and "POST /api/v1/machines/{id}/boot" in keys
     assert len(keys) >= 16, keys  # 15 BMC commands and the console
+    owners = {s.owner for s in routes_bmc.router.specs + routes_console.router.specs}
+    assert owners == {None, Owner.BMC, Owner.MACHINE, Owner.CONSOLE}, owners
+
+
+def _hand_forwarding(path: Path) -> list[str]:
+    """Where a module signs or checks a forward (imports ``forward_auth``) or opens a client
+    connection of its own (``aiohttp.ClientSession``, ``ws_connect``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (
+            node.module == "metald.fleet.forward_auth"
+            or any(a.name == "forward_auth" for a in node.names)
+        ):
+            found.append(f"{node.lineno}: imports forward_auth")
+        elif isinstance(node, ast.Attribute) and node.attr in ("ClientSession", "ws_connect"):
+            found.append(f"{node.lineno}: {node.attr}")
+    return found
+
+
+def test_no_route_module_forwards_by_hand() -> None:
+    """Forwarding is the router's (``api.routing.Owner``, over ``api.forwarding``): no other
+    API module signs a forward, checks a mark or opens a client connection of its own."""
+    api_dir = Path(api.__file__).parent
+    hand = {
+        str(p.relative_to(api_dir)): found
+        for p in sorted(api_dir.rglob("*.py"))
+        if p.name not in ("routing.py", "forwarding.py") and (found := _hand_forwarding(p))
+    }
+    assert not hand, hand
+    assert _hand_forwarding(api_dir / "routing.py") and _hand_forwarding(api_dir / "forwarding.py")
 
 
 class _Here:
