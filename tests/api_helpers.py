@@ -20,6 +20,7 @@ from metald.events import EventBus
 from metald.secrets import SecretBox
 from metald.store import Store
 from tests.conftest import LAB_BMC_ENV, Tokens, seed
+from tests.waiting import eventually
 
 
 @dataclass
@@ -84,13 +85,9 @@ async def live_api(
 
 
 async def until(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    """Wait for a condition (the timeout only bounds a failing test; it decides nothing)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not cond():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
+    """Wait for a condition (``tests.waiting.eventually``; the timeout only bounds a failing
+    test, it decides nothing)."""
+    await eventually(what, cond, timeout)
 
 
 #: Adjusts the config and fills the store before the app starts (after the seed).

@@ -7,6 +7,7 @@ machine labelled ``boot-via=virtual-media``."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -14,17 +15,13 @@ from sqlmodel import select
 
 from metald import machines
 from metald.bmc import media as virtual_media
-from metald.bmc.service import BmcService
-from metald.config import Config
 from metald.lifecycle import Trigger
 from metald.provision import media_boot, netboot
-from metald.secrets import SecretBox
 from metald.store import Store
 from metald.store.models import Bmc, Event, Machine
 from tests.api_helpers import drain_steps
 from tests.bmc.peers import Sushy
 from tests.bmc.test_bmc_redfish import _system_json
-from tests.conftest import seed
 
 ISO = b"CD001" + bytes(2043) * 16
 
@@ -50,25 +47,15 @@ async def boot_http() -> AsyncIterator[tuple[str, list[str]]]:
 
 
 @pytest.fixture
-async def api(cfg: Config, store: Store, aiohttp_client, boot_http):  # type: ignore[no-untyped-def]
-    from api.app import create_app
-    from api.context import AppContext, Services
-    from metald.events import EventBus
+def bmc_settings() -> dict[str, Any]:
+    return {"timeout_s": 10}
 
-    secrets = SecretBox.from_file(cfg.secrets_key_path)
-    cfg.bmc.min_interval_ms = 0
-    cfg.bmc.timeout_s = 10
-    cfg.bmc.retries = 1
-    svc = BmcService(store, secrets, cfg.bmc, cfg.instance)
-    svc.control.vmedia_base = boot_http[0]
-    ctx = AppContext(
-        cfg=cfg, store=store, secrets=secrets, bus=EventBus(), services=Services(bmc=svc)
-    )
-    tokens = seed(store)
-    client = await aiohttp_client(create_app(ctx))
-    yield client, tokens, svc
-    await drain_steps(client)
-    await svc.stop()
+
+@pytest.fixture
+def api(bmc_api, boot_http):  # type: ignore[no-untyped-def]
+    """``bmc_api``, its BMCs fetching boot ISOs from ``boot_http``."""
+    bmc_api[2].control.vmedia_base = boot_http[0]
+    return bmc_api
 
 
 async def _register(client, tokens, sushy: Sushy, mid: str) -> None:  # type: ignore[no-untyped-def]
