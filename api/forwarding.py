@@ -35,8 +35,6 @@ async def forward(
     owner_url: str,
     headers: dict[str, str],
     body: Any,
-    *,
-    what: str = "this BMC",
 ) -> tuple[int, Any]:
     """Send ``raw``'s method and path (with its query) to the instance at ``owner_url`` with
     ``headers`` and the JSON ``body``; its answer's status and JSON. An error answer is raised
@@ -50,11 +48,7 @@ async def forward(
         ):
             data = await r.json(content_type=None)
     except (aiohttp.ClientError, TimeoutError, ValueError) as e:
-        raise ForwardFailed(
-            f"{what} is owned by the instance at {owner_url}, which did not answer "
-            f"({type(e).__name__}); retry, or check that instance",
-            owner_url=owner_url,
-        ) from None
+        raise _unreachable("this BMC", owner_url, e) from None
     if r.status >= 400:
         problem = data if isinstance(data, dict) else {}
         err = MetaldError(str(problem.get("detail") or "the BMC's owner refused the request"))
@@ -68,9 +62,7 @@ async def proxy_websocket(
     raw: web.Request,
     owner_url: str,
     headers: dict[str, str],
-    *,
     max_msg_size: int,
-    what: str = "this machine's BMC",
 ) -> web.WebSocketResponse:
     """Carry the WebSocket ``raw`` opens to the same path at the instance at ``owner_url``,
     frames as they are, both ways. A refused handshake there is the same refusal here; no
@@ -81,13 +73,9 @@ async def proxy_websocket(
         try:
             upstream = await http.ws_connect(target, headers=headers, heartbeat=30.0)
         except aiohttp.WSServerHandshakeError as e:
-            raise _owner_refusal(e, owner_url, what) from None
+            raise _owner_refusal(e, owner_url) from None
         except (aiohttp.ClientError, TimeoutError) as e:
-            raise ForwardFailed(
-                f"{what} is owned by the instance at {owner_url}, which did not "
-                f"answer ({type(e).__name__}); retry, or check that instance",
-                owner_url=owner_url,
-            ) from None
+            raise _unreachable("this machine's BMC", owner_url, e) from None
         ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=max_msg_size)
         await ws.prepare(raw)
 
@@ -119,10 +107,18 @@ async def proxy_websocket(
         await http.close()
 
 
-def _owner_refusal(e: aiohttp.WSServerHandshakeError, owner_url: str, what: str) -> MetaldError:
+def _unreachable(what: str, owner_url: str, e: BaseException) -> ForwardFailed:
+    return ForwardFailed(
+        f"{what} is owned by the instance at {owner_url}, which did not answer "
+        f"({type(e).__name__}); retry, or check that instance",
+        owner_url=owner_url,
+    )
+
+
+def _owner_refusal(e: aiohttp.WSServerHandshakeError, owner_url: str) -> MetaldError:
     err = MetaldError(
-        f"the instance that owns {what} ({owner_url}) refused the "
-        f"console with HTTP {e.status}; run the same request there to read its reason"
+        f"the instance that owns this machine's BMC ({owner_url}) refused the console "
+        f"with HTTP {e.status}; run the same request there to read its reason"
     )
     err.status, err.title = e.status or 502, "Refused by the BMC's owner"
     return err

@@ -28,12 +28,14 @@ from sqlalchemy import event
 from api import forwarding
 from api.paging import INT64_MAX, INT64_MIN, next_link
 from api.problem import problem, validation_problem
-from api.resolve import FULL_ID, path_kinds, resolve
+from api.resolve import path_kinds
 from metald import metrics
-from metald.auth import Principal, Role, lookup, record_first_use
+from metald.auth import Principal, Role, record_first_use
 from metald.errors import MetaldError, ServiceUnavailable
 from metald.fleet import forward_auth
 from metald.machines import ConcurrentUpdate
+from metald.usecases.names import resolve_params
+from metald.usecases.tokens import principal_of, record_use
 
 if TYPE_CHECKING:
     from api.context import AppContext
@@ -349,7 +351,7 @@ async def _principal(request: web.Request, ctx: AppContext) -> Principal | None:
     secret = bearer_token(request)
     if secret is None:
         return None
-    return await ctx.store.read_aside(lookup, secret)
+    return await principal_of(ctx.store, secret)
 
 
 async def _settle_first_use(
@@ -361,12 +363,7 @@ async def _settle_first_use(
         return
     if areq is not None and areq.first_use_recorded:
         return
-
-    def stamp(s: Any) -> None:
-        record_first_use(s, principal.token_id)
-        s.commit()
-
-    await ctx.store.run(stamp)
+    await record_use(ctx.store, principal.token_id)
     if areq is not None:
         areq.first_use_recorded = True
 
@@ -690,17 +687,8 @@ def make_handler(
                 principal = await _principal(request, ctx)
                 authorize(spec, principal)
             check_path(request.match_info)
-            params = dict(request.match_info)
-            to_resolve = {n: kinds[n] for n in kinds if not FULL_ID.fullmatch(params[n])}
-            if to_resolve:  # a name or an id prefix: the same rules on every route
-                params.update(
-                    await ctx.store.run(
-                        lambda s: {
-                            n: resolve(s, principal, kind, params[n])
-                            for n, kind in to_resolve.items()
-                        }
-                    )
-                )
+            # A name or an id prefix: the same rules on every route.
+            params = await resolve_params(ctx.store, principal, kinds, dict(request.match_info))
             areq = ApiRequest(request, ctx, principal, params=params)
             if request.method not in ("GET", "HEAD"):
                 areq.if_match = parse_if_match(spec, request.headers.get("If-Match"))

@@ -109,15 +109,9 @@ class BmcCommands(Protocol):
     #: The fenced executor (``metald.bmc.executor``): virtual media and a machine's BMC row.
     control: Any
 
-    async def register(
-        self,
-        address: str,
-        port: int | None,
-        protocol: str,
-        username: str,
-        password: str,
-        **options: Any,
-    ) -> View: ...
+    async def register(self, *args: Any, **options: Any) -> View:
+        """``BmcRegistry.register``'s arguments: connect, store, link."""
+        ...
 
     async def list(self) -> builtins.list[View]: ...
 
@@ -219,21 +213,25 @@ class Bmcs:
         self, bmc_id: str, action: str, *, actor: str | None = None, wait_s: float | None = None
     ) -> dict[str, Any]:
         """Read (``status`` without an actor) or change the power of the BMC's host."""
-        if actor is None:
-            return await self.service.power_bmc(bmc_id, action)
-        return await self._changing(
-            self.service.power_bmc(bmc_id, action, actor=actor, wait_s=wait_s)
-        )
+        return await self._power(self.service.power_bmc, bmc_id, action, actor, wait_s)
 
     async def power(
         self, machine_id: str, action: str, *, actor: str | None = None, wait_s: float | None = None
     ) -> dict[str, Any]:
         """Read (``status`` without an actor) or change the machine's power."""
+        return await self._power(self.service.power, machine_id, action, actor, wait_s)
+
+    async def _power(
+        self,
+        command: Callable[..., Awaitable[View]],
+        target: str,
+        action: str,
+        actor: str | None,
+        wait_s: float | None,
+    ) -> View:
         if actor is None:
-            return await self.service.power(machine_id, action)
-        return await self._changing(
-            self.service.power(machine_id, action, actor=actor, wait_s=wait_s)
-        )
+            return await command(target, action)
+        return await self._changing(command(target, action, actor=actor, wait_s=wait_s))
 
     def power_command(
         self, command_id: str, *, machine_id: str | None = None, bmc_id: str | None = None
