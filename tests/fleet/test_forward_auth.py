@@ -181,3 +181,54 @@ async def test_a_forged_stale_or_replayed_forward_mark_is_refused(
     before = len(live.requests)
     status, _ = await _call(live, key, path, forward_auth.sign(box, method, path, "rack1"))
     assert status in (404, 409) and len(live.requests) == before + 1
+
+
+class _Answering(_Here):
+    """An owner that answers: a power action still pending (202), the locate light, and a
+    refusal carrying a field of its own."""
+
+    async def power(self, machine_id: str, action: str, **_kw: Any) -> dict[str, Any]:
+        return {
+            "machine_id": machine_id,
+            "bmc_id": "b1",
+            "action": action,
+            "power_state": None,
+            "command_id": "c1",
+            "status": "pending",
+            "target_state": "on",
+        }
+
+    async def locate(self, machine_id: str, on: bool | None, **_kw: Any) -> dict[str, Any]:
+        return {"machine_id": machine_id, "bmc_id": "b1", "on": on}
+
+    async def sensors(self, machine_id: str) -> list[dict[str, Any]]:
+        raise Conflict("the BMC is busy", state="busy")
+
+
+async def test_the_owners_answer_comes_back_as_it_is(
+    aiohttp_client,  # type: ignore[no-untyped-def]
+    store,
+    tmp_path: Path,
+) -> None:
+    """Whatever the owner answers is the answer: its status (202 for a command still pending
+    there, not the route's declared 200), its body, and a refusal as the same problem with
+    its own fields."""
+    live = await live_api(aiohttp_client, store, tmp_path)
+    owner = _Answering()
+    owner.url = f"http://127.0.0.1:{live.port}"
+    use_services(live.ctx, bmc=owner, console=owner)
+    auth = {"Authorization": f"Bearer {live.tokens.admin}"}
+    base = f"/api/v1/machines/{MID}"
+
+    r = await live.client.post(f"{base}/power", json={"action": "on"}, headers=auth)
+    assert r.status == 202, await r.text()
+    assert (await r.json())["command_id"] == "c1"
+    r = await live.client.put(f"{base}/locate", json={"on": True}, headers=auth)
+    assert r.status == 200 and await r.json() == {"machine_id": MID, "bmc_id": "b1", "on": True}
+    r = await live.client.get(f"{base}/sensors", headers=auth)
+    body = await r.json()
+    assert r.status == 409 and body["detail"] == "the BMC is busy" and body["state"] == "busy"
+    # Each went to the owner (here itself) once, signed, and ran there.
+    forwarded = [q for q in live.requests if q.headers.get(forward_auth.FORWARDED)]
+    assert len(live.requests) == 6 and len(forwarded) == 3
+    assert all(q.headers.get(forward_auth.AUTH) for q in forwarded)
