@@ -181,3 +181,28 @@ async def drain_steps(client: TestClient[Any, Any]) -> None:
     from api.workflows import provisioner
 
     await provisioner(client.app[CTX_KEY]).steps.drain()
+
+
+async def link_redfish(
+    client: TestClient[Any, Any],
+    tokens: Tokens,
+    port: int,
+    mid: str | None = None,
+    *,
+    username: str = "admin",
+    password: str = "unused",
+) -> str:
+    """Register the Redfish BMC listening on 127.0.0.1:``port`` over the API (as a
+    technician), linked to machine ``mid`` (the seed's free machine unless told); its id."""
+    mid = mid or tokens.machine_free
+    body = {
+        "address": "http://127.0.0.1",
+        "port": port,
+        "protocol": "redfish",
+        "username": username,
+        "password": password,
+        "machine_id": mid,
+    }
+    r = await client.post("/api/v1/bmcs", json=body, headers=tokens.header("technician"))
+    assert r.status == 201, await r.text()
+    return mid

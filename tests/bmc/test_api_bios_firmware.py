@@ -9,23 +9,8 @@ from metald.claims.allocation import Selector
 from metald.inventory.rules import EnrollmentRule, bios_profile
 from metald.store import Store
 from metald.store.models import Event, Machine
-from tests.bmc.peers import LabRedfish
+from tests.api_helpers import link_redfish
 from vmlab.redfish_bios import BIOS
-
-
-async def _link(client, tokens, peer: LabRedfish) -> str:  # type: ignore[no-untyped-def]
-    mid = tokens.machine_free
-    body = {
-        "address": "http://127.0.0.1",
-        "port": peer.port,
-        "protocol": "redfish",
-        "username": peer.username,
-        "password": peer.password,
-        "machine_id": mid,
-    }
-    r = await client.post("/api/v1/bmcs", json=body, headers=tokens.header("technician"))
-    assert r.status == 201, await r.text()
-    return mid
 
 
 async def _events(store: Store, kind: str) -> list[Event]:
@@ -35,7 +20,13 @@ async def _events(store: Store, kind: str) -> list[Event]:
 async def test_firmware_recorded_shown_and_selectable(bmc_api, store: Store, lab_redfish) -> None:  # type: ignore[no-untyped-def]
     client, tokens, _ = bmc_api
     tech = tokens.header("technician")
-    mid = await _link(client, tokens, lab_redfish)
+    mid = await link_redfish(
+        client,
+        tokens,
+        lab_redfish.port,
+        username=lab_redfish.username,
+        password=lab_redfish.password,
+    )
     r = await client.get(f"/api/v1/machines/{mid}/firmware", headers=tech)
     assert r.status == 200, await r.text()
     items = {i["id"]: i["version"] for i in (await r.json())["items"]}
@@ -58,7 +49,13 @@ async def test_firmware_recorded_shown_and_selectable(bmc_api, store: Store, lab
 async def test_bios_profile_staged_then_drift_reported(bmc_api, store: Store, lab_redfish) -> None:  # type: ignore[no-untyped-def]
     client, tokens, _ = bmc_api
     tech = tokens.header("technician")
-    mid = await _link(client, tokens, lab_redfish)
+    mid = await link_redfish(
+        client,
+        tokens,
+        lab_redfish.port,
+        username=lab_redfish.username,
+        password=lab_redfish.password,
+    )
     bios = lab_redfish.app[BIOS]
 
     want = {"SriovGlobalEnable": "Enabled", "LogicalProc": "Enabled"}

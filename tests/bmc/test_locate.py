@@ -10,6 +10,7 @@ from metald.bmc.ipmi import IpmiDriver
 from metald.bmc.redfish import RedfishDriver
 from metald.store import Store
 from metald.store.models import Event
+from tests.api_helpers import link_redfish
 from tests.bmc.peers import IpmiSim, Sushy
 from tests.bmc.test_bmc_redfish import _system_json
 
@@ -54,16 +55,7 @@ async def test_locate_over_the_api_with_an_event_naming_who(
 ) -> None:  # type: ignore[no-untyped-def]
     client, tokens, _ = bmc_api
     tech = tokens.header("technician")
-    mid = tokens.machine_free
-    body = {
-        "address": "http://127.0.0.1",
-        "port": sushy.port,
-        "protocol": "redfish",
-        "username": "admin",
-        "password": "unused",
-        "machine_id": mid,
-    }
-    assert (await client.post("/api/v1/bmcs", json=body, headers=tech)).status == 201
+    mid = await link_redfish(client, tokens, sushy.port)
     r = await client.put(f"/api/v1/machines/{mid}/locate", json={"on": True}, headers=tech)
     assert r.status == 200, await r.text()
     assert (await r.json())["on"] is True

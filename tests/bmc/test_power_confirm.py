@@ -14,27 +14,13 @@ from sqlmodel import select
 from metald.config import Config
 from metald.store import Store
 from metald.store.models import Event, Machine
+from tests.api_helpers import link_redfish
 from tests.bmc.peers import Sushy
 
 
 @pytest.fixture
 def bmc_settings() -> dict[str, Any]:
     return {"power_state_timeout_s": 30}
-
-
-async def _link(client, tokens, peer: Sushy) -> str:  # type: ignore[no-untyped-def]
-    mid = tokens.machine_free
-    body = {
-        "address": "http://127.0.0.1",
-        "port": peer.port,
-        "protocol": "redfish",
-        "username": "admin",
-        "password": "unused",
-        "machine_id": mid,
-    }
-    r = await client.post("/api/v1/bmcs", json=body, headers=tokens.header("technician"))
-    assert r.status == 201, await r.text()
-    return mid
 
 
 async def _bmc_says(peer: Sushy) -> str:
@@ -71,7 +57,7 @@ async def test_power_on_answers_the_state_the_bmc_reports(
     bmc_api, store: Store, sushy_slow
 ) -> None:  # type: ignore[no-untyped-def]
     client, tokens, _ = bmc_api
-    mid = await _link(client, tokens, sushy_slow)
+    mid = await link_redfish(client, tokens, sushy_slow.port)
     r = await client.post(
         f"/api/v1/machines/{mid}/power", json={"action": "on"}, headers=tokens.header("technician")
     )
@@ -91,7 +77,7 @@ async def test_past_the_wait_202_then_confirmed_in_the_background(
     bmc_api, store: Store, sushy_slow
 ) -> None:  # type: ignore[no-untyped-def]
     client, tokens, _ = bmc_api
-    mid = await _link(client, tokens, sushy_slow)
+    mid = await link_redfish(client, tokens, sushy_slow.port)
     r = await client.post(
         f"/api/v1/machines/{mid}/power",
         json={"action": "on", "wait_s": 0},
@@ -123,7 +109,7 @@ async def test_a_bmc_that_never_gets_there_is_an_error_event(
 ) -> None:  # type: ignore[no-untyped-def]
     client, tokens, _ = bmc_api
     cfg.bmc.power_state_give_up_s = 1.0
-    mid = await _link(client, tokens, sushy_slow)
+    mid = await link_redfish(client, tokens, sushy_slow.port)
     r = await client.post(
         f"/api/v1/machines/{mid}/power",
         json={"action": "on", "wait_s": 0},

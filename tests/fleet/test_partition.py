@@ -486,7 +486,7 @@ async def test_an_ownership_check_answered_after_the_lease_ran_out_sends_nothing
     class Lease(View):
         until = float("inf")
 
-        def leasewait_for(self) -> float:
+        def lease_until(self) -> float:
             return self.until
 
     view = Lease("a", owner="a")
