@@ -178,21 +178,13 @@ class Bmcs:
     # --- the registry ---
 
     async def register(
-        self,
-        address: str,
-        port: int | None,
-        protocol: str,
-        username: str,
-        password: str,
-        **options: Any,
+        self, address: str, port: int | None, protocol: str, **options: Any
     ) -> dict[str, Any]:
         """Register a BMC at ``address`` (``parse_bmc_address``); ``options`` as the BMC
-        service's ``register`` takes them (machine_id, verify_tls, ca_cert, actor, verify,
-        own_listeners)."""
+        service's ``register`` takes them (username, password, machine_id, verify_tls,
+        ca_cert, actor, verify, own_listeners)."""
         host, port = parse_bmc_address(address, port, protocol)
-        return await self._changing(
-            self.service.register(host, port, protocol, username, password, **options)
-        )
+        return await self._changing(self.service.register(host, port, protocol, **options))
 
     async def list(self, pager: Pager) -> Page[View]:
         items = await self.service.list()

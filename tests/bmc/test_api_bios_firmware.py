@@ -10,7 +10,15 @@ from metald.inventory.rules import EnrollmentRule, bios_profile
 from metald.store import Store
 from metald.store.models import Event, Machine
 from tests.api_helpers import link_redfish
+from tests.bmc.peers import LabRedfish
 from vmlab.redfish_bios import BIOS
+
+
+async def _link(client, tokens, peer: LabRedfish) -> str:  # type: ignore[no-untyped-def]
+    """The lab Redfish BMC registered with its own credentials, linked to the free machine."""
+    return await link_redfish(
+        client, tokens, peer.port, username=peer.username, password=peer.password
+    )
 
 
 async def _events(store: Store, kind: str) -> list[Event]:
@@ -20,13 +28,7 @@ async def _events(store: Store, kind: str) -> list[Event]:
 async def test_firmware_recorded_shown_and_selectable(bmc_api, store: Store, lab_redfish) -> None:  # type: ignore[no-untyped-def]
     client, tokens, _ = bmc_api
     tech = tokens.header("technician")
-    mid = await link_redfish(
-        client,
-        tokens,
-        lab_redfish.port,
-        username=lab_redfish.username,
-        password=lab_redfish.password,
-    )
+    mid = await _link(client, tokens, lab_redfish)
     r = await client.get(f"/api/v1/machines/{mid}/firmware", headers=tech)
     assert r.status == 200, await r.text()
     items = {i["id"]: i["version"] for i in (await r.json())["items"]}
@@ -49,13 +51,7 @@ async def test_firmware_recorded_shown_and_selectable(bmc_api, store: Store, lab
 async def test_bios_profile_staged_then_drift_reported(bmc_api, store: Store, lab_redfish) -> None:  # type: ignore[no-untyped-def]
     client, tokens, _ = bmc_api
     tech = tokens.header("technician")
-    mid = await link_redfish(
-        client,
-        tokens,
-        lab_redfish.port,
-        username=lab_redfish.username,
-        password=lab_redfish.password,
-    )
+    mid = await _link(client, tokens, lab_redfish)
     bios = lab_redfish.app[BIOS]
 
     want = {"SriovGlobalEnable": "Enabled", "LogicalProc": "Enabled"}
