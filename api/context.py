@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 class BmcApi(Protocol):
     """The BMC service as the API and the workflows below it see it (``metald.bmc.service``'s
     ``BmcService``: the API never imports it, which would reach the BMC drivers). Routes that
-    need more take it as ``Any`` (``api.routes_bmc._bmc``)."""
+    need more take it as ``Any`` (``metald.usecases.bmcs.Bmcs``)."""
 
     name: str
 
@@ -43,6 +43,10 @@ class BmcApi(Protocol):
     ) -> dict[str, Any] | None: ...
 
     async def event_log(self, machine_id: str) -> list[dict[str, Any]]: ...
+
+    async def owner_url(
+        self, *, machine_id: str | None = None, bmc_id: str | None = None
+    ) -> str | None: ...
 
     def after_inspection(self, machine_id: str) -> None: ...
 

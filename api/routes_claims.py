@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field, StringConstraints
 from api import listing, workflows
 from api.roles import CLAIMERS, READERS
 from api.routing import ApiRequest, Router
-from api.schemas import SQL_INT_MAX, In, LabelKey, LabelValue, Name, PageQuery, Text
+from api.schemas import SQL_INT_MAX, In, LabelKey, LabelValue, ListPage, Name, PageQuery, Text
 from metald.usecases.claims import Claims
 
 router = Router()
@@ -110,12 +110,8 @@ class ClaimOut(BaseModel):
     machines: list[ClaimMachineOut] = []
 
 
-class ClaimList(BaseModel):
-    items: list[ClaimOut]
-    total: int
-    limit: int
-    offset: int
-    next: str | None = Field(default=None, description="The next page, absent on the last.")
+class ClaimList(ListPage[ClaimOut]):
+    """One page of claims."""
 
 
 class ClaimQuery(PageQuery):
@@ -171,9 +167,8 @@ async def create_claim(req: ApiRequest, claims: Claims) -> ClaimOut:
 )
 async def list_claims(req: ApiRequest, claims: Claims) -> ClaimList:
     """Claims visible to the caller (an orchestrator: its tenants' only), newest first."""
-    paging = listing.paging(req)
-    page = await claims.list(req.require_principal(), req.query, paging)
-    return listing.answer(ClaimList, page, paging, req)
+    p = req.require_principal()
+    return await listing.listed(req, ClaimList, lambda paging: claims.list(p, req.query, paging))
 
 
 @router.route(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
@@ -26,6 +26,20 @@ LabelValue = Annotated[str, StringConstraints(max_length=253)]
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")]
 #: Free text of one line's worth: 1 to 500 characters.
 Text = Annotated[str, StringConstraints(min_length=1, max_length=500)]
+
+
+Item = TypeVar("Item")
+
+
+class ListPage(BaseModel, Generic[Item]):
+    """One page of a list, as every list endpoint answers it (``api.listing.answer``); each
+    list names its own (``class MachinePage(ListPage[MachineOut])``)."""
+
+    items: list[Item]
+    total: int
+    limit: int
+    offset: int
+    next: str | None = Field(default=None, description="The next page, absent on the last.")
 
 
 class In(BaseModel):
@@ -155,12 +169,8 @@ class MachineOut(BaseModel):
     updated_at: datetime
 
 
-class MachinePage(BaseModel):
-    items: list[MachineOut]
-    total: int
-    limit: int
-    offset: int
-    next: str | None = Field(default=None, description="The next page, absent on the last.")
+class MachinePage(ListPage[MachineOut]):
+    """One page of machines."""
 
 
 # ---- events -----------------------------------------------------------------------------
@@ -241,12 +251,8 @@ class TokenCreated(TokenOut):
     token: str = Field(description="The secret. Shown once; store it now.")
 
 
-class TokenList(BaseModel):
-    items: list[TokenOut]
-    total: int
-    limit: int
-    offset: int
-    next: str | None = Field(default=None, description="The next page, absent on the last.")
+class TokenList(ListPage[TokenOut]):
+    """One page of tokens."""
 
 
 class WhoAmI(BaseModel):
@@ -273,12 +279,8 @@ class TenantOut(BaseModel):
     created_at: datetime
 
 
-class TenantList(BaseModel):
-    items: list[TenantOut]
-    total: int
-    limit: int
-    offset: int
-    next: str | None = Field(default=None, description="The next page, absent on the last.")
+class TenantList(ListPage[TenantOut]):
+    """One page of tenants."""
 
 
 class Health(BaseModel):

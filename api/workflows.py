@@ -12,6 +12,7 @@ from metald.provision.netboot import Provisioner
 from metald.tenants import mesh
 from metald.tenants.runtime import TenantRuntime
 from metald.usecases.agent import Agent
+from metald.usecases.bmcs import Bmcs
 from metald.usecases.claims import Claims
 from metald.usecases.commissioning import Commissioning
 from metald.usecases.events import Events
@@ -19,6 +20,7 @@ from metald.usecases.images import Images
 from metald.usecases.instances import Instances
 from metald.usecases.join import Join
 from metald.usecases.machines import Machines
+from metald.usecases.mesh import Mesh
 from metald.usecases.repairs import Repairs
 from metald.usecases.tenants import Tenants
 from metald.usecases.tokens import Tokens
@@ -165,3 +167,12 @@ def repairs(req: ApiRequest) -> Repairs:
         ctx.store, ctx.instance, ctx.bus.notify, rules=ctx.cfg.enroll.rules,
         workflow=claim_workflow(ctx),
     )  # fmt: skip
+
+
+def bmcs(req: ApiRequest) -> Bmcs:
+    ctx = req.ctx
+    return Bmcs(ctx.store, ctx.instance, ctx.bus.notify, ctx.services.bmc, provisioner(ctx).spawn)
+
+
+def mesh_nodes(req: ApiRequest) -> Mesh:
+    return Mesh(req.ctx.store, req.ctx.services.mesh_watch, req.ctx.mesh_polls)
