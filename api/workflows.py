@@ -15,6 +15,7 @@ from metald.usecases.agent import Agent
 from metald.usecases.claims import Claims
 from metald.usecases.commissioning import Commissioning
 from metald.usecases.events import Events
+from metald.usecases.firmware import Firmware
 from metald.usecases.images import Images
 from metald.usecases.instances import Instances
 from metald.usecases.join import Join
@@ -155,4 +156,11 @@ def agent(req: ApiRequest) -> Agent:
         join_token_ttl_s=ctx.cfg.tenants.join_token_ttl_s,
         bmc=ctx.services.bmc,
         workflow=claim_workflow(ctx),
+    )
+
+
+def firmware(req: ApiRequest) -> Firmware:
+    ctx = req.ctx
+    return Firmware(
+        ctx.store, ctx.instance, rules=ctx.cfg.enroll.rules, updates=ctx.services.firmware
     )
