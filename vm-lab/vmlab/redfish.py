@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from . import redfish_bios
+from . import redfish_bios, redfish_update
 from .power import MachineControl
 from .vmedia import MediaError, VirtualCd
 
@@ -124,6 +124,7 @@ async def service_root(request: web.Request) -> web.Response:
             "Systems": {"@odata.id": "/redfish/v1/Systems"},
             "Managers": {"@odata.id": "/redfish/v1/Managers"},
             "UpdateService": {"@odata.id": "/redfish/v1/UpdateService"},
+            "TaskService": {"@odata.id": "/redfish/v1/TaskService"},
         }
     )
 
@@ -268,6 +269,7 @@ async def reset_action(request: web.Request) -> web.Response:
     await action()
     if reset_type in ("On", "ForceRestart", "PowerCycle"):
         request.app[redfish_bios.BIOS].reboot()  # pending BIOS settings apply as it starts
+        request.app[redfish_update.UPDATES].host_reset()  # so does firmware written meanwhile
     return web.Response(status=204, headers={"OData-Version": ODATA_VERSION})
 
 
@@ -326,6 +328,13 @@ async def manager(request: web.Request) -> web.Response:
             "Name": "vm-lab virtual BMC",
             "ManagerType": "BMC",
             **({"VirtualMedia": {"@odata.id": VMEDIA}} if CD in request.app else {}),
+            "Status": {"State": "Enabled", "Health": "OK"},
+            "Actions": {
+                "#Manager.Reset": {
+                    "target": "/redfish/v1/Managers/BMC/Actions/Manager.Reset",
+                    "ResetType@Redfish.AllowableValues": ["GracefulRestart", "ForceRestart"],
+                }
+            },
             "Links": {"ManagerForServers": [{"@odata.id": _system_path(info)}]},
         }
     )
@@ -405,7 +414,7 @@ async def eject_media(request: web.Request) -> web.Response:
 
 
 def make_app(control: MachineControl, info: SystemInfo) -> web.Application:
-    app = web.Application(middlewares=[basic_auth])
+    app = web.Application(middlewares=[redfish_update.rebooting, basic_auth])
     app[CONTROL] = control
     app[INFO] = info
     system = "/redfish/v1/Systems/{system_id}"
@@ -421,6 +430,7 @@ def make_app(control: MachineControl, info: SystemInfo) -> web.Application:
     app.router.add_get("/redfish/v1/Managers", managers)
     app.router.add_get("/redfish/v1/Managers/{manager_id}", manager)
     redfish_bios.install(app, system, info.firmware)
+    redfish_update.install(app, info.firmware)
     if info.media_dir is not None:
         app[CD] = VirtualCd(control.qmp, info.media_dir, info.system_id)
         app.router.add_get(VMEDIA, virtual_media)
