@@ -5,7 +5,7 @@ fleet's compliance with them, and firmware updates of one machine through its BM
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, StringConstraints, TypeAdapter, ValidationError
 
@@ -201,3 +201,88 @@ def _profile(req: ApiRequest) -> str:
             f"{value[:80]!r} is not a profile name: letters, digits, '.', '_' and '-', "
             "at most 63 characters, starting with a letter or digit"
         ) from None
+
+
+class UpdateIn(In):
+    components: list[Annotated[str, StringConstraints(min_length=1, max_length=128)]] | None = (
+        Field(
+            default=None,
+            max_length=64,
+            description="FirmwareInventory ids or baseline component ids; absent: every component "
+            "off baseline that has an image.",
+        )
+    )
+
+
+class UpdateOut(BaseModel):
+    id: str
+    machine_id: str
+    bmc_id: str
+    profile: str
+    baseline_version: int
+    component: str
+    item: str
+    version_before: str | None
+    version: str
+    sha256: str
+    apply: str
+    transfer: str | None
+    phase: str = Field(
+        description="queued, offering, flashing, applying, verifying, done or failed."
+    )
+    task_uri: str | None
+    percent: int | None
+    journal: list[dict[str, Any]]
+    error: str | None
+    requested_by: str
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+
+
+class UpdateList(BaseModel):
+    items: list[UpdateOut]
+
+
+@router.route(
+    "POST",
+    "/api/v1/machines/{id}/firmware/update",
+    summary="Update a machine's firmware to its baseline",
+    roles=STAFF,
+    body=UpdateIn,
+    response=UpdateList,
+    status=202,
+    tag=TAG,
+    errors=(404, 409, 422, 503),
+    use_case=workflows.firmware,
+)
+async def update_firmware(req: ApiRequest, firmware: Firmware) -> UpdateList:
+    """For a machine in maintenance whose BMC speaks Redfish: flash every component off its
+    profile's baseline that has an image (or only ``components``), one after another, in the
+    background. metald verifies each image's SHA-256 before it offers it; the BMC pulls it
+    from the boot listener (SimpleUpdate) or metald pushes it (multipart); the host is
+    power-cycled (or the BMC reset) only after the BMC's task completed, and an update is
+    done only once the new version is read back. Progress: ``firmware.update`` events and
+    ``GET .../firmware/updates``. IPMI BMCs are refused (422): IPMI has no standard update."""
+    b: UpdateIn = req.body
+    items = await firmware.update(
+        req.require_principal(), req.params["id"], components=b.components, actor=req.actor
+    )
+    return UpdateList(items=[UpdateOut.model_validate(i) for i in items])
+
+
+@router.route(
+    "GET",
+    "/api/v1/machines/{id}/firmware/updates",
+    summary="List a machine's firmware updates",
+    roles=STAFF,
+    response=UpdateList,
+    tag=TAG,
+    errors=(404, 503),
+    use_case=workflows.firmware,
+)
+async def list_updates(req: ApiRequest, firmware: Firmware) -> UpdateList:
+    """The machine's last 50 updates, newest first, each with its phase, the BMC's task and
+    progress, and the steps taken."""
+    items = await firmware.updates_of(req.require_principal(), req.params["id"])
+    return UpdateList(items=[UpdateOut.model_validate(i) for i in items])

@@ -65,7 +65,7 @@ class Event(StrEnum):
 
 
 class Action(StrEnum):
-    #: Record ``offering``, then send SimpleUpdate or the multipart push.
+    #: Verify the image, record ``offering``, then send SimpleUpdate or the multipart push.
     OFFER = "offer"
     FIND_TASK = "find-task"
     POLL_TASK = "poll-task"
@@ -92,8 +92,10 @@ _E, _P, _A = Event, Phase, Action
 
 #: (phase, event) -> (phase, action, reason when failed).
 TABLE: dict[tuple[Phase, Event], tuple[Phase, Action, str | None]] = {
-    (_P.QUEUED, _E.START): (_P.OFFERING, _A.OFFER, None),
-    (_P.QUEUED, _E.RESUME): (_P.OFFERING, _A.OFFER, None),
+    # OFFER verifies the image, records ``offering``, and only then sends.
+    (_P.QUEUED, _E.START): (_P.QUEUED, _A.OFFER, None),
+    (_P.QUEUED, _E.RESUME): (_P.QUEUED, _A.OFFER, None),
+    (_P.QUEUED, _E.REFUSED): (_P.FAILED, _A.STOP, "the update could not be offered"),
     (_P.OFFERING, _E.OFFERED): (_P.FLASHING, _A.POLL_TASK, None),
     (_P.OFFERING, _E.REFUSED): (_P.FAILED, _A.STOP, "the BMC refused the update"),
     # Cut off after the offer was recorded: it may have reached the BMC. Look, never resend.

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 from sqlmodel import Session, select
 
 from metald.auth import Principal
-from metald.errors import NotFound
+from metald.errors import MetaldError, NotFound
 from metald.firmware import records
 from metald.firmware.baselines import BaselineSpec
 from metald.inventory.rules import EnrollmentRule
@@ -31,6 +31,11 @@ class FirmwareUpdater(Protocol):
     ) -> list[dict[str, Any]]: ...
 
     async def updates_of(self, machine_id: str) -> list[dict[str, Any]]: ...
+
+
+class UpdatesUnavailable(MetaldError):
+    status = 503
+    title = "Service unavailable"
 
 
 @dataclass
@@ -109,3 +114,21 @@ class Firmware:
             )
 
         return await self.store.read(run)
+
+    def _updater(self) -> FirmwareUpdater:
+        if self.updates is None:
+            raise UpdatesUnavailable(
+                "this metald instance runs no firmware updates (it runs without BMC control); "
+                "send the request to a metald daemon"
+            )
+        return self.updates
+
+    async def update(
+        self, p: Principal, machine_id: str, *, components: list[str] | None, actor: str
+    ) -> list[dict[str, Any]]:
+        """Flash the machine's components that are off its profile's baseline (or only those
+        named) through its BMC, in the background."""
+        return await self._updater().start_update(machine_id, components=components, actor=actor)
+
+    async def updates_of(self, p: Principal, machine_id: str) -> list[dict[str, Any]]:
+        return await self._updater().updates_of(machine_id)

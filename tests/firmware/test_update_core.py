@@ -102,10 +102,14 @@ class Run:
     def act(self, d: Decision) -> Decision:
         b, ph = self.bmc, d.phase
         if d.action is Action.OFFER:
+            self.stored = Phase.OFFERING  # recorded before it is sent
+            self.phases.append(Phase.OFFERING)
+            if self.crash_now():
+                return decide(self.stored, Event.RESUME)
             answer = b.offer()
             if answer is None:  # as after a crash: look for the task, never resend
-                return decide(ph, Event.RESUME)
-            return decide(ph, Event.OFFERED if answer else Event.REFUSED)
+                return decide(Phase.OFFERING, Event.RESUME)
+            return decide(Phase.OFFERING, Event.OFFERED if answer else Event.REFUSED)
         if d.action is Action.FIND_TASK:
             return decide(ph, Event.TASK_FOUND if b.task is not None else Event.TASK_MISSING)
         if d.action is Action.POLL_TASK:
@@ -158,7 +162,7 @@ def test_a_lost_offer_fails_rather_than_flashing_again() -> None:
 
 def test_a_crash_after_the_offer_resumes_from_the_task() -> None:
     bmc = FakeBmc(polls=3)
-    run = Run(bmc, crashes=[2, 3, 4])  # cut off repeatedly while the BMC flashes
+    run = Run(bmc, crashes=[3, 4, 5])  # cut off repeatedly while the BMC flashes
     assert run.go() is Phase.DONE
     assert bmc.offers == 1 and bmc.running == "2.0"
     assert Phase.FLASHING in run.phases
@@ -172,3 +176,10 @@ def test_flash_window_refuses_power_and_illegal_events() -> None:
     assert d.phase is Phase.FAILED and d.reason is not None and "integrity" in d.reason
     assert decide(Phase.FLASHING, Event.TASK_COMPLETED, apply="none").action is Action.READ_VERSION
     assert decide(Phase.FLASHING, Event.TASK_COMPLETED, apply="bmc-reset").action is Action.APPLY
+
+
+def test_a_crash_between_recording_and_sending_the_offer_never_resends() -> None:
+    bmc = FakeBmc()
+    run = Run(bmc, crashes=[2])  # "offering" recorded, cut off before it was sent
+    assert run.go() is Phase.FAILED
+    assert bmc.offers == 0
