@@ -72,6 +72,7 @@ def claim_workflow(ctx: AppContext) -> ClaimWorkflow:
         notify=ctx.bus.notify,
         require_bmc=ctx.cfg.enroll.require_bmc,
         mesh=MeshOfContext(ctx),
+        cleanup=ctx.services.firmware if ctx.cfg.provision.use_bmc else None,
     )
 
 

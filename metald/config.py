@@ -443,6 +443,11 @@ class FirmwareConfig(_Section):
     verify_timeout_s: float = Field(default=900.0, gt=0)
     #: Seconds between reads of a BMC's update task (and of the version, while verifying).
     poll_s: float = Field(default=5.0, gt=0)
+    #: At release, BMC accounts kept besides metald's own (the operator's); every other account
+    #: is removed before the machine is wiped (docs/firmware.md).
+    keep_accounts: list[str] = Field(default_factory=list, max_length=64)
+    #: Restore BIOS, remove BMC accounts and check firmware at release (Redfish BMCs).
+    clean_on_release: bool = True
 
 
 class Config(_Section):

@@ -74,6 +74,16 @@ class FirmwareItem:
 
 
 @dataclass(frozen=True)
+class BmcAccount:
+    """One user account of the BMC (Redfish ``ManagerAccount``)."""
+
+    id: str
+    username: str
+    role: str | None = None
+    enabled: bool | None = None
+
+
+@dataclass(frozen=True)
 class UpdateTask:
     """A BMC's update task as last read (Redfish ``Task``): where to read it again, its state
     (New, Starting, Running, Completed, Exception, Killed, Cancelled, ...), how far it is, and

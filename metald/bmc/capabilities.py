@@ -18,6 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from metald.bmc.base import (
     BiosSettings,
+    BmcAccount,
     BootDevice,
     FirmwareItem,
     LogEntry,
@@ -37,6 +38,7 @@ class Capability(StrEnum):
     EVENT_LOG = "event-log"
     FIRMWARE = "firmware"
     FIRMWARE_UPDATE = "firmware-update"
+    ACCOUNTS = "accounts"
     BIOS = "bios"
     VIRTUAL_MEDIA = "virtual-media"
     SERIAL_CONSOLE = "serial-console"
@@ -102,6 +104,15 @@ class FirmwareUpdate(Protocol):
 
 
 @runtime_checkable
+class Accounts(Protocol):
+    """The BMC's user accounts (Redfish ``AccountService``)."""
+
+    async def accounts(self) -> list[BmcAccount]: ...
+
+    async def delete_account(self, account_id: str) -> None: ...
+
+
+@runtime_checkable
 class Bios(Protocol):
     async def bios(self) -> BiosSettings: ...
 
@@ -156,6 +167,7 @@ INTERFACES: dict[Capability, type] = {
     Capability.EVENT_LOG: EventLog,
     Capability.FIRMWARE: Firmware,
     Capability.FIRMWARE_UPDATE: FirmwareUpdate,
+    Capability.ACCOUNTS: Accounts,
     Capability.BIOS: Bios,
     Capability.VIRTUAL_MEDIA: VirtualMedia,
     Capability.SERIAL_CONSOLE: SerialConsole,

@@ -35,6 +35,7 @@ from yarl import URL
 
 from metald.bmc.base import (
     BiosSettings,
+    BmcAccount,
     BmcAuthError,
     BmcDriver,
     BmcEndpoint,
@@ -102,6 +103,7 @@ class RedfishDriver(BmcDriver):
             Capability.EVENT_LOG,
             Capability.FIRMWARE,
             Capability.FIRMWARE_UPDATE,
+            Capability.ACCOUNTS,
             Capability.BIOS,
             Capability.VIRTUAL_MEDIA,
         }
@@ -511,12 +513,11 @@ class RedfishDriver(BmcDriver):
 
     async def find_update_task(self, marker: str) -> UpdateTask | None:
         root = await self._get("/redfish/v1/")
-        svc = (root.get("Tasks") or {}).get("@odata.id")
-        if not svc:
-            ts = (root.get("TaskService") or {}).get("@odata.id")
-            if not ts:
-                return None
-            svc = ((await self._get(ts)).get("Tasks") or {}).get("@odata.id")
+        # The service root links the TaskService as "Tasks" (some BMCs: "TaskService").
+        ts = (root.get("Tasks") or root.get("TaskService") or {}).get("@odata.id")
+        if not ts:
+            return None
+        svc = ((await self._get(ts)).get("Tasks") or {}).get("@odata.id")
         if not svc:
             return None
         members = (await self._get(svc)).get("Members", [])
@@ -543,6 +544,44 @@ class RedfishDriver(BmcDriver):
         allowed = action.get("ResetType@Redfish.AllowableValues") or ["GracefulRestart"]
         kind = "GracefulRestart" if "GracefulRestart" in allowed else str(allowed[0])
         await self._act("POST", target, {"ResetType": kind})
+
+    # --- user accounts (AccountService) ---
+
+    async def _accounts_uri(self) -> str:
+        root = await self._get("/redfish/v1/")
+        svc = (root.get("AccountService") or {}).get("@odata.id")
+        if not svc:
+            raise BmcUnsupported(f"{self._where}: no AccountService")
+        uri = ((await self._get(svc)).get("Accounts") or {}).get("@odata.id")
+        if not uri:
+            raise BmcUnsupported(f"{self._where}: the AccountService lists no Accounts")
+        return str(uri)
+
+    async def accounts(self) -> list[BmcAccount]:
+        out = []
+        for m in (await self._get(await self._accounts_uri())).get("Members", [])[:MAX_ACCOUNTS]:
+            uri = m.get("@odata.id") if isinstance(m, dict) else None
+            if not isinstance(uri, str):
+                continue
+            a = await self._get(uri)
+            user = a.get("UserName")
+            if not isinstance(user, str) or not user:
+                continue  # an empty slot (IPMI-style user tables show them)
+            out.append(
+                BmcAccount(
+                    _text(a.get("Id")) or uri.rstrip("/").rsplit("/", 1)[-1],
+                    _text(user),
+                    _text(a.get("RoleId")) or None,
+                    a.get("Enabled") if isinstance(a.get("Enabled"), bool) else None,
+                )
+            )
+        return out
+
+    async def delete_account(self, account_id: str) -> None:
+        base = await self._accounts_uri()
+        if "/" in account_id or not account_id:
+            raise BmcProtocolError(f"{self._where}: account id {account_id[:40]!r} is not one")
+        await self._act("DELETE", f"{base.rstrip('/')}/{account_id}", None)
 
     async def _bios_links(self) -> tuple[str, str | None]:
         s = await self._system_resource()
@@ -711,6 +750,7 @@ class RedfishDriver(BmcDriver):
 #: A hostile BMC cannot make metald read an unbounded inventory (or task list).
 MAX_FIRMWARE_ITEMS = 64
 MAX_TASKS = 32
+MAX_ACCOUNTS = 64
 
 
 def _update_task(uri: str, data: dict[str, Any]) -> UpdateTask:

@@ -32,6 +32,10 @@ class FirmwareUpdater(Protocol):
 
     async def updates_of(self, machine_id: str) -> list[dict[str, Any]]: ...
 
+    async def after_release(
+        self, machine_ids: list[str], claim_id: str | None, actor: str
+    ) -> list[str]: ...
+
 
 class UpdatesUnavailable(MetaldError):
     status = 503

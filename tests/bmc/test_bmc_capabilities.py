@@ -45,6 +45,7 @@ def test_what_each_protocol_offers() -> None:
         Capability.EVENT_LOG,
         Capability.FIRMWARE,
         Capability.FIRMWARE_UPDATE,
+        Capability.ACCOUNTS,
         Capability.BIOS,
         Capability.VIRTUAL_MEDIA,
     }

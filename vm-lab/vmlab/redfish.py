@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hmac
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-from . import redfish_bios, redfish_session, redfish_update
+from . import redfish_accounts, redfish_bios, redfish_session, redfish_update
 from .power import MachineControl
 from .vmedia import MediaError, VirtualCd
 
@@ -84,15 +83,14 @@ async def basic_auth(request: web.Request, handler: Any) -> web.StreamResponse:
         return await handler(request)  # the service root is public, as the spec asks
     if redfish_session.is_login(request) or redfish_session.token_ok(request):
         return await handler(request)  # logging in, or a live session's token
-    info = request.app[INFO]
-    if not _credentials_ok(request.headers.get("Authorization", ""), info):
+    if not _credentials_ok(request.headers.get("Authorization", ""), request.app):
         response = error(401, "InsufficientPrivilege", "valid credentials are required")
         response.headers["WWW-Authenticate"] = 'Basic realm="vm-lab BMC"'
         return response
     return await handler(request)
 
 
-def _credentials_ok(header: str, info: SystemInfo) -> bool:
+def _credentials_ok(header: str, app: web.Application) -> bool:
     scheme, _, value = header.partition(" ")
     if scheme.lower() != "basic":
         return False
@@ -100,9 +98,7 @@ def _credentials_ok(header: str, info: SystemInfo) -> bool:
         user, sep, password = base64.b64decode(value, validate=True).decode().partition(":")
     except (binascii.Error, UnicodeDecodeError):
         return False
-    given = f"{user}:{password}".encode()
-    wanted = f"{info.username}:{info.password}".encode()
-    return bool(sep) and hmac.compare_digest(given, wanted)
+    return bool(sep) and app[redfish_accounts.ACCOUNT_STATE].check(user, password)
 
 
 def _system_path(info: SystemInfo) -> str:
@@ -128,6 +124,7 @@ async def service_root(request: web.Request) -> web.Response:
             "UpdateService": {"@odata.id": "/redfish/v1/UpdateService"},
             "Tasks": {"@odata.id": "/redfish/v1/TaskService"},
             "SessionService": {"@odata.id": redfish_session.SERVICE},
+            "AccountService": {"@odata.id": redfish_accounts.SERVICE},
             "Links": {"Sessions": {"@odata.id": redfish_session.SESSIONS}},
         }
     )
@@ -490,11 +487,8 @@ def make_app(control: MachineControl, info: SystemInfo) -> web.Application:
     redfish_bios.install(app, system, info.firmware)
     redfish_update.install(app, info.firmware)
 
-    def check(user: str, password: str) -> bool:
-        given, wanted = f"{user}:{password}".encode(), f"{info.username}:{info.password}".encode()
-        return hmac.compare_digest(given, wanted)
-
-    redfish_session.install(app, check)
+    accounts = redfish_accounts.install(app, info.username, info.password)
+    redfish_session.install(app, accounts.check)
     if info.media_dir is not None:
         app[CD] = VirtualCd(control.qmp, info.media_dir, info.system_id)
         app.router.add_get(VMEDIA, virtual_media)
