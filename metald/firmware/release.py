@@ -31,7 +31,7 @@ from metald import machines
 from metald.bmc import firmware as bmc_firmware
 from metald.bmc.capabilities import Capability
 from metald.bmc.control import Executor
-from metald.errors import MetaldError
+from metald.errors import MetaldError, Unprocessable
 from metald.firmware import records
 from metald.firmware.baselines import compare
 from metald.inventory.rules import EnrollmentRule
@@ -49,6 +49,8 @@ class Cleanup:
     firmware_changed: dict[str, dict[str, str | None]] = field(default_factory=dict)
     off_baseline: list[dict[str, str | None]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    #: Steps this BMC does not offer (no Bios resource, no AccountService): said, not held.
+    not_offered: list[str] = field(default_factory=list)
     skipped: str | None = None
 
     @property
@@ -62,6 +64,7 @@ class Cleanup:
             "firmware_changed": self.firmware_changed,
             "off_baseline": self.off_baseline,
             "errors": self.errors,
+            "not_offered": self.not_offered,
             "skipped": self.skipped,
         }
 
@@ -99,6 +102,8 @@ async def clean(
             settings = await ex.execute(row, Capability.BIOS, "bios", lambda d: d.bios())
             out.bios_restored = bmc_firmware.to_stage(desired, settings.current, settings.pending)
             await bmc_firmware.stage_bios(ex, machine_id, desired, actor)
+        except Unprocessable as e:  # the BMC does not offer it
+            out.not_offered.append(f"BIOS: {e.detail}")
         except MetaldError as e:
             out.errors.append(f"BIOS: {e.detail}")
     # 2. BMC accounts: only metald's own and the operator's listed ones remain.
@@ -110,6 +115,8 @@ async def clean(
                 continue
             await ex.execute(row, Capability.ACCOUNTS, "delete_account", _deleter(a.id), write=True)
             out.accounts_removed.append(a.username)
+    except Unprocessable as e:  # the BMC does not offer it
+        out.not_offered.append(f"BMC accounts: {e.detail}")
     except MetaldError as e:
         out.errors.append(f"BMC accounts: {e.detail}")
     # 3. Firmware: what changed during the tenancy, and what is off the baseline.
@@ -130,6 +137,8 @@ async def clean(
             return [f.as_dict() for f in found if f.status in ("differs", "missing")]
 
         out.off_baseline = await ex.store.run(baseline_findings)
+    except Unprocessable as e:  # the BMC does not offer it
+        out.not_offered.append(f"firmware: {e.detail}")
     except MetaldError as e:
         out.errors.append(f"firmware: {e.detail}")
     await ex.store.run(_record, out, claim_id, actor, ex.instance)
@@ -170,6 +179,7 @@ def _record(s: Session, out: Cleanup, claim_id: str | None, actor: str, instance
             )
         )
     parts += out.errors
+    parts += [f"not offered by the BMC: {x}" for x in out.not_offered]
     add_event(
         s,
         "release.restored",

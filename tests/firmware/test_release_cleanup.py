@@ -126,3 +126,23 @@ async def test_ipmi_machines_are_left_as_they_are(env: Env, store: Any) -> None:
     assert [ev.data["skipped"] for ev in evs] == [
         "its BMC speaks ipmi, which cannot restore BIOS or accounts"
     ]
+
+
+async def test_a_bmc_without_bios_or_accounts_is_not_held(env: Env, sushy: Any) -> None:
+    """sushy-emulator's fake driver has no BIOS and no firmware inventory: said in the event,
+    and the machine is wiped as usual (only a BMC that fails, or changed firmware, holds it)."""
+    e, t = env, env.tokens
+    body = {"address": "http://127.0.0.1", "port": sushy.port, "protocol": "redfish",
+            "username": "admin", "password": "unused-pass", "machine_id": t.machine_free}  # fmt: skip
+    r = await e.client.post("/api/v1/bmcs", json=body, headers=t.header("technician"))
+    assert r.status == 201, await r.text()
+    with e.store.session() as s:
+        m = s.get(Machine, t.machine_free)
+        assert m is not None
+        m.bios = {"desired": {"SriovGlobalEnable": "Enabled"}}
+        s.add(m)
+        s.commit()
+    assert await e.fw.after_release([t.machine_free], "claim-3", "test") == []
+    with e.store.session() as s:
+        [ev] = s.exec(select(Event).where(Event.kind == "release.restored")).all()
+    assert ev.data["errors"] == [] and ev.data["not_offered"], ev.data
