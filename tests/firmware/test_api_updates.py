@@ -72,6 +72,13 @@ async def test_bios_update_end_to_end(env: Env, lab_redfish: LabRedfish) -> None
         f"/api/v1/machines/{mid}/firmware/update", json={}, headers=t.header("technician")
     )
     assert r.status == 409
+    # The machine stays out of the pool while its update runs.
+    r = await e.client.post(
+        f"/api/v1/machines/{mid}/actions",
+        json={"action": "maintenance-off"},
+        headers=t.header("technician"),
+    )
+    assert r.status == 409 and "firmware update under way" in (await r.json())["detail"]
     # While the BMC flashes, no power command reaches the host.
     await _wait(e, mid, lambda items: items[0]["phase"] == "flashing")
     r = await e.client.post(
