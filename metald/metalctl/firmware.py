@@ -42,6 +42,13 @@ def register(sub: Subparsers) -> None:
     co.add_argument("--profile")
     co.add_argument("--all", action="store_true", help="list compliant machines too")
     co.set_defaults(func=compliance)
+    up = fsub.add_parser("update", help="flash the machine's components off its baseline")
+    machine_ref(up.add_argument("id", help="machine id, name or id prefix"))
+    up.add_argument("components", nargs="*", metavar="COMPONENT", help="only these (inventory ids)")
+    up.set_defaults(func=update)
+    us = fsub.add_parser("updates", help="a machine's firmware updates and their progress")
+    machine_ref(us.add_argument("id", help="machine id, name or id prefix"))
+    us.set_defaults(func=updates)
 
 
 def fix_argv(argv: list[str]) -> list[str]:
@@ -102,3 +109,30 @@ def compliance(args: argparse.Namespace, c: Client) -> None:
         return {**m, "machine": m["name"] or m["machine_id"], "off": off or "-"}
 
     emit_table(args, out, COMPLIANCE_COLUMNS, row=row)
+
+
+UPDATE_COLUMNS = [
+    ("ID", "short_id"),
+    ("ITEM", "item"),
+    ("FROM", "version_before"),
+    ("TO", "version"),
+    ("PHASE", "phase"),
+    ("PROGRESS", "progress"),
+    ("ERROR", "error"),
+]
+
+
+def _update_row(u: dict[str, Any]) -> dict[str, Any]:
+    pct = u.get("percent")
+    return {**u, "short_id": u["id"][:8], "progress": "" if pct is None else f"{pct}%"}
+
+
+def update(args: argparse.Namespace, c: Client) -> None:
+    body = {"components": args.components} if args.components else {}
+    out = c.call("POST", f"/api/v1/machines/{args.id}/firmware/update", body)
+    emit_table(args, out, UPDATE_COLUMNS, row=_update_row)
+
+
+def updates(args: argparse.Namespace, c: Client) -> None:
+    out = c.call("GET", f"/api/v1/machines/{args.id}/firmware/updates")
+    emit_table(args, out, UPDATE_COLUMNS, row=_update_row)

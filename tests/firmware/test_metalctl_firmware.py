@@ -71,3 +71,18 @@ def test_baselines_and_compliance(
     assert len(lines) == 2 and "node1" in lines[1] and "BIOS 2.18.0 (want 2.19.1)" in lines[1]
     rc, out, _ = _run(capsys, "firmware", "compliance", "-o", "json")
     assert json.loads(out)["items"][0]["off_baseline"][0]["status"] == "differs"
+
+
+def test_update_commands_reach_the_api(
+    live: LoopbackApi, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """This API runs without the daemon's firmware service: both commands get its 503 and
+    say so (the updates themselves are tested through the API against the lab BMC)."""
+    assert live.tokens is not None
+    monkeypatch.setenv("METALD_TOKEN", live.tokens.technician)
+    for argv in (["firmware", "update", "node1", "BIOS"], ["firmware", "updates", "node1"]):
+        rc, _, err = _run(capsys, *argv)
+        assert rc == 1 and "runs no firmware updates" in err and "HTTP 503" in err, err
+    monkeypatch.setenv("METALD_TOKEN", live.tokens.orchestrator)
+    rc, _, err = _run(capsys, "firmware", "update", "node1")
+    assert rc == 1 and "HTTP 403" in err
