@@ -265,7 +265,11 @@ class FirmwareUpdates:
         for machine_id, _address in await self.store.run(open_updates):
             if machine_id in self.running:
                 continue
-            row = await self.ex.row_for_machine(machine_id)
+            try:
+                row = await self.ex.row_for_machine(machine_id)
+            except MetaldError as e:  # its BMC was removed meanwhile: nothing can resume it
+                log.warning("machine %s: firmware update not resumed: %s", machine_id, e)
+                continue
             if own is not None and not own.owns_bmc(row.id, row.address):
                 continue
             log.warning("machine %s: resuming its firmware update", machine_id)

@@ -528,7 +528,8 @@ class FirmwareUpdate(SQLModel, table=True):
 
     id: str = Field(default_factory=new_id, primary_key=True)
     machine_id: str = Field(foreign_key="machines.id", index=True)
-    bmc_id: str = Field(foreign_key="bmcs.id", index=True)
+    #: The BMC it went through (no foreign key: the record outlives a BMC removed later).
+    bmc_id: str = Field(index=True)
     profile: str
     baseline_version: int
     #: The baseline component and the FirmwareInventory item it updates.

@@ -79,6 +79,9 @@ async def test_bios_update_end_to_end(env: Env, lab_redfish: LabRedfish) -> None
         headers=t.header("technician"),
     )
     assert r.status == 409 and "firmware update under way" in (await r.json())["detail"]
+    # Nor can its BMC be removed mid-update.
+    r = await e.client.delete(f"/api/v1/bmcs/{u['bmc_id']}", headers=t.header("admin"))
+    assert r.status == 409 and "middle of a firmware update" in (await r.json())["detail"]
     # While the BMC flashes, no power command reaches the host.
     await _wait(e, mid, lambda items: items[0]["phase"] == "flashing")
     r = await e.client.post(

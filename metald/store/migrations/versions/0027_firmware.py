@@ -56,7 +56,6 @@ def upgrade() -> None:
         sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("finished_at", sa.DateTime(timezone=True), nullable=True),
         sa.ForeignKeyConstraint(["machine_id"], ["machines.id"]),
-        sa.ForeignKeyConstraint(["bmc_id"], ["bmcs.id"]),
         sa.PrimaryKeyConstraint("id"),
     )
     op.create_index("ix_firmware_updates_machine_id", "firmware_updates", ["machine_id"])
