@@ -33,7 +33,7 @@ from metald.firmware.baselines import Component, component_for
 from metald.firmware.images import FirmwareImages
 from metald.firmware.updates import OPEN, Action, Decision, Event, Phase, decide
 from metald.inventory.rules import EnrollmentRule
-from metald.lifecycle import State
+from metald.lifecycle import HELD
 from metald.machines import add_event, get_machine
 from metald.service import TaskScope
 from metald.store.db import Store
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 #: Steps kept in an update's journal.
 MAX_JOURNAL = 64
 #: States a machine may be updated in: out of the pool, so nobody claims it meanwhile.
-UPDATABLE_STATES = frozenset({State.MAINTENANCE.value, State.BROKEN.value})
+UPDATABLE_STATES = frozenset(s.value for s in HELD)
 
 
 def update_view(u: FirmwareUpdate) -> dict[str, Any]:
