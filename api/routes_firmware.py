@@ -159,7 +159,7 @@ async def list_baselines(req: ApiRequest, firmware: Firmware) -> BaselineList:
     roles=STAFF,
     response=BaselineOut,
     tag=TAG,
-    errors=(404,),
+    errors=(404, 422),
     use_case=workflows.firmware,
 )
 async def show_baseline(req: ApiRequest, firmware: Firmware) -> BaselineOut:
