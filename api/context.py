@@ -15,6 +15,7 @@ from metald.secrets import SecretBox
 from metald.service import Service
 from metald.store import Store
 from metald.tenants.mesh import MeshWatch
+from metald.usecases.firmware import FirmwareUpdater
 
 if TYPE_CHECKING:
     from metald.bmc.console import ConsoleService
@@ -80,6 +81,8 @@ class Services:
     token_sweeper: TokenSweeper | None = None
     #: Watches machines in use and remediates them ([health]; docs/health.md).
     health_watch: HealthWatch | None = None
+    #: Firmware updates through the BMCs (always, in a daemon; ``metald.firmware.service``).
+    firmware: FirmwareUpdater | None = None
     #: Commissioning's background BMC event-log reads (owned, stopped with the daemon).
     sel_reads: SelReads = field(default_factory=SelReads)
     #: The tenant meshes' long-poll wake-ups (no task: nothing to start or stop).

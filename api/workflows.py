@@ -16,6 +16,7 @@ from metald.usecases.bmcs import Bmcs
 from metald.usecases.claims import Claims
 from metald.usecases.commissioning import Commissioning
 from metald.usecases.events import Events
+from metald.usecases.firmware import Firmware
 from metald.usecases.images import Images
 from metald.usecases.instances import Instances
 from metald.usecases.join import Join
@@ -74,6 +75,7 @@ def claim_workflow(ctx: AppContext) -> ClaimWorkflow:
         notify=ctx.bus.notify,
         require_bmc=ctx.cfg.enroll.require_bmc,
         mesh=MeshOfContext(ctx),
+        cleanup=ctx.services.firmware if ctx.cfg.provision.use_bmc else None,
     )
 
 
@@ -176,3 +178,10 @@ def bmcs(req: ApiRequest) -> Bmcs:
 
 def mesh_nodes(req: ApiRequest) -> Mesh:
     return Mesh(req.ctx.store, req.ctx.services.mesh_watch, req.ctx.mesh_polls)
+
+
+def firmware(req: ApiRequest) -> Firmware:
+    ctx = req.ctx
+    return Firmware(
+        ctx.store, ctx.instance, rules=ctx.cfg.enroll.rules, updates=ctx.services.firmware
+    )

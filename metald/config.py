@@ -458,6 +458,29 @@ def assets_root_problem(cfg: Config) -> str | None:
     return None
 
 
+class FirmwareConfig(_Section):
+    """Firmware updates through the BMCs (docs/firmware.md)."""
+
+    #: Where verified images are kept (by SHA-256) and served to BMCs from the boot HTTP
+    #: listener. Empty: <state_dir>/firmware.
+    images_dir: str = ""
+    #: The largest image metald downloads.
+    max_image_mb: int = Field(default=512, ge=1, le=16384)
+    #: Deadline of one image download (the URL of a baseline component).
+    download_timeout_s: float = Field(default=600.0, gt=0)
+    #: How long a BMC may take to accept an offer and to finish its flash task.
+    flash_timeout_s: float = Field(default=3600.0, gt=0)
+    #: How long the new version may take to show once the flash is applied (a host reboot).
+    verify_timeout_s: float = Field(default=900.0, gt=0)
+    #: Seconds between reads of a BMC's update task (and of the version, while verifying).
+    poll_s: float = Field(default=5.0, gt=0)
+    #: At release, BMC accounts kept besides metald's own (the operator's); every other account
+    #: is removed before the machine is wiped (docs/firmware.md).
+    keep_accounts: list[str] = Field(default_factory=list, max_length=64)
+    #: Restore BIOS, remove BMC accounts and check firmware at release (Redfish BMCs).
+    clean_on_release: bool = True
+
+
 class Config(_Section):
     #: Folder for the SQLite database, the secrets key and the first admin token. Never
     #: served: boot.assets_dir must be a folder apart from it.
@@ -479,6 +502,11 @@ class Config(_Section):
     fleet: FleetConfig = FleetConfig()
     #: Day 2: classification rules, remediation policies and limits (docs/health.md).
     health: HealthConfig = HealthConfig()
+    firmware: FirmwareConfig = FirmwareConfig()
+
+    @property
+    def firmware_images_dir(self) -> Path:
+        return Path(self.firmware.images_dir or Path(self.state_dir) / "firmware")
 
     @property
     def store_url(self) -> str:

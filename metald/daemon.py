@@ -32,6 +32,7 @@ from metald.store import Store
 if TYPE_CHECKING:
     from metald.bmc.service import BmcService
     from metald.boot.plane import BootPlane
+    from metald.firmware.service import FirmwareUpdates
     from metald.healthwatch.watch import HealthWatch
     from metald.nodeguard import TenantNodeGuard
     from metald.tenants.runtime import TenantRuntime
@@ -274,6 +275,8 @@ def _build_services(d: Daemon) -> tuple[Services, list[web.RouteDef]]:
     d.fleet.on_change(watchdog.wake)
     hubs = _tenant_hubs(d)
     provision = Provisioner()
+    firmware, firmware_routes = _firmware(d, bmc)
+    routes = [*routes, *firmware_routes]
     services = Services(
         fleet=d.fleet,
         tenant_node_guard=_tenant_node_guard(d),
@@ -297,6 +300,7 @@ def _build_services(d: Daemon) -> tuple[Services, list[web.RouteDef]]:
             d.store, d.cfg.instance, ownership=d.fleet, tasks=d.tasks.child("token-sweeper")
         ),
         health_watch=_health_watch(d, bmc, hubs, provision),
+        firmware=firmware,
         sel_reads=SelReads(tasks=d.tasks.child("commissioning_sel")),
         mesh_watch=MeshWatch(),
     )
@@ -357,6 +361,35 @@ def _health_watch(
     )
     d.fleet.on_change(watch.wake)
     return watch
+
+
+def _firmware(d: Daemon, bmc: BmcService) -> tuple[FirmwareUpdates, list[web.RouteDef]]:
+    """Firmware updates through the BMCs, and the route BMCs pull verified images from (on
+    the boot HTTP listener, when this instance serves boot)."""
+    from metald.boot.plane import http_base_url
+    from metald.firmware.images import FirmwareImages
+    from metald.firmware.service import FirmwareUpdates
+
+    fw = d.cfg.firmware
+    images = FirmwareImages(
+        d.cfg.firmware_images_dir,
+        max_bytes=fw.max_image_mb << 20,
+        timeout_s=fw.download_timeout_s,
+    )
+    boot = d.cfg.boot.enabled
+    svc = FirmwareUpdates(
+        d.store,
+        bmc.control,
+        images,
+        fw,
+        d.cfg.instance,
+        rules=lambda: d.cfg.enroll.rules,
+        boot_url=http_base_url(d.cfg) if boot else None,  # else images are pushed
+        tasks=d.tasks.child("firmware"),
+        notify=lambda: d.bus.notify(),
+    )
+    d.fleet.on_change(svc.wake)
+    return svc, images.routes() if boot else []
 
 
 def _boot_plane(d: Daemon) -> tuple[BootPlane | None, list[web.RouteDef]]:

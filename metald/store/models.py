@@ -651,3 +651,62 @@ class Remediation(SQLModel, table=True):
     created_at: datetime = _ts()
     updated_at: datetime = _ts()
     done_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+
+
+class FirmwareBaseline(SQLModel, table=True):
+    """One version of a SKU profile's firmware baseline (``metald.firmware.baselines``): the
+    wanted version of each component, with the image's URL and SHA-256. A change is a new
+    row (version + 1); the newest version of a profile is the one machines are held to."""
+
+    __tablename__ = "firmware_baselines"
+    __table_args__ = (UniqueConstraint("profile", "version", name="uq_firmware_baseline_version"),)
+
+    id: str = Field(default_factory=new_id, primary_key=True)
+    #: The commissioning (SKU) profile's name, as the enroll rules give it.
+    profile: str = Field(index=True)
+    version: int
+    components: list[dict[str, Any]] = Field(
+        default_factory=list, sa_column=Column(JSON, nullable=False)
+    )
+    note: str | None = None
+    created_by: str
+    created_at: datetime = _ts()
+
+
+class FirmwareUpdate(SQLModel, table=True):
+    """One component's update on one machine through its BMC (``metald.firmware.updates``):
+    every step is recorded here before it is taken, so whoever owns the BMC next resumes it
+    from the BMC's task instead of flashing again."""
+
+    __tablename__ = "firmware_updates"
+    __table_args__ = (Index("ix_firmware_updates_machine_phase", "machine_id", "phase"),)
+
+    id: str = Field(default_factory=new_id, primary_key=True)
+    machine_id: str = Field(foreign_key="machines.id", index=True)
+    #: The BMC it went through (no foreign key: the record outlives a BMC removed later).
+    bmc_id: str = Field(index=True)
+    profile: str
+    baseline_version: int
+    #: The baseline component and the FirmwareInventory item it updates.
+    component: str
+    item: str
+    version_before: str | None = None
+    version: str
+    sha256: str
+    apply: str
+    #: How the image reaches the BMC: simple-update (the BMC pulls it) or multipart (pushed).
+    transfer: str | None = None
+    #: queued, offering, flashing, applying, verifying, done, failed (``updates.PHASES``).
+    phase: str = Field(index=True)
+    #: The BMC's task monitor (or Task resource) for the flash, once the BMC accepted it.
+    task_uri: str | None = None
+    percent: int | None = None
+    #: Each step as taken: [{"step": ..., "at": ...}] (bounded).
+    journal: list[dict[str, Any]] = Field(
+        default_factory=list, sa_column=Column(JSON, nullable=False)
+    )
+    error: str | None = None
+    requested_by: str
+    created_at: datetime = _ts()
+    updated_at: datetime = _ts()
+    finished_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
