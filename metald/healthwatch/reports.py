@@ -1,27 +1,71 @@
 """The node agent's health report, accepted: authenticated by the node token (the mesh's),
 rate-limited through the machine's heartbeat row (so every instance sees the same limit),
 parsed by ``metald.health.node`` with the machine's inventory, classified, and folded into
-its faults with the witness ``node`` whatever the body says."""
+its faults with the witness ``node`` whatever the body says.
+
+Most reports of a healthy node say what the last one said. The nvidia-smi part, the costly one
+to read, changes every time in fields no signal reads (the timestamp, temperatures, clocks,
+power, utilization): with those left out, its digest is kept on the heartbeat row when a report
+was read in full and found nothing (``NodeHeartbeat.digests``). A report whose digest is the
+same, whose other parts (cheap to read) find nothing either, and that comes in time is
+recorded by one compare-and-swap of the heartbeat row, not parsed again (``quick``); any other
+report is read in full. The trust rule holds either way: a report never clears anything, and
+what the quick path skips is only what a report read in full found clean.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import math
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlmodel import Session
+from sqlalchemy import select as sa_select
+from sqlalchemy import update
+from sqlmodel import Session, col
 
 from metald.errors import Forbidden
 from metald.health.classify import Severity, Table
 from metald.health.config import HealthConfig
-from metald.health.node import NodeReport, report_signals
+from metald.health.node import MAX_SIGNALS, NodeReport, report_signals
+from metald.health.signals import Kind
 from metald.healthwatch import faults
 from metald.healthwatch.workflow import open_for
 from metald.lifecycle import IN_USE, State
 from metald.limits import TooMany
-from metald.store.models import Machine, NodeHeartbeat, as_utc
+from metald.store.models import Machine, NodeHeartbeat, WgPeer, as_utc
 from metald.tenants import mesh
+
+
+#: ``nvidia-smi -q -x`` elements that change between two reports of a healthy GPU and that no
+#: signal reads (``metald.health.node``): left out of the digest.
+VOLATILE = (
+    "timestamp", "fan_speed", "performance_state", "fb_memory_usage", "bar1_memory_usage",
+    "cc_protected_memory_usage", "utilization", "encoder_stats", "fbc_stats", "temperature",
+    "gpu_power_readings", "power_readings", "module_power_readings", "clocks", "voltage",
+    "processes", "accounted_processes", "mig_devices", "tx_util", "rx_util", "pcie_gen",
+    "replay_counter", "replay_rollover_counter", "supported_clocks",
+)  # fmt: skip
+_VOLATILE = re.compile(r"<(%s)>.*?</\1>" % "|".join(VOLATILE), re.S)
+_GPU_KINDS = frozenset({Kind.GPU_ECC, Kind.GPU_PAGES, Kind.GPU_THROTTLE, Kind.GPU_COUNT})
+
+
+def gpu_digest(xml: str | None, gpu_count: int | None, table: Table) -> str | None:
+    """The digest of what a report's nvidia-smi part says to the health signals: the text less
+    the ``VOLATILE`` elements, with the inventory's GPU count and the table's version (a changed
+    table reads every report again). None for a text that is not plain nvidia-smi output
+    (comments, CDATA, processing instructions past the declaration): such a text is always read
+    in full."""
+    h = hashlib.blake2b(f"{table.version}\0{gpu_count}\0".encode(), digest_size=20)
+    if xml is None:
+        h.update(b"none")
+    elif "<!--" in xml or "<![CDATA[" in xml or xml.find("<?", 1) != -1:
+        return None
+    else:
+        h.update(_VOLATILE.sub(r"<\1/>", xml).encode())
+    return h.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -48,6 +92,10 @@ def accept(
 ) -> Accepted:
     """Record one node report (committed). 401 for an unknown token, 403 for a machine not in
     use, 429 (Retry-After) for a report sooner than ``report_min_interval_s``."""
+    fast = quick(s, secret, body, cfg=cfg, table=table, now=now)
+    if fast is not None:
+        return fast
+    s.rollback()
     peer = mesh.node_by_token(s, secret)
     m = s.get(Machine, peer.machine_id)
     if m is None or m.tenant_id != peer.tenant_id or State(m.state) not in IN_USE:
@@ -86,6 +134,12 @@ def accept(
         hb = NodeHeartbeat(machine_id=m.id, last_at=now, reports=0)
     hb.last_at, hb.reports, hb.unreadable = now, hb.reports + 1, got.unreadable[:10]
     hb.claim_id = m.claim_id
+    clean = not got.unreadable and all(c.severity == Severity.OK for c in classified)
+    digest = gpu_digest(report.nvidia_smi_xml, m.gpu_count or None, table) if clean else None
+    hb.digests = None
+    if digest is not None:
+        n_gpu = sum(1 for x in got.signals if x.kind in _GPU_KINDS)
+        hb.digests = {"gpu": digest, "signals": n_gpu}
     s.add(hb)
     s.commit()
     return Accepted(
@@ -96,3 +150,73 @@ def accept(
         got.unreadable,
         opened is not None,
     )
+
+
+def quick(
+    s: Session,
+    secret: str,
+    body: dict[str, Any],
+    *,
+    cfg: HealthConfig,
+    table: Table,
+    now: datetime,
+) -> Accepted | None:
+    """A report that says what the machine's last clean one said, recorded (committed) by one
+    compare-and-swap of its heartbeat row; None for any other report (unknown token, machine
+    not in use, too soon, anything changed or found, or another report of the node recorded
+    meanwhile): the caller reads it in full, which also answers its errors."""
+    if not secret.startswith(mesh.TOKEN_PREFIX):
+        return None
+    row = s.execute(
+        sa_select(
+            col(Machine.id),
+            col(Machine.tenant_id),
+            col(WgPeer.tenant_id),
+            col(Machine.state),
+            col(Machine.claim_id),
+            col(Machine.gpu_count),
+            col(NodeHeartbeat.claim_id),
+            col(NodeHeartbeat.last_at),
+            col(NodeHeartbeat.reports),
+            col(NodeHeartbeat.digests),
+        )
+        .join(Machine, col(Machine.id) == col(WgPeer.machine_id))
+        .join(NodeHeartbeat, col(NodeHeartbeat.machine_id) == col(Machine.id))
+        .where(col(WgPeer.node_token_hash) == mesh.hash_token(secret))
+    ).first()
+    if row is None:
+        return None
+    mid, tenant, peer_tenant, state, claim, gpus, hb_claim, last_at, n, dig = row
+    if tenant is None or tenant != peer_tenant or State(state) not in IN_USE:
+        return None
+    if not dig or hb_claim != claim:
+        return None
+    if (now - as_utc(last_at)).total_seconds() < cfg.report_min_interval_s:
+        return None
+    if dig.get("gpu") != gpu_digest(body.get("nvidia_smi_xml"), gpus or None, table):
+        return None
+    rest = report_signals(
+        NodeReport(
+            at=now,
+            kernel_log=body.get("kernel_log") or "",
+            nvlink=body.get("nvlink"),
+            smart=body.get("smart"),
+            ib_ports=body.get("ib_ports"),
+        ),
+        gpu_count=None,
+    )
+    total = int(dig.get("signals") or 0) + len(rest.signals)
+    if rest.unreadable or total > MAX_SIGNALS:
+        return None
+    if any(table.classify(x).severity != Severity.OK for x in rest.signals):
+        return None
+    done = s.execute(
+        update(NodeHeartbeat)
+        .where(col(NodeHeartbeat.machine_id) == mid, col(NodeHeartbeat.reports) == n)
+        .values(last_at=now, reports=n + 1, unreadable=[])
+    )
+    if done.rowcount != 1:
+        s.rollback()
+        return None
+    s.commit()
+    return Accepted(mid, cfg.report_interval_s, total, 0, [])
