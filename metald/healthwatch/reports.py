@@ -38,7 +38,6 @@ from metald.limits import TooMany
 from metald.store.models import Machine, NodeHeartbeat, WgPeer, as_utc
 from metald.tenants import mesh
 
-
 #: ``nvidia-smi -q -x`` elements that change between two reports of a healthy GPU and that no
 #: signal reads (``metald.health.node``): left out of the digest.
 VOLATILE = (
@@ -48,7 +47,7 @@ VOLATILE = (
     "processes", "accounted_processes", "mig_devices", "tx_util", "rx_util", "pcie_gen",
     "replay_counter", "replay_rollover_counter", "supported_clocks",
 )  # fmt: skip
-_VOLATILE = re.compile(r"<(%s)>.*?</\1>" % "|".join(VOLATILE), re.S)
+_VOLATILE = re.compile("<(" + "|".join(VOLATILE) + r")>.*?</\1>", re.S)
 _GPU_KINDS = frozenset({Kind.GPU_ECC, Kind.GPU_PAGES, Kind.GPU_THROTTLE, Kind.GPU_COUNT})
 
 

@@ -234,6 +234,34 @@ def _nothing_new(s: Session, machine_id: str, bmc_id: str, last: str | None, n: 
     )
 
 
+@dataclass(frozen=True)
+class Known:
+    """What the store holds for this round's BMC visits, read in one go: each BMC's cursor
+    (last record id, entry count) and the machines with a BMC sensor fault open."""
+
+    cursors: dict[str, tuple[str | None, int]]
+    sensor_faulted: frozenset[str]
+
+    def nothing_new(self, machine_id: str, bmc_id: str, last: str | None, n: int) -> bool:
+        """``_nothing_new`` without a query."""
+        return self.cursors.get(bmc_id) == (last, n) and machine_id not in self.sensor_faulted
+
+
+def known(s: Session) -> Known:
+    cursors = {
+        r[0]: (r[1], r[2])
+        for r in s.exec(select(BmcLogCursor.bmc_id, BmcLogCursor.last_id, BmcLogCursor.entries))
+    }
+    faulted = s.exec(
+        select(HealthFault.machine_id).where(
+            HealthFault.witness == "bmc",
+            HealthFault.kind == Kind.SENSOR.value,
+            col(HealthFault.cleared_at).is_(None),
+        )
+    )
+    return Known(cursors, frozenset(faulted))
+
+
 def _open_remediation_machines(s: Session) -> set[str]:
     return {
         r
@@ -398,10 +426,15 @@ class HealthWatch:
             and u.bmc_address
             and (self.ownership is None or self.ownership.owns_bmc(u.bmc_id, u.bmc_address))
         ]
+        if not mine:
+            return
+        # One query for the round (not one per BMC): each BMC is visited once in it, and
+        # only its visit moves its cursor.
+        seen = await self.store.read(known)
         gate = asyncio.Semaphore(BMC_CONCURRENCY)
-        await asyncio.gather(*(self._read_bmc(u, gate) for u in mine))
+        await asyncio.gather(*(self._read_bmc(u, gate, seen) for u in mine))
 
-    async def _read_bmc(self, u: InUse, gate: asyncio.Semaphore) -> None:
+    async def _read_bmc(self, u: InUse, gate: asyncio.Semaphore, seen: Known | None = None) -> None:
         assert self.bmc is not None and u.bmc_id is not None
         kind = Kind.REDFISH_LOG if u.bmc_protocol == "redfish" else Kind.SEL
         async with gate:
@@ -419,9 +452,12 @@ class HealthWatch:
         last = str(entries[-1].get("id")) if entries else None
         fine = all(str(x.get("health") or "").lower() not in ("warning", "critical")
                    for x in sensors)  # fmt: skip
-        if fine and await self.store.read(_nothing_new, u.machine_id, u.bmc_id, last,
-                                          len(entries)):  # fmt: skip
-            return  # the common visit: no write transaction at all
+        if fine and (
+            seen.nothing_new(u.machine_id, u.bmc_id, last, len(entries))
+            if seen is not None
+            else await self.store.read(_nothing_new, u.machine_id, u.bmc_id, last, len(entries))
+        ):
+            return  # the common visit: no query, no write transaction
         n = await self.store.run(record_bmc_log, u.machine_id, u.bmc_id, kind, entries, sensors,
                                  cfg=self.cfg, table=self.table, now=self.clock(),
                                  actor=self.actor, instance=self.instance)  # fmt: skip
