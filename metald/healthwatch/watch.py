@@ -63,6 +63,10 @@ log = logging.getLogger("metald.health")
 _IN_USE = [s.value for s in IN_USE]
 #: BMC reads at once per instance (each is one BMC session through the fenced executor).
 BMC_CONCURRENCY = 16
+#: A BMC whose event log's stamp (``BmcReads.event_log_stamp``) has not changed is still read
+#: in full every this many visits (at the default 20 s: every 5 minutes), so a BMC that does not
+#: move its stamp for a new record delays it, never hides it.
+FULL_READ_EVERY = 15
 
 
 class BmcReads(Protocol):
@@ -71,6 +75,9 @@ class BmcReads(Protocol):
     async def event_log(self, machine_id: str) -> list[dict[str, Any]]: ...
 
     async def sensors(self, machine_id: str) -> list[dict[str, Any]]: ...
+
+    # Optional (``getattr``): ``event_log_stamp(machine_id) -> str | None``, what changes
+    # whenever the event log does (IPMI Get SEL Info), None where the driver cannot say.
 
 
 class Ownership(Protocol):
@@ -341,6 +348,9 @@ class HealthWatch:
         #: Seconds of CPU (process time) the last round took, and its BMC reads.
         self.last_round_cpu_s = 0.0
         self.bmc_reads = 0
+        #: Per BMC: the event log's stamp before the last full read that was recorded, and the
+        #: visits since that found the same stamp (this instance's; a new owner reads in full).
+        self._stamps: dict[str, tuple[str, int]] = {}
 
     @property
     def actor(self) -> str:
@@ -437,17 +447,41 @@ class HealthWatch:
     async def _read_bmc(self, u: InUse, gate: asyncio.Semaphore, seen: Known | None = None) -> None:
         assert self.bmc is not None and u.bmc_id is not None
         kind = Kind.REDFISH_LOG if u.bmc_protocol == "redfish" else Kind.SEL
+        stamp_of = getattr(self.bmc, "event_log_stamp", None)
+        sensors: list[dict[str, Any]] | None = None
         async with gate:
+            stamp = None
+            if stamp_of is not None:
+                try:
+                    stamp = await stamp_of(u.machine_id)
+                except Exception as e:  # then the full read says
+                    log.info("health: machine %s: event log stamp not read: %s", u.machine_id, e)
+            known_stamp, skipped = self._stamps.get(u.bmc_id, (None, 0))
+            if stamp is not None and stamp == known_stamp and skipped + 1 < FULL_READ_EVERY:
+                # The log is as it was at the last full read (the cursor's): only the sensors.
+                try:
+                    sensors = await self.bmc.sensors(u.machine_id)
+                except Exception as e:
+                    log.info("health: machine %s: sensors not read: %s", u.machine_id, e)
+                    sensors = []
+                fine = all(str(x.get("health") or "").lower() not in ("warning", "critical")
+                           for x in sensors)  # fmt: skip
+                faulted = seen is None or u.machine_id in seen.sensor_faulted
+                if fine and not faulted:
+                    self.bmc_reads += 1
+                    self._stamps[u.bmc_id] = (stamp, skipped + 1)
+                    return
             try:
                 entries = await self.bmc.event_log(u.machine_id)
             except Exception as e:  # a BMC that does not answer is not a machine fault
                 log.info("health: machine %s: event log not read: %s", u.machine_id, e)
                 return
-            try:
-                sensors = await self.bmc.sensors(u.machine_id)
-            except Exception as e:
-                log.info("health: machine %s: sensors not read: %s", u.machine_id, e)
-                sensors = []
+            if sensors is None:
+                try:
+                    sensors = await self.bmc.sensors(u.machine_id)
+                except Exception as e:
+                    log.info("health: machine %s: sensors not read: %s", u.machine_id, e)
+                    sensors = []
         self.bmc_reads += 1
         last = str(entries[-1].get("id")) if entries else None
         fine = all(str(x.get("health") or "").lower() not in ("warning", "critical")
@@ -457,12 +491,22 @@ class HealthWatch:
             if seen is not None
             else await self.store.read(_nothing_new, u.machine_id, u.bmc_id, last, len(entries))
         ):
+            self._remember(u.bmc_id, stamp)
             return  # the common visit: no query, no write transaction
         n = await self.store.run(record_bmc_log, u.machine_id, u.bmc_id, kind, entries, sensors,
                                  cfg=self.cfg, table=self.table, now=self.clock(),
                                  actor=self.actor, instance=self.instance)  # fmt: skip
+        self._remember(u.bmc_id, stamp)
         if n:
             self.wake()
+
+    def _remember(self, bmc_id: str, stamp: str | None) -> None:
+        """The stamp read before a full read whose entries are now the cursor's (read before,
+        so a record added in between makes the next stamp differ, never the same)."""
+        if stamp is None:
+            self._stamps.pop(bmc_id, None)
+        else:
+            self._stamps[bmc_id] = (stamp, 0)
 
     async def read_schedulers(self, machines: list[InUse]) -> None:
         """The scheduler's word on each node of the tenants whose control plane runs here:

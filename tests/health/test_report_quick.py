@@ -72,6 +72,17 @@ def test_the_digest_leaves_out_what_changes_and_keeps_what_is_judged() -> None:
     assert gpu_digest(XML.replace("<ecc_errors>", "<!-- x --><ecc_errors>", 1), 1, TABLE) is None
 
 
+def test_the_digest_of_a_hostile_document_costs_linear_time() -> None:
+    """Start tags without end tags (a node's 1 MiB body): each scan stops at the next one."""
+    import time
+
+    for body in ("<clocks>" * 130_000, "<clocks><a>1</a>" * 65_000,
+                 "".join(f"<{n}>" for n in ("temperature", "clocks", "voltage")) * 40_000):  # fmt: skip
+        t = time.process_time()
+        assert gpu_digest("<nvidia_smi_log>" + body, 8, TABLE) is not None
+        assert time.process_time() - t < 2.0  # quadratic: minutes
+
+
 async def test_an_unchanged_clean_report_is_not_parsed_again(api, parses) -> None:  # type: ignore[no-untyped-def]
     client, tokens, store = api
     _health(client, report_min_interval_s=0)
