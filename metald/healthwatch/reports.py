@@ -79,6 +79,23 @@ class Accepted:
     unreadable: list[str]
     #: A remediation was opened (the watch should look now).
     remediation: bool = False
+    #: What the next report is compared with, when this one was clean (else None).
+    seen: Seen | None = None
+
+
+@dataclass
+class Seen:
+    """A node whose last report was clean, as ``ReportMemo`` keeps it."""
+
+    machine_id: str
+    claim_id: str | None
+    gpu: str
+    signals: int
+    last_at: datetime
+    #: The inventory's GPU count (part of the digest).
+    gpus: int | None = None
+    #: Reports taken in memory since the heartbeat row was last written.
+    pending: int = 0
 
 
 def accept(
@@ -144,6 +161,10 @@ def accept(
         hb.digests = {"gpu": digest, "signals": n_gpu}
     s.add(hb)
     s.commit()
+    seen = None
+    if hb.digests is not None:
+        seen = Seen(m.id, m.claim_id, hb.digests["gpu"], hb.digests["signals"], now,
+                    m.gpu_count or None)  # fmt: skip
     return Accepted(
         m.id,
         cfg.report_interval_s,
@@ -151,6 +172,7 @@ def accept(
         new_faults,
         got.unreadable,
         opened is not None,
+        seen,
     )
 
 
@@ -208,6 +230,22 @@ def quick(
         return None
     if dig.get("gpu") != gpu_digest(body.get("nvidia_smi_xml"), gpus or None, table):
         return None
+    total = _rest_clean(body, now, table, int(dig.get("signals") or 0))
+    if total is None:
+        return None
+    done = conn.execute(_SEEN, {"mid": mid, "was": n, "at": now, "now_n": n + 1, "none": []})
+    if done.rowcount != 1:
+        s.rollback()
+        return None
+    s.commit()
+    return Accepted(mid, cfg.report_interval_s, total, 0, [], False,
+                    Seen(mid, claim, dig["gpu"], int(dig.get("signals") or 0), now,
+                         gpus or None))  # fmt: skip
+
+
+def _rest_clean(body: dict[str, Any], now: datetime, table: Table, base: int) -> int | None:
+    """The signals of a report's parts other than nvidia-smi's (cheap to read) added to
+    ``base``, when none is a finding or unreadable; else None."""
     rest = report_signals(
         NodeReport(
             at=now,
@@ -218,14 +256,114 @@ def quick(
         ),
         gpu_count=None,
     )
-    total = int(dig.get("signals") or 0) + len(rest.signals)
+    total = base + len(rest.signals)
     if rest.unreadable or total > MAX_SIGNALS:
         return None
     if any(table.classify(x).severity != Severity.OK for x in rest.signals):
         return None
-    done = conn.execute(_SEEN, {"mid": mid, "was": n, "at": now, "now_n": n + 1, "none": []})
-    if done.rowcount != 1:
-        s.rollback()
-        return None
+    return total
+
+
+class ReportMemo:
+    """One instance's memory of the nodes whose last report was clean (by token hash), so that
+    a report saying the same again costs no database call: its heartbeat is kept here and
+    written with the others' at the next ``flush`` (the health watch's round, every
+    ``watch_interval_s``, before it judges silence). ``validate`` (the same round) forgets
+    every node whose token was revoked, machine left use or claim changed, so such a node's
+    report goes the full path (and its 401 or 403) within one round. The limit on how often a
+    node reports holds here too. A report that changed anything goes the database path, which
+    tells what to remember."""
+
+    def __init__(self) -> None:
+        self.by_token: dict[str, Seen] = {}
+
+    def forget(self, token_hash: str) -> None:
+        self.by_token.pop(token_hash, None)
+
+    def remember(self, token_hash: str, seen: Seen) -> None:
+        old = self.by_token.get(token_hash)
+        if old is not None and old.machine_id == seen.machine_id:
+            seen.pending = old.pending  # still to be counted on the row
+        self.by_token[token_hash] = seen
+
+    def quick(
+        self, token_hash: str, body: dict[str, Any], *, cfg: HealthConfig, table: Table,
+        now: datetime,
+    ) -> Accepted | None:  # fmt: skip
+        """The report taken in memory, or None (the database path decides). 429 for a node
+        reporting too soon."""
+        seen = self.by_token.get(token_hash)
+        if seen is None:
+            return None
+        wait = cfg.report_min_interval_s - (now - seen.last_at).total_seconds()
+        if wait > 0:
+            raise TooMany(
+                f"this node reported {cfg.report_min_interval_s - wait:.1f} s ago; report at "
+                f"most every {cfg.report_min_interval_s:g} s (send the next after Retry-After)",
+                retry_after_s=max(1, math.ceil(wait)),
+            )
+        if seen.gpu != gpu_digest(body.get("nvidia_smi_xml"), seen.gpus, table):
+            return None
+        total = _rest_clean(body, now, table, seen.signals)
+        if total is None:
+            return None
+        seen.last_at, seen.pending = now, seen.pending + 1
+        return Accepted(seen.machine_id, cfg.report_interval_s, total, 0, [])
+
+    def keep_valid(self, valid: dict[str, tuple[str, str | None, int | None]]) -> None:
+        """Forget every node ``validate`` did not find as remembered."""
+        for h, x in list(self.by_token.items()):
+            if valid.get(h) != (x.machine_id, x.claim_id, x.gpus):
+                del self.by_token[h]
+
+    def take_due(self) -> list[tuple[str, str | None, datetime, int]]:
+        """The heartbeats to write, (machine, claim, last report, reports), counted as
+        written: a failed flush leaves the row one round behind, until the next report's."""
+        out = []
+        for x in self.by_token.values():
+            if x.pending:
+                out.append((x.machine_id, x.claim_id, x.last_at, x.pending))
+                x.pending = 0
+        return out
+
+
+def validate(s: Session, token_hashes: list[str]) -> dict[str, tuple[str, str | None, int | None]]:
+    """Of these node tokens, those still valid for a machine in use: hash -> (machine, claim,
+    the inventory's GPU count)."""
+    if not token_hashes:
+        return {}
+    rows = s.execute(
+        sa_select(
+            col(WgPeer.node_token_hash), col(Machine.id), col(Machine.claim_id),
+            col(Machine.gpu_count), col(Machine.state), col(Machine.tenant_id),
+            col(WgPeer.tenant_id),
+        )
+        .join(Machine, col(Machine.id) == col(WgPeer.machine_id))
+        .where(col(WgPeer.node_token_hash).in_(token_hashes))
+    ).all()  # fmt: skip
+    return {
+        r[0]: (r[1], r[2], r[3] or None)
+        for r in rows
+        if r[5] is not None and r[5] == r[6] and State(r[4]) in IN_USE
+    }
+
+
+_FLUSH = (
+    _HB.update()
+    .where(
+        _HB.c.machine_id == bindparam("mid"),
+        _HB.c.claim_id == bindparam("claim"),
+        _HB.c.last_at < bindparam("at"),
+    )
+    .values(last_at=bindparam("at"), reports=_HB.c.reports + bindparam("k"))
+)
+
+
+def flush(s: Session, items: list[tuple[str, str | None, datetime, int]]) -> None:
+    """The heartbeats taken in memory, (machine, claim, last report, reports), in one
+    statement (committed). A row written since by a later report is left as it is."""
+    if items:
+        s.connection().execute(
+            _FLUSH, [{"mid": m, "claim": c, "at": at, "k": k} for m, c, at, k in items]
+        )
     s.commit()
-    return Accepted(mid, cfg.report_interval_s, total, 0, [])

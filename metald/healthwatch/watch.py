@@ -43,7 +43,7 @@ from metald.health.config import HealthConfig
 from metald.health.node import silence
 from metald.health.scheduler import NodeState, SchedulerError, state_signal
 from metald.health.signals import OK, Kind, Signal, Witness
-from metald.healthwatch import faults
+from metald.healthwatch import faults, reports
 from metald.healthwatch.workflow import Remediations, SchedulerFor, open_for
 from metald.lifecycle import IN_USE, State
 from metald.provision.metadata import hostname
@@ -351,6 +351,10 @@ class HealthWatch:
         #: Per BMC: the event log's stamp before the last full read that was recorded, and the
         #: visits since that found the same stamp (this instance's; a new owner reads in full).
         self._stamps: dict[str, tuple[str, int]] = {}
+        #: Node reports that said nothing new, taken in memory (``metald.healthwatch.reports``);
+        #: their heartbeats are written at each round.
+        self.memo = reports.ReportMemo()
+        self._started = False
 
     @property
     def actor(self) -> str:
@@ -363,9 +367,34 @@ class HealthWatch:
         await self.tasks.open()
         if self.cfg.enabled:
             self.tasks.spawn(self._loop(), name="health-watch")
+            self._started = True
 
     async def stop(self) -> None:
+        self._started = False
         await self.tasks.close()
+        try:
+            await self.flush_reports()
+        except Exception:
+            log.warning("health: node heartbeats taken in memory not written", exc_info=True)
+
+    @property
+    def report_memo(self) -> reports.ReportMemo | None:
+        """Where the API takes a node report that says nothing new: only while the rounds run
+        (they write its heartbeat) and the instance is not fenced."""
+        if not self._started or (self.ownership is not None and self.ownership.fenced):
+            return None
+        return self.memo
+
+    async def flush_reports(self) -> None:
+        """Forget the remembered nodes no longer valid, and write the heartbeats taken in
+        memory (one read and one statement)."""
+        if not self.memo.by_token:
+            return
+        valid = await self.store.read(reports.validate, list(self.memo.by_token))
+        self.memo.keep_valid(valid)
+        due = self.memo.take_due()
+        if due:
+            await self.store.run(reports.flush, due)
 
     def health(self) -> str:
         return "running" if self.cfg.enabled else "disabled"
@@ -405,6 +434,7 @@ class HealthWatch:
         now = self.clock()
         if reads is None:
             reads = time.monotonic() >= self._next_reads
+        await self.flush_reports()  # before silence is judged
         machines = await self.store.read(in_use)
         if await self.store.read(_any_returned):
             await self.store.run(close_returned, now)

@@ -162,3 +162,62 @@ async def test_the_quick_path_keeps_every_refusal(api) -> None:  # type: ignore[
     assert r.status == 401 and "unknown or revoked" in (await r.json())["detail"]
     with store.session() as s:
         assert s.get(NodeHeartbeat, mid).reports == 2
+
+
+async def test_the_memo_takes_unchanged_reports_and_the_round_writes_and_validates(
+    api, parses
+) -> None:  # type: ignore[no-untyped-def]
+    """The health watch's memory (``ReportMemo``): unchanged reports cost no database call,
+    the round writes their heartbeat in one statement and forgets a revoked node, whose next
+    report is refused; a finding still goes the full path and is recorded."""
+    from datetime import datetime
+
+    from metald.errors import Unauthorized
+    from metald.healthwatch.watch import HealthWatch
+    from metald.limits import TooMany
+    from metald.usecases.health import node_report
+    from tests.healthwatch.helpers import FakeScheduler, workflow
+
+    client, tokens, store = api
+    mid, token = await _one_gpu_node(client, tokens, store)
+    cfg = HealthConfig(report_min_interval_s=0)
+    watch = HealthWatch(store, cfg, "i1", remediations=workflow(store, FakeScheduler(), cfg),
+                        table=cfg.table())  # fmt: skip
+    memo = watch.memo
+
+    async def report(body: dict[str, Any], c: HealthConfig = cfg) -> dict[str, Any]:
+        return await node_report(store, token, body, cfg=c, instance="i1", memo=memo)
+
+    first = await report({"nvidia_smi_xml": XML})
+    assert len(memo.by_token) == 1 and len(parses) == 1
+    for n in range(1, 3):
+        assert await report({"nvidia_smi_xml": _later(XML, n)}) == first
+    assert len(parses) == 1
+    with store.session() as s:  # not written yet
+        assert s.get(NodeHeartbeat, mid).reports == 1
+    t = datetime.now().astimezone()
+    await watch.flush_reports()
+    with store.session() as s:
+        hb = s.get(NodeHeartbeat, mid)
+        assert hb.reports == 3 and hb.last_at.timestamp() <= t.timestamp()
+    await watch.flush_reports()  # nothing pending: nothing written
+    with store.session() as s:
+        assert s.get(NodeHeartbeat, mid).reports == 3
+    # The limit on how often holds in memory too.
+    with pytest.raises(TooMany):
+        await report({"nvidia_smi_xml": XML}, HealthConfig(report_min_interval_s=30))
+    # A finding: the full path, recorded, and nothing left to skip by.
+    got = await report({"kernel_log": XID79, "nvidia_smi_xml": XML})
+    assert got["new_faults"] == 1 and not memo.by_token and len(parses) == 2
+    await report({"nvidia_smi_xml": XML})  # clean again: remembered
+    assert len(memo.by_token) == 1
+    # The token revoked: the next round forgets the node, its next report is refused.
+    with store.session() as s:
+        peer = s.exec(select(WgPeer).where(WgPeer.machine_id == mid)).one()
+        peer.node_token_hash = "revoked"
+        s.add(peer)
+        s.commit()
+    await watch.flush_reports()
+    assert not memo.by_token
+    with pytest.raises(Unauthorized):
+        await report({"nvidia_smi_xml": XML})
