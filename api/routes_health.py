@@ -55,12 +55,14 @@ async def health_report(req: ApiRequest) -> HealthReportOut:
     the machine look worse, never better). Answers when to report next; 429 with Retry-After
     when the node reports sooner than ``[health] report_min_interval_s``."""
     b: HealthReport = req.body
+    watch = req.ctx.services.health_watch
     out = await health.node_report(
         req.ctx.store,
         _bearer(req),
         b.model_dump(exclude={"version"}),
         cfg=req.ctx.cfg.health,
         instance=req.ctx.instance,
-        wake=req.ctx.services.health_watch.wake if req.ctx.services.health_watch else lambda: None,
+        wake=watch.wake if watch else lambda: None,
+        memo=watch.report_memo if watch else None,
     )
     return HealthReportOut.model_validate(out)

@@ -105,7 +105,11 @@ def test_nothing_edits_the_import_path() -> None:
 #: Bench tools whose job is to run ANOTHER tree's code (an exported earlier commit) with this
 #: checkout's installed dependencies, and to load a statement counter into every process of
 #: that run: PYTHONPATH is the mechanism, not a hidden missing install.
-OTHER_TREE_RUNNERS = {"bench/storm_compare.py", "bench/sqlcount/sitecustomize.py"}
+OTHER_TREE_RUNNERS = {
+    "bench/storm_compare.py",
+    "bench/sqlcount/sitecustomize.py",
+    "bench/health_cost.py",
+}
 
 
 def test_benchmarks_import_the_lab_not_the_tests() -> None:

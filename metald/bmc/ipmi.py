@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 NETFN_CHASSIS = 0x00
+NETFN_STORAGE = 0x0A
 _CONTROL = {
     PowerAction.OFF: 0,
     PowerAction.ON: 1,
@@ -244,6 +245,18 @@ class IpmiDriver(BmcDriver):
 
     async def event_log(self) -> list[LogEntry]:
         return await _in_pyghmi_thread(self._pyghmi_event_log)
+
+    async def event_log_stamp(self) -> str:
+        """What changes whenever the SEL does, from Get SEL Info (IPMI 2.0 31.2): the entry
+        count and the most recent addition and erase timestamps. One small command, where
+        ``event_log`` reads every record."""
+        data = await self._request(NETFN_STORAGE, 0x40)
+        if len(data) < 13:
+            raise BmcProtocolError(f"{self._where}: short Get SEL Info answer ({len(data)} bytes)")
+        entries = int.from_bytes(data[1:3], "little")
+        added = int.from_bytes(data[5:9], "little")
+        erased = int.from_bytes(data[9:13], "little")
+        return f"ipmi-sel:{entries}:{added}:{erased}"
 
     def serial_console(self, on_data: Callable[[bytes], None], *, timeout_s: float) -> SolLink:
         return SolLink(

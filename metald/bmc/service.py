@@ -336,6 +336,22 @@ class BmcService:
             )
         ]
 
+    async def event_log_stamp(self, machine_id: str) -> str | None:
+        """What changes whenever the machine's BMC event log does (one small read), or None
+        where its driver cannot say: then only ``event_log`` tells."""
+
+        async def stamp(d: Any) -> str | None:
+            read = getattr(d, "event_log_stamp", None)
+            return None if read is None else str(await read())
+
+        return await self.control.execute(
+            await self.control.row_for_machine(machine_id),
+            Capability.EVENT_LOG,
+            "event_log_stamp",
+            stamp,
+            timeout_s=self.cfg.sensors_timeout_s,
+        )
+
     # --- power sync ---
 
     async def sync_power_once(self) -> int:

@@ -43,7 +43,7 @@ from metald.health.config import HealthConfig
 from metald.health.node import silence
 from metald.health.scheduler import NodeState, SchedulerError, state_signal
 from metald.health.signals import OK, Kind, Signal, Witness
-from metald.healthwatch import faults
+from metald.healthwatch import faults, reports
 from metald.healthwatch.workflow import Remediations, SchedulerFor, open_for
 from metald.lifecycle import IN_USE, State
 from metald.provision.metadata import hostname
@@ -63,6 +63,10 @@ log = logging.getLogger("metald.health")
 _IN_USE = [s.value for s in IN_USE]
 #: BMC reads at once per instance (each is one BMC session through the fenced executor).
 BMC_CONCURRENCY = 16
+#: A BMC whose event log's stamp (``BmcReads.event_log_stamp``) has not changed is still read
+#: in full every this many visits (at the default 20 s: every 5 minutes), so a BMC that does not
+#: move its stamp for a new record delays it, never hides it.
+FULL_READ_EVERY = 15
 
 
 class BmcReads(Protocol):
@@ -71,6 +75,9 @@ class BmcReads(Protocol):
     async def event_log(self, machine_id: str) -> list[dict[str, Any]]: ...
 
     async def sensors(self, machine_id: str) -> list[dict[str, Any]]: ...
+
+    # Optional (``getattr``): ``event_log_stamp(machine_id) -> str | None``, what changes
+    # whenever the event log does (IPMI Get SEL Info), None where the driver cannot say.
 
 
 class Ownership(Protocol):
@@ -234,6 +241,34 @@ def _nothing_new(s: Session, machine_id: str, bmc_id: str, last: str | None, n: 
     )
 
 
+@dataclass(frozen=True)
+class Known:
+    """What the store holds for this round's BMC visits, read in one go: each BMC's cursor
+    (last record id, entry count) and the machines with a BMC sensor fault open."""
+
+    cursors: dict[str, tuple[str | None, int]]
+    sensor_faulted: frozenset[str]
+
+    def nothing_new(self, machine_id: str, bmc_id: str, last: str | None, n: int) -> bool:
+        """``_nothing_new`` without a query."""
+        return self.cursors.get(bmc_id) == (last, n) and machine_id not in self.sensor_faulted
+
+
+def known(s: Session) -> Known:
+    cursors = {
+        r[0]: (r[1], r[2])
+        for r in s.exec(select(BmcLogCursor.bmc_id, BmcLogCursor.last_id, BmcLogCursor.entries))
+    }
+    faulted = s.exec(
+        select(HealthFault.machine_id).where(
+            HealthFault.witness == "bmc",
+            HealthFault.kind == Kind.SENSOR.value,
+            col(HealthFault.cleared_at).is_(None),
+        )
+    )
+    return Known(cursors, frozenset(faulted))
+
+
 def _open_remediation_machines(s: Session) -> set[str]:
     return {
         r
@@ -313,6 +348,13 @@ class HealthWatch:
         #: Seconds of CPU (process time) the last round took, and its BMC reads.
         self.last_round_cpu_s = 0.0
         self.bmc_reads = 0
+        #: Per BMC: the event log's stamp before the last full read that was recorded, and the
+        #: visits since that found the same stamp (this instance's; a new owner reads in full).
+        self._stamps: dict[str, tuple[str, int]] = {}
+        #: Node reports that said nothing new, taken in memory (``metald.healthwatch.reports``);
+        #: their heartbeats are written at each round.
+        self.memo = reports.ReportMemo()
+        self._started = False
 
     @property
     def actor(self) -> str:
@@ -325,9 +367,34 @@ class HealthWatch:
         await self.tasks.open()
         if self.cfg.enabled:
             self.tasks.spawn(self._loop(), name="health-watch")
+            self._started = True
 
     async def stop(self) -> None:
+        self._started = False
         await self.tasks.close()
+        try:
+            await self.flush_reports()
+        except Exception:
+            log.warning("health: node heartbeats taken in memory not written", exc_info=True)
+
+    @property
+    def report_memo(self) -> reports.ReportMemo | None:
+        """Where the API takes a node report that says nothing new: only while the rounds run
+        (they write its heartbeat) and the instance is not fenced."""
+        if not self._started or (self.ownership is not None and self.ownership.fenced):
+            return None
+        return self.memo
+
+    async def flush_reports(self) -> None:
+        """Forget the remembered nodes no longer valid, and write the heartbeats taken in
+        memory (one read and one statement)."""
+        if not self.memo.by_token:
+            return
+        valid = await self.store.read(reports.validate, list(self.memo.by_token))
+        self.memo.keep_valid(valid)
+        due = self.memo.take_due()
+        if due:
+            await self.store.run(reports.flush, due)
 
     def health(self) -> str:
         return "running" if self.cfg.enabled else "disabled"
@@ -367,6 +434,7 @@ class HealthWatch:
         now = self.clock()
         if reads is None:
             reads = time.monotonic() >= self._next_reads
+        await self.flush_reports()  # before silence is judged
         machines = await self.store.read(in_use)
         if await self.store.read(_any_returned):
             await self.store.run(close_returned, now)
@@ -398,35 +466,77 @@ class HealthWatch:
             and u.bmc_address
             and (self.ownership is None or self.ownership.owns_bmc(u.bmc_id, u.bmc_address))
         ]
+        if not mine:
+            return
+        # One query for the round (not one per BMC): each BMC is visited once in it, and
+        # only its visit moves its cursor.
+        seen = await self.store.read(known)
         gate = asyncio.Semaphore(BMC_CONCURRENCY)
-        await asyncio.gather(*(self._read_bmc(u, gate) for u in mine))
+        await asyncio.gather(*(self._read_bmc(u, gate, seen) for u in mine))
 
-    async def _read_bmc(self, u: InUse, gate: asyncio.Semaphore) -> None:
+    async def _read_bmc(self, u: InUse, gate: asyncio.Semaphore, seen: Known | None = None) -> None:
         assert self.bmc is not None and u.bmc_id is not None
         kind = Kind.REDFISH_LOG if u.bmc_protocol == "redfish" else Kind.SEL
+        stamp_of = getattr(self.bmc, "event_log_stamp", None)
+        sensors: list[dict[str, Any]] | None = None
         async with gate:
+            stamp = None
+            if stamp_of is not None:
+                try:
+                    stamp = await stamp_of(u.machine_id)
+                except Exception as e:  # then the full read says
+                    log.info("health: machine %s: event log stamp not read: %s", u.machine_id, e)
+            known_stamp, skipped = self._stamps.get(u.bmc_id, (None, 0))
+            if stamp is not None and stamp == known_stamp and skipped + 1 < FULL_READ_EVERY:
+                # The log is as it was at the last full read (the cursor's): only the sensors.
+                try:
+                    sensors = await self.bmc.sensors(u.machine_id)
+                except Exception as e:
+                    log.info("health: machine %s: sensors not read: %s", u.machine_id, e)
+                    sensors = []
+                fine = all(str(x.get("health") or "").lower() not in ("warning", "critical")
+                           for x in sensors)  # fmt: skip
+                faulted = seen is None or u.machine_id in seen.sensor_faulted
+                if fine and not faulted:
+                    self.bmc_reads += 1
+                    self._stamps[u.bmc_id] = (stamp, skipped + 1)
+                    return
             try:
                 entries = await self.bmc.event_log(u.machine_id)
             except Exception as e:  # a BMC that does not answer is not a machine fault
                 log.info("health: machine %s: event log not read: %s", u.machine_id, e)
                 return
-            try:
-                sensors = await self.bmc.sensors(u.machine_id)
-            except Exception as e:
-                log.info("health: machine %s: sensors not read: %s", u.machine_id, e)
-                sensors = []
+            if sensors is None:
+                try:
+                    sensors = await self.bmc.sensors(u.machine_id)
+                except Exception as e:
+                    log.info("health: machine %s: sensors not read: %s", u.machine_id, e)
+                    sensors = []
         self.bmc_reads += 1
         last = str(entries[-1].get("id")) if entries else None
         fine = all(str(x.get("health") or "").lower() not in ("warning", "critical")
                    for x in sensors)  # fmt: skip
-        if fine and await self.store.read(_nothing_new, u.machine_id, u.bmc_id, last,
-                                          len(entries)):  # fmt: skip
-            return  # the common visit: no write transaction at all
+        if fine and (
+            seen.nothing_new(u.machine_id, u.bmc_id, last, len(entries))
+            if seen is not None
+            else await self.store.read(_nothing_new, u.machine_id, u.bmc_id, last, len(entries))
+        ):
+            self._remember(u.bmc_id, stamp)
+            return  # the common visit: no query, no write transaction
         n = await self.store.run(record_bmc_log, u.machine_id, u.bmc_id, kind, entries, sensors,
                                  cfg=self.cfg, table=self.table, now=self.clock(),
                                  actor=self.actor, instance=self.instance)  # fmt: skip
+        self._remember(u.bmc_id, stamp)
         if n:
             self.wake()
+
+    def _remember(self, bmc_id: str, stamp: str | None) -> None:
+        """The stamp read before a full read whose entries are now the cursor's (read before,
+        so a record added in between makes the next stamp differ, never the same)."""
+        if stamp is None:
+            self._stamps.pop(bmc_id, None)
+        else:
+            self._stamps[bmc_id] = (stamp, 0)
 
     async def read_schedulers(self, machines: list[InUse]) -> None:
         """The scheduler's word on each node of the tenants whose control plane runs here:

@@ -613,6 +613,10 @@ class NodeHeartbeat(SQLModel, table=True):
     reports: int = 0
     #: Parts of the last report metald could not read, in a sentence each.
     unreadable: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    #: The last fully read report's nvidia-smi digest and signal count when it found nothing
+    #: (``metald.healthwatch.reports``); NULL otherwise. A report that says the same again is
+    #: not parsed again.
+    digests: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
 
 
 class Remediation(SQLModel, table=True):

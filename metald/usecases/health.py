@@ -14,6 +14,7 @@ from metald.health.classify import Table
 from metald.health.config import HealthConfig
 from metald.healthwatch import reports
 from metald.limits import TooMany
+from metald.tenants import mesh
 from metald.usecases import Writes
 
 _TABLES: dict[int, tuple[HealthConfig, Table]] = {}
@@ -36,21 +37,40 @@ async def node_report(
     cfg: HealthConfig,
     instance: str | None,
     wake: Callable[[], None] = lambda: None,
+    memo: reports.ReportMemo | None = None,
 ) -> dict[str, Any]:
-    """Record one report; answers ``{"interval_s": N, ...}`` (when to send the next)."""
+    """Record one report; answers ``{"interval_s": N, ...}`` (when to send the next).
+    ``memo``: the health watch's (``HealthWatch.report_memo``), where a report that says what
+    the node's last clean one said is taken without a database call."""
     table = table_for(cfg)
-    try:
-        accept = partial(
-            reports.accept, cfg=cfg, table=table, now=datetime.now(UTC), actor="node",
-            instance=instance,
-        )  # fmt: skip
-        got = await tx.run(accept, secret, body)
-    except IntegrityError:
-        # Two reports of one node at once on PostgreSQL (the first heartbeat row): one wins.
-        raise TooMany(
-            "another report of this node is being recorded; send the next after Retry-After",
-            retry_after_s=max(1, int(cfg.report_min_interval_s) or 1),
-        ) from None
+    now = datetime.now(UTC)
+    key = mesh.hash_token(secret) if memo is not None else ""
+    got = None
+    if memo is not None:  # a report that says nothing new: no database call
+        got = memo.quick(key, body, cfg=cfg, table=table, now=now)
+    if got is None:
+        try:
+            accept = partial(
+                reports.accept, cfg=cfg, table=table, now=now, actor="node", instance=instance
+            )
+            got = await tx.run(accept, secret, body)
+        except IntegrityError:
+            # Two reports of one node at once on PostgreSQL (the first heartbeat row): one wins.
+            raise TooMany(
+                "another report of this node is being recorded; send the next after Retry-After",
+                retry_after_s=max(1, int(cfg.report_min_interval_s) or 1),
+            ) from None
+        except TooMany:
+            raise
+        except Exception:
+            if memo is not None:
+                memo.forget(key)
+            raise
+        if memo is not None:
+            if got.seen is not None:
+                memo.remember(key, got.seen)
+            else:
+                memo.forget(key)
     if got.remediation or got.new_faults:
         wake()  # the health watch carries the remediation forward now, not at its interval
     return {

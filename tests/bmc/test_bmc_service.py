@@ -92,6 +92,7 @@ async def test_auto_finds_redfish_and_links_by_mac(
     assert any(s["kind"] == "temperature" for s in sensors)
     with pytest.raises(Unprocessable, match="log service"):
         await svc.event_log(mid)
+    assert await svc.event_log_stamp(mid) is None  # Redfish: the full read says
 
 
 async def test_refused_credentials_store_nothing(svc: BmcService, sushy_auth: Sushy) -> None:
@@ -136,6 +137,9 @@ async def test_power_and_boot_device_through_the_machine(
     sensors = await svc.sensors(mid)
     assert any(s["name"] == "CPU Temp" for s in sensors)
     assert len(await svc.event_log(mid)) == 1
+    # Get SEL Info through the fenced executor: one entry, as the full read says.
+    stamp = await svc.event_log_stamp(mid)
+    assert stamp is not None and stamp.startswith("ipmi-sel:1:")
     await svc.link(bmc["id"], other)
     assert (await svc.get(bmc["id"]))["machine_id"] == other
 

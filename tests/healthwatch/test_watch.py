@@ -222,3 +222,69 @@ async def test_faults_of_a_machine_back_in_the_pool_are_closed(store) -> None:  
     with store.session() as s:
         (f,) = s.exec(select(HealthFault)).all()
         assert f.cleared_by == "back in the pool" and f.open_key is None
+
+
+class StampedReads(DriverReads):
+    """``DriverReads`` with the driver's Get SEL Info stamp, counting stamps."""
+
+    def __init__(self, driver: IpmiDriver) -> None:
+        super().__init__(driver)
+        self.stamps = 0
+
+    async def event_log_stamp(self, machine_id: str) -> str | None:
+        self.stamps += 1
+        return await self.driver.event_log_stamp()
+
+
+@pytest.mark.skipif(shutil.which("ipmitool") is None, reason="needs ipmitool")
+async def test_an_unchanged_sel_is_not_read_again_and_a_new_record_still_is(
+    store, ipmi_sim: IpmiSim
+) -> None:  # type: ignore[no-untyped-def]
+    """Get SEL Info against the real ipmi_sim: the same count and timestamps skip the full
+    SEL read; a record added (Add SEL Entry) changes the stamp, is read and recorded; every
+    ``FULL_READ_EVERY`` visits the log is read anyway."""
+    from metald.healthwatch import watch as watch_mod
+
+    c = active_claim(store, 1, spares=1)
+    bmc_id = _bmc_row(store, c.machines[0], ipmi_sim.port)
+    cfg = health_cfg(job_wait_s=3600)
+    sched = FakeScheduler()
+    sched.jobs[node_name(store, c.machines[0])] = ["7"]  # the machine stays in use meanwhile
+    driver = IpmiDriver(
+        BmcEndpoint("127.0.0.1", ipmi_sim.port, ipmi_sim.username, ipmi_sim.password),
+        request_timeout_s=5.0,
+        resend_s=0.3,
+    )
+    reads = StampedReads(driver)
+    target = lab_faults.BmcTarget("127.0.0.1", ipmi_sim.port, ipmi_sim.username,
+                                  ipmi_sim.password)  # fmt: skip
+    try:
+        before = await driver.event_log_stamp()
+        assert before == await driver.event_log_stamp()
+        watch = HealthWatch(store, cfg, "i1", remediations=workflow(store, sched, cfg),
+                            table=cfg.table(), bmc=reads, ownership=_Owner(True))  # fmt: skip
+        await watch.round(reads=True)  # sets the cursor
+        assert (reads.reads, reads.stamps) == (1, 1)
+        for _ in range(3):  # nothing added: the stamp only
+            await watch.round(reads=True)
+        assert (reads.reads, reads.stamps) == (1, 4)
+
+        rid = await asyncio.to_thread(
+            lab_faults.add_sel, target, lab_faults.memory_uncorrectable_ecc(dimm=2)
+        )
+        assert await driver.event_log_stamp() != before
+        await watch.round(reads=True)
+        assert reads.reads == 2
+        with store.session() as s:
+            (f,) = s.exec(select(HealthFault)).all()
+            assert (f.witness, f.rule) == ("bmc", "sel-memory-uncorrectable")
+            assert s.get(BmcLogCursor, bmc_id).last_id == str(rid)
+        await watch.round(reads=True)
+        assert reads.reads == 2  # the new stamp is remembered
+
+        # A BMC that never moves its stamp: its log is still read every FULL_READ_EVERY visits.
+        for _ in range(watch_mod.FULL_READ_EVERY):
+            await watch.round(reads=True)
+        assert reads.reads == 3
+    finally:
+        await driver.close()
