@@ -1,7 +1,7 @@
 """health: the node report's GPU digest on its heartbeat row
 
-Revision ID: 0027
-Revises: 0026
+Revision ID: 0028
+Revises: 0027
 
 Expand-only: one nullable column. ``node_heartbeats.digests`` holds what the last fully read
 report of a machine left to compare with (``metald.healthwatch.reports``): a report whose
@@ -11,8 +11,8 @@ nvidia-smi part says the same as one found clean is not parsed again.
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0027"
-down_revision = "0026"
+revision = "0028"
+down_revision = "0027"
 branch_labels = None
 depends_on = None
 
