@@ -4,6 +4,7 @@ the store. metalctl, the HTTP client, is ``metald.metalctl``."""
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from metald import __version__
@@ -41,8 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(schema, indent=2, sort_keys=True))
         return 0
 
+    warnings: list[str] = []
     try:
-        cfg = load_config(args.config)
+        cfg = load_config(args.config, warnings=warnings)
     except ConfigError as e:
         print(f"metald: {e}", file=sys.stderr)
         return 2
@@ -51,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     from metald.store.db import store_unavailable
 
     setup_logging(cfg.log.level, cfg.log.format, is_outage=store_unavailable)
+    for line in warnings:
+        logging.getLogger("metald.config").warning("%s", line)
     if args.cmd == "check-config":
         print("config ok")
         return 0
