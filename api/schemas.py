@@ -6,7 +6,14 @@ import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+)
 
 from api.paging import PageQuery
 from metald.auth import Role
@@ -182,9 +189,25 @@ class EventQuery(Query):
     limit: int | None = Field(
         default=None, ge=1, le=1000, description="Page size (default: the api.page_size setting)."
     )
+    since: AwareDatetime | None = Field(
+        default=None,
+        description=(
+            "Only events recorded at or after this time (RFC 3339 with a UTC offset, e.g. "
+            "2026-12-06T17:00:00Z)."
+        ),
+    )
     sort: Literal["id", "-id"] = Field(
         default="id",
-        description="-id: the newest first (a list only; a stream is in delivery order).",
+        description="id: delivery order (the default); -id: the newest first.",
+    )
+
+
+class EventStreamQuery(EventQuery):
+    """A stream's filters: those of a list, in delivery order only."""
+
+    sort: Literal["id"] = Field(
+        default="id",
+        description="A stream is in delivery (commit) order: id is the only value.",
     )
 
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterator
+import os
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +109,59 @@ def test_events_newest_first_with_tail_and_kind(live: LoopbackApi, capsys) -> No
     items = json.loads(out)["items"]
     assert items and all(e["kind"] == "machine.state" for e in items)
     assert items[0]["to_state"] == "maintenance"
+
+
+def _read_lines(proc: subprocess.Popen[bytes], want: Callable[[list[str]], bool]) -> list[str]:
+    """The whole lines a running metalctl printed, once ``want`` holds of them (20 s at most)."""
+    out = b""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not want(out.decode().split("\n")[:-1]):
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if ready:
+            out += os.read(proc.stdout.fileno(), 65536)  # type: ignore[union-attr]
+    return out.decode().split("\n")[:-1]
+
+
+def test_events_follow_starts_at_the_tail_or_since(live: LoopbackApi, capsys) -> None:  # type: ignore[no-untyped-def]
+    """--follow shows the newest --tail N (oldest first), not the history from event #1, then
+    live events; --since starts at a time instead."""
+    for i in range(4):
+        _run(capsys, "machines", "label", "node2", f"step={i}")
+    rc, out, _ = _run(capsys, "events", "--tail", "1000", "-o", "json")
+    history = json.loads(out)["items"]
+    assert len(history) > 6
+    newest = [e["id"] for e in history[:2]][::-1]
+    follower = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "metald.metalctl",
+            "events",
+            "--follow",
+            "--tail",
+            "2",
+            "-o",
+            "json",
+        ],
+        stdout=subprocess.PIPE,
+        env=os.environ.copy(),
+    )
+    try:
+        seen = _read_lines(follower, lambda lines: len(lines) >= 2)
+        assert [json.loads(x)["id"] for x in seen] == newest, seen
+        _run(capsys, "machines", "label", "node2", "step=live")
+        seen = _read_lines(follower, lambda lines: any('"live"' in x for x in lines))
+        assert any(json.loads(x)["data"] == {"patch": {"step": "live"}} for x in seen), seen
+    finally:
+        follower.kill()
+        follower.wait()
+    rc, out, _ = _run(capsys, "events", "--since", "1h", "--tail", "1000", "-o", "json")
+    assert rc == 0 and len(json.loads(out)["items"]) == len(history) + 1
+    rc, out, _ = _run(capsys, "events", "--since", "2999-01-01T00:00:00Z", "-o", "json")
+    assert rc == 0 and json.loads(out)["items"] == []
+    with pytest.raises(SystemExit):
+        main(["events", "--since", "yesterday"])
+    assert "neither a duration" in capsys.readouterr().err
 
 
 class _LaggingBmc(FakeBmc):
