@@ -865,14 +865,11 @@ async def boot_machine(req: ApiRequest) -> BootOut | web.Response:
         )
     url = None
     if b.via == "virtual-media":
-        await virtual_media.check_for(svc.control, mid)
         base = virtual_media.boot_base(svc.control)
-        url = f"{base}/boot/n/{mid}/" if base else None  # + the boot's nonce, once armed
-        if url is None:
-            raise Unprocessable(
-                "this metald serves no boot HTTP for the BMC to fetch the ISO from; set "
-                'boot.http_url or boot.http_listen, or boot with {"via": "network"}'
-            )
+        if base is None:
+            raise virtual_media.no_boot_url(req.ctx.cfg, mid)  # 409: the keys to set
+        await virtual_media.check_for(svc.control, mid)
+        url = f"{base}/boot/n/{mid}/"  # + the boot's nonce, once armed
     else:
         await svc.control.row_for_machine(mid)  # 404 with what to do when it has no BMC
     provisioner(req.ctx).spawn(
