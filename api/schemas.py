@@ -16,6 +16,7 @@ from pydantic import (
 )
 
 from api.paging import PageQuery
+from api.resolve import Ref
 from metald.auth import Role
 from metald.lifecycle import State
 
@@ -33,6 +34,10 @@ LabelValue = Annotated[str, StringConstraints(max_length=253)]
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")]
 #: Free text of one line's worth: 1 to 500 characters.
 Text = Annotated[str, StringConstraints(min_length=1, max_length=500)]
+#: References in bodies and queries: what a path's {id} takes (api.resolve.resolve_refs).
+TenantRef = Annotated[Text, Ref("tenants")]
+ImageRef = Annotated[Text, Ref("images")]
+MachineRef = Annotated[Text, Ref("machines")]
 
 
 class In(BaseModel):
@@ -66,7 +71,9 @@ class MachineQuery(PageQuery):
         default=None, ge=0, le=1024, description="At least this many GPUs."
     )
     rack: str | None = None
-    tenant_id: str | None = None
+    tenant_id: Annotated[str, Ref("tenants")] | None = Field(
+        default=None, description="The tenant's id, name or an 8+ character id prefix."
+    )
 
     @field_validator("label")
     @classmethod
@@ -174,7 +181,9 @@ class MachinePage(BaseModel):
 
 
 class EventQuery(Query):
-    machine_id: str | None = None
+    machine_id: Annotated[str, Ref("machines")] | None = Field(
+        default=None, description="The machine's id, name or an 8+ character id prefix."
+    )
     kind: str | None = None
     after: int = Field(
         default=0,
@@ -244,7 +253,10 @@ class TokenCreate(In):
     name: Name
     role: Role
     scope: list[str] = Field(
-        default=[], max_length=256, description="orchestrator: tenant ids; agent: one machine id."
+        default=[],
+        max_length=256,
+        description="orchestrator: tenants; agent: one machine (ids, names or 8+ character id "
+        "prefixes; the token holds the ids).",
     )
     ttl_seconds: int | None = Field(default=None, ge=60, le=10 * 365 * 86400)
 

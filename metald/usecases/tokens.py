@@ -10,11 +10,12 @@ from typing import Any
 
 from sqlmodel import Session, col, select
 
-from metald.auth import Role, issue_token, revoke_token
+from metald.auth import Principal, Role, issue_token, revoke_token
 from metald.errors import Conflict, Unprocessable
 from metald.machines import add_event
 from metald.store.models import ApiToken, Machine, Tenant
 from metald.usecases import Transactions
+from metald.usecases.names import resolve
 from metald.usecases.reads import Page, Pager, page
 
 #: Oldest first.
@@ -27,6 +28,10 @@ def token_view(row: ApiToken) -> dict[str, Any]:
 
 def _views(_: Session, rows: list[ApiToken]) -> list[dict[str, Any]]:
     return [token_view(r) for r in rows]
+
+
+#: What a role's scope names, for references by name or id prefix.
+SCOPE_KINDS = {Role.ORCHESTRATOR: "tenants", Role.AGENT: "machines"}
 
 
 def check_scope(s: Session, role: Role, scope: list[str]) -> None:
@@ -55,10 +60,17 @@ class Tokens:
         role: Role,
         scope: list[str],
         ttl_seconds: int | None,
+        caller: Principal | None = None,
     ) -> tuple[dict[str, Any], str]:
-        """A token with a role and scope: its view and its secret (stored nowhere)."""
+        """A token with a role and scope: its view and its secret (stored nowhere). The scope
+        takes what a path takes (tenants, or the agent's machine, by id, name or 8+ character
+        id prefix); the token holds their ids."""
 
         def run(s: Session) -> tuple[dict[str, Any], str]:
+            nonlocal scope
+            kind = SCOPE_KINDS.get(role)
+            if kind is not None and caller is not None:
+                scope = [resolve(s, caller, kind, ref) for ref in scope]
             check_scope(s, role, scope)
             row, secret = issue_token(
                 s,
