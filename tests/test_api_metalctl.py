@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from api.app import CTX_KEY
+from metald.lifecycle import State
 from metald.metalctl.main import hoist_output, main
 from tests.api_helpers import LoopbackApi, use_services
 from tests.claims.fakes import FakeBmc
@@ -597,3 +598,84 @@ def test_action_wait_follows_the_machine_until_it_settles(
     assert rc == 1 and "failed" in row.split() and "inspect-failed" in row, (out, err)
     assert len(polls) == 2 and "inspecting" in err  # progress went to stderr, plain lines
     assert "\x1b[" not in err
+
+
+# ---- kubectl parity -------------------------------------------------------------------------
+
+
+def test_wide_shows_each_column_once_with_the_whole_id(live: LoopbackApi, capsys) -> None:  # type: ignore[no-untyped-def]
+    assert live.tokens is not None
+    rc, out, _ = _run(capsys, "machines", "list", "-o", "wide")
+    headers = out.splitlines()[0].split()
+    assert rc == 0 and len(headers) == len(set(headers)), headers
+    assert {"ID", "NAME", "RACK"} <= set(headers) and "NAME_S" not in headers
+    assert live.tokens.machine_free in out  # wide: the whole id, in the one ID column
+
+
+def test_custom_columns_index_lists_and_refuse_unknown_fields(live: LoopbackApi, capsys) -> None:  # type: ignore[no-untyped-def]
+    rc, out, _ = _run(capsys, "machines", "show", "node2", "-o", "json")
+    first = json.loads(out)["allowed_actions"][0]
+    rc, out, _ = _run(
+        capsys, "machines", "list", "-o", "custom-columns=NAME:name,DO:allowed_actions[0]"
+    )
+    assert rc == 0 and any(ln.split() == ["node2", first] for ln in out.splitlines()), out
+    rc, out, err = _run(capsys, "machines", "list", "-o", "custom-columns=NAME:name,X:nmae")
+    assert rc == 2 and "no field 'nmae'" in err and "name" in err and out == ""
+
+
+def test_output_name_and_jsonpath(live: LoopbackApi, capsys) -> None:  # type: ignore[no-untyped-def]
+    rc, out, _ = _run(capsys, "machines", "list", "-o", "name")
+    assert rc == 0 and sorted(out.split()) == ["machine/node0", "machine/node1", "machine/node2"]
+    rc, out, _ = _run(capsys, "machines", "list", "-o", "jsonpath={.items[*].name}")
+    assert rc == 0 and sorted(out.split()) == ["node0", "node1", "node2"]
+    rc, out, _ = _run(capsys, "machines", "show", "node2", "-o", "jsonpath={.state}")
+    assert rc == 0 and out.strip() == "ready"
+    rc, _, err = _run(capsys, "machines", "show", "node2", "-o", "jsonpath={.nope}")
+    assert rc == 2 and "reaches nothing" in err
+
+
+def test_list_selector_instances_list_and_state_choices(
+    live: LoopbackApi, capsys, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    _run(capsys, "machines", "label", "node2", "pool=train", "row=7")
+    rc, out, _ = _run(capsys, "machines", "list", "-l", "pool=train,row=7", "-o", "name")
+    assert rc == 0 and out.split() == ["machine/node2"]
+    rc, out, err = _run(capsys, "instances", "list")
+    assert rc == 0 and out.splitlines()[0].split()[0] == "NAME", err
+    offered = _complete(live, tmp_path, "metalctl machines list --state re")
+    assert "ready" in offered and "retired" in offered
+    assert all(o in {s.value for s in State} for o in offered), offered  # no file names
+
+
+def test_mistyped_flag_suggests_and_every_subcommand_has_help(capsys) -> None:  # type: ignore[no-untyped-def]
+    import argparse
+
+    from metald.metalctl.main import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        main(["machines", "list", "--sate", "ready"])
+    assert e.value.code == 2 and "did you mean --state?" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["machines", "lsit"])
+    assert "did you mean 'list'?" in capsys.readouterr().err
+    missing = []
+
+    def walk(p: argparse.ArgumentParser, path: list[str]) -> None:
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                helps = {c.dest: c.help for c in a._choices_actions}
+                for name, sp in a.choices.items():
+                    if not helps.get(name):
+                        missing.append(" ".join([*path, name]))
+                    walk(sp, [*path, name])
+
+    walk(build_parser(), [])
+    assert missing == []
+
+
+def test_cannot_connect_says_to_set_metald_url(capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from vmlab.labnet import free_port
+
+    monkeypatch.setenv("METALD_URL", f"http://127.0.0.1:{free_port()}")
+    rc, _, err = _run(capsys, "machines", "list")
+    assert rc == 2 and "cannot reach" in err and "export METALD_URL=" in err

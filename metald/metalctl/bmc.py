@@ -80,12 +80,12 @@ def register(sub: Subparsers) -> None:
 
     bm = sub.add_parser("bmcs", help="list or register BMCs")
     bsub = bm.add_subparsers(dest="sub", required=True)
-    bsub.add_parser("list").set_defaults(func=list_bmcs)
+    bsub.add_parser("list", help="the BMCs, their health and machines").set_defaults(func=list_bmcs)
     bp = bsub.add_parser("power", help="power a BMC's host (before its machine has enrolled)")
     bp.add_argument("id", help="BMC id")
     bp.add_argument("action", nargs="?", choices=POWER_ACTIONS, default="status")
     bp.set_defaults(func=bmc_power)
-    bs = bsub.add_parser("show")
+    bs = bsub.add_parser("show", help="one BMC: address, health, capabilities")
     bs.add_argument("id", help="BMC id or id prefix")
     bs.set_defaults(func=show_bmc)
     bl = bsub.add_parser("link", help="link the BMC to a machine (or --unlink it)")
@@ -122,7 +122,7 @@ def register(sub: Subparsers) -> None:
         f"{bmcimport.PASSWORD_PREFIX}* variables are read, and METALD_TOKEN never",
     )
     bi.set_defaults(func=import_bmcs)
-    br = bsub.add_parser("register")
+    br = bsub.add_parser("register", help="register a BMC (checked unless --no-verify)")
     br.add_argument("address")
     br.add_argument("--port", type=int)
     br.add_argument("--protocol", default="auto", choices=["auto", "ipmi", "redfish"])

@@ -116,7 +116,9 @@ def events(args: argparse.Namespace, c: Client) -> None:
     names = Names(c)
 
     def show(ev: dict[str, Any]) -> None:
-        print(json.dumps(ev) if machine_readable(args) else line(ev, names), flush=True)
+        fmt = machine_readable(args)
+        text = json.dumps(ev) if fmt == "json" else render(args, ev) if fmt else line(ev, names)
+        print(text, flush=True)
 
     if not args.follow:
         page = c.call(

@@ -23,14 +23,14 @@ COLUMNS = [
 def register(sub: Subparsers) -> None:
     t = sub.add_parser("tokens", help="API tokens (admin)")
     tsub = t.add_subparsers(dest="sub", required=True)
-    tsub.add_parser("list").set_defaults(func=list_tokens)
-    tc = tsub.add_parser("create")
+    tsub.add_parser("list", help="the API tokens (admin)").set_defaults(func=list_tokens)
+    tc = tsub.add_parser("create", help="issue a token; its secret is printed once")
     tc.add_argument("--name", required=True)
     tc.add_argument("--role", required=True, choices=ROLES)
     tc.add_argument("--scope", action="append", default=[])
     tc.add_argument("--ttl", type=int, help="seconds")
     tc.set_defaults(func=create)
-    tr = tsub.add_parser("revoke")
+    tr = tsub.add_parser("revoke", help="revoke a token at once")
     tr.add_argument("id")
     tr.set_defaults(func=revoke)
 
