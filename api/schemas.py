@@ -7,6 +7,7 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     AwareDatetime,
     BaseModel,
     ConfigDict,
@@ -18,6 +19,7 @@ from pydantic import (
 from api.paging import PageQuery
 from api.resolve import Ref
 from metald.auth import Role
+from metald.inventory.rules import FIELD_NOT_LABEL, field_not_label
 from metald.lifecycle import State
 
 #: The largest value of an INTEGER column on PostgreSQL (ids, versions, counts): a larger one
@@ -29,7 +31,10 @@ Version = Annotated[
     Field(ge=0, le=SQL_INT_MAX, description="Fail with 409 unless the machine is at this version."),
 ]
 LABEL_KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$"
-LabelKey = Annotated[str, StringConstraints(pattern=LABEL_KEY_PATTERN)]
+#: A label key; never a machine field's name (``rack``: metald.inventory.rules.field_not_label).
+LabelKey = Annotated[
+    str, StringConstraints(pattern=LABEL_KEY_PATTERN), AfterValidator(field_not_label)
+]
 LabelValue = Annotated[str, StringConstraints(max_length=253)]
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")]
 #: Free text of one line's worth: 1 to 500 characters.
@@ -88,6 +93,8 @@ class MachineQuery(PageQuery):
                     f"label filter key {key!r} is not a label key (letters, digits, '._/-', "
                     "at most 63 characters, starting with a letter or digit)"
                 )
+            if key in FIELD_NOT_LABEL:
+                raise ValueError(f"{key!r} is a machine field, not a label: filter with {key}=")
         return v
 
 

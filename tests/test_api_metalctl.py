@@ -679,3 +679,47 @@ def test_cannot_connect_says_to_set_metald_url(capsys, monkeypatch) -> None:  # 
     monkeypatch.setenv("METALD_URL", f"http://127.0.0.1:{free_port()}")
     rc, _, err = _run(capsys, "machines", "list")
     assert rc == 2 and "cannot reach" in err and "export METALD_URL=" in err
+
+
+def test_rack_has_one_meaning(live: LoopbackApi, capsys) -> None:  # type: ignore[no-untyped-def]
+    """`machines label ID rack=r07` set a label the RACK column and `--selector rack=r07` never
+    saw; rack is now the machine's field wherever it is written, and never a label."""
+    rc, out, err = _run(capsys, "machines", "label", "node2", "rack=r07", "pool=train")
+    assert rc == 0, err
+    rc, out, _ = _run(capsys, "machines", "show", "node2", "-o", "json")
+    m = json.loads(out)
+    assert m["rack"] == "r07" and m["labels"] == {"pool": "train"}
+    rc, out, _ = _run(capsys, "machines", "list", "-o", "custom-columns=NAME:name,RACK:rack")
+    assert any(ln.split() == ["node2", "r07"] for ln in out.splitlines()), out
+    rc, out, _ = _run(capsys, "machines", "list", "--rack", "r07", "-o", "name")
+    assert out.split() == ["machine/node2"]
+    rc, _, err = _run(capsys, "machines", "list", "--label", "rack=r07")
+    assert rc == 1 and "machine field" in err
+    rc, out, _ = _run(capsys, "machines", "label", "node2", "rack-")
+    rc, out, _ = _run(capsys, "machines", "show", "node2", "-o", "json")
+    assert json.loads(out)["rack"] is None
+    # The API refuses a label named rack, with what to do instead.
+    import urllib.request
+
+    assert live.tokens is not None
+    req = urllib.request.Request(
+        f"{live.base}/api/v1/machines/node2/labels",
+        data=json.dumps({"labels": {"rack": "r07"}}).encode(),
+        method="PATCH",
+        headers={
+            "Authorization": f"Bearer {live.tokens.technician}",
+            "Content-Type": "application/json",
+        },
+    )
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    assert e.value.code == 422 and "machine field, not a label" in e.value.read().decode()
+
+
+def test_enrollment_rules_cannot_set_a_rack_label(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from metald.config import ConfigError, load_config
+
+    conf = tmp_path / "c.toml"
+    conf.write_text('[[enroll.rules]]\nlabels = { rack = "r07" }\n')
+    with pytest.raises(ConfigError, match="machine field"):
+        load_config(conf, environ={})

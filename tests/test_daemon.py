@@ -144,7 +144,7 @@ def test_metalctl_operates_the_fleet(daemon) -> None:  # type: ignore[no-untyped
     )
     try:
         time.sleep(1.0)
-        ctl("machines", "label", mid, "rack=r1")
+        ctl("machines", "label", mid, "team=ml")
         out = ""
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and "machine.labels" not in out:

@@ -93,7 +93,9 @@ def register(sub: Subparsers) -> None:
     mr.add_argument("--name")
     mr.add_argument("--label", action="append", default=[])
     mr.set_defaults(func=register_machine)
-    mlab = msub.add_parser("label", help="key=value sets, key- removes")
+    mlab = msub.add_parser(
+        "label", help="key=value sets, key- removes; rack=r07 sets the machine's rack"
+    )
     machine_ref(mlab.add_argument("id", help="id, name or id prefix"))
     mlab.add_argument("labels", nargs="+")
     mlab.set_defaults(func=label)
@@ -192,13 +194,21 @@ def register_machine(args: argparse.Namespace, c: Client) -> None:
 
 
 def label(args: argparse.Namespace, c: Client) -> None:
-    m = c.call("PATCH", f"/api/v1/machines/{args.id}/labels", {"labels": key_values(args.labels)})
+    """Labels, and ``rack=r07`` / ``rack-``: the machine's rack field (the RACK column, what
+    ``--selector rack=`` matches); rack is never a label."""
+    patch = key_values(args.labels)
+    m = None
+    if "rack" in patch:
+        m = c.call("PATCH", f"/api/v1/machines/{args.id}", {"rack": patch.pop("rack")})
+    if patch or m is None:
+        m = c.call("PATCH", f"/api/v1/machines/{args.id}/labels", {"labels": patch})
     emit(
         args,
         m,
         lambda m: (
             f"{m['name'] or m['id']}: "
             + ",".join(f"{k}={v}" for k, v in sorted(m["labels"].items()))
+            + (f" (rack {m['rack']})" if m.get("rack") else "")
         ),
     )
 
