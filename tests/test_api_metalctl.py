@@ -464,6 +464,19 @@ def test_bmc_import_all_good_and_undone_when_the_api_refuses_a_row(
     )
     assert rc == 1 and "did not answer" in out and svc.rows == {} and len(svc.removed) == 2
     assert out.count("undone") == 2
+    # A failure before the last row: the rows after it are listed as not tried, and the
+    # summary says nothing was imported and what to do.
+    rc, out, err = _import(
+        live,
+        capsys,
+        tmp_path,
+        CSV_HEAD
+        + "10.0.7.1,ipmi,admin,R07_PW,\n10.0.7.3,ipmi,admin,R07_PW,\n10.0.7.4,ipmi,admin,R07_PW,\n",
+    )
+    assert rc == 1 and svc.rows == {}
+    (skipped,) = [ln for ln in out.splitlines() if "skipped" in ln]
+    assert "10.0.7.4" in skipped and "not tried: line 3 failed" in skipped
+    assert "nothing was imported (1 undone, 1 not tried)" in err and "--partial" in err
     rc, out, _ = _import(live, capsys, tmp_path, CSV_HEAD + "10.0.7.1,ipmi,admin,R07_PW,\n")
     assert rc == 0 and "registered" in out and len(svc.rows) == 1
     rc, out, _ = _import(

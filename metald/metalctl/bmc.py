@@ -379,7 +379,7 @@ def import_bmcs(args: argparse.Namespace, c: Client) -> int:
     results: list[dict[str, Any]] = []
     created: list[str] = []
     failed = False
-    for r in good:
+    for i, r in enumerate(good):
         out = {"line": r.line, "address": r.address, "machine": r.machine or "-"}
         body = r.body(os.environ[r.password_env], machine_ids.get(r.line))
         if args.no_verify:
@@ -390,6 +390,17 @@ def import_bmcs(args: argparse.Namespace, c: Client) -> int:
             failed = True
             results.append({**out, "result": "failed", "detail": f"{e.detail} (HTTP {e.status})"})
             if not args.partial:
+                # All or nothing: the rows after it are not tried, and say so.
+                for rest in good[i + 1 :]:
+                    results.append(
+                        {
+                            "line": rest.line,
+                            "address": rest.address,
+                            "machine": rest.machine or "-",
+                            "result": "skipped",
+                            "detail": f"not tried: line {r.line} failed",
+                        }
+                    )
                 break
             continue
         created.append(b["id"])
@@ -405,6 +416,14 @@ def import_bmcs(args: argparse.Namespace, c: Client) -> int:
         {"items": results, "errors": [{"line": k, "detail": v} for k, v in sorted(errors.items())]},
         IMPORT_COLUMNS,
     )
+    if failed and not args.partial:
+        skipped = sum(1 for r in results if r["result"] == "skipped")
+        print(
+            f"metalctl: a row failed, so nothing was imported ({len(created)} undone, {skipped} "
+            "not tried); fix it, add --partial to import the rows that work, or --no-verify to "
+            "store BMCs that do not answer yet",
+            file=sys.stderr,
+        )
     return 1 if failed or errors else 0
 
 
