@@ -167,6 +167,11 @@ class MachineOut(BaseModel):
     tenant_id: str | None
     claim_id: str | None
     last_error: str | None
+    state_reason: str | None = Field(
+        default=None,
+        description="Why the machine is in its state: the reason given when it entered it "
+        "(a maintenance or broken reason, a failure).",
+    )
     allowed_actions: list[str]
     nics: list[NicOut] = []
     inventory: dict[str, Any] | None = None

@@ -736,3 +736,15 @@ def test_enrollment_rules_cannot_set_a_rack_label(tmp_path) -> None:  # type: ig
     conf.write_text('[[enroll.rules]]\nlabels = { rack = "r07" }\n')
     with pytest.raises(ConfigError, match="machine field"):
         load_config(conf, environ={})
+
+
+def test_why_a_machine_is_held_shows_in_the_list(live: LoopbackApi, capsys) -> None:  # type: ignore[no-untyped-def]
+    """The maintenance reason (and a last error) were nowhere in `machines list`."""
+    rc, _, err = _run(capsys, "machines", "maintenance-on", "node2", "--reason", "reseat GPU 3")
+    assert rc == 0, err
+    rc, out, _ = _run(capsys, "machines", "list")
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("node2")]
+    assert line.split()[0:2] == ["node2", "maintenance"] and line.endswith("reseat GPU 3")
+    assert out.splitlines()[0].split()[-1] == "WHY"
+    rc, out, _ = _run(capsys, "machines", "show", "node2", "-o", "json")
+    assert json.loads(out)["state_reason"] == "reseat GPU 3"

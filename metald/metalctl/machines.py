@@ -26,7 +26,10 @@ COLUMNS = [
     ("LABELS", "labels_s"),
     ("TENANT", "tenant"),
     ("ID", "short_id"),
+    ("WHY", "why"),
 ]
+#: States a machine is held in for a reason someone gave (or a failure): WHY shows it.
+HELD = frozenset({"maintenance", "broken", "repairing", "retired"})
 SHOW_FIELDS = (
     "id",
     "name",
@@ -46,6 +49,7 @@ SHOW_FIELDS = (
     "gpu_count",
     "power_state",
     "tenant_id",
+    "state_reason",
     "last_error",
 )
 #: Actions that take machines out of service (asked about when run on several at once).
@@ -142,6 +146,8 @@ def row(m: dict[str, Any]) -> dict[str, Any]:
     r["gpus"] = f"{m['gpu_count']}x {m['gpu_model']}" if m.get("gpu_count") else "-"
     r["mem"] = round(m["memory_mb"] / 1024) if m.get("memory_mb") else None
     r["labels_s"] = ",".join(f"{k}={v}" for k, v in sorted((m.get("labels") or {}).items()))
+    held = m.get("state") in HELD or str(m.get("state", "")).endswith("-failed")
+    r["why"] = m.get("last_error") or (m.get("state_reason") if held else None) or ""
     return r
 
 

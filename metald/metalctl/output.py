@@ -236,7 +236,13 @@ def emit(args: argparse.Namespace, data: Any, human: Callable[[Any], str]) -> No
 
 
 #: Table fields that show another field shortened or spelt out: ``-o wide`` shows none twice.
-SHOWN_AS = {"short_id": "id", "name_s": "name", "labels_s": "labels", "tenant": "tenant_id"}
+SHOWN_AS = {
+    "short_id": "id",
+    "name_s": "name",
+    "labels_s": "labels",
+    "tenant": "tenant_id",
+    "why": "last_error",
+}
 
 
 def wide_columns(rows: list[dict[str, Any]], columns: Columns) -> Columns:
