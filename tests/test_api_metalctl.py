@@ -748,3 +748,27 @@ def test_why_a_machine_is_held_shows_in_the_list(live: LoopbackApi, capsys) -> N
     assert out.splitlines()[0].split()[-1] == "WHY"
     rc, out, _ = _run(capsys, "machines", "show", "node2", "-o", "json")
     assert json.loads(out)["state_reason"] == "reseat GPU 3"
+
+
+def test_token_scopes_and_claim_images_by_name(live: LoopbackApi, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    assert live.tokens is not None
+    monkeypatch.setenv("METALD_TOKEN", live.tokens.admin)
+    rc, out, err = _run(
+        capsys, "tokens", "create", "--name", "ci", "--role", "orchestrator", "--scope", "acme"
+    )
+    assert rc == 0, err
+    rc, out, _ = _run(capsys, "tokens", "list")
+    (line,) = [ln for ln in out.splitlines() if " ci " in f" {ln} "]
+    assert "acme" in line.split(), line
+    rc, out, err = _run(
+        capsys, "images", "create", "ram", "--kind", "stateless", "--kernel", "k", "--rootfs", "r"
+    )
+    assert rc == 0, err
+    rc, out, err = _run(
+        capsys, "claims", "create", "--tenant", "acme", "--count", "1", "--image", "ram"
+    )
+    assert rc == 0, err
+    rc, out, _ = _run(capsys, "claims", "list")
+    header, *rows = out.splitlines()
+    assert header.split()[:3] == ["ID", "TENANT", "IMAGE"]
+    assert rows and rows[0].split()[1:3] == ["acme", "ram"], rows

@@ -9,7 +9,7 @@ from typing import Any
 from metald.lifecycle import SETTLED
 
 from .client import Client
-from .names import shown, tenant_names
+from .names import image_names, shown, tenant_names
 from .options import Subparsers, confirm, key_values
 from .output import emit, emit_table, machine_readable, render, table
 from .progress import Progress
@@ -17,6 +17,7 @@ from .progress import Progress
 COLUMNS = [
     ("ID", "id"),
     ("TENANT", "tenant"),
+    ("IMAGE", "image"),
     ("COUNT", "count"),
     ("STATE", "state"),
     ("CREATED", "created_at"),
@@ -89,7 +90,15 @@ def claim_table(claim: dict[str, Any]) -> str:
 def list_claims(args: argparse.Namespace, c: Client) -> None:
     page = c.call("GET", "/api/v1/claims")
     tenants = tenant_names(c, (x["tenant_id"] for x in page["items"]))
-    emit_table(args, page, COLUMNS, row=lambda x: dict(x, tenant=shown(tenants, x["tenant_id"])))
+    images = image_names(c, (x.get("image_id") for x in page["items"]))
+    emit_table(
+        args,
+        page,
+        COLUMNS,
+        row=lambda x: dict(
+            x, tenant=shown(tenants, x["tenant_id"]), image=shown(images, x.get("image_id"))
+        ),
+    )
 
 
 def create(args: argparse.Namespace, c: Client) -> None:

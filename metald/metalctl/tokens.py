@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from .client import Client
+from .names import machine_names, shown, tenant_names
 from .options import Subparsers
 from .output import emit, emit_table, machine_readable, render
 
@@ -35,13 +36,21 @@ def register(sub: Subparsers) -> None:
     tr.set_defaults(func=revoke)
 
 
-def _row(t: dict[str, Any]) -> dict[str, Any]:
-    return dict(t, scope_s=",".join(t["scope"]), status="revoked" if t["revoked_at"] else "active")
+def _row(t: dict[str, Any], names: dict[str, str] | None = None) -> dict[str, Any]:
+    scope = [shown(names or {}, s) for s in t["scope"]]
+    return dict(t, scope_s=",".join(scope), status="revoked" if t["revoked_at"] else "active")
 
 
 def list_tokens(args: argparse.Namespace, c: Client) -> None:
+    """Scopes by name: an orchestrator's tenants, an agent's machine."""
     page = c.call("GET", "/api/v1/tokens")
-    emit_table(args, page, COLUMNS, row=_row)
+    scoped = [t for t in page["items"] if t["scope"]]
+    names: dict[str, str] = {}
+    if any(t["role"] == "orchestrator" for t in scoped):
+        names |= tenant_names(c, (s for t in scoped for s in t["scope"]))
+    if any(t["role"] == "agent" for t in scoped):
+        names |= machine_names(c)
+    emit_table(args, page, COLUMNS, row=lambda t: _row(t, names))
 
 
 def create(args: argparse.Namespace, c: Client) -> None:
