@@ -1,7 +1,9 @@
 """One resolver for every ``{id}`` in a path: a full id, a name (machines, tenants, images), or
 a unique id prefix of at least 8 characters. It runs in the routing layer before any handler,
 so every route accepts the same references; what it may match is limited to what the caller's
-token can see, so names and prefixes reveal nothing a scoped token could not list."""
+token can see, so names and prefixes reveal nothing a scoped token could not list. Body and
+query fields marked ``Ref(kind)`` take the same references (``resolve_refs``), resolved after
+validation and before the handler."""
 
 from __future__ import annotations
 
@@ -30,9 +32,6 @@ def path_kinds(path: str) -> dict[str, str]:
         if m.group(1) in KINDS:
             out[m.group(2)] = m.group(1)
     return out
-
-
-__all__ = ["FULL_ID", "KINDS", "Ref", "path_kinds", "resolve", "resolve_refs", "resolve_refs_of"]
 
 
 @dataclass(frozen=True)
@@ -80,12 +79,13 @@ async def resolve_refs(store: Any, principal: Principal | None, value: M) -> M:
     """``value`` (a parsed body or query) with each ``Ref`` field's name or id prefix replaced
     by the id it names, by the rules of a path's ``{id}`` (the caller's visibility, 409 when
     ambiguous, 404 for a too-short prefix). What names nothing is left for the route's 404."""
-    fields = ref_fields(type(value))
-    todo = {n: fields[n] for n in fields if getattr(value, n, None) not in (None, [], "")}
-    if not todo:
+    wanted = {
+        n: (kind, v)
+        for n, (kind, _many) in ref_fields(type(value)).items()
+        if (v := getattr(value, n, None)) not in (None, [], "")
+    }
+    if not wanted:
         return value
-
-    wanted = {n: (kind, getattr(value, n)) for n, (kind, _many) in todo.items()}
     update = await resolve_all(store, principal, wanted)
     return value.model_copy(update=update) if update else value
 
@@ -98,3 +98,6 @@ async def resolve_refs_of(store: Any, principal: Principal | None, req: Any) -> 
     if isinstance(body, BaseModel):
         body = await resolve_refs(store, principal, body)
     return query, body
+
+
+__all__ = ["FULL_ID", "KINDS", "Ref", "path_kinds", "resolve", "resolve_refs", "resolve_refs_of"]
