@@ -13,7 +13,7 @@ from typing import Any
 from sqlmodel import Session, col, or_, select
 
 from metald.auth import Principal, Role
-from metald.errors import Conflict, NotFound
+from metald.errors import Conflict, NotFound, Unprocessable
 from metald.store.models import Bmc, Claim, Image, Machine, Repair, Tenant
 from metald.usecases import ID_SHAPED, Transactions
 
@@ -107,15 +107,25 @@ async def resolve_all(
     store: Transactions, principal: Principal | None, wanted: dict[str, tuple[str, Any]]
 ) -> dict[str, Any]:
     """Several references at once, in one read: ``{field: (kind, ref or list of refs)}`` to
-    ``{field: id or list of ids}`` for the fields whose value changes (``resolve`` for each)."""
+    ``{field: id or list of ids}`` for the fields whose value changes (``resolve`` for each;
+    a too-short prefix is a 422 naming the field, as any invalid field of a request)."""
 
-    def one(s: Session, kind: str, ref: str) -> str:
-        return ref if ID_SHAPED.fullmatch(ref) else resolve(s, principal, kind, ref)
+    def one(s: Session, field: str, kind: str, ref: str) -> str:
+        if ID_SHAPED.fullmatch(ref):
+            return ref
+        try:
+            return resolve(s, principal, kind, ref)
+        except NotFound as e:  # a too-short prefix: in a request's fields, an invalid value
+            raise Unprocessable(f"{field}: {e.detail}") from None
 
     def run(s: Session) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for field, (kind, v) in wanted.items():
-            new: Any = [one(s, kind, r) for r in v] if isinstance(v, list) else one(s, kind, v)
+            new: Any = (
+                [one(s, field, kind, r) for r in v]
+                if isinstance(v, list)
+                else one(s, field, kind, v)
+            )
             if new != v:
                 out[field] = new
         return out
