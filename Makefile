@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 MACHINES ?= 3
 LAB ?= lab
 
-.PHONY: all setup demo test test-long test-fast lint format bench bench-storm-regress bootassets nodeimage lab-up lab-down clean
+.PHONY: all setup demo test test-long test-fast lint format bench bench-storm-regress bootassets ipxe nodeimage lab-up lab-down clean
 
 all: test
 
@@ -47,6 +47,11 @@ bench-storm-regress: setup
 
 bootassets: setup
 	$(PY) -m bootassets build
+
+# metald's own iPXE from source (docs/boot.md): IPXE_SOURCE (tarball or clone) and IPXE_CA
+# (metald's CA certificate) are passed on; ASSETS_DIR, when set, gets the binaries in ipxe/.
+ipxe: setup
+	$(PY) -m bootassets ipxe $(if $(IPXE_SOURCE),--source $(IPXE_SOURCE)) $(if $(IPXE_CA),--ca $(IPXE_CA)) $(if $(ASSETS_DIR),--install $(ASSETS_DIR))
 
 nodeimage: setup
 	$(PY) -m bootassets node

@@ -15,6 +15,8 @@ from api import (
     routes_commissioning,
     routes_console,
     routes_events,
+    routes_firmware,
+    routes_health,
     routes_images,
     routes_instances,
     routes_join,
@@ -64,12 +66,14 @@ ROUTERS: list[Router] = [
     routes_console.router,
     routes_agent.router,
     routes_commissioning.router,
+    routes_firmware.router,
     routes_claims.router,
     routes_images.router,
     routes_tenants.router,
     routes_join.router,
     routes_mesh.router,
     routes_repairs.router,
+    routes_health.router,
 ]
 
 

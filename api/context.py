@@ -15,11 +15,13 @@ from metald.secrets import SecretBox
 from metald.service import Service
 from metald.store import Store
 from metald.tenants.mesh import MeshWatch
+from metald.usecases.firmware import FirmwareUpdater
 
 if TYPE_CHECKING:
     from metald.bmc.console import ConsoleService
     from metald.boot.plane import BootPlane
     from metald.fleet.membership import Membership
+    from metald.healthwatch.watch import HealthWatch
     from metald.nodeguard import TenantNodeGuard
     from metald.provision.watchdog import Watchdog
     from metald.tenants.runtime import TenantRuntime
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
 class BmcApi(Protocol):
     """The BMC service as the API and the workflows below it see it (``metald.bmc.service``'s
     ``BmcService``: the API never imports it, which would reach the BMC drivers). Routes that
-    need more take it as ``Any`` (``api.routes_bmc._bmc``)."""
+    need more take it as ``Any`` (``metald.usecases.bmcs.Bmcs``)."""
 
     name: str
 
@@ -42,6 +44,10 @@ class BmcApi(Protocol):
     ) -> dict[str, Any] | None: ...
 
     async def event_log(self, machine_id: str) -> list[dict[str, Any]]: ...
+
+    async def owner_url(
+        self, *, machine_id: str | None = None, bmc_id: str | None = None
+    ) -> str | None: ...
 
     def after_inspection(self, machine_id: str) -> None: ...
 
@@ -73,6 +79,10 @@ class Services:
     tenant_hubs: TenantRuntime | None = None
     #: Deletes long-dead tokens.
     token_sweeper: TokenSweeper | None = None
+    #: Watches machines in use and remediates them ([health]; docs/health.md).
+    health_watch: HealthWatch | None = None
+    #: Firmware updates through the BMCs (always, in a daemon; ``metald.firmware.service``).
+    firmware: FirmwareUpdater | None = None
     #: Commissioning's background BMC event-log reads (owned, stopped with the daemon).
     sel_reads: SelReads = field(default_factory=SelReads)
     #: The tenant meshes' long-poll wake-ups (no task: nothing to start or stop).

@@ -5,7 +5,7 @@ offset, the ``next`` link)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -57,3 +57,15 @@ def answer(model: type[M], page: Page[Any], p: Paging, req: ApiRequest, **extra:
             **extra,
         }
     )
+
+
+async def listed(
+    req: ApiRequest,
+    model: type[M],
+    fetch: Callable[[Paging], Awaitable[Page[Any]]],
+    **extra: Any,
+) -> M:
+    """A list endpoint's answer: ``fetch`` (a use case's ``list``, bound to the caller and
+    its filters) for the paging the request asked for, as ``answer`` words it."""
+    p = paging(req)
+    return answer(model, await fetch(p), p, req, **extra)

@@ -22,6 +22,7 @@ from api.schemas import (
     In,
     LabelKey,
     LabelValue,
+    ListPage,
     Name,
     PageQuery,
     TenantRef,
@@ -121,12 +122,8 @@ class ClaimOut(BaseModel):
     machines: list[ClaimMachineOut] = []
 
 
-class ClaimList(BaseModel):
-    items: list[ClaimOut]
-    total: int
-    limit: int
-    offset: int
-    next: str | None = Field(default=None, description="The next page, absent on the last.")
+class ClaimList(ListPage[ClaimOut]):
+    """One page of claims."""
 
 
 class ClaimQuery(PageQuery):
@@ -184,9 +181,8 @@ async def create_claim(req: ApiRequest, claims: Claims) -> ClaimOut:
 )
 async def list_claims(req: ApiRequest, claims: Claims) -> ClaimList:
     """Claims visible to the caller (an orchestrator: its tenants' only), newest first."""
-    paging = listing.paging(req)
-    page = await claims.list(req.require_principal(), req.query, paging)
-    return listing.answer(ClaimList, page, paging, req)
+    p = req.require_principal()
+    return await listing.listed(req, ClaimList, lambda paging: claims.list(p, req.query, paging))
 
 
 @router.route(

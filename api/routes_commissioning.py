@@ -10,10 +10,10 @@ from pydantic import BaseModel, Field, StringConstraints
 
 from api import workflows
 from api.roles import AGENT
-from api.routes_bmc import ServiceUnavailable
 from api.routing import ALL_ROLES, STAFF, ApiRequest, Router
 from api.schemas import In
 from metald.commissioning.checks import CheckReport
+from metald.errors import ServiceUnavailable
 from metald.usecases.commissioning import Commissioning
 
 router = Router()

@@ -11,9 +11,10 @@ loader, single-user mode), and what it prints spans tenants (a wipe, the next te
 so orchestrators get none, not even read-only. The caller's token is checked again every
 ``RECHECK_S`` and the socket closed once it is revoked or expired.
 
-In a fleet the BMC's SOL runs on the instance that owns the BMC: another instance proxies
-the WebSocket there with the caller's own credential (the owner authorizes it again), so
-clients need only one URL. A proxied connection is never proxied again; its mark is signed
+In a fleet the BMC's SOL runs on the instance that owns the BMC: the route declares it
+(``owner=Owner.CONSOLE``) and the router proxies the WebSocket there from any other instance
+with the caller's own credential (the owner authorizes it again), so clients need only one URL.
+A proxied connection is never proxied again; its mark is signed
 (``metald.fleet.forward_auth``), so a client cannot claim to be a proxying instance and get a
 non-owner to open its own SOL session. That credential is the
 bearer token, or for the web console's session (which holds none, ``ApiRequest.session``) the
@@ -28,16 +29,14 @@ import contextlib
 import json
 from typing import Literal
 
-import aiohttp
 from aiohttp import WSMsgType, web
 from pydantic import Field
 
-from api.routes_bmc import ForwardFailed, ServiceUnavailable, _bmc, forward_headers, forwarded_by
-from api.routing import STAFF, ApiRequest, Router, bearer_token
+from api.routing import STAFF, ApiRequest, Owner, Router, bearer_token
 from api.schemas import In
-from metald.auth import authenticate
 from metald.bmc.console import ConsoleService, Viewer
-from metald.errors import MetaldError
+from metald.errors import MetaldError, ServiceUnavailable
+from metald.usecases.tokens import still_authenticated
 
 router = Router()
 TAG = "bmcs"
@@ -75,6 +74,8 @@ def _console(req: ApiRequest) -> ConsoleService:
     tag=TAG,
     raw_response="application/octet-stream",
     errors=(404, 409, 426, 429, 502, 503),
+    max_body=MAX_INPUT_BYTES * 2,
+    owner=Owner.CONSOLE,
 )
 async def console(req: ApiRequest) -> web.StreamResponse:
     """Upgrades to a WebSocket carrying the serial console (IPMI Serial-over-LAN through the
@@ -87,10 +88,6 @@ async def console(req: ApiRequest) -> web.StreamResponse:
         )
     machine_id = req.params["id"]
     svc = _console(req)
-    if not forwarded_by(req):
-        url = await _bmc(req).owner_url(machine_id=machine_id)
-        if url is not None:
-            return await _proxy(req, url)
     await svc.check(machine_id)
     q: ConsoleQuery = req.query
     actor = req.actor
@@ -147,7 +144,7 @@ async def _pump(
             if session is not None:
                 if not await session.still_valid():
                     return "the session ended, or its token was revoked or expired"
-            elif await req.ctx.store.run(authenticate, secret) is None:
+            elif not await still_authenticated(req.ctx.store, secret):
                 return "the token was revoked or expired"
 
     async def inbound() -> str:
@@ -199,63 +196,3 @@ async def _pump(
     if not ws.closed and reason != "client left":
         with contextlib.suppress(Exception):
             await ws.send_json({"type": "closed", "detail": reason})
-
-
-async def _proxy(req: ApiRequest, owner_url: str) -> web.StreamResponse:
-    """Carry the WebSocket to the BMC's owner instance, frames as they are, both ways."""
-    headers = forward_headers(req)
-    if req.session is not None:
-        headers |= req.session.forward_headers(owner_url)
-    elif auth := req.raw.headers.get("Authorization"):
-        headers["Authorization"] = auth
-    target = owner_url.rstrip("/") + req.raw.path_qs
-    http = aiohttp.ClientSession()
-    try:
-        try:
-            upstream = await http.ws_connect(target, headers=headers, heartbeat=30.0)
-        except aiohttp.WSServerHandshakeError as e:
-            raise _owner_refusal(e, owner_url) from None
-        except (aiohttp.ClientError, TimeoutError) as e:
-            raise ForwardFailed(
-                f"this machine's BMC is owned by the instance at {owner_url}, which did not "
-                f"answer ({type(e).__name__}); retry, or check that instance",
-                owner_url=owner_url,
-            ) from None
-        ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=MAX_INPUT_BYTES * 2)
-        await ws.prepare(req.raw)
-
-        async def down() -> None:
-            async for m in upstream:
-                if m.type == WSMsgType.BINARY:
-                    await ws.send_bytes(m.data)
-                elif m.type == WSMsgType.TEXT:
-                    await ws.send_str(m.data)
-
-        async def up() -> None:
-            async for m in ws:
-                if m.type == WSMsgType.BINARY:
-                    await upstream.send_bytes(m.data)
-                elif m.type == WSMsgType.TEXT:
-                    await upstream.send_str(m.data)
-
-        loop = asyncio.get_running_loop()
-        tasks = [loop.create_task(down()), loop.create_task(up())]
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        for t in tasks:
-            t.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        await upstream.close()
-        await ws.close()
-        return ws
-    finally:
-        await http.close()
-
-
-def _owner_refusal(e: aiohttp.WSServerHandshakeError, owner_url: str) -> MetaldError:
-    err = MetaldError(
-        f"the instance that owns this machine's BMC ({owner_url}) refused the console "
-        f"with HTTP {e.status}; run the same request there to read its reason"
-    )
-    err.status, err.title = e.status or 502, "Refused by the BMC's owner"
-    return err

@@ -13,7 +13,7 @@ from api.paging import PageQuery
 from api.resolve import Ref
 from api.roles import READERS
 from api.routing import STAFF, ApiRequest, Router
-from api.schemas import In, Name, Text
+from api.schemas import In, ListPage, Name, Text
 from metald.usecases.images import Images
 
 router = Router()
@@ -57,12 +57,8 @@ class ImageQuery(PageQuery):
     SORTABLE = ("name", "kind", "created_at")
 
 
-class ImageList(BaseModel):
-    items: list[ImageOut]
-    total: int
-    limit: int
-    offset: int
-    next: str | None = Field(default=None, description="The next page, absent on the last.")
+class ImageList(ListPage[ImageOut]):
+    """One page of images."""
 
 
 @router.route(
@@ -108,9 +104,8 @@ async def create_image(req: ApiRequest, images: Images) -> ImageOut:
 async def list_images(req: ApiRequest, images: Images) -> ImageList:
     """The images in the catalog, by name, paginated; for an orchestrator, the public ones and
     its tenants'. URL credentials are REDACTED for all but admins."""
-    paging = listing.paging(req)
-    page = await images.list(req.require_principal(), paging)
-    return listing.answer(ImageList, page, paging, req)
+    p = req.require_principal()
+    return await listing.listed(req, ImageList, lambda paging: images.list(p, paging))
 
 
 @router.route(

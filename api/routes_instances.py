@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field
 from api import listing, workflows
 from api.paging import PageQuery
 from api.routing import STAFF, ApiRequest, Router
+from api.schemas import ListPage
 from metald.usecases.instances import Instances
 
 router = Router()
@@ -39,12 +40,9 @@ class InstanceOut(BaseModel):
     owns: InstanceOwns
 
 
-class InstanceList(BaseModel):
-    items: list[InstanceOut]
-    total: int
-    limit: int
-    offset: int
-    next: str | None = Field(default=None, description="The next page, absent on the last.")
+class InstanceList(ListPage[InstanceOut]):
+    """One page of the fleet's instances."""
+
     #: The instance that answered this request.
     answered_by: str
 
@@ -62,6 +60,4 @@ class InstanceList(BaseModel):
 async def list_instances(req: ApiRequest, instances: Instances) -> InstanceList:
     """Every instance recorded in the store with its liveness (by the database's clock) and
     what it owns now. Dead instances stay listed (alive false) with owns.bmcs 0."""
-    paging = listing.paging(req)
-    page = await instances.list(paging)
-    return listing.answer(InstanceList, page, paging, req, answered_by=req.ctx.instance)
+    return await listing.listed(req, InstanceList, instances.list, answered_by=req.ctx.instance)

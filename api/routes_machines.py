@@ -42,6 +42,8 @@ _TECHNICIAN_WRITE: dict[str, Any] = {
     "response": MachineOut,
     "versioned": True,
     "use_case": workflows.machines,
+    "tag": TAG,
+    "errors": (404, 409, 422),
 }
 
 
@@ -73,9 +75,10 @@ async def _change(
 )
 async def list_machines(req: ApiRequest, machines: Machines) -> MachinePage:
     """Machines visible to the caller, filtered and paginated (newest first)."""
-    paging = listing.paging(req)
-    page = await machines.list(req.require_principal(), req.query, paging)
-    return listing.answer(MachinePage, page, paging, req)
+    p = req.require_principal()
+    return await listing.listed(
+        req, MachinePage, lambda paging: machines.list(p, req.query, paging)
+    )
 
 
 @router.route(
@@ -120,8 +123,6 @@ async def show_machine(req: ApiRequest, machines: Machines) -> MachineOut:
     "/api/v1/machines/{id}",
     summary="Rename a machine",
     body=MachinePatch,
-    tag=TAG,
-    errors=(404, 409, 422),
     **_TECHNICIAN_WRITE,
 )
 async def patch_machine(req: ApiRequest, machines: Machines) -> MachineOut:
@@ -136,8 +137,6 @@ async def patch_machine(req: ApiRequest, machines: Machines) -> MachineOut:
     "/api/v1/machines/{id}/labels",
     summary="Edit a machine's labels",
     body=LabelsPatch,
-    tag=TAG,
-    errors=(404, 409, 422),
     **_TECHNICIAN_WRITE,
 )
 async def patch_labels(req: ApiRequest, machines: Machines) -> MachineOut:
@@ -150,8 +149,6 @@ async def patch_labels(req: ApiRequest, machines: Machines) -> MachineOut:
     "/api/v1/machines/{id}/actions",
     summary="Act on a machine",
     body=MachineAction,
-    tag=TAG,
-    errors=(404, 409, 422),
     **_TECHNICIAN_WRITE,
 )
 async def machine_action(req: ApiRequest, machines: Machines) -> MachineOut:
@@ -180,9 +177,7 @@ class TechnicianNote(In):
     "/api/v1/machines/{id}/retry",
     summary="Retry a failed machine",
     body=RetryIn,
-    tag="machines",
-    errors=(404, 409),
-    **_TECHNICIAN_WRITE,
+    **{**_TECHNICIAN_WRITE, "errors": (404, 409)},
 )
 async def retry_machine(req: ApiRequest, machines: Machines) -> MachineOut:
     """Start a failed operation again: provision-failed -> provisioning, wipe-failed -> wiping,
@@ -196,9 +191,7 @@ async def retry_machine(req: ApiRequest, machines: Machines) -> MachineOut:
     "/api/v1/machines/{id}/wipe",
     summary="Wipe a machine",
     body=RetryIn,
-    tag="machines",
-    errors=(404, 409),
-    **_TECHNICIAN_WRITE,
+    **{**_TECHNICIAN_WRITE, "errors": (404, 409)},
 )
 async def wipe_machine(req: ApiRequest, machines: Machines) -> MachineOut:
     """Start a wipe of a machine in maintenance or wipe-failed (e.g. one marked broken during
@@ -212,8 +205,6 @@ async def wipe_machine(req: ApiRequest, machines: Machines) -> MachineOut:
     "/api/v1/machines/{id}/confirm-wipe",
     summary="Confirm a machine's disks were wiped",
     body=TechnicianNote,
-    tag="machines",
-    errors=(404, 409, 422),
     **_TECHNICIAN_WRITE,
 )
 async def confirm_wipe(req: ApiRequest, machines: Machines) -> MachineOut:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from pydantic import BaseModel, Field
 
+from api import workflows
 from api.routing import ApiRequest, Router
 from api.schemas import In
 from metald.errors import Unauthorized
 from metald.tenants import mesh
+from metald.usecases.mesh import Mesh
 
 router = Router()
 
@@ -67,8 +67,9 @@ def _bearer(req: ApiRequest) -> str:
     response=MeshOut,
     tag="tenants",
     errors=(401, 422, 429),
+    use_case=workflows.mesh_nodes,
 )
-async def mesh_sync(req: ApiRequest) -> MeshOut:
+async def mesh_sync(req: ApiRequest, nodes: Mesh) -> MeshOut:
     """Called by a node with its node token (``Authorization: Bearer mnt_...``, from its join
         answer; no other token works here and this token works nowhere else). ``applied`` is the
         mesh generation it has applied, recorded as its acknowledgement (a release waits for it).
@@ -78,20 +79,4 @@ async def mesh_sync(req: ApiRequest) -> MeshOut:
     may hold a few waiting polls and the instance a bounded number (429 with Retry-After beyond;
     the acknowledgement is recorded all the same)."""
     b: MeshSync = req.body
-    secret = _bearer(req)
-    watch = req.ctx.services.mesh_watch
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + b.wait_s
-    v, moved = await req.ctx.store.run(mesh.sync, secret, b.applied)  # the ack comes first
-    if moved:
-        watch.acked(v.tenant_id)
-    gen = v.generation
-    if gen <= b.applied and b.wait_s > 0:
-        # A held poll counts against its node's token and the instance (429 past either).
-        with req.ctx.mesh_polls.holding(token=v.machine_id):
-            while gen <= b.applied and (left := deadline - loop.time()) > 0:
-                await watch.wait_changed(v.tenant_id, min(left, mesh.STORE_POLL_S))
-                gen = await watch.generation(req.ctx.store, v.tenant_id)
-    if gen != v.generation:  # authenticated again: a released node's poll ends in a 401
-        v = await req.ctx.store.run(mesh.view_for_token, secret)
-    return MeshOut.model_validate(v.response())
+    return MeshOut.model_validate(await nodes.sync(_bearer(req), b.applied, b.wait_s))

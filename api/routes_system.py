@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from aiohttp import web
-from sqlalchemy import text
-from sqlmodel import Session
 
 from api.routing import ApiRequest, Router
 from api.schemas import Health
 from metald import __version__, metrics
 from metald.usecases import gauges
+from metald.usecases.system import database_status
 
 router = Router()
 
@@ -17,19 +16,11 @@ router = Router()
 @router.route("GET", "/healthz", summary="Check health", roles=None, response=Health, tag="system")
 async def healthz(req: ApiRequest) -> web.StreamResponse:
     """200 when the database answers, 503 otherwise. No authentication (for load balancers)."""
-
-    def ping(s: Session) -> None:
-        s.exec(text("SELECT 1"))  # type: ignore[call-overload]
-
     fleet = req.ctx.services.fleet
     if fleet is not None and fleet.fenced:
         db = "fenced: no heartbeat confirmed within the lease (not asked)"
     else:
-        try:
-            await req.ctx.store.run(ping)
-            db = "ok"
-        except Exception as e:  # noqa: BLE001 - any database failure is "unhealthy"
-            db = f"error: {type(e).__name__}"
+        db = await database_status(req.ctx.store)
     services = req.ctx.services.health()
     body = Health(
         status="ok" if db == "ok" else "degraded",

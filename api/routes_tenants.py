@@ -82,9 +82,8 @@ async def create_tenant(req: ApiRequest, tenants: Tenants) -> TenantOut:
 )
 async def list_tenants(req: ApiRequest, tenants: Tenants) -> TenantList:
     """Tenants by name, paginated; an orchestrator sees only those in its scope."""
-    paging = listing.paging(req)
-    page = await tenants.list(req.require_principal(), paging)
-    return listing.answer(TenantList, page, paging, req)
+    p = req.require_principal()
+    return await listing.listed(req, TenantList, lambda paging: tenants.list(p, paging))
 
 
 @router.route(

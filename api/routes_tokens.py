@@ -58,8 +58,7 @@ async def create_token(req: ApiRequest, tokens: Tokens) -> TokenCreated:
 async def list_tokens(req: ApiRequest, tokens: Tokens) -> TokenList:
     """Tokens, oldest first, paginated (never their secrets or hashes). Revoked and expired
     tokens are listed until the token purge removes them."""
-    paging = listing.paging(req)
-    return listing.answer(TokenList, await tokens.list(paging), paging, req)
+    return await listing.listed(req, TokenList, tokens.list)
 
 
 @router.route(

@@ -8,6 +8,7 @@ runs, and to generate ``/api/v1/openapi.json`` — so the document cannot drift 
 from __future__ import annotations
 
 import asyncio
+import enum
 import functools
 import json
 import re
@@ -24,13 +25,17 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import to_jsonable_python
 from sqlalchemy import event
 
+from api import forwarding
 from api.paging import INT64_MAX, INT64_MIN, next_link
 from api.problem import problem, validation_problem
-from api.resolve import FULL_ID, path_kinds, resolve, resolve_refs_of
+from api.resolve import path_kinds, resolve_refs_of
 from metald import metrics
-from metald.auth import Principal, Role, lookup, record_first_use
-from metald.errors import MetaldError
+from metald.auth import Principal, Role, record_first_use
+from metald.errors import MetaldError, ServiceUnavailable
+from metald.fleet import forward_auth
 from metald.machines import ConcurrentUpdate
+from metald.usecases.names import resolve_params
+from metald.usecases.tokens import principal_of, record_use
 
 if TYPE_CHECKING:
     from api.context import AppContext
@@ -39,6 +44,21 @@ Handler = Callable[["ApiRequest"], Awaitable[Any]]
 
 ALL_ROLES = frozenset(Role)
 STAFF = frozenset({Role.ADMIN, Role.TECHNICIAN})
+
+
+class Owner(enum.Enum):
+    """Which instance of a fleet runs a route's handler: the one that owns the BMC the path's
+    ``{id}`` names. A route declared with an owner (``Router.route(..., owner=Owner.BMC)``)
+    runs where it lands only on that instance (or in a single instance); on any other, the
+    router carries it there (``api.forwarding``) and answers what the owner answers."""
+
+    #: The BMC ``{id}`` (``/api/v1/bmcs/{id}/...``).
+    BMC = "bmc"
+    #: The BMC of the machine ``{id}`` (``/api/v1/machines/{id}/...``).
+    MACHINE = "machine"
+    #: The BMC of the machine ``{id}``, over a WebSocket carried frame by frame (the serial
+    #: console). A request that is not a WebSocket upgrade runs here (the route refuses it).
+    CONSOLE = "console"
 
 
 @dataclass
@@ -59,7 +79,8 @@ class RouteSpec:
     #: Pass the decoded JSON object to the handler unvalidated (it validates itself, e.g. to
     #: record refusals); ``body`` then only documents the shape.
     raw_body: bool = False
-    #: Body limit for this route when it differs from api.max_body_bytes.
+    #: Body limit for this route when it differs from api.max_body_bytes; for a WebSocket
+    #: route (``Owner.CONSOLE``), the largest frame it takes.
     max_body: int | None = None
     #: For a route that creates (201): the created resource's path, formatted with the
     #: response's fields and the path parameters, sent as ``Location``.
@@ -69,8 +90,8 @@ class RouteSpec:
     #: Builds the use case (``metald.usecases``) the handler delegates to, from the request;
     #: the handler is then called as ``handler(req, use_case)``.
     use_case: Callable[[ApiRequest], Any] | None = None
-    #: Which instance owns the resource the route acts on (not acted on by the router yet).
-    owner: Any = None
+    #: Which instance of a fleet runs the handler (``Owner``); None: whichever it reaches.
+    owner: Owner | None = None
 
     @property
     def path_params(self) -> list[str]:
@@ -207,14 +228,17 @@ class Router:
         location: str | None = None,
         versioned: bool = False,
         use_case: Callable[[ApiRequest], Any] | None = None,
-        owner: Any = None,
+        owner: Owner | None = None,
     ) -> Callable[[Any], Any]:
         def deco(fn: Any) -> Any:
+            handler = fn if use_case is None else _with_use_case(fn, use_case)
+            if owner is not None:
+                handler = _on_owner(handler, owner, response, status, max_body)
             self.specs.append(
                 RouteSpec(
                     method=method.upper(),
                     path=path,
-                    handler=fn if use_case is None else _with_use_case(fn, use_case),
+                    handler=handler,
                     summary=summary,
                     roles=frozenset(roles) if roles is not None else None,
                     body=body,
@@ -250,6 +274,65 @@ def _with_use_case(
     return handler
 
 
+def _on_owner(
+    fn: Handler,
+    owner: Owner,
+    response: type[BaseModel] | None,
+    status: int,
+    max_frame: int | None,
+) -> Handler:
+    """The handler of a route declared with ``owner``: ``fn`` where this instance owns the
+    route's BMC (or was sent the request by the instance that does), else the owner's answer.
+    The API and the web console (``api.ui.dispatch``) both call this, so neither forwards by
+    hand."""
+
+    @functools.wraps(fn)
+    async def handler(req: ApiRequest) -> Any:
+        url = await owner_url(req, owner)
+        if url is None:
+            return await fn(req)
+        headers = forward_auth.sign(
+            req.ctx.secrets, req.raw.method, req.raw.path_qs, req.ctx.instance
+        )
+        if owner is Owner.CONSOLE:
+            if req.session is not None:  # the web console's session holds no bearer token
+                headers |= req.session.forward_headers(url)
+            elif auth := req.raw.headers.get("Authorization"):
+                headers["Authorization"] = auth
+            return await forwarding.proxy_websocket(
+                req.raw, url, headers, max_msg_size=max_frame or 4 * 1024 * 1024
+            )
+        if auth := req.raw.headers.get("Authorization"):
+            headers["Authorization"] = auth
+        body = req.body.model_dump(mode="json") if isinstance(req.body, BaseModel) else None
+        answered, data = await forwarding.forward(req.raw, url, headers, body)
+        out = response.model_validate(data) if response is not None else data
+        if answered == status:
+            return out
+        # Another success than the declared one (202: a command still pending there).
+        shown = out.model_dump(mode="json") if isinstance(out, BaseModel) else out
+        return web.json_response(shown, status=answered)
+
+    return handler
+
+
+async def owner_url(req: ApiRequest, owner: Owner) -> str | None:
+    """The API URL of the instance that owns the BMC ``req``'s path names, when the request
+    must go there; None: run it here (this instance owns it, there is no fleet, or another
+    instance sent it here: a forwarded request is never forwarded again, and its mark must
+    verify, else 403 and nothing runs)."""
+    if owner is Owner.CONSOLE and not web.WebSocketResponse().can_prepare(req.raw).ok:
+        return None
+    if forward_auth.verify(req.ctx.secrets, req.raw.method, req.raw.path_qs, req.raw.headers):
+        return None
+    bmc = req.ctx.services.bmc
+    if bmc is None:
+        raise ServiceUnavailable("BMC control is not running in this metald instance")
+    if owner is Owner.BMC:
+        return await bmc.owner_url(bmc_id=req.params["id"])
+    return await bmc.owner_url(machine_id=req.params["id"])
+
+
 def _article(word: str) -> str:
     return "an" if word[:1] in "aeiou" else "a"
 
@@ -268,7 +351,7 @@ async def _principal(request: web.Request, ctx: AppContext) -> Principal | None:
     secret = bearer_token(request)
     if secret is None:
         return None
-    return await ctx.store.read_aside(lookup, secret)
+    return await principal_of(ctx.store, secret)
 
 
 async def _settle_first_use(
@@ -280,12 +363,7 @@ async def _settle_first_use(
         return
     if areq is not None and areq.first_use_recorded:
         return
-
-    def stamp(s: Any) -> None:
-        record_first_use(s, principal.token_id)
-        s.commit()
-
-    await ctx.store.run(stamp)
+    await record_use(ctx.store, principal.token_id)
     if areq is not None:
         areq.first_use_recorded = True
 
@@ -609,17 +687,8 @@ def make_handler(
                 principal = await _principal(request, ctx)
                 authorize(spec, principal)
             check_path(request.match_info)
-            params = dict(request.match_info)
-            to_resolve = {n: kinds[n] for n in kinds if not FULL_ID.fullmatch(params[n])}
-            if to_resolve:  # a name or an id prefix: the same rules on every route
-                params.update(
-                    await ctx.store.run(
-                        lambda s: {
-                            n: resolve(s, principal, kind, params[n])
-                            for n, kind in to_resolve.items()
-                        }
-                    )
-                )
+            # A name or an id prefix: the same rules on every route.
+            params = await resolve_params(ctx.store, principal, kinds, dict(request.match_info))
             areq = ApiRequest(request, ctx, principal, params=params)
             if request.method not in ("GET", "HEAD"):
                 areq.if_match = parse_if_match(spec, request.headers.get("If-Match"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -43,6 +43,20 @@ Text = Annotated[str, StringConstraints(min_length=1, max_length=500)]
 TenantRef = Annotated[Text, Ref("tenants")]
 ImageRef = Annotated[Text, Ref("images")]
 MachineRef = Annotated[Text, Ref("machines")]
+
+
+Item = TypeVar("Item")
+
+
+class ListPage(BaseModel, Generic[Item]):
+    """One page of a list, as every list endpoint answers it (``api.listing.answer``); each
+    list names its own (``class MachinePage(ListPage[MachineOut])``)."""
+
+    items: list[Item]
+    total: int
+    limit: int
+    offset: int
+    next: str | None = Field(default=None, description="The next page, absent on the last.")
 
 
 class In(BaseModel):
@@ -181,12 +195,8 @@ class MachineOut(BaseModel):
     updated_at: datetime
 
 
-class MachinePage(BaseModel):
-    items: list[MachineOut]
-    total: int
-    limit: int
-    offset: int
-    next: str | None = Field(default=None, description="The next page, absent on the last.")
+class MachinePage(ListPage[MachineOut]):
+    """One page of machines."""
 
 
 # ---- events -----------------------------------------------------------------------------
@@ -288,12 +298,8 @@ class TokenCreated(TokenOut):
     token: str = Field(description="The secret. Shown once; store it now.")
 
 
-class TokenList(BaseModel):
-    items: list[TokenOut]
-    total: int
-    limit: int
-    offset: int
-    next: str | None = Field(default=None, description="The next page, absent on the last.")
+class TokenList(ListPage[TokenOut]):
+    """One page of tokens."""
 
 
 class WhoAmI(BaseModel):
@@ -320,12 +326,8 @@ class TenantOut(BaseModel):
     created_at: datetime
 
 
-class TenantList(BaseModel):
-    items: list[TenantOut]
-    total: int
-    limit: int
-    offset: int
-    next: str | None = Field(default=None, description="The next page, absent on the last.")
+class TenantList(ListPage[TenantOut]):
+    """One page of tenants."""
 
 
 class Health(BaseModel):

@@ -6,19 +6,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from api.context import AppContext
+from metald.bmc.media import boot_url_problem
 from metald.claims.workflow import ClaimWorkflow
 from metald.provision.intents import DeployImage
 from metald.provision.netboot import Provisioner
 from metald.tenants import mesh
 from metald.tenants.runtime import TenantRuntime
 from metald.usecases.agent import Agent
+from metald.usecases.bmcs import Bmcs
 from metald.usecases.claims import Claims
 from metald.usecases.commissioning import Commissioning
 from metald.usecases.events import Events
+from metald.usecases.firmware import Firmware
 from metald.usecases.images import Images
 from metald.usecases.instances import Instances
 from metald.usecases.join import Join
 from metald.usecases.machines import Machines
+from metald.usecases.mesh import Mesh
 from metald.usecases.repairs import Repairs
 from metald.usecases.tenants import Tenants
 from metald.usecases.tokens import Tokens
@@ -72,6 +76,7 @@ def claim_workflow(ctx: AppContext) -> ClaimWorkflow:
         notify=ctx.bus.notify,
         require_bmc=ctx.cfg.enroll.require_bmc,
         mesh=MeshOfContext(ctx),
+        cleanup=ctx.services.firmware if ctx.cfg.provision.use_bmc else None,
     )
 
 
@@ -165,3 +170,26 @@ def repairs(req: ApiRequest) -> Repairs:
         ctx.store, ctx.instance, ctx.bus.notify, rules=ctx.cfg.enroll.rules,
         workflow=claim_workflow(ctx),
     )  # fmt: skip
+
+
+def bmcs(req: ApiRequest) -> Bmcs:
+    ctx = req.ctx
+    return Bmcs(
+        ctx.store,
+        ctx.instance,
+        ctx.bus.notify,
+        ctx.services.bmc,
+        provisioner(ctx).spawn,
+        boot_url_problem=boot_url_problem(ctx.cfg),
+    )
+
+
+def mesh_nodes(req: ApiRequest) -> Mesh:
+    return Mesh(req.ctx.store, req.ctx.services.mesh_watch, req.ctx.mesh_polls)
+
+
+def firmware(req: ApiRequest) -> Firmware:
+    ctx = req.ctx
+    return Firmware(
+        ctx.store, ctx.instance, rules=ctx.cfg.enroll.rules, updates=ctx.services.firmware
+    )

@@ -1,6 +1,7 @@
 """Power-on to ``ready`` for one lab machine, broken down from real sources.
 
     sudo .venv/bin/python bench/boot_path.py [--runs 3] [--firmware bios|uefi-pxe]
+        [--ipxe debian|built|both]
 
 Brings up a vm-lab rack of one machine with metald inside (as ``make demo`` does, commissioning
 off), registers its BMC, powers it on through metald, and waits for ``ready``. Meanwhile:
@@ -15,6 +16,10 @@ off), registers its BMC, powers it on through metald, and waits for ``ready``. M
 
 All on the host's clock, printed as seconds after the power-on command. ``--firmware uefi-pxe``
 boots an OVMF machine whose NIC has no iPXE ROM, so the firmware's own PXE loads snponly.efi.
+``--ipxe built`` hands out metald's own iPXE (bootassets/ipxe.py, built with the lab's CA on
+first use and cached; vmlab.labipxe) instead of Debian's; ``both`` alternates the two run by
+run and prints a median for each (it matters where the firmware loads iPXE: ``uefi-pxe``; BIOS
+machines run the NIC's iPXE ROM).
 The lab is torn down after each run; labs are named per process so this can run next to others.
 """
 
@@ -301,6 +306,8 @@ class Run:
     first_discover: float | None = None
     cpu_first_discover: float | None = None
     boot_order: str = "disk-first"
+    #: whose iPXE DHCP handed out: "debian" or "built" (metald's own)
+    ipxe: str = "debian"
 
 
 def metald_events(db: Path, t0: float) -> list[tuple[float, str, str]]:
@@ -350,13 +357,24 @@ def one_run(
     initrd: Path | None = None,
     uefi_file: str | None = None,
     boot_order: str = "disk-first",
+    ipxe: str = "debian",
 ) -> Run:
     import bootassets.build
     from vmlab.rack import LabRack
 
+    real_ensure_built = bootassets.build.ensure_built
+    assets = None
     if initrd is not None:
         assets = variant_assets(initrd, workdir / "assets")
+    if ipxe == "built":
+        from vmlab.labipxe import assets_with_built_ipxe
+
+        assets = assets_with_built_ipxe(assets or real_ensure_built(), workdir / "assets-ipxe")
+    if assets is not None:
         bootassets.build.ensure_built = lambda *a, **k: assets  # type: ignore[assignment]
+    boot_config = f'ipxe = "{ipxe}"\n'
+    if uefi_file:
+        boot_config += f'uefi_x64_file = "{uefi_file}"\n'
 
     name = f"bp{os.getpid() % 100000}"
     rack = LabRack(
@@ -365,8 +383,9 @@ def one_run(
         machines=1,
         uefi=0 if firmware == "bios" else 1,
         nic_rom=firmware != "uefi-pxe",
-        boot_config=f'uefi_x64_file = "{uefi_file}"\n' if uefi_file else "",
+        boot_config=boot_config,
     )
+    bootassets.build.ensure_built = real_ensure_built  # type: ignore[assignment]
     follower = None
     try:
         m = rack.machines[0]
@@ -416,6 +435,7 @@ def one_run(
                 run.rows.append((c["t"], f"BMC received {c['command']}", f"via {c['face']}"))
         records = [json.loads(x) for x in pcap.read_text().splitlines() if x.strip()]
         run.boot_order = boot_order
+        run.ipxe = ipxe
         for r in records:
             if r["k"] == "dhcp" and r["mac"] == m["mac"]:
                 run.rows.append((r["t"], f"DHCP {r['type']}", ""))
@@ -503,6 +523,13 @@ def main() -> None:
         help="the machine's standing boot order (nic-first: set persistent PXE on its BMC first);"
         " both: alternate the two run by run, one median each",
     )
+    ap.add_argument(
+        "--ipxe",
+        choices=("debian", "built", "both"),
+        default="debian",
+        help="whose iPXE DHCP hands out: Debian's, metald's own build (bootassets/ipxe.py), or"
+        " both, alternating run by run, one median each",
+    )
     ap.add_argument("--initrd", type=Path, help="boot this discovery initramfs instead")
     ap.add_argument("--save", type=Path, help="copy each run's serial log and packets here")
     ap.add_argument(
@@ -517,8 +544,10 @@ def main() -> None:
         raise SystemExit("needs root (network namespaces, taps, QEMU)")
     runs = []
     orders = ["disk-first", "nic-first"] if args.boot_order == "both" else [args.boot_order]
+    ipxes = ["debian", "built"] if args.ipxe == "both" else [args.ipxe]
+    combos = [(o, x) for o in orders for x in ipxes]
     for i in range(args.runs):
-        order = orders[i % len(orders)]
+        order, ipxe = combos[i % len(combos)]
         with tempfile.TemporaryDirectory(prefix="boot-path-") as d:
             run = one_run(
                 Path(d),
@@ -527,6 +556,7 @@ def main() -> None:
                 initrd=args.initrd,
                 uefi_file=args.uefi_file,
                 boot_order=order,
+                ipxe=ipxe,
             )
             if args.save:
                 dest = args.save / f"run{i + 1}"
@@ -534,13 +564,16 @@ def main() -> None:
                 for f in ("serial.txt", "packets.jsonl", "metald.log", "tap.txt"):
                     if (Path(d) / f).exists():
                         (dest / f).write_bytes((Path(d) / f).read_bytes())
-            print(f"\n== run {i + 1}/{args.runs} ({args.firmware}, {order})")
+            print(f"\n== run {i + 1}/{args.runs} ({args.firmware}, {order}, {WHOSE[ipxe]} iPXE)")
             print_run(run)
             runs.append(run)
-    for order in orders:
-        mine = [r for r in runs if r.boot_order == order]
+    for order, ipxe in combos:
+        mine = [r for r in runs if (r.boot_order, r.ipxe) == (order, ipxe)]
         if len(mine) > 1:
-            print_medians(f"{args.firmware}, {order}", mine)
+            print_medians(f"{args.firmware}, {order}, {WHOSE[ipxe]} iPXE", mine)
+
+
+WHOSE = {"debian": "Debian's", "built": "metald's"}
 
 
 def print_medians(name: str, runs: list[Run]) -> None:

@@ -1,6 +1,8 @@
 """``python -m bootassets build|node [--cache DIR] [--force]``: build (or reuse) the boot assets
-(``build``: discovery image and iPXE binaries) or the tenant node image (``node``);
-``iso --boot-url URL --out PATH``: the virtual-media boot ISO (``bootassets.iso``)."""
+(``build``: discovery image and Debian's iPXE binaries) or the tenant node image (``node``);
+``ipxe --ca PEM [--source TARBALL|TREE] [--install ASSETS_DIR]``: metald's own iPXE, built from
+source (``bootassets.ipxe``); ``iso --boot-url URL --out PATH``: the virtual-media boot ISO
+(``bootassets.iso``)."""
 
 from __future__ import annotations
 
@@ -24,10 +26,34 @@ def main(argv: list[str] | None = None) -> int:
     node.add_argument(
         "--force", action="store_true", help="rebuild even if the inputs are unchanged"
     )
+    ipxe = sub.add_parser(
+        "ipxe", help="build iPXE from source with metald's CA, config and embedded script"
+    )
+    ipxe.add_argument("--cache", help="cache folder (default: <repo>/.cache/bootassets)")
+    ipxe.add_argument(
+        "--source",
+        help="an iPXE source tarball or tree, e.g. an upstream clone (default: "
+        "$BOOTASSETS_IPXE_SOURCE, else the newest <repo>/.cache/vendor/ipxe-*.tar.xz)",
+    )
+    ipxe.add_argument(
+        "--ca",
+        help="metald's CA certificate, PEM: the only root trusted for HTTPS "
+        "(default: $BOOTASSETS_IPXE_CA)",
+    )
+    ipxe.add_argument(
+        "--install", metavar="ASSETS_DIR", help="copy the binaries into ASSETS_DIR/ipxe/"
+    )
+    ipxe.add_argument(
+        "--force", action="store_true", help="rebuild even if the inputs are unchanged"
+    )
     iso = sub.add_parser("iso", help="build the virtual-media boot ISO for a metald boot URL")
     iso.add_argument("--boot-url", required=True, help="metald's boot HTTP URL (boot.http_url)")
     iso.add_argument("--out", required=True, help="where to write it: <boot.assets_dir>/...")
     args = parser.parse_args(argv)
+    if args.command == "ipxe":
+        from bootassets.ipxe import main as ipxe_main
+
+        return ipxe_main(args)
     if args.command == "iso":
         from pathlib import Path
 

@@ -65,7 +65,8 @@ class ApiConfig(_Section):
     #: boot.http_listen is empty.
     public_url: str = ""
     #: PEM certificate chain and private key: the staff API speaks HTTPS only (TLS 1.2+).
-    #: Both or neither. The provisioning listener (boot.http_listen) stays plain HTTP.
+    #: Both or neither. The provisioning listener (boot.http_listen) has its own
+    #: (boot.tls_cert, boot.tls_key).
     tls_cert: str = ""
     tls_key: str = ""
     #: Largest accepted request body, in bytes.
@@ -182,6 +183,12 @@ class BootConfig(_Section):
     #: IPv6 prefix advertised as on-link and autonomous in RAs (e.g. "fd00:10::/64"). Empty:
     #: RAs carry no prefix (enough to end iPXE's wait; no IPv6 addresses are configured).
     ra_prefix: IPv6Network | None = None
+    #: Which iPXE binaries DHCP hands out. "auto": metald's own build (``python -m bootassets
+    #: ipxe --install <assets_dir>``: HTTPS pinned to metald's CA, no banner wait, an embedded
+    #: script) from <assets_dir>/ipxe/ for each architecture it is there for, else the file
+    #: named below (Debian's), with the reason logged at start. "built": only the built ones
+    #: (metald does not start without them). "debian": always the files named below.
+    ipxe: Literal["auto", "built", "debian"] = "auto"
     #: Boot file for legacy BIOS PXE clients (option 93 arch 0), under assets_dir.
     bios_file: str = "undionly.kpxe"
     #: Boot file for x86-64 UEFI PXE and UEFI HTTP boot clients (arch 7, 9, 16).
@@ -195,8 +202,15 @@ class BootConfig(_Section):
     #: path answers 404 there, and the staff API (api.listen) stops serving these. Empty: one
     #: listener (api.listen) for everything, with a warning at start.
     http_listen: str = ""
-    #: Base URL iPXE uses for scripts and assets. Empty: http://<server_address>:<http_listen
-    #: port> when http_listen is set, else api.public_url, else http://<server_address>:<api port>.
+    #: PEM certificate chain and private key of the provisioning listener (http_listen): it
+    #: then speaks HTTPS only (TLS 1.2+). A certificate from the CA metald's own iPXE is built
+    #: with (docs/boot.md), so iPXE fetches its script pinned to that CA. Both or neither;
+    #: needs http_listen (one listener: [api] tls_cert).
+    tls_cert: str = ""
+    tls_key: str = ""
+    #: Base URL iPXE uses for scripts and assets. Empty: http(s)://<server_address>:<http_listen
+    #: port> when http_listen is set (https with tls_cert), else api.public_url, else
+    #: http://<server_address>:<api port>.
     http_url: str = ""
     #: Who gets a machine's iPXE script while it carries an agent token (discovery, provision,
     #: wipe). "leased": only the address metald's DHCP bound to that MAC, so another machine
@@ -214,6 +228,19 @@ class BootConfig(_Section):
         if v:
             split_hostport(v)
         return v
+
+    @model_validator(mode="after")
+    def _tls(self) -> BootConfig:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError(
+                "boot.tls_cert and boot.tls_key: set both (HTTPS) or neither (plain HTTP)"
+            )
+        if self.tls_cert and not self.http_listen:
+            raise ValueError(
+                "boot.tls_cert needs boot.http_listen (the provisioning listener it is for); "
+                "with one listener for everything, set [api] tls_cert instead"
+            )
+        return self
 
     @model_validator(mode="after")
     def _leases_known(self) -> BootConfig:
@@ -421,6 +448,10 @@ def assets_root_problem(cfg: Config) -> str | None:
             "admin token, secrets key and database; give boot.assets_dir a folder of its own"
         )
     secrets = {"auth.admin_token_file": cfg.admin_token_path, "state_dir": cfg.secrets_key_path}
+    if cfg.boot.tls_key:
+        secrets["boot.tls_key"] = Path(cfg.boot.tls_key)
+    if cfg.api.tls_key:
+        secrets["api.tls_key"] = Path(cfg.api.tls_key)
     if cfg.store_url.startswith("sqlite:///"):
         secrets["store.url"] = Path(cfg.store_url.removeprefix("sqlite:///"))
     for key, path in secrets.items():
@@ -430,6 +461,29 @@ def assets_root_problem(cfg: Config) -> str | None:
                 "token to the provisioning network; keep it out of the assets folder"
             )
     return None
+
+
+class FirmwareConfig(_Section):
+    """Firmware updates through the BMCs (docs/firmware.md)."""
+
+    #: Where verified images are kept (by SHA-256) and served to BMCs from the boot HTTP
+    #: listener. Empty: <state_dir>/firmware.
+    images_dir: str = ""
+    #: The largest image metald downloads.
+    max_image_mb: int = Field(default=512, ge=1, le=16384)
+    #: Deadline of one image download (the URL of a baseline component).
+    download_timeout_s: float = Field(default=600.0, gt=0)
+    #: How long a BMC may take to accept an offer and to finish its flash task.
+    flash_timeout_s: float = Field(default=3600.0, gt=0)
+    #: How long the new version may take to show once the flash is applied (a host reboot).
+    verify_timeout_s: float = Field(default=900.0, gt=0)
+    #: Seconds between reads of a BMC's update task (and of the version, while verifying).
+    poll_s: float = Field(default=5.0, gt=0)
+    #: At release, BMC accounts kept besides metald's own (the operator's); every other account
+    #: is removed before the machine is wiped (docs/firmware.md).
+    keep_accounts: list[str] = Field(default_factory=list, max_length=64)
+    #: Restore BIOS, remove BMC accounts and check firmware at release (Redfish BMCs).
+    clean_on_release: bool = True
 
 
 class Config(_Section):
@@ -453,6 +507,11 @@ class Config(_Section):
     fleet: FleetConfig = FleetConfig()
     #: Day 2: classification rules, remediation policies and limits (docs/health.md).
     health: HealthConfig = HealthConfig()
+    firmware: FirmwareConfig = FirmwareConfig()
+
+    @property
+    def firmware_images_dir(self) -> Path:
+        return Path(self.firmware.images_dir or Path(self.state_dir) / "firmware")
 
     @property
     def store_url(self) -> str:

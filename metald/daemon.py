@@ -32,6 +32,8 @@ from metald.store import Store
 if TYPE_CHECKING:
     from metald.bmc.service import BmcService
     from metald.boot.plane import BootPlane
+    from metald.firmware.service import FirmwareUpdates
+    from metald.healthwatch.watch import HealthWatch
     from metald.nodeguard import TenantNodeGuard
     from metald.tenants.runtime import TenantRuntime
 
@@ -97,13 +99,18 @@ def only_paths(allowed: Callable[[str], bool], listener: str) -> Any:
     return mw
 
 
-def staff_tls(cfg: Config) -> ssl.SSLContext | None:
-    if not cfg.api.tls_cert:
+def server_tls(cert: str, key: str) -> ssl.SSLContext | None:
+    """A TLS 1.2+ server context for ``cert`` and ``key``, or None when not given."""
+    if not cert:
         return None
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_cert_chain(cfg.api.tls_cert, cfg.api.tls_key)
+    ctx.load_cert_chain(cert, key)
     return ctx
+
+
+def staff_tls(cfg: Config) -> ssl.SSLContext | None:
+    return server_tls(cfg.api.tls_cert, cfg.api.tls_key)
 
 
 class Daemon:
@@ -166,7 +173,9 @@ class Daemon:
             staff.middlewares.insert(0, only_paths(lambda p: not path_allowed(p), "staff API"))
             machines = create_app(self.ctx, extra=extra)
             machines.middlewares.insert(0, only_paths(path_allowed, "provisioning"))
-            await self._serve(machines, machines_listen, None)
+            await self._serve(
+                machines, machines_listen, server_tls(self.cfg.boot.tls_cert, self.cfg.boot.tls_key)
+            )
         elif self.cfg.boot.enabled:
             log.warning(
                 "boot.http_listen is empty: the staff API and the boot, agent and join endpoints "
@@ -186,7 +195,9 @@ class Daemon:
             self.cfg.instance,
             self.cfg.api.listen,
             " (TLS)" if self.cfg.api.tls_cert else "",
-            f", machines on {machines_listen}" if machines_listen else "",
+            f", machines on {machines_listen}{' (TLS)' if self.cfg.boot.tls_cert else ''}"
+            if machines_listen
+            else "",
             "sqlite" if self.store.is_sqlite else "postgresql",
         )
 
@@ -262,6 +273,10 @@ def _build_services(d: Daemon) -> tuple[Services, list[web.RouteDef]]:
         resume_interval_s=d.cfg.fleet.heartbeat_s,
     )
     d.fleet.on_change(watchdog.wake)
+    hubs = _tenant_hubs(d)
+    provision = Provisioner()
+    firmware, firmware_routes = _firmware(d, bmc)
+    routes = [*routes, *firmware_routes]
     services = Services(
         fleet=d.fleet,
         tenant_node_guard=_tenant_node_guard(d),
@@ -277,17 +292,104 @@ def _build_services(d: Daemon) -> tuple[Services, list[web.RouteDef]]:
             viewers_max=d.cfg.bmc.console_viewers_max,
         ),
         # Owns the provisioning steps API calls start in the background, and stops them.
-        provision=Provisioner(),
+        provision=provision,
         watchdog=watchdog,
-        tenant_hubs=_tenant_hubs(d),
+        tenant_hubs=hubs,
         # Deletes tokens revoked or expired more than a day ago, hourly (one instance).
         token_sweeper=TokenSweeper(
             d.store, d.cfg.instance, ownership=d.fleet, tasks=d.tasks.child("token-sweeper")
         ),
+        health_watch=_health_watch(d, bmc, hubs, provision),
+        firmware=firmware,
         sel_reads=SelReads(tasks=d.tasks.child("commissioning_sel")),
         mesh_watch=MeshWatch(),
     )
     return services, routes
+
+
+def _health_watch(
+    d: Daemon, bmc: BmcService, hubs: TenantRuntime | None, provision: Any
+) -> HealthWatch:
+    """Machines in use watched (BMC logs and sensors by their owner, node silence, the tenant's
+    Slurm) and remediated with the tenant's scheduler in the loop (docs/health.md)."""
+    from metald.health.scheduler import TenantScheduler
+    from metald.healthwatch.watch import HealthWatch
+    from metald.healthwatch.workflow import NoScheduler, Remediations
+    from metald.provision.intents import DeployImage
+    from metald.tenants.scheduler import SlurmScheduler
+    from metald.usecases.repairs import RepairQueue
+
+    cfg = d.cfg
+
+    def scheduler_for(tenant_id: str) -> TenantScheduler | None:
+        if hubs is None or not cfg.tenants.control_planes:
+            return NoScheduler()  # the tenant runs its own scheduler: draining is theirs
+        cp = hubs.control_plane(tenant_id)
+        return SlurmScheduler(cp.run) if cp is not None else None  # None: not up yet
+
+    def network_boot(ids: list[str], actor: str) -> None:
+        if cfg.provision.use_bmc:
+            provision.spawn(
+                provision.reboot_all(d.store, bmc, ids, actor=actor, instance=cfg.instance)
+            )
+
+    actor = f"metald:{cfg.instance}"
+    remediations = Remediations(
+        store=d.store,
+        cfg=cfg.health,
+        instance=cfg.instance,
+        scheduler_for=scheduler_for,
+        # The bad machine goes to the technicians' queue with its faults (docs/repairs.md).
+        repair=RepairQueue(instance=cfg.instance, actor=actor),
+        deploy=DeployImage(cfg.provision.deploy_kernel, cfg.provision.deploy_initrd),
+        boot=provision,
+        network_boot=network_boot,
+        require_bmc=cfg.enroll.require_bmc,
+        hubs=hubs,
+        notify=d.bus.notify,
+    )
+    watch = HealthWatch(
+        d.store,
+        cfg.health,
+        cfg.instance,
+        remediations=remediations,
+        table=cfg.health.table(),
+        bmc=bmc,
+        ownership=d.fleet,
+        scheduler_for=scheduler_for,
+        tasks=d.tasks.child("health"),
+    )
+    d.fleet.on_change(watch.wake)
+    return watch
+
+
+def _firmware(d: Daemon, bmc: BmcService) -> tuple[FirmwareUpdates, list[web.RouteDef]]:
+    """Firmware updates through the BMCs, and the route BMCs pull verified images from (on
+    the boot HTTP listener, when this instance serves boot)."""
+    from metald.boot.plane import http_base_url
+    from metald.firmware.images import FirmwareImages
+    from metald.firmware.service import FirmwareUpdates
+
+    fw = d.cfg.firmware
+    images = FirmwareImages(
+        d.cfg.firmware_images_dir,
+        max_bytes=fw.max_image_mb << 20,
+        timeout_s=fw.download_timeout_s,
+    )
+    boot = d.cfg.boot.enabled
+    svc = FirmwareUpdates(
+        d.store,
+        bmc.control,
+        images,
+        fw,
+        d.cfg.instance,
+        rules=lambda: d.cfg.enroll.rules,
+        boot_url=http_base_url(d.cfg) if boot else None,  # else images are pushed
+        tasks=d.tasks.child("firmware"),
+        notify=lambda: d.bus.notify(),
+    )
+    d.fleet.on_change(svc.wake)
+    return svc, images.routes() if boot else []
 
 
 def _boot_plane(d: Daemon) -> tuple[BootPlane | None, list[web.RouteDef]]:

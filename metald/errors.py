@@ -38,3 +38,10 @@ class Forbidden(MetaldError):
 class Unauthorized(MetaldError):
     status = 401
     title = "Unauthorized"
+
+
+class ServiceUnavailable(MetaldError):
+    """A service this instance does not run (BMC control, serial consoles)."""
+
+    status = 503
+    title = "Service unavailable"

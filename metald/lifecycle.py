@@ -84,8 +84,13 @@ ALLOCATED = frozenset(
         S.ACTIVE,
     }
 )
+#: States in which a machine runs its tenant's image: what Day 2 watches (metald.healthwatch).
+IN_USE = frozenset({S.PROVISIONED, S.JOINING, S.ACTIVE})
 #: States in which a machine is not allocated and no operation is under way.
 IDLE = frozenset({S.DISCOVERED, S.READY, S.INSPECT_FAILED, S.COMMISSION_FAILED, S.WIPE_FAILED})
+#: Out of the pool by a technician's hand (nothing claims, boots or wipes them by itself):
+#: where metald flashes firmware (metald.firmware).
+HELD = frozenset({S.MAINTENANCE, S.BROKEN})
 #: States a watchdog times out of, and where it sends them.
 TIMEOUTS: dict[State, Trigger] = {
     S.INSPECTING: T.INSPECT_FAIL,

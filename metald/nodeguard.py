@@ -26,7 +26,7 @@ from metald.store.models import Lease, Machine, Nic, as_utc
 log = logging.getLogger(__name__)
 
 #: What a tenant's machine may ask metald for.
-ALLOWED_PATHS = frozenset({"/api/v1/join", "/api/v1/mesh"})
+ALLOWED_PATHS = frozenset({"/api/v1/join", "/api/v1/mesh", "/api/v1/health/report"})
 ALLOWED_PREFIXES = ("/api/v1/agent/", "/boot/")
 
 

@@ -20,6 +20,7 @@ from metald.events import EventBus
 from metald.secrets import SecretBox
 from metald.store import Store
 from tests.conftest import LAB_BMC_ENV, Tokens, seed
+from tests.waiting import eventually
 
 
 @dataclass
@@ -84,13 +85,9 @@ async def live_api(
 
 
 async def until(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    """Wait for a condition (the timeout only bounds a failing test; it decides nothing)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not cond():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
+    """Wait for a condition (``tests.waiting.eventually``; the timeout only bounds a failing
+    test, it decides nothing)."""
+    await eventually(what, cond, timeout)
 
 
 #: Adjusts the config and fills the store before the app starts (after the seed).
@@ -184,3 +181,28 @@ async def drain_steps(client: TestClient[Any, Any]) -> None:
     from api.workflows import provisioner
 
     await provisioner(client.app[CTX_KEY]).steps.drain()
+
+
+async def link_redfish(
+    client: TestClient[Any, Any],
+    tokens: Tokens,
+    port: int,
+    mid: str | None = None,
+    *,
+    username: str = "admin",
+    password: str = "unused",
+) -> str:
+    """Register the Redfish BMC listening on 127.0.0.1:``port`` over the API (as a
+    technician), linked to machine ``mid`` (the seed's free machine unless told); its id."""
+    mid = mid or tokens.machine_free
+    body = {
+        "address": "http://127.0.0.1",
+        "port": port,
+        "protocol": "redfish",
+        "username": username,
+        "password": password,
+        "machine_id": mid,
+    }
+    r = await client.post("/api/v1/bmcs", json=body, headers=tokens.header("technician"))
+    assert r.status == 201, await r.text()
+    return mid

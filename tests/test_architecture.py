@@ -138,6 +138,7 @@ PREFIX_MODULES = {"bmcs": "routes_bmc", "whoami": "routes_tokens"}
 #: Commissioning's routes on a machine and its agent's live in routes_commissioning.
 SUBSYSTEM_PATHS = {
     "routes_commissioning": ("/api/v1/machines/{id}/commission", "/api/v1/agent/commissioning"),
+    "routes_firmware": ("/api/v1/machines/{id}/firmware/",),
 }
 
 

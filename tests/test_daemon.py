@@ -79,6 +79,7 @@ def test_first_start_writes_admin_token_0600_and_sigterm_stops(daemon) -> None: 
     lines = [json.loads(x) for x in logs.splitlines() if x.startswith("{")]
     assert any("admin token was written" in x["msg"] for x in lines)
     assert any(x["msg"] == "metald stopped" for x in lines)
+    assert any(x["msg"] == "service health started" for x in lines)  # the Day-2 watch
     assert secret not in logs
 
 

@@ -290,6 +290,59 @@ async def test_staff_api_over_tls(tmp_path: Path, running) -> None:  # type: ign
                 await r.read()
 
 
+async def test_provisioning_listener_over_tls(tmp_path: Path, running) -> None:  # type: ignore[no-untyped-def]
+    """boot.tls_cert: machines reach their endpoints over HTTPS only, and the scripts point
+    them at https URLs (what metald's own iPXE, pinned to the CA, fetches)."""
+    tls = tmp_path / "tls"
+    tls.mkdir()
+    cert, key = self_signed(tls)
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (assets / "ipxe.efi").write_bytes(b"efi")
+    port = free_port()
+    extra = f'http_listen = "127.0.0.1:{port}"\ntls_cert = "{cert}"\ntls_key = "{key}"\n'
+    cfg = load_config(boot_config(tmp_path, extra, assets=str(assets)))
+    await running(cfg)
+    trust = ssl.create_default_context(cafile=str(cert))
+    machines = f"https://127.0.0.1:{port}"
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{machines}/boot/52:54:00:00:00:aa.ipxe", ssl=trust) as r:
+            assert r.status == 200
+            assert f"{machines}/boot/assets/" in await r.text()  # https all the way
+        async with http.get(f"{machines}/boot/assets/ipxe.efi", ssl=trust) as r:
+            assert r.status == 200
+        with pytest.raises(aiohttp.ClientError):
+            async with http.get(f"http://127.0.0.1:{port}/boot/assets/ipxe.efi") as r:
+                await r.read()
+        # a client that does not trust the certificate's CA gets nothing
+        with pytest.raises(aiohttp.ClientConnectorCertificateError):
+            async with http.get(f"{machines}/boot/52:54:00:00:00:aa.ipxe") as r:
+                await r.read()
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ('http_listen = "127.0.0.1:1"\ntls_cert = "/x.crt"\n', "set both"),
+        ('tls_cert = "/x.crt"\ntls_key = "/x.key"\n', "needs boot.http_listen"),
+    ],
+)
+def test_provisioning_tls_needs_both_files_and_its_listener(
+    tmp_path: Path, extra: str, words: str
+) -> None:
+    with pytest.raises(ConfigError, match=words):
+        load_config(boot_config(tmp_path, extra, assets=str(tmp_path / "assets")))
+
+
+def test_a_tls_key_may_not_sit_in_the_assets_folder(tmp_path: Path) -> None:
+    assets = tmp_path / "assets"
+    extra = (
+        f'http_listen = "127.0.0.1:1"\ntls_cert = "{assets}/c.pem"\ntls_key = "{assets}/k.pem"\n'
+    )
+    with pytest.raises(ConfigError, match=r"boot.tls_key: .* is inside boot.assets_dir"):
+        load_config(boot_config(tmp_path, extra, assets=str(assets)))
+
+
 def test_tls_needs_both_files(tmp_path: Path) -> None:
     conf = _write(tmp_path / "m.toml", '[api]\ntls_cert = "/x.crt"\n')
     with pytest.raises(ConfigError, match="tls_cert and tls_key"):

@@ -32,7 +32,7 @@ SPAWNS_ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
     ("metald/service.py", "TaskScope._start_host"): (1, "the task-group helper's root"),
     # Request-scoped: the handler awaits (or cancels) these before it answers.
     ("api/routes_console.py", "_pump"): (1, "request-scoped, cancelled by the handler"),
-    ("api/routes_console.py", "_proxy"): (2, "request-scoped, cancelled by the handler"),
+    ("api/forwarding.py", "proxy_websocket"): (2, "request-scoped, cancelled by the handler"),
     ("api/ui/live.py", "Live.events"): (2, "request-scoped, awaited by the handler"),
     # The BMC subsystem, being split into capability interfaces (issue 25, item 3): its
     # service's TaskScope should own these; today each object cancels its own at close/stop,

@@ -12,7 +12,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from api.problem import describe_validation
-from api.resolve import FULL_ID, path_kinds, resolve, resolve_refs_of
+from api.resolve import path_kinds, resolve_refs_of
 from api.routing import (
     ApiRequest,
     Refusal,
@@ -27,6 +27,7 @@ from api.routing import (
 from api.ui.guard import UiRequest
 from metald.errors import MetaldError
 from metald.lifecycle import IllegalTransition
+from metald.usecases.names import resolve_params
 
 
 @dataclass
@@ -83,17 +84,7 @@ class Api:
         try:
             authorize(spec, ui.principal)
             check_path(params)  # ids from the console's forms and links: the API's checks
-            kinds = path_kinds(spec.path)
-            names = {n: kinds[n] for n in kinds if not FULL_ID.fullmatch(params.get(n, ""))}
-            if names:
-                params = {
-                    **params,
-                    **await ui.ctx.store.run(
-                        lambda s: {
-                            n: resolve(s, ui.principal, k, params[n]) for n, k in names.items()
-                        }
-                    ),
-                }
+            params = await resolve_params(ui.ctx.store, ui.principal, path_kinds(spec.path), params)
             areq = ApiRequest(raw, ui.ctx, ui.principal, params=params, session=session)
             if spec.query is not None:
                 areq.query = validate_query(spec.query, query or {})

@@ -53,6 +53,7 @@ NAV = (
     ("tenants", "/ui/tenants", "Tenants", ("GET", "/api/v1/tenants")),
     ("repairs", "/ui/repairs", "Repairs", ("GET", "/api/v1/repairs")),
     ("events", "/ui/events", "Events", ("GET", "/api/v1/events")),
+    ("firmware", "/ui/firmware", "Firmware", ("GET", "/api/v1/firmware/compliance")),
     ("instances", "/ui/instances", "Instances", ("GET", "/api/v1/instances")),
     ("tokens", "/ui/tokens", "Tokens", ("GET", "/api/v1/tokens")),
 )
@@ -459,6 +460,10 @@ class Views:
 
     async def instances(self, ui: UiRequest) -> web.StreamResponse:
         return await self.listing(ui, "instances", "/api/v1/instances", "instances.html")
+
+    async def firmware(self, ui: UiRequest) -> web.StreamResponse:
+        """Machines off their profile's firmware baseline (docs/firmware.md)."""
+        return await self.listing(ui, "firmware", "/api/v1/firmware/compliance", "firmware.html")
 
     async def tokens(self, ui: UiRequest) -> web.StreamResponse:
         return await self.listing(ui, "tokens", "/api/v1/tokens", "tokens.html")

@@ -74,6 +74,38 @@ class FirmwareItem:
 
 
 @dataclass(frozen=True)
+class BmcAccount:
+    """One user account of the BMC (Redfish ``ManagerAccount``)."""
+
+    id: str
+    username: str
+    role: str | None = None
+    enabled: bool | None = None
+
+
+@dataclass(frozen=True)
+class UpdateTask:
+    """A BMC's update task as last read (Redfish ``Task``): where to read it again, its state
+    (New, Starting, Running, Completed, Exception, Killed, Cancelled, ...), how far it is, and
+    its last messages."""
+
+    uri: str
+    state: str
+    percent: int | None = None
+    messages: tuple[str, ...] = ()
+    #: The request that started it (``Payload.JsonBody``), for finding it again after a crash.
+    request: str = ""
+
+    @property
+    def done(self) -> bool:
+        return self.state in ("Completed", "Exception", "Killed", "Cancelled")
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "Completed"
+
+
+@dataclass(frozen=True)
 class BiosSettings:
     """The firmware's current attributes, and those pending until its next boot."""
 

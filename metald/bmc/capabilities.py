@@ -18,12 +18,14 @@ from typing import Any, Protocol, runtime_checkable
 
 from metald.bmc.base import (
     BiosSettings,
+    BmcAccount,
     BootDevice,
     FirmwareItem,
     LogEntry,
     PowerAction,
     PowerState,
     Sensor,
+    UpdateTask,
 )
 from metald.errors import Unprocessable
 
@@ -35,6 +37,8 @@ class Capability(StrEnum):
     SENSORS = "sensors"
     EVENT_LOG = "event-log"
     FIRMWARE = "firmware"
+    FIRMWARE_UPDATE = "firmware-update"
+    ACCOUNTS = "accounts"
     BIOS = "bios"
     VIRTUAL_MEDIA = "virtual-media"
     SERIAL_CONSOLE = "serial-console"
@@ -74,6 +78,38 @@ class EventLog(Protocol):
 @runtime_checkable
 class Firmware(Protocol):
     async def firmware_inventory(self) -> list[FirmwareItem]: ...
+
+
+@runtime_checkable
+class FirmwareUpdate(Protocol):
+    """Flash a firmware component through the BMC (Redfish ``UpdateService``)."""
+
+    async def update_methods(self) -> frozenset[str]:
+        """What the BMC offers: "simple-update" (it pulls the image by URL), "multipart" (the
+        image is pushed to it); BmcUnsupported when neither."""
+
+    async def simple_update(self, image_url: str, item: str) -> UpdateTask:
+        """Ask the BMC to fetch ``image_url`` and flash inventory ``item``; its task."""
+
+    async def push_update(self, image: bytes, item: str, marker: str) -> UpdateTask:
+        """Push ``image`` for ``item`` (``marker`` rides in the request, to find it again)."""
+
+    async def update_task(self, uri: str) -> UpdateTask: ...
+
+    async def find_update_task(self, marker: str) -> UpdateTask | None:
+        """The BMC's task whose request carries ``marker`` (None: the BMC has none)."""
+
+    async def reset_bmc(self) -> None:
+        """Restart the BMC itself (its own new firmware takes effect)."""
+
+
+@runtime_checkable
+class Accounts(Protocol):
+    """The BMC's user accounts (Redfish ``AccountService``)."""
+
+    async def accounts(self) -> list[BmcAccount]: ...
+
+    async def delete_account(self, account_id: str) -> None: ...
 
 
 @runtime_checkable
@@ -130,6 +166,8 @@ INTERFACES: dict[Capability, type] = {
     Capability.SENSORS: Sensors,
     Capability.EVENT_LOG: EventLog,
     Capability.FIRMWARE: Firmware,
+    Capability.FIRMWARE_UPDATE: FirmwareUpdate,
+    Capability.ACCOUNTS: Accounts,
     Capability.BIOS: Bios,
     Capability.VIRTUAL_MEDIA: VirtualMedia,
     Capability.SERIAL_CONSOLE: SerialConsole,

@@ -73,9 +73,10 @@ def boot_url_problem(cfg: Config) -> str | None:
     return None
 
 
-def no_boot_url(cfg: Config, machine_id: str) -> Conflict:
-    """The 409 for a virtual-media boot this instance cannot serve, naming the keys to set."""
-    problem = boot_url_problem(cfg) or "this metald serves no boot HTTP for BMCs"
+def no_boot_url(problem: str | None, machine_id: str) -> Conflict:
+    """The 409 for a virtual-media boot this instance cannot serve, naming the keys to set
+    (``problem``: ``boot_url_problem`` of its configuration)."""
+    problem = problem or "this metald serves no boot HTTP for BMCs"
     return Conflict(
         f"cannot boot machine {machine_id} from virtual media: {problem}; or boot it with "
         '{"via": "network"}'

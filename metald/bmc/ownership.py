@@ -13,11 +13,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import and_, exists, or_, select, update
 from sqlmodel import Session
 
+from metald.errors import Conflict
 from metald.fleet.registry import db_now
-from metald.store.models import Bmc, Instance
+from metald.store.models import Bmc, FirmwareUpdate, Instance
+
+#: Firmware update phases in which the BMC may be writing firmware (metald.firmware.updates'
+#: FLASH_WINDOW): no power command reaches the host then.
+FLASHING_PHASES = ("offering", "flashing")
+
+
+class FlashInProgress(Conflict):
+    title = "Firmware is being flashed"
 
 
 @dataclass(frozen=True)
@@ -95,6 +104,14 @@ def check_and_journal(
     cond = [Bmc.id == bmc_id]
     if generation is not None:
         cond += [Bmc.owner == me, Bmc.generation == generation]
+    flashing = exists().where(
+        FirmwareUpdate.bmc_id == bmc_id,
+        FirmwareUpdate.phase.in_(FLASHING_PHASES),  # type: ignore[attr-defined]
+    )
+    power = command is not None and command.startswith("power:")
+    if power:
+        # Never power the host off (or cycle it) while its BMC may be writing firmware.
+        cond.append(~flashing)
     values: dict[str, object] = (
         {"step": step, "step_command": command, "step_done": False}
         if step is not None
@@ -102,6 +119,12 @@ def check_and_journal(
     )
     res = s.execute(update(Bmc).where(*cond).values(**values))  # type: ignore[arg-type]
     s.commit()
+    if res.rowcount != 1 and power and s.execute(select(flashing)).scalar():  # type: ignore[attr-defined]
+        raise FlashInProgress(
+            f"BMC {bmc_id} is flashing firmware: power commands to its host are refused until "
+            "the update's task ends (GET /api/v1/machines/{id}/firmware/updates)",
+            bmc_id=bmc_id,
+        )
     return res.rowcount == 1  # type: ignore[attr-defined]
 
 

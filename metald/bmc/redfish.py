@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import logging
 import ssl
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -33,6 +35,7 @@ from yarl import URL
 
 from metald.bmc.base import (
     BiosSettings,
+    BmcAccount,
     BmcAuthError,
     BmcDriver,
     BmcEndpoint,
@@ -48,6 +51,7 @@ from metald.bmc.base import (
     PowerState,
     Sensor,
     SystemIdentity,
+    UpdateTask,
 )
 from metald.bmc.capabilities import Capability
 
@@ -98,6 +102,8 @@ class RedfishDriver(BmcDriver):
             Capability.SENSORS,
             Capability.EVENT_LOG,
             Capability.FIRMWARE,
+            Capability.FIRMWARE_UPDATE,
+            Capability.ACCOUNTS,
             Capability.BIOS,
             Capability.VIRTUAL_MEDIA,
         }
@@ -154,7 +160,14 @@ class RedfishDriver(BmcDriver):
     # --- HTTP with auth ---
 
     async def _raw(
-        self, method: str, path: str, body: Any = None, auth: bool = True
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        auth: bool = True,
+        *,
+        form: Callable[[], aiohttp.FormData] | None = None,
+        timeout_s: float | None = None,
     ) -> tuple[int, dict[str, str], Any]:
         headers = {"Accept": "application/json", "OData-Version": "4.0"}
         if auth:
@@ -170,9 +183,12 @@ class RedfishDriver(BmcDriver):
                 f"{self._where} handed back a link off the BMC ({path[:200]!r}); metald follows "
                 f"only relative paths or {self.base} URLs, so it sent nothing there"
             )
+        send: dict[str, Any] = {"data": form()} if form is not None else {"json": body}
+        if timeout_s is not None:
+            send["timeout"] = aiohttp.ClientTimeout(total=timeout_s)
         try:
             async with self._client().request(
-                method, url, json=body, headers=headers, allow_redirects=False
+                method, url, headers=headers, allow_redirects=False, **send
             ) as r:
                 data: Any = None
                 if r.content_type == "application/json":
@@ -182,7 +198,8 @@ class RedfishDriver(BmcDriver):
                 return r.status, dict(r.headers), data
         except TimeoutError:
             err = BmcTimeout(
-                f"{self._where}: no reply to {method} {path} within {self.request_timeout_s:g} s"
+                f"{self._where}: no reply to {method} {path} within "
+                f"{timeout_s or self.request_timeout_s:g} s"
             )
             err.maybe_delivered = method != "GET"
             raise err from None
@@ -219,15 +236,15 @@ class RedfishDriver(BmcDriver):
         self._basic = True
 
     async def _req(
-        self, method: str, path: str, body: Any = None
+        self, method: str, path: str, body: Any = None, **kw: Any
     ) -> tuple[int, dict[str, str], Any]:
         if not self._token and not self._basic:
             await self._login()
-        status, headers, data = await self._raw(method, path, body)
+        status, headers, data = await self._raw(method, path, body, **kw)
         if status == 401 and self._token:
             self._token = None  # the session expired: log in once more
             await self._login()
-            status, headers, data = await self._raw(method, path, body)
+            status, headers, data = await self._raw(method, path, body, **kw)
         if status == 401:
             raise BmcAuthError(f"{self._where}: credentials refused (HTTP 401)")
         if status == 403:
@@ -399,6 +416,173 @@ class RedfishDriver(BmcDriver):
             )
         return out
 
+    # --- firmware updates (UpdateService, TaskService) ---
+
+    async def _update_service(self) -> dict[str, Any]:
+        root = await self._get("/redfish/v1/")
+        svc = (root.get("UpdateService") or {}).get("@odata.id")
+        if not svc:
+            raise BmcUnsupported(f"{self._where}: no UpdateService")
+        return await self._get(svc)
+
+    async def _item_uri(self, svc: dict[str, Any], item: str) -> str:
+        inv = (svc.get("FirmwareInventory") or {}).get("@odata.id")
+        if not inv:
+            raise BmcUnsupported(f"{self._where}: the UpdateService has no FirmwareInventory")
+        for m in (await self._get(inv)).get("Members", [])[:MAX_FIRMWARE_ITEMS]:
+            uri = m.get("@odata.id") if isinstance(m, dict) else None
+            if isinstance(uri, str) and uri.rstrip("/").rsplit("/", 1)[-1] == item:
+                return uri
+        raise BmcUnsupported(f"{self._where}: no firmware inventory item {item!r}")
+
+    async def update_methods(self) -> frozenset[str]:
+        svc = await self._update_service()
+        out = set()
+        if (svc.get("Actions") or {}).get("#UpdateService.SimpleUpdate"):
+            out.add("simple-update")
+        if isinstance(svc.get("MultipartHttpPushUri"), str):
+            out.add("multipart")
+        if not out:
+            raise BmcUnsupported(
+                f"{self._where}: its UpdateService offers neither SimpleUpdate nor a "
+                "MultipartHttpPushUri"
+            )
+        return frozenset(out)
+
+    def _task_of(self, status: int, headers: dict[str, str], data: Any, what: str) -> UpdateTask:
+        if status not in (200, 201, 202, 204):
+            if status in (400, 405, 415, 501):
+                raise BmcUnsupported(f"{self._where}: {what} refused: HTTP {status}{_msg(data)}")
+            raise BmcProtocolError(f"{self._where}: {what} answered HTTP {status}{_msg(data)}")
+        uri = data.get("@odata.id") if isinstance(data, dict) and "TaskState" in data else None
+        uri = uri or headers.get("Location")
+        if not isinstance(uri, str) or not uri:
+            raise BmcProtocolError(f"{self._where}: {what} was accepted but names no task")
+        if same_origin_url(self._origin, uri) is None:
+            foreign_urls.inc()
+            raise BmcProtocolError(
+                f"{self._where}: {what} named a task off the BMC ({uri[:200]!r})"
+            )
+        if isinstance(data, dict) and "TaskState" in data:
+            return _update_task(uri, data)
+        return UpdateTask(uri, "New")
+
+    async def simple_update(self, image_url: str, item: str) -> UpdateTask:
+        svc = await self._update_service()
+        action = (svc.get("Actions") or {}).get("#UpdateService.SimpleUpdate") or {}
+        target = action.get("target")
+        if not isinstance(target, str):
+            raise BmcUnsupported(f"{self._where}: the UpdateService has no SimpleUpdate")
+        body: dict[str, Any] = {"ImageURI": image_url, "Targets": [await self._item_uri(svc, item)]}
+        allowed = action.get("TransferProtocol@Redfish.AllowableValues")
+        scheme = image_url.split(":", 1)[0].upper()
+        if isinstance(allowed, list) and scheme in allowed:
+            body["TransferProtocol"] = scheme
+        status, headers, data = await self._req("POST", target, body)
+        return self._task_of(status, headers, data, "SimpleUpdate")
+
+    async def push_update(self, image: bytes, item: str, marker: str) -> UpdateTask:
+        svc = await self._update_service()
+        push = svc.get("MultipartHttpPushUri")
+        if not isinstance(push, str):
+            raise BmcUnsupported(f"{self._where}: the UpdateService has no MultipartHttpPushUri")
+        params = json.dumps(
+            {"Targets": [await self._item_uri(svc, item)], "Oem": {"metald": {"update": marker}}}
+        )
+
+        def form() -> aiohttp.FormData:
+            f = aiohttp.FormData()
+            f.add_field("UpdateParameters", params, content_type="application/json")
+            f.add_field(
+                "UpdateFile", image, filename="image.bin", content_type="application/octet-stream"
+            )
+            return f
+
+        # An image takes longer than a command: a megabyte per second at least, on top.
+        timeout = self.request_timeout_s + len(image) / 1_000_000
+        status, headers, data = await self._req("POST", push, form=form, timeout_s=timeout)
+        return self._task_of(status, headers, data, "the multipart push")
+
+    async def update_task(self, uri: str) -> UpdateTask:
+        status, _, data = await self._req("GET", uri)
+        if status == 404:
+            raise BmcUnsupported(f"{self._where}: the task {uri} is gone")
+        if status not in (200, 202) or not isinstance(data, dict) or "TaskState" not in data:
+            raise BmcProtocolError(f"{self._where}: task {uri} answered HTTP {status}{_msg(data)}")
+        return _update_task(uri, data)
+
+    async def find_update_task(self, marker: str) -> UpdateTask | None:
+        root = await self._get("/redfish/v1/")
+        # The service root links the TaskService as "Tasks" (some BMCs: "TaskService").
+        ts = (root.get("Tasks") or root.get("TaskService") or {}).get("@odata.id")
+        if not ts:
+            return None
+        svc = ((await self._get(ts)).get("Tasks") or {}).get("@odata.id")
+        if not svc:
+            return None
+        members = (await self._get(svc)).get("Members", [])
+        for m in reversed(members[-MAX_TASKS:]):
+            uri = m.get("@odata.id") if isinstance(m, dict) else None
+            if not isinstance(uri, str):
+                continue
+            t = await self.update_task(uri)
+            if marker in t.request:
+                return t
+        return None
+
+    async def reset_bmc(self) -> None:
+        s = await self._system_resource()
+        managers = (s.get("Links") or {}).get("ManagedBy") or []
+        uri = managers[0].get("@odata.id") if managers and isinstance(managers[0], dict) else None
+        if not isinstance(uri, str):
+            raise BmcUnsupported(f"{self._where}: the system names no managing BMC")
+        manager = await self._get(uri)
+        action = (manager.get("Actions") or {}).get("#Manager.Reset") or {}
+        target = action.get("target")
+        if not isinstance(target, str):
+            raise BmcUnsupported(f"{self._where}: the BMC offers no Manager.Reset")
+        allowed = action.get("ResetType@Redfish.AllowableValues") or ["GracefulRestart"]
+        kind = "GracefulRestart" if "GracefulRestart" in allowed else str(allowed[0])
+        await self._act("POST", target, {"ResetType": kind})
+
+    # --- user accounts (AccountService) ---
+
+    async def _accounts_uri(self) -> str:
+        root = await self._get("/redfish/v1/")
+        svc = (root.get("AccountService") or {}).get("@odata.id")
+        if not svc:
+            raise BmcUnsupported(f"{self._where}: no AccountService")
+        uri = ((await self._get(svc)).get("Accounts") or {}).get("@odata.id")
+        if not uri:
+            raise BmcUnsupported(f"{self._where}: the AccountService lists no Accounts")
+        return str(uri)
+
+    async def accounts(self) -> list[BmcAccount]:
+        out = []
+        for m in (await self._get(await self._accounts_uri())).get("Members", [])[:MAX_ACCOUNTS]:
+            uri = m.get("@odata.id") if isinstance(m, dict) else None
+            if not isinstance(uri, str):
+                continue
+            a = await self._get(uri)
+            user = a.get("UserName")
+            if not isinstance(user, str) or not user:
+                continue  # an empty slot (IPMI-style user tables show them)
+            out.append(
+                BmcAccount(
+                    _text(a.get("Id")) or uri.rstrip("/").rsplit("/", 1)[-1],
+                    _text(user),
+                    _text(a.get("RoleId")) or None,
+                    a.get("Enabled") if isinstance(a.get("Enabled"), bool) else None,
+                )
+            )
+        return out
+
+    async def delete_account(self, account_id: str) -> None:
+        base = await self._accounts_uri()
+        if "/" in account_id or not account_id:
+            raise BmcProtocolError(f"{self._where}: account id {account_id[:40]!r} is not one")
+        await self._act("DELETE", f"{base.rstrip('/')}/{account_id}", None)
+
     async def _bios_links(self) -> tuple[str, str | None]:
         s = await self._system_resource()
         path = (s.get("Bios") or {}).get("@odata.id")
@@ -563,8 +747,28 @@ class RedfishDriver(BmcDriver):
         self._token = None
 
 
-#: A hostile BMC cannot make metald read an unbounded inventory.
+#: A hostile BMC cannot make metald read an unbounded inventory (or task list).
 MAX_FIRMWARE_ITEMS = 64
+MAX_TASKS = 32
+MAX_ACCOUNTS = 64
+
+
+def _update_task(uri: str, data: dict[str, Any]) -> UpdateTask:
+    pct = data.get("PercentComplete")
+    msgs = tuple(
+        _text(m.get("Message"), 200)
+        for m in (data.get("Messages") or [])[-8:]
+        if isinstance(m, dict) and m.get("Message")
+    )
+    payload = data.get("Payload") or {}
+    request = payload.get("JsonBody") if isinstance(payload, dict) else None
+    return UpdateTask(
+        uri,
+        _text(data.get("TaskState")) or "Unknown",
+        max(0, min(100, pct)) if isinstance(pct, int) and not isinstance(pct, bool) else None,
+        msgs,
+        request[:4096] if isinstance(request, str) else "",
+    )
 
 
 def _text(v: Any, limit: int = 128) -> str:

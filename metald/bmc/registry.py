@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import String, cast, func, or_
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from metald.bmc import targets
 from metald.bmc.base import BmcAuthError, BmcEndpoint, BmcError, SystemIdentity
@@ -36,7 +36,7 @@ from metald.bmc.scheduler import Health
 from metald.errors import Conflict, Unprocessable
 from metald.machines import add_event, get_machine, normalize_mac
 from metald.store.db import Store
-from metald.store.models import Bmc, Machine, Nic, utcnow
+from metald.store.models import Bmc, FirmwareUpdate, Machine, Nic, utcnow
 
 PROTOCOLS = ("ipmi", "redfish", "auto")
 #: health_detail of a BMC registered with verify=False until its owner has heard from it.
@@ -381,6 +381,17 @@ class BmcRegistry:
     async def remove(self, bmc_id: str, actor: str = "system") -> None:
         def do(s: Session) -> None:
             row = get_bmc(s, bmc_id)
+            busy = s.exec(
+                select(FirmwareUpdate.id).where(
+                    FirmwareUpdate.bmc_id == bmc_id,
+                    col(FirmwareUpdate.phase).notin_(["done", "failed"]),
+                )
+            ).first()
+            if busy is not None:
+                raise Conflict(
+                    f"BMC {bmc_id} is in the middle of a firmware update ({busy}); remove it "
+                    "once the update has ended (GET /api/v1/machines/{id}/firmware/updates)"
+                )
             add_event(
                 s,
                 "bmc.removed",

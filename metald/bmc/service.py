@@ -15,7 +15,7 @@ from __future__ import annotations
 import builtins
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Concatenate, ParamSpec
 
 from metald.bmc import chassis, firmware, media
 from metald.bmc.base import BmcError, BootTarget, PowerAction
@@ -34,6 +34,22 @@ from metald.store.models import Bmc
 log = logging.getLogger(__name__)
 
 __all__ = ["PROTOCOLS", "BmcCommandFailed", "BmcService", "NoBmc", "NotOwner"]
+
+
+P = ParamSpec("P")
+
+
+def _shown_after(
+    step: Callable[Concatenate[BmcRegistry, P], Awaitable[Bmc]],
+) -> Callable[Concatenate[BmcService, P], Awaitable[dict[str, Any]]]:
+    """A registry step as a method of the service: same arguments, the row it answers shown
+    (``_shown``)."""
+
+    async def call(self: BmcService, /, *args: P.args, **kwargs: P.kwargs) -> dict[str, Any]:
+        return _shown(await step(self.registry, *args, **kwargs))
+
+    call.__doc__ = step.__doc__
+    return call
 
 
 class BmcService:
@@ -100,33 +116,9 @@ class BmcService:
 
     # --- registry ---
 
-    async def register(
-        self,
-        address: str,
-        port: int | None,
-        protocol: str,
-        username: str,
-        password: str,
-        machine_id: str | None = None,
-        verify_tls: bool = True,
-        ca_cert: str | None = None,
-        actor: str = "system",
-        **checks: Any,
-    ) -> dict[str, Any]:
-        """``checks``: ``verify`` and ``own_listeners`` (``BmcRegistry.register``)."""
-        row = await self.registry.register(
-            address,
-            port,
-            protocol,
-            username,
-            password,
-            machine_id,
-            verify_tls,
-            ca_cert,
-            actor,
-            **checks,
-        )
-        return _shown(row)
+    #: ``BmcRegistry.register`` (its arguments: connect, store, link), answering the BMC as
+    #: the API shows it.
+    register = _shown_after(BmcRegistry.register)
 
     async def link(
         self, bmc_id: str, machine_id: str | None, actor: str = "system"

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import ssl
 import sys
 from pathlib import Path
 
@@ -38,7 +39,12 @@ async def run(cfg: Config) -> None:
     runner = web.AppRunner(app, access_log=logging.getLogger("metald.boot.http.access"))
     await runner.setup()
     host, port = split_hostport(cfg.api.listen)
-    site = web.TCPSite(runner, host, port)
+    tls = None
+    if cfg.api.tls_cert:  # as the daemon's staff listener: HTTPS with the given certificate
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.minimum_version = ssl.TLSVersion.TLSv1_2
+        tls.load_cert_chain(cfg.api.tls_cert, cfg.api.tls_key)
+    site = web.TCPSite(runner, host, port, ssl_context=tls)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -29,28 +29,76 @@ log = logging.getLogger(__name__)
 
 
 def http_base_url(cfg: Config) -> str:
-    """How machines reach HTTP boot: boot.http_url, the provisioning listener's port,
-    api.public_url, or server_address:<api port>."""
+    """How machines reach HTTP boot: boot.http_url, the provisioning listener's port (https
+    with boot.tls_cert), api.public_url, or server_address:<api port>."""
     if cfg.boot.http_url:
         return cfg.boot.http_url.rstrip("/")
     if cfg.boot.http_listen:
         _, port = split_hostport(cfg.boot.http_listen)
-        return f"http://{cfg.boot.server_address}:{port}"
+        scheme = "https" if cfg.boot.tls_cert else "http"
+        return f"{scheme}://{cfg.boot.server_address}:{port}"
     if cfg.api.public_url:
         return cfg.api.public_url.rstrip("/")
     _, port = split_hostport(cfg.api.listen)
     return f"http://{cfg.boot.server_address}:{port}"
 
 
-def boot_files(cfg: Config) -> BootFiles:
+#: Where ``python -m bootassets ipxe --install`` puts metald's own iPXE under boot.assets_dir.
+BUILT_IPXE_DIR = "ipxe"
+#: The architectures metald builds iPXE for (bootassets/ipxe.py); 32-bit UEFI is not built.
+_BUILT_ARCHS = (("bios", "BIOS"), ("uefi_x64", "x86-64 UEFI"), ("uefi_arm64", "arm64 UEFI"))
+
+
+def choose_boot_files(cfg: Config) -> tuple[BootFiles, list[str]]:
+    """The boot files DHCP hands out, and why any architecture gets Debian's iPXE instead of
+    metald's build (``boot.ipxe``): ``ipxe/<name>`` under boot.assets_dir where that file is
+    there, else ``<name>`` itself. ConfigError when ``boot.ipxe = "built"`` and one is missing."""
     b = cfg.boot
-    return BootFiles(
-        bios=b.bios_file,
-        uefi_x64=b.uefi_x64_file,
-        uefi_ia32=b.uefi_ia32_file,
-        uefi_arm64=b.uefi_arm64_file,
+    names = {
+        "bios": b.bios_file,
+        "uefi_x64": b.uefi_x64_file,
+        "uefi_ia32": b.uefi_ia32_file,
+        "uefi_arm64": b.uefi_arm64_file,
+    }
+    reasons: list[str] = []
+    if b.ipxe != "debian":
+        root = Path(b.assets_dir) if b.assets_dir else None
+        missing = []
+        for key, what in _BUILT_ARCHS:
+            built = f"{BUILT_IPXE_DIR}/{names[key]}"
+            if root is not None and (root / built).is_file():
+                names[key] = built
+            else:
+                missing.append(f"{what} ({built})")
+        if missing:
+            where = f"{b.assets_dir}/{BUILT_IPXE_DIR}" if b.assets_dir else "boot.assets_dir"
+            if b.ipxe == "built":
+                raise ConfigError(
+                    f'invalid config: boot.ipxe = "built" but {where} has no {", ".join(missing)}; '
+                    f"build and install it with python -m bootassets ipxe --ca <metald's CA> "
+                    f"--install {b.assets_dir or '<assets_dir>'} (docs/boot.md), or set "
+                    f'boot.ipxe = "auto"'
+                )
+            reasons.append(
+                f"no metald-built iPXE for {', '.join(missing)} in {where}: those machines get "
+                "the file named in [boot] (Debian's iPXE: script over plain HTTP, a 2 s banner "
+                "wait); build it with python -m bootassets ipxe --install (docs/boot.md)"
+            )
+    files = BootFiles(
+        bios=names["bios"],
+        uefi_x64=names["uefi_x64"],
+        uefi_ia32=names["uefi_ia32"],
+        uefi_arm64=names["uefi_arm64"],
         http_base=http_base_url(cfg),
     )
+    return files, reasons
+
+
+def boot_files(cfg: Config) -> BootFiles:
+    files, reasons = choose_boot_files(cfg)
+    for reason in reasons:
+        log.warning("boot: %s", reason)
+    return files
 
 
 def join_fleet(

@@ -367,3 +367,54 @@ def _allocate_or_explain(
         # Some are locked by claims still in flight (PostgreSQL, SKIP LOCKED): they commit or
         # roll back within milliseconds, so look again shortly.
         time.sleep(random.uniform(0.005, 0.05))
+
+
+def claim_replacement(
+    session: Session,
+    claim: Claim,
+    actor: str,
+    *,
+    reason: str,
+    deploy: DeployImage,
+    instance: str | None = None,
+    require_bmc: bool | None = None,
+) -> Machine | None:
+    """One more machine for ``claim``, of its selector and image, locked and moved to
+    ``claimed`` like the claim's own (``create_claim``) but not committed: the caller records
+    what it was claimed for in the same transaction (a remediation's replacement, so a crash
+    never claims two). None when no free machine matches."""
+    selector = Selector.from_dict(claim.selector)
+    image = get_image(session, claim.image or "", claim.tenant_id)
+    intent = provision_intent(image.id, image.kind, image.spec, deploy)
+    claimable = _claimable(bmc_required(session, require_bmc))
+    dialect = session.get_bind().dialect.name
+    stmt, exact = selector.narrow(claimable(select(Machine)), dialect)
+    if not exact:
+        cand, _ = selector.narrow(claimable(select(*_MATCH_COLUMNS)), dialect)
+        ids = [m.id for m in session.exec(cand).all() if selector.matches(m)]
+        stmt = claimable(select(Machine).where(col(Machine.id).in_(ids)))
+    m = session.exec(
+        stmt.order_by(col(Machine.gpu_count), col(Machine.memory_mb), col(Machine.id))
+        .limit(1)
+        .with_for_update(skip_locked=True)
+        .execution_options(populate_existing=True)
+    ).first()
+    if m is None or not selector.matches(m):
+        return None
+    return machines.transition(
+        session,
+        m.id,
+        Trigger.CLAIM,
+        actor=actor,
+        reason=reason,
+        expected_version=m.version,
+        updates={
+            "tenant_id": claim.tenant_id,
+            "claim_id": claim.id,
+            "boot_intent": intent,
+            "wipe_required": True,
+        },
+        data={"claim_id": claim.id},
+        instance=instance,
+        commit=False,
+    )

@@ -43,6 +43,15 @@ class MeshRelease(Protocol):
     async def released(self, tenant_id: str, machine_ids: list[str], actor: str) -> object: ...
 
 
+class ReleaseCleanup(Protocol):
+    """Puts released machines' BMCs back before their wipe (``metald.firmware.release``):
+    BIOS profile, BMC accounts, firmware checked. Returns the machines held, not wiped."""
+
+    async def after_release(
+        self, machine_ids: list[str], claim_id: str | None, actor: str
+    ) -> list[str]: ...
+
+
 class BootControl(Protocol):
     """The provisioning runner (``metald.provision.netboot.Provisioner``) as the flows use it: database
     steps run inside the flow's transaction, the BMC steps in the background."""
@@ -109,6 +118,8 @@ class ClaimWorkflow:
     require_bmc: bool | None = None
     #: The tenant mesh, told of released machines before they are wiped.
     mesh: MeshRelease | None = None
+    #: Restores BIOS settings and BMC accounts and checks firmware before the wipe.
+    cleanup: ReleaseCleanup | None = None
 
     def network_boot(self, machine_ids: list[str], actor: str) -> None:
         """Boot machines a step outside this workflow moved into a network-booting state."""
@@ -193,8 +204,26 @@ class ClaimWorkflow:
                 await self.mesh.released(tenant_id, wiping, actor)
             except Exception:
                 log.exception("mesh update after releasing claim %s failed", claim_id)
-        self._boot_from_network(wiping, actor)
+        if wiping and self.cleanup is not None:
+            # In the background, machine by machine through its BMC: then the wipe boots.
+            self.boot.spawn(self._clean_then_wipe(wiping, claim_id, actor))
+        else:
+            self._boot_from_network(wiping, actor)
         return out
+
+    async def _clean_then_wipe(self, machine_ids: list[str], claim_id: str, actor: str) -> None:
+        assert self.cleanup is not None
+        held: list[str] = []
+        try:
+            held = await self.cleanup.after_release(machine_ids, claim_id, actor)
+        except Exception:  # the wipe still runs: a clean-up that broke must not keep data
+            log.exception("release clean-up of claim %s failed", claim_id)
+        self.notify()
+        wipe = [m for m in machine_ids if m not in held]
+        if wipe:
+            await self.boot.reboot_all(
+                self.store, self.bmc, wipe, actor=actor, instance=self.instance
+            )
 
     async def _on_machine(
         self,

@@ -19,7 +19,7 @@ from metald.commissioning.parsers.gpu_text import HARDWARE_XIDS
 from metald.health.signals import Kind, Signal
 
 #: Bumped whenever a built-in rule changes what it matches or the severity it gives.
-TABLE_VERSION = "1"
+TABLE_VERSION = "2"
 
 
 class Severity(StrEnum):
@@ -84,7 +84,8 @@ def _bmc_log_rules(kind: Kind, p: str) -> list[Rule]:
     return [
         Rule(f"{p}-deasserted", kind, r".*(deassert|recovered|no longer|restored).*", N,
              "the event ended (a deassertion is no fault)"),
-        Rule(f"{p}-memory-uncorrectable", kind, r".*uncorrectable ecc.*", F,
+        # pyghmi names an IPMI memory record "Memory Sensor ... Uncorrectable error"
+        Rule(f"{p}-memory-uncorrectable", kind, r".*(uncorrectable ecc|memory.*uncorrectable).*", F,
              "uncorrectable memory ECC", part="dimm"),
         Rule(f"{p}-cpu-fatal", kind,
              r".*(\bierr\b|uncorrectable machine check|machine check exception|\bfrb[123]\b).*",

@@ -79,6 +79,16 @@ class HealthConfig(_Model):
     #: By SKU name; wins over ``policy``.
     sku_policies: dict[str, PolicyConfig] = Field(default_factory=dict)
     limits: LimitsConfig = LimitsConfig()
+    #: The interval metald tells each node agent to report at.
+    report_interval_s: int = Field(default=15, ge=1, le=3600)
+    #: A node reporting again sooner than this gets 429 with Retry-After (nothing recorded).
+    report_min_interval_s: float = Field(default=3.0, ge=0, le=3600)
+    #: How often the BMC's owner reads each in-use machine's BMC event log and sensors.
+    bmc_interval_s: float = Field(default=20.0, ge=1, le=86400)
+    #: How often the watch looks for silent nodes and advances remediations.
+    watch_interval_s: float = Field(default=5.0, ge=0.2, le=3600)
+    #: Off: nothing is read, recorded or remediated (the report route still answers).
+    enabled: bool = True
 
     @model_validator(mode="after")
     def _ids(self) -> HealthConfig:

@@ -59,9 +59,6 @@ def register(sub: Subparsers) -> None:
     machine_ref(lp.add_argument("id", help="machine id, name or id prefix"))
     lp.add_argument("state", nargs="?", choices=("on", "off", "status"), default="status")
     lp.set_defaults(func=locate)
-    fp = sub.add_parser("firmware", help="firmware versions the machine's BMC reports")
-    machine_ref(fp.add_argument("id", help="machine id, name or id prefix"))
-    fp.set_defaults(func=firmware)
     bp2 = sub.add_parser("bios", help="BIOS settings: show, or set desired attributes")
     machine_ref(bp2.add_argument("id", help="machine id, name or id prefix"))
     bp2.add_argument(

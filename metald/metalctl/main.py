@@ -11,13 +11,24 @@ import argcomplete
 
 from metald import __version__
 
-from . import bmc, claims, events, images, instances, machines, tenants, tokens, whoami
+from . import (
+    bmc,
+    claims,
+    events,
+    firmware,
+    images,
+    instances,
+    machines,
+    tenants,
+    tokens,
+    whoami,
+)
 from .client import ApiError, Client
 from .options import DEFAULT_URL, Parser, UsageError
 from .output import UnknownField, output_format
 
 #: Resource modules in the order their commands appear in ``metalctl --help``.
-RESOURCES = (machines, events, tokens, tenants, whoami, bmc, images, claims, instances)
+RESOURCES = (machines, events, tokens, tenants, whoami, bmc, firmware, images, claims, instances)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Only when a shell asks (it sets _ARGCOMPLETE): prints the candidates and exits.
     argcomplete.autocomplete(parser)
-    argv = hoist_output(list(sys.argv[1:] if argv is None else argv))
+    argv = firmware.fix_argv(hoist_output(list(sys.argv[1:] if argv is None else argv)))
     args = parser.parse_args(argv)
     args.json = args.output == "json"
     args.noun = NOUNS.get(args.cmd, args.cmd)  # -o name: machine/r07-u12

@@ -545,3 +545,168 @@ class Repair(SQLModel, table=True):
     outcome_reason: str | None = None
     #: Bumped by every write; writers compare-and-swap on it.
     version: int = 1
+
+
+class HealthFault(SQLModel, table=True):
+    """One fault of a machine in use (``metald.health.trust.Fault``), open until a trusted
+    witness clears it, a repair ends it, or (transient) it expires. ``open_key`` is the fault's
+    key while it is open and NULL once cleared: one open row per key, however many instances
+    record it at once."""
+
+    __tablename__ = "health_faults"
+    __table_args__ = (
+        UniqueConstraint("open_key", name="uq_health_faults_open_key"),
+        Index("ix_health_faults_machine_cleared", "machine_id", "cleared_at"),
+    )
+
+    id: str = Field(default_factory=new_id, primary_key=True)
+    machine_id: str = Field(foreign_key="machines.id")
+    open_key: str | None = None
+    #: bmc, metald, scheduler, node (set by the code path that received the signal).
+    witness: str
+    kind: str
+    subject: str
+    code: str
+    #: fatal, degraded, transient.
+    severity: str
+    #: The classification rule that decided, its sentence, and the part to look at.
+    rule: str
+    why: str = ""
+    part: str = ""
+    evidence: str = Field(sa_column=Column(Text, nullable=False))
+    table_version: str
+    first_at: datetime = _ts()
+    last_at: datetime = _ts()
+    #: How many signals it has seen.
+    count: int = 1
+    cleared_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    #: Who or what cleared it: the witness, "expired", "repaired".
+    cleared_by: str | None = None
+
+
+class BmcLogCursor(SQLModel, table=True):
+    """How far a BMC's event log was read for health (SEL record id or Redfish entry id), and
+    the keys of the entries seen, so each read turns only new entries into signals."""
+
+    __tablename__ = "bmc_log_cursors"
+
+    bmc_id: str = Field(foreign_key="bmcs.id", primary_key=True)
+    last_id: str | None = None
+    #: ``metald.commissioning.parsers.bmc_sel.entry_key`` of the entries seen (bounded).
+    keys: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    entries: int = 0
+    read_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    #: The instance that read it last (the BMC's owner then).
+    reader: str | None = None
+
+
+class NodeHeartbeat(SQLModel, table=True):
+    """A machine's last node report (the agent's heartbeat): silence is measured from it."""
+
+    __tablename__ = "node_heartbeats"
+
+    machine_id: str = Field(foreign_key="machines.id", primary_key=True)
+    #: The claim the machine was in at that report: silence counts only within the same claim
+    #: (a machine claimed again is not silent for its old report).
+    claim_id: str | None = None
+    last_at: datetime = _ts()
+    reports: int = 0
+    #: Parts of the last report metald could not read, in a sentence each.
+    unreadable: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+
+
+class Remediation(SQLModel, table=True):
+    """One remediation of a machine of a claim (``metald.health.remediation``): its step, the
+    claim's policy as it was when it started, the replacement claimed in its place, and the
+    instance driving it. ``open_machine`` is the machine id until done (NULL after): one open
+    remediation per machine. Steps are written with a compare-and-swap on ``version``."""
+
+    __tablename__ = "remediations"
+    __table_args__ = (
+        UniqueConstraint("open_machine", name="uq_remediations_open_machine"),
+        UniqueConstraint("replacement_id", name="uq_remediations_replacement"),
+        Index("ix_remediations_step", "step"),
+    )
+
+    id: str = Field(default_factory=new_id, primary_key=True)
+    machine_id: str = Field(foreign_key="machines.id", index=True)
+    open_machine: str | None = None
+    claim_id: str = Field(foreign_key="claims.id", index=True)
+    tenant_id: str = Field(foreign_key="tenants.id", index=True)
+    rack: str | None = None
+    #: The machine's node name in the tenant's scheduler.
+    node: str
+    step: str
+    severity: str
+    evidence: str = Field(sa_column=Column(Text, nullable=False))
+    policy: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    drained_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    #: The machine claimed in its place (written in the transaction that claims it).
+    replacement_id: str | None = None
+    #: The last decision's sentence (also on the claim's event stream).
+    reason: str = ""
+    #: The instance that wrote the last step (the tenant hub's owner then).
+    owner: str | None = None
+    version: int = 1
+    created_at: datetime = _ts()
+    updated_at: datetime = _ts()
+    done_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+
+
+class FirmwareBaseline(SQLModel, table=True):
+    """One version of a SKU profile's firmware baseline (``metald.firmware.baselines``): the
+    wanted version of each component, with the image's URL and SHA-256. A change is a new
+    row (version + 1); the newest version of a profile is the one machines are held to."""
+
+    __tablename__ = "firmware_baselines"
+    __table_args__ = (UniqueConstraint("profile", "version", name="uq_firmware_baseline_version"),)
+
+    id: str = Field(default_factory=new_id, primary_key=True)
+    #: The commissioning (SKU) profile's name, as the enroll rules give it.
+    profile: str = Field(index=True)
+    version: int
+    components: list[dict[str, Any]] = Field(
+        default_factory=list, sa_column=Column(JSON, nullable=False)
+    )
+    note: str | None = None
+    created_by: str
+    created_at: datetime = _ts()
+
+
+class FirmwareUpdate(SQLModel, table=True):
+    """One component's update on one machine through its BMC (``metald.firmware.updates``):
+    every step is recorded here before it is taken, so whoever owns the BMC next resumes it
+    from the BMC's task instead of flashing again."""
+
+    __tablename__ = "firmware_updates"
+    __table_args__ = (Index("ix_firmware_updates_machine_phase", "machine_id", "phase"),)
+
+    id: str = Field(default_factory=new_id, primary_key=True)
+    machine_id: str = Field(foreign_key="machines.id", index=True)
+    #: The BMC it went through (no foreign key: the record outlives a BMC removed later).
+    bmc_id: str = Field(index=True)
+    profile: str
+    baseline_version: int
+    #: The baseline component and the FirmwareInventory item it updates.
+    component: str
+    item: str
+    version_before: str | None = None
+    version: str
+    sha256: str
+    apply: str
+    #: How the image reaches the BMC: simple-update (the BMC pulls it) or multipart (pushed).
+    transfer: str | None = None
+    #: queued, offering, flashing, applying, verifying, done, failed (``updates.PHASES``).
+    phase: str = Field(index=True)
+    #: The BMC's task monitor (or Task resource) for the flash, once the BMC accepted it.
+    task_uri: str | None = None
+    percent: int | None = None
+    #: Each step as taken: [{"step": ..., "at": ...}] (bounded).
+    journal: list[dict[str, Any]] = Field(
+        default_factory=list, sa_column=Column(JSON, nullable=False)
+    )
+    error: str | None = None
+    requested_by: str
+    created_at: datetime = _ts()
+    updated_at: datetime = _ts()
+    finished_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))

@@ -57,6 +57,15 @@ class SlurmScheduler:
             raise SchedulerError(f"scontrol show node {node} failed: {_one_line(r.stderr)}")
         return slurmstate.node_status(slurmstate.parse_show_node(r.stdout))
 
+    def node_states(self) -> dict[str, NodeStatus]:
+        """Every node's state in one call (what the health watch reads each interval)."""
+        out = {}
+        for line in self._ok("scontrol", "show", "node", "-o").splitlines():
+            fields = slurmstate.parse_show_node(line)
+            if fields.get("NodeName"):
+                out[fields["NodeName"]] = slurmstate.node_status(fields)
+        return out
+
     def running_jobs(self, node: str) -> list[str]:
         """Ids of the jobs on ``node``; none when the scheduler has no such node."""
         r = self._call("squeue", "-h", "-w", node, "-t", _ON_NODE, "-o", "%i")

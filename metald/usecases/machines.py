@@ -19,7 +19,7 @@ from metald.auth import Principal, Role, revoke_machine_tokens
 from metald.claims.workflow import ClaimWorkflow
 from metald.errors import Conflict, NotFound, Unprocessable
 from metald.lifecycle import Trigger, allowed_triggers
-from metald.store.models import Event, Machine, Nic
+from metald.store.models import Event, FirmwareUpdate, Machine, Nic
 from metald.usecases import ID_SHAPED, Transactions
 from metald.usecases.reads import Page, Pager, page
 
@@ -302,6 +302,19 @@ class Machines:
                     f"machine {m.id} has never been inspected, so it cannot go straight to "
                     "ready; use the 'inspect' action instead"
                 )
+            if trigger in (Trigger.MAINTENANCE_OFF, Trigger.INSPECT, Trigger.RETIRE):
+                busy = s.exec(
+                    select(FirmwareUpdate.id).where(
+                        FirmwareUpdate.machine_id == m.id,
+                        col(FirmwareUpdate.phase).notin_(["done", "failed"]),
+                    )
+                ).first()
+                if busy is not None:
+                    raise Conflict(
+                        f"machine {m.id} has a firmware update under way ({busy}); it stays "
+                        "out of the pool until the update ends "
+                        "(GET /api/v1/machines/{id}/firmware/updates)"
+                    )
             if trigger is Trigger.INSPECT:
                 updates["boot_intent"] = {"action": "inspect"}
             if trigger is Trigger.RETIRE:

@@ -15,7 +15,7 @@ from sqlmodel import Session, col, or_, select
 from metald.auth import Principal, Role
 from metald.errors import Conflict, NotFound, Unprocessable
 from metald.store.models import Bmc, Claim, Image, Machine, Repair, Tenant
-from metald.usecases import ID_SHAPED, Transactions
+from metald.usecases import ID_SHAPED, Transactions, Writes
 
 #: Shortest id prefix accepted (8 hex digits of a UUID: one in four billion per pair).
 MIN_PREFIX = 8
@@ -137,3 +137,18 @@ async def resolve_all(
     ):
         return {}
     return await store.read(run)
+
+
+async def resolve_params(
+    store: Writes, principal: Principal | None, kinds: dict[str, str], params: dict[str, str]
+) -> dict[str, str]:
+    """``params`` (a path's parameters) with each reference to a resource (``kinds``: which
+    parameter names which kind) that is not an id already replaced by the id it names
+    (``resolve``), all in one transaction; none to resolve, none opened."""
+    refs = {n: kind for n, kind in kinds.items() if not ID_SHAPED.fullmatch(params.get(n, ""))}
+    if not refs:
+        return dict(params)
+    ids = await store.run(
+        lambda s: {n: resolve(s, principal, kind, params[n]) for n, kind in refs.items()}
+    )
+    return {**params, **ids}

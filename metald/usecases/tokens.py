@@ -10,16 +10,48 @@ from typing import Any
 
 from sqlmodel import Session, col, select
 
-from metald.auth import Principal, Role, issue_token, revoke_token
+from metald.auth import (
+    Principal,
+    Role,
+    authenticate,
+    issue_token,
+    lookup,
+    record_first_use,
+    revoke_token,
+)
 from metald.errors import Conflict, Unprocessable
 from metald.machines import add_event
+from metald.store import Store
 from metald.store.models import ApiToken, Machine, Tenant
-from metald.usecases import Transactions
+from metald.usecases import Transactions, Writes
 from metald.usecases.names import resolve
 from metald.usecases.reads import Page, Pager, page
 
 #: Oldest first.
 DEFAULT_ORDER = ["created_at", "id"]
+
+
+async def principal_of(store: Store, secret: str) -> Principal | None:
+    """The caller a bearer ``secret`` names, read aside the store's writes
+    (``Store.read_aside``: a token look-up never queues behind them). An agent token's first
+    use is left to the caller (``Principal.first_use``; ``record_use``)."""
+    return await store.read_aside(lookup, secret)
+
+
+async def record_use(store: Writes, token_id: str) -> None:
+    """Record an agent token's first use in a commit of its own."""
+
+    def stamp(s: Session) -> None:
+        record_first_use(s, token_id)
+        s.commit()
+
+    await store.run(stamp)
+
+
+async def still_authenticated(store: Transactions, secret: str) -> bool:
+    """Whether the token ``secret`` still stands (not revoked, not expired): what a
+    long-lived request (the serial console) checks again while it is open."""
+    return await store.run(authenticate, secret) is not None
 
 
 def token_view(row: ApiToken) -> dict[str, Any]:

@@ -133,6 +133,13 @@ class IpmiSim:
     def calls(self) -> list[str]:
         return self.calls_file.read_text().splitlines() if self.calls_file.exists() else []
 
+    def ipmitool(self, *args: str) -> str:
+        """Run ipmitool against this BMC over IPMI 2.0 (cipher suite 3), as an operator
+        would, behind metald's back; its output."""
+        cmd = ["ipmitool", "-I", "lanplus", "-C", "3", "-H", "127.0.0.1", "-p", str(self.port),
+               "-U", self.username, "-P", self.password, *args]  # fmt: skip
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=True).stdout
+
 
 def start_ipmi_sim(
     tmp_path: Path, *, power_on: bool = False, addr: str = "127.0.0.1"

@@ -3,62 +3,30 @@ lab's Redfish BMC in front of a real QEMU (sushy's fake driver offers neither)."
 
 from __future__ import annotations
 
-import pytest
 from sqlmodel import select
 
-from metald.bmc.service import BmcService
 from metald.claims.allocation import Selector
-from metald.config import Config
 from metald.inventory.rules import EnrollmentRule, bios_profile
-from metald.secrets import SecretBox
 from metald.store import Store
 from metald.store.models import Event, Machine
+from tests.api_helpers import link_redfish
 from tests.bmc.peers import LabRedfish
-from tests.conftest import seed
 from vmlab.redfish_bios import BIOS
 
 
-@pytest.fixture
-async def api(cfg: Config, store: Store, aiohttp_client):  # type: ignore[no-untyped-def]
-    from api.app import create_app
-    from api.context import AppContext, Services
-    from metald.events import EventBus
-
-    secrets = SecretBox.from_file(cfg.secrets_key_path)
-    cfg.bmc.min_interval_ms = 0
-    cfg.bmc.timeout_s = 3
-    cfg.bmc.retries = 1
-    svc = BmcService(store, secrets, cfg.bmc, cfg.instance)
-    ctx = AppContext(
-        cfg=cfg, store=store, secrets=secrets, bus=EventBus(), services=Services(bmc=svc)
-    )
-    tokens = seed(store)
-    client = await aiohttp_client(create_app(ctx))
-    yield client, tokens, svc
-    await svc.stop()
-
-
 async def _link(client, tokens, peer: LabRedfish) -> str:  # type: ignore[no-untyped-def]
-    mid = tokens.machine_free
-    body = {
-        "address": "http://127.0.0.1",
-        "port": peer.port,
-        "protocol": "redfish",
-        "username": peer.username,
-        "password": peer.password,
-        "machine_id": mid,
-    }
-    r = await client.post("/api/v1/bmcs", json=body, headers=tokens.header("technician"))
-    assert r.status == 201, await r.text()
-    return mid
+    """The lab Redfish BMC registered with its own credentials, linked to the free machine."""
+    return await link_redfish(
+        client, tokens, peer.port, username=peer.username, password=peer.password
+    )
 
 
 async def _events(store: Store, kind: str) -> list[Event]:
     return await store.run(lambda s: list(s.exec(select(Event).where(Event.kind == kind)).all()))
 
 
-async def test_firmware_recorded_shown_and_selectable(api, store: Store, lab_redfish) -> None:  # type: ignore[no-untyped-def]
-    client, tokens, _ = api
+async def test_firmware_recorded_shown_and_selectable(bmc_api, store: Store, lab_redfish) -> None:  # type: ignore[no-untyped-def]
+    client, tokens, _ = bmc_api
     tech = tokens.header("technician")
     mid = await _link(client, tokens, lab_redfish)
     r = await client.get(f"/api/v1/machines/{mid}/firmware", headers=tech)
@@ -80,8 +48,8 @@ async def test_firmware_recorded_shown_and_selectable(api, store: Store, lab_red
     assert Selector.from_dict({"firmware": {"BIOS": "2022.*"}}).firmware == {"BIOS": "2022.*"}
 
 
-async def test_bios_profile_staged_then_drift_reported(api, store: Store, lab_redfish) -> None:  # type: ignore[no-untyped-def]
-    client, tokens, _ = api
+async def test_bios_profile_staged_then_drift_reported(bmc_api, store: Store, lab_redfish) -> None:  # type: ignore[no-untyped-def]
+    client, tokens, _ = bmc_api
     tech = tokens.header("technician")
     mid = await _link(client, tokens, lab_redfish)
     bios = lab_redfish.app[BIOS]
@@ -143,7 +111,7 @@ def test_enroll_rules_give_the_bios_profile() -> None:
 
 
 async def test_inspection_records_firmware_and_stages_the_rules_profile(
-    api, store: Store, lab_redfish
+    bmc_api, store: Store, lab_redfish
 ) -> None:  # type: ignore[no-untyped-def]
     """The whole path: an enroll rule's BIOS profile, an agent's inventory, then (in the
     background) the firmware versions recorded and the profile staged on the BMC."""
@@ -154,7 +122,7 @@ async def test_inspection_records_firmware_and_stages_the_rules_profile(
     from metald.config import EnrollConfig
     from tests.test_enrollment import enrolled_via_hooks, payload
 
-    client, tokens, _ = api
+    client, tokens, _ = bmc_api
     client.server.app[CTX_KEY].cfg.enroll = EnrollConfig(
         rules=[EnrollmentRule(match={"gpu_model": "*H100*"}, bios={"SriovGlobalEnable": "Enabled"})]
     )

@@ -25,7 +25,7 @@ async def test_firmware_inventory_from_the_update_service(lab_redfish: LabRedfis
         await d.close()
     assert set(items) == {"BMC", "BIOS", "NIC.1"}
     assert items["BIOS"].name == "OVMF" and items["BIOS"].version == "2022.11"
-    assert items["BMC"].version == "1.4.0" and items["BMC"].updateable is False
+    assert items["BMC"].version == "1.4.0" and items["BMC"].updateable is True
 
 
 async def test_bios_settings_pending_until_the_next_boot(lab_redfish: LabRedfish) -> None:

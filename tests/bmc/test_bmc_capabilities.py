@@ -44,6 +44,8 @@ def test_what_each_protocol_offers() -> None:
         Capability.SENSORS,
         Capability.EVENT_LOG,
         Capability.FIRMWARE,
+        Capability.FIRMWARE_UPDATE,
+        Capability.ACCOUNTS,
         Capability.BIOS,
         Capability.VIRTUAL_MEDIA,
     }

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import time
 
 import pytest
@@ -26,26 +25,6 @@ def _driver(sim: IpmiSim, password: str | None = None, user: str | None = None) 
     return IpmiDriver(ep, request_timeout_s=5.0, resend_s=0.3)
 
 
-def _ipmitool(sim: IpmiSim, *args: str) -> str:
-    cmd = [
-        "ipmitool",
-        "-I",
-        "lanplus",
-        "-C",
-        "3",
-        "-H",
-        "127.0.0.1",
-        "-p",
-        str(sim.port),
-        "-U",
-        sim.username,
-        "-P",
-        sim.password,
-        *args,
-    ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=True).stdout
-
-
 async def test_power_control_and_status(ipmi_sim: IpmiSim) -> None:
     d = _driver(ipmi_sim)
     try:
@@ -53,7 +32,7 @@ async def test_power_control_and_status(ipmi_sim: IpmiSim) -> None:
         await d.set_power(PowerAction.ON)
         assert await d.get_power() is PowerState.ON
         # A second, independent client sees the same BMC state.
-        assert "on" in (await asyncio.to_thread(_ipmitool, ipmi_sim, "power", "status")).lower()
+        assert "on" in (await asyncio.to_thread(ipmi_sim.ipmitool, "power", "status")).lower()
         await d.set_power(PowerAction.RESET)
         await d.set_power(PowerAction.OFF)
         assert await d.get_power() is PowerState.OFF

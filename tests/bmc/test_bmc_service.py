@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -56,30 +55,6 @@ async def _machine(store: Store, mac: str, **cols: str) -> str:
 
 async def _events(store: Store, kind: str) -> list[Event]:
     return await store.run(lambda s: list(s.exec(select(Event).where(Event.kind == kind)).all()))
-
-
-def _ipmitool(sim: IpmiSim, *args: str) -> None:
-    subprocess.run(
-        [
-            "ipmitool",
-            "-I",
-            "lanplus",
-            "-C",
-            "3",
-            "-H",
-            "127.0.0.1",
-            "-p",
-            str(sim.port),
-            "-U",
-            sim.username,
-            "-P",
-            sim.password,
-            *args,
-        ],
-        capture_output=True,
-        timeout=20,
-        check=True,
-    )
 
 
 async def test_register_links_by_system_uuid_and_stores_no_plaintext(
@@ -185,7 +160,7 @@ async def test_power_sync_reports_drift_not_our_own_commands(
         await svc.power(mid, "on")  # ours: never drift
         await asyncio.sleep(0.5)
         assert await _events(store, "bmc.power-drift") == []
-        await asyncio.to_thread(_ipmitool, ipmi_sim, "power", "off")  # behind metald's back
+        await asyncio.to_thread(ipmi_sim.ipmitool, "power", "off")  # behind metald's back
         svc.control.expected.clear()  # the grace period of our own command is over
         for _ in range(50):
             drift = await _events(store, "bmc.power-drift")

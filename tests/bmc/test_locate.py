@@ -3,20 +3,16 @@ ipmi_sim and through Redfish IndicatorLED against sushy-emulator, then over the 
 
 from __future__ import annotations
 
-import pytest
 from sqlmodel import select
 
 from metald.bmc.base import BmcEndpoint
 from metald.bmc.ipmi import IpmiDriver
 from metald.bmc.redfish import RedfishDriver
-from metald.bmc.service import BmcService
-from metald.config import Config
-from metald.secrets import SecretBox
 from metald.store import Store
 from metald.store.models import Event
+from tests.api_helpers import link_redfish
 from tests.bmc.peers import IpmiSim, Sushy
 from tests.bmc.test_bmc_redfish import _system_json
-from tests.conftest import seed
 
 
 async def test_redfish_indicator_led_on_and_off(sushy: Sushy) -> None:
@@ -54,41 +50,12 @@ async def test_ipmi_chassis_identify_on_and_off(ipmi_sim: IpmiSim) -> None:
     assert (on, off) == (None, None)
 
 
-@pytest.fixture
-async def api(cfg: Config, store: Store, aiohttp_client):  # type: ignore[no-untyped-def]
-    from api.app import create_app
-    from api.context import AppContext, Services
-    from metald.events import EventBus
-
-    secrets = SecretBox.from_file(cfg.secrets_key_path)
-    cfg.bmc.min_interval_ms = 0
-    cfg.bmc.timeout_s = 3
-    cfg.bmc.retries = 1
-    svc = BmcService(store, secrets, cfg.bmc, cfg.instance)
-    ctx = AppContext(
-        cfg=cfg, store=store, secrets=secrets, bus=EventBus(), services=Services(bmc=svc)
-    )
-    tokens = seed(store)
-    client = await aiohttp_client(create_app(ctx))
-    yield client, tokens
-    await svc.stop()
-
-
 async def test_locate_over_the_api_with_an_event_naming_who(
-    api, store: Store, sushy: Sushy
+    bmc_api, store: Store, sushy: Sushy
 ) -> None:  # type: ignore[no-untyped-def]
-    client, tokens = api
+    client, tokens, _ = bmc_api
     tech = tokens.header("technician")
-    mid = tokens.machine_free
-    body = {
-        "address": "http://127.0.0.1",
-        "port": sushy.port,
-        "protocol": "redfish",
-        "username": "admin",
-        "password": "unused",
-        "machine_id": mid,
-    }
-    assert (await client.post("/api/v1/bmcs", json=body, headers=tech)).status == 201
+    mid = await link_redfish(client, tokens, sushy.port)
     r = await client.put(f"/api/v1/machines/{mid}/locate", json={"on": True}, headers=tech)
     assert r.status == 200, await r.text()
     assert (await r.json())["on"] is True

@@ -5,54 +5,22 @@ the stock emulator and real BMCs do."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import aiohttp
 import pytest
 from sqlmodel import select
 
-from metald.bmc.service import BmcService
 from metald.config import Config
-from metald.secrets import SecretBox
 from metald.store import Store
 from metald.store.models import Event, Machine
+from tests.api_helpers import link_redfish
 from tests.bmc.peers import Sushy
-from tests.conftest import seed
 
 
 @pytest.fixture
-async def api(cfg: Config, store: Store, aiohttp_client):  # type: ignore[no-untyped-def]
-    from api.app import create_app
-    from api.context import AppContext, Services
-    from metald.events import EventBus
-
-    secrets = SecretBox.from_file(cfg.secrets_key_path)
-    cfg.bmc.min_interval_ms = 0
-    cfg.bmc.timeout_s = 3
-    cfg.bmc.retries = 1
-    cfg.bmc.power_state_timeout_s = 30
-    svc = BmcService(store, secrets, cfg.bmc, cfg.instance)
-    ctx = AppContext(
-        cfg=cfg, store=store, secrets=secrets, bus=EventBus(), services=Services(bmc=svc)
-    )
-    tokens = seed(store)
-    client = await aiohttp_client(create_app(ctx))
-    yield client, tokens, svc
-    await svc.stop()
-
-
-async def _link(client, tokens, peer: Sushy) -> str:  # type: ignore[no-untyped-def]
-    mid = tokens.machine_free
-    body = {
-        "address": "http://127.0.0.1",
-        "port": peer.port,
-        "protocol": "redfish",
-        "username": "admin",
-        "password": "unused",
-        "machine_id": mid,
-    }
-    r = await client.post("/api/v1/bmcs", json=body, headers=tokens.header("technician"))
-    assert r.status == 201, await r.text()
-    return mid
+def bmc_settings() -> dict[str, Any]:
+    return {"power_state_timeout_s": 30}
 
 
 async def _bmc_says(peer: Sushy) -> str:
@@ -85,9 +53,11 @@ async def _events(store: Store, kind: str) -> list[Event]:
 
 
 @pytest.mark.parametrize("sushy_slow", [2], indirect=True)
-async def test_power_on_answers_the_state_the_bmc_reports(api, store: Store, sushy_slow) -> None:  # type: ignore[no-untyped-def]
-    client, tokens, _ = api
-    mid = await _link(client, tokens, sushy_slow)
+async def test_power_on_answers_the_state_the_bmc_reports(
+    bmc_api, store: Store, sushy_slow
+) -> None:  # type: ignore[no-untyped-def]
+    client, tokens, _ = bmc_api
+    mid = await link_redfish(client, tokens, sushy_slow.port)
     r = await client.post(
         f"/api/v1/machines/{mid}/power", json={"action": "on"}, headers=tokens.header("technician")
     )
@@ -104,10 +74,10 @@ async def test_power_on_answers_the_state_the_bmc_reports(api, store: Store, sus
 
 @pytest.mark.parametrize("sushy_slow", [8], indirect=True)  # long enough to look first
 async def test_past_the_wait_202_then_confirmed_in_the_background(
-    api, store: Store, sushy_slow
+    bmc_api, store: Store, sushy_slow
 ) -> None:  # type: ignore[no-untyped-def]
-    client, tokens, _ = api
-    mid = await _link(client, tokens, sushy_slow)
+    client, tokens, _ = bmc_api
+    mid = await link_redfish(client, tokens, sushy_slow.port)
     r = await client.post(
         f"/api/v1/machines/{mid}/power",
         json={"action": "on", "wait_s": 0},
@@ -135,11 +105,11 @@ async def test_past_the_wait_202_then_confirmed_in_the_background(
 
 @pytest.mark.parametrize("sushy_slow", [3600], indirect=True)
 async def test_a_bmc_that_never_gets_there_is_an_error_event(
-    api, store: Store, sushy_slow, cfg: Config
+    bmc_api, store: Store, sushy_slow, cfg: Config
 ) -> None:  # type: ignore[no-untyped-def]
-    client, tokens, _ = api
+    client, tokens, _ = bmc_api
     cfg.bmc.power_state_give_up_s = 1.0
-    mid = await _link(client, tokens, sushy_slow)
+    mid = await link_redfish(client, tokens, sushy_slow.port)
     r = await client.post(
         f"/api/v1/machines/{mid}/power",
         json={"action": "on", "wait_s": 0},

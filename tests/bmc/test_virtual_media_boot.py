@@ -7,6 +7,7 @@ machine labelled ``boot-via=virtual-media``."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -14,14 +15,12 @@ from sqlmodel import select
 
 from metald import machines
 from metald.bmc import media as virtual_media
-from metald.bmc.service import BmcService
 from metald.config import Config
 from metald.lifecycle import Trigger
 from metald.provision import media_boot, netboot
-from metald.secrets import SecretBox
 from metald.store import Store
 from metald.store.models import Bmc, Event, Machine
-from tests.api_helpers import drain_steps
+from tests.api_helpers import drain_steps, link_redfish
 from tests.bmc.peers import Sushy
 from tests.bmc.test_bmc_redfish import _system_json
 from tests.conftest import seed
@@ -50,38 +49,15 @@ async def boot_http() -> AsyncIterator[tuple[str, list[str]]]:
 
 
 @pytest.fixture
-async def api(cfg: Config, store: Store, aiohttp_client, boot_http):  # type: ignore[no-untyped-def]
-    from api.app import create_app
-    from api.context import AppContext, Services
-    from metald.events import EventBus
-
-    secrets = SecretBox.from_file(cfg.secrets_key_path)
-    cfg.bmc.min_interval_ms = 0
-    cfg.bmc.timeout_s = 10
-    cfg.bmc.retries = 1
-    svc = BmcService(store, secrets, cfg.bmc, cfg.instance)
-    svc.control.vmedia_base = boot_http[0]
-    ctx = AppContext(
-        cfg=cfg, store=store, secrets=secrets, bus=EventBus(), services=Services(bmc=svc)
-    )
-    tokens = seed(store)
-    client = await aiohttp_client(create_app(ctx))
-    yield client, tokens, svc
-    await drain_steps(client)
-    await svc.stop()
+def bmc_settings() -> dict[str, Any]:
+    return {"timeout_s": 10}
 
 
-async def _register(client, tokens, sushy: Sushy, mid: str) -> None:  # type: ignore[no-untyped-def]
-    body = {
-        "address": "http://127.0.0.1",
-        "port": sushy.port,
-        "protocol": "redfish",
-        "username": "admin",
-        "password": "unused",
-        "machine_id": mid,
-    }
-    r = await client.post("/api/v1/bmcs", json=body, headers=tokens.header("technician"))
-    assert r.status == 201, await r.text()
+@pytest.fixture
+def api(bmc_api, boot_http):  # type: ignore[no-untyped-def]
+    """``bmc_api``, its BMCs fetching boot ISOs from ``boot_http``."""
+    bmc_api[2].control.vmedia_base = boot_http[0]
+    return bmc_api
 
 
 async def _cd(sushy: Sushy) -> dict:  # type: ignore[type-arg]
@@ -117,7 +93,7 @@ async def test_boot_via_virtual_media_inserts_boots_cd_once_arms_and_powers_on(
     client, tokens, _svc = api
     base, fetched = boot_http
     mid = tokens.machine_a
-    await _register(client, tokens, sushy, mid)
+    await link_redfish(client, tokens, sushy.port, mid)
     r = await client.post(  # a tenant's OS running: the boot must take it down first
         f"/api/v1/machines/{mid}/power", json={"action": "on"}, headers=tokens.header("admin")
     )
@@ -180,7 +156,7 @@ async def test_claim_workflow_boot_takes_virtual_media_when_the_machine_says_so(
 ) -> None:  # type: ignore[no-untyped-def]
     client, tokens, svc = api
     mid = tokens.machine_a
-    await _register(client, tokens, sushy, mid)
+    await link_redfish(client, tokens, sushy.port, mid)
     with store.session() as s:
         m = s.get(Machine, mid)
         m.labels = {**m.labels, virtual_media.BOOT_VIA_LABEL: virtual_media.VIRTUAL_MEDIA}
@@ -197,7 +173,7 @@ async def test_claim_workflow_boot_takes_virtual_media_when_the_machine_says_so(
 async def test_unlabelled_machine_still_boots_pxe(api, store: Store, sushy: Sushy) -> None:  # type: ignore[no-untyped-def]
     client, tokens, svc = api
     mid = tokens.machine_a
-    await _register(client, tokens, sushy, mid)
+    await link_redfish(client, tokens, sushy.port, mid)
     _provision(store, mid)
     await netboot.reboot_all(store, svc, [mid], actor="test")
     assert (await _cd(sushy))["Inserted"] is False
@@ -231,7 +207,7 @@ async def test_boot_refusals_say_what_to_do(api, store: Store, sushy: Sushy) -> 
     assert '"via": "network"' in refused["detail"]
     assert refused["capability"] == "virtual-media"  # named, and refused before any fence
     # A machine metald does not boot now (ready, unclaimed).
-    await _register(client, tokens, sushy, tokens.machine_free)
+    await link_redfish(client, tokens, sushy.port)
     r = await client.post(f"/api/v1/machines/{tokens.machine_free}/boot", json=body, headers=tech)
     assert r.status == 409 and "ready" in (await r.json())["detail"]
     assert (await _cd(sushy))["Inserted"] is False
@@ -256,7 +232,7 @@ async def test_boot_without_a_boot_url_is_refused_naming_the_keys(
     answered 202 and sent the BMC to http://None:<port>/boot/n/... or nowhere."""
     client, tokens, svc = api
     mid = tokens.machine_a
-    await _register(client, tokens, sushy, mid)
+    await link_redfish(client, tokens, sushy.port, mid)
     _provision(store, mid)
     svc.control.vmedia_base = None  # as the daemon wires it for these configurations
     tech, body = tokens.header("technician"), {"via": "virtual-media"}
@@ -314,7 +290,7 @@ async def test_a_step_cut_off_after_the_insert_resumes_without_a_second_power_of
 
     client, tokens, svc = api
     mid = tokens.machine_a
-    await _register(client, tokens, sushy, mid)
+    await link_redfish(client, tokens, sushy.port, mid)
     _provision(store, mid)
     with store.session() as s:
         step = step_key(s.get(Machine, mid))
@@ -335,7 +311,7 @@ async def test_a_step_cut_off_after_the_insert_resumes_without_a_second_power_of
 
 async def _media_boot(client, tokens, store: Store, sushy: Sushy, svc) -> str:  # type: ignore[no-untyped-def]
     mid = tokens.machine_a
-    await _register(client, tokens, sushy, mid)
+    await link_redfish(client, tokens, sushy.port, mid)
     _provision(store, mid)
     assert await netboot.boot_from_network(store, svc, mid, actor="test", via="virtual-media")
     assert (await _cd(sushy))["Inserted"] is True
@@ -391,7 +367,7 @@ async def test_the_iso_is_ejected_once_the_agent_reports(
 async def test_a_pxe_boot_is_never_ejected(api, store: Store, sushy: Sushy) -> None:  # type: ignore[no-untyped-def]
     client, tokens, svc = api
     mid = tokens.machine_a
-    await _register(client, tokens, sushy, mid)
+    await link_redfish(client, tokens, sushy.port, mid)
     _provision(store, mid)
     assert await netboot.boot_from_network(store, svc, mid, actor="test", via="network")
     assert await virtual_media.eject_after_report(svc.control, mid, "test") is None

@@ -11,6 +11,7 @@ import socket
 from metald.boot import metrics
 from metald.boot.dhcp import server as server_mod
 from metald.boot.dhcp.packet import MessageType, parse, serialize
+from tests.api_helpers import until
 
 from .dhcp_helpers import client_packet
 from .test_dhcp_server import LO, dora, start
@@ -18,15 +19,6 @@ from .test_dhcp_server import LO, dora, start
 
 def _dropped(reason: str) -> float:
     return metrics.dhcp_dropped.labels(reason)._value.get()
-
-
-async def _until(cond, what: str, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    """Wait for ``cond()`` (a condition, not a duration: the deadline only ends a hang)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not cond():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.001)
 
 
 def _registered(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bool:
@@ -68,7 +60,7 @@ async def test_burst_larger_than_a_drain_with_garbage_inside_is_answered_then_wa
                 pass
             return len(offers) == len(macs)
 
-        await _until(read_offers, "an offer for every DISCOVER of the burst")
+        await until(read_offers, "an offer for every DISCOVER of the burst")
         assert set(offers) == set(macs) and set(offers.values()) == {MessageType.OFFER}
         assert {r: _dropped(r) - n for r, n in before.items()} == {
             "truncated-header": 1,
@@ -76,7 +68,7 @@ async def test_burst_larger_than_a_drain_with_garbage_inside_is_answered_then_wa
         }
         # Under load the socket is polled, not waited on (one wake-up per poll, not per
         # datagram); once a poll finds nothing it is waited on again and no timer is left.
-        await _until(lambda: lst.poll is None, "the socket to be waited on again")
+        await until(lambda: lst.poll is None, "the socket to be waited on again")
         assert _registered(loop, lst.sock)
         assert srv._counts == {}
         # The path back from polling loses nothing: a DORA on the quiet server completes.
@@ -117,7 +109,7 @@ async def test_a_drain_stops_at_its_bound_and_polls_on_soon(sqlite_store, monkey
         assert isinstance(lst.poll, asyncio.Handle)
         assert not isinstance(lst.poll, asyncio.TimerHandle)
         assert not _registered(loop, lst.sock)
-        await _until(lambda: isinstance(lst.poll, asyncio.TimerHandle), "the second drain")
+        await until(lambda: isinstance(lst.poll, asyncio.TimerHandle), "the second drain")
         got = 0
         try:
             while True:

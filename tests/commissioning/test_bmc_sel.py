@@ -10,7 +10,6 @@ data ab0700), added with the IPMI Add SEL Entry command as a BMC's own event log
 
 from __future__ import annotations
 
-import subprocess
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -133,14 +132,6 @@ def _mce_record() -> list[str]:
     return [f"0x{b:02x}" for b in body]
 
 
-def _ipmitool(sim: IpmiSim, *args: str) -> None:
-    subprocess.run(
-        ["ipmitool", "-I", "lanplus", "-C", "3", "-H", "127.0.0.1", "-p", str(sim.port),
-         "-U", sim.username, "-P", sim.password, *args],
-        capture_output=True, timeout=20, check=True,
-    )  # fmt: skip
-
-
 async def _results(store: Any, run_id: str) -> dict[str, CommissioningResult]:
     def do(s):  # type: ignore[no-untyped-def]
         q = select(CommissioningResult).where(CommissioningResult.run_id == run_id)
@@ -190,7 +181,7 @@ async def test_a_critical_event_logged_during_the_run_fails_it(  # type: ignore[
             headers=agent,
         )
         assert r.status == 422
-        _ipmitool(ipmi_sim, "raw", "0x0a", "0x44", *_mce_record())
+        ipmi_sim.ipmitool("raw", "0x0a", "0x44", *_mce_record())
         r = await client.post(
             "/api/v1/agent/commissioning",
             json={"done": True, "results": [report("smart", SMART_OK)]},

@@ -18,17 +18,14 @@ from pathlib import Path
 
 import pytest
 
+from tests import waiting
 from vmlab.rack import MARKER
 
 pytestmark = [pytest.mark.lab, pytest.mark.root]
 
 
 def wait_for(what: str, fn, timeout: float, rack) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not fn():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}\n{rack.diagnostics()}")
-        time.sleep(2)
+    waiting.wait_for(what, fn, timeout, every=2, explain=rack.diagnostics)
 
 
 def disk_ends(qcow2: str, workdir: Path) -> tuple[bytes, bytes]:

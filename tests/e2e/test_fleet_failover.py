@@ -36,6 +36,7 @@ import psycopg
 import pytest
 
 from tests.e2e.conftest import lab_skip_reason
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.lab, pytest.mark.root]
 
@@ -49,13 +50,8 @@ COMMANDS = {"power off", "power on", "boot pxe once"}
 def until(
     what: str, cond: Callable[[], Any], timeout: float, fleet: Any, every: float = 0.5
 ) -> Any:
-    """Poll ``cond`` until it holds; the deadline only stops a hung test."""
-    deadline = time.monotonic() + timeout
-    while not (got := cond()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}\n{fleet.diagnostics()}")
-        time.sleep(every)
-    return got
+    """``tests.waiting.wait_for`` with the fleet's state in the failure."""
+    return wait_for(what, cond, timeout, every=every, explain=fleet.diagnostics)
 
 
 @pytest.fixture

@@ -29,6 +29,7 @@ import pytest
 from metald.provision.metadata import hostname
 from metald.tenants import controlplane
 from metald.tenants.runtime import ns_name
+from tests import waiting
 from tests.tenants.nslab import tcp_connects
 
 pytestmark = [pytest.mark.lab, pytest.mark.root]
@@ -56,11 +57,9 @@ HTTP_PROBE = (
 
 
 def wait_for(what: str, fn, timeout: float, rack) -> float:  # type: ignore[no-untyped-def]
+    """``tests.waiting.wait_for``; how long it took."""
     t0 = time.monotonic()
-    while not fn():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out waiting for {what}\n{rack.diagnostics()}")
-        time.sleep(2)
+    waiting.wait_for(what, fn, timeout, every=2, explain=rack.diagnostics)
     return time.monotonic() - t0
 
 

@@ -18,12 +18,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.conftest import lab_skip_reason
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.lab, pytest.mark.root]
 
@@ -37,12 +37,7 @@ def _commands(m: dict) -> list[str]:  # type: ignore[type-arg]
 
 
 def _wait(what: str, check, rack, timeout: float = TIMEOUT_S):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not (got := check()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}\n{rack.diagnostics()}")
-        time.sleep(1)
-    return got
+    return wait_for(what, check, timeout, every=1, explain=rack.diagnostics)
 
 
 def test_a_vm_without_pxe_enrolls_is_provisioned_and_wiped_through_virtual_media(

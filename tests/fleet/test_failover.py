@@ -17,7 +17,6 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ from tests.bmc.peers import IpmiSim, start_ipmi_sim, stop_peer
 from tests.claims.helpers import add_image, add_ready, add_tenant, boot_token
 from tests.conftest import LAB_BMC_TOML
 from tests.test_daemon import BIN, share_secrets_key, wait_http
+from tests.waiting import wait_for
 from vmlab.labnet import free_port
 
 pytestmark = pytest.mark.postgres
@@ -66,17 +66,6 @@ def _http(port: int, method: str, path: str, token: str, body: Any = None) -> An
             return json.loads(r.read() or b"null")
     except urllib.error.HTTPError as e:
         raise AssertionError(f"{method} {path}: {e.code} {e.read().decode()}") from None
-
-
-def _until(what: str, cond: Callable[[], Any], timeout: float = 60) -> Any:
-    """Wait for ``cond`` to hold (polling; the deadline only stops a hung test)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"never happened: {what}"
-        time.sleep(0.05)
 
 
 def _sets(sim: IpmiSim) -> list[str]:
@@ -201,7 +190,7 @@ def test_kill_9_the_bmc_owner_mid_claim_the_claim_completes_no_command_twice(
 
         # Every BMC was asked to power off (by its owner) and the machines are slow to go off:
         # the owners wait, mid-step. Kill the one that owns most of them.
-        _until("every BMC asked to power off", lambda: all(_sets(s) for s in sims))
+        wait_for("every BMC asked to power off", lambda: all(_sets(s) for s in sims))
         procs[victim].send_signal(signal.SIGKILL)
         procs[victim].wait()
         killed = time.monotonic()
@@ -215,7 +204,7 @@ def test_kill_9_the_bmc_owner_mid_claim_the_claim_completes_no_command_twice(
                     rows = s.exec(select(Bmc).where(Bmc.id.in_(victims_bmcs))).all()  # type: ignore[attr-defined]
                     return all(r.owner == survivor for r in rows)
 
-            _until("the survivor holds the dead instance's BMCs", taken_over, timeout=30)
+            wait_for("the survivor holds the dead instance's BMCs", taken_over, timeout=30)
             takeover_s = time.monotonic() - killed
             shown = _http(ports[survivor], "GET", "/api/v1/bmcs", admin)["items"]
             assert {b["owner_instance"] for b in shown} == {survivor}
@@ -223,7 +212,7 @@ def test_kill_9_the_bmc_owner_mid_claim_the_claim_completes_no_command_twice(
             # The survivor resumes the cut-off steps while the machines are still going off:
             # it must read the power state, not send the power-off again.
             seen = [len(s.calls()) for s in sims]
-            _until(
+            wait_for(
                 "the survivor reads every BMC again",
                 lambda: all(len(s.calls()) > n + 1 for s, n in zip(sims, seen, strict=True)),
                 timeout=30,
@@ -233,7 +222,7 @@ def test_kill_9_the_bmc_owner_mid_claim_the_claim_completes_no_command_twice(
                 (tmp_path / f"bmc{i}" / "power").write_text("0\n")
 
             # Each machine is booted by the survivor: one-time PXE, then on.
-            _until(
+            wait_for(
                 "every BMC asked to power on",
                 lambda: all("set power 1" in _sets(s) for s in sims),
                 timeout=30,

@@ -10,7 +10,7 @@ refused (403) on every route that forwards, the console's WebSocket included, an
 
 from __future__ import annotations
 
-import inspect
+import ast
 import re
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,10 @@ import aiohttp
 import pytest
 from cryptography.fernet import Fernet
 
+import api
 from api import routes_bmc, routes_console
+from api.app import ROUTERS, all_specs
+from api.routing import Owner
 from metald.errors import Conflict
 from metald.fleet import forward_auth
 from metald.secrets import SecretBox
@@ -40,12 +43,11 @@ BODIES: dict[str, Any] = {
 
 
 def _forwarding_routes() -> list[tuple[str, str]]:
-    """Every route whose handler takes the forwarding decision (found in the source, so a new
-    forwarding route is tested without being listed here)."""
+    """Every route the router forwards to an owner: those declared with ``owner=`` (found in
+    the declarations, so a new forwarding route is tested without being listed here)."""
     out = []
-    for spec in routes_bmc.router.specs + routes_console.router.specs:
-        src = inspect.getsource(spec.handler)
-        if any(mark in src for mark in ("_on_owner(", "forwarded_by(", "FORWARDED")):
+    for spec in all_specs(ROUTERS):
+        if spec.owner is not None:
             path = re.sub(r"{(\w+)(?::[^}]*)?}", lambda m: MID if m[1] == "id" else "c1", spec.path)
             out.append((f"{spec.method} {spec.path}", path))
     return out
@@ -58,6 +60,36 @@ def test_every_forwarding_route_is_found() -> None:
     keys = {k for k, _ in ROUTES}
     assert "GET /api/v1/machines/{id}/console" in keys and "POST /api/v1/machines/{id}/boot" in keys
     assert len(keys) >= 16, keys  # 15 BMC commands and the console
+    owners = {s.owner for s in routes_bmc.router.specs + routes_console.router.specs}
+    assert owners == {None, Owner.BMC, Owner.MACHINE, Owner.CONSOLE}, owners
+
+
+def _hand_forwarding(path: Path) -> list[str]:
+    """Where a module signs or checks a forward (imports ``forward_auth``) or opens a client
+    connection of its own (``aiohttp.ClientSession``, ``ws_connect``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (
+            node.module == "metald.fleet.forward_auth"
+            or any(a.name == "forward_auth" for a in node.names)
+        ):
+            found.append(f"{node.lineno}: imports forward_auth")
+        elif isinstance(node, ast.Attribute) and node.attr in ("ClientSession", "ws_connect"):
+            found.append(f"{node.lineno}: {node.attr}")
+    return found
+
+
+def test_no_route_module_forwards_by_hand() -> None:
+    """Forwarding is the router's (``api.routing.Owner``, over ``api.forwarding``): no other
+    API module signs a forward, checks a mark or opens a client connection of its own."""
+    api_dir = Path(api.__file__).parent
+    hand = {
+        str(p.relative_to(api_dir)): found
+        for p in sorted(api_dir.rglob("*.py"))
+        if p.name not in ("routing.py", "forwarding.py") and (found := _hand_forwarding(p))
+    }
+    assert not hand, hand
+    assert _hand_forwarding(api_dir / "routing.py") and _hand_forwarding(api_dir / "forwarding.py")
 
 
 class _Here:
@@ -149,3 +181,54 @@ async def test_a_forged_stale_or_replayed_forward_mark_is_refused(
     before = len(live.requests)
     status, _ = await _call(live, key, path, forward_auth.sign(box, method, path, "rack1"))
     assert status in (404, 409) and len(live.requests) == before + 1
+
+
+class _Answering(_Here):
+    """An owner that answers: a power action still pending (202), the locate light, and a
+    refusal carrying a field of its own."""
+
+    async def power(self, machine_id: str, action: str, **_kw: Any) -> dict[str, Any]:
+        return {
+            "machine_id": machine_id,
+            "bmc_id": "b1",
+            "action": action,
+            "power_state": None,
+            "command_id": "c1",
+            "status": "pending",
+            "target_state": "on",
+        }
+
+    async def locate(self, machine_id: str, on: bool | None, **_kw: Any) -> dict[str, Any]:
+        return {"machine_id": machine_id, "bmc_id": "b1", "on": on}
+
+    async def sensors(self, machine_id: str) -> list[dict[str, Any]]:
+        raise Conflict("the BMC is busy", state="busy")
+
+
+async def test_the_owners_answer_comes_back_as_it_is(
+    aiohttp_client,  # type: ignore[no-untyped-def]
+    store,
+    tmp_path: Path,
+) -> None:
+    """Whatever the owner answers is the answer: its status (202 for a command still pending
+    there, not the route's declared 200), its body, and a refusal as the same problem with
+    its own fields."""
+    live = await live_api(aiohttp_client, store, tmp_path)
+    owner = _Answering()
+    owner.url = f"http://127.0.0.1:{live.port}"
+    use_services(live.ctx, bmc=owner, console=owner)
+    auth = {"Authorization": f"Bearer {live.tokens.admin}"}
+    base = f"/api/v1/machines/{MID}"
+
+    r = await live.client.post(f"{base}/power", json={"action": "on"}, headers=auth)
+    assert r.status == 202, await r.text()
+    assert (await r.json())["command_id"] == "c1"
+    r = await live.client.put(f"{base}/locate", json={"on": True}, headers=auth)
+    assert r.status == 200 and await r.json() == {"machine_id": MID, "bmc_id": "b1", "on": True}
+    r = await live.client.get(f"{base}/sensors", headers=auth)
+    body = await r.json()
+    assert r.status == 409 and body["detail"] == "the BMC is busy" and body["state"] == "busy"
+    # Each went to the owner (here itself) once, signed, and ran there.
+    forwarded = [q for q in live.requests if q.headers.get(forward_auth.FORWARDED)]
+    assert len(live.requests) == 6 and len(forwarded) == 3
+    assert all(q.headers.get(forward_auth.AUTH) for q in forwarded)

@@ -25,7 +25,7 @@ import signal
 import struct
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ from metald.tenants.runtime import clear_leftovers, veth_name
 from netconfig import netns
 from tests.tenants.test_wireguard_e2e import node_up
 from tests.test_daemon import BIN, share_secrets_key
+from tests.waiting import wait_for
 from vmlab.pg import pg_bindir
 
 TOOLS = ("slurmctld", "slurmd", "srun", "sinfo", "munged", "wireguard-go", "wg", "nft", "curl")
@@ -61,17 +62,6 @@ HEARTBEAT_S, DEAD_AFTER_S = (
 )
 NET = "10.77.0"
 NAMES = ["hub0", "hub1"]
-
-
-def _until(what: str, cond: Callable[[], Any], timeout: float) -> Any:
-    """Wait for ``cond`` (polling; the deadline only stops a hung test)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"never happened: {what}"
-        time.sleep(0.1)
 
 
 def _ip(*args: str) -> None:
@@ -265,7 +255,7 @@ def test_kill_9_the_hub_instance_srun_works_again_no_node_joins_again(
                     return False
 
             for i in range(2):
-                _until(f"{NAMES[i]} answers", lambda i=i: api_up(i), 60)
+                wait_for(f"{NAMES[i]} answers", lambda i=i: api_up(i), 60)
             admin = next(
                 (tmp_path / n / "admin.token").read_text().strip()
                 for n in NAMES
@@ -279,7 +269,7 @@ def test_kill_9_the_hub_instance_srun_works_again_no_node_joins_again(
                 return sorted(m["name"] for m in got["items"] if m["alive"]) == NAMES
 
             for i in range(2):  # else each may take the hub for its own at first
-                _until(f"{NAMES[i]} sees both", lambda i=i: see_each_other(i), 30)
+                wait_for(f"{NAMES[i]} sees both", lambda i=i: see_each_other(i), 30)
             tid = _curl(inst[0], "POST", f"{api}/api/v1/tenants",
                         {"name": "acme", "cluster_kind": "slurm"}, admin)["id"]  # fmt: skip
             hub = _curl(inst[0], "POST", f"{api}/api/v1/tenants/{tid}/hub", {}, admin)
@@ -290,7 +280,7 @@ def test_kill_9_the_hub_instance_srun_works_again_no_node_joins_again(
                     if (tmp_path / n / "tenants" / tid / "slurm" / controlplane.INFO).exists()
                 ]  # fmt: skip
 
-            _until("the hub runs on one instance", lambda: len(running_on()) == 1, 30)
+            wait_for("the hub runs on one instance", lambda: len(running_on()) == 1, 30)
             owner = running_on()[0]
             survivor = 1 - owner
             owner_dir, survivor_dir = tmp_path / NAMES[owner], tmp_path / NAMES[survivor]
@@ -327,8 +317,8 @@ def test_kill_9_the_hub_instance_srun_works_again_no_node_joins_again(
                         m.state for m in s.exec(select(Machine).where(col(Machine.id).in_(mids)))
                     }
 
-            _until("both nodes active", lambda: states() == {"active"}, 60)
-            _until("srun -N2 works", lambda: _srun_works(owner_dir, tid), 30)
+            wait_for("both nodes active", lambda: states() == {"active"}, 60)
+            wait_for("srun -N2 works", lambda: _srun_works(owner_dir, tid), 30)
             before_ids = _srun(owner_dir, tid)
             last_job = max(before_ids)
 
@@ -338,7 +328,7 @@ def test_kill_9_the_hub_instance_srun_works_again_no_node_joins_again(
                     data = ctlstate.read(s, box, tid)
                 return _job_id_sequence(data) if data else None
 
-            _until("the job counter is in the store",
+            wait_for("the job counter is in the store",
                    lambda: (snapshot_job_seq() or 0) > last_job, 30)  # fmt: skip
 
             def joins() -> tuple[int, int, list[tuple[str, str]]]:
@@ -368,10 +358,10 @@ def test_kill_9_the_hub_instance_srun_works_again_no_node_joins_again(
                 # processes, and its veth off the host's bridge), so the endpoint address
                 # answers only on the survivor.
                 veth = veth_name(tid)
-                _until("the dead metald's hub is down",
+                wait_for("the dead metald's hub is down",
                        lambda: not any(_alive(p) for p in hub_pids)
                        and veth not in netns.links(inst[owner]), 20)  # fmt: skip
-            after_ids = _until("srun -N2 works on the survivor",
+            after_ids = wait_for("srun -N2 works on the survivor",
                                lambda: _srun_works(survivor_dir, tid), 60)  # fmt: skip
             took = time.monotonic() - killed
             print(

@@ -20,14 +20,11 @@ from metald.secrets import SecretBox
 from metald.service import cancel
 from metald.store import Store
 from metald.store.models import Bmc
+from tests.waiting import eventually
 
 
 async def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.05)
+    await eventually("the condition", cond, timeout, every=0.05)
 
 
 def fleet(store: Store, name: str, **kw: object) -> Membership:

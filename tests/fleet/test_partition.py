@@ -24,7 +24,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from ipaddress import IPv4Network
 from pathlib import Path
@@ -43,6 +43,7 @@ from tests.bmc.peers import IpmiSim, ipmi_sim, start_ipmi_sim, stop_peer  # noqa
 from tests.conftest import LAB_BMC_TOML
 from tests.fleet.test_bmc_ownership import View, _instance, _registered, _sets, svc  # noqa: F401
 from tests.test_daemon import BIN, share_secrets_key
+from tests.waiting import wait_for
 from vmlab.pg import PgServer, pg_bindir
 
 #: Fleet timings: short for the suite. METALD_TEST_FLEET_TIMINGS="2,10" measures the defaults.
@@ -71,16 +72,6 @@ def sh(*cmd: str) -> str:
 
 def ns(name: str) -> str:
     return f"mdc{PID}{name[-1] if name != 'client' else 'c'}"
-
-
-def _until(what: str, cond: Callable[[], Any], timeout: float = 60) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"never happened: {what}"
-        time.sleep(0.05)
 
 
 @contextmanager
@@ -265,7 +256,7 @@ def test_cut_from_postgresql_fences_then_survivors_take_over_then_it_rejoins(
                 except (OSError, urllib.error.URLError):
                     return False
 
-            _until("every instance serves", lambda: all(up(n) for n in NAMES))
+            wait_for("every instance serves", lambda: all(up(n) for n in NAMES))
             admin = next(
                 (tmp_path / n / "admin.token").read_text().strip()
                 for n in NAMES
@@ -310,7 +301,7 @@ def test_cut_from_postgresql_fences_then_survivors_take_over_then_it_rejoins(
                 want = {b: owner(f"bmc:{b}", NAMES) for b in rows}
                 return rows if all(rows[b][0] == want[b] for b in rows) else None
 
-            before = _until("every BMC held by its owner among all three", settled)
+            before = wait_for("every BMC held by its owner among all three", settled)
             victim = before[next(iter(bmc_of))][0]
             assert victim is not None
             survivors = [n for n in NAMES if n != victim]
@@ -323,7 +314,7 @@ def test_cut_from_postgresql_fences_then_survivors_take_over_then_it_rejoins(
                 return got if all(len(a) == 1 for a in got.values()) else None
 
             # One answer per client, once every instance's split includes the others.
-            answered = _until("every client answered by exactly one instance", each_answered_once)
+            answered = wait_for("every client answered by exactly one instance", each_answered_once)
             servers = {str(ip): n for n, ip in INST.items()}
             clients = {m: servers[a[0]] for m, a in answered.items()}
             victim_macs = [m for m, n in clients.items() if n == victim]
@@ -348,7 +339,7 @@ def test_cut_from_postgresql_fences_then_survivors_take_over_then_it_rejoins(
 
             # The fencing deadline, by the database's clock: the victim's last heartbeat plus its
             # fencing age (a small margin for a BMC read already on the wire then).
-            _until(
+            wait_for(
                 "the victim's heartbeat is past its fencing age",
                 lambda: _heartbeat_age(store, victim) > FENCE_AFTER_S + 0.3,  # type: ignore[arg-type]
             )
@@ -363,21 +354,21 @@ def test_cut_from_postgresql_fences_then_survivors_take_over_then_it_rejoins(
                 assert str(INST[victim]) not in got or sent - cut < FENCE_AFTER_S, got
                 return bool(got) and all(servers[s] in survivors for s in got)
 
-            _until("a survivor answers the victim's client", dhcp_taken, timeout=30)
+            wait_for("a survivor answers the victim's client", dhcp_taken, timeout=30)
             dhcp_s = time.monotonic() - cut
 
             def bmcs_taken() -> bool:
                 rows = _bmc_rows(store)  # type: ignore[arg-type]
                 return all(rows[b][0] in survivors for b in victims_bmcs)
 
-            _until("the survivors hold the victim's BMCs", bmcs_taken, timeout=30)
+            wait_for("the survivors hold the victim's BMCs", bmcs_taken, timeout=30)
             bmc_s = time.monotonic() - cut
             during = _bmc_rows(store)
             assert all(during[b][1] > before[b][1] for b in victims_bmcs)
             # No BMC operation starts after the fencing deadline; one already in flight then may
             # still retransmit for its timeout (docs/fleet.md, Self-fencing): after that, and
             # after the takeover, not one packet.
-            _until(
+            wait_for(
                 "the fencing deadline plus the BMC operation bound has passed",
                 lambda: _heartbeat_age(store, victim) > FENCE_AFTER_S + 0.3 + BMC_OP_S,  # type: ignore[arg-type]
             )
@@ -396,10 +387,10 @@ def test_cut_from_postgresql_fences_then_survivors_take_over_then_it_rejoins(
                 assert code in (200, 503), (code, body)
                 return code == 200
 
-            _until("a technician's power-off through a survivor runs", powered_off, timeout=60)
+            wait_for("a technician's power-off through a survivor runs", powered_off, timeout=60)
             # The survivors read every moved BMC again; the victim sent nothing meanwhile.
             seen = {b: len(bmc_of[b].calls()) for b in victims_bmcs}
-            _until(
+            wait_for(
                 "the new holders poll the moved BMCs",
                 lambda: all(len(bmc_of[b].calls()) > seen[b] + 1 for b in victims_bmcs),
                 timeout=30,
@@ -414,7 +405,7 @@ def test_cut_from_postgresql_fences_then_survivors_take_over_then_it_rejoins(
                 assert not wrong and not twice, (wrong, twice)  # never the victim, never two
                 return all(got.values())  # a slow answer (past the probe's window): ask again
 
-            _until("the survivors answer every client", survivors_answer_all, timeout=30)
+            wait_for("the survivors answer every client", survivors_answer_all, timeout=30)
             renew = probe.ask(op="request", mac=mac, ip=bound_ip, server=None)
             assert [(a["type"], a["yiaddr"]) for a in renew] == [("ack", bound_ip)], renew
             assert _counter(victim, "dhcp") == dhcp_at_fence, "the fenced victim answered DHCP"
@@ -426,19 +417,19 @@ def test_cut_from_postgresql_fences_then_survivors_take_over_then_it_rejoins(
             # Heal: the victim writes its heartbeat again and takes its share back.
             _nft(victim, "delete table inet cut\n")
             healed = time.monotonic()
-            _until(
+            wait_for(
                 "the victim holds its BMCs again",
                 lambda: all(_bmc_rows(store)[b][0] == victim for b in victims_bmcs),  # type: ignore[arg-type]
                 timeout=60,
             )
             back_s = time.monotonic() - healed
-            _until(
+            wait_for(
                 "the victim answers its clients again",
                 lambda: probe.answered_by(victim_macs[-1]) == [str(INST[victim])],  # type: ignore[union-attr]
                 timeout=30,
             )
             after = _bmc_rows(store)
-            _until("every client answered by exactly one instance again", each_answered_once)
+            wait_for("every client answered by exactly one instance again", each_answered_once)
             renew = probe.ask(op="request", mac=mac, ip=bound_ip, server=None)
             assert [(a["type"], a["yiaddr"]) for a in renew] == [("ack", bound_ip)], renew
 

@@ -100,6 +100,9 @@ def test_command_line_starts_paused_with_ipxe_nic_and_both_boot_devices(tmp_path
     assert "romfile=" not in joined  # the default ROM of virtio-net-pci is iPXE
     assert "pflash" not in joined
     assert joined.count("-qmp unix:") == 2
+    # a hardware RNG, so metald's iPXE does not gather TLS entropy itself
+    assert "rng-random,id=rng0,filename=/dev/urandom" in joined
+    assert "virtio-rng-pci,rng=rng0" in joined
 
 
 def test_uefi_machines_get_ovmf_with_their_own_variable_store(tmp_path: Path) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ import yaml
 from tests.api_helpers import LoopbackApi
 from tests.ops.fleet_data import NETWORK, populate
 from tests.ops.promql import metric_names
+from tests.waiting import wait_for
 from vmlab.labnet import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,20 +118,15 @@ def prometheus(tmp_path: Path) -> Iterator[tuple[str, LoopbackApi]]:
 
 
 def _wait(cond, what: str, proc_log: Path, timeout: float = 60.0):  # type: ignore[no-untyped-def]
-    """Poll until ``cond()`` returns a truthy value (the timeout only bounds a failing test)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            value = cond()
-        except OSError:
-            value = None
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"timed out waiting for {what}; prometheus log:\n{proc_log.read_text()[-3000:]}"
-            )
-        time.sleep(0.2)
+    """``wait_for`` with Prometheus's log in the failure (a refused connection: not yet)."""
+    return wait_for(
+        what,
+        cond,
+        timeout,
+        every=0.2,
+        ignore=(OSError,),
+        explain=lambda: f"prometheus log:\n{proc_log.read_text()[-3000:]}",
+    )
 
 
 @needs_prometheus

@@ -357,6 +357,7 @@ def test_every_page_passes_axe_and_is_captured(browser, app, tokens, shots) -> N
         ("claims", "/ui/claims"),
         ("tenants", "/ui/tenants"),
         ("events", "/ui/events"),
+        ("firmware", "/ui/firmware"),
         ("instances", "/ui/instances"),
         ("tokens", "/ui/tokens"),
     ]:

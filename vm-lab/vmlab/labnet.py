@@ -87,9 +87,12 @@ def veth(a: Netns, a_if: str, a_addr: str, b: Netns, b_if: str, b_addr: str) -> 
             netns.link_up(ns.name, name)
 
 
-def write_config(path: Path, *, state_dir: Path, boot: str, listen: str = "127.0.0.1:8080") -> Path:
+def write_config(
+    path: Path, *, state_dir: Path, boot: str, listen: str = "127.0.0.1:8080", api: str = ""
+) -> Path:
+    """``api``: more lines for the [api] table (TLS, public_url)."""
     path.write_text(
-        f'state_dir = "{state_dir}"\ninstance = "test"\n[api]\nlisten = "{listen}"\n' + boot
+        f'state_dir = "{state_dir}"\ninstance = "test"\n[api]\nlisten = "{listen}"\n{api}' + boot
     )
     return path
 

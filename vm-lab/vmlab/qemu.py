@@ -184,6 +184,10 @@ def command_line(spec: MachineSpec, accel: str) -> list[str]:
         # An empty CD drive on the board's IDE (pc) or AHCI (q35) bus.
         "-drive", "if=none,id=cddrive,media=cdrom,readonly=on",
         "-device", f"ide-cd,id={CD_ID},drive=cddrive",
+        # A hardware RNG, as servers have (RDRAND, a TPM): metald's iPXE seeds TLS from the
+        # firmware's RNG protocol, and without one spends seconds gathering entropy itself.
+        "-object", "rng-random,id=rng0,filename=/dev/urandom",
+        "-device", "virtio-rng-pci,rng=rng0",
     ]  # fmt: skip
     if spec.firmware == "uefi":
         if spec.uefi_vars is None:

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hmac
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-from . import redfish_bios
+from . import redfish_accounts, redfish_bios, redfish_session, redfish_update
 from .power import MachineControl
 from .vmedia import MediaError, VirtualCd
 
@@ -80,17 +79,18 @@ def _json(body: dict[str, Any]) -> web.Response:
 
 @web.middleware
 async def basic_auth(request: web.Request, handler: Any) -> web.StreamResponse:
-    if request.path.rstrip("/") in ("/redfish", "/redfish/v1"):
+    if request.path.rstrip("/") in ("/redfish", "/redfish/v1", "/redfish/v1/$metadata"):
         return await handler(request)  # the service root is public, as the spec asks
-    info = request.app[INFO]
-    if not _credentials_ok(request.headers.get("Authorization", ""), info):
+    if redfish_session.is_login(request) or redfish_session.token_ok(request):
+        return await handler(request)  # logging in, or a live session's token
+    if not _credentials_ok(request.headers.get("Authorization", ""), request.app):
         response = error(401, "InsufficientPrivilege", "valid credentials are required")
         response.headers["WWW-Authenticate"] = 'Basic realm="vm-lab BMC"'
         return response
     return await handler(request)
 
 
-def _credentials_ok(header: str, info: SystemInfo) -> bool:
+def _credentials_ok(header: str, app: web.Application) -> bool:
     scheme, _, value = header.partition(" ")
     if scheme.lower() != "basic":
         return False
@@ -98,9 +98,7 @@ def _credentials_ok(header: str, info: SystemInfo) -> bool:
         user, sep, password = base64.b64decode(value, validate=True).decode().partition(":")
     except (binascii.Error, UnicodeDecodeError):
         return False
-    given = f"{user}:{password}".encode()
-    wanted = f"{info.username}:{info.password}".encode()
-    return bool(sep) and hmac.compare_digest(given, wanted)
+    return bool(sep) and app[redfish_accounts.ACCOUNT_STATE].check(user, password)
 
 
 def _system_path(info: SystemInfo) -> str:
@@ -124,7 +122,64 @@ async def service_root(request: web.Request) -> web.Response:
             "Systems": {"@odata.id": "/redfish/v1/Systems"},
             "Managers": {"@odata.id": "/redfish/v1/Managers"},
             "UpdateService": {"@odata.id": "/redfish/v1/UpdateService"},
+            "Tasks": {"@odata.id": "/redfish/v1/TaskService"},
+            "SessionService": {"@odata.id": redfish_session.SERVICE},
+            "AccountService": {"@odata.id": redfish_accounts.SERVICE},
+            "Links": {"Sessions": {"@odata.id": redfish_session.SESSIONS}},
         }
+    )
+
+
+#: The DMTF schemas (namespace, file) the resources above are typed by, for ``$metadata``.
+METADATA_REFERENCES = [
+    ("ServiceRoot", "ServiceRoot_v1.xml"),
+    ("ComputerSystemCollection", "ComputerSystemCollection_v1.xml"),
+    ("ComputerSystem", "ComputerSystem_v1.xml"),
+    ("EthernetInterfaceCollection", "EthernetInterfaceCollection_v1.xml"),
+    ("EthernetInterface", "EthernetInterface_v1.xml"),
+    ("ManagerCollection", "ManagerCollection_v1.xml"),
+    ("Manager", "Manager_v1.xml"),
+    ("VirtualMediaCollection", "VirtualMediaCollection_v1.xml"),
+    ("VirtualMedia", "VirtualMedia_v1.xml"),
+    ("Bios", "Bios_v1.xml"),
+    ("UpdateService", "UpdateService_v1.xml"),
+    ("SoftwareInventoryCollection", "SoftwareInventoryCollection_v1.xml"),
+    ("SoftwareInventory", "SoftwareInventory_v1.xml"),
+    ("TaskService", "TaskService_v1.xml"),
+    ("TaskCollection", "TaskCollection_v1.xml"),
+    ("Task", "Task_v1.xml"),
+    ("SessionService", "SessionService_v1.xml"),
+    ("SessionCollection", "SessionCollection_v1.xml"),
+    ("Session", "Session_v1.xml"),
+    ("AccountService", "AccountService_v1.xml"),
+    ("ManagerAccountCollection", "ManagerAccountCollection_v1.xml"),
+    ("ManagerAccount", "ManagerAccount_v1.xml"),
+    ("RoleCollection", "RoleCollection_v1.xml"),
+    ("Role", "Role_v1.xml"),
+    ("Message", "Message_v1.xml"),
+    ("Resource", "Resource_v1.xml"),
+    ("Settings", "Settings_v1.xml"),
+]
+
+
+async def metadata(request: web.Request) -> web.Response:
+    """The CSDL document naming the schemas the service's resources use (DSP0266)."""
+    refs = "".join(
+        f'  <edmx:Reference Uri="http://redfish.dmtf.org/schemas/v1/{f}">'
+        f'<edmx:Include Namespace="{ns}"/></edmx:Reference>\n'
+        for ns, f in METADATA_REFERENCES
+    )
+    body = (
+        '<?xml version="1.0" encoding="UTF-8"?>\n'
+        '<edmx:Edmx xmlns:edmx="http://docs.oasis-open.org/odata/ns/edmx" Version="4.0">\n'
+        f"{refs}"
+        '  <edmx:DataServices><Schema xmlns="http://docs.oasis-open.org/odata/ns/edm" '
+        'Namespace="Service"><EntityContainer Name="Service" '
+        'Extends="ServiceRoot.v1_5_0.ServiceContainer"/></Schema></edmx:DataServices>\n'
+        "</edmx:Edmx>\n"
+    )
+    return web.Response(
+        text=body, content_type="application/xml", headers={"OData-Version": ODATA_VERSION}
     )
 
 
@@ -268,6 +323,7 @@ async def reset_action(request: web.Request) -> web.Response:
     await action()
     if reset_type in ("On", "ForceRestart", "PowerCycle"):
         request.app[redfish_bios.BIOS].reboot()  # pending BIOS settings apply as it starts
+        request.app[redfish_update.UPDATES].host_reset()  # so does firmware written meanwhile
     return web.Response(status=204, headers={"OData-Version": ODATA_VERSION})
 
 
@@ -326,6 +382,13 @@ async def manager(request: web.Request) -> web.Response:
             "Name": "vm-lab virtual BMC",
             "ManagerType": "BMC",
             **({"VirtualMedia": {"@odata.id": VMEDIA}} if CD in request.app else {}),
+            "Status": {"State": "Enabled", "Health": "OK"},
+            "Actions": {
+                "#Manager.Reset": {
+                    "target": "/redfish/v1/Managers/BMC/Actions/Manager.Reset",
+                    "ResetType@Redfish.AllowableValues": ["GracefulRestart", "ForceRestart"],
+                }
+            },
             "Links": {"ManagerForServers": [{"@odata.id": _system_path(info)}]},
         }
     )
@@ -405,13 +468,14 @@ async def eject_media(request: web.Request) -> web.Response:
 
 
 def make_app(control: MachineControl, info: SystemInfo) -> web.Application:
-    app = web.Application(middlewares=[basic_auth])
+    app = web.Application(middlewares=[redfish_update.rebooting, basic_auth])
     app[CONTROL] = control
     app[INFO] = info
     system = "/redfish/v1/Systems/{system_id}"
     app.router.add_get("/redfish", redfish_version)
     app.router.add_get("/redfish/v1", service_root)
     app.router.add_get("/redfish/v1/", service_root)
+    app.router.add_get("/redfish/v1/$metadata", metadata)
     app.router.add_get("/redfish/v1/Systems", systems)
     app.router.add_get(system, get_system)
     app.router.add_patch(system, patch_system)
@@ -421,6 +485,10 @@ def make_app(control: MachineControl, info: SystemInfo) -> web.Application:
     app.router.add_get("/redfish/v1/Managers", managers)
     app.router.add_get("/redfish/v1/Managers/{manager_id}", manager)
     redfish_bios.install(app, system, info.firmware)
+    redfish_update.install(app, info.firmware)
+
+    accounts = redfish_accounts.install(app, info.username, info.password)
+    redfish_session.install(app, accounts.check)
     if info.media_dir is not None:
         app[CD] = VirtualCd(control.qmp, info.media_dir, info.system_id)
         app.router.add_get(VMEDIA, virtual_media)

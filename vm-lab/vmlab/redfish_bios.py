@@ -1,9 +1,8 @@
-"""The lab Redfish BMC's BIOS settings and firmware inventory (what sushy-emulator's fake
-driver lacks).
+"""The lab Redfish BMC's BIOS settings (what sushy-emulator's fake driver lacks).
 
 ``Bios`` holds the current attributes; ``Bios/Settings`` the pending ones a client PATCHes,
 applied at the next reset through this BMC (as real firmware applies them at the next boot).
-``UpdateService/FirmwareInventory`` lists the BMC's, the firmware's and the NIC's versions.
+(The firmware inventory and its updates are ``redfish_update``'s.)
 Values are checked against a small attribute registry: an unknown name or a wrong type is a
 400, as on real BMCs.
 """
@@ -42,14 +41,6 @@ class BiosState:
         """Apply the pending settings (the firmware reads them as the machine starts)."""
         self.current.update(self.pending)
         self.pending.clear()
-
-    def firmware_versions(self) -> dict[str, tuple[str, str]]:
-        fw = ("SeaBIOS", "1.16.2") if self.firmware == "bios" else ("OVMF", "2022.11")
-        return {
-            "BMC": ("vm-lab virtual BMC", "1.4.0"),
-            "BIOS": (fw[0], fw[1]),
-            "NIC.1": ("virtio-net iPXE ROM", "1.21.1"),
-        }
 
 
 BIOS = web.AppKey("bios", BiosState)
@@ -118,56 +109,9 @@ async def patch_settings(request: web.Request) -> web.Response:
     return web.Response(status=204, headers={"OData-Version": "4.0"})
 
 
-async def update_service(request: web.Request) -> web.Response:
-    return _json(
-        {
-            "@odata.type": "#UpdateService.v1_8_0.UpdateService",
-            "@odata.id": "/redfish/v1/UpdateService",
-            "Id": "UpdateService",
-            "Name": "Update Service",
-            "FirmwareInventory": {"@odata.id": "/redfish/v1/UpdateService/FirmwareInventory"},
-        }
-    )
-
-
-async def firmware_inventory(request: web.Request) -> web.Response:
-    items = request.app[BIOS].firmware_versions()
-    base = "/redfish/v1/UpdateService/FirmwareInventory"
-    return _json(
-        {
-            "@odata.type": "#SoftwareInventoryCollection.SoftwareInventoryCollection",
-            "@odata.id": base,
-            "Members@odata.count": len(items),
-            "Members": [{"@odata.id": f"{base}/{k}"} for k in items],
-        }
-    )
-
-
-async def firmware_item(request: web.Request) -> web.Response:
-    items = request.app[BIOS].firmware_versions()
-    key = request.match_info["item"]
-    if key not in items:
-        return _error(404, f"no firmware item {key!r}")
-    name, version = items[key]
-    return _json(
-        {
-            "@odata.type": "#SoftwareInventory.v1_3_0.SoftwareInventory",
-            "@odata.id": f"/redfish/v1/UpdateService/FirmwareInventory/{key}",
-            "Id": key,
-            "Name": name,
-            "Version": version,
-            "Updateable": False,
-            "Status": {"State": "Enabled", "Health": "OK"},
-        }
-    )
-
-
 def install(app: web.Application, system: str, firmware: str) -> None:
-    """Add the BIOS and firmware-inventory resources under ``system`` (a route pattern)."""
+    """Add the BIOS resources under ``system`` (a route pattern)."""
     app[BIOS] = BiosState(firmware)
     app.router.add_get(system + "/Bios", get_bios)
     app.router.add_get(system + "/Bios/Settings", get_settings)
     app.router.add_patch(system + "/Bios/Settings", patch_settings)
-    app.router.add_get("/redfish/v1/UpdateService", update_service)
-    app.router.add_get("/redfish/v1/UpdateService/FirmwareInventory", firmware_inventory)
-    app.router.add_get("/redfish/v1/UpdateService/FirmwareInventory/{item}", firmware_item)

@@ -1,7 +1,7 @@
 """repairs: the technicians' repair queue
 
 Revision ID: 0026
-Revises: 0024
+Revises: 0025
 
 One row per repair of a machine (``metald.repairs``). ``open_machine_id`` carries the
 machine's id while the repair is open and is unique, so one machine has one open repair.
@@ -13,7 +13,7 @@ import sqlmodel
 from alembic import op
 
 revision = "0026"
-down_revision = "0024"
+down_revision = "0025"
 branch_labels = None
 depends_on = None
 

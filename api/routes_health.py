@@ -1,0 +1,66 @@
+"""/api/v1/health: what a tenant node reports about itself, with its own node token."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from api.routes_mesh import _bearer
+from api.routing import ApiRequest, Router
+from api.schemas import In
+from metald.usecases import health
+
+router = Router()
+
+#: The agent sends at most 1 MiB (docs/health.md); a little room for the JSON around it.
+MAX_REPORT_BYTES = 1_200_000
+
+
+class HealthReport(In):
+    """Raw tool output, as the node agent collects it (``metald.health.node.NodeReport``).
+    No witness, verdict or severity: metald computes them."""
+
+    version: int = Field(default=1, ge=1, le=1)
+    kernel_log: str = Field(default="", max_length=128 * 1024)
+    nvidia_smi_xml: str | None = Field(default=None, max_length=1024 * 1024)
+    nvlink: str | None = Field(default=None, max_length=64 * 1024)
+    smart: str | None = Field(default=None, max_length=512 * 1024)
+    ib_ports: str | None = Field(default=None, max_length=64 * 1024)
+
+
+class HealthReportOut(BaseModel):
+    #: Seconds until the next report.
+    interval_s: int
+    #: Signals read from the report, and faults it opened.
+    signals: int
+    new_faults: int
+    #: Parts of the report metald could not read, in a sentence each.
+    unreadable: list[str]
+
+
+@router.route(
+    "POST",
+    "/api/v1/health/report",
+    summary="Report a node's health",
+    roles=None,
+    body=HealthReport,
+    response=HealthReportOut,
+    tag="tenants",
+    errors=(401, 403, 413, 422, 429),
+    max_body=MAX_REPORT_BYTES,
+)
+async def health_report(req: ApiRequest) -> HealthReportOut:
+    """Called by a tenant node's agent with its node token (``Authorization: Bearer mnt_...``,
+    from its join answer; no other token works here). The body is raw tool output; metald
+    parses and classifies it itself, and records what it finds as the node's word (it can make
+    the machine look worse, never better). Answers when to report next; 429 with Retry-After
+    when the node reports sooner than ``[health] report_min_interval_s``."""
+    b: HealthReport = req.body
+    out = await health.node_report(
+        req.ctx.store,
+        _bearer(req),
+        b.model_dump(exclude={"version"}),
+        cfg=req.ctx.cfg.health,
+        instance=req.ctx.instance,
+        wake=req.ctx.services.health_watch.wake if req.ctx.services.health_watch else lambda: None,
+    )
+    return HealthReportOut.model_validate(out)

@@ -1,0 +1,476 @@
+"""``HealthWatch``: the service that watches machines in use (provisioned, joining, active)
+and repairs them without anyone asking.
+
+Each round (``[health] watch_interval_s``, or at once when woken):
+
+- node silence: a machine whose agent reported before and has not for ``node_silence_s`` gets
+  metald's silence signal (fatal by the table). A machine whose agent never reported is not
+  judged silent: images without the agent (or a Kubernetes node) never report, and a node
+  that never came up is the join watchdog's business. Read by the machine's owner;
+- every ``bmc_interval_s``: each BMC's event log, read by the BMC's owning instance only (the
+  fleet's rendezvous owner; no read is duplicated across instances), turned into signals for
+  the entries after its cursor (``bmc_log_cursors``); the first read of a BMC sets the cursor
+  and judges nothing older; and its sensors;
+- every ``bmc_interval_s``: the tenant's Slurm's word on each node (DOWN / NOT_RESPONDING), by
+  the instance that runs the tenant's control plane;
+- then every open remediation of the tenants whose control plane this instance runs is carried
+  forward (``metald.healthwatch.workflow``).
+
+Signals are classified by the configured table and folded into the machine's faults under the
+trust rule; a machine at degraded or worse in a claim gets a remediation in the same
+transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from sqlalchemy import select as sa_select
+from sqlalchemy import update
+from sqlmodel import Session, col, select
+
+from metald.commissioning.parsers.bmc_sel import MAX_KEYS
+from metald.health import bmc as bmc_signals
+from metald.health.classify import Table
+from metald.health.config import HealthConfig
+from metald.health.node import silence
+from metald.health.scheduler import NodeState, SchedulerError, state_signal
+from metald.health.signals import OK, Kind, Signal, Witness
+from metald.healthwatch import faults
+from metald.healthwatch.workflow import Remediations, SchedulerFor, open_for
+from metald.lifecycle import IN_USE, State
+from metald.provision.metadata import hostname
+from metald.service import TaskScope
+from metald.store.db import Store
+from metald.store.models import (
+    Bmc,
+    BmcLogCursor,
+    HealthFault,
+    Machine,
+    NodeHeartbeat,
+    Remediation,
+    as_utc,
+)
+
+log = logging.getLogger("metald.health")
+_IN_USE = [s.value for s in IN_USE]
+#: BMC reads at once per instance (each is one BMC session through the fenced executor).
+BMC_CONCURRENCY = 16
+
+
+class BmcReads(Protocol):
+    """The BMC service as the watch reads it (``metald.bmc.service.BmcService``)."""
+
+    async def event_log(self, machine_id: str) -> list[dict[str, Any]]: ...
+
+    async def sensors(self, machine_id: str) -> list[dict[str, Any]]: ...
+
+
+class Ownership(Protocol):
+    """The fleet (``metald.fleet.membership.Membership``): who reads what."""
+
+    @property
+    def fenced(self) -> bool: ...
+
+    def owns_bmc(self, bmc_id: str, address: str) -> bool: ...
+
+    def owns_hub(self, tenant_id: str) -> bool: ...
+
+    def hub_owner(self, tenant_id: str) -> str | None: ...
+
+    def owns_key(self, key: str) -> bool: ...
+
+    def owns_machine(self, machine_id: str, bmc: tuple[str, str] | None) -> bool: ...
+
+
+@dataclass(frozen=True)
+class InUse:
+    machine_id: str
+    tenant_id: str | None
+    name: str | None
+    bmc_id: str | None
+    bmc_address: str | None
+    bmc_protocol: str | None
+
+
+def in_use(s: Session) -> list[InUse]:
+    # Six columns: past sqlmodel's typed select overloads, so SQLAlchemy's own.
+    rows = s.execute(
+        sa_select(
+            col(Machine.id),
+            col(Machine.tenant_id),
+            col(Machine.name),
+            col(Bmc.id),
+            col(Bmc.address),
+            col(Bmc.protocol),
+        )
+        .join(Bmc, col(Bmc.machine_id) == col(Machine.id), isouter=True)
+        .where(col(Machine.state).in_(_IN_USE))
+        .order_by(col(Machine.id))
+    ).all()
+    return [InUse(*r) for r in rows]
+
+
+def silent(s: Session, before: datetime) -> list[tuple[str, datetime]]:
+    """In-use machines whose last report is older than ``before`` (never-reported: none)."""
+    rows = s.exec(
+        select(NodeHeartbeat.machine_id, NodeHeartbeat.last_at)
+        .join(Machine, col(Machine.id) == col(NodeHeartbeat.machine_id))
+        .where(
+            col(Machine.state).in_(_IN_USE),
+            col(NodeHeartbeat.last_at) < before,
+            col(NodeHeartbeat.claim_id) == col(Machine.claim_id),
+        )
+    ).all()
+    return [(r[0], as_utc(r[1])) for r in rows]
+
+
+def record_signals(
+    s: Session,
+    machine_id: str,
+    signals: list[Signal],
+    *,
+    cfg: HealthConfig,
+    table: Table,
+    now: datetime,
+    actor: str,
+    instance: str | None,
+) -> int:
+    """Classify, fold and store; open a remediation where due. Returns the new faults.
+    Committed. A machine no longer in use is left alone."""
+    m = s.get(Machine, machine_id)
+    if m is None or m.state not in _IN_USE or not signals:
+        s.rollback()
+        return 0
+    rec = faults.record(s, m, [table.classify(x) for x in signals], now=now,
+                        transient_ttl_s=cfg.transient_ttl_s, actor=actor, instance=instance)  # fmt: skip
+    open_for(s, m, rec.health, cfg, actor=actor, instance=instance)
+    s.commit()
+    return len(rec.new)
+
+
+def record_bmc_log(
+    s: Session,
+    machine_id: str,
+    bmc_id: str,
+    kind: Kind,
+    entries: list[dict[str, Any]],
+    sensors: list[dict[str, Any]],
+    *,
+    cfg: HealthConfig,
+    table: Table,
+    now: datetime,
+    actor: str,
+    instance: str | None,
+) -> int:
+    """The entries after the BMC's cursor (the first read only sets it) and the sensors, as
+    signals; the cursor moves in the same transaction. Returns the new faults. A visit that
+    finds nothing new (the same last record, sensors fine, no BMC fault to clear) writes
+    nothing."""
+    cur = s.get(BmcLogCursor, bmc_id)
+    first = cur is None
+    last = str(entries[-1].get("id")) if entries else None
+    unchanged = cur is not None and cur.last_id == last and cur.entries == len(entries)
+    sensor_sigs = bmc_signals.sensor_signals(
+        [{**x, "unit": x.get("units") or x.get("unit")} for x in sensors], at=now
+    )
+    findings = [x for x in sensor_sigs if not x.is_clear]
+    clears = [x for x in sensor_sigs if x.is_clear]
+    if clears and not findings:
+        # a clear matters only where the BMC has a fault of that kind open
+        open_bmc = s.exec(
+            select(HealthFault.id).where(
+                HealthFault.machine_id == machine_id,
+                HealthFault.witness == "bmc",
+                HealthFault.kind == Kind.SENSOR.value,
+                col(HealthFault.cleared_at).is_(None),
+            )
+        ).first()
+        clears = clears if open_bmc else []
+    if unchanged and not findings and not clears:
+        s.rollback()
+        return 0
+    if cur is None:
+        cur = BmcLogCursor(bmc_id=bmc_id, keys=[])
+    sigs: list[Signal] = []
+    if not unchanged:
+        sigs, keys = bmc_signals.log_signals(entries, seen=cur.keys, at=now, kind=kind)
+        cur.keys = keys[-MAX_KEYS:]
+        cur.entries = len(entries)
+        cur.last_id = last if last is not None else cur.last_id
+        cur.read_at, cur.reader = now, instance
+        s.add(cur)
+    found = ([] if first else sigs) + findings + clears
+    if not found:
+        s.commit()
+        return 0
+    return record_signals(s, machine_id, found, cfg=cfg, table=table, now=now, actor=actor,
+                          instance=instance)  # fmt: skip
+
+
+def _nothing_new(s: Session, machine_id: str, bmc_id: str, last: str | None, n: int) -> bool:
+    """The log's last record and length are the cursor's, and the BMC has no sensor fault
+    open that a fine sensor would clear."""
+    cur = s.get(BmcLogCursor, bmc_id)
+    if cur is None or cur.last_id != last or cur.entries != n:
+        return False
+    return (
+        s.exec(
+            select(HealthFault.id).where(
+                HealthFault.machine_id == machine_id,
+                HealthFault.witness == "bmc",
+                HealthFault.kind == Kind.SENSOR.value,
+                col(HealthFault.cleared_at).is_(None),
+            )
+        ).first()
+        is None
+    )
+
+
+def _open_remediation_machines(s: Session) -> set[str]:
+    return {
+        r
+        for r in s.exec(
+            select(Remediation.machine_id).where(col(Remediation.open_machine).is_not(None))
+        )
+    }
+
+
+_RESPONDING_DRAINED = frozenset({NodeState.DRAINED, NodeState.DRAINING})
+
+
+def close_returned(s: Session, now: datetime) -> int:
+    """Faults still open on machines back in the pool (ready: wiped, commissioned or returned
+    by a technician) are closed: they were the last tenancy's. Committed."""
+    pooled = select(Machine.id).where(Machine.state == State.READY.value)
+    res = s.connection().execute(
+        update(HealthFault)
+        .where(col(HealthFault.cleared_at).is_(None), col(HealthFault.machine_id).in_(pooled))
+        .values(cleared_at=now, open_key=None, cleared_by="back in the pool")
+    )
+    s.commit()
+    return int(res.rowcount or 0)
+
+
+def _any_returned(s: Session) -> bool:
+    return (
+        s.exec(
+            select(HealthFault.id)
+            .join(Machine, col(Machine.id) == col(HealthFault.machine_id))
+            .where(col(HealthFault.cleared_at).is_(None), Machine.state == State.READY.value)
+            .limit(1)
+        ).first()
+        is not None
+    )
+
+
+def _scheduler_faulted(s: Session) -> set[str]:
+    return set(
+        s.exec(
+            select(HealthFault.machine_id).where(
+                HealthFault.witness == "scheduler", col(HealthFault.cleared_at).is_(None)
+            )
+        )
+    )
+
+
+class HealthWatch:
+    name = "health"
+
+    def __init__(
+        self,
+        store: Store,
+        cfg: HealthConfig,
+        instance: str,
+        *,
+        remediations: Remediations,
+        table: Table,
+        bmc: BmcReads | None = None,
+        ownership: Ownership | None = None,
+        scheduler_for: SchedulerFor | None = None,
+        tasks: TaskScope | None = None,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
+        self.store = store
+        self.cfg = cfg
+        self.instance = instance
+        self.remediations = remediations
+        self.table = table
+        self.bmc = bmc
+        self.ownership = ownership
+        self.scheduler_for = scheduler_for
+        self.tasks = tasks or TaskScope("health")
+        self.clock = clock
+        self._wake = asyncio.Event()
+        self._next_reads = 0.0
+        #: Seconds of CPU (process time) the last round took, and its BMC reads.
+        self.last_round_cpu_s = 0.0
+        self.bmc_reads = 0
+
+    @property
+    def actor(self) -> str:
+        return f"metald:{self.instance}"
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def start(self) -> None:
+        await self.tasks.open()
+        if self.cfg.enabled:
+            self.tasks.spawn(self._loop(), name="health-watch")
+
+    async def stop(self) -> None:
+        await self.tasks.close()
+
+    def health(self) -> str:
+        return "running" if self.cfg.enabled else "disabled"
+
+    def _owns_machine(self, u: InUse) -> bool:
+        if self.ownership is None:
+            return True
+        bmc = (u.bmc_id, u.bmc_address) if u.bmc_id and u.bmc_address else None
+        return self.ownership.owns_machine(u.machine_id, bmc)
+
+    def _owns_hub(self, tenant_id: str) -> bool:
+        """Whether this instance drives the tenant's remediations: the one running its hub
+        (and control plane), or, where no instance runs hubs, the rendezvous owner of the
+        tenant's key."""
+        if self.ownership is None:
+            return True
+        if self.ownership.hub_owner(tenant_id) is None:
+            return self.ownership.owns_key(f"health:{tenant_id}")
+        return self.ownership.owns_hub(tenant_id)
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.round()
+            except Exception:
+                log.exception("health round failed; trying again next interval")
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.cfg.watch_interval_s)
+
+    async def round(self, *, reads: bool | None = None) -> None:
+        """One round (see the module docstring). ``reads``: force (or skip) the BMC and
+        scheduler reads; by default they run every ``bmc_interval_s``."""
+        if self.ownership is not None and self.ownership.fenced:
+            return
+        cpu0 = time.process_time()
+        now = self.clock()
+        if reads is None:
+            reads = time.monotonic() >= self._next_reads
+        machines = await self.store.read(in_use)
+        if await self.store.read(_any_returned):
+            await self.store.run(close_returned, now)
+        await self.check_silence(machines, now)
+        if reads:
+            self._next_reads = time.monotonic() + self.cfg.bmc_interval_s
+            await self.read_bmcs(machines)
+            await self.read_schedulers(machines)
+        await self.remediations.run_all(self._owns_hub)
+        self.last_round_cpu_s = time.process_time() - cpu0
+
+    async def check_silence(self, machines: list[InUse], now: datetime) -> None:
+        owned = {u.machine_id for u in machines if self._owns_machine(u)}
+        limit = self.cfg.node_silence_s
+        since = datetime.fromtimestamp(now.timestamp() - limit, UTC)
+        for mid, last in await self.store.read(silent, since):
+            if mid in owned:
+                sig = silence(last, last, now)
+                await self.store.run(record_signals, mid, [sig], cfg=self.cfg, table=self.table,
+                                     now=now, actor=self.actor, instance=self.instance)  # fmt: skip
+
+    async def read_bmcs(self, machines: list[InUse]) -> None:
+        if self.bmc is None:
+            return
+        mine = [
+            u
+            for u in machines
+            if u.bmc_id
+            and u.bmc_address
+            and (self.ownership is None or self.ownership.owns_bmc(u.bmc_id, u.bmc_address))
+        ]
+        gate = asyncio.Semaphore(BMC_CONCURRENCY)
+        await asyncio.gather(*(self._read_bmc(u, gate) for u in mine))
+
+    async def _read_bmc(self, u: InUse, gate: asyncio.Semaphore) -> None:
+        assert self.bmc is not None and u.bmc_id is not None
+        kind = Kind.REDFISH_LOG if u.bmc_protocol == "redfish" else Kind.SEL
+        async with gate:
+            try:
+                entries = await self.bmc.event_log(u.machine_id)
+            except Exception as e:  # a BMC that does not answer is not a machine fault
+                log.info("health: machine %s: event log not read: %s", u.machine_id, e)
+                return
+            try:
+                sensors = await self.bmc.sensors(u.machine_id)
+            except Exception as e:
+                log.info("health: machine %s: sensors not read: %s", u.machine_id, e)
+                sensors = []
+        self.bmc_reads += 1
+        last = str(entries[-1].get("id")) if entries else None
+        fine = all(str(x.get("health") or "").lower() not in ("warning", "critical")
+                   for x in sensors)  # fmt: skip
+        if fine and await self.store.read(_nothing_new, u.machine_id, u.bmc_id, last,
+                                          len(entries)):  # fmt: skip
+            return  # the common visit: no write transaction at all
+        n = await self.store.run(record_bmc_log, u.machine_id, u.bmc_id, kind, entries, sensors,
+                                 cfg=self.cfg, table=self.table, now=self.clock(),
+                                 actor=self.actor, instance=self.instance)  # fmt: skip
+        if n:
+            self.wake()
+
+    async def read_schedulers(self, machines: list[InUse]) -> None:
+        """The scheduler's word on each node of the tenants whose control plane runs here:
+        one ``node_states`` call per tenant where the scheduler has it (Slurm), else one
+        ``node_state`` per node. Nodes under remediation are left out (drained by it)."""
+        if self.scheduler_for is None:
+            return
+        busy = await self.store.read(_open_remediation_machines)
+        # A clear is written only where the scheduler has a fault open (no write per node).
+        open_faults = await self.store.read(_scheduler_faulted)
+        by_tenant: dict[str, list[InUse]] = {}
+        for u in machines:
+            watched = u.machine_id not in busy or u.machine_id in open_faults
+            if u.tenant_id is not None and watched:
+                by_tenant.setdefault(u.tenant_id, []).append(u)
+        for tenant_id, us in sorted(by_tenant.items()):
+            if not self._owns_hub(tenant_id):
+                continue
+            sched = self.scheduler_for(tenant_id)
+            if sched is None:
+                continue
+            try:
+                bulk = getattr(sched, "node_states", None)
+                states = await asyncio.to_thread(bulk) if bulk is not None else None
+            except SchedulerError as e:
+                log.info("health: tenant %s: %s", tenant_id, e)
+                continue
+            now = self.clock()
+            for u in us:
+                node = hostname(u.machine_id, u.name)
+                if states is not None:
+                    st = states.get(node)
+                else:
+                    try:
+                        st = await asyncio.to_thread(sched.node_state, node)
+                    except SchedulerError as e:
+                        log.info("health: node %s: %s", node, e)
+                        continue
+                sig = None if st is None else state_signal(node, st, now)
+                if st is not None and st.state in _RESPONDING_DRAINED:
+                    # drained (by the remediation) and answering: no longer down
+                    sig = Signal(Kind.SCHEDULER_STATE, Witness.SCHEDULER, "node", OK, now,
+                                 f"scheduler: node {node} {st.raw or st.state}")  # fmt: skip
+                if sig is not None and (not sig.is_clear or u.machine_id in open_faults):
+                    await self.store.run(record_signals, u.machine_id, [sig], cfg=self.cfg,
+                                         table=self.table, now=now, actor=self.actor,
+                                         instance=self.instance)  # fmt: skip

@@ -1,0 +1,99 @@
+"""Which iPXE metald's DHCP server hands out: its own build (``python -m bootassets ipxe
+--install``, in <assets_dir>/ipxe/) where it is there, Debian's with a logged reason where it is
+not, and a refusal to start when ``boot.ipxe = "built"`` and the build is missing."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from metald.boot.dhcp.bootfile import Arch, ClientKind, boot_file_for
+from metald.boot.plane import boot_files, choose_boot_files
+from metald.config import Config, ConfigError, load_config
+
+
+def _cfg(tmp_path: Path, extra: str = "") -> Config:
+    assets = tmp_path / "assets"
+    assets.mkdir(exist_ok=True)
+    (assets / "undionly.kpxe").write_bytes(b"debian")
+    (assets / "snponly.efi").write_bytes(b"debian")
+    conf = tmp_path / "metald.toml"
+    conf.write_text(
+        f'state_dir = "{tmp_path / "state"}"\n[api]\nlisten = "127.0.0.1:8080"\n'
+        f'[boot]\nenabled = true\ndhcp_mode = "off"\nserver_address = "10.0.0.1"\n'
+        f'assets_dir = "{assets}"\n{extra}'
+    )
+    return load_config(conf)
+
+
+def _install(tmp_path: Path, *names: str) -> None:
+    built = tmp_path / "assets" / "ipxe"
+    built.mkdir(exist_ok=True)
+    for n in names:
+        (built / n).write_bytes(b"metald's")
+
+
+def _pxe(arch: Arch) -> ClientKind:
+    return ClientKind(arch=arch, pxe=True, http=False, ipxe=False)
+
+
+def test_without_a_build_machines_get_debians_ipxe_and_the_log_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = _cfg(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="metald.boot.plane"):
+        files = boot_files(cfg)
+    assert (files.bios, files.uefi_x64) == ("undionly.kpxe", "snponly.efi")
+    (msg,) = [r.getMessage() for r in caplog.records]
+    assert "no metald-built iPXE for BIOS (ipxe/undionly.kpxe)" in msg
+    assert "python -m bootassets ipxe --install" in msg and "plain HTTP" in msg
+
+
+def test_a_built_ipxe_is_preferred_per_architecture(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    _install(tmp_path, "undionly.kpxe", "snponly.efi", "snponly-arm64.efi")
+    files, reasons = choose_boot_files(cfg)
+    assert reasons == []
+    assert boot_file_for(_pxe(Arch.BIOS), "52:54:00:00:00:01", files) == "ipxe/undionly.kpxe"
+    assert boot_file_for(_pxe(Arch.UEFI_X64), "52:54:00:00:00:01", files) == "ipxe/snponly.efi"
+    assert boot_file_for(_pxe(Arch.UEFI_ARM64), "x", files) == "ipxe/snponly-arm64.efi"
+    assert files.uefi_ia32 == "ipxe-i386.efi"  # not built: as configured
+    http = ClientKind(arch=Arch.UEFI_X64, pxe=False, http=True, ipxe=False)
+    assert boot_file_for(http, "x", files) == "http://10.0.0.1:8080/boot/assets/ipxe/snponly.efi"
+
+
+def test_a_partial_build_falls_back_only_where_it_is_missing(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, 'uefi_x64_file = "ipxe.efi"\n')
+    _install(tmp_path, "undionly.kpxe", "ipxe.efi")  # the configured name, built
+    files, reasons = choose_boot_files(cfg)
+    assert (files.bios, files.uefi_x64, files.uefi_arm64) == (
+        "ipxe/undionly.kpxe",
+        "ipxe/ipxe.efi",
+        "snponly-arm64.efi",
+    )
+    (reason,) = reasons
+    assert "arm64 UEFI (ipxe/snponly-arm64.efi)" in reason and "BIOS" not in reason
+
+
+def test_debian_mode_ignores_a_build(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, 'ipxe = "debian"\n')
+    _install(tmp_path, "undionly.kpxe", "snponly.efi", "snponly-arm64.efi")
+    files, reasons = choose_boot_files(cfg)
+    assert (files.bios, files.uefi_x64, reasons) == ("undionly.kpxe", "snponly.efi", [])
+
+
+def test_built_mode_refuses_to_start_without_the_build(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, 'ipxe = "built"\n')
+    _install(tmp_path, "undionly.kpxe", "snponly.efi")
+    with pytest.raises(ConfigError, match=r"boot.ipxe = \"built\" but .* arm64 UEFI") as e:
+        choose_boot_files(cfg)
+    assert "python -m bootassets ipxe" in str(e.value)
+    _install(tmp_path, "snponly-arm64.efi")
+    assert choose_boot_files(cfg)[0].uefi_arm64 == "ipxe/snponly-arm64.efi"
+
+
+def test_an_unknown_ipxe_mode_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="ipxe"):
+        _cfg(tmp_path, 'ipxe = "mine"\n')
