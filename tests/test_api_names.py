@@ -235,3 +235,10 @@ async def test_a_too_short_prefix_says_at_least_8_characters(api) -> None:  # ty
     )
     detail = (await r.json())["detail"]
     assert r.status == 422 and "tenant_id:" in detail and "at least 8 characters" in detail
+    r = await client.post(
+        "/api/v1/tokens",
+        json={"name": "ci", "role": "orchestrator", "scope": ["abc"]},
+        headers=admin,
+    )
+    detail = (await r.json())["detail"]
+    assert r.status == 422 and "scope:" in detail and "at least 8 characters" in detail

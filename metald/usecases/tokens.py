@@ -19,7 +19,7 @@ from metald.auth import (
     record_first_use,
     revoke_token,
 )
-from metald.errors import Conflict, Unprocessable
+from metald.errors import Conflict, NotFound, Unprocessable
 from metald.machines import add_event
 from metald.store import Store
 from metald.store.models import ApiToken, Machine, Tenant
@@ -102,7 +102,10 @@ class Tokens:
             nonlocal scope
             kind = SCOPE_KINDS.get(role)
             if kind is not None and caller is not None:
-                scope = [resolve(s, caller, kind, ref) for ref in scope]
+                try:
+                    scope = [resolve(s, caller, kind, ref) for ref in scope]
+                except NotFound as e:  # a too-short prefix: an invalid field (422)
+                    raise Unprocessable(f"scope: {e.detail}") from None
             check_scope(s, role, scope)
             row, secret = issue_token(
                 s,
