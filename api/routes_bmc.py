@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field, SecretStr, StrictBool, StringConstraints
 
 from api import listing, workflows
 from api.paging import PageQuery
+from api.resolve import Ref
 from api.routing import STAFF, ApiRequest, Owner, Router
 from api.schemas import In, ListPage
 from metald.bmc import targets
@@ -49,8 +50,10 @@ class BmcCreate(In):
     username: Annotated[str, StringConstraints(min_length=1, max_length=64)]
     #: SecretStr: never echoed back, not even in a validation error.
     password: SecretStr = Field(min_length=1, max_length=256)
-    machine_id: str | None = Field(
-        default=None, description="Link by hand; otherwise linked by system UUID, serial or MAC."
+    machine_id: Annotated[str, Ref("machines")] | None = Field(
+        default=None,
+        description="Link by hand (id, name or 8+ character id prefix); otherwise linked by "
+        "system UUID, serial or MAC.",
     )
     verify_tls: bool = True
     ca_cert: Annotated[str, StringConstraints(max_length=65536)] | None = Field(
@@ -101,7 +104,9 @@ class BmcQuery(PageQuery):
 
 
 class BmcLink(In):
-    machine_id: str | None = Field(description="The machine to link to; null unlinks.")
+    machine_id: Annotated[str, Ref("machines")] | None = Field(
+        description="The machine to link to (id, name or 8+ character id prefix); null unlinks."
+    )
 
 
 class PowerRequest(In):

@@ -13,9 +13,21 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, StringConstraints
 
 from api import listing, workflows
+from api.resolve import Ref
 from api.roles import CLAIMERS, READERS
 from api.routing import ApiRequest, Router
-from api.schemas import SQL_INT_MAX, In, LabelKey, LabelValue, ListPage, Name, PageQuery, Text
+from api.schemas import (
+    SQL_INT_MAX,
+    ImageRef,
+    In,
+    LabelKey,
+    LabelValue,
+    ListPage,
+    Name,
+    PageQuery,
+    TenantRef,
+    Text,
+)
 from metald.usecases.claims import Claims
 
 router = Router()
@@ -60,10 +72,10 @@ class SelectorIn(In):
 
 
 class ClaimCreate(In):
-    tenant_id: Text
+    tenant_id: TenantRef = Field(description="The tenant's id, name or an 8+ character id prefix.")
     count: int = Field(ge=1, le=1024)
     selector: SelectorIn = SelectorIn()
-    image_id: Text
+    image_id: ImageRef = Field(description="The image's id, name or an 8+ character id prefix.")
     ssh_authorized_keys: list[SshKey] = Field(
         default=[], max_length=32, description="Public keys for the machines' first boot."
     )
@@ -116,7 +128,9 @@ class ClaimList(ListPage[ClaimOut]):
 
 class ClaimQuery(PageQuery):
     SORTABLE = ("state", "created_at", "updated_at", "count")
-    tenant_id: str | None = None
+    tenant_id: Annotated[str, Ref("tenants")] | None = Field(
+        default=None, description="The tenant's id, name or an 8+ character id prefix."
+    )
     state: Literal["allocated", "released"] | None = None
 
 

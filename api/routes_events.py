@@ -11,9 +11,9 @@ from aiohttp import web
 
 from api import workflows
 from api.routing import ApiRequest, Router, wire_json
-from api.schemas import SQL_INT_MAX, EventOut, EventPage, EventQuery
+from api.schemas import SQL_INT_MAX, EventOut, EventPage, EventQuery, EventStreamQuery
 from metald.auth import Role
-from metald.errors import MetaldError, Unprocessable
+from metald.errors import MetaldError
 from metald.events import position
 from metald.usecases.events import Events, matches
 
@@ -74,7 +74,7 @@ async def list_events(req: ApiRequest, events: Events) -> EventPage:
     "/api/v1/events/stream",
     summary="Stream events",
     roles=READERS,
-    query=EventQuery,
+    query=EventStreamQuery,
     tag=TAG,
     raw_response="text/event-stream",
     errors=(400, 404, 429),
@@ -84,11 +84,10 @@ async def stream_events(req: ApiRequest, events: Events) -> web.StreamResponse:
     """Server-Sent Events: each event as ``id:``/``event:``/``data:``. Resumes after
     ``Last-Event-ID`` or ``after``. A stream ends when its token is revoked or expires (within
     seconds) and after at most an hour; reconnect with ``Last-Event-ID``. Each token may hold a
-    few streams and the server a bounded number (429 beyond)."""
+    few streams and the server a bounded number (429 beyond). To start at the newest events, list
+    ``GET /api/v1/events?sort=-id&limit=N`` and stream after that page's ``next_after``."""
     p = req.require_principal()
-    q: EventQuery = req.query
-    if q.sort != "id":
-        raise Unprocessable("a stream delivers events in commit order; leave out sort")
+    q: EventStreamQuery = req.query
     bus = req.ctx.bus
     after = _resume_after(req, q)
 

@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field, StringConstraints
 
 from api import listing, workflows
 from api.paging import PageQuery
+from api.resolve import Ref
 from api.roles import READERS
 from api.routing import STAFF, ApiRequest, Router
 from api.schemas import In, ListPage, Name, Text
@@ -29,10 +30,13 @@ class ImageCreate(In):
     sha256: Text | None = Field(default=None, description="disk: SHA-256, 64 hex digits.")
     format: Literal["raw", "qcow2"] | None = None
     size_bytes: int | None = Field(default=None, gt=0)
-    tenants: list[Annotated[str, StringConstraints(min_length=1, max_length=64)]] = Field(
+    tenants: list[
+        Annotated[str, StringConstraints(min_length=1, max_length=64), Ref("tenants")]
+    ] = Field(
         default=[],
         max_length=256,
-        description="Tenant ids whose orchestrators may see and claim it; empty: public.",
+        description="Tenants (ids, names or 8+ character id prefixes) whose orchestrators may "
+        "see and claim it; empty: public.",
     )
 
 

@@ -35,7 +35,12 @@ async def create_token(req: ApiRequest, tokens: Tokens) -> TokenCreated:
     """Issue a token with a role and scope. The secret is in the response and nowhere else."""
     b: TokenCreate = req.body
     row, secret = await tokens.issue(
-        actor=req.actor, name=b.name, role=b.role, scope=b.scope, ttl_seconds=b.ttl_seconds
+        actor=req.actor,
+        name=b.name,
+        role=b.role,
+        scope=b.scope,
+        ttl_seconds=b.ttl_seconds,
+        caller=req.require_principal(),
     )
     return TokenCreated(**TokenOut.model_validate(row).model_dump(), token=secret)
 

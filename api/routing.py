@@ -28,7 +28,7 @@ from sqlalchemy import event
 from api import forwarding
 from api.paging import INT64_MAX, INT64_MIN, next_link
 from api.problem import problem, validation_problem
-from api.resolve import path_kinds
+from api.resolve import path_kinds, resolve_refs_of
 from metald import metrics
 from metald.auth import Principal, Role, record_first_use
 from metald.errors import MetaldError, ServiceUnavailable
@@ -705,6 +705,7 @@ def make_handler(
                 areq.body = await _read_body(
                     request, spec, spec.max_body or ctx.cfg.api.max_body_bytes
                 )
+            areq.query, areq.body = await resolve_refs_of(ctx.store, principal, areq)
             resp = _serialize(spec, await spec.handler(areq), areq.params)
         except _Problem as p:
             resp = problem(p.status, p.title, p.detail, instance=request.path)

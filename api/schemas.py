@@ -6,10 +6,20 @@ import re
 from datetime import datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+)
 
 from api.paging import PageQuery
+from api.resolve import Ref
 from metald.auth import Role
+from metald.inventory.rules import FIELD_NOT_LABEL, field_not_label
 from metald.lifecycle import State
 
 #: The largest value of an INTEGER column on PostgreSQL (ids, versions, counts): a larger one
@@ -21,11 +31,18 @@ Version = Annotated[
     Field(ge=0, le=SQL_INT_MAX, description="Fail with 409 unless the machine is at this version."),
 ]
 LABEL_KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$"
-LabelKey = Annotated[str, StringConstraints(pattern=LABEL_KEY_PATTERN)]
+#: A label key; never a machine field's name (``rack``: metald.inventory.rules.field_not_label).
+LabelKey = Annotated[
+    str, StringConstraints(pattern=LABEL_KEY_PATTERN), AfterValidator(field_not_label)
+]
 LabelValue = Annotated[str, StringConstraints(max_length=253)]
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")]
 #: Free text of one line's worth: 1 to 500 characters.
 Text = Annotated[str, StringConstraints(min_length=1, max_length=500)]
+#: References in bodies and queries: what a path's {id} takes (api.resolve.resolve_refs).
+TenantRef = Annotated[Text, Ref("tenants")]
+ImageRef = Annotated[Text, Ref("images")]
+MachineRef = Annotated[Text, Ref("machines")]
 
 
 Item = TypeVar("Item")
@@ -73,7 +90,9 @@ class MachineQuery(PageQuery):
         default=None, ge=0, le=1024, description="At least this many GPUs."
     )
     rack: str | None = None
-    tenant_id: str | None = None
+    tenant_id: Annotated[str, Ref("tenants")] | None = Field(
+        default=None, description="The tenant's id, name or an 8+ character id prefix."
+    )
 
     @field_validator("label")
     @classmethod
@@ -88,6 +107,8 @@ class MachineQuery(PageQuery):
                     f"label filter key {key!r} is not a label key (letters, digits, '._/-', "
                     "at most 63 characters, starting with a letter or digit)"
                 )
+            if key in FIELD_NOT_LABEL:
+                raise ValueError(f"{key!r} is a machine field, not a label: filter with {key}=")
         return v
 
 
@@ -160,6 +181,11 @@ class MachineOut(BaseModel):
     tenant_id: str | None
     claim_id: str | None
     last_error: str | None
+    state_reason: str | None = Field(
+        default=None,
+        description="Why the machine is in its state: the reason given when it entered it "
+        "(a maintenance or broken reason, a failure).",
+    )
     allowed_actions: list[str]
     nics: list[NicOut] = []
     inventory: dict[str, Any] | None = None
@@ -177,7 +203,9 @@ class MachinePage(ListPage[MachineOut]):
 
 
 class EventQuery(Query):
-    machine_id: str | None = None
+    machine_id: Annotated[str, Ref("machines")] | None = Field(
+        default=None, description="The machine's id, name or an 8+ character id prefix."
+    )
     kind: str | None = None
     after: int = Field(
         default=0,
@@ -192,9 +220,25 @@ class EventQuery(Query):
     limit: int | None = Field(
         default=None, ge=1, le=1000, description="Page size (default: the api.page_size setting)."
     )
+    since: AwareDatetime | None = Field(
+        default=None,
+        description=(
+            "Only events recorded at or after this time (RFC 3339 with a UTC offset, e.g. "
+            "2026-12-06T17:00:00Z)."
+        ),
+    )
     sort: Literal["id", "-id"] = Field(
         default="id",
-        description="-id: the newest first (a list only; a stream is in delivery order).",
+        description="id: delivery order (the default); -id: the newest first.",
+    )
+
+
+class EventStreamQuery(EventQuery):
+    """A stream's filters: those of a list, in delivery order only."""
+
+    sort: Literal["id"] = Field(
+        default="id",
+        description="A stream is in delivery (commit) order: id is the only value.",
     )
 
 
@@ -231,7 +275,10 @@ class TokenCreate(In):
     name: Name
     role: Role
     scope: list[str] = Field(
-        default=[], max_length=256, description="orchestrator: tenant ids; agent: one machine id."
+        default=[],
+        max_length=256,
+        description="orchestrator: tenants; agent: one machine (ids, names or 8+ character id "
+        "prefixes; the token holds the ids).",
     )
     ttl_seconds: int | None = Field(default=None, ge=60, le=10 * 365 * 86400)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from api.context import AppContext
+from metald.bmc.media import boot_url_problem
 from metald.claims.workflow import ClaimWorkflow
 from metald.provision.intents import DeployImage
 from metald.provision.netboot import Provisioner
@@ -173,7 +174,14 @@ def repairs(req: ApiRequest) -> Repairs:
 
 def bmcs(req: ApiRequest) -> Bmcs:
     ctx = req.ctx
-    return Bmcs(ctx.store, ctx.instance, ctx.bus.notify, ctx.services.bmc, provisioner(ctx).spawn)
+    return Bmcs(
+        ctx.store,
+        ctx.instance,
+        ctx.bus.notify,
+        ctx.services.bmc,
+        provisioner(ctx).spawn,
+        boot_url_problem=boot_url_problem(ctx.cfg),
+    )
 
 
 def mesh_nodes(req: ApiRequest) -> Mesh:

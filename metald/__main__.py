@@ -4,6 +4,7 @@ the store. metalctl, the HTTP client, is ``metald.metalctl``."""
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from metald import __version__
@@ -16,6 +17,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p_serve = sub.add_parser("serve", help="run the daemon")
     p_check = sub.add_parser("check-config", help="validate a config file and exit")
+    p_check.add_argument(
+        "--config", "-c", required=True, help="TOML config file (env METALD_* overrides apply)"
+    )
     p_mig = sub.add_parser("migrate", help="upgrade the database schema and exit")
     p_tok = sub.add_parser("create-token", help="mint a token directly in the store (recovery)")
     p_tok.add_argument("--name", required=True)
@@ -26,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser(
         "config-schema", help="print the config file's JSON Schema (for editors) and exit"
     )
-    for p in (p_serve, p_check, p_mig, p_tok):
+    for p in (p_serve, p_mig, p_tok):
         p.add_argument("--config", "-c", help="TOML config file (env METALD_* overrides apply)")
     args = ap.parse_args(argv)
 
@@ -34,15 +38,20 @@ def main(argv: list[str] | None = None) -> int:
         import json
 
         from metald.config import Config
+        from metald.config_docs import describe_schema, descriptions, examples_path
 
         schema = Config.model_json_schema()
+        example = examples_path()  # every key's comment there is its description here
+        if example is not None:
+            describe_schema(schema, descriptions(example.read_text()))
         schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
         schema["title"] = "metald configuration (metald.toml)"
         print(json.dumps(schema, indent=2, sort_keys=True))
         return 0
 
+    warnings: list[str] = []
     try:
-        cfg = load_config(args.config)
+        cfg = load_config(args.config, warnings=warnings)
     except ConfigError as e:
         print(f"metald: {e}", file=sys.stderr)
         return 2
@@ -51,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     from metald.store.db import store_unavailable
 
     setup_logging(cfg.log.level, cfg.log.format, is_outage=store_unavailable)
+    for line in warnings:
+        logging.getLogger("metald.config").warning("%s", line)
     if args.cmd == "check-config":
         print("config ok")
         return 0

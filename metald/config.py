@@ -3,11 +3,16 @@
 Every section is a pydantic model that forbids unknown keys, so a typo in the file is an error
 that names the key instead of a silently ignored setting. Environment variables override file
 values: ``METALD_<SECTION>__<KEY>`` (for example ``METALD_API__LISTEN=0.0.0.0:8080``); values
-are parsed as TOML scalars when they can be (numbers, booleans, quoted strings, arrays).
+are parsed as TOML scalars when they can be (numbers, booleans, quoted strings, arrays). Only a
+variable whose first part names a top-level key (a section such as ``API`` or a key such as
+``STATE_DIR``) is an override: other ``METALD_*`` variables (``METALD_URL`` for metalctl,
+``METALD_LAB_LONG`` for the tests, the node agents' own) are left alone with a warning, while
+an unknown key inside a known section is still an error.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import tomllib
 from ipaddress import IPv4Address, IPv4Network, IPv6Network
@@ -528,11 +533,21 @@ def _parse_env_value(raw: str) -> Any:
         return raw
 
 
-def _apply_env(data: dict[str, Any], environ: dict[str, str]) -> None:
-    for name, raw in environ.items():
-        if not name.startswith("METALD_") or name in ("METALD_URL", "METALD_TOKEN"):
+#: ``METALD_*`` variables that belong to metalctl, never to the daemon: ignored without a word.
+CLIENT_VARIABLES = frozenset({"METALD_URL", "METALD_TOKEN"})
+
+
+def _apply_env(data: dict[str, Any], environ: dict[str, str], warnings: list[str]) -> None:
+    for name, raw in sorted(environ.items()):
+        if not name.startswith("METALD_") or name in CLIENT_VARIABLES:
             continue
         path = name[len("METALD_") :].lower().split("__")
+        if path[0] not in Config.model_fields:
+            warnings.append(
+                f"environment variable {name} is not a configuration override (there is no "
+                f"top-level key {path[0]!r}); ignored"
+            )
+            continue
         node = data
         for part in path[:-1]:
             node = node.setdefault(part, {})
@@ -551,9 +566,14 @@ def _describe(err: ValidationError) -> str:
 
 
 def load_config(
-    path: str | os.PathLike[str] | None, environ: dict[str, str] | None = None
+    path: str | os.PathLike[str] | None,
+    environ: dict[str, str] | None = None,
+    warnings: list[str] | None = None,
 ) -> Config:
-    """Read, merge with environment overrides, and validate. Raises ConfigError."""
+    """Read, merge with environment overrides, and validate. Raises ConfigError.
+
+    What is ignored with a warning (a ``METALD_*`` variable that names no key) is appended to
+    ``warnings`` when given, else logged."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -562,7 +582,13 @@ def load_config(
             raise ConfigError(f"config file {path} does not exist") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-    _apply_env(data, dict(os.environ if environ is None else environ))
+    found: list[str] = []
+    _apply_env(data, dict(os.environ if environ is None else environ), found)
+    if warnings is not None:
+        warnings.extend(found)
+    else:
+        for line in found:
+            logging.getLogger(__name__).warning("%s", line)
     try:
         cfg = Config.model_validate(data)
     except ValidationError as e:

@@ -426,6 +426,7 @@ def _boot_plane(d: Daemon) -> tuple[BootPlane | None, list[web.RouteDef]]:
 def _bmc(d: Daemon) -> BmcService:
     """BMC control. Always on: its drivers' dependencies are metald's own, so an import that
     fails here is a broken install and stops the start, never a daemon silently without BMCs."""
+    from metald.bmc.media import boot_url_problem
     from metald.bmc.service import BmcService
     from metald.boot.plane import http_base_url
 
@@ -435,7 +436,9 @@ def _bmc(d: Daemon) -> BmcService:
         d.cfg.bmc,
         d.cfg.instance,
         ownership=d.fleet,
-        vmedia_base=http_base_url(d.cfg),  # where BMCs fetch the boot ISO
+        # where BMCs fetch the boot ISO; None (virtual-media boots refused, 409) where this
+        # instance serves none or its URL would lack an address
+        vmedia_base=None if boot_url_problem(d.cfg) else http_base_url(d.cfg),
         tasks=d.tasks.child("bmc"),
     )
     d.fleet.on_change(svc.wake)

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterator
+import os
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +18,7 @@ import pytest
 import yaml
 
 from api.app import CTX_KEY
+from metald.lifecycle import State
 from metald.metalctl.main import hoist_output, main
 from tests.api_helpers import LoopbackApi, use_services
 from tests.claims.fakes import FakeBmc
@@ -104,6 +110,59 @@ def test_events_newest_first_with_tail_and_kind(live: LoopbackApi, capsys) -> No
     items = json.loads(out)["items"]
     assert items and all(e["kind"] == "machine.state" for e in items)
     assert items[0]["to_state"] == "maintenance"
+
+
+def _read_lines(proc: subprocess.Popen[bytes], want: Callable[[list[str]], bool]) -> list[str]:
+    """The whole lines a running metalctl printed, once ``want`` holds of them (20 s at most)."""
+    out = b""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not want(out.decode().split("\n")[:-1]):
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if ready:
+            out += os.read(proc.stdout.fileno(), 65536)  # type: ignore[union-attr]
+    return out.decode().split("\n")[:-1]
+
+
+def test_events_follow_starts_at_the_tail_or_since(live: LoopbackApi, capsys) -> None:  # type: ignore[no-untyped-def]
+    """--follow shows the newest --tail N (oldest first), not the history from event #1, then
+    live events; --since starts at a time instead."""
+    for i in range(4):
+        _run(capsys, "machines", "label", "node2", f"step={i}")
+    rc, out, _ = _run(capsys, "events", "--tail", "1000", "-o", "json")
+    history = json.loads(out)["items"]
+    assert len(history) > 6
+    newest = [e["id"] for e in history[:2]][::-1]
+    follower = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "metald.metalctl",
+            "events",
+            "--follow",
+            "--tail",
+            "2",
+            "-o",
+            "json",
+        ],
+        stdout=subprocess.PIPE,
+        env=os.environ.copy(),
+    )
+    try:
+        seen = _read_lines(follower, lambda lines: len(lines) >= 2)
+        assert [json.loads(x)["id"] for x in seen] == newest, seen
+        _run(capsys, "machines", "label", "node2", "step=live")
+        seen = _read_lines(follower, lambda lines: any('"live"' in x for x in lines))
+        assert any(json.loads(x)["data"] == {"patch": {"step": "live"}} for x in seen), seen
+    finally:
+        follower.kill()
+        follower.wait()
+    rc, out, _ = _run(capsys, "events", "--since", "1h", "--tail", "1000", "-o", "json")
+    assert rc == 0 and len(json.loads(out)["items"]) == len(history) + 1
+    rc, out, _ = _run(capsys, "events", "--since", "2999-01-01T00:00:00Z", "-o", "json")
+    assert rc == 0 and json.loads(out)["items"] == []
+    with pytest.raises(SystemExit):
+        main(["events", "--since", "yesterday"])
+    assert "neither a duration" in capsys.readouterr().err
 
 
 class _LaggingBmc(FakeBmc):
@@ -405,6 +464,19 @@ def test_bmc_import_all_good_and_undone_when_the_api_refuses_a_row(
     )
     assert rc == 1 and "did not answer" in out and svc.rows == {} and len(svc.removed) == 2
     assert out.count("undone") == 2
+    # A failure before the last row: the rows after it are listed as not tried, and the
+    # summary says nothing was imported and what to do.
+    rc, out, err = _import(
+        live,
+        capsys,
+        tmp_path,
+        CSV_HEAD
+        + "10.0.7.1,ipmi,admin,R07_PW,\n10.0.7.3,ipmi,admin,R07_PW,\n10.0.7.4,ipmi,admin,R07_PW,\n",
+    )
+    assert rc == 1 and svc.rows == {}
+    (skipped,) = [ln for ln in out.splitlines() if "skipped" in ln]
+    assert "10.0.7.4" in skipped and "not tried: line 3 failed" in skipped
+    assert "nothing was imported (1 undone, 1 not tried)" in err and "--partial" in err
     rc, out, _ = _import(live, capsys, tmp_path, CSV_HEAD + "10.0.7.1,ipmi,admin,R07_PW,\n")
     assert rc == 0 and "registered" in out and len(svc.rows) == 1
     rc, out, _ = _import(
@@ -539,3 +611,164 @@ def test_action_wait_follows_the_machine_until_it_settles(
     assert rc == 1 and "failed" in row.split() and "inspect-failed" in row, (out, err)
     assert len(polls) == 2 and "inspecting" in err  # progress went to stderr, plain lines
     assert "\x1b[" not in err
+
+
+# ---- kubectl parity -------------------------------------------------------------------------
+
+
+def test_wide_shows_each_column_once_with_the_whole_id(live: LoopbackApi, capsys) -> None:  # type: ignore[no-untyped-def]
+    assert live.tokens is not None
+    rc, out, _ = _run(capsys, "machines", "list", "-o", "wide")
+    headers = out.splitlines()[0].split()
+    assert rc == 0 and len(headers) == len(set(headers)), headers
+    assert {"ID", "NAME", "RACK"} <= set(headers) and "NAME_S" not in headers
+    assert live.tokens.machine_free in out  # wide: the whole id, in the one ID column
+
+
+def test_custom_columns_index_lists_and_refuse_unknown_fields(live: LoopbackApi, capsys) -> None:  # type: ignore[no-untyped-def]
+    rc, out, _ = _run(capsys, "machines", "show", "node2", "-o", "json")
+    first = json.loads(out)["allowed_actions"][0]
+    rc, out, _ = _run(
+        capsys, "machines", "list", "-o", "custom-columns=NAME:name,DO:allowed_actions[0]"
+    )
+    assert rc == 0 and any(ln.split() == ["node2", first] for ln in out.splitlines()), out
+    rc, out, err = _run(capsys, "machines", "list", "-o", "custom-columns=NAME:name,X:nmae")
+    assert rc == 2 and "no field 'nmae'" in err and "name" in err and out == ""
+
+
+def test_output_name_and_jsonpath(live: LoopbackApi, capsys) -> None:  # type: ignore[no-untyped-def]
+    rc, out, _ = _run(capsys, "machines", "list", "-o", "name")
+    assert rc == 0 and sorted(out.split()) == ["machine/node0", "machine/node1", "machine/node2"]
+    rc, out, _ = _run(capsys, "machines", "list", "-o", "jsonpath={.items[*].name}")
+    assert rc == 0 and sorted(out.split()) == ["node0", "node1", "node2"]
+    rc, out, _ = _run(capsys, "machines", "show", "node2", "-o", "jsonpath={.state}")
+    assert rc == 0 and out.strip() == "ready"
+    rc, _, err = _run(capsys, "machines", "show", "node2", "-o", "jsonpath={.nope}")
+    assert rc == 2 and "reaches nothing" in err
+
+
+def test_list_selector_instances_list_and_state_choices(
+    live: LoopbackApi, capsys, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    _run(capsys, "machines", "label", "node2", "pool=train", "row=7")
+    rc, out, _ = _run(capsys, "machines", "list", "-l", "pool=train,row=7", "-o", "name")
+    assert rc == 0 and out.split() == ["machine/node2"]
+    rc, out, err = _run(capsys, "instances", "list")
+    assert rc == 0 and out.splitlines()[0].split()[0] == "NAME", err
+    offered = _complete(live, tmp_path, "metalctl machines list --state re")
+    assert "ready" in offered and "retired" in offered
+    assert all(o in {s.value for s in State} for o in offered), offered  # no file names
+
+
+def test_mistyped_flag_suggests_and_every_subcommand_has_help(capsys) -> None:  # type: ignore[no-untyped-def]
+    import argparse
+
+    from metald.metalctl.main import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        main(["machines", "list", "--sate", "ready"])
+    assert e.value.code == 2 and "did you mean --state?" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["machines", "lsit"])
+    assert "did you mean 'list'?" in capsys.readouterr().err
+    missing = []
+
+    def walk(p: argparse.ArgumentParser, path: list[str]) -> None:
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                helps = {c.dest: c.help for c in a._choices_actions}
+                for name, sp in a.choices.items():
+                    if not helps.get(name):
+                        missing.append(" ".join([*path, name]))
+                    walk(sp, [*path, name])
+
+    walk(build_parser(), [])
+    assert missing == []
+
+
+def test_cannot_connect_says_to_set_metald_url(capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from vmlab.labnet import free_port
+
+    monkeypatch.setenv("METALD_URL", f"http://127.0.0.1:{free_port()}")
+    rc, _, err = _run(capsys, "machines", "list")
+    assert rc == 2 and "cannot reach" in err and "export METALD_URL=" in err
+
+
+def test_rack_has_one_meaning(live: LoopbackApi, capsys) -> None:  # type: ignore[no-untyped-def]
+    """`machines label ID rack=r07` set a label the RACK column and `--selector rack=r07` never
+    saw; rack is now the machine's field wherever it is written, and never a label."""
+    rc, out, err = _run(capsys, "machines", "label", "node2", "rack=r07", "pool=train")
+    assert rc == 0, err
+    rc, out, _ = _run(capsys, "machines", "show", "node2", "-o", "json")
+    m = json.loads(out)
+    assert m["rack"] == "r07" and m["labels"] == {"pool": "train"}
+    rc, out, _ = _run(capsys, "machines", "list", "-o", "custom-columns=NAME:name,RACK:rack")
+    assert any(ln.split() == ["node2", "r07"] for ln in out.splitlines()), out
+    rc, out, _ = _run(capsys, "machines", "list", "--rack", "r07", "-o", "name")
+    assert out.split() == ["machine/node2"]
+    rc, _, err = _run(capsys, "machines", "list", "--label", "rack=r07")
+    assert rc == 1 and "machine field" in err
+    rc, out, _ = _run(capsys, "machines", "label", "node2", "rack-")
+    rc, out, _ = _run(capsys, "machines", "show", "node2", "-o", "json")
+    assert json.loads(out)["rack"] is None
+    # The API refuses a label named rack, with what to do instead.
+    import urllib.request
+
+    assert live.tokens is not None
+    req = urllib.request.Request(
+        f"{live.base}/api/v1/machines/node2/labels",
+        data=json.dumps({"labels": {"rack": "r07"}}).encode(),
+        method="PATCH",
+        headers={
+            "Authorization": f"Bearer {live.tokens.technician}",
+            "Content-Type": "application/json",
+        },
+    )
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    assert e.value.code == 422 and "machine field, not a label" in e.value.read().decode()
+
+
+def test_enrollment_rules_cannot_set_a_rack_label(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from metald.config import ConfigError, load_config
+
+    conf = tmp_path / "c.toml"
+    conf.write_text('[[enroll.rules]]\nlabels = { rack = "r07" }\n')
+    with pytest.raises(ConfigError, match="machine field"):
+        load_config(conf, environ={})
+
+
+def test_why_a_machine_is_held_shows_in_the_list(live: LoopbackApi, capsys) -> None:  # type: ignore[no-untyped-def]
+    """The maintenance reason (and a last error) were nowhere in `machines list`."""
+    rc, _, err = _run(capsys, "machines", "maintenance-on", "node2", "--reason", "reseat GPU 3")
+    assert rc == 0, err
+    rc, out, _ = _run(capsys, "machines", "list")
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("node2")]
+    assert line.split()[0:2] == ["node2", "maintenance"] and line.endswith("reseat GPU 3")
+    assert out.splitlines()[0].split()[-1] == "WHY"
+    rc, out, _ = _run(capsys, "machines", "show", "node2", "-o", "json")
+    assert json.loads(out)["state_reason"] == "reseat GPU 3"
+
+
+def test_token_scopes_and_claim_images_by_name(live: LoopbackApi, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    assert live.tokens is not None
+    monkeypatch.setenv("METALD_TOKEN", live.tokens.admin)
+    rc, out, err = _run(
+        capsys, "tokens", "create", "--name", "ci", "--role", "orchestrator", "--scope", "acme"
+    )
+    assert rc == 0, err
+    rc, out, _ = _run(capsys, "tokens", "list")
+    (line,) = [ln for ln in out.splitlines() if " ci " in f" {ln} "]
+    assert "acme" in line.split(), line
+    rc, out, err = _run(
+        capsys, "images", "create", "ram", "--kind", "stateless", "--kernel", "k", "--rootfs", "r"
+    )
+    assert rc == 0, err
+    rc, out, err = _run(
+        capsys, "claims", "create", "--tenant", "acme", "--count", "1", "--image", "ram"
+    )
+    assert rc == 0, err
+    rc, out, _ = _run(capsys, "claims", "list")
+    header, *rows = out.splitlines()
+    assert header.split()[:3] == ["ID", "TENANT", "IMAGE"]
+    assert rows and rows[0].split()[1:3] == ["acme", "ram"], rows

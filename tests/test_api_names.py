@@ -175,3 +175,70 @@ async def test_concurrent_rename_to_the_same_name_is_409_not_500(api) -> None:  
     assert r.content_type == "application/problem+json" and "pick another name" in body["detail"]
     r = await client.get("/api/v1/machines/node2", headers=tech)
     assert (await r.json())["name"] == "node2"  # the losing rename left nothing behind
+
+
+async def test_references_in_bodies_and_filters_take_what_a_path_takes(api) -> None:  # type: ignore[no-untyped-def]
+    """docs/client.md's ``c.claim(tenant="acme", ...)`` answered 404 and an image name 422:
+    every reference in a body or a filter now takes an id, a name or an 8+ character prefix."""
+    client, tokens, store = api
+    admin = tokens.header("admin")
+    r = await client.post(
+        "/api/v1/images",
+        json={
+            "name": "ram",
+            "kind": "stateless",
+            "kernel": "n/vmlinuz",
+            "rootfs": "n/root.sq",
+            "tenants": ["acme", tokens.tenant_b[:8]],
+        },
+        headers=admin,
+    )
+    assert r.status == 201, await r.text()
+    image = await r.json()
+    assert sorted(image["tenants"]) == sorted([tokens.tenant_a, tokens.tenant_b])
+    r = await client.post(
+        "/api/v1/claims",
+        json={"tenant_id": "acme", "image_id": "ram", "count": 1},
+        headers=admin,
+    )
+    assert r.status in (201, 202), await r.text()
+    claim = await r.json()
+    assert (claim["tenant_id"], claim["image_id"]) == (tokens.tenant_a, image["id"])
+    r = await client.get("/api/v1/claims?tenant_id=acme", headers=admin)
+    assert [c["id"] for c in (await r.json())["items"]] == [claim["id"]]
+    r = await client.post(
+        "/api/v1/tokens",
+        json={"name": "ci", "role": "orchestrator", "scope": ["globex"]},
+        headers=admin,
+    )
+    assert r.status == 201 and (await r.json())["scope"] == [tokens.tenant_b]
+    r = await client.get("/api/v1/events?machine_id=node2&limit=1", headers=admin)
+    assert r.status == 200
+    assert all(e["machine_id"] == tokens.machine_free for e in (await r.json())["items"])
+    # The BMC bodies mark their machine the same way (this app runs no BMC service).
+    from api.resolve import ref_fields
+    from api.routes_bmc import BmcCreate, BmcLink
+
+    assert ref_fields(BmcLink) == ref_fields(BmcCreate) == {"machine_id": ("machines", False)}
+
+
+async def test_a_too_short_prefix_says_at_least_8_characters(api) -> None:  # type: ignore[no-untyped-def]
+    client, tokens, _ = api
+    admin = tokens.header("admin")
+    r = await client.get(f"/api/v1/machines/{tokens.machine_free[:7]}", headers=admin)
+    assert r.status == 404 and "at least 8 characters" in (await r.json())["detail"]
+    # In a body it is an invalid field (422, every body route's answer to one), named.
+    r = await client.post(
+        "/api/v1/claims",
+        json={"tenant_id": tokens.tenant_a[:6], "image_id": "x", "count": 1},
+        headers=admin,
+    )
+    detail = (await r.json())["detail"]
+    assert r.status == 422 and "tenant_id:" in detail and "at least 8 characters" in detail
+    r = await client.post(
+        "/api/v1/tokens",
+        json={"name": "ci", "role": "orchestrator", "scope": ["abc"]},
+        headers=admin,
+    )
+    detail = (await r.json())["detail"]
+    assert r.status == 422 and "scope:" in detail and "at least 8 characters" in detail

@@ -145,7 +145,7 @@ def test_metalctl_operates_the_fleet(daemon) -> None:  # type: ignore[no-untyped
     )
     try:
         time.sleep(1.0)
-        ctl("machines", "label", mid, "rack=r1")
+        ctl("machines", "label", mid, "team=ml")
         out = ""
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and "machine.labels" not in out:
@@ -194,6 +194,31 @@ def test_config_env_overrides_and_errors(tmp_path: Path) -> None:
         load_config(tmp_path / "x.toml", environ={})
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.toml", environ={})
+
+
+def test_config_env_ignores_variables_that_name_no_key(tmp_path: Path) -> None:
+    """``make test-long`` sets METALD_LAB_LONG=1 for the tests: it (and any other METALD_*
+    variable that is not metald's) is no override, while a typo inside a known section is still
+    an error."""
+    conf = tmp_path / "c.toml"
+    conf.write_text(f'state_dir = "{tmp_path}"\n')
+    warnings: list[str] = []
+    cfg = load_config(
+        conf,
+        environ={"METALD_LAB_LONG": "1", "METALD_DISKS": "vda", "METALD_STATE_DIR": "/srv/m"},
+        warnings=warnings,
+    )
+    assert cfg.state_dir == "/srv/m"
+    assert len(warnings) == 2 and "METALD_LAB_LONG" in warnings[1], warnings
+    assert "ignored" in warnings[1]
+    with pytest.raises(ConfigError, match="api.lsten: unknown key"):
+        load_config(conf, environ={"METALD_API__LSTEN": "0.0.0.0:1"})
+    env = {**os.environ, "METALD_LAB_LONG": "1"}
+    r = subprocess.run(
+        [BIN / "metald", "check-config", "--config", conf], capture_output=True, text=True, env=env
+    )
+    assert r.returncode == 0, r.stderr
+    assert "METALD_LAB_LONG is not a configuration override" in r.stderr
 
 
 def test_version() -> None:

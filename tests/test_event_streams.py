@@ -261,3 +261,31 @@ async def test_an_event_committed_as_the_poller_starts_reaches_the_stream(store)
     finally:
         bus.unsubscribe(sub)
         await bus.close()
+
+
+async def test_every_documented_stream_sort_is_accepted_and_since_filters(live: LiveApi) -> None:
+    """The OpenAPI document offers on the stream only the ``sort`` the route takes (it offered
+    ``-id`` and answered 422); ``since`` narrows a stream's backlog to events at or after it."""
+    doc = await (await live.client.get("/api/v1/openapi.json")).json()
+    params = doc["paths"]["/api/v1/events/stream"]["get"]["parameters"]
+    (sort,) = [p for p in params if p["name"] == "sort"]
+    schema = sort["schema"]
+    offered = schema.get("enum") or [schema.get("const", schema.get("default"))]
+    assert offered == ["id"], schema
+    for value in offered:
+        stream = await _open(live, live.tokens.technician, f"?sort={value}")
+        assert stream.status == 200
+        stream.close()
+    refused = await _open(live, live.tokens.technician, "?sort=-id")
+    assert refused.status == 422
+    await _act(live, "maintenance-on")
+    later = await live.client.get(
+        "/api/v1/events?sort=-id&limit=1", headers=live.tokens.header("technician")
+    )
+    since = (await later.json())["items"][0]["at"]
+    await _act(live, "maintenance-off")
+    stream = await _open(live, live.tokens.technician, f"?since={since.replace('+', '%2B')}")
+    evs = await asyncio.wait_for(_events(stream, 2), WAIT)
+    assert [e["to_state"] for e in evs] == ["maintenance", "ready"]
+    assert all(e["at"] >= since for e in evs)
+    stream.close()

@@ -12,7 +12,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from api.problem import describe_validation
-from api.resolve import path_kinds
+from api.resolve import path_kinds, resolve_refs_of
 from api.routing import (
     ApiRequest,
     Refusal,
@@ -91,6 +91,7 @@ class Api:
             if spec.body is not None:
                 check_json_values(body or {})  # form text (a reason): the API's body check
                 areq.body = body if spec.raw_body else spec.body.model_validate(body or {})
+            areq.query, areq.body = await resolve_refs_of(ui.ctx.store, ui.principal, areq)
             return await spec.handler(areq)
         except Refusal as p:
             raise Refused(p.status, p.title, p.detail) from None

@@ -19,7 +19,8 @@ from sqlmodel import Session
 
 from metald.bmc.capabilities import Capability
 from metald.bmc.control import Executor
-from metald.errors import Unprocessable
+from metald.config import Config
+from metald.errors import Conflict, Unprocessable
 from metald.machines import add_event
 from metald.store.models import Bmc, Event
 
@@ -49,6 +50,37 @@ def boot_base(control: Any) -> str | None:
     this instance serves no boot HTTP (``vmedia_base``, set by the daemon)."""
     base = getattr(control, "vmedia_base", None)
     return base.rstrip("/") if base else None
+
+
+def boot_url_problem(cfg: Config) -> str | None:
+    """Why this configuration gives BMCs no URL to fetch a boot's ISO from (the keys to set),
+    or None. The daemon then hands the BMC service no ``vmedia_base``, and a virtual-media boot
+    is refused at the request (``no_boot_url``) instead of sending a BMC to ``http://None``."""
+    b = cfg.boot
+    if not b.enabled:
+        return (
+            "the boot plane is off (boot.enabled = false), so nothing serves the boot ISO to "
+            "BMCs: set boot.enabled = true with boot.assets_dir, and boot.http_url or "
+            "boot.server_address"
+        )
+    needs_address = not b.http_url and (b.http_listen or not cfg.api.public_url)
+    if needs_address and b.server_address is None:
+        return (
+            "boot.server_address is not set, so there is no URL a BMC can fetch the boot ISO "
+            "from: set boot.http_url, or boot.server_address"
+            + ("" if b.http_listen else ", or api.public_url")
+        )
+    return None
+
+
+def no_boot_url(problem: str | None, machine_id: str) -> Conflict:
+    """The 409 for a virtual-media boot this instance cannot serve, naming the keys to set
+    (``problem``: ``boot_url_problem`` of its configuration)."""
+    problem = problem or "this metald serves no boot HTTP for BMCs"
+    return Conflict(
+        f"cannot boot machine {machine_id} from virtual media: {problem}; or boot it with "
+        '{"via": "network"}'
+    )
 
 
 def wants_virtual_media(labels: dict[str, str] | None) -> bool:

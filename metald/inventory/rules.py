@@ -15,9 +15,9 @@ labels override earlier ones, and the last matching rule that sets ``rack`` wins
 from __future__ import annotations
 
 from fnmatch import fnmatchcase
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from metald.commissioning.profile import CommissioningProfile
 from metald.inventory.normalize import NormalizedInventory
@@ -27,12 +27,29 @@ MatchKey = Literal[
 ]
 
 
+#: Keys that name a machine's own field, never a label: ``rack`` is the rack column, what
+#: selectors (``rack=r07``) and the fleet views match, so a label of that name would be a second,
+#: silently different rack.
+FIELD_NOT_LABEL = frozenset({"rack"})
+
+
+def field_not_label(key: str) -> str:
+    """``key`` unless it names a machine field (ValueError saying how to set that field)."""
+    if key in FIELD_NOT_LABEL:
+        raise ValueError(
+            f"{key!r} is a machine field, not a label: set it with PATCH /api/v1/machines/{{id}} "
+            f'{{"{key}": "r07"}} (metalctl machines label ID {key}=r07 does), an enrollment '
+            f"rule's {key} =, and select it with {key}=r07"
+        )
+    return key
+
+
 class EnrollmentRule(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     #: Field -> glob. An empty match applies to every machine.
     match: dict[MatchKey, str] = {}
-    labels: dict[str, str] = Field(default_factory=dict)
+    labels: dict[Annotated[str, AfterValidator(field_not_label)], str] = Field(default_factory=dict)
     rack: str | None = None
     #: Only machines with at least this many GPUs (handy with gpu_family).
     min_gpu_count: int = Field(default=0, ge=0)

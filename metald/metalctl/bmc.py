@@ -77,12 +77,12 @@ def register(sub: Subparsers) -> None:
 
     bm = sub.add_parser("bmcs", help="list or register BMCs")
     bsub = bm.add_subparsers(dest="sub", required=True)
-    bsub.add_parser("list").set_defaults(func=list_bmcs)
+    bsub.add_parser("list", help="the BMCs, their health and machines").set_defaults(func=list_bmcs)
     bp = bsub.add_parser("power", help="power a BMC's host (before its machine has enrolled)")
     bp.add_argument("id", help="BMC id")
     bp.add_argument("action", nargs="?", choices=POWER_ACTIONS, default="status")
     bp.set_defaults(func=bmc_power)
-    bs = bsub.add_parser("show")
+    bs = bsub.add_parser("show", help="one BMC: address, health, capabilities")
     bs.add_argument("id", help="BMC id or id prefix")
     bs.set_defaults(func=show_bmc)
     bl = bsub.add_parser("link", help="link the BMC to a machine (or --unlink it)")
@@ -119,7 +119,7 @@ def register(sub: Subparsers) -> None:
         f"{bmcimport.PASSWORD_PREFIX}* variables are read, and METALD_TOKEN never",
     )
     bi.set_defaults(func=import_bmcs)
-    br = bsub.add_parser("register")
+    br = bsub.add_parser("register", help="register a BMC (checked unless --no-verify)")
     br.add_argument("address")
     br.add_argument("--port", type=int)
     br.add_argument("--protocol", default="auto", choices=["auto", "ipmi", "redfish"])
@@ -376,7 +376,7 @@ def import_bmcs(args: argparse.Namespace, c: Client) -> int:
     results: list[dict[str, Any]] = []
     created: list[str] = []
     failed = False
-    for r in good:
+    for i, r in enumerate(good):
         out = {"line": r.line, "address": r.address, "machine": r.machine or "-"}
         body = r.body(os.environ[r.password_env], machine_ids.get(r.line))
         if args.no_verify:
@@ -387,6 +387,17 @@ def import_bmcs(args: argparse.Namespace, c: Client) -> int:
             failed = True
             results.append({**out, "result": "failed", "detail": f"{e.detail} (HTTP {e.status})"})
             if not args.partial:
+                # All or nothing: the rows after it are not tried, and say so.
+                for rest in good[i + 1 :]:
+                    results.append(
+                        {
+                            "line": rest.line,
+                            "address": rest.address,
+                            "machine": rest.machine or "-",
+                            "result": "skipped",
+                            "detail": f"not tried: line {r.line} failed",
+                        }
+                    )
                 break
             continue
         created.append(b["id"])
@@ -402,6 +413,14 @@ def import_bmcs(args: argparse.Namespace, c: Client) -> int:
         {"items": results, "errors": [{"line": k, "detail": v} for k, v in sorted(errors.items())]},
         IMPORT_COLUMNS,
     )
+    if failed and not args.partial:
+        skipped = sum(1 for r in results if r["result"] == "skipped")
+        print(
+            f"metalctl: a row failed, so nothing was imported ({len(created)} undone, {skipped} "
+            "not tried); fix it, add --partial to import the rows that work, or --no-verify to "
+            "store BMCs that do not answer yet",
+            file=sys.stderr,
+        )
     return 1 if failed or errors else 0
 
 

@@ -9,7 +9,7 @@ from typing import Any
 from metald.lifecycle import SETTLED
 
 from .client import Client
-from .names import shown, tenant_names
+from .names import image_names, shown, tenant_names
 from .options import Subparsers, confirm, key_values
 from .output import emit, emit_table, machine_readable, render, table
 from .progress import Progress
@@ -17,6 +17,7 @@ from .progress import Progress
 COLUMNS = [
     ("ID", "id"),
     ("TENANT", "tenant"),
+    ("IMAGE", "image"),
     ("COUNT", "count"),
     ("STATE", "state"),
     ("CREATED", "created_at"),
@@ -33,8 +34,8 @@ WATCH_INTERVAL_S = 2
 def register(sub: Subparsers) -> None:
     cl = sub.add_parser("claims", help="claim machines for a tenant, watch, release")
     csub = cl.add_subparsers(dest="sub", required=True)
-    csub.add_parser("list").set_defaults(func=list_claims)
-    cc = csub.add_parser("create")
+    csub.add_parser("list", help="the claims and their state").set_defaults(func=list_claims)
+    cc = csub.add_parser("create", help="claim machines for a tenant, provisioned with an image")
     cc.add_argument("--tenant", required=True, help="tenant name or id")
     cc.add_argument("--count", type=int, required=True)
     cc.add_argument("--image", required=True, help="image name or id")
@@ -49,7 +50,7 @@ def register(sub: Subparsers) -> None:
         "--wait", action="store_true", help="then redraw progress until every machine settles"
     )
     cc.set_defaults(func=create)
-    cs = csub.add_parser("show")
+    cs = csub.add_parser("show", help="one claim: its machines and their progress")
     cs.add_argument("id")
     cs.add_argument(
         "--watch",
@@ -58,7 +59,7 @@ def register(sub: Subparsers) -> None:
         help="redraw progress until every machine settles",
     )
     cs.set_defaults(func=show)
-    cr = csub.add_parser("release")
+    cr = csub.add_parser("release", help="release a claim: its machines are wiped and freed")
     cr.add_argument("id")
     cr.add_argument("--machine", help="release only this machine of the claim (scale down)")
     cr.set_defaults(func=release)
@@ -89,7 +90,15 @@ def claim_table(claim: dict[str, Any]) -> str:
 def list_claims(args: argparse.Namespace, c: Client) -> None:
     page = c.call("GET", "/api/v1/claims")
     tenants = tenant_names(c, (x["tenant_id"] for x in page["items"]))
-    emit_table(args, page, COLUMNS, row=lambda x: dict(x, tenant=shown(tenants, x["tenant_id"])))
+    images = image_names(c, (x.get("image_id") for x in page["items"]))
+    emit_table(
+        args,
+        page,
+        COLUMNS,
+        row=lambda x: dict(
+            x, tenant=shown(tenants, x["tenant_id"]), image=shown(images, x.get("image_id"))
+        ),
+    )
 
 
 def create(args: argparse.Namespace, c: Client) -> None:

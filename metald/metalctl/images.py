@@ -15,11 +15,11 @@ BODY_FIELDS = ("name", "kind", "sha256", "size_bytes", "kernel", "initrd", "root
 def register(sub: Subparsers) -> None:
     im = sub.add_parser("images", help="images machines are provisioned with")
     isub = im.add_subparsers(dest="sub", required=True)
-    isub.add_parser("list").set_defaults(func=list_images)
-    shw = isub.add_parser("show")
+    isub.add_parser("list", help="the image catalog").set_defaults(func=list_images)
+    shw = isub.add_parser("show", help="one image")
     shw.add_argument("id", help="id, name or id prefix")
     shw.set_defaults(func=show)
-    ic = isub.add_parser("create")
+    ic = isub.add_parser("create", help="add an image to the catalog")
     ic.add_argument("name")
     ic.add_argument("--kind", choices=["disk", "stateless"], default="disk")
     # dest differs from metalctl's own --url (the API's address), which it would overwrite.

@@ -22,7 +22,12 @@ COLUMNS = [
 
 
 def register(sub: Subparsers) -> None:
-    sub.add_parser("instances", help="list metald instances (fleet)").set_defaults(func=instances)
+    p = sub.add_parser("instances", help="list metald instances (fleet)")
+    p.set_defaults(func=instances)
+    isub = p.add_subparsers(dest="sub")
+    isub.add_parser("list", help="the instances sharing the store, alive or not").set_defaults(
+        func=instances
+    )
 
 
 def _row(i: dict[str, Any]) -> dict[str, Any]:

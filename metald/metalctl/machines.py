@@ -7,12 +7,12 @@ import sys
 import time
 from typing import Any
 
-from metald.lifecycle import HANDOFF, TIMEOUTS
+from metald.lifecycle import HANDOFF, TIMEOUTS, State
 
 from . import bmc, bulk, commissioning, console, repairs
 from .client import Client
 from .names import shown, tenant_names
-from .options import POWER_ACTIONS, Subparsers, confirm, key_values, machine_ref
+from .options import POWER_ACTIONS, Subparsers, UsageError, confirm, key_values, machine_ref
 from .output import emit, emit_table
 from .progress import Progress
 
@@ -26,7 +26,10 @@ COLUMNS = [
     ("LABELS", "labels_s"),
     ("TENANT", "tenant"),
     ("ID", "short_id"),
+    ("WHY", "why"),
 ]
+#: States a machine is held in for a reason someone gave (or a failure): WHY shows it.
+HELD = frozenset({"maintenance", "broken", "repairing", "retired"})
 SHOW_FIELDS = (
     "id",
     "name",
@@ -46,20 +49,39 @@ SHOW_FIELDS = (
     "gpu_count",
     "power_state",
     "tenant_id",
+    "state_reason",
     "last_error",
 )
 #: Actions that take machines out of service (asked about when run on several at once).
 DISRUPTIVE_ACTIONS = frozenset({"maintenance-on", "mark-broken", "retire", "inspect"})
 ACTIONS = ("inspect", "maintenance-on", "maintenance-off", "mark-broken", "repair", "retire")
+ACTION_HELP = {
+    "inspect": "boot the discovery image again to refresh the inventory",
+    "maintenance-on": "take machines out of service (--reason says why)",
+    "maintenance-off": "put machines back in service",
+    "mark-broken": "mark machines broken (the repair queue takes them)",
+    "repair": "take broken machines into maintenance for a technician to work on",
+    "retire": "retire machines for good (--reason required)",
+}
+STEP_HELP = {
+    "retry": "start a failed operation again (inspect, provision or wipe)",
+    "wipe": "wipe a machine's disks (from releasing, wipe-failed, maintenance, repairing)",
+    "confirm-wipe": "declare a machine's disks wiped by hand (--reason required)",
+}
 LIST_FILTERS = ("gpu_model", "gpu_count", "min_gpu_count", "rack", "limit", "offset")
 
 
 def register(sub: Subparsers) -> None:
     m = sub.add_parser("machines", help="list, show, register, label and act on machines")
     msub = m.add_subparsers(dest="sub", required=True)
-    ml = msub.add_parser("list")
-    ml.add_argument("--state", action="append", default=[])
+    ml = msub.add_parser("list", help="the machines, filtered by state, labels, GPUs, rack")
+    ml.add_argument(
+        "--state", action="append", default=[], choices=[s.value for s in State], metavar="STATE"
+    )
     ml.add_argument("--label", action="append", default=[], help="key=value")
+    ml.add_argument(
+        "--selector", "-l", help="key=value[,key=value...]: machines with all these labels"
+    )
     ml.add_argument("--gpu-model", dest="gpu_model")
     ml.add_argument("--gpu-count", dest="gpu_count", type=int)
     ml.add_argument("--min-gpu-count", dest="min_gpu_count", type=int)
@@ -67,20 +89,22 @@ def register(sub: Subparsers) -> None:
     ml.add_argument("--limit", type=int)
     ml.add_argument("--offset", type=int)
     ml.set_defaults(func=list_machines)
-    ms = msub.add_parser("show")
+    ms = msub.add_parser("show", help="one machine in detail")
     machine_ref(ms.add_argument("id", help="id, name or id prefix"))
     ms.set_defaults(func=show)
-    mr = msub.add_parser("register")
+    mr = msub.add_parser("register", help="register a machine by its MAC(s) before it boots")
     mr.add_argument("--mac", action="append", required=True)
     mr.add_argument("--name")
     mr.add_argument("--label", action="append", default=[])
     mr.set_defaults(func=register_machine)
-    mlab = msub.add_parser("label", help="key=value sets, key- removes")
+    mlab = msub.add_parser(
+        "label", help="key=value sets, key- removes; rack=r07 sets the machine's rack"
+    )
     machine_ref(mlab.add_argument("id", help="id, name or id prefix"))
     mlab.add_argument("labels", nargs="+")
     mlab.set_defaults(func=label)
     for action in ACTIONS:
-        pa = msub.add_parser(action)
+        pa = msub.add_parser(action, help=ACTION_HELP[action])
         machine_ref(pa.add_argument("id", nargs="*", help="ids, names or id prefixes"))
         pa.add_argument("--selector", "-l", help="every machine matching key=value[,...]")
         pa.add_argument("--reason", required=action == "retire")
@@ -95,7 +119,7 @@ def register(sub: Subparsers) -> None:
     pw.add_argument("--timeout", type=float, default=300.0, help="seconds --wait waits at most")
     pw.set_defaults(func=bmc.power_many)
     for step, needs_reason in (("retry", False), ("wipe", False), ("confirm-wipe", True)):
-        ps = msub.add_parser(step)
+        ps = msub.add_parser(step, help=STEP_HELP[step])
         ps.add_argument("id", help="id, name or id prefix")
         ps.add_argument("--reason", required=needs_reason)
         ps.set_defaults(func=workflow_step)
@@ -122,11 +146,19 @@ def row(m: dict[str, Any]) -> dict[str, Any]:
     r["gpus"] = f"{m['gpu_count']}x {m['gpu_model']}" if m.get("gpu_count") else "-"
     r["mem"] = round(m["memory_mb"] / 1024) if m.get("memory_mb") else None
     r["labels_s"] = ",".join(f"{k}={v}" for k, v in sorted((m.get("labels") or {}).items()))
+    held = m.get("state") in HELD or str(m.get("state", "")).endswith("-failed")
+    r["why"] = m.get("last_error") or (m.get("state_reason") if held else None) or ""
     return r
 
 
 def list_machines(args: argparse.Namespace, c: Client) -> None:
-    q = [("state", s) for s in args.state] + [("label", lb) for lb in args.label]
+    labels = list(args.label)
+    if args.selector:
+        labels += [p.strip() for p in args.selector.split(",") if p.strip()]
+    for lb in labels:
+        if "=" not in lb:
+            raise UsageError(f"label {lb!r} must be key=value")
+    q = [("state", s) for s in args.state] + [("label", lb) for lb in labels]
     for key in LIST_FILTERS:
         if getattr(args, key) is not None:
             q.append((key, str(getattr(args, key))))
@@ -168,13 +200,21 @@ def register_machine(args: argparse.Namespace, c: Client) -> None:
 
 
 def label(args: argparse.Namespace, c: Client) -> None:
-    m = c.call("PATCH", f"/api/v1/machines/{args.id}/labels", {"labels": key_values(args.labels)})
+    """Labels, and ``rack=r07`` / ``rack-``: the machine's rack field (the RACK column, what
+    ``--selector rack=`` matches); rack is never a label."""
+    patch = key_values(args.labels)
+    m = None
+    if "rack" in patch:
+        m = c.call("PATCH", f"/api/v1/machines/{args.id}", {"rack": patch.pop("rack")})
+    if patch or m is None:
+        m = c.call("PATCH", f"/api/v1/machines/{args.id}/labels", {"labels": patch})
     emit(
         args,
         m,
         lambda m: (
             f"{m['name'] or m['id']}: "
             + ",".join(f"{k}={v}" for k, v in sorted(m["labels"].items()))
+            + (f" (rack {m['rack']})" if m.get("rack") else "")
         ),
     )
 

@@ -24,17 +24,15 @@ from . import (
     whoami,
 )
 from .client import ApiError, Client
-from .options import DEFAULT_URL, UsageError
-from .output import output_format
+from .options import DEFAULT_URL, Parser, UsageError
+from .output import UnknownField, output_format
 
 #: Resource modules in the order their commands appear in ``metalctl --help``.
 RESOURCES = (machines, events, tokens, tenants, whoami, bmc, firmware, images, claims, instances)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="metalctl", description="Operate a metald fleet (METALD_URL, METALD_TOKEN)"
-    )
+    ap = Parser(prog="metalctl", description="Operate a metald fleet (METALD_URL, METALD_TOKEN)")
     ap.add_argument("--version", action="version", version=f"metalctl {__version__}")
     ap.add_argument("--url", default=os.environ.get("METALD_URL", DEFAULT_URL))
     ap.add_argument(
@@ -43,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=output_format,
         default="table",
         metavar="FORMAT",
-        help="table (default), wide, json, yaml or custom-columns=NAME:name,STATE:state,...; "
-        "may stand anywhere on the line",
+        help="table (default), wide, json, yaml, name, custom-columns=NAME:name,RACK:labels.rack"
+        ",DISK:disks[0].name or jsonpath={.items[*].name}; may stand anywhere on the line",
     )
     ap.add_argument("--json", action="store_true", help="the same as -o json")
     ap.add_argument("-y", "--yes", action="store_true", help="do destructive steps without asking")
@@ -92,6 +90,24 @@ def hoist_output(argv: list[str]) -> list[str]:
     return front + rest
 
 
+#: The kind ``-o name`` prints before each name (``machine/r07-u12``), by command.
+NOUNS = {
+    "machines": "machine",
+    "events": "event",
+    "tokens": "token",
+    "tenants": "tenant",
+    "bmcs": "bmc",
+    "images": "image",
+    "claims": "claim",
+    "instances": "instance",
+}
+
+#: What to tell someone who cannot reach metald.
+URL_HINT = (
+    "is metald running there? Point metalctl at it with METALD_URL "
+    "(export METALD_URL=http://metald.example:8080) or --url"
+)
+
 #: What to tell someone whose token is missing or refused.
 TOKEN_HINT = (
     "set METALD_TOKEN to an API token (export METALD_TOKEN=mtd_...); an admin issues one with "
@@ -106,11 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = firmware.fix_argv(hoist_output(list(sys.argv[1:] if argv is None else argv)))
     args = parser.parse_args(argv)
     args.json = args.output == "json"
+    args.noun = NOUNS.get(args.cmd, args.cmd)  # -o name: machine/r07-u12
     token = os.environ.get("METALD_TOKEN")
     client = Client(args.url, token)
     try:
         return args.func(args, client) or 0
-    except UsageError as e:
+    except (UsageError, UnknownField) as e:
         print(f"metalctl: {e}", file=sys.stderr)
         return 2
     except ApiError as e:
@@ -121,6 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except urllib.error.URLError as e:
         print(f"metalctl: cannot reach {args.url}: {e.reason}", file=sys.stderr)
+        print(f"metalctl: {URL_HINT}", file=sys.stderr)
+        return 2
+    except ConnectionError as e:  # refused or reset after the URL was opened
+        print(f"metalctl: cannot reach {args.url}: {e}", file=sys.stderr)
+        print(f"metalctl: {URL_HINT}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         return 0

@@ -26,6 +26,12 @@ def tenant_names(c: Client, ids: Iterable[str | None]) -> dict[str, str]:
     return _by_id(c, "/api/v1/tenants") if wanted else {}
 
 
+def image_names(c: Client, ids: Iterable[str | None]) -> dict[str, str]:
+    """Image id to name for ``ids`` (one list call, only when there is any id to name)."""
+    wanted = {i for i in ids if i}
+    return _by_id(c, "/api/v1/images") if wanted else {}
+
+
 def shown(names: dict[str, str], ref: str | None) -> str:
     if not ref:
         return "-"

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import re
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from .client import Client
 
@@ -18,6 +20,45 @@ Subparsers = Any
 
 #: Where metalctl looks for metald without --url or METALD_URL.
 DEFAULT_URL = "http://127.0.0.1:8080"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a "did you mean" for a mistyped option or subcommand."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(message + did_you_mean(self, message))
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    """Every long option of ``parser`` and the parsers under it."""
+    out: set[str] = set()
+    for action in parser._actions:
+        out |= {o for o in action.option_strings if o.startswith("--")}
+        if isinstance(action, argparse._SubParsersAction):
+            for sp in action.choices.values():
+                out |= _option_strings(sp)
+    return out
+
+
+_UNRECOGNIZED = re.compile(r"unrecognized arguments: (.*)")
+_INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)")
+
+
+def did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
+    """ "; did you mean --state?" for the closest known option or choice, else ""."""
+    if m := _UNRECOGNIZED.search(message):
+        known = sorted(_option_strings(parser))
+        for word in m.group(1).split():
+            if word.startswith("--"):
+                close = difflib.get_close_matches(word.split("=", 1)[0], known, n=1)
+                if close:
+                    return f"; did you mean {close[0]}?"
+    if m := _INVALID_CHOICE.search(message):
+        choices = re.findall(r"'([^']*)'", m.group(2))
+        close = difflib.get_close_matches(m.group(1), choices, n=1)
+        if close:
+            return f"; did you mean {close[0]!r}?"
+    return ""
 
 
 class UsageError(Exception):

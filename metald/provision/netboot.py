@@ -184,23 +184,31 @@ def retry(
 
 
 def _fail(session: Session, machine_id: str, error: str, actor: str, instance: str | None) -> None:
+    """The step gave up: the machine's operation fails with ``error``; where it moved on
+    meanwhile (the agent reported, or someone released it), the give-up is still an event."""
     m = machines.get_machine(session, machine_id)
     trigger = _FAIL.get(State(m.state))
-    if trigger is None:
-        return  # it moved on meanwhile (the agent reported, or someone released it)
-    try:
-        machines.transition(
-            session,
-            machine_id,
-            trigger,
-            actor=actor,
-            reason=error,
-            expected_version=m.version,
-            updates={"last_error": error},
-            instance=instance,
-        )
-    except (IllegalTransition, machines.ConcurrentUpdate):
-        session.rollback()
+    if trigger is not None:
+        try:
+            machines.transition(
+                session,
+                machine_id,
+                trigger,
+                actor=actor,
+                reason=error,
+                expected_version=m.version,
+                updates={"last_error": error},
+                instance=instance,
+            )
+            return
+        except (IllegalTransition, machines.ConcurrentUpdate):
+            session.rollback()
+    _note(session, machine_id, FAILED_EVENT, error, actor, instance)
+
+
+#: A network boot through the BMC gave up while its machine was no longer in the state it was
+#: started for (the failure is otherwise the operation's failed state and its last_error).
+FAILED_EVENT = "provision.network-boot-failed"
 
 
 #: Event kinds that show a machine's network boot was asked for (or cannot be) since it entered
@@ -324,8 +332,9 @@ def _iso_for(session: Session, bmc: Any, machine_id: str, via: str | None) -> st
     url = virtual_media.boot_base(bmc)
     if url is None:
         raise MetaldError(
-            "virtual media boot needs metald's boot HTTP (boot.http_url or boot.http_listen) "
-            "to serve the ISO; configure it, or boot the machine over the network"
+            "virtual media boot needs metald's boot HTTP to serve the ISO (boot.enabled with "
+            "boot.http_url or boot.server_address); configure it, or remove the machine's "
+            "boot-via=virtual-media label to boot it over the network"
         )
     return url
 

@@ -161,6 +161,9 @@ class Bmcs:
     bmc: BmcCommands | None
     #: Runs a boot in the background (``metald.provision.netboot.Provisioner.spawn``).
     spawn: Callable[[Coroutine[Any, Any, Any]], Any]
+    #: Why this configuration gives BMCs no URL for a boot's ISO (``media.boot_url_problem``),
+    #: named in the 409 that refuses a virtual-media boot then.
+    boot_url_problem: str | None = None
 
     @property
     def service(self) -> BmcCommands:
@@ -315,14 +318,11 @@ class Bmcs:
             )
         url = None
         if via == "virtual-media":
-            await virtual_media.check_for(svc.control, machine_id)
             base = virtual_media.boot_base(svc.control)
-            url = f"{base}/boot/n/{machine_id}/" if base else None  # + the nonce, once armed
-            if url is None:
-                raise Unprocessable(
-                    "this metald serves no boot HTTP for the BMC to fetch the ISO from; set "
-                    'boot.http_url or boot.http_listen, or boot with {"via": "network"}'
-                )
+            if base is None:  # 409 with the keys to set, before any BMC command
+                raise virtual_media.no_boot_url(self.boot_url_problem, machine_id)
+            await virtual_media.check_for(svc.control, machine_id)
+            url = f"{base}/boot/n/{machine_id}/"  # + the boot's nonce, once armed
         else:
             await svc.control.row_for_machine(machine_id)  # 404 with what to do: no BMC
         self.spawn(

@@ -5,6 +5,7 @@ events only (and a machine filter naming another tenant's machine is a 404)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from sqlmodel import Session, col
@@ -21,6 +22,8 @@ class EventFilter(Protocol):
 
     machine_id: str | None
     kind: str | None
+    #: Only events recorded at or after this time.
+    since: datetime | None
     #: "id": delivery order; "-id": the newest first.
     sort: str
 
@@ -35,6 +38,8 @@ def _filters(p: Principal, f: EventFilter) -> list[Any]:
         where.append(col(Event.machine_id) == f.machine_id)
     if f.kind:
         where.append(col(Event.kind) == f.kind)
+    if f.since is not None:
+        where.append(col(Event.at) >= f.since)
     if p.role is Role.ORCHESTRATOR:
         where.append(col(Event.tenant_id).in_(sorted(p.scope)))
     return where
@@ -46,7 +51,13 @@ def matches(p: Principal, f: EventFilter, ev: Any) -> bool:
         return False
     if f.kind and ev.kind != f.kind:
         return False
+    if f.since is not None and _aware(ev.at) < f.since:
+        return False
     return p.role is not Role.ORCHESTRATOR or ev.tenant_id in p.scope
+
+
+def _aware(at: datetime) -> datetime:
+    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
 
 
 def _check_machine_scope(s: Session, p: Principal, machine_id: str | None) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from sqlmodel import Session, col, select
+from sqlmodel import Session, col, func, select
 
 from metald import machines as svc
 from metald import metrics, repairs
@@ -19,7 +19,7 @@ from metald.auth import Principal, Role, revoke_machine_tokens
 from metald.claims.workflow import ClaimWorkflow
 from metald.errors import Conflict, NotFound, Unprocessable
 from metald.lifecycle import Trigger, allowed_triggers
-from metald.store.models import FirmwareUpdate, Machine, Nic
+from metald.store.models import Event, FirmwareUpdate, Machine, Nic
 from metald.usecases import ID_SHAPED, Transactions
 from metald.usecases.reads import Page, Pager, page
 
@@ -50,8 +50,11 @@ class MachineFilter(Protocol):
     tenant_id: str | None
 
 
-def machine_view(m: Machine, nics: list[Nic], *, with_inventory: bool = False) -> dict[str, Any]:
-    """A machine as the API shows it: its fields, its NICs, the actions its state allows."""
+def machine_view(
+    m: Machine, nics: list[Nic], *, with_inventory: bool = False, state_reason: str | None = None
+) -> dict[str, Any]:
+    """A machine as the API shows it: its fields, its NICs, the actions its state allows, and
+    why it is in its state (the reason given when it entered it)."""
     # Not model_dump's inventory: it reads an unloaded (deferred) column as None, silently.
     data: dict[str, Any] = m.model_dump(exclude={"inventory"})
     data["labels"] = dict(m.labels or {})
@@ -60,7 +63,31 @@ def machine_view(m: Machine, nics: list[Nic], *, with_inventory: bool = False) -
     ]
     data["nics"] = [n.model_dump() for n in nics]
     data["inventory"] = m.inventory if with_inventory else None
+    data["state_reason"] = state_reason
     return data
+
+
+def state_reasons(session: Session, rows: Sequence[Machine]) -> dict[str, str | None]:
+    """Each machine's reason for its current state: that of the latest transition event, when
+    it led to the state the machine is in (one query for a page)."""
+    ids = [m.id for m in rows]
+    if not ids:
+        return {}
+    latest = (
+        select(Event.machine_id, func.max(Event.id).label("last"))
+        .where(col(Event.machine_id).in_(ids), col(Event.to_state).is_not(None))
+        .group_by(col(Event.machine_id))
+        .subquery()
+    )
+    stmt = select(Event.machine_id, Event.to_state, Event.reason).join(
+        latest, col(Event.id) == latest.c.last
+    )
+    state = {m.id: m.state for m in rows}
+    return {
+        mid: reason
+        for mid, to_state, reason in session.exec(stmt)
+        if mid is not None and state.get(mid) == to_state
+    }
 
 
 def nics_of(session: Session, machine_ids: list[str]) -> dict[str, list[Nic]]:
@@ -74,12 +101,18 @@ def nics_of(session: Session, machine_ids: list[str]) -> dict[str, list[Nic]]:
 
 
 def view_of(session: Session, m: Machine, *, with_inventory: bool = False) -> dict[str, Any]:
-    return machine_view(m, nics_of(session, [m.id])[m.id], with_inventory=with_inventory)
+    return machine_view(
+        m,
+        nics_of(session, [m.id])[m.id],
+        with_inventory=with_inventory,
+        state_reason=state_reasons(session, [m]).get(m.id),
+    )
 
 
 def _views(session: Session, rows: list[Machine]) -> list[dict[str, Any]]:
     nics = nics_of(session, [m.id for m in rows])
-    return [machine_view(m, nics[m.id]) for m in rows]
+    why = state_reasons(session, rows)
+    return [machine_view(m, nics[m.id], state_reason=why.get(m.id)) for m in rows]
 
 
 def load_visible(session: Session, p: Principal, machine_id: str) -> Machine:

@@ -13,9 +13,9 @@ from typing import Any
 from sqlmodel import Session, col, or_, select
 
 from metald.auth import Principal, Role
-from metald.errors import Conflict
+from metald.errors import Conflict, NotFound, Unprocessable
 from metald.store.models import Bmc, Claim, Image, Machine, Repair, Tenant
-from metald.usecases import ID_SHAPED, Writes
+from metald.usecases import ID_SHAPED, Transactions, Writes
 
 #: Shortest id prefix accepted (8 hex digits of a UUID: one in four billion per pair).
 MIN_PREFIX = 8
@@ -93,7 +93,50 @@ def resolve(session: Session, principal: Principal | None, kind: str, ref: str) 
             f"{ref!r} matches {len(rows)} {kind}; use more of the id or the full id",
             matches=listed,
         )
+    if len(ref) < MIN_PREFIX and _ID_CHARS.fullmatch(ref) is not None:
+        what = kind[:-1]
+        lead = f"no {what} named {ref!r}, and" if k.name is not None else f"{ref!r}:"
+        raise NotFound(
+            f"{lead} an id prefix needs at least {MIN_PREFIX} characters; "
+            f"use more of the {what}'s id" + (" or its name" if k.name is not None else "")
+        )
     return ref
+
+
+async def resolve_all(
+    store: Transactions, principal: Principal | None, wanted: dict[str, tuple[str, Any]]
+) -> dict[str, Any]:
+    """Several references at once, in one read: ``{field: (kind, ref or list of refs)}`` to
+    ``{field: id or list of ids}`` for the fields whose value changes (``resolve`` for each;
+    a too-short prefix is a 422 naming the field, as any invalid field of a request)."""
+
+    def one(s: Session, field: str, kind: str, ref: str) -> str:
+        if ID_SHAPED.fullmatch(ref):
+            return ref
+        try:
+            return resolve(s, principal, kind, ref)
+        except NotFound as e:  # a too-short prefix: in a request's fields, an invalid value
+            raise Unprocessable(f"{field}: {e.detail}") from None
+
+    def run(s: Session) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for field, (kind, v) in wanted.items():
+            new: Any = (
+                [one(s, field, kind, r) for r in v]
+                if isinstance(v, list)
+                else one(s, field, kind, v)
+            )
+            if new != v:
+                out[field] = new
+        return out
+
+    if not any(
+        not ID_SHAPED.fullmatch(r)
+        for _kind, v in wanted.values()
+        for r in (v if isinstance(v, list) else [v])
+    ):
+        return {}
+    return await store.read(run)
 
 
 async def resolve_params(

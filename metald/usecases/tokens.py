@@ -19,11 +19,12 @@ from metald.auth import (
     record_first_use,
     revoke_token,
 )
-from metald.errors import Conflict, Unprocessable
+from metald.errors import Conflict, NotFound, Unprocessable
 from metald.machines import add_event
 from metald.store import Store
 from metald.store.models import ApiToken, Machine, Tenant
 from metald.usecases import Transactions, Writes
+from metald.usecases.names import resolve
 from metald.usecases.reads import Page, Pager, page
 
 #: Oldest first.
@@ -61,6 +62,10 @@ def _views(_: Session, rows: list[ApiToken]) -> list[dict[str, Any]]:
     return [token_view(r) for r in rows]
 
 
+#: What a role's scope names, for references by name or id prefix.
+SCOPE_KINDS = {Role.ORCHESTRATOR: "tenants", Role.AGENT: "machines"}
+
+
 def check_scope(s: Session, role: Role, scope: list[str]) -> None:
     """An orchestrator's scope names tenants, an agent's a machine: each must exist."""
     if role is Role.ORCHESTRATOR:
@@ -87,10 +92,20 @@ class Tokens:
         role: Role,
         scope: list[str],
         ttl_seconds: int | None,
+        caller: Principal | None = None,
     ) -> tuple[dict[str, Any], str]:
-        """A token with a role and scope: its view and its secret (stored nowhere)."""
+        """A token with a role and scope: its view and its secret (stored nowhere). The scope
+        takes what a path takes (tenants, or the agent's machine, by id, name or 8+ character
+        id prefix); the token holds their ids."""
 
         def run(s: Session) -> tuple[dict[str, Any], str]:
+            nonlocal scope
+            kind = SCOPE_KINDS.get(role)
+            if kind is not None and caller is not None:
+                try:
+                    scope = [resolve(s, caller, kind, ref) for ref in scope]
+                except NotFound as e:  # a too-short prefix: an invalid field (422)
+                    raise Unprocessable(f"scope: {e.detail}") from None
             check_scope(s, role, scope)
             row, secret = issue_token(
                 s,

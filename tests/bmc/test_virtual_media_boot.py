@@ -15,6 +15,7 @@ from sqlmodel import select
 
 from metald import machines
 from metald.bmc import media as virtual_media
+from metald.config import Config
 from metald.lifecycle import Trigger
 from metald.provision import media_boot, netboot
 from metald.store import Store
@@ -22,6 +23,7 @@ from metald.store.models import Bmc, Event, Machine
 from tests.api_helpers import drain_steps, link_redfish
 from tests.bmc.peers import Sushy
 from tests.bmc.test_bmc_redfish import _system_json
+from tests.conftest import seed
 
 ISO = b"CD001" + bytes(2043) * 16
 
@@ -220,6 +222,61 @@ async def test_boot_refusals_say_what_to_do(api, store: Store, sushy: Sushy) -> 
         headers=tokens.header("orchestrator"),
     )
     assert r.status == 403
+
+
+async def test_boot_without_a_boot_url_is_refused_naming_the_keys(
+    api, cfg: Config, store: Store, sushy: Sushy
+) -> None:  # type: ignore[no-untyped-def]
+    """With the boot plane off (or on without an address for its URL) nothing serves the ISO:
+    the boot is refused at the request (409, the keys to set) before any BMC command, where it
+    answered 202 and sent the BMC to http://None:<port>/boot/n/... or nowhere."""
+    client, tokens, svc = api
+    mid = tokens.machine_a
+    await link_redfish(client, tokens, sushy.port, mid)
+    _provision(store, mid)
+    svc.control.vmedia_base = None  # as the daemon wires it for these configurations
+    tech, body = tokens.header("technician"), {"via": "virtual-media"}
+    cfg.boot.enabled = False
+    r = await client.post(f"/api/v1/machines/{mid}/boot", json=body, headers=tech)
+    assert r.status == 409, await r.text()
+    detail = (await r.json())["detail"]
+    assert "boot.enabled = true" in detail and '"via": "network"' in detail, detail
+    cfg.boot.enabled = True
+    r = await client.post(f"/api/v1/machines/{mid}/boot", json=body, headers=tech)
+    assert r.status == 409 and "boot.server_address" in (await r.json())["detail"]
+    assert (await _cd(sushy))["Inserted"] is False
+    with store.session() as s:
+        assert s.exec(select(Bmc).where(Bmc.machine_id == mid)).one().step_command is None
+
+
+def test_boot_url_problem_names_what_is_missing(cfg: Config) -> None:
+    from ipaddress import IPv4Address
+
+    cfg.boot.enabled = False
+    cfg.api.public_url = "https://metald.example"
+    assert "boot.enabled" in (virtual_media.boot_url_problem(cfg) or "")  # a URL, no listener
+    cfg.boot.enabled = True
+    assert virtual_media.boot_url_problem(cfg) is None  # served on api.listen, at public_url
+    cfg.boot.http_listen = "10.0.0.1:8081"
+    assert "boot.server_address" in (virtual_media.boot_url_problem(cfg) or "")
+    cfg.boot.server_address = IPv4Address("10.0.0.1")
+    assert virtual_media.boot_url_problem(cfg) is None
+    cfg.boot.server_address, cfg.api.public_url = None, ""
+    cfg.boot.http_url = "http://10.0.0.1:8081"
+    assert virtual_media.boot_url_problem(cfg) is None
+
+
+def test_a_boot_that_gives_up_after_its_machine_moved_on_still_says_so(
+    store: Store, cfg: Config
+) -> None:
+    """The failure of a boot whose machine is no longer in its operation's state was dropped
+    without a trace; it is an event now."""
+    tokens = seed(store)
+    with store.session() as s:
+        netboot._fail(s, tokens.machine_free, "BMC refused the insert", "test", None)
+    with store.session() as s:
+        ev = s.exec(select(Event).where(Event.kind == netboot.FAILED_EVENT)).one()
+        assert (ev.machine_id, ev.reason) == (tokens.machine_free, "BMC refused the insert")
 
 
 async def test_a_step_cut_off_after_the_insert_resumes_without_a_second_power_off(

@@ -3,6 +3,7 @@ and the package builds as a wheel that installs into a fresh venv with working e
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -176,3 +177,61 @@ def test_wheel_installs_and_runs(tmp_path: Path) -> None:
         env=env,
     )
     assert schema.returncode == 0 and '"properties"' in schema.stdout, schema.stderr[-2000:]
+    # Every key described from the shipped example, as in a checkout.
+    from metald.config_docs import undocumented
+
+    assert undocumented(json.loads(schema.stdout)) == []
+    # The example config, unit, alert rules and dashboard ship under the venv, and the unit's
+    # Documentation= names a file that is there (/opt/metald is the venv).
+    share = venv / "share" / "metald"
+    for name in ("metald.toml", "metald.service", "alerts.yml", "metald.json"):
+        assert (share / name).is_file(), name
+    assert (share / "metald.service.d" / "tenants.conf").is_file()
+    doc = _documentation_path()
+    assert (venv / doc.relative_to("/opt/metald")).is_file(), doc
+    check = subprocess.run(
+        [str(venv / "bin" / "metald"), "check-config", "--config", str(share / "metald.toml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env={**env, "METALD_STATE_DIR": str(tmp_path / "state")},
+    )
+    assert check.returncode == 0 and "config ok" in check.stdout, check.stderr[-2000:]
+
+
+def _documentation_path() -> Path:
+    line = next(x for x in UNIT.read_text().splitlines() if x.startswith("Documentation="))
+    return Path(line.removeprefix("Documentation=file://"))
+
+
+def test_the_unit_documentation_ships_and_the_schema_describes_every_key() -> None:
+    """The unit's Documentation= named a file nothing installed; the config schema described 8
+    keys. Both come from what the wheel ships now (pyproject data-files)."""
+    doc = _documentation_path()
+    shipped = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "data-files"
+    ]
+    folder = str(doc.parent.relative_to("/opt/metald"))
+    patterns = shipped.get(folder, [])
+    assert any(Path("docs", doc.name).match(p) for p in patterns), (
+        folder,
+        shipped,
+    )
+    assert (ROOT / "docs" / doc.name).is_file()
+    r = subprocess.run(
+        [VENV_BIN / "metald", "config-schema"], capture_output=True, text=True, timeout=60
+    )
+    from metald.config_docs import undocumented
+
+    schema = json.loads(r.stdout)
+    assert undocumented(schema) == []
+    assert "CIDRs of BMCs" in schema["$defs"]["BmcConfig"]["properties"]["networks"]["description"]
+
+
+def test_check_config_needs_a_file() -> None:
+    """It printed "config ok" for the built-in defaults when no file was given."""
+    r = subprocess.run(
+        [VENV_BIN / "metald", "check-config"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2 and "--config" in r.stderr and "config ok" not in r.stdout
