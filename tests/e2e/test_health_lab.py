@@ -6,13 +6,13 @@ System Event Log, vmlab.vsel) with the health loop's intervals shortened. Tenant
 machines with the tenant node image; they join alpha's Slurm over WireGuard (real slurmd, real
 slurmctld beside metald) and a 2-node batch job runs on them. Then:
 
-(a) an uncorrectable-ECC record is added to one node's BMC event log (IPMI Add SEL Entry, as
-    ``python -m vmlab faults`` does): metald's read of that log finds it, the node is drained in
+(a) an uncorrectable-ECC record is added to one node's BMC event log (IPMI Add SEL Entry,
+    ``vmlab.faults.add_sel``): metald's read of that log finds it, the node is drained in
     alpha's Slurm with a ``metald:`` reason while the job still runs, the job completes (the
     policy waits up to ``job_wait_s``), the node leaves the claim and Slurm, a spare of the
     claim's selector is provisioned and joins, ``srun -N2`` runs, and the bad machine is in the
     repair queue (GET /api/v1/repairs) with the SEL record as evidence;
-(c) one of the nodes then has its QEMU paused (QMP stop, ``vmlab faults pause``): its agent
+(c) one of the nodes then has its QEMU paused (QMP stop, ``vmlab.faults.pause``): its agent
     stops reporting, and after ``node_silence_s`` it is drained and replaced the same way.
 
 Fault -> drained and fault -> replacement joined are printed with the claim's own provisioning
