@@ -75,7 +75,7 @@ def rack(tmp_path: Path) -> Iterator[Any]:
     r = LabRack(
         f"hl{os.getpid() % 10000}",
         tmp_path / "rack",
-        machines=4,
+        machines=5,
         uefi=0,
         extra_config=lambda state: RULES + HEALTH + tenants_config(state),
     )
@@ -125,6 +125,31 @@ def running_job(rack: Any, tenant_id: str) -> str | None:
     r = ctl_exec(rack, tenant_id, "squeue", "-h", "-t", "RUNNING", "-o", "%i")
     jobs = r.stdout.split()
     return jobs[0] if len(jobs) == 1 else None
+
+
+A100_XML = (
+    Path(__file__).resolve().parents[2]
+    / "tests/fixtures/gpu/nvidia-smi-q-x_a100-sxm4-80gb_mig_drv535.54.03.xml"
+)
+
+
+def put(rack: Any, tenant_id: str, node: str, dest: str, text: str) -> None:
+    """``text`` written to ``dest`` on ``node`` (executable), through srun: the tenant is root
+    on its nodes."""
+    r = ctl_exec(rack, tenant_id, "srun", "-w", node, "sh", "-c",
+                 'mkdir -p "$(dirname "$1")" && cat > "$1" && chmod 0755 "$1"', "put", dest,
+                 input=text, timeout=120)  # fmt: skip
+    assert r.returncode == 0, (dest, r.stdout, r.stderr)
+
+
+def install_standin(rack: Any, tenant_id: str, node: str, folder: Path) -> None:
+    """The lab's stand-in nvidia-smi (``vmlab.faults.install_gpu_standin``) in /opt/nvsmi on
+    ``node``, already switched to XID 79, but not yet on the node agent's PATH."""
+    from vmlab.faults import install_gpu_standin
+
+    install_gpu_standin(folder, A100_XML.read_text(), mode="xid79")
+    for name in ("bin/nvidia-smi", "mode", "xid79.line", "xid79.xml"):
+        put(rack, tenant_id, node, f"/opt/nvsmi/{name}", (folder / name).read_text())
 
 
 def job_state(rack: Any, tenant_id: str, job: str) -> str:
@@ -197,7 +222,7 @@ def repair_of(rack: Any, machine_id: str) -> dict[str, Any] | None:
     return next((r for r in page["items"] if r["machine_id"] == machine_id), None)
 
 
-def test_bad_node_drained_replaced_and_queued_for_repair(rack) -> None:  # type: ignore[no-untyped-def]
+def test_bad_node_drained_replaced_and_queued_for_repair(rack, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     from vmlab.faults import BmcTarget, add_sel, memory_uncorrectable_ecc, pause
 
     st, t = rack.api("POST", "/api/v1/tenants", {"name": "alpha", "cluster_kind": "slurm"})
@@ -290,6 +315,47 @@ def test_bad_node_drained_replaced_and_queued_for_repair(rack) -> None:  # type:
         f"{t_drained:.1f} s; fault -> job done {t_job:.1f} s; fault -> replacement {rnode} "
         f"joined {t_joined:.1f} s; claim of 2 -> both active {t_provision:.1f} s"
     )
+
+    # (b) The stand-in nvidia-smi, reporting XID 79, put on the agent's PATH of the node kept
+    # so far: its first call writes the driver's line to the kernel log, which the agent's next
+    # report carries.
+    ids_b = claim_ids(rack, claim["id"])
+    gpu = next(iter(ids - {bad}))
+    gpu_node = kept
+    install_standin(rack, tid, gpu_node, tmp_path / "gpu")
+    tg = time.monotonic()
+    put(rack, tid, gpu_node, "/usr/bin/nvidia-smi", '#!/bin/sh\nexec /opt/nvsmi/bin/nvidia-smi "$@"\n')  # fmt: skip
+    shown = until(
+        "the GPU node drained in the tenant's Slurm",
+        lambda: drained(rack, tid, gpu_node),
+        60,
+        rack,
+        every=0.25,
+    )
+    t_gpu_drained = time.monotonic() - tg
+    assert re.search(r"Reason=metald: .*79", shown), shown
+    rid_b, rnode_b = until(
+        "the GPU node's replacement active and idle in the tenant's Slurm",
+        lambda: replaced(rack, tid, claim["id"], gpu, ids_b),
+        ACTIVE_TIMEOUT_S,
+        rack,
+        every=1,
+    )
+    t_gpu_joined = time.monotonic() - tg
+    r = ctl_exec(rack, tid, "srun", "-N2", "hostname")
+    assert r.returncode == 0 and sorted(r.stdout.split()) == sorted([rnode, rnode_b]), (
+        r.stdout,
+        r.stderr,
+    )
+    repair = until("the GPU node in the repair queue", lambda: repair_of(rack, gpu), 60, rack)
+    xid = [f for f in repair["faults"] if f["witness"] == "node" and f["kind"] == "xid"]
+    assert xid and "Xid" in xid[0]["evidence"] and "79" in xid[0]["evidence"], repair
+    print(
+        f"(b) stand-in nvidia-smi on {gpu_node} switched to XID 79: fault -> drained "
+        f"{t_gpu_drained:.1f} s (report_interval_s 5); fault -> replacement {rnode_b} joined "
+        f"{t_gpu_joined:.1f} s"
+    )
+    kept = rnode_b
 
     # (c) A node whose QEMU is paused: silent, drained and replaced after node_silence_s.
     ids2 = claim_ids(rack, claim["id"])
