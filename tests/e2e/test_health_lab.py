@@ -1,10 +1,10 @@
 """Day 2 in the QEMU lab: a tenant's node goes bad under a running job and metald drains it in
 the tenant's real Slurm, lets the job finish, replaces it and hands it to the technicians.
 
-A rack of its own (4 BIOS machines, every BMC driven over IPMI: the lab's virtual BMCs keep a
-System Event Log, vmlab.vsel) with the health loop's intervals shortened. Tenant alpha claims 2
-machines with the tenant node image; they join alpha's Slurm over WireGuard (real slurmd, real
-slurmctld beside metald) and a 2-node batch job runs on them. Then:
+A rack of its own (5 BIOS machines: 2 claimed, 3 spares; every BMC driven over IPMI: the lab's
+virtual BMCs keep a System Event Log, vmlab.vsel) with the health loop's intervals shortened.
+Tenant alpha claims 2 machines with the tenant node image; they join alpha's Slurm over
+WireGuard (real slurmd, real slurmctld beside metald) and a 2-node job runs on them. Then:
 
 (a) an uncorrectable-ECC record is added to one node's BMC event log (IPMI Add SEL Entry,
     ``vmlab.faults.add_sel``): metald's read of that log finds it, the node is drained in
@@ -12,11 +12,15 @@ slurmctld beside metald) and a 2-node batch job runs on them. Then:
     policy waits up to ``job_wait_s``), the node leaves the claim and Slurm, a spare of the
     claim's selector is provisioned and joins, ``srun -N2`` runs, and the bad machine is in the
     repair queue (GET /api/v1/repairs) with the SEL record as evidence;
+(b) the lab's stand-in ``nvidia-smi`` (vm-lab/nvidia-smi-standin), switched to XID 79, is put
+    on the other node's PATH through srun (the tenant is root on its nodes): its first call
+    writes the driver's XID 79 line to the kernel log, the node agent's next report carries it,
+    and the node is drained, replaced and queued for repair with that line as evidence;
 (c) one of the nodes then has its QEMU paused (QMP stop, ``vmlab.faults.pause``): its agent
     stops reporting, and after ``node_silence_s`` it is drained and replaced the same way.
 
 Fault -> drained and fault -> replacement joined are printed with the claim's own provisioning
-time beside them (docs/health.md). It takes about ten minutes of TCG boots: it runs with
+time beside them (docs/health.md). It takes about eight minutes of TCG boots: it runs with
 METALD_LAB_LONG=1 (``make test-long``) only.
 """
 
@@ -66,7 +70,7 @@ def until(what: str, cond: Callable[[], Any], timeout: float, rack: Any, every: 
 @pytest.fixture
 def rack(tmp_path: Path) -> Iterator[Any]:
     if not os.environ.get("METALD_LAB_LONG"):
-        pytest.skip("about ten minutes of TCG boots: set METALD_LAB_LONG=1 (make test-long)")
+        pytest.skip("about eight minutes of TCG boots: set METALD_LAB_LONG=1 (make test-long)")
     reason = lab_skip_reason()
     if reason:
         pytest.skip(reason)
@@ -89,8 +93,8 @@ def rack(tmp_path: Path) -> Iterator[Any]:
         r.down()
 
 
-def ctl_exec(rack: Any, tenant_id: str, *argv: str, timeout: float = 60) -> Any:
-    return controlplane.exec_in(rack.state_dir, tenant_id, list(argv), timeout=timeout)
+def ctl_exec(rack: Any, tenant_id: str, *argv: str, timeout: float = 60, **kw: Any) -> Any:
+    return controlplane.exec_in(rack.state_dir, tenant_id, list(argv), timeout=timeout, **kw)
 
 
 def sinfo(rack: Any, tenant_id: str) -> dict[str, str]:
