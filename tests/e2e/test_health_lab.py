@@ -355,7 +355,7 @@ def test_bad_node_drained_replaced_and_queued_for_repair(rack, tmp_path: Path) -
     xid = [f for f in repair["faults"] if f["witness"] == "node" and f["kind"] == "xid"]
     assert xid and "Xid" in xid[0]["evidence"] and "79" in xid[0]["evidence"], repair
     print(
-        f"(b) stand-in nvidia-smi on {gpu_node} switched to XID 79: fault -> drained "
+        f"(b) stand-in nvidia-smi (XID 79) on {gpu_node}'s PATH: fault -> drained "
         f"{t_gpu_drained:.1f} s (report_interval_s 5); fault -> replacement {rnode_b} joined "
         f"{t_gpu_joined:.1f} s"
     )
