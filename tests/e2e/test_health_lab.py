@@ -20,7 +20,7 @@ WireGuard (real slurmd, real slurmctld beside metald) and a 2-node job runs on t
     stops reporting, and after ``node_silence_s`` it is drained and replaced the same way.
 
 Fault -> drained and fault -> replacement joined are printed with the claim's own provisioning
-time beside them (docs/health.md). It takes about eight minutes of TCG boots: it runs with
+time beside them (docs/health.md). It takes 6 to 12 minutes of TCG boots here: it runs with
 METALD_LAB_LONG=1 (``make test-long``) only.
 """
 
@@ -70,7 +70,7 @@ def until(what: str, cond: Callable[[], Any], timeout: float, rack: Any, every: 
 @pytest.fixture
 def rack(tmp_path: Path) -> Iterator[Any]:
     if not os.environ.get("METALD_LAB_LONG"):
-        pytest.skip("about eight minutes of TCG boots: set METALD_LAB_LONG=1 (make test-long)")
+        pytest.skip("6 to 12 minutes of TCG boots: set METALD_LAB_LONG=1 (make test-long)")
     reason = lab_skip_reason()
     if reason:
         pytest.skip(reason)
