@@ -18,7 +18,8 @@ demo: setup
 test: setup
 	$(VENV)/bin/pytest -q -rs --durations=15 $(PYTEST_ARGS)
 
-# The long lab variants too (virtual-media provisioning and wipe): about 3 minutes more.
+# The long lab variants too (virtual-media provisioning and wipe; Day-2 health: drain, replace,
+# repair): about 10-20 minutes more.
 test-long: setup
 	METALD_LAB_LONG=1 $(VENV)/bin/pytest -q -rs --durations=15 $(PYTEST_ARGS)
 

@@ -174,8 +174,14 @@ class LabRack:
             f'[[boot.networks]]\nname = "lab"\nsubnet = "{st["subnet"]}"\npool_start = "{lo}"\n'
             f'pool_end = "{hi}"\ninterface = "{bridge}"\nlease_seconds = 600\n' + extra_config
         )
+        # The whole configuration is the file: metald reads METALD_* variables as settings (and
+        # refuses unknown ones, such as the test switch METALD_LAB_LONG).
+        env = {k: v for k, v in os.environ.items() if not k.startswith("METALD_")}
         self.metald = self.lab.spawn(
-            [str(BIN / "metald"), "serve", "--config", str(conf)], role="metald", log=self.log
+            [str(BIN / "metald"), "serve", "--config", str(conf)],
+            role="metald",
+            log=self.log,
+            env=env,
         )
         deadline = time.monotonic() + 60
         while (
