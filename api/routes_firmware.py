@@ -111,7 +111,7 @@ class ComplianceList(BaseModel):
 
 @router.route(
     "PUT",
-    "/api/v1/firmware/baselines/{profile}",
+    "/api/v1/firmware/baselines/{id}",
     summary="Set a profile's firmware baseline",
     roles=ADMIN,
     body=BaselineIn,
@@ -154,7 +154,7 @@ async def list_baselines(req: ApiRequest, firmware: Firmware) -> BaselineList:
 
 @router.route(
     "GET",
-    "/api/v1/firmware/baselines/{profile}",
+    "/api/v1/firmware/baselines/{id}",
     summary="Show a profile's firmware baseline",
     roles=STAFF,
     response=BaselineOut,
@@ -193,7 +193,7 @@ async def compliance(req: ApiRequest, firmware: Firmware) -> ComplianceList:
 
 
 def _profile(req: ApiRequest) -> str:
-    value = req.params["profile"]
+    value = req.params["id"]  # the path's {id}: a baseline is named by its SKU profile
     try:
         return _NAME.validate_python(value)
     except ValidationError:
