@@ -150,7 +150,12 @@ class Daemon:
         )
         self.services, self._routes = _build_services(self)
         self.ctx = AppContext(
-            cfg=cfg, store=self.store, secrets=self.secrets, bus=self.bus, services=self.services
+            cfg=cfg,
+            store=self.store,
+            secrets=self.secrets,
+            bus=self.bus,
+            services=self.services,
+            machines_ca=self.machines_tls.fingerprint if self.machines_tls else "",
         )
         self._started: list[Service] = []
         self._store_lock: Any = None
