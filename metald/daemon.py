@@ -448,7 +448,12 @@ def _boot_plane(d: Daemon) -> tuple[BootPlane | None, list[web.RouteDef]]:
     )
     from metald.provision.media_boot import MediaBootRoutes  # virtual-media nonce URLs
 
-    routes += MediaBootRoutes(hooks, http_base_url(d.cfg)).routes()
+    routes += MediaBootRoutes(
+        hooks,
+        http_base_url(d.cfg),
+        ca_pem=tls.ca_pem if tls else None,
+        require_https=d.require_https,
+    ).routes()
     return plane, routes
 
 

@@ -40,7 +40,7 @@ TOKEN_PATHS = frozenset({"/api/v1/join", "/api/v1/mesh", "/api/v1/health/report"
 TOKEN_PREFIXES = ("/api/v1/agent/",)
 
 
-def _plain_http_refused(request: web.Request, what: str) -> web.Response:
+def plain_http_refused(request: web.Request, what: str) -> web.Response:
     metrics.http_boot.labels("refused").inc()
     log.warning("refused %s over plain HTTP from %s", request.path, request.remote)
     return problem(
@@ -62,7 +62,7 @@ def require_https_middleware() -> Any:
     async def mw(request: web.Request, handler: Handler) -> web.StreamResponse:
         p = request.path
         if not request.secure and (p in TOKEN_PATHS or p.startswith(TOKEN_PREFIXES)):
-            return _plain_http_refused(request, p)
+            return plain_http_refused(request, p)
         return await handler(request)
 
     return mw
@@ -94,7 +94,7 @@ def boot_routes(
                 text=f"refused: {e}; only the address leased to this MAC gets its script\n"
             ) from None
         if require_https and not request.secure and "metald.token" in target.kernel_args:
-            return _plain_http_refused(request, f"the {target.action.value} script for {mac}")
+            return plain_http_refused(request, f"the {target.action.value} script for {mac}")
         metrics.http_boot.labels(target.action.value).inc()
         log.info("iPXE script for %s: %s", mac, target.action.value)
         body = render_boot_script(target, mac=mac, public_url=base, ca_pem=ca_pem)
