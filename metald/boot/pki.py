@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import ipaddress
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,8 @@ TLS_CERT = "boot-tls.pem"
 TLS_KEY = "boot-tls.key"
 #: Private files among them (mode 0600; metald.daemon.STATE_FILES narrows them at start).
 PRIVATE_FILES = (CA_KEY, TLS_KEY)
+
+log = logging.getLogger(__name__)
 
 _CA_YEARS = 20
 _LEAF_DAYS = 397
@@ -227,6 +230,14 @@ def operator_tls(cert: str, key: str, ca: str) -> BootTls:
     else:
         chain = x509.load_pem_x509_certificates(Path(cert).read_bytes())
         ca_pem = chain[-1].public_bytes(serialization.Encoding.PEM)
+        if chain[-1].issuer != chain[-1].subject:
+            log.warning(
+                "%s does not end with the root CA it chains to (its last certificate is issued "
+                "by %s): agents pin that last certificate and cannot verify the listener "
+                "against it; set boot.tls_ca to the root's PEM",
+                cert,
+                chain[-1].issuer.rfc4514_string(),
+            )
     ca_fingerprint(ca_pem)  # a PkiError now rather than a bad pin later
     return BootTls(cert=Path(cert), key=Path(key), ca_pem=ca_pem)
 

@@ -203,3 +203,20 @@ async def test_require_https_refuses_scripts_that_carry_a_token(aiohttp_client) 
     assert r.status == 200 and "exit 0" in await r.text()
     off = await _plain_app(aiohttp_client, False)
     assert "s3cret" in await (await off.get(f"/boot/{MAC}.ipxe")).text()
+
+
+def test_an_operator_chain_without_its_root_is_named_at_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The pin is the chain's last certificate unless boot.tls_ca names the root: a chain that
+    stops below its root is said at start (the agents could not verify against its leaf)."""
+    issuer = pki.ensure_boot_tls(tmp_path / "state", "10.0.0.1")  # a leaf issued by a CA
+    with caplog.at_level("WARNING", logger="metald.boot.pki"):
+        leaf_only = pki.operator_tls(str(issuer.cert), str(issuer.key), "")
+    assert "set boot.tls_ca" in caplog.text
+    assert leaf_only.ca_pem == issuer.cert.read_bytes()
+    caplog.clear()
+    ca_file = tmp_path / "state" / pki.CA_CERT
+    with caplog.at_level("WARNING", logger="metald.boot.pki"):
+        named = pki.operator_tls(str(issuer.cert), str(issuer.key), str(ca_file))
+    assert named.fingerprint == issuer.fingerprint and caplog.text == ""
