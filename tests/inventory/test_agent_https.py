@@ -9,6 +9,7 @@ import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -17,6 +18,7 @@ from tests.inventory.receiver import Receiver
 from tests.inventory.test_agent import BUSYBOX, fake_tool, run_agent, xe9680
 from tests.inventory.test_normalize import IPMITOOL
 from tests.test_daemon import free_port
+from tests.test_listeners import boot_config, running  # noqa: F401  (fixture)
 
 CURL = shutil.which("curl")
 pytestmark = [
@@ -238,3 +240,49 @@ async def test_metald_urls_over_plain_http_get_no_token_from_an_https_agent(
     assert rc != 0, log
     assert f"going on with http://127.0.0.1:{plain}" in log  # it did fail over
     assert seen == []
+
+
+async def test_the_real_agent_enrolls_through_metalds_own_ca(
+    tmp_path: Path,
+    image_bin: Path,
+    running,  # type: ignore[no-untyped-def]  # noqa: F811
+) -> None:
+    """End to end on loopback: metald with [boot] tls_auto makes its CA, serves the discovery
+    script over HTTPS with metald.ca= on the kernel command line, and the real agent, given
+    that command line, pins the CA and posts its inventory to metald over HTTPS."""
+    import re
+
+    from metald import machines
+    from metald.config import load_config
+    from metald.lifecycle import Trigger
+
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    port = free_port()
+    cfg = load_config(
+        boot_config(
+            tmp_path,
+            f'http_listen = "127.0.0.1:{port}"\ntls_auto = true\n',
+            assets=str(assets),
+        )
+    )
+    d = await running(cfg)
+    with d.store.session() as s:  # a machine metald sends to inspection (discovery, token)
+        m = machines.create_machine(s, macs=["52:54:00:00:00:aa"], actor="test")
+        machines.transition(s, m.id, Trigger.INSPECT, actor="test")
+    trust = ssl.create_default_context(cafile=str(tmp_path / "state" / pki.CA_CERT))
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(f"https://127.0.0.1:{port}/boot/52:54:00:00:00:aa.ipxe", ssl=trust) as r,
+    ):
+        script = await r.text()
+    kernel = next(line for line in script.splitlines() if line.startswith("kernel "))
+    args = dict(re.findall(r"(metald\.[a-z]+)=(\S+)", kernel))
+    assert args["metald.url"] == f"https://127.0.0.1:{port}" and "metald.token" in args
+    cmdline = " ".join(f"{k}={v}" for k, v in args.items())
+    _rc, log = await run_agent(
+        xe9680(tmp_path / "root"), image_bin, port, cmdline=cmdline, METALD_MAX_TRIES="3"
+    )
+    assert "] inventory posted (" in log, log
+    with d.store.session() as s:
+        assert machines.get_machine(s, m.id).inventory is not None
