@@ -115,6 +115,9 @@ class AppContext:
     bus: EventBus
     #: The services the daemon hosts; absent ones (None) answer 503.
     services: Services = field(default_factory=Services)
+    #: ``sha256:<hex>`` of the CA the machines' listener's certificate chains to (what agents
+    #: and nodes pin; ``metald.boot.pki``), or empty when machines reach metald over HTTP.
+    machines_ca: str = ""
     #: Caps on held mesh long-polls (``[api] mesh_polls_*``; ``metald.limits``).
     mesh_polls: Limiter = field(init=False)
 

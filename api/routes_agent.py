@@ -81,7 +81,8 @@ class ProvisionInstruction(BaseModel):
     #: cloud-init NoCloud files: meta-data, user-data, network-config.
     nocloud: dict[str, str] | None = None
     #: For a machine of a tenant with a hub: where and with what one-time token the node joins
-    #: (``url``, ``token``, ``expires_at``; also in user-data as /etc/metald/join.json).
+    #: (``url``, ``token``, ``expires_at``, and ``ca``, the ``sha256:<hex>`` of the CA to pin,
+    #: when ``url`` is https; also in user-data as /etc/metald/join.json).
     join: dict[str, str] | None = None
 
 
@@ -160,6 +161,9 @@ async def provision_instruction(req: ApiRequest, agent: Agent) -> ProvisionInstr
     stateless node of a tenant that boots again (provisioned, joining, join-failed, active)
     gets ``join`` with a fresh token. Otherwise ``none``."""
     out = await agent.provision(
-        req.require_principal(), actor=req.actor, join_url=f"{req.raw.scheme}://{req.raw.host}"
+        req.require_principal(),
+        actor=req.actor,
+        join_url=f"{req.raw.scheme}://{req.raw.host}",
+        join_ca=req.ctx.machines_ca if req.raw.secure else "",
     )
     return ProvisionInstruction.model_validate(out)

@@ -77,7 +77,9 @@ BUSYBOX = "busybox-static"
 IPXE = "ipxe"
 IPXE_FILES = ("undionly.kpxe", "ipxe.efi", "snponly.efi")
 #: ipmitool (the BMC's address and MAC, so metald can pair BMC and host), qemu-img (the deploy
-#: agent writes qcow2 images with it) and the packages that hold the libraries they load.
+#: agent writes qcow2 images with it), curl (the agent's HTTPS to metald, pinned to metald's CA
+#: and never following a redirect: busybox wget checks no certificate) and the packages that
+#: hold the libraries they load.
 #: Debian 12 names; the build checks the library closure and names any library it cannot find.
 TOOL_PACKAGES = (
     "ipmitool",
@@ -105,8 +107,23 @@ TOOL_PACKAGES = (
     "liburing2",
     "libzstd1",
     "zlib1g",
+    "curl",
+    "libcurl4",
+    "libbrotli1",
+    "libcom-err2",
+    "libgssapi-krb5-2",
+    "libk5crypto3",
+    "libkeyutils1",
+    "libkrb5-3",
+    "libkrb5support0",
+    "libldap-2.5-0",
+    "libnghttp2-14",
+    "libpsl5",
+    "librtmp1",
+    "libsasl2-2",
+    "libssh2-1",
 )
-TOOLS = ("usr/bin/ipmitool", "usr/bin/qemu-img")
+TOOLS = ("usr/bin/ipmitool", "usr/bin/qemu-img", "usr/bin/curl")
 MULTIARCH_LIB = "lib/x86_64-linux-gnu"
 #: The commissioning checks' tools (docs/commissioning.md), in a second initramfs that the agent
 #: fetches and unpacks only when metald tells it to commission: their library closure is ~95 MB

@@ -48,6 +48,8 @@ PROGRAMS = {
     "usr/bin/unmunge": "usr/bin/unmunge",
     "usr/sbin/slurmd": "usr/sbin/slurmd-wlm",
     "usr/sbin/slurmstepd": "usr/sbin/slurmstepd-wlm",
+    # HTTPS to metald pinned to its CA (metald.ca=), never following a redirect
+    "usr/bin/curl": "usr/bin/curl",
 }
 #: The packages holding those programs; their library packages are found by apt.
 TOP_PACKAGES = (
@@ -58,6 +60,7 @@ TOP_PACKAGES = (
     "munge",
     "slurmd",
     "slurm-wlm-basic-plugins",
+    "curl",
 )
 #: Dependencies apt names that hold no library a program here loads (maintainer-script and
 #: debconf machinery); left out so the download stays small.

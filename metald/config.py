@@ -208,6 +208,21 @@ class BootConfig(_Section):
     #: needs http_listen (one listener: [api] tls_cert).
     tls_cert: str = ""
     tls_key: str = ""
+    #: PEM of the root CA tls_cert chains to: what the agents pin (its SHA-256 fingerprint goes
+    #: on their kernel command line as metald.ca=) and what GET /boot/ca.pem serves. Empty: the
+    #: last certificate of tls_cert's chain.
+    tls_ca: str = ""
+    #: HTTPS on the provisioning listener with no operator PKI: metald makes its own CA once in
+    #: state_dir (boot-ca.pem; boot-ca.key 0600) and issues the listener's certificate for
+    #: server_address from it (boot-tls.pem/.key, issued again before it expires). Build
+    #: metald's iPXE with that CA (docs/boot.md). Instead of tls_cert; needs http_listen.
+    tls_auto: bool = False
+    #: Refuse, over plain HTTP, every request that carries or would hand out a token: the
+    #: agent API, joins, mesh and health reports, and iPXE scripts that carry an agent token
+    #: (403 problem+json). Empty: on when the machines' listener has a certificate (tls_cert,
+    #: tls_auto, or api.tls_cert with one listener) and metald's own iPXE is installed for
+    #: every architecture it builds (boot.ipxe). true needs that certificate.
+    require_https: bool | None = None
     #: Base URL iPXE uses for scripts and assets. Empty: http(s)://<server_address>:<http_listen
     #: port> when http_listen is set (https with tls_cert), else api.public_url, else
     #: http://<server_address>:<api port>.
@@ -240,7 +255,24 @@ class BootConfig(_Section):
                 "boot.tls_cert needs boot.http_listen (the provisioning listener it is for); "
                 "with one listener for everything, set [api] tls_cert instead"
             )
+        if self.tls_auto and self.tls_cert:
+            raise ValueError(
+                "boot.tls_auto and boot.tls_cert: set one (metald's own CA, or the operator's "
+                "certificate), not both"
+            )
+        if self.tls_auto and not self.http_listen:
+            raise ValueError(
+                "boot.tls_auto needs boot.http_listen (the provisioning listener its certificate "
+                "is for)"
+            )
+        if self.tls_ca and not self.tls_cert:
+            raise ValueError("boot.tls_ca names the CA of boot.tls_cert: set tls_cert too")
         return self
+
+    @property
+    def tls(self) -> bool:
+        """The provisioning listener (http_listen) speaks HTTPS."""
+        return bool(self.tls_cert or self.tls_auto)
 
     @model_validator(mode="after")
     def _leases_known(self) -> BootConfig:
@@ -508,6 +540,29 @@ class Config(_Section):
     #: Day 2: classification rules, remediation policies and limits (docs/health.md).
     health: HealthConfig = HealthConfig()
     firmware: FirmwareConfig = FirmwareConfig()
+
+    @model_validator(mode="after")
+    def _require_https(self) -> Config:
+        if self.boot.require_https and self.boot.http_url.startswith("http://"):
+            raise ValueError(
+                "boot.require_https = true but boot.http_url is http://: machines would be sent "
+                "to a plain-HTTP address; make it https:// or empty"
+            )
+        if self.boot.require_https and not self.machines_tls:
+            where = (
+                "boot.tls_cert or boot.tls_auto"
+                if self.boot.http_listen
+                else "api.tls_cert (one listener), or boot.http_listen with boot.tls_auto"
+            )
+            raise ValueError(
+                f"boot.require_https = true but machines reach metald over plain HTTP: set {where}"
+            )
+        return self
+
+    @property
+    def machines_tls(self) -> bool:
+        """The listener machines use (http_listen, else api.listen) speaks HTTPS."""
+        return self.boot.tls if self.boot.http_listen else bool(self.api.tls_cert)
 
     @property
     def firmware_images_dir(self) -> Path:

@@ -19,7 +19,11 @@ from api.app import create_app, server_settings
 from api.context import AppContext, Services
 from metald import __version__
 from metald.auth import bootstrap_admin
-from metald.config import Config, check_assets_root, split_hostport
+from metald.boot.http import require_https_middleware
+from metald.boot.pki import PRIVATE_FILES, PkiError
+from metald.boot.pki import machines_tls as load_machines_tls
+from metald.boot.plane import https_required
+from metald.config import Config, ConfigError, check_assets_root, split_hostport
 from metald.events import EventBus
 from metald.fleet.membership import Membership
 from metald.fleet.startup import hold_sqlite_lock, verify_secrets_key
@@ -48,6 +52,7 @@ STATE_FILES = (
     "metald.db.instance-lock",
     "secrets.key",
     "admin.token",
+    *PRIVATE_FILES,
 )
 
 
@@ -124,6 +129,13 @@ class Daemon:
             private_file(Path(db))
         self.store = Store(cfg.store_url, workers=cfg.store.workers)
         self.secrets = SecretBox.from_file(cfg.secrets_key_path)
+        try:
+            #: The machines' listener's certificate and the CA agents pin (None: plain HTTP).
+            self.machines_tls = load_machines_tls(cfg)
+        except (PkiError, OSError, ValueError) as e:
+            raise ConfigError(f"boot TLS: {e}") from None
+        #: Token paths refused over plain HTTP (boot.require_https, resolved).
+        self.require_https = https_required(cfg, self.machines_tls is not None)
         self.bus = EventBus()
         #: Every service's task group runs inside this one (``TaskScope.child``).
         self.tasks = TaskScope("metald")
@@ -138,7 +150,12 @@ class Daemon:
         )
         self.services, self._routes = _build_services(self)
         self.ctx = AppContext(
-            cfg=cfg, store=self.store, secrets=self.secrets, bus=self.bus, services=self.services
+            cfg=cfg,
+            store=self.store,
+            secrets=self.secrets,
+            bus=self.bus,
+            services=self.services,
+            machines_ca=self.machines_tls.fingerprint if self.machines_tls else "",
         )
         self._started: list[Service] = []
         self._store_lock: Any = None
@@ -166,15 +183,20 @@ class Daemon:
             log.warning("first start: an admin token was written to %s (mode 0600)", created)
         extra = self._routes
         staff = create_app(self.ctx, extra=extra)
+        if self.require_https:
+            staff.middlewares.insert(0, require_https_middleware())
         machines_listen = self.cfg.boot.http_listen
         if machines_listen:
             # Two listeners: the provisioning network reaches boot, agent and join only; the
             # staff API (management network) serves none of them.
             staff.middlewares.insert(0, only_paths(lambda p: not path_allowed(p), "staff API"))
             machines = create_app(self.ctx, extra=extra)
+            if self.require_https:
+                machines.middlewares.insert(0, require_https_middleware())
             machines.middlewares.insert(0, only_paths(path_allowed, "provisioning"))
+            tls = self.machines_tls
             await self._serve(
-                machines, machines_listen, server_tls(self.cfg.boot.tls_cert, self.cfg.boot.tls_key)
+                machines, machines_listen, server_tls(str(tls.cert), str(tls.key)) if tls else None
             )
         elif self.cfg.boot.enabled:
             log.warning(
@@ -195,7 +217,7 @@ class Daemon:
             self.cfg.instance,
             self.cfg.api.listen,
             " (TLS)" if self.cfg.api.tls_cert else "",
-            f", machines on {machines_listen}{' (TLS)' if self.cfg.boot.tls_cert else ''}"
+            f", machines on {machines_listen}{' (TLS)' if self.machines_tls else ''}"
             if machines_listen
             else "",
             "sqlite" if self.store.is_sqlite else "postgresql",
@@ -416,10 +438,22 @@ def _boot_plane(d: Daemon) -> tuple[BootPlane | None, list[web.RouteDef]]:
     # The fleet: shares leases and splits DHCP clients with the other instances.
     plane = BootPlane(d.cfg, d.store, hooks, fleet=d.fleet)
     # Never the state folder (check_assets_root): the assets are served without a token.
-    routes = boot_routes(hooks, Path(d.cfg.boot.assets_dir), http_base_url(d.cfg))
+    tls = d.machines_tls
+    routes = boot_routes(
+        hooks,
+        Path(d.cfg.boot.assets_dir),
+        http_base_url(d.cfg),
+        require_https=d.require_https,
+        ca_pem=tls.ca_pem if tls else None,
+    )
     from metald.provision.media_boot import MediaBootRoutes  # virtual-media nonce URLs
 
-    routes += MediaBootRoutes(hooks, http_base_url(d.cfg)).routes()
+    routes += MediaBootRoutes(
+        hooks,
+        http_base_url(d.cfg),
+        ca_pem=tls.ca_pem if tls else None,
+        require_https=d.require_https,
+    ).routes()
     return plane, routes
 
 

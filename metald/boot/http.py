@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -23,6 +24,8 @@ from metald.problem import problem
 
 log = logging.getLogger(__name__)
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
 
 def _mac_from(raw: str) -> str | None:
     h = raw.lower().replace(":", "").replace("-", "")
@@ -31,7 +34,50 @@ def _mac_from(raw: str) -> str | None:
     return ":".join(h[i : i + 2] for i in range(0, 12, 2))
 
 
-def boot_routes(hooks: BootHooks, assets_dir: Path, public_url: str) -> list[web.RouteDef]:
+#: Paths that accept a token from a machine (the agent API, joins, mesh and health reports):
+#: refused over plain HTTP when ``[boot] require_https`` is on.
+TOKEN_PATHS = frozenset({"/api/v1/join", "/api/v1/mesh", "/api/v1/health/report"})
+TOKEN_PREFIXES = ("/api/v1/agent/",)
+
+
+def plain_http_refused(request: web.Request, what: str) -> web.Response:
+    metrics.http_boot.labels("refused").inc()
+    log.warning("refused %s over plain HTTP from %s", request.path, request.remote)
+    return problem(
+        403,
+        "HTTPS required",
+        f"{what} is served over HTTPS only (boot.require_https): use the https:// URL of the "
+        f"provisioning listener, which the machine's kernel command line (metald.url) carries "
+        f"when it booted metald's iPXE",
+        instance=request.path,
+    )
+
+
+def require_https_middleware() -> Any:
+    """Middleware: answer 403 problem+json to a request over plain HTTP on a path that takes a
+    token, before authentication reads it (the token has crossed the network in clear by then,
+    but it is refused, so a sniffer cannot use a request that metald would have answered)."""
+
+    @web.middleware
+    async def mw(request: web.Request, handler: Handler) -> web.StreamResponse:
+        p = request.path
+        if not request.secure and (p in TOKEN_PATHS or p.startswith(TOKEN_PREFIXES)):
+            return plain_http_refused(request, p)
+        return await handler(request)
+
+    return mw
+
+
+def boot_routes(
+    hooks: BootHooks,
+    assets_dir: Path,
+    public_url: str,
+    *,
+    require_https: bool = False,
+    ca_pem: bytes | None = None,
+) -> list[web.RouteDef]:
+    """``ca_pem``: the CA machines pin, served at /boot/ca.pem (it is no secret; a machine
+    checks what it fetched against the fingerprint on its kernel command line)."""
     root = Path(assets_dir).resolve()
     base = public_url.rstrip("/")
 
@@ -47,9 +93,11 @@ def boot_routes(hooks: BootHooks, assets_dir: Path, public_url: str) -> list[web
             raise web.HTTPForbidden(
                 text=f"refused: {e}; only the address leased to this MAC gets its script\n"
             ) from None
+        if require_https and not request.secure and "metald.token" in target.kernel_args:
+            return plain_http_refused(request, f"the {target.action.value} script for {mac}")
         metrics.http_boot.labels(target.action.value).inc()
         log.info("iPXE script for %s: %s", mac, target.action.value)
-        body = render_boot_script(target, mac=mac, public_url=base)
+        body = render_boot_script(target, mac=mac, public_url=base, ca_pem=ca_pem)
         return web.Response(
             text=body, content_type="text/plain", headers={"Cache-Control": "no-store"}
         )
@@ -64,7 +112,13 @@ def boot_routes(hooks: BootHooks, assets_dir: Path, public_url: str) -> list[web
             raise web.HTTPForbidden(text=f"{name} is not served ({e.reason})") from None
         return web.FileResponse(path)
 
+    async def ca(request: web.Request) -> web.Response:
+        if ca_pem is None:
+            raise web.HTTPNotFound(text="the provisioning listener has no certificate (HTTP)\n")
+        return web.Response(body=ca_pem, content_type="application/x-pem-file")
+
     return [
+        web.get("/boot/ca.pem", _problems(ca)),
         web.get("/boot/{mac}.ipxe", _problems(script)),
         # aiohttp answers HEAD for GET routes
         web.get("/boot/assets/{path:.+}", _problems(asset)),

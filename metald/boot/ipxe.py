@@ -3,20 +3,27 @@
 from __future__ import annotations
 
 from metald.boot.hooks import BootAction, BootTarget
+from metald.boot.pki import ca_fingerprint
 
 
 def _url(base: str, ref: str) -> str:
     return ref if "://" in ref else f"{base}/boot/assets/{ref.lstrip('/')}"
 
 
-def render_boot_script(target: BootTarget, *, mac: str, public_url: str) -> str:
-    """``public_url`` is how machines reach metald's HTTP API (no trailing slash)."""
+def render_boot_script(
+    target: BootTarget, *, mac: str, public_url: str, ca_pem: bytes | None = None
+) -> str:
+    """``public_url`` is how machines reach metald's HTTP API (no trailing slash); ``ca_pem``
+    the CA its listener's certificate chains to, whose fingerprint the kernel command line
+    carries (``metald.ca=sha256:<hex>``) for the agents to pin."""
     base = public_url.rstrip("/")
     lines = ["#!ipxe", f"# metald: {target.action.value} for {mac}"]
     if target.action is BootAction.LOCAL or not target.kernel:
         lines += ["echo metald: booting from local disk", "exit 0"]
         return "\n".join(lines) + "\n"
     args = {"metald.url": base, "metald.mac": mac, "metald.action": target.action.value}
+    if ca_pem is not None:
+        args["metald.ca"] = ca_fingerprint(ca_pem)
     args.update(target.kernel_args)
     cmdline = " ".join(f"{k}={v}" if v != "" else k for k, v in args.items())
     lines.append(f"echo metald: {target.action.value} image for {mac}")

@@ -30,12 +30,12 @@ log = logging.getLogger(__name__)
 
 def http_base_url(cfg: Config) -> str:
     """How machines reach HTTP boot: boot.http_url, the provisioning listener's port (https
-    with boot.tls_cert), api.public_url, or server_address:<api port>."""
+    with boot.tls_cert or boot.tls_auto), api.public_url, or server_address:<api port>."""
     if cfg.boot.http_url:
         return cfg.boot.http_url.rstrip("/")
     if cfg.boot.http_listen:
         _, port = split_hostport(cfg.boot.http_listen)
-        scheme = "https" if cfg.boot.tls_cert else "http"
+        scheme = "https" if cfg.boot.tls else "http"
         return f"{scheme}://{cfg.boot.server_address}:{port}"
     if cfg.api.public_url:
         return cfg.api.public_url.rstrip("/")
@@ -92,6 +92,21 @@ def choose_boot_files(cfg: Config) -> tuple[BootFiles, list[str]]:
         http_base=http_base_url(cfg),
     )
     return files, reasons
+
+
+def https_required(cfg: Config, machines_tls: bool) -> bool:
+    """``boot.require_https`` resolved: as set, else on when the machines' listener speaks
+    HTTPS and metald's own iPXE (which trusts only its CA) is installed for every
+    architecture it builds, so no machine is left on an iPXE that cannot fetch over it."""
+    if cfg.boot.require_https is not None:
+        return cfg.boot.require_https
+    if not (machines_tls and cfg.boot.enabled and cfg.boot.ipxe != "debian"):
+        return False
+    try:
+        _, reasons = choose_boot_files(cfg)
+    except ConfigError:
+        return False
+    return not reasons
 
 
 def boot_files(cfg: Config) -> BootFiles:

@@ -36,6 +36,7 @@ def next_step(
     actor: str,
     join_url: str,
     join_token_ttl_s: int,
+    join_ca: str = "",
     instance: str | None = None,
 ) -> AgentStep:
     """While provisioning, the image to write and the first-boot metadata (with, for a tenant
@@ -67,6 +68,8 @@ def next_step(
             supersede_peer=rejoin,  # the node rebooted: its old key is gone with its RAM
         )
         join = {"url": join_url, "token": secret, "expires_at": expires.isoformat()}
+        if join_ca:  # the CA the node pins for an https url (metald.boot.pki)
+            join["ca"] = join_ca
     files = nocloud(
         machine_id=mid,
         name=m.name,

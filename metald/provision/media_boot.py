@@ -43,6 +43,7 @@ from metald.boot.hooks import (
     with_agent_token,
     with_peer_urls,
 )
+from metald.boot.http import plain_http_refused
 from metald.boot.ipxe import render_boot_script
 from metald.lifecycle import NETWORK_BOOT, State
 from metald.provision.boots import MEDIA_PREFIX
@@ -96,9 +97,21 @@ class MediaBootRoutes:
     """The two nonce routes on the boot HTTP listener; ``hooks`` is the boot plane's
     ``StoreBootHooks`` (its token minting, peer URLs and console arguments)."""
 
-    def __init__(self, hooks: Any, public_url: str) -> None:
+    def __init__(
+        self,
+        hooks: Any,
+        public_url: str,
+        *,
+        ca_pem: bytes | None = None,
+        require_https: bool = False,
+    ) -> None:
         self.hooks = hooks
         self.base = public_url.rstrip("/")
+        #: The CA the machines' listener chains to: its pin goes on the agent's command line.
+        self.ca_pem = ca_pem
+        #: ``[boot] require_https``: the nonce script (it carries an agent token) is refused
+        #: over plain HTTP, before the nonce is spent.
+        self.require_https = require_https
         self._dir: Path | None = None
         self._isos: OrderedDict[str, Path] = OrderedDict()
         self._builds = asyncio.Semaphore(ISO_BUILDS)
@@ -149,6 +162,8 @@ class MediaBootRoutes:
 
     async def script(self, request: web.Request) -> web.Response:
         machine_id, nonce = request.match_info["machine"], request.match_info["nonce"]
+        if self.require_https and not request.secure:
+            return plain_http_refused(request, f"the virtual-media boot script of {machine_id}")
         client = request.remote
         body = await self.hooks.store.run(self._take, machine_id, nonce, client)
         if body is None:
@@ -189,4 +204,4 @@ class MediaBootRoutes:
         t = with_peer_urls(with_agent_token(t, token), self.hooks.agent_peer_urls())
         if self.hooks.agent_console:
             t = with_agent_console(t)
-        return render_boot_script(t, mac=mac, public_url=self.base)
+        return render_boot_script(t, mac=mac, public_url=self.base, ca_pem=self.ca_pem)

@@ -156,8 +156,11 @@ class Agent:
             self.workflow.network_boot([mid], f"metald:{self.instance}")
         return out
 
-    async def provision(self, p: Principal, *, actor: str, join_url: str) -> dict[str, Any]:
-        """What the deploy agent installs or wipes (``claims.provisioning.next_step``)."""
+    async def provision(
+        self, p: Principal, *, actor: str, join_url: str, join_ca: str = ""
+    ) -> dict[str, Any]:
+        """What the deploy agent installs or wipes (``claims.provisioning.next_step``);
+        ``join_ca`` the fingerprint of the CA the node pins for an https ``join_url``."""
         mid = _machine_id(p)
 
         def run(s: Session) -> dict[str, Any]:
@@ -171,6 +174,7 @@ class Agent:
                 mid,
                 actor=actor,
                 join_url=join_url,
+                join_ca=join_ca,
                 join_token_ttl_s=self.join_token_ttl_s,
                 instance=self.instance,
             )

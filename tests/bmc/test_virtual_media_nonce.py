@@ -139,3 +139,33 @@ async def test_the_per_boot_iso_chains_to_its_nonce_script(
     assert r.status == 206 and len(await r.read()) == 16
     with store.session() as s:
         assert media_boot.is_media_boot(s.get(Machine, mid).boot_armed)  # nothing taken
+
+
+async def test_require_https_keeps_the_nonce_script_off_plain_http(
+    aiohttp_client, store, assets: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """[boot] require_https: the nonce script carries an agent token, so plain HTTP gets a 403
+    problem+json, and the nonce is not spent by the refusal. Served, it carries the pin."""
+    from metald.boot import pki
+
+    ca = pki.ensure_boot_tls(assets.parent / "state", "10.0.0.1").ca_pem
+    hooks = enrollment_boot_hooks(store, "t", EnrollConfig(), leased_clients_only=False)
+    with store.session() as s:
+        m = machines.create_machine(s, macs=[MAC], actor="test")
+        machines.transition(s, m.id, Trigger.INSPECT, actor="test")
+        mid = m.id
+    nonce = _arm_media(store, mid)
+    strict = web.Application()
+    strict.add_routes(media_boot.MediaBootRoutes(hooks, BASE, require_https=True).routes())
+    c = await aiohttp_client(strict)
+    r = await c.get(f"/boot/n/{mid}/{nonce}.ipxe")
+    assert r.status == 403 and r.content_type == "application/problem+json"
+    assert "metald.token" not in await r.text()
+    # the same nonce still works where the script is allowed (here: the pin rides along)
+    lax = web.Application()
+    lax.add_routes(media_boot.MediaBootRoutes(hooks, BASE, ca_pem=ca).routes())
+    c2 = await aiohttp_client(lax)
+    r = await c2.get(f"/boot/n/{mid}/{nonce}.ipxe")
+    body = await r.text()
+    assert r.status == 200 and "metald.token=" in body
+    assert f"metald.ca={pki.ca_fingerprint(ca)}" in body

@@ -143,6 +143,21 @@ async def test_provision_instruction_carries_a_fresh_join_token(api) -> None:  #
         _row, agent_secret = issue_token(s, name="agent", role="agent", scope=[mid])
     agent = {"Authorization": f"Bearer {agent_secret}"}
 
+    # Over HTTPS the join info carries the CA the node pins, in the seed too (disk nodes).
+    from metald.claims.provisioning import next_step
+
+    pin = "sha256:" + "ab" * 32
+    with store.session() as s:
+        step = next_step(
+            s, s.get(Machine, mid), mid, actor="t", join_url="https://10.0.0.1:8443",
+            join_token_ttl_s=600, join_ca=pin,
+        )  # fmt: skip
+        s.commit()
+    assert step.join is not None and step.join["ca"] == pin
+    assert step.nocloud is not None
+    user = json.loads(step.nocloud["user-data"].split("\n", 1)[1])
+    assert json.loads(user["write_files"][0]["content"])["ca"] == pin
+
     r = await client.get("/api/v1/agent/provision", headers=agent)
     first = (await r.json())["join"]
     host = f"{client.server.host}:{client.server.port}"
@@ -154,6 +169,7 @@ async def test_provision_instruction_carries_a_fresh_join_token(api) -> None:  #
     user = json.loads(todo["nocloud"]["user-data"].split("\n", 1)[1])
     (entry,) = user["write_files"]
     assert entry["path"] == "/etc/metald/join.json" and json.loads(entry["content"]) == second
+    assert "ca" not in second  # asked over plain HTTP: no CA to pin
 
     pub = keys.public_key(keys.generate_private_key())
     r = await client.post("/api/v1/join", json={"token": first["token"], "public_key": pub})
