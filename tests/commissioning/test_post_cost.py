@@ -19,9 +19,11 @@ from tests.commissioning.test_api import FIO_OK, _inventoried, report
 #: read the machine twice and every earlier result whole (raw output included), and opened a
 #: second write transaction after the commit to read the machine's state again: 9.
 MIDDLE_POST = 6
-#: The last post also updates the run and the machine (the transition) and adds its event; the
-#: old code read every result again, raw output included: 12.
-LAST_POST = 9
+#: The last post also updates the run and the machine (the transition) and adds its event, and
+#: reads whether a repair waits for this verdict (one indexed read of the machine's open repair,
+#: ``metald.repairs.verification_ended``); the old code read every result again, raw output
+#: included: 12.
+LAST_POST = 10
 
 
 @contextmanager
