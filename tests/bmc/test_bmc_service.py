@@ -166,9 +166,11 @@ async def test_power_sync_reports_drift_not_our_own_commands(
         assert await _events(store, "bmc.power-drift") == []
         await asyncio.to_thread(ipmi_sim.ipmitool, "power", "off")  # behind metald's back
         svc.control.expected.clear()  # the grace period of our own command is over
-        for _ in range(50):
-            drift = await _events(store, "bmc.power-drift")
-            if drift:
+        # A deadline, not a count: on a loaded box one sync pass (an IPMI session to ipmi_sim)
+        # can take seconds; 5 s of polling once failed here at load 10.
+        deadline = asyncio.get_running_loop().time() + 30
+        while not (drift := await _events(store, "bmc.power-drift")):
+            if asyncio.get_running_loop().time() > deadline:
                 break
             await asyncio.sleep(0.1)
     finally:
