@@ -11,7 +11,10 @@ from typing import Any
 
 from aiohttp import web
 
-ODATA = {"OData-Version": "4.0"}
+from vmlab.redfish_json import ODATA, collection
+from vmlab.redfish_json import error as _error
+from vmlab.redfish_json import json_response as _json
+
 SERVICE = "/redfish/v1/AccountService"
 ACCOUNTS = SERVICE + "/Accounts"
 ROLES = SERVICE + "/Roles"
@@ -42,16 +45,6 @@ class Accounts:
 
 
 ACCOUNT_STATE = web.AppKey("accounts", Accounts)
-
-
-def _json(
-    body: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None
-) -> web.Response:
-    return web.json_response(body, status=status, headers={**ODATA, **(headers or {})})
-
-
-def _error(status: int, message_id: str, message: str) -> web.Response:
-    return _json({"error": {"code": f"Base.1.8.{message_id}", "message": message}}, status)
 
 
 def _body(a: Account) -> dict[str, Any]:
@@ -89,14 +82,8 @@ async def account_service(request: web.Request) -> web.Response:
 
 async def accounts(request: web.Request) -> web.Response:
     ids = list(request.app[ACCOUNT_STATE].by_id)
-    return _json(
-        {
-            "@odata.type": "#ManagerAccountCollection.ManagerAccountCollection",
-            "@odata.id": ACCOUNTS,
-            "Name": "Accounts Collection",
-            "Members@odata.count": len(ids),
-            "Members": [{"@odata.id": f"{ACCOUNTS}/{i}"} for i in ids],
-        }
+    return collection(
+        "#ManagerAccountCollection.ManagerAccountCollection", ACCOUNTS, "Accounts Collection", ids
     )
 
 

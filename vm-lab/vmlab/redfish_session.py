@@ -11,7 +11,10 @@ from typing import Any
 
 from aiohttp import web
 
-ODATA = {"OData-Version": "4.0"}
+from vmlab.redfish_json import ODATA, collection
+from vmlab.redfish_json import error as _error
+from vmlab.redfish_json import json_response as _json
+
 SERVICE = "/redfish/v1/SessionService"
 SESSIONS = SERVICE + "/Sessions"
 #: Sessions one BMC keeps at most (the oldest goes first).
@@ -46,16 +49,6 @@ class Sessions:
 SESSION_STATE = web.AppKey("sessions", Sessions)
 
 
-def _json(
-    body: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None
-) -> web.Response:
-    return web.json_response(body, status=status, headers={**ODATA, **(headers or {})})
-
-
-def _error(status: int, message_id: str, message: str) -> web.Response:
-    return _json({"error": {"code": f"Base.1.8.{message_id}", "message": message}}, status)
-
-
 def is_login(request: web.Request) -> bool:
     return request.method == "POST" and request.path.rstrip("/") == SESSIONS
 
@@ -82,15 +75,7 @@ async def session_service(request: web.Request) -> web.Response:
 
 async def sessions(request: web.Request) -> web.Response:
     ids = [sid for sid, _ in request.app[SESSION_STATE].live.values()]
-    return _json(
-        {
-            "@odata.type": "#SessionCollection.SessionCollection",
-            "@odata.id": SESSIONS,
-            "Name": "Session Collection",
-            "Members@odata.count": len(ids),
-            "Members": [{"@odata.id": f"{SESSIONS}/{i}"} for i in ids],
-        }
-    )
+    return collection("#SessionCollection.SessionCollection", SESSIONS, "Session Collection", ids)
 
 
 def _session_body(sid: str, user: str) -> dict[str, Any]:

@@ -25,7 +25,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-ODATA = {"OData-Version": "4.0"}
+from vmlab.redfish_json import ODATA, collection
+from vmlab.redfish_json import error as _error
+from vmlab.redfish_json import json_response as _json
+
 UPDATE = "/redfish/v1/UpdateService"
 INVENTORY = UPDATE + "/FirmwareInventory"
 PUSH = UPDATE + "/upload"
@@ -123,32 +126,6 @@ class UpdateState:
 
 
 UPDATES = web.AppKey("updates", UpdateState)
-
-
-def _json(
-    body: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None
-) -> web.Response:
-    return web.json_response(body, status=status, headers={**ODATA, **(headers or {})})
-
-
-def _error(status: int, message_id: str, message: str) -> web.Response:
-    return _json(
-        {
-            "error": {
-                "code": f"Base.1.8.{message_id}",
-                "message": message,
-                "@Message.ExtendedInfo": [
-                    {
-                        "@odata.type": "#Message.v1_1_1.Message",
-                        "MessageId": f"Base.1.8.{message_id}",
-                        "Message": message,
-                        "Severity": "Warning",
-                    }
-                ],
-            }
-        },
-        status,
-    )
 
 
 @web.middleware
@@ -388,15 +365,7 @@ async def task_service(request: web.Request) -> web.Response:
 
 async def tasks(request: web.Request) -> web.Response:
     ids = list(request.app[UPDATES].tasks)
-    return _json(
-        {
-            "@odata.type": "#TaskCollection.TaskCollection",
-            "@odata.id": TASKS,
-            "Name": "Task Collection",
-            "Members@odata.count": len(ids),
-            "Members": [{"@odata.id": f"{TASKS}/{i}"} for i in ids],
-        }
-    )
+    return collection("#TaskCollection.TaskCollection", TASKS, "Task Collection", ids)
 
 
 async def task(request: web.Request) -> web.Response:
