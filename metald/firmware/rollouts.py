@@ -442,7 +442,7 @@ def _apply(s: Session, rid: str, p: Plan, actor: str, instance: str) -> list[tup
                           status="waiting")  # fmt: skip
     if p.join:
         for mid in p.join:
-            rows[mid].wave = p.wave
+            rows[mid].wave, rows[mid].status = p.wave, TargetStatus.PENDING.value
             s.add(rows[mid])
         rollout_event(s, r, f"firmware rollout {r.id}: wave {p.wave} of {len(p.join)} "
                       "machines", actor=actor, instance=instance, wave=p.wave,

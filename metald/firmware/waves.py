@@ -160,7 +160,7 @@ def plan(state: RolloutState, policy: Policy, targets: Sequence[Target]) -> Plan
     start: list[str] = []
     skip_in_wave: list[tuple[str, str]] = []
     for t in open_wave:
-        if t.status is not TargetStatus.PENDING:
+        if t.status not in (TargetStatus.PENDING, TargetStatus.WAITING):
             continue
         if t.available is Availability.GONE:
             skip_in_wave.append((t.machine_id, "the machine is retired, broken, in repair or gone"))
