@@ -164,6 +164,7 @@ class FirmwareRollouts:
         self.tasks = tasks if tasks is not None else TaskScope(self.name)
         self.notify = notify
         self._kick = asyncio.Event()
+        self._lock = asyncio.Lock()
         #: Rollouts this instance drove at its last step.
         self.driving: set[str] = set()
 
@@ -196,7 +197,12 @@ class FirmwareRollouts:
     # --- driving ---
 
     async def tick(self) -> list[str]:
-        """One step of every unfinished rollout this instance holds (or may take over)."""
+        """One step of every unfinished rollout this instance holds (or may take over); one
+        tick at a time in this instance (the lease keeps the other instances out)."""
+        async with self._lock:
+            return await self._tick()
+
+    async def _tick(self) -> list[str]:
         ids = await self.store.run(_unfinished)
         driven = []
         if ids:
@@ -312,12 +318,7 @@ def _settle(s: Session, rid: str, actor: str, instance: str) -> list[tuple[str, 
             FirmwareRolloutTarget.status == TargetStatus.UPDATING.value,
         )
     ).all():
-        ups = s.exec(
-            select(FirmwareUpdate).where(
-                FirmwareUpdate.machine_id == t.machine_id,
-                col(FirmwareUpdate.created_at) >= t.started_at,
-            )
-        ).all()
+        ups = _updates_since(s, t)
         if not ups:
             requeue.append((t.machine_id, r.baseline_version))
             continue
@@ -329,6 +330,18 @@ def _settle(s: Session, rid: str, actor: str, instance: str) -> list[tuple[str, 
                     actor, instance)  # fmt: skip
     s.commit()
     return requeue
+
+
+def _updates_since(s: Session, t: FirmwareRolloutTarget) -> list[FirmwareUpdate]:
+    """The machine's updates queued since the rollout started it."""
+    return list(
+        s.exec(
+            select(FirmwareUpdate).where(
+                FirmwareUpdate.machine_id == t.machine_id,
+                col(FirmwareUpdate.created_at) >= t.started_at,
+            )
+        ).all()
+    )
 
 
 def _target_ended(
@@ -344,6 +357,8 @@ def _target_ended(
     t = s.get(FirmwareRolloutTarget, (rid, machine_id))
     if r is None or t is None or t.status != TargetStatus.UPDATING.value:
         return
+    if status is TargetStatus.FAILED and _updates_since(s, t):
+        return  # queued already (a second try refused as busy): its updates settle it
     _end_target(s, r, t, status, error, actor, instance)
     s.commit()
 
@@ -451,6 +466,8 @@ def _apply(s: Session, rid: str, p: Plan, actor: str, instance: str) -> list[tup
     for mid in p.start:
         t = rows[mid]
         m = s.get(Machine, mid)
+        if t.status not in (TargetStatus.PENDING.value, TargetStatus.WAITING.value):
+            continue  # started already (the record is the guard)
         if m is None or m.state not in FREE_STATES:
             continue  # taken meanwhile: the next step sees it busy or gone
         t.prior_state = m.state

@@ -73,7 +73,9 @@ async def _machines(e: Env, peers: list[LabRedfish], *, bios: str = "2023.05") -
 async def _create(e: Env, **kw: Any) -> dict[str, Any]:
     body = {"profile": "h100-8x", "version": 1, "selector": {"gpu_model": "NVIDIA H100*"},
             "batch_size": 1, "max_unavailable": 1, "failure_budget": 1, **kw}  # fmt: skip
-    r = await e.client.post("/api/v1/firmware/rollouts", json=body, headers=e.tokens.header("admin"))
+    r = await e.client.post(
+        "/api/v1/firmware/rollouts", json=body, headers=e.tokens.header("admin")
+    )
     assert r.status == 202, await r.text()
     out: dict[str, Any] = await r.json()
     return out
@@ -163,10 +165,10 @@ async def test_pause_resume_abort_and_roles(env: Env, bmcs: list[LabRedfish]) ->
     r = await e.client.post("/api/v1/firmware/rollouts", json=body, headers=t.header("admin"))
     assert r.status == 409
     ro = _rollouts(e)
+    await ro.tick()
+    assert set(_status(await _get(e, rid)).values()) == {"pending"}  # paused: nothing
     await ro.start()
     try:
-        await ro.tick()
-        assert set(_status(await _get(e, rid)).values()) == {"pending"}  # paused: nothing
         r = await e.client.post(act, json={"action": "resume"}, headers=t.header("admin"))
         assert r.status == 200
         await _until(e, rid, lambda r: r["progress"]["done"] >= 1)
@@ -181,8 +183,11 @@ async def test_pause_resume_abort_and_roles(env: Env, bmcs: list[LabRedfish]) ->
     assert r.status == 409
     r = await e.client.get("/api/v1/firmware/rollouts", headers=t.header("technician"))
     [item] = (await r.json())["items"]
-    assert item["id"] == rid and item["progress"]["total"] == N and "targets" not in item or (
-        item["targets"] is None
+    assert (
+        item["id"] == rid
+        and item["progress"]["total"] == N
+        and "targets" not in item
+        or (item["targets"] is None)
     )
     assert ids
 
@@ -192,7 +197,7 @@ async def test_survivor_takes_over(env: Env, bmcs: list[LabRedfish]) -> None:
     takes it over once the lease ran out and finishes it, each BMC flashed once."""
     e = env
     ids = await _machines(e, bmcs)
-    first = _rollouts(e, "metald-a", lease_s=0.5)
+    first = _rollouts(e, "metald-a", lease_s=3)
     rid = (await _create(e, batch_size=3, max_unavailable=3))["id"]
     await first.tick()  # takes the lease, starts the wave
     await first.stop()
