@@ -40,7 +40,7 @@ from metald.firmware.waves import (
     TargetStatus,
     plan,
 )
-from metald.lifecycle import State, Trigger
+from metald.lifecycle import ROLLOUT_FREE, ROLLOUT_GONE, State, Trigger
 from metald.machines import add_event, transition
 from metald.service import TaskScope
 from metald.store.db import Store
@@ -54,8 +54,8 @@ from metald.store.models import (
 
 log = logging.getLogger(__name__)
 
-FREE_STATES = frozenset({State.READY.value, State.MAINTENANCE.value})
-GONE_STATES = frozenset({State.RETIRED.value, State.BROKEN.value, State.REPAIRING.value})
+FREE_STATES = frozenset(s.value for s in ROLLOUT_FREE)
+GONE_STATES = frozenset(s.value for s in ROLLOUT_GONE)
 
 
 class Updater(Protocol):
