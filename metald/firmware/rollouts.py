@@ -23,7 +23,7 @@ import logging
 from datetime import timedelta
 from typing import Any, Protocol
 
-from sqlalchemy import or_, update
+from sqlalchemy import func, or_, update
 from sqlmodel import Session, col, select
 
 from metald.errors import Conflict, MetaldError
@@ -97,6 +97,24 @@ def progress(targets: list[FirmwareRolloutTarget]) -> dict[str, Any]:
     }
 
 
+def _counts(s: Session, rollout_id: str) -> dict[str, Any]:
+    """``progress`` counted by the database (an event per machine, without reading them all)."""
+    rows = s.exec(
+        select(FirmwareRolloutTarget.status, func.count(), func.max(FirmwareRolloutTarget.wave))
+        .where(FirmwareRolloutTarget.rollout_id == rollout_id)
+        .group_by(FirmwareRolloutTarget.status)
+    ).all()
+    counts = {st.value: 0 for st in TargetStatus}
+    wave = 0
+    for status, n, w in rows:
+        counts[status] = int(n)
+        wave = max(wave, int(w or 0))
+    total = sum(counts.values())
+    ended = counts["done"] + counts["failed"] + counts["skipped"]
+    return {"total": total, **counts, "percent": round(100 * ended / total) if total else 100,
+            "wave": wave}  # fmt: skip
+
+
 def rollout_view(r: FirmwareRollout, targets: list[FirmwareRolloutTarget] | None = None,
                  *, with_targets: bool = False) -> dict[str, Any]:  # fmt: skip
     out = r.model_dump()
@@ -127,11 +145,14 @@ def rollout_event(
     kind: str = "firmware.rollout",
     machine_id: str | None = None,
     targets: list[FirmwareRolloutTarget] | None = None,
+    counts: dict[str, Any] | None = None,
     **data: Any,
 ) -> None:
     body: dict[str, Any] = {"rollout_id": r.id, "state": r.state, **data}
     if targets is not None:
         body["progress"] = progress(targets)
+    elif counts is not None:
+        body["progress"] = counts
     add_event(s, kind, actor, machine_id=machine_id, instance=instance, reason=reason, data=body)
 
 
@@ -406,7 +427,7 @@ def _end_target(
         instance=instance,
         kind="firmware.rollout-machine",
         machine_id=t.machine_id,
-        targets=targets_of(s, r.id),
+        counts=_counts(s, r.id),
         status=status.value,
         error=error,
     )
