@@ -248,10 +248,11 @@ class FirmwareRollouts:
         for mid, version in requeue:
             await self._queue(rid, mid, version)
         # 2. what next, decided by the table from the record.
-        decision = await self.store.run(_decide, rid)
-        if decision is None:
+        decided = await self.store.run(_decide, rid)
+        if decided is None:
             return
-        starts = await self.store.run(_apply, rid, decision, self.actor, self.instance)
+        decision, decided_in = decided
+        starts = await self.store.run(_apply, rid, decision, decided_in, self.actor, self.instance)
         # 3. machines taken into maintenance: their updates queued.
         for mid, version in starts:
             await self._queue(rid, mid, version)
@@ -433,7 +434,8 @@ def _end_target(
     )
 
 
-def _decide(s: Session, rid: str) -> Plan | None:
+def _decide(s: Session, rid: str) -> tuple[Plan, RolloutState] | None:
+    """The plan, and the state it was decided in."""
     r = s.get(FirmwareRollout, rid)
     if r is None:
         return None
@@ -450,13 +452,18 @@ def _decide(s: Session, rid: str) -> Plan | None:
         Target(t.machine_id, TargetStatus(t.status), t.wave, availability(states.get(t.machine_id)))
         for t in rows
     ]
-    return plan(RolloutState(r.state), policy, targets)
+    return plan(RolloutState(r.state), policy, targets), RolloutState(r.state)
 
 
-def _apply(s: Session, rid: str, p: Plan, actor: str, instance: str) -> list[tuple[str, int]]:
-    """Record the plan; the machines taken into maintenance (their updates to queue)."""
-    r = s.get(FirmwareRollout, rid)
-    if r is None:
+def _apply(
+    s: Session, rid: str, p: Plan, decided_in: RolloutState, actor: str, instance: str
+) -> list[tuple[str, int]]:
+    """Record the plan; the machines taken into maintenance (their updates to queue). The
+    rollout's row is locked, and a plan decided in another state than the one found now (an
+    admin paused or aborted it meanwhile) is dropped: the next step decides again."""
+    r = s.exec(select(FirmwareRollout).where(FirmwareRollout.id == rid).with_for_update()).first()
+    if r is None or r.state != decided_in.value:
+        s.rollback()
         return []
     rows = {t.machine_id: t for t in targets_of(s, rid)}
     now = utcnow()

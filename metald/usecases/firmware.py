@@ -306,7 +306,7 @@ class Rollouts:
         allowed, to = ROLLOUT_ACTIONS[action]
 
         def run(s: Session) -> dict[str, Any]:
-            r = _rollout(s, rollout_id)
+            r = _rollout(s, rollout_id, lock=True)
             if RolloutState(r.state) not in allowed:
                 raise RolloutConflict(
                     f"rollout {rollout_id} is {r.state}: {action} applies to a rollout that is "
@@ -325,8 +325,9 @@ class Rollouts:
         return out
 
 
-def _rollout(s: Session, rollout_id: str) -> FirmwareRollout:
-    r = s.get(FirmwareRollout, rollout_id)
+def _rollout(s: Session, rollout_id: str, *, lock: bool = False) -> FirmwareRollout:
+    q = select(FirmwareRollout).where(FirmwareRollout.id == rollout_id)
+    r = s.exec(q.with_for_update() if lock else q).first()
     if r is None:
         raise NotFound(
             f"no firmware rollout {rollout_id}; GET /api/v1/firmware/rollouts lists them"

@@ -218,3 +218,39 @@ async def test_survivor_takes_over(env: Env, bmcs: list[LabRedfish]) -> None:
     for p in bmcs:
         assert len(p.app[UPDATES].flashed) == 1
     assert ids
+
+
+def test_a_plan_decided_before_an_abort_is_dropped(store: Any) -> None:
+    """The driver decided while the rollout ran; an admin aborted it before the plan was
+    recorded: nothing starts and the rollout stays aborted (the row is locked and its state
+    checked where the plan is recorded)."""
+    from metald.firmware import rollouts as ro_mod
+    from metald.store.models import FirmwareRolloutTarget
+    from tests.conftest import seed
+
+    t = seed(store)
+    with store.session() as s:
+        r = FirmwareRollout(profile="h100-8x", baseline_version=1, batch_size=1,
+                            max_unavailable=1, failure_budget=1, in_use="skip",
+                            state="running", created_by="test")  # fmt: skip
+        s.add(r)
+        s.flush()
+        s.add(FirmwareRolloutTarget(rollout_id=r.id, machine_id=t.machine_free, seq=0,
+                                    status="pending"))  # fmt: skip
+        s.commit()
+        rid = r.id
+    with store.session() as s:
+        decided = ro_mod._decide(s, rid)
+    assert decided is not None and decided[0].start == [t.machine_free]
+    with store.session() as s:
+        r = s.get(FirmwareRollout, rid)
+        assert r is not None
+        r.state = "aborted"
+        s.add(r)
+        s.commit()
+    with store.session() as s:
+        assert ro_mod._apply(s, rid, decided[0], decided[1], "test", "test") == []
+    with store.session() as s:
+        r = s.get(FirmwareRollout, rid)
+        m = s.get(Machine, t.machine_free)
+        assert r is not None and r.state == "aborted" and m is not None and m.state == "ready"
