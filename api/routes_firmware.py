@@ -12,11 +12,12 @@ from pydantic import BaseModel, Field, StringConstraints, TypeAdapter, Validatio
 from api import listing, workflows
 from api.paging import PageQuery
 from api.roles import ADMIN
+from api.routes_claims import SelectorIn
 from api.routing import STAFF, ApiRequest, Router
 from api.schemas import In, Name
 from metald.errors import Unprocessable
 from metald.firmware.baselines import ApplyKind, BaselineSpec, Component
-from metald.usecases.firmware import Firmware, Rollouts
+from metald.usecases.firmware import Firmware, Rollouts, RolloutSpec
 
 router = Router()
 TAG = "firmware"
@@ -294,8 +295,8 @@ async def list_updates(req: ApiRequest, firmware: Firmware) -> UpdateList:
 class RolloutIn(In):
     profile: Name = Field(description="The SKU profile whose machines are updated.")
     version: int = Field(ge=1, description="The profile's baseline version to roll out.")
-    selector: dict[str, Any] = Field(
-        default_factory=dict,
+    selector: SelectorIn = Field(
+        default_factory=SelectorIn,
         description="Which machines of the profile: the claims' selector (rack, labels, "
         "gpu_model, min_gpu_count, min_memory_mb, firmware ...). Empty: all of them.",
     )
@@ -394,7 +395,17 @@ async def create_rollout(req: ApiRequest, rollouts: Rollouts) -> RolloutOut:
     rollout stops once ``failure_budget`` machines failed. Machines in use are skipped or
     waited for (``in_use``). Progress: ``firmware.rollout*`` events and
     ``GET /api/v1/firmware/rollouts/{id}``. Admins only."""
-    out = await rollouts.create(req.require_principal(), req.body, actor=req.actor)
+    b: RolloutIn = req.body
+    spec = RolloutSpec(
+        profile=b.profile,
+        version=b.version,
+        selector=b.selector.model_dump(),
+        batch_size=b.batch_size,
+        max_unavailable=b.max_unavailable,
+        failure_budget=b.failure_budget,
+        in_use=b.in_use,
+    )
+    out = await rollouts.create(req.require_principal(), spec, actor=req.actor)
     return RolloutOut.model_validate(out)
 
 

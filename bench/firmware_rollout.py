@@ -138,7 +138,7 @@ async def _run(args: argparse.Namespace, ports: list[int], tmp: Path) -> dict[st
     from metald.secrets import SecretBox
     from metald.store import Store
     from metald.store.models import Bmc, FirmwareRollout
-    from metald.usecases.firmware import Rollouts
+    from metald.usecases.firmware import Rollouts, RolloutSpec
     from vmlab.redfish_update import make_image
 
     cfg = load_config(None, environ={
@@ -193,14 +193,12 @@ async def _run(args: argparse.Namespace, ports: list[int], tmp: Path) -> dict[st
     fw.on_end = ro.wake
     uc = Rollouts(store, cfg.instance, rules=cfg.enroll.rules, wake=ro.wake)
 
-    class Spec:
-        profile, version, selector = "h100-8x", 1, {"gpu_model": "NVIDIA H100*"}
-        batch_size, max_unavailable = args.batch, args.max_unavailable
-        failure_budget, in_use = args.budget, "skip"
+    spec = RolloutSpec("h100-8x", 1, {"gpu_model": "NVIDIA H100*"}, args.batch,
+                       args.max_unavailable, args.budget, "skip")  # fmt: skip
 
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.monotonic()
-    created = await uc.create(None, Spec(), actor="bench")  # type: ignore[arg-type]
+    created = await uc.create(None, spec, actor="bench")  # type: ignore[arg-type]
     t_create = time.monotonic() - t0
     await ro.start()
     last = ""

@@ -170,7 +170,10 @@ ROLLOUT_ACTIONS: dict[str, tuple[frozenset[RolloutState], RolloutState]] = {
 }
 
 
-class RolloutSpec(Protocol):
+@dataclass(frozen=True)
+class RolloutSpec:
+    """What an admin asks of a rollout (validated by the API's schema)."""
+
     profile: str
     version: int
     selector: dict[str, Any]
