@@ -489,7 +489,7 @@ def _apply(
             s.add(rows[mid])
         rollout_event(s, r, f"firmware rollout {r.id}: wave {p.wave} of {len(p.join)} "
                       "machines", actor=actor, instance=instance, wave=p.wave,
-                      machines=p.join)  # fmt: skip
+                      machines=p.join[:100])  # fmt: skip
     started: list[tuple[str, int]] = []
     for mid in p.start:
         t = rows[mid]

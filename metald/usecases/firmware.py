@@ -272,7 +272,7 @@ class Rollouts:
                 f"to baseline version {spec.version}, waves of {policy.batch_size}, at most "
                 f"{policy.max_unavailable} at once, stopped after {policy.failure_budget} "
                 f"failure(s), machines in use: {policy.in_use.value}",
-                actor=actor, instance=self.instance, targets=rows, machines=targets,
+                actor=actor, instance=self.instance, targets=rows, machines=targets[:100],
             )  # fmt: skip
             s.commit()
             return rollout_view(r, rows, with_targets=True)
