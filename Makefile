@@ -36,7 +36,7 @@ format: setup
 	$(VENV)/bin/ruff format .
 
 bench: setup
-	@for b in bench/dhcp_bench.py bench/tftp_bench.py bench/http_bench.py bench/bmc_fanout.py bench/storm.py bench/fleet.py bench/ui_fleet.py bench/boot_path.py; do \
+	@for b in bench/dhcp_bench.py bench/tftp_bench.py bench/http_bench.py bench/bmc_fanout.py bench/firmware_rollout.py bench/storm.py bench/fleet.py bench/ui_fleet.py bench/boot_path.py; do \
 		echo "== $$b"; $(PY) $$b || exit 1; done
 
 # The enrollment storm on STORM_BASE (a git rev, exported) and on this tree, interleaved

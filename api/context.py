@@ -15,7 +15,7 @@ from metald.secrets import SecretBox
 from metald.service import Service
 from metald.store import Store
 from metald.tenants.mesh import MeshWatch
-from metald.usecases.firmware import FirmwareUpdater
+from metald.usecases.firmware import FirmwareUpdater, RolloutDriver
 
 if TYPE_CHECKING:
     from metald.bmc.console import ConsoleService
@@ -83,6 +83,9 @@ class Services:
     health_watch: HealthWatch | None = None
     #: Firmware updates through the BMCs (always, in a daemon; ``metald.firmware.service``).
     firmware: FirmwareUpdater | None = None
+    #: Firmware rollouts in waves across the fleet (always, in a daemon;
+    #: ``metald.firmware.rollouts``).
+    firmware_rollouts: RolloutDriver | None = None
     #: Commissioning's background BMC event-log reads (owned, stopped with the daemon).
     sel_reads: SelReads = field(default_factory=SelReads)
     #: The tenant meshes' long-poll wake-ups (no task: nothing to start or stop).

@@ -5,18 +5,19 @@ fleet's compliance with them, and firmware updates of one machine through its BM
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, StringConstraints, TypeAdapter, ValidationError
 
 from api import listing, workflows
 from api.paging import PageQuery
 from api.roles import ADMIN
+from api.routes_claims import SelectorIn
 from api.routing import STAFF, ApiRequest, Router
 from api.schemas import In, Name
 from metald.errors import Unprocessable
 from metald.firmware.baselines import ApplyKind, BaselineSpec, Component
-from metald.usecases.firmware import Firmware
+from metald.usecases.firmware import Firmware, Rollouts, RolloutSpec
 
 router = Router()
 TAG = "firmware"
@@ -286,3 +287,174 @@ async def list_updates(req: ApiRequest, firmware: Firmware) -> UpdateList:
     progress, and the steps taken."""
     items = await firmware.updates_of(req.require_principal(), req.params["id"])
     return UpdateList(items=[UpdateOut.model_validate(i) for i in items])
+
+
+# --- rollouts: waves across the fleet ---
+
+
+class RolloutIn(In):
+    profile: Name = Field(description="The SKU profile whose machines are updated.")
+    version: int = Field(ge=1, description="The profile's baseline version to roll out.")
+    selector: SelectorIn = Field(
+        default_factory=SelectorIn,
+        description="Which machines of the profile: the claims' selector (rack, labels, "
+        "gpu_model, min_gpu_count, min_memory_mb, firmware ...). Empty: all of them.",
+    )
+    batch_size: int = Field(default=10, ge=1, le=1000, description="Machines per wave.")
+    max_unavailable: int = Field(
+        default=10, ge=1, le=1000, description="At most this many machines updating at once."
+    )
+    failure_budget: int = Field(
+        default=1,
+        ge=1,
+        le=10000,
+        description="The rollout stops (nothing more starts) once this many machines failed.",
+    )
+    in_use: Literal["skip", "wait"] = Field(
+        default="skip",
+        description="A machine a tenant holds: skipped, or updated once released (wait).",
+    )
+
+
+class RolloutTargetOut(BaseModel):
+    machine_id: str
+    seq: int
+    status: str = Field(description="pending, waiting, updating, done, failed or skipped.")
+    wave: int | None
+    prior_state: str | None
+    error: str | None
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+class RolloutProgress(BaseModel):
+    total: int
+    pending: int
+    waiting: int
+    updating: int
+    done: int
+    failed: int
+    skipped: int
+    percent: int = Field(description="Machines ended (done, failed or skipped), in percent.")
+    wave: int = Field(description="The newest wave (0: none yet).")
+
+
+class RolloutOut(BaseModel):
+    id: str
+    profile: str
+    baseline_version: int
+    selector: dict[str, Any]
+    batch_size: int
+    max_unavailable: int
+    failure_budget: int
+    in_use: str
+    state: str = Field(description="running, paused, done, stopped (budget spent) or aborted.")
+    reason: str | None
+    owner: str | None = Field(description="The metald instance driving it now.")
+    lease_until: datetime | None
+    created_by: str
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+    progress: RolloutProgress
+    targets: list[RolloutTargetOut] | None = None
+
+
+class RolloutList(BaseModel):
+    items: list[RolloutOut]
+    total: int
+    limit: int
+    offset: int
+    next: str | None = Field(default=None, description="The next page, absent on the last.")
+
+
+class RolloutQuery(PageQuery):
+    SORTABLE = ("created_at",)
+
+
+class RolloutActionIn(In):
+    action: Literal["pause", "resume", "abort"]
+
+
+@router.route(
+    "POST",
+    "/api/v1/firmware/rollouts",
+    summary="Start a firmware rollout",
+    roles=ADMIN,
+    body=RolloutIn,
+    response=RolloutOut,
+    status=202,
+    tag=TAG,
+    errors=(409, 422),
+    use_case=workflows.rollouts,
+)
+async def create_rollout(req: ApiRequest, rollouts: Rollouts) -> RolloutOut:
+    """Update every machine of the profile that the selector matches and that is off the
+    baseline version, in waves of ``batch_size`` with at most ``max_unavailable`` at once,
+    each taken into maintenance (no claim takes it) and back to ready once updated. The
+    rollout stops once ``failure_budget`` machines failed. Machines in use are skipped or
+    waited for (``in_use``). Progress: ``firmware.rollout*`` events and
+    ``GET /api/v1/firmware/rollouts/{id}``. Admins only."""
+    b: RolloutIn = req.body
+    spec = RolloutSpec(
+        profile=b.profile,
+        version=b.version,
+        selector=b.selector.model_dump(),
+        batch_size=b.batch_size,
+        max_unavailable=b.max_unavailable,
+        failure_budget=b.failure_budget,
+        in_use=b.in_use,
+    )
+    out = await rollouts.create(req.require_principal(), spec, actor=req.actor)
+    return RolloutOut.model_validate(out)
+
+
+@router.route(
+    "GET",
+    "/api/v1/firmware/rollouts",
+    summary="List firmware rollouts",
+    roles=STAFF,
+    query=RolloutQuery,
+    response=RolloutList,
+    tag=TAG,
+    use_case=workflows.rollouts,
+)
+async def list_rollouts(req: ApiRequest, rollouts: Rollouts) -> RolloutList:
+    """Newest first, each with its progress (without its targets)."""
+    paging = listing.paging(req)
+    page = await rollouts.list(req.require_principal(), paging)
+    return listing.answer(RolloutList, page, paging, req)
+
+
+@router.route(
+    "GET",
+    "/api/v1/firmware/rollouts/{id}",
+    summary="Show a firmware rollout",
+    roles=STAFF,
+    response=RolloutOut,
+    tag=TAG,
+    errors=(404,),
+    use_case=workflows.rollouts,
+)
+async def show_rollout(req: ApiRequest, rollouts: Rollouts) -> RolloutOut:
+    """The rollout, its progress, and each machine's status, wave and error."""
+    return RolloutOut.model_validate(await rollouts.get(req.require_principal(), req.params["id"]))
+
+
+@router.route(
+    "POST",
+    "/api/v1/firmware/rollouts/{id}/actions",
+    summary="Pause, resume or abort a firmware rollout",
+    roles=ADMIN,
+    body=RolloutActionIn,
+    response=RolloutOut,
+    tag=TAG,
+    errors=(404, 409),
+    use_case=workflows.rollouts,
+)
+async def rollout_action(req: ApiRequest, rollouts: Rollouts) -> RolloutOut:
+    """``pause``: nothing more starts until ``resume``; ``abort``: nothing more starts ever.
+    Flashes under way finish either way (a flash is never cut off). Admins only."""
+    b: RolloutActionIn = req.body
+    out = await rollouts.act(req.require_principal(), req.params["id"], b.action, actor=req.actor)
+    return RolloutOut.model_validate(out)

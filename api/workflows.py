@@ -17,7 +17,7 @@ from metald.usecases.bmcs import Bmcs
 from metald.usecases.claims import Claims
 from metald.usecases.commissioning import Commissioning
 from metald.usecases.events import Events
-from metald.usecases.firmware import Firmware
+from metald.usecases.firmware import Firmware, Rollouts
 from metald.usecases.images import Images
 from metald.usecases.instances import Instances
 from metald.usecases.join import Join
@@ -192,4 +192,15 @@ def firmware(req: ApiRequest) -> Firmware:
     ctx = req.ctx
     return Firmware(
         ctx.store, ctx.instance, rules=ctx.cfg.enroll.rules, updates=ctx.services.firmware
+    )
+
+
+def rollouts(req: ApiRequest) -> Rollouts:
+    ctx = req.ctx
+    driver = ctx.services.firmware_rollouts
+    return Rollouts(
+        ctx.store,
+        ctx.instance,
+        rules=ctx.cfg.enroll.rules,
+        wake=driver.wake if driver is not None else None,
     )

@@ -516,6 +516,11 @@ class FirmwareConfig(_Section):
     keep_accounts: list[str] = Field(default_factory=list, max_length=64)
     #: Restore BIOS, remove BMC accounts and check firmware at release (Redfish BMCs).
     clean_on_release: bool = True
+    #: Seconds between two steps of a rollout's driver (it is also woken by every update's end).
+    rollout_tick_s: float = Field(default=2.0, gt=0)
+    #: How long the instance driving a rollout holds it without renewing; a survivor takes it
+    #: over once this ran out (docs/firmware.md).
+    rollout_lease_s: float = Field(default=30.0, gt=0)
 
 
 class Config(_Section):

@@ -299,6 +299,22 @@ def _build_services(d: Daemon) -> tuple[Services, list[web.RouteDef]]:
     provision = Provisioner()
     firmware, firmware_routes = _firmware(d, bmc)
     routes = [*routes, *firmware_routes]
+    from metald.firmware.rollouts import FirmwareRollouts
+
+    # Firmware rollouts in waves: each driven by one instance (a lease in the store), taken
+    # over by a survivor.
+    rollouts = FirmwareRollouts(
+        d.store,
+        firmware,
+        d.cfg.instance,
+        ownership=d.fleet,
+        tick_s=d.cfg.firmware.rollout_tick_s,
+        lease_s=d.cfg.firmware.rollout_lease_s,
+        tasks=d.tasks.child("firmware_rollouts"),
+        notify=lambda: d.bus.notify(),
+    )
+    firmware.on_end = rollouts.wake
+    d.fleet.on_change(rollouts.wake)
     services = Services(
         fleet=d.fleet,
         tenant_node_guard=_tenant_node_guard(d),
@@ -323,6 +339,7 @@ def _build_services(d: Daemon) -> tuple[Services, list[web.RouteDef]]:
         ),
         health_watch=_health_watch(d, bmc, hubs, provision),
         firmware=firmware,
+        firmware_rollouts=rollouts,
         sel_reads=SelReads(tasks=d.tasks.child("commissioning_sel")),
         mesh_watch=MeshWatch(),
     )

@@ -91,6 +91,11 @@ IDLE = frozenset({S.DISCOVERED, S.READY, S.INSPECT_FAILED, S.COMMISSION_FAILED, 
 #: Out of the pool by a technician's hand (nothing claims, boots or wipes them by itself):
 #: where metald flashes firmware (metald.firmware).
 HELD = frozenset({S.MAINTENANCE, S.BROKEN})
+#: Where a firmware rollout takes a machine from (metald.firmware.rollouts): the pool, left
+#: through maintenance-on (so no claim takes it while it is flashed), or maintenance already.
+ROLLOUT_FREE = frozenset({S.READY, S.MAINTENANCE})
+#: Never flashed by a rollout: out of service for good, or a technician's to repair.
+ROLLOUT_GONE = frozenset({S.RETIRED, S.BROKEN, S.REPAIRING})
 #: States a watchdog times out of, and where it sends them.
 TIMEOUTS: dict[State, Trigger] = {
     S.INSPECTING: T.INSPECT_FAIL,

@@ -462,8 +462,18 @@ class Views:
         return await self.listing(ui, "instances", "/api/v1/instances", "instances.html")
 
     async def firmware(self, ui: UiRequest) -> web.StreamResponse:
-        """Machines off their profile's firmware baseline (docs/firmware.md)."""
-        return await self.listing(ui, "firmware", "/api/v1/firmware/compliance", "firmware.html")
+        """Firmware rollouts with their progress, and the machines off their profile's
+        firmware baseline (docs/firmware.md)."""
+        try:
+            self.need(ui, "GET", "/api/v1/firmware/rollouts")
+            rollouts = await self.api.call(
+                ui, "GET", "/api/v1/firmware/rollouts", query={"limit": 20}
+            )
+        except Refused as r:
+            return self.refused(ui, r, "firmware")
+        return await self.listing(
+            ui, "firmware", "/api/v1/firmware/compliance", "firmware.html", rollouts=rollouts
+        )
 
     async def tokens(self, ui: UiRequest) -> web.StreamResponse:
         return await self.listing(ui, "tokens", "/api/v1/tokens", "tokens.html")

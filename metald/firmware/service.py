@@ -94,6 +94,8 @@ class FirmwareUpdates:
         self.notify = notify
         #: Machines whose updates run in this instance now.
         self.running: set[str] = set()
+        #: Called when a machine's updates ended (a rollout's driver is woken).
+        self.on_end: Callable[[], None] = lambda: None
 
     # --- lifecycle ---
 
@@ -127,10 +129,16 @@ class FirmwareUpdates:
         return await self.store.run(run)
 
     async def start_update(
-        self, machine_id: str, *, components: list[str] | None, actor: str
+        self,
+        machine_id: str,
+        *,
+        components: list[str] | None,
+        actor: str,
+        baseline_version: int | None = None,
     ) -> list[dict[str, Any]]:
         """Queue an update of every updatable component of the machine that is off its
-        profile's baseline (or only those named) and start it in the background."""
+        profile's baseline (its newest version, or ``baseline_version``: a rollout's) or only
+        those named, and start it in the background."""
         row = await self.ex.row_for_machine(machine_id)
         self.ex.require(
             row,
@@ -162,6 +170,11 @@ class FirmwareUpdates:
                 )
             profile = records.machine_profile(rules, m)
             baseline = records.latest(s, profile).get(profile) if profile else None
+            if profile is not None and baseline_version is not None:
+                baseline = next(
+                    (b for b in records.history(s, profile) if b.version == baseline_version),
+                    None,
+                )
             if profile is None or baseline is None:
                 raise Unprocessable(
                     f"machine {machine_id} has no firmware baseline: "
@@ -299,6 +312,7 @@ class FirmwareUpdates:
         finally:
             self.running.discard(machine_id)
             self.notify()
+            self.on_end()
 
     # --- one update, step by step ---
 

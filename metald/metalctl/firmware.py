@@ -13,7 +13,9 @@ from .client import Client
 from .options import Subparsers, UsageError, machine_ref
 from .output import emit, emit_table
 
-SUBCOMMANDS = ("show", "baselines", "baseline", "compliance", "update", "updates")
+SUBCOMMANDS = (
+    "show", "baselines", "baseline", "compliance", "update", "updates", "rollout", "rollouts",
+)  # fmt: skip
 BASELINE_COLUMNS = [("PROFILE", "profile"), ("VERSION", "version"), ("COMPONENTS", "summary")]
 COMPLIANCE_COLUMNS = [
     ("MACHINE", "machine"),
@@ -49,6 +51,26 @@ def register(sub: Subparsers) -> None:
     us = fsub.add_parser("updates", help="a machine's firmware updates and their progress")
     machine_ref(us.add_argument("id", help="machine id, name or id prefix"))
     us.set_defaults(func=updates)
+    ro = fsub.add_parser("rollout", help="start a rollout, or pause / resume / abort one (admins)")
+    rsub = ro.add_subparsers(dest="rollout_sub", required=True)
+    rs = rsub.add_parser("start", help="update a profile's machines to a baseline version in waves")
+    rs.add_argument("profile")
+    rs.add_argument("version", type=int)
+    rs.add_argument("--rack", help="only machines of this rack")
+    rs.add_argument("--label", action="append", default=[], metavar="K=V", help="only these")
+    rs.add_argument("--batch-size", type=int, default=10, help="machines per wave (10)")
+    rs.add_argument("--max-unavailable", type=int, default=10, help="updating at once (10)")
+    rs.add_argument("--failure-budget", type=int, default=1, help="stop once this many failed (1)")
+    rs.add_argument("--in-use", choices=("skip", "wait"), default="skip",
+                    help="machines a tenant holds: skip them, or wait for their release")  # fmt: skip
+    rs.set_defaults(func=rollout_start)
+    for action in ("pause", "resume", "abort"):
+        ra = rsub.add_parser(action, help=f"{action} a rollout")
+        ra.add_argument("id")
+        ra.set_defaults(func=rollout_action, action=action)
+    rl = fsub.add_parser("rollouts", help="rollouts and their progress (one: its machines)")
+    rl.add_argument("id", nargs="?", help="one rollout: its machines, wave by wave")
+    rl.set_defaults(func=rollouts)
 
 
 def fix_argv(argv: list[str]) -> list[str]:
@@ -136,3 +158,91 @@ def update(args: argparse.Namespace, c: Client) -> None:
 def updates(args: argparse.Namespace, c: Client) -> None:
     out = c.call("GET", f"/api/v1/machines/{args.id}/firmware/updates")
     emit_table(args, out, UPDATE_COLUMNS, row=_update_row)
+
+
+ROLLOUT_COLUMNS = [
+    ("ID", "short_id"),
+    ("PROFILE", "profile"),
+    ("VERSION", "baseline_version"),
+    ("STATE", "state"),
+    ("PROGRESS", "bar"),
+    ("DONE", "n_done"),
+    ("FAILED", "n_failed"),
+    ("SKIPPED", "n_skipped"),
+    ("WAVE", "wave"),
+]
+TARGET_COLUMNS = [
+    ("MACHINE", "machine_id"),
+    ("WAVE", "wave"),
+    ("STATUS", "status"),
+    ("ERROR", "error"),
+]
+BAR_WIDTH = 20
+
+
+def bar(progress: dict[str, Any], width: int = BAR_WIDTH) -> str:
+    """``[#######.....   ] 45%``: # ended well, ! failed, . skipped, > updating."""
+    total = progress["total"] or 1
+    cells = []
+    for key, ch in (("done", "#"), ("failed", "!"), ("skipped", "."), ("updating", ">")):
+        cells.append(ch * round(width * progress[key] / total))
+    body = "".join(cells)[:width]
+    return f"[{body.ljust(width)}] {progress['percent']}%"
+
+
+def _rollout_row(r: dict[str, Any]) -> dict[str, Any]:
+    p = r["progress"]
+    return {**r, "short_id": r["id"][:8], "bar": bar(p), "n_done": p["done"],
+            "n_failed": p["failed"], "n_skipped": p["skipped"], "wave": p["wave"]}  # fmt: skip
+
+
+def _rollout_human(r: dict[str, Any]) -> str:
+    p = r["progress"]
+    lines = [
+        f"rollout {r['id']}: profile {r['profile']} to baseline version {r['baseline_version']}",
+        f"  {r['state']} {bar(p)}  {p['done']} done, {p['failed']} failed, "
+        f"{p['skipped']} skipped, {p['updating']} updating, {p['pending'] + p['waiting']} to go "
+        f"(of {p['total']}); wave {p['wave']}",
+        f"  waves of {r['batch_size']}, at most {r['max_unavailable']} at once, stops after "
+        f"{r['failure_budget']} failure(s), machines in use: {r['in_use']}",
+    ]
+    if r.get("reason"):
+        lines.append(f"  {r['reason']}")
+    for t in r.get("targets") or []:
+        err = f"  {t['error']}" if t.get("error") else ""
+        lines.append(f"  {t['machine_id']}  wave {t['wave'] or '-':>3}  {t['status']:9}{err}")
+    return "\n".join(lines)
+
+
+def rollout_start(args: argparse.Namespace, c: Client) -> None:
+    selector: dict[str, Any] = {}
+    if args.rack:
+        selector["rack"] = args.rack
+    if args.label:
+        try:
+            selector["labels"] = dict(lbl.split("=", 1) for lbl in args.label)
+        except ValueError:
+            raise UsageError("--label takes KEY=VALUE") from None
+    body = {
+        "profile": args.profile,
+        "version": args.version,
+        "selector": selector,
+        "batch_size": args.batch_size,
+        "max_unavailable": args.max_unavailable,
+        "failure_budget": args.failure_budget,
+        "in_use": args.in_use,
+    }
+    emit(args, c.call("POST", "/api/v1/firmware/rollouts", body), _rollout_human)
+
+
+def rollout_action(args: argparse.Namespace, c: Client) -> None:
+    out = c.call("POST", f"/api/v1/firmware/rollouts/{args.id}/actions", {"action": args.action})
+    emit(args, out, _rollout_human)
+
+
+def rollouts(args: argparse.Namespace, c: Client) -> None:
+    if args.id:
+        emit(args, c.call("GET", f"/api/v1/firmware/rollouts/{args.id}"), _rollout_human)
+        return
+    out = c.call("GET", "/api/v1/firmware/rollouts")
+    emit_table(args, out, ROLLOUT_COLUMNS, row=_rollout_row)

@@ -714,3 +714,52 @@ class FirmwareUpdate(SQLModel, table=True):
     created_at: datetime = _ts()
     updated_at: datetime = _ts()
     finished_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+
+
+class FirmwareRollout(SQLModel, table=True):
+    """A firmware rollout across the fleet (``metald.firmware.rollouts``): machines of one
+    profile flashed to one baseline version in waves, stopped by a failure budget. Driven by
+    one instance at a time (``owner`` holds it until ``lease_until``); a survivor takes it
+    over once the lease runs out."""
+
+    __tablename__ = "firmware_rollouts"
+
+    id: str = Field(default_factory=new_id, primary_key=True)
+    profile: str = Field(index=True)
+    baseline_version: int
+    #: The claims' selector the targets were chosen with (for the record).
+    selector: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    batch_size: int
+    max_unavailable: int
+    failure_budget: int
+    #: skip or wait (``metald.firmware.waves.InUse``).
+    in_use: str
+    #: running, paused, done, stopped, aborted (``metald.firmware.waves.RolloutState``).
+    state: str = Field(index=True)
+    reason: str | None = None
+    owner: str | None = None
+    lease_until: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    created_by: str
+    created_at: datetime = _ts()
+    updated_at: datetime = _ts()
+    #: Set once nothing of it runs any more (ended and every started update settled).
+    finished_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True), index=True)
+
+
+class FirmwareRolloutTarget(SQLModel, table=True):
+    """One machine of a rollout and where it stands."""
+
+    __tablename__ = "firmware_rollout_targets"
+
+    rollout_id: str = Field(foreign_key="firmware_rollouts.id", primary_key=True)
+    machine_id: str = Field(primary_key=True, index=True)
+    #: The rollout's order (waves take targets in it).
+    seq: int
+    #: pending, waiting, updating, done, failed, skipped (``waves.TargetStatus``).
+    status: str
+    wave: int | None = None
+    #: The state the machine was in before the rollout put it in maintenance (back after).
+    prior_state: str | None = None
+    error: str | None = None
+    started_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    finished_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))

@@ -5,6 +5,7 @@ without basic auth), and pyghmi BMC servers that misbehave on purpose (``fault_b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import socket
@@ -13,7 +14,7 @@ import sys
 import textwrap
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -569,6 +570,40 @@ async def qmp_control(qmp: Path, proc: subprocess.Popen[bytes]) -> Any:
             if proc.poll() is not None or time.monotonic() > end:
                 raise RuntimeError("QEMU did not open its QMP socket") from None
             await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def start_lab_redfish(tmp_path: Path, index: int = 0) -> AsyncIterator[LabRedfish]:
+    """One lab Redfish BMC in front of its own bare QEMU (``index``: several side by side)."""
+    from aiohttp import web
+
+    from vmlab import redfish as lab_redfish_app
+
+    qmp = tmp_path / f"qmp{index}.sock"
+    proc = subprocess.Popen(
+        ["qemu-system-x86_64", "-accel", "tcg", "-S", "-nodefaults", "-display", "none",
+         "-m", "64", "-qmp", f"unix:{qmp},server=on,wait=off"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        control = await qmp_control(qmp, proc)
+        info = lab_redfish_app.SystemInfo(
+            system_id=f"m{index}", uuid=str(uuid.uuid4()), mac=f"52:54:00:aa:bc:{index + 2:02x}",
+            firmware="uefi", memory_mb=64, cpus=1, serial_number=f"LAB-{index + 1:04d}",
+            username="admin", password=PASSWORD,
+        )  # fmt: skip
+        app = lab_redfish_app.make_app(control, info)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        port = free_port(socket.SOCK_STREAM)
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            yield LabRedfish(port, f"m{index}", "admin", PASSWORD, app)
+        finally:
+            await runner.cleanup()
+            await control.close()
+    finally:
+        _stop(proc)
 
 
 @pytest.fixture

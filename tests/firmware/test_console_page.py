@@ -35,3 +35,27 @@ def test_firmware_page_lists_machines_off_baseline(tmp_path: Path) -> None:
         assert 'href="/ui/firmware"' not in orch.get(app.base + "/ui/claims", timeout=10).text
         r = orch.get(app.base + "/ui/firmware", timeout=10)
         assert r.status_code == 403, r.text[:500]
+
+
+def test_firmware_page_shows_rollouts_with_progress(tmp_path: Path) -> None:
+    from metald.firmware.waves import TargetStatus
+    from metald.store.models import FirmwareRollout, FirmwareRolloutTarget
+
+    with serve(tmp_path, _prepare) as app:
+        assert app.tokens is not None
+        with app.store.session() as s:
+            r = FirmwareRollout(profile="h100-8x", baseline_version=1, batch_size=2,
+                                max_unavailable=2, failure_budget=1, in_use="skip",
+                                state="stopped", reason="the failure budget of 1 is spent",
+                                created_by="test")  # fmt: skip
+            s.add(r)
+            s.flush()
+            for i, st in enumerate([TargetStatus.DONE, TargetStatus.FAILED, TargetStatus.PENDING]):
+                s.add(FirmwareRolloutTarget(rollout_id=r.id, machine_id=f"m{i}", seq=i,
+                                            status=st.value, wave=1 if i < 2 else None))  # fmt: skip
+            s.commit()
+            rid = r.id
+        http = _login(app.base, app.tokens.technician)
+        text = http.get(app.base + "/ui/firmware", timeout=10).text
+        assert rid[:8] in text and 'max="3" value="2"' in text and "67%" in text
+        assert "1 done, 1 failed" in text and "failure budget" in text

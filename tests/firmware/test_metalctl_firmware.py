@@ -86,3 +86,38 @@ def test_update_commands_reach_the_api(
     monkeypatch.setenv("METALD_TOKEN", live.tokens.orchestrator)
     rc, _, err = _run(capsys, "firmware", "update", "node1")
     assert rc == 1 and "HTTP 403" in err
+
+
+def test_rollout_commands(
+    live: LoopbackApi, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rollout started, listed with its progress bar, paused and shown; technicians read
+    but do not start (its waves run in the daemon's service, tested in test_rollouts)."""
+    from metald.metalctl.firmware import bar
+
+    assert live.tokens is not None
+    spec = tmp_path / "h100.json"
+    spec.write_text(json.dumps(BASELINE))
+    monkeypatch.setenv("METALD_TOKEN", live.tokens.admin)
+    assert _run(capsys, "firmware", "baseline", "h100-8x", "--set", str(spec))[0] == 0
+    monkeypatch.setenv("METALD_TOKEN", live.tokens.technician)
+    rc, _, err = _run(capsys, "firmware", "rollout", "start", "h100-8x", "1")
+    assert rc == 1 and "403" in err
+    monkeypatch.setenv("METALD_TOKEN", live.tokens.admin)
+    rc, out, err = _run(capsys, "firmware", "rollout", "start", "h100-8x", "1",
+                        "--batch-size", "5", "--in-use", "wait")  # fmt: skip
+    assert rc == 0, err
+    assert "running [" in out and "0 done" in out and "machines in use: wait" in out
+    rid = out.split()[1].rstrip(":")
+    monkeypatch.setenv("METALD_TOKEN", live.tokens.technician)
+    rc, out, _ = _run(capsys, "firmware", "rollouts")
+    lines = out.splitlines()
+    assert rc == 0 and lines[0].split()[:4] == ["ID", "PROFILE", "VERSION", "STATE"]
+    assert rid[:8] in lines[1] and "[" in lines[1] and "0%" in lines[1]
+    monkeypatch.setenv("METALD_TOKEN", live.tokens.admin)
+    rc, out, _ = _run(capsys, "firmware", "rollout", "pause", rid)
+    assert rc == 0 and "paused" in out
+    rc, out, _ = _run(capsys, "firmware", "rollouts", rid)
+    assert rc == 0 and "pending" in out and live.tokens.machine_b in out
+    progress = {"total": 4, "done": 2, "failed": 1, "skipped": 0, "updating": 1, "percent": 75}
+    assert bar(progress, width=8) == "[####!!>>] 75%"
