@@ -17,6 +17,7 @@ import pytest
 from metald.bmc.base import BmcEndpoint
 from metald.bmc.redfish import RedfishDriver
 from tests.bmc.peers import LabRedfish
+from vmlab import redfish_events
 from vmlab.redfish_update import make_image
 
 CSDL = Path(__file__).parents[1] / "fixtures" / "redfish-csdl"
@@ -39,6 +40,8 @@ async def test_lab_bmc_passes_the_dmtf_validator(lab_redfish: LabRedfish, tmp_pa
             task = await d.update_task(task.uri)
     finally:
         await d.close()
+    # A log entry, so that the event log's entries are walked too.
+    lab_redfish.app[redfish_events.EVENTS].add("Memory #0x01 Uncorrectable ECC | Asserted")
     schemas = tmp_path / "schemas"
     shutil.copytree(CSDL, schemas)  # the validator writes beside the schemas it reads
     proc = await asyncio.create_subprocess_exec(
@@ -62,5 +65,11 @@ async def test_lab_bmc_passes_the_dmtf_validator(lab_redfish: LabRedfish, tmp_pa
     passed, _warned, failed, _skipped = (int(x) for x in counts.groups())
     assert failed == 0 and proc.returncode == 0, text[-6000:]
     assert passed > 250, text[-4000:]  # it really walked the service:
-    for path in ("TaskService/Tasks/1", "AccountService/Accounts/1", "SessionService/Sessions"):
+    for path in (
+        "TaskService/Tasks/1",
+        "AccountService/Accounts/1",
+        "SessionService/Sessions",
+        "EventService/Subscriptions",
+        "Managers/BMC/LogServices/SEL/Entries/1",
+    ):
         assert f"Validating /redfish/v1/{path}..." in text, text[-4000:]

@@ -18,7 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
-from . import redfish_accounts, redfish_bios, redfish_session, redfish_update
+from . import redfish_accounts, redfish_bios, redfish_events, redfish_session, redfish_update
 from .power import MachineControl
 from .vmedia import MediaError, VirtualCd
 
@@ -123,6 +123,7 @@ async def service_root(request: web.Request) -> web.Response:
             "Managers": {"@odata.id": "/redfish/v1/Managers"},
             "UpdateService": {"@odata.id": "/redfish/v1/UpdateService"},
             "Tasks": {"@odata.id": "/redfish/v1/TaskService"},
+            "EventService": {"@odata.id": redfish_events.SERVICE},
             "SessionService": {"@odata.id": redfish_session.SERVICE},
             "AccountService": {"@odata.id": redfish_accounts.SERVICE},
             "Links": {"Sessions": {"@odata.id": redfish_session.SESSIONS}},
@@ -156,6 +157,14 @@ METADATA_REFERENCES = [
     ("ManagerAccount", "ManagerAccount_v1.xml"),
     ("RoleCollection", "RoleCollection_v1.xml"),
     ("Role", "Role_v1.xml"),
+    ("EventService", "EventService_v1.xml"),
+    ("EventDestinationCollection", "EventDestinationCollection_v1.xml"),
+    ("EventDestination", "EventDestination_v1.xml"),
+    ("Event", "Event_v1.xml"),
+    ("LogServiceCollection", "LogServiceCollection_v1.xml"),
+    ("LogService", "LogService_v1.xml"),
+    ("LogEntryCollection", "LogEntryCollection_v1.xml"),
+    ("LogEntry", "LogEntry_v1.xml"),
     ("Message", "Message_v1.xml"),
     ("Resource", "Resource_v1.xml"),
     ("Settings", "Settings_v1.xml"),
@@ -382,6 +391,7 @@ async def manager(request: web.Request) -> web.Response:
             "Name": "vm-lab virtual BMC",
             "ManagerType": "BMC",
             **({"VirtualMedia": {"@odata.id": VMEDIA}} if CD in request.app else {}),
+            "LogServices": {"@odata.id": redfish_events.LOG_SERVICES},
             "Status": {"State": "Enabled", "Health": "OK"},
             "Actions": {
                 "#Manager.Reset": {
@@ -486,6 +496,7 @@ def make_app(control: MachineControl, info: SystemInfo) -> web.Application:
     app.router.add_get("/redfish/v1/Managers/{manager_id}", manager)
     redfish_bios.install(app, system, info.firmware)
     redfish_update.install(app, info.firmware)
+    redfish_events.install(app)
 
     accounts = redfish_accounts.install(app, info.username, info.password)
     redfish_session.install(app, accounts.check)

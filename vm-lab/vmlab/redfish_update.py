@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from vmlab import redfish_events
 from vmlab.redfish_json import ODATA, collection
 from vmlab.redfish_json import error as _error
 from vmlab.redfish_json import json_response as _json
@@ -399,6 +400,8 @@ async def manager_reset(request: web.Request) -> web.Response:
     ):
         return _error(400, "ActionParameterValueNotInList", "ResetType: GracefulRestart")
     request.app[UPDATES].bmc_reset()
+    if redfish_events.EVENTS in request.app:  # a restarted BMC forgets its subscriptions
+        request.app[redfish_events.EVENTS].lose_subscriptions()
     return web.Response(status=204, headers=ODATA)
 
 
