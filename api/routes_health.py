@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from api.routes_mesh import _bearer
 from api.routing import ApiRequest, Router
@@ -66,3 +68,58 @@ async def health_report(req: ApiRequest) -> HealthReportOut:
         memo=watch.report_memo if watch else None,
     )
     return HealthReportOut.model_validate(out)
+
+
+#: A Redfish Event with a few entries is a few KiB; room for a BMC that sends 32 at once.
+MAX_EVENT_BYTES = 64 * 1024
+#: The header metald asks the BMC to send with each event (``HttpHeaders`` of the subscription).
+SECRET_HEADER = "X-Metald-Event-Secret"
+
+
+class BmcEventIn(BaseModel):
+    """A Redfish ``Event`` (``#Event.v1_x_x.Event``) as a BMC pushes it. Fields metald does not
+    read are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    Context: str | None = Field(default=None, max_length=512)
+    Events: list[Any] = Field(default_factory=list, max_length=64)
+
+
+class BmcEventOut(BaseModel):
+    #: Entries read from the event, signals not seen before (pushed or polled), faults opened.
+    entries: int
+    signals: int
+    new_faults: int
+
+
+@router.route(
+    "POST",
+    "/api/v1/bmc-events/{bmc_id}",
+    summary="Receive a BMC's pushed Redfish event",
+    roles=None,
+    body=BmcEventIn,
+    response=BmcEventOut,
+    tag="machines",
+    errors=(401, 413, 415, 422),
+    max_body=MAX_EVENT_BYTES,
+)
+async def bmc_event(req: ApiRequest) -> BmcEventOut:
+    """Called by a Redfish BMC on its EventService subscription, which the BMC's owning
+    instance made (docs/health.md). The BMC proves it is that subscription's with the secret
+    metald gave it: the ``X-Metald-Event-Secret`` header, else the event's ``Context``; no
+    token works here, and one BMC's secret is refused for another. The entries are recorded as
+    the BMC's word, as its polled event log is."""
+    b: BmcEventIn = req.body
+    watch = req.ctx.services.health_watch
+    secret = req.raw.headers.get(SECRET_HEADER) or b.Context
+    out = await health.bmc_event(
+        req.ctx.store,
+        req.params["bmc_id"],
+        secret,
+        b.Events,
+        cfg=req.ctx.cfg.health,
+        instance=req.ctx.instance,
+        wake=watch.wake if watch else lambda: None,
+    )
+    return BmcEventOut.model_validate(out)

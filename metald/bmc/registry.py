@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import String, cast, func, or_
+from sqlalchemy import delete as sa_delete
 from sqlmodel import Session, col, select
 
 from metald.bmc import targets
@@ -36,7 +37,15 @@ from metald.bmc.scheduler import Health
 from metald.errors import Conflict, Unprocessable
 from metald.machines import add_event, get_machine, normalize_mac
 from metald.store.db import Store
-from metald.store.models import Bmc, FirmwareUpdate, Machine, Nic, utcnow
+from metald.store.models import (
+    Bmc,
+    BmcEventSubscription,
+    BmcLogCursor,
+    FirmwareUpdate,
+    Machine,
+    Nic,
+    utcnow,
+)
 
 PROTOCOLS = ("ipmi", "redfish", "auto")
 #: health_detail of a BMC registered with verify=False until its owner has heard from it.
@@ -400,6 +409,9 @@ class BmcRegistry:
                 instance=self.instance,
                 data={"bmc_id": bmc_id, "address": row.address},
             )
+            # what the health watch kept for this BMC goes with it
+            for kept in (BmcEventSubscription, BmcLogCursor):
+                s.execute(sa_delete(kept).where(col(kept.bmc_id) == bmc_id))
             s.delete(row)
             s.commit()
 

@@ -76,3 +76,42 @@ def sensor_signals(sensors: Iterable[Mapping[str, Any]], *, at: datetime) -> lis
             )  # fmt: skip
         )
     return out
+
+
+#: Events one pushed Redfish Event payload may carry that are read (the rest are ignored).
+MAX_PUSHED_EVENTS = 32
+
+
+def pushed_entries(events: Iterable[Any]) -> list[dict[str, Any]]:
+    """The log entries a pushed Redfish ``Event`` (``#Event.v1_x_x.Event``) names, as the
+    polled log renders them (``id``, ``at``, ``severity``, ``message``), so that an entry
+    pushed and later polled has the same ``entry_key``: its id is the ``LogEntry`` (or
+    ``OriginOfCondition``) link's last segment where that link is a log entry, else the
+    ``EventId``. Events that are not objects, or carry no message, are skipped; unknown
+    fields are ignored; at most ``MAX_PUSHED_EVENTS`` are read."""
+    out: list[dict[str, Any]] = []
+    for ev in list(events)[:MAX_PUSHED_EVENTS]:
+        if not isinstance(ev, Mapping):
+            continue
+        msg = ev.get("Message")
+        if not isinstance(msg, str) or not msg.strip():
+            continue
+        rid = None
+        for link in (ev.get("LogEntry"), ev.get("OriginOfCondition")):
+            uri = link.get("@odata.id") if isinstance(link, Mapping) else None
+            if isinstance(uri, str) and "/Entries/" in uri:
+                rid = uri.rstrip("/").rsplit("/", 1)[-1]
+                break
+        if rid is None:
+            rid = ev.get("EventId")
+        sev = ev.get("Severity") or ev.get("MessageSeverity") or "OK"
+        at = ev.get("EventTimestamp")
+        out.append(
+            {
+                "id": str(rid if rid is not None else "?")[:64],
+                "at": at[:64] if isinstance(at, str) else None,
+                "severity": str(sev).lower()[:32],
+                "message": msg,  # whole: the key is the polled entry's (the body is bounded)
+            }
+        )
+    return out

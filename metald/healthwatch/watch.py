@@ -36,7 +36,7 @@ from sqlalchemy import select as sa_select
 from sqlalchemy import update
 from sqlmodel import Session, col, select
 
-from metald.commissioning.parsers.bmc_sel import MAX_KEYS
+from metald.commissioning.parsers.bmc_sel import MAX_KEYS, entry_key
 from metald.health import bmc as bmc_signals
 from metald.health.classify import Table
 from metald.health.config import HealthConfig
@@ -51,6 +51,7 @@ from metald.service import TaskScope
 from metald.store.db import Store
 from metald.store.models import (
     Bmc,
+    BmcEventSubscription,
     BmcLogCursor,
     HealthFault,
     Machine,
@@ -163,6 +164,32 @@ def record_signals(
     return len(rec.new)
 
 
+#: Pushed keys kept per subscription (the polled read absorbs them into the cursor).
+MAX_PUSHED_KEYS = 1024
+
+
+def subscription(s: Session, bmc_id: str, *, lock: bool = False) -> BmcEventSubscription | None:
+    """The BMC's event subscription row (``metald.healthwatch.pushed``), locked on request."""
+    q = select(BmcEventSubscription).where(BmcEventSubscription.bmc_id == bmc_id)
+    return s.exec(q.with_for_update() if lock else q).first()
+
+
+def _absorb_pushed(s: Session, bmc_id: str, read: list[str]) -> list[str]:
+    """The keys of the entries the BMC pushed (``metald.healthwatch.pushed``), for the polled
+    read to take as seen; those the read now holds leave the subscription row (the cursor
+    keeps them from here)."""
+    sub = subscription(s, bmc_id, lock=True)
+    if sub is None or not sub.keys:
+        return []
+    pushed = list(sub.keys)
+    held = set(read)
+    left = [k for k in pushed if k not in held]
+    if left != pushed:
+        sub.keys = left
+        s.add(sub)
+    return pushed
+
+
 def record_bmc_log(
     s: Session,
     machine_id: str,
@@ -208,7 +235,9 @@ def record_bmc_log(
         cur = BmcLogCursor(bmc_id=bmc_id, keys=[])
     sigs: list[Signal] = []
     if not unchanged:
-        sigs, keys = bmc_signals.log_signals(entries, seen=cur.keys, at=now, kind=kind)
+        read = [entry_key(e) for e in entries[-MAX_KEYS:]]
+        pushed = _absorb_pushed(s, bmc_id, read)
+        sigs, keys = bmc_signals.log_signals(entries, seen=[*cur.keys, *pushed], at=now, kind=kind)
         cur.keys = keys[-MAX_KEYS:]
         cur.entries = len(entries)
         cur.last_id = last if last is not None else cur.last_id
@@ -417,11 +446,12 @@ class HealthWatch:
 
     async def _loop(self) -> None:
         while True:
+            # cleared before the round: a wake during it (a pushed event) runs one more at once
+            self._wake.clear()
             try:
                 await self.round()
             except Exception:
                 log.exception("health round failed; trying again next interval")
-            self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.cfg.watch_interval_s)
 

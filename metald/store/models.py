@@ -600,6 +600,29 @@ class BmcLogCursor(SQLModel, table=True):
     reader: str | None = None
 
 
+class BmcEventSubscription(SQLModel, table=True):
+    """A Redfish EventService subscription metald holds on a BMC (push of its log entries to
+    ``POST /api/v1/bmc-events/{bmc_id}``), made by the BMC's owner. Only a hash of the secret
+    the BMC sends with each event is kept (``metald.healthwatch.pushed``)."""
+
+    __tablename__ = "bmc_event_subscriptions"
+
+    bmc_id: str = Field(foreign_key="bmcs.id", primary_key=True)
+    #: SHA-256 of the per-BMC secret, hex.
+    secret_hash: str
+    #: The subscription's resource on the BMC (its ``Location``); None until the BMC took it.
+    uri: str | None = None
+    #: The instance that subscribed (the BMC's owner then).
+    owner: str | None = None
+    created_at: datetime = Field(sa_type=DateTime(timezone=True))
+    #: The last event the BMC pushed and metald accepted.
+    event_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+    events: int = 0
+    #: ``entry_key`` of the entries pushed and recorded (bounded): the polled read of the log
+    #: takes them as seen, so an entry pushed and then polled is one signal, not two.
+    keys: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+
+
 class NodeHeartbeat(SQLModel, table=True):
     """A machine's last node report (the agent's heartbeat): silence is measured from it."""
 

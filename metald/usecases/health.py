@@ -12,7 +12,7 @@ from sqlalchemy.exc import IntegrityError
 
 from metald.health.classify import Table
 from metald.health.config import HealthConfig
-from metald.healthwatch import reports
+from metald.healthwatch import pushed, reports
 from metald.limits import TooMany
 from metald.tenants import mesh
 from metald.usecases import Writes
@@ -79,3 +79,24 @@ async def node_report(
         "new_faults": got.new_faults,
         "unreadable": got.unreadable,
     }
+
+
+async def bmc_event(
+    tx: Writes,
+    bmc_id: str,
+    secret: str | None,
+    events: list[Any],
+    *,
+    cfg: HealthConfig,
+    instance: str | None,
+    wake: Callable[[], None] = lambda: None,
+) -> dict[str, Any]:
+    """Record a Redfish event a BMC pushed to its subscription (``metald.healthwatch.pushed``):
+    401 without that BMC's secret; the new entries as the BMC's signals, and the health watch
+    woken at once where a fault opened (the remediation is carried forward now)."""
+    accept = partial(pushed.accept, cfg=cfg, table=table_for(cfg), now=datetime.now(UTC),
+                     actor="bmc-event", instance=instance)  # fmt: skip
+    got = await tx.run(accept, bmc_id, secret, events)
+    if got.new_faults:
+        wake()
+    return {"entries": got.entries, "signals": got.signals, "new_faults": got.new_faults}

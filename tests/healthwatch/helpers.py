@@ -34,7 +34,7 @@ class ActiveClaim:
 
 
 def active_claim(
-    store: Store, n: int, *, spares: int = 1, racks: list[str] | None = None
+    store: Store, n: int, *, spares: int = 1, racks: list[str] | None = None, tenant: str = "acme"
 ) -> ActiveClaim:
     """``n`` machines of a claim, active in the tenant's cluster, and ``spares`` ready ones of
     the same selector."""
@@ -42,10 +42,10 @@ def active_claim(
     for i, rack in enumerate(racks or [None] * n):  # type: ignore[list-item]
         ids += add_ready(store, 1, labels={"pool": "p"}, rack=rack, prefix=f"gpu{i}-")
     spare = add_ready(store, spares, labels={"pool": "p"}, prefix="spare") if spares else []
-    tenant = add_tenant(store, "acme")
+    tenant_id = add_tenant(store, tenant)
     with store.session() as s:
         claim, _ = create_claim(
-            s, tenant, n, Selector(labels={"pool": "p"}), add_image(store), None, "test",
+            s, tenant_id, n, Selector(labels={"pool": "p"}), add_image(store), None, "test",
             deploy=DEPLOY,
         )  # fmt: skip
         mine = [m.id for m in s.exec(select(Machine).where(Machine.claim_id == claim.id))]
@@ -54,7 +54,7 @@ def active_claim(
             for t in (Trigger.PROVISIONED, Trigger.JOIN, Trigger.JOINED):
                 machines.transition(s, mid, t, actor="test")
         spare = [x for x in ids + spare if x not in mine]
-        return ActiveClaim(claim.id, tenant, sorted(mine), spare)
+        return ActiveClaim(claim.id, tenant_id, sorted(mine), spare)
 
 
 @dataclass
