@@ -36,6 +36,8 @@ class Capability(StrEnum):
     INDICATOR = "indicator"
     SENSORS = "sensors"
     EVENT_LOG = "event-log"
+    #: Push of event-log entries (Redfish EventService subscriptions; ``metald.healthwatch``).
+    EVENT_PUSH = "event-push"
     FIRMWARE = "firmware"
     FIRMWARE_UPDATE = "firmware-update"
     ACCOUNTS = "accounts"
@@ -73,6 +75,17 @@ class Sensors(Protocol):
 @runtime_checkable
 class EventLog(Protocol):
     async def event_log(self) -> list[LogEntry]: ...
+
+
+@runtime_checkable
+class EventPush(Protocol):
+    async def event_subscribe(self, destination: str, secret: str) -> str | None:
+        """Subscribe ``destination`` to the BMC's log events, sending ``secret`` with each;
+        the subscription's URI, or None where the BMC offers no event service."""
+
+    async def event_subscription_alive(self, uri: str) -> bool: ...
+
+    async def event_unsubscribe(self, uri: str) -> None: ...
 
 
 @runtime_checkable
@@ -165,6 +178,7 @@ INTERFACES: dict[Capability, type] = {
     Capability.INDICATOR: Indicator,
     Capability.SENSORS: Sensors,
     Capability.EVENT_LOG: EventLog,
+    Capability.EVENT_PUSH: EventPush,
     Capability.FIRMWARE: Firmware,
     Capability.FIRMWARE_UPDATE: FirmwareUpdate,
     Capability.ACCOUNTS: Accounts,

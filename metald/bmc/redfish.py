@@ -101,6 +101,7 @@ class RedfishDriver(BmcDriver):
             Capability.INDICATOR,
             Capability.SENSORS,
             Capability.EVENT_LOG,
+            Capability.EVENT_PUSH,
             Capability.FIRMWARE,
             Capability.FIRMWARE_UPDATE,
             Capability.ACCOUNTS,
@@ -677,6 +678,54 @@ class RedfishDriver(BmcDriver):
                     for e in entries.get("Members", [])
                 ]
         raise BmcUnsupported(f"{self._where}: the BMC exposes no log service")
+
+    # --- EventService (pushed log entries) ---
+
+    async def event_subscribe(self, destination: str, secret: str) -> str | None:
+        """A Redfish event subscription (``Alert`` events, i.e. log entries) for
+        ``destination``, with ``secret`` in an ``HttpHeaders`` entry (never shown back by the
+        BMC) and in ``Context`` (for BMCs that drop HttpHeaders). None where the service root
+        names no EventService or it is disabled."""
+        root = await self._get("/redfish/v1/")
+        svc_uri = (root.get("EventService") or {}).get("@odata.id")
+        if not isinstance(svc_uri, str):
+            return None
+        svc = await self._get(svc_uri)
+        subs = (svc.get("Subscriptions") or {}).get("@odata.id")
+        if svc.get("ServiceEnabled") is False or not isinstance(subs, str):
+            return None
+        body: dict[str, Any] = {
+            "Destination": destination,
+            "Protocol": "Redfish",
+            "Context": secret,
+            "HttpHeaders": [{"X-Metald-Event-Secret": secret}],
+        }
+        if "Alert" in (svc.get("EventTypesForSubscription") or []):
+            body["EventTypes"] = ["Alert"]
+        status, headers, data = await self._req("POST", subs, body)
+        if status in (400, 405, 501):
+            raise BmcUnsupported(f"{self._where}: event subscription refused: HTTP {status}"
+                                 f"{_msg(data)}")  # fmt: skip
+        if status not in (200, 201, 204):
+            raise BmcProtocolError(f"{self._where}: POST {subs} answered HTTP {status}{_msg(data)}")
+        loc = headers.get("Location") or (data.get("@odata.id") if isinstance(data, dict) else None)
+        if not isinstance(loc, str) or not loc:
+            raise BmcProtocolError(f"{self._where}: the event subscription has no Location")
+        url = same_origin_url(self._origin, loc)
+        if url is None:
+            raise BmcProtocolError(f"{self._where}: the event subscription is elsewhere ({loc})")
+        return url.path
+
+    async def event_subscription_alive(self, uri: str) -> bool:
+        status, _, _ = await self._req("GET", uri)
+        return status == 200
+
+    async def event_unsubscribe(self, uri: str) -> None:
+        status, _, data = await self._req("DELETE", uri)
+        if status not in (200, 202, 204, 404):
+            raise BmcProtocolError(
+                f"{self._where}: DELETE {uri} answered HTTP {status}{_msg(data)}"
+            )
 
     # --- VirtualMedia ---
 

@@ -352,6 +352,36 @@ class BmcService:
             timeout_s=self.cfg.sensors_timeout_s,
         )
 
+    # --- event push (Redfish EventService) ---
+
+    async def event_subscribe(self, machine_id: str, destination: str, secret: str) -> str | None:
+        """Subscribe ``destination`` to the BMC's log events (``EventPush.event_subscribe``)."""
+        return await self.control.execute(
+            await self.control.row_for_machine(machine_id),
+            Capability.EVENT_PUSH,
+            "event_subscribe",
+            lambda d: d.event_subscribe(destination, secret),
+            timeout_s=self.cfg.sensors_timeout_s,
+        )
+
+    async def event_subscription_alive(self, machine_id: str, uri: str) -> bool:
+        return await self.control.execute(
+            await self.control.row_for_machine(machine_id),
+            Capability.EVENT_PUSH,
+            "event_subscription_alive",
+            lambda d: d.event_subscription_alive(uri),
+            timeout_s=self.cfg.sensors_timeout_s,
+        )
+
+    async def event_unsubscribe(self, machine_id: str, uri: str) -> None:
+        await self.control.execute(
+            await self.control.row_for_machine(machine_id),
+            Capability.EVENT_PUSH,
+            "event_unsubscribe",
+            lambda d: d.event_unsubscribe(uri),
+            timeout_s=self.cfg.sensors_timeout_s,
+        )
+
     # --- power sync ---
 
     async def sync_power_once(self) -> int:

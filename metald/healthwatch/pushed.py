@@ -15,9 +15,7 @@ the polled read (``metald.healthwatch.watch.record_bmc_log``) takes as seen.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
-import secrets
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -29,7 +27,13 @@ from metald.health import bmc as bmc_signals
 from metald.health.classify import Table
 from metald.health.config import HealthConfig
 from metald.health.signals import Kind
-from metald.healthwatch.watch import MAX_PUSHED_KEYS, record_signals, subscription
+from metald.healthwatch.watch import (
+    MAX_PUSHED_KEYS,
+    new_secret,
+    record_signals,
+    secret_hash,
+    subscription,
+)
 from metald.store.models import Bmc, BmcEventSubscription, BmcLogCursor
 
 __all__ = ["MAX_PUSHED_KEYS", "Pushed", "accept", "check", "new_secret", "secret_hash"]
@@ -39,15 +43,7 @@ REFUSED = (
     "this event does not carry the secret of this BMC's subscription; only the BMC metald "
     "subscribed can push events here (metald re-subscribes it on its next read)"
 )
-_DUMMY = hashlib.sha256(b"no subscription").hexdigest()
-
-
-def new_secret() -> str:
-    return secrets.token_urlsafe(32)
-
-
-def secret_hash(secret: str) -> str:
-    return hashlib.sha256(secret.encode()).hexdigest()
+_DUMMY = secret_hash("no subscription")
 
 
 def check(sub: BmcEventSubscription | None, secret: str | None) -> None:

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -251,6 +253,34 @@ def record_bmc_log(
                           instance=instance)  # fmt: skip
 
 
+def new_secret() -> str:
+    """A pushed-event secret for one BMC's subscription."""
+    return secrets.token_urlsafe(32)
+
+
+def secret_hash(secret: str) -> str:
+    """What the store keeps of a pushed-event secret."""
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def _subscription_held(s: Session, bmc_id: str) -> tuple[str | None, str | None] | None:
+    sub = subscription(s, bmc_id)
+    return None if sub is None else (sub.uri, sub.owner)
+
+
+def _put_subscription(
+    s: Session, bmc_id: str, digest: str, uri: str | None, owner: str, now: datetime
+) -> None:
+    sub = subscription(s, bmc_id, lock=True)
+    if sub is None:
+        sub = BmcEventSubscription(bmc_id=bmc_id, secret_hash=digest, created_at=now, keys=[])
+    elif sub.secret_hash != digest:
+        sub.created_at, sub.events, sub.event_at = now, 0, None
+    sub.secret_hash, sub.uri, sub.owner = digest, uri, owner
+    s.add(sub)
+    s.commit()
+
+
 def _nothing_new(s: Session, machine_id: str, bmc_id: str, last: str | None, n: int) -> bool:
     """The log's last record and length are the cursor's, and the BMC has no sensor fault
     open that a fine sensor would clear."""
@@ -380,6 +410,9 @@ class HealthWatch:
         #: Per BMC: the event log's stamp before the last full read that was recorded, and the
         #: visits since that found the same stamp (this instance's; a new owner reads in full).
         self._stamps: dict[str, tuple[str, int]] = {}
+        #: Per Redfish BMC subscribed to push its events: visits since its subscription was
+        #: last checked (this instance's; a new owner checks at its first visit).
+        self._subs: dict[str, int] = {}
         #: Node reports that said nothing new, taken in memory (``metald.healthwatch.reports``);
         #: their heartbeats are written at each round.
         self.memo = reports.ReportMemo()
@@ -504,12 +537,52 @@ class HealthWatch:
         gate = asyncio.Semaphore(BMC_CONCURRENCY)
         await asyncio.gather(*(self._read_bmc(u, gate, seen) for u in mine))
 
+    async def _keep_subscribed(self, u: InUse) -> None:
+        """A Redfish BMC's event subscription, held by its owner (``metald.healthwatch.pushed``):
+        made at the first visit, checked every ``FULL_READ_EVERY`` visits and made again when
+        the BMC lost it (a BMC restart) or another instance made it (the owner changed: its
+        subscription is deleted). A BMC without an EventService is asked again at the next
+        check. Polling goes on whatever happens here."""
+        subscribe = getattr(self.bmc, "event_subscribe", None)
+        base = self.cfg.bmc_events_url.rstrip("/")
+        if subscribe is None or not base or u.bmc_protocol != "redfish" or u.bmc_id is None:
+            return
+        assert self.bmc is not None
+        bmc: Any = self.bmc
+        visits = self._subs.get(u.bmc_id)
+        if visits is not None and visits + 1 < FULL_READ_EVERY:
+            self._subs[u.bmc_id] = visits + 1
+            return
+        self._subs[u.bmc_id] = 0
+        try:
+            held = await self.store.read(_subscription_held, u.bmc_id)
+            if held is not None and held[0] is not None:
+                uri, owner = held
+                if owner == self.instance and await bmc.event_subscription_alive(u.machine_id, uri):
+                    return
+                with contextlib.suppress(Exception):  # lost already, or the BMC says later
+                    await bmc.event_unsubscribe(u.machine_id, uri)
+            secret = new_secret()
+            digest = secret_hash(secret)
+            # the secret is on record before the BMC can send with it
+            await self.store.run(_put_subscription, u.bmc_id, digest, None, self.instance,
+                                 self.clock())  # fmt: skip
+            uri = await subscribe(u.machine_id, f"{base}/api/v1/bmc-events/{u.bmc_id}", secret)
+            if uri is None:  # no EventService: the row stays without a URI (asked again)
+                return
+            await self.store.run(_put_subscription, u.bmc_id, digest, uri, self.instance,
+                                 self.clock())  # fmt: skip
+            log.info("health: BMC %s pushes its events (%s)", u.bmc_id, uri)
+        except Exception as e:  # polling covers; tried again at the next check
+            log.info("health: BMC %s: event subscription not made: %s", u.bmc_id, e)
+
     async def _read_bmc(self, u: InUse, gate: asyncio.Semaphore, seen: Known | None = None) -> None:
         assert self.bmc is not None and u.bmc_id is not None
         kind = Kind.REDFISH_LOG if u.bmc_protocol == "redfish" else Kind.SEL
         stamp_of = getattr(self.bmc, "event_log_stamp", None)
         sensors: list[dict[str, Any]] | None = None
         async with gate:
+            await self._keep_subscribed(u)
             stamp = None
             if stamp_of is not None:
                 try:

@@ -43,6 +43,7 @@ def test_what_each_protocol_offers() -> None:
         Capability.INDICATOR,
         Capability.SENSORS,
         Capability.EVENT_LOG,
+        Capability.EVENT_PUSH,
         Capability.FIRMWARE,
         Capability.FIRMWARE_UPDATE,
         Capability.ACCOUNTS,

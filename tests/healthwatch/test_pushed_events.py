@@ -196,3 +196,88 @@ async def test_an_entry_pushed_then_polled_is_one_fault(api, lab_redfish: LabRed
         assert f.count == 1
     finally:
         await driver.close()
+
+
+class _DriverBmc:
+    """The BMC service's reads and event subscription calls, over one lab Redfish driver."""
+
+    def __init__(self, driver: RedfishDriver) -> None:
+        self.d = driver
+
+    async def event_log(self, machine_id: str) -> list[dict[str, Any]]:
+        return [{"id": e.id, "at": e.at, "severity": e.severity, "message": e.message}
+                for e in await self.d.event_log()]  # fmt: skip
+
+    async def sensors(self, machine_id: str) -> list[dict[str, Any]]:
+        return []
+
+    async def event_subscribe(self, machine_id: str, destination: str, secret: str) -> str | None:
+        return await self.d.event_subscribe(destination, secret)
+
+    async def event_subscription_alive(self, machine_id: str, uri: str) -> bool:
+        return await self.d.event_subscription_alive(uri)
+
+    async def event_unsubscribe(self, machine_id: str, uri: str) -> None:
+        await self.d.event_unsubscribe(uri)
+
+
+async def test_the_owner_subscribes_resubscribes_and_hands_over(
+    api, lab_redfish: LabRedfish
+) -> None:  # type: ignore[no-untyped-def]
+    from metald.healthwatch import watch as watch_mod
+
+    client, _tokens, store = api
+    base = str(client.make_url("/")).rstrip("/")
+    cfg = HealthConfig(bmc_events_url=base)
+    c = active_claim(store, 1, spares=1, tenant="pushed")
+    bmc_id = _bmc(store, c.machines[0], lab_redfish.port)
+    sched = FakeScheduler()
+    sched.jobs[node_name(store, c.machines[0])] = ["7"]
+    driver = RedfishDriver(
+        BmcEndpoint("127.0.0.1", lab_redfish.port, lab_redfish.username, lab_redfish.password),
+        scheme="http",
+    )
+    events = lab_redfish.app[redfish_events.EVENTS]
+
+    def watch_of(instance: str) -> HealthWatch:
+        return HealthWatch(store, cfg, instance, remediations=workflow(store, sched, cfg, instance),
+                           table=cfg.table(), bmc=_DriverBmc(driver))  # fmt: skip
+
+    try:
+        w1 = watch_of("i1")
+        await w1.round(reads=True)  # the owner's first visit subscribes
+        (sub,) = events.subscriptions.values()
+        assert sub.destination == f"{base}/api/v1/bmc-events/{bmc_id}"
+        with store.session() as s:
+            row = s.get(BmcEventSubscription, bmc_id)
+            assert row.owner == "i1" and row.uri == f"{redfish_events.SUBSCRIPTIONS}/{sub.id}"
+            assert row.secret_hash == pushed.secret_hash(sub.headers["X-Metald-Event-Secret"])
+        await w1.round(reads=True)
+        assert list(events.subscriptions) == [sub.id]  # not made twice
+
+        # pushed: the entry is recorded through the route (no poll in between)
+        events.add(UECC)
+        await events.idle()
+        assert events.pushes[-1] == (sub.id, 200)
+        assert [f.rule for f in _faults(store)] == ["redfish-memory-uncorrectable"]
+
+        # the BMC restarts and forgets it: made again at the next check
+        events.lose_subscriptions()
+        for _ in range(watch_mod.FULL_READ_EVERY):
+            await w1.round(reads=True)
+        (again,) = events.subscriptions.values()
+        assert again.id != sub.id
+
+        # another instance owns the BMC now: it deletes i1's subscription and makes its own
+        w2 = watch_of("i2")
+        await w2.round(reads=True)
+        (mine,) = events.subscriptions.values()
+        assert mine.id != again.id
+        with store.session() as s:
+            assert s.get(BmcEventSubscription, bmc_id).owner == "i2"
+        # i1's secret no longer works
+        r = await client.post(f"/api/v1/bmc-events/{bmc_id}", json={"Events": []},
+                              headers={"X-Metald-Event-Secret": again.headers["X-Metald-Event-Secret"]})  # fmt: skip
+        assert r.status == 401
+    finally:
+        await driver.close()
