@@ -88,7 +88,7 @@ class HealthConfig(_Model):
     #: metald's API as the BMCs reach it (``https://metald.mgmt:8080``): the BMC's owner
     #: subscribes each in-use Redfish BMC that offers an EventService to push its log entries
     #: to ``<this>/api/v1/bmc-events/<bmc id>`` (docs/health.md). Empty: polling only.
-    bmc_events_url: str = Field(default="", max_length=512, pattern=r"^(https?://[^\s/]+)?/?$")
+    bmc_events_url: str = Field(default="", max_length=512, pattern=r"^(https?://[^\s?#]+)?$")
     #: How often the watch looks for silent nodes and advances remediations.
     watch_interval_s: float = Field(default=5.0, ge=0.2, le=3600)
     #: Off: nothing is read, recorded or remediated (the report route still answers).

@@ -268,6 +268,24 @@ def _subscription_held(s: Session, bmc_id: str) -> tuple[str | None, str | None]
     return None if sub is None else (sub.uri, sub.owner)
 
 
+def _subscriptions_of(s: Session, owner: str) -> list[tuple[str, str | None, str, str]]:
+    """(BMC id, machine id, address, URI) of the live subscriptions ``owner`` made."""
+    rows = s.exec(
+        select(BmcEventSubscription.bmc_id, Bmc.machine_id, Bmc.address, BmcEventSubscription.uri)
+        .join(Bmc, col(Bmc.id) == col(BmcEventSubscription.bmc_id))
+        .where(BmcEventSubscription.owner == owner, col(BmcEventSubscription.uri).is_not(None))
+    ).all()
+    return [(r[0], r[1], r[2], str(r[3])) for r in rows]
+
+
+def _forget_uri(s: Session, bmc_id: str, uri: str) -> None:
+    sub = subscription(s, bmc_id, lock=True)
+    if sub is not None and sub.uri == uri:
+        sub.uri = None
+        s.add(sub)
+    s.commit()
+
+
 def _put_subscription(
     s: Session, bmc_id: str, digest: str, uri: str | None, owner: str, now: datetime
 ) -> None:
@@ -529,6 +547,7 @@ class HealthWatch:
             and u.bmc_address
             and (self.ownership is None or self.ownership.owns_bmc(u.bmc_id, u.bmc_address))
         ]
+        await self._unsubscribe_unused({u.bmc_id for u in machines if u.bmc_id})
         if not mine:
             return
         # One query for the round (not one per BMC): each BMC is visited once in it, and
@@ -575,6 +594,27 @@ class HealthWatch:
             log.info("health: BMC %s pushes its events (%s)", u.bmc_id, uri)
         except Exception as e:  # polling covers; tried again at the next check
             log.info("health: BMC %s: event subscription not made: %s", u.bmc_id, e)
+
+    async def _unsubscribe_unused(self, in_use_bmcs: set[str]) -> None:
+        """The subscriptions this instance made on BMCs whose machine is no longer in use (or
+        that it no longer owns, where it still may send: never) are deleted on the BMC; the row
+        keeps no URI (a machine in use again is subscribed afresh)."""
+        if getattr(self.bmc, "event_unsubscribe", None) is None or not self.cfg.bmc_events_url:
+            return
+        bmc: Any = self.bmc
+        held = await self.store.read(_subscriptions_of, self.instance)
+        for bmc_id, machine_id, address, uri in held:
+            if bmc_id in in_use_bmcs or machine_id is None:
+                continue
+            if self.ownership is not None and not self.ownership.owns_bmc(bmc_id, address):
+                continue  # the owner's business now
+            self._subs.pop(bmc_id, None)
+            try:
+                await bmc.event_unsubscribe(machine_id, uri)
+            except Exception as e:  # the BMC keeps pushing; the route records nothing
+                log.info("health: BMC %s: event subscription not deleted: %s", bmc_id, e)
+                continue
+            await self.store.run(_forget_uri, bmc_id, uri)
 
     async def _read_bmc(self, u: InUse, gate: asyncio.Semaphore, seen: Known | None = None) -> None:
         assert self.bmc is not None and u.bmc_id is not None

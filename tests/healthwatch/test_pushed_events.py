@@ -279,5 +279,17 @@ async def test_the_owner_subscribes_resubscribes_and_hands_over(
         r = await client.post(f"/api/v1/bmc-events/{bmc_id}", json={"Events": []},
                               headers={"X-Metald-Event-Secret": again.headers["X-Metald-Event-Secret"]})  # fmt: skip
         assert r.status == 401
+
+        # the machine leaves use: its owner deletes the subscription on the BMC
+        from metald import machines as ms
+        from metald.lifecycle import Trigger
+
+        with store.session() as s:
+            ms.transition(s, c.machines[0], Trigger.RELEASE, actor="t",
+                          updates={"tenant_id": None})  # fmt: skip
+        await w2.round(reads=True)
+        assert events.subscriptions == {}
+        with store.session() as s:
+            assert s.get(BmcEventSubscription, bmc_id).uri is None
     finally:
         await driver.close()
