@@ -383,6 +383,8 @@ def one_run(
         machines=1,
         uefi=0 if firmware == "bios" else 1,
         nic_rom=firmware != "uefi-pxe",
+        # Both iPXEs on the same hardware: a virtio RNG, which metald's iPXE seeds TLS from.
+        rng=True,
         boot_config=boot_config,
     )
     bootassets.build.ensure_built = real_ensure_built  # type: ignore[assignment]

@@ -129,9 +129,11 @@ class Lab:
         cpus: int = 2,
         disk_size: str = "2G",
         nic_rom: bool = True,
+        rng: bool = False,
     ) -> None:
         """``nic_rom=False``: the NIC has no option ROM (no iPXE), so the firmware network-boots
-        with its own PXE (OVMF: DHCP, TFTP of ipxe.efi, then iPXE)."""
+        with its own PXE (OVMF: DHCP, TFTP of ipxe.efi, then iPXE). ``rng``: each machine gets
+        a virtio RNG (``vmlab.qemu.MachineSpec.rng``)."""
         self.name = plan.check_name(name)
         self.machines = machines
         self.uefi = machines // 2 if uefi is None else uefi
@@ -143,6 +145,7 @@ class Lab:
         self.cpus = cpus
         self.disk_size = disk_size
         self.nic_rom = nic_rom
+        self.rng = rng
         self.state: dict[str, Any] = {}
 
     @classmethod
@@ -194,6 +197,7 @@ class Lab:
                     "memory_mb": self.memory_mb,
                     "cpus": self.cpus,
                     "nic_rom": self.nic_rom,
+                    "rng": self.rng,
                     "disk": f"{base}.qcow2",
                     "uefi_vars": f"{base}.vars.fd" if m.firmware == "uefi" else None,
                     "serial_log": f"{base}.serial.log",
@@ -282,6 +286,7 @@ class Lab:
             cpus=m["cpus"],
             serial_number=m["serial_number"],
             nic_rom=m.get("nic_rom", True),
+            rng=m.get("rng", False),
         )
 
     # ---- processes in the namespace ------------------------------------------------------------

@@ -55,6 +55,11 @@ class MachineSpec:
     cpus: int = 2
     serial_number: str = ""
     nic_rom: bool = True  # False: no option ROM on the NIC (the firmware's own PXE boots)
+    #: A hardware RNG (virtio-rng): metald's own iPXE seeds TLS from the firmware's RNG protocol
+    #: and without one spends seconds gathering entropy. Off by default: with it, the multi-
+    #: instance failover lab's warm machines (NIC out of the boot order) network-booted on
+    #: their own (tests/e2e/test_fleet_failover.py), so only the built-iPXE runs ask for it.
+    rng: bool = False
 
 
 # ---- accelerator -------------------------------------------------------------------------------
@@ -184,11 +189,12 @@ def command_line(spec: MachineSpec, accel: str) -> list[str]:
         # An empty CD drive on the board's IDE (pc) or AHCI (q35) bus.
         "-drive", "if=none,id=cddrive,media=cdrom,readonly=on",
         "-device", f"ide-cd,id={CD_ID},drive=cddrive",
+    ]  # fmt: skip
+    if spec.rng:
         # A hardware RNG, as servers have (RDRAND, a TPM): metald's iPXE seeds TLS from the
         # firmware's RNG protocol, and without one spends seconds gathering entropy itself.
-        "-object", "rng-random,id=rng0,filename=/dev/urandom",
-        "-device", "virtio-rng-pci,rng=rng0",
-    ]  # fmt: skip
+        argv += ["-object", "rng-random,id=rng0,filename=/dev/urandom",
+                 "-device", "virtio-rng-pci,rng=rng0"]  # fmt: skip
     if spec.firmware == "uefi":
         if spec.uefi_vars is None:
             raise QemuError(f"{spec.name}: a UEFI machine needs its variable store")

@@ -128,6 +128,7 @@ class LabRack:
         extra_config: str | Callable[[dict[str, Any]], str] = "",
         boot_config: str = "",
         nic_rom: bool = True,
+        rng: bool = False,
     ) -> None:
         """``extra_config``: TOML appended to metald's config, or a function of the lab's state
         (slot, bridge, subnet) returning it; ``boot_config``: lines added to its [boot] table."""
@@ -140,8 +141,9 @@ class LabRack:
         self.assets = ensure_built()
         self._boot_config = boot_config
         self.lab = Lab(
-            name, machines=machines, uefi=uefi, workdir=self.workdir / "lab", nic_rom=nic_rom
-        )
+            name, machines=machines, uefi=uefi, workdir=self.workdir / "lab", nic_rom=nic_rom,
+            rng=rng,
+        )  # fmt: skip
         try:
             self.state: dict[str, Any] = self.lab.up()
             self._extra_config = (
