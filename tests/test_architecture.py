@@ -137,7 +137,12 @@ def _contracts_root_packages() -> list[str]:
 
 
 #: URL prefixes (the first segment after /api/v1/) served by a module of another name.
-PREFIX_MODULES = {"bmcs": "routes_bmc", "whoami": "routes_tokens"}
+PREFIX_MODULES = {
+    "bmcs": "routes_bmc",
+    "whoami": "routes_tokens",
+    # What BMCs push (Redfish events) is a health signal: its receiver lives with the report's.
+    "bmc-events": "routes_health",
+}
 #: Subsystems whose routes on a machine (and its agent's) live in their own module.
 #: Commissioning's routes on a machine and its agent's live in routes_commissioning.
 SUBSYSTEM_PATHS = {
