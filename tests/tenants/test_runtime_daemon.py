@@ -143,7 +143,9 @@ def test_daemon_runs_hub_and_control_plane_node_joins_and_release_removes_it(
             r = controlplane.exec_in(rack.state_dir, tid, ["sinfo", "-h", "-N", "-o", "%N"])
             return cluster["node_name"] in r.stdout
 
-        assert wait_for(lambda: not in_cluster(), 20)
+        # A deadline, not a time goal: 20 s once ran out at load ~10 (18 s for the whole test
+        # on a quiet box).
+        assert wait_for(lambda: not in_cluster(), 60)
         time.sleep(1)
         assert not tcp_connects(ns, hub_ip, 6817)
     finally:
