@@ -135,9 +135,14 @@ async def running_sol_sim(tmp_path: Path) -> AsyncIterator[SolSim]:
         # ipmi_sim dials the serial device when it starts: it is up once it has connected.
         await asyncio.wait_for(serial.connected.wait(), 10)
         await asyncio.to_thread(_wait_udp_bound, port, proc)
-        yield SolSim(port, serial, proc)
+        sim = SolSim(port, serial, proc)
+        yield sim
     finally:
+        # A test may restart the BMC (sim.proc): stop the original and the one running now,
+        # even when the test failed.
         stop_peer(proc)
+        if "sim" in locals() and sim.proc is not proc:
+            stop_peer(sim.proc)
         await serial.close()
 
 
