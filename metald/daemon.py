@@ -300,9 +300,11 @@ def _build_services(d: Daemon) -> tuple[Services, list[web.RouteDef]]:
     firmware, firmware_routes = _firmware(d, bmc)
     routes = [*routes, *firmware_routes]
     from metald.firmware.rollouts import FirmwareRollouts
+    from metald.healthwatch.workflow import FirmwareDrain
 
     # Firmware rollouts in waves: each driven by one instance (a lease in the store), taken
-    # over by a survivor.
+    # over by a survivor. Machines in use are drained (with their tenant's consent) through
+    # the health watch's remediations, the Day-2 path.
     rollouts = FirmwareRollouts(
         d.store,
         firmware,
@@ -312,6 +314,7 @@ def _build_services(d: Daemon) -> tuple[Services, list[web.RouteDef]]:
         lease_s=d.cfg.firmware.rollout_lease_s,
         tasks=d.tasks.child("firmware_rollouts"),
         notify=lambda: d.bus.notify(),
+        drain=FirmwareDrain(d.cfg.health),
     )
     firmware.on_end = rollouts.wake
     d.fleet.on_change(rollouts.wake)
