@@ -230,7 +230,8 @@ def _outcome(
             jobs = "its jobs" if f.running_jobs is None else f"{f.running_jobs} job(s)"
             return Outcome.WAIT, f"waiting for {jobs} on node {rem.node}"
         case Step.REMOVE:
-            if firmware and rem.policy.fatal != "replace":
+            # A firmware drain of a machine found fatal meanwhile ends like a fault: repaired.
+            if firmware and f.severity is not Severity.FATAL and rem.policy.fatal != "replace":
                 return Outcome.RELEASED, (
                     f"{m} is out of claim {rem.claim} for its firmware update (the policy "
                     "replaces none); it is wiped and updated from the pool"
@@ -242,7 +243,7 @@ def _outcome(
                 f"{m} is out of claim {rem.claim} (the policy replaces none)",
             )
         case Step.REPLACE:
-            if firmware:
+            if firmware and f.severity is not Severity.FATAL:
                 return Outcome.RELEASED, (
                     f"a replacement for {m} joins claim {rem.claim}; {m} is wiped and updated "
                     "from the pool"

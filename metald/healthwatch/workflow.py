@@ -537,7 +537,7 @@ class Remediations:
         sched_tenant = await self.store.read(self._peek, rem_id)
         if sched_tenant is None:
             return False
-        row_step, version, tenant_id, node, cluster_kind, cause = sched_tenant
+        row_step, version, tenant_id, node, cluster_kind, _cause = sched_tenant
         if row_step in _BEFORE_TAKE_OUT and await self.store.run(self._left, rem_id, version):
             return True
         if row_step == core.Step.WAITING:
@@ -570,12 +570,6 @@ class Remediations:
             return False
         if d.action is core.Action.REMOVE:
             moved = await self.store.run(self._take_out, rem_id, version, d)
-            if moved and cause == core.Cause.FIRMWARE and self.network_boot is not None:
-                # Out of the claim for its firmware update: wiped now (a fault's machine is
-                # wiped after its repair), then the rollout takes it from the pool.
-                machine_id = await self.store.read(_machine_of, rem_id)
-                if machine_id is not None:
-                    self.network_boot([machine_id], self.actor)
             if moved and self.hubs is not None:
                 try:  # off the running hub now; the runtime's own loop would do it later
                     await self.hubs.sync()
@@ -594,6 +588,12 @@ class Remediations:
             if d.next.value == row_step:
                 return False  # waiting (jobs, drained): nothing written
             moved = await self.store.run(self._simple, rem_id, version, d, running)
+        if moved and d.outcome is core.Outcome.RELEASED and self.network_boot is not None:
+            # Out of the claim for its firmware update, nothing to repair: wiped now (a
+            # fault's machine is wiped after its repair); the rollout takes it from the pool.
+            machine_id = await self.store.read(_machine_of, rem_id)
+            if machine_id is not None:
+                self.network_boot([machine_id], self.actor)
         if moved:
             self.notify()
         return moved

@@ -204,7 +204,8 @@ def _rollout_human(r: dict[str, Any]) -> str:
         f"rollout {r['id']}: profile {r['profile']} to baseline version {r['baseline_version']}",
         f"  {r['state']} {bar(p)}  {p['done']} done, {p['failed']} failed, "
         f"{p['skipped']} skipped, {p['updating']} updating, "
-        f"{p['pending'] + p['waiting'] + p.get('draining', 0)} to go "
+        + (f"{p['draining']} draining, " if p.get("draining") else "")
+        + f"{p['pending'] + p['waiting'] + p.get('draining', 0)} to go "
         f"(of {p['total']}); wave {p['wave']}",
         f"  waves of {r['batch_size']}, at most {r['max_unavailable']} at once, stops after "
         f"{r['failure_budget']} failure(s), machines in use: {r['in_use']}",

@@ -109,7 +109,7 @@ async def test_drained_with_consent_replaced_then_flashed_from_the_pool(store: S
     assert row.step == "done" and row.replacement_id == c.spares[0]
     assert sched.calls == [("drain", node), ("remove", node)]
     assert sched.drained[node].startswith("metald: firmware rollout")
-    assert booted == [mid, c.spares[0]]  # its wipe, and the replacement's provisioning
+    assert booted == [c.spares[0], mid]  # the replacement's provisioning, then its wipe
     with store.session() as s:
         m = s.get(Machine, mid)
         assert m is not None and (m.state, m.claim_id, m.tenant_id) == ("releasing", None, None)

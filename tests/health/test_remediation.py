@@ -279,6 +279,15 @@ def test_a_firmware_drain_goes_out_of_the_claim_whatever_the_health_and_is_never
     assert waiting.step == Step.WAIT_JOBS
 
 
+def test_a_firmware_drain_of_a_machine_found_fatal_meanwhile_ends_in_repair() -> None:
+    r = replace(rem(policy=PolicyConfig(job_wait_s=0)), cause=Cause.FIRMWARE)
+    end, seen = step_through(r, Facts(T0, F, "XID 79 now", running_jobs=0))
+    assert seen[-2:] == ["replace:replace", "repair:repair"] and end.step == Step.DONE
+    p = PolicyConfig(fatal="remove", job_wait_s=0)
+    _, seen = step_through(replace(r, policy=p), Facts(T0, F, running_jobs=0))
+    assert seen[-2:] == ["remove:remove", "repair:repair"]
+
+
 def test_nothing_to_do() -> None:
     none = decide(rem(sev=D, policy=PolicyConfig(degraded="none")), Facts(T0, D))
     assert none.next == Step.DONE and "does nothing" in none.reason
