@@ -340,7 +340,7 @@ def _build_services(d: Daemon) -> tuple[Services, list[web.RouteDef]]:
         token_sweeper=TokenSweeper(
             d.store, d.cfg.instance, ownership=d.fleet, tasks=d.tasks.child("token-sweeper")
         ),
-        health_watch=_health_watch(d, bmc, hubs, provision),
+        health_watch=_health_watch(d, bmc, hubs, provision, firmware),
         firmware=firmware,
         firmware_rollouts=rollouts,
         sel_reads=SelReads(tasks=d.tasks.child("commissioning_sel")),
@@ -350,7 +350,7 @@ def _build_services(d: Daemon) -> tuple[Services, list[web.RouteDef]]:
 
 
 def _health_watch(
-    d: Daemon, bmc: BmcService, hubs: TenantRuntime | None, provision: Any
+    d: Daemon, bmc: BmcService, hubs: TenantRuntime | None, provision: Any, firmware: Any = None
 ) -> HealthWatch:
     """Machines in use watched (BMC logs and sensors by their owner, node silence, the tenant's
     Slurm) and remediated with the tenant's scheduler in the loop (docs/health.md)."""
@@ -375,6 +375,21 @@ def _health_watch(
                 provision.reboot_all(d.store, bmc, ids, actor=actor, instance=cfg.instance)
             )
 
+    def released(ids: list[str], claim_id: str, actor: str) -> None:
+        """A machine a firmware drain took out of its claim: the release clean-up (BIOS,
+        BMC accounts, firmware: metald.firmware.release), then its wipe, as a release does."""
+
+        async def clean_then_wipe() -> None:
+            held: list[str] = []
+            if firmware is not None:
+                try:
+                    held = await firmware.after_release(ids, claim_id, actor)
+                except Exception:  # the wipe still runs: a clean-up that broke must not keep data
+                    log.exception("release clean-up after a firmware drain failed")
+            network_boot([m for m in ids if m not in held], actor)
+
+        provision.spawn(clean_then_wipe())
+
     actor = f"metald:{cfg.instance}"
     remediations = Remediations(
         store=d.store,
@@ -386,6 +401,7 @@ def _health_watch(
         deploy=DeployImage(cfg.provision.deploy_kernel, cfg.provision.deploy_initrd),
         boot=provision,
         network_boot=network_boot,
+        released=released,
         require_bmc=cfg.enroll.require_bmc,
         hubs=hubs,
         notify=d.bus.notify,

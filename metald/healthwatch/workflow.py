@@ -356,6 +356,10 @@ class Remediations:
     boot: Booter | None = None
     #: Network-boots the replacement after commit (``ClaimWorkflow.network_boot``).
     network_boot: Callable[[list[str], str], None] | None = None
+    #: A machine out of its claim with nothing to repair (a firmware drain): restored and
+    #: wiped as a release is (the BMC clean-up, then the wipe's boot), in the background;
+    #: (machine ids, claim id, actor). None: only its wipe is booted (``network_boot``).
+    released: Callable[[list[str], str, str], None] | None = None
     require_bmc: bool | None = None
     #: The running tenant hubs, synced at once after a machine leaves its tenant.
     hubs: HubSync | None = None
@@ -588,12 +592,15 @@ class Remediations:
             if d.next.value == row_step:
                 return False  # waiting (jobs, drained): nothing written
             moved = await self.store.run(self._simple, rem_id, version, d, running)
-        if moved and d.outcome is core.Outcome.RELEASED and self.network_boot is not None:
-            # Out of the claim for its firmware update, nothing to repair: wiped now (a
-            # fault's machine is wiped after its repair); the rollout takes it from the pool.
-            machine_id = await self.store.read(_machine_of, rem_id)
-            if machine_id is not None:
-                self.network_boot([machine_id], self.actor)
+        if moved and d.outcome is core.Outcome.RELEASED:
+            # Out of the claim for its firmware update, nothing to repair: cleaned up and wiped
+            # now as a release is (a fault's machine is wiped after its repair); the rollout
+            # takes it from the pool.
+            left = await self.store.read(_machine_of, rem_id)
+            if left is not None and self.released is not None:
+                self.released([left[0]], left[1], self.actor)
+            elif left is not None and self.network_boot is not None:
+                self.network_boot([left[0]], self.actor)
         if moved:
             self.notify()
         return moved
@@ -656,9 +663,9 @@ class Remediations:
         return moved
 
 
-def _machine_of(s: Session, rem_id: str) -> str | None:
+def _machine_of(s: Session, rem_id: str) -> tuple[str, str] | None:
     row = s.get(Remediation, rem_id)
-    return row.machine_id if row is not None else None
+    return (row.machine_id, row.claim_id) if row is not None else None
 
 
 def _open_ids(s: Session) -> list[tuple[str, str]]:

@@ -103,13 +103,17 @@ async def test_drained_with_consent_replaced_then_flashed_from_the_pool(store: S
     # The Day-2 path: drained in the tenant's scheduler, out of the claim, a spare claimed in
     # its place, no repair (the machine is healthy).
     booted: list[str] = []
-    wf = workflow(store, sched, cfg, network_boot=lambda ids, _a: booted.extend(ids))
+    released: list[tuple[list[str], str]] = []
+    wf = workflow(store, sched, cfg, network_boot=lambda ids, _a: booted.extend(ids),
+                  released=lambda ids, claim, _a: released.append((ids, claim)))  # fmt: skip
     await wf.run_all()
     [row] = rem_rows(store)
     assert row.step == "done" and row.replacement_id == c.spares[0]
     assert sched.calls == [("drain", node), ("remove", node)]
     assert sched.drained[node].startswith("metald: firmware rollout")
-    assert booted == [c.spares[0], mid]  # the replacement's provisioning, then its wipe
+    assert booted == [c.spares[0]]  # the replacement's provisioning
+    # The drained machine: the release clean-up, then its wipe, as a release does.
+    assert released == [([mid], c.claim_id)]
     with store.session() as s:
         m = s.get(Machine, mid)
         assert m is not None and (m.state, m.claim_id, m.tenant_id) == ("releasing", None, None)
