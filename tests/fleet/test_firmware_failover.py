@@ -224,11 +224,18 @@ def test_kill_9_the_owner_mid_flash_the_survivor_resumes_one_flash(
                     assert u is not None
                     return u
 
-            wait_for(
-                "the BMC flashing",
-                lambda: update().phase == "flashing" and update().task_uri and updates.tasks,
-                timeout=30,
-            )
+            def flashing() -> bool:
+                """metald follows the task and the BMC is a tenth or more into the flash."""
+                tasks = list(updates.tasks.values())
+                return bool(
+                    tasks
+                    and tasks[0].state == "Running"
+                    and tasks[0].percent >= 10
+                    and update().phase == "flashing"
+                    and update().task_uri
+                )
+
+            wait_for("the BMC flashing", flashing, timeout=30)
             task_uri = update().task_uri
             procs[victim].send_signal(signal.SIGKILL)
             procs[victim].wait()
