@@ -516,7 +516,7 @@ class Repair(SQLModel, table=True):
     #: open (in the queue), taken (a technician works on it), verifying (repaired: wipe and
     #: commissioning under way), closed.
     status: str = Field(index=True)
-    #: remediation, technician or commissioning.
+    #: remediation, technician, commissioning or release.
     source: str
     #: The remediation that opened it (its key: a remediation opens one repair, once).
     remediation_id: str | None = Field(default=None, unique=True)
