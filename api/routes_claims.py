@@ -112,6 +112,11 @@ class ClaimOut(BaseModel):
     image_id: str | None
     ssh_authorized_keys: list[str] = []
     state: str
+    firmware_consent: bool = Field(
+        default=False,
+        description="The tenant consents to its machines being drained (out of the claim, "
+        "replaced by its health policy) for firmware rollouts (docs/firmware.md).",
+    )
     version: int = Field(description="Bumped by every change; the ETag, for If-Match.")
     idempotency_key: str | None
     created_by: str | None
@@ -132,6 +137,13 @@ class ClaimQuery(PageQuery):
         default=None, description="The tenant's id, name or an 8+ character id prefix."
     )
     state: Literal["allocated", "released"] | None = None
+
+
+class ConsentIn(In):
+    consent: bool = Field(
+        description="true: a firmware rollout with in_use=drain may drain this claim's machines "
+        "through the Day-2 path; false: they are updated only once released."
+    )
 
 
 # ---- claims -----------------------------------------------------------------------------
@@ -198,6 +210,36 @@ async def list_claims(req: ApiRequest, claims: Claims) -> ClaimList:
 async def show_claim(req: ApiRequest, claims: Claims) -> ClaimOut:
     """One claim with each machine's state and latest progress (phase, percent, bytes, rate)."""
     return ClaimOut.model_validate(await claims.show(req.require_principal(), req.params["id"]))
+
+
+@router.route(
+    "PUT",
+    "/api/v1/claims/{id}/firmware-consent",
+    summary="Consent to firmware drains of a claim's machines",
+    roles=CLAIMERS,
+    body=ConsentIn,
+    response=ClaimOut,
+    tag=TAG,
+    errors=(404, 409),
+    versioned=True,
+    use_case=workflows.claims,
+)
+async def firmware_consent(req: ApiRequest, claims: Claims) -> ClaimOut:
+    """The tenant's orchestrator says whether a firmware rollout with ``in_use: drain`` may
+    take this claim's machines out through the Day-2 path: drained in the tenant's scheduler
+    (running jobs may finish for the claim's health policy's ``job_wait_s``), out of the
+    claim, replaced when that policy replaces, wiped, then flashed from the pool. Without
+    consent such a rollout waits for the machines' release. A ``claim.firmware-consent`` event
+    on the claim's stream records each change."""
+    b: ConsentIn = req.body
+    out = await claims.firmware_consent(
+        req.require_principal(),
+        req.params["id"],
+        b.consent,
+        actor=req.actor,
+        if_match=req.if_match,
+    )
+    return ClaimOut.model_validate(out)
 
 
 #: What both releases declare (the claim's, one machine's).

@@ -63,6 +63,14 @@ def register(sub: Subparsers) -> None:
     cr.add_argument("id")
     cr.add_argument("--machine", help="release only this machine of the claim (scale down)")
     cr.set_defaults(func=release)
+    fc = csub.add_parser(
+        "firmware-consent",
+        help="consent (on) or not (off) to this claim's machines being drained for firmware "
+        "rollouts",
+    )
+    fc.add_argument("id")
+    fc.add_argument("consent", choices=("on", "off"))
+    fc.set_defaults(func=firmware_consent)
 
 
 def progress_bar(p: dict[str, Any] | None, width: int = 24) -> str:
@@ -142,6 +150,11 @@ def show(args: argparse.Namespace, c: Client) -> None:
         if not args.watch or all(m["state"] in SETTLED for m in r["machines"]):
             return
         time.sleep(WATCH_INTERVAL_S)
+
+
+def firmware_consent(args: argparse.Namespace, c: Client) -> None:
+    body = {"consent": args.consent == "on"}
+    emit(args, c.call("PUT", f"/api/v1/claims/{args.id}/firmware-consent", body), claim_table)
 
 
 def release(args: argparse.Namespace, c: Client) -> None:

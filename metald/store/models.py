@@ -206,6 +206,9 @@ class Claim(SQLModel, table=True):
     ssh_authorized_keys: list[str] | None = Field(default=None, sa_column=Column(JSON))
     #: pending, allocated, released, failed.
     state: str = "pending"
+    #: The tenant consents to its machines being drained (Day-2 path: drained in its
+    #: scheduler, replaced) for a firmware rollout with ``in_use = drain`` (docs/firmware.md).
+    firmware_consent: bool = False
     version: int = 1
     created_by: str | None = None
     created_at: datetime = _ts()
@@ -513,7 +516,7 @@ class Repair(SQLModel, table=True):
     #: open (in the queue), taken (a technician works on it), verifying (repaired: wipe and
     #: commissioning under way), closed.
     status: str = Field(index=True)
-    #: remediation, technician or commissioning.
+    #: remediation, technician, commissioning or release.
     source: str
     #: The remediation that opened it (its key: a remediation opens one repair, once).
     remediation_id: str | None = Field(default=None, unique=True)
@@ -665,6 +668,9 @@ class Remediation(SQLModel, table=True):
     node: str
     step: str
     severity: str
+    #: Why it was opened: ``health`` (a fault) or ``firmware`` (a rollout's drain, with the
+    #: tenant's consent: the machine leaves its claim for its update, no repair).
+    cause: str = "health"
     evidence: str = Field(sa_column=Column(Text, nullable=False))
     policy: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     drained_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
@@ -755,7 +761,7 @@ class FirmwareRollout(SQLModel, table=True):
     batch_size: int
     max_unavailable: int
     failure_budget: int
-    #: skip or wait (``metald.firmware.waves.InUse``).
+    #: skip, wait or drain (``metald.firmware.waves.InUse``).
     in_use: str
     #: running, paused, done, stopped, aborted (``metald.firmware.waves.RolloutState``).
     state: str = Field(index=True)
@@ -778,7 +784,7 @@ class FirmwareRolloutTarget(SQLModel, table=True):
     machine_id: str = Field(primary_key=True, index=True)
     #: The rollout's order (waves take targets in it).
     seq: int
-    #: pending, waiting, updating, done, failed, skipped (``waves.TargetStatus``).
+    #: pending, waiting, draining, updating, done, failed, skipped (``waves.TargetStatus``).
     status: str
     wave: int | None = None
     #: The state the machine was in before the rollout put it in maintenance (back after).

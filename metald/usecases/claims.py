@@ -16,9 +16,9 @@ from metald.auth import Principal, Role
 from metald.claims.allocation import Selector
 from metald.claims.records import claim_machines, latest_progress
 from metald.claims.workflow import ClaimRequest, ClaimWorkflow
-from metald.errors import NotFound
-from metald.machines import ConcurrentUpdate
-from metald.store.models import Claim
+from metald.errors import Conflict, NotFound
+from metald.machines import ConcurrentUpdate, add_event
+from metald.store.models import Claim, utcnow
 from metald.usecases import Transactions
 from metald.usecases.reads import Page, Pager, page
 
@@ -119,6 +119,50 @@ class Claims:
 
     async def show(self, p: Principal, claim_id: str) -> dict[str, Any]:
         return await self.store.run(lambda s: claim_view(s, load_claim(s, p, claim_id)))
+
+    async def firmware_consent(
+        self, p: Principal, claim_id: str, consent: bool, *, actor: str, if_match: int | None
+    ) -> dict[str, Any]:
+        """The tenant consents (or no longer) to its machines of this claim being drained
+        through the Day-2 path by a firmware rollout with ``in_use = drain``: drained in its
+        scheduler, out of the claim, replaced by its health policy (docs/firmware.md). An event
+        on the claim's stream says who changed it."""
+
+        def run(s: Session) -> dict[str, Any]:
+            c = load_claim(s, p, claim_id)
+            if if_match is not None and c.version != if_match:
+                raise ConcurrentUpdate(
+                    f"claim {c.id} is at version {c.version}, not {if_match}; read it again "
+                    "and retry"
+                )
+            if c.state == "released":
+                raise Conflict(f"claim {c.id} is released: there is nothing to consent for")
+            if c.firmware_consent != consent:
+                c.firmware_consent = consent
+                c.version += 1
+                c.updated_at = utcnow()
+                s.add(c)
+                add_event(
+                    s,
+                    "claim.firmware-consent",
+                    actor,
+                    tenant_id=c.tenant_id,
+                    reason=(
+                        f"claim {c.id}: the tenant consents to its machines being drained "
+                        "(out of the claim, replaced) for firmware updates"
+                        if consent
+                        else f"claim {c.id}: the tenant withdrew its consent to firmware "
+                        "drains; its machines are updated only once released"
+                    ),
+                    data={"claim_id": c.id, "consent": consent},
+                    instance=self.workflow.instance,
+                )
+                s.commit()
+            return claim_view(s, c)
+
+        out = await self.store.run(run)
+        self.workflow.notify()
+        return out
 
     async def release(
         self,
