@@ -13,8 +13,10 @@ from typing import Any, Protocol
 from sqlmodel import Session, col, select
 
 from metald.auth import Principal, Role
+from metald.claims import tenant_os
 from metald.claims.allocation import Selector
 from metald.claims.records import claim_machines, latest_progress
+from metald.claims.tenant_os import OsRequest
 from metald.claims.workflow import ClaimRequest, ClaimWorkflow
 from metald.errors import NotFound
 from metald.machines import ConcurrentUpdate
@@ -41,6 +43,9 @@ def claim_view(s: Session, c: Claim, *, replayed: bool = False) -> dict[str, Any
         **c.model_dump(exclude={"image", "ssh_authorized_keys"}),
         "image_id": c.image,
         "ssh_authorized_keys": list(c.ssh_authorized_keys or []),
+        # Never the user-data itself: its form, size and digest.
+        "user_data": tenant_os.user_data_summary(s, c.id),
+        "addresses": tenant_os.addresses(s, c.id),
         "replayed": replayed,
         "machines": [
             {
@@ -80,6 +85,7 @@ class Claims:
         image_id: str,
         idempotency_key: str | None,
         ssh_authorized_keys: list[str],
+        os: OsRequest | None = None,
     ) -> dict[str, Any]:
         """Allocate the machines and start installing the image (``ClaimWorkflow.claim``),
         for a tenant the caller may claim for."""
@@ -95,6 +101,7 @@ class Claims:
             image_id=image_id,
             idempotency_key=idempotency_key,
             ssh_authorized_keys=ssh_authorized_keys,
+            os=os or OsRequest(),
         )
         return await self.workflow.claim(
             request,
