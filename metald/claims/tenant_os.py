@@ -126,9 +126,15 @@ def user_data_summary(s: Session, claim_id: str) -> dict[str, Any] | None:
     }
 
 
+def _payload(m: Machine) -> dict[str, Any]:
+    """The agent's inventory as stored (``metald.inventory.normalize``: under ``payload``)."""
+    inv = m.inventory or {}
+    return inv.get("payload") or inv
+
+
 def _nics(s: Session, m: Machine) -> list[netplan.NicInfo]:
     pxe = s.exec(select(Nic).where(Nic.machine_id == m.id, col(Nic.pxe))).first()
-    nics = netplan.nics_from_inventory(m.inventory, pxe.mac if pxe else None)
+    nics = netplan.nics_from_inventory(_payload(m), pxe.mac if pxe else None)
     if pxe and not any(n.mac == pxe.mac for n in nics):
         nics.append(netplan.NicInfo(pxe.name or "pxe0", pxe.mac, None, True))
     return nics
@@ -188,7 +194,7 @@ def storage_plan(c: Claim, m: Machine) -> dict[str, Any] | None:
     if not c.storage:
         return None
     try:
-        return storage.plan(c.storage, storage.disks_from_inventory(m.inventory)).to_dict()
+        return storage.plan(c.storage, storage.disks_from_inventory(_payload(m))).to_dict()
     except storage.LayoutError as e:
         raise Unprocessable(f"storage layout does not fit machine {m.id}: {e}") from None
 

@@ -2,14 +2,15 @@
 the machine's inventory NICs, the claim's request and metald's address pools. Pure.
 
 A request (``docs/tenant-os.md``) names NICs by ``name``, ``mac``, ``pci`` (PCI address) or
-``role`` (``pxe``: the NIC the machine network-boots from; ``data``: every other NIC, in PCI
+``role`` (``pxe``: the NIC the machine network-boots from; ``data``: the first other NIC in PCI
 address order, ``data:N`` the Nth of them), and asks for
 
 - ``ethernets``: one NIC, DHCP or an address from a pool, MTU, routes;
 - ``bonds``: ``802.3ad`` (LACP) or ``active-backup`` over NICs;
 - ``vlans``: a VLAN id on a NIC or bond (the id defaults to the pool's);
 - ``rails``: one address per rail NIC from each rail's pool, each rail with its own routing
-  table and a policy rule for its source address (GPU compute rails);
+  table and a policy rule for its source address (GPU compute rails); the rail NICs are named,
+  or else every data NIC the rest of the request left free, in PCI address order;
 - ``dns``: name servers and search domains (else the pools' own).
 
 Addresses come from ``allocate(pool, interface)``: the caller's IPAM (the store). Without a
@@ -258,7 +259,10 @@ def render(
 def _rails(r: _Render, rails: Mapping[str, Any]) -> None:
     nets = [str(n) for n in rails.get("networks") or []]
     sels = rails.get("nics")
-    chosen = [select_nic(s, r.nics) for s in sels] if sels else _data_nics(r.nics)
+    if sels:
+        chosen = [select_nic(s, r.nics) for s in sels]
+    else:  # every data NIC the rest of the request left free, in PCI order
+        chosen = [n for n in _data_nics(r.nics) if n.mac not in r.used]
     if len(chosen) < len(nets):
         raise NetworkRequestError(
             f"rails: {len(nets)} rail networks but only {len(chosen)} NICs for them "

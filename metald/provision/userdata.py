@@ -72,6 +72,7 @@ class Checked:
 @functools.cache
 def _validator(path: str) -> Any:
     from jsonschema import Draft4Validator, FormatChecker
+    from jsonschema.validators import create
 
     try:
         schema = json.loads(Path(path).read_text())
@@ -80,7 +81,15 @@ def _validator(path: str) -> Any:
             f"metald cannot check cloud-config: no cloud-init schema at {path} ({e.strerror}); "
             "install Debian's cloud-init package or set provision.cloud_config_schema"
         ) from None
-    return Draft4Validator(schema, format_checker=FormatChecker())
+    # Built as cloud-init builds it: draft 4's keywords, but a "$ref" does not hide the
+    # keywords beside it (cloud-init checks "type" next to "$ref", stock draft 4 would not).
+    cls = create(
+        meta_schema=Draft4Validator.META_SCHEMA,
+        validators=dict(Draft4Validator.VALIDATORS),
+        type_checker=Draft4Validator.TYPE_CHECKER,
+        version="cloud-init-draft4",
+    )
+    return cls(schema, format_checker=FormatChecker())
 
 
 def schema_errors(config: Any, schema_path: str = DEBIAN_SCHEMA) -> list[str]:
