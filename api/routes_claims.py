@@ -337,6 +337,40 @@ async def show_claim(req: ApiRequest, claims: Claims) -> ClaimOut:
     return ClaimOut.model_validate(await claims.show(req.require_principal(), req.params["id"]))
 
 
+class MachineUserData(In):
+    user_data: Annotated[str, StringConstraints(max_length=16 << 20)] | None = Field(
+        default=None, description="This machine's own user-data; null: the claim's."
+    )
+    meta_data: dict[Name, Text] = Field(default={}, max_length=32)
+
+
+@router.route(
+    "PUT",
+    "/api/v1/claims/{id}/machines/{machine_id}/user-data",
+    summary="Set one machine's user-data",
+    roles=CLAIMERS,
+    body=MachineUserData,
+    response=ClaimOut,
+    tag=TAG,
+    errors=(404, 422),
+    use_case=workflows.claims,
+)
+async def set_machine_user_data(req: ApiRequest, claims: Claims) -> ClaimOut:
+    """Give one machine of the claim its own cloud-init user-data and meta-data instead of the
+    claim's (checked the same way); served at the machine's next provisioning. Write-only:
+    the claim shows its form, size and digest, never the content."""
+    b: MachineUserData = req.body
+    out = await claims.set_machine_user_data(
+        req.require_principal(),
+        req.params["id"],
+        req.params["machine_id"],
+        actor=req.actor,
+        user_data=b.user_data,
+        meta_data=b.meta_data,
+    )
+    return ClaimOut.model_validate(out)
+
+
 #: What both releases declare (the claim's, one machine's).
 _RELEASE: dict[str, Any] = {
     "roles": CLAIMERS,

@@ -19,8 +19,8 @@ from metald.claims.records import claim_machines, latest_progress
 from metald.claims.tenant_os import OsRequest
 from metald.claims.workflow import ClaimRequest, ClaimWorkflow
 from metald.errors import NotFound
-from metald.machines import ConcurrentUpdate
-from metald.store.models import Claim
+from metald.machines import ConcurrentUpdate, add_event
+from metald.store.models import Claim, Machine
 from metald.usecases import Transactions
 from metald.usecases.reads import Page, Pager, page
 
@@ -108,6 +108,45 @@ class Claims:
             actor=actor,
             render=lambda s, c, replayed: claim_view(s, c, replayed=replayed),
         )
+
+    async def set_machine_user_data(
+        self,
+        p: Principal,
+        claim_id: str,
+        machine_id: str,
+        *,
+        actor: str,
+        user_data: str | None,
+        meta_data: dict[str, Any],
+    ) -> dict[str, Any]:
+        """Give one machine of the claim its own user-data and meta-data (None and {}: back to
+        the claim's). It is what the machine's next provisioning serves; the event names its
+        digest, never its content."""
+        settings = self.workflow.tenant_os
+        checked = tenant_os.check_user_data(settings, user_data, meta_data)
+
+        def run(s: Session) -> dict[str, Any]:
+            c = load_claim(s, p, claim_id)
+            m = s.get(Machine, machine_id)
+            if m is None or m.claim_id != c.id or m.tenant_id != c.tenant_id:
+                raise NotFound(f"claim {c.id} holds no machine {machine_id!r}")
+            tenant_os.save_user_data(s, c.id, user_data, meta_data, checked, machine_id=m.id)
+            add_event(
+                s,
+                "claim.user-data.set",
+                actor,
+                machine_id=m.id,
+                tenant_id=c.tenant_id,
+                data={
+                    "claim_id": c.id,
+                    "sha256": checked.sha256 if checked else None,
+                    "form": checked.form if checked else None,
+                },
+            )
+            s.commit()
+            return claim_view(s, c)
+
+        return await self.store.run(run)
 
     async def list(self, p: Principal, f: ClaimFilter, pager: Pager) -> Page[dict[str, Any]]:
         """The claims the caller may see (an orchestrator: its tenants'), newest first."""

@@ -165,6 +165,22 @@ async def test_user_data_network_storage_served_to_the_machine_only(  # type: ig
     assert todo["storage"]["root"] == ["sda", "sdb"] and todo["storage"]["root_raid"] == 1
     assert todo["storage"]["volumes"][0]["devices"] == ["nvme0n1", "nvme1n1"]
 
+    # One machine's own user-data replaces the claim's for it (tenant B cannot set it).
+    own = f"#cloud-config\nruncmd: [[echo, {SECRET}-own]]\n"
+    path = f"/api/v1/claims/{claim_a['id']}/machines/{a}/user-data"
+    r = await client.put(path, headers=orch_b, json={"user_data": "#!/bin/sh\n"})
+    assert r.status == 404
+    r = await client.put(path, headers=orch_a, json={"user_data": "#cloud-config\nruncmd: 1\n"})
+    assert r.status == 422 and "runcmd" in (await r.json())["detail"]
+    r = await client.put(path, headers=orch_a, json={"user_data": own})
+    assert r.status == 200, await r.text()
+    assert (await r.json())["user_data"]["machines"] == [a] and SECRET not in await r.text()
+    r = await client.get("/api/v1/agent/provision", headers=_agent(store, a))
+    assert (await r.json())["nocloud"]["user-data"] == own
+    r = await client.put(path, headers=orch_a, json={"user_data": None})
+    r = await client.get("/api/v1/agent/provision", headers=_agent(store, a))
+    assert (await r.json())["nocloud"]["user-data"] == USER_DATA
+
     # Another claim's machine gets its own, never A's; A's claim is absent for tenant B.
     r = await client.get("/api/v1/agent/provision", headers=_agent(store, b))
     seed_b = (await r.json())["nocloud"]
