@@ -107,15 +107,62 @@ def schema_errors(config: Any, schema_path: str = DEBIAN_SCHEMA) -> list[str]:
     return out
 
 
+#: Values a cloud-config may expand to, aliases counted each time they are used: YAML aliases
+#: let a kilobyte stand for billions of values, which the schema check would then walk.
+MAX_VALUES = 100_000
+
+
+def _expands_within(config: Any, budget: int = MAX_VALUES) -> bool:
+    stack = [config]
+    seen = 0
+    while stack:
+        v = stack.pop()
+        seen += 1
+        if seen > budget:
+            return False
+        if isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return True
+
+
+#: Deepest flow nesting ([ and {) read: PyYAML's parser recurses per level, slowly.
+MAX_DEPTH = 64
+
+
+def _flow_depth(text: str) -> int:
+    """The deepest [ / { nesting, quotes and comments not told apart: an upper bound."""
+    depth = deepest = 0
+    for ch in text:
+        if ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}" and depth:
+            depth -= 1
+    return deepest
+
+
 def _cloud_config(text: str, schema_path: str, where: str) -> None:
+    if _flow_depth(text) > MAX_DEPTH:
+        raise UserDataError(f"{where}: nested deeper than {MAX_DEPTH} levels of [ and {{")
     try:
         config = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark is not None else ""
         raise UserDataError(f"{where}: not valid YAML{at}: {getattr(e, 'problem', e)}") from None
+    except (ValueError, TypeError, RecursionError) as e:
+        # a value YAML types but cannot build (a 13th month), or nesting too deep
+        raise UserDataError(f"{where}: not valid YAML: {type(e).__name__}") from None
     if config is None:
         return  # an empty cloud-config does nothing, as cloud-init reads it
+    if not _expands_within(config):
+        raise UserDataError(
+            f"{where}: expands to more than {MAX_VALUES} values (YAML aliases repeated); "
+            "write the values out, or fetch them with #include"
+        )
     errs = schema_errors(config, schema_path)
     if errs:
         raise UserDataError(

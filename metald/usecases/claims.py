@@ -123,10 +123,11 @@ class Claims:
         the claim's). It is what the machine's next provisioning serves; the event names its
         digest, never its content."""
         settings = self.workflow.tenant_os
-        checked = tenant_os.check_user_data(settings, user_data, meta_data)
 
         def run(s: Session) -> dict[str, Any]:
             c = load_claim(s, p, claim_id)
+            # Checked here, off the event loop (a large cloud-config takes a while).
+            checked = tenant_os.check_user_data(settings, user_data, meta_data)
             m = s.get(Machine, machine_id)
             if m is None or m.claim_id != c.id or m.tenant_id != c.tenant_id:
                 raise NotFound(f"claim {c.id} holds no machine {machine_id!r}")

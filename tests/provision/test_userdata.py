@@ -160,3 +160,25 @@ def test_same_verdicts_as_cloud_init() -> None:
     diff = [(c, o, t) for c, o, t in zip(configs, ours, theirs, strict=True) if o != t]
     assert not diff, diff[:3]
     assert 10 < sum(theirs) < 190  # both verdicts are exercised
+
+
+@needs_schema
+def test_hostile_yaml_is_refused_quickly() -> None:
+    """A few hundred bytes of nested aliases stand for 10^9 values: refused before the schema
+    walks them; values YAML types but cannot build are a refusal, not a crash."""
+    lines = ["#cloud-config", 'a0: &a0 ["x","x","x","x","x","x","x","x","x","x"]']
+    for i in range(1, 10):
+        prev = f"*a{i - 1}"
+        lines.append(f"a{i}: &a{i} [{', '.join([prev] * 10)}]")
+    bomb = "\n".join(lines) + "\nruncmd: *a9\n"
+    assert len(bomb) < 1024
+    with pytest.raises(UserDataError, match="expands to more than"):
+        check(bomb)
+    with pytest.raises(UserDataError, match="not valid YAML"):
+        check("#cloud-config\nfinal_message: 2001-13-45\n")
+    deep = "#cloud-config\nruncmd: " + "[" * 30000 + "]" * 30000 + "\n"
+    with pytest.raises(UserDataError, match="nested deeper than 64"):
+        check(deep)
+    assert (
+        check('#cloud-config\nwrite_files: [{path: /x, content: "[{}]"}]\n').form == "cloud-config"
+    )
