@@ -84,12 +84,15 @@ def next_step(
         join=join,
         user_data=ud.user_data if ud else None,
         meta_extra=ud.meta_data if ud else None,
+        # A machine that joined the claim later (a remediation's replacement) takes its
+        # addresses now; the claim's own took theirs with the claim.
         network=(
-            tenant_os.network_config(s, settings or tenant_os.TenantOs(), c, m)
+            tenant_os.network_config(s, settings or tenant_os.TenantOs(), c, m, allocate=True)
             if c and c.network
             else None
         ),
     )
+    s.commit()
     if rejoin and join is None:
         return AgentStep("none", mid)
     return AgentStep(

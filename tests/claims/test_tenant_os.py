@@ -7,18 +7,21 @@ from __future__ import annotations
 
 import json
 import logging
+import zlib
 from typing import Any
 
 from sqlmodel import select
 
 from api.app import CTX_KEY
 from metald.auth import issue_token
+from metald.claims.allocation import claim_replacement
 from metald.config import NetworkPoolConfig
 from metald.lifecycle import State
-from metald.store.models import Event, IpAllocation, Machine, Nic
+from metald.provision import netboot
+from metald.store.models import Claim, Event, IpAllocation, Machine, Nic
 from tests.api_helpers import drain_steps, use_services
 from tests.claims.fakes import FakeBmc
-from tests.claims.helpers import DISK_SPEC, inventory
+from tests.claims.helpers import DEPLOY, DISK_SPEC, inventory
 
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGJ0ZXN0a2V5 ops@example"
 SECRET = "s3cr3t-tenant-password-7f1c"
@@ -50,7 +53,7 @@ def _agent(store, machine_id: str) -> dict[str, str]:  # type: ignore[no-untyped
     return {"Authorization": f"Bearer {secret}"}
 
 
-def _add_machines(store, n: int, pool: str) -> list[str]:  # type: ignore[no-untyped-def]
+def _add_machines(store, n: int, pool: str, label: str = "") -> list[str]:  # type: ignore[no-untyped-def]
     """Ready machines with 3 NICs (PXE + 2 data) and 4 disks (2 x 200 GiB, 2 x 1 TiB)."""
     ids = []
     with store.session() as s:
@@ -58,7 +61,8 @@ def _add_machines(store, n: int, pool: str) -> list[str]:  # type: ignore[no-unt
             inv = inventory(
                 {"sda": 200 * GIB, "sdb": 200 * GIB, "nvme0n1": 1024 * GIB, "nvme1n1": 1024 * GIB}
             )
-            macs = [f"52:54:00:{ord(pool[0]):02x}:{i:02x}:{k:02x}" for k in range(3)]
+            tag = zlib.crc32(pool.encode()) & 0xFF
+            macs = [f"52:54:00:{tag:02x}:{i:02x}:{k:02x}" for k in range(3)]
             inv["payload"]["nics"] = [
                 {"name": f"en{k}", "mac": mac, "pci_address": f"0000:0{k}:00.0"}
                 for k, mac in enumerate(macs)
@@ -69,7 +73,7 @@ def _add_machines(store, n: int, pool: str) -> list[str]:  # type: ignore[no-unt
                 gpu_model="NVIDIA H100",
                 gpu_count=8,
                 memory_mb=1 << 20,
-                labels={"pool": pool},
+                labels={"pool": label or pool},
                 inventory=inv,
             )
             s.add(m)
@@ -196,7 +200,21 @@ async def test_user_data_network_storage_served_to_the_machine_only(  # type: ig
             assert SECRET not in json.dumps(ev.data) + (ev.reason or "")
     assert SECRET not in caplog.text
 
-    # Release: the address goes back to the pool, and the next claim gets it.
+    # A machine that joins the claim later (a remediation's replacement) takes its address
+    # when it provisions.
+    (late,) = _add_machines(store, 1, "late", label="a")
+    with store.session() as s:
+        c = s.get(Claim, claim_a["id"])
+        assert claim_replacement(s, c, "test", reason="replacement", deploy=DEPLOY) is not None
+        s.commit()
+        assert netboot.start_provisioning(s, [late], actor="test") == [late]
+    r = await client.get("/api/v1/agent/provision", headers=_agent(store, late))
+    net = json.loads((await r.json())["nocloud"]["network-config"])
+    assert net["vlans"]["bond0.42"]["addresses"] == ["10.20.0.3/29"]
+    r = await client.get("/api/v1/agent/provision", headers=_agent(store, late))
+    assert json.loads((await r.json())["nocloud"]["network-config"]) == net  # the same one
+
+    # Release: the addresses go back to the pool.
     r = await client.post(f"/api/v1/claims/{claim_a['id']}/release", headers=orch_a)
     assert r.status == 200, await r.text()
     with store.session() as s:
