@@ -6,10 +6,12 @@ The decisions are ``metald.provision.userdata``, ``.netplan`` and ``.storage``'s
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, delete, select
 
@@ -140,6 +142,11 @@ def _nics(s: Session, m: Machine) -> list[netplan.NicInfo]:
     return nics
 
 
+def _pool_lock(name: str) -> int:
+    """The advisory lock key of one address pool (a 63-bit number from its name)."""
+    return int.from_bytes(hashlib.sha256(b"metald-ipam:" + name.encode()).digest()[:8]) >> 1
+
+
 def network_config(
     s: Session, settings: TenantOs, c: Claim, m: Machine, *, allocate: bool = False
 ) -> dict[str, Any]:
@@ -159,6 +166,11 @@ def network_config(
                 "it again"
             )
         pool = settings.pools[pool_name]
+        if s.get_bind().dialect.name == "postgresql":
+            # One allocation per pool at a time, to this transaction's end: concurrent claims
+            # would otherwise all pick the same first free address and retry in lockstep.
+            # (SQLite's write lock already serialises them.)
+            s.exec(text("SELECT pg_advisory_xact_lock(:k)").bindparams(k=_pool_lock(pool_name)))  # type: ignore[call-overload]
         taken = set(s.exec(select(IpAllocation.address).where(IpAllocation.network == pool_name)))
         for addr in pool.candidates():
             if addr not in taken:

@@ -283,3 +283,33 @@ async def test_other_forms(api) -> None:  # type: ignore[no-untyped-def]
         await drain_steps(client)
         r = await client.get("/api/v1/agent/provision", headers=_agent(store, m))
         assert (await r.json())["nocloud"]["user-data"] == ud
+
+
+async def test_concurrent_claims_never_share_an_address(api) -> None:  # type: ignore[no-untyped-def]
+    """Six claims at once on one pool (on PostgreSQL: concurrent transactions): six different
+    addresses; the loser of a race on one runs its whole claim again."""
+    import asyncio
+
+    client, tokens, store = api
+    image = await _setup(client, tokens)
+    _add_machines(store, 6, "c")
+    net = {"ethernets": [{"nic": {"role": "data"}, "network": "tenant"}]}
+
+    async def one(i: int) -> dict[str, Any]:
+        r = await client.post(
+            "/api/v1/claims",
+            headers=tokens.header("orchestrator"),
+            json=_body(tokens.tenant_a, image, "c", network=net, idempotency_key=f"k{i}"),
+        )
+        assert r.status == 201, await r.text()
+        return dict(await r.json())
+
+    claims = await asyncio.gather(*(one(i) for i in range(5)))
+    got = [a["address"] for c in claims for addrs in c["addresses"].values() for a in addrs]
+    assert sorted(got) == [f"10.20.0.{i}" for i in range(2, 7)]
+    r = await client.post(
+        "/api/v1/claims",
+        headers=tokens.header("orchestrator"),
+        json=_body(tokens.tenant_a, image, "c", network=net),
+    )
+    assert r.status == 422 and "no free address left" in (await r.json())["detail"]
