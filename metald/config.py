@@ -402,6 +402,20 @@ class ProvisionConfig(_Section):
     #: Address pools for the deployed OS's static addresses, by name ([provision.networks.X]).
     networks: dict[str, NetworkPoolConfig] = {}
 
+    @model_validator(mode="after")
+    def _pools_apart(self) -> ProvisionConfig:
+        import ipaddress
+
+        nets = [(ipaddress.ip_network(p.cidr, strict=False), n) for n, p in self.networks.items()]
+        for i, (a, an) in enumerate(nets):
+            for b, bn in nets[i + 1 :]:
+                if a.version == b.version and a.overlaps(b):  # type: ignore[arg-type]
+                    raise ValueError(
+                        f"provision.networks.{an} ({a}) and .{bn} ({b}) overlap: one address "
+                        "could be handed out twice; give each pool its own subnet"
+                    )
+        return self
+
     #: Seconds between watchdog sweeps; 0 turns the watchdog off.
     watchdog_interval_s: float = Field(default=30.0, ge=0)
     #: Longest time a machine may stay in each transitional state before the watchdog moves it

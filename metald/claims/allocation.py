@@ -202,7 +202,13 @@ def get_image(session: Session, image_id: str, tenant_id: str | None = None) -> 
 
 
 def _same_request(
-    c: Claim, count: int, selector: Selector, image_id: str, keys: list[str], os: OsRequest
+    session: Session,
+    c: Claim,
+    count: int,
+    selector: Selector,
+    image_id: str,
+    keys: list[str],
+    os: OsRequest,
 ) -> bool:
     return (
         c.count == count
@@ -211,6 +217,7 @@ def _same_request(
         and list(c.ssh_authorized_keys or []) == keys
         and (c.network or None) == (os.network or None)
         and (c.storage or None) == (os.storage or None)
+        and tenant_os.same_user_data(session, c.id, os)
     )
 
 
@@ -221,9 +228,15 @@ def _existing(session: Session, tenant_id: str, key: str) -> Claim | None:
 
 
 def _replay(
-    c: Claim, count: int, selector: Selector, image_id: str, keys: list[str], os: OsRequest
+    session: Session,
+    c: Claim,
+    count: int,
+    selector: Selector,
+    image_id: str,
+    keys: list[str],
+    os: OsRequest,
 ) -> Claim:
-    if not _same_request(c, count, selector, image_id, keys, os):
+    if not _same_request(session, c, count, selector, image_id, keys, os):
         raise Conflict(
             f"idempotency key {c.idempotency_key!r} was already used for claim {c.id} with a "
             "different request; use a new key for a new claim",
@@ -258,7 +271,7 @@ def create_claim(
     if session.get(Tenant, tenant_id) is None:
         raise NotFound(f"no tenant with id {tenant_id!r}")
     if idempotency_key and (c := _existing(session, tenant_id, idempotency_key)):
-        return _replay(c, count, selector, image_id, keys, os), True
+        return _replay(session, c, count, selector, image_id, keys, os), True
     checked = tenant_os.check_user_data(os.settings, os.user_data, os.meta_data)
     image = get_image(session, image_id, tenant_id)  # scoped images: their tenants only
     intent = provision_intent(image.id, image.kind, image.spec, deploy)
@@ -348,7 +361,7 @@ def create_claim(
         c = _existing(session, tenant_id, idempotency_key) if idempotency_key else None
         if c is None:
             raise
-        return _replay(c, count, selector, image_id, keys, os), True
+        return _replay(session, c, count, selector, image_id, keys, os), True
 
 
 def _allocate_or_explain(

@@ -106,6 +106,18 @@ def save_user_data(
     )
 
 
+def same_user_data(s: Session, claim_id: str, os: OsRequest) -> bool:
+    """Whether a replayed claim request carries the user-data and meta-data the claim has."""
+    row = s.exec(
+        select(ClaimUserData).where(
+            ClaimUserData.claim_id == claim_id, col(ClaimUserData.machine_id).is_(None)
+        )
+    ).first()
+    if row is None:
+        return os.user_data is None and not os.meta_data
+    return row.user_data == os.user_data and row.meta_data == dict(os.meta_data)
+
+
 def user_data_for(s: Session, claim_id: str, machine_id: str) -> ClaimUserData | None:
     """The machine's own user-data if it has one, else the claim's."""
     rows = s.exec(select(ClaimUserData).where(ClaimUserData.claim_id == claim_id)).all()

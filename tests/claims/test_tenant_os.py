@@ -10,6 +10,7 @@ import logging
 import zlib
 from typing import Any
 
+import pytest
 from sqlmodel import select
 
 from api.app import CTX_KEY
@@ -262,6 +263,17 @@ async def test_refusals_say_why_and_take_nothing(api) -> None:  # type: ignore[n
         assert s.exec(select(IpAllocation)).all() == []
         assert {s.get(Machine, i).state for i in ids} == {"ready"}  # type: ignore[union-attr]
 
+    # The same idempotency key with other user-data is another request: 409, nothing changes.
+    again = _body(tokens.tenant_a, image, "a", user_data=USER_DATA, idempotency_key="k1")
+    r = await client.post("/api/v1/claims", headers=orch, json=again)
+    assert r.status == 201, await r.text()
+    r = await client.post("/api/v1/claims", headers=orch, json=again)
+    assert r.status == 201 and (await r.json())["replayed"]
+    r = await client.post(
+        "/api/v1/claims", headers=orch, json={**again, "user_data": "#!/bin/sh\n"}
+    )
+    assert r.status == 409 and "different request" in (await r.json())["detail"]
+
 
 async def test_other_forms(api) -> None:  # type: ignore[no-untyped-def]
     client, tokens, store = api
@@ -313,3 +325,14 @@ async def test_concurrent_claims_never_share_an_address(api) -> None:  # type: i
         json=_body(tokens.tenant_a, image, "c", network=net),
     )
     assert r.status == 422 and "no free address left" in (await r.json())["detail"]
+
+
+def test_overlapping_pools_are_a_config_error() -> None:
+    from pydantic import ValidationError
+
+    from metald.config import ProvisionConfig
+
+    with pytest.raises(ValidationError, match=r"networks.a \(10.0.0.0/24\) and .b .* overlap"):
+        ProvisionConfig(networks={"a": {"cidr": "10.0.0.0/24"}, "b": {"cidr": "10.0.0.128/25"}})
+    with pytest.raises(ValidationError, match="10.9.0.1 is not in 10.0.0.0/24"):
+        ProvisionConfig(networks={"a": {"cidr": "10.0.0.0/24", "gateway": "10.9.0.1"}})
