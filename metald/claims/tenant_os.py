@@ -123,7 +123,9 @@ def user_data_for(s: Session, claim_id: str, machine_id: str) -> ClaimUserData |
     rows = s.exec(select(ClaimUserData).where(ClaimUserData.claim_id == claim_id)).all()
     own = [r for r in rows if r.machine_id == machine_id]
     common = [r for r in rows if r.machine_id is None]
-    return (own or common or [None])[0]
+    for r in own + common:
+        return r
+    return None
 
 
 def user_data_summary(s: Session, claim_id: str) -> dict[str, Any] | None:

@@ -56,13 +56,13 @@ class Pool:
     def candidates(self) -> list[str]:
         """Every address this pool may hand out, in order (bounded: /16 at most)."""
         net = self.network
-        lo = ipaddress.ip_address(self.start) if self.start else None
-        hi = ipaddress.ip_address(self.end) if self.end else None
+        lo = int(ipaddress.ip_address(self.start)) if self.start else None
+        hi = int(ipaddress.ip_address(self.end)) if self.end else None
         out: list[str] = []
         for a in net.hosts():
-            if lo is not None and a < lo:
+            if lo is not None and int(a) < lo:
                 continue
-            if hi is not None and a > hi:
+            if hi is not None and int(a) > hi:
                 break
             if self.gateway and str(a) == self.gateway:
                 continue
@@ -175,7 +175,7 @@ def _addressing(r: _Render, iface: str, spec: Mapping[str, Any], conf: dict[str,
     if mtu:
         conf["mtu"] = int(mtu)
     for rt in spec.get("routes") or []:
-        route = {"to": str(rt["to"]), "via": str(rt["via"])}
+        route: dict[str, Any] = {"to": str(rt["to"]), "via": str(rt["via"])}
         if rt.get("metric") is not None:
             route["metric"] = int(rt["metric"])
         conf.setdefault("routes", []).append(route)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
+import yaml  # type: ignore[import-untyped]
 
 #: Where Debian's cloud-init package puts the cloud-config schema.
 DEBIAN_SCHEMA = (
@@ -71,8 +71,8 @@ class Checked:
 
 @functools.cache
 def _validator(path: str) -> Any:
-    from jsonschema import Draft4Validator, FormatChecker
-    from jsonschema.validators import create
+    from jsonschema import Draft4Validator, FormatChecker  # type: ignore[import-untyped]
+    from jsonschema.validators import create  # type: ignore[import-untyped]
 
     try:
         schema = json.loads(Path(path).read_text())
