@@ -12,7 +12,7 @@ from sqlmodel import Session
 from metald import machines
 from metald.auth import revoke_machine_tokens
 from metald.claims.records import claim_machines, retrying, switch_plan
-from metald.claims.tenant_os import release_addresses
+from metald.claims.tenant_os import forget_user_data, release_addresses
 from metald.errors import Conflict, NotFound
 from metald.lifecycle import ALLOCATED, State, Trigger
 from metald.provision.intents import DeployImage, wipe_intent
@@ -97,6 +97,7 @@ def release_claim(
                 detached.append(m.id)
         # Their static addresses go back to the pools with them.
         release_addresses(session, claim_id, wiping + detached)
+        forget_user_data(session, claim_id, wiping + detached, ended=remaining == 0)
         if remaining == 0:
             c.state = "released"
         c.version += 1

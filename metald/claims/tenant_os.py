@@ -248,6 +248,16 @@ def addresses(s: Session, claim_id: str) -> dict[str, list[dict[str, str]]]:
     return out
 
 
+def forget_user_data(s: Session, claim_id: str, machine_ids: list[str], ended: bool) -> None:
+    """Released machines' own user-data, and the claim's once it ends, are erased (their
+    digest and form stay): a tenant's secrets do not outlive what they were for."""
+    for row in s.exec(select(ClaimUserData).where(ClaimUserData.claim_id == claim_id)):
+        if ended or row.machine_id in machine_ids:
+            row.user_data = None
+            row.meta_data = {}
+            s.add(row)
+
+
 def release_addresses(s: Session, claim_id: str, machine_ids: list[str]) -> None:
     """The addresses of machines leaving the claim go back to their pools."""
     if machine_ids:

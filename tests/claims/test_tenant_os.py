@@ -19,7 +19,7 @@ from metald.claims.allocation import claim_replacement
 from metald.config import NetworkPoolConfig
 from metald.lifecycle import State
 from metald.provision import netboot
-from metald.store.models import Claim, Event, IpAllocation, Machine, Nic
+from metald.store.models import Claim, ClaimUserData, Event, IpAllocation, Machine, Nic
 from tests.api_helpers import drain_steps, use_services
 from tests.claims.fakes import FakeBmc
 from tests.claims.helpers import DEPLOY, DISK_SPEC, inventory
@@ -220,6 +220,9 @@ async def test_user_data_network_storage_served_to_the_machine_only(  # type: ig
     assert r.status == 200, await r.text()
     with store.session() as s:
         assert s.exec(select(IpAllocation)).all() == []
+        # The released claim's user-data is erased; its digest stays.
+        rows = s.exec(select(ClaimUserData).where(ClaimUserData.claim_id == claim_a["id"]))
+        assert [(r.user_data, r.sha256) for r in rows] == [(None, claim_a["user_data"]["sha256"])]
     assert claim_b["addresses"] == {}
 
 
