@@ -158,6 +158,12 @@ def _pool(r: _Render, name: str) -> Pool:
     return pool
 
 
+def _default(pool: Pool) -> str:
+    """The default route's destination, spelled so cloud-init 22.4 (Debian 12) parses it too:
+    its network-state parser refuses netplan's ``default`` keyword."""
+    return "0.0.0.0/0" if pool.network.version == 4 else "::/0"
+
+
 def _addressing(r: _Render, iface: str, spec: Mapping[str, Any], conf: dict[str, Any]) -> None:
     """DHCP, a pool address, MTU and routes onto one netplan interface."""
     if spec.get("dhcp4"):
@@ -169,7 +175,7 @@ def _addressing(r: _Render, iface: str, spec: Mapping[str, Any], conf: dict[str,
         addr = r.allocate(pool.name, iface)
         conf["addresses"] = [f"{addr}/{pool.network.prefixlen}"]
         if pool.gateway and spec.get("default_route", False):
-            conf.setdefault("routes", []).append({"to": "default", "via": pool.gateway})
+            conf.setdefault("routes", []).append({"to": _default(pool), "via": pool.gateway})
         mtu = mtu or pool.mtu
         r.dns_pools.append(pool)
     if mtu:
@@ -282,7 +288,7 @@ def _rails(r: _Render, rails: Mapping[str, Any]) -> None:
             conf["mtu"] = int(mtu)
         routes: list[dict[str, Any]] = [{"to": str(pool.network), "scope": "link", "table": table}]
         if pool.gateway:
-            routes.append({"to": "default", "via": pool.gateway, "table": table})
+            routes.append({"to": _default(pool), "via": pool.gateway, "table": table})
         conf["routes"] = routes
         conf["routing-policy"] = [{"from": addr, "table": table}]
 
