@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from metald.lifecycle import SETTLED
 
@@ -46,6 +49,11 @@ def register(sub: Subparsers) -> None:
     cc.add_argument("--rack")
     cc.add_argument("--ssh-key", action="append", default=[])
     cc.add_argument("--idempotency-key")
+    cc.add_argument(
+        "--user-data", metavar="FILE", help="cloud-init user-data for every machine (any form)"
+    )
+    cc.add_argument("--network", metavar="FILE", help="network request, JSON or YAML")
+    cc.add_argument("--storage", metavar="FILE", help="storage layout, JSON or YAML")
     cc.add_argument(
         "--wait", action="store_true", help="then redraw progress until every machine settles"
     )
@@ -129,6 +137,11 @@ def create(args: argparse.Namespace, c: Client) -> None:
     }
     if args.idempotency_key:
         body["idempotency_key"] = args.idempotency_key
+    if args.user_data:
+        body["user_data"] = Path(args.user_data).read_text()
+    for field in ("network", "storage"):
+        if getattr(args, field):
+            body[field] = yaml.safe_load(Path(getattr(args, field)).read_text())
     claim = c.call("POST", "/api/v1/claims", body)
     if not args.wait:
         emit(args, claim, claim_table)
