@@ -7,10 +7,8 @@ machines in remediation, the limit). As each admitted remediation ends, the next
 in, so the claim never has more than the limit out at once, all five end replaced, and a flap
 never undrains or double-counts a machine.
 
-The same on a node's word: a node that reports "healthy" (a clean nvidia-smi capture, an empty
-kernel log) through the real report route while its BMC logs a fatal fault is still drained
-and taken out (the trust rule, end to end: ``test_a_healthy_report_does_not_save_a_node_its_bmc_
-condemns``)."""
+The node's word cannot save a machine its BMC condemns: ``tests/health/test_api_report.py``
+(``test_a_healthy_report_does_not_save_a_node_its_bmc_condemns``)."""
 
 from __future__ import annotations
 
