@@ -27,6 +27,8 @@ class HealthReport(In):
     nvlink: str | None = Field(default=None, max_length=64 * 1024)
     smart: str | None = Field(default=None, max_length=512 * 1024)
     ib_ports: str | None = Field(default=None, max_length=64 * 1024)
+    #: ``dcgmi health --check --json`` where DCGM runs with health watches set.
+    dcgm_health: str | None = Field(default=None, max_length=64 * 1024)
 
 
 class HealthReportOut(BaseModel):

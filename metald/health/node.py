@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from metald.commissioning.parsers import gpu_text, host, ib, nvidia_smi
+from metald.commissioning.parsers import dcgm, gpu_text, host, ib, nvidia_smi
 from metald.health.signals import Kind, Signal, Witness
 
 #: Signals kept from one report (a hostile node cannot flood the classifier).
@@ -31,6 +31,8 @@ class NodeReport:
     smart: str | None = None
     #: InfiniBand ports as the agent prints them (``metald.commissioning.parsers.ib``).
     ib_ports: str | None = None
+    #: ``dcgmi health --check --json`` (where DCGM runs with health watches set).
+    dcgm_health: str | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,18 @@ def report_signals(report: NodeReport, *, gpu_count: int | None) -> NodeSignals:
             if p["state"] != "ACTIVE":
                 out.append(Signal(Kind.IB_PORT, Witness.NODE, p["port"], p["state"].lower(), at,
                                   f"{p['port']} {p['state']} {p['rate_gbps']:g} Gb/sec"))  # fmt: skip
+    if report.dcgm_health is not None:
+        try:
+            overall, incidents = dcgm.parse_health(report.dcgm_health)
+        except ValueError as e:
+            bad.append(str(e))
+            incidents = []
+        for i in incidents:
+            # DCGM names the GPU by its index (its entity id), not its PCI address.
+            subject = f"{i['group']} {i['entity']}"
+            out.append(Signal(Kind.DCGM_HEALTH, Witness.NODE, subject, i["health"].lower(), at,
+                              f"dcgmi health -c: {subject} {i['system']} {i['health']}: "
+                              f"{i['message']}"))  # fmt: skip
     if len(out) > MAX_SIGNALS:
         bad.append(f"the report held {len(out)} signals; the first {MAX_SIGNALS} were kept")
     return NodeSignals(out[:MAX_SIGNALS], bad)

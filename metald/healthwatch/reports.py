@@ -138,6 +138,7 @@ def accept(
         nvlink=body.get("nvlink"),
         smart=body.get("smart"),
         ib_ports=body.get("ib_ports"),
+        dcgm_health=body.get("dcgm_health"),
     )
     got = report_signals(report, gpu_count=m.gpu_count or None)
     classified = [table.classify(sig) for sig in got.signals]
@@ -253,6 +254,7 @@ def _rest_clean(body: dict[str, Any], now: datetime, table: Table, base: int) ->
             nvlink=body.get("nvlink"),
             smart=body.get("smart"),
             ib_ports=body.get("ib_ports"),
+            dcgm_health=body.get("dcgm_health"),
         ),
         gpu_count=None,
     )

@@ -6,6 +6,8 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import pytest
+
 from metald.health.bmc import log_signals, sensor_signals
 from metald.health.classify import DEFAULT_TABLE, Severity
 from metald.health.node import NodeReport, ecc_storms, report_signals, silence
@@ -175,3 +177,35 @@ def test_bmc_sensors() -> None:
     )
     assert [(s.subject, s.code) for s in got] == [("PSU1", "power:critical"), ("FAN2", OK)]
     assert DEFAULT_TABLE.classify(got[0]).severity == Severity.FATAL
+
+
+DCGM_HEALTHY = HERE / "dcgmi-health-c-j_healthy_virtualclient.json"
+DCGM_FAILED = HERE / "dcgmi-health-c-j_derived_gpu1-dbe-failure_gpu0-pcie-warning.json"
+
+
+def test_dcgmi_health_check_json_is_read_into_signals() -> None:
+    now = datetime(2026, 12, 6, tzinfo=UTC)
+    healthy = report_signals(NodeReport(at=now, dcgm_health=DCGM_HEALTHY.read_text()),
+                             gpu_count=None)  # fmt: skip
+    assert healthy.signals == [] and healthy.unreadable == []
+    got = report_signals(NodeReport(at=now, dcgm_health=DCGM_FAILED.read_text()), gpu_count=None)
+    assert got.unreadable == []
+    by_subject = {s.subject: s for s in got.signals}
+    assert sorted(by_subject) == ["GPU 0", "GPU 1"]
+    dbe, pcie = by_subject["GPU 1"], by_subject["GPU 0"]
+    assert (dbe.kind, dbe.witness, dbe.code) == ("dcgm-health", "node", "failure")
+    assert dbe.evidence == (
+        "dcgmi health -c: GPU 1 Memory system Failure: Detected 2 volatile double-bit ECC "
+        "error(s) in GPU 1."
+    )
+    assert "Detected more than 8 PCIe replays per minute for GPU 0 : 13" in pcie.evidence
+    assert DEFAULT_TABLE.classify(dbe).severity is Severity.FATAL
+    assert DEFAULT_TABLE.classify(pcie).severity is Severity.DEGRADED
+
+
+@pytest.mark.parametrize("text", ["", "not json", "[]", '{"body": {}}', '{"body": {"Overall '
+                                  'Health": {"value": 3}}}'])  # fmt: skip
+def test_unreadable_dcgmi_health_output_is_said_not_guessed(text: str) -> None:
+    got = report_signals(NodeReport(at=datetime.now(UTC), dcgm_health=text), gpu_count=None)
+    assert got.signals == [] and len(got.unreadable) == 1
+    assert got.unreadable[0].startswith("dcgmi health output ")
