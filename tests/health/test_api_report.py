@@ -219,3 +219,41 @@ async def test_a_healthy_report_does_not_save_a_node_its_bmc_condemns(api) -> No
 def _faults(store: Any) -> list[tuple[str, str, str, str]]:
     with store.session() as s:
         return [(f.witness, f.kind, f.code, f.evidence) for f in s.exec(select(HealthFault))]
+
+
+async def test_a_correctable_ecc_storm_across_reports_is_degraded(api) -> None:  # type: ignore[no-untyped-def]
+    """The count of one report is no storm; the rise between two reports within
+    ``ecc_window_s`` over ``correctable_ecc_per_hour`` is (the readings kept on the heartbeat
+    row, migration 0031)."""
+    client, tokens, store = api
+    _health(client, report_min_interval_s=0, ecc_window_s=3600, correctable_ecc_per_hour=1000)
+    _, mid, token = await _node(client, tokens, store)
+    with store.session() as s:  # the machine holds the capture's one GPU
+        m = s.get(Machine, mid)
+        m.gpu_count = 1
+        s.add(m)
+        s.commit()
+    xml = A100_CLEAN.read_text()
+    agg = "<aggregate>\n                <sram_correctable>0</sram_correctable>\n"
+    agg += "                <sram_uncorrectable>0</sram_uncorrectable>\n"
+    agg += "                <dram_correctable>{n}</dram_correctable>"
+    assert agg.format(n=0) in xml
+
+    async def report(n: int) -> dict[str, Any]:
+        body = {"kernel_log": "", "nvidia_smi_xml": xml.replace(agg.format(n=0), agg.format(n=n))}
+        r = await _report(client, token, body)
+        assert r.status == 200, await r.text()
+        return await r.json()  # type: ignore[no-any-return]
+
+    assert (await report(10))["new_faults"] == 0  # one reading: no rate
+    assert (await report(500))["new_faults"] == 0  # 490 in the window: under 1,000/h
+    with store.session() as s:
+        kept = s.get(NodeHeartbeat, mid).ecc_readings
+        assert [v for _, v in next(iter(kept.values()))] == [10, 500]
+    assert (await report(4010))["new_faults"] == 1  # 4,000 in the window: a storm
+    with store.session() as s:
+        (f,) = s.exec(select(HealthFault).where(HealthFault.machine_id == mid)).all()
+        assert (f.witness, f.code, f.severity, f.rule) == (
+            "node", "correctable-rate", "degraded", "gpu-ecc-correctable-storm",
+        )  # fmt: skip
+        assert "rose by 4000" in f.evidence
