@@ -46,7 +46,8 @@ def setup(app: web.Application, ctx: AppContext, specs: list[RouteSpec]) -> None
     app.router.add_get("/ui/tenants", page(views.tenants))
     app.router.add_get("/ui/repairs", page(views.repairs))
     app.router.add_post(
-        "/ui/repairs/{id}/{action:take|note|repaired}", page(views.repair_action, action=True)
+        "/ui/repairs/{id}/{action:take|note|repaired|release}",
+        page(views.repair_action, action=True),
     )
     app.router.add_get("/ui/events", page(views.events))
     app.router.add_get("/ui/events/stream", page(live.events))

@@ -436,7 +436,7 @@ class Views:
         )
 
     async def repair_action(self, ui: UiRequest) -> web.StreamResponse:
-        """Take, note or repaired, through the API's route; back to the queue (303) or the
+        """Take, note, repaired or release, through the API's route; back to the queue (303) or the
         queue with the API's refusal."""
         rid, action = ui.raw.match_info["id"], ui.raw.match_info["action"]
         form = await ui.raw.post()

@@ -113,6 +113,9 @@ class AsyncClient:
     async def take_repair(self, ref: str) -> Json:
         return await self.call("POST", f"/api/v1/repairs/{ref}/take")
 
+    async def release_repair(self, ref: str) -> Json:
+        return await self.call("POST", f"/api/v1/repairs/{ref}/release")
+
     async def note_repair(self, ref: str, text: str) -> Json:
         return await self.call("POST", f"/api/v1/repairs/{ref}/note", {"text": text})
 

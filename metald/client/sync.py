@@ -129,6 +129,10 @@ class Client:
     def take_repair(self, ref: str) -> Json:
         return self.call("POST", f"/api/v1/repairs/{ref}/take")
 
+    def release_repair(self, ref: str) -> Json:
+        """Let go of a taken repair: open in the queue again, the machine broken again."""
+        return self.call("POST", f"/api/v1/repairs/{ref}/release")
+
     def note_repair(self, ref: str, text: str) -> Json:
         return self.call("POST", f"/api/v1/repairs/{ref}/note", {"text": text})
 

@@ -681,6 +681,10 @@ class NodeHeartbeat(SQLModel, table=True):
     #: (``metald.healthwatch.reports``); NULL otherwise. A report that says the same again is
     #: not parsed again.
     digests: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
+    #: Per GPU (PCI address), the correctable-ECC counts of the node's reports within
+    #: ``[health] ecc_window_s``: ``[[iso time, count], ...]`` (migration 0033). A storm is a
+    #: rate over them (``metald.health.node.ecc_storms``).
+    ecc_readings: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
 
 
 class Remediation(SQLModel, table=True):
