@@ -39,6 +39,7 @@ def setup(app: web.Application, ctx: AppContext, specs: list[RouteSpec]) -> None
     app.router.add_get("/ui/fleet/rows", page(views.fleet_rows))
     app.router.add_post("/ui/machines/bulk", page(views.bulk, action=True))
     app.router.add_get("/ui/machines/{id}", page(views.machine))
+    app.router.add_post("/ui/machines/{id}/act", page(views.act, action=True))
     app.router.add_get("/ui/machines/{id}/console", live.console)
     app.router.add_get("/ui/machines/{id}/{what:sensors|bmc-log}", page(views.sensors))
     app.router.add_get("/ui/claims", page(views.claims))

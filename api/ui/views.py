@@ -8,9 +8,10 @@ from typing import Any
 
 from aiohttp import web
 
+from api.ui import actions as machine_actions
 from api.ui.dispatch import Api, Refused
 from api.ui.guard import UI_CTX, UiRequest, clear_cookie, current, origin_ok, set_cookie
-from api.ui.render import error, fragment, page
+from api.ui.render import error, fragment, page, wants_json
 from metald.usecases import ui_sessions as sessions
 from metald.usecases.console import Console, FleetQuery
 
@@ -239,6 +240,18 @@ class Views:
         results = await asyncio.gather(*(one(i) for i in ids))
         ui.ctx.bus.notify()
         failed = [(m, e) for m, e in results if e]
+        if wants_json(ui.raw):  # the fleet page's script: it stays where it is
+            labels = await _console(ui).names_of(ui.principal, [m for m, _ in failed])
+            return web.json_response(
+                {
+                    "action": action,
+                    "done": len(results) - len(failed),
+                    "failed": [
+                        {"id": m, "name": labels.get(m, m[:8]), "why": e} for m, e in failed
+                    ],
+                },
+                status=200 if not failed else 207,
+            )
         return page(
             "bulk.html",
             status=200 if not failed else 207,
@@ -301,6 +314,7 @@ class Views:
             console = None  # the machine's BMC has none metald speaks: no console offered
         inv = (m.get("inventory") or {}).get("normalized") or {}
         last_event = max((e["id"] for e in events["items"]), default=0)
+        names = await self.names(ui, m)
         return page(
             "machine.html",
             title=m.get("name") or m["id"],
@@ -311,11 +325,104 @@ class Views:
             repair=repair,
             bmc=bmc,
             console=console,
-            bulk=BULK,
-            can_act=self.api.allows(ui, "POST", "/api/v1/machines/{id}/actions"),
+            actions=self.offered(ui, m, bmc, staff),
+            names=names,
             last_event=last_event,
             **self.base(ui, "fleet"),
         )
+
+    def offered(
+        self, ui: UiRequest, m: dict[str, Any], bmc: dict[str, Any] | None, staff: bool
+    ) -> list[machine_actions.Action]:
+        """The machine's actions for this caller (``api.ui.actions.offered``). ``staff``:
+        the caller may see BMCs, so "no BMC" is known (an orchestrator is offered no BMC
+        actions at all)."""
+        if not staff:
+            bmc = {"capabilities": []}  # not the caller's to see: nothing needing a BMC
+        acts = machine_actions.offered(m, bmc, lambda meth, path: self.api.allows(ui, meth, path))
+        return [a for a in acts if staff or a.name != "register-bmc"]
+
+    async def names(self, ui: UiRequest, m: dict[str, Any]) -> dict[str, str]:
+        """The tenant's and the claim's image name (what the page shows instead of ids)."""
+        out: dict[str, str] = {}
+        tid = m.get("tenant_id")
+        if tid and self.api.allows(ui, "GET", "/api/v1/tenants/{id}"):
+            try:
+                t = await self.api.call(ui, "GET", "/api/v1/tenants/{id}", params={"id": tid})
+                out["tenant"] = t.get("name") or tid
+            except Refused:
+                pass
+        return out
+
+    async def act(self, ui: UiRequest) -> web.StreamResponse:
+        """One action of the machine page, through its API route, answered in place: JSON
+        {"ok", "message", "state", "actions" (the panel's new HTML)} to the page's script (the
+        page does not navigate: an open console stays attached), or the machine page again
+        without script. A refusal is the API's problem, with its sentence."""
+        mid = ui.raw.match_info["id"]
+        form = await ui.raw.post()
+        name = str(form.get("action", ""))
+        action = machine_actions.ACTIONS.get(name)
+        if action is None:
+            return error(
+                ui.raw, 422, "Unknown action", f"{name[:40]!r} is not an action of the machine page"
+            )
+        try:
+            m = await self.api.call(ui, "GET", "/api/v1/machines/{id}", params={"id": mid})
+        except Refused as r:
+            return error(ui.raw, r.status, r.title, r.detail)
+        label = m.get("name") or m["id"]
+        if action.confirm and form.get("confirm") != "yes":
+            return error(
+                ui.raw,
+                428,
+                "Confirmation required",
+                f"{action.label.lower()} on {label} {action.why}: confirm it in the dialog "
+                "(the form must carry confirm=yes)",
+            )
+        body = machine_actions.body_of(action, m, form)
+        if isinstance(body, str):
+            return error(ui.raw, 422, "Missing input", body)
+        params = {"id": m["id"]}
+        if action.name == "release":  # the claim's route: /claims/{id}/machines/{machine_id}
+            params = {"id": m.get("claim_id") or "", "machine_id": m["id"]}
+        try:
+            await self.api.call(ui, action.method, action.path, params=params, body=body)
+        except Refused as r:
+            return error(ui.raw, r.status, r.title, r.detail)
+        finally:
+            ui.ctx.bus.notify()
+        if not wants_json(ui.raw):
+            raise web.HTTPSeeOther(f"/ui/machines/{m['id']}")
+        m = await self.api.call(ui, "GET", "/api/v1/machines/{id}", params={"id": m["id"]})
+        staff = self.api.allows(ui, "GET", "/api/v1/bmcs")
+        bmc = await _console(ui).bmc_of(m["id"]) if staff else None
+        if bmc is not None:
+            bmc["capabilities"] = await self.capabilities(ui, bmc["id"])
+        html = fragment(
+            "_machine_actions.html",
+            m=m,
+            actions=self.offered(ui, m, bmc, staff),
+            csrf=ui.csrf,
+        )
+        return web.json_response(
+            {
+                "ok": True,
+                "message": f"{action.label.lower()}: done on {m.get('name') or m['id']}",
+                "state": m["state"],
+                "name": m.get("name"),
+                "actions": html,
+            },
+            headers={"Cache-Control": "no-store"},
+        )
+
+    async def capabilities(self, ui: UiRequest, bmc_id: str) -> list[str] | None:
+        try:
+            shown = await self.api.call(ui, "GET", "/api/v1/bmcs/{id}", params={"id": bmc_id})
+        except Refused:
+            return None
+        caps = shown.get("capabilities")
+        return None if caps is None else list(caps)
 
     async def sensors(self, ui: UiRequest) -> web.StreamResponse:
         """Sensors or the BMC's event log, read on demand (a BMC round trip)."""

@@ -313,6 +313,14 @@ def bmc_of(s: Session, machine_id: str) -> dict[str, Any] | None:
     return None if b is None else b.model_dump(include=BMC_FIELDS)
 
 
+def names_of(s: Session, p: Principal, ids: list[str]) -> dict[str, str]:
+    """These machines' names, those the caller may see (id -> name)."""
+    if not ids:
+        return {}
+    stmt = select(Machine.id, Machine.name).where(col(Machine.id).in_(ids[:500]), *scope(p))
+    return {i: n for i, n in s.exec(stmt).all() if n}
+
+
 @dataclass
 class Console:
     """The console's reads, each in a read-only transaction of its own."""
@@ -330,6 +338,9 @@ class Console:
 
     async def counts(self, p: Principal) -> dict[str, int]:
         return await self.store.read(counts, p)
+
+    async def names_of(self, p: Principal, ids: list[str]) -> dict[str, str]:
+        return await self.store.read(names_of, p, ids)
 
     async def last_event_id(self) -> int:
         return await self.store.read(last_event_id)
