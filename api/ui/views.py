@@ -499,8 +499,13 @@ class Views:
 
     async def events(self, ui: UiRequest) -> web.StreamResponse:
         q = {k: v for k in ("machine_id", "kind") if (v := ui.raw.query.get(k, "").strip())}
+        machine: dict[str, Any] | None = None
         try:
             self.need(ui, "GET", "/api/v1/events")
+            if "machine_id" in q:  # a name, an id or an 8+ prefix: the live tail needs the id
+                machine = await self.api.call(
+                    ui, "GET", "/api/v1/machines/{id}", params={"id": q["machine_id"]}
+                )
             data = await self.api.call(
                 ui, "GET", "/api/v1/events", query={**q, "sort": "-id", "limit": 100}
             )
@@ -513,6 +518,10 @@ class Views:
             title="Events",
             data=data,
             filters=q,
+            machine=machine,
+            mnames=await _console(ui).names_of(
+                ui.principal, sorted({e["machine_id"] for e in data["items"] if e["machine_id"]})
+            ),
             last_event=last,
             **self.base(ui, "events"),
         )

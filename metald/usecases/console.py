@@ -73,6 +73,8 @@ class FleetRow:
     bmc: Bmc | None = None
     tenant: str | None = None
     verdict: str | None = None
+    #: Total disk bytes and how many disks (from the inventory), None when none known.
+    disks: tuple[int, int] | None = None
 
     @property
     def key(self) -> str:
@@ -218,10 +220,25 @@ def decorate(s: Session, machines: list[Machine]) -> list[FleetRow]:
             )
         ).all()  # type: ignore[arg-type]
     )
+    disks = _disks(s, ids)
     return [
-        FleetRow(m, bmcs.get(m.id), tenants.get(m.tenant_id or ""), verdicts.get(m.id))
+        FleetRow(
+            m, bmcs.get(m.id), tenants.get(m.tenant_id or ""), verdicts.get(m.id), disks.get(m.id)
+        )
         for m in machines
     ]
+
+
+def _disks(s: Session, ids: list[str]) -> dict[str, tuple[int, int]]:
+    """Each machine's disks from its inventory: total bytes and count (one statement; the
+    inventory's disk list only, not the whole document)."""
+    path = col(Machine.inventory)["normalized"]["disks"]
+    out: dict[str, tuple[int, int]] = {}
+    for mid, disks in s.exec(select(Machine.id, path).where(col(Machine.id).in_(ids))).all():
+        if isinstance(disks, list) and disks:
+            sizes = [d.get("size_bytes") or 0 for d in disks if isinstance(d, dict)]
+            out[mid] = (int(sum(sizes)), len(sizes))
+    return out
 
 
 def rows_by_id(s: Session, p: Principal, ids: list[str]) -> list[FleetRow]:

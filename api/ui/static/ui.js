@@ -64,7 +64,7 @@
   async function send(form, submitter) {
     const data = new FormData(form);
     if (submitter && submitter.name) data.set(submitter.name, submitter.value);
-    const r = await fetch(form.action, {
+    const r = await fetch(form.getAttribute("action"), {
       method: "POST", body: data,
       headers: { Accept: "application/json", "X-CSRF-Token": csrf },
     });
