@@ -37,6 +37,7 @@ def setup(app: web.Application, ctx: AppContext, specs: list[RouteSpec]) -> None
     app.router.add_post("/ui/logout", page(views.logout, action=True))
     app.router.add_get("/ui/", page(views.fleet))
     app.router.add_get("/ui/fleet/rows", page(views.fleet_rows))
+    app.router.add_get("/ui/racks", page(views.racks))
     app.router.add_post("/ui/machines/bulk", page(views.bulk, action=True))
     app.router.add_get("/ui/machines/{id}", page(views.machine))
     app.router.add_post("/ui/machines/{id}/act", page(views.act, action=True))

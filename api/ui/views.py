@@ -46,6 +46,8 @@ BULK: dict[str, dict[str, Any]] = {
         "reason": True,
     },
 }
+#: Claim machines that wait on nothing (the claims page shows no blocking event for them).
+DONE = frozenset({"provisioned", "joining", "active"})
 #: Machines one bulk request may act on.
 BULK_MAX = 500
 NAV = (
@@ -146,14 +148,51 @@ class Views:
         f = FleetQuery.from_params(ui.raw.query)
         data = await _console(ui).fleet_page(ui.principal, f)
         last_event = await _console(ui).last_event_id()
+        tenants = dict(data.tenants)
+
+        def glabel(key: tuple[Any, ...]) -> str:
+            """A group's heading."""
+            if f.group == "tenant":
+                return tenants.get(key[0], key[0][:8]) if key[0] else "no tenant"
+            if f.group == "sku":
+                product, model, count = key
+                gpus = f"{count}× {model}" if count else "no GPU"
+                return f"{product or 'unknown product'} · {gpus}"
+            if f.group == "rack":
+                return f"rack {key[0]}" if key[0] else "no rack"
+            return str(key[0])
+
         return page(
             "fleet.html",
             title="Fleet",
             f=f,
             fleet=data,
+            glabel=glabel,
             bulk=BULK,
             can_act=self.api.allows(ui, "POST", "/api/v1/machines/{id}/actions"),
             last_event=last_event,
+            **self.base(ui, "fleet"),
+        )
+
+    async def racks(self, ui: UiRequest) -> web.StreamResponse:
+        """The rack view: each rack as an elevation, its machines in their units, coloured by
+        state, power or GPU health (``colour``); the fleet's filters apply (same parameters)."""
+        try:
+            self.need(ui, "GET", "/api/v1/machines")
+        except Refused as r:
+            return self.refused(ui, r, "fleet")
+        f = FleetQuery.from_params(ui.raw.query)
+        colour = ui.raw.query.get("colour", "state")
+        if colour not in ("state", "power", "gpu"):
+            colour = "state"
+        found = await _console(ui).racks(ui.principal, f)
+        return page(
+            "racks.html",
+            title="Racks",
+            f=f,
+            racks=found,
+            colour=colour,
+            query=f.link(after="", sort="", group="")[5:],
             **self.base(ui, "fleet"),
         )
 
@@ -465,10 +504,32 @@ class Views:
         return page(template, title=nav.capitalize(), data=data, **extra, **self.base(ui, nav))
 
     async def claims(self, ui: UiRequest) -> web.StreamResponse:
-        last_event = await _console(ui).last_event_id()
-        return await self.listing(
-            ui, "claims", "/api/v1/claims", "claims.html", last_event=last_event
+        """Claims with their machines' progress, the tenant and image by name, and what each
+        unfinished machine waits on (its newest event: ``provision.no-bmc``, a failure)."""
+        console = _console(ui)
+        last_event = await console.last_event_id()
+        try:
+            self.need(ui, "GET", "/api/v1/claims")
+            data = await self.api.call(ui, "GET", "/api/v1/claims", query={"limit": 200})
+        except Refused as r:
+            return self.refused(ui, r, "claims")
+        return page(
+            "claims.html",
+            title="Claims",
+            data=data,
+            last_event=last_event,
+            **await self.claim_context(ui, data["items"]),
+            **self.base(ui, "claims"),
         )
+
+    async def claim_context(self, ui: UiRequest, claims: list[dict[str, Any]]) -> dict[str, Any]:
+        console = _console(ui)
+        mids = [m["id"] for c in claims for m in c["machines"] if m["state"] not in DONE]
+        refs = await console.ref_names(
+            sorted({c["tenant_id"] for c in claims}),
+            sorted({c["image_id"] for c in claims if c.get("image_id")}),
+        )
+        return {"blocking": await console.latest_events(ui.principal, mids), "refs": refs}
 
     async def claim_fragment(self, ui: UiRequest) -> web.StreamResponse:
         try:
@@ -477,7 +538,8 @@ class Views:
             )
         except Refused as r:
             return web.Response(text=r.detail, status=r.status)
-        return web.Response(text=fragment("_claim.html", c=c), content_type="text/html")
+        extra = await self.claim_context(ui, [c])
+        return web.Response(text=fragment("_claim.html", c=c, **extra), content_type="text/html")
 
     async def tenants(self, ui: UiRequest) -> web.StreamResponse:
         try:

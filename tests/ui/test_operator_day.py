@@ -4,6 +4,7 @@ sizes read in human units; ten tabs share one event stream, freed when they clos
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -49,7 +50,7 @@ def fleet(_cfg: Any, store: Any, _tokens: Tokens) -> None:
                 m.id,
                 Trigger.INSPECTED,
                 actor="test",
-                updates={"inventory": DISK_INVENTORY, "memory_mb": 16384},
+                updates={"inventory": DISK_INVENTORY, "memory_mb": (16384, 32768, 8192)[i]},
             )
 
 
@@ -145,7 +146,7 @@ def test_disk_sizes_read_in_human_units(browser, app, tokens) -> None:  # type: 
     disks = page.locator("#h-inv ~ ul li")
     expect(disks.nth(0)).to_contain_text("vda: QEMU HARDDISK 2.0 GB")
     expect(disks.nth(1)).to_contain_text("3.84 TB")
-    expect(page.locator("#h-inv + p")).to_contain_text("16 GiB memory")
+    expect(page.locator("#h-inv + p")).to_contain_text("32 GiB memory")
     page.goto("/ui/?rack=r3")
     row = page.locator("#fleet tbody tr", has_text="r3-01")
     expect(row.locator("td[data-col=disks]")).to_have_text("3.84 TB (2)")
@@ -186,3 +187,65 @@ def test_ten_tabs_share_one_event_stream_freed_when_they_close(browser, app, tok
     while bus.streams and time.monotonic() < deadline:
         time.sleep(0.05)
     assert bus.streams == 0
+
+
+def test_fleet_sorts_groups_keeps_the_view_in_its_link_and_says_nothing_matches(
+    browser, app, tokens, shots
+) -> None:  # type: ignore[no-untyped-def]
+    """Item 10: sortable columns, grouping with counts, the view in the URL, "nothing
+    matches"; item 7: the maintenance reason in the fleet table (none of it before)."""
+    r = requests.post(
+        f"{app.base}/api/v1/machines/r3-02/actions",
+        json={"action": "maintenance-on", "reason": "PSU swap"},
+        headers={"Authorization": f"Bearer {tokens.admin}"},
+        timeout=10,
+    )
+    assert r.status_code == 200, r.text
+    page = open_as(browser, app.base, tokens.technician, "/ui/?rack=r3")
+    names = page.locator("#fleet tbody td[data-col=name]")
+    page.get_by_role("link", name="Memory").click()
+    expect(names).to_have_text(["r3-02", re.compile("^r3-00"), "r3-01"])
+    assert "sort=memory" in page.url and "rack=r3" in page.url
+    page.get_by_role("link", name="Memory ▲").click()
+    expect(names).to_have_text(["r3-01", re.compile("^r3-00"), "r3-02"])
+    assert "sort=-memory" in page.url
+    expect(
+        page.locator("#fleet tbody tr", has_text="r3-02").locator("td[data-col=why]")
+    ).to_have_text("PSU swap")
+    # Grouped by state, with counts; the link keeps the view (reload: the same page).
+    page.get_by_label("Group by").select_option("state")
+    page.get_by_role("button", name="Apply").click()
+    groups = page.locator("#fleet tbody tr.group")
+    expect(groups).to_have_count(2)
+    # r3-00 went to maintenance in the machine page's test.
+    expect(groups.nth(0)).to_have_text(re.compile(r"maintenance \(2 machines\)"))
+    expect(groups.nth(1)).to_have_text(re.compile(r"ready \(1 machine\)"))
+    page.reload()
+    expect(groups).to_have_count(2)
+    shoot(page, shots, "fleet-grouped")
+    assert axe_violations(page) == []
+    page.goto("/ui/?q=no-such-machine-anywhere")
+    expect(page.locator("#fleet tbody tr.nothing")).to_contain_text("Nothing matches these filters")
+    page.context.close()
+
+
+def test_rack_view_draws_racks_coloured_and_clickable(browser, app, tokens, shots) -> None:  # type: ignore[no-untyped-def]
+    """Item 10: racks as elevations, each machine in its unit coloured by state (or power, or
+    GPU health), a link to its page (no rack view before: 404)."""
+    page = open_as(browser, app.base, tokens.technician, "/ui/racks")
+    rack = page.get_by_role("region", name=re.compile("^r3"))
+    slots = rack.locator("a.slot")
+    expect(slots).to_have_count(3)
+    unit1 = rack.get_by_role("link", name=re.compile(r", unit 1: "))
+    expect(unit1).to_have_class(re.compile(r"\bs-(ready|maintenance)\b"))
+    expect(
+        rack.get_by_role("link", name=re.compile(r"^r3-02, unit 3: maintenance"))
+    ).to_be_visible()
+    assert axe_violations(page) == []
+    shoot(page, shots, "racks")
+    page.get_by_label("Colour by").select_option("power")
+    page.get_by_role("button", name="Apply").click()
+    expect(page.locator("#racks")).to_have_class(re.compile("by-power"))
+    rack.get_by_role("link", name=re.compile(r"^r3-01, unit 2")).click()
+    expect(page.get_by_role("heading", level=1)).to_contain_text("r3-01")
+    page.context.close()

@@ -246,6 +246,10 @@
       // later one (keyset pages): those stay where the pager finds them.
       if (next && next === rows[0] && table.dataset.laterPage) return;
       if (!next && table.dataset.more) return;
+      // Sorted by another column or grouped: where it goes is the server's to say (reload).
+      if (table.dataset.customOrder) return;
+      const empty = body.querySelector("tr.nothing");
+      if (empty) empty.remove();
       const tpl = document.createElement("template"); tpl.innerHTML = item.html.trim();
       body.insertBefore(tpl.content.firstElementChild, next || null);
     }
