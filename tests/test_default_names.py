@@ -1,0 +1,54 @@
+"""Default machine names (issue 31 item 12: machines without a name showed "-" everywhere):
+named at enlistment after their rack position, else a readable generated name that their
+serial replaces once the inventory gives it; unique, and usable in paths like any name."""
+
+from __future__ import annotations
+
+import uuid
+
+from metald import machines
+from metald.config import EnrollConfig
+from metald.enrollment import enrollment_boot_hooks
+from metald.naming import generated_name
+from tests.test_enrollment import MAC, payload
+
+
+async def test_a_machine_is_named_at_enlistment_and_after_its_serial(api) -> None:  # type: ignore[no-untyped-def]
+    client, tokens, store = api
+    hooks = enrollment_boot_hooks(store, "t", EnrollConfig())
+    await hooks.client_seen(MAC, arch="bios", network="rack1", relay_agent=None)  # no position
+    target = await hooks.boot_target(MAC)
+    mid = target.machine_id
+    r = await client.get(f"/api/v1/machines/{mid}", headers=tokens.header("technician"))
+    name = (await r.json())["name"]
+    assert name == generated_name(mid)
+    # The generated name works wherever a name does.
+    r = await client.get(f"/api/v1/machines/{name}", headers=tokens.header("technician"))
+    assert r.status == 200 and (await r.json())["id"] == mid
+    agent = {"Authorization": f"Bearer {target.kernel_args['metald.token']}"}
+    r = await client.post(
+        "/api/v1/agent/inventory",
+        json=payload(mid, boot_id=str(uuid.uuid4())),
+        headers=agent,
+    )
+    assert r.status == 200, await r.text()
+    r = await client.get("/api/v1/machines/abc1234", headers=tokens.header("technician"))
+    assert r.status == 200 and (await r.json())["id"] == mid  # its serial, ABC1234
+
+
+async def test_a_rack_position_names_it_and_a_taken_one_gets_a_generated_name(store) -> None:  # type: ignore[no-untyped-def]
+    with store.session() as s:
+        a = machines.create_machine(
+            s, macs=["52:54:00:01:00:01"], actor="t", rack="r07", rack_position="u12"
+        )
+        b = machines.create_machine(
+            s, macs=["52:54:00:01:00:02"], actor="t", rack="r07", rack_position="u12"
+        )
+        c = machines.create_machine(s, macs=["52:54:00:01:00:03"], actor="t")
+        d = machines.create_machine(s, macs=["52:54:00:01:00:04"], actor="t", name="by-hand")
+        assert a.name == "r07-u12"
+        assert b.name == generated_name(b.id)  # was unnamed ("-" everywhere)
+        assert c.name == generated_name(c.id)
+        assert d.name == "by-hand"
+        # A name given by hand is never replaced by the serial.
+        assert not machines.is_generated_name(d) and machines.is_generated_name(c)
