@@ -351,6 +351,8 @@ class Views:
         caps = (bmc or {}).get("capabilities")
         if caps is not None and "serial-console" not in caps:
             console = None  # the machine's BMC has none metald speaks: no console offered
+        if staff and bmc is None:
+            console = None  # no BMC registered: nothing to open a serial console through
         inv = (m.get("inventory") or {}).get("normalized") or {}
         last_event = max((e["id"] for e in events["items"]), default=0)
         names = await self.names(ui, m)
@@ -366,6 +368,7 @@ class Views:
             console=console,
             actions=self.offered(ui, m, bmc, staff),
             names=names,
+            mnames={m["id"]: m.get("name") or m["id"][:8]},
             last_event=last_event,
             **self.base(ui, "fleet"),
         )

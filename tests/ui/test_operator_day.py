@@ -104,6 +104,7 @@ def test_machine_page_offers_what_the_state_and_bmc_allow_and_acts_in_place(
         assert want in offered, offered
     for never in ("Maintenance off", "Power on", "Power off", "Power cycle", "Repair"):
         assert never not in offered, offered
+    expect(page.get_by_role("button", name="Open console")).to_have_count(0)  # no BMC
     page.evaluate("window.scrollTo(0, 200); window.stayed = 'here'")
     page.get_by_role("button", name="Maintenance on").click()
     dialog = page.get_by_role("dialog")
