@@ -657,7 +657,18 @@ class Views:
         )
 
     async def tokens(self, ui: UiRequest) -> web.StreamResponse:
-        return await self.listing(ui, "tokens", "/api/v1/tokens", "tokens.html")
+        """API tokens, their scopes by name (tenants for orchestrators, machines for agents)."""
+        try:
+            self.need(ui, "GET", "/api/v1/tokens")
+            data = await self.api.call(ui, "GET", "/api/v1/tokens", query={"limit": 200})
+        except Refused as r:
+            return self.refused(ui, r, "tokens")
+        ids = sorted({i for t in data["items"] for i in t.get("scope") or []})
+        console = _console(ui)
+        scoped = await console.ref_names(ids, []) | await console.names_of(ui.principal, ids)
+        return page(
+            "tokens.html", title="Tokens", data=data, scoped=scoped, **self.base(ui, "tokens")
+        )
 
 
 class RepairFilter:

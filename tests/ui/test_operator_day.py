@@ -32,9 +32,28 @@ DISK_INVENTORY = {
 }
 
 
-def fleet(_cfg: Any, store: Any, _tokens: Tokens) -> None:
-    """Three ready machines in rack r3 (one with a 2 GB and a 3.84 TB disk)."""
+def fleet(_cfg: Any, store: Any, tokens: Tokens) -> None:
+    """Three ready machines in rack r3 (each with a 2 GB and a 3.84 TB disk); the seed's node0
+    (acme's) in a claim, waiting on a BMC it does not have (``provision.no-bmc``)."""
+    from metald.store.models import Claim, Machine
+
     with store.session() as s:
+        claim = Claim(tenant_id=tokens.tenant_a, count=1, state="allocated", created_by="test")
+        s.add(claim)
+        s.commit()
+        node0 = s.get(Machine, tokens.machine_a)
+        assert node0 is not None
+        node0.claim_id = claim.id
+        s.add(node0)
+        s.commit()
+        machines.add_event(
+            s,
+            "provision.no-bmc",
+            "metald",
+            machine_id=node0.id,
+            reason="no BMC registered: power it on into PXE by hand, or register its BMC",
+        )
+        s.commit()
         for i in range(3):
             m = machines.create_machine(
                 s,
@@ -249,4 +268,19 @@ def test_rack_view_draws_racks_coloured_and_clickable(browser, app, tokens, shot
     expect(page.locator("#racks")).to_have_class(re.compile("by-power"))
     rack.get_by_role("link", name=re.compile(r"^r3-01, unit 2")).click()
     expect(page.get_by_role("heading", level=1)).to_contain_text("r3-01")
+    page.context.close()
+
+
+def test_claims_say_what_a_machine_waits_on_and_name_the_tenant(browser, app, tokens) -> None:  # type: ignore[no-untyped-def]
+    """Item 7: a claim's blocking event on the claims page, the tenant by name (its id's
+    first 8 characters before), token scopes by name."""
+    page = open_as(browser, app.base, tokens.admin, "/ui/claims")
+    claim = page.locator("#claims section.claim").first
+    expect(claim).to_contain_text("tenant acme")
+    expect(claim.locator("li", has_text="node0")).to_contain_text(
+        "waits on provision.no-bmc: no BMC registered"
+    )
+    assert axe_violations(page) == []
+    page.goto("/ui/tokens")
+    expect(page.get_by_role("row", name=re.compile("^orchestrator orchestrator "))).to_contain_text("acme")
     page.context.close()
