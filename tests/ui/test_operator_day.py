@@ -282,5 +282,7 @@ def test_claims_say_what_a_machine_waits_on_and_name_the_tenant(browser, app, to
     )
     assert axe_violations(page) == []
     page.goto("/ui/tokens")
-    expect(page.get_by_role("row", name=re.compile("^orchestrator orchestrator "))).to_contain_text("acme")
+    expect(page.get_by_role("row", name=re.compile("^orchestrator orchestrator "))).to_contain_text(
+        "acme"
+    )
     page.context.close()
