@@ -52,3 +52,45 @@ async def test_a_rack_position_names_it_and_a_taken_one_gets_a_generated_name(st
         assert d.name == "by-hand"
         # A name given by hand is never replaced by the serial.
         assert not machines.is_generated_name(d) and machines.is_generated_name(c)
+
+
+def test_migration_0035_names_the_machines_enlisted_before(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Machines enlisted unnamed before 0035: after their rack position, else their serial,
+    else a generated name; a taken name is not taken twice."""
+    from sqlalchemy import text
+
+    from metald.store import Store
+
+    store = Store(f"sqlite:///{tmp_path / 'm.db'}")
+    try:
+        store.migrate("0030")
+        with store.engine.begin() as conn:
+            rows = [
+                ("a", "r07", "u1", None, None),  # -> r07-u1
+                ("b", None, None, "CZ123", None),  # -> cz123
+                ("c", None, None, None, None),  # -> generated
+                ("d", "r07", "u1", None, None),  # r07-u1 is a's: generated
+                ("e", None, None, None, "kept"),  # named by hand: kept
+            ]
+            for mid, rack, pos, serial, name in rows:
+                conn.execute(
+                    text(
+                        "INSERT INTO machines (id, name, state, labels, rack, rack_position, "
+                        "serial, gpu_count, version, state_changed_at, created_at, updated_at) "
+                        "VALUES (:id, :name, 'discovered', '{}', :rack, :pos, :serial, 0, 1, "
+                        "CURRENT_TIMESTAMP, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"
+                    ),
+                    {"id": mid, "name": name, "rack": rack, "pos": pos, "serial": serial},
+                )
+        store.migrate("head")
+        with store.engine.begin() as conn:
+            names = dict(conn.execute(text("SELECT id, name FROM machines")).all())
+        assert names == {
+            "a": "r07-u1",
+            "b": "cz123",
+            "c": generated_name("c"),
+            "d": generated_name("d"),
+            "e": "kept",
+        }
+    finally:
+        store.close()
