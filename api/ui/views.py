@@ -185,12 +185,15 @@ class Views:
         colour = ui.raw.query.get("colour", "state")
         if colour not in ("state", "power", "gpu"):
             colour = "state"
-        found = await _console(ui).racks(ui.principal, f)
+        start = ui.raw.query.get("from", "").strip()[:128]
+        found = await _console(ui).racks(ui.principal, f, start)
         return page(
             "racks.html",
             title="Racks",
             f=f,
-            racks=found,
+            racks=found.racks,
+            found=found,
+            start=start,
             colour=colour,
             query=f.link(after="", sort="", group="")[5:],
             **self.base(ui, "fleet"),

@@ -482,6 +482,8 @@ GPU_FAULT_KINDS = (
     "nvlink",
     "dcgm-health",
 )
+#: Racks on one page of the rack view.
+RACKS_PER_PAGE = 24
 #: Racks drawn at least this many units high.
 RACK_UNITS = 42
 _UNIT = re.compile(r"^[uU]?(\d{1,3})$")
@@ -516,10 +518,27 @@ def unit_of(position: str | None) -> int | None:
     return int(m.group(1)) if m and 0 < int(m.group(1)) <= 100 else None
 
 
-def racks(s: Session, p: Principal, f: FleetQuery) -> list[Rack]:
-    """The racks of the machines the fleet's filters list, each machine in its unit with its
-    state, power and GPU health (three statements, whatever the fleet's size)."""
+@dataclass
+class RackPage:
+    racks: list[Rack]
+    #: Racks the filters list, in all.
+    total: int
+    #: The first rack of the next page, if there is one.
+    next: str | None
+
+
+def racks(s: Session, p: Principal, f: FleetQuery, start: str = "") -> RackPage:
+    """The racks of the machines the fleet's filters list, ``RACKS_PER_PAGE`` of them from
+    ``start`` on (by name), each machine in its unit with its state, power and GPU health
+    (four statements, whatever the fleet's size)."""
     clauses = [*where(p, f), col(Machine.rack).is_not(None)]
+    names = sorted(x for x in s.exec(select(Machine.rack).where(*clauses).distinct()).all() if x)
+    shown = [n for n in names if n >= start][: RACKS_PER_PAGE + 1]
+    more = shown[RACKS_PER_PAGE] if len(shown) > RACKS_PER_PAGE else None
+    shown = shown[:RACKS_PER_PAGE]
+    if not shown:
+        return RackPage([], len(names), None)
+    clauses.append(col(Machine.rack).in_(shown))
     rows = s.exec(
         select(
             Machine.id,
@@ -572,7 +591,7 @@ def racks(s: Session, p: Principal, f: FleetQuery) -> list[Rack]:
             r.units = max(r.units, unit)
     for r in out.values():
         r.unplaced.sort(key=lambda x: x.name)
-    return [out[k] for k in sorted(out)]
+    return RackPage([out[k] for k in sorted(out)], len(names), more)
 
 
 def latest_events(s: Session, p: Principal, machine_ids: list[str]) -> dict[str, dict[str, Any]]:
@@ -630,8 +649,8 @@ class Console:
     async def counts(self, p: Principal) -> dict[str, int]:
         return await self.store.read(counts, p)
 
-    async def racks(self, p: Principal, f: FleetQuery) -> list[Rack]:
-        return await self.store.read(racks, p, f)
+    async def racks(self, p: Principal, f: FleetQuery, start: str = "") -> RackPage:
+        return await self.store.read(racks, p, f, start)
 
     async def latest_events(self, p: Principal, ids: list[str]) -> dict[str, dict[str, Any]]:
         return await self.store.read(latest_events, p, ids)
