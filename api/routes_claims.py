@@ -28,6 +28,7 @@ from api.schemas import (
     TenantRef,
     Text,
 )
+from metald.claims.tenant_os import OsRequest
 from metald.usecases.claims import Claims
 
 router = Router()
@@ -71,6 +72,120 @@ class SelectorIn(In):
     )
 
 
+NicSelector = Annotated[
+    dict[Literal["name", "mac", "pci", "role"], Annotated[str, StringConstraints(max_length=64)]],
+    Field(min_length=1, max_length=1),
+]
+NetName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]
+IfName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z][a-zA-Z0-9_.-]{0,14}$")]
+
+
+class RouteIn(In):
+    to: Annotated[str, StringConstraints(max_length=64)]
+    via: Annotated[str, StringConstraints(max_length=64)]
+    metric: int | None = Field(default=None, ge=0, le=65535)
+
+
+class _Addressing(In):
+    network: NetName | None = Field(
+        default=None, description="A pool in [provision.networks]: one static address from it."
+    )
+    dhcp4: bool = False
+    default_route: bool = Field(
+        default=False, description="Route everything via the network's gateway."
+    )
+    mtu: int | None = Field(default=None, ge=576, le=65535)
+    routes: list[RouteIn] = Field(default=[], max_length=32)
+
+
+class EthernetIn(_Addressing):
+    nic: NicSelector
+
+
+class BondIn(_Addressing):
+    name: IfName
+    mode: Literal["802.3ad", "active-backup"] = "802.3ad"
+    nics: list[NicSelector] = Field(min_length=2, max_length=8)
+
+
+class VlanIn(_Addressing):
+    link: IfName = Field(description="A bond's name or a NIC's name.")
+    id: int | None = Field(default=None, ge=1, le=4094, description="Default: the network's.")
+    name: IfName | None = None
+
+
+class RailsIn(In):
+    networks: list[NetName] = Field(min_length=1, max_length=32, description="One pool per rail.")
+    nics: list[NicSelector] = Field(
+        default=[], max_length=32, description="Default: every non-PXE NIC in PCI order."
+    )
+    mtu: int | None = Field(default=None, ge=576, le=65535)
+
+
+class DnsIn(In):
+    nameservers: list[Annotated[str, StringConstraints(max_length=64)]] = Field(
+        default=[], max_length=8
+    )
+    search: list[Annotated[str, StringConstraints(max_length=253)]] = Field(
+        default=[], max_length=8
+    )
+
+
+class NetworkIn(In):
+    """The deployed OS's network (docs/tenant-os.md); rendered as netplan v2 per machine."""
+
+    ethernets: list[EthernetIn] = Field(default=[], max_length=64)
+    bonds: list[BondIn] = Field(default=[], max_length=16)
+    vlans: list[VlanIn] = Field(default=[], max_length=64)
+    rails: RailsIn | None = None
+    dns: DnsIn | None = None
+    pxe_dhcp: bool = Field(
+        default=True,
+        description="DHCP on the PXE NIC when nothing else uses it; false: static only.",
+    )
+
+
+DiskHints = Annotated[
+    dict[
+        Literal["size", "model", "vendor", "serial", "wwn", "name", "by_path", "rotational"],
+        str | int | bool,
+    ],
+    Field(max_length=8),
+]
+
+
+class RootIn(In):
+    hints: DiskHints = {}
+    raid: Literal[1] | None = None
+    disks: list[DiskHints] = Field(default=[], max_length=2)
+
+
+class LvIn(In):
+    name: NetName
+    size_gib: int = Field(ge=1, le=1 << 20)
+
+
+class LvmIn(In):
+    vg: NetName
+    lvs: list[LvIn] = Field(default=[], max_length=16)
+
+
+class VolumeIn(In):
+    name: NetName
+    raid: Literal[0, 1] | None = None
+    disks: list[DiskHints] | Literal["rest"] = Field(default=[])
+    fs: Literal["ext4", "xfs"] = "ext4"
+    mount: Annotated[str, StringConstraints(pattern=r"^/[A-Za-z0-9_./-]{0,200}$")] | None = None
+    lvm: LvmIn | None = None
+
+
+class StorageIn(In):
+    """Root device hints and scratch volumes (docs/tenant-os.md), checked per machine."""
+
+    root: RootIn = RootIn()
+    volumes: list[VolumeIn] = Field(default=[], max_length=16)
+
+
 class ClaimCreate(In):
     tenant_id: TenantRef = Field(description="The tenant's id, name or an 8+ character id prefix.")
     count: int = Field(ge=1, le=1024)
@@ -82,6 +197,16 @@ class ClaimCreate(In):
     idempotency_key: Annotated[str, StringConstraints(min_length=1, max_length=200)] | None = Field(
         default=None, description="A retried request with the same key gets the same claim."
     )
+    user_data: Annotated[str, StringConstraints(max_length=16 << 20)] | None = Field(
+        default=None,
+        description="cloud-init user-data (cloud-config, script, boothook, include, jinja or "
+        "MIME multipart), served as is; checked against cloud-init's schema; never shown again.",
+    )
+    meta_data: dict[Name, Text] = Field(
+        default={}, max_length=32, description="Extra NoCloud meta-data keys."
+    )
+    network: NetworkIn | None = None
+    storage: StorageIn | None = None
 
 
 class ProgressOut(BaseModel):
@@ -112,11 +237,22 @@ class ClaimOut(BaseModel):
     image_id: str | None
     ssh_authorized_keys: list[str] = []
     state: str
+    firmware_consent: bool = Field(
+        default=False,
+        description="The tenant consents to its machines being drained (out of the claim, "
+        "replaced by its health policy) for firmware rollouts (docs/firmware.md).",
+    )
     version: int = Field(description="Bumped by every change; the ETag, for If-Match.")
     idempotency_key: str | None
     created_by: str | None
     created_at: datetime
     updated_at: datetime
+    network: dict[str, Any] | None = None
+    storage: dict[str, Any] | None = None
+    #: The user-data's form, size and sha256 (never its content).
+    user_data: dict[str, Any] | None = None
+    #: Static addresses metald handed out, by machine id.
+    addresses: dict[str, list[dict[str, str]]] = {}
     #: True when an idempotency key matched an earlier claim (nothing new was allocated).
     replayed: bool = False
     machines: list[ClaimMachineOut] = []
@@ -132,6 +268,13 @@ class ClaimQuery(PageQuery):
         default=None, description="The tenant's id, name or an 8+ character id prefix."
     )
     state: Literal["allocated", "released"] | None = None
+
+
+class ConsentIn(In):
+    consent: bool = Field(
+        description="true: a firmware rollout with in_use=drain may drain this claim's machines "
+        "through the Day-2 path; false: they are updated only once released."
+    )
 
 
 # ---- claims -----------------------------------------------------------------------------
@@ -165,6 +308,12 @@ async def create_claim(req: ApiRequest, claims: Claims) -> ClaimOut:
         image_id=b.image_id,
         idempotency_key=b.idempotency_key or req.raw.headers.get("Idempotency-Key") or None,
         ssh_authorized_keys=b.ssh_authorized_keys,
+        os=OsRequest(
+            user_data=b.user_data,
+            meta_data=b.meta_data,
+            network=b.network.model_dump(exclude_defaults=True) if b.network else None,
+            storage=b.storage.model_dump(exclude_defaults=True) if b.storage else None,
+        ),
     )
     return ClaimOut.model_validate(out)
 
@@ -198,6 +347,70 @@ async def list_claims(req: ApiRequest, claims: Claims) -> ClaimList:
 async def show_claim(req: ApiRequest, claims: Claims) -> ClaimOut:
     """One claim with each machine's state and latest progress (phase, percent, bytes, rate)."""
     return ClaimOut.model_validate(await claims.show(req.require_principal(), req.params["id"]))
+
+
+@router.route(
+    "PUT",
+    "/api/v1/claims/{id}/firmware-consent",
+    summary="Consent to firmware drains of a claim's machines",
+    roles=CLAIMERS,
+    body=ConsentIn,
+    response=ClaimOut,
+    tag=TAG,
+    errors=(404, 409),
+    versioned=True,
+    use_case=workflows.claims,
+)
+async def firmware_consent(req: ApiRequest, claims: Claims) -> ClaimOut:
+    """The tenant's orchestrator says whether a firmware rollout with ``in_use: drain`` may
+    take this claim's machines out through the Day-2 path: drained in the tenant's scheduler
+    (running jobs may finish for the claim's health policy's ``job_wait_s``), out of the
+    claim, replaced when that policy replaces, wiped, then flashed from the pool. Without
+    consent such a rollout waits for the machines' release. A ``claim.firmware-consent`` event
+    on the claim's stream records each change."""
+    b: ConsentIn = req.body
+    out = await claims.firmware_consent(
+        req.require_principal(),
+        req.params["id"],
+        b.consent,
+        actor=req.actor,
+        if_match=req.if_match,
+    )
+    return ClaimOut.model_validate(out)
+
+
+class MachineUserData(In):
+    user_data: Annotated[str, StringConstraints(max_length=16 << 20)] | None = Field(
+        default=None, description="This machine's own user-data; null: the claim's."
+    )
+    meta_data: dict[Name, Text] = Field(default={}, max_length=32)
+
+
+@router.route(
+    "PUT",
+    "/api/v1/claims/{id}/machines/{machine_id}/user-data",
+    summary="Set one machine's user-data",
+    roles=CLAIMERS,
+    body=MachineUserData,
+    response=ClaimOut,
+    tag=TAG,
+    errors=(404, 422),
+    use_case=workflows.claims,
+)
+async def set_machine_user_data(req: ApiRequest, claims: Claims) -> ClaimOut:
+    """Give one machine of the claim its own cloud-init user-data and meta-data instead of the
+    claim's (checked the same way); served at the machine's next provisioning. Write-only:
+    the claim shows its form, size and digest, never the content."""
+    b: MachineUserData = req.body
+    out = await claims.set_machine_user_data(
+        req.require_principal(),
+        req.params["id"],
+        req.params["machine_id"],
+        actor=req.actor,
+        user_data=b.user_data,
+        meta_data=b.meta_data,
+    )
+    return ClaimOut.model_validate(out)
 
 
 #: What both releases declare (the claim's, one machine's).

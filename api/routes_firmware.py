@@ -310,16 +310,21 @@ class RolloutIn(In):
         le=10000,
         description="The rollout stops (nothing more starts) once this many machines failed.",
     )
-    in_use: Literal["skip", "wait"] = Field(
+    in_use: Literal["skip", "wait", "drain"] = Field(
         default="skip",
-        description="A machine a tenant holds: skipped, or updated once released (wait).",
+        description="A machine a tenant holds: skipped, updated once released (wait), or, "
+        "where its claim's tenant consented (PUT /api/v1/claims/{id}/firmware-consent), "
+        "drained through the Day-2 path (out of the claim, replaced by the claim's health "
+        "policy, wiped) and updated from the pool (drain; without consent: wait).",
     )
 
 
 class RolloutTargetOut(BaseModel):
     machine_id: str
     seq: int
-    status: str = Field(description="pending, waiting, updating, done, failed or skipped.")
+    status: str = Field(
+        description="pending, waiting, draining, updating, done, failed or skipped."
+    )
     wave: int | None
     prior_state: str | None
     error: str | None
@@ -331,6 +336,7 @@ class RolloutProgress(BaseModel):
     total: int
     pending: int
     waiting: int
+    draining: int = 0
     updating: int
     done: int
     failed: int
@@ -392,8 +398,8 @@ async def create_rollout(req: ApiRequest, rollouts: Rollouts) -> RolloutOut:
     """Update every machine of the profile that the selector matches and that is off the
     baseline version, in waves of ``batch_size`` with at most ``max_unavailable`` at once,
     each taken into maintenance (no claim takes it) and back to ready once updated. The
-    rollout stops once ``failure_budget`` machines failed. Machines in use are skipped or
-    waited for (``in_use``). Progress: ``firmware.rollout*`` events and
+    rollout stops once ``failure_budget`` machines failed. Machines in use are skipped, waited
+    for, or drained with their tenant's consent (``in_use``). Progress: ``firmware.rollout*`` events and
     ``GET /api/v1/firmware/rollouts/{id}``. Admins only."""
     b: RolloutIn = req.body
     spec = RolloutSpec(

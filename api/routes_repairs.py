@@ -49,7 +49,7 @@ class RepairOut(BaseModel):
     machine_id: str
     machine: RepairMachine | None
     status: str = Field(description="open, taken, verifying or closed.")
-    source: str = Field(description="remediation, technician or commissioning.")
+    source: str = Field(description="remediation, technician, commissioning or release.")
     remediation_id: str | None
     opened_by: str
     opened_at: datetime

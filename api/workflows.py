@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from api.context import AppContext
 from metald.bmc.media import boot_url_problem
+from metald.claims.tenant_os import TenantOs
 from metald.claims.workflow import ClaimWorkflow
 from metald.provision.intents import DeployImage
 from metald.provision.netboot import Provisioner
@@ -77,6 +78,7 @@ def claim_workflow(ctx: AppContext) -> ClaimWorkflow:
         require_bmc=ctx.cfg.enroll.require_bmc,
         mesh=MeshOfContext(ctx),
         cleanup=ctx.services.firmware if ctx.cfg.provision.use_bmc else None,
+        tenant_os=TenantOs.from_config(ctx.cfg.provision),
     )
 
 

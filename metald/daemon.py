@@ -300,9 +300,11 @@ def _build_services(d: Daemon) -> tuple[Services, list[web.RouteDef]]:
     firmware, firmware_routes = _firmware(d, bmc)
     routes = [*routes, *firmware_routes]
     from metald.firmware.rollouts import FirmwareRollouts
+    from metald.healthwatch.workflow import FirmwareDrain
 
     # Firmware rollouts in waves: each driven by one instance (a lease in the store), taken
-    # over by a survivor.
+    # over by a survivor. Machines in use are drained (with their tenant's consent) through
+    # the health watch's remediations, the Day-2 path.
     rollouts = FirmwareRollouts(
         d.store,
         firmware,
@@ -312,6 +314,7 @@ def _build_services(d: Daemon) -> tuple[Services, list[web.RouteDef]]:
         lease_s=d.cfg.firmware.rollout_lease_s,
         tasks=d.tasks.child("firmware_rollouts"),
         notify=lambda: d.bus.notify(),
+        drain=FirmwareDrain(d.cfg.health),
     )
     firmware.on_end = rollouts.wake
     d.fleet.on_change(rollouts.wake)
@@ -337,7 +340,7 @@ def _build_services(d: Daemon) -> tuple[Services, list[web.RouteDef]]:
         token_sweeper=TokenSweeper(
             d.store, d.cfg.instance, ownership=d.fleet, tasks=d.tasks.child("token-sweeper")
         ),
-        health_watch=_health_watch(d, bmc, hubs, provision),
+        health_watch=_health_watch(d, bmc, hubs, provision, firmware),
         firmware=firmware,
         firmware_rollouts=rollouts,
         sel_reads=SelReads(tasks=d.tasks.child("commissioning_sel")),
@@ -347,7 +350,7 @@ def _build_services(d: Daemon) -> tuple[Services, list[web.RouteDef]]:
 
 
 def _health_watch(
-    d: Daemon, bmc: BmcService, hubs: TenantRuntime | None, provision: Any
+    d: Daemon, bmc: BmcService, hubs: TenantRuntime | None, provision: Any, firmware: Any = None
 ) -> HealthWatch:
     """Machines in use watched (BMC logs and sensors by their owner, node silence, the tenant's
     Slurm) and remediated with the tenant's scheduler in the loop (docs/health.md)."""
@@ -372,6 +375,21 @@ def _health_watch(
                 provision.reboot_all(d.store, bmc, ids, actor=actor, instance=cfg.instance)
             )
 
+    def released(ids: list[str], claim_id: str, actor: str) -> None:
+        """A machine a firmware drain took out of its claim: the release clean-up (BIOS,
+        BMC accounts, firmware: metald.firmware.release), then its wipe, as a release does."""
+
+        async def clean_then_wipe() -> None:
+            held: list[str] = []
+            if firmware is not None:
+                try:
+                    held = await firmware.after_release(ids, claim_id, actor)
+                except Exception:  # the wipe still runs: a clean-up that broke must not keep data
+                    log.exception("release clean-up after a firmware drain failed")
+            network_boot([m for m in ids if m not in held], actor)
+
+        provision.spawn(clean_then_wipe())
+
     actor = f"metald:{cfg.instance}"
     remediations = Remediations(
         store=d.store,
@@ -383,6 +401,7 @@ def _health_watch(
         deploy=DeployImage(cfg.provision.deploy_kernel, cfg.provision.deploy_initrd),
         boot=provision,
         network_boot=network_boot,
+        released=released,
         require_bmc=cfg.enroll.require_bmc,
         hubs=hubs,
         notify=d.bus.notify,

@@ -62,6 +62,9 @@ class Source(StrEnum):
     REMEDIATION = "remediation"
     TECHNICIAN = "technician"
     COMMISSIONING = "commissioning"
+    #: Held at a release: firmware changed during the tenancy that metald cannot restore, or
+    #: a BMC clean-up step that failed (metald.firmware.release).
+    RELEASE = "release"
 
 
 class Outcome(StrEnum):

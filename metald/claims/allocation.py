@@ -24,7 +24,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from metald import machines
+from metald.claims import tenant_os
 from metald.claims.records import retrying, switch_plan
+from metald.claims.tenant_os import OsRequest
 from metald.errors import Conflict, NotFound, Unprocessable
 from metald.lifecycle import State, Trigger
 from metald.provision.commissioning import require_passed
@@ -199,12 +201,23 @@ def get_image(session: Session, image_id: str, tenant_id: str | None = None) -> 
     return img
 
 
-def _same_request(c: Claim, count: int, selector: Selector, image_id: str, keys: list[str]) -> bool:
+def _same_request(
+    session: Session,
+    c: Claim,
+    count: int,
+    selector: Selector,
+    image_id: str,
+    keys: list[str],
+    os: OsRequest,
+) -> bool:
     return (
         c.count == count
         and Selector.from_dict(c.selector) == selector
         and c.image == image_id
         and list(c.ssh_authorized_keys or []) == keys
+        and (c.network or None) == (os.network or None)
+        and (c.storage or None) == (os.storage or None)
+        and tenant_os.same_user_data(session, c.id, os)
     )
 
 
@@ -214,8 +227,16 @@ def _existing(session: Session, tenant_id: str, key: str) -> Claim | None:
     ).first()
 
 
-def _replay(c: Claim, count: int, selector: Selector, image_id: str, keys: list[str]) -> Claim:
-    if not _same_request(c, count, selector, image_id, keys):
+def _replay(
+    session: Session,
+    c: Claim,
+    count: int,
+    selector: Selector,
+    image_id: str,
+    keys: list[str],
+    os: OsRequest,
+) -> Claim:
+    if not _same_request(session, c, count, selector, image_id, keys, os):
         raise Conflict(
             f"idempotency key {c.idempotency_key!r} was already used for claim {c.id} with a "
             "different request; use a new key for a new claim",
@@ -237,6 +258,7 @@ def create_claim(
     ssh_authorized_keys: list[str] | None = None,
     instance: str | None = None,
     require_bmc: bool | None = None,
+    os: OsRequest | None = None,
 ) -> tuple[Claim, bool]:
     """Allocate ``count`` machines to the tenant, all or none. Returns (claim, replayed):
     a repeated idempotency key with the same request returns the first claim unchanged.
@@ -245,10 +267,12 @@ def create_claim(
     if count < 1:
         raise Unprocessable("count must be at least 1")
     keys = list(ssh_authorized_keys or [])
+    os = os or OsRequest()
     if session.get(Tenant, tenant_id) is None:
         raise NotFound(f"no tenant with id {tenant_id!r}")
     if idempotency_key and (c := _existing(session, tenant_id, idempotency_key)):
-        return _replay(c, count, selector, image_id, keys), True
+        return _replay(session, c, count, selector, image_id, keys, os), True
+    checked = tenant_os.check_user_data(os.settings, os.user_data, os.meta_data)
     image = get_image(session, image_id, tenant_id)  # scoped images: their tenants only
     intent = provision_intent(image.id, image.kind, image.spec, deploy)
     strict = bmc_required(session, require_bmc)
@@ -262,11 +286,14 @@ def create_claim(
             selector=selector.to_dict(),
             image=image.id,
             ssh_authorized_keys=keys,
+            network=os.network or None,
+            storage=os.storage or None,
             state="allocated",
             created_by=actor,
         )
         session.add(claim)
         session.flush()
+        tenant_os.save_user_data(session, claim.id, os.user_data, os.meta_data, checked)
         dialect = session.get_bind().dialect.name
         stmt, exact = selector.narrow(claimable(select(Machine)), dialect)
         if not exact:
@@ -284,6 +311,12 @@ def create_claim(
         ).all()
         if len(locked) < count or not all(selector.matches(m) for m in locked):
             raise _Shortfall
+        # Layouts fit and addresses are taken before any machine moves (a 422 rolls back).
+        try:
+            tenant_os.prepare(session, os.settings, claim, list(locked))
+        except Unprocessable:
+            session.rollback()
+            raise
         for m in locked:
             machines.transition(
                 session,
@@ -328,7 +361,7 @@ def create_claim(
         c = _existing(session, tenant_id, idempotency_key) if idempotency_key else None
         if c is None:
             raise
-        return _replay(c, count, selector, image_id, keys), True
+        return _replay(session, c, count, selector, image_id, keys, os), True
 
 
 def _allocate_or_explain(

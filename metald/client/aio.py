@@ -129,6 +129,7 @@ class AsyncClient:
         selector: Json | None = None,
         ssh_keys: list[str] | None = None,
         idempotency_key: str | None = None,
+        os: Json | None = None,
     ) -> Json:
         body = claim_body(
             tenant,
@@ -137,6 +138,7 @@ class AsyncClient:
             selector=selector,
             ssh_keys=ssh_keys,
             idempotency_key=idempotency_key,
+            os=os,
         )
         return await self.call("POST", "/api/v1/claims", body)
 

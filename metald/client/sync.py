@@ -148,6 +148,7 @@ class Client:
         selector: Json | None = None,
         ssh_keys: list[str] | None = None,
         idempotency_key: str | None = None,
+        os: Json | None = None,
     ) -> Json:
         """Claim ``count`` machines for ``tenant`` (retry with the same idempotency key
         after a lost answer: the same claim comes back, nothing new is allocated)."""
@@ -158,6 +159,7 @@ class Client:
             selector=selector,
             ssh_keys=ssh_keys,
             idempotency_key=idempotency_key,
+            os=os,
         )
         return self.call("POST", "/api/v1/claims", body)
 

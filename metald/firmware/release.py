@@ -9,9 +9,12 @@ For each released machine with a Redfish BMC, through the fenced executor:
 2. BMC accounts: every account but metald's own and the operator's listed ones
    (``[firmware] keep_accounts``) is removed;
 3. firmware: the inventory is read and compared with what was recorded before the tenancy and
-   with the profile's baseline. A machine whose firmware changed, or is off its baseline, is
-   held (marked broken, not wiped) with the evidence, for a technician to re-flash
-   (docs/firmware.md) and repair.
+   with the profile's baseline. An item that changed during the tenancy (or, with nothing
+   recorded before it, any item off the baseline) is **re-flashed** to the baseline before the
+   wipe when the baseline has an image for it (``reflash``: ``metald.firmware.service`` runs the
+   updates and wipes only after they are done); with no baseline component, no image or no
+   such item any more, the machine is **held in the repair queue** (``metald.repairs``, source
+   ``release``) with the evidence, not wiped.
 
 One ``release.restored`` event per machine (with the claim's id) says what was done; a step
 the BMC refuses is in it as an error, and the machine is held too: metald does not hand a
@@ -27,16 +30,16 @@ from typing import Any
 
 from sqlmodel import Session
 
-from metald import machines
+from metald import repairs
 from metald.bmc import firmware as bmc_firmware
 from metald.bmc.capabilities import Capability
 from metald.bmc.control import Executor
 from metald.errors import MetaldError, Unprocessable
 from metald.firmware import records
-from metald.firmware.baselines import compare
+from metald.firmware.baselines import compare, component_for
 from metald.inventory.rules import EnrollmentRule
-from metald.lifecycle import Trigger
 from metald.machines import add_event, get_machine
+from metald.store.models import utcnow
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +55,15 @@ class Cleanup:
     #: Steps this BMC does not offer (no Bios resource, no AccountService): said, not held.
     not_offered: list[str] = field(default_factory=list)
     skipped: str | None = None
+    #: Inventory items to flash back to the baseline before the wipe (the baseline has an
+    #: image for each).
+    reflash: list[str] = field(default_factory=list)
+    #: Changed items metald cannot restore (why, one sentence each): the machine is held.
+    unrestorable: list[str] = field(default_factory=list)
 
     @property
     def hold(self) -> bool:
-        return bool(self.firmware_changed or self.off_baseline or self.errors)
+        return bool(self.unrestorable or self.errors)
 
     def view(self) -> dict[str, Any]:
         return {
@@ -66,6 +74,8 @@ class Cleanup:
             "errors": self.errors,
             "not_offered": self.not_offered,
             "skipped": self.skipped,
+            "reflash": self.reflash,
+            "unrestorable": self.unrestorable,
         }
 
 
@@ -127,16 +137,41 @@ async def clean(
             if before and before.get(k) != after.get(k):
                 out.firmware_changed[k] = {"before": before.get(k), "after": after.get(k)}
 
-        def baseline_findings(s: Session) -> list[dict[str, str | None]]:
+        def baseline_findings(s: Session) -> None:
             mm = get_machine(s, machine_id)
             profile = records.machine_profile(rules, mm)
             b = records.latest(s, profile).get(profile) if profile else None
-            if b is None:
-                return []
-            found = compare(records.components_of(b), after)
-            return [f.as_dict() for f in found if f.status in ("differs", "missing")]
+            comps = records.components_of(b) if b is not None else []
+            found = compare(comps, after) if b is not None else []
+            out.off_baseline = [f.as_dict() for f in found if f.status in ("differs", "missing")]
+            # What the tenant may have done: the items that changed; with nothing recorded
+            # before the tenancy, every item off the baseline.
+            suspects = (
+                set(out.firmware_changed)
+                if before
+                else {f["item"] for f in out.off_baseline if f["item"]}
+            )
+            where = f"profile {profile}'s baseline" if b is not None else "no baseline"
+            for k in sorted(suspects):
+                comp = component_for(comps, k)
+                have = after.get(k)
+                if comp is None:
+                    out.unrestorable.append(
+                        f"{k}: {where} has no component for it, so metald cannot restore it"
+                    )
+                elif have is None:
+                    out.unrestorable.append(f"{k}: the BMC no longer reports it")
+                elif have.strip() == comp.version.strip():
+                    continue  # at the baseline's version: nothing to restore
+                elif comp.updatable():
+                    out.reflash.append(k)
+                else:
+                    out.unrestorable.append(
+                        f"{k}: {where} has no image for {comp.id} {comp.version} "
+                        "(set its url and sha256 to let metald re-flash it)"
+                    )
 
-        out.off_baseline = await ex.store.run(baseline_findings)
+        await ex.store.run(baseline_findings)
     except Unprocessable as e:  # the BMC does not offer it
         out.not_offered.append(f"firmware: {e.detail}")
     except MetaldError as e:
@@ -178,6 +213,9 @@ def _record(s: Session, out: Cleanup, claim_id: str | None, actor: str, instance
                 for f in out.off_baseline
             )
         )
+    if out.reflash and not out.hold:
+        parts.append("re-flashing to the baseline before the wipe: " + ", ".join(out.reflash))
+    parts += out.unrestorable
     parts += out.errors
     parts += [f"not offered by the BMC: {x}" for x in out.not_offered]
     add_event(
@@ -190,17 +228,56 @@ def _record(s: Session, out: Cleanup, claim_id: str | None, actor: str, instance
         data={"claim_id": claim_id, **out.view()},
     )
     if out.hold and not out.skipped:
-        machines.transition(
-            s,
-            out.machine_id,
-            Trigger.MARK_BROKEN,
-            actor=actor,
-            reason="held after release, not wiped for the next tenant: "
-            + "; ".join(parts)
-            + ". Re-flash it to its baseline (POST /api/v1/machines/{id}/firmware/update), "
-            "then repair and wipe it",
-            data={"claim_id": claim_id, "evidence": out.view()},
-            updates={"last_error": "held after release: " + "; ".join(parts)[:900]},
-            instance=instance,
-        )
+        hold_in_repair(s, out.machine_id, claim_id, evidence(out), actor, instance)
     s.commit()
+
+
+def evidence(out: Cleanup) -> list[dict[str, Any]]:
+    """The faults a held machine's repair carries: one per thing metald could not restore."""
+    now = utcnow().isoformat()
+    faults: list[dict[str, Any]] = []
+    for why in out.unrestorable:
+        item = why.split(":", 1)[0]
+        change = out.firmware_changed.get(item)
+        seen = f" ({change['before']} -> {change['after']} during the tenancy)" if change else ""
+        faults.append({"kind": "firmware", "subject": item, "code": "changed-in-tenancy",
+                       "severity": "fatal", "witness": "bmc", "evidence": why + seen,
+                       "why": (why + seen)[:200], "first_seen": now})  # fmt: skip
+    for err in out.errors:
+        faults.append({"kind": "release", "subject": "bmc", "code": "clean-up-failed",
+                       "severity": "fatal", "witness": "bmc", "evidence": err,
+                       "why": err[:200], "first_seen": now})  # fmt: skip
+    return faults
+
+
+def hold_in_repair(
+    s: Session,
+    machine_id: str,
+    claim_id: str | None,
+    faults: list[dict[str, Any]],
+    actor: str,
+    instance: str,
+) -> None:
+    """Hold a released machine in the repair queue (marked broken, not wiped) with the
+    evidence; not committed. A technician re-flashes it (``POST .../firmware/update`` works on
+    broken machines), repairs it, and the repair's verification wipes it."""
+    r = repairs.open_repair(
+        s,
+        machine_id,
+        faults=faults or [{"kind": "release", "evidence": "held after release"}],
+        source=repairs.Source.RELEASE,
+        actor=actor,
+        instance=instance,
+        commit=False,
+    )
+    add_event(
+        s,
+        "release.held",
+        actor,
+        machine_id=machine_id,
+        instance=instance,
+        reason=f"held after release, not wiped for the next tenant: in repair {r.id} "
+        f"({r.summary}). Re-flash it to its baseline (POST /api/v1/machines/{machine_id}"
+        "/firmware/update), then repair it",
+        data={"claim_id": claim_id, "repair_id": r.id, "faults": faults},
+    )

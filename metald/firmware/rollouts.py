@@ -40,11 +40,12 @@ from metald.firmware.waves import (
     TargetStatus,
     plan,
 )
-from metald.lifecycle import ROLLOUT_FREE, ROLLOUT_GONE, State, Trigger
+from metald.lifecycle import ALLOCATED, ROLLOUT_FREE, ROLLOUT_GONE, State, Trigger
 from metald.machines import add_event, transition
 from metald.service import TaskScope
 from metald.store.db import Store
 from metald.store.models import (
+    Claim,
     FirmwareRollout,
     FirmwareRolloutTarget,
     FirmwareUpdate,
@@ -56,6 +57,7 @@ log = logging.getLogger(__name__)
 
 FREE_STATES = frozenset(s.value for s in ROLLOUT_FREE)
 GONE_STATES = frozenset(s.value for s in ROLLOUT_GONE)
+ALLOCATED_STATES = frozenset(s.value for s in ALLOCATED)
 
 
 class Updater(Protocol):
@@ -71,6 +73,16 @@ class Updater(Protocol):
     ) -> list[dict[str, Any]]: ...
 
     async def resume(self) -> list[str]: ...
+
+
+class Drainer(Protocol):
+    """The Day-2 path as a rollout uses it (``metald.healthwatch.workflow.FirmwareDrain``):
+    open, in the caller's transaction, the drain of a machine in use whose tenant consented;
+    its id, or None when none was opened (no consent, not in use, one open already)."""
+
+    def open(
+        self, s: Session, machine_id: str, *, reason: str, actor: str, instance: str | None
+    ) -> str | None: ...
 
 
 class KeyOwnership(Protocol):
@@ -174,8 +186,11 @@ class FirmwareRollouts:
         lease_s: float = 30.0,
         tasks: TaskScope | None = None,
         notify: Any = lambda: None,
+        drain: Drainer | None = None,
     ) -> None:
         self.store = store
+        #: The Day-2 path (None: this daemon runs none; ``in_use = drain`` then waits).
+        self.drain = drain
         self.updates = updates
         self.instance = instance
         self.actor = f"metald:{instance}"
@@ -252,7 +267,9 @@ class FirmwareRollouts:
         if decided is None:
             return
         decision, decided_in = decided
-        starts = await self.store.run(_apply, rid, decision, decided_in, self.actor, self.instance)
+        starts = await self.store.run(
+            _apply, rid, decision, decided_in, self.actor, self.instance, self.drain
+        )
         # 3. machines taken into maintenance: their updates queued.
         for mid, version in starts:
             await self._queue(rid, mid, version)
@@ -440,23 +457,35 @@ def _decide(s: Session, rid: str) -> tuple[Plan, RolloutState] | None:
     if r is None:
         return None
     rows = targets_of(s, rid)
-    states = dict(
-        s.exec(
-            select(Machine.id, Machine.state).where(
-                col(Machine.id).in_([t.machine_id for t in rows])
-            )
-        ).all()
-    )
+    found = s.exec(
+        select(Machine.id, Machine.state, Claim.firmware_consent)
+        .outerjoin(Claim, col(Claim.id) == Machine.claim_id)
+        .where(col(Machine.id).in_([t.machine_id for t in rows]))
+    ).all()
+    states = {mid: st for mid, st, _ in found}
+    consent = {mid for mid, st, ok in found if ok and st in ALLOCATED_STATES}
     policy = Policy(r.batch_size, r.max_unavailable, r.failure_budget, InUse(r.in_use))
     targets = [
-        Target(t.machine_id, TargetStatus(t.status), t.wave, availability(states.get(t.machine_id)))
+        Target(
+            t.machine_id,
+            TargetStatus(t.status),
+            t.wave,
+            availability(states.get(t.machine_id)),
+            consent=t.machine_id in consent,
+        )  # fmt: skip
         for t in rows
     ]
     return plan(RolloutState(r.state), policy, targets), RolloutState(r.state)
 
 
 def _apply(
-    s: Session, rid: str, p: Plan, decided_in: RolloutState, actor: str, instance: str
+    s: Session,
+    rid: str,
+    p: Plan,
+    decided_in: RolloutState,
+    actor: str,
+    instance: str,
+    drain: Drainer | None = None,
 ) -> list[tuple[str, int]]:
     """Record the plan; the machines taken into maintenance (their updates to queue). The
     rollout's row is locked, and a plan decided in another state than the one found now (an
@@ -474,7 +503,25 @@ def _apply(
         rollout_event(s, r, f"firmware rollout {r.id}: machine {mid} skipped: {why}",
                       actor=actor, instance=instance, kind="firmware.rollout-machine",
                       machine_id=mid, status="skipped", error=why)  # fmt: skip
-    for mid in p.wait:
+    waiting = list(p.wait)
+    for mid in p.drain:
+        t = rows[mid]
+        why = (f"firmware rollout {r.id}: profile {r.profile}'s baseline version "
+               f"{r.baseline_version}")  # fmt: skip
+        opened = drain.open(s, mid, reason=why, actor=actor, instance=instance) if drain else None
+        if opened is None:
+            # No Day-2 path in this daemon, consent withdrawn meanwhile, or the machine has a
+            # remediation open already (it leaves its claim anyway): wait for its release.
+            waiting.append(mid)
+            continue
+        t.status, t.wave = TargetStatus.DRAINING.value, None
+        s.add(t)
+        rollout_event(s, r, f"firmware rollout {r.id}: machine {mid} is in use; its tenant "
+                      "consented: drained through the Day-2 path (out of its claim, replaced "
+                      "by its policy), then updated from the pool", actor=actor,
+                      instance=instance, kind="firmware.rollout-machine", machine_id=mid,
+                      status="draining", remediation_id=opened)  # fmt: skip
+    for mid in waiting:
         t = rows[mid]
         if t.status != TargetStatus.WAITING.value or t.wave is not None:
             t.status, t.wave = TargetStatus.WAITING.value, None

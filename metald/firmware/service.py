@@ -33,7 +33,7 @@ from metald.firmware.baselines import Component, component_for
 from metald.firmware.images import FirmwareImages
 from metald.firmware.updates import OPEN, Action, Decision, Event, Phase, decide
 from metald.inventory.rules import EnrollmentRule
-from metald.lifecycle import HELD
+from metald.lifecycle import HELD, State
 from metald.machines import add_event, get_machine
 from metald.service import TaskScope
 from metald.store.db import Store
@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 MAX_JOURNAL = 64
 #: States a machine may be updated in: out of the pool, so nobody claims it meanwhile.
 UPDATABLE_STATES = frozenset(s.value for s in HELD)
+#: Where a release's re-flash runs: released, before its wipe boots (nobody claims it).
+RELEASE_STATES = UPDATABLE_STATES | {State.RELEASING.value}
 
 
 def update_view(u: FirmwareUpdate) -> dict[str, Any]:
@@ -135,10 +137,12 @@ class FirmwareUpdates:
         components: list[str] | None,
         actor: str,
         baseline_version: int | None = None,
+        states: frozenset[str] = UPDATABLE_STATES,
     ) -> list[dict[str, Any]]:
         """Queue an update of every updatable component of the machine that is off its
         profile's baseline (its newest version, or ``baseline_version``: a rollout's) or only
-        those named, and start it in the background."""
+        those named, and start it in the background (``states``: where the machine may be;
+        a release's re-flash adds ``releasing``)."""
         row = await self.ex.row_for_machine(machine_id)
         self.ex.require(
             row,
@@ -150,7 +154,7 @@ class FirmwareUpdates:
 
         def queue(s: Session) -> list[dict[str, Any]]:
             m = get_machine(s, machine_id)
-            if m.state not in UPDATABLE_STATES:
+            if m.state not in states:
                 raise UpdateConflict(
                     f"machine {machine_id} is {m.state}: put it in maintenance first (POST "
                     f"/api/v1/machines/{machine_id}/actions "
@@ -241,6 +245,7 @@ class FirmwareUpdates:
         if not self.cfg.clean_on_release:
             return []
         held = []
+        reflash: dict[str, list[str]] = {}
         for mid in machine_ids:
             try:
                 out = await release.clean(
@@ -256,6 +261,59 @@ class FirmwareUpdates:
                 continue
             if out.hold and not out.skipped:
                 held.append(mid)
+            elif out.reflash:
+                reflash[mid] = out.reflash
+        self.notify()
+        if reflash:
+            held += await self._reflash(reflash, claim_id, actor)
+        return held
+
+    async def _reflash(
+        self, items: dict[str, list[str]], claim_id: str | None, actor: str
+    ) -> list[str]:
+        """Flash the items a tenant changed back to the baseline, machine by machine in
+        parallel, and wait for every update to end: a machine whose re-flash failed is held in
+        the repair queue with the updates' errors; the others go on to their wipe. The ids of
+        the machines held."""
+        started: dict[str, list[str]] = {}
+        held: list[str] = []
+        for mid, only in items.items():
+            try:
+                views = await self.start_update(
+                    mid, components=only, actor=actor, states=RELEASE_STATES
+                )
+                started[mid] = [v["id"] for v in views]
+            except MetaldError as e:
+                await self.store.run(_release_reflashed, mid, claim_id, [], e.detail, actor,
+                                     self.instance)  # fmt: skip
+                held.append(mid)
+        limit = self.cfg.flash_timeout_s + self.cfg.verify_timeout_s + 120
+        end = time.monotonic() + limit
+        while started:
+            ended = await self.store.read(
+                _ended_updates, [u for us in started.values() for u in us]
+            )
+            for mid, ids in list(started.items()):
+                if not all(i in ended for i in ids):
+                    continue
+                del started[mid]
+                rows = [ended[i] for i in ids]
+                failed = [u for u in rows if u.phase == Phase.FAILED.value]
+                err = "; ".join(f"{u.item}: {u.error}" for u in failed) or None
+                await self.store.run(_release_reflashed, mid, claim_id, rows, err, actor,
+                                     self.instance)  # fmt: skip
+                if failed:
+                    held.append(mid)
+            if not started:
+                break
+            if time.monotonic() > end:
+                for mid in started:  # the updates' own deadlines end them first; never here
+                    await self.store.run(_release_reflashed, mid, claim_id, [],
+                                         f"the re-flash did not end within {limit:.0f} s",
+                                         actor, self.instance)  # fmt: skip
+                    held.append(mid)
+                break
+            await asyncio.sleep(self.cfg.poll_s)
         self.notify()
         return held
 
@@ -512,6 +570,54 @@ def _plan(
             continue
         out.append((item, comp, have))
     return out
+
+
+def _ended_updates(s: Session, ids: list[str]) -> dict[str, FirmwareUpdate]:
+    rows = s.exec(
+        select(FirmwareUpdate).where(
+            col(FirmwareUpdate.id).in_(ids),
+            col(FirmwareUpdate.phase).in_([p.value for p in (Phase.DONE, Phase.FAILED)]),
+        )
+    ).all()
+    return {u.id: u for u in rows}
+
+
+def _release_reflashed(
+    s: Session,
+    machine_id: str,
+    claim_id: str | None,
+    rows: list[FirmwareUpdate],
+    error: str | None,
+    actor: str,
+    instance: str,
+) -> None:
+    """The end of a release's re-flash, on the claim's stream: what was restored, or the
+    machine held in the repair queue with why."""
+    restored = {u.item: {"before": u.version_before, "after": u.version}
+                for u in rows if u.phase == Phase.DONE.value}  # fmt: skip
+    if restored:
+        add_event(
+            s,
+            "release.reflashed",
+            actor,
+            machine_id=machine_id,
+            instance=instance,
+            reason="firmware restored to the baseline before the wipe: "
+            + ", ".join(f"{k} {v['before']} -> {v['after']}" for k, v in restored.items()),
+            data={"claim_id": claim_id, "restored": restored, "updates": [u.id for u in rows]},
+        )
+    if error is not None:
+        release.hold_in_repair(
+            s,
+            machine_id,
+            claim_id,
+            [{"kind": "firmware", "subject": "firmware", "code": "reflash-failed",
+              "severity": "fatal", "witness": "bmc", "why": f"re-flash failed: {error}"[:200],
+              "evidence": f"the re-flash to the baseline at release failed: {error}"}],
+            actor,
+            instance,
+        )  # fmt: skip
+    s.commit()
 
 
 def _next_open(s: Session, machine_id: str) -> FirmwareUpdate | None:

@@ -12,7 +12,10 @@ The rules:
   only when the one before it has ended (every machine done, failed or skipped);
 - within a wave at most ``max_unavailable`` machines update at once;
 - a machine in use (a tenant's) is ``skipped`` or, with ``in_use = wait``, ``waiting`` for its
-  release: it joins a later wave once it is free;
+  release: it joins a later wave once it is free; with ``in_use = drain``, a machine whose
+  claim's tenant consented is ``draining`` (the Day-2 path takes it out of the claim: drained
+  in the tenant's scheduler, replaced, released and wiped) and joins a later wave once free;
+  one without consent waits for its release (and is drained once consent comes);
 - a machine gone (retired, broken, in repair, deleted) is skipped, with why;
 - the **failure budget**: once ``failure_budget`` machines have failed, nothing more starts and
   the rollout stops with the failed machines named (the updates already flashing finish: a
@@ -46,6 +49,9 @@ class TargetStatus(StrEnum):
     PENDING = "pending"
     #: In use by a tenant; starts once released (``in_use = wait``).
     WAITING = "waiting"
+    #: Being taken out of its claim with its tenant's consent (``in_use = drain``); starts
+    #: once back in the pool.
+    DRAINING = "draining"
     #: In maintenance, its firmware updates under way.
     UPDATING = "updating"
     DONE = "done"
@@ -54,6 +60,8 @@ class TargetStatus(StrEnum):
 
 
 FINAL = frozenset({TargetStatus.DONE, TargetStatus.FAILED, TargetStatus.SKIPPED})
+#: Not started, out of any wave until free.
+OUT_OF_WAVE = frozenset({TargetStatus.PENDING, TargetStatus.WAITING, TargetStatus.DRAINING})
 
 
 class InUse(StrEnum):
@@ -61,6 +69,9 @@ class InUse(StrEnum):
 
     SKIP = "skip"
     WAIT = "wait"
+    #: With the tenant's consent (its claim's ``firmware_consent``), drained through the
+    #: Day-2 path; without it, wait.
+    DRAIN = "drain"
 
 
 class Availability(StrEnum):
@@ -91,6 +102,8 @@ class Target:
     #: The wave it was put in (None: not yet).
     wave: int | None = None
     available: Availability = Availability.FREE
+    #: In use by a claim whose tenant consented to a drain.
+    consent: bool = False
 
 
 @dataclass(frozen=True)
@@ -105,6 +118,9 @@ class Plan:
     #: (out of any wave: they join a later one once free).
     skip: list[tuple[str, str]] = field(default_factory=list)
     wait: list[str] = field(default_factory=list)
+    #: Machines in use whose tenant consented: to take out of their claim (Day-2 path), out
+    #: of any wave: they join a later one once free.
+    drain: list[str] = field(default_factory=list)
     #: Why the state changed (only when it did).
     reason: str | None = None
 
@@ -124,16 +140,27 @@ def plan(state: RolloutState, policy: Policy, targets: Sequence[Target]) -> Plan
         return Plan(state)
     skip: list[tuple[str, str]] = []
     wait: list[str] = []
+    drain: list[str] = []
+
+    def busy(t: Target, into: list[tuple[str, str]]) -> None:
+        """A machine in use, by the policy."""
+        if policy.in_use is InUse.SKIP:
+            into.append((t.machine_id, "the machine is in use (policy: skip)"))
+        elif policy.in_use is InUse.DRAIN and t.consent:
+            drain.append(t.machine_id)
+        elif t.status is not TargetStatus.WAITING or t.wave is not None:
+            wait.append(t.machine_id)
+
     for t in targets:
-        if t.status not in (TargetStatus.PENDING, TargetStatus.WAITING) or t.wave is not None:
+        if t.status not in OUT_OF_WAVE or t.wave is not None:
             continue
         if t.available is Availability.GONE:
             skip.append((t.machine_id, "the machine is retired, broken, in repair or gone"))
-        elif t.available is Availability.BUSY and t.status is TargetStatus.PENDING:
-            if policy.in_use is InUse.SKIP:
-                skip.append((t.machine_id, "the machine is in use (policy: skip)"))
-            else:
-                wait.append(t.machine_id)
+        elif t.available is Availability.BUSY and (
+            t.status is TargetStatus.PENDING
+            or (t.status is TargetStatus.WAITING and policy.in_use is InUse.DRAIN and t.consent)
+        ):
+            busy(t, skip)
     skipped = {m for m, _ in skip}
     waves = [t.wave for t in targets if t.wave is not None]
     current = max(waves) if waves else None
@@ -147,7 +174,7 @@ def plan(state: RolloutState, policy: Policy, targets: Sequence[Target]) -> Plan
             t
             for t in targets
             if t.wave is None
-            and t.status in (TargetStatus.PENDING, TargetStatus.WAITING)
+            and t.status in OUT_OF_WAVE
             and t.available is Availability.FREE
             and t.machine_id not in skipped
         ]
@@ -166,11 +193,8 @@ def plan(state: RolloutState, policy: Policy, targets: Sequence[Target]) -> Plan
             skip_in_wave.append((t.machine_id, "the machine is retired, broken, in repair or gone"))
         elif t.available is Availability.BUSY:
             # Taken by a tenant since it joined the wave: by the policy, as if found so now
-            # (waiting leaves the wave, so that it does not hold the next one up).
-            if policy.in_use is InUse.SKIP:
-                skip_in_wave.append((t.machine_id, "the machine is in use (policy: skip)"))
-            else:
-                wait.append(t.machine_id)
+            # (waiting or draining leaves the wave, so that it does not hold the next one up).
+            busy(t, skip_in_wave)
         elif len(start) < slots:
             start.append(t.machine_id)
     skip += skip_in_wave
@@ -185,4 +209,4 @@ def plan(state: RolloutState, policy: Policy, targets: Sequence[Target]) -> Plan
             reason=f"every machine ended: {n_done} updated, {len(failed)} failed, "
             f"{sum(1 for t in targets if t.status is TargetStatus.SKIPPED) + len(skip)} skipped",
         )
-    return Plan(state, start=start, wave=new_wave, join=join, skip=skip, wait=wait)
+    return Plan(state, start=start, wave=new_wave, join=join, skip=skip, wait=wait, drain=drain)

@@ -14,6 +14,13 @@ than ``limits.per_claim`` / ``limits.per_rack`` machines in remediation (every s
 refusal names why. Admissions must be decided one at a time (the workflow takes them in one
 store transaction), as ``decide`` sees the others through ``active``.
 
+A remediation's **cause** is a fault (``health``) or a firmware rollout (``firmware``): a
+machine in use whose tenant consented to be drained for its firmware update (docs/firmware.md).
+It goes the same way (admission under the same limits, drain, running jobs may finish, out
+of the claim, a replacement when the claim's policy replaces) whatever the machine's health,
+and ends once it is out of the claim: no repair (it is released and wiped, and the rollout
+flashes it from the pool).
+
 Pure: no store, no scheduler, no clock of its own.
 """
 
@@ -40,6 +47,11 @@ class Step(StrEnum):
     DONE = "done"
 
 
+class Cause(StrEnum):
+    HEALTH = "health"
+    FIRMWARE = "firmware"
+
+
 class Action(StrEnum):
     NONE = "none"
     DRAIN = "drain"
@@ -61,6 +73,8 @@ class Outcome(StrEnum):
     WAIT = "wait"
     CLEARED = "cleared"
     NO_REPLACEMENT = "no-replacement"
+    #: Out of the claim for its firmware update (cause ``firmware``): nothing to repair.
+    RELEASED = "released"
 
 
 #: The action each step performs (steps without one only look at the facts).
@@ -88,6 +102,8 @@ TRANSITIONS: dict[tuple[Step, Outcome], Step] = {
     (Step.REMOVE, Outcome.DONE): Step.REPLACE,
     (Step.REMOVE, Outcome.NO_REPLACEMENT): Step.REPAIR,
     (Step.REPLACE, Outcome.DONE): Step.REPAIR,
+    (Step.REMOVE, Outcome.RELEASED): Step.DONE,
+    (Step.REPLACE, Outcome.RELEASED): Step.DONE,
     (Step.REPAIR, Outcome.DONE): Step.DONE,
     (Step.UNDRAIN, Outcome.DONE): Step.DONE,
 }
@@ -111,6 +127,7 @@ class Remediation:
     drained_at: datetime | None = None
     #: The machine claimed in its place (recorded with the step after ``replace``).
     replacement: str | None = None
+    cause: Cause = Cause.HEALTH
 
 
 @dataclass(frozen=True)
@@ -153,15 +170,23 @@ def refusal(rem: Remediation, active: Iterable[Remediation], limits: LimitsConfi
     return None
 
 
-def _takes_out(policy: PolicyConfig) -> bool:
-    return policy.fatal in ("replace", "remove")
+def _takes_out(rem: Remediation) -> bool:
+    return rem.cause is Cause.FIRMWARE or rem.policy.fatal in ("replace", "remove")
+
+
+def severity_of(rem: Remediation, now: Severity) -> Severity:
+    """The severity the table acts on: a firmware drain is taken out whatever the health."""
+    if rem.cause is Cause.FIRMWARE:
+        return Severity.FATAL
+    return worst((rem.severity, now)) if rem.step != Step.WAITING else now
 
 
 def _outcome(
     rem: Remediation, f: Facts, active: Iterable[Remediation], limits: LimitsConfig
 ) -> tuple[Outcome, str]:
-    sev = worst((rem.severity, f.severity)) if rem.step != Step.WAITING else f.severity
+    sev = severity_of(rem, f.severity)
     fatal = sev == Severity.FATAL
+    firmware = rem.cause is Cause.FIRMWARE
     m = rem.machine
     match rem.step:
         case Step.WAITING:
@@ -172,17 +197,22 @@ def _outcome(
             why = refusal(rem, active, limits)
             if why is not None:
                 return Outcome.REFUSED, why
+            if firmware:
+                return (
+                    Outcome.ADMITTED,
+                    f"draining node {rem.node} with the tenant's consent: {rem.evidence}",
+                )
             return (
                 Outcome.ADMITTED,
                 f"{m} is {sev}: draining node {rem.node} ({f.evidence or rem.evidence})",
             )
         case Step.DRAIN:
-            if fatal and _takes_out(rem.policy):
+            if fatal and _takes_out(rem):
                 wait = rem.policy.job_wait_s
                 return Outcome.TAKE_OUT, f"{m} drained; running jobs may finish for up to {wait} s"
             return Outcome.KEEP, f"{m} drained; it stays in the claim"
         case Step.DRAINED:
-            if fatal and _takes_out(rem.policy):
+            if fatal and _takes_out(rem):
                 return Outcome.TAKE_OUT, f"{m} is fatal now ({f.evidence}): it will be taken out"
             if f.severity.rank < Severity.DEGRADED.rank and not fatal:
                 return Outcome.CLEARED, f"{m}'s fault cleared: undraining node {rem.node}"
@@ -200,6 +230,12 @@ def _outcome(
             jobs = "its jobs" if f.running_jobs is None else f"{f.running_jobs} job(s)"
             return Outcome.WAIT, f"waiting for {jobs} on node {rem.node}"
         case Step.REMOVE:
+            # A firmware drain of a machine found fatal meanwhile ends like a fault: repaired.
+            if firmware and f.severity is not Severity.FATAL and rem.policy.fatal != "replace":
+                return Outcome.RELEASED, (
+                    f"{m} is out of claim {rem.claim} for its firmware update (the policy "
+                    "replaces none); it is wiped and updated from the pool"
+                )
             if rem.policy.fatal == "replace":
                 return Outcome.DONE, f"{m} is out of claim {rem.claim}: claiming a replacement"
             return (
@@ -207,6 +243,11 @@ def _outcome(
                 f"{m} is out of claim {rem.claim} (the policy replaces none)",
             )
         case Step.REPLACE:
+            if firmware and f.severity is not Severity.FATAL:
+                return Outcome.RELEASED, (
+                    f"a replacement for {m} joins claim {rem.claim}; {m} is wiped and updated "
+                    "from the pool"
+                )
             return Outcome.DONE, f"a replacement for {m} joins claim {rem.claim}"
         case Step.REPAIR:
             return Outcome.DONE, f"{m} is in the repair queue: {rem.evidence}"
@@ -242,8 +283,13 @@ def advance(
             raise ValueError("a replace step is done only with the replacement's machine id")
         if rem.replacement not in (None, replacement):
             raise ValueError(f"{rem.machine} already has replacement {rem.replacement}")
-    sev = worst((rem.severity, facts.severity)) if rem.step != Step.WAITING else facts.severity
-    evidence = facts.evidence if sev.rank > rem.severity.rank and facts.evidence else rem.evidence
+    if rem.cause is Cause.FIRMWARE:  # its severity and evidence are the rollout's
+        sev, evidence = rem.severity, rem.evidence
+    else:
+        sev = severity_of(rem, facts.severity)
+        evidence = (
+            facts.evidence if sev.rank > rem.severity.rank and facts.evidence else rem.evidence
+        )
     return replace(
         rem,
         step=d.next,

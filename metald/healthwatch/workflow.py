@@ -200,6 +200,52 @@ def open_for(
     return row
 
 
+@dataclass(frozen=True)
+class FirmwareDrain:
+    """A firmware rollout's way into the Day-2 path (``metald.firmware.rollouts.Drainer``): a
+    machine in use whose tenant consented (``claims.firmware_consent``) gets a remediation of
+    cause ``firmware``, carried by ``Remediations`` like any other (the tenant's limits, its
+    scheduler drained, running jobs up to its policy's ``job_wait_s``, out of the claim, a
+    replacement when its policy replaces) and ending without a repair once the machine is out
+    of the claim; the rollout takes it when it is back in the pool."""
+
+    cfg: HealthConfig
+
+    def open(
+        self, s: Session, machine_id: str, *, reason: str, actor: str, instance: str | None
+    ) -> str | None:
+        """The remediation opened (not committed), or None: the machine is not in use by a
+        claim whose tenant consented, or has a remediation open already (it is taken out
+        anyway)."""
+        m = s.get(Machine, machine_id)
+        if m is None or not m.claim_id or not m.tenant_id or State(m.state) not in ALLOCATED:
+            return None
+        claim = s.get(Claim, m.claim_id)
+        if claim is None or not claim.firmware_consent:
+            return None
+        if s.exec(select(Remediation.id).where(Remediation.open_machine == m.id)).first():
+            return None
+        row = Remediation(
+            machine_id=m.id,
+            open_machine=m.id,
+            claim_id=m.claim_id,
+            tenant_id=m.tenant_id,
+            rack=m.rack,
+            node=hostname(m.id, m.name),
+            step=core.Step.WAITING,
+            severity=Severity.FATAL,
+            cause=core.Cause.FIRMWARE,
+            evidence=reason,
+            policy=policy_of(s, m, self.cfg).model_dump(),
+            reason=f"{m.id}: {reason}",
+            owner=instance,
+        )
+        s.add(row)
+        s.flush()
+        _event(s, row, "health.remediation.opened", row.reason, actor=actor, instance=instance)
+        return row.id
+
+
 def _event(
     s: Session,
     row: Remediation,
@@ -222,6 +268,7 @@ def _event(
             "remediation_id": row.id,
             "step": row.step,
             "node": row.node,
+            "cause": row.cause,
             **data,
         },
         instance=instance,
@@ -241,6 +288,7 @@ def core_of(row: Remediation) -> core.Remediation:
         step=core.Step(row.step),
         drained_at=as_utc(row.drained_at) if row.drained_at else None,
         replacement=row.replacement_id,
+        cause=core.Cause(row.cause),
     )
 
 
@@ -308,6 +356,10 @@ class Remediations:
     boot: Booter | None = None
     #: Network-boots the replacement after commit (``ClaimWorkflow.network_boot``).
     network_boot: Callable[[list[str], str], None] | None = None
+    #: A machine out of its claim with nothing to repair (a firmware drain): restored and
+    #: wiped as a release is (the BMC clean-up, then the wipe's boot), in the background;
+    #: (machine ids, claim id, actor). None: only its wipe is booted (``network_boot``).
+    released: Callable[[list[str], str, str], None] | None = None
     require_bmc: bool | None = None
     #: The running tenant hubs, synced at once after a machine leaves its tenant.
     hubs: HubSync | None = None
@@ -489,7 +541,7 @@ class Remediations:
         sched_tenant = await self.store.read(self._peek, rem_id)
         if sched_tenant is None:
             return False
-        row_step, version, tenant_id, node, cluster_kind = sched_tenant
+        row_step, version, tenant_id, node, cluster_kind, _cause = sched_tenant
         if row_step in _BEFORE_TAKE_OUT and await self.store.run(self._left, rem_id, version):
             return True
         if row_step == core.Step.WAITING:
@@ -540,6 +592,15 @@ class Remediations:
             if d.next.value == row_step:
                 return False  # waiting (jobs, drained): nothing written
             moved = await self.store.run(self._simple, rem_id, version, d, running)
+        if moved and d.outcome is core.Outcome.RELEASED:
+            # Out of the claim for its firmware update, nothing to repair: cleaned up and wiped
+            # now as a release is (a fault's machine is wiped after its repair); the rollout
+            # takes it from the pool.
+            left = await self.store.read(_machine_of, rem_id)
+            if left is not None and self.released is not None:
+                self.released([left[0]], left[1], self.actor)
+            elif left is not None and self.network_boot is not None:
+                self.network_boot([left[0]], self.actor)
         if moved:
             self.notify()
         return moved
@@ -563,13 +624,13 @@ class Remediations:
         s.commit()
         return True
 
-    def _peek(self, s: Session, rem_id: str) -> tuple[str, int, str, str, str] | None:
+    def _peek(self, s: Session, rem_id: str) -> tuple[str, int, str, str, str, str] | None:
         row = s.get(Remediation, rem_id)
         if row is None or row.step == core.Step.DONE:
             return None
         tenant = s.get(Tenant, row.tenant_id)
         kind = tenant.cluster_kind if tenant else "slurm"
-        return row.step, row.version, row.tenant_id, row.node, kind or "slurm"
+        return row.step, row.version, row.tenant_id, row.node, kind or "slurm", row.cause
 
     def _decide(
         self, s: Session, rem_id: str, version: int, running: int | None
@@ -600,6 +661,11 @@ class Remediations:
             if not round_moved:
                 break
         return moved
+
+
+def _machine_of(s: Session, rem_id: str) -> tuple[str, str] | None:
+    row = s.get(Remediation, rem_id)
+    return (row.machine_id, row.claim_id) if row is not None else None
 
 
 def _open_ids(s: Session) -> list[tuple[str, str]]:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from metald.lifecycle import SETTLED
 
@@ -47,6 +50,11 @@ def register(sub: Subparsers) -> None:
     cc.add_argument("--ssh-key", action="append", default=[])
     cc.add_argument("--idempotency-key")
     cc.add_argument(
+        "--user-data", metavar="FILE", help="cloud-init user-data for every machine (any form)"
+    )
+    cc.add_argument("--network", metavar="FILE", help="network request, JSON or YAML")
+    cc.add_argument("--storage", metavar="FILE", help="storage layout, JSON or YAML")
+    cc.add_argument(
         "--wait", action="store_true", help="then redraw progress until every machine settles"
     )
     cc.set_defaults(func=create)
@@ -63,6 +71,14 @@ def register(sub: Subparsers) -> None:
     cr.add_argument("id")
     cr.add_argument("--machine", help="release only this machine of the claim (scale down)")
     cr.set_defaults(func=release)
+    fc = csub.add_parser(
+        "firmware-consent",
+        help="consent (on) or not (off) to this claim's machines being drained for firmware "
+        "rollouts",
+    )
+    fc.add_argument("id")
+    fc.add_argument("consent", choices=("on", "off"))
+    fc.set_defaults(func=firmware_consent)
 
 
 def progress_bar(p: dict[str, Any] | None, width: int = 24) -> str:
@@ -121,6 +137,11 @@ def create(args: argparse.Namespace, c: Client) -> None:
     }
     if args.idempotency_key:
         body["idempotency_key"] = args.idempotency_key
+    if args.user_data:
+        body["user_data"] = Path(args.user_data).read_text()
+    for field in ("network", "storage"):
+        if getattr(args, field):
+            body[field] = yaml.safe_load(Path(getattr(args, field)).read_text())
     claim = c.call("POST", "/api/v1/claims", body)
     if not args.wait:
         emit(args, claim, claim_table)
@@ -142,6 +163,11 @@ def show(args: argparse.Namespace, c: Client) -> None:
         if not args.watch or all(m["state"] in SETTLED for m in r["machines"]):
             return
         time.sleep(WATCH_INTERVAL_S)
+
+
+def firmware_consent(args: argparse.Namespace, c: Client) -> None:
+    body = {"consent": args.consent == "on"}
+    emit(args, c.call("PUT", f"/api/v1/claims/{args.id}/firmware-consent", body), claim_table)
 
 
 def release(args: argparse.Namespace, c: Client) -> None:

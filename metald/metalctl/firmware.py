@@ -61,8 +61,10 @@ def register(sub: Subparsers) -> None:
     rs.add_argument("--batch-size", type=int, default=10, help="machines per wave (10)")
     rs.add_argument("--max-unavailable", type=int, default=10, help="updating at once (10)")
     rs.add_argument("--failure-budget", type=int, default=1, help="stop once this many failed (1)")
-    rs.add_argument("--in-use", choices=("skip", "wait"), default="skip",
-                    help="machines a tenant holds: skip them, or wait for their release")  # fmt: skip
+    rs.add_argument("--in-use", choices=("skip", "wait", "drain"), default="skip",
+                    help="machines a tenant holds: skip them, wait for their release, or "
+                    "drain them where the tenant consented (metalctl claims "
+                    "firmware-consent)")  # fmt: skip
     rs.set_defaults(func=rollout_start)
     for action in ("pause", "resume", "abort"):
         ra = rsub.add_parser(action, help=f"{action} a rollout")
@@ -201,7 +203,9 @@ def _rollout_human(r: dict[str, Any]) -> str:
     lines = [
         f"rollout {r['id']}: profile {r['profile']} to baseline version {r['baseline_version']}",
         f"  {r['state']} {bar(p)}  {p['done']} done, {p['failed']} failed, "
-        f"{p['skipped']} skipped, {p['updating']} updating, {p['pending'] + p['waiting']} to go "
+        f"{p['skipped']} skipped, {p['updating']} updating, "
+        + (f"{p['draining']} draining, " if p.get("draining") else "")
+        + f"{p['pending'] + p['waiting'] + p.get('draining', 0)} to go "
         f"(of {p['total']}); wave {p['wave']}",
         f"  waves of {r['batch_size']}, at most {r['max_unavailable']} at once, stops after "
         f"{r['failure_budget']} failure(s), machines in use: {r['in_use']}",

@@ -204,8 +204,15 @@ class Claim(SQLModel, table=True):
     image: str | None = None
     #: Public SSH keys written into each machine's first-boot metadata (cloud-init NoCloud).
     ssh_authorized_keys: list[str] | None = Field(default=None, sa_column=Column(JSON))
+    #: The deployed OS's network request (metald.provision.netplan); None: DHCP on the PXE NIC.
+    network: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    #: The storage layout (metald.provision.storage); None: the image on the smallest disk.
+    storage: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
     #: pending, allocated, released, failed.
     state: str = "pending"
+    #: The tenant consents to its machines being drained (Day-2 path: drained in its
+    #: scheduler, replaced) for a firmware rollout with ``in_use = drain`` (docs/firmware.md).
+    firmware_consent: bool = False
     version: int = 1
     created_by: str | None = None
     created_at: datetime = _ts()
@@ -214,6 +221,40 @@ class Claim(SQLModel, table=True):
     __table_args__ = (
         UniqueConstraint("tenant_id", "idempotency_key", name="uq_claims_tenant_idem"),
     )
+
+
+class ClaimUserData(SQLModel, table=True):
+    """A tenant's cloud-init user-data and meta-data for a claim (``machine_id`` None) or one
+    machine of it. Kept apart from ``claims`` so no claim view can carry it by accident: only
+    the machine's own agent token reads it (``metald.claims.provisioning``)."""
+
+    __tablename__ = "claim_user_data"
+
+    id: str = Field(default_factory=new_id, primary_key=True)
+    claim_id: str = Field(foreign_key="claims.id", index=True)
+    machine_id: str | None = Field(default=None, foreign_key="machines.id")
+    user_data: str | None = Field(default=None, sa_column=Column(Text))
+    #: Extra NoCloud meta-data keys (never instance-id or local-hostname).
+    meta_data: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    #: What claim views show instead of the content.
+    sha256: str | None = None
+    form: str | None = None
+    created_at: datetime = _ts()
+
+
+class IpAllocation(SQLModel, table=True):
+    """One static address metald handed out of a pool ([provision.networks.NAME]) to one
+    interface of a claimed machine; deleted when the machine leaves the claim."""
+
+    __tablename__ = "ip_allocations"
+
+    network: str = Field(primary_key=True)
+    address: str = Field(primary_key=True)
+    claim_id: str = Field(foreign_key="claims.id", index=True)
+    machine_id: str = Field(foreign_key="machines.id", index=True)
+    #: The netplan interface id (bond0.42, ib3 ...).
+    interface: str
+    created_at: datetime = _ts()
 
 
 class Image(SQLModel, table=True):
@@ -513,7 +554,7 @@ class Repair(SQLModel, table=True):
     #: open (in the queue), taken (a technician works on it), verifying (repaired: wipe and
     #: commissioning under way), closed.
     status: str = Field(index=True)
-    #: remediation, technician or commissioning.
+    #: remediation, technician, commissioning or release.
     source: str
     #: The remediation that opened it (its key: a remediation opens one repair, once).
     remediation_id: str | None = Field(default=None, unique=True)
@@ -665,6 +706,9 @@ class Remediation(SQLModel, table=True):
     node: str
     step: str
     severity: str
+    #: Why it was opened: ``health`` (a fault) or ``firmware`` (a rollout's drain, with the
+    #: tenant's consent: the machine leaves its claim for its update, no repair).
+    cause: str = "health"
     evidence: str = Field(sa_column=Column(Text, nullable=False))
     policy: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     drained_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
@@ -755,7 +799,7 @@ class FirmwareRollout(SQLModel, table=True):
     batch_size: int
     max_unavailable: int
     failure_budget: int
-    #: skip or wait (``metald.firmware.waves.InUse``).
+    #: skip, wait or drain (``metald.firmware.waves.InUse``).
     in_use: str
     #: running, paused, done, stopped, aborted (``metald.firmware.waves.RolloutState``).
     state: str = Field(index=True)
@@ -778,7 +822,7 @@ class FirmwareRolloutTarget(SQLModel, table=True):
     machine_id: str = Field(primary_key=True, index=True)
     #: The rollout's order (waves take targets in it).
     seq: int
-    #: pending, waiting, updating, done, failed, skipped (``waves.TargetStatus``).
+    #: pending, waiting, draining, updating, done, failed, skipped (``waves.TargetStatus``).
     status: str
     wave: int | None = None
     #: The state the machine was in before the rollout put it in maintenance (back after).

@@ -13,12 +13,14 @@ from typing import Any, Protocol
 from sqlmodel import Session, col, select
 
 from metald.auth import Principal, Role
+from metald.claims import tenant_os
 from metald.claims.allocation import Selector
 from metald.claims.records import claim_machines, latest_progress
+from metald.claims.tenant_os import OsRequest
 from metald.claims.workflow import ClaimRequest, ClaimWorkflow
-from metald.errors import NotFound
-from metald.machines import ConcurrentUpdate
-from metald.store.models import Claim
+from metald.errors import Conflict, NotFound
+from metald.machines import ConcurrentUpdate, add_event
+from metald.store.models import Claim, Machine, utcnow
 from metald.usecases import Transactions
 from metald.usecases.reads import Page, Pager, page
 
@@ -41,6 +43,9 @@ def claim_view(s: Session, c: Claim, *, replayed: bool = False) -> dict[str, Any
         **c.model_dump(exclude={"image", "ssh_authorized_keys"}),
         "image_id": c.image,
         "ssh_authorized_keys": list(c.ssh_authorized_keys or []),
+        # Never the user-data itself: its form, size and digest.
+        "user_data": tenant_os.user_data_summary(s, c.id),
+        "addresses": tenant_os.addresses(s, c.id),
         "replayed": replayed,
         "machines": [
             {
@@ -80,6 +85,7 @@ class Claims:
         image_id: str,
         idempotency_key: str | None,
         ssh_authorized_keys: list[str],
+        os: OsRequest | None = None,
     ) -> dict[str, Any]:
         """Allocate the machines and start installing the image (``ClaimWorkflow.claim``),
         for a tenant the caller may claim for."""
@@ -95,12 +101,53 @@ class Claims:
             image_id=image_id,
             idempotency_key=idempotency_key,
             ssh_authorized_keys=ssh_authorized_keys,
+            os=os or OsRequest(),
         )
         return await self.workflow.claim(
             request,
             actor=actor,
             render=lambda s, c, replayed: claim_view(s, c, replayed=replayed),
         )
+
+    async def set_machine_user_data(
+        self,
+        p: Principal,
+        claim_id: str,
+        machine_id: str,
+        *,
+        actor: str,
+        user_data: str | None,
+        meta_data: dict[str, Any],
+    ) -> dict[str, Any]:
+        """Give one machine of the claim its own user-data and meta-data (None and {}: back to
+        the claim's). It is what the machine's next provisioning serves; the event names its
+        digest, never its content."""
+        settings = self.workflow.tenant_os
+
+        def run(s: Session) -> dict[str, Any]:
+            c = load_claim(s, p, claim_id)
+            # Checked here, off the event loop (a large cloud-config takes a while).
+            checked = tenant_os.check_user_data(settings, user_data, meta_data)
+            m = s.get(Machine, machine_id)
+            if m is None or m.claim_id != c.id or m.tenant_id != c.tenant_id:
+                raise NotFound(f"claim {c.id} holds no machine {machine_id!r}")
+            tenant_os.save_user_data(s, c.id, user_data, meta_data, checked, machine_id=m.id)
+            add_event(
+                s,
+                "claim.user-data.set",
+                actor,
+                machine_id=m.id,
+                tenant_id=c.tenant_id,
+                data={
+                    "claim_id": c.id,
+                    "sha256": checked.sha256 if checked else None,
+                    "form": checked.form if checked else None,
+                },
+            )
+            s.commit()
+            return claim_view(s, c)
+
+        return await self.store.run(run)
 
     async def list(self, p: Principal, f: ClaimFilter, pager: Pager) -> Page[dict[str, Any]]:
         """The claims the caller may see (an orchestrator: its tenants'), newest first."""
@@ -119,6 +166,50 @@ class Claims:
 
     async def show(self, p: Principal, claim_id: str) -> dict[str, Any]:
         return await self.store.run(lambda s: claim_view(s, load_claim(s, p, claim_id)))
+
+    async def firmware_consent(
+        self, p: Principal, claim_id: str, consent: bool, *, actor: str, if_match: int | None
+    ) -> dict[str, Any]:
+        """The tenant consents (or no longer) to its machines of this claim being drained
+        through the Day-2 path by a firmware rollout with ``in_use = drain``: drained in its
+        scheduler, out of the claim, replaced by its health policy (docs/firmware.md). An event
+        on the claim's stream says who changed it."""
+
+        def run(s: Session) -> dict[str, Any]:
+            c = load_claim(s, p, claim_id)
+            if if_match is not None and c.version != if_match:
+                raise ConcurrentUpdate(
+                    f"claim {c.id} is at version {c.version}, not {if_match}; read it again "
+                    "and retry"
+                )
+            if c.state == "released":
+                raise Conflict(f"claim {c.id} is released: there is nothing to consent for")
+            if c.firmware_consent != consent:
+                c.firmware_consent = consent
+                c.version += 1
+                c.updated_at = utcnow()
+                s.add(c)
+                add_event(
+                    s,
+                    "claim.firmware-consent",
+                    actor,
+                    tenant_id=c.tenant_id,
+                    reason=(
+                        f"claim {c.id}: the tenant consents to its machines being drained "
+                        "(out of the claim, replaced) for firmware updates"
+                        if consent
+                        else f"claim {c.id}: the tenant withdrew its consent to firmware "
+                        "drains; its machines are updated only once released"
+                    ),
+                    data={"claim_id": c.id, "consent": consent},
+                    instance=self.workflow.instance,
+                )
+                s.commit()
+            return claim_view(s, c)
+
+        out = await self.store.run(run)
+        self.workflow.notify()
+        return out
 
     async def release(
         self,

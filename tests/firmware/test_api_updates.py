@@ -202,3 +202,53 @@ async def test_refusals(env: Env, lab_redfish: LabRedfish, store: Store) -> None
         r.status == 422
         and "IPMI has no standard way to update firmware" in (await r.json())["detail"]
     )
+
+
+async def test_injected_bmc_reboot_and_stalled_flash_through_the_service(
+    env: Env, lab_redfish: LabRedfish
+) -> None:
+    """The lab BMC's injected failures, through metald's updates (the driver's side is
+    tests/firmware/test_redfish_update.py; the checksum failure through a rollout is
+    tests/firmware/test_rollouts.py): a BMC that restarts mid-flash (503 for a while) is
+    waited for and the update ends done with one flash; a flash that stalls is given up after
+    ``flash_timeout_s`` with a sentence, and power commands are allowed again."""
+    e, t = env, env.tokens
+    state = lab_redfish.app[UPDATES]
+    url, sha = _image(e, "nic.bin", make_image("NIC.1", "1.22.0"))
+    nic = {"id": "NIC.1", "version": "1.22.0", "url": url, "sha256": sha, "apply": "host-reset"}
+    mid = await _prepare(e, lab_redfish, [nic])
+    state.faults.add("bmc-reboot")
+    r = await e.client.post(
+        f"/api/v1/machines/{mid}/firmware/update", json={}, headers=t.header("technician")
+    )
+    assert r.status == 202, await r.text()
+    [done] = await _wait(e, mid, _ended, limit_s=60)
+    assert done["phase"] == "done", done
+    assert state.flashed == [("NIC.1", "1.22.0")] and "bmc-reboot" not in state.faults
+
+    # A flash that stalls at 40 %: failed after flash_timeout_s, power allowed again.
+    e.cfg.firmware.flash_timeout_s = 2
+    url, sha = _image(e, "nic2.bin", make_image("NIC.1", "1.23.0"))
+    r = await e.client.put(
+        "/api/v1/firmware/baselines/h100-8x",
+        json={"components": [{**nic, "version": "1.23.0", "url": url, "sha256": sha}]},
+        headers=t.header("admin"),
+    )
+    assert r.status == 200, await r.text()
+    state.faults.add("timeout")
+    r = await e.client.post(
+        f"/api/v1/machines/{mid}/firmware/update", json={}, headers=t.header("technician")
+    )
+    assert r.status == 202, await r.text()
+    items = await _wait(e, mid, lambda its: its[0]["phase"] in ("done", "failed"), limit_s=60)
+    failed = items[0]
+    assert failed["phase"] == "failed" and failed["version"] == "1.23.0", failed
+    assert failed["percent"] == 40 and failed["error"], failed
+    assert state.flashed == [("NIC.1", "1.22.0"), ("NIC.1", "1.23.0")]  # never offered twice
+    r = await e.client.post(
+        f"/api/v1/machines/{mid}/power", json={"action": "off"}, headers=t.header("technician")
+    )
+    assert r.status != 409, await r.text()
+    with e.store.session() as s:
+        kinds = [ev.kind for ev in s.exec(select(Event).where(Event.machine_id == mid))]
+    assert kinds.count("firmware.updated") == 1 and kinds.count("firmware.update-failed") == 1

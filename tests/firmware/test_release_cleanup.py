@@ -1,7 +1,9 @@
 """Release leaves nothing behind (issue 27, item 4), against the lab Redfish BMC in front of a
 real QEMU: a tenant changes a BIOS setting and adds a BMC account during its claim; after the
 release the BIOS is back to the profile and only metald's (and the operator's) accounts
-remain, with an event saying so; a machine whose firmware changed is held, not wiped."""
+remain, with an event saying so; firmware a tenant changed is flashed back to the baseline
+before the wipe, or, with no image to restore it from, the machine is held in the repair
+queue with the evidence."""
 
 from __future__ import annotations
 
@@ -10,12 +12,12 @@ from typing import Any
 import aiohttp
 from sqlmodel import select
 
-from metald.store.models import Event, Machine
+from metald.store.models import Event, Machine, Repair
 from tests.bmc.peers import LabRedfish
-from tests.firmware.lab import Env, _prepare
+from tests.firmware.lab import Env, _image, _prepare
 from vmlab.redfish_accounts import ACCOUNT_STATE
 from vmlab.redfish_bios import BIOS
-from vmlab.redfish_update import UPDATES
+from vmlab.redfish_update import UPDATES, make_image
 
 PROFILE = {"SriovGlobalEnable": "Enabled", "LogicalProc": "Disabled"}
 
@@ -85,12 +87,12 @@ async def test_bios_and_accounts_restored_at_release(env: Env, lab_redfish: LabR
     assert m is not None and m.state == "maintenance"  # not held
 
 
-async def test_firmware_changed_during_the_tenancy_is_held(
+async def test_firmware_changed_without_an_image_is_held_in_repair(
     env: Env, lab_redfish: LabRedfish
 ) -> None:
     e = env
     mid = await _prepare(e, lab_redfish, [{"id": "BIOS", "version": "2022.11"}])
-    # The tenant flashed the NIC's ROM in band.
+    # The tenant flashed the NIC's ROM in band; the baseline has nothing to restore it from.
     state = lab_redfish.app[UPDATES]
     name, _ = state.versions["NIC.1"]
     state.versions["NIC.1"] = (name, "9.9.9-tenant")
@@ -99,9 +101,51 @@ async def test_firmware_changed_during_the_tenancy_is_held(
     with e.store.session() as s:
         m = s.get(Machine, mid)
         [ev] = s.exec(select(Event).where(Event.kind == "release.restored")).all()
+        [ev_held] = s.exec(select(Event).where(Event.kind == "release.held")).all()
+        [rep] = s.exec(select(Repair).where(Repair.machine_id == mid)).all()
     assert m is not None and m.state == "broken"
-    assert m.last_error is not None and "NIC.1 1.21.1 -> 9.9.9-tenant" in m.last_error
+    assert m.last_error is not None and "NIC.1" in m.last_error
     assert ev.data["firmware_changed"] == {"NIC.1": {"before": "1.21.1", "after": "9.9.9-tenant"}}
+    assert ev.data["reflash"] == [] and "no component for it" in ev.data["unrestorable"][0]
+    assert rep.source == "release" and rep.status == "open"
+    assert rep.faults[0]["subject"] == "NIC.1"
+    assert "1.21.1 -> 9.9.9-tenant" in rep.faults[0]["evidence"]
+    assert ev_held.data["claim_id"] == "claim-2" and ev_held.data["repair_id"] == rep.id
+    assert state.flashed == []
+
+
+async def test_firmware_changed_is_reflashed_before_the_wipe(
+    env: Env, lab_redfish: LabRedfish
+) -> None:
+    """The baseline has an image for what the tenant changed: flashed back (once) while the
+    machine is releasing, the version read back, the claim's events say so, not held."""
+    e = env
+    url, sha = _image(e, "nic.bin", make_image("NIC.1", "1.21.1"))
+    nic = {"id": "NIC.1", "version": "1.21.1", "url": url, "sha256": sha, "apply": "host-reset"}
+    mid = await _prepare(e, lab_redfish, [nic])
+    with e.store.session() as s:  # released, before its wipe (as the claim workflow calls it)
+        m = s.get(Machine, mid)
+        assert m is not None
+        m.state = "releasing"
+        s.add(m)
+        s.commit()
+    state = lab_redfish.app[UPDATES]
+    name, _ = state.versions["NIC.1"]
+    state.versions["NIC.1"] = (name, "9.9.9-tenant")
+    held = await e.fw.after_release([mid], "claim-4", "test")
+    assert held == []
+    assert state.flashed == [("NIC.1", "1.21.1")]
+    with e.store.session() as s:
+        m = s.get(Machine, mid)
+        [ev] = s.exec(select(Event).where(Event.kind == "release.restored")).all()
+        [done] = s.exec(select(Event).where(Event.kind == "release.reflashed")).all()
+        repairs = s.exec(select(Repair).where(Repair.machine_id == mid)).all()
+    assert ev.data["reflash"] == ["NIC.1"] and ev.data["unrestorable"] == []
+    assert "re-flashing to the baseline before the wipe: NIC.1" in (ev.reason or "")
+    assert done.data["claim_id"] == "claim-4"
+    assert done.data["restored"] == {"NIC.1": {"before": "9.9.9-tenant", "after": "1.21.1"}}
+    assert m is not None and m.state == "releasing" and repairs == []
+    assert (m.firmware_versions or {})["NIC.1"] == "1.21.1"
 
 
 async def test_ipmi_machines_are_left_as_they_are(env: Env, store: Any) -> None:

@@ -1,5 +1,6 @@
 """The rollout's decisions (``metald.firmware.waves``), pure: driven through whole rollouts
-with random outcomes, machines taken and released by tenants, pauses and aborts."""
+with random outcomes, machines taken and released by tenants (who consent to drains or not),
+pauses and aborts."""
 
 from __future__ import annotations
 
@@ -23,8 +24,15 @@ from metald.firmware.waves import (
 A, TS, RS = Availability, TargetStatus, RolloutState
 
 
-def _targets(n: int, busy: set[int] = frozenset()) -> list[Target]:  # type: ignore[assignment]
-    return [Target(f"m{i}", TS.PENDING, None, A.BUSY if i in busy else A.FREE) for i in range(n)]
+def _targets(
+    n: int,
+    busy: set[int] = frozenset(),  # type: ignore[assignment]
+    consent: set[int] = frozenset(),  # type: ignore[assignment]
+) -> list[Target]:
+    return [
+        Target(f"m{i}", TS.PENDING, None, A.BUSY if i in busy else A.FREE, consent=i in consent)
+        for i in range(n)
+    ]
 
 
 def _apply(targets: list[Target], p: object) -> list[Target]:
@@ -36,6 +44,8 @@ def _apply(targets: list[Target], p: object) -> list[Target]:
             t = replace(t, status=TS.SKIPPED)
         if t.machine_id in p.wait:  # type: ignore[attr-defined]
             t = replace(t, status=TS.WAITING, wave=None)
+        if t.machine_id in p.drain:  # type: ignore[attr-defined]
+            t = replace(t, status=TS.DRAINING, wave=None)
         if t.machine_id in p.start:  # type: ignore[attr-defined]
             t = replace(t, status=TS.UPDATING)
         out.append(t)
@@ -64,6 +74,24 @@ def test_in_use_skip_or_wait() -> None:
     assert p.wait == ["m1"] and "m1" not in p.join and not p.skip
 
 
+def test_in_use_drain_with_consent_else_wait() -> None:
+    ts = _targets(3, busy={0, 1}, consent={1})
+    p = plan(RS.RUNNING, Policy(3, 3, 1, InUse.DRAIN), ts)
+    assert p.drain == ["m1"] and p.wait == ["m0"] and p.join == ["m2"] and not p.skip
+    # Draining, then back in the pool (released, wiped): it joins the next wave and starts.
+    ts = _apply(ts, p)
+    assert plan(RS.RUNNING, Policy(3, 3, 1, InUse.DRAIN), ts).drain == []  # once
+    ts[1] = replace(ts[1], available=A.FREE)
+    ts[2] = replace(ts[2], status=TS.DONE)
+    p = plan(RS.RUNNING, Policy(3, 3, 1, InUse.DRAIN), ts)
+    assert p.join == ["m1"] and p.start == ["m1"]
+    # Consent given while waiting: drained then.
+    ts[0] = replace(ts[0], consent=True)
+    assert plan(RS.RUNNING, Policy(3, 3, 1, InUse.DRAIN), ts).drain == ["m0"]
+    # The wait policy never drains, consent or not.
+    assert plan(RS.RUNNING, Policy(3, 3, 1, InUse.WAIT), ts).drain == []
+
+
 def test_paused_and_aborted_start_nothing() -> None:
     for state in (RS.PAUSED, RS.ABORTED, RS.STOPPED):
         assert plan(state, Policy(2, 2, 1), _targets(3)).start == []
@@ -79,11 +107,14 @@ def test_paused_and_aborted_start_nothing() -> None:
     steps=st.lists(
         st.tuples(
             st.integers(0, 11),
-            st.sampled_from(["done", "fail", "take", "free", "gone", "pause", "resume", "abort"]),
+            st.sampled_from(
+                ["done", "fail", "take", "free", "gone", "consent", "pause", "resume", "abort"]
+            ),
         ),
         max_size=80,
     ),
     busy=st.sets(st.integers(0, 11), max_size=4),
+    consent=st.sets(st.integers(0, 11), max_size=4),
 )
 def test_rollout_invariants(
     n: int,
@@ -93,9 +124,10 @@ def test_rollout_invariants(
     in_use: InUse,
     steps: list[tuple[int, str]],
     busy: set[int],
+    consent: set[int],
 ) -> None:
     policy = Policy(batch, cap, budget, in_use)
-    ts = _targets(n, busy)
+    ts = _targets(n, busy, consent)
     state = RS.RUNNING
     started_after_trip = False
 
@@ -106,12 +138,17 @@ def test_rollout_invariants(
         by_id = {t.machine_id: t for t in ts}
         for m in p.start:  # only free, pending machines of the open wave start
             assert by_id[m].available is A.FREE
-            assert by_id[m].status in (TS.PENDING, TS.WAITING)
+            assert by_id[m].status in (TS.PENDING, TS.WAITING, TS.DRAINING)
         if p.start and (state is not RS.RUNNING or failed >= budget):
             started_after_trip = True
         assert len(p.join) <= batch
         if in_use is InUse.SKIP:
             assert not p.wait
+        for m in p.drain:  # only machines in use whose tenant consented, by the drain policy
+            assert in_use is InUse.DRAIN and by_id[m].consent
+            assert by_id[m].available is A.BUSY and by_id[m].status is not TS.DRAINING
+        if state is not RS.RUNNING:
+            assert not p.drain
         ts = _apply(ts, p)
         state = p.state
         updating = [t for t in ts if t.status is TS.UPDATING]
@@ -134,6 +171,8 @@ def test_rollout_invariants(
             ts[i] = replace(t, available=A.BUSY)
         elif what == "free":
             ts[i] = replace(t, available=A.FREE)
+        elif what == "consent":
+            ts[i] = replace(t, consent=not t.consent)
         elif what == "gone" and t.status not in (TS.UPDATING, *FINAL):
             ts[i] = replace(t, available=A.GONE)
         elif what == "pause" and state is RS.RUNNING:

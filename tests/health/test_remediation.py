@@ -16,6 +16,7 @@ from metald.health.remediation import (
     HOLDS_SLOT,
     TRANSITIONS,
     Action,
+    Cause,
     Facts,
     Remediation,
     Step,
@@ -253,6 +254,38 @@ def test_fatal_never_undrains_and_a_drain_only_policy_keeps_it_drained() -> None
     r, _ = step_through(rem(policy=PolicyConfig(fatal="drain")), Facts(T0, F))
     assert r.step == Step.DRAINED
     assert decide(r, Facts(T0, OK)).next == Step.DRAINED
+
+
+@pytest.mark.parametrize("fatal", ["replace", "remove", "drain"])
+def test_a_firmware_drain_goes_out_of_the_claim_whatever_the_health_and_is_never_repaired(
+    fatal: str,
+) -> None:
+    """Cause ``firmware`` (a rollout's drain, with the tenant's consent): a healthy machine is
+    drained, its jobs may finish up to the policy's bound, it leaves the claim (replaced when
+    the policy replaces, even a drain-only policy takes it out) and the remediation ends there:
+    no repair."""
+    p = PolicyConfig(fatal=fatal, job_wait_s=0)  # type: ignore[arg-type]
+    r = replace(rem(policy=p), cause=Cause.FIRMWARE, evidence="firmware rollout R1")
+    end, seen = step_through(r, Facts(T0, OK, running_jobs=2))
+    tail = ["replace:replace"] if fatal == "replace" else []
+    assert seen == ["waiting:none", "drain:drain", "wait-jobs:none", "remove:remove", *tail]
+    assert end.step == Step.DONE and end.severity == F and end.evidence == "firmware rollout R1"
+    assert (end.replacement == "spare") == (fatal == "replace")
+    first = decide(r, Facts(T0, OK))
+    assert "with the tenant's consent: firmware rollout R1" in first.reason
+    # Jobs may finish first, as for a fault.
+    waiting, _ = step_through(replace(r, policy=PolicyConfig(job_wait_s=600)),
+                              Facts(T0, OK, running_jobs=1))  # fmt: skip
+    assert waiting.step == Step.WAIT_JOBS
+
+
+def test_a_firmware_drain_of_a_machine_found_fatal_meanwhile_ends_in_repair() -> None:
+    r = replace(rem(policy=PolicyConfig(job_wait_s=0)), cause=Cause.FIRMWARE)
+    end, seen = step_through(r, Facts(T0, F, "XID 79 now", running_jobs=0))
+    assert seen[-2:] == ["replace:replace", "repair:repair"] and end.step == Step.DONE
+    p = PolicyConfig(fatal="remove", job_wait_s=0)
+    _, seen = step_through(replace(r, policy=p), Facts(T0, F, running_jobs=0))
+    assert seen[-2:] == ["remove:remove", "repair:repair"]
 
 
 def test_nothing_to_do() -> None:
