@@ -63,7 +63,7 @@ def test_migration_0035_names_the_machines_enlisted_before(tmp_path) -> None:  #
 
     store = Store(f"sqlite:///{tmp_path / 'm.db'}")
     try:
-        store.migrate("0031")
+        store.migrate("0032")
         with store.engine.begin() as conn:
             rows = [
                 ("a", "r07", "u1", None, None),  # -> r07-u1

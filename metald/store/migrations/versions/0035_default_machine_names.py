@@ -2,7 +2,7 @@
 else a readable generated name; unique.
 
 Revision ID: 0035
-Revises: 0031
+Revises: 0032
 
 Data only: machines enlisted from now on are named by metald.machines.create_machine and
 renamed after their serial by the inventory; this names those enlisted before.
@@ -16,7 +16,7 @@ from alembic import op
 from metald.naming import generated_name, name_from_serial
 
 revision = "0035"
-down_revision = "0031"
+down_revision = "0032"
 branch_labels = None
 depends_on = None
 
