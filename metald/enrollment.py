@@ -188,6 +188,9 @@ def accept_inventory(
         updates["bios"] = {**(m.bios or {}), "desired": profile}  # staged by metald.bmc.firmware
     if not m.rack_position and norm.rack_position_hint:
         updates["rack_position"] = norm.rack_position_hint
+    serial = accepted.machine_fields.get("serial")
+    if better := machines.name_to_take(s, m, serial):
+        updates["name"] = better  # its serial instead of a generated name (issue 31)
     machines.sync_nics(s, m.id, norm.nics)
     commission = profile_for(cfg.rules, norm, updates.get("rack_position", m.rack_position))
     machines.transition(
@@ -207,6 +210,7 @@ def accept_inventory(
         instance=instance,
         commit=False,
     )
+    machines.take_name(s, m, serial)
     if accepted.changes:
         machines.add_event(
             s,

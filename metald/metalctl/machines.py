@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from metald.lifecycle import HANDOFF, TIMEOUTS, State
+from metald.units import disk_size, mib
 
 from . import bmc, bulk, commissioning, console, repairs
 from .client import Client
@@ -21,7 +22,7 @@ COLUMNS = [
     ("NAME", "name_s"),
     ("STATE", "state"),
     ("GPUS", "gpus"),
-    ("MEM_GB", "mem"),
+    ("MEMORY", "mem"),
     ("RACK", "rack"),
     ("LABELS", "labels_s"),
     ("TENANT", "tenant"),
@@ -144,7 +145,7 @@ def row(m: dict[str, Any]) -> dict[str, Any]:
     r["name_s"] = m.get("name") or "-"
     r["short_id"] = m["id"][:8]
     r["gpus"] = f"{m['gpu_count']}x {m['gpu_model']}" if m.get("gpu_count") else "-"
-    r["mem"] = round(m["memory_mb"] / 1024) if m.get("memory_mb") else None
+    r["mem"] = mib(m.get("memory_mb")) or None
     r["labels_s"] = ",".join(f"{k}={v}" for k, v in sorted((m.get("labels") or {}).items()))
     held = m.get("state") in HELD or str(m.get("state", "")).endswith("-failed")
     r["why"] = m.get("last_error") or (m.get("state_reason") if held else None) or ""
@@ -177,7 +178,11 @@ def _details(m: dict[str, Any]) -> str:
     lines = [f"{k + ':':15} {'' if m.get(k) is None else m[k]}" for k in SHOW_FIELDS]
     labels = ", ".join(f"{k}={v}" for k, v in sorted(m["labels"].items()))
     nics = ", ".join(n["mac"] + (" (pxe)" if n["pxe"] else "") for n in m["nics"])
+    disks = ((m.get("inventory") or {}).get("normalized") or {}).get("disks") or []
     lines += [
+        f"{'memory:':15} {mib(m.get('memory_mb'))}",
+        f"{'disks:':15} "
+        + ", ".join(f"{d.get('name')} {disk_size(d.get('size_bytes'))}" for d in disks),
         f"{'labels:':15} {labels}",
         f"{'nics:':15} {nics}",
         f"{'actions:':15} {', '.join(m['allowed_actions'])}",
