@@ -71,6 +71,25 @@ class SelectorIn(In):
     )
 
 
+class PlacementIn(In):
+    """Where the machines go in the fabric (docs/claims.md, Placement): exactly one of pack
+    or spread."""
+
+    pack: Literal["nvlink-domain", "rack", "ib-leaf"] | None = Field(
+        default=None,
+        description="Every group of machines inside one NVLink domain, rack or InfiniBand leaf.",
+    )
+    group_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=1024,
+        description="Machines per group (count must be a multiple); default: one group of count.",
+    )
+    spread: Literal["power-domain"] | None = Field(
+        default=None, description="Spread the machines evenly over power domains."
+    )
+
+
 class ClaimCreate(In):
     tenant_id: TenantRef = Field(description="The tenant's id, name or an 8+ character id prefix.")
     count: int = Field(ge=1, le=1024)
@@ -82,6 +101,7 @@ class ClaimCreate(In):
     idempotency_key: Annotated[str, StringConstraints(min_length=1, max_length=200)] | None = Field(
         default=None, description="A retried request with the same key gets the same claim."
     )
+    placement: PlacementIn | None = None
 
 
 class ProgressOut(BaseModel):
@@ -100,6 +120,10 @@ class ClaimMachineOut(BaseModel):
     state: str
     gpu_model: str | None
     gpu_count: int
+    rack: str | None = None
+    nvlink_domain: str | None = None
+    ib_leaf: str | None = None
+    power_domain: str | None = None
     last_error: str | None
     progress: ProgressOut | None = None
 
@@ -109,6 +133,7 @@ class ClaimOut(BaseModel):
     tenant_id: str
     count: int
     selector: dict[str, Any]
+    placement: dict[str, Any] | None = None
     image_id: str | None
     ssh_authorized_keys: list[str] = []
     state: str
@@ -154,7 +179,8 @@ async def create_claim(req: ApiRequest, claims: Claims) -> ClaimOut:
     """Allocate ``count`` machines matching the selector to the tenant, all or none, and start
     installing the image on them. A repeated ``idempotency_key`` returns the first claim
     (``replayed``); the same key with a different request is 409. Too few machines: 422 with
-    ``matched`` (machines matching the selector) and ``available`` (of those, ready and free)."""
+    ``matched`` (machines matching the selector) and ``available`` (of those, ready and free);
+    a ``placement`` that does not fit: 422 with ``free_per_domain``."""
     b: ClaimCreate = req.body
     out = await claims.claim(
         req.require_principal(),
@@ -165,6 +191,7 @@ async def create_claim(req: ApiRequest, claims: Claims) -> ClaimOut:
         image_id=b.image_id,
         idempotency_key=b.idempotency_key or req.raw.headers.get("Idempotency-Key") or None,
         ssh_authorized_keys=b.ssh_authorized_keys,
+        placement=b.placement.model_dump(exclude_none=True) if b.placement else None,
     )
     return ClaimOut.model_validate(out)
 

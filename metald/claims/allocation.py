@@ -24,6 +24,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from metald import machines
+from metald.claims import placement as placing
+from metald.claims.placement import Candidate, Placement, Unplaceable
 from metald.claims.records import retrying, switch_plan
 from metald.errors import Conflict, NotFound, Unprocessable
 from metald.lifecycle import State, Trigger
@@ -199,12 +201,20 @@ def get_image(session: Session, image_id: str, tenant_id: str | None = None) -> 
     return img
 
 
-def _same_request(c: Claim, count: int, selector: Selector, image_id: str, keys: list[str]) -> bool:
+def _same_request(
+    c: Claim,
+    count: int,
+    selector: Selector,
+    image_id: str,
+    keys: list[str],
+    placement: Placement | None = None,
+) -> bool:
     return (
         c.count == count
         and Selector.from_dict(c.selector) == selector
         and c.image == image_id
         and list(c.ssh_authorized_keys or []) == keys
+        and (c.placement or None) == (placement.to_dict() if placement else None)
     )
 
 
@@ -214,8 +224,15 @@ def _existing(session: Session, tenant_id: str, key: str) -> Claim | None:
     ).first()
 
 
-def _replay(c: Claim, count: int, selector: Selector, image_id: str, keys: list[str]) -> Claim:
-    if not _same_request(c, count, selector, image_id, keys):
+def _replay(
+    c: Claim,
+    count: int,
+    selector: Selector,
+    image_id: str,
+    keys: list[str],
+    placement: Placement | None = None,
+) -> Claim:
+    if not _same_request(c, count, selector, image_id, keys, placement):
         raise Conflict(
             f"idempotency key {c.idempotency_key!r} was already used for claim {c.id} with a "
             "different request; use a new key for a new claim",
@@ -237,18 +254,21 @@ def create_claim(
     ssh_authorized_keys: list[str] | None = None,
     instance: str | None = None,
     require_bmc: bool | None = None,
+    placement: Placement | None = None,
 ) -> tuple[Claim, bool]:
     """Allocate ``count`` machines to the tenant, all or none. Returns (claim, replayed):
     a repeated idempotency key with the same request returns the first claim unchanged.
     ``require_bmc`` (enroll.require_bmc; None: on once any BMC is registered): only machines
-    linked to a BMC or approved by a technician are taken."""
+    linked to a BMC or approved by a technician are taken. ``placement``: packed into NVLink
+    domains, racks or IB leaves, or spread over power domains (``metald.claims.placement``);
+    one that cannot be placed raises ``Unplaceable`` with the free machines per domain."""
     if count < 1:
         raise Unprocessable("count must be at least 1")
     keys = list(ssh_authorized_keys or [])
     if session.get(Tenant, tenant_id) is None:
         raise NotFound(f"no tenant with id {tenant_id!r}")
     if idempotency_key and (c := _existing(session, tenant_id, idempotency_key)):
-        return _replay(c, count, selector, image_id, keys), True
+        return _replay(c, count, selector, image_id, keys, placement), True
     image = get_image(session, image_id, tenant_id)  # scoped images: their tenants only
     intent = provision_intent(image.id, image.kind, image.spec, deploy)
     strict = bmc_required(session, require_bmc)
@@ -262,18 +282,23 @@ def create_claim(
             selector=selector.to_dict(),
             image=image.id,
             ssh_authorized_keys=keys,
+            placement=placement.to_dict() if placement else None,
             state="allocated",
             created_by=actor,
         )
         session.add(claim)
         session.flush()
         dialect = session.get_bind().dialect.name
-        stmt, exact = selector.narrow(claimable(select(Machine)), dialect)
-        if not exact:
-            # Labels or globs SQL cannot check alike: match the candidates' columns in Python.
-            cand, _ = selector.narrow(claimable(select(*_MATCH_COLUMNS)), dialect)
-            ids = [m.id for m in session.exec(cand).all() if selector.matches(m)]
-            stmt = claimable(select(Machine).where(col(Machine.id).in_(ids)))
+        if placement is not None:
+            stmt = _placed(session, claimable, selector, count, placement)
+        else:
+            stmt, exact = selector.narrow(claimable(select(Machine)), dialect)
+            if not exact:
+                # Labels or globs SQL cannot check alike: match the candidates' columns in
+                # Python.
+                cand, _ = selector.narrow(claimable(select(*_MATCH_COLUMNS)), dialect)
+                ids = [m.id for m in session.exec(cand).all() if selector.matches(m)]
+                stmt = claimable(select(Machine).where(col(Machine.id).in_(ids)))
         # Best fit first, so the big machines stay free for the claims that need them (the
         # ix_machines_alloc order). populate_existing: the rows as locked now.
         locked = session.exec(
@@ -328,7 +353,51 @@ def create_claim(
         c = _existing(session, tenant_id, idempotency_key) if idempotency_key else None
         if c is None:
             raise
-        return _replay(c, count, selector, image_id, keys), True
+        return _replay(c, count, selector, image_id, keys, placement), True
+
+
+#: What placement reads of each candidate, besides what ``Selector.matches`` reads.
+_PLACE_COLUMNS = (
+    *_MATCH_COLUMNS,
+    Machine.nvlink_domain,
+    Machine.nvlink_ready,
+    Machine.ib_leaf,
+    Machine.power_domain,
+)
+
+
+def _placed(
+    session: Session,
+    claimable: Callable[[Any], Any],
+    selector: Selector,
+    count: int,
+    placement: Placement,
+) -> Any:
+    """The machines ``placement`` picks among the free ones matching ``selector``, as a
+    statement to lock them with. Every candidate's domains are read (a placement weighs the
+    whole fleet); refuses with ``Unplaceable`` when they do not fit."""
+    dialect = session.get_bind().dialect.name
+    cand, _ = selector.narrow(claimable(select(*_PLACE_COLUMNS)), dialect)
+    rows = [
+        m
+        for m in session.exec(
+            cand.order_by(col(Machine.gpu_count), col(Machine.memory_mb), col(Machine.id))
+        ).all()
+        if selector.matches(m)
+    ]
+    candidates = [
+        Candidate(
+            id=m.id,
+            # A tray whose GPUs are not all registered in the domain would slow the job.
+            nvlink_domain=m.nvlink_domain if m.nvlink_ready else None,
+            rack=m.rack,
+            ib_leaf=m.ib_leaf,
+            power_domain=m.power_domain,
+        )
+        for m in rows
+    ]
+    ids = placing.choose(candidates, count, placement)
+    return claimable(select(Machine).where(col(Machine.id).in_(ids)))
 
 
 def _allocate_or_explain(
@@ -347,6 +416,9 @@ def _allocate_or_explain(
             return retrying(session, allocate)
         except _Shortfall:
             session.rollback()
+        except Unplaceable:
+            session.rollback()
+            raise
         matched, available = count_matching(session, selector, vouched_only=strict)
         session.rollback()
         if available < count or time.monotonic() > deadline:

@@ -47,7 +47,7 @@ class Placement:
         if not d:
             return None
         if not isinstance(d, dict):
-            raise Unprocessable("placement must be an object such as {\"pack\": \"nvlink-domain\"}")
+            raise Unprocessable('placement must be an object such as {"pack": "nvlink-domain"}')
         unknown = set(d) - {"pack", "spread", "group_size"}
         if unknown:
             raise Unprocessable(f"placement: unknown field(s) {sorted(unknown)}; use pack, "

@@ -18,6 +18,7 @@ from typing import Any, Protocol, TypeVar
 from sqlmodel import Session
 
 from metald.claims import allocation, records, release
+from metald.claims.placement import Placement
 from metald.errors import Unprocessable
 from metald.lifecycle import NETWORK_BOOT
 from metald.provision import commissioning
@@ -98,6 +99,7 @@ class ClaimRequest:
     image_id: str
     idempotency_key: str | None
     ssh_authorized_keys: list[str]
+    placement: Placement | None = None
 
 
 @dataclass
@@ -153,6 +155,7 @@ class ClaimWorkflow:
                 ssh_authorized_keys=b.ssh_authorized_keys,
                 instance=self.instance,
                 require_bmc=self.require_bmc,
+                placement=b.placement,
             )
             started: list[str] = []
             if not replayed:

@@ -14,6 +14,7 @@ from sqlmodel import Session, col, select
 
 from metald.auth import Principal, Role
 from metald.claims.allocation import Selector
+from metald.claims.placement import Placement
 from metald.claims.records import claim_machines, latest_progress
 from metald.claims.workflow import ClaimRequest, ClaimWorkflow
 from metald.errors import NotFound
@@ -44,7 +45,19 @@ def claim_view(s: Session, c: Claim, *, replayed: bool = False) -> dict[str, Any
         "replayed": replayed,
         "machines": [
             {
-                **m.model_dump(include={"id", "name", "state", "gpu_model", "gpu_count"}),
+                **m.model_dump(
+                    include={
+                        "id",
+                        "name",
+                        "state",
+                        "gpu_model",
+                        "gpu_count",
+                        "rack",
+                        "nvlink_domain",
+                        "ib_leaf",
+                        "power_domain",
+                    }
+                ),
                 "last_error": m.last_error,
                 "progress": progress.get(m.id),
             }
@@ -80,6 +93,7 @@ class Claims:
         image_id: str,
         idempotency_key: str | None,
         ssh_authorized_keys: list[str],
+        placement: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Allocate the machines and start installing the image (``ClaimWorkflow.claim``),
         for a tenant the caller may claim for."""
@@ -95,6 +109,7 @@ class Claims:
             image_id=image_id,
             idempotency_key=idempotency_key,
             ssh_authorized_keys=ssh_authorized_keys,
+            placement=Placement.from_dict(placement, count),
         )
         return await self.workflow.claim(
             request,
