@@ -43,6 +43,6 @@ def test_imex_nodes_config_per_domain() -> None:
 
 def test_hostile_leaf_names_stay_bare_words() -> None:
     text = slurm.render_topology_tree([TopoNode("n1", None, "leaf a;Nodes=ALL\nx", None)])
-    assert len(text.splitlines()) == 4  # comment, the leaf's node switch, the leaf, no more
+    assert len(text.splitlines()) == 3  # comment, the leaf's node switch, the leaf
     assert all(" " not in ln.split(" ", 1)[0] for ln in text.splitlines()[1:])
     assert "Nodes=ALL" not in text
