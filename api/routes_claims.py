@@ -227,6 +227,50 @@ async def show_claim(req: ApiRequest, claims: Claims) -> ClaimOut:
     return ClaimOut.model_validate(await claims.show(req.require_principal(), req.params["id"]))
 
 
+class TopologyNodeOut(BaseModel):
+    name: str = Field(description="The node's name in the tenant's cluster.")
+    nvlink_domain: str | None
+    ib_leaf: str | None
+    address: str | None = Field(description="Its address on the tenant's mesh, once joined.")
+    features: list[str] = Field(description="Node features naming where it sits.")
+
+
+class ImexConfigOut(BaseModel):
+    nvlink_domain: str
+    nodes_config: str = Field(description="IMEX nodes_config.cfg: one node address a line.")
+
+
+class ClaimTopologyOut(BaseModel):
+    claim_id: str
+    placement: dict[str, Any] | None
+    nodes: list[TopologyNodeOut]
+    slurm_topology_tree: str = Field(description="topology.conf for topology/tree (Slurm 22.05).")
+    slurm_topology_block: str = Field(
+        description="topology.conf for topology/block (Slurm 23.11 and later)."
+    )
+    imex_nodes_config: list[ImexConfigOut]
+    unaddressed: list[str] = Field(
+        description="Nodes in an NVLink domain that have not joined yet: not in the IMEX files."
+    )
+
+
+@router.route(
+    "GET",
+    "/api/v1/claims/{id}/topology",
+    summary="Show a claim's topology",
+    roles=READERS,
+    response=ClaimTopologyOut,
+    tag=TAG,
+    errors=(404,),
+    use_case=workflows.claims,
+)
+async def show_claim_topology(req: ApiRequest, claims: Claims) -> ClaimTopologyOut:
+    """The claim's nodes by NVLink domain and InfiniBand leaf, as Slurm topology.conf (tree
+    and block plugins) and NVIDIA IMEX nodes_config.cfg per NVLink domain."""
+    out = await claims.topology(req.require_principal(), req.params["id"])
+    return ClaimTopologyOut.model_validate(out)
+
+
 #: What both releases declare (the claim's, one machine's).
 _RELEASE: dict[str, Any] = {
     "roles": CLAIMERS,

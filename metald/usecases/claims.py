@@ -19,7 +19,9 @@ from metald.claims.records import claim_machines, latest_progress
 from metald.claims.workflow import ClaimRequest, ClaimWorkflow
 from metald.errors import NotFound
 from metald.machines import ConcurrentUpdate
-from metald.store.models import Claim
+from metald.provision.metadata import hostname
+from metald.store.models import Claim, WgPeer
+from metald.tenants import slurm
 from metald.usecases import Transactions
 from metald.usecases.reads import Page, Pager, page
 
@@ -63,6 +65,41 @@ def claim_view(s: Session, c: Claim, *, replayed: bool = False) -> dict[str, Any
             }
             for m in ms
         ],
+    }
+
+
+def claim_topology(s: Session, c: Claim) -> dict[str, Any]:
+    ms = claim_machines(s, c.id)
+    ids = [m.id for m in ms]
+    rows = s.exec(select(WgPeer.machine_id, WgPeer.address).where(col(WgPeer.machine_id).in_(ids)))
+    peers = {mid: addr for mid, addr in rows.all()}
+    nodes = [
+        slurm.TopoNode(
+            name=hostname(m.id, m.name),
+            nvlink_domain=m.nvlink_domain if m.nvlink_ready else None,
+            ib_leaf=m.ib_leaf,
+            address=peers.get(m.id),
+        )
+        for m in ms
+    ]
+    imex = slurm.imex_nodes_config(nodes)
+    return {
+        "claim_id": c.id,
+        "placement": c.placement,
+        "nodes": [
+            {
+                "name": n.name,
+                "nvlink_domain": n.nvlink_domain,
+                "ib_leaf": n.ib_leaf,
+                "address": n.address,
+                "features": slurm.topology_features(n.nvlink_domain, n.ib_leaf, m.rack),
+            }
+            for n, m in zip(nodes, ms, strict=True)
+        ],
+        "slurm_topology_tree": slurm.render_topology_tree(nodes),
+        "slurm_topology_block": slurm.render_topology_block(nodes),
+        "imex_nodes_config": [{"nvlink_domain": d, "nodes_config": t} for d, t in imex.items()],
+        "unaddressed": sorted(n.name for n in nodes if n.nvlink_domain and not n.address),
     }
 
 
@@ -134,6 +171,11 @@ class Claims:
 
     async def show(self, p: Principal, claim_id: str) -> dict[str, Any]:
         return await self.store.run(lambda s: claim_view(s, load_claim(s, p, claim_id)))
+
+    async def topology(self, p: Principal, claim_id: str) -> dict[str, Any]:
+        """The claim's machines as its tenant's scheduler should see them: topology.conf for
+        Slurm's tree and block plugins, and IMEX nodes_config.cfg per NVLink domain."""
+        return await self.store.read(lambda s: claim_topology(s, load_claim(s, p, claim_id)))
 
     async def release(
         self,
