@@ -94,3 +94,48 @@ async def test_topology_api_on_the_simulated_fleet(api) -> None:  # type: ignore
         headers=orch,
     )
     assert r.status == 422 and "multiple of placement.group_size" in (await r.json())["detail"]
+
+
+async def test_metalctl_topology_commands(api, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """metalctl nvlink-domains, ib-fabric upload/list and claims topology against the API."""
+    import argparse
+
+    from metald.metalctl import claims as ctl_claims
+    from metald.metalctl import topology as ctl
+
+    client, tokens, store = api
+    nvl72.add_fleet(store, IBNET.read_text())
+    calls = []
+
+    class Client:  # metalctl's client is synchronous: record calls, answer from the app
+        def __init__(self) -> None:
+            self.answers: dict[tuple[str, str], object] = {}
+
+        def call(self, method: str, path: str, body: object = None) -> object:
+            calls.append((method, path, body))
+            return self.answers[(method, path)]
+
+    tech = tokens.header("technician")
+    c = Client()
+    r = await client.put(
+        "/api/v1/ib-fabric", json={"ibnetdiscover": IBNET.read_text()}, headers=tech
+    )
+    c.answers[("PUT", "/api/v1/ib-fabric")] = await r.json()
+    f = tmp_path / "ibnet.txt"
+    f.write_text(IBNET.read_text())
+    ns = argparse.Namespace(output=None, json=False, file=str(f))
+    ctl.ib_upload(ns, c)  # type: ignore[arg-type]
+    assert calls[-1][2] == {"ibnetdiscover": IBNET.read_text()}
+    assert "72 host ports on 2 switches; 72 machine(s) changed leaf; leaf-a: 36, leaf-b: 36" in (
+        capsys.readouterr().out
+    )
+    r = await client.get("/api/v1/nvlink-domains", headers=tech)
+    c.answers[("GET", "/api/v1/nvlink-domains")] = await r.json()
+    ctl.nvlink_domains(argparse.Namespace(output=None, json=False, domain=None), c)  # type: ignore[arg-type]
+    out = capsys.readouterr().out
+    assert "DOMAIN" in out and nvl72.domain_id(3) in out and "rack3" in out
+    ctl.nvlink_domains(argparse.Namespace(output=None, json=False, domain="00000002"), c)  # type: ignore[arg-type]
+    out = capsys.readouterr().out
+    assert out.startswith(f"domain {nvl72.domain_id(1)}: 18 trays, 18 free, racks rack1")
+    assert "nvl1-t17" in out and "leaf-a" in out
+    assert ctl_claims.topology is ctl  # claims topology prints through this module
