@@ -441,6 +441,30 @@ def _allocate_or_explain(
         time.sleep(random.uniform(0.005, 0.05))
 
 
+def _same_domains(
+    session: Session, claim: Claim, claimable: Callable[[Any], Any]
+) -> Callable[[Any], Any]:
+    """For a packed claim, only machines in the domains its machines sit in (a replacement
+    outside the NVLink domain would slow the whole job); else ``claimable`` unchanged."""
+    placement = Placement.from_dict(claim.placement, claim.count) if claim.placement else None
+    if placement is None or placement.pack is None:
+        return claimable
+    column = getattr(Machine, placement.key)
+    held = {
+        v
+        for v in session.exec(select(column).where(Machine.claim_id == claim.id)).all()
+        if v is not None
+    }
+
+    def narrowed(stmt: Any) -> Any:
+        stmt = claimable(stmt).where(col(column).in_(sorted(held)))
+        if placement.pack == "nvlink-domain":
+            stmt = stmt.where(col(Machine.nvlink_ready).is_(True))
+        return stmt
+
+    return narrowed
+
+
 def claim_replacement(
     session: Session,
     claim: Claim,
@@ -454,11 +478,13 @@ def claim_replacement(
     """One more machine for ``claim``, of its selector and image, locked and moved to
     ``claimed`` like the claim's own (``create_claim``) but not committed: the caller records
     what it was claimed for in the same transaction (a remediation's replacement, so a crash
-    never claims two). None when no free machine matches."""
+    never claims two). A packed claim's replacement comes from the domains its machines sit
+    in. None when no free machine matches."""
     selector = Selector.from_dict(claim.selector)
     image = get_image(session, claim.image or "", claim.tenant_id)
     intent = provision_intent(image.id, image.kind, image.spec, deploy)
     claimable = _claimable(bmc_required(session, require_bmc))
+    claimable = _same_domains(session, claim, claimable)
     dialect = session.get_bind().dialect.name
     stmt, exact = selector.narrow(claimable(select(Machine)), dialect)
     if not exact:

@@ -170,3 +170,22 @@ def test_the_fixture_is_what_ibsim_gives_for_the_net(tmp_path: Path) -> None:
         return re.sub(r"^# Topology file: generated on .*$", "", t, flags=re.M)
 
     assert strip(out) == strip(IBNET.read_text())
+
+
+def test_a_packed_claims_replacement_comes_from_its_domain(store: Store) -> None:
+    """Fails on the old code: a replacement was any free machine matching the selector."""
+    from metald.claims.allocation import claim_replacement
+    from metald.store.models import Claim
+
+    _fleet(store)
+    tenant, image = add_tenant(store, "acme"), add_image(store)
+    ms = _claim(store, tenant, image, 17, pack="nvlink-domain")
+    assert _domains(ms) == {nvl72.domain_id(0): 17}
+    with store.session() as s:
+        claim = s.get(Claim, ms[0].claim_id)
+        assert claim is not None
+        got = claim_replacement(s, claim, "test", reason="test", deploy=DEPLOY)
+        assert got is not None and got.nvlink_domain == nvl72.domain_id(0)
+        s.commit()
+        again = claim_replacement(s, claim, "test", reason="test", deploy=DEPLOY)
+        assert again is None  # d0 is full; d1-d3 have 54 free trays, in other domains
