@@ -189,3 +189,26 @@ def test_a_packed_claims_replacement_comes_from_its_domain(store: Store) -> None
         s.commit()
         again = claim_replacement(s, claim, "test", reason="test", deploy=DEPLOY)
         assert again is None  # d0 is full; d1-d3 have 54 free trays, in other domains
+
+
+def test_an_inventory_post_is_matched_with_the_uploaded_fabric(store: Store) -> None:
+    """The leaf is set when the agent posts (after the fabric was uploaded), and the NVLink
+    columns from its nvidia-smi capture."""
+    from metald import enrollment, machines
+    from metald.config import EnrollConfig
+    from metald.lifecycle import Trigger
+    from vmlab.inventory import payload
+
+    with store.session() as s:
+        topology.replace_links(s, parse_ibnetdiscover(IBNET.read_text()))
+        m = machines.create_machine(s, macs=["52:54:00:12:34:56"], actor="t")
+        machines.transition(s, m.id, Trigger.INSPECT, actor="t")
+        guid = nvl72.ca_port_guids(IBNET.read_text())[nvl72.tray(3, 4)]
+        body = payload(
+            machine_id=m.id,
+            raw={"nvidia_smi_xml": nvl72.GB200_XML.read_text()},
+            infiniband=[{"device": "mlx5_0", "port": 1, "port_guid": guid}],
+        )
+        got = enrollment.accept_inventory(s, m.id, body, actor="agent", cfg=EnrollConfig())
+        assert (got.ib_leaf, got.nvlink_ready) == ("leaf-b", True)
+        assert got.nvlink_domain == "00000001-0000-0000-0000-000000000001.2"
