@@ -25,13 +25,9 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from metald.claims.placement import Candidate, Placement, Unplaceable, choose  # noqa: E402
+from metald.claims.placement import Candidate, Placement, Unplaceable, choose
 
 DOMAINS, TRAYS = 4, 18
 #: Claim sizes in trays (a GB200 tray has 4 GPUs): 4 to 18 trays, whole-rack jobs included.

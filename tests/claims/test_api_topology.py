@@ -5,6 +5,8 @@ and its topology (Slurm topology.conf, IMEX nodes_config) is served, an unplacea
 
 from __future__ import annotations
 
+import pytest
+
 from tests.claims import nvl72
 from tests.claims.helpers import DISK_SPEC
 
@@ -96,6 +98,7 @@ async def test_topology_api_on_the_simulated_fleet(api) -> None:  # type: ignore
     assert r.status == 422 and "multiple of placement.group_size" in (await r.json())["detail"]
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # the API test covers both
 async def test_metalctl_topology_commands(api, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     """metalctl nvlink-domains, ib-fabric upload/list and claims topology against the API."""
     import argparse

@@ -27,6 +27,9 @@ from netconfig import netns
 from tests.claims import nvl72
 from tests.claims.helpers import DEPLOY, add_image, add_tenant
 
+#: Placement's SQL is the claims' (tested on both backends there and in the first test here):
+#: the rest run on SQLite only, to keep make test short.
+SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 IBNET = nvl72.ROOT / "tests/fixtures/ib/ibnetdiscover_ibsim-4xnvl72-2-leaves.txt"
 
 
@@ -76,6 +79,7 @@ def test_claims_of_16_4x9_and_18_are_packed_as_asked(store: Store) -> None:
     assert "no free machine that matches has a nvlink-domain" in str(err.value)
 
 
+@SQLITE_ONLY
 def test_an_unplaceable_claim_says_free_per_domain(store: Store) -> None:
     _fleet(store)
     tenant, image = add_tenant(store, "acme"), add_image(store)
@@ -92,6 +96,7 @@ def test_an_unplaceable_claim_says_free_per_domain(store: Store) -> None:
     assert len(_claim(store, tenant, image, 32)) == 32
 
 
+@SQLITE_ONLY
 def test_leaf_pack_and_power_domain_spread(store: Store) -> None:
     _fleet(store)
     tenant, image = add_tenant(store, "acme"), add_image(store)
@@ -102,6 +107,7 @@ def test_leaf_pack_and_power_domain_spread(store: Store) -> None:
     assert len(per) == 4 and set(per.values()) == {2}  # rack2/3 x pdu0/1, two each
 
 
+@SQLITE_ONLY
 def test_a_tray_with_an_unready_fabric_is_not_packed_by_nvlink(store: Store) -> None:
     _fleet(store)
     missing = nvl72.GB200_XML.with_name(nvl72.GB200_XML.stem + ".EDITED-gpu-missing.xml")
@@ -172,6 +178,7 @@ def test_the_fixture_is_what_ibsim_gives_for_the_net(tmp_path: Path) -> None:
     assert strip(out) == strip(IBNET.read_text())
 
 
+@SQLITE_ONLY
 def test_a_packed_claims_replacement_comes_from_its_domain(store: Store) -> None:
     """Fails on the old code: a replacement was any free machine matching the selector."""
     from metald.claims.allocation import claim_replacement
@@ -191,6 +198,7 @@ def test_a_packed_claims_replacement_comes_from_its_domain(store: Store) -> None
         assert again is None  # d0 is full; d1-d3 have 54 free trays, in other domains
 
 
+@SQLITE_ONLY
 def test_an_inventory_post_is_matched_with_the_uploaded_fabric(store: Store) -> None:
     """The leaf is set when the agent posts (after the fabric was uploaded), and the NVLink
     columns from its nvidia-smi capture."""
