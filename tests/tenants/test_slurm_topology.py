@@ -1,7 +1,8 @@
 """The tenant's Slurm knows the claim's topology: a real slurmctld (the tenant control plane,
 ``SlurmControlPlane``) with the topology.conf metald writes from a packed claim's NVLink
 domains and InfiniBand leaves; ``scontrol show topology`` shows them, and a dynamic node that
-joins and a reconfigure put it in its switch."""
+joins is named by its features; Slurm 22.05 cannot put a dynamic node in a switch (pinned
+down here), which is why the runtime leaves the plugin off there."""
 
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ def test_scontrol_shows_the_packed_claims_topology(tmp_path: Path) -> None:
     ]
     with underlay() as u:
         cp = controlplane.SlurmControlPlane(
-            "t1", "acme", u.hub_ns, tmp_path / "ctl", u.hub_ip, key, max_nodes=8
-        )
+            "t1", "acme", u.hub_ns, tmp_path / "ctl", u.hub_ip, key, max_nodes=8,
+            topology_plugin="topology/tree",
+        )  # fmt: skip
         node = None
         try:
             cp.start()
@@ -87,6 +89,9 @@ def test_scontrol_shows_the_packed_claims_topology(tmp_path: Path) -> None:
             # switches are shown, not used, for dynamic nodes. This pins that limit down; a
             # Slurm that places them (the block plugin, 23.11+) makes this line fail.
             assert wait_for(lambda: "gb-a[0-2]" in unknown_to_switches(), 10)
+            # ... and so refuses jobs on it: why the runtime leaves the plugin off on 22.05.
+            job = cp.run("srun", "-N1", "-w", "gb-a0", "--immediate=5", "hostname", timeout=30)
+            assert "Requested node configuration is not available" in job.stderr, job
             print(topo())  # the report quotes it (pytest -s)
         finally:
             controlplane.stop_process(node)
