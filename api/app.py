@@ -26,6 +26,7 @@ from api import (
     routes_system,
     routes_tenants,
     routes_tokens,
+    routes_topology,
     ui,
 )
 from api.context import AppContext
@@ -72,6 +73,7 @@ ROUTERS: list[Router] = [
     routes_tenants.router,
     routes_join.router,
     routes_mesh.router,
+    routes_topology.router,
     routes_repairs.router,
     routes_health.router,
 ]

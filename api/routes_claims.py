@@ -186,6 +186,25 @@ class StorageIn(In):
     volumes: list[VolumeIn] = Field(default=[], max_length=16)
 
 
+class PlacementIn(In):
+    """Where the machines go in the fabric (docs/claims.md, Placement): exactly one of pack
+    or spread."""
+
+    pack: Literal["nvlink-domain", "rack", "ib-leaf"] | None = Field(
+        default=None,
+        description="Every group of machines inside one NVLink domain, rack or InfiniBand leaf.",
+    )
+    group_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=1024,
+        description="Machines per group (count must be a multiple); default: one group of count.",
+    )
+    spread: Literal["power-domain"] | None = Field(
+        default=None, description="Spread the machines evenly over power domains."
+    )
+
+
 class ClaimCreate(In):
     tenant_id: TenantRef = Field(description="The tenant's id, name or an 8+ character id prefix.")
     count: int = Field(ge=1, le=1024)
@@ -207,6 +226,7 @@ class ClaimCreate(In):
     )
     network: NetworkIn | None = None
     storage: StorageIn | None = None
+    placement: PlacementIn | None = None
 
 
 class ProgressOut(BaseModel):
@@ -225,6 +245,10 @@ class ClaimMachineOut(BaseModel):
     state: str
     gpu_model: str | None
     gpu_count: int
+    rack: str | None = None
+    nvlink_domain: str | None = None
+    ib_leaf: str | None = None
+    power_domain: str | None = None
     last_error: str | None
     progress: ProgressOut | None = None
 
@@ -234,6 +258,7 @@ class ClaimOut(BaseModel):
     tenant_id: str
     count: int
     selector: dict[str, Any]
+    placement: dict[str, Any] | None = None
     image_id: str | None
     ssh_authorized_keys: list[str] = []
     state: str
@@ -297,7 +322,8 @@ async def create_claim(req: ApiRequest, claims: Claims) -> ClaimOut:
     """Allocate ``count`` machines matching the selector to the tenant, all or none, and start
     installing the image on them. A repeated ``idempotency_key`` returns the first claim
     (``replayed``); the same key with a different request is 409. Too few machines: 422 with
-    ``matched`` (machines matching the selector) and ``available`` (of those, ready and free)."""
+    ``matched`` (machines matching the selector) and ``available`` (of those, ready and free);
+    a ``placement`` that does not fit: 422 with ``free_per_domain``."""
     b: ClaimCreate = req.body
     out = await claims.claim(
         req.require_principal(),
@@ -314,6 +340,7 @@ async def create_claim(req: ApiRequest, claims: Claims) -> ClaimOut:
             network=b.network.model_dump(exclude_defaults=True) if b.network else None,
             storage=b.storage.model_dump(exclude_defaults=True) if b.storage else None,
         ),
+        placement=b.placement.model_dump(exclude_none=True) if b.placement else None,
     )
     return ClaimOut.model_validate(out)
 
@@ -411,6 +438,50 @@ async def set_machine_user_data(req: ApiRequest, claims: Claims) -> ClaimOut:
         meta_data=b.meta_data,
     )
     return ClaimOut.model_validate(out)
+
+
+class TopologyNodeOut(BaseModel):
+    name: str = Field(description="The node's name in the tenant's cluster.")
+    nvlink_domain: str | None
+    ib_leaf: str | None
+    address: str | None = Field(description="Its address on the tenant's mesh, once joined.")
+    features: list[str] = Field(description="Node features naming where it sits.")
+
+
+class ImexConfigOut(BaseModel):
+    nvlink_domain: str
+    nodes_config: str = Field(description="IMEX nodes_config.cfg: one node address a line.")
+
+
+class ClaimTopologyOut(BaseModel):
+    claim_id: str
+    placement: dict[str, Any] | None
+    nodes: list[TopologyNodeOut]
+    slurm_topology_tree: str = Field(description="topology.conf for topology/tree (Slurm 22.05).")
+    slurm_topology_block: str = Field(
+        description="topology.conf for topology/block (Slurm 23.11 and later)."
+    )
+    imex_nodes_config: list[ImexConfigOut]
+    unaddressed: list[str] = Field(
+        description="Nodes in an NVLink domain that have not joined yet: not in the IMEX files."
+    )
+
+
+@router.route(
+    "GET",
+    "/api/v1/claims/{id}/topology",
+    summary="Show a claim's topology",
+    roles=READERS,
+    response=ClaimTopologyOut,
+    tag=TAG,
+    errors=(404,),
+    use_case=workflows.claims,
+)
+async def show_claim_topology(req: ApiRequest, claims: Claims) -> ClaimTopologyOut:
+    """The claim's nodes by NVLink domain and InfiniBand leaf, as Slurm topology.conf (tree
+    and block plugins) and NVIDIA IMEX nodes_config.cfg per NVLink domain."""
+    out = await claims.topology(req.require_principal(), req.params["id"])
+    return ClaimTopologyOut.model_validate(out)
 
 
 #: What both releases declare (the claim's, one machine's).

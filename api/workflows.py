@@ -27,6 +27,7 @@ from metald.usecases.mesh import Mesh
 from metald.usecases.repairs import Repairs
 from metald.usecases.tenants import Tenants
 from metald.usecases.tokens import Tokens
+from metald.usecases.topology import Topology
 
 if TYPE_CHECKING:
     from api.routing import ApiRequest
@@ -145,6 +146,11 @@ def claims(req: ApiRequest) -> Claims:
 def instances(req: ApiRequest) -> Instances:
     ctx = req.ctx
     return Instances(ctx.store, ctx.cfg.fleet.dead_after_s, fleet=ctx.services.fleet)
+
+
+def topology(req: ApiRequest) -> Topology:
+    ctx = req.ctx
+    return Topology(ctx.store, ctx.instance, ctx.bus.notify)
 
 
 def events(req: ApiRequest) -> Events:

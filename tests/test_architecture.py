@@ -144,12 +144,16 @@ PREFIX_MODULES = {
     "whoami": "routes_tokens",
     # What BMCs push (Redfish events) is a health signal: its receiver lives with the report's.
     "bmc-events": "routes_health",
+    # The fabric's views (NVLink domains, InfiniBand leaves) live with one topology module.
+    "nvlink-domains": "routes_topology",
+    "ib-fabric": "routes_topology",
 }
 #: Subsystems whose routes on a machine (and its agent's) live in their own module.
 #: Commissioning's routes on a machine and its agent's live in routes_commissioning.
 SUBSYSTEM_PATHS = {
     "routes_commissioning": ("/api/v1/machines/{id}/commission", "/api/v1/agent/commissioning"),
     "routes_firmware": ("/api/v1/machines/{id}/firmware/",),
+    "routes_topology": ("/api/v1/machines/{id}/topology",),
 }
 
 

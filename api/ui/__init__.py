@@ -55,5 +55,6 @@ def setup(app: web.Application, ctx: AppContext, specs: list[RouteSpec]) -> None
     app.router.add_get("/ui/events/stream", page(live.events))
     app.router.add_get("/ui/firmware", page(views.firmware))
     app.router.add_get("/ui/instances", page(views.instances))
+    app.router.add_get("/ui/topology", page(views.topology))
     app.router.add_get("/ui/tokens", page(views.tokens))
     app.router.add_static("/ui/static/", STATIC, append_version=False)

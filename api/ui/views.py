@@ -57,6 +57,7 @@ NAV = (
     ("repairs", "/ui/repairs", "Repairs", ("GET", "/api/v1/repairs")),
     ("events", "/ui/events", "Events", ("GET", "/api/v1/events")),
     ("firmware", "/ui/firmware", "Firmware", ("GET", "/api/v1/firmware/compliance")),
+    ("topology", "/ui/topology", "Topology", ("GET", "/api/v1/nvlink-domains")),
     ("instances", "/ui/instances", "Instances", ("GET", "/api/v1/instances")),
     ("tokens", "/ui/tokens", "Tokens", ("GET", "/api/v1/tokens")),
 )
@@ -357,6 +358,14 @@ class Views:
         if staff and bmc is None:
             console = None  # no BMC registered: nothing to open a serial console through
         inv = (m.get("inventory") or {}).get("normalized") or {}
+        topology = None
+        if self.api.allows(ui, "GET", "/api/v1/machines/{id}/topology"):
+            try:
+                topology = await self.api.call(
+                    ui, "GET", "/api/v1/machines/{id}/topology", params={"id": m["id"]}
+                )
+            except Refused:
+                topology = None
         last_event = max((e["id"] for e in events["items"]), default=0)
         names = await self.names(ui, m)
         return page(
@@ -372,6 +381,7 @@ class Views:
             actions=self.offered(ui, m, bmc, staff),
             names=names,
             mnames={m["id"]: m.get("name") or m["id"][:8]},
+            topology=topology,
             last_event=last_event,
             **self.base(ui, "fleet"),
         )
@@ -641,6 +651,17 @@ class Views:
             ui.ctx.bus.notify()
         name = (r.get("machine") or {}).get("name") or r["machine_id"][:8]
         raise web.HTTPSeeOther(f"/ui/repairs?status=open&done={action}+{name}")
+
+    async def topology(self, ui: UiRequest) -> web.StreamResponse:
+        """NVLink domains with their trays, and the InfiniBand leaves (docs/inventory.md)."""
+        try:
+            self.need(ui, "GET", "/api/v1/ib-fabric")
+            leaves = await self.api.call(ui, "GET", "/api/v1/ib-fabric")
+        except Refused as r:
+            return self.refused(ui, r, "topology")
+        return await self.listing(
+            ui, "topology", "/api/v1/nvlink-domains", "topology.html", query={}, leaves=leaves
+        )
 
     async def instances(self, ui: UiRequest) -> web.StreamResponse:
         return await self.listing(ui, "instances", "/api/v1/instances", "instances.html")

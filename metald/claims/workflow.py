@@ -18,6 +18,7 @@ from typing import Any, Protocol, TypeVar
 from sqlmodel import Session
 
 from metald.claims import allocation, records, release
+from metald.claims.placement import Placement
 from metald.claims.tenant_os import OsRequest, TenantOs
 from metald.errors import Unprocessable
 from metald.lifecycle import NETWORK_BOOT
@@ -101,6 +102,7 @@ class ClaimRequest:
     ssh_authorized_keys: list[str]
     #: User-data, meta-data, network and storage of the deployed OS (docs/tenant-os.md).
     os: OsRequest = field(default_factory=OsRequest)
+    placement: Placement | None = None
 
 
 @dataclass
@@ -159,6 +161,7 @@ class ClaimWorkflow:
                 instance=self.instance,
                 require_bmc=self.require_bmc,
                 os=replace(b.os, settings=self.tenant_os),
+                placement=b.placement,
             )
             started: list[str] = []
             if not replayed:

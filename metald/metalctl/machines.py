@@ -38,6 +38,10 @@ SHOW_FIELDS = (
     "version",
     "rack",
     "rack_position",
+    "power_domain",
+    "nvlink_domain",
+    "nvlink_ready",
+    "ib_leaf",
     "firmware",
     "vendor",
     "product",
@@ -205,12 +209,13 @@ def register_machine(args: argparse.Namespace, c: Client) -> None:
 
 
 def label(args: argparse.Namespace, c: Client) -> None:
-    """Labels, and ``rack=r07`` / ``rack-``: the machine's rack field (the RACK column, what
-    ``--selector rack=`` matches); rack is never a label."""
+    """Labels, and ``rack=r07`` / ``power_domain=feed-a`` (``-`` to clear): the machine's rack
+    and power domain fields (what claims match and spread over); they are never labels."""
     patch = key_values(args.labels)
     m = None
-    if "rack" in patch:
-        m = c.call("PATCH", f"/api/v1/machines/{args.id}", {"rack": patch.pop("rack")})
+    fields = {k: patch.pop(k) for k in ("rack", "power_domain") if k in patch}
+    if fields:
+        m = c.call("PATCH", f"/api/v1/machines/{args.id}", fields)
     if patch or m is None:
         m = c.call("PATCH", f"/api/v1/machines/{args.id}/labels", {"labels": patch})
     emit(

@@ -20,6 +20,7 @@ from sqlalchemy import (
     LargeBinary,
     Text,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.expression import FunctionElement
@@ -93,6 +94,14 @@ class Machine(SQLModel, table=True):
     #: A technician vouched for this machine (enroll.require_bmc: claimable without a BMC).
     approved_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
     approved_by: str | None = None
+    #: ``<clusterUuid>.<cliqueId>`` its GPUs report (metald.inventory.nvlink); placement packs
+    #: by it only while ``nvlink_ready`` (every GPU present and registered in that domain).
+    nvlink_domain: str | None = Field(default=None, index=True)
+    nvlink_ready: bool = Field(default=False, sa_column_kwargs={"server_default": false()})
+    #: The InfiniBand leaf switch(es) its ports are cabled to (metald.fabric_topology).
+    ib_leaf: str | None = Field(default=None, index=True)
+    #: Set by people (PATCH): the power feed or PDU group the machine hangs off.
+    power_domain: str | None = Field(default=None, index=True)
     state_changed_at: datetime = _ts()
     created_at: datetime = _ts()
     updated_at: datetime = _ts()
@@ -208,6 +217,9 @@ class Claim(SQLModel, table=True):
     network: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
     #: The storage layout (metald.provision.storage); None: the image on the smallest disk.
     storage: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    #: How the machines were placed (metald.claims.placement): {"pack": ..., "group_size": ...}
+    #: or {"spread": "power-domain"}; None: no placement asked.
+    placement: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
     #: pending, allocated, released, failed.
     state: str = "pending"
     #: The tenant consents to its machines being drained (Day-2 path: drained in its
@@ -255,6 +267,19 @@ class IpAllocation(SQLModel, table=True):
     #: The netplan interface id (bond0.42, ib3 ...).
     interface: str
     created_at: datetime = _ts()
+
+
+class IbLink(SQLModel, table=True):
+    """A host port's InfiniBand neighbour: the leaf switch the fabric's discovery
+    (``ibnetdiscover``) found it cabled to. Replaced as a whole by each upload."""
+
+    __tablename__ = "ib_links"
+
+    port_guid: str = Field(primary_key=True)
+    switch_guid: str
+    switch_name: str | None = None
+    switch_port: int | None = None
+    updated_at: datetime = _ts()
 
 
 class Image(SQLModel, table=True):

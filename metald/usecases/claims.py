@@ -15,12 +15,15 @@ from sqlmodel import Session, col, select
 from metald.auth import Principal, Role
 from metald.claims import tenant_os
 from metald.claims.allocation import Selector
+from metald.claims.placement import Placement
 from metald.claims.records import claim_machines, latest_progress
 from metald.claims.tenant_os import OsRequest
 from metald.claims.workflow import ClaimRequest, ClaimWorkflow
 from metald.errors import Conflict, NotFound
 from metald.machines import ConcurrentUpdate, add_event
-from metald.store.models import Claim, Machine, utcnow
+from metald.provision.metadata import hostname
+from metald.store.models import Claim, Machine, WgPeer, utcnow
+from metald.tenants import slurm
 from metald.usecases import Transactions
 from metald.usecases.reads import Page, Pager, page
 
@@ -49,12 +52,59 @@ def claim_view(s: Session, c: Claim, *, replayed: bool = False) -> dict[str, Any
         "replayed": replayed,
         "machines": [
             {
-                **m.model_dump(include={"id", "name", "state", "gpu_model", "gpu_count"}),
+                **m.model_dump(
+                    include={
+                        "id",
+                        "name",
+                        "state",
+                        "gpu_model",
+                        "gpu_count",
+                        "rack",
+                        "nvlink_domain",
+                        "ib_leaf",
+                        "power_domain",
+                    }
+                ),
                 "last_error": m.last_error,
                 "progress": progress.get(m.id),
             }
             for m in ms
         ],
+    }
+
+
+def claim_topology(s: Session, c: Claim) -> dict[str, Any]:
+    ms = claim_machines(s, c.id)
+    ids = [m.id for m in ms]
+    rows = s.exec(select(WgPeer.machine_id, WgPeer.address).where(col(WgPeer.machine_id).in_(ids)))
+    peers = {mid: addr for mid, addr in rows.all()}
+    nodes = [
+        slurm.TopoNode(
+            name=hostname(m.id, m.name),
+            nvlink_domain=m.nvlink_domain if m.nvlink_ready else None,
+            ib_leaf=m.ib_leaf,
+            address=peers.get(m.id),
+        )
+        for m in ms
+    ]
+    imex = slurm.imex_nodes_config(nodes)
+    return {
+        "claim_id": c.id,
+        "placement": c.placement,
+        "nodes": [
+            {
+                "name": n.name,
+                "nvlink_domain": n.nvlink_domain,
+                "ib_leaf": n.ib_leaf,
+                "address": n.address,
+                "features": slurm.topology_features(n.nvlink_domain, n.ib_leaf, m.rack),
+            }
+            for n, m in zip(nodes, ms, strict=True)
+        ],
+        "slurm_topology_tree": slurm.render_topology_tree(nodes),
+        "slurm_topology_block": slurm.render_topology_block(nodes),
+        "imex_nodes_config": [{"nvlink_domain": d, "nodes_config": t} for d, t in imex.items()],
+        "unaddressed": sorted(n.name for n in nodes if n.nvlink_domain and not n.address),
     }
 
 
@@ -86,6 +136,7 @@ class Claims:
         idempotency_key: str | None,
         ssh_authorized_keys: list[str],
         os: OsRequest | None = None,
+        placement: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Allocate the machines and start installing the image (``ClaimWorkflow.claim``),
         for a tenant the caller may claim for."""
@@ -102,6 +153,7 @@ class Claims:
             idempotency_key=idempotency_key,
             ssh_authorized_keys=ssh_authorized_keys,
             os=os or OsRequest(),
+            placement=Placement.from_dict(placement, count),
         )
         return await self.workflow.claim(
             request,
@@ -210,6 +262,11 @@ class Claims:
         out = await self.store.run(run)
         self.workflow.notify()
         return out
+
+    async def topology(self, p: Principal, claim_id: str) -> dict[str, Any]:
+        """The claim's machines as its tenant's scheduler should see them: topology.conf for
+        Slurm's tree and block plugins, and IMEX nodes_config.cfg per NVLink domain."""
+        return await self.store.read(lambda s: claim_topology(s, load_claim(s, p, claim_id)))
 
     async def release(
         self,

@@ -362,6 +362,7 @@ def test_every_page_passes_axe_and_is_captured(browser, app, tokens, shots) -> N
         ("events", "/ui/events"),
         ("firmware", "/ui/firmware"),
         ("instances", "/ui/instances"),
+        ("topology", "/ui/topology"),
         ("tokens", "/ui/tokens"),
     ]:
         resp = page.goto(path)
