@@ -261,6 +261,12 @@ HANDOFF = frozenset({S.CLAIMED, S.RELEASING})
 IN_REPAIR = reachable(S.BROKEN, frozenset({T.TAKE_REPAIR}))
 #: Where a machine of a claim stops moving on its own, from the claim to its release back to
 #: ready: neither an operation under way (``TIMEOUTS``) nor a hand-off.
+#: Boots whose agent attests (metald.provision.attestation): discovery and wipe boots.
+ATTESTED_BOOTS = sources(T.ATTEST_FAIL)
+#: The discovery boot (its agent token's phase, while an operation runs): where an attestation
+#: key is enrolled, and where a failed attestation holds the machine at once (a wipe boot's
+#: hold waits for the wipe to finish).
+DISCOVERY_BOOT = frozenset(s for s, ph in PHASES.items() if ph == "inspect") & TIMEOUTS.keys()
 SETTLED = (
     (ALLOCATED | reachable(S.RELEASING, frozenset({T.WIPE, T.WIPED, T.WIPE_FAIL})))
     - TIMEOUTS.keys()
