@@ -147,6 +147,7 @@ def _statuses(api: LoopbackApi, mid: str) -> list[tuple[str, str | None]]:
         return [(r.status, r.reason) for r in rows]
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # the agent, not the store
 def test_the_agent_enrolls_quotes_and_is_judged(
     live: LoopbackApi, tmp_path: Path, tpm: str
 ) -> None:

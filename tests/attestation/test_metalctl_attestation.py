@@ -56,6 +56,7 @@ def live(db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type:
         yield api
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # the CLI, not the store
 def test_show_then_accept_golden(live: LoopbackApi, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["machines", "attestation", "held1"]) == 0
     out = capsys.readouterr().out
