@@ -432,6 +432,8 @@ def build_initramfs(
             "tmp",
             "usr",
             "usr/bin",
+            "usr/lib",
+            f"usr/{MULTIARCH_LIB}",
             "usr/share",
             "usr/share/udhcpc",
         )
