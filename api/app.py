@@ -10,6 +10,7 @@ from aiohttp import web
 
 from api import (
     routes_agent,
+    routes_attestation,
     routes_bmc,
     routes_claims,
     routes_commissioning,
@@ -67,6 +68,7 @@ ROUTERS: list[Router] = [
     routes_console.router,
     routes_agent.router,
     routes_commissioning.router,
+    routes_attestation.router,
     routes_firmware.router,
     routes_claims.router,
     routes_images.router,

@@ -47,6 +47,11 @@ SshKey = Annotated[
 
 
 class SelectorIn(In):
+    attested: bool = Field(
+        default=False,
+        description="Only machines whose current boot passed measured-boot attestation "
+        "(docs/attestation.md).",
+    )
     gpu_model: Text | None = Field(
         default=None, description="Exact GPU model, or a glob such as 'NVIDIA H100*'."
     )

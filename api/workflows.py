@@ -14,6 +14,7 @@ from metald.provision.netboot import Provisioner
 from metald.tenants import mesh
 from metald.tenants.runtime import TenantRuntime
 from metald.usecases.agent import Agent
+from metald.usecases.attestation import Attestation
 from metald.usecases.bmcs import Bmcs
 from metald.usecases.claims import Claims
 from metald.usecases.commissioning import Commissioning
@@ -169,6 +170,17 @@ def agent(req: ApiRequest) -> Agent:
         join_token_ttl_s=ctx.cfg.tenants.join_token_ttl_s,
         bmc=ctx.services.bmc,
         workflow=claim_workflow(ctx),
+    )
+
+
+def attestation(req: ApiRequest) -> Attestation:
+    ctx = req.ctx
+    return Attestation(
+        ctx.store,
+        req,  # an agent token's first use is stamped in its request's first commit
+        ctx.instance,
+        ctx.bus.notify,
+        cfg=ctx.cfg.attestation,
     )
 
 

@@ -581,6 +581,27 @@ class FirmwareConfig(_Section):
     rollout_lease_s: float = Field(default=30.0, gt=0)
 
 
+class AttestationConfig(_Section):
+    """Measured-boot attestation of discovery and wipe boots (docs/attestation.md)."""
+
+    #: PCRs compared with a machine's golden values (SHA-256 bank). The default leaves out
+    #: PCR 4 (the iPXE and kernel metald serves, which change with every boot-asset update).
+    pcrs: list[int] = Field(default=[0, 1, 2, 3, 5, 6, 7], min_length=1, max_length=24)
+    #: How long a nonce metald issued for a quote stays usable (it is used once).
+    nonce_ttl_s: float = Field(default=300.0, gt=0, le=3600)
+    #: PEM bundle of the TPM makers' EK CA certificates (roots and intermediates). Set: an
+    #: attestation key is enrolled only with an EK certificate that chains to one of them.
+    #: Empty: the EK certificate is checked against the EK only.
+    ek_ca_file: str = ""
+
+    @field_validator("pcrs")
+    @classmethod
+    def _pcrs(cls, v: list[int]) -> list[int]:
+        if any(not 0 <= p <= 23 for p in v) or len(set(v)) != len(v):
+            raise ValueError("attestation.pcrs: distinct PCR numbers 0-23")
+        return sorted(v)
+
+
 class Config(_Section):
     #: Folder for the SQLite database, the secrets key and the first admin token. Never
     #: served: boot.assets_dir must be a folder apart from it.
@@ -603,6 +624,7 @@ class Config(_Section):
     #: Day 2: classification rules, remediation policies and limits (docs/health.md).
     health: HealthConfig = HealthConfig()
     firmware: FirmwareConfig = FirmwareConfig()
+    attestation: AttestationConfig = AttestationConfig()
 
     @model_validator(mode="after")
     def _require_https(self) -> Config:

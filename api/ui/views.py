@@ -328,6 +328,14 @@ class Views:
                 )
             except Refused:
                 commissioning = None
+        attestation = None
+        if self.api.allows(ui, "GET", "/api/v1/machines/{id}/attestation"):
+            try:
+                attestation = await self.api.call(
+                    ui, "GET", "/api/v1/machines/{id}/attestation", params={"id": m["id"]}
+                )
+            except Refused:
+                attestation = None
         repair = None
         if self.api.allows(ui, "GET", "/api/v1/repairs"):
             found = await self.api.call(
@@ -375,6 +383,7 @@ class Views:
             inv=inv,
             events=events["items"],
             commissioning=commissioning,
+            attestation=attestation,
             repair=repair,
             bmc=bmc,
             console=console,

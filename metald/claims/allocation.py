@@ -59,6 +59,9 @@ class Selector:
     commission_profile: str | None = None
     #: Firmware inventory id -> version or glob (metald.bmc.firmware records them).
     firmware: dict[str, str] = field(default_factory=dict)
+    #: Only machines whose current boot passed measured-boot attestation (the wipe boot after
+    #: their last tenant, or their discovery boot): docs/attestation.md.
+    attested: bool = False
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> Selector:
@@ -72,6 +75,7 @@ class Selector:
             commissioned_within_days=d.get("commissioned_within_days"),
             commission_profile=d.get("commission_profile") or None,
             firmware={str(k): str(v) for k, v in (d.get("firmware") or {}).items()},
+            attested=bool(d.get("attested", False)),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -93,6 +97,8 @@ class Selector:
             return False
         if self.rack is not None and m.rack != self.rack:
             return False
+        if self.attested and (m.attested_boot is None or m.attested_boot != m.boot_current):
+            return False
         labels = m.labels or {}
         versions = m.firmware_versions or {}
         return all(labels.get(k) == v for k, v in self.labels.items()) and all(
@@ -110,6 +116,8 @@ class Selector:
             stmt = stmt.where(Machine.memory_mb >= self.min_memory_mb)  # type: ignore[operator]
         if self.rack is not None:
             stmt = stmt.where(Machine.rack == self.rack)
+        if self.attested:
+            stmt = stmt.where(col(Machine.attested_boot) == col(Machine.boot_current))
         return require_passed(
             stmt, within_days=self.commissioned_within_days, profile=self.commission_profile
         )
@@ -153,6 +161,8 @@ _MATCH_COLUMNS = (
     Machine.rack,
     Machine.labels,
     Machine.firmware_versions,
+    Machine.attested_boot,
+    Machine.boot_current,
 )
 
 

@@ -10,7 +10,7 @@ from typing import Any
 from metald.lifecycle import HANDOFF, TIMEOUTS, State
 from metald.units import disk_size, mib
 
-from . import bmc, bulk, commissioning, console, repairs
+from . import attestation, bmc, bulk, commissioning, console, repairs
 from .client import Client
 from .names import shown, tenant_names
 from .options import POWER_ACTIONS, Subparsers, UsageError, confirm, key_values, machine_ref
@@ -30,7 +30,7 @@ COLUMNS = [
     ("WHY", "why"),
 ]
 #: States a machine is held in for a reason someone gave (or a failure): WHY shows it.
-HELD = frozenset({"maintenance", "broken", "repairing", "retired"})
+HELD = frozenset({"maintenance", "broken", "repairing", "retired", "attestation-failed"})
 SHOW_FIELDS = (
     "id",
     "name",
@@ -140,6 +140,7 @@ def register(sub: Subparsers) -> None:
     mn.add_argument("name")
     mn.set_defaults(func=rename)
     commissioning.register(msub)
+    attestation.register(msub)
     repairs.register(msub)
     console.add_to(msub)
 

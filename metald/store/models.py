@@ -102,6 +102,9 @@ class Machine(SQLModel, table=True):
     ib_leaf: str | None = Field(default=None, index=True)
     #: Set by people (PATCH): the power feed or PDU group the machine hangs off.
     power_domain: str | None = Field(default=None, index=True)
+    #: The boot whose measured-boot attestation passed (or taught the golden values): the
+    #: machine is attested while this is its current boot (``metald.provision.attestation``).
+    attested_boot: str | None = None
     state_changed_at: datetime = _ts()
     created_at: datetime = _ts()
     updated_at: datetime = _ts()
@@ -859,3 +862,76 @@ class FirmwareRolloutTarget(SQLModel, table=True):
     error: str | None = None
     started_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
     finished_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+
+
+class AttestationKey(SQLModel, table=True):
+    """A machine's TPM attestation key (AK), enrolled at its first discovery boot."""
+
+    __tablename__ = "attestation_keys"
+
+    machine_id: str = Field(foreign_key="machines.id", primary_key=True)
+    #: TPMT_PUBLIC, hex; its TPM name (nameAlg || hash), hex.
+    ak_public: str
+    ak_name: str
+    #: The endorsement key (PEM) and its certificate (PEM) as the agent read them, if any.
+    ek_public: str | None = None
+    ek_certificate: str | None = None
+    #: How far the EK certificate was checked (``metald.provision.attestation.check_ek``).
+    ek_check: str
+    enrolled_at: datetime = _ts()
+    enrolled_boot: str | None = None
+
+
+class AttestationNonce(SQLModel, table=True):
+    """A nonce metald issued for one machine's boot: a quote over it is accepted once."""
+
+    __tablename__ = "attestation_nonces"
+
+    nonce: str = Field(primary_key=True)  # hex
+    machine_id: str = Field(foreign_key="machines.id", index=True)
+    boot: str | None = None
+    issued_at: datetime = _ts()
+    expires_at: datetime = Field(sa_type=DateTime(timezone=True))
+    used_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+
+
+class Attestation(SQLModel, table=True):
+    """One attestation a machine's agent submitted, and metald's verdict on it."""
+
+    __tablename__ = "attestations"
+
+    id: str = Field(default_factory=new_id, primary_key=True)
+    machine_id: str = Field(foreign_key="machines.id")
+    at: datetime = _ts()
+    boot: str | None = None
+    machine_state: str
+    #: learned, passed, failed (verdicts), refused (the submission proved nothing).
+    status: str
+    #: For refused: the reason code (bad-signature, stale-nonce, forged-event-log, ...).
+    reason: str | None = None
+    summary: str
+    #: ``Verdict.as_dict()``: the PCRs, the changes with their events.
+    verdict: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    #: What the boot measured (``Golden.as_dict()``): the golden values if accepted.
+    measured: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    accepted_by: str | None = None
+    accepted_reason: str | None = None
+    accepted_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+
+    __table_args__ = (Index("ix_attestations_machine_id", "machine_id", "at"),)
+
+
+class AttestationGolden(SQLModel, table=True):
+    """Golden boot measurements: per machine (``machine:<id>``, learned on first use or
+    accepted by a technician) or per SKU (``sku:<product>``, given by an operator)."""
+
+    __tablename__ = "attestation_golden"
+
+    subject: str = Field(primary_key=True)
+    golden: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+    #: first-use, accepted, operator.
+    source: str
+    set_by: str
+    reason: str | None = None
+    set_at: datetime = _ts()
+    attestation_id: str | None = None
