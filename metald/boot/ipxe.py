@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from metald.arch import IPXE_BUILDARCH
 from metald.boot.hooks import BootAction, BootTarget
 from metald.boot.pki import ca_fingerprint
 
@@ -27,14 +28,24 @@ def render_boot_script(
     args.update(target.kernel_args)
     cmdline = " ".join(f"{k}={v}" if v != "" else k for k, v in args.items())
     lines.append(f"echo metald: {target.action.value} image for {mac}")
+    # The kernel below is built for the machine's recorded architecture: an iPXE of another
+    # (a machine recorded wrongly, a board swapped) says so instead of booting what cannot run.
+    buildarch = IPXE_BUILDARCH.get(target.arch or "")
+    if buildarch:
+        lines.append(f"iseq ${{buildarch}} {buildarch} || goto wrongarch")
     kernel = f"kernel {_url(base, target.kernel)} initrd=initrd.img {cmdline}"
     lines.append(f"{kernel} || goto failed")
     if target.initrd:
         lines.append(f"initrd --name initrd.img {_url(base, target.initrd)} || goto failed")
     lines += [
         "boot || goto failed",
+        ":wrongarch",
+        f"echo metald: {mac} is recorded as {target.arch} but this iPXE is ${{buildarch}}; "
+        "fix the machine's architecture in metald (docs/boot.md)",
+        "goto retry",
         ":failed",
         "echo metald: boot failed, retrying in 10 s",
+        ":retry",
         "sleep 10",
         f"chain --autofree {base}/boot/${{mac:hexhyp}}.ipxe",
     ]

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from sqlmodel import Session, select
 
 from metald import machines
+from metald.arch import from_firmware
 from metald.boot.dhcp.bootfile import Arch
 from metald.boot.hooks import (
     BootAction,
@@ -117,9 +118,14 @@ class StoreBootHooks:
             data = {"from": m.rack_position, "to": position, "relay_agent": relay_agent}
             changes.append(("machine.rack_position", {"rack_position": position}, data))
         if firmware and m.firmware != firmware:
-            changes.append(
-                ("machine.firmware", {"firmware": firmware}, {"from": m.firmware, "to": firmware})
-            )
+            values: dict[str, Any] = {"firmware": firmware}
+            implied = from_firmware(firmware)
+            if implied and (m.arch is None or implied != m.arch):
+                # The firmware the machine booted now says what it is (a board swapped under
+                # the same MAC, or the first sighting of a machine enrolled by its BMC).
+                values["arch"] = implied
+            data = {"from": m.firmware, "to": firmware, **({"arch": implied} if implied else {})}
+            changes.append(("machine.firmware", values, data))
         for kind, values, data in changes:
             try:
                 machines.update_fields(
