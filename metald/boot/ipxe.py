@@ -37,12 +37,15 @@ def render_boot_script(
     lines.append(f"{kernel} || goto failed")
     if target.initrd:
         lines.append(f"initrd --name initrd.img {_url(base, target.initrd)} || goto failed")
+    lines.append("boot || goto failed")
+    if buildarch:
+        lines += [
+            ":wrongarch",
+            f"echo metald: {mac} is recorded as {target.arch} but this iPXE is ${{buildarch}}; "
+            "fix the machine's architecture in metald (docs/boot.md)",
+            "goto retry",
+        ]
     lines += [
-        "boot || goto failed",
-        ":wrongarch",
-        f"echo metald: {mac} is recorded as {target.arch} but this iPXE is ${{buildarch}}; "
-        "fix the machine's architecture in metald (docs/boot.md)",
-        "goto retry",
         ":failed",
         "echo metald: boot failed, retrying in 10 s",
         ":retry",

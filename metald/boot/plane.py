@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from metald.boot.dhcp.bootfile import BootFiles
+from metald.boot.dhcp.bootfile import Arch, BootFiles
 from metald.boot.dhcp.common import NetworkPlan
 from metald.boot.dhcp.enroll_limit import EnrollLimits
 from metald.boot.dhcp.lease_feed import LeaseFeed
@@ -105,6 +105,19 @@ def choose_boot_files(cfg: Config) -> tuple[BootFiles, list[str]]:
         http_base=http_base_url(cfg),
     )
     return files, reasons
+
+
+def unbootable(cfg: Config) -> dict[str, str]:
+    """DHCP firmware names (``Arch`` values) whose clients get no boot file, and why: arm64
+    without an arm64 iPXE."""
+    try:
+        files, _ = choose_boot_files(cfg)
+    except ConfigError:
+        return {}  # boot.ipxe = "built" without the build: metald refuses to start anyway
+    if files.uefi_arm64:
+        return {}
+    where = cfg.boot.assets_dir or "<assets_dir>"
+    return {Arch.UEFI_ARM64.value: ARM64_NO_IPXE.format(where=where)}
 
 
 def _present(assets_dir: str | None, name: str) -> bool:
