@@ -132,3 +132,34 @@ def test_a_binary_of_another_architecture_is_refused(tmp_path: Path) -> None:
         build.check_elf(tmp_path / "script", build.ARM64)
     with pytest.raises(build.BuildError, match="no architecture 'riscv64'"):
         build.get_arch("riscv64")
+
+
+@pytest.mark.skipif(BUSYBOX is None, reason="busybox is not installed")
+def test_the_arm64_node_image_is_arm64_throughout(tmp_path: Path) -> None:
+    """The tenant node image for arm64 (``python -m bootassets node --arch arm64``): slurmd,
+    munged, wg, nft, curl and every library and Slurm plugin are arm64 ELF files; stateless
+    only. A second ~50 MB arm64 download and build: under METALD_LAB_LONG=1 (make test-long)."""
+    import os
+
+    if os.environ.get("METALD_LAB_LONG") != "1":
+        pytest.skip("builds a second arm64 image: set METALD_LAB_LONG=1 (make test-long)")
+    from bootassets.node import ensure_node_built
+
+    node = ensure_node_built(arch="arm64")
+    manifest = build.verify(node)
+    assert manifest["arch"] == "arm64" and manifest["disk"] is None
+    assert node.name.startswith("node-arm64-")
+    root = tmp_path / "node"
+    _extract(gzip.decompress((node / "initrd.img").read_bytes()), root)
+    elves = _elf_files(root)
+    for need in (
+        "usr/sbin/slurmd",
+        "usr/sbin/munged",
+        "usr/bin/wg",
+        "usr/sbin/nft",
+        "usr/bin/curl",
+    ):
+        assert elves.get(need) == EM_AARCH64, need
+    assert any(p.startswith("usr/lib/aarch64-linux-gnu/slurm-wlm/") for p in elves)
+    assert {p: m for p, m in elves.items() if m != EM_AARCH64} == {}
+    print(f"\narm64 node image: {manifest['total_bytes'] / 1e6:.1f} MB, {len(elves)} ELF files")
