@@ -302,16 +302,18 @@ class LabRack:
             str(image.stat().st_size),
         ]
 
-    def publish_node_image(self, port: int = 8082) -> list[str]:
-        """Build (or reuse) the tenant node image, serve it on the lab network, and return the
-        ``metalctl images create NAME`` arguments of its stateless form."""
+    def publish_node_image(self, port: int = 8082, arch: str = "amd64") -> list[str]:
+        """Build (or reuse) the tenant node image (of ``arch``), serve it on the lab network,
+        and return the ``metalctl images create NAME`` arguments of its stateless form."""
         from bootassets.node import ensure_node_built
 
-        node = ensure_node_built()
-        base = self._serve(node, port, "node-image-server")
+        node = ensure_node_built(arch=arch)
+        base = self._serve(node, port, f"node-image-server-{arch}")
         return [
             "--kind",
             "stateless",
+            "--arch",
+            arch,
             "--kernel",
             f"{base}/vmlinuz",
             "--initrd",
