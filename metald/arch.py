@@ -21,7 +21,8 @@ _FIRMWARE = {"bios": AMD64, "uefi-x64": AMD64, "uefi-arm64": ARM64}
 ASSET_PREFIX = {AMD64: "", ARM64: "arm64/"}
 #: The serial console of the architecture's boards (Grace and QEMU's virt board: a PL011).
 CONSOLE = {AMD64: "ttyS0", ARM64: "ttyAMA0"}
-#: iPXE's ``${buildarch}`` for each.
+#: iPXE's ``${buildarch}`` for each (amd64's BIOS builds say i386: the script checks only
+#: "arm64 or not").
 IPXE_BUILDARCH = {AMD64: "x86_64", ARM64: "arm64"}
 
 
