@@ -75,6 +75,11 @@ class SelectorIn(In):
         description="Firmware inventory id -> version or glob ({'BIOS': '2.19.*'}); machines "
         "whose BMC reported no such item do not match.",
     )
+    arch: Literal["amd64", "arm64"] | None = Field(
+        default=None,
+        description="CPU architecture. Unset: the image's (an image is built for one); set "
+        "to another than the image's: refused (422).",
+    )
 
 
 NicSelector = Annotated[

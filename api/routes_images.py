@@ -30,6 +30,11 @@ class ImageCreate(In):
     sha256: Text | None = Field(default=None, description="disk: SHA-256, 64 hex digits.")
     format: Literal["raw", "qcow2"] | None = None
     size_bytes: int | None = Field(default=None, gt=0)
+    arch: Literal["amd64", "arm64"] | None = Field(
+        default=None,
+        description="The CPU architecture the image is built for (default amd64): only "
+        "machines of it are claimed for the image.",
+    )
     tenants: list[
         Annotated[str, StringConstraints(min_length=1, max_length=64), Ref("tenants")]
     ] = Field(

@@ -90,6 +90,9 @@ class MachineQuery(PageQuery):
         default=None, ge=0, le=1024, description="At least this many GPUs."
     )
     rack: str | None = None
+    arch: Literal["amd64", "arm64"] | None = Field(
+        default=None, description="CPU architecture (machines with none recorded are amd64)."
+    )
     tenant_id: Annotated[str, Ref("tenants")] | None = Field(
         default=None, description="The tenant's id, name or an 8+ character id prefix."
     )
@@ -165,6 +168,11 @@ class MachineOut(BaseModel):
     rack: str | None
     rack_position: str | None
     firmware: str | None = None
+    arch: str | None = Field(
+        default=None,
+        description="CPU architecture (amd64, arm64): from the agent's inventory (uname -m), "
+        "else from the firmware DHCP saw; null while neither has said.",
+    )
     system_uuid: str | None
     serial: str | None
     vendor: str | None

@@ -1,5 +1,7 @@
-"""``python -m bootassets build|node [--cache DIR] [--force]``: build (or reuse) the boot assets
-(``build``: discovery image and Debian's iPXE binaries) or the tenant node image (``node``);
+"""``python -m bootassets build|node [--cache DIR] [--force] [--arch amd64|arm64]``: build (or
+reuse) the boot assets (``build``: discovery image and Debian's iPXE binaries; ``--arch arm64
+--install ASSETS_DIR``: the arm64 image, copied into ASSETS_DIR/arm64/) or the tenant node image
+(``node``);
 ``ipxe --ca PEM [--source TARBALL|TREE] [--install ASSETS_DIR]``: metald's own iPXE, built from
 source (``bootassets.ipxe``); ``iso --boot-url URL --out PATH``: the virtual-media boot ISO
 (``bootassets.iso``); ``sign --key K --cert C FILE...``: UEFI Secure Boot signatures
@@ -22,10 +24,27 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument(
         "--force", action="store_true", help="rebuild even if the inputs are unchanged"
     )
+    build.add_argument(
+        "--arch",
+        default="amd64",
+        choices=("amd64", "arm64"),
+        help="build from Debian's packages of this architecture (arm64: into arm64-<hash>/)",
+    )
+    build.add_argument(
+        "--install",
+        metavar="ASSETS_DIR",
+        help="(--arch arm64) copy the build into ASSETS_DIR/arm64/, where metald serves it",
+    )
     node = sub.add_parser("node", help="build the tenant node image (stateless and disk forms)")
     node.add_argument("--cache", help="cache folder (default: <repo>/.cache/bootassets)")
     node.add_argument(
         "--force", action="store_true", help="rebuild even if the inputs are unchanged"
+    )
+    node.add_argument(
+        "--arch",
+        default="amd64",
+        choices=("amd64", "arm64"),
+        help="build from Debian's packages of this architecture (arm64: stateless form only)",
     )
     ipxe = sub.add_parser(
         "ipxe", help="build iPXE from source with metald's CA, config and embedded script"
@@ -98,16 +117,23 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "node":
             from bootassets.node import ensure_node_built
 
-            path = ensure_node_built(args.cache, force=args.force)
+            path = ensure_node_built(args.cache, force=args.force, arch=args.arch)
         else:
-            path = ensure_built(args.cache, force=args.force)
+            path = ensure_built(args.cache, force=args.force, arch=args.arch)
+            if args.install:
+                from pathlib import Path
+
+                from bootassets.build import install_arch
+
+                print(f"installed into {install_arch(path, Path(args.install))}")
     except BuildError as e:
         print(f"bootassets: {e}", file=sys.stderr)
         return 1
     manifest = json.loads((path / "manifest.json").read_text())
     for rel, meta in manifest["files"].items():
         print(f"{meta['size']:>10}  {rel}")
-    print(f"{manifest['total_bytes']:>10}  total, kernel {manifest['kernel_version']}")
+    arch = manifest.get("arch", "amd64")
+    print(f"{manifest['total_bytes']:>10}  total, kernel {manifest['kernel_version']} ({arch})")
     if "initrd_unpacked_bytes" in manifest:
         print(f"{manifest['initrd_unpacked_bytes']:>10}  initrd contents, unpacked")
     print(path)

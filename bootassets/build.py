@@ -6,11 +6,19 @@ with only apt builds the same thing. Output goes to ``<cache>/<inputs-hash>/``:
 
     discovery/vmlinuz       Debian's linux-image-amd64 kernel
     discovery/initrd.img    cpio, LZ4 (legacy frame): busybox-static, drivers, /init, the agent
+    commission/tools.img    the commissioning tools (fetched by the agent when it commissions)
     undionly.kpxe ipxe.efi snponly.efi
     manifest.json           inputs, their hash, sha256 and size of every file
 
-``<cache>/current`` points at the latest build. The inputs hash covers the package versions and
-every file that goes into the image, so an unchanged input set reuses the cached build.
+``--arch arm64`` builds the same image from Debian's arm64 packages (``apt-get download
+pkg:arm64``; the build host needs ``dpkg --add-architecture arm64`` and an ``apt-get update``)
+into ``<cache>/arm64-<inputs-hash>/``, without iPXE files (Debian ships no arm64 iPXE: metald's
+own build has them, bootassets/ipxe.py). ``install_arch`` copies it into ``<assets_dir>/arm64/``,
+where metald looks for an arm64 machine's kernel and initrd (docs/boot.md).
+
+``<cache>/current`` (``arm64-current``) points at the latest build. The inputs hash covers the
+package versions and every file that goes into the image, so an unchanged input set reuses the
+cached build.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from bootassets import cpio, elf, kmod
@@ -228,6 +237,9 @@ COMMISSION_PACKAGES = (
         "zlib1g",
     ],
 )
+#: Packages one architecture has and the other not (their programs link them there only):
+#: Intel's IPsec library, which stress-ng links on amd64.
+ARCH_ONLY = {"libipsec-mb1": "amd64"}
 COMMISSION_TOOLS = ("usr/bin/stress-ng", "usr/sbin/memtester", "usr/bin/fio", "usr/sbin/smartctl")
 #: librados/librbd find libceph-common through their RUNPATH.
 COMMISSION_LIB_DIRS = ("usr/lib/x86_64-linux-gnu/ceph",)
@@ -247,6 +259,57 @@ LZ4_LEGACY_MAGIC = b"\x02\x21\x4c\x18"
 SIZE_LIMIT = 64 * 1024 * 1024
 
 
+@dataclass(frozen=True)
+class Arch:
+    """What differs between the architectures the images are built for."""
+
+    #: Debian's name (``dpkg --print-architecture``), also metald's (machines, images, claims).
+    name: str
+    #: The multiarch triplet: libraries live in lib/<triplet>, as Debian lays them out.
+    triplet: str
+    #: Where programs look for the dynamic loader (PT_INTERP), relative to /.
+    loader: str
+    #: ELF e_machine of every program and library (elf.machine).
+    elf_machine: int
+    #: The kernel console of the board's first serial port.
+    console: str
+
+    @property
+    def multiarch_lib(self) -> str:
+        return f"lib/{self.triplet}"
+
+    @property
+    def kernel_meta(self) -> str:
+        return f"linux-image-{self.name}"
+
+    def pkg(self, name: str) -> str:
+        """A package name as apt takes it for this architecture (``name:arm64`` for a foreign
+        one; the build host's own architecture is written bare, as before)."""
+        return name if self.name == "amd64" else f"{name}:{self.name}"
+
+    def loader_entry(self) -> cpio.Entry:
+        soname = self.loader.rsplit("/", 1)[-1]
+        return cpio.symlink(self.loader, f"/{self.multiarch_lib}/{soname}")
+
+
+AMD64 = Arch("amd64", "x86_64-linux-gnu", "lib64/ld-linux-x86-64.so.2", elf.EM_X86_64, "ttyS0")
+#: Grace (GB200/GH200) and the lab's QEMU "virt" board: their serial port is a PL011.
+ARM64 = Arch("arm64", "aarch64-linux-gnu", "lib/ld-linux-aarch64.so.1", elf.EM_AARCH64, "ttyAMA0")
+ARCHES = {a.name: a for a in (AMD64, ARM64)}
+#: The folder under an assets folder that holds a foreign architecture's build (install_arch).
+#: amd64's files stay where they always were, at the top.
+ARCH_DIR = {"amd64": "", "arm64": "arm64/"}
+
+
+def get_arch(name: str) -> Arch:
+    try:
+        return ARCHES[name]
+    except KeyError:
+        raise BuildError(
+            f"no architecture {name!r}: the images are built for {', '.join(ARCHES)}"
+        ) from None
+
+
 class BuildError(Exception):
     pass
 
@@ -262,7 +325,9 @@ def _run(*args: str, cwd: Path | None = None) -> str:
 
 
 def _apt_show(*packages: str) -> dict[str, dict[str, str]]:
-    """Package -> its candidate's control fields (one apt-cache call: each costs about a second)."""
+    """Package -> its candidate's control fields (one apt-cache call: each costs about a second).
+    ``name:arch`` asks for another architecture's package; the result is keyed by the bare
+    name (one architecture per call)."""
     out = _run("apt-cache", "show", "--no-all-versions", *packages)
     stanzas: dict[str, dict[str, str]] = {}
     for block in out.strip().split("\n\n"):
@@ -273,22 +338,30 @@ def _apt_show(*packages: str) -> dict[str, dict[str, str]]:
         )
         if "Package" in fields:
             stanzas.setdefault(fields["Package"], fields)
-    missing = [p for p in packages if "Version" not in stanzas.get(p, {})]
+    missing = [p for p in packages if "Version" not in stanzas.get(p.split(":")[0], {})]
     if missing:
         raise BuildError(f"apt knows no package {', '.join(missing)} (run apt-get update?)")
     return stanzas
 
 
-def resolve_inputs() -> dict[str, object]:
-    """Everything the build depends on: package versions and the hashes of our own files."""
-    shown = _apt_show(KERNEL_META, BUSYBOX, IPXE, *TOOL_PACKAGES, *COMMISSION_PACKAGES)
+def resolve_inputs(arch: Arch = AMD64) -> dict[str, object]:
+    """Everything the build depends on: package versions and the hashes of our own files.
+    arm64 takes no iPXE package (Debian has no arm64 iPXE binary)."""
+    ipxe = (IPXE,) if arch is AMD64 else ()
+    tools, commission = packages_for(TOOL_PACKAGES, arch), packages_for(COMMISSION_PACKAGES, arch)
+    shown = _apt_show(*map(arch.pkg, (arch.kernel_meta, BUSYBOX, *ipxe, *tools, *commission)))
+
+    def pinned(names: tuple[str, ...]) -> str:
+        return " ".join(f"{arch.pkg(p)}={shown[p]['Version']}" for p in names)
+
     packages = {
-        "kernel": kernel_package(shown),
-        "busybox": f"{BUSYBOX}={shown[BUSYBOX]['Version']}",
-        "ipxe": f"{IPXE}={shown[IPXE]['Version']}",
-        "tools": " ".join(f"{p}={shown[p]['Version']}" for p in TOOL_PACKAGES),
-        "commission": " ".join(f"{p}={shown[p]['Version']}" for p in COMMISSION_PACKAGES),
+        "kernel": kernel_package(shown, arch),
+        "busybox": pinned((BUSYBOX,)),
+        "tools": pinned(tools),
+        "commission": pinned(commission),
     }
+    if ipxe:
+        packages["ipxe"] = pinned(ipxe)
     files = {
         str(p.relative_to(HERE)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in (
@@ -303,22 +376,30 @@ def resolve_inputs() -> dict[str, object]:
             HERE / "elf.py",
         )
     }
-    return {"packages": packages, "files": files, "modules": MODULES}
+    inputs: dict[str, object] = {"packages": packages, "files": files, "modules": MODULES}
+    if arch is not AMD64:
+        inputs["arch"] = arch.name  # amd64's inputs (and so its cache) as before
+    return inputs
 
 
-def kernel_package(shown: dict[str, dict[str, str]]) -> str:
+def packages_for(names: tuple[str, ...], arch: Arch) -> tuple[str, ...]:
+    """``names`` less the packages only another architecture has (ARCH_ONLY)."""
+    return tuple(p for p in names if ARCH_ONLY.get(p, arch.name) == arch.name)
+
+
+def kernel_package(shown: dict[str, dict[str, str]], arch: Arch = AMD64) -> str:
     """The versioned kernel package (name=version) the meta-package names."""
     image = next(
         (
             d.strip().split()[0]
-            for d in shown[KERNEL_META].get("Depends", "").split(",")
+            for d in shown[arch.kernel_meta].get("Depends", "").split(",")
             if d.strip().startswith("linux-image-")
         ),
         None,
     )
     if not image:
-        raise BuildError(f"{KERNEL_META} depends on no linux-image package")
-    return f"{image}={_apt_show(image)[image]['Version']}"
+        raise BuildError(f"{arch.kernel_meta} depends on no linux-image package")
+    return f"{arch.pkg(image)}={_apt_show(arch.pkg(image))[image]['Version']}"
 
 
 def inputs_hash(inputs: dict[str, object]) -> str:
@@ -341,26 +422,42 @@ def _download(packages: str, into: Path) -> Path:
 
 
 def tool_entries(
-    tree: Path, tools: tuple[str, ...] = TOOLS, extra_lib_dirs: tuple[str, ...] = ()
+    tree: Path,
+    tools: tuple[str, ...] = TOOLS,
+    extra_lib_dirs: tuple[str, ...] = (),
+    arch: Arch = AMD64,
 ) -> list[cpio.Entry]:
     """The tools and every shared library they load (DT_NEEDED closure), laid out as Debian
-    does (/lib/x86_64-linux-gnu, the loader at /lib64), so the programs run unchanged."""
-    lib_dirs = [tree / MULTIARCH_LIB, tree / "usr" / MULTIARCH_LIB]
-    lib_dirs += [tree / d for d in extra_lib_dirs]
+    does (/lib/<triplet>, the loader where PT_INTERP says), so the programs run unchanged.
+    Every file must be an ELF for ``arch``: a package of the build host's architecture slipping
+    in would fail only on the machine."""
+    lib_dirs = [tree / arch.multiarch_lib, tree / "usr" / arch.multiarch_lib]
+    lib_dirs += [tree / d.replace(AMD64.triplet, arch.triplet) for d in extra_lib_dirs]
     entries: list[cpio.Entry] = []
     libs: dict[str, Path] = {}
     for rel in tools:
-        entries.append(cpio.file(rel, (tree / rel).read_bytes(), 0o755))
+        entries.append(cpio.file(rel, check_elf(tree / rel, arch), 0o755))
         try:
             libs.update(elf.library_closure(tree / rel, lib_dirs))
         except elf.ElfError as e:
             raise BuildError(str(e)) from None
     for soname, path in sorted(libs.items()):
-        entries.append(cpio.file(f"{MULTIARCH_LIB}/{soname}", path.read_bytes(), 0o755))
-    entries.append(
-        cpio.symlink("lib64/ld-linux-x86-64.so.2", f"/{MULTIARCH_LIB}/ld-linux-x86-64.so.2")
-    )
+        entries.append(cpio.file(f"{arch.multiarch_lib}/{soname}", check_elf(path, arch), 0o755))
+    entries.append(arch.loader_entry())
     return entries
+
+
+def check_elf(path: Path, arch: Arch) -> bytes:
+    """``path``'s bytes, after checking it is an ELF file for ``arch``."""
+    data = path.read_bytes()
+    try:
+        found = elf.machine(data)
+    except elf.ElfError as e:
+        raise BuildError(f"{path.name}: {e}") from None
+    if found != arch.elf_machine:
+        what = elf.MACHINE_NAMES.get(found, f"e_machine {found}")
+        raise BuildError(f"{path.name} is built for {what}, not {arch.name}")
+    return data
 
 
 def _alias_line(driver: str, alias: str) -> str:
@@ -411,7 +508,11 @@ def driver_plan(
 
 
 def build_initramfs(
-    kernel_tree: Path, busybox: bytes, kernel_version: str, tools: list[cpio.Entry] | None = None
+    kernel_tree: Path,
+    busybox: bytes,
+    kernel_version: str,
+    tools: list[cpio.Entry] | None = None,
+    arch: Arch = AMD64,
 ) -> tuple[bytes, list[str]]:
     """The initramfs (LZ4-compressed cpio) and the module load order it carries."""
     moddir = kernel_tree / "lib" / "modules" / kernel_version
@@ -452,7 +553,7 @@ def build_initramfs(
         cpio.file("lib/modules/aliases", aliases.encode()),
         cpio.file("lib/modules/closures", closures.encode()),
     ]
-    entries += [cpio.directory(d) for d in ("lib/x86_64-linux-gnu", "lib64")] + list(tools or [])
+    entries += [cpio.directory(d) for d in image_lib_dirs(arch)] + list(tools or [])
     for name in order:
         data = kmod.read_module(index[name])  # insmod wants plain ELF
         entries.append(cpio.file(f"lib/modules/{kernel_version}/{name}.ko", data))
@@ -481,12 +582,21 @@ def unpack_initramfs(data: bytes) -> bytes:
     return gzip.decompress(data)
 
 
-def build_commission_image(tree: Path) -> tuple[bytes, int]:
+def image_lib_dirs(arch: Arch) -> list[str]:
+    """The library folders an image holds for ``arch`` (and the loader's, when apart)."""
+    dirs = [arch.multiarch_lib]
+    loader_dir = arch.loader.rsplit("/", 1)[0]
+    if loader_dir not in ("lib", arch.multiarch_lib):
+        dirs.append(loader_dir)
+    return dirs
+
+
+def build_commission_image(tree: Path, arch: Arch = AMD64) -> tuple[bytes, int]:
     """The commissioning tools' initramfs (gzip'd cpio, unpacked over the running discovery
     image's root) and its unpacked size."""
-    dirs = ["usr", "usr/bin", "usr/sbin", "lib", MULTIARCH_LIB, "lib64"]
+    dirs = ["usr", "usr/bin", "usr/sbin", "lib", *image_lib_dirs(arch)]
     entries = [cpio.directory(d) for d in dirs]
-    entries += tool_entries(tree, COMMISSION_TOOLS, COMMISSION_LIB_DIRS)
+    entries += tool_entries(tree, COMMISSION_TOOLS, COMMISSION_LIB_DIRS, arch)
     packed = cpio.pack(entries)
     return gzip.compress(packed, compresslevel=9, mtime=0), len(packed)
 
@@ -526,26 +636,31 @@ def verify(assets: Path) -> dict[str, object]:
             raise BuildError(
                 f"{assets / rel} does not match its manifest; delete {assets} and rebuild"
             )
-    return manifest
+    checked: dict[str, object] = manifest
+    return checked
 
 
-def _build(target: Path, inputs: dict[str, object], digest: str) -> None:
+def _build(target: Path, inputs: dict[str, object], digest: str, arch: Arch = AMD64) -> None:
     packages: dict[str, str] = inputs["packages"]  # type: ignore[assignment]
     with tempfile.TemporaryDirectory(prefix="metald-bootassets-") as tmp:
         work = Path(tmp)
         kernel = _download(packages["kernel"], work / "kernel")
         busybox = _download(packages["busybox"], work / "busybox")
-        ipxe = _download(packages["ipxe"], work / "ipxe")
+        ipxe = _download(packages["ipxe"], work / "ipxe") if "ipxe" in packages else None
         vmlinuz = sorted((kernel / "boot").glob("vmlinuz-*"))
         if len(vmlinuz) != 1:
             raise BuildError("the kernel package holds no single vmlinuz")
         kernel_version = vmlinuz[0].name.removeprefix("vmlinuz-")
-        tools = tool_entries(_download(packages["tools"], work / "tools"))
+        tools = tool_entries(_download(packages["tools"], work / "tools"), arch=arch)
         initrd, order = build_initramfs(
-            kernel, (busybox / "bin" / "busybox").read_bytes(), kernel_version, tools
+            kernel,
+            check_elf(busybox / "bin" / "busybox", arch),
+            kernel_version,
+            tools,
+            arch,
         )
         commission, commission_unpacked = build_commission_image(
-            _download(packages["commission"], work / "commission")
+            _download(packages["commission"], work / "commission"), arch
         )
 
         out = work / "out"
@@ -559,13 +674,16 @@ def _build(target: Path, inputs: dict[str, object], digest: str) -> None:
             )
         (out / COMMISSION_IMAGE).parent.mkdir()
         (out / COMMISSION_IMAGE).write_bytes(commission)
-        for name in IPXE_FILES:
-            shutil.copyfile(ipxe / "usr" / "lib" / "ipxe" / name, out / name)
+        if ipxe is not None:
+            for name in IPXE_FILES:
+                shutil.copyfile(ipxe / "usr" / "lib" / "ipxe" / name, out / name)
         publish(
             out,
             target,
             "boot assets",
             SIZE_LIMIT + COMMISSION_SIZE_LIMIT,
+            arch=arch.name,
+            console=arch.console,
             inputs_hash=digest,
             commission_unpacked_bytes=commission_unpacked,
             inputs=inputs,
@@ -616,32 +734,79 @@ def prune(cache: Path, link: str, keep: int, is_build: Callable[[Path], bool]) -
 
 
 def _is_discovery_build(p: Path) -> bool:
-    return not p.name.startswith("node-")  # node-* folders are node.py's builds, pruned by it
+    # node-* folders are node.py's builds, arm64-* the arm64 discovery builds: each pruned
+    # by its own kind
+    return not p.name.startswith(("node-", "arm64-"))
 
 
-def ensure_built(cache_dir: Path | str | None = None, *, force: bool = False) -> Path:
+def _prefix(arch: Arch) -> str:
+    return "" if arch is AMD64 else f"{arch.name}-"
+
+
+def ensure_built(
+    cache_dir: Path | str | None = None, *, force: bool = False, arch: str = "amd64"
+) -> Path:
     """The assets folder for the current inputs, building it only when missing or changed.
 
     ``cache_dir`` defaults to $BOOTASSETS_CACHE or <repo>/.cache/bootassets (not a METALD_
     variable: metald's config reads every METALD_* variable as a setting). When apt
     cannot resolve package versions (no package lists) an existing ``current`` build is used.
+    ``arch``: "arm64" builds from Debian's arm64 packages into ``arm64-<hash>/``
+    (``arm64-current``).
     """
+    a = get_arch(arch)
     cache = Path(cache_dir or os.environ.get("BOOTASSETS_CACHE") or DEFAULT_CACHE)
+    link = f"{_prefix(a)}current"
     try:
-        inputs = resolve_inputs()
+        inputs = resolve_inputs(a)
     except BuildError as e:
-        current = cache / "current"
+        current = cache / link
         if current.exists() and not force:
             print(f"bootassets: {e}; using the existing build {current.resolve()}", file=sys.stderr)
             verify(current)
             return current.resolve()
+        if a is not AMD64:
+            e.args = (
+                f"{e} (arm64 packages need the architecture added: dpkg --add-architecture "
+                f"{a.name} && apt-get update, as scripts/bootstrap does)",
+            )
         raise
     digest = inputs_hash(inputs)
-    target = cache / digest
+    name = _prefix(a) + digest
+    target = cache / name
     with _locked(cache):
         if force or not (target / "manifest.json").exists():
-            _build(target, inputs, digest)
+            _build(target, inputs, digest, a)
         verify(target)
-        point_current(cache, "current", digest)
-        prune(cache, "current", 3, _is_discovery_build)
+        point_current(cache, link, name)
+        if a is AMD64:
+            prune(cache, link, 3, _is_discovery_build)
+        else:
+            prune(cache, link, 2, lambda p: p.name.startswith(_prefix(a)))
     return target
+
+
+def install_arch(built: Path, assets_dir: Path) -> Path:
+    """Copy a foreign architecture's build (its discovery and commissioning files) into
+    ``<assets_dir>/<arch>/``, where metald finds an arm64 machine's kernel and initrd
+    (hard links where the file system allows); returns that folder."""
+    manifest = verify(built)
+    arch = get_arch(str(manifest.get("arch") or "amd64"))
+    if arch is AMD64:
+        raise BuildError(f"{built} is an amd64 build: its files are the assets folder itself")
+    dest = Path(assets_dir) / ARCH_DIR[arch.name].rstrip("/")
+    tmp = Path(assets_dir) / f".{arch.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    files: dict[str, object] = manifest["files"]  # type: ignore[assignment]
+    for rel in [*files, "manifest.json"]:
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(built / rel, tmp / rel)
+        except OSError:
+            shutil.copyfile(built / rel, tmp / rel)
+    old = Path(assets_dir) / f".{arch.name}-old-{os.getpid()}"
+    if dest.exists():
+        dest.rename(old)
+    tmp.rename(dest)
+    shutil.rmtree(old, ignore_errors=True)
+    return dest

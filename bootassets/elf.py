@@ -7,6 +7,10 @@ from pathlib import Path
 
 SHT_DYNAMIC = 6
 DT_NEEDED = 1
+#: e_machine values (the ELF header's target architecture).
+EM_X86_64 = 62
+EM_AARCH64 = 183
+MACHINE_NAMES = {EM_X86_64: "amd64", EM_AARCH64: "arm64"}
 
 
 class ElfError(Exception):
@@ -17,6 +21,14 @@ def _endian(elf: bytes) -> str:
     if elf[:4] != b"\x7fELF" or elf[4] != 2:
         raise ElfError("not an ELF64 file")
     return "<" if elf[5] == 1 else ">"
+
+
+def machine(elf: bytes) -> int:
+    """The ELF header's e_machine: which CPU the file's code is for."""
+    e = _endian(elf)
+    if len(elf) < 0x14:
+        raise ElfError("truncated ELF header")
+    return int(struct.unpack_from(e + "H", elf, 0x12)[0])
 
 
 def _section_table(elf: bytes) -> list[tuple[str, int, int, int, int]]:

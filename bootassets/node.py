@@ -13,7 +13,9 @@ build host's installed files. Output goes to ``<cache>/node-<inputs-hash>/``:
                     labelled "root" with /boot/{vmlinuz,initrd.img} and an empty /etc/cloud
     manifest.json   inputs, their hash, sha256 and size of every file
 
-``<cache>/node-current`` points at the latest build.
+``<cache>/node-current`` points at the latest build. ``arch="arm64"`` builds the same image
+from Debian's arm64 packages into ``<cache>/node-arm64-<inputs-hash>/`` (``node-arm64-current``),
+stateless only: extlinux boots x86 BIOS machines, and arm64 machines boot UEFI.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from bootassets import build, cpio, elf, kmod
@@ -35,6 +38,19 @@ NODE_INIT = NODE_DIR / "init"
 NODE_SCRIPT = NODE_DIR / "metald-node"
 PREFIX = "node-"
 CURRENT = "node-current"
+
+
+def _prefix(arch: build.Arch) -> str:
+    return PREFIX if arch is build.AMD64 else f"{PREFIX}{arch.name}-"
+
+
+def _is_own_build(arch: build.Arch) -> Callable[[Path], bool]:
+    """Which cache folders are ``arch``'s node builds (node-arm64-* are not amd64's)."""
+    foreign = tuple(_prefix(a) for a in build.ARCHES.values() if a is not build.AMD64)
+    if arch is build.AMD64:
+        return lambda p: p.name.startswith(PREFIX) and not p.name.startswith(foreign)
+    return lambda p: p.name.startswith(_prefix(arch))
+
 
 #: The programs the node runs (besides busybox): image path -> path in the unpacked packages.
 #: Busybox's ip cannot create wireguard links, hence iproute2's.
@@ -94,6 +110,12 @@ SKIP_PACKAGES = frozenset(
 #: Loaded by glibc with dlopen (pthread_cancel unwinding), so no DT_NEEDED names it.
 DLOPENED = ("libgcc_s.so.1",)
 PLUGIN_DIR = "usr/lib/x86_64-linux-gnu/slurm-wlm"
+
+
+def plugin_dir(arch: build.Arch) -> str:
+    return f"usr/lib/{arch.triplet}/slurm-wlm"
+
+
 #: Plugin families only slurmctld, slurmrestd or the client commands load. Everything else in
 #: the plugin dir goes in (the *_none ones are small and some are loaded whatever the config),
 #: with its library closure; a plugin whose libraries are not packaged is left out.
@@ -171,7 +193,7 @@ def node_files() -> list[Path]:
     ]
 
 
-def _library_packages() -> list[str]:
+def _library_packages(arch: build.Arch = build.AMD64) -> list[str]:
     """The library packages the top packages depend on, directly or not (apt's view)."""
     out = build._run(
         "apt-cache",
@@ -183,9 +205,11 @@ def _library_packages() -> list[str]:
         "--no-breaks",
         "--no-replaces",
         "--no-enhances",
-        *TOP_PACKAGES,
+        *map(arch.pkg, TOP_PACKAGES),
     )
-    names = {line.strip() for line in out.splitlines() if line and not line[0].isspace()}
+    names = {
+        line.strip().split(":")[0] for line in out.splitlines() if line and not line[0].isspace()
+    }
     return sorted(
         n
         for n in names
@@ -196,22 +220,27 @@ def _library_packages() -> list[str]:
     )
 
 
-def resolve_node_inputs(*, disk: bool | None = None) -> dict[str, object]:
+def resolve_node_inputs(
+    *, disk: bool | None = None, arch: build.Arch = build.AMD64
+) -> dict[str, object]:
     """Package versions, our files' hashes and the module list: the build depends on these."""
-    libs = [p for p in _library_packages() if p != "gcc-12-base"]
-    shown = build._apt_show(build.KERNEL_META, build.BUSYBOX, *TOP_PACKAGES, *libs, *DISK_PACKAGES)
+    libs = [p for p in _library_packages(arch) if p != "gcc-12-base"]
+    disk_packages = DISK_PACKAGES if arch is build.AMD64 else ()
+    shown = build._apt_show(
+        *map(arch.pkg, (arch.kernel_meta, build.BUSYBOX, *TOP_PACKAGES, *libs, *disk_packages))
+    )
 
     def pinned(names: tuple[str, ...] | list[str]) -> str:
-        return " ".join(f"{p}={shown[p]['Version']}" for p in names)
+        return " ".join(f"{arch.pkg(p)}={shown[p]['Version']}" for p in names)
 
     if disk is None:
-        disk = can_build_disk()
+        disk = can_build_disk() and arch is build.AMD64
     packages = {
-        "kernel": build.kernel_package(shown),
-        "busybox": f"{build.BUSYBOX}={shown[build.BUSYBOX]['Version']}",
+        "kernel": build.kernel_package(shown, arch),
+        "busybox": pinned((build.BUSYBOX,)),
         "tools": pinned(TOP_PACKAGES),
         "libraries": pinned(libs),
-        "disk": pinned(DISK_PACKAGES),
+        "disk": pinned(disk_packages),
     }
     files = {
         (str(p.relative_to(HERE)) if p.is_relative_to(HERE) else p.name): hashlib.sha256(
@@ -220,7 +249,10 @@ def resolve_node_inputs(*, disk: bool | None = None) -> dict[str, object]:
         for p in node_files()
     }
     # disk.raw needs root (loop mount for extlinux): a build without it differs
-    return {"packages": packages, "files": files, "modules": NODE_MODULES, "disk": disk}
+    inputs = {"packages": packages, "files": files, "modules": NODE_MODULES, "disk": disk}
+    if arch is not build.AMD64:
+        inputs["arch"] = arch.name
+    return inputs
 
 
 def can_build_disk() -> bool:
@@ -229,13 +261,17 @@ def can_build_disk() -> bool:
     )
 
 
-def program_entries(tree: Path) -> tuple[list[cpio.Entry], dict[str, object]]:
+def program_entries(
+    tree: Path, arch: build.Arch = build.AMD64
+) -> tuple[list[cpio.Entry], dict[str, object]]:
     """The programs, the Slurm plugins and every shared library they load, and a report of
-    what went in (and which plugins were left out, why)."""
+    what went in (and which plugins were left out, why). Every one must be an ELF for
+    ``arch``."""
+    plugins_at = plugin_dir(arch)
     lib_dirs = [
-        tree / build.MULTIARCH_LIB,
-        tree / "usr" / build.MULTIARCH_LIB,
-        tree / PLUGIN_DIR,
+        tree / arch.multiarch_lib,
+        tree / "usr" / arch.multiarch_lib,
+        tree / plugins_at,
     ]
     entries: list[cpio.Entry] = []
     libs: dict[str, Path] = {}
@@ -243,7 +279,7 @@ def program_entries(tree: Path) -> tuple[list[cpio.Entry], dict[str, object]]:
         src = tree / rel
         if not src.is_file():
             raise BuildError(f"{rel} is in none of the unpacked packages")
-        entries.append(cpio.file(image_path, src.read_bytes(), 0o755))
+        entries.append(cpio.file(image_path, build.check_elf(src, arch), 0o755))
         try:
             libs.update(elf.library_closure(src, lib_dirs))
         except elf.ElfError as e:
@@ -255,7 +291,7 @@ def program_entries(tree: Path) -> tuple[list[cpio.Entry], dict[str, object]]:
         libs[soname] = path.resolve()
         libs.update(elf.library_closure(path, lib_dirs))
     plugins, skipped = [], {}
-    for so in sorted((tree / PLUGIN_DIR).glob("*.so")):
+    for so in sorted((tree / plugins_at).glob("*.so")):
         if so.name.startswith("lib"):
             continue  # libslurmfull: a library, taken when something needs it
         if so.name.startswith(PLUGIN_PRUNE):
@@ -268,22 +304,28 @@ def program_entries(tree: Path) -> tuple[list[cpio.Entry], dict[str, object]]:
             continue
         libs.update(closure)
         plugins.append(so.name)
-        entries.append(cpio.file(f"{PLUGIN_DIR}/{so.name}", so.read_bytes(), 0o755))
+        entries.append(cpio.file(f"{plugins_at}/{so.name}", build.check_elf(so, arch), 0o755))
     for soname, path in sorted(libs.items()):
-        if path.is_relative_to(tree / PLUGIN_DIR):
-            dest = f"{PLUGIN_DIR}/{soname}"  # libslurmfull: slurmd's RUNPATH
+        if path.is_relative_to(tree / plugins_at):
+            dest = f"{plugins_at}/{soname}"  # libslurmfull: slurmd's RUNPATH
         else:
-            dest = f"{build.MULTIARCH_LIB}/{soname}"
-        entries.append(cpio.file(dest, path.read_bytes(), 0o755))
-    entries.append(
-        cpio.symlink("lib64/ld-linux-x86-64.so.2", f"/{build.MULTIARCH_LIB}/ld-linux-x86-64.so.2")
-    )
-    report = {"plugins": plugins, "plugins_left_out": skipped, "libraries": sorted(libs)}
+            dest = f"{arch.multiarch_lib}/{soname}"
+        entries.append(cpio.file(dest, build.check_elf(path, arch), 0o755))
+    entries.append(arch.loader_entry())
+    report: dict[str, object] = {
+        "plugins": plugins,
+        "plugins_left_out": skipped,
+        "libraries": sorted(libs),
+    }
     return entries, report
 
 
 def build_node_initramfs(
-    kernel_tree: Path, busybox: bytes, kernel_version: str, programs: list[cpio.Entry]
+    kernel_tree: Path,
+    busybox: bytes,
+    kernel_version: str,
+    programs: list[cpio.Entry],
+    arch: build.Arch = build.AMD64,
 ) -> tuple[bytes, list[str], list[cpio.Entry]]:
     """The node initramfs (gzip'd cpio), its module load order and its entries."""
     moddir = kernel_tree / "lib" / "modules" / kernel_version
@@ -300,8 +342,7 @@ def build_node_initramfs(
         "lib",
         "lib/modules",
         f"lib/modules/{kernel_version}",
-        "lib/x86_64-linux-gnu",
-        "lib64",
+        *build.image_lib_dirs(arch),
         "mnt",
         "proc",
         "root",
@@ -311,8 +352,8 @@ def build_node_initramfs(
         "usr",
         "usr/bin",
         "usr/lib",
-        "usr/lib/x86_64-linux-gnu",
-        PLUGIN_DIR,
+        f"usr/lib/{arch.triplet}",
+        plugin_dir(arch),
         "usr/sbin",
         "usr/share",
         "usr/share/udhcpc",
@@ -429,7 +470,9 @@ def build_disk(out: Path, vmlinuz: Path, initrd: Path, syslinux_tree: Path) -> d
     }
 
 
-def _build(target: Path, inputs: dict[str, object], digest: str) -> None:
+def _build(
+    target: Path, inputs: dict[str, object], digest: str, arch: build.Arch = build.AMD64
+) -> None:
     packages: dict[str, str] = inputs["packages"]  # type: ignore[assignment]
     with tempfile.TemporaryDirectory(prefix="metald-nodeimage-") as tmp:
         work = Path(tmp)
@@ -440,9 +483,13 @@ def _build(target: Path, inputs: dict[str, object], digest: str) -> None:
         if len(vmlinuz) != 1:
             raise BuildError("the kernel package holds no single vmlinuz")
         kernel_version = vmlinuz[0].name.removeprefix("vmlinuz-")
-        programs, report = program_entries(tree)
+        programs, report = program_entries(tree, arch)
         initrd, order, entries = build_node_initramfs(
-            kernel, (busybox / "bin" / "busybox").read_bytes(), kernel_version, programs
+            kernel,
+            build.check_elf(busybox / "bin" / "busybox", arch),
+            kernel_version,
+            programs,
+            arch,
         )
         out = work / "out"
         out.mkdir()
@@ -457,6 +504,8 @@ def _build(target: Path, inputs: dict[str, object], digest: str) -> None:
             target,
             "node image files",
             SIZE_LIMIT,
+            arch=arch.name,
+            console=arch.console,
             inputs_hash=digest,
             inputs=inputs,
             kernel_version=kernel_version,
@@ -468,28 +517,33 @@ def _build(target: Path, inputs: dict[str, object], digest: str) -> None:
         )
 
 
-def ensure_node_built(cache_dir: Path | str | None = None, *, force: bool = False) -> Path:
+def ensure_node_built(
+    cache_dir: Path | str | None = None, *, force: bool = False, arch: str = "amd64"
+) -> Path:
     """The node image folder for the current inputs, building it only when missing or changed.
 
     File-locked (the same lock as build.py's), so concurrent test runs wait for one build.
     When apt cannot resolve package versions an existing ``node-current`` build is used.
     """
+    a = build.get_arch(arch)
     cache = Path(cache_dir) if cache_dir else default_cache()
+    prefix = _prefix(a)
+    link = f"{prefix}current"
     try:
-        inputs = resolve_node_inputs()
+        inputs = resolve_node_inputs(arch=a)
     except BuildError as e:
-        current = cache / CURRENT
+        current = cache / link
         if current.exists() and not force:
             print(f"bootassets: {e}; using the existing build {current.resolve()}", file=sys.stderr)
             build.verify(current)
             return current.resolve()
         raise
-    name = PREFIX + build.inputs_hash(inputs)
+    name = prefix + build.inputs_hash(inputs)
     target = cache / name
     with build._locked(cache):
         if force or not (target / "manifest.json").exists():
-            _build(target, inputs, name.removeprefix(PREFIX))
+            _build(target, inputs, name.removeprefix(prefix), a)
         build.verify(target)
-        build.point_current(cache, CURRENT, name)
-        build.prune(cache, CURRENT, 2, lambda p: p.name.startswith(PREFIX))
+        build.point_current(cache, link, name)
+        build.prune(cache, link, 2, _is_own_build(a))
     return target

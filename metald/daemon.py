@@ -455,7 +455,7 @@ def _boot_plane(d: Daemon) -> tuple[BootPlane | None, list[web.RouteDef]]:
     if not d.cfg.boot.enabled:
         return None, []
     from metald.boot.http import boot_routes
-    from metald.boot.plane import BootPlane, http_base_url
+    from metald.boot.plane import BootPlane, http_base_url, unbootable
     from metald.enrollment import enrollment_boot_hooks
 
     leased_only = d.cfg.boot.scripts_leased_only
@@ -471,6 +471,7 @@ def _boot_plane(d: Daemon) -> tuple[BootPlane | None, list[web.RouteDef]]:
         leased_clients_only=leased_only,
         fleet=d.fleet,  # the other instances' URLs ride on agent scripts (metald.urls=)
     )
+    hooks.unbootable = unbootable(d.cfg)  # arm64 with no arm64 iPXE: an event says why
     # The fleet: shares leases and splits DHCP clients with the other instances.
     plane = BootPlane(d.cfg, d.store, hooks, fleet=d.fleet)
     # Never the state folder (check_assets_root): the assets are served without a token.

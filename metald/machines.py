@@ -19,6 +19,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 from sqlmodel import Session, select
 
 from metald import metrics
+from metald.arch import from_firmware
 from metald.auth import revoke_machine_tokens
 from metald.errors import Conflict, NotFound, Unprocessable
 from metald.lifecycle import State, Trigger, boot_on_entry, check_guards, next_state, phase_of
@@ -219,6 +220,7 @@ def create_machine(
             rack=rack,
             rack_position=rack_position,
             firmware=firmware,
+            arch=from_firmware(firmware),
         )
         session.add(m)
         session.flush()

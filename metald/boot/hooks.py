@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Protocol
 
+from metald.arch import ASSET_PREFIX, CONSOLE, DEFAULT, from_firmware
 from metald.lifecycle import UNINSPECTED, State
 
 
@@ -34,6 +35,10 @@ class BootTarget:
     #: Extra kernel command-line arguments, e.g. ``metald.token=...`` for the agent.
     kernel_args: dict[str, str] = field(default_factory=dict)
     machine_id: str | None = None
+    #: The machine's CPU architecture (metald.arch): its iPXE script refuses to run on another
+    #: (``${buildarch}``), and its agent boots get that architecture's serial console. None:
+    #: not known (a machine DHCP has not recorded yet): amd64's files, no check.
+    arch: str | None = None
 
 
 class BootHooks(Protocol):
@@ -63,12 +68,27 @@ class MachineRecord(Protocol):
     id: str
     state: str
     boot_intent: dict[str, Any] | None
+    arch: str | None
+    firmware: str | None
+
+
+def agent_path(path: str | None, arch: str) -> str | None:
+    """Where ``arch``'s build of metald's agent image file ``path`` is under the assets folder:
+    amd64's at the top, arm64's under arm64/ (URLs as they are)."""
+    if not path or "://" in path or not ASSET_PREFIX[arch]:
+        return path
+    prefix = ASSET_PREFIX[arch]
+    return path if path.startswith(prefix) else prefix + path.lstrip("/")
 
 
 def target_for_machine(m: MachineRecord | None) -> BootTarget:
-    """Pure: the boot target implied by a machine's state and boot intent."""
+    """Pure: the boot target implied by a machine's state and boot intent. Discovery,
+    inspection, wiping and disk-image deployment boot metald's agent image built for the
+    machine's architecture; a stateless image is the tenant's, built for it already (claims
+    refuse a mismatch)."""
     if m is None:
         return BootTarget(BootAction.DISCOVERY, DISCOVERY_KERNEL, DISCOVERY_INITRD)
+    arch = getattr(m, "arch", None) or from_firmware(getattr(m, "firmware", None))
     intent = m.boot_intent or {}
     state = State(m.state)
     args = {str(k): str(v) for k, v in (intent.get("kernel_args") or {}).items()}
@@ -90,7 +110,9 @@ def target_for_machine(m: MachineRecord | None) -> BootTarget:
     if action in (BootAction.PROVISION, BootAction.WIPE) and not kernel:
         # Nothing to boot yet: stay on local disk rather than hang in iPXE.
         action = BootAction.LOCAL
-    return BootTarget(action, kernel, initrd, args, m.id)
+    if action is not BootAction.PROVISION or intent.get("image_kind") != "stateless":
+        kernel, initrd = agent_path(kernel, arch or DEFAULT), agent_path(initrd, arch or DEFAULT)
+    return BootTarget(action, kernel, initrd, args, m.id, arch)
 
 
 def with_agent_console(t: BootTarget) -> BootTarget:
@@ -99,7 +121,8 @@ def with_agent_console(t: BootTarget) -> BootTarget:
     otherwise print its command line, agent token included."""
     if not t.kernel or "console" in t.kernel_args:
         return t
-    args = {"console": "ttyS0,115200", "quiet": "", **t.kernel_args}
+    console = CONSOLE[t.arch or DEFAULT]
+    args = {"console": f"{console},115200", "quiet": "", **t.kernel_args}
     if t.machine_id:
         args["metald.machine"] = t.machine_id
     return replace(t, kernel_args=args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from metald.arch import ARM64, IPXE_BUILDARCH
 from metald.boot.hooks import BootAction, BootTarget
 from metald.boot.pki import ca_fingerprint
 
@@ -27,14 +28,31 @@ def render_boot_script(
     args.update(target.kernel_args)
     cmdline = " ".join(f"{k}={v}" if v != "" else k for k, v in args.items())
     lines.append(f"echo metald: {target.action.value} image for {mac}")
+    # The kernel below is built for the machine's recorded architecture: an iPXE of another
+    # (a machine recorded wrongly, a board swapped) says so instead of booting what cannot run.
+    # x86 iPXE says i386 (BIOS builds) or x86_64 (UEFI): amd64 is "anything but arm64".
+    buildarch = IPXE_BUILDARCH.get(target.arch or "")
+    if buildarch == IPXE_BUILDARCH[ARM64]:
+        lines.append(f"iseq ${{buildarch}} {buildarch} || goto wrongarch")
+    elif buildarch:
+        arm = IPXE_BUILDARCH[ARM64]
+        lines += [f"iseq ${{buildarch}} {arm} && goto wrongarch || goto archok", ":archok"]
     kernel = f"kernel {_url(base, target.kernel)} initrd=initrd.img {cmdline}"
     lines.append(f"{kernel} || goto failed")
     if target.initrd:
         lines.append(f"initrd --name initrd.img {_url(base, target.initrd)} || goto failed")
+    lines.append("boot || goto failed")
+    if buildarch:
+        lines += [
+            ":wrongarch",
+            f"echo metald: {mac} is recorded as {target.arch} but this iPXE is ${{buildarch}}; "
+            "fix the machine's architecture in metald (docs/boot.md)",
+            "goto retry",
+        ]
     lines += [
-        "boot || goto failed",
         ":failed",
         "echo metald: boot failed, retrying in 10 s",
+        ":retry",
         "sleep 10",
         f"chain --autofree {base}/boot/${{mac:hexhyp}}.ipxe",
     ]

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from sqlmodel import Session, select
 
 from metald import machines
+from metald.arch import from_firmware
 from metald.boot.dhcp.bootfile import Arch
 from metald.boot.hooks import (
     BootAction,
@@ -80,6 +81,10 @@ class StoreBootHooks:
         self.enroll_unknown = enroll_unknown
         self.agent_console = agent_console
         self.fleet = fleet
+        #: Firmware (DHCP architecture) -> why DHCP hands such a client no boot file (an arm64
+        #: machine with no arm64 iPXE installed: ``metald.boot.plane.unbootable``). A sighting
+        #: of one is logged and recorded on the machine as a ``machine.boot_unavailable`` event.
+        self.unbootable: dict[str, str] = {}
 
     async def client_seen(
         self, mac: str, *, arch: str, network: str | None, relay_agent: dict[str, str] | None
@@ -99,7 +104,7 @@ class StoreBootHooks:
         m = machines.find_by_mac(s, mac)
         if m is None:
             try:
-                machines.create_machine(
+                m = machines.create_machine(
                     s,
                     macs=[mac],
                     actor=self.actor,
@@ -110,16 +115,24 @@ class StoreBootHooks:
                 )
             except Conflict:
                 s.rollback()  # another instance created it at the same moment
+                return
+            self._unbootable(s, m.id, mac, arch)
             return
+        self._unbootable(s, m.id, mac, arch)
         # What DHCP tells of a known machine that changed: each change is its own event kind.
         changes: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
         if position and m.rack_position != position:
             data = {"from": m.rack_position, "to": position, "relay_agent": relay_agent}
             changes.append(("machine.rack_position", {"rack_position": position}, data))
         if firmware and m.firmware != firmware:
-            changes.append(
-                ("machine.firmware", {"firmware": firmware}, {"from": m.firmware, "to": firmware})
-            )
+            values: dict[str, Any] = {"firmware": firmware}
+            implied = from_firmware(firmware)
+            if implied and (m.arch is None or implied != m.arch):
+                # The firmware the machine booted now says what it is (a board swapped under
+                # the same MAC, or the first sighting of a machine enrolled by its BMC).
+                values["arch"] = implied
+            data = {"from": m.firmware, "to": firmware, **({"arch": implied} if implied else {})}
+            changes.append(("machine.firmware", values, data))
         for kind, values, data in changes:
             try:
                 machines.update_fields(
@@ -134,6 +147,24 @@ class StoreBootHooks:
             except Conflict:
                 s.rollback()  # changed by someone else meanwhile: the next report retries
                 return
+
+    def _unbootable(self, s: Session, machine_id: str, mac: str, arch: str) -> None:
+        """Say why a client DHCP cannot boot got no boot file (at most once per DHCP sighting
+        report, every few minutes per MAC)."""
+        reason = self.unbootable.get(arch)
+        if reason is None:
+            return
+        log.warning("boot: %s (%s): %s", mac, arch, reason)
+        machines.add_event(
+            s,
+            "machine.boot_unavailable",
+            self.actor,
+            machine_id=machine_id,
+            reason=reason,
+            data={"mac": mac, "arch": arch},
+            instance=self.instance,
+        )
+        s.commit()
 
     async def boot_target(self, mac: str, *, client: str | None = None) -> BootTarget:
         return await self.store.run(self._target, mac, client)

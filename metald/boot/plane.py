@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from metald.boot.dhcp.bootfile import BootFiles
+from metald.boot.dhcp.bootfile import Arch, BootFiles
 from metald.boot.dhcp.common import NetworkPlan
 from metald.boot.dhcp.enroll_limit import EnrollLimits
 from metald.boot.dhcp.lease_feed import LeaseFeed
@@ -49,6 +49,14 @@ BUILT_IPXE_DIR = "ipxe"
 _BUILT_ARCHS = (("bios", "BIOS"), ("uefi_x64", "x86-64 UEFI"), ("uefi_arm64", "arm64 UEFI"))
 
 
+#: Why an arm64 machine gets no boot file (logged at start, and as an event per machine).
+ARM64_NO_IPXE = (
+    "arm64 UEFI machines get no boot file: Debian ships no arm64 iPXE and metald's own build "
+    "is not installed in {where}/ipxe/; build it with python -m bootassets ipxe --ca <metald's "
+    "CA> --install {where} (docs/boot.md)"
+)
+
+
 def choose_boot_files(cfg: Config) -> tuple[BootFiles, list[str]]:
     """The boot files DHCP hands out, and why any architecture gets Debian's iPXE instead of
     metald's build (``boot.ipxe``): ``ipxe/<name>`` under boot.assets_dir where that file is
@@ -84,6 +92,11 @@ def choose_boot_files(cfg: Config) -> tuple[BootFiles, list[str]]:
                 "the file named in [boot] (Debian's iPXE: script over plain HTTP, a 2 s banner "
                 "wait); build it with python -m bootassets ipxe --install (docs/boot.md)"
             )
+    if not _present(b.assets_dir, names["uefi_arm64"]):
+        # Debian's ipxe package has no arm64 binary: an arm64 client gets nothing rather than
+        # a name that is not there (or, over UEFI HTTP boot, the x86 binary).
+        names["uefi_arm64"] = ""
+        reasons.append(ARM64_NO_IPXE.format(where=b.assets_dir or "<assets_dir>"))
     files = BootFiles(
         bios=names["bios"],
         uefi_x64=names["uefi_x64"],
@@ -92,6 +105,27 @@ def choose_boot_files(cfg: Config) -> tuple[BootFiles, list[str]]:
         http_base=http_base_url(cfg),
     )
     return files, reasons
+
+
+def unbootable(cfg: Config) -> dict[str, str]:
+    """DHCP firmware names (``Arch`` values) whose clients get no boot file, and why: arm64
+    without an arm64 iPXE."""
+    try:
+        files, _ = choose_boot_files(cfg)
+    except ConfigError:
+        return {}  # boot.ipxe = "built" without the build: metald refuses to start anyway
+    if files.uefi_arm64:
+        return {}
+    where = cfg.boot.assets_dir or "<assets_dir>"
+    return {Arch.UEFI_ARM64.value: ARM64_NO_IPXE.format(where=where)}
+
+
+def _present(assets_dir: str | None, name: str) -> bool:
+    """Whether the boot file ``name`` is there to serve (unknowable without an assets folder:
+    then it is taken to be, as before)."""
+    if not assets_dir:
+        return True
+    return bool(name) and (Path(assets_dir) / name).is_file()
 
 
 def https_required(cfg: Config, machines_tls: bool) -> bool:

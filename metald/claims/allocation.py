@@ -16,13 +16,14 @@ import random
 import re
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from sqlalchemy import exists, or_
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
+from metald import arch as arches
 from metald import machines
 from metald.claims import placement as placing
 from metald.claims import tenant_os
@@ -62,6 +63,9 @@ class Selector:
     #: Only machines whose current boot passed measured-boot attestation (the wipe boot after
     #: their last tenant, or their discovery boot): docs/attestation.md.
     attested: bool = False
+    #: CPU architecture (amd64, arm64). A machine with none recorded counts as amd64. Unset,
+    #: a claim takes its image's architecture (``for_image``).
+    arch: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> Selector:
@@ -76,7 +80,31 @@ class Selector:
             commission_profile=d.get("commission_profile") or None,
             firmware={str(k): str(v) for k, v in (d.get("firmware") or {}).items()},
             attested=bool(d.get("attested", False)),
+            arch=d.get("arch") or None,
         )
+
+    def check(self) -> Selector:
+        """This selector, or Unprocessable naming what is wrong with it."""
+        if self.arch is not None and self.arch not in arches.ARCHES:
+            raise Unprocessable(
+                f"selector arch must be one of {', '.join(arches.ARCHES)}, not {self.arch!r}"
+            )
+        return self
+
+    def for_image(self, image: Image) -> Selector:
+        """The selector allocation uses for ``image``: its architecture, and Unprocessable
+        when the claim asks for machines of another (they could not boot it)."""
+        built_for = image_arch(image)
+        if self.arch is not None and self.arch != built_for:
+            raise Unprocessable(
+                f"image {image.name!r} is built for {built_for} and the selector asks for "
+                f"{self.arch} machines, which cannot boot it; pick an image built for "
+                f"{self.arch} (GET /api/v1/images shows each image's arch) or drop the "
+                "selector's arch",
+                image_arch=built_for,
+                selector_arch=self.arch,
+            )
+        return replace(self, arch=built_for)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -99,6 +127,8 @@ class Selector:
             return False
         if self.attested and (m.attested_boot is None or m.attested_boot != m.boot_current):
             return False
+        if self.arch is not None and (m.arch or arches.DEFAULT) != self.arch:
+            return False
         labels = m.labels or {}
         versions = m.firmware_versions or {}
         return all(labels.get(k) == v for k, v in self.labels.items()) and all(
@@ -118,6 +148,10 @@ class Selector:
             stmt = stmt.where(Machine.rack == self.rack)
         if self.attested:
             stmt = stmt.where(col(Machine.attested_boot) == col(Machine.boot_current))
+        if self.arch == arches.DEFAULT:
+            stmt = stmt.where(or_(col(Machine.arch) == self.arch, col(Machine.arch).is_(None)))
+        elif self.arch is not None:
+            stmt = stmt.where(Machine.arch == self.arch)
         return require_passed(
             stmt, within_days=self.commissioned_within_days, profile=self.commission_profile
         )
@@ -163,7 +197,13 @@ _MATCH_COLUMNS = (
     Machine.firmware_versions,
     Machine.attested_boot,
     Machine.boot_current,
+    Machine.arch,
 )
+
+
+def image_arch(image: Image) -> str:
+    """The architecture an image is built for (one registered before arm64: amd64)."""
+    return str((image.spec or {}).get("arch") or arches.DEFAULT)
 
 
 def _free(stmt: Any) -> Any:
@@ -292,6 +332,7 @@ def create_claim(
         return _replay(session, c, count, selector, image_id, keys, os, placement), True
     checked = tenant_os.check_user_data(os.settings, os.user_data, os.meta_data)
     image = get_image(session, image_id, tenant_id)  # scoped images: their tenants only
+    requested, selector = selector, selector.check().for_image(image)
     intent = provision_intent(image.id, image.kind, image.spec, deploy)
     strict = bmc_required(session, require_bmc)
     claimable = _claimable(strict)
@@ -301,7 +342,7 @@ def create_claim(
             tenant_id=tenant_id,
             idempotency_key=idempotency_key,
             count=count,
-            selector=selector.to_dict(),
+            selector=requested.to_dict(),
             image=image.id,
             ssh_authorized_keys=keys,
             network=os.network or None,
@@ -384,7 +425,7 @@ def create_claim(
         c = _existing(session, tenant_id, idempotency_key) if idempotency_key else None
         if c is None:
             raise
-        return _replay(session, c, count, selector, image_id, keys, os, placement), True
+        return _replay(session, c, count, requested, image_id, keys, os, placement), True
 
 
 #: What placement reads of each candidate, besides what ``Selector.matches`` reads.
@@ -511,8 +552,8 @@ def claim_replacement(
     what it was claimed for in the same transaction (a remediation's replacement, so a crash
     never claims two). A packed claim's replacement comes from the domains its machines sit
     in. None when no free machine matches."""
-    selector = Selector.from_dict(claim.selector)
     image = get_image(session, claim.image or "", claim.tenant_id)
+    selector = Selector.from_dict(claim.selector).for_image(image)
     intent = provision_intent(image.id, image.kind, image.spec, deploy)
     claimable = _claimable(bmc_required(session, require_bmc))
     claimable = _same_domains(session, claim, claimable)

@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from metald.arch import from_uname
 from metald.inventory import pci_ids
 from metald.inventory.nvlink import NvlinkFacts, parse_fabric
 from metald.inventory.schema import SCHEMA_VERSION, InventoryPayload
@@ -110,6 +111,9 @@ class NormalizedInventory(BaseModel):
     serial: str | None = None
     system_uuid: str | None = None
     cpu_model: str | None = None
+    #: Debian's name for the CPU architecture (amd64, arm64) from ``uname -m``; None when the
+    #: agent did not say or said something metald does not know.
+    arch: str | None = None
     #: Logical CPUs.
     cpu_count: int | None = None
     cpu_sockets: int | None = None
@@ -133,8 +137,10 @@ class NormalizedInventory(BaseModel):
     nvlink: NvlinkFacts | None = None
 
     def machine_fields(self) -> dict[str, Any]:
-        """The ``Machine`` columns this inventory sets."""
-        return {
+        """The ``Machine`` columns this inventory sets (arch only when it says: an older
+        agent's inventory leaves what DHCP recorded)."""
+        arch = {"arch": self.arch} if self.arch else {}
+        return arch | {
             "vendor": self.vendor,
             "product": self.product,
             "serial": self.serial,
@@ -349,6 +355,7 @@ def normalize(payload: InventoryPayload) -> NormalizedInventory:
         serial=clean(s.serial) or clean(s.chassis_serial),
         system_uuid=clean_uuid(s.uuid),
         cpu_model=clean(payload.cpu.model),
+        arch=from_uname(payload.cpu.arch),
         cpu_count=payload.cpu.logical or None,
         cpu_sockets=payload.cpu.sockets,
         cpu_cores=payload.cpu.cores,

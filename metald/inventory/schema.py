@@ -65,6 +65,8 @@ class SystemInfo(_Strict):
 
 class CpuInfo(_Strict):
     model: Text | None = None
+    #: ``uname -m``: x86_64, aarch64 (agents before arm64 did not send it).
+    arch: Text | None = None
     #: Logical CPUs (threads) the kernel sees.
     logical: Count
     #: Distinct "physical id" values in /proc/cpuinfo.

@@ -57,6 +57,9 @@ def register(sub: Subparsers) -> None:
     cc.add_argument(
         "--spread", choices=["power-domain"], help="spread the machines over power domains"
     )
+    cc.add_argument(
+        "--arch", choices=("amd64", "arm64"), help="CPU architecture (default: the image's)"
+    )
     cc.add_argument("--ssh-key", action="append", default=[])
     cc.add_argument("--idempotency-key")
     cc.add_argument(
@@ -141,6 +144,8 @@ def create(args: argparse.Namespace, c: Client) -> None:
         selector["min_memory_mb"] = args.min_memory_mb
     if args.rack:
         selector["rack"] = args.rack
+    if args.arch:
+        selector["arch"] = args.arch
     # Names or id prefixes, as everywhere; the claim body takes ids.
     tenant = c.call("GET", f"/api/v1/tenants/{args.tenant}")["id"]
     image = c.call("GET", f"/api/v1/images/{args.image}")["id"]

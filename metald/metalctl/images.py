@@ -9,7 +9,7 @@ from .options import Subparsers
 from .output import emit, emit_table
 
 COLUMNS = [("ID", "id"), ("NAME", "name"), ("KIND", "kind")]
-BODY_FIELDS = ("name", "kind", "sha256", "size_bytes", "kernel", "initrd", "rootfs")
+BODY_FIELDS = ("name", "kind", "sha256", "size_bytes", "kernel", "initrd", "rootfs", "arch")
 
 
 def register(sub: Subparsers) -> None:
@@ -29,6 +29,9 @@ def register(sub: Subparsers) -> None:
     ic.add_argument("--kernel")
     ic.add_argument("--initrd")
     ic.add_argument("--rootfs")
+    ic.add_argument(
+        "--arch", choices=("amd64", "arm64"), help="CPU architecture it is built for (amd64)"
+    )
     ic.set_defaults(func=create)
 
 

@@ -43,6 +43,7 @@ SHOW_FIELDS = (
     "nvlink_ready",
     "ib_leaf",
     "firmware",
+    "arch",
     "vendor",
     "product",
     "serial",
@@ -73,7 +74,7 @@ STEP_HELP = {
     "wipe": "wipe a machine's disks (from releasing, wipe-failed, maintenance, repairing)",
     "confirm-wipe": "declare a machine's disks wiped by hand (--reason required)",
 }
-LIST_FILTERS = ("gpu_model", "gpu_count", "min_gpu_count", "rack", "limit", "offset")
+LIST_FILTERS = ("gpu_model", "gpu_count", "min_gpu_count", "rack", "arch", "limit", "offset")
 
 
 def register(sub: Subparsers) -> None:
@@ -91,6 +92,7 @@ def register(sub: Subparsers) -> None:
     ml.add_argument("--gpu-count", dest="gpu_count", type=int)
     ml.add_argument("--min-gpu-count", dest="min_gpu_count", type=int)
     ml.add_argument("--rack")
+    ml.add_argument("--arch", choices=("amd64", "arm64"), help="CPU architecture")
     ml.add_argument("--limit", type=int)
     ml.add_argument("--offset", type=int)
     ml.set_defaults(func=list_machines)

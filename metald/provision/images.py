@@ -2,6 +2,7 @@
 
 - ``stateless``: ``kernel`` plus ``initrd`` and/or ``rootfs`` (http(s) URLs or paths under the
   boot assets folder), optional ``kernel_args``; booted into RAM on every boot.
+- both: ``arch``, the CPU architecture it is built for (amd64, the default, or arm64).
 - ``disk``: ``url`` (http or https), ``sha256`` (64 hex digits), ``format`` raw or qcow2,
   optional ``size_bytes`` (needed for a write percentage). raw: a ``.gz`` URL is unpacked on the
   fly, the sha256 is of the raw uncompressed bytes, the agent streams it to disk and reads it
@@ -15,6 +16,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from metald.arch import ARCHES, DEFAULT
 from metald.errors import Unprocessable
 
 KINDS = ("stateless", "disk")
@@ -22,8 +24,8 @@ FORMATS = ("raw", "qcow2")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _ARG_KEY = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _FIELDS = {
-    "stateless": {"kernel", "initrd", "rootfs", "kernel_args"},
-    "disk": {"url", "sha256", "format", "size_bytes"},
+    "stateless": {"kernel", "initrd", "rootfs", "kernel_args", "arch"},
+    "disk": {"url", "sha256", "format", "size_bytes", "arch"},
 }
 
 
@@ -85,6 +87,7 @@ def normalize_spec(kind: str, data: dict[str, Any]) -> dict[str, Any]:
             if data.get(f):
                 spec[f] = _location(f, data[f])
         spec["kernel_args"] = _kernel_args(data.get("kernel_args"))
+        spec["arch"] = _arch(data.get("arch"))
         return spec
     url = data.get("url")
     if not isinstance(url, str) or not _is_url(url.strip()):
@@ -103,4 +106,15 @@ def normalize_spec(kind: str, data: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise Unprocessable("size_bytes must be a positive whole number")
         spec["size_bytes"] = size
+    spec["arch"] = _arch(data.get("arch"))
     return spec
+
+
+def _arch(v: Any) -> str:
+    """The architecture an image is built for: amd64 unless it says (every image was, before
+    arm64)."""
+    if v is None:
+        return DEFAULT
+    if v not in ARCHES:
+        raise Unprocessable(f"arch must be one of {', '.join(ARCHES)}, not {v!r}")
+    return str(v)

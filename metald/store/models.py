@@ -60,6 +60,9 @@ class Machine(SQLModel, table=True):
     #: Boot firmware as its last network boot told DHCP (option 93): bios, uefi-x64,
     #: uefi-ia32, uefi-arm64. A disk image must suit it (BIOS or UEFI boot loader).
     firmware: str | None = None
+    #: CPU architecture, Debian's names: amd64, arm64. From the agent's inventory (uname -m),
+    #: else from the firmware DHCP saw. Claims select on it; a boot image must be built for it.
+    arch: str | None = Field(default=None, index=True)
     system_uuid: str | None = Field(default=None, index=True)
     serial: str | None = Field(default=None, index=True)
     vendor: str | None = None

@@ -11,10 +11,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from sqlalchemy import or_
 from sqlmodel import Session, col, func, select
 
 from metald import machines as svc
 from metald import metrics, repairs
+from metald.arch import AMD64
 from metald.auth import Principal, Role, revoke_machine_tokens
 from metald.claims.workflow import ClaimWorkflow
 from metald.errors import Conflict, NotFound, Unprocessable
@@ -47,6 +49,7 @@ class MachineFilter(Protocol):
     gpu_count: int | None
     min_gpu_count: int | None
     rack: str | None
+    arch: str | None
     tenant_id: str | None
 
 
@@ -151,6 +154,10 @@ def _filtered(f: MachineFilter, p: Principal) -> Any:
         stmt = stmt.where(col(Machine.gpu_count) >= f.min_gpu_count)
     if f.rack:
         stmt = stmt.where(Machine.rack == f.rack)
+    if f.arch == AMD64:
+        stmt = stmt.where(or_(col(Machine.arch) == AMD64, col(Machine.arch).is_(None)))
+    elif f.arch:
+        stmt = stmt.where(Machine.arch == f.arch)
     if f.tenant_id:
         stmt = stmt.where(Machine.tenant_id == f.tenant_id)
     if p.role is Role.ORCHESTRATOR:

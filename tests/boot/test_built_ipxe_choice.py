@@ -46,8 +46,9 @@ def test_without_a_build_machines_get_debians_ipxe_and_the_log_says_why(
     with caplog.at_level(logging.WARNING, logger="metald.boot.plane"):
         files = boot_files(cfg)
     assert (files.bios, files.uefi_x64) == ("undionly.kpxe", "snponly.efi")
-    (msg,) = [r.getMessage() for r in caplog.records]
+    msg, arm64 = [r.getMessage() for r in caplog.records]
     assert "no metald-built iPXE for BIOS (ipxe/undionly.kpxe)" in msg
+    assert "arm64 UEFI machines get no boot file" in arm64
     assert "python -m bootassets ipxe --install" in msg and "plain HTTP" in msg
 
 
@@ -71,17 +72,35 @@ def test_a_partial_build_falls_back_only_where_it_is_missing(tmp_path: Path) -> 
     assert (files.bios, files.uefi_x64, files.uefi_arm64) == (
         "ipxe/undionly.kpxe",
         "ipxe/ipxe.efi",
-        "snponly-arm64.efi",
+        "",
     )
-    (reason,) = reasons
+    reason, arm64 = reasons
     assert "arm64 UEFI (ipxe/snponly-arm64.efi)" in reason and "BIOS" not in reason
+    assert "Debian ships no arm64 iPXE" in arm64
+
+
+def test_without_an_arm64_ipxe_an_arm64_client_gets_no_boot_file(tmp_path: Path) -> None:
+    """Debian's ipxe package has no arm64 binary: neither PXE (arch 11) nor UEFI HTTP boot
+    (arch 19) may be handed a file that is not there or the x86 binary."""
+    files, reasons = choose_boot_files(_cfg(tmp_path))
+    assert boot_file_for(_pxe(Arch.UEFI_ARM64), "x", files) is None
+    http = ClientKind(arch=Arch.UEFI_ARM64, pxe=False, http=True, ipxe=False)
+    assert boot_file_for(http, "x", files) is None
+    assert boot_file_for(_pxe(Arch.UEFI_X64), "x", files) == "snponly.efi"  # x86 unchanged
+    assert any("python -m bootassets ipxe" in r and "arm64" in r for r in reasons)
+    # an operator's own arm64 binary under the configured name is handed out
+    (tmp_path / "assets" / "snponly-arm64.efi").write_bytes(b"operator's")
+    files, _ = choose_boot_files(_cfg(tmp_path))
+    assert boot_file_for(_pxe(Arch.UEFI_ARM64), "x", files) == "snponly-arm64.efi"
+    assert boot_file_for(http, "x", files) == "http://10.0.0.1:8080/boot/assets/snponly-arm64.efi"
 
 
 def test_debian_mode_ignores_a_build(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, 'ipxe = "debian"\n')
     _install(tmp_path, "undionly.kpxe", "snponly.efi", "snponly-arm64.efi")
     files, reasons = choose_boot_files(cfg)
-    assert (files.bios, files.uefi_x64, reasons) == ("undionly.kpxe", "snponly.efi", [])
+    assert (files.bios, files.uefi_x64) == ("undionly.kpxe", "snponly.efi")
+    assert files.uefi_arm64 == "" and len(reasons) == 1  # Debian has no arm64 iPXE
 
 
 def test_built_mode_refuses_to_start_without_the_build(tmp_path: Path) -> None:

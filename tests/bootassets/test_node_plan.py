@@ -156,7 +156,7 @@ def test_inputs_hash_changes_with_a_node_file(
             shown_seen[names] = real_show(*names)
         return shown_seen[names]
 
-    monkeypatch.setattr(node, "_library_packages", lambda: libs)
+    monkeypatch.setattr(node, "_library_packages", lambda arch=None: libs)
     monkeypatch.setattr(build, "_apt_show", apt_show_once)
     real_files = node.node_files()
     script = tmp_path / "metald-node"

@@ -65,6 +65,7 @@ async def test_images_catalog(api) -> None:  # type: ignore[no-untyped-def]
         "kernel": "n/vmlinuz",
         "rootfs": "n/root.sq",
         "kernel_args": {},
+        "arch": "amd64",
     }
     r = await client.get("/api/v1/images", headers=tokens.header("orchestrator"))
     assert [i["name"] for i in (await r.json())["items"]] == ["node", "ram"]

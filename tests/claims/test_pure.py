@@ -29,7 +29,7 @@ DEPLOY = DeployImage("discovery/vmlinuz", "discovery/initrd.img")
 
 def test_disk_spec_normalised() -> None:
     spec = normalize_spec("disk", {**DISK_SPEC, "sha256": "AB" * 32, "format": None})
-    assert spec == {"url": DISK_SPEC["url"], "sha256": "ab" * 32, "format": "raw"}
+    assert spec == {"url": DISK_SPEC["url"], "sha256": "ab" * 32, "format": "raw", "arch": "amd64"}
 
 
 @pytest.mark.parametrize(

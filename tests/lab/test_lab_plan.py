@@ -122,6 +122,37 @@ def test_uefi_machines_get_ovmf_with_their_own_variable_store(tmp_path: Path) ->
         )
 
 
+def test_arm64_machines_are_virt_boards_with_aavmf_under_tcg(tmp_path: Path) -> None:
+    spec = dataclasses.replace(_spec("uefi", tmp_path), arch="arm64")
+    argv = qemu.command_line(spec, "kvm")  # an x86 host has no arm64 KVM: TCG whatever is asked
+    joined = " ".join(argv)
+    assert argv[0] == "qemu-system-aarch64" and "-accel tcg" in joined
+    assert "-machine virt" in joined and f"-cpu {qemu.ARM64_CPU}" in joined
+    assert f"readonly=on,file={qemu.AAVMF_CODE}" in joined
+    assert f"unit=1,file={tmp_path / 'm0.vars.fd'}" in joined
+    # the same device ids the virtual BMC drives; no x86 option ROM on the NIC
+    assert "virtio-net-pci,id=nic0,netdev=net0,mac=52:54:00:6c:01:00,bootindex=2,romfile=" in joined
+    assert "virtio-blk-pci,id=disk0,drive=drive0,bootindex=1" in joined
+    assert "scsi-cd,id=cd0" in joined and "ide-cd" not in joined
+    assert "-S" in argv and "-no-shutdown" in argv and joined.count("-qmp unix:") == 2
+    with pytest.raises(qemu.QemuError, match="arm64 machine boots UEFI"):
+        qemu.command_line(dataclasses.replace(spec, firmware="bios", uefi_vars=None), "tcg")
+
+
+def test_a_lab_makes_its_last_uefi_machines_arm64(tmp_path: Path) -> None:
+    from vmlab.lab import Lab, LabError
+
+    lab = Lab("arm", machines=3, uefi=2, arm64=1, workdir=tmp_path)
+    state = lab._planned_state(7, "tcg")
+    assert [(m["firmware"], m["arch"]) for m in state["machines"]] == [
+        ("bios", "amd64"),
+        ("uefi", "amd64"),
+        ("uefi", "arm64"),
+    ]
+    with pytest.raises(LabError, match="arm64 machines boot UEFI"):
+        Lab("arm", machines=2, uefi=1, arm64=2, workdir=tmp_path)
+
+
 @pytest.mark.skipif(shutil.which(qemu.QEMU) is None, reason="needs qemu-system-x86")
 def test_accelerator_override_and_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VMLAB_ACCEL", "kvm")

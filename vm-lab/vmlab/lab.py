@@ -130,10 +130,12 @@ class Lab:
         disk_size: str = "2G",
         nic_rom: bool = True,
         rng: bool = False,
+        arm64: int = 0,
     ) -> None:
         """``nic_rom=False``: the NIC has no option ROM (no iPXE), so the firmware network-boots
         with its own PXE (OVMF: DHCP, TFTP of ipxe.efi, then iPXE). ``rng``: each machine gets
-        a virtio RNG (``vmlab.qemu.MachineSpec.rng``)."""
+        a virtio RNG (``vmlab.qemu.MachineSpec.rng``). ``arm64``: the last this many of the
+        UEFI machines are arm64 (QEMU's virt board, AAVMF, TCG; ``vmlab.qemu``)."""
         self.name = plan.check_name(name)
         self.machines = machines
         self.uefi = machines // 2 if uefi is None else uefi
@@ -146,6 +148,9 @@ class Lab:
         self.disk_size = disk_size
         self.nic_rom = nic_rom
         self.rng = rng
+        if not 0 <= arm64 <= self.uefi:
+            raise LabError(f"arm64 machines boot UEFI: arm64 must be 0..{self.uefi}, not {arm64}")
+        self.arm64 = arm64
         self.state: dict[str, Any] = {}
 
     @classmethod
@@ -198,6 +203,7 @@ class Lab:
                     "cpus": self.cpus,
                     "nic_rom": self.nic_rom,
                     "rng": self.rng,
+                    "arch": "arm64" if m.index >= self.machines - self.arm64 else "amd64",
                     "disk": f"{base}.qcow2",
                     "uefi_vars": f"{base}.vars.fd" if m.firmware == "uefi" else None,
                     "serial_log": f"{base}.serial.log",
@@ -251,7 +257,7 @@ class Lab:
         for m in s["machines"]:
             qemu.create_disk(Path(m["disk"]), self.disk_size)
             if m["uefi_vars"]:
-                qemu.create_uefi_vars(Path(m["uefi_vars"]))
+                qemu.create_uefi_vars(Path(m["uefi_vars"]), m.get("arch", "amd64"))
             spec = self._spec(m)
             log = Path(m["qemu_log"])
             proc = self.spawn(qemu.command_line(spec, s["accel"]), role="qemu", log=log, machine=m)
@@ -287,6 +293,7 @@ class Lab:
             serial_number=m["serial_number"],
             nic_rom=m.get("nic_rom", True),
             rng=m.get("rng", False),
+            arch=m.get("arch", "amd64"),
         )
 
     # ---- processes in the namespace ------------------------------------------------------------

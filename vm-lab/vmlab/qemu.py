@@ -25,6 +25,12 @@ from pathlib import Path
 QEMU = "qemu-system-x86_64"
 OVMF_CODE = Path("/usr/share/OVMF/OVMF_CODE.fd")
 OVMF_VARS = Path("/usr/share/OVMF/OVMF_VARS.fd")
+#: arm64 machines (a Grace tray's stand-in): QEMU's "virt" board with AAVMF, the arm64 build
+#: of the same UEFI firmware (Debian: qemu-system-arm, qemu-efi-aarch64). Always TCG here.
+QEMU_ARM64 = "qemu-system-aarch64"
+AAVMF_CODE = Path("/usr/share/AAVMF/AAVMF_CODE.fd")
+AAVMF_VARS = Path("/usr/share/AAVMF/AAVMF_VARS.fd")
+ARM64_CPU = "cortex-a72"
 PROBE_KERNEL = Path("/usr/lib/ipxe/ipxe.lkrn")
 NIC_ID = "nic0"
 DISK_ID = "disk0"
@@ -60,6 +66,8 @@ class MachineSpec:
     #: instance failover lab's warm machines (NIC out of the boot order) network-booted on
     #: their own (tests/e2e/test_fleet_failover.py), so only the built-iPXE runs ask for it.
     rng: bool = False
+    #: "amd64" (q35/pc with OVMF/SeaBIOS) or "arm64" (virt with AAVMF, UEFI only, TCG).
+    arch: str = "amd64"
 
 
 # ---- accelerator -------------------------------------------------------------------------------
@@ -147,9 +155,13 @@ def create_disk(path: Path, size: str = "2G") -> None:
     )
 
 
-def create_uefi_vars(path: Path) -> None:
+def create_uefi_vars(path: Path, arch: str = "amd64") -> None:
     """Each UEFI machine gets its own copy of the variable store, as a real board has."""
-    shutil.copyfile(OVMF_VARS, path)
+    vars_file = AAVMF_VARS if arch == "arm64" else OVMF_VARS
+    if not vars_file.exists():
+        pkg = "qemu-efi-aarch64" if arch == "arm64" else "ovmf"
+        raise QemuError(f"{vars_file} is missing: install the Debian package {pkg}")
+    shutil.copyfile(vars_file, path)
 
 
 def serial_socket(serial_log: Path) -> Path:
@@ -158,6 +170,8 @@ def serial_socket(serial_log: Path) -> Path:
 
 
 def command_line(spec: MachineSpec, accel: str) -> list[str]:
+    if spec.arch == "arm64":
+        return arm64_command_line(spec)
     machine_type = "q35" if spec.firmware == "uefi" else "pc"
     argv = [
         QEMU,
@@ -205,6 +219,48 @@ def command_line(spec: MachineSpec, accel: str) -> list[str]:
     else:
         # SeaBIOS halts on "No bootable device"; retry like a server that loops on PXE.
         argv += ["-boot", "reboot-timeout=5000"]
+    return argv
+
+
+def arm64_command_line(spec: MachineSpec) -> list[str]:
+    """An arm64 UEFI machine: the same devices, serial, QMP and boot order as an x86 one, on
+    QEMU's virt board with AAVMF. TCG only (no arm64 KVM on an x86 host). Its NIC carries no
+    option ROM (QEMU's is x86 iPXE, which AAVMF cannot run): the firmware's own PXE boots it,
+    as a Grace tray's does. The CD drive sits on virtio-scsi (virt has no IDE or AHCI)."""
+    if spec.firmware != "uefi" or spec.uefi_vars is None:
+        raise QemuError(f"{spec.name}: an arm64 machine boots UEFI and needs its variable store")
+    argv = [
+        QEMU_ARM64,
+        "-name", f"{spec.name},process=vmlab-{spec.name}",
+        "-accel", "tcg",
+        "-machine", "virt",
+        "-cpu", ARM64_CPU,
+        "-m", str(spec.memory_mb),
+        "-smp", str(spec.cpus),
+        "-uuid", spec.uuid,
+        "-smbios", f"type=1,manufacturer=vm-lab,product=vm-lab arm64,"
+                   f"serial={spec.serial_number or spec.name},uuid={spec.uuid}",
+        "-nodefaults", "-display", "none",
+        "-S", "-no-shutdown",
+        "-chardev", f"socket,id=serial0,path={serial_socket(spec.serial_log)},server=on,"
+                    f"wait=off,logfile={spec.serial_log},logappend=on",
+        "-serial", "chardev:serial0",
+        "-monitor", "none",
+        "-qmp", f"unix:{spec.qmp_bmc},server=on,wait=off",
+        "-qmp", f"unix:{spec.qmp},server=on,wait=off",
+        "-netdev", f"tap,id=net0,ifname={spec.tap},script=no,downscript=no",
+        "-device", f"virtio-net-pci,id={NIC_ID},netdev=net0,mac={spec.mac},bootindex=2,romfile=",
+        "-drive", f"file={spec.disk},if=none,id=drive0,format=qcow2,cache=unsafe",
+        "-device", f"virtio-blk-pci,id={DISK_ID},drive=drive0,bootindex=1",
+        "-device", "virtio-scsi-pci,id=scsi0",
+        "-drive", "if=none,id=cddrive,media=cdrom,readonly=on",
+        "-device", f"scsi-cd,id={CD_ID},drive=cddrive,bus=scsi0.0",
+        "-drive", f"if=pflash,format=raw,unit=0,readonly=on,file={AAVMF_CODE}",
+        "-drive", f"if=pflash,format=raw,unit=1,file={spec.uefi_vars}",
+    ]  # fmt: skip
+    if spec.rng:
+        argv += ["-object", "rng-random,id=rng0,filename=/dev/urandom",
+                 "-device", "virtio-rng-pci,rng=rng0"]  # fmt: skip
     return argv
 
 

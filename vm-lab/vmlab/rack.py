@@ -117,6 +117,19 @@ def tenants_config(state: dict[str, Any]) -> str:
     )
 
 
+def arm64_assets(amd64: Path, into: Path) -> Path:
+    """An assets folder for a lab with arm64 machines: ``amd64``'s files, the lab's iPXE build
+    (its arm64 binary: Debian ships none) in ipxe/, and the arm64 image in arm64/ (each built
+    on first use, then cached)."""
+    from bootassets.build import ensure_built, install_arch
+
+    from .labipxe import assets_with_built_ipxe
+
+    assets = assets_with_built_ipxe(amd64, into)
+    install_arch(ensure_built(arch="arm64"), assets)
+    return assets
+
+
 class LabRack:
     def __init__(
         self,
@@ -129,9 +142,13 @@ class LabRack:
         boot_config: str = "",
         nic_rom: bool = True,
         rng: bool = False,
+        arm64: int = 0,
     ) -> None:
         """``extra_config``: TOML appended to metald's config, or a function of the lab's state
-        (slot, bridge, subnet) returning it; ``boot_config``: lines added to its [boot] table."""
+        (slot, bridge, subnet) returning it; ``boot_config``: lines added to its [boot] table.
+        ``arm64``: the last this many UEFI machines are arm64 (``vmlab.lab.Lab``); metald's
+        assets folder then also holds the arm64 image (under arm64/) and the lab's own iPXE
+        build (Debian has no arm64 iPXE)."""
         from bootassets.build import ensure_built
 
         from .lab import Lab
@@ -139,10 +156,12 @@ class LabRack:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.assets = ensure_built()
+        if arm64:
+            self.assets = arm64_assets(self.assets, self.workdir / "assets")
         self._boot_config = boot_config
         self.lab = Lab(
             name, machines=machines, uefi=uefi, workdir=self.workdir / "lab", nic_rom=nic_rom,
-            rng=rng,
+            rng=rng, arm64=arm64,
         )  # fmt: skip
         try:
             self.state: dict[str, Any] = self.lab.up()
@@ -283,16 +302,18 @@ class LabRack:
             str(image.stat().st_size),
         ]
 
-    def publish_node_image(self, port: int = 8082) -> list[str]:
-        """Build (or reuse) the tenant node image, serve it on the lab network, and return the
-        ``metalctl images create NAME`` arguments of its stateless form."""
+    def publish_node_image(self, port: int = 8082, arch: str = "amd64") -> list[str]:
+        """Build (or reuse) the tenant node image (of ``arch``), serve it on the lab network,
+        and return the ``metalctl images create NAME`` arguments of its stateless form."""
         from bootassets.node import ensure_node_built
 
-        node = ensure_node_built()
-        base = self._serve(node, port, "node-image-server")
+        node = ensure_node_built(arch=arch)
+        base = self._serve(node, port, f"node-image-server-{arch}")
         return [
             "--kind",
             "stateless",
+            "--arch",
+            arch,
             "--kernel",
             f"{base}/vmlinuz",
             "--initrd",

@@ -80,6 +80,8 @@ class BootFiles:
     bios: str = "undionly.kpxe"
     uefi_x64: str = "snponly.efi"
     uefi_ia32: str = "ipxe-i386.efi"
+    #: "" when there is none to hand out: Debian ships no arm64 iPXE, so without metald's own
+    #: build (bootassets/ipxe.py) an arm64 client gets no boot file rather than an x86 one.
     uefi_arm64: str = "snponly-arm64.efi"
     #: Base URL of the HTTP API as machines reach it, e.g. http://10.0.0.1:8080
     http_base: str = ""
@@ -101,6 +103,8 @@ def boot_file_for(kind: ClientKind, mac: str, files: BootFiles) -> str | None:
         Arch.UEFI_IA32: files.uefi_ia32,
         Arch.UEFI_ARM64: files.uefi_arm64,
     }.get(kind.arch)
+    if kind.arch is Arch.UEFI_ARM64 and not name:
+        return None  # no arm64 iPXE: an x86 binary would only fail on the machine
     if kind.http:
         return files.asset_url(name or files.uefi_x64) if files.http_base else None
     if kind.pxe:
