@@ -112,7 +112,10 @@ def secrets_in(path: Path, also: list[bytes] | tuple[bytes, ...] = ()) -> Found:
         ihl = (fr[off] & 0x0F) * 4
         proto = fr[off + 9]
         tot = struct.unpack("!H", fr[off + 2 : off + 4])[0]
-        src, dst = socket.inet_ntoa(fr[off + 12 : off + 16]), socket.inet_ntoa(fr[off + 16 : off + 20])
+        src, dst = (
+            socket.inet_ntoa(fr[off + 12 : off + 16]),
+            socket.inet_ntoa(fr[off + 16 : off + 20]),
+        )
         l4 = fr[off + ihl : off + tot]
         if proto == 6 and len(l4) >= 20:
             sport, dport, seq = struct.unpack("!HHI", l4[:8])
@@ -158,4 +161,4 @@ def _join(segs: dict[int, bytes]) -> bytes:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if capture(Path(sys.argv[1]), Path(sys.argv[2]) if len(sys.argv) > 2 else None) >= 0 else 1)
+    capture(Path(sys.argv[1]), Path(sys.argv[2]) if len(sys.argv) > 2 else None)
