@@ -1,10 +1,11 @@
 """Every frame on a lab's network, as a tenant on it could see it, and what secrets it carries.
 
 ``python -m vmlab.capture OUT.pcap`` run inside a namespace (``ip netns exec``) opens one raw
-``AF_PACKET`` socket for every protocol on every interface of that namespace (the lab bridge,
-its taps, the veths of attached namespaces: each port's frames, so a frame forwarded between
-two ports is seen on both) and writes each frame to a pcap file (readable by tcpdump or
-Wireshark) until SIGTERM. Pure Python: nothing to install (tcpdump is not on these machines).
+``AF_PACKET`` socket for every protocol on every interface of that namespace but loopback (the
+lab bridge, its taps, the veths of attached namespaces: each port's frames, so a frame
+forwarded between two ports is seen on both; loopback is the namespace talking to itself,
+metalctl to the staff API for one, never on the wire) and writes each frame to a pcap file
+(readable by tcpdump or Wireshark) until SIGTERM. Pure Python: nothing to install (tcpdump is not on these machines).
 
 ``secrets_in`` reads such a file back: it joins the TCP payloads of each direction of each
 connection in sequence order (a token cut between two segments is found whole) and looks,
@@ -53,10 +54,10 @@ def capture(out: Path, ready: Path | None = None) -> int:
             ready.touch()
         while not stop:
             try:
-                data = s.recv(262144)
-            except TimeoutError:
+                data, where = s.recvfrom(262144)
+            except (TimeoutError, InterruptedError):
                 continue
-            except InterruptedError:
+            if where[0] == "lo":
                 continue
             now = time.time()
             sec = int(now)

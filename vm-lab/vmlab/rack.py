@@ -129,16 +129,18 @@ class LabRack:
         boot_config: str = "",
         nic_rom: bool = True,
         rng: bool = False,
+        assets: Path | None = None,
     ) -> None:
         """``extra_config``: TOML appended to metald's config, or a function of the lab's state
-        (slot, bridge, subnet) returning it; ``boot_config``: lines added to its [boot] table."""
+        (slot, bridge, subnet) returning it; ``boot_config``: lines added to its [boot] table;
+        ``assets``: the boot assets folder (default: the discovery image's build, cached)."""
         from bootassets.build import ensure_built
 
         from .lab import Lab
 
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.assets = ensure_built()
+        self.assets = assets or ensure_built()
         self._boot_config = boot_config
         self.lab = Lab(
             name, machines=machines, uefi=uefi, workdir=self.workdir / "lab", nic_rom=nic_rom,
