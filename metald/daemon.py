@@ -466,13 +466,17 @@ def _boot_plane(d: Daemon) -> tuple[BootPlane | None, list[web.RouteDef]]:
         require_https=d.require_https,
         ca_pem=tls.ca_pem if tls else None,
     )
-    from metald.provision.media_boot import MediaBootRoutes  # virtual-media nonce URLs
+    from metald.provision.media_boot import MediaBootRoutes, media_efi  # virtual media
 
+    efi, no_efi = media_efi(d.cfg.boot.assets_dir, d.cfg.boot.ipxe)
+    if no_efi:
+        log.warning("boot: virtual-media ISOs boot BIOS machines only: %s", no_efi)
     routes += MediaBootRoutes(
         hooks,
         http_base_url(d.cfg),
         ca_pem=tls.ca_pem if tls else None,
         require_https=d.require_https,
+        efi=efi,
     ).routes()
     return plane, routes
 
