@@ -147,8 +147,8 @@ def _run(rack, tmp_path: Path, secrets_in, server_cert) -> None:  # type: ignore
     )
     waiting.wait_for("the man in the middle to listen", mitm_log.exists, 30, every=0.2)
     nft = (
-        "table ip mitm { chain pre { type nat hook prerouting priority -100; "
-        f'iifname "{bridge}" tcp dport {PORT} redirect to :9443; }} }}'
+        "table ip mitm {\n chain pre {\n  type nat hook prerouting priority -100;\n"
+        f'  iifname "{bridge}" tcp dport {PORT} redirect to :9443\n }}\n}}\n'
     )
     r = rack.lab.run(["nft", "-f", "-"], input=nft, text=True, capture_output=True)
     assert r.returncode == 0, r.stderr
