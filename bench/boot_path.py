@@ -1,7 +1,7 @@
 """Power-on to ``ready`` for one lab machine, broken down from real sources.
 
-    sudo .venv/bin/python bench/boot_path.py [--runs 3] [--firmware bios|uefi-pxe]
-        [--ipxe debian|built|both]
+    sudo .venv/bin/python bench/boot_path.py [--runs 3] [--firmware bios|uefi-rom|uefi-pxe]
+        [--ipxe debian|built|both] [--https]
 
 Brings up a vm-lab rack of one machine with metald inside (as ``make demo`` does, commissioning
 off), registers its BMC, powers it on through metald, and waits for ``ready``. Meanwhile:
@@ -15,7 +15,11 @@ off), registers its BMC, powers it on through metald, and waits for ``ready``. M
 - metald's events (its SQLite database) give each state change.
 
 All on the host's clock, printed as seconds after the power-on command. ``--firmware uefi-pxe``
-boots an OVMF machine whose NIC has no iPXE ROM, so the firmware's own PXE loads snponly.efi.
+boots an OVMF machine whose NIC has no iPXE ROM, so the firmware's own PXE loads snponly.efi;
+``uefi-rom`` an OVMF machine with the NIC's (Debian's) iPXE ROM, ``bios`` SeaBIOS with it.
+``--https``: metald's own iPXE behind a provisioning listener (``[boot] http_listen``) with
+the lab CA as metald's tls_auto CA, so its script, the discovery image and the agent go over
+HTTPS (tls_auto and require_https on by default); Debian's iPXE runs over plain HTTP.
 ``--ipxe built`` hands out metald's own iPXE (bootassets/ipxe.py, built with the lab's CA on
 first use and cached; vmlab.labipxe) instead of Debian's; ``both`` alternates the two run by
 run and prints a median for each (it matters where the firmware loads iPXE: ``uefi-pxe``; BIOS
@@ -358,6 +362,7 @@ def one_run(
     uefi_file: str | None = None,
     boot_order: str = "disk-first",
     ipxe: str = "debian",
+    https: bool = False,
 ) -> Run:
     import bootassets.build
     from vmlab.rack import LabRack
@@ -373,6 +378,11 @@ def one_run(
     if assets is not None:
         bootassets.build.ensure_built = lambda *a, **k: assets  # type: ignore[assignment]
     boot_config = f'ipxe = "{ipxe}"\n'
+    if https and ipxe == "built":
+        from vmlab.labipxe import seed_state
+
+        seed_state(workdir / "metald")  # metald's tls_auto CA: the one its iPXE trusts
+        boot_config += 'http_listen = "0.0.0.0:8443"\n'
     if uefi_file:
         boot_config += f'uefi_x64_file = "{uefi_file}"\n'
 
@@ -516,7 +526,12 @@ def main() -> None:
     sn.add_argument("--iface", required=True)
     sn.add_argument("--out", type=Path, required=True)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--firmware", choices=("bios", "uefi-pxe"), default="bios")
+    ap.add_argument("--firmware", choices=("bios", "uefi-rom", "uefi-pxe"), default="bios")
+    ap.add_argument(
+        "--https",
+        action="store_true",
+        help="metald's own iPXE over HTTPS (a provisioning listener with the lab CA)",
+    )
     ap.add_argument("--keep", action="store_true", help="leave the lab up (one run)")
     ap.add_argument(
         "--boot-order",
@@ -559,6 +574,7 @@ def main() -> None:
                 uefi_file=args.uefi_file,
                 boot_order=order,
                 ipxe=ipxe,
+                https=args.https,
             )
             if args.save:
                 dest = args.save / f"run{i + 1}"

@@ -130,14 +130,30 @@ def config_header() -> str:
     return "\n".join(lines) + "\n"
 
 
+#: Where a per-boot virtual-media ISO (bootassets/iso.py) puts its script, on the EFI boot
+#: image this iPXE is loaded from; ``file:`` is the file system iPXE itself came from.
+MEDIA_SCRIPT = "metald.ipxe"
+#: The DHCP user class (option 77) metald's iPXE sends instead of ``iPXE``: metald's DHCP
+#: server hands the script URL to this iPXE only, and chainloads any other iPXE (a NIC's
+#: ROM, Debian's) into this one (metald.boot.dhcp.bootfile).
+USER_CLASS = "metald"
+
+
 def embedded_script() -> str:
-    """The script built into every binary. metald's DHCP server answers iPXE (user class
-    ``iPXE``) with the machine's script URL as its boot file; HTTPS there is checked against
-    the built-in CA only. Failures retry (DHCP can be busy in a rack-wide power-on) instead of
-    dropping to a shell or the next boot device."""
+    """The script built into every binary. It says it is metald's (``user-class``), so
+    metald's DHCP server answers it with the machine's script URL as its boot file; HTTPS
+    there is checked against the built-in CA only. Started from a file system (UEFI virtual
+    media: the per-boot ISO's EFI image), it runs that file system's ``metald.ipxe`` first (a
+    PXE-started iPXE has no such file system, and the ``file:`` scheme is never the network,
+    unlike iPXE's own ``autoexec.ipxe``, which it also asks TFTP for and which this script
+    never runs). Failures retry (DHCP can be busy in a rack-wide power-on) instead of dropping
+    to a shell or the next boot device."""
     return (
         "#!ipxe\n"
         "# metald's embedded script (bootassets/ipxe.py)\n"
+        f"set user-class {USER_CLASS}\n"
+        "iseq ${platform} efi || goto retry\n"
+        f"chain --autofree --replace file:/{MEDIA_SCRIPT} || goto retry\n"
         ":retry\n"
         "dhcp || goto wait\n"
         "isset ${filename} || goto wait\n"

@@ -8,9 +8,13 @@ deployment: ``python -m bootassets iso --boot-url URL``). Its script takes an ad
 boot does (``/boot/<mac>.ipxe``), so the agent token rides on the first fetch of the boot metald
 armed, as for PXE. It carries no secret: one ISO serves every machine.
 
-BIOS only: isolinux loads ``ipxe.krn`` with the script as its initrd, which iPXE executes. The
-ISO's EFI boot image (a FAT image holding ``ipxe.efi``) is kept unchanged: a UEFI machine booted
-from it runs iPXE's default (DHCP boot options), not this script.
+BIOS: isolinux loads ``ipxe.krn`` with the script as its initrd, which iPXE executes. UEFI,
+when metald's own iPXE is built (``efi=``, its ``ipxe.efi``) and mtools is installed: the ISO's
+EFI boot image is a new FAT image holding that ``ipxe.efi`` as ``/EFI/BOOT/BOOTX64.EFI`` and the
+same script as ``/metald.ipxe``, which metald's embedded script runs first when iPXE was
+started from a file system (bootassets/ipxe.py); HTTPS then trusts metald's CA only. Without
+them the EFI image stays Debian's: a UEFI machine booted from it runs iPXE's default (DHCP boot
+options), not this script (``efi_unavailable`` says why).
 
 Not hybrid (a virtual CD needs none). Pure Python (pycdlib), no xorriso: a build takes well under a second and needs no cache.
 """
@@ -78,12 +82,62 @@ def build_iso(
     return out
 
 
-def write_iso(f: BinaryIO, script_text: str, source: Path = IPXE_ISO) -> None:
-    """Write Debian's iPXE ISO, remastered to run ``script_text``, to the open file ``f``."""
+#: The EFI boot image's name in Debian's ISO (its El Torito EFI entry).
+EFI_IMG = "/EFI.IMG;1"
+#: Where metald's embedded script looks for a virtual-media script (bootassets/ipxe.py
+#: MEDIA_SCRIPT), at the root of the file system iPXE was started from.
+EFI_SCRIPT = "metald.ipxe"
+
+
+def efi_unavailable(efi: Path | None) -> str | None:
+    """Why the ISO cannot boot UEFI machines into ``efi`` (metald's ipxe.efi), or None."""
+    import shutil
+
+    if efi is None or not efi.is_file():
+        return "metald's own iPXE is not built (python -m bootassets ipxe --install)"
+    if shutil.which("mformat") is None or shutil.which("mcopy") is None:
+        return "mtools is not installed (the EFI boot image is a FAT file system)"
+    return None
+
+
+def efi_image(ipxe_efi: bytes, script_text: str) -> bytes:
+    """A FAT image (mtools, no root or loop device) holding ``ipxe_efi`` as the removable-media
+    boot file ``/EFI/BOOT/BOOTX64.EFI`` and the script as ``/metald.ipxe``."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="metald-efiimg-") as tmp:
+        img, efi, script = Path(tmp, "efi.img"), Path(tmp, "bootx64.efi"), Path(tmp, "s.ipxe")
+        efi.write_bytes(ipxe_efi)
+        script.write_text(script_text)
+        kib = (len(ipxe_efi) + len(script_text)) // 1024 + 512  # FAT and directories
+        with open(img, "wb") as f:
+            f.truncate(kib * 1024)
+
+        def run(*argv: str) -> None:
+            r = subprocess.run(argv, capture_output=True, text=True, check=False)
+            if r.returncode != 0:
+                raise IsoError(f"{argv[0]} failed: {(r.stderr or r.stdout).strip()}")
+
+        run("mformat", "-i", str(img), "-v", "METALD", "::")
+        run("mmd", "-i", str(img), "::/EFI", "::/EFI/BOOT")
+        run("mcopy", "-i", str(img), str(efi), "::/EFI/BOOT/BOOTX64.EFI")
+        run("mcopy", "-i", str(img), str(script), f"::/{EFI_SCRIPT}")
+        return img.read_bytes()
+
+
+def write_iso(
+    f: BinaryIO, script_text: str, source: Path = IPXE_ISO, efi: Path | None = None
+) -> None:
+    """Write Debian's iPXE ISO, remastered to run ``script_text``, to the open file ``f``;
+    with ``efi`` (metald's ipxe.efi) its EFI boot image runs the script too."""
     import pycdlib
 
     if not source.is_file():
         raise IsoError(f"{source} is missing: install Debian's ipxe package")
+    if efi is not None:
+        _write_fresh(f, script_text, source, efi_image(efi.read_bytes(), script_text))
+        return
     script = script_text.encode()
     cfg = isolinux_cfg().encode()
     iso = pycdlib.PyCdlib()
@@ -107,6 +161,45 @@ def write_iso(f: BinaryIO, script_text: str, source: Path = IPXE_ISO) -> None:
             rr_name=SCRIPT_NAME.lower(),
             joliet_path=f"/{SCRIPT_NAME.lower()}",
         )
+        iso.write_fp(f)
+    finally:
+        iso.close()
+
+
+def _write_fresh(f: BinaryIO, script_text: str, source: Path, efi_img: bytes) -> None:
+    """A new ISO from Debian's isolinux and ipxe.krn (BIOS, as ``write_iso``) and ``efi_img``
+    as its EFI boot image: El Torito cannot have its EFI image swapped in place."""
+    import pycdlib
+
+    src = pycdlib.PyCdlib()
+    src.open(str(source))
+    try:
+        keep = {}
+        for name in ("LDLINUX.C32", "ISOLINUX.BIN", "IPXE.KRN"):
+            buf = io.BytesIO()
+            src.get_file_from_iso_fp(buf, iso_path=f"/{name};1")
+            keep[name] = buf.getvalue()
+    finally:
+        src.close()
+    files = {
+        **keep,
+        "ISOLINUX.CFG": isolinux_cfg().encode(),
+        SCRIPT_NAME: script_text.encode(),
+        "EFI.IMG": efi_img,
+    }
+    iso = pycdlib.PyCdlib()
+    iso.new(interchange_level=3, rock_ridge="1.09", joliet=3, vol_ident="METALD")
+    try:
+        for name, data in files.items():
+            iso.add_fp(
+                io.BytesIO(data),
+                len(data),
+                f"/{name};1",
+                rr_name=name.lower(),
+                joliet_path=f"/{name.lower()}",
+            )
+        iso.add_eltorito("/ISOLINUX.BIN;1", "/BOOT.CAT;1", boot_load_size=4, boot_info_table=True)
+        iso.add_eltorito(EFI_IMG, "/BOOT.CAT;1", efi=True)
         iso.write_fp(f)
     finally:
         iso.close()

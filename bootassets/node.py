@@ -213,7 +213,10 @@ def _library_packages(arch: build.Arch = build.AMD64) -> list[str]:
     return sorted(
         n
         for n in names
+        # ":arm64" and the like: a foreign architecture added to dpkg (for cross builds)
+        # makes apt list other architectures' packages too; the image is the build host's.
         if not n.startswith("<")
+        and ":" not in n
         and n not in SKIP_PACKAGES
         and n not in TOP_PACKAGES
         and (n.startswith("lib") or n in ("zlib1g", "gcc-12-base"))

@@ -27,10 +27,15 @@ def main(argv: list[str] | None = None) -> int:
         "--role", required=True, choices=["admin", "technician", "orchestrator", "agent"]
     )
     p_tok.add_argument("--scope", action="append", default=[])
+    p_ca = sub.add_parser(
+        "boot-ca",
+        help="make metald's boot CA in the state folder (as [boot] tls_auto would) and print "
+        "its path: build metald's iPXE with it before the first start",
+    )
     sub.add_parser(
         "config-schema", help="print the config file's JSON Schema (for editors) and exit"
     )
-    for p in (p_serve, p_mig, p_tok):
+    for p in (p_serve, p_mig, p_tok, p_ca):
         p.add_argument("--config", "-c", help="TOML config file (env METALD_* overrides apply)")
     args = ap.parse_args(argv)
 
@@ -64,6 +69,18 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("metald.config").warning("%s", line)
     if args.cmd == "check-config":
         print("config ok")
+        return 0
+    if args.cmd == "boot-ca":
+        from pathlib import Path
+
+        from metald.boot.pki import CA_CERT, PkiError, ensure_ca
+
+        try:
+            ensure_ca(Path(cfg.state_dir))
+        except (PkiError, OSError) as e:
+            print(f"metald: {e}", file=sys.stderr)
+            return 2
+        print(Path(cfg.state_dir) / CA_CERT)
         return 0
     if args.cmd == "migrate":
         from metald.store import Store

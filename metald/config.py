@@ -216,7 +216,10 @@ class BootConfig(_Section):
     #: state_dir (boot-ca.pem; boot-ca.key 0600) and issues the listener's certificate for
     #: server_address from it (boot-tls.pem/.key, issued again before it expires). Build
     #: metald's iPXE with that CA (docs/boot.md). Instead of tls_cert; needs http_listen.
-    tls_auto: bool = False
+    #: Empty: on when http_listen is set without tls_cert and metald's own iPXE, built with
+    #: this state_dir's boot-ca.pem, is installed for every architecture it builds (boot.ipxe);
+    #: off otherwise, with the reason logged at start.
+    tls_auto: bool | None = None
     #: Refuse, over plain HTTP, every request that carries or would hand out a token: the
     #: agent API, joins, mesh and health reports, and iPXE scripts that carry an agent token
     #: (403 problem+json). Empty: on when the machines' listener has a certificate (tls_cert,

@@ -20,7 +20,7 @@ from api.context import AppContext, Services
 from metald import __version__
 from metald.auth import bootstrap_admin
 from metald.boot.http import require_https_middleware
-from metald.boot.pki import PRIVATE_FILES, PkiError
+from metald.boot.pki import PRIVATE_FILES, PkiError, resolve_tls_auto
 from metald.boot.pki import machines_tls as load_machines_tls
 from metald.boot.plane import https_required
 from metald.config import Config, ConfigError, check_assets_root, split_hostport
@@ -121,6 +121,9 @@ def staff_tls(cfg: Config) -> ssl.SSLContext | None:
 class Daemon:
     def __init__(self, cfg: Config) -> None:
         check_assets_root(cfg)  # a Config built in code skips load_config's check
+        cfg, tls_off = resolve_tls_auto(cfg)
+        if tls_off:
+            log.warning("boot: %s", tls_off)
         self.cfg = cfg
         for change in secure_state_dir(cfg.state_dir):
             log.warning("state folder was readable by others; narrowed %s", change)
@@ -483,13 +486,17 @@ def _boot_plane(d: Daemon) -> tuple[BootPlane | None, list[web.RouteDef]]:
         require_https=d.require_https,
         ca_pem=tls.ca_pem if tls else None,
     )
-    from metald.provision.media_boot import MediaBootRoutes  # virtual-media nonce URLs
+    from metald.provision.media_boot import MediaBootRoutes, media_efi  # virtual media
 
+    efi, no_efi = media_efi(d.cfg.boot.assets_dir, d.cfg.boot.ipxe)
+    if no_efi:
+        log.warning("boot: virtual-media ISOs boot BIOS machines only: %s", no_efi)
     routes += MediaBootRoutes(
         hooks,
         http_base_url(d.cfg),
         ca_pem=tls.ca_pem if tls else None,
         require_https=d.require_https,
+        efi=efi,
     ).routes()
     return plane, routes
 

@@ -242,6 +242,52 @@ def operator_tls(cert: str, key: str, ca: str) -> BootTls:
     return BootTls(cert=Path(cert), key=Path(key), ca_pem=ca_pem)
 
 
+def _same_certificate(a: Path, b: Path) -> bool:
+    try:
+        return ca_fingerprint(a.read_bytes()) == ca_fingerprint(b.read_bytes())
+    except (OSError, PkiError):
+        return False
+
+
+def resolve_tls_auto(cfg: Config) -> tuple[Config, str | None]:
+    """``boot.tls_auto`` resolved when unset: on when the provisioning listener has no
+    operator certificate and metald's own iPXE, built with this state folder's CA (its
+    ``ipxe/ca.pem`` is ``boot-ca.pem``), is installed for BIOS, x86-64 and arm64 UEFI; a
+    machine on Debian's iPXE, or on a build trusting another CA, could not fetch its script
+    from a listener with metald's CA. Returns the config with it set, and when it stays off
+    for want of that iPXE, the sentence saying why (None when on, set, or not applicable)."""
+    from metald.boot.plane import BUILT_IPXE_DIR, choose_boot_files
+
+    b = cfg.boot
+    if b.tls_auto is not None:
+        return cfg, None
+    on, why = False, None
+    if b.enabled and b.http_listen and not b.tls_cert and b.ipxe != "debian" and b.assets_dir:
+        built_ca = Path(b.assets_dir) / BUILT_IPXE_DIR / "ca.pem"
+        ours = Path(cfg.state_dir) / CA_CERT
+        try:
+            _, reasons = choose_boot_files(cfg)
+        except Exception:  # boot.ipxe = "built" without a build: the boot plane says so
+            reasons = ["metald's iPXE is not installed"]
+        if reasons:
+            why = (
+                "boot.tls_auto stays off (plain HTTP on the provisioning listener, tokens in "
+                "clear): metald's own iPXE is not installed for every architecture; build it with "
+                f"python -m bootassets ipxe --ca {ours} --install {b.assets_dir} (docs/boot.md)"
+            )
+        elif not ours.exists() or not _same_certificate(built_ca, ours):
+            why = (
+                f"boot.tls_auto stays off (plain HTTP on the provisioning listener, tokens in "
+                f"clear): the iPXE in {built_ca.parent} trusts {built_ca}, not this metald's CA "
+                f"{ours}{'' if ours.exists() else ' (not made yet: metald boot-ca makes it)'}; "
+                f"rebuild it with python -m bootassets ipxe --ca {ours} --install {b.assets_dir}"
+            )
+        else:
+            on = True
+    boot = b.model_copy(update={"tls_auto": on})
+    return cfg.model_copy(update={"boot": boot}), why
+
+
 def machines_tls(cfg: Config) -> BootTls | None:
     """The certificate of the listener machines use, and the CA they pin: metald's own
     (boot.tls_auto, made or renewed here), the operator's (boot.tls_cert, else api.tls_cert

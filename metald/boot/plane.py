@@ -47,6 +47,19 @@ def http_base_url(cfg: Config) -> str:
 BUILT_IPXE_DIR = "ipxe"
 #: The architectures metald builds iPXE for (bootassets/ipxe.py); 32-bit UEFI is not built.
 _BUILT_ARCHS = (("bios", "BIOS"), ("uefi_x64", "x86-64 UEFI"), ("uefi_arm64", "arm64 UEFI"))
+_ARCH = {"bios": Arch.BIOS, "uefi_x64": Arch.UEFI_X64, "uefi_arm64": Arch.UEFI_ARM64}
+#: The line of the installed build's script (``ipxe/metald.ipxe``) by which it tells metald it
+#: is metald's (bootassets/ipxe.py USER_CLASS); a build without it (older) is not chainloaded
+#: into: it would be chainloaded into itself again and again.
+_SAYS_METALD = "set user-class metald"
+
+
+def _identifies_itself(root: Path) -> bool:
+    try:
+        script = (root / BUILT_IPXE_DIR / "metald.ipxe").read_text()
+    except (OSError, UnicodeDecodeError):
+        return False
+    return _SAYS_METALD in script.splitlines()
 
 
 #: Why an arm64 machine gets no boot file (logged at start, and as an event per machine).
@@ -69,6 +82,7 @@ def choose_boot_files(cfg: Config) -> tuple[BootFiles, list[str]]:
         "uefi_arm64": b.uefi_arm64_file,
     }
     reasons: list[str] = []
+    chain: set[Arch] = set()
     if b.ipxe != "debian":
         root = Path(b.assets_dir) if b.assets_dir else None
         missing = []
@@ -76,8 +90,17 @@ def choose_boot_files(cfg: Config) -> tuple[BootFiles, list[str]]:
             built = f"{BUILT_IPXE_DIR}/{names[key]}"
             if root is not None and (root / built).is_file():
                 names[key] = built
+                chain.add(_ARCH[key])
             else:
                 missing.append(f"{what} ({built})")
+        if chain and root is not None and not _identifies_itself(root):
+            reasons.append(
+                f"the iPXE build in {root / BUILT_IPXE_DIR} predates metald's user class: a "
+                "NIC's own iPXE ROM gets the script URL (over HTTPS it cannot check metald's "
+                "certificate); rebuild and install it with python -m bootassets ipxe "
+                "--install (docs/boot.md)"
+            )
+            chain.clear()
         if missing:
             where = f"{b.assets_dir}/{BUILT_IPXE_DIR}" if b.assets_dir else "boot.assets_dir"
             if b.ipxe == "built":
@@ -103,6 +126,7 @@ def choose_boot_files(cfg: Config) -> tuple[BootFiles, list[str]]:
         uefi_ia32=names["uefi_ia32"],
         uefi_arm64=names["uefi_arm64"],
         http_base=http_base_url(cfg),
+        chain=frozenset(chain),
     )
     return files, reasons
 

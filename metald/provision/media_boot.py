@@ -93,6 +93,31 @@ def _mac_of(s: Session, machine_id: str) -> str:
     return nic.mac if nic is not None else ""
 
 
+#: The line of metald's embedded iPXE script that runs a virtual-media ISO's script
+#: (bootassets/ipxe.py MEDIA_SCRIPT); an installed build without it (older) cannot.
+_RUNS_MEDIA_SCRIPT = "chain --autofree --replace file:/metald.ipxe || goto retry"
+
+
+def media_efi(assets_dir: str, ipxe: str) -> tuple[Path | None, str | None]:
+    """metald's ipxe.efi for the per-boot ISOs' EFI boot image (``<assets_dir>/ipxe/``), or
+    None and why UEFI machines cannot boot the ISOs (``boot.ipxe = "debian"``, no build, a
+    build from before it ran an ISO's script, no mtools)."""
+    from bootassets.iso import efi_unavailable
+
+    if ipxe == "debian" or not assets_dir:
+        return None, 'boot.ipxe = "debian"' if ipxe == "debian" else "no boot.assets_dir"
+    built = Path(assets_dir) / "ipxe"
+    why = efi_unavailable(built / "ipxe.efi")
+    if why is None:
+        try:
+            script = (built / "metald.ipxe").read_text()
+        except (OSError, UnicodeDecodeError):
+            script = ""
+        if _RUNS_MEDIA_SCRIPT not in script.splitlines():
+            why = "the installed iPXE build predates virtual-media scripts: rebuild it"
+    return (None, why) if why else (built / "ipxe.efi", None)
+
+
 class MediaBootRoutes:
     """The two nonce routes on the boot HTTP listener; ``hooks`` is the boot plane's
     ``StoreBootHooks`` (its token minting, peer URLs and console arguments)."""
@@ -104,8 +129,12 @@ class MediaBootRoutes:
         *,
         ca_pem: bytes | None = None,
         require_https: bool = False,
+        efi: Path | None = None,
     ) -> None:
         self.hooks = hooks
+        #: metald's own ipxe.efi: each ISO's EFI boot image runs the boot's script with it
+        #: (UEFI machines); None: BIOS only (``media_efi`` says why).
+        self.efi = efi
         self.base = public_url.rstrip("/")
         #: The CA the machines' listener chains to: its pin goes on the agent's command line.
         self.ca_pem = ca_pem
@@ -149,7 +178,7 @@ class MediaBootRoutes:
         def build() -> None:
             tmp = path.with_suffix(".part")
             with open(tmp, "wb") as f:
-                write_iso(f, text)
+                write_iso(f, text, efi=self.efi)
             tmp.replace(path)
 
         async with self._builds:

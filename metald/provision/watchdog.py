@@ -85,6 +85,21 @@ def overdue(rows: list[Machine], limits: dict[State, int], now: datetime) -> lis
     ]
 
 
+#: Why a network boot that never fetched its script stopped, as the timeout's event says it.
+UNFETCHED = (
+    "its network boot never fetched its iPXE script: the machine did not boot from the "
+    "network, or its iPXE could not reach metald's boot URL or refused the certificate it "
+    "was shown there (metald's iPXE trusts only metald's CA: another server answering "
+    "metald's address on the provisioning network gets no request)"
+)
+
+
+def unfetched_boot(m: Machine) -> bool:
+    """Pure: the machine's current network boot was armed and its script never fetched (the
+    fetch takes the armed nonce; a virtual-media boot's too)."""
+    return bool(m.boot_armed) and State(m.state) in netboot.NETWORK_BOOT_STATES
+
+
 def sweep(
     session: Session,
     limits: dict[State, int],
@@ -101,13 +116,18 @@ def sweep(
         select(Machine).where(col(Machine.state).in_([s.value for s in limits]))
     ).all()
     # Plain values: a lost race rolls the session back, which expires the rows read here.
-    due = [(m.id, State(m.state), m.version, m.tenant_id) for m in overdue(list(rows), limits, now)]
+    due = [
+        (m.id, State(m.state), m.version, m.tenant_id, unfetched_boot(m))
+        for m in overdue(list(rows), limits, now)
+    ]
     mine = _owned(session, [d[0] for d in due], owns)
     due = [d for d in due if d[0] in mine]
     moved = []
-    for mid, state, version, tenant_id in due:
+    for mid, state, version, tenant_id, unfetched in due:
         limit = limits[state]
         reason = f"stuck in {state.value} for more than {limit} s (watchdog)"
+        if unfetched:
+            reason += f"; {UNFETCHED}"
         try:
             m = machines.transition(
                 session,
@@ -137,7 +157,7 @@ def sweep(
             tenant_id=tenant_id,
             from_state=state.value,
             reason=reason,
-            data={"timeout_s": limit},
+            data={"timeout_s": limit, "script_fetched": not unfetched},
             instance=instance,
         )
         session.commit()

@@ -75,3 +75,58 @@ async def test_a_machine_booted_from_the_iso_asks_metald_for_its_script(
     finally:
         qemu.kill()
         qemu.wait()
+
+
+@pytest.mark.skipif(shutil.which("mcopy") is None, reason="needs mtools")
+def test_with_metalds_ipxe_the_iso_boots_uefi_machines_into_the_script(tmp_path: Path) -> None:
+    """Given metald's ipxe.efi, the ISO's El Torito EFI entry is a FAT image holding it as the
+    removable-media boot file and the boot's script as /metald.ipxe (what metald's embedded
+    script runs when iPXE starts from a file system); the BIOS entry is isolinux as before.
+    Fails on the old code (the EFI image was Debian's, without the script)."""
+    import io
+
+    import pycdlib
+
+    from bootassets.ipxe import MEDIA_SCRIPT
+
+    efi = tmp_path / "ipxe.efi"
+    efi.write_bytes(b"MZ" + b"metald's ipxe.efi" * 1000)
+    script = boot_iso.boot_script("https://10.0.0.1:8443", "/boot/n/m1/abc.ipxe")
+    out = tmp_path / "boot.iso"
+    with open(out, "wb") as f:
+        boot_iso.write_iso(f, script, efi=efi)
+    assert boot_iso.read_file(out, "metald.ipxe").decode() == script  # BIOS: isolinux's initrd
+    iso = pycdlib.PyCdlib()
+    iso.open(str(out))
+    try:
+        catalog = iso.eltorito_boot_catalog
+        (section,) = catalog.sections
+        assert section.platform_id == 0xEF  # UEFI
+        buf = io.BytesIO()
+        iso.get_file_from_iso_fp(buf, iso_path=boot_iso.EFI_IMG)
+    finally:
+        iso.close()
+    img = tmp_path / "efi.img"
+    img.write_bytes(buf.getvalue())
+    for name, want in (("EFI/BOOT/BOOTX64.EFI", efi.read_bytes()), (MEDIA_SCRIPT, script.encode())):
+        got = subprocess.run(
+            ["mtype", "-i", str(img), f"::/{name}"], capture_output=True, check=True
+        ).stdout
+        assert got == want, name
+
+
+def test_uefi_media_needs_metalds_ipxe_that_runs_the_script(tmp_path: Path) -> None:
+    from bootassets.ipxe import embedded_script
+    from metald.provision.media_boot import media_efi
+
+    assert media_efi(str(tmp_path), "debian") == (None, 'boot.ipxe = "debian"')
+    path, why = media_efi(str(tmp_path), "auto")
+    assert path is None and why and "not built" in why
+    (tmp_path / "ipxe").mkdir()
+    (tmp_path / "ipxe" / "ipxe.efi").write_bytes(b"MZ")
+    (tmp_path / "ipxe" / "metald.ipxe").write_text("#!ipxe\ndhcp\nchain ${filename}\n")
+    path, why = media_efi(str(tmp_path), "auto")
+    assert path is None and why and "predates" in why
+    (tmp_path / "ipxe" / "metald.ipxe").write_text(embedded_script())
+    if shutil.which("mcopy"):
+        assert media_efi(str(tmp_path), "auto") == (tmp_path / "ipxe" / "ipxe.efi", None)

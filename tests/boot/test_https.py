@@ -220,3 +220,56 @@ def test_an_operator_chain_without_its_root_is_named_at_start(
     with caplog.at_level("WARNING", logger="metald.boot.pki"):
         named = pki.operator_tls(str(issuer.cert), str(issuer.key), str(ca_file))
     assert named.fingerprint == issuer.fingerprint and caplog.text == ""
+
+
+def test_tls_auto_defaults_on_only_with_metalds_ipxe_built_with_its_own_ca(
+    tmp_path: Path,
+) -> None:
+    """Unset, ``[boot] tls_auto`` is on when metald's own iPXE is installed for every
+    architecture and trusts this state folder's CA (``ipxe/ca.pem`` = ``boot-ca.pem``): then
+    require_https defaults on too. Off, with the sentence saying why, without the build, with
+    a build trusting another CA, or before the CA is made. Fails on the old code (tls_auto
+    defaulted to false)."""
+    listen = 'http_listen = "127.0.0.1:1"\n'
+    cfg, why = pki.resolve_tls_auto(_cfg(tmp_path, listen))
+    assert cfg.boot.tls_auto is False and why and "not installed for every architecture" in why
+    assert "python -m bootassets ipxe --ca" in why
+    _install(tmp_path, "undionly.kpxe", "snponly.efi", "snponly-arm64.efi")
+    built_ca = tmp_path / "assets" / "ipxe" / "ca.pem"
+    other, _ = pki.ensure_ca(tmp_path / "other")  # a build trusting another CA
+    built_ca.write_bytes((tmp_path / "other" / pki.CA_CERT).read_bytes())
+    cfg, why = pki.resolve_tls_auto(_cfg(tmp_path, listen))
+    assert cfg.boot.tls_auto is False and why and "metald boot-ca makes it" in why
+    pki.ensure_ca(tmp_path / "state")
+    cfg, why = pki.resolve_tls_auto(_cfg(tmp_path, listen))
+    assert cfg.boot.tls_auto is False and why and "not this metald's CA" in why
+    built_ca.write_bytes((tmp_path / "state" / pki.CA_CERT).read_bytes())
+    cfg, why = pki.resolve_tls_auto(_cfg(tmp_path, listen))
+    assert cfg.boot.tls_auto is True and why is None
+    assert cfg.boot.tls and http_base_url(cfg) == "https://10.0.0.1:1"
+    assert https_required(cfg, True)
+    # as set wins; no provisioning listener or an operator certificate: not applicable
+    assert (
+        pki.resolve_tls_auto(_cfg(tmp_path, listen + "tls_auto = false\n"))[0].boot.tls_auto
+        is False
+    )
+    assert pki.resolve_tls_auto(_cfg(tmp_path))[0].boot.tls_auto is False
+    assert pki.resolve_tls_auto(_cfg(tmp_path))[1] is None
+    assert (
+        pki.resolve_tls_auto(_cfg(tmp_path, listen + 'ipxe = "debian"\n'))[0].boot.tls_auto is False
+    )
+
+
+def test_metald_boot_ca_makes_the_ca_to_build_ipxe_with(tmp_path: Path) -> None:
+    """``metald boot-ca`` makes the CA a first start with tls_auto would, and prints its path
+    (the --ca of python -m bootassets ipxe); again, the same CA."""
+    from metald.__main__ import main
+
+    conf = tmp_path / "metald.toml"
+    conf.write_text(f'state_dir = "{tmp_path / "state"}"\n')
+    assert main(["boot-ca", "--config", str(conf)]) == 0
+    ca = tmp_path / "state" / pki.CA_CERT
+    first = ca.read_bytes()
+    assert _mode(tmp_path / "state" / pki.CA_KEY) == 0o600
+    assert main(["boot-ca", "--config", str(conf)]) == 0
+    assert ca.read_bytes() == first

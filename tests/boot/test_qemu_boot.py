@@ -234,8 +234,9 @@ def test_metalds_ipxe_fetches_its_script_over_https_pinned_to_its_ca(
     log = (tmp_path / "mitm" / "metald.log").read_text()
     assert "iPXE script for 52:54:00:79:00:08" not in log, log[-2000:]
     # iPXE refused the certificate: its signature does not verify against the CA built in
-    # (the man in the middle copied the CA's name, so iPXE finds that CA as the issuer)
+    # (the man in the middle copied the CA's name, so iPXE finds that CA as the issuer; with
+    # the RSA lab CA iPXE says "Result too large", with an EC one it said "Invalid argument")
     fetch = "https://10.79.0.1:8080/boot/52:54:00:79:00:08.ipxe... "
     mitm = (tmp_path / "mitm" / "serial.log").read_text(errors="replace")
-    assert f"{fetch}Invalid argument" in mitm and f"{fetch}ok" not in mitm, mitm[-2000:]
+    assert fetch in mitm and f"{fetch}ok" not in mitm, mitm[-2000:]
     print(f"UEFI firmware PXE -> iPXE script over pinned HTTPS: {took:.1f} s")

@@ -50,3 +50,18 @@ def test_prune_never_removes_the_current_build(tmp_path: Path) -> None:
     assert old.exists() and (tmp_path / "node-c").exists()
     assert not (tmp_path / "node-b").exists()
     assert (tmp_path / "node-current").resolve() == old
+
+
+def test_the_discovery_init_puts_every_tool_it_carries_on_the_path() -> None:
+    """curl (the agent's HTTPS to metald), ipmitool and qemu-img sit in /usr/bin of the
+    discovery image; /init's PATH must reach them, or the agent finds no curl and an https
+    metald.url stops it (seen in the lab capture run). Fails on the old init (PATH=/bin)."""
+    import re
+
+    from bootassets import build
+
+    init = (build.HERE / "initramfs" / "init").read_text()
+    (path,) = re.findall(r"^export PATH=(\S+)$", init, flags=re.M)
+    dirs = set(path.split(":"))
+    for tool in build.TOOLS:
+        assert "/" + tool.rsplit("/", 1)[0] in dirs, (tool, path)

@@ -315,3 +315,33 @@ async def test_a_step_cut_off_mid_way_resumes_from_its_journal(
     assert await dog.resume_once() == []  # done: journaled as finished
     if sent != "power:on":
         assert boot_token(store, mid), "the resumed step armed the boot"
+
+
+def test_a_timeout_says_when_the_boot_never_fetched_its_script(store: Store) -> None:
+    """A machine whose armed network boot was never fetched (its iPXE refused the certificate
+    of a server answering metald's address, say) times out with an event saying so, so the
+    boot stops with a sentence a technician can act on; one whose script was fetched does
+    not. Fails on the old code (the event said only "stuck")."""
+    from metald.provision.boots import arm_boot, take_armed_boot
+    from metald.provision.watchdog import UNFETCHED
+
+    unfetched, fetched = claimed(store, 2)
+    with store.session() as s:
+        for mid in (unfetched, fetched):
+            arm_boot(s, mid)
+        s.commit()
+        m = s.get(Machine, fetched)
+        assert m is not None and take_armed_boot(s, m)
+        s.commit()
+    _age(store, [unfetched, fetched], 601)
+    with store.session() as s:
+        assert sorted(sweep(s, timeouts(CFG), actor="metald:test")) == sorted([unfetched, fetched])
+        events = {
+            e.machine_id: e
+            for e in s.exec(select(Event).where(Event.kind == "watchdog.timeout")).all()
+        }
+    assert UNFETCHED in (events[unfetched].reason or "")
+    assert events[unfetched].data["script_fetched"] is False
+    assert UNFETCHED not in (events[fetched].reason or "")
+    assert events[fetched].data["script_fetched"] is True
+    assert UNFETCHED in (_get(store, unfetched).last_error or "")

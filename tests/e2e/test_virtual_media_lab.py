@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -153,5 +154,78 @@ def test_a_vm_without_pxe_enrolls_is_provisioned_and_wiped_through_virtual_media
             rack,
             timeout=60,
         )
+    finally:
+        rack.down()
+
+
+def test_a_uefi_vm_enrolls_through_virtual_media_with_metalds_ipxe(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Issue 28, item 3: the same path for a UEFI machine (OVMF). The per-boot ISO's EFI
+    boot image holds metald's own ipxe.efi and the boot's script; OVMF boots the CD, iPXE runs
+    that script from the CD (``file:/metald.ipxe``), takes dnsmasq's address and fetches the
+    boot's nonce script from metald. METALD_LAB_LONG=1: a UEFI TCG boot (~1-2 min) and the
+    first run on a machine builds metald's iPXE."""
+    if os.environ.get("METALD_LAB_LONG") != "1":
+        pytest.skip("a UEFI TCG boot and metald's iPXE build: METALD_LAB_LONG=1")
+    reason = lab_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    if shutil.which("dnsmasq") is None or shutil.which("mcopy") is None:
+        pytest.skip("needs dnsmasq (the network's own DHCP server) and mtools")
+    from bootassets.build import BuildError, ensure_built
+    from bootassets.ipxe import find_source
+    from vmlab.labipxe import assets_with_built_ipxe
+    from vmlab.rack import LabRack
+
+    try:
+        find_source()
+    except BuildError as e:
+        pytest.skip(str(e))
+    work = tmp_path_factory.mktemp("vmedia-uefi")
+    assets = assets_with_built_ipxe(ensure_built(), work / "assets")
+    rack = LabRack(
+        f"vu{os.getpid() % 10000}",
+        work,
+        machines=1,
+        uefi=1,
+        rng=True,
+        assets=assets,
+        boot_config='dhcp_mode = "off"\n',  # metald answers no DHCP, so no PXE either
+    )
+    try:
+        st, m = rack.state, rack.machines[0]
+        assert m["firmware"] == "uefi"
+        assert "virtual-media ISOs boot BIOS machines only" not in rack.log.read_text()
+        lo, hi = st["dhcp_range"]
+        rack.lab.spawn(
+            ["dnsmasq", "--keep-in-foreground", "--conf-file=/dev/null", "--port=0",
+             f"--interface={st['bridge']}", "--bind-interfaces", f"--dhcp-range={lo},{hi},10m",
+             f"--dhcp-leasefile={work / 'dnsmasq.leases'}", "--pid-file=", "--user=root",
+             "--log-dhcp", "--log-facility=-"],
+            role="dnsmasq",
+            log=work / "dnsmasq.log",
+        )  # fmt: skip
+        code, machine = rack.api(
+            "POST",
+            "/api/v1/machines",
+            {"macs": [m["mac"]], "labels": {"boot-via": "virtual-media"}},
+        )
+        assert code == 201, machine
+        mid = machine["id"]
+        rack.register_bmcs(["redfish"])
+        code, body = rack.api("POST", f"/api/v1/machines/{mid}/actions", {"action": "inspect"})
+        assert code == 200, body
+        t0 = time.monotonic()
+        code, body = rack.api("POST", f"/api/v1/machines/{mid}/boot", {"via": "virtual-media"})
+        assert code == 202, body
+        rack.wait_state([m["mac"]], "ready", TIMEOUT_S)
+        took = time.monotonic() - t0
+        sent = _commands(m)
+        assert any(c.startswith(f"insert {rack.url}/boot/n/{mid}/") for c in sent), sent
+        assert not any(c.startswith("boot pxe") for c in sent), sent
+        serial = Path(m["serial_log"]).read_text(errors="replace")
+        assert f"/boot/n/{mid}/" in serial, serial[-3000:]  # iPXE fetched the nonce script
+        print(f"\nUEFI virtual media (metald's ipxe.efi from the ISO): boot -> ready {took:.1f} s")
     finally:
         rack.down()

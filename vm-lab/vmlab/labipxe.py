@@ -2,7 +2,8 @@
 
 The build is cached by its inputs, the CA among them, so the lab's CA is made once per machine
 and kept in the boot-asset cache (``<cache>/lab-ca/``): every lab, test and benchmark then
-shares one build instead of paying 9-15 minutes each (2 busy cores).
+shares one build instead of paying 9-15 minutes each (2 busy cores). The CA is one metald's
+``[boot] tls_auto`` would make (RSA, ``metald.boot.pki``), so a tls_auto lab is seeded with it.
 """
 
 from __future__ import annotations
@@ -17,48 +18,38 @@ from bootassets.ipxe import ensure_ipxe_built, install
 
 
 def lab_ca(cache_dir: Path | str | None = None) -> Path:
-    """The lab's CA certificate (PEM), made once: ``<cache>/lab-ca/ca.pem`` (its key beside it,
-    0600). Labs only: a production metald's CA is its own."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
+    """The lab's CA certificate (PEM), made once: ``<cache>/lab-ca/boot-ca.pem`` (its key
+    ``boot-ca.key`` beside it, 0600). It is a CA as metald's ``[boot] tls_auto`` makes one
+    (``metald.boot.pki``, RSA), so a lab running metald with tls_auto starts from a copy of it
+    (``seed_state``) and the machines boot the one cached iPXE build. Labs only: a production
+    metald's CA is its own."""
+    from metald.boot import pki
 
     folder = Path(cache_dir or os.environ.get("BOOTASSETS_CACHE") or build.DEFAULT_CACHE)
     folder = folder / "lab-ca"
-    cert_path = folder / "ca.pem"
-    if cert_path.exists():
-        return cert_path
-    folder.mkdir(parents=True, exist_ok=True)
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "metald lab CA")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(days=1))
-        .not_valid_after(now + datetime.timedelta(days=3650))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    key_tmp = folder / f".ca.key-{os.getpid()}"
-    fd = os.open(key_tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(
-            key.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.PKCS8,
-                serialization.NoEncryption(),
-            )
-        )
-    key_tmp.replace(folder / "ca.key")
-    cert_tmp = folder / f".ca.pem-{os.getpid()}"
-    cert_tmp.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    cert_tmp.replace(cert_path)  # last: its presence means both are there
+    cert_path = folder / pki.CA_CERT
+    if not cert_path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        with build._locked(folder):  # two labs starting at once make one CA
+            pki.ensure_ca(folder)
     return cert_path
+
+
+def seed_state(state_dir: Path, cache_dir: Path | str | None = None) -> Path:
+    """Copy the lab's CA (certificate and key) into a metald state folder before its first
+    start, as an operator copies a fleet's CA into each instance's (docs/boot.md): metald's
+    ``[boot] tls_auto`` then issues its listener certificate from it, and the lab's iPXE build
+    trusts that listener."""
+    from metald.boot import pki
+
+    ca = lab_ca(cache_dir)
+    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    shutil.copyfile(ca, state_dir / pki.CA_CERT)
+    key = state_dir / pki.CA_KEY
+    fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write((ca.parent / pki.CA_KEY).read_bytes())
+    return state_dir
 
 
 def server_cert(
@@ -71,19 +62,23 @@ def server_cert(
 
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.asymmetric import ec, rsa
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    if foreign:
-        ca_key = ec.generate_private_key(ec.SECP256R1())
-        ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "metald lab CA")])
+    ca_pem = lab_ca(cache_dir)
+    ca_cert = x509.load_pem_x509_certificate(ca_pem.read_bytes())
+    if foreign:  # another key under the same name: a man in the middle copies the name
+        ca_key: rsa.RSAPrivateKey | ec.EllipticCurvePrivateKey
+        ca_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        ca_name = ca_cert.subject
     else:
-        ca_pem = lab_ca(cache_dir)
-        ca_cert = x509.load_pem_x509_certificate(ca_pem.read_bytes())
-        loaded = serialization.load_pem_private_key((ca_pem.parent / "ca.key").read_bytes(), None)
-        assert isinstance(loaded, ec.EllipticCurvePrivateKey)
+        loaded = serialization.load_pem_private_key(
+            (ca_pem.parent / "boot-ca.key").read_bytes(), None
+        )
+        assert isinstance(loaded, rsa.RSAPrivateKey | ec.EllipticCurvePrivateKey)
         ca_key, ca_name = loaded, ca_cert.subject
-    key = ec.generate_private_key(ec.SECP256R1())
+    # RSA, as metald's own listener certificate (metald.boot.pki): what every iPXE verifies
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()

@@ -143,9 +143,11 @@ class LabRack:
         nic_rom: bool = True,
         rng: bool = False,
         arm64: int = 0,
+        assets: Path | None = None,
     ) -> None:
         """``extra_config``: TOML appended to metald's config, or a function of the lab's state
-        (slot, bridge, subnet) returning it; ``boot_config``: lines added to its [boot] table.
+        (slot, bridge, subnet) returning it; ``boot_config``: lines added to its [boot] table;
+        ``assets``: the boot assets folder (default: the discovery image's build, cached).
         ``arm64``: the last this many UEFI machines are arm64 (``vmlab.lab.Lab``); metald's
         assets folder then also holds the arm64 image (under arm64/) and the lab's own iPXE
         build (Debian has no arm64 iPXE)."""
@@ -155,7 +157,7 @@ class LabRack:
 
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.assets = ensure_built()
+        self.assets = assets or ensure_built()
         if arm64:
             self.assets = arm64_assets(self.assets, self.workdir / "assets")
         self._boot_config = boot_config

@@ -1,6 +1,10 @@
 """Which boot file a client gets, from what it says about itself. Pure.
 
-- option 77 user class ``iPXE``: iPXE is already running; hand it its per-machine script URL.
+- option 77 user class ``iPXE``: iPXE is already running; hand it its per-machine script URL,
+  unless metald's own iPXE is installed for its architecture and this iPXE is another (a NIC's
+  ROM, Debian's: it says ``iPXE``, metald's says ``metald``): it then gets metald's binary by
+  TFTP, as a firmware PXE client does, and that one asks again for the script (a foreign iPXE
+  could not check metald's certificate).
 - option 60 ``HTTPClient`` (UEFI HTTP boot): an HTTP URL of the iPXE EFI binary.
 - option 93 architecture: 0 = BIOS (undionly.kpxe over TFTP), 6/7/9 = x86 UEFI, 11 = arm64 UEFI,
   16/19 = UEFI HTTP boot on x64/arm64 (RFC 4578 and the IANA processor architecture registry).
@@ -43,14 +47,18 @@ class ClientKind:
     pxe: bool
     #: UEFI HTTP boot (option 60 HTTPClient or arch 16/19): gets URLs, not TFTP paths.
     http: bool
-    #: iPXE is already running (user class iPXE): gets the script URL.
+    #: iPXE is already running (user class iPXE or metald): gets the script URL.
     ipxe: bool
+    #: It is metald's own iPXE (user class ``metald``, bootassets/ipxe.py).
+    metald_ipxe: bool = False
 
     @property
     def boots(self) -> bool:
         return self.pxe or self.http or self.ipxe
 
 
+#: The user class metald's own iPXE sends (bootassets/ipxe.py USER_CLASS).
+METALD_USER_CLASS = b"metald"
 #: What ``classify`` returns for a client that is not network-booting (the common case).
 PLAIN = ClientKind(arch=Arch.UNKNOWN, pxe=False, http=False, ipxe=False)
 _BOOT_OPTIONS = (60, 77, 93)
@@ -68,9 +76,11 @@ def classify(pkt: DhcpPacket) -> ClientKind:
         # Some ROMs send the architecture only inside the vendor class string.
         with contextlib.suppress(IndexError, ValueError):
             arch = _ARCH_CODES.get(int(vc.split(":")[2]), Arch.UNKNOWN)
-    ipxe = any(uc == b"iPXE" for uc in pkt.user_classes)
+    classes = pkt.user_classes
+    ours = METALD_USER_CLASS in classes
+    ipxe = ours or b"iPXE" in classes
     pxe = vc.startswith("PXEClient") or bool(archs)
-    return ClientKind(arch=arch, pxe=pxe, http=http, ipxe=ipxe)
+    return ClientKind(arch=arch, pxe=pxe, http=http, ipxe=ipxe, metald_ipxe=ours)
 
 
 @dataclass(frozen=True)
@@ -85,6 +95,9 @@ class BootFiles:
     uefi_arm64: str = "snponly-arm64.efi"
     #: Base URL of the HTTP API as machines reach it, e.g. http://10.0.0.1:8080
     http_base: str = ""
+    #: Architectures whose file above is metald's own iPXE: another iPXE of one of these is
+    #: chainloaded into it instead of getting the script URL.
+    chain: frozenset[Arch] = frozenset()
 
     def script_url(self, mac: str) -> str:
         return f"{self.http_base}/boot/{mac}.ipxe"
@@ -95,7 +108,7 @@ class BootFiles:
 
 def boot_file_for(kind: ClientKind, mac: str, files: BootFiles) -> str | None:
     """The value of ``file``/option 67 for this client, or None if it is not booting."""
-    if kind.ipxe:
+    if kind.ipxe and (kind.metald_ipxe or kind.arch not in files.chain or kind.http):
         return files.script_url(mac) if files.http_base else None
     name = {
         Arch.BIOS: files.bios,
