@@ -20,18 +20,19 @@ _str = sqlmodel.sql.sqltypes.AutoString
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("machines") as b:
-        b.add_column(sa.Column("nvlink_domain", _str(), nullable=True))
-        b.add_column(
-            sa.Column("nvlink_ready", sa.Boolean(), nullable=False, server_default=sa.false())
-        )
-        b.add_column(sa.Column("ib_leaf", _str(), nullable=True))
-        b.add_column(sa.Column("power_domain", _str(), nullable=True))
-        b.create_index("ix_machines_nvlink_domain", ["nvlink_domain"])
-        b.create_index("ix_machines_ib_leaf", ["ib_leaf"])
-        b.create_index("ix_machines_power_domain", ["power_domain"])
-    with op.batch_alter_table("claims") as b:
-        b.add_column(sa.Column("placement", sa.JSON(), nullable=True))
+    # Plain ADD COLUMN and CREATE INDEX (no batch copy of machines: on SQLite a copy drops a
+    # table other tables' foreign keys point at, which the enforced keys refuse).
+    op.add_column("machines", sa.Column("nvlink_domain", _str(), nullable=True))
+    op.add_column(
+        "machines",
+        sa.Column("nvlink_ready", sa.Boolean(), nullable=False, server_default=sa.text("false")),
+    )
+    op.add_column("machines", sa.Column("ib_leaf", _str(), nullable=True))
+    op.add_column("machines", sa.Column("power_domain", _str(), nullable=True))
+    op.create_index("ix_machines_nvlink_domain", "machines", ["nvlink_domain"])
+    op.create_index("ix_machines_ib_leaf", "machines", ["ib_leaf"])
+    op.create_index("ix_machines_power_domain", "machines", ["power_domain"])
+    op.add_column("claims", sa.Column("placement", sa.JSON(), nullable=True))
     op.create_table(
         "ib_links",
         sa.Column("port_guid", _str(), nullable=False),
