@@ -77,6 +77,21 @@ class ElasticPool:
         return self.node_names()[: self.min_nodes]
 
 
+def pool_of(row: Any) -> ElasticPool:
+    """The pool a stored row (``metald.store.models.ElasticPoolRow``) describes."""
+    return ElasticPool(
+        tenant_id=row.tenant_id,
+        name=row.name,
+        prefix=row.prefix,
+        min_nodes=row.min_nodes,
+        max_nodes=row.max_nodes,
+        image_id=row.image,
+        selector=dict(row.selector),
+        suspend_time_s=row.suspend_time_s,
+        resume_timeout_s=row.resume_timeout_s,
+    )
+
+
 # ---- hostlists ----------------------------------------------------------------------------
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")

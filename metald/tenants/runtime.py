@@ -33,7 +33,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -48,8 +48,8 @@ from metald.provision.metadata import hostname
 from metald.secrets import SecretBox
 from metald.service import TaskScope, cancel
 from metald.store import Store
-from metald.store.models import Machine, Tenant, WgHub, WgPeer, as_utc
-from metald.tenants import clusters, controlplane, ctlstate, mesh
+from metald.store.models import ElasticPoolRow, Machine, Tenant, WgHub, WgPeer, as_utc
+from metald.tenants import clusters, controlplane, ctlstate, elastic, elasticspool, mesh
 from metald.tenants.hubs import LocalHubs
 from netconfig import guard, links, netns
 from netconfig.uapi import PeerStatus
@@ -107,6 +107,8 @@ class HubSpec:
     peers: dict[str, tuple[str, str]] = field(default_factory=dict)
     #: public key -> where the hub last saw the node
     endpoints: dict[str, str] = field(default_factory=dict)
+    #: The tenant's elastic pools (CLOUD nodes in its slurm.conf).
+    pools: list[elastic.ElasticPool] = field(default_factory=list)
 
 
 def load_specs(session: Session, box: SecretBox) -> list[HubSpec]:
@@ -136,6 +138,14 @@ def load_specs(session: Session, box: SecretBox) -> list[HubSpec]:
                     for p in clusters.peers(session, tenant.id)
                     if p.last_endpoint
                 },
+                pools=[
+                    elastic.pool_of(r)
+                    for r in session.exec(
+                        select(ElasticPoolRow)
+                        .where(ElasticPoolRow.tenant_id == tenant.id)
+                        .order_by(col(ElasticPoolRow.name))
+                    )
+                ],
             )
         )
     return out
@@ -279,6 +289,7 @@ class RunningHub:
                     workdir=self.workdir / "slurm",
                     hub_address=s.address,
                     munge_key=s.munge_key,
+                    pools=list(s.pools),
                 )
                 self.control.start()
         except BaseException:
@@ -388,6 +399,11 @@ class TenantRuntime:
         #: The sync loop and the fencing take-down; stopped with the service.
         self.tasks = tasks if tasks is not None else TaskScope(self.name)
         self._fencing: asyncio.Task[None | None] | None = None
+        #: (tenant id, op, node names) -> names to set down with their reason: the elastic
+        #: pools' use case (set by the daemon; None: spool requests wait).
+        self.elastic_handler: Callable[[str, str, list[str]], Awaitable[dict[str, str]]] | None = (
+            None
+        )
 
     def owns(self, tenant_id: str) -> bool:
         return self.ownership is None or self.ownership.owns_hub(tenant_id)
@@ -488,7 +504,47 @@ class TenantRuntime:
             with self.store.session() as s:
                 return _peers(s, spec.tenant_id)
 
+        if hub.control is not None and hub.control.pools != spec.pools:
+            # A pool created, changed or deleted: slurm.conf rewritten, slurmctld restarted
+            # (its state is on disk: queued jobs survive).
+            hub.control.set_pools(spec.pools)
         return hub.reconcile(spec, current)
+
+    async def elastic_changed(self, tenant_id: str) -> None:
+        """A pool of the tenant changed: sync now (slurm.conf follows)."""
+        self.wake()
+
+    async def _drain_elastic(self) -> None:
+        """Act on what slurmctld's Resume/SuspendProgram left in each control plane's spool;
+        a request is removed once acted on (acting is idempotent, so a metald killed before
+        that repeats it without a second claim)."""
+        handler = self.elastic_handler
+        if handler is None:
+            return
+        for tid, hub in list(self.running.items()):
+            cp = hub.control
+            if cp is None:
+                continue
+            for path in cp.elastic_requests():
+                try:
+                    req = elasticspool.read(path)
+                except (OSError, elasticspool.RequestError) as e:
+                    log.error("tenant %s: elastic request %s dropped: %s",
+                              hub.spec.tenant_name, path.name, e)  # fmt: skip
+                    elasticspool.done(path)
+                    continue
+                try:
+                    down = await handler(tid, req.op, req.names)
+                except Exception:
+                    log.exception("tenant %s: elastic %s %s failed; retried next interval",
+                                  hub.spec.tenant_name, req.op, req.names)  # fmt: skip
+                    continue
+                by_reason: dict[str, list[str]] = {}
+                for n, why in down.items():
+                    by_reason.setdefault(why, []).append(n)
+                for why, names in by_reason.items():
+                    await asyncio.to_thread(cp.set_down, names, why)
+                elasticspool.done(path)
 
     async def _loop(self) -> None:
         while True:
@@ -497,6 +553,8 @@ class TenantRuntime:
             self._wake.clear()
             try:
                 await self.sync()
+                # Outside the sync's lock: a suspend's release syncs the hubs itself.
+                await self._drain_elastic()
             except Exception:
                 log.exception("tenant hub sync failed; trying again next interval")
 
