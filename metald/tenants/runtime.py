@@ -44,7 +44,6 @@ from sqlmodel import Session, col, select
 from metald.config import TenantsConfig
 from metald.errors import Unprocessable
 from metald.lifecycle import State
-from metald.provision.metadata import hostname
 from metald.secrets import SecretBox
 from metald.service import TaskScope, cancel
 from metald.store import Store
@@ -157,7 +156,7 @@ def _peers(session: Session, tenant_id: str) -> dict[str, tuple[str, str]]:
         .join(Machine, col(Machine.id) == col(WgPeer.machine_id))
         .where(WgPeer.tenant_id == tenant_id)
     ).all()
-    return {p.public_key: (p.address, hostname(m.id, m.name)) for p, m in rows}
+    return {p.public_key: (p.address, clusters.node_name(session, m)) for p, m in rows}
 
 
 def free_hub_address(session: Session, pool: ipaddress.IPv4Network) -> str:
@@ -195,7 +194,7 @@ def observe_tenant(
             mesh.bump(session, tenant_id)  # the other nodes dial it there from now on
         if not joining and not moved and (seen is None or seen == _aware(peer.last_handshake_at)):
             continue
-        name = hostname(m.id, m.name)
+        name = clusters.node_name(session, m)
         got = clusters.observe(
             session,
             m.id,
@@ -343,6 +342,8 @@ class RunningHub:
             if nodes is not None:
                 wanted = {name for _a, name in spec.peers.values()}
                 gone = set(nodes) - wanted
+                # An elastic pool's CLOUD nodes are slurm.conf's, not dynamic: never deleted.
+                gone = {n for n in gone if not any(p.owns(n) for p in spec.pools)}
                 if gone:
                     gone -= {name for _a, name in current().values()}
                 for name in gone:
