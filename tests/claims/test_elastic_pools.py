@@ -5,15 +5,26 @@ machine -> the node is named down with a reason and an event."""
 
 from __future__ import annotations
 
+import asyncio
+import secrets
+import shutil
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 from sqlmodel import col, select
 
 from api.app import CTX_KEY
 from api.workflows import elastic_handler
-from metald.store.models import Claim, Event
-from metald.tenants import elastic
+from metald.store.models import Claim, ElasticPoolRow, Event
+from metald.tenants import controlplane, elastic, slurm
+from metald.tenants.runtime import TenantRuntime
 from tests.api_helpers import drain_steps, use_services
 from tests.claims.fakes import FakeBmc
 from tests.claims.helpers import DISK_SPEC, add_ready
+from tests.tenants.nslab import wait_for
+from tests.tenants.test_elastic_lab import star
 
 
 def _elastic_claims(store, live: bool = True) -> dict[str, str]:  # type: ignore[no-untyped-def]
@@ -63,7 +74,13 @@ async def test_pool_crud_resume_suspend(api) -> None:  # type: ignore[no-untyped
     assert r.status == 409
 
     handle = elastic_handler(ctx)
-    assert await handle(tokens.tenant_a, "resume", ["e1", "e2"]) == {}
+    # Two instances act on the same request at once (one was killed -9 after claiming and a
+    # survivor retries, or both drained it): one claim per name.
+    first = await asyncio.gather(
+        handle(tokens.tenant_a, "resume", ["e1", "e2"]),
+        elastic_handler(ctx)(tokens.tenant_a, "resume", ["e2", "e1"]),
+    )
+    assert first == [{}, {}]
     assert _elastic_claims(store) == {"e1": "allocated", "e2": "allocated"}
     # slurmctld (or a restarted metald) asks again: nothing more is claimed.
     assert await handle(tokens.tenant_a, "resume", ["e1", "e2"]) == {}
@@ -100,3 +117,85 @@ async def test_pool_crud_resume_suspend(api) -> None:  # type: ignore[no-untyped
         ev = s.exec(select(Event).where(Event.kind == "elastic.no-machine")).all()
         assert len(ev) == 1 and "e3" in (ev[0].reason or "")
     await drain_steps(client)
+
+
+@pytest.mark.root
+@pytest.mark.lab
+@pytest.mark.skipif(
+    not all(shutil.which(x) for x in ("slurmctld", "sinfo", "munged")),
+    reason="needs slurmctld slurm-client munge",
+)
+async def test_real_slurmctld_resumes_into_claims_for_exactly_those_names(
+    api, db_url: str, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """A real slurmctld with the pool from the store: jobs for 2, 1 and 1 nodes make it run
+    ResumeProgram; the tenant runtime's drain hands the requests to the handler, which claims
+    exactly e1, e2, e3 and never a 4th (the last job stays pending). The SuspendProgram slurmctld
+    runs for idle nodes, run here by hand for e1 and e2 (no slurmd: they never get idle),
+    releases exactly those claims."""
+    if not db_url.startswith("sqlite"):
+        pytest.skip("the store side runs on both backends in test_pool_crud_resume_suspend")
+    client, tokens, store = api
+    ctx = client.server.app[CTX_KEY]
+    use_services(ctx, bmc=FakeBmc(power_state="off"))
+    r = await client.post(
+        "/api/v1/images",
+        json={"name": "node", "kind": "disk", **DISK_SPEC},
+        headers=tokens.header("admin"),
+    )
+    add_ready(store, 5, labels={"pool": "elastic"})
+    r = await client.post(
+        f"/api/v1/tenants/{tokens.tenant_a}/elastic-pools",
+        json={"name": "gpu", "prefix": "e", "max_nodes": 3, "image_id": (await r.json())["id"],
+              "selector": {"labels": {"pool": "elastic"}}},
+        headers=tokens.header("orchestrator"),
+    )  # fmt: skip
+    assert r.status == 201, await r.text()
+    with store.session() as s:
+        pools = [elastic.pool_of(p) for p in s.exec(select(ElasticPoolRow))]
+
+    runtime = TenantRuntime(store, ctx.secrets, ctx.cfg.tenants, str(tmp_path), "test")
+    runtime.elastic_handler = elastic_handler(ctx)
+    with star(1) as (hub, _nodes):
+        cp = controlplane.SlurmControlPlane(
+            tenant_id=tokens.tenant_a, tenant_name=f"el{secrets.token_hex(2)}", ns=hub,
+            workdir=tmp_path / "ctl", hub_address="10.97.1.1",
+            munge_key=slurm.generate_munge_key(), pools=pools,
+        )  # fmt: skip
+        runtime.running[tokens.tenant_a] = SimpleNamespace(  # type: ignore[assignment]
+            control=cp, spec=SimpleNamespace(tenant_name="acme")
+        )
+        try:
+            cp.start()
+            assert wait_for(lambda: set(cp.nodes() or {}) == {"e1", "e2", "e3"}, 15)
+
+            async def claims_become(want: set[str]) -> bool:
+                deadline = time.monotonic() + 20
+                while time.monotonic() < deadline:
+                    await runtime._drain_elastic()
+                    if set(_elastic_claims(store)) == want:
+                        return True
+                    await asyncio.sleep(0.2)
+                return False
+
+            jobs = [sbatch(cp, n) for n in ("-N2", "-N1", "-N1")]
+            assert await claims_become({"e1", "e2", "e3"}), _elastic_claims(store)
+            await runtime._drain_elastic()
+            assert set(_elastic_claims(store)) == {"e1", "e2", "e3"}
+            st = cp.run("squeue", "-h", "-j", jobs[2], "-o", "%T").stdout.strip()
+            assert st == "PENDING", st
+            assert cp.elastic_requests() == []
+
+            prog = str(tmp_path / "ctl" / "elastic" / "suspend.sh")
+            assert cp.run(prog, "e[1-2]").returncode == 0
+            assert await claims_become({"e3"}), _elastic_claims(store)
+            assert _elastic_claims(store, live=False) == {"e1": "released", "e2": "released"}
+        finally:
+            cp.stop()
+            await drain_steps(client)
+
+
+def sbatch(cp: controlplane.SlurmControlPlane, nodes: str) -> str:
+    r = cp.run("sbatch", "-p", "elastic_gpu", "--parsable", nodes, "--wrap", "true")
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
