@@ -13,7 +13,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, Field, StringConstraints
 
 from api import workflows
-from api.roles import CLAIMERS, READERS
+from api.roles import ADMIN, CLAIMERS, READERS
 from api.routes_claims import SelectorIn
 from api.routing import ApiRequest, Router
 from api.schemas import ImageRef, In, Name
@@ -142,3 +142,54 @@ async def delete_pool(req: ApiRequest, pools: ElasticPools) -> None:
     await pools.delete(
         req.require_principal(), req.params["id"], req.params["pool_id"], actor=req.actor
     )
+
+
+class QuotaIn(In):
+    max_machines: int | None = Field(
+        default=None,
+        ge=0,
+        le=100000,
+        description="Machines the tenant holds at once; null: "
+        "no cap. Counted over all its machines; enforced when its pools resume nodes.",
+    )
+    per_sku: dict[Name, int] = Field(
+        default={},
+        max_length=64,
+        description="GPU model -> machines of that model at once; applies to pools whose "
+        "selector names that exact gpu_model.",
+    )
+
+
+class QuotaOut(BaseModel):
+    tenant_id: str
+    max_machines: int | None
+    per_sku: dict[str, int]
+    updated_by: str | None = None
+    updated_at: datetime | None = None
+
+
+QUOTA = "/api/v1/tenants/{id}/elastic-quota"
+
+
+@router.route(
+    "GET", QUOTA, summary="Show a tenant's elastic quota", roles=READERS, response=QuotaOut,
+    tag=TAG, errors=(404,), use_case=workflows.elastic,
+)  # fmt: skip
+async def show_quota(req: ApiRequest, pools: ElasticPools) -> QuotaOut:
+    """What the tenant's pools may hold at once (null and {}: no cap but the pools' max)."""
+    return QuotaOut.model_validate(await pools.quota(req.require_principal(), req.params["id"]))
+
+
+@router.route(
+    "PUT", QUOTA, summary="Set a tenant's elastic quota", roles=ADMIN, body=QuotaIn,
+    response=QuotaOut, tag=TAG, errors=(404, 422), use_case=workflows.elastic,
+)  # fmt: skip
+async def set_quota(req: ApiRequest, pools: ElasticPools) -> QuotaOut:
+    """Admins cap the tenant's machines at once, overall and per GPU model; nodes its pools
+    resume beyond the cap are set down with ``elastic: the tenant's quota is used up``."""
+    b: QuotaIn = req.body
+    out = await pools.set_quota(
+        req.require_principal(), req.params["id"], b.max_machines, dict(b.per_sku),
+        actor=req.actor,
+    )  # fmt: skip
+    return QuotaOut.model_validate(out)

@@ -148,7 +148,7 @@ PREFIX_MODULES = {
 SUBSYSTEM_PATHS = {
     "routes_commissioning": ("/api/v1/machines/{id}/commission", "/api/v1/agent/commissioning"),
     "routes_firmware": ("/api/v1/machines/{id}/firmware/",),
-    "routes_elastic": ("/api/v1/tenants/{id}/elastic-pools",),
+    "routes_elastic": ("/api/v1/tenants/{id}/elastic-",),
 }
 
 

@@ -247,6 +247,19 @@ class ElasticPoolRow(SQLModel, table=True):
     )
 
 
+class ElasticQuota(SQLModel, table=True):
+    """An admin's cap on what a tenant's elastic pools may hold at once (docs/elastic.md):
+    machines in all (null: no cap) and per GPU model (``{"NVIDIA H100 80GB HBM3": 8}``)."""
+
+    __tablename__ = "elastic_quotas"
+
+    tenant_id: str = Field(foreign_key="tenants.id", primary_key=True)
+    max_machines: int | None = None
+    per_sku: dict[str, int] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    updated_by: str | None = None
+    updated_at: datetime = _ts()
+
+
 class Image(SQLModel, table=True):
     """What a claim installs: ``stateless`` (kernel + initrd/rootfs in RAM) or ``disk`` (a raw
     or qcow2 image streamed to disk by the agent). ``spec`` is validated by metald.provision."""

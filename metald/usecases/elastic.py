@@ -12,14 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlmodel import Session, col, select
+from sqlmodel import Session, col, func, select
 
 from metald.auth import Principal
 from metald.claims.allocation import Selector
 from metald.claims.workflow import ClaimRequest, ClaimWorkflow
 from metald.errors import Conflict, NotFound, Unprocessable
 from metald.machines import ConcurrentUpdate, add_event
-from metald.store.models import Claim, ElasticPoolRow, Tenant, utcnow
+from metald.store.models import Claim, ElasticPoolRow, ElasticQuota, Machine, Tenant, utcnow
 from metald.tenants import elastic
 from metald.usecases import Transactions
 
@@ -200,6 +200,43 @@ class ElasticPools:
         await self.store.run(run)
         await self._changed(tenant_id)
 
+    async def quota(self, p: Principal, tenant_id: str) -> dict[str, Any]:
+        def run(s: Session) -> dict[str, Any]:
+            self._tenant(s, p, tenant_id)
+            return quota_view(s.get(ElasticQuota, tenant_id), tenant_id)
+
+        return await self.store.read(run)
+
+    async def set_quota(
+        self,
+        p: Principal,
+        tenant_id: str,
+        max_machines: int | None,
+        per_sku: dict[str, int],
+        *,
+        actor: str,
+    ) -> dict[str, Any]:
+        """An admin caps what the tenant's pools may hold at once (the route allows admins
+        only: a tenant does not set its own cap)."""
+
+        def run(s: Session) -> dict[str, Any]:
+            self._tenant(s, p, tenant_id)
+            q = s.get(ElasticQuota, tenant_id) or ElasticQuota(tenant_id=tenant_id)
+            q.max_machines, q.per_sku = max_machines, dict(per_sku)
+            q.updated_by, q.updated_at = actor, utcnow()
+            s.add(q)
+            add_event(
+                s, "elastic.quota", actor, tenant_id=tenant_id,
+                reason=f"elastic quota: {max_machines if max_machines is not None else 'no'} "
+                f"machines at once, per GPU model {per_sku or 'none'}",
+                data={"max_machines": max_machines, "per_sku": per_sku},
+                instance=self.workflow.instance,
+            )  # fmt: skip
+            s.commit()
+            return quota_view(q, tenant_id)
+
+        return await self.store.run(run)
+
     async def _changed(self, tenant_id: str) -> None:
         if self.changed is not None:
             await self.changed(tenant_id)
@@ -230,10 +267,18 @@ class ElasticPools:
                     if old is not None and old.state not in LIVE:
                         old.idempotency_key = f"{key(row.id, n)}:was:{old.id}"
                         s.add(old)
-                held = elastic.Holdings(pool_claimed=frozenset(claimed))
-                d = elastic.decide_resume(
-                    pool, mine, held, elastic.Quota(), sku=None, free_machines=len(mine)
+                q = s.get(ElasticQuota, tenant_id)
+                quota = elastic.Quota(
+                    max_machines=q.max_machines if q else None,
+                    per_sku=dict(q.per_sku) if q else {},
                 )
+                sku = exact_sku(row.selector)
+                held = elastic.Holdings(
+                    pool_claimed=frozenset(claimed),
+                    tenant_machines=_count(s, tenant_id, None),
+                    tenant_by_sku={sku: _count(s, tenant_id, sku)} if sku else {},
+                )
+                d = elastic.decide_resume(pool, mine, held, quota, sku=sku, free_machines=len(mine))
                 out.append((row, d))
             s.commit()
             if left:
@@ -296,6 +341,28 @@ class ElasticPools:
             )
             released.append(name)
         return released
+
+
+def exact_sku(selector: dict[str, Any]) -> str | None:
+    """The GPU model a pool's machines all have (a per-SKU quota applies), or None (no
+    model, or a glob)."""
+    g = selector.get("gpu_model")
+    return g if isinstance(g, str) and not any(c in g for c in "*?[") else None
+
+
+def _count(s: Session, tenant_id: str, sku: str | None) -> int:
+    """The tenant's machines now (of one GPU model)."""
+    stmt = select(func.count()).select_from(Machine).where(Machine.tenant_id == tenant_id)
+    if sku is not None:
+        stmt = stmt.where(Machine.gpu_model == sku)
+    return int(s.exec(stmt).one())
+
+
+def quota_view(q: ElasticQuota | None, tenant_id: str) -> dict[str, Any]:
+    if q is None:
+        return {"tenant_id": tenant_id, "max_machines": None, "per_sku": {}}
+    return q.model_dump(include={"tenant_id", "max_machines", "per_sku", "updated_by",
+                                 "updated_at"})  # fmt: skip
 
 
 def _no_machine(s: Session, tenant_id: str, node: str, e: Exception, actor: str) -> None:

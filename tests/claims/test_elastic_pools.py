@@ -119,6 +119,39 @@ async def test_pool_crud_resume_suspend(api) -> None:  # type: ignore[no-untyped
     await drain_steps(client)
 
 
+async def test_admin_quota_caps_resumes(api) -> None:  # type: ignore[no-untyped-def]
+    """An admin caps the tenant at 2 machines at once (it holds 1 already): of e1, e2 only e1
+    gets one, e2 is set down with the quota's reason. A tenant's orchestrator cannot lift its
+    own cap."""
+    client, tokens, store = api
+    ctx = client.server.app[CTX_KEY]
+    use_services(ctx, bmc=FakeBmc(power_state="off"))
+    r = await client.post(
+        "/api/v1/images",
+        json={"name": "node", "kind": "disk", **DISK_SPEC},
+        headers=tokens.header("admin"),
+    )
+    add_ready(store, 3, labels={"pool": "elastic"})
+    r = await client.post(
+        f"/api/v1/tenants/{tokens.tenant_a}/elastic-pools",
+        json={"name": "gpu", "prefix": "e", "max_nodes": 3, "image_id": (await r.json())["id"],
+              "selector": {"labels": {"pool": "elastic"}}},
+        headers=tokens.header("orchestrator"),
+    )  # fmt: skip
+    assert r.status == 201, await r.text()
+    quota = f"/api/v1/tenants/{tokens.tenant_a}/elastic-quota"
+    r = await client.put(quota, json={"max_machines": 9}, headers=tokens.header("orchestrator"))
+    assert r.status == 403
+    r = await client.put(quota, json={"max_machines": 2}, headers=tokens.header("admin"))
+    assert r.status == 200, await r.text()
+    r = await client.get(quota, headers=tokens.header("orchestrator"))
+    assert (await r.json())["max_machines"] == 2
+    down = await elastic_handler(ctx)(tokens.tenant_a, "resume", ["e1", "e2"])
+    assert down == {"e2": elastic.REASON_QUOTA}
+    assert set(_elastic_claims(store)) == {"e1"}
+    await drain_steps(client)
+
+
 @pytest.mark.root
 @pytest.mark.lab
 @pytest.mark.skipif(

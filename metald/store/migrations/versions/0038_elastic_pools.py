@@ -1,4 +1,4 @@
-"""elastic_pools
+"""elastic_pools, elastic_quotas
 
 A tenant's elastic pool: Slurm CLOUD nodes resumed into claims and suspended into releases
 (docs/elastic.md).
@@ -6,7 +6,7 @@ A tenant's elastic pool: Slurm CLOUD nodes resumed into claims and suspended int
 Revision ID: 0038
 Revises: 0031
 
-Expand-only: a new table.
+Expand-only: two new tables.
 """
 
 import sqlalchemy as sa
@@ -42,8 +42,19 @@ def upgrade() -> None:
         sa.UniqueConstraint("tenant_id", "prefix", name="uq_elastic_pools_tenant_prefix"),
     )
     op.create_index("ix_elastic_pools_tenant_id", "elastic_pools", ["tenant_id"])
+    op.create_table(
+        "elastic_quotas",
+        sa.Column("tenant_id", sqlmodel.sql.sqltypes.AutoString(), nullable=False),
+        sa.Column("max_machines", sa.Integer(), nullable=True),
+        sa.Column("per_sku", sa.JSON(), nullable=False),
+        sa.Column("updated_by", sqlmodel.sql.sqltypes.AutoString(), nullable=True),
+        sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
+        sa.ForeignKeyConstraint(["tenant_id"], ["tenants.id"]),
+        sa.PrimaryKeyConstraint("tenant_id"),
+    )
 
 
 def downgrade() -> None:
+    op.drop_table("elastic_quotas")
     op.drop_index("ix_elastic_pools_tenant_id", table_name="elastic_pools")
     op.drop_table("elastic_pools")
