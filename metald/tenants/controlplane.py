@@ -167,6 +167,15 @@ class SlurmControlPlane:
     def elastic_requests(self) -> list[Path]:
         return elasticspool.pending(self.workdir)
 
+    def keep_min(self) -> list[str]:
+        """Power up the pools' first ``min`` nodes that are powered down (``idle~``): slurmctld
+        runs ResumeProgram for them like for a job. The names asked for."""
+        nodes = self.nodes() or {}
+        want = [n for p in self.pools for n in p.kept() if nodes.get(n, "").rstrip("*") == "idle~"]
+        if want:
+            self.run("scontrol", "update", f"nodename={','.join(want)}", "state=power_up")
+        return want
+
     def set_down(self, names: list[str], reason: str) -> bool:
         """Mark pool nodes down with a reason (``sinfo -R`` shows it); the job stays queued."""
         if not names:

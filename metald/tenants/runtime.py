@@ -526,6 +526,8 @@ class TenantRuntime:
             cp = hub.control
             if cp is None:
                 continue
+            if any(p.min_nodes for p in cp.pools):
+                await asyncio.to_thread(cp.keep_min)
             for path in cp.elastic_requests():
                 try:
                     req = elasticspool.read(path)

@@ -191,3 +191,25 @@ def test_resumed_nodes_join_under_pool_names_run_the_job_and_are_suspended(
         finally:
             for p in procs:
                 controlplane.stop_process(p)
+
+
+def test_min_nodes_are_powered_up_without_a_job(tmp_path: Path) -> None:
+    """min 1: keep_min asks slurmctld to power up e1; ResumeProgram names e1 with no job."""
+    import dataclasses
+
+    pool = dataclasses.replace(POOL, min_nodes=1)
+    with star(1) as (hub, _nodes):
+        cp = controlplane.SlurmControlPlane(
+            tenant_id="t1", tenant_name=f"el{secrets.token_hex(2)}", ns=hub,
+            workdir=tmp_path / "ctl", hub_address="10.97.1.1",
+            munge_key=slurm.generate_munge_key(), pools=[pool],
+        )  # fmt: skip
+        try:
+            cp.start()
+            assert wait_for(lambda: set(cp.nodes() or {}) == {"e1", "e2", "e3"}, 15)
+            assert "SuspendExcNodes=e1" in cp.conf.read_text()
+            assert cp.keep_min() == ["e1"]
+            assert wait_requests(cp, "resume", 15) == ["e1"]
+            assert cp.keep_min() == []  # powering up: not asked twice
+        finally:
+            cp.stop()
