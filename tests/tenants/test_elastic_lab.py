@@ -213,3 +213,25 @@ def test_min_nodes_are_powered_up_without_a_job(tmp_path: Path) -> None:
             assert cp.keep_min() == []  # powering up: not asked twice
         finally:
             cp.stop()
+
+
+def test_pools_changed_restart_slurmctld_with_the_new_nodes(tmp_path: Path) -> None:
+    """A control plane without pools gets one (the API created it): slurm.conf rewritten,
+    slurmctld restarted, e[1-3] appear; removed again, they go."""
+    with star(1) as (hub, _nodes):
+        cp = controlplane.SlurmControlPlane(
+            tenant_id="t1", tenant_name=f"el{secrets.token_hex(2)}", ns=hub,
+            workdir=tmp_path / "ctl", hub_address="10.97.1.1",
+            munge_key=slurm.generate_munge_key(),
+        )  # fmt: skip
+        try:
+            cp.start()
+            assert wait_for(lambda: cp.nodes() == {}, 15)
+            assert "State=CLOUD" not in cp.conf.read_text()
+            assert cp.set_pools([POOL])
+            assert wait_for(lambda: set(cp.nodes() or {}) == {"e1", "e2", "e3"}, 15)
+            assert not cp.set_pools([POOL])  # unchanged: no restart
+            assert cp.set_pools([])
+            assert wait_for(lambda: cp.nodes() == {}, 15), cp.nodes()
+        finally:
+            cp.stop()
