@@ -10,6 +10,7 @@ from aiohttp import web
 
 from api import (
     routes_agent,
+    routes_attestation,
     routes_bmc,
     routes_claims,
     routes_commissioning,
@@ -27,6 +28,7 @@ from api import (
     routes_system,
     routes_tenants,
     routes_tokens,
+    routes_topology,
     ui,
 )
 from api.context import AppContext
@@ -67,6 +69,7 @@ ROUTERS: list[Router] = [
     routes_console.router,
     routes_agent.router,
     routes_commissioning.router,
+    routes_attestation.router,
     routes_firmware.router,
     routes_claims.router,
     routes_elastic.router,
@@ -74,6 +77,7 @@ ROUTERS: list[Router] = [
     routes_tenants.router,
     routes_join.router,
     routes_mesh.router,
+    routes_topology.router,
     routes_repairs.router,
     routes_health.router,
 ]

@@ -8,6 +8,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from metald.config import Config
 from metald.events import EventBus
+from metald.health.config import IntakeConfig
+from metald.healthwatch import intake
+from metald.healthwatch.intake import Intake
 from metald.limits import Limiter
 from metald.provision.commissioning import SelReads
 from metald.provision.netboot import Provisioner
@@ -123,6 +126,7 @@ class AppContext:
     machines_ca: str = ""
     #: Caps on held mesh long-polls (``[api] mesh_polls_*``; ``metald.limits``).
     mesh_polls: Limiter = field(init=False)
+    _intakes: dict[str, tuple[IntakeConfig, Intake]] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self.mesh_polls = Limiter(
@@ -132,6 +136,18 @@ class AppContext:
             retry_after_s=5,
             advice="poll again after Retry-After",
         )
+
+    def intake(self, route: str) -> Intake:
+        """The token buckets in front of a route machines push to on their own
+        (``bmc-events`` or ``health-reports``; ``metald.healthwatch.intake``), built anew when
+        ``[health.intake]`` is another object (a configuration replaced)."""
+        cfg = self.cfg.health.intake
+        got = self._intakes.get(route)
+        if got is None or got[0] is not cfg:
+            make = intake.for_events if route == "bmc-events" else intake.for_reports
+            got = (cfg, make(cfg))
+            self._intakes[route] = got
+        return got[1]
 
     @property
     def instance(self) -> str:

@@ -78,12 +78,16 @@ class ProvisionInstruction(BaseModel):
     action: Literal["provision", "wipe", "join", "none"]
     machine_id: str
     image: dict[str, Any] | None = None
-    #: cloud-init NoCloud files: meta-data, user-data, network-config.
+    #: cloud-init NoCloud files: meta-data, user-data, network-config, and vendor-data when
+    #: the claim brought its own user-data (metald's cloud-config then goes there).
     nocloud: dict[str, str] | None = None
     #: For a machine of a tenant with a hub: where and with what one-time token the node joins
     #: (``url``, ``token``, ``expires_at``, and ``ca``, the ``sha256:<hex>`` of the CA to pin,
-    #: when ``url`` is https; also in user-data as /etc/metald/join.json).
+    #: when ``url`` is https; also in user-data (or vendor-data) as /etc/metald/join.json).
     join: dict[str, str] | None = None
+    #: The claim's storage layout on this machine: ``root`` (the image's disk, or the two of a
+    #: RAID1 root), ``root_raid``, ``volumes`` (docs/tenant-os.md).
+    storage: dict[str, Any] | None = None
 
 
 @router.route(

@@ -28,6 +28,7 @@ from api.schemas import (
     TenantRef,
     Text,
 )
+from metald.claims.tenant_os import OsRequest
 from metald.usecases.claims import Claims
 
 router = Router()
@@ -46,6 +47,11 @@ SshKey = Annotated[
 
 
 class SelectorIn(In):
+    attested: bool = Field(
+        default=False,
+        description="Only machines whose current boot passed measured-boot attestation "
+        "(docs/attestation.md).",
+    )
     gpu_model: Text | None = Field(
         default=None, description="Exact GPU model, or a glob such as 'NVIDIA H100*'."
     )
@@ -71,6 +77,139 @@ class SelectorIn(In):
     )
 
 
+NicSelector = Annotated[
+    dict[Literal["name", "mac", "pci", "role"], Annotated[str, StringConstraints(max_length=64)]],
+    Field(min_length=1, max_length=1),
+]
+NetName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]
+IfName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z][a-zA-Z0-9_.-]{0,14}$")]
+
+
+class RouteIn(In):
+    to: Annotated[str, StringConstraints(max_length=64)]
+    via: Annotated[str, StringConstraints(max_length=64)]
+    metric: int | None = Field(default=None, ge=0, le=65535)
+
+
+class _Addressing(In):
+    network: NetName | None = Field(
+        default=None, description="A pool in [provision.networks]: one static address from it."
+    )
+    dhcp4: bool = False
+    default_route: bool = Field(
+        default=False, description="Route everything via the network's gateway."
+    )
+    mtu: int | None = Field(default=None, ge=576, le=65535)
+    routes: list[RouteIn] = Field(default=[], max_length=32)
+
+
+class EthernetIn(_Addressing):
+    nic: NicSelector
+
+
+class BondIn(_Addressing):
+    name: IfName
+    mode: Literal["802.3ad", "active-backup"] = "802.3ad"
+    nics: list[NicSelector] = Field(min_length=2, max_length=8)
+
+
+class VlanIn(_Addressing):
+    link: IfName = Field(description="A bond's name or a NIC's name.")
+    id: int | None = Field(default=None, ge=1, le=4094, description="Default: the network's.")
+    name: IfName | None = None
+
+
+class RailsIn(In):
+    networks: list[NetName] = Field(min_length=1, max_length=32, description="One pool per rail.")
+    nics: list[NicSelector] = Field(
+        default=[], max_length=32, description="Default: every non-PXE NIC in PCI order."
+    )
+    mtu: int | None = Field(default=None, ge=576, le=65535)
+
+
+class DnsIn(In):
+    nameservers: list[Annotated[str, StringConstraints(max_length=64)]] = Field(
+        default=[], max_length=8
+    )
+    search: list[Annotated[str, StringConstraints(max_length=253)]] = Field(
+        default=[], max_length=8
+    )
+
+
+class NetworkIn(In):
+    """The deployed OS's network (docs/tenant-os.md); rendered as netplan v2 per machine."""
+
+    ethernets: list[EthernetIn] = Field(default=[], max_length=64)
+    bonds: list[BondIn] = Field(default=[], max_length=16)
+    vlans: list[VlanIn] = Field(default=[], max_length=64)
+    rails: RailsIn | None = None
+    dns: DnsIn | None = None
+    pxe_dhcp: bool = Field(
+        default=True,
+        description="DHCP on the PXE NIC when nothing else uses it; false: static only.",
+    )
+
+
+DiskHints = Annotated[
+    dict[
+        Literal["size", "model", "vendor", "serial", "wwn", "name", "by_path", "rotational"],
+        str | int | bool,
+    ],
+    Field(max_length=8),
+]
+
+
+class RootIn(In):
+    hints: DiskHints = {}
+    raid: Literal[1] | None = None
+    disks: list[DiskHints] = Field(default=[], max_length=2)
+
+
+class LvIn(In):
+    name: NetName
+    size_gib: int = Field(ge=1, le=1 << 20)
+
+
+class LvmIn(In):
+    vg: NetName
+    lvs: list[LvIn] = Field(default=[], max_length=16)
+
+
+class VolumeIn(In):
+    name: NetName
+    raid: Literal[0, 1] | None = None
+    disks: list[DiskHints] | Literal["rest"] = Field(default=[])
+    fs: Literal["ext4", "xfs"] = "ext4"
+    mount: Annotated[str, StringConstraints(pattern=r"^/[A-Za-z0-9_./-]{0,200}$")] | None = None
+    lvm: LvmIn | None = None
+
+
+class StorageIn(In):
+    """Root device hints and scratch volumes (docs/tenant-os.md), checked per machine."""
+
+    root: RootIn = RootIn()
+    volumes: list[VolumeIn] = Field(default=[], max_length=16)
+
+
+class PlacementIn(In):
+    """Where the machines go in the fabric (docs/claims.md, Placement): exactly one of pack
+    or spread."""
+
+    pack: Literal["nvlink-domain", "rack", "ib-leaf"] | None = Field(
+        default=None,
+        description="Every group of machines inside one NVLink domain, rack or InfiniBand leaf.",
+    )
+    group_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=1024,
+        description="Machines per group (count must be a multiple); default: one group of count.",
+    )
+    spread: Literal["power-domain"] | None = Field(
+        default=None, description="Spread the machines evenly over power domains."
+    )
+
+
 class ClaimCreate(In):
     tenant_id: TenantRef = Field(description="The tenant's id, name or an 8+ character id prefix.")
     count: int = Field(ge=1, le=1024)
@@ -82,6 +221,17 @@ class ClaimCreate(In):
     idempotency_key: Annotated[str, StringConstraints(min_length=1, max_length=200)] | None = Field(
         default=None, description="A retried request with the same key gets the same claim."
     )
+    user_data: Annotated[str, StringConstraints(max_length=16 << 20)] | None = Field(
+        default=None,
+        description="cloud-init user-data (cloud-config, script, boothook, include, jinja or "
+        "MIME multipart), served as is; checked against cloud-init's schema; never shown again.",
+    )
+    meta_data: dict[Name, Text] = Field(
+        default={}, max_length=32, description="Extra NoCloud meta-data keys."
+    )
+    network: NetworkIn | None = None
+    storage: StorageIn | None = None
+    placement: PlacementIn | None = None
 
 
 class ProgressOut(BaseModel):
@@ -100,6 +250,10 @@ class ClaimMachineOut(BaseModel):
     state: str
     gpu_model: str | None
     gpu_count: int
+    rack: str | None = None
+    nvlink_domain: str | None = None
+    ib_leaf: str | None = None
+    power_domain: str | None = None
     last_error: str | None
     progress: ProgressOut | None = None
 
@@ -109,6 +263,7 @@ class ClaimOut(BaseModel):
     tenant_id: str
     count: int
     selector: dict[str, Any]
+    placement: dict[str, Any] | None = None
     image_id: str | None
     ssh_authorized_keys: list[str] = []
     state: str
@@ -122,6 +277,12 @@ class ClaimOut(BaseModel):
     created_by: str | None
     created_at: datetime
     updated_at: datetime
+    network: dict[str, Any] | None = None
+    storage: dict[str, Any] | None = None
+    #: The user-data's form, size and sha256 (never its content).
+    user_data: dict[str, Any] | None = None
+    #: Static addresses metald handed out, by machine id.
+    addresses: dict[str, list[dict[str, str]]] = {}
     #: True when an idempotency key matched an earlier claim (nothing new was allocated).
     replayed: bool = False
     machines: list[ClaimMachineOut] = []
@@ -166,7 +327,8 @@ async def create_claim(req: ApiRequest, claims: Claims) -> ClaimOut:
     """Allocate ``count`` machines matching the selector to the tenant, all or none, and start
     installing the image on them. A repeated ``idempotency_key`` returns the first claim
     (``replayed``); the same key with a different request is 409. Too few machines: 422 with
-    ``matched`` (machines matching the selector) and ``available`` (of those, ready and free)."""
+    ``matched`` (machines matching the selector) and ``available`` (of those, ready and free);
+    a ``placement`` that does not fit: 422 with ``free_per_domain``."""
     b: ClaimCreate = req.body
     out = await claims.claim(
         req.require_principal(),
@@ -177,6 +339,13 @@ async def create_claim(req: ApiRequest, claims: Claims) -> ClaimOut:
         image_id=b.image_id,
         idempotency_key=b.idempotency_key or req.raw.headers.get("Idempotency-Key") or None,
         ssh_authorized_keys=b.ssh_authorized_keys,
+        os=OsRequest(
+            user_data=b.user_data,
+            meta_data=b.meta_data,
+            network=b.network.model_dump(exclude_defaults=True) if b.network else None,
+            storage=b.storage.model_dump(exclude_defaults=True) if b.storage else None,
+        ),
+        placement=b.placement.model_dump(exclude_none=True) if b.placement else None,
     )
     return ClaimOut.model_validate(out)
 
@@ -240,6 +409,84 @@ async def firmware_consent(req: ApiRequest, claims: Claims) -> ClaimOut:
         if_match=req.if_match,
     )
     return ClaimOut.model_validate(out)
+
+
+class MachineUserData(In):
+    user_data: Annotated[str, StringConstraints(max_length=16 << 20)] | None = Field(
+        default=None, description="This machine's own user-data; null: the claim's."
+    )
+    meta_data: dict[Name, Text] = Field(default={}, max_length=32)
+
+
+@router.route(
+    "PUT",
+    "/api/v1/claims/{id}/machines/{machine_id}/user-data",
+    summary="Set one machine's user-data",
+    roles=CLAIMERS,
+    body=MachineUserData,
+    response=ClaimOut,
+    tag=TAG,
+    errors=(404, 422),
+    use_case=workflows.claims,
+)
+async def set_machine_user_data(req: ApiRequest, claims: Claims) -> ClaimOut:
+    """Give one machine of the claim its own cloud-init user-data and meta-data instead of the
+    claim's (checked the same way); served at the machine's next provisioning. Write-only:
+    the claim shows its form, size and digest, never the content."""
+    b: MachineUserData = req.body
+    out = await claims.set_machine_user_data(
+        req.require_principal(),
+        req.params["id"],
+        req.params["machine_id"],
+        actor=req.actor,
+        user_data=b.user_data,
+        meta_data=b.meta_data,
+    )
+    return ClaimOut.model_validate(out)
+
+
+class TopologyNodeOut(BaseModel):
+    name: str = Field(description="The node's name in the tenant's cluster.")
+    nvlink_domain: str | None
+    ib_leaf: str | None
+    address: str | None = Field(description="Its address on the tenant's mesh, once joined.")
+    features: list[str] = Field(description="Node features naming where it sits.")
+
+
+class ImexConfigOut(BaseModel):
+    nvlink_domain: str
+    nodes_config: str = Field(description="IMEX nodes_config.cfg: one node address a line.")
+
+
+class ClaimTopologyOut(BaseModel):
+    claim_id: str
+    placement: dict[str, Any] | None
+    nodes: list[TopologyNodeOut]
+    slurm_topology_tree: str = Field(description="topology.conf for topology/tree (Slurm 22.05).")
+    slurm_topology_block: str = Field(
+        description="topology.conf for topology/block (Slurm 23.11 and later)."
+    )
+    imex_nodes_config: list[ImexConfigOut]
+    unaddressed: list[str] = Field(
+        description="Nodes in an NVLink domain that have not joined yet: not in the IMEX files."
+    )
+
+
+@router.route(
+    "GET",
+    "/api/v1/claims/{id}/topology",
+    summary="Show a claim's topology",
+    roles=READERS,
+    response=ClaimTopologyOut,
+    tag=TAG,
+    errors=(404,),
+    use_case=workflows.claims,
+)
+async def show_claim_topology(req: ApiRequest, claims: Claims) -> ClaimTopologyOut:
+    """The claim's nodes by NVLink domain and InfiniBand leaf, as Slurm topology.conf (tree
+    and block plugins) and NVIDIA IMEX nodes_config.cfg per NVLink domain."""
+    out = await claims.topology(req.require_principal(), req.params["id"])
+    return ClaimTopologyOut.model_validate(out)
 
 
 #: What both releases declare (the claim's, one machine's).

@@ -22,6 +22,9 @@ TAG = "events"
 READERS = frozenset({Role.ADMIN, Role.TECHNICIAN, Role.ORCHESTRATOR})
 #: A comment line at least this often, so proxies and clients see a quiet stream is alive.
 KEEPALIVE_SECONDS = 15.0
+#: How often a quiet stream looks whether its client is still connected: a closed tab's
+#: stream is freed within this, not at the next keepalive (the cap on streams per token).
+DISCONNECT_CHECK_S = 0.5
 #: Tells EventSource clients to reconnect after this many milliseconds when a stream ends.
 RETRY_MS = 3000
 _EVENT_ID = re.compile(r"[0-9]{1,10}")
@@ -67,6 +70,12 @@ async def list_events(req: ApiRequest, events: Events) -> EventPage:
         params = [(k, v) for k, v in req.raw.query.items() if k != "after"]
         page.next = f"{req.raw.path}?{urlencode([*params, ('after', str(page.next_after))])}"
     return page
+
+
+def _gone(raw: web.Request) -> bool:
+    """Whether the stream's client has closed its connection (aiohttp drops the transport)."""
+    transport = raw.transport
+    return transport is None or transport.is_closing()
 
 
 @router.route(
@@ -120,7 +129,9 @@ async def stream_events(req: ApiRequest, events: Events) -> web.StreamResponse:
             if left <= 0:
                 sub.close("the stream reached its maximum life")
                 break
-            batch = await sub.next(min(KEEPALIVE_SECONDS, left))
+            if _gone(req.raw):
+                break  # the client went away: free its stream now, not at the next write
+            batch = await sub.next(min(KEEPALIVE_SECONDS, left, DISCONNECT_CHECK_S))
             if batch is not None:
                 if batch.since > covered:
                     behind = True  # batches were missed: read the gap from the store

@@ -27,6 +27,8 @@ class HealthReport(In):
     nvlink: str | None = Field(default=None, max_length=64 * 1024)
     smart: str | None = Field(default=None, max_length=512 * 1024)
     ib_ports: str | None = Field(default=None, max_length=64 * 1024)
+    #: ``dcgmi health --check --json`` where DCGM runs with health watches set.
+    dcgm_health: str | None = Field(default=None, max_length=64 * 1024)
 
 
 class HealthReportOut(BaseModel):
@@ -66,6 +68,8 @@ async def health_report(req: ApiRequest) -> HealthReportOut:
         instance=req.ctx.instance,
         wake=watch.wake if watch else lambda: None,
         memo=watch.report_memo if watch else None,
+        limit=req.ctx.intake("health-reports"),
+        source=req.raw.remote or "",
     )
     return HealthReportOut.model_validate(out)
 
@@ -101,7 +105,7 @@ class BmcEventOut(BaseModel):
     body=BmcEventIn,
     response=BmcEventOut,
     tag="machines",
-    errors=(401, 413, 415, 422),
+    errors=(401, 413, 415, 422, 429),
     max_body=MAX_EVENT_BYTES,
 )
 async def bmc_event(req: ApiRequest) -> BmcEventOut:
@@ -109,7 +113,8 @@ async def bmc_event(req: ApiRequest) -> BmcEventOut:
     instance made (docs/health.md). The BMC proves it is that subscription's with the secret
     metald gave it: the ``X-Metald-Event-Secret`` header, else the event's ``Context``; no
     token works here, and one BMC's secret is refused for another. The entries are recorded as
-    the BMC's word, as its polled event log is."""
+    the BMC's word, as its polled event log is. 429 with Retry-After past ``[health.intake]``
+    (per BMC, per source address, in all), before the secret is checked."""
     b: BmcEventIn = req.body
     watch = req.ctx.services.health_watch
     secret = req.raw.headers.get(SECRET_HEADER) or b.Context
@@ -121,5 +126,7 @@ async def bmc_event(req: ApiRequest) -> BmcEventOut:
         cfg=req.ctx.cfg.health,
         instance=req.ctx.instance,
         wake=watch.wake if watch else lambda: None,
+        limit=req.ctx.intake("bmc-events"),
+        source=req.raw.remote or "",
     )
     return BmcEventOut.model_validate(out)

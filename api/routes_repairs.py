@@ -72,7 +72,9 @@ class RepairOut(BaseModel):
     outcome: str | None = Field(description="returned, out or retired once closed.")
     outcome_reason: str | None
     version: int
-    actions: list[str] = Field(description="What the repair allows now: take, note, repaired.")
+    actions: list[str] = Field(
+        description="What the repair allows now: take, note, repaired, release."
+    )
 
 
 class RepairPage(BaseModel):
@@ -176,6 +178,24 @@ async def take_repair(req: ApiRequest, repairs: Repairs) -> RepairOut:
     """The caller works on it: the machine goes from broken to repairing. Taken already, or
     the machine still in a tenant's claim: 409."""
     out = await repairs.take(req.require_principal(), req.params["id"], actor=req.actor)
+    return RepairOut.model_validate(out)
+
+
+@router.route(
+    "POST",
+    "/api/v1/repairs/{id}/release",
+    summary="Release a taken repair",
+    roles=STAFF,
+    response=RepairOut,
+    tag=TAG,
+    errors=(403, 404, 409),
+    use_case=workflows.repairs,
+)
+async def release_repair(req: ApiRequest, repairs: Repairs) -> RepairOut:
+    """Let go of a taken repair without fixing it: the repair is open in the queue again, the
+    machine broken again. Only the token that took it, or an admin (403 otherwise); a repair
+    that is not taken: 409."""
+    out = await repairs.release(req.require_principal(), req.params["id"], actor=req.actor)
     return RepairOut.model_validate(out)
 
 

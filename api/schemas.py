@@ -126,6 +126,9 @@ class MachinePatch(In):
 
     name: Name | None = Field(default=None, description="Unique; paths accept it for the id.")
     rack: Name | None = None
+    power_domain: Name | None = Field(
+        default=None, description="The power feed or PDU group (claims spread over these)."
+    )
     version: Version = None
 
 
@@ -171,6 +174,17 @@ class MachineOut(BaseModel):
     memory_mb: int | None
     gpu_model: str | None
     gpu_count: int
+    nvlink_domain: str | None = Field(
+        default=None, description="<clusterUuid>.<cliqueId> its GPUs report (NVLink fabric)."
+    )
+    nvlink_ready: bool = Field(
+        default=False,
+        description="Every GPU present and registered in nvlink_domain: placed by NVLink.",
+    )
+    ib_leaf: str | None = Field(
+        default=None, description="The InfiniBand leaf switch(es) its ports are cabled to."
+    )
+    power_domain: str | None = None
     power_state: str | None
     firmware_versions: dict[str, str] = Field(
         default={}, description="Firmware inventory id -> version, as the BMC reported it."

@@ -7,12 +7,14 @@ from typing import TYPE_CHECKING, Any
 
 from api.context import AppContext
 from metald.bmc.media import boot_url_problem
+from metald.claims.tenant_os import TenantOs
 from metald.claims.workflow import ClaimWorkflow
 from metald.provision.intents import DeployImage
 from metald.provision.netboot import Provisioner
 from metald.tenants import mesh
 from metald.tenants.runtime import TenantRuntime
 from metald.usecases.agent import Agent
+from metald.usecases.attestation import Attestation
 from metald.usecases.bmcs import Bmcs
 from metald.usecases.claims import Claims
 from metald.usecases.commissioning import Commissioning
@@ -27,6 +29,7 @@ from metald.usecases.mesh import Mesh
 from metald.usecases.repairs import Repairs
 from metald.usecases.tenants import Tenants
 from metald.usecases.tokens import Tokens
+from metald.usecases.topology import Topology
 
 if TYPE_CHECKING:
     from api.routing import ApiRequest
@@ -78,6 +81,7 @@ def claim_workflow(ctx: AppContext) -> ClaimWorkflow:
         require_bmc=ctx.cfg.enroll.require_bmc,
         mesh=MeshOfContext(ctx),
         cleanup=ctx.services.firmware if ctx.cfg.provision.use_bmc else None,
+        tenant_os=TenantOs.from_config(ctx.cfg.provision),
     )
 
 
@@ -170,6 +174,11 @@ def instances(req: ApiRequest) -> Instances:
     return Instances(ctx.store, ctx.cfg.fleet.dead_after_s, fleet=ctx.services.fleet)
 
 
+def topology(req: ApiRequest) -> Topology:
+    ctx = req.ctx
+    return Topology(ctx.store, ctx.instance, ctx.bus.notify)
+
+
 def events(req: ApiRequest) -> Events:
     return Events(req.ctx.store)
 
@@ -186,6 +195,17 @@ def agent(req: ApiRequest) -> Agent:
         join_token_ttl_s=ctx.cfg.tenants.join_token_ttl_s,
         bmc=ctx.services.bmc,
         workflow=claim_workflow(ctx),
+    )
+
+
+def attestation(req: ApiRequest) -> Attestation:
+    ctx = req.ctx
+    return Attestation(
+        ctx.store,
+        req,  # an agent token's first use is stamped in its request's first commit
+        ctx.instance,
+        ctx.bus.notify,
+        cfg=ctx.cfg.attestation,
     )
 
 

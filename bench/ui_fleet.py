@@ -6,7 +6,8 @@ Fills a fresh SQLite store (or ``--db``, e.g. a PostgreSQL URL) with N machines 
 fleet looks (a NIC and a BMC each, racks of 40, labels, four tenants holding a quarter of the
 machines, a commissioning run on every tenth), serves metald's app on loopback, logs in as a
 technician and asks for the fleet page ``--runs`` times per view: the first page, a deep page
-(keyset cursor), a state + rack filter, and searches by MAC, IP and BMC address. Prints the
+(keyset cursor), a state + rack filter, searches by MAC, IP and BMC address, a sorted and
+two grouped views, and the rack view. Prints the
 median and p95 of the whole request (loopback HTTP, so server time plus a little client) and
 of the query alone (``metald.usecases.console.fleet_page``). A benchmark, not a test: nothing here passes
 or fails on a timing.
@@ -174,6 +175,10 @@ async def main(args: argparse.Namespace) -> None:
             f"search MAC {sample['mac']}": f"/ui/?q={sample['mac']}",
             f"search IP {sample['ip']}": f"/ui/?q={sample['ip']}",
             f"search BMC {sample['bmc']}": f"/ui/?q={sample['bmc']}",
+            "sorted by memory, descending": "/ui/?sort=-memory",
+            "grouped by rack, sorted by state": "/ui/?group=rack&sort=state",
+            "grouped by SKU": "/ui/?group=sku",
+            "rack view (every rack)": "/ui/racks",
         }
         print(f"\nfleet page, {args.machines} machines, {args.runs} runs each (whole request):")
         for name, path in views.items():

@@ -2,7 +2,8 @@
 (``build``: discovery image and Debian's iPXE binaries) or the tenant node image (``node``);
 ``ipxe --ca PEM [--source TARBALL|TREE] [--install ASSETS_DIR]``: metald's own iPXE, built from
 source (``bootassets.ipxe``); ``iso --boot-url URL --out PATH``: the virtual-media boot ISO
-(``bootassets.iso``)."""
+(``bootassets.iso``); ``sign --key K --cert C FILE...``: UEFI Secure Boot signatures
+(``bootassets.secureboot``)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,35 @@ def main(argv: list[str] | None = None) -> int:
     iso = sub.add_parser("iso", help="build the virtual-media boot ISO for a metald boot URL")
     iso.add_argument("--boot-url", required=True, help="metald's boot HTTP URL (boot.http_url)")
     iso.add_argument("--out", required=True, help="where to write it: <boot.assets_dir>/...")
+    sign = sub.add_parser(
+        "sign", help="sign EFI binaries (iPXE, kernels) for UEFI Secure Boot, in place"
+    )
+    sign.add_argument("--key", help="the signing key, PEM")
+    sign.add_argument("--cert", help="its certificate, PEM (the one enrolled in the db)")
+    sign.add_argument("--new-key", metavar="DIR", help="make DIR/db.key and DIR/db.crt first")
+    sign.add_argument("files", nargs="*", help="PE/COFF files to sign in place")
     args = parser.parse_args(argv)
+    if args.command == "sign":
+        from pathlib import Path
+
+        from bootassets.secureboot import SignError, new_key
+        from bootassets.secureboot import sign as sign_file
+
+        key, cert = (Path(args.key) if args.key else None), (Path(args.cert) if args.cert else None)
+        if args.new_key:
+            key, cert = new_key(Path(args.new_key))
+            print(f"key {key}\ncertificate {cert} (enroll it in the firmware's db)")
+        if args.files and (key is None or cert is None):
+            parser.error("sign needs --key and --cert (or --new-key DIR)")
+        try:
+            for f in args.files:
+                assert key is not None and cert is not None
+                sign_file(Path(f), key, cert)
+                print(f"signed {f}")
+        except SignError as e:
+            print(f"bootassets: {e}", file=sys.stderr)
+            return 1
+        return 0
     if args.command == "ipxe":
         from bootassets.ipxe import main as ipxe_main
 

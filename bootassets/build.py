@@ -122,8 +122,24 @@ TOOL_PACKAGES = (
     "librtmp1",
     "libsasl2-2",
     "libssh2-1",
+    # tpm2-tools: the measured-boot quote and its attestation key (docs/attestation.md); the
+    # device TCTI is loaded by name at run time, so it is listed as a tool of its own.
+    "tpm2-tools",
+    "libcurl3-gnutls",
+    "libtss2-esys-3.0.2-0",
+    "libtss2-mu0",
+    "libtss2-rc0",
+    "libtss2-sys1",
+    "libtss2-tctildr0",
+    "libtss2-tcti-device0",
 )
-TOOLS = ("usr/bin/ipmitool", "usr/bin/qemu-img", "usr/bin/curl")
+TOOLS = (
+    "usr/bin/ipmitool",
+    "usr/bin/qemu-img",
+    "usr/bin/curl",
+    "usr/bin/tpm2",
+    "usr/lib/x86_64-linux-gnu/libtss2-tcti-device.so.0",
+)
 MULTIARCH_LIB = "lib/x86_64-linux-gnu"
 #: The commissioning checks' tools (docs/commissioning.md), in a second initramfs that the agent
 #: fetches and unpacks only when metald tells it to commission: their library closure is ~95 MB
@@ -416,6 +432,8 @@ def build_initramfs(
             "tmp",
             "usr",
             "usr/bin",
+            "usr/lib",
+            f"usr/{MULTIARCH_LIB}",
             "usr/share",
             "usr/share/udhcpc",
         )

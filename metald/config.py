@@ -355,8 +355,66 @@ class EnrollConfig(_Section):
     rules: list[EnrollmentRule] = []
 
 
+class NetworkPoolConfig(_Section):
+    """A network metald hands static addresses out of to claimed machines (docs/tenant-os.md)."""
+
+    #: The subnet, e.g. 10.20.0.0/24 (a /16 or smaller).
+    cidr: str
+    #: The router; a claim's interface on this network may take it as its default route.
+    gateway: str | None = None
+    #: First and last address handed out (default: every host address but the gateway).
+    start: str | None = None
+    end: str | None = None
+    #: Name servers and search domains the deployed OS uses on this network.
+    dns: list[str] = []
+    search: list[str] = []
+    #: MTU of interfaces on this network (9000, 4200 for RoCE rails ...).
+    mtu: int | None = Field(default=None, ge=576, le=65535)
+    #: VLAN id a claim's VLAN on this network takes when it names none.
+    vlan: int | None = Field(default=None, ge=1, le=4094)
+
+    @model_validator(mode="after")
+    def _check(self) -> NetworkPoolConfig:
+        import ipaddress
+
+        try:
+            net = ipaddress.ip_network(self.cidr, strict=False)
+            for a in (self.gateway, self.start, self.end):
+                if a is not None and ipaddress.ip_address(a) not in net:
+                    raise ValueError(f"{a} is not in {self.cidr}")
+        except ValueError as e:
+            raise ValueError(f"network pool: {e}") from None
+        if net.num_addresses > 1 << 16 and net.version == 4:
+            raise ValueError(f"network pool {self.cidr}: larger than a /16; split it")
+        return self
+
+
 class ProvisionConfig(_Section):
     """Claims, provisioning, wipe and the watchdog over transitional states."""
+
+    #: cloud-init's cloud-config JSON schema that tenants' user-data is checked against (the
+    #: file Debian's cloud-init package installs).
+    cloud_config_schema: str = (
+        "/usr/lib/python3/dist-packages/cloudinit/config/schemas/schema-cloud-config-v1.json"
+    )
+    #: Largest user-data a claim (or one machine of it) may carry, in bytes.
+    user_data_max_bytes: int = Field(default=65536, ge=1024, le=16 << 20)
+    #: Address pools for the deployed OS's static addresses, by name ([provision.networks.X]).
+    networks: dict[str, NetworkPoolConfig] = {}
+
+    @model_validator(mode="after")
+    def _pools_apart(self) -> ProvisionConfig:
+        import ipaddress
+
+        nets = [(ipaddress.ip_network(p.cidr, strict=False), n) for n, p in self.networks.items()]
+        for i, (a, an) in enumerate(nets):
+            for b, bn in nets[i + 1 :]:
+                if a.version == b.version and a.overlaps(b):  # type: ignore[arg-type]
+                    raise ValueError(
+                        f"provision.networks.{an} ({a}) and .{bn} ({b}) overlap: one address "
+                        "could be handed out twice; give each pool its own subnet"
+                    )
+        return self
 
     #: Seconds between watchdog sweeps; 0 turns the watchdog off.
     watchdog_interval_s: float = Field(default=30.0, ge=0)
@@ -523,6 +581,27 @@ class FirmwareConfig(_Section):
     rollout_lease_s: float = Field(default=30.0, gt=0)
 
 
+class AttestationConfig(_Section):
+    """Measured-boot attestation of discovery and wipe boots (docs/attestation.md)."""
+
+    #: PCRs compared with a machine's golden values (SHA-256 bank). The default leaves out
+    #: PCR 4 (the iPXE and kernel metald serves, which change with every boot-asset update).
+    pcrs: list[int] = Field(default=[0, 1, 2, 3, 5, 6, 7], min_length=1, max_length=24)
+    #: How long a nonce metald issued for a quote stays usable (it is used once).
+    nonce_ttl_s: float = Field(default=300.0, gt=0, le=3600)
+    #: PEM bundle of the TPM makers' EK CA certificates (roots and intermediates). Set: an
+    #: attestation key is enrolled only with an EK certificate that chains to one of them.
+    #: Empty: the EK certificate is checked against the EK only.
+    ek_ca_file: str = ""
+
+    @field_validator("pcrs")
+    @classmethod
+    def _pcrs(cls, v: list[int]) -> list[int]:
+        if any(not 0 <= p <= 23 for p in v) or len(set(v)) != len(v):
+            raise ValueError("attestation.pcrs: distinct PCR numbers 0-23")
+        return sorted(v)
+
+
 class Config(_Section):
     #: Folder for the SQLite database, the secrets key and the first admin token. Never
     #: served: boot.assets_dir must be a folder apart from it.
@@ -545,6 +624,7 @@ class Config(_Section):
     #: Day 2: classification rules, remediation policies and limits (docs/health.md).
     health: HealthConfig = HealthConfig()
     firmware: FirmwareConfig = FirmwareConfig()
+    attestation: AttestationConfig = AttestationConfig()
 
     @model_validator(mode="after")
     def _require_https(self) -> Config:

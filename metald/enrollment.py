@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlmodel import Session, select
 
-from metald import machines
+from metald import machines, topology
 from metald.auth import Role, issue_token, revoke_machine_tokens
 from metald.boot.machine_hooks import StoreBootHooks
 from metald.config import EnrollConfig
@@ -184,10 +184,15 @@ def accept_inventory(
     }
     if rule_rack and not m.rack:
         updates["rack"] = rule_rack
+    # The leaf comes from the fabric's own discovery, matched with the ports reported now.
+    updates["ib_leaf"] = topology.leaf_of(s, topology.port_guids(accepted.document))
     if profile := bios_profile(cfg.rules, norm, m.rack_position):
         updates["bios"] = {**(m.bios or {}), "desired": profile}  # staged by metald.bmc.firmware
     if not m.rack_position and norm.rack_position_hint:
         updates["rack_position"] = norm.rack_position_hint
+    serial = accepted.machine_fields.get("serial")
+    if better := machines.name_to_take(s, m, serial):
+        updates["name"] = better  # its serial instead of a generated name (issue 31)
     machines.sync_nics(s, m.id, norm.nics)
     commission = profile_for(cfg.rules, norm, updates.get("rack_position", m.rack_position))
     machines.transition(
@@ -207,6 +212,7 @@ def accept_inventory(
         instance=instance,
         commit=False,
     )
+    machines.take_name(s, m, serial)
     if accepted.changes:
         machines.add_event(
             s,

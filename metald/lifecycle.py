@@ -33,6 +33,10 @@ class State(StrEnum):
     #: A technician works on the machine's repair (``metald.repairs``): out of service until
     #: "repaired" sends it through commissioning again.
     REPAIRING = "repairing"
+    #: The boot's measured-boot attestation differs from the machine's golden values
+    #: (``metald.attestation``): held out of the pool until a technician accepts the new
+    #: measurements (with a reason) or marks it broken.
+    ATTESTATION_FAILED = "attestation-failed"
     RETIRED = "retired"
 
 
@@ -68,6 +72,11 @@ class Trigger(StrEnum):
     #: A technician vouches that a machine's disks were wiped by hand (no BMC to boot the wipe
     #: image through, or no disk the agent can see): back to ready, recorded with who and why.
     CONFIRM_WIPE = "confirm-wipe"
+    #: The wipe (or discovery) boot's attestation failed: held instead of ready.
+    ATTEST_FAIL = "attest-fail"
+    #: A technician accepts the failed attestation's measurements as the new golden values
+    #: (e.g. after a firmware rollout), with a reason: back to ready.
+    ACCEPT_GOLDEN = "accept-golden"
 
 
 S, T = State, Trigger
@@ -144,6 +153,10 @@ def _table() -> dict[tuple[State, Trigger], State]:
     add(S.WIPING, T.WIPED, S.READY)
     add(S.WIPING, T.WIPE_FAIL, S.WIPE_FAILED)
     add({S.RELEASING, S.WIPING, S.WIPE_FAILED, S.MAINTENANCE}, T.CONFIRM_WIPE, S.READY)
+    # Attestation: a wipe whose boot measured something other than the golden values ends
+    # held, its disks wiped but not back in the pool; so does a discovery boot's.
+    add({S.WIPING, S.INSPECTING, S.COMMISSIONING}, T.ATTEST_FAIL, S.ATTESTATION_FAILED)
+    add(S.ATTESTATION_FAILED, T.ACCEPT_GOLDEN, S.READY)
     # Technician operations
     add(IDLE | {S.BROKEN}, T.MAINTENANCE_ON, S.MAINTENANCE)
     add(S.MAINTENANCE, T.MAINTENANCE_OFF, S.READY)
@@ -153,7 +166,7 @@ def _table() -> dict[tuple[State, Trigger], State]:
     # through inspect (commissioning) or wipe, both above; a failed verification marks the
     # machine broken again (mark-broken), back in the queue or out for good.
     add(S.BROKEN, T.TAKE_REPAIR, S.REPAIRING)
-    add(IDLE | {S.MAINTENANCE, S.BROKEN, S.REPAIRING}, T.RETIRE, S.RETIRED)
+    add(IDLE | {S.MAINTENANCE, S.BROKEN, S.REPAIRING, S.ATTESTATION_FAILED}, T.RETIRE, S.RETIRED)
     return t
 
 
@@ -248,6 +261,12 @@ HANDOFF = frozenset({S.CLAIMED, S.RELEASING})
 IN_REPAIR = reachable(S.BROKEN, frozenset({T.TAKE_REPAIR}))
 #: Where a machine of a claim stops moving on its own, from the claim to its release back to
 #: ready: neither an operation under way (``TIMEOUTS``) nor a hand-off.
+#: Boots whose agent attests (metald.provision.attestation): discovery and wipe boots.
+ATTESTED_BOOTS = sources(T.ATTEST_FAIL)
+#: The discovery boot (its agent token's phase, while an operation runs): where an attestation
+#: key is enrolled, and where a failed attestation holds the machine at once (a wipe boot's
+#: hold waits for the wipe to finish).
+DISCOVERY_BOOT = frozenset(s for s, ph in PHASES.items() if ph == "inspect") & TIMEOUTS.keys()
 SETTLED = (
     (ALLOCATED | reachable(S.RELEASING, frozenset({T.WIPE, T.WIPED, T.WIPE_FAIL})))
     - TIMEOUTS.keys()

@@ -23,6 +23,7 @@ from metald.auth import revoke_machine_tokens
 from metald.errors import Conflict, NotFound, Unprocessable
 from metald.lifecycle import State, Trigger, boot_on_entry, check_guards, next_state, phase_of
 from metald.macaddr import normalize_mac
+from metald.naming import generated_name, name_from_serial
 from metald.store.models import Event, Machine, Nic, as_utc, new_id, utcnow
 
 
@@ -36,6 +37,45 @@ def default_name(rack: str | None, rack_position: str | None) -> str | None:
     where = "-".join(p for p in (rack, rack_position) if p)
     slug = re.sub(r"[^A-Za-z0-9._-]+", "-", where).strip("-._")[:63].rstrip("-._")
     return slug or None
+
+
+def is_generated_name(m: Machine) -> bool:
+    return m.name is None or m.name == generated_name(m.id)
+
+
+def name_to_take(session: Session, m: Machine, serial: str | None) -> str | None:
+    """The name a machine with a generated (or no) name should take now that its serial is
+    known, if no machine carries it yet; None otherwise. On SQLite the read decides (one
+    writer at a time); elsewhere ``take_name`` after the transition, in a savepoint."""
+    if not is_generated_name(m):
+        return None
+    wanted = name_from_serial(serial)
+    if wanted is None or wanted == m.name:
+        return None
+    if not _writes_serialized(session):
+        return None
+    taken = session.connection().execute(_NAME_TAKEN, {"name": wanted}).first()
+    return None if taken is not None else wanted
+
+
+def take_name(session: Session, m: Machine, serial: str | None) -> None:
+    """``name_to_take`` for stores that do not serialize writes (PostgreSQL): the rename in a
+    savepoint, so a machine that took the name meanwhile (two nodes of one chassis sharing its
+    serial) leaves this one with its generated name instead of failing its inventory."""
+    if _writes_serialized(session) or not is_generated_name(m):
+        return
+    wanted = name_from_serial(serial)
+    if wanted is None or wanted == m.name:
+        return
+    try:
+        with session.begin_nested():
+            session.connection().execute(
+                Machine.__table__.update()  # type: ignore[attr-defined]
+                .where(Machine.__table__.c.id == m.id)  # type: ignore[attr-defined]
+                .values(name=wanted)
+            )
+    except IntegrityError:
+        return
 
 
 def add_event(
@@ -167,9 +207,13 @@ def create_machine(
         raise Conflict(f"a machine named {name!r} already exists")
     default = default_name(rack, rack_position) if name is None else None
 
+    mid = new_id()
+    generated = generated_name(mid) if name is None else None
+
     def new(with_name: str | None) -> Machine:
         m = Machine(
-            name=with_name,
+            id=mid,
+            name=with_name or generated,
             state=State.DISCOVERED.value,
             labels=dict(labels or {}),
             rack=rack,
@@ -183,7 +227,9 @@ def create_machine(
     # Named after where it sits, unless a machine already carries that name (the unique
     # index says so: no SELECT first, which every enrollment of a storm paid for the rare
     # replaced machine). Two machines enrolling at once behind one switch port (several
-    # instances, or a flood) may both pick it: the loser goes unnamed instead of failing.
+    # instances, or a flood) may both pick it: the loser gets a generated name instead of
+    # failing. Without a rack position: a generated name (``generated_name``), replaced by
+    # its serial once the inventory gives one (``better_name``).
     if default and _writes_serialized(session):
         # SQLite: the store's write transactions begin IMMEDIATE (one writer at a time), so
         # nobody can take the name between this read and the insert; one indexed read is

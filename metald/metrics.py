@@ -116,6 +116,13 @@ instance_heartbeat_age = Gauge(
     ["instance"],
     registry=REGISTRY,
 )
+machine_pushes = Counter(
+    "metald_machine_pushes_total",
+    "Requests a machine sent on its own (a BMC's pushed event, a node's report), by outcome: "
+    "accepted, refused (secret or token), limited-key / limited-source / limited-total (429)",
+    ["route", "outcome"],
+    registry=REGISTRY,
+)
 scrape_errors = Counter(
     "metald_scrape_errors_total",
     "Scrapes whose store gauges could not be refreshed (the gauges keep their last values)",

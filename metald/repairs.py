@@ -361,6 +361,41 @@ def take(s: Session, repair_id: str, *, actor: str, instance: str | None = None)
     return r
 
 
+def release(
+    s: Session, repair_id: str, *, actor: str, admin: bool, instance: str | None = None
+) -> Repair:
+    """The technician lets go of a taken repair without fixing it (the part is not in, the
+    shift ends): the repair is open in the queue again for anyone to take, the machine broken
+    again (out of service, as when it was queued). Only the one who took it, or an admin."""
+    r = get(s, repair_id)
+    if r.status != Status.TAKEN:
+        raise Conflict(f"repair {r.id} is {r.status}; only a taken repair can be released")
+    if r.taken_by != actor and not admin:
+        raise Forbidden(
+            f"repair {r.id} is taken by {r.taken_by}; only they or an admin can release it"
+        )
+    m = machines.get_machine(s, r.machine_id)
+    if State(m.state) is State.REPAIRING:
+        machines.transition(
+            s,
+            r.machine_id,
+            Trigger.MARK_BROKEN,
+            actor=actor,
+            reason=f"repair {r.id} released by {actor}: back in the queue"[:500],
+            data={"repair": r.id},
+            updates={"last_error": f"in repair: {r.summary}"[:1000]},
+            instance=instance,
+            commit=False,
+            machine=m,
+        )
+    was = r.taken_by
+    _save(s, r, r.version, status=Status.OPEN.value, taken_by=None, taken_at=None)
+    _event(s, "released", actor, r, f"released by {actor} (taken by {was}): back in the queue",
+           instance, taken_by=was)  # fmt: skip
+    s.commit()
+    return r
+
+
 def add_note(
     s: Session, repair_id: str, text: str, *, actor: str, instance: str | None = None
 ) -> Repair:

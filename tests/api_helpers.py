@@ -149,6 +149,7 @@ class LoopbackApi:
             secrets=SecretBox.from_file(cfg.secrets_key_path),
             bus=EventBus(),
         )
+        self.ctx = ctx
         self.runner = web.AppRunner(create_app(ctx), access_log=None, **server_settings())
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)

@@ -136,11 +136,12 @@ def test_default_name_from_rack_position(store) -> None:  # type: ignore[no-unty
             s, macs=["02:00:00:00:99:01"], actor="t", rack="r07", rack_position="sw1/eth 12"
         )
         assert m.name == "r07-sw1-eth-12"
-        # The same position again (a moved machine not yet renamed): no name rather than a clash.
+        # The same position again (a moved machine not yet renamed): a generated name rather
+        # than a clash (issue 31: it was left unnamed, "-" everywhere).
         m2 = machines.create_machine(
             s, macs=["02:00:00:00:99:02"], actor="t", rack="r07", rack_position="sw1/eth 12"
         )
-        assert m2.name is None
+        assert m2.name is not None and machines.is_generated_name(m2)
         assert machines.default_name(None, None) is None
         assert machines.default_name(None, "///") is None
 

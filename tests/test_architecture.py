@@ -109,6 +109,8 @@ OTHER_TREE_RUNNERS = {
     "bench/storm_compare.py",
     "bench/sqlcount/sitecustomize.py",
     "bench/health_cost.py",
+    # The console's before/after screenshots: the same demo fleet against an exported main.
+    "scripts/ui_screenshots.py",
 }
 
 
@@ -142,6 +144,9 @@ PREFIX_MODULES = {
     "whoami": "routes_tokens",
     # What BMCs push (Redfish events) is a health signal: its receiver lives with the report's.
     "bmc-events": "routes_health",
+    # The fabric's views (NVLink domains, InfiniBand leaves) live with one topology module.
+    "nvlink-domains": "routes_topology",
+    "ib-fabric": "routes_topology",
 }
 #: Subsystems whose routes on a machine (and its agent's) live in their own module.
 #: Commissioning's routes on a machine and its agent's live in routes_commissioning.
@@ -149,6 +154,8 @@ SUBSYSTEM_PATHS = {
     "routes_commissioning": ("/api/v1/machines/{id}/commission", "/api/v1/agent/commissioning"),
     "routes_firmware": ("/api/v1/machines/{id}/firmware/",),
     "routes_elastic": ("/api/v1/tenants/{id}/elastic-",),
+    "routes_topology": ("/api/v1/machines/{id}/topology",),
+    "routes_attestation": ("/api/v1/machines/{id}/attestation", "/api/v1/agent/attestation"),
 }
 
 

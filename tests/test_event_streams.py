@@ -289,3 +289,20 @@ async def test_every_documented_stream_sort_is_accepted_and_since_filters(live: 
     assert [e["to_state"] for e in evs] == ["maintenance", "ready"]
     assert all(e["at"] >= since for e in evs)
     stream.close()
+
+
+async def test_a_closed_stream_is_freed_without_waiting_for_a_write(
+    live: LiveApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 31 item 6: a closed tab's stream must give back its place under the per-token cap
+    without waiting for a write to fail. With keepalives an hour apart the stream is still
+    freed (the route watches its connection, ``DISCONNECT_CHECK_S``). A guard: under the test
+    server this passed before the watch too."""
+    from api import routes_events
+
+    monkeypatch.setattr(routes_events, "KEEPALIVE_SECONDS", 3600.0)
+    s = await _open(live, live.tokens.technician)
+    assert s.status == 200
+    await until(lambda: live.ctx.bus.streams == 1, "the subscription")
+    s.close()
+    await until(lambda: live.ctx.bus.streams == 0, "the closed stream to be freed")

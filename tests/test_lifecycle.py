@@ -143,7 +143,9 @@ def test_derived_sets_are_the_ones_the_code_used_to_list() -> None:
     assert {S.PROVISIONING, S.WIPING, S.INSPECTING, S.RELEASING} == lifecycle.NETWORK_BOOT
     assert {S.DISCOVERED, S.INSPECTING, S.INSPECT_FAILED} == lifecycle.UNINSPECTED
     assert {S.INSPECTING} == lifecycle.INVENTORY_ACCEPTED
-    assert {S.MAINTENANCE, S.BROKEN, S.REPAIRING, S.RETIRED} == lifecycle.OUT_OF_SERVICE
+    assert {
+        S.MAINTENANCE, S.BROKEN, S.REPAIRING, S.ATTESTATION_FAILED, S.RETIRED
+    } == lifecycle.OUT_OF_SERVICE  # fmt: skip
     assert {S.PROVISIONED, S.JOINING, S.JOIN_FAILED, S.ACTIVE} == lifecycle.INSTALLED
     assert {
         S.CLAIMED,

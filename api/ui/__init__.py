@@ -37,8 +37,10 @@ def setup(app: web.Application, ctx: AppContext, specs: list[RouteSpec]) -> None
     app.router.add_post("/ui/logout", page(views.logout, action=True))
     app.router.add_get("/ui/", page(views.fleet))
     app.router.add_get("/ui/fleet/rows", page(views.fleet_rows))
+    app.router.add_get("/ui/racks", page(views.racks))
     app.router.add_post("/ui/machines/bulk", page(views.bulk, action=True))
     app.router.add_get("/ui/machines/{id}", page(views.machine))
+    app.router.add_post("/ui/machines/{id}/act", page(views.act, action=True))
     app.router.add_get("/ui/machines/{id}/console", live.console)
     app.router.add_get("/ui/machines/{id}/{what:sensors|bmc-log}", page(views.sensors))
     app.router.add_get("/ui/claims", page(views.claims))
@@ -46,11 +48,13 @@ def setup(app: web.Application, ctx: AppContext, specs: list[RouteSpec]) -> None
     app.router.add_get("/ui/tenants", page(views.tenants))
     app.router.add_get("/ui/repairs", page(views.repairs))
     app.router.add_post(
-        "/ui/repairs/{id}/{action:take|note|repaired}", page(views.repair_action, action=True)
+        "/ui/repairs/{id}/{action:take|note|repaired|release}",
+        page(views.repair_action, action=True),
     )
     app.router.add_get("/ui/events", page(views.events))
     app.router.add_get("/ui/events/stream", page(live.events))
     app.router.add_get("/ui/firmware", page(views.firmware))
     app.router.add_get("/ui/instances", page(views.instances))
+    app.router.add_get("/ui/topology", page(views.topology))
     app.router.add_get("/ui/tokens", page(views.tokens))
     app.router.add_static("/ui/static/", STATIC, append_version=False)

@@ -68,12 +68,23 @@ async def _while_session(ui: UiRequest, work: asyncio.Task[web.StreamResponse]) 
 class Live:
     def __init__(self, api: Api) -> None:
         self.api = api
+        #: The shared stream of each browser session (``mux=1``: the tabs' SharedWorker):
+        #: session id -> its stream's task. A session's new shared stream ends the old one
+        #: (a worker that went away), so a session holds one stream whatever its tabs.
+        self.shared: dict[str, asyncio.Task[web.StreamResponse]] = {}
 
     async def events(self, ui: UiRequest) -> web.StreamResponse:
-        """The API's event stream (``GET /api/v1/events/stream``) for this session."""
+        """The API's event stream (``GET /api/v1/events/stream``) for this session. With
+        ``mux=1`` it is the session's one shared stream (``static/events-worker.js``)."""
         query = {k: v for k in ("after", "machine_id", "kind") if (v := ui.raw.query.get(k))}
         spec = self.api.spec("GET", "/api/v1/events/stream")
         work = asyncio.ensure_future(self.api.invoke(ui, spec, {}, query, None, ui.raw))
+        shared = ui.raw.query.get("mux") == "1"
+        if shared:
+            old = self.shared.get(ui.session_id)
+            if old is not None and not old.done():
+                old.cancel()
+            self.shared[ui.session_id] = work
         watch = asyncio.ensure_future(_while_session(ui, work))
         try:
             resp = await work
@@ -85,6 +96,8 @@ class Live:
             watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watch
+            if shared and self.shared.get(ui.session_id) is work:
+                del self.shared[ui.session_id]
         return resp
 
     async def console(self, request: web.Request) -> web.StreamResponse:

@@ -11,6 +11,7 @@ import jinja2
 from aiohttp import web
 
 from api.problem import problem
+from metald.units import disk_size, mib
 
 TEMPLATES = Path(__file__).parent / "templates"
 
@@ -47,6 +48,8 @@ def _iso(value: Any) -> str:
 
 _env.filters["ago"] = _ago
 _env.filters["iso"] = _iso
+_env.filters["disk"] = disk_size
+_env.filters["mib"] = mib
 
 #: Every page: no framing (clickjacking), scripts and styles only from /ui/static, no caching
 #: of pages that show the fleet.

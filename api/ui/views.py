@@ -8,9 +8,10 @@ from typing import Any
 
 from aiohttp import web
 
+from api.ui import actions as machine_actions
 from api.ui.dispatch import Api, Refused
 from api.ui.guard import UI_CTX, UiRequest, clear_cookie, current, origin_ok, set_cookie
-from api.ui.render import error, fragment, page
+from api.ui.render import error, fragment, page, wants_json
 from metald.usecases import ui_sessions as sessions
 from metald.usecases.console import Console, FleetQuery
 
@@ -45,6 +46,8 @@ BULK: dict[str, dict[str, Any]] = {
         "reason": True,
     },
 }
+#: Claim machines that wait on nothing (the claims page shows no blocking event for them).
+DONE = frozenset({"provisioned", "joining", "active"})
 #: Machines one bulk request may act on.
 BULK_MAX = 500
 NAV = (
@@ -54,6 +57,7 @@ NAV = (
     ("repairs", "/ui/repairs", "Repairs", ("GET", "/api/v1/repairs")),
     ("events", "/ui/events", "Events", ("GET", "/api/v1/events")),
     ("firmware", "/ui/firmware", "Firmware", ("GET", "/api/v1/firmware/compliance")),
+    ("topology", "/ui/topology", "Topology", ("GET", "/api/v1/nvlink-domains")),
     ("instances", "/ui/instances", "Instances", ("GET", "/api/v1/instances")),
     ("tokens", "/ui/tokens", "Tokens", ("GET", "/api/v1/tokens")),
 )
@@ -145,14 +149,54 @@ class Views:
         f = FleetQuery.from_params(ui.raw.query)
         data = await _console(ui).fleet_page(ui.principal, f)
         last_event = await _console(ui).last_event_id()
+        tenants = dict(data.tenants)
+
+        def glabel(key: tuple[Any, ...]) -> str:
+            """A group's heading."""
+            if f.group == "tenant":
+                return tenants.get(key[0], key[0][:8]) if key[0] else "no tenant"
+            if f.group == "sku":
+                product, model, count = key
+                gpus = f"{count}× {model}" if count else "no GPU"
+                return f"{product or 'unknown product'} · {gpus}"
+            if f.group == "rack":
+                return f"rack {key[0]}" if key[0] else "no rack"
+            return str(key[0])
+
         return page(
             "fleet.html",
             title="Fleet",
             f=f,
             fleet=data,
+            glabel=glabel,
             bulk=BULK,
             can_act=self.api.allows(ui, "POST", "/api/v1/machines/{id}/actions"),
             last_event=last_event,
+            **self.base(ui, "fleet"),
+        )
+
+    async def racks(self, ui: UiRequest) -> web.StreamResponse:
+        """The rack view: each rack as an elevation, its machines in their units, coloured by
+        state, power or GPU health (``colour``); the fleet's filters apply (same parameters)."""
+        try:
+            self.need(ui, "GET", "/api/v1/machines")
+        except Refused as r:
+            return self.refused(ui, r, "fleet")
+        f = FleetQuery.from_params(ui.raw.query)
+        colour = ui.raw.query.get("colour", "state")
+        if colour not in ("state", "power", "gpu"):
+            colour = "state"
+        start = ui.raw.query.get("from", "").strip()[:128]
+        found = await _console(ui).racks(ui.principal, f, start)
+        return page(
+            "racks.html",
+            title="Racks",
+            f=f,
+            racks=found.racks,
+            found=found,
+            start=start,
+            colour=colour,
+            query=f.link(after="", sort="", group="")[5:],
             **self.base(ui, "fleet"),
         )
 
@@ -239,6 +283,18 @@ class Views:
         results = await asyncio.gather(*(one(i) for i in ids))
         ui.ctx.bus.notify()
         failed = [(m, e) for m, e in results if e]
+        if wants_json(ui.raw):  # the fleet page's script: it stays where it is
+            labels = await _console(ui).names_of(ui.principal, [m for m, _ in failed])
+            return web.json_response(
+                {
+                    "action": action,
+                    "done": len(results) - len(failed),
+                    "failed": [
+                        {"id": m, "name": labels.get(m, m[:8]), "why": e} for m, e in failed
+                    ],
+                },
+                status=200 if not failed else 207,
+            )
         return page(
             "bulk.html",
             status=200 if not failed else 207,
@@ -272,6 +328,14 @@ class Views:
                 )
             except Refused:
                 commissioning = None
+        attestation = None
+        if self.api.allows(ui, "GET", "/api/v1/machines/{id}/attestation"):
+            try:
+                attestation = await self.api.call(
+                    ui, "GET", "/api/v1/machines/{id}/attestation", params={"id": m["id"]}
+                )
+            except Refused:
+                attestation = None
         repair = None
         if self.api.allows(ui, "GET", "/api/v1/repairs"):
             found = await self.api.call(
@@ -299,8 +363,19 @@ class Views:
         caps = (bmc or {}).get("capabilities")
         if caps is not None and "serial-console" not in caps:
             console = None  # the machine's BMC has none metald speaks: no console offered
+        if staff and bmc is None:
+            console = None  # no BMC registered: nothing to open a serial console through
         inv = (m.get("inventory") or {}).get("normalized") or {}
+        topology = None
+        if self.api.allows(ui, "GET", "/api/v1/machines/{id}/topology"):
+            try:
+                topology = await self.api.call(
+                    ui, "GET", "/api/v1/machines/{id}/topology", params={"id": m["id"]}
+                )
+            except Refused:
+                topology = None
         last_event = max((e["id"] for e in events["items"]), default=0)
+        names = await self.names(ui, m)
         return page(
             "machine.html",
             title=m.get("name") or m["id"],
@@ -308,14 +383,110 @@ class Views:
             inv=inv,
             events=events["items"],
             commissioning=commissioning,
+            attestation=attestation,
             repair=repair,
             bmc=bmc,
             console=console,
-            bulk=BULK,
-            can_act=self.api.allows(ui, "POST", "/api/v1/machines/{id}/actions"),
+            actions=self.offered(ui, m, bmc, staff),
+            names=names,
+            mnames={m["id"]: m.get("name") or m["id"][:8]},
+            topology=topology,
             last_event=last_event,
             **self.base(ui, "fleet"),
         )
+
+    def offered(
+        self, ui: UiRequest, m: dict[str, Any], bmc: dict[str, Any] | None, staff: bool
+    ) -> list[machine_actions.Action]:
+        """The machine's actions for this caller (``api.ui.actions.offered``). ``staff``:
+        the caller may see BMCs, so "no BMC" is known (an orchestrator is offered no BMC
+        actions at all)."""
+        if not staff:
+            bmc = {"capabilities": []}  # not the caller's to see: nothing needing a BMC
+        acts = machine_actions.offered(m, bmc, lambda meth, path: self.api.allows(ui, meth, path))
+        return [a for a in acts if staff or a.name != "register-bmc"]
+
+    async def names(self, ui: UiRequest, m: dict[str, Any]) -> dict[str, str]:
+        """The tenant's and the claim's image name (what the page shows instead of ids)."""
+        out: dict[str, str] = {}
+        tid = m.get("tenant_id")
+        if tid and self.api.allows(ui, "GET", "/api/v1/tenants/{id}"):
+            try:
+                t = await self.api.call(ui, "GET", "/api/v1/tenants/{id}", params={"id": tid})
+                out["tenant"] = t.get("name") or tid
+            except Refused:
+                pass
+        return out
+
+    async def act(self, ui: UiRequest) -> web.StreamResponse:
+        """One action of the machine page, through its API route, answered in place: JSON
+        {"ok", "message", "state", "actions" (the panel's new HTML)} to the page's script (the
+        page does not navigate: an open console stays attached), or the machine page again
+        without script. A refusal is the API's problem, with its sentence."""
+        mid = ui.raw.match_info["id"]
+        form = await ui.raw.post()
+        name = str(form.get("action", ""))
+        action = machine_actions.ACTIONS.get(name)
+        if action is None:
+            return error(
+                ui.raw, 422, "Unknown action", f"{name[:40]!r} is not an action of the machine page"
+            )
+        try:
+            m = await self.api.call(ui, "GET", "/api/v1/machines/{id}", params={"id": mid})
+        except Refused as r:
+            return error(ui.raw, r.status, r.title, r.detail)
+        label = m.get("name") or m["id"]
+        if action.confirm and form.get("confirm") != "yes":
+            return error(
+                ui.raw,
+                428,
+                "Confirmation required",
+                f"{action.label.lower()} on {label} {action.why}: confirm it in the dialog "
+                "(the form must carry confirm=yes)",
+            )
+        body = machine_actions.body_of(action, m, form)
+        if isinstance(body, str):
+            return error(ui.raw, 422, "Missing input", body)
+        params = {"id": m["id"]}
+        if action.name == "release":  # the claim's route: /claims/{id}/machines/{machine_id}
+            params = {"id": m.get("claim_id") or "", "machine_id": m["id"]}
+        try:
+            await self.api.call(ui, action.method, action.path, params=params, body=body)
+        except Refused as r:
+            return error(ui.raw, r.status, r.title, r.detail)
+        finally:
+            ui.ctx.bus.notify()
+        if not wants_json(ui.raw):
+            raise web.HTTPSeeOther(f"/ui/machines/{m['id']}")
+        m = await self.api.call(ui, "GET", "/api/v1/machines/{id}", params={"id": m["id"]})
+        staff = self.api.allows(ui, "GET", "/api/v1/bmcs")
+        bmc = await _console(ui).bmc_of(m["id"]) if staff else None
+        if bmc is not None:
+            bmc["capabilities"] = await self.capabilities(ui, bmc["id"])
+        html = fragment(
+            "_machine_actions.html",
+            m=m,
+            actions=self.offered(ui, m, bmc, staff),
+            csrf=ui.csrf,
+        )
+        return web.json_response(
+            {
+                "ok": True,
+                "message": f"{action.label.lower()}: done on {m.get('name') or m['id']}",
+                "state": m["state"],
+                "name": m.get("name"),
+                "actions": html,
+            },
+            headers={"Cache-Control": "no-store"},
+        )
+
+    async def capabilities(self, ui: UiRequest, bmc_id: str) -> list[str] | None:
+        try:
+            shown = await self.api.call(ui, "GET", "/api/v1/bmcs/{id}", params={"id": bmc_id})
+        except Refused:
+            return None
+        caps = shown.get("capabilities")
+        return None if caps is None else list(caps)
 
     async def sensors(self, ui: UiRequest) -> web.StreamResponse:
         """Sensors or the BMC's event log, read on demand (a BMC round trip)."""
@@ -358,10 +529,32 @@ class Views:
         return page(template, title=nav.capitalize(), data=data, **extra, **self.base(ui, nav))
 
     async def claims(self, ui: UiRequest) -> web.StreamResponse:
-        last_event = await _console(ui).last_event_id()
-        return await self.listing(
-            ui, "claims", "/api/v1/claims", "claims.html", last_event=last_event
+        """Claims with their machines' progress, the tenant and image by name, and what each
+        unfinished machine waits on (its newest event: ``provision.no-bmc``, a failure)."""
+        console = _console(ui)
+        last_event = await console.last_event_id()
+        try:
+            self.need(ui, "GET", "/api/v1/claims")
+            data = await self.api.call(ui, "GET", "/api/v1/claims", query={"limit": 200})
+        except Refused as r:
+            return self.refused(ui, r, "claims")
+        return page(
+            "claims.html",
+            title="Claims",
+            data=data,
+            last_event=last_event,
+            **await self.claim_context(ui, data["items"]),
+            **self.base(ui, "claims"),
         )
+
+    async def claim_context(self, ui: UiRequest, claims: list[dict[str, Any]]) -> dict[str, Any]:
+        console = _console(ui)
+        mids = [m["id"] for c in claims for m in c["machines"] if m["state"] not in DONE]
+        refs = await console.ref_names(
+            sorted({c["tenant_id"] for c in claims}),
+            sorted({c["image_id"] for c in claims if c.get("image_id")}),
+        )
+        return {"blocking": await console.latest_events(ui.principal, mids), "refs": refs}
 
     async def claim_fragment(self, ui: UiRequest) -> web.StreamResponse:
         try:
@@ -370,7 +563,8 @@ class Views:
             )
         except Refused as r:
             return web.Response(text=r.detail, status=r.status)
-        return web.Response(text=fragment("_claim.html", c=c), content_type="text/html")
+        extra = await self.claim_context(ui, [c])
+        return web.Response(text=fragment("_claim.html", c=c, **extra), content_type="text/html")
 
     async def tenants(self, ui: UiRequest) -> web.StreamResponse:
         try:
@@ -392,8 +586,13 @@ class Views:
 
     async def events(self, ui: UiRequest) -> web.StreamResponse:
         q = {k: v for k in ("machine_id", "kind") if (v := ui.raw.query.get(k, "").strip())}
+        machine: dict[str, Any] | None = None
         try:
             self.need(ui, "GET", "/api/v1/events")
+            if "machine_id" in q:  # a name, an id or an 8+ prefix: the live tail needs the id
+                machine = await self.api.call(
+                    ui, "GET", "/api/v1/machines/{id}", params={"id": q["machine_id"]}
+                )
             data = await self.api.call(
                 ui, "GET", "/api/v1/events", query={**q, "sort": "-id", "limit": 100}
             )
@@ -406,6 +605,10 @@ class Views:
             title="Events",
             data=data,
             filters=q,
+            machine=machine,
+            mnames=await _console(ui).names_of(
+                ui.principal, sorted({e["machine_id"] for e in data["items"] if e["machine_id"]})
+            ),
             last_event=last,
             **self.base(ui, "events"),
         )
@@ -436,7 +639,7 @@ class Views:
         )
 
     async def repair_action(self, ui: UiRequest) -> web.StreamResponse:
-        """Take, note or repaired, through the API's route; back to the queue (303) or the
+        """Take, note, repaired or release, through the API's route; back to the queue (303) or the
         queue with the API's refusal."""
         rid, action = ui.raw.match_info["id"], ui.raw.match_info["action"]
         form = await ui.raw.post()
@@ -458,6 +661,17 @@ class Views:
         name = (r.get("machine") or {}).get("name") or r["machine_id"][:8]
         raise web.HTTPSeeOther(f"/ui/repairs?status=open&done={action}+{name}")
 
+    async def topology(self, ui: UiRequest) -> web.StreamResponse:
+        """NVLink domains with their trays, and the InfiniBand leaves (docs/inventory.md)."""
+        try:
+            self.need(ui, "GET", "/api/v1/ib-fabric")
+            leaves = await self.api.call(ui, "GET", "/api/v1/ib-fabric")
+        except Refused as r:
+            return self.refused(ui, r, "topology")
+        return await self.listing(
+            ui, "topology", "/api/v1/nvlink-domains", "topology.html", query={}, leaves=leaves
+        )
+
     async def instances(self, ui: UiRequest) -> web.StreamResponse:
         return await self.listing(ui, "instances", "/api/v1/instances", "instances.html")
 
@@ -476,7 +690,18 @@ class Views:
         )
 
     async def tokens(self, ui: UiRequest) -> web.StreamResponse:
-        return await self.listing(ui, "tokens", "/api/v1/tokens", "tokens.html")
+        """API tokens, their scopes by name (tenants for orchestrators, machines for agents)."""
+        try:
+            self.need(ui, "GET", "/api/v1/tokens")
+            data = await self.api.call(ui, "GET", "/api/v1/tokens", query={"limit": 200})
+        except Refused as r:
+            return self.refused(ui, r, "tokens")
+        ids = sorted({i for t in data["items"] for i in t.get("scope") or []})
+        console = _console(ui)
+        scoped = await console.ref_names(ids, []) | await console.names_of(ui.principal, ids)
+        return page(
+            "tokens.html", title="Tokens", data=data, scoped=scoped, **self.base(ui, "tokens")
+        )
 
 
 class RepairFilter:

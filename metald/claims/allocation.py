@@ -24,7 +24,11 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from metald import machines
+from metald.claims import placement as placing
+from metald.claims import tenant_os
+from metald.claims.placement import Candidate, Placement, Unplaceable
 from metald.claims.records import retrying, switch_plan
+from metald.claims.tenant_os import OsRequest
 from metald.errors import Conflict, NotFound, Unprocessable
 from metald.lifecycle import State, Trigger
 from metald.provision.commissioning import require_passed
@@ -55,6 +59,9 @@ class Selector:
     commission_profile: str | None = None
     #: Firmware inventory id -> version or glob (metald.bmc.firmware records them).
     firmware: dict[str, str] = field(default_factory=dict)
+    #: Only machines whose current boot passed measured-boot attestation (the wipe boot after
+    #: their last tenant, or their discovery boot): docs/attestation.md.
+    attested: bool = False
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> Selector:
@@ -68,6 +75,7 @@ class Selector:
             commissioned_within_days=d.get("commissioned_within_days"),
             commission_profile=d.get("commission_profile") or None,
             firmware={str(k): str(v) for k, v in (d.get("firmware") or {}).items()},
+            attested=bool(d.get("attested", False)),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -89,6 +97,8 @@ class Selector:
             return False
         if self.rack is not None and m.rack != self.rack:
             return False
+        if self.attested and (m.attested_boot is None or m.attested_boot != m.boot_current):
+            return False
         labels = m.labels or {}
         versions = m.firmware_versions or {}
         return all(labels.get(k) == v for k, v in self.labels.items()) and all(
@@ -106,6 +116,8 @@ class Selector:
             stmt = stmt.where(Machine.memory_mb >= self.min_memory_mb)  # type: ignore[operator]
         if self.rack is not None:
             stmt = stmt.where(Machine.rack == self.rack)
+        if self.attested:
+            stmt = stmt.where(col(Machine.attested_boot) == col(Machine.boot_current))
         return require_passed(
             stmt, within_days=self.commissioned_within_days, profile=self.commission_profile
         )
@@ -149,6 +161,8 @@ _MATCH_COLUMNS = (
     Machine.rack,
     Machine.labels,
     Machine.firmware_versions,
+    Machine.attested_boot,
+    Machine.boot_current,
 )
 
 
@@ -199,12 +213,25 @@ def get_image(session: Session, image_id: str, tenant_id: str | None = None) -> 
     return img
 
 
-def _same_request(c: Claim, count: int, selector: Selector, image_id: str, keys: list[str]) -> bool:
+def _same_request(
+    session: Session,
+    c: Claim,
+    count: int,
+    selector: Selector,
+    image_id: str,
+    keys: list[str],
+    os: OsRequest,
+    placement: Placement | None = None,
+) -> bool:
     return (
         c.count == count
         and Selector.from_dict(c.selector) == selector
         and c.image == image_id
         and list(c.ssh_authorized_keys or []) == keys
+        and (c.network or None) == (os.network or None)
+        and (c.storage or None) == (os.storage or None)
+        and tenant_os.same_user_data(session, c.id, os)
+        and (c.placement or None) == (placement.to_dict() if placement else None)
     )
 
 
@@ -214,8 +241,17 @@ def _existing(session: Session, tenant_id: str, key: str) -> Claim | None:
     ).first()
 
 
-def _replay(c: Claim, count: int, selector: Selector, image_id: str, keys: list[str]) -> Claim:
-    if not _same_request(c, count, selector, image_id, keys):
+def _replay(
+    session: Session,
+    c: Claim,
+    count: int,
+    selector: Selector,
+    image_id: str,
+    keys: list[str],
+    os: OsRequest,
+    placement: Placement | None = None,
+) -> Claim:
+    if not _same_request(session, c, count, selector, image_id, keys, os, placement):
         raise Conflict(
             f"idempotency key {c.idempotency_key!r} was already used for claim {c.id} with a "
             "different request; use a new key for a new claim",
@@ -237,18 +273,24 @@ def create_claim(
     ssh_authorized_keys: list[str] | None = None,
     instance: str | None = None,
     require_bmc: bool | None = None,
+    os: OsRequest | None = None,
+    placement: Placement | None = None,
 ) -> tuple[Claim, bool]:
     """Allocate ``count`` machines to the tenant, all or none. Returns (claim, replayed):
     a repeated idempotency key with the same request returns the first claim unchanged.
     ``require_bmc`` (enroll.require_bmc; None: on once any BMC is registered): only machines
-    linked to a BMC or approved by a technician are taken."""
+    linked to a BMC or approved by a technician are taken. ``placement``: packed into NVLink
+    domains, racks or IB leaves, or spread over power domains (``metald.claims.placement``);
+    one that cannot be placed raises ``Unplaceable`` with the free machines per domain."""
     if count < 1:
         raise Unprocessable("count must be at least 1")
     keys = list(ssh_authorized_keys or [])
+    os = os or OsRequest()
     if session.get(Tenant, tenant_id) is None:
         raise NotFound(f"no tenant with id {tenant_id!r}")
     if idempotency_key and (c := _existing(session, tenant_id, idempotency_key)):
-        return _replay(c, count, selector, image_id, keys), True
+        return _replay(session, c, count, selector, image_id, keys, os, placement), True
+    checked = tenant_os.check_user_data(os.settings, os.user_data, os.meta_data)
     image = get_image(session, image_id, tenant_id)  # scoped images: their tenants only
     intent = provision_intent(image.id, image.kind, image.spec, deploy)
     strict = bmc_required(session, require_bmc)
@@ -262,18 +304,26 @@ def create_claim(
             selector=selector.to_dict(),
             image=image.id,
             ssh_authorized_keys=keys,
+            network=os.network or None,
+            storage=os.storage or None,
+            placement=placement.to_dict() if placement else None,
             state="allocated",
             created_by=actor,
         )
         session.add(claim)
         session.flush()
+        tenant_os.save_user_data(session, claim.id, os.user_data, os.meta_data, checked)
         dialect = session.get_bind().dialect.name
-        stmt, exact = selector.narrow(claimable(select(Machine)), dialect)
-        if not exact:
-            # Labels or globs SQL cannot check alike: match the candidates' columns in Python.
-            cand, _ = selector.narrow(claimable(select(*_MATCH_COLUMNS)), dialect)
-            ids = [m.id for m in session.exec(cand).all() if selector.matches(m)]
-            stmt = claimable(select(Machine).where(col(Machine.id).in_(ids)))
+        if placement is not None:
+            stmt = _placed(session, claimable, selector, count, placement)
+        else:
+            stmt, exact = selector.narrow(claimable(select(Machine)), dialect)
+            if not exact:
+                # Labels or globs SQL cannot check alike: match the candidates' columns in
+                # Python.
+                cand, _ = selector.narrow(claimable(select(*_MATCH_COLUMNS)), dialect)
+                ids = [m.id for m in session.exec(cand).all() if selector.matches(m)]
+                stmt = claimable(select(Machine).where(col(Machine.id).in_(ids)))
         # Best fit first, so the big machines stay free for the claims that need them (the
         # ix_machines_alloc order). populate_existing: the rows as locked now.
         locked = session.exec(
@@ -284,6 +334,12 @@ def create_claim(
         ).all()
         if len(locked) < count or not all(selector.matches(m) for m in locked):
             raise _Shortfall
+        # Layouts fit and addresses are taken before any machine moves (a 422 rolls back).
+        try:
+            tenant_os.prepare(session, os.settings, claim, list(locked))
+        except Unprocessable:
+            session.rollback()
+            raise
         for m in locked:
             machines.transition(
                 session,
@@ -328,7 +384,51 @@ def create_claim(
         c = _existing(session, tenant_id, idempotency_key) if idempotency_key else None
         if c is None:
             raise
-        return _replay(c, count, selector, image_id, keys), True
+        return _replay(session, c, count, selector, image_id, keys, os, placement), True
+
+
+#: What placement reads of each candidate, besides what ``Selector.matches`` reads.
+_PLACE_COLUMNS = (
+    *_MATCH_COLUMNS,
+    Machine.nvlink_domain,
+    Machine.nvlink_ready,
+    Machine.ib_leaf,
+    Machine.power_domain,
+)
+
+
+def _placed(
+    session: Session,
+    claimable: Callable[[Any], Any],
+    selector: Selector,
+    count: int,
+    placement: Placement,
+) -> Any:
+    """The machines ``placement`` picks among the free ones matching ``selector``, as a
+    statement to lock them with. Every candidate's domains are read (a placement weighs the
+    whole fleet); refuses with ``Unplaceable`` when they do not fit."""
+    dialect = session.get_bind().dialect.name
+    cand, _ = selector.narrow(claimable(select(*_PLACE_COLUMNS)), dialect)
+    rows = [
+        m
+        for m in session.exec(
+            cand.order_by(col(Machine.gpu_count), col(Machine.memory_mb), col(Machine.id))
+        ).all()
+        if selector.matches(m)
+    ]
+    candidates = [
+        Candidate(
+            id=m.id,
+            # A tray whose GPUs are not all registered in the domain would slow the job.
+            nvlink_domain=m.nvlink_domain if m.nvlink_ready else None,
+            rack=m.rack,
+            ib_leaf=m.ib_leaf,
+            power_domain=m.power_domain,
+        )
+        for m in rows
+    ]
+    ids = placing.choose(candidates, count, placement)
+    return claimable(select(Machine).where(col(Machine.id).in_(ids)))
 
 
 def _allocate_or_explain(
@@ -347,6 +447,9 @@ def _allocate_or_explain(
             return retrying(session, allocate)
         except _Shortfall:
             session.rollback()
+        except Unplaceable:
+            session.rollback()
+            raise
         matched, available = count_matching(session, selector, vouched_only=strict)
         session.rollback()
         if available < count or time.monotonic() > deadline:
@@ -369,6 +472,30 @@ def _allocate_or_explain(
         time.sleep(random.uniform(0.005, 0.05))
 
 
+def _same_domains(
+    session: Session, claim: Claim, claimable: Callable[[Any], Any]
+) -> Callable[[Any], Any]:
+    """For a packed claim, only machines in the domains its machines sit in (a replacement
+    outside the NVLink domain would slow the whole job); else ``claimable`` unchanged."""
+    placement = Placement.from_dict(claim.placement, claim.count) if claim.placement else None
+    if placement is None or placement.pack is None:
+        return claimable
+    column = getattr(Machine, placement.key)
+    held = {
+        v
+        for v in session.exec(select(column).where(Machine.claim_id == claim.id)).all()
+        if v is not None
+    }
+
+    def narrowed(stmt: Any) -> Any:
+        stmt = claimable(stmt).where(col(column).in_(sorted(held)))
+        if placement.pack == "nvlink-domain":
+            stmt = stmt.where(col(Machine.nvlink_ready).is_(True))
+        return stmt
+
+    return narrowed
+
+
 def claim_replacement(
     session: Session,
     claim: Claim,
@@ -382,11 +509,13 @@ def claim_replacement(
     """One more machine for ``claim``, of its selector and image, locked and moved to
     ``claimed`` like the claim's own (``create_claim``) but not committed: the caller records
     what it was claimed for in the same transaction (a remediation's replacement, so a crash
-    never claims two). None when no free machine matches."""
+    never claims two). A packed claim's replacement comes from the domains its machines sit
+    in. None when no free machine matches."""
     selector = Selector.from_dict(claim.selector)
     image = get_image(session, claim.image or "", claim.tenant_id)
     intent = provision_intent(image.id, image.kind, image.spec, deploy)
     claimable = _claimable(bmc_required(session, require_bmc))
+    claimable = _same_domains(session, claim, claimable)
     dialect = session.get_bind().dialect.name
     stmt, exact = selector.narrow(claimable(select(Machine)), dialect)
     if not exact:

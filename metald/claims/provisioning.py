@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from sqlmodel import Session, col, select
 
+from metald.claims import tenant_os
 from metald.lifecycle import AGENT_OPERATIONS, INSTALLED, State
 from metald.provision.metadata import nocloud
 from metald.store.models import Claim, Image, Machine, Nic, WgHub
@@ -26,6 +27,9 @@ class AgentStep:
     nocloud: dict[str, str] | None = None
     #: Where and with what one-time token the node joins (``url``, ``token``, ``expires_at``).
     join: dict[str, str] | None = None
+    #: The claim's storage layout on this machine (``metald.provision.storage.Plan``): the
+    #: agent writes the image to ``root[0]``; None: the agent's own choice.
+    storage: dict[str, Any] | None = None
 
 
 def next_step(
@@ -38,6 +42,7 @@ def next_step(
     join_token_ttl_s: int,
     join_ca: str = "",
     instance: str | None = None,
+    settings: tenant_os.TenantOs | None = None,
 ) -> AgentStep:
     """While provisioning, the image to write and the first-boot metadata (with, for a tenant
     with a hub, a fresh one-time join token); while wiping, ``wipe``; a stateless node of a
@@ -70,13 +75,24 @@ def next_step(
         join = {"url": join_url, "token": secret, "expires_at": expires.isoformat()}
         if join_ca:  # the CA the node pins for an https url (metald.boot.pki)
             join["ca"] = join_ca
+    ud = tenant_os.user_data_for(s, c.id, mid) if c else None
     files = nocloud(
         machine_id=mid,
         name=m.name,
         pxe_mac=pxe.mac if pxe else None,
         ssh_authorized_keys=list(c.ssh_authorized_keys or []) if c else [],
         join=join,
+        user_data=ud.user_data if ud else None,
+        meta_extra=ud.meta_data if ud else None,
+        # A machine that joined the claim later (a remediation's replacement) takes its
+        # addresses now; the claim's own took theirs with the claim.
+        network=(
+            tenant_os.network_config(s, settings or tenant_os.TenantOs(), c, m, allocate=True)
+            if c and c.network
+            else None
+        ),
     )
+    s.commit()
     if rejoin and join is None:
         return AgentStep("none", mid)
     return AgentStep(
@@ -85,4 +101,5 @@ def next_step(
         image={"id": img.id, "kind": img.kind, **img.spec},
         nocloud=files,
         join=join,
+        storage=tenant_os.storage_plan(c, m) if c else None,
     )

@@ -12,6 +12,7 @@ from sqlmodel import Session
 from metald import machines
 from metald.auth import revoke_machine_tokens
 from metald.claims.records import claim_machines, retrying, switch_plan
+from metald.claims.tenant_os import forget_user_data, release_addresses
 from metald.errors import Conflict, NotFound
 from metald.lifecycle import ALLOCATED, State, Trigger
 from metald.provision.intents import DeployImage, wipe_intent
@@ -88,10 +89,15 @@ def release_claim(
                 commit=False,
             )
             wiping.append(m.id)
+        detached = []
         for m in attached:
             if remaining == 0 or only is None or m.id in only:
                 # Broken machines leave with the claim; a technician repairs and wipes them.
                 _detach(session, m, actor=actor, reason=reason, instance=instance)
+                detached.append(m.id)
+        # Their static addresses go back to the pools with them.
+        release_addresses(session, claim_id, wiping + detached)
+        forget_user_data(session, claim_id, wiping + detached, ended=remaining == 0)
         if remaining == 0:
             c.state = "released"
         c.version += 1

@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
 from sqlmodel import Session
 
 from metald.claims import allocation, records, release
+from metald.claims.placement import Placement
+from metald.claims.tenant_os import OsRequest, TenantOs
 from metald.errors import Unprocessable
 from metald.lifecycle import NETWORK_BOOT
 from metald.provision import commissioning
@@ -98,6 +100,9 @@ class ClaimRequest:
     image_id: str
     idempotency_key: str | None
     ssh_authorized_keys: list[str]
+    #: User-data, meta-data, network and storage of the deployed OS (docs/tenant-os.md).
+    os: OsRequest = field(default_factory=OsRequest)
+    placement: Placement | None = None
 
 
 @dataclass
@@ -120,6 +125,8 @@ class ClaimWorkflow:
     mesh: MeshRelease | None = None
     #: Restores BIOS settings and BMC accounts and checks firmware before the wipe.
     cleanup: ReleaseCleanup | None = None
+    #: [provision] settings of the tenant's OS: cloud-config schema, size limit, address pools.
+    tenant_os: TenantOs = field(default_factory=TenantOs)
 
     def network_boot(self, machine_ids: list[str], actor: str) -> None:
         """Boot machines a step outside this workflow moved into a network-booting state."""
@@ -153,6 +160,8 @@ class ClaimWorkflow:
                 ssh_authorized_keys=b.ssh_authorized_keys,
                 instance=self.instance,
                 require_bmc=self.require_bmc,
+                os=replace(b.os, settings=self.tenant_os),
+                placement=b.placement,
             )
             started: list[str] = []
             if not replayed:

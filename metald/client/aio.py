@@ -113,6 +113,9 @@ class AsyncClient:
     async def take_repair(self, ref: str) -> Json:
         return await self.call("POST", f"/api/v1/repairs/{ref}/take")
 
+    async def release_repair(self, ref: str) -> Json:
+        return await self.call("POST", f"/api/v1/repairs/{ref}/release")
+
     async def note_repair(self, ref: str, text: str) -> Json:
         return await self.call("POST", f"/api/v1/repairs/{ref}/note", {"text": text})
 
@@ -129,6 +132,7 @@ class AsyncClient:
         selector: Json | None = None,
         ssh_keys: list[str] | None = None,
         idempotency_key: str | None = None,
+        os: Json | None = None,
     ) -> Json:
         body = claim_body(
             tenant,
@@ -137,6 +141,7 @@ class AsyncClient:
             selector=selector,
             ssh_keys=ssh_keys,
             idempotency_key=idempotency_key,
+            os=os,
         )
         return await self.call("POST", "/api/v1/claims", body)
 

@@ -80,8 +80,11 @@ def claim_body(
     selector: Json | None = None,
     ssh_keys: list[str] | None = None,
     idempotency_key: str | None = None,
+    os: Json | None = None,
 ) -> Json:
-    body: Json = {"tenant_id": tenant, "count": count, "image_id": image}
+    """``os``: the tenant's OS fields (``user_data``, ``meta_data``, ``network``, ``storage``;
+    docs/tenant-os.md), passed as given."""
+    body: Json = {"tenant_id": tenant, "count": count, "image_id": image, **(os or {})}
     if selector:
         body["selector"] = selector
     if ssh_keys:

@@ -129,6 +129,10 @@ class Client:
     def take_repair(self, ref: str) -> Json:
         return self.call("POST", f"/api/v1/repairs/{ref}/take")
 
+    def release_repair(self, ref: str) -> Json:
+        """Let go of a taken repair: open in the queue again, the machine broken again."""
+        return self.call("POST", f"/api/v1/repairs/{ref}/release")
+
     def note_repair(self, ref: str, text: str) -> Json:
         return self.call("POST", f"/api/v1/repairs/{ref}/note", {"text": text})
 
@@ -148,6 +152,7 @@ class Client:
         selector: Json | None = None,
         ssh_keys: list[str] | None = None,
         idempotency_key: str | None = None,
+        os: Json | None = None,
     ) -> Json:
         """Claim ``count`` machines for ``tenant`` (retry with the same idempotency key
         after a lost answer: the same claim comes back, nothing new is allocated)."""
@@ -158,6 +163,7 @@ class Client:
             selector=selector,
             ssh_keys=ssh_keys,
             idempotency_key=idempotency_key,
+            os=os,
         )
         return self.call("POST", "/api/v1/claims", body)
 

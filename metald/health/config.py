@@ -61,6 +61,26 @@ class LimitsConfig(_Model):
     per_rack: int = Field(default=2, ge=1, le=10_000)
 
 
+class IntakeConfig(_Model):
+    """How fast BMCs and nodes may push to metald, per instance (``metald.healthwatch.intake``):
+    token buckets (``burst`` at once, refilled at ``per_s`` a second) checked before the store
+    is touched; past any, 429 with Retry-After. A burst of 0 turns that bucket off."""
+
+    #: Per BMC id: a BMC pushing its event log. A healthy one sends a few events a minute.
+    bmc_event_burst: int = Field(default=20, ge=0, le=100_000)
+    bmc_event_per_s: float = Field(default=0.5, ge=0, le=10_000)
+    #: Per presented node token: the store's own limit (``report_min_interval_s``) still holds
+    #: for a valid one; this bounds what guessed or replayed tokens cost.
+    report_burst: int = Field(default=20, ge=0, le=100_000)
+    report_per_s: float = Field(default=2.0, ge=0, le=10_000)
+    #: Per source address, for each of the two routes.
+    source_burst: int = Field(default=200, ge=0, le=1_000_000)
+    source_per_s: float = Field(default=50.0, ge=0, le=100_000)
+    #: In all, for each of the two routes (1,000 nodes every 15 s is about 67 a second).
+    total_burst: int = Field(default=2000, ge=0, le=1_000_000)
+    total_per_s: float = Field(default=500.0, ge=0, le=1_000_000)
+
+
 class HealthConfig(_Model):
     #: Rules ahead of (or replacing, by id) the built-in table (``docs/health.md``).
     rules: list[RuleConfig] = Field(default_factory=list)
@@ -79,6 +99,7 @@ class HealthConfig(_Model):
     #: By SKU name; wins over ``policy``.
     sku_policies: dict[str, PolicyConfig] = Field(default_factory=dict)
     limits: LimitsConfig = LimitsConfig()
+    intake: IntakeConfig = IntakeConfig()
     #: The interval metald tells each node agent to report at.
     report_interval_s: int = Field(default=15, ge=1, le=3600)
     #: A node reporting again sooner than this gets 429 with Retry-After (nothing recorded).

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
-from metald.commissioning.parsers import gpu_text, host, ib, nvidia_smi
+from metald.commissioning.parsers import dcgm, gpu_text, host, ib, nvidia_smi
 from metald.health.signals import Kind, Signal, Witness
 
 #: Signals kept from one report (a hostile node cannot flood the classifier).
@@ -31,6 +32,8 @@ class NodeReport:
     smart: str | None = None
     #: InfiniBand ports as the agent prints them (``metald.commissioning.parsers.ib``).
     ib_ports: str | None = None
+    #: ``dcgmi health --check --json`` (where DCGM runs with health watches set).
+    dcgm_health: str | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,18 @@ def report_signals(report: NodeReport, *, gpu_count: int | None) -> NodeSignals:
             if p["state"] != "ACTIVE":
                 out.append(Signal(Kind.IB_PORT, Witness.NODE, p["port"], p["state"].lower(), at,
                                   f"{p['port']} {p['state']} {p['rate_gbps']:g} Gb/sec"))  # fmt: skip
+    if report.dcgm_health is not None:
+        try:
+            overall, incidents = dcgm.parse_health(report.dcgm_health)
+        except ValueError as e:
+            bad.append(str(e))
+            incidents = []
+        for i in incidents:
+            # DCGM names the GPU by its index (its entity id), not its PCI address.
+            subject = f"{i['group']} {i['entity']}"
+            out.append(Signal(Kind.DCGM_HEALTH, Witness.NODE, subject, i["health"].lower(), at,
+                              f"dcgmi health -c: {subject} {i['system']} {i['health']}: "
+                              f"{i['message']}"))  # fmt: skip
     if len(out) > MAX_SIGNALS:
         bad.append(f"the report held {len(out)} signals; the first {MAX_SIGNALS} were kept")
     return NodeSignals(out[:MAX_SIGNALS], bad)
@@ -174,3 +189,45 @@ def silence(last_report: datetime | None, since: datetime, now: datetime) -> Sig
     secs = max(0.0, (now - ref).total_seconds())
     return Signal(Kind.SILENCE, Witness.METALD, "node", "heartbeat", now,
                   f"no node report since {ref.isoformat()} ({secs:.0f} s)", secs)  # fmt: skip
+
+
+#: Readings kept per GPU, and GPUs per machine, across reports (``carry_ecc``).
+MAX_ECC_READINGS = 32
+MAX_ECC_GPUS = 64
+
+
+def carry_ecc(
+    kept: dict[str, Any] | None, report: Iterable[Signal], *, now: datetime, window_s: float
+) -> tuple[list[Signal], dict[str, Any] | None]:
+    """Correctable-ECC storms across reports: the node's ``correctable-aggregate`` readings of
+    this report added to those kept from earlier ones (``{gpu: [[iso time, count], ...]}``,
+    within ``window_s``), the rate over them (``ecc_storms``), and what to keep now (None when
+    nothing). Only readings of the node witness are carried: the storm is the node's word."""
+    since = now - timedelta(seconds=window_s)
+    series: list[Signal] = []
+    for gpu, rows in list((kept or {}).items())[:MAX_ECC_GPUS]:
+        for row in rows if isinstance(rows, list) else []:
+            try:
+                at, value = datetime.fromisoformat(str(row[0])), float(row[1])
+            except (TypeError, ValueError, IndexError):
+                continue
+            if since <= at <= now:
+                series.append(Signal(Kind.GPU_ECC, Witness.NODE, str(gpu), "correctable-aggregate",
+                                     at, "", value))  # fmt: skip
+    fresh = [
+        r for r in report
+        if r.kind == Kind.GPU_ECC and r.code == "correctable-aggregate" and r.value is not None
+        and r.witness == Witness.NODE
+    ]  # fmt: skip
+    if not fresh:
+        return [], kept
+    series += fresh
+    storms = [s for s in ecc_storms(series, now=now, window_s=window_s) if s.value]
+    keep: dict[str, list[list[Any]]] = {}
+    for r in sorted(series, key=lambda r: r.at):
+        rows = keep.setdefault(r.subject, [])
+        if rows and rows[-1][1] == r.value:
+            continue  # the same count again: the first reading of it is the one that counts
+        rows.append([r.at.isoformat(), r.value])
+    out = {g: rows[-MAX_ECC_READINGS:] for g, rows in list(keep.items())[:MAX_ECC_GPUS]}
+    return storms, out or None

@@ -75,6 +75,15 @@ def _gpu(kind: str, subject: str, inv: Mapping[str, Any]) -> dict[str, Any]:
     gpus = list(inv.get("gpus") or [])
     key = pci_key(subject)
     gpu = next((g for g in gpus if key and pci_key(str(g.get("address") or "")) == key), None)
+    if gpu is None and kind == "dcgm-health" and subject.startswith("GPU ") and key is None:
+        known = ", ".join(f"{g.get('address')} (serial {g.get('serial') or 'unknown'})"
+                          for g in gpus)  # fmt: skip
+        return {
+            "part": "gpu",
+            "where": f"DCGM's {subject} (its index in the driver's order, `nvidia-smi -L`); "
+            f"the inventory's GPUs: {known or 'none recorded'}",
+            "dcgm_gpu_index": subject.removeprefix("GPU "),
+        }
     if gpu is None:
         if kind == "gpu-count" or key is None:
             known = ", ".join(

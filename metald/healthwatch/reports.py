@@ -29,7 +29,7 @@ from sqlmodel import Session, col
 from metald.errors import Forbidden
 from metald.health.classify import Severity, Table
 from metald.health.config import HealthConfig
-from metald.health.node import MAX_SIGNALS, NodeReport, report_signals
+from metald.health.node import MAX_SIGNALS, NodeReport, carry_ecc, report_signals
 from metald.health.signals import Kind
 from metald.healthwatch import faults
 from metald.healthwatch.workflow import open_for
@@ -138,9 +138,13 @@ def accept(
         nvlink=body.get("nvlink"),
         smart=body.get("smart"),
         ib_ports=body.get("ib_ports"),
+        dcgm_health=body.get("dcgm_health"),
     )
     got = report_signals(report, gpu_count=m.gpu_count or None)
-    classified = [table.classify(sig) for sig in got.signals]
+    # A storm of correctable ECC is a rate over this report's counts and the earlier ones'.
+    storms, ecc_kept = carry_ecc(hb.ecc_readings if hb is not None else None, got.signals,
+                                 now=now, window_s=cfg.ecc_window_s)  # fmt: skip
+    classified = [table.classify(sig) for sig in [*got.signals, *storms]]
     new_faults, opened = 0, None
     # Nothing the node says can clear a fault (the trust rule): a report without a finding
     # changes no fault, so the faults are not even read.
@@ -153,6 +157,7 @@ def accept(
         hb = NodeHeartbeat(machine_id=m.id, last_at=now, reports=0)
     hb.last_at, hb.reports, hb.unreadable = now, hb.reports + 1, got.unreadable[:10]
     hb.claim_id = m.claim_id
+    hb.ecc_readings = ecc_kept
     clean = not got.unreadable and all(c.severity == Severity.OK for c in classified)
     digest = gpu_digest(report.nvidia_smi_xml, m.gpu_count or None, table) if clean else None
     hb.digests = None
@@ -253,6 +258,7 @@ def _rest_clean(body: dict[str, Any], now: datetime, table: Table, base: int) ->
             nvlink=body.get("nvlink"),
             smart=body.get("smart"),
             ib_ports=body.get("ib_ports"),
+            dcgm_health=body.get("dcgm_health"),
         ),
         gpu_count=None,
     )

@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from metald.inventory import pci_ids
+from metald.inventory.nvlink import NvlinkFacts, parse_fabric
 from metald.inventory.schema import SCHEMA_VERSION, InventoryPayload
 
 #: Strings firmware vendors leave in DMI fields that identify nothing.
@@ -90,6 +91,17 @@ class LldpNeighbour(BaseModel):
     port_descr: str | None = None
 
 
+class IbPortFacts(BaseModel):
+    device: str
+    port: int
+    #: ``0x`` and 16 lower-case hex digits.
+    port_guid: str
+    node_guid: str | None = None
+    link_layer: str | None = None
+    state: str | None = None
+    rate: str | None = None
+
+
 class NormalizedInventory(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -115,6 +127,10 @@ class NormalizedInventory(BaseModel):
     lldp: list[LldpNeighbour] = []
     #: "switch/port" from LLDP of the first NIC that has a neighbour: a rack position candidate.
     rack_position_hint: str | None = None
+    #: RDMA ports (InfiniBand and RoCE) with their GUIDs.
+    infiniband: list[IbPortFacts] = []
+    #: The GPUs' NVLink fabric (multi-node NVLink systems); None without one.
+    nvlink: NvlinkFacts | None = None
 
     def machine_fields(self) -> dict[str, Any]:
         """The ``Machine`` columns this inventory sets."""
@@ -128,6 +144,8 @@ class NormalizedInventory(BaseModel):
             "memory_mb": self.memory_mb,
             "gpu_model": self.gpu_model,
             "gpu_count": self.gpu_count,
+            "nvlink_domain": self.nvlink.domain if self.nvlink else None,
+            "nvlink_ready": bool(self.nvlink and self.nvlink.ready),
         }
 
 
@@ -319,6 +337,12 @@ def normalize(payload: InventoryPayload) -> NormalizedInventory:
         ),
         None,
     )
+    nvlink = None
+    if payload.raw.nvidia_smi_xml:
+        try:
+            nvlink = parse_fabric(payload.raw.nvidia_smi_xml)
+        except (ET.ParseError, ValueError):
+            nvlink = None
     return NormalizedInventory(
         vendor=clean(s.vendor),
         product=clean(s.product),
@@ -357,6 +381,19 @@ def normalize(payload: InventoryPayload) -> NormalizedInventory:
         bmc=bmc,
         lldp=lldp,
         rack_position_hint=hint,
+        infiniband=[
+            IbPortFacts(
+                device=p.device,
+                port=p.port,
+                port_guid=p.port_guid.lower(),
+                node_guid=p.node_guid.lower() if p.node_guid else None,
+                link_layer=p.link_layer,
+                state=p.state,
+                rate=p.rate,
+            )
+            for p in payload.infiniband
+        ],
+        nvlink=nvlink,
     )
 
 

@@ -114,6 +114,22 @@ class PciDevice(_Strict):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
+class IbPort(_Strict):
+    """An RDMA port from /sys/class/infiniband/DEV/ports/N: its GUID is the lower 64 bits of
+    GID 0 (what the subnet manager and ``ibnetdiscover`` name it by)."""
+
+    device: Name
+    port: Annotated[int, Field(ge=1, le=255)]
+    port_guid: Annotated[str, Field(pattern=r"^0x[0-9a-fA-F]{16}$")]
+    node_guid: Annotated[str, Field(pattern=r"^0x[0-9a-fA-F]{16}$")] | None = None
+    #: InfiniBand or Ethernet (RoCE ports have GUIDs too, but no subnet manager).
+    link_layer: Annotated[str, Field(max_length=16)] | None = None
+    #: ``4: ACTIVE``, as sysfs writes it.
+    state: Annotated[str, Field(max_length=32)] | None = None
+    #: ``400 Gb/sec (4X NDR)``, as sysfs writes it.
+    rate: Annotated[str, Field(max_length=64)] | None = None
+
+
 class RawOutputs(_Strict):
     """Verbatim vendor tool output, when the tool is in the image and works. Each is optional."""
 
@@ -144,6 +160,7 @@ class InventoryPayload(_Strict):
     disks: Annotated[list[Disk], Field(max_length=256)] = []
     nics: Annotated[list[Nic], Field(max_length=256)] = []
     pci: Annotated[list[PciDevice], Field(max_length=4096)] = []
+    infiniband: Annotated[list[IbPort], Field(max_length=64)] = []
     raw: RawOutputs = RawOutputs()
 
 

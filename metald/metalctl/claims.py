@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from metald.lifecycle import SETTLED
 
+from . import topology
 from .client import Client
 from .names import image_names, shown, tenant_names
 from .options import Subparsers, confirm, key_values
@@ -44,8 +48,22 @@ def register(sub: Subparsers) -> None:
     cc.add_argument("--min-memory-mb", type=int)
     cc.add_argument("--label", action="append", default=[], help="key=value")
     cc.add_argument("--rack")
+    cc.add_argument(
+        "--pack",
+        choices=["nvlink-domain", "rack", "ib-leaf"],
+        help="every group of machines in one NVLink domain, rack or InfiniBand leaf",
+    )
+    cc.add_argument("--group-size", type=int, help="machines per packed group (default: all)")
+    cc.add_argument(
+        "--spread", choices=["power-domain"], help="spread the machines over power domains"
+    )
     cc.add_argument("--ssh-key", action="append", default=[])
     cc.add_argument("--idempotency-key")
+    cc.add_argument(
+        "--user-data", metavar="FILE", help="cloud-init user-data for every machine (any form)"
+    )
+    cc.add_argument("--network", metavar="FILE", help="network request, JSON or YAML")
+    cc.add_argument("--storage", metavar="FILE", help="storage layout, JSON or YAML")
     cc.add_argument(
         "--wait", action="store_true", help="then redraw progress until every machine settles"
     )
@@ -59,6 +77,12 @@ def register(sub: Subparsers) -> None:
         help="redraw progress until every machine settles",
     )
     cs.set_defaults(func=show)
+    ct = csub.add_parser(
+        "topology", help="a claim's Slurm topology.conf (tree or block) or IMEX nodes_config"
+    )
+    ct.add_argument("id")
+    ct.add_argument("what", nargs="?", default="tree", choices=["tree", "block", "imex"])
+    ct.set_defaults(func=topology.claim_topology)
     cr = csub.add_parser("release", help="release a claim: its machines are wiped and freed")
     cr.add_argument("id")
     cr.add_argument("--machine", help="release only this machine of the claim (scale down)")
@@ -129,6 +153,19 @@ def create(args: argparse.Namespace, c: Client) -> None:
     }
     if args.idempotency_key:
         body["idempotency_key"] = args.idempotency_key
+    if args.user_data:
+        body["user_data"] = Path(args.user_data).read_text()
+    for field in ("network", "storage"):
+        if getattr(args, field):
+            body[field] = yaml.safe_load(Path(getattr(args, field)).read_text())
+    if args.pack or args.spread:
+        body["placement"] = {
+            k: v
+            for k, v in (
+                ("pack", args.pack), ("spread", args.spread), ("group_size", args.group_size)
+            )
+            if v is not None
+        }  # fmt: skip
     claim = c.call("POST", "/api/v1/claims", body)
     if not args.wait:
         emit(args, claim, claim_table)

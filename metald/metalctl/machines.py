@@ -8,8 +8,9 @@ import time
 from typing import Any
 
 from metald.lifecycle import HANDOFF, TIMEOUTS, State
+from metald.units import disk_size, mib
 
-from . import bmc, bulk, commissioning, console, repairs
+from . import attestation, bmc, bulk, commissioning, console, repairs
 from .client import Client
 from .names import shown, tenant_names
 from .options import POWER_ACTIONS, Subparsers, UsageError, confirm, key_values, machine_ref
@@ -21,7 +22,7 @@ COLUMNS = [
     ("NAME", "name_s"),
     ("STATE", "state"),
     ("GPUS", "gpus"),
-    ("MEM_GB", "mem"),
+    ("MEMORY", "mem"),
     ("RACK", "rack"),
     ("LABELS", "labels_s"),
     ("TENANT", "tenant"),
@@ -29,7 +30,7 @@ COLUMNS = [
     ("WHY", "why"),
 ]
 #: States a machine is held in for a reason someone gave (or a failure): WHY shows it.
-HELD = frozenset({"maintenance", "broken", "repairing", "retired"})
+HELD = frozenset({"maintenance", "broken", "repairing", "retired", "attestation-failed"})
 SHOW_FIELDS = (
     "id",
     "name",
@@ -37,6 +38,10 @@ SHOW_FIELDS = (
     "version",
     "rack",
     "rack_position",
+    "power_domain",
+    "nvlink_domain",
+    "nvlink_ready",
+    "ib_leaf",
     "firmware",
     "vendor",
     "product",
@@ -135,6 +140,7 @@ def register(sub: Subparsers) -> None:
     mn.add_argument("name")
     mn.set_defaults(func=rename)
     commissioning.register(msub)
+    attestation.register(msub)
     repairs.register(msub)
     console.add_to(msub)
 
@@ -144,7 +150,7 @@ def row(m: dict[str, Any]) -> dict[str, Any]:
     r["name_s"] = m.get("name") or "-"
     r["short_id"] = m["id"][:8]
     r["gpus"] = f"{m['gpu_count']}x {m['gpu_model']}" if m.get("gpu_count") else "-"
-    r["mem"] = round(m["memory_mb"] / 1024) if m.get("memory_mb") else None
+    r["mem"] = mib(m.get("memory_mb")) or None
     r["labels_s"] = ",".join(f"{k}={v}" for k, v in sorted((m.get("labels") or {}).items()))
     held = m.get("state") in HELD or str(m.get("state", "")).endswith("-failed")
     r["why"] = m.get("last_error") or (m.get("state_reason") if held else None) or ""
@@ -177,7 +183,11 @@ def _details(m: dict[str, Any]) -> str:
     lines = [f"{k + ':':15} {'' if m.get(k) is None else m[k]}" for k in SHOW_FIELDS]
     labels = ", ".join(f"{k}={v}" for k, v in sorted(m["labels"].items()))
     nics = ", ".join(n["mac"] + (" (pxe)" if n["pxe"] else "") for n in m["nics"])
+    disks = ((m.get("inventory") or {}).get("normalized") or {}).get("disks") or []
     lines += [
+        f"{'memory:':15} {mib(m.get('memory_mb'))}",
+        f"{'disks:':15} "
+        + ", ".join(f"{d.get('name')} {disk_size(d.get('size_bytes'))}" for d in disks),
         f"{'labels:':15} {labels}",
         f"{'nics:':15} {nics}",
         f"{'actions:':15} {', '.join(m['allowed_actions'])}",
@@ -200,12 +210,13 @@ def register_machine(args: argparse.Namespace, c: Client) -> None:
 
 
 def label(args: argparse.Namespace, c: Client) -> None:
-    """Labels, and ``rack=r07`` / ``rack-``: the machine's rack field (the RACK column, what
-    ``--selector rack=`` matches); rack is never a label."""
+    """Labels, and ``rack=r07`` / ``power_domain=feed-a`` (``-`` to clear): the machine's rack
+    and power domain fields (what claims match and spread over); they are never labels."""
     patch = key_values(args.labels)
     m = None
-    if "rack" in patch:
-        m = c.call("PATCH", f"/api/v1/machines/{args.id}", {"rack": patch.pop("rack")})
+    fields = {k: patch.pop(k) for k in ("rack", "power_domain") if k in patch}
+    if fields:
+        m = c.call("PATCH", f"/api/v1/machines/{args.id}", fields)
     if patch or m is None:
         m = c.call("PATCH", f"/api/v1/machines/{args.id}/labels", {"labels": patch})
     emit(

@@ -21,6 +21,7 @@ from . import (
     machines,
     tenants,
     tokens,
+    topology,
     whoami,
 )
 from .client import ApiError, Client
@@ -28,7 +29,19 @@ from .options import DEFAULT_URL, Parser, UsageError
 from .output import UnknownField, output_format
 
 #: Resource modules in the order their commands appear in ``metalctl --help``.
-RESOURCES = (machines, events, tokens, tenants, whoami, bmc, firmware, images, claims, instances)
+RESOURCES = (
+    machines,
+    events,
+    tokens,
+    tenants,
+    whoami,
+    bmc,
+    firmware,
+    images,
+    claims,
+    instances,
+    topology,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

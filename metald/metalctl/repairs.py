@@ -1,4 +1,5 @@
-"""``metalctl machines repairs``: the repair queue (list, show, open, take, note, repaired).
+"""``metalctl machines repairs``: the repair queue (list, show, open, take, release, note,
+repaired).
 
 ``list`` shows the open queue (``--status closed|all`` for the rest): machine, rack position,
 the fault, the part to look at and who took it. ``open MACHINE --summary ...`` puts a machine
@@ -28,7 +29,9 @@ STATUSES = ("open", "taken", "verifying", "closed", "all")
 
 
 def register(msub: Any) -> None:
-    rp = msub.add_parser("repairs", help="the repair queue: list, show, open, take, note, repaired")
+    rp = msub.add_parser(
+        "repairs", help="the repair queue: list, show, open, take, release, note, repaired"
+    )
     rsub = rp.add_subparsers(dest="repairs_sub", required=True)
     rl = rsub.add_parser("list", help="the queue (open ones unless --status)")
     rl.add_argument("--status", choices=STATUSES, default="open")
@@ -48,6 +51,9 @@ def register(msub: Any) -> None:
     rt = rsub.add_parser("take", help="work on it: the machine goes to repairing")
     rt.add_argument("id", help="repair id or 8+ character id prefix")
     rt.set_defaults(func=take)
+    rl2 = rsub.add_parser("release", help="let go of a taken repair: back in the queue")
+    rl2.add_argument("id", help="repair id or 8+ character id prefix")
+    rl2.set_defaults(func=release)
     rn = rsub.add_parser("note", help="what was found or swapped")
     rn.add_argument("id", help="repair id or 8+ character id prefix")
     rn.add_argument("text")
@@ -126,6 +132,10 @@ def open_repair(args: argparse.Namespace, c: Client) -> None:
 
 def take(args: argparse.Namespace, c: Client) -> None:
     emit(args, c.take_repair(args.id), _one_line)
+
+
+def release(args: argparse.Namespace, c: Client) -> None:
+    emit(args, c.release_repair(args.id), _one_line)
 
 
 def note(args: argparse.Namespace, c: Client) -> None:

@@ -261,8 +261,43 @@ def _finish(
     )
     # A machine back from repair: the verdict closes its repair or counts a failure.
     why = f"run {run.id} ({run.profile}) {status.value}: {summary}"
-    repairs.verification_ended(s, m, passed=passed, why=why, actor=actor, instance=instance)
+    verdict = repairs.verification_ended(
+        s, m, passed=passed, why=why, actor=actor, instance=instance
+    )
+    if not passed and verdict is None and _was_in_pool(s, m.id, run.id):
+        # A machine that passed commissioning before (it was in the pool) and fails now: a
+        # person must look at it. Its failed checks go to the repair queue as its evidence.
+        failed = [(c, v) for c, v in results if v.status in (Status.FAILED, Status.ERROR)]
+        now = utcnow()
+        faults = [
+            {"kind": "commissioning", "subject": check, "code": v.status.value,
+             "severity": "fatal", "witness": "commissioning", "first_seen": now,
+             "evidence": f"run {run.id} ({run.profile}) {check} {v.status.value}: {v.sentence}",
+             "why": f"commissioning check {check} {v.status.value}"}
+            for check, v in failed
+        ] or [{"kind": "commissioning", "subject": "run", "code": status.value,
+               "severity": "fatal", "witness": "commissioning", "first_seen": now,
+               "evidence": why}]  # fmt: skip
+        repairs.open_repair(s, m.id, faults=faults, source=repairs.Source.COMMISSIONING,
+                            actor=actor, instance=instance, commit=False)  # fmt: skip
+        m = machines.get_machine(s, m.id)
     return m
+
+
+def _was_in_pool(s: Session, machine_id: str, run_id: str) -> bool:
+    """Whether the machine passed a commissioning run before this one (it was in the pool)."""
+    return (
+        s.exec(
+            select(CommissioningRun.id)
+            .where(
+                CommissioningRun.machine_id == machine_id,
+                CommissioningRun.status == Status.PASSED.value,
+                CommissioningRun.id != run_id,
+            )
+            .limit(1)
+        ).first()
+        is not None
+    )
 
 
 def current_run(s: Session, machine_id: str) -> CommissioningRun | None:

@@ -24,10 +24,16 @@ def nocloud(
     pxe_mac: str | None,
     ssh_authorized_keys: list[str],
     join: dict[str, str] | None = None,
+    user_data: str | None = None,
+    meta_extra: dict[str, Any] | None = None,
+    network: dict[str, Any] | None = None,
 ) -> dict[str, str]:
-    """``meta-data``, ``user-data`` and ``network-config`` for one machine."""
+    """``meta-data``, ``user-data`` and ``network-config`` for one machine; with the tenant's
+    ``user_data``, that is served byte for byte and metald's own cloud-config goes to
+    ``vendor-data`` (docs/tenant-os.md). ``network``: the network-config (v2) to serve
+    instead of DHCP on the PXE NIC."""
     host = hostname(machine_id, name)
-    meta = {"instance-id": machine_id, "local-hostname": host}
+    meta: dict[str, Any] = {**(meta_extra or {}), "instance-id": machine_id, "local-hostname": host}
     user: dict[str, Any] = {
         "hostname": host,
         "preserve_hostname": False,
@@ -45,14 +51,20 @@ def nocloud(
             }
         ]
     net: dict[str, Any] = {"version": 2, "ethernets": {}}
-    if pxe_mac:
+    if network is not None:
+        net = network
+    elif pxe_mac:
         net["ethernets"]["pxe0"] = {
             "match": {"macaddress": pxe_mac},
             "set-name": "pxe0",
             "dhcp4": True,
         }
-    return {
+    ours = "#cloud-config\n" + json.dumps(user, indent=2) + "\n"
+    files = {
         "meta-data": json.dumps(meta, indent=2) + "\n",
-        "user-data": "#cloud-config\n" + json.dumps(user, indent=2) + "\n",
+        "user-data": ours if user_data is None else user_data,
         "network-config": json.dumps(net, indent=2) + "\n",
     }
+    if user_data is not None:
+        files["vendor-data"] = ours
+    return files

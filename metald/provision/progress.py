@@ -23,6 +23,7 @@ from metald import machines
 from metald.auth import revoke_machine_tokens
 from metald.errors import Conflict, Forbidden, MetaldError, Unprocessable
 from metald.lifecycle import AGENT_OPERATIONS, OPERATION_FAIL, State, Trigger
+from metald.provision.attestation import wipe_hold
 from metald.provision.intents import after_provisioned
 from metald.provision.wipe import evidence_problems, recorded_disks
 from metald.store.models import Event, Machine, as_utc, utcnow
@@ -165,13 +166,20 @@ def record_progress(
     if trigger is Trigger.WIPED:
         # The wipe image's token has done its job; nothing may act as this machine now.
         revoke_machine_tokens(session, m.id, commit=False)
+    reason = p.error[:MAX_ERROR] if p.error else f"agent reported {p.phase} done"
+    if trigger is Trigger.WIPED:
+        # The disks are clean either way; what booted may not be what booted last time.
+        hold = wipe_hold(session, m, token_boot)
+        if hold is not None:
+            trigger, reason = Trigger.ATTEST_FAIL, f"wiped, but held: {hold}"[:MAX_ERROR]
+            updates["last_error"] = reason
     then = on_wiped if trigger is Trigger.WIPED else None
     m = machines.transition(
         session,
         m.id,
         trigger,
         actor=actor,
-        reason=p.error[:MAX_ERROR] if p.error else f"agent reported {p.phase} done",
+        reason=reason,
         expected_version=m.version,
         updates=updates,
         instance=instance,

@@ -20,6 +20,7 @@ from sqlalchemy import (
     LargeBinary,
     Text,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.expression import FunctionElement
@@ -93,6 +94,17 @@ class Machine(SQLModel, table=True):
     #: A technician vouched for this machine (enroll.require_bmc: claimable without a BMC).
     approved_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
     approved_by: str | None = None
+    #: ``<clusterUuid>.<cliqueId>`` its GPUs report (metald.inventory.nvlink); placement packs
+    #: by it only while ``nvlink_ready`` (every GPU present and registered in that domain).
+    nvlink_domain: str | None = Field(default=None, index=True)
+    nvlink_ready: bool = Field(default=False, sa_column_kwargs={"server_default": false()})
+    #: The InfiniBand leaf switch(es) its ports are cabled to (metald.fabric_topology).
+    ib_leaf: str | None = Field(default=None, index=True)
+    #: Set by people (PATCH): the power feed or PDU group the machine hangs off.
+    power_domain: str | None = Field(default=None, index=True)
+    #: The boot whose measured-boot attestation passed (or taught the golden values): the
+    #: machine is attested while this is its current boot (``metald.provision.attestation``).
+    attested_boot: str | None = None
     state_changed_at: datetime = _ts()
     created_at: datetime = _ts()
     updated_at: datetime = _ts()
@@ -204,6 +216,13 @@ class Claim(SQLModel, table=True):
     image: str | None = None
     #: Public SSH keys written into each machine's first-boot metadata (cloud-init NoCloud).
     ssh_authorized_keys: list[str] | None = Field(default=None, sa_column=Column(JSON))
+    #: The deployed OS's network request (metald.provision.netplan); None: DHCP on the PXE NIC.
+    network: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    #: The storage layout (metald.provision.storage); None: the image on the smallest disk.
+    storage: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    #: How the machines were placed (metald.claims.placement): {"pack": ..., "group_size": ...}
+    #: or {"spread": "power-domain"}; None: no placement asked.
+    placement: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
     #: pending, allocated, released, failed.
     state: str = "pending"
     #: The tenant consents to its machines being drained (Day-2 path: drained in its
@@ -257,6 +276,53 @@ class ElasticQuota(SQLModel, table=True):
     max_machines: int | None = None
     per_sku: dict[str, int] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     updated_by: str | None = None
+    updated_at: datetime = _ts()
+
+
+class ClaimUserData(SQLModel, table=True):
+    """A tenant's cloud-init user-data and meta-data for a claim (``machine_id`` None) or one
+    machine of it. Kept apart from ``claims`` so no claim view can carry it by accident: only
+    the machine's own agent token reads it (``metald.claims.provisioning``)."""
+
+    __tablename__ = "claim_user_data"
+
+    id: str = Field(default_factory=new_id, primary_key=True)
+    claim_id: str = Field(foreign_key="claims.id", index=True)
+    machine_id: str | None = Field(default=None, foreign_key="machines.id")
+    user_data: str | None = Field(default=None, sa_column=Column(Text))
+    #: Extra NoCloud meta-data keys (never instance-id or local-hostname).
+    meta_data: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    #: What claim views show instead of the content.
+    sha256: str | None = None
+    form: str | None = None
+    created_at: datetime = _ts()
+
+
+class IpAllocation(SQLModel, table=True):
+    """One static address metald handed out of a pool ([provision.networks.NAME]) to one
+    interface of a claimed machine; deleted when the machine leaves the claim."""
+
+    __tablename__ = "ip_allocations"
+
+    network: str = Field(primary_key=True)
+    address: str = Field(primary_key=True)
+    claim_id: str = Field(foreign_key="claims.id", index=True)
+    machine_id: str = Field(foreign_key="machines.id", index=True)
+    #: The netplan interface id (bond0.42, ib3 ...).
+    interface: str
+    created_at: datetime = _ts()
+
+
+class IbLink(SQLModel, table=True):
+    """A host port's InfiniBand neighbour: the leaf switch the fabric's discovery
+    (``ibnetdiscover``) found it cabled to. Replaced as a whole by each upload."""
+
+    __tablename__ = "ib_links"
+
+    port_guid: str = Field(primary_key=True)
+    switch_guid: str
+    switch_name: str | None = None
+    switch_port: int | None = None
     updated_at: datetime = _ts()
 
 
@@ -684,6 +750,10 @@ class NodeHeartbeat(SQLModel, table=True):
     #: (``metald.healthwatch.reports``); NULL otherwise. A report that says the same again is
     #: not parsed again.
     digests: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
+    #: Per GPU (PCI address), the correctable-ECC counts of the node's reports within
+    #: ``[health] ecc_window_s``: ``[[iso time, count], ...]`` (migration 0033). A storm is a
+    #: rate over them (``metald.health.node.ecc_storms``).
+    ecc_readings: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
 
 
 class Remediation(SQLModel, table=True):
@@ -833,3 +903,76 @@ class FirmwareRolloutTarget(SQLModel, table=True):
     error: str | None = None
     started_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
     finished_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+
+
+class AttestationKey(SQLModel, table=True):
+    """A machine's TPM attestation key (AK), enrolled at its first discovery boot."""
+
+    __tablename__ = "attestation_keys"
+
+    machine_id: str = Field(foreign_key="machines.id", primary_key=True)
+    #: TPMT_PUBLIC, hex; its TPM name (nameAlg || hash), hex.
+    ak_public: str
+    ak_name: str
+    #: The endorsement key (PEM) and its certificate (PEM) as the agent read them, if any.
+    ek_public: str | None = None
+    ek_certificate: str | None = None
+    #: How far the EK certificate was checked (``metald.provision.attestation.check_ek``).
+    ek_check: str
+    enrolled_at: datetime = _ts()
+    enrolled_boot: str | None = None
+
+
+class AttestationNonce(SQLModel, table=True):
+    """A nonce metald issued for one machine's boot: a quote over it is accepted once."""
+
+    __tablename__ = "attestation_nonces"
+
+    nonce: str = Field(primary_key=True)  # hex
+    machine_id: str = Field(foreign_key="machines.id", index=True)
+    boot: str | None = None
+    issued_at: datetime = _ts()
+    expires_at: datetime = Field(sa_type=DateTime(timezone=True))
+    used_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+
+
+class Attestation(SQLModel, table=True):
+    """One attestation a machine's agent submitted, and metald's verdict on it."""
+
+    __tablename__ = "attestations"
+
+    id: str = Field(default_factory=new_id, primary_key=True)
+    machine_id: str = Field(foreign_key="machines.id")
+    at: datetime = _ts()
+    boot: str | None = None
+    machine_state: str
+    #: learned, passed, failed (verdicts), refused (the submission proved nothing).
+    status: str
+    #: For refused: the reason code (bad-signature, stale-nonce, forged-event-log, ...).
+    reason: str | None = None
+    summary: str
+    #: ``Verdict.as_dict()``: the PCRs, the changes with their events.
+    verdict: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    #: What the boot measured (``Golden.as_dict()``): the golden values if accepted.
+    measured: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    accepted_by: str | None = None
+    accepted_reason: str | None = None
+    accepted_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
+
+    __table_args__ = (Index("ix_attestations_machine_id", "machine_id", "at"),)
+
+
+class AttestationGolden(SQLModel, table=True):
+    """Golden boot measurements: per machine (``machine:<id>``, learned on first use or
+    accepted by a technician) or per SKU (``sku:<product>``, given by an operator)."""
+
+    __tablename__ = "attestation_golden"
+
+    subject: str = Field(primary_key=True)
+    golden: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+    #: first-use, accepted, operator.
+    source: str
+    set_by: str
+    reason: str | None = None
+    set_at: datetime = _ts()
+    attestation_id: str | None = None

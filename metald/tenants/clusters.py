@@ -293,6 +293,10 @@ def _material(
     if tenant.cluster_kind == "slurm":
         features = [m.gpu_model] if m.gpu_model else []
         features += [f"{k}_{v}" for k, v in sorted(m.labels.items())]
+        # Where it sits: on Slurm 22.05 dynamic nodes cannot be placed in topology.conf's
+        # switches, so jobs pack with --constraint="[nvl_a|nvl_b]" (docs/claims.md).
+        features += slurm.topology_features(m.nvlink_domain if m.nvlink_ready else None,
+                                            m.ib_leaf, m.rack)  # fmt: skip
         return slurm.join_material(
             hub_address=hub.address,
             munge_key=base64.b64decode(stored["munge_key"]),

@@ -112,16 +112,27 @@ class SlurmControlPlane:
     #: The tenant's elastic pools: CLOUD nodes whose Resume/SuspendProgram write into the
     #: spool (``metald.tenants.elasticspool``).
     pools: list[elastic.ElasticPool] = field(default_factory=list)
+    #: topology.conf (``slurm.render_topology_tree``), used when ``topology_plugin`` is set:
+    #: then always written, so a later change is a ``scontrol reconfigure`` and not a restart
+    #: (the plugin cannot change while running).
+    topology: str = ""
+    #: ``topology/tree`` to have slurmctld read it. Off by default: Slurm 22.05 cannot put
+    #: dynamic nodes (``slurmd -Z``) in topology.conf's switches and then refuses every job on
+    #: them ("Requested node configuration is not available"); nodes carry their place as
+    #: features instead (``slurm.topology_features``). docs/claims.md.
+    topology_plugin: str | None = None
 
     @property
     def conf(self) -> Path:
         return self.workdir / "slurm.conf"
 
     def render(self) -> str:
-        extra: list[str] = []
+        extra: list[str] = (
+            [f"TopologyPlugin={self.topology_plugin}"] if self.topology_plugin else []
+        )
         params: list[str] = []
         if self.pools:
-            extra = elastic.slurm_conf_lines(self.pools, elasticspool.install(self.workdir))
+            extra += elastic.slurm_conf_lines(self.pools, elasticspool.install(self.workdir))
             params = list(elastic.CLOUD_PARAMETERS)
         return slurm.render_slurm_conf(
             slurm.ControlPlane(
@@ -186,12 +197,40 @@ class SlurmControlPlane:
         )  # fmt: skip
         return r.returncode == 0
 
+    @property
+    def topology_conf(self) -> Path:
+        # configless: slurmctld hands topology.conf (beside slurm.conf) to every slurmd
+        return self.workdir / "topology.conf"
+
+    def _write_topology(self) -> None:
+        # topology/tree refuses a switch with neither nodes nor switches (fatal), but only
+        # warns of node names it does not know: a placeholder until the first nodes come.
+        self.topology_conf.write_text(self.topology or "SwitchName=root Nodes=metald-none\n")
+
+    def set_topology(self, text: str) -> bool:
+        """Write a new topology.conf and have slurmctld read it again; False when unchanged,
+        not running, or no topology plugin is on."""
+        if text == self.topology:
+            return False
+        self.topology = text
+        if not self.topology_plugin:
+            return False
+        self._write_topology()
+        if not self.alive():
+            return False
+        r = self.run("scontrol", "reconfigure", timeout=30)
+        if r.returncode != 0:
+            raise ControlPlaneError(f"scontrol reconfigure failed: {r.stderr.strip()}")
+        return True
+
     def start(self) -> None:
         kill_stale(self.workdir)
         host = host_name(self.tenant_name)
         self.workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
         (self.workdir / "state").mkdir(mode=0o700, exist_ok=True)
         self.write_conf()
+        if self.topology_plugin:
+            self._write_topology()
         self.proc = start_machine(
             self.ns, host, self.workdir, self.munge_key, "slurmctld", "-D", "-f", str(self.conf)
         )

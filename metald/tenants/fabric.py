@@ -14,32 +14,16 @@ from typing import Any
 
 from sqlmodel import Session, col, select
 
+from metald import topology
 from metald.errors import Conflict, NotFound
 from metald.store.models import Machine, Tenant
 from metald.tenants import ipam
 
-_GUID = re.compile(r"^(0x)?([0-9a-fA-F]{16})$")
 _NAME_OK = re.compile(r"[^A-Za-z0-9_.-]")
 
-
-def normalise_guid(raw: str) -> str | None:
-    """``0x`` and 16 lower-case hex digits, or None for anything else (colon forms too)."""
-    m = _GUID.match(raw.replace(":", "").strip()) if isinstance(raw, str) else None
-    return "0x" + m.group(2).lower() if m else None
-
-
-def port_guids(inventory: dict[str, Any] | None) -> list[str]:
-    """InfiniBand port GUIDs an inventory lists (``infiniband: [{port_guid: ...}]``), each
-    once, in order; malformed ones are skipped (an agent's word is not trusted as syntax)."""
-    out: list[str] = []
-    ports = (inventory or {}).get("infiniband") or []
-    if not isinstance(ports, list):
-        return out
-    for p in ports:
-        guid = normalise_guid(p.get("port_guid", "")) if isinstance(p, dict) else None
-        if guid and guid not in out:
-            out.append(guid)
-    return out
+#: Kept here for the tenants' callers: the port GUIDs live with the topology now.
+normalise_guid = topology.normalise_guid
+port_guids = topology.port_guids
 
 
 def partition_name(tenant_name: str, pkey: int) -> str:

@@ -48,7 +48,7 @@ from metald.secrets import SecretBox
 from metald.service import TaskScope, cancel
 from metald.store import Store
 from metald.store.models import ElasticPoolRow, Machine, Tenant, WgHub, WgPeer, as_utc
-from metald.tenants import clusters, controlplane, ctlstate, elastic, elasticspool, mesh
+from metald.tenants import clusters, controlplane, ctlstate, elastic, elasticspool, mesh, slurm
 from metald.tenants.hubs import LocalHubs
 from netconfig import guard, links, netns
 from netconfig.uapi import PeerStatus
@@ -108,6 +108,8 @@ class HubSpec:
     endpoints: dict[str, str] = field(default_factory=dict)
     #: The tenant's elastic pools (CLOUD nodes in its slurm.conf).
     pools: list[elastic.ElasticPool] = field(default_factory=list)
+    #: The nodes' NVLink domains and leaves: the control plane's topology.conf.
+    topology: list[slurm.TopoNode] = field(default_factory=list)
 
 
 def load_specs(session: Session, box: SecretBox) -> list[HubSpec]:
@@ -132,6 +134,7 @@ def load_specs(session: Session, box: SecretBox) -> list[HubSpec]:
                 if "munge_key" in secrets
                 else None,
                 peers=_peers(session, tenant.id),
+                topology=topology_nodes(session, tenant.id),
                 endpoints={
                     p.public_key: p.last_endpoint
                     for p in clusters.peers(session, tenant.id)
@@ -157,6 +160,27 @@ def _peers(session: Session, tenant_id: str) -> dict[str, tuple[str, str]]:
         .where(WgPeer.tenant_id == tenant_id)
     ).all()
     return {p.public_key: (p.address, clusters.node_name(session, m)) for p, m in rows}
+
+
+def topology_nodes(session: Session, tenant_id: str) -> list[slurm.TopoNode]:
+    """The tenant's joined nodes with their NVLink domain (when ready), leaf and address."""
+    rows = session.exec(
+        select(WgPeer.address, Machine)
+        .join(Machine, col(Machine.id) == col(WgPeer.machine_id))
+        .where(WgPeer.tenant_id == tenant_id)
+    ).all()
+    return sorted(
+        (
+            slurm.TopoNode(
+                name=clusters.node_name(session, m),
+                nvlink_domain=m.nvlink_domain if m.nvlink_ready else None,
+                ib_leaf=m.ib_leaf,
+                address=addr,
+            )
+            for addr, m in rows
+        ),
+        key=lambda n: n.name,
+    )
 
 
 def free_hub_address(session: Session, pool: ipaddress.IPv4Network) -> str:
@@ -289,6 +313,7 @@ class RunningHub:
                     hub_address=s.address,
                     munge_key=s.munge_key,
                     pools=list(s.pools),
+                    topology=slurm.render_topology_tree(s.topology),
                 )
                 self.control.start()
         except BaseException:
@@ -338,6 +363,11 @@ class RunningHub:
             if not self.control.alive():
                 log.warning("tenant %s: slurmctld exited; restarting it", spec.tenant_name)
                 self.control.start()
+            try:
+                if self.control.set_topology(slurm.render_topology_tree(spec.topology)):
+                    log.info("tenant %s: topology.conf updated", spec.tenant_name)
+            except (controlplane.ControlPlaneError, subprocess.TimeoutExpired) as e:
+                log.warning("tenant %s: topology not applied: %s", spec.tenant_name, e)
             nodes = self.control.nodes()
             if nodes is not None:
                 wanted = {name for _a, name in spec.peers.values()}

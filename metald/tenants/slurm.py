@@ -126,3 +126,115 @@ def render_slurm_conf(cp: ControlPlane) -> str:
         f"PartitionName={cp.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
     ]
     return "\n".join(lines) + "\n"
+
+
+# ---- topology --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TopoNode:
+    """A tenant node and where it sits: Slurm node name, NVLink domain (None: not placed by
+    NVLink), InfiniBand leaf, and the address its peers reach it on (IMEX)."""
+
+    name: str
+    nvlink_domain: str | None = None
+    ib_leaf: str | None = None
+    address: str | None = None
+
+
+#: Slurm 23.11 brought topology/block (NVLink domains as blocks); 22.05 has topology/tree.
+BLOCK_SINCE = (23, 11)
+
+
+def topology_plugin(version: tuple[int, ...]) -> str:
+    return "topology/block" if tuple(version[:2]) >= BLOCK_SINCE else "topology/tree"
+
+
+def switch_name(kind: str, value: str) -> str:
+    """A Slurm switch/block name from a domain or leaf id: bare word, short, unique enough
+    (an NVLink domain's UUID prefix and clique id)."""
+    if kind == "nvl":
+        uuid, _, clique = value.rpartition(".")
+        value = f"{uuid.split('-')[0]}-{clique}" if uuid else value
+    return f"{kind}-" + (re.sub(r"[^A-Za-z0-9_-]+", "_", value).strip("_") or "x")[:48]
+
+
+def topology_features(
+    nvlink_domain: str | None, ib_leaf: str | None, rack: str | None
+) -> list[str]:
+    """Node features naming where a node sits (``nvl-…``, ``ib-…``, ``rack-…``), so a job can
+    ask for one of each with a matching-OR constraint: ``--constraint="[nvl-a|nvl-b]"``."""
+    out = []
+    if nvlink_domain:
+        out.append(switch_name("nvl", nvlink_domain))
+    if ib_leaf:
+        out.append(switch_name("ib", ib_leaf))
+    if rack:
+        out.append(switch_name("rack", rack))
+    return out
+
+
+def _hostlist(names: list[str]) -> str:
+    return ",".join(sorted(names))
+
+
+def render_topology_tree(nodes: list[TopoNode]) -> str:
+    """topology.conf for topology/tree: each NVLink domain under a leaf is a level-0 switch
+    holding its nodes, each InfiniBand leaf a switch above them, one root over the leaves, so
+    Slurm packs a job into one NVLink domain first, then one leaf. Nodes with neither are
+    under the root's ``other`` switch."""
+    if not nodes:
+        return ""
+    lines = ["# metald: the tenant's nodes by NVLink domain and InfiniBand leaf (topology/tree)"]
+    by_leaf: dict[str, dict[str, list[str]]] = {}
+    for n in nodes:
+        leaf = switch_name("ib", n.ib_leaf) if n.ib_leaf else "ib-other"
+        low = switch_name("nvl", n.nvlink_domain) if n.nvlink_domain else f"{leaf}-nodes"
+        by_leaf.setdefault(leaf, {}).setdefault(low, []).append(n.name)
+    leaves = []
+    for leaf, lows in sorted(by_leaf.items()):
+        children = []
+        for low, names in sorted(lows.items()):
+            # One NVLink domain may span two leaves: a switch per (domain, leaf) pair.
+            sw = low if low.startswith("ib-") else f"{low}-{leaf.removeprefix('ib-')}"
+            lines.append(f"SwitchName={sw} Nodes={_hostlist(names)}")
+            children.append(sw)
+        lines.append(f"SwitchName={leaf} Switches={','.join(children)}")
+        leaves.append(leaf)
+    if len(leaves) > 1:
+        lines.append(f"SwitchName=root Switches={','.join(leaves)}")
+    return "\n".join(lines) + "\n"
+
+
+def render_topology_block(nodes: list[TopoNode]) -> str:
+    """topology.conf for topology/block (Slurm 23.11+): one block per NVLink domain; nodes
+    without one are each left out (the block plugin places them anywhere)."""
+    blocks: dict[str, list[str]] = {}
+    for n in nodes:
+        if n.nvlink_domain:
+            blocks.setdefault(switch_name("nvl", n.nvlink_domain), []).append(n.name)
+    if not blocks:
+        return ""
+    lines = ["# metald: the tenant's NVLink domains as blocks (topology/block)"]
+    lines += [f"BlockName={b} Nodes={_hostlist(ns)}" for b, ns in sorted(blocks.items())]
+    return "\n".join(lines) + "\n"
+
+
+def imex_nodes_config(nodes: list[TopoNode]) -> dict[str, str]:
+    """NVIDIA IMEX ``nodes_config.cfg`` per NVLink domain: the addresses of the tenant's nodes
+    in that domain, one per line (IMEX shares GPU memory only within one domain)."""
+    out: dict[str, list[str]] = {}
+    for n in nodes:
+        if n.nvlink_domain and n.address:
+            out.setdefault(n.nvlink_domain, []).append(n.address)
+    return {
+        d: "".join(f"{a}\n" for a in sorted(addrs, key=_addr_key))
+        for d, addrs in sorted(out.items())
+    }
+
+
+def _addr_key(a: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in a.split("."))
+    except ValueError:
+        return (1 << 32,)

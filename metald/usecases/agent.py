@@ -177,6 +177,7 @@ class Agent:
                 join_ca=join_ca,
                 join_token_ttl_s=self.join_token_ttl_s,
                 instance=self.instance,
+                settings=self.workflow.tenant_os,
             )
             return asdict(step)
 

@@ -13,12 +13,17 @@ from typing import Any, Protocol
 from sqlmodel import Session, col, select
 
 from metald.auth import Principal, Role
+from metald.claims import tenant_os
 from metald.claims.allocation import Selector
+from metald.claims.placement import Placement
 from metald.claims.records import claim_machines, latest_progress
+from metald.claims.tenant_os import OsRequest
 from metald.claims.workflow import ClaimRequest, ClaimWorkflow
 from metald.errors import Conflict, NotFound
 from metald.machines import ConcurrentUpdate, add_event
-from metald.store.models import Claim, utcnow
+from metald.provision.metadata import hostname
+from metald.store.models import Claim, Machine, WgPeer, utcnow
+from metald.tenants import slurm
 from metald.usecases import Transactions
 from metald.usecases.reads import Page, Pager, page
 
@@ -41,15 +46,65 @@ def claim_view(s: Session, c: Claim, *, replayed: bool = False) -> dict[str, Any
         **c.model_dump(exclude={"image", "ssh_authorized_keys"}),
         "image_id": c.image,
         "ssh_authorized_keys": list(c.ssh_authorized_keys or []),
+        # Never the user-data itself: its form, size and digest.
+        "user_data": tenant_os.user_data_summary(s, c.id),
+        "addresses": tenant_os.addresses(s, c.id),
         "replayed": replayed,
         "machines": [
             {
-                **m.model_dump(include={"id", "name", "state", "gpu_model", "gpu_count"}),
+                **m.model_dump(
+                    include={
+                        "id",
+                        "name",
+                        "state",
+                        "gpu_model",
+                        "gpu_count",
+                        "rack",
+                        "nvlink_domain",
+                        "ib_leaf",
+                        "power_domain",
+                    }
+                ),
                 "last_error": m.last_error,
                 "progress": progress.get(m.id),
             }
             for m in ms
         ],
+    }
+
+
+def claim_topology(s: Session, c: Claim) -> dict[str, Any]:
+    ms = claim_machines(s, c.id)
+    ids = [m.id for m in ms]
+    rows = s.exec(select(WgPeer.machine_id, WgPeer.address).where(col(WgPeer.machine_id).in_(ids)))
+    peers = {mid: addr for mid, addr in rows.all()}
+    nodes = [
+        slurm.TopoNode(
+            name=hostname(m.id, m.name),
+            nvlink_domain=m.nvlink_domain if m.nvlink_ready else None,
+            ib_leaf=m.ib_leaf,
+            address=peers.get(m.id),
+        )
+        for m in ms
+    ]
+    imex = slurm.imex_nodes_config(nodes)
+    return {
+        "claim_id": c.id,
+        "placement": c.placement,
+        "nodes": [
+            {
+                "name": n.name,
+                "nvlink_domain": n.nvlink_domain,
+                "ib_leaf": n.ib_leaf,
+                "address": n.address,
+                "features": slurm.topology_features(n.nvlink_domain, n.ib_leaf, m.rack),
+            }
+            for n, m in zip(nodes, ms, strict=True)
+        ],
+        "slurm_topology_tree": slurm.render_topology_tree(nodes),
+        "slurm_topology_block": slurm.render_topology_block(nodes),
+        "imex_nodes_config": [{"nvlink_domain": d, "nodes_config": t} for d, t in imex.items()],
+        "unaddressed": sorted(n.name for n in nodes if n.nvlink_domain and not n.address),
     }
 
 
@@ -80,6 +135,8 @@ class Claims:
         image_id: str,
         idempotency_key: str | None,
         ssh_authorized_keys: list[str],
+        os: OsRequest | None = None,
+        placement: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Allocate the machines and start installing the image (``ClaimWorkflow.claim``),
         for a tenant the caller may claim for."""
@@ -95,12 +152,54 @@ class Claims:
             image_id=image_id,
             idempotency_key=idempotency_key,
             ssh_authorized_keys=ssh_authorized_keys,
+            os=os or OsRequest(),
+            placement=Placement.from_dict(placement, count),
         )
         return await self.workflow.claim(
             request,
             actor=actor,
             render=lambda s, c, replayed: claim_view(s, c, replayed=replayed),
         )
+
+    async def set_machine_user_data(
+        self,
+        p: Principal,
+        claim_id: str,
+        machine_id: str,
+        *,
+        actor: str,
+        user_data: str | None,
+        meta_data: dict[str, Any],
+    ) -> dict[str, Any]:
+        """Give one machine of the claim its own user-data and meta-data (None and {}: back to
+        the claim's). It is what the machine's next provisioning serves; the event names its
+        digest, never its content."""
+        settings = self.workflow.tenant_os
+
+        def run(s: Session) -> dict[str, Any]:
+            c = load_claim(s, p, claim_id)
+            # Checked here, off the event loop (a large cloud-config takes a while).
+            checked = tenant_os.check_user_data(settings, user_data, meta_data)
+            m = s.get(Machine, machine_id)
+            if m is None or m.claim_id != c.id or m.tenant_id != c.tenant_id:
+                raise NotFound(f"claim {c.id} holds no machine {machine_id!r}")
+            tenant_os.save_user_data(s, c.id, user_data, meta_data, checked, machine_id=m.id)
+            add_event(
+                s,
+                "claim.user-data.set",
+                actor,
+                machine_id=m.id,
+                tenant_id=c.tenant_id,
+                data={
+                    "claim_id": c.id,
+                    "sha256": checked.sha256 if checked else None,
+                    "form": checked.form if checked else None,
+                },
+            )
+            s.commit()
+            return claim_view(s, c)
+
+        return await self.store.run(run)
 
     async def list(self, p: Principal, f: ClaimFilter, pager: Pager) -> Page[dict[str, Any]]:
         """The claims the caller may see (an orchestrator: its tenants'), newest first."""
@@ -163,6 +262,11 @@ class Claims:
         out = await self.store.run(run)
         self.workflow.notify()
         return out
+
+    async def topology(self, p: Principal, claim_id: str) -> dict[str, Any]:
+        """The claim's machines as its tenant's scheduler should see them: topology.conf for
+        Slurm's tree and block plugins, and IMEX nodes_config.cfg per NVLink domain."""
+        return await self.store.read(lambda s: claim_topology(s, load_claim(s, p, claim_id)))
 
     async def release(
         self,

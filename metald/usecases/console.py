@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import and_, func, or_
@@ -30,6 +32,8 @@ from metald.store.models import (
     Bmc,
     CommissioningRun,
     Event,
+    HealthFault,
+    Image,
     Lease,
     Machine,
     Nic,
@@ -38,12 +42,42 @@ from metald.store.models import (
     WgPeer,
 )
 from metald.usecases import Transactions
+from metald.usecases.machines import state_reasons
 from metald.usecases.tenants import peer_view
 
 #: Rows on one page of the fleet table.
 PAGE_SIZE = 100
+#: States a machine is held in for a reason someone gave: the WHY column shows it.
+HELD_STATES = frozenset({"maintenance", "broken", "repairing", "retired"})
 #: Filters the table offers (query parameters of /ui/).
 FILTERS = ("q", "state", "gpu_model", "rack", "tenant", "label")
+#: How the table is ordered and grouped (query parameters of /ui/ too: a view is a link).
+VIEW = ("sort", "group")
+#: Sortable columns: the SQL order (never NULL, so a keyset cursor compares) of each.
+SORTS: dict[str, list[Any]] = {
+    "name": [],
+    "state": [col(Machine.state)],
+    "rack": [
+        func.coalesce(col(Machine.rack), ""),
+        func.coalesce(col(Machine.rack_position), ""),
+    ],
+    "power": [func.coalesce(col(Machine.power_state), "")],
+    "gpu": [col(Machine.gpu_count), func.coalesce(col(Machine.gpu_model), "")],
+    "memory": [func.coalesce(col(Machine.memory_mb), 0)],
+    "age": [col(Machine.state_changed_at)],
+    "tenant": [func.coalesce(col(Machine.tenant_id), "")],
+}
+#: Groupings: the SQL key of each group (rows are ordered by it first).
+GROUPS: dict[str, list[Any]] = {
+    "state": [col(Machine.state)],
+    "rack": [func.coalesce(col(Machine.rack), "")],
+    "tenant": [func.coalesce(col(Machine.tenant_id), "")],
+    "sku": [
+        func.coalesce(col(Machine.product), ""),
+        func.coalesce(col(Machine.gpu_model), ""),
+        col(Machine.gpu_count),
+    ],
+}
 
 
 @dataclass
@@ -54,17 +88,38 @@ class FleetQuery:
     rack: str = ""
     tenant: str = ""
     label: str = ""  # key=value
+    sort: str = ""  # a SORTS key, "-" first for descending; name by default
+    group: str = ""  # a GROUPS key
     after: str = ""  # the cursor
 
     @classmethod
     def from_params(cls, params: Any) -> FleetQuery:
-        return cls(**{k: str(params.get(k, "")).strip()[:200] for k in (*FILTERS, "after")})
+        f = cls(**{k: str(params.get(k, "")).strip()[:200] for k in (*FILTERS, *VIEW, "after")})
+        if f.sort.lstrip("-") not in SORTS:
+            f.sort = ""
+        if f.group not in GROUPS:
+            f.group = ""
+        return f
 
     def link(self, **change: str) -> str:
-        values = {k: getattr(self, k) for k in (*FILTERS, "after")} | change
+        values = {k: getattr(self, k) for k in (*FILTERS, *VIEW, "after")} | change
         from urllib.parse import urlencode
 
         return "/ui/?" + urlencode({k: v for k, v in values.items() if v})
+
+    def sort_link(self, key: str) -> str:
+        """The column header's link: sort by it, or flip its direction when sorted by it."""
+        return self.link(sort=f"-{key}" if self.sort == key else key, after="")
+
+    def sorted_as(self, key: str) -> str:
+        """aria-sort of a column header."""
+        if self.sort.lstrip("-") != key and not (key == "name" and not self.sort):
+            return "none"
+        return "descending" if self.sort.startswith("-") else "ascending"
+
+    @property
+    def filtered(self) -> bool:
+        return any(getattr(self, k) for k in FILTERS)
 
 
 @dataclass
@@ -73,10 +128,49 @@ class FleetRow:
     bmc: Bmc | None = None
     tenant: str | None = None
     verdict: str | None = None
+    #: Total disk bytes and how many disks (from the inventory), None when none known.
+    disks: tuple[int, int] | None = None
+    #: Why it is in its state (the reason given when it entered it: a maintenance reason).
+    reason: str | None = None
+
+    @property
+    def why(self) -> str:
+        """What the WHY column shows: the last error, else the reason of a held or failed
+        state (``metalctl machines list`` shows the same)."""
+        held = self.m.state in HELD_STATES or self.m.state.endswith("-failed")
+        return self.m.last_error or (self.reason if held else None) or ""
 
     @property
     def key(self) -> str:
         return self.m.name or self.m.id
+
+    def values(self, f: FleetQuery) -> list[Any]:
+        """This row's values of the page's order (``order``), for the keyset cursor."""
+        m = self.m
+        by: dict[str, list[Any]] = {
+            "state": [m.state],
+            "rack": [m.rack or "", m.rack_position or ""],
+            "power": [m.power_state or ""],
+            "gpu": [m.gpu_count, m.gpu_model or ""],
+            "memory": [m.memory_mb or 0],
+            "age": [m.state_changed_at.isoformat() if m.state_changed_at else ""],
+            "tenant": [m.tenant_id or ""],
+        }
+        groups: dict[str, list[Any]] = {
+            "state": [m.state],
+            "rack": [m.rack or ""],
+            "tenant": [m.tenant_id or ""],
+            "sku": [m.product or "", m.gpu_model or "", m.gpu_count],
+        }
+        return [
+            *(groups[f.group] if f.group else []),
+            *by.get(f.sort.lstrip("-"), []),
+            self.key,
+            m.id,
+        ]
+
+    def group_of(self, f: FleetQuery) -> tuple[Any, ...]:
+        return tuple(self.values(f)[: len(GROUPS[f.group])]) if f.group else ()
 
 
 @dataclass
@@ -85,23 +179,61 @@ class FleetPage:
     counts: dict[str, int]
     total: int
     next: str | None
+    #: With a grouping: each group's key (as ``FleetRow.group_of``) -> its machines matching.
+    groups: dict[tuple[Any, ...], int] = field(default_factory=dict)
     gpu_models: list[str] = field(default_factory=list)
     racks: list[str] = field(default_factory=list)
     tenants: list[tuple[str, str]] = field(default_factory=list)
 
 
-def _cursor(key: str, mid: str) -> str:
-    return base64.urlsafe_b64encode(json.dumps([key, mid]).encode()).decode()
+def _cursor(values: list[Any]) -> str:
+    return base64.urlsafe_b64encode(json.dumps(values).encode()).decode()
 
 
-def _uncursor(cursor: str) -> tuple[str, str] | None:
+def _uncursor(cursor: str, n: int) -> list[Any] | None:
     try:
-        key, mid = json.loads(base64.urlsafe_b64decode(cursor.encode()))
+        values = json.loads(base64.urlsafe_b64decode(cursor.encode()))
     except (ValueError, TypeError):
         return None
-    if not isinstance(key, str) or not isinstance(mid, str) or "\x00" in key + mid:
-        return None  # not a cursor this page issued (NUL: PostgreSQL text cannot hold it)
-    return key, mid
+    if not isinstance(values, list) or len(values) != n:
+        return None
+    for v in values:
+        if not isinstance(v, (str, int)) or isinstance(v, bool):
+            return None
+        if isinstance(v, str) and "\x00" in v:
+            return None  # not a cursor this page issued (NUL: PostgreSQL text cannot hold it)
+    return values
+
+
+def order(f: FleetQuery) -> list[tuple[Any, bool]]:
+    """The page's order: the group's key, the sorted column (descending with "-"), then
+    name and id (unique: a keyset cursor never skips or repeats a row)."""
+    desc = f.sort.startswith("-")
+    return [
+        *((e, False) for e in (GROUPS[f.group] if f.group else [])),
+        *((e, desc) for e in SORTS.get(f.sort.lstrip("-"), [])),
+        (_KEY, False),
+        (col(Machine.id), False),
+    ]
+
+
+def _after(ordering: list[tuple[Any, bool]], values: list[Any]) -> Any:
+    """Rows after the cursor's row in this order (a lexicographic keyset comparison)."""
+    vals = [_value(e, v) for (e, _), v in zip(ordering, values, strict=True)]
+    terms = []
+    for i, (expr, desc) in enumerate(ordering):
+        same = [ordering[j][0] == vals[j] for j in range(i)]
+        terms.append(and_(*same, expr < vals[i] if desc else expr > vals[i]))
+    return or_(*terms)
+
+
+def _value(expr: Any, v: Any) -> Any:
+    if expr is SORTS["age"][0]:
+        return datetime.fromisoformat(v) if v else None
+    return v
+
+
+_KEY = func.coalesce(col(Machine.name), col(Machine.id))
 
 
 def scope(p: Principal) -> list[Any]:
@@ -149,16 +281,15 @@ def where(p: Principal, f: FleetQuery) -> list[Any]:
     return clauses
 
 
-_KEY = func.coalesce(col(Machine.name), col(Machine.id))
-
-
 def fleet_page(s: Session, p: Principal, f: FleetQuery, limit: int = PAGE_SIZE) -> FleetPage:
     clauses = where(p, f)
     stmt = select(Machine).where(*clauses)
-    after = _uncursor(f.after) if f.after else None
+    ordering = order(f)
+    after = _uncursor(f.after, len(ordering)) if f.after else None
     if after is not None:
-        stmt = stmt.where(or_(after[0] < _KEY, and_(after[0] == _KEY, col(Machine.id) > after[1])))
-    machines = list(s.exec(stmt.order_by(_KEY, col(Machine.id)).limit(limit + 1)))
+        stmt = stmt.where(_after(ordering, after))
+    by = [e.desc() if desc else e for e, desc in ordering]
+    machines = list(s.exec(stmt.order_by(*by).limit(limit + 1)))
     more = len(machines) > limit
     machines = machines[:limit]
     rows = decorate(s, machines)
@@ -167,6 +298,11 @@ def fleet_page(s: Session, p: Principal, f: FleetQuery, limit: int = PAGE_SIZE) 
         s.exec(select(Machine.state, func.count()).where(*visible).group_by(Machine.state)).all()  # type: ignore[arg-type]
     )
     total = s.exec(select(func.count()).select_from(Machine).where(*clauses)).one()
+    groups: dict[tuple[Any, ...], int] = {}
+    if f.group:
+        keys = GROUPS[f.group]
+        for *key, n in s.exec(select(*keys, func.count()).where(*clauses).group_by(*keys)).all():  # type: ignore[call-overload]
+            groups[tuple(key)] = n
     gpu_models = sorted(
         x for x in s.exec(select(Machine.gpu_model).where(*visible).distinct()).all() if x
     )
@@ -180,7 +316,8 @@ def fleet_page(s: Session, p: Principal, f: FleetQuery, limit: int = PAGE_SIZE) 
         rows=rows,
         counts=counts,
         total=total,
-        next=_cursor(last.key, last.m.id) if more and last else None,
+        next=_cursor(last.values(f)) if more and last else None,
+        groups=groups,
         gpu_models=gpu_models,
         racks=racks,
         tenants=tenants,
@@ -218,10 +355,32 @@ def decorate(s: Session, machines: list[Machine]) -> list[FleetRow]:
             )
         ).all()  # type: ignore[arg-type]
     )
+    disks = _disks(s, ids)
+    held = [m for m in machines if m.state in HELD_STATES or m.state.endswith("-failed")]
+    reasons = state_reasons(s, held) if held else {}
     return [
-        FleetRow(m, bmcs.get(m.id), tenants.get(m.tenant_id or ""), verdicts.get(m.id))
+        FleetRow(
+            m,
+            bmcs.get(m.id),
+            tenants.get(m.tenant_id or ""),
+            verdicts.get(m.id),
+            disks.get(m.id),
+            reasons.get(m.id),
+        )
         for m in machines
     ]
+
+
+def _disks(s: Session, ids: list[str]) -> dict[str, tuple[int, int]]:
+    """Each machine's disks from its inventory: total bytes and count (one statement; the
+    inventory's disk list only, not the whole document)."""
+    path = col(Machine.inventory)["normalized"]["disks"]
+    out: dict[str, tuple[int, int]] = {}
+    for mid, disks in s.exec(select(Machine.id, path).where(col(Machine.id).in_(ids))).all():
+        if isinstance(disks, list) and disks:
+            sizes = [d.get("size_bytes") or 0 for d in disks if isinstance(d, dict)]
+            out[mid] = (int(sum(sizes)), len(sizes))
+    return out
 
 
 def rows_by_id(s: Session, p: Principal, ids: list[str]) -> list[FleetRow]:
@@ -313,6 +472,165 @@ def bmc_of(s: Session, machine_id: str) -> dict[str, Any] | None:
     return None if b is None else b.model_dump(include=BMC_FIELDS)
 
 
+#: Health fault kinds about GPUs (``metald.health.signals.Kind``): the rack view's GPU colour.
+GPU_FAULT_KINDS = (
+    "xid",
+    "gpu-ecc",
+    "gpu-pages",
+    "gpu-throttle",
+    "gpu-count",
+    "nvlink",
+    "dcgm-health",
+)
+#: Racks on one page of the rack view.
+RACKS_PER_PAGE = 24
+#: Racks drawn at least this many units high.
+RACK_UNITS = 42
+_UNIT = re.compile(r"^[uU]?(\d{1,3})$")
+
+
+@dataclass
+class RackSlot:
+    id: str
+    name: str
+    state: str
+    power: str  # on, off, unknown
+    gpu: str  # ok, degraded, fatal, none (no GPUs)
+    position: str | None
+
+
+@dataclass
+class Rack:
+    name: str
+    units: int
+    #: unit number -> the machine there (1 at the bottom)
+    slots: dict[int, RackSlot]
+    #: machines of the rack whose position is no unit number (a switch port, or none)
+    unplaced: list[RackSlot]
+
+    def top_down(self) -> list[tuple[int, RackSlot | None]]:
+        return [(u, self.slots.get(u)) for u in range(self.units, 0, -1)]
+
+
+def unit_of(position: str | None) -> int | None:
+    """The rack unit a position names (``u12``, ``12``), or None (``sw1/eth12``)."""
+    m = _UNIT.match((position or "").strip())
+    return int(m.group(1)) if m and 0 < int(m.group(1)) <= 100 else None
+
+
+@dataclass
+class RackPage:
+    racks: list[Rack]
+    #: Racks the filters list, in all.
+    total: int
+    #: The first rack of the next page, if there is one.
+    next: str | None
+
+
+def racks(s: Session, p: Principal, f: FleetQuery, start: str = "") -> RackPage:
+    """The racks of the machines the fleet's filters list, ``RACKS_PER_PAGE`` of them from
+    ``start`` on (by name), each machine in its unit with its state, power and GPU health
+    (four statements, whatever the fleet's size)."""
+    clauses = [*where(p, f), col(Machine.rack).is_not(None)]
+    names = sorted(x for x in s.exec(select(Machine.rack).where(*clauses).distinct()).all() if x)
+    shown = [n for n in names if n >= start][: RACKS_PER_PAGE + 1]
+    more = shown[RACKS_PER_PAGE] if len(shown) > RACKS_PER_PAGE else None
+    shown = shown[:RACKS_PER_PAGE]
+    if not shown:
+        return RackPage([], len(names), None)
+    clauses.append(col(Machine.rack).in_(shown))
+    rows = s.exec(
+        select(
+            Machine.id,
+            Machine.name,
+            Machine.rack,
+            Machine.rack_position,
+            Machine.state,
+            Machine.power_state,
+            Machine.gpu_count,
+        ).where(*clauses)
+    ).all()
+    ids = [r[0] for r in rows]
+    power = (
+        dict(
+            s.exec(
+                select(Bmc.machine_id, Bmc.power_state).where(col(Bmc.machine_id).in_(ids))
+            ).all()  # type: ignore[arg-type]
+        )
+        if ids
+        else {}
+    )
+    worst: dict[str, str] = {}
+    if ids:
+        faults = s.exec(
+            select(HealthFault.machine_id, HealthFault.severity).where(
+                col(HealthFault.machine_id).in_(ids),
+                col(HealthFault.cleared_at).is_(None),
+                col(HealthFault.kind).in_(GPU_FAULT_KINDS),
+            )
+        ).all()
+        for mid, severity in faults:
+            if worst.get(mid) != "fatal":
+                worst[mid] = "fatal" if severity == "fatal" else "degraded"
+    out: dict[str, Rack] = {}
+    for mid, name, rack, position, state, m_power, gpus in rows:
+        slot = RackSlot(
+            mid,
+            name or mid[:8],
+            state,
+            (power.get(mid) or m_power or "unknown").lower(),
+            worst.get(mid, "ok") if gpus else "none",
+            position,
+        )
+        r = out.setdefault(rack, Rack(rack, RACK_UNITS, {}, []))
+        unit = unit_of(position)
+        if unit is None or unit in r.slots:
+            r.unplaced.append(slot)
+        else:
+            r.slots[unit] = slot
+            r.units = max(r.units, unit)
+    for r in out.values():
+        r.unplaced.sort(key=lambda x: x.name)
+    return RackPage([out[k] for k in sorted(out)], len(names), more)
+
+
+def latest_events(s: Session, p: Principal, machine_ids: list[str]) -> dict[str, dict[str, Any]]:
+    """Each machine's newest event (kind, reason, at), those the caller may see: what a claim's
+    machine waits on (``provision.no-bmc``, a failure), in one statement."""
+    if not machine_ids:
+        return {}
+    visible = select(Machine.id).where(col(Machine.id).in_(machine_ids[:500]), *scope(p))
+    newest = (
+        select(func.max(Event.id))
+        .where(col(Event.machine_id).in_(visible))
+        .group_by(col(Event.machine_id))
+    )
+    rows = s.exec(select(Event).where(col(Event.id).in_(newest)))
+    return {
+        e.machine_id: {"kind": e.kind, "reason": e.reason, "at": e.at} for e in rows if e.machine_id
+    }
+
+
+def ref_names(s: Session, tenant_ids: list[str], image_ids: list[str]) -> dict[str, str]:
+    """Tenants' and images' names by id (a page shows names, not ids)."""
+    out: dict[str, str] = {}
+    if tenant_ids:
+        out.update(
+            s.exec(select(Tenant.id, Tenant.name).where(col(Tenant.id).in_(tenant_ids))).all()
+        )  # type: ignore[arg-type]
+    if image_ids:
+        out.update(s.exec(select(Image.id, Image.name).where(col(Image.id).in_(image_ids))).all())  # type: ignore[arg-type]
+    return out
+
+
+def names_of(s: Session, p: Principal, ids: list[str]) -> dict[str, str]:
+    """These machines' names, those the caller may see (id -> name)."""
+    if not ids:
+        return {}
+    stmt = select(Machine.id, Machine.name).where(col(Machine.id).in_(ids[:500]), *scope(p))
+    return {i: n for i, n in s.exec(stmt).all() if n}
+
+
 @dataclass
 class Console:
     """The console's reads, each in a read-only transaction of its own."""
@@ -330,6 +648,18 @@ class Console:
 
     async def counts(self, p: Principal) -> dict[str, int]:
         return await self.store.read(counts, p)
+
+    async def racks(self, p: Principal, f: FleetQuery, start: str = "") -> RackPage:
+        return await self.store.read(racks, p, f, start)
+
+    async def latest_events(self, p: Principal, ids: list[str]) -> dict[str, dict[str, Any]]:
+        return await self.store.read(latest_events, p, ids)
+
+    async def ref_names(self, tenant_ids: list[str], image_ids: list[str]) -> dict[str, str]:
+        return await self.store.read(ref_names, tenant_ids, image_ids)
+
+    async def names_of(self, p: Principal, ids: list[str]) -> dict[str, str]:
+        return await self.store.read(names_of, p, ids)
 
     async def last_event_id(self) -> int:
         return await self.store.read(last_event_id)

@@ -10,9 +10,11 @@ from typing import Any
 
 from sqlalchemy.exc import IntegrityError
 
+from metald.errors import Unauthorized
 from metald.health.classify import Table
 from metald.health.config import HealthConfig
 from metald.healthwatch import pushed, reports
+from metald.healthwatch.intake import Intake
 from metald.limits import TooMany
 from metald.tenants import mesh
 from metald.usecases import Writes
@@ -38,13 +40,19 @@ async def node_report(
     instance: str | None,
     wake: Callable[[], None] = lambda: None,
     memo: reports.ReportMemo | None = None,
+    limit: Intake | None = None,
+    source: str = "",
 ) -> dict[str, Any]:
     """Record one report; answers ``{"interval_s": N, ...}`` (when to send the next).
     ``memo``: the health watch's (``HealthWatch.report_memo``), where a report that says what
-    the node's last clean one said is taken without a database call."""
+    the node's last clean one said is taken without a database call. ``limit``: the route's
+    token buckets (per presented token, per ``source`` address, in all), checked first: 429
+    before anything else is read."""
     table = table_for(cfg)
     now = datetime.now(UTC)
-    key = mesh.hash_token(secret) if memo is not None else ""
+    key = mesh.hash_token(secret) if memo is not None or limit is not None else ""
+    if limit is not None:
+        limit.admit(key, source)
     got = None
     if memo is not None:  # a report that says nothing new: no database call
         got = memo.quick(key, body, cfg=cfg, table=table, now=now)
@@ -62,6 +70,10 @@ async def node_report(
             ) from None
         except TooMany:
             raise
+        except Unauthorized:
+            if limit is not None:
+                limit.count("refused")
+            raise
         except Exception:
             if memo is not None:
                 memo.forget(key)
@@ -71,6 +83,8 @@ async def node_report(
                 memo.remember(key, got.seen)
             else:
                 memo.forget(key)
+    if limit is not None:
+        limit.count("accepted")
     if got.remediation or got.new_faults:
         wake()  # the health watch carries the remediation forward now, not at its interval
     return {
@@ -90,13 +104,26 @@ async def bmc_event(
     cfg: HealthConfig,
     instance: str | None,
     wake: Callable[[], None] = lambda: None,
+    limit: Intake | None = None,
+    source: str = "",
 ) -> dict[str, Any]:
     """Record a Redfish event a BMC pushed to its subscription (``metald.healthwatch.pushed``):
-    401 without that BMC's secret; the new entries as the BMC's signals, and the health watch
-    woken at once where a fault opened (the remediation is carried forward now)."""
+    429 past the route's token buckets (per BMC id, per ``source`` address, in all: checked
+    before the store is touched); 401 without that BMC's secret; the new entries as the BMC's
+    signals, and the health watch woken at once where a fault opened (the remediation is
+    carried forward now)."""
+    if limit is not None:
+        limit.admit(bmc_id, source)
     accept = partial(pushed.accept, cfg=cfg, table=table_for(cfg), now=datetime.now(UTC),
                      actor="bmc-event", instance=instance)  # fmt: skip
-    got = await tx.run(accept, bmc_id, secret, events)
+    try:
+        got = await tx.run(accept, bmc_id, secret, events)
+    except Unauthorized:
+        if limit is not None:
+            limit.count("refused")
+        raise
+    if limit is not None:
+        limit.count("accepted")
     if got.new_faults:
         wake()
     return {"entries": got.entries, "signals": got.signals, "new_faults": got.new_faults}

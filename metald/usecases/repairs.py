@@ -65,7 +65,7 @@ def _actions(r: Repair, m: Machine | None) -> list[str]:
     if r.status == svc.Status.OPEN:
         return ["take", "note"]
     if r.status == svc.Status.TAKEN:
-        return ["note", "repaired"]
+        return ["note", "repaired", "release"]
     if r.status == svc.Status.VERIFYING:
         return ["note"]
     return []
@@ -213,6 +213,18 @@ class Repairs:
 
         def run(s: Session) -> dict[str, Any]:
             r = svc.take(s, repair_id, actor=actor, instance=self.instance)
+            return self._render(s, r.id)
+
+        return await self._write(run)
+
+    async def release(self, p: Principal, repair_id: str, *, actor: str) -> dict[str, Any]:
+        """Let go of a taken repair (``metald.repairs.release``): the one who took it, or an
+        admin."""
+        _staff(p)
+
+        def run(s: Session) -> dict[str, Any]:
+            r = svc.release(s, repair_id, actor=actor, admin=p.role is Role.ADMIN,
+                            instance=self.instance)  # fmt: skip
             return self._render(s, r.id)
 
         return await self._write(run)

@@ -25,7 +25,7 @@ from tests.bootassets.conftest import ROOT
 
 SCRIPT = ROOT / "bootassets/node/metald-node"
 A100_XML = ROOT / "tests/fixtures/gpu/nvidia-smi-q-x_a100-sxm4-80gb_mig_drv535.54.03.xml"
-FIELDS = {"version", "kernel_log", "nvidia_smi_xml", "nvlink", "smart", "ib_ports"}
+FIELDS = {"version", "kernel_log", "nvidia_smi_xml", "nvlink", "smart", "ib_ports", "dcgm_health"}
 APPLETS = ("nc", "timeout", "awk", "sed", "tr", "head", "tail", "wc", "cat", "od", "mkfifo")
 TOKEN = "node-token-sekrit-0123456789"
 
@@ -178,6 +178,23 @@ async def test_a_real_capture_reaches_metalds_parser(node: Path, server: Server)
     assert not any(s.subject == "mlx5_0/1" for s in sig.signals)
     gpu = {s.code for s in sig.signals if s.kind == Kind.GPU_ECC}
     assert gpu == {"correctable-aggregate"}  # the capture's GPU is healthy
+
+
+async def test_dcgmi_health_is_sent_where_dcgmi_runs(node: Path, server: Server) -> None:
+    failed = (
+        ROOT
+        / "tests/health/fixtures/dcgmi-health-c-j_derived_gpu1-dbe-failure_gpu0-pcie-warning.json"
+    )
+    stand_in(node, "dcgmi", f'[ "$1 $2 $3" = "health -c -j" ] && exec cat "{failed}"\nexit 1\n')
+    await health_once(node, server)
+    doc = sent(server)
+    assert doc["dcgm_health"] == failed.read_text()
+    found = {(s.kind, s.subject, s.code) for s in parsed(doc, gpu_count=None).signals}
+    assert (Kind.DCGM_HEALTH, "GPU 1", "failure") in found
+    # watches not set: dcgmi fails, and the field is null
+    stand_in(node, "dcgmi", "echo 'Error: Health watches not enabled.'\nexit 1\n")
+    await health_once(node, server)
+    assert sent(server)["dcgm_health"] is None
 
 
 async def test_awkward_bytes_are_escaped_and_come_back_unchanged(

@@ -197,3 +197,28 @@ def test_a_save_replaces_the_state_of_an_earlier_join(
     assert (persist / "wg.key").read_text().strip() == key2
     state = json.loads((persist / "state.json").read_text())
     assert (state["seed_sha256"], state["join"]["overlay_address"]) == ("seed-2", "10.200.0.9/24")
+
+
+@pytest.mark.parametrize("tenant_user_data", [False, True])
+def test_join_info_from_the_seed(tmp_path: Path, tenant_user_data: bool) -> None:
+    """The join token is in metald's cloud-config: the user-data, or the vendor-data beside a
+    tenant's own user-data (docs/tenant-os.md)."""
+    from metald.provision.metadata import nocloud
+
+    join = {"url": "https://m.test", "token": "tok-77", "expires_at": "x"}
+    files = nocloud(
+        machine_id="m1",
+        name="n1",
+        pxe_mac=None,
+        ssh_authorized_keys=[],
+        join=join,
+        user_data="#!/bin/sh\necho tenant\n" if tenant_user_data else None,
+    )
+    seed = tmp_path / "seed"
+    seed.mkdir()
+    for name, text in files.items():
+        (seed / name).write_text(text)
+    (tmp_path / "run").mkdir()
+    out, v = node_sh(tmp_path, f"SEED={seed}; disk_join_info; rc=$?; cat $STATE/join-info.json")
+    assert v["rc"] == "0", out
+    assert json.loads(out)["token"] == "tok-77"

@@ -22,8 +22,9 @@ MIDDLE_POST = 6
 #: The last post also updates the run and the machine (the transition) and adds its event, and
 #: reads whether a repair waits for this verdict (one indexed read of the machine's open repair,
 #: ``metald.repairs.verification_ended``); the old code read every result again, raw output
-#: included: 12.
-LAST_POST = 10
+#: included: 12. A failing verdict with no repair waiting reads whether the machine passed a run
+#: before (one indexed read: a machine from the pool goes to the repair queue): 11.
+LAST_POST = 11
 
 
 @contextmanager

@@ -12,12 +12,12 @@ from typing import Any
 from sqlmodel import col, select
 
 from api.app import CTX_KEY
-from metald.health.config import HealthConfig
+from metald.health.config import HealthConfig, PolicyConfig
 from metald.health.remediation import Step
 from metald.healthwatch.watch import HealthWatch
 from metald.provision.metadata import hostname
 from metald.store.models import Event, HealthFault, Machine, NodeHeartbeat
-from tests.healthwatch.helpers import FakeScheduler, rem_rows, workflow
+from tests.healthwatch.helpers import FakeScheduler, bmc_fault, rem_rows, workflow
 from tests.tenants.test_mesh import _claim, _hubs, _join
 
 XID79 = "[12345.678] NVRM: Xid (PCI:0000:3b:00): 79, pid=0, GPU has fallen off the bus.\n"
@@ -167,3 +167,93 @@ async def test_a_report_wakes_the_running_watch_which_drains_the_node(api) -> No
         assert got_a["health.fault"]["data"]["witness"] == "node"
     finally:
         await watch.stop()
+
+
+A100_CLEAN = (
+    Path(__file__).parents[1]
+    / "fixtures"
+    / "gpu"
+    / "nvidia-smi-q-x_a100-sxm4-80gb_mig_drv535.54.03.xml"
+)
+
+
+async def test_a_healthy_report_does_not_save_a_node_its_bmc_condemns(api) -> None:  # type: ignore[no-untyped-def]
+    """The trust rule end to end: the BMC logs an uncorrectable ECC record (recorded as the
+    watch records it), then the node, root in the tenant's hands, reports itself healthy
+    through the real route again and again (a clean nvidia-smi capture, an empty kernel log).
+    The BMC's fault stays open and fatal, and the workflow still drains the node in the
+    tenant's scheduler and takes it out of the claim."""
+    client, tokens, store = api
+    _health(client, report_min_interval_s=0, policy=PolicyConfig(job_wait_s=0))
+    cfg = client.app[CTX_KEY].cfg.health
+    claim_id, mid, token = await _node(client, tokens, store)
+    with store.session() as s:  # the machine holds the capture's one GPU
+        m = s.get(Machine, mid)
+        m.gpu_count = 1
+        s.add(m)
+        s.commit()
+    assert bmc_fault(store, mid, cfg) == 1
+    healthy = {"kernel_log": "", "nvidia_smi_xml": A100_CLEAN.read_text()}
+    for _ in range(3):
+        r = await _report(client, token, healthy)
+        assert r.status == 200, await r.text()
+        assert (await r.json())["new_faults"] == 0, _faults(store)
+    with store.session() as s:
+        (f,) = s.exec(select(HealthFault).where(HealthFault.machine_id == mid)).all()
+        assert (f.witness, f.severity, f.cleared_at, f.open_key is not None) == (
+            "bmc", "fatal", None, True,
+        )  # fmt: skip
+        assert s.get(NodeHeartbeat, mid).reports == 3
+    sched = FakeScheduler()
+    await workflow(store, sched, cfg).run_all()
+    with store.session() as s:
+        m = s.get(Machine, mid)
+        node = hostname(m.id, m.name)
+        assert m.claim_id is None  # out of the claim despite three healthy reports
+    assert "Uncorrectable ECC" in sched.drained[node]
+    assert ("remove", node) in sched.calls
+    (row,) = rem_rows(store)
+    assert row.severity == "fatal" and row.claim_id == claim_id
+
+
+def _faults(store: Any) -> list[tuple[str, str, str, str]]:
+    with store.session() as s:
+        return [(f.witness, f.kind, f.code, f.evidence) for f in s.exec(select(HealthFault))]
+
+
+async def test_a_correctable_ecc_storm_across_reports_is_degraded(api) -> None:  # type: ignore[no-untyped-def]
+    """The count of one report is no storm; the rise between two reports within
+    ``ecc_window_s`` over ``correctable_ecc_per_hour`` is (the readings kept on the heartbeat
+    row, migration 0031)."""
+    client, tokens, store = api
+    _health(client, report_min_interval_s=0, ecc_window_s=3600, correctable_ecc_per_hour=1000)
+    _, mid, token = await _node(client, tokens, store)
+    with store.session() as s:  # the machine holds the capture's one GPU
+        m = s.get(Machine, mid)
+        m.gpu_count = 1
+        s.add(m)
+        s.commit()
+    xml = A100_CLEAN.read_text()
+    agg = "<aggregate>\n                <sram_correctable>0</sram_correctable>\n"
+    agg += "                <sram_uncorrectable>0</sram_uncorrectable>\n"
+    agg += "                <dram_correctable>{n}</dram_correctable>"
+    assert agg.format(n=0) in xml
+
+    async def report(n: int) -> dict[str, Any]:
+        body = {"kernel_log": "", "nvidia_smi_xml": xml.replace(agg.format(n=0), agg.format(n=n))}
+        r = await _report(client, token, body)
+        assert r.status == 200, await r.text()
+        return await r.json()  # type: ignore[no-any-return]
+
+    assert (await report(10))["new_faults"] == 0  # one reading: no rate
+    assert (await report(500))["new_faults"] == 0  # 490 in the window: under 1,000/h
+    with store.session() as s:
+        kept = s.get(NodeHeartbeat, mid).ecc_readings
+        assert [v for _, v in next(iter(kept.values()))] == [10, 500]
+    assert (await report(4010))["new_faults"] == 1  # 4,000 in the window: a storm
+    with store.session() as s:
+        (f,) = s.exec(select(HealthFault).where(HealthFault.machine_id == mid)).all()
+        assert (f.witness, f.code, f.severity, f.rule) == (
+            "node", "correctable-rate", "degraded", "gpu-ecc-correctable-storm",
+        )  # fmt: skip
+        assert "rose by 4000" in f.evidence

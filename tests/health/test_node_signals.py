@@ -6,6 +6,8 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import pytest
+
 from metald.health.bmc import log_signals, sensor_signals
 from metald.health.classify import DEFAULT_TABLE, Severity
 from metald.health.node import NodeReport, ecc_storms, report_signals, silence
@@ -175,3 +177,65 @@ def test_bmc_sensors() -> None:
     )
     assert [(s.subject, s.code) for s in got] == [("PSU1", "power:critical"), ("FAN2", OK)]
     assert DEFAULT_TABLE.classify(got[0]).severity == Severity.FATAL
+
+
+DCGM_HEALTHY = HERE / "dcgmi-health-c-j_healthy_virtualclient.json"
+DCGM_FAILED = HERE / "dcgmi-health-c-j_derived_gpu1-dbe-failure_gpu0-pcie-warning.json"
+
+
+def test_dcgmi_health_check_json_is_read_into_signals() -> None:
+    now = datetime(2026, 12, 6, tzinfo=UTC)
+    healthy = report_signals(NodeReport(at=now, dcgm_health=DCGM_HEALTHY.read_text()),
+                             gpu_count=None)  # fmt: skip
+    assert healthy.signals == [] and healthy.unreadable == []
+    got = report_signals(NodeReport(at=now, dcgm_health=DCGM_FAILED.read_text()), gpu_count=None)
+    assert got.unreadable == []
+    by_subject = {s.subject: s for s in got.signals}
+    assert sorted(by_subject) == ["GPU 0", "GPU 1"]
+    dbe, pcie = by_subject["GPU 1"], by_subject["GPU 0"]
+    assert (dbe.kind, dbe.witness, dbe.code) == ("dcgm-health", "node", "failure")
+    assert dbe.evidence == (
+        "dcgmi health -c: GPU 1 Memory system Failure: Detected 2 volatile double-bit ECC "
+        "error(s) in GPU 1."
+    )
+    assert "Detected more than 8 PCIe replays per minute for GPU 0 : 13" in pcie.evidence
+    assert DEFAULT_TABLE.classify(dbe).severity is Severity.FATAL
+    assert DEFAULT_TABLE.classify(pcie).severity is Severity.DEGRADED
+
+
+@pytest.mark.parametrize("text", ["", "not json", "[]", '{"body": {}}', '{"body": {"Overall '
+                                  'Health": {"value": 3}}}'])  # fmt: skip
+def test_unreadable_dcgmi_health_output_is_said_not_guessed(text: str) -> None:
+    got = report_signals(NodeReport(at=datetime.now(UTC), dcgm_health=text), gpu_count=None)
+    assert got.signals == [] and len(got.unreadable) == 1
+    assert got.unreadable[0].startswith("dcgmi health output ")
+
+
+def test_carry_ecc_keeps_only_the_window_and_bounds_what_a_node_sends() -> None:
+    from metald.health.node import MAX_ECC_READINGS, carry_ecc
+
+    now = datetime(2026, 12, 6, 12, tzinfo=UTC)
+
+    def reading(value: float, ago_s: float, gpu: str = "0000:01:00.0") -> Signal:
+        return Signal(Kind.GPU_ECC, Witness.NODE, gpu, "correctable-aggregate",
+                      now - timedelta(seconds=ago_s), "", value)  # fmt: skip
+
+    storms, kept = carry_ecc(None, [reading(0, 0)], now=now, window_s=600)
+    assert storms == [] and kept == {"0000:01:00.0": [[now.isoformat(), 0]]}
+    # an old reading (out of the window) is dropped: no rate from it
+    old = {"0000:01:00.0": [[(now - timedelta(seconds=700)).isoformat(), 0]]}
+    storms, kept = carry_ecc(old, [reading(5000, 0)], now=now, window_s=600)
+    assert storms == [] and kept == {"0000:01:00.0": [[now.isoformat(), 5000]]}
+    # garbage kept rows are skipped, never an error
+    storms, _ = carry_ecc({"x": "nope", "y": [[1], ["bad", "x"]]}, [reading(1, 0)], now=now,
+                          window_s=600)  # fmt: skip
+    assert storms == []
+    # a rise within the window is a rate per hour of the window
+    within = {"0000:01:00.0": [[(now - timedelta(seconds=60)).isoformat(), 100]]}
+    (storm,), _ = carry_ecc(within, [reading(400, 0)], now=now, window_s=600)
+    assert (storm.code, storm.value) == ("correctable-rate", 300 * 3600 / 600)
+    # bounded: a node sending a new count every report keeps the newest MAX_ECC_READINGS
+    kept = None
+    for i in range(100):
+        _, kept = carry_ecc(kept, [reading(i, 0)], now=now, window_s=600)
+    assert kept is not None and len(kept["0000:01:00.0"]) == MAX_ECC_READINGS

@@ -155,6 +155,17 @@ class FakeSys:
         self.write(f"{n}/speed", f"{speed}\n")
         (self.root / n / "device").symlink_to(dev)
 
+    def ib_port(
+        self, dev: str, port: int, gid0: str, node_guid: str, *, layer: str = "InfiniBand"
+    ) -> None:
+        """An RDMA port as the kernel shows it under /sys/class/infiniband."""
+        base = f"sys/class/infiniband/{dev}"
+        self.write(f"{base}/node_guid", node_guid + "\n")
+        self.write(f"{base}/ports/{port}/gids/0", gid0 + "\n")
+        self.write(f"{base}/ports/{port}/link_layer", layer + "\n")
+        self.write(f"{base}/ports/{port}/state", "4: ACTIVE\n")
+        self.write(f"{base}/ports/{port}/rate", "400 Gb/sec (4X NDR)\n")
+
     def virtual_nic(self, name: str, mac: str) -> None:
         self.write(f"sys/class/net/{name}/address", mac + "\n")
 

@@ -7,6 +7,7 @@ namespace (``python receiver.py HOST PORT OUTFILE``), where it writes each post 
 from __future__ import annotations
 
 import json
+import secrets
 import sys
 import time
 from dataclasses import dataclass, field
@@ -32,7 +33,34 @@ class Receiver:
         app = web.Application(client_max_size=2 << 20)
         app.router.add_post("/api/v1/agent/inventory", self.inventory)
         app.router.add_get("/api/v1/agent/next", self.next_action)
+        # Measured-boot attestation (docs/attestation.md): key, nonce and quote are recorded
+        # as they come (kind "attestation/..."); the test verifies them with metald's core.
+        app.router.add_post("/api/v1/agent/attestation/key", self.attestation)
+        app.router.add_post("/api/v1/agent/attestation/nonce", self.attestation)
+        app.router.add_post("/api/v1/agent/attestation", self.attestation)
         return app
+
+    async def attestation(self, request: web.Request) -> web.Response:
+        if not self._authorised(request):
+            return web.json_response({"title": "Unauthorized"}, status=401)
+        kind = request.path.removeprefix("/api/v1/agent/")
+        raw = await request.read()
+        answer: dict[str, Any] = {"machine_id": "lab", "ak_name": "", "ek_check": "recorded"}
+        if kind.endswith("/nonce"):
+            answer = {
+                "nonce": secrets.token_hex(32),
+                "expires_at": "2099-01-01T00:00:00Z",
+                "pcrs": [0, 1, 2, 3, 4, 5, 6, 7],
+            }
+        elif kind == "attestation":
+            answer = {"machine_id": "lab", "id": "x", "status": "recorded", "reason": None,
+                      "summary": "recorded", "changes": [], "state": "inspecting"}  # fmt: skip
+        record = {"kind": kind, "at": time.time(), "body": json.loads(raw) if raw else None}
+        record["answer"] = answer
+        if self.out:
+            with self.out.with_suffix(".attestation.jsonl").open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        return web.json_response(answer)
 
     def _authorised(self, request: web.Request) -> bool:
         return request.headers.get("Authorization") == f"Bearer {self.token}"

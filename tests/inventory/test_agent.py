@@ -169,6 +169,25 @@ async def test_agent_sends_nvidia_smi_xml_when_present(tmp_path, busybox_bin, ai
     )
 
 
+async def test_agent_reports_infiniband_port_guids(tmp_path, busybox_bin, aiohttp_server):
+    """Fails on the old agent: it sent no infiniband list (the leaf could not be matched)."""
+    rec = Receiver()
+    server = await aiohttp_server(rec.app())
+    fs = FakeSys(tmp_path / "root")
+    fs.cpus("x", 1, 1, 1)
+    fs.ib_port("mlx5_0", 1, "fe80:0000:0000:0000:a088:c203:0012:3456", "a088:c203:0012:3456")
+    fs.ib_port("mlx5_1", 1, "fe80:0000:0000:0000:a088:c203:0012:3457", "a088:c203:0012:3457")
+    fs.ib_port("mlx5_2", 1, "zz", "0000:0000:0000:0000")  # unreadable GID: left out
+    rc, log = await run_agent(fs, busybox_bin, server.port)
+    assert rc == 0, log
+    inv = normalize(parse_payload(rec.posts[0]["body"]))
+    assert [(p.device, p.port, p.port_guid, p.node_guid) for p in inv.infiniband] == [
+        ("mlx5_0", 1, "0xa088c20300123456", "0xa088c20300123456"),
+        ("mlx5_1", 1, "0xa088c20300123457", "0xa088c20300123457"),
+    ]
+    assert inv.infiniband[0].rate == "400 Gb/sec (4X NDR)"
+
+
 async def test_agent_escapes_hostile_strings(tmp_path, busybox_bin, aiohttp_server):
     rec = Receiver()
     server = await aiohttp_server(rec.app())

@@ -223,6 +223,23 @@ def test_ipmitool_runs_from_the_image(built_assets, tmp_path):
     assert out.stdout.startswith("ipmitool version")
 
 
+def test_tpm2_tools_run_from_the_image(built_assets, tmp_path):
+    """tpm2 (the agent's quotes, docs/attestation.md) and the device TCTI it loads by name at
+    run time are in the initrd and run (chroot, root only)."""
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("chroot needs root")
+    root = tmp_path / "initrd"
+    extract(unpack_initramfs((built_assets / "discovery/initrd.img").read_bytes()), root)
+    assert (root / "usr/lib/x86_64-linux-gnu/libtss2-tcti-device.so.0").exists()
+    out = subprocess.run(
+        ["chroot", str(root), "/usr/bin/tpm2", "rc_decode", "0x902"], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert "out of memory for object contexts" in out.stdout, out.stdout
+
+
 def test_commissioning_tools_run_from_their_image(built_assets, tmp_path):
     """stress-ng, memtester, fio and smartctl with their library closure, as the agent unpacks
     commission/tools.img over the discovery image, run (chroot into the tools image alone:

@@ -186,6 +186,8 @@ def test_cpu_memory_disks_nics():
         "memory_mb",
         "gpu_model",
         "gpu_count",
+        "nvlink_domain",
+        "nvlink_ready",
     }
 
 

@@ -367,3 +367,58 @@ def test_wipe_verification_reads_both_ends(tmp_path, busybox_bin, dirty_at, clea
         timeout=120,
     )
     assert (out.returncode == 0) is clean, out.stderr
+
+
+async def test_deploy_to_the_layouts_root_disk_with_vendor_data(
+    tmp_path, busybox_bin, aiohttp_server, loops
+):
+    """The storage plan's root disk is the target (not the first disk), and a tenant's
+    user-data is seeded byte for byte with metald's vendor-data beside it."""
+    image = cloud_image(tmp_path)
+    api = AgentApi(image=image)
+    server = await aiohttp_server(api.app())
+    ud = "#!/bin/sh\necho tenant > /root/t\n"
+    files = nocloud(
+        machine_id="m1",
+        name="n1",
+        pxe_mac=None,
+        ssh_authorized_keys=[],
+        join={"url": "http://127.0.0.1:1", "token": "tok-9", "expires_at": "x"},
+        user_data=ud,
+    )
+    first, second = tmp_path / "a.img", tmp_path / "b.img"
+    first.write_bytes(bytes(8 * MIB))
+    second.write_bytes(os.urandom(8 * MIB))
+    dev_a, dev_b = loops.attach(first), loops.attach(second)
+    part = loops.attach(second, "-o", str(MIB), "--sizelimit", str(4 * MIB))
+    api.provision = {
+        **provision(server.port, image),
+        "nocloud": files,
+        "storage": {"root": [Path(dev_b).name], "root_raid": None, "volumes": []},
+    }
+    rc, log = await run_agent(
+        tmp_path,
+        busybox_bin,
+        server.port,
+        "deploy",
+        METALD_DISKS=f"{dev_a} {dev_b}",
+        METALD_PARTITIONS=part,
+        METALD_PROGRESS_S="0",
+    )
+    assert rc == 0, log
+    assert api.progress[-1] == {"phase": "deploy", "done": True}
+    loops.detach_all()
+    assert first.read_bytes() == bytes(8 * MIB)  # the first disk is untouched
+    assert second.read_bytes()[:MIB] == image[:MIB]
+    assert debugfs_cat(second, MIB, 4 * MIB, f"{SEED}/user-data").decode() == ud
+    vendor = debugfs_cat(second, MIB, 4 * MIB, f"{SEED}/vendor-data").decode()
+    assert vendor == files["vendor-data"] and "tok-9" in vendor
+
+    # A RAID root is refused before any disk is touched (no mdadm in the deploy image yet).
+    api.progress.clear()
+    api.provision["storage"] = {"root": ["sda", "sdb"], "root_raid": 1, "volumes": []}
+    dev_a = loops.attach(first)
+    rc, log = await run_agent(tmp_path, busybox_bin, server.port, "deploy", METALD_DISKS=dev_a)
+    assert any("cannot build yet" in (p.get("error") or "") for p in api.progress), api.progress
+    loops.detach_all()
+    assert first.read_bytes() == bytes(8 * MIB)

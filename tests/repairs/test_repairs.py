@@ -460,3 +460,68 @@ async def test_two_technicians_taking_at_once_get_one_winner(api) -> None:  # ty
             repairs._save(s, rep, rep.version, status="open", taken_by=None)
             machines.transition(s, m.id, Trigger.MARK_BROKEN, actor="t")
             s.commit()
+
+
+async def test_a_taken_repair_is_released_back_to_the_queue(api) -> None:  # type: ignore[no-untyped-def]
+    """Untake: the one who took a repair (or an admin) lets go of it without fixing it; the
+    repair is open for anyone again and the machine broken again (out of service)."""
+    client, tokens, store = api
+    tech, admin = tokens.header("technician"), tokens.header("admin")
+    r = await client.post(
+        "/api/v1/repairs", json={"machine": "node2", "summary": "no video"}, headers=tech
+    )
+    rid = (await r.json())["id"]
+    r = await client.post(f"/api/v1/repairs/{rid}/release", headers=tech)
+    assert r.status == 409 and "only a taken repair" in (await r.json())["detail"]
+    r = await client.post(f"/api/v1/repairs/{rid}/take", headers=admin)
+    assert r.status == 200 and "release" in (await r.json())["actions"]
+    # A technician cannot release someone else's repair.
+    r = await client.post(f"/api/v1/repairs/{rid}/release", headers=tech)
+    assert r.status == 403 and "taken by admin" in (await r.json())["detail"]
+    r = await client.post(f"/api/v1/repairs/{rid}/release", headers=admin)
+    assert r.status == 200, await r.text()
+    body = await r.json()
+    assert (body["status"], body["taken_by"], body["machine"]["state"]) == (
+        "open", None, "broken",
+    )  # fmt: skip
+    assert body["actions"] == ["take", "note"]
+    # Anyone may take it now; its taker may release it.
+    assert (await client.post(f"/api/v1/repairs/{rid}/take", headers=tech)).status == 200
+    r = await client.post(f"/api/v1/repairs/{rid}/release", headers=tech)
+    assert r.status == 200 and (await r.json())["status"] == "open"
+    with store.session() as s:
+        kinds = [e.kind for e in s.exec(select(Event).where(Event.kind.startswith("repair.")))]  # type: ignore[attr-defined]
+        assert kinds.count("repair.released") == 2
+        assert machines.get_machine(s, tokens.machine_free).state == "broken"
+    # An orchestrator never reaches it.
+    r = await client.post(f"/api/v1/repairs/{rid}/release", headers=tokens.header("orchestrator"))
+    assert r.status in (403, 404)
+
+
+async def test_a_machine_from_the_pool_failing_commissioning_is_queued_with_its_evidence(
+    api,
+) -> None:  # type: ignore[no-untyped-def]
+    """A machine that passed commissioning before (it was in the pool) and fails a later run
+    goes to the repair queue by itself (source commissioning), broken, with the failed check's
+    sentence as the evidence; a first commissioning failing (a new
+    machine) stays commission-failed as before."""
+    client, tokens, store = api
+    tech = tokens.header("technician")
+    mid, _agent = await _ready(client, store)
+    r = await client.post(
+        f"/api/v1/machines/{mid}/commission", json={"reason": "recheck"}, headers=tech
+    )
+    assert r.status == 202, await r.text()
+    out = await _boot_and_commission(client, store, mid, SMART_MEDIA_ERRORS)
+    assert out["status"] == "failed" and out["state"] == "broken", out
+    r = await client.get("/api/v1/repairs", headers=tech)
+    (rep,) = (await r.json())["items"]
+    assert (rep["source"], rep["status"], rep["machine"]["id"]) == ("commissioning", "open", mid)
+    (fault,) = rep["faults"]
+    assert (fault["kind"], fault["subject"], fault["witness"]) == (
+        "commissioning", "smart", "commissioning",
+    )  # fmt: skip
+    assert "7 NVMe media errors" in fault["evidence"]
+    assert rep["actions"] == ["take", "note"]
+    m = await _state(store, mid)
+    assert m.state == "broken" and "in repair" in (m.last_error or "")

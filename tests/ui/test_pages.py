@@ -219,14 +219,17 @@ def test_bulk_maintenance_is_confirmed_first(browser, app, tokens, shots) -> Non
     expect(page.locator("#selected")).to_have_text("2 selected")
     page.get_by_role("button", name="maintenance on").click()
     dialog = page.get_by_role("dialog")
-    expect(dialog).to_contain_text("maintenance on on 2 machines?")
+    # The dialog names the machines (issue 31 item 5; it said "on 2 machines?").
+    expect(dialog).to_contain_text("maintenance on on 2 machines: r7-00, r7-01?")
     shoot(page, shots, "bulk-confirm")
     dialog.get_by_role("button", name="Cancel").click()
     assert (state(app, "r7-00"), state(app, "r7-01")) == ("ready", "ready")
     page.get_by_role("button", name="maintenance on").click()
     dialog.get_by_label("Reason").fill("reseat GPUs")
     dialog.get_by_role("button", name="Confirm").click()
-    expect(page.get_by_role("status")).to_have_text("2 machines done.")
+    expect(page.locator("#bulk-status")).to_have_text("2 machines done.")
+    # The page stays where it was (it navigated to /ui/machines/bulk before).
+    assert page.url == app.base + "/ui/"
     assert (state(app, "r7-00"), state(app, "r7-01")) == ("maintenance", "maintenance")
     r = api(
         app, tokens.admin, "GET", f"/api/v1/events?machine_id={machine_id(app, 'r7-00')}&sort=-id"
@@ -359,6 +362,7 @@ def test_every_page_passes_axe_and_is_captured(browser, app, tokens, shots) -> N
         ("events", "/ui/events"),
         ("firmware", "/ui/firmware"),
         ("instances", "/ui/instances"),
+        ("topology", "/ui/topology"),
         ("tokens", "/ui/tokens"),
     ]:
         resp = page.goto(path)

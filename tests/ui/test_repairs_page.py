@@ -1,7 +1,7 @@
 """The repair queue page in a real browser (Debian's chromium, Playwright) against a real
 metald: machine, rack position, fault, evidence, the part (a GPU by PCI address and serial
-from the inventory, a DIMM slot from the SEL record), who took it; take, note and repaired
-through the API's routes; an orchestrator gets neither the link nor the page; axe-core."""
+from the inventory, a DIMM slot from the SEL record), who took it; take, note, repaired and
+release through the API's routes; an orchestrator gets neither the link nor the page; axe-core."""
 
 from __future__ import annotations
 
@@ -127,9 +127,16 @@ def test_the_queue_shows_the_part_and_acts_through_the_api(browser, app, tokens,
     )
     page.get_by_role("link", name="taken by technician:technician").click()
     assert page.locator("tbody tr").count() == 1
+    # Release: back in the queue for anyone, the machine broken again.
+    page.goto("/ui/repairs")
+    _row(page, "r9-00").get_by_role("button", name="Release").click()
+    expect(page.get_by_role("status")).to_have_text("Done: release r9-00")
+    gpu = _row(page, "r9-00")
+    expect(gpu).to_contain_text("broken")
+    expect(gpu.get_by_role("button", name="Take")).to_be_visible()
     page.context.close()
     with app.store.session() as s:
-        assert {r.status for r in s.exec(select(Repair))} == {"open", "taken"}
+        assert {r.status for r in s.exec(select(Repair))} == {"open"}
 
 
 def test_an_orchestrator_gets_no_repairs(browser, app, tokens) -> None:  # type: ignore[no-untyped-def]

@@ -38,31 +38,97 @@
     if (e.target.matches && e.target.matches('input[name="id"]')) countSelected();
   });
 
-  // --- destructive actions are confirmed in a dialog (the server refuses them otherwise) ---
-  const bulk = $("#bulk");
+  // --- destructive actions are confirmed in a dialog that names the machines (the server
+  // refuses them otherwise); actions are sent in place: the page, its scroll position and an
+  // open serial console stay ---
   const dialog = $("#confirm");
-  if (bulk && dialog) {
-    bulk.addEventListener("submit", (e) => {
-      const button = e.submitter;
-      if (!button || bulk.dataset.confirmed === "1") { bulk.dataset.confirmed = ""; return; }
-      const n = bulk.querySelector('input[type="hidden"][name="id"]') ? 1
-        : $$('input[name="id"][type="checkbox"]:checked').length;
-      if (!button.dataset.confirm && !button.dataset.reason) return;
-      e.preventDefault();
-      $("#confirm-text").textContent =
-        button.value.replace(/-/g, " ") + " on " + n + " machine" + (n === 1 ? "" : "s") + "?";
-      $("#confirm-reason-p").hidden = !button.dataset.reason;
-      $("#confirm-reason").required = !!button.dataset.reason;
+  function ask(text, reason) {
+    return new Promise((resolve) => {
+      $("#confirm-text").textContent = text;
+      $("#confirm-reason-p").hidden = !reason;
+      $("#confirm-reason").required = reason === "required";
+      $("#confirm-reason").value = "";
       dialog.returnValue = "";
       dialog.showModal();
       dialog.addEventListener("close", function once() {
         dialog.removeEventListener("close", once);
-        if (dialog.returnValue !== "ok") return;
-        bulk.elements.confirm.value = "yes";
-        bulk.elements.reason.value = $("#confirm-reason").value;
-        bulk.dataset.confirmed = "1";
-        bulk.requestSubmit(button);
+        resolve(dialog.returnValue === "ok" ? { reason: $("#confirm-reason").value } : null);
       });
+    });
+  }
+  function machinesText(names) {
+    const shown = names.slice(0, 10).join(", ");
+    const more = names.length > 10 ? " and " + (names.length - 10) + " more" : "";
+    return names.length + " machine" + (names.length === 1 ? "" : "s") + ": " + shown + more;
+  }
+  async function send(form, submitter) {
+    const data = new FormData(form);
+    if (submitter && submitter.name) data.set(submitter.name, submitter.value);
+    const r = await fetch(form.getAttribute("action"), {
+      method: "POST", body: data,
+      headers: { Accept: "application/json", "X-CSRF-Token": csrf },
+    });
+    let body = null;
+    try { body = await r.json(); } catch (err) { body = { detail: "HTTP " + r.status }; }
+    return { ok: r.ok, status: r.status, body: body };
+  }
+  function say(el, text, bad) {
+    if (!el) return;
+    el.textContent = text;
+    el.className = bad ? "problem-line" : "ok";
+    el.setAttribute("role", bad ? "alert" : "status");
+  }
+
+  // Fleet: the bulk form.
+  const bulk = $("#bulk");
+  if (bulk && dialog) {
+    bulk.addEventListener("submit", async (e) => {
+      const button = e.submitter;
+      if (!button) return;
+      e.preventDefault();
+      const boxes = $$('input[name="id"][type="checkbox"]:checked');
+      const names = boxes.map((b) => b.dataset.name || b.value.slice(0, 8));
+      const action = button.value.replace(/-/g, " ");
+      bulk.elements.confirm.value = ""; bulk.elements.reason.value = "";
+      if (button.dataset.confirm || button.dataset.reason) {
+        const answer = await ask(action + " on " + machinesText(names) + "?", button.dataset.reason ? "required" : "");
+        if (!answer) return;
+        bulk.elements.confirm.value = "yes";
+        bulk.elements.reason.value = answer.reason;
+      }
+      const out = $("#bulk-status");
+      const r = await send(bulk, button);
+      if (!r.ok && !(r.body && "done" in r.body)) { say(out, (r.body.title || "Refused") + ": " + (r.body.detail || ""), true); return; }
+      const failed = r.body.failed || [];
+      let text = r.body.done + " machine" + (r.body.done === 1 ? "" : "s") + " done.";
+      if (failed.length) text += " Refused: " + failed.map((f) => f.name + " (" + f.why + ")").join("; ");
+      say(out, text, failed.length > 0);
+    });
+  }
+
+  // Machine: each action form, in place; the panel comes back from the answer.
+  const actions = $("#m-actions");
+  if (actions) {
+    document.addEventListener("submit", async (e) => {
+      const form = e.target;
+      if (!form.matches || !form.matches("form.act")) return;
+      e.preventDefault();
+      const name = $("#m-actions").dataset.name;
+      if (form.elements.confirm) form.elements.confirm.value = "";
+      if (form.dataset.confirm || form.dataset.reason) {
+        const why = form.dataset.why ? " It " + form.dataset.why + "." : "";
+        const answer = await ask(form.dataset.label + " " + name + "?" + why, form.dataset.reason || "");
+        if (!answer) return;
+        form.elements.confirm.value = "yes";
+        form.elements.reason.value = answer.reason;
+      }
+      const out = $("#act-status");
+      const r = await send(form, e.submitter);
+      if (!r.ok) { say(out, (r.body.title || "Refused") + ": " + (r.body.detail || ""), true); return; }
+      say(out, r.body.message, false);
+      const tpl = document.createElement("template"); tpl.innerHTML = r.body.actions.trim();
+      $("#m-actions").replaceWith(tpl.content.firstElementChild);
+      const s = $("#m-state"); s.textContent = r.body.state; s.className = "state state-" + r.body.state;
     });
   }
 
@@ -74,8 +140,32 @@
     into.innerHTML = await r.text();
   }));
 
-  // --- the event stream ---
+  // --- the event stream: one per browser session, shared by the tabs through a
+  // SharedWorker (events-worker.js); a browser without one reads its own stream ---
+  let worker = null;
   function follow(after, params, onEvent) {
+    if (window.SharedWorker && !window.metaldNoWorker) {
+      try {
+        if (!worker) {
+          worker = new SharedWorker("/ui/static/events-worker.js", { name: "metald-events" });
+          window.addEventListener("pagehide", () => worker.port.postMessage({ type: "bye" }));
+        }
+        const status = $("#live");
+        worker.port.addEventListener("message", (m) => {
+          const msg = m.data || {};
+          if (msg.type === "status" && status) status.textContent = msg.status;
+          else if (msg.type === "event") { try { onEvent(msg.event); } catch (err) { console.error(err); } }
+        });
+        worker.port.start();
+        worker.port.postMessage({ type: "follow", after: String(after), params: params });
+        return () => worker.port.postMessage({ type: "bye" });
+      } catch (err) {
+        worker = null; // refused (a CSP or a browser without workers): read the stream here
+      }
+    }
+    return direct(after, params, onEvent);
+  }
+  function direct(after, params, onEvent) {
     const status = $("#live");
     let last = after;
     let stopped = false;
@@ -156,6 +246,10 @@
       // later one (keyset pages): those stay where the pager finds them.
       if (next && next === rows[0] && table.dataset.laterPage) return;
       if (!next && table.dataset.more) return;
+      // Sorted by another column or grouped: where it goes is the server's to say (reload).
+      if (table.dataset.customOrder) return;
+      const empty = body.querySelector("tr.nothing");
+      if (empty) empty.remove();
       const tpl = document.createElement("template"); tpl.innerHTML = item.html.trim();
       body.insertBefore(tpl.content.firstElementChild, next || null);
     }

@@ -46,3 +46,49 @@ def judge_dcgm(text: str) -> Verdict:
         for r in bad[:5]
     ]
     return judge(problems, f"dcgm diag: {len(results)} results, none failed", results=results)
+
+
+#: Most incidents read from one ``dcgmi health -c -j`` document (a hostile node cannot flood).
+MAX_HEALTH_INCIDENTS = 256
+
+
+def parse_health(text: str) -> tuple[str, list[dict[str, str]]]:
+    """``dcgmi health --check --json`` (DCGM's ``DcgmiOutputJson``: ``{"header": ["Health
+    Monitor Report"], "body": {"Overall Health": {"value": "Healthy|Warning|Failure"},
+    "<entity group>": {"children": {"<entity id>": {"value": ..., "children": {"Errors":
+    {"children": {"<system>": {"value": ..., "overflow": [message lines]}}}}}}}}}``) -> the
+    overall health and one incident per entity and system: ``group``, ``entity``, ``system``,
+    ``health`` and ``message`` (the overflow lines joined). ValueError when it is not that
+    document."""
+    try:
+        doc = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"dcgmi health output is not JSON: {e}") from None
+    body = doc.get("body") if isinstance(doc, dict) else None
+    overall = body.get("Overall Health") if isinstance(body, dict) else None
+    if not isinstance(overall, dict) or not isinstance(overall.get("value"), str):
+        raise ValueError("dcgmi health output has no 'Overall Health'")
+    assert isinstance(body, dict)
+    out: list[dict[str, str]] = []
+    for group, node in body.items():
+        if group == "Overall Health" or not isinstance(node, dict):
+            continue
+        entities = node.get("children")
+        for entity, e in entities.items() if isinstance(entities, dict) else []:
+            errors = e.get("children", {}).get("Errors", {}) if isinstance(e, dict) else {}
+            systems = errors.get("children") if isinstance(errors, dict) else None
+            for system, s in systems.items() if isinstance(systems, dict) else []:
+                if not isinstance(s, dict):
+                    continue
+                lines = s.get("overflow")
+                lines = lines if isinstance(lines, list) else []
+                out.append({
+                    "group": str(group)[:32],
+                    "entity": str(entity)[:16],
+                    "system": str(system)[:32],
+                    "health": str(s.get("value") or e.get("value") or "")[:16],
+                    "message": " ".join(str(x) for x in lines)[:400],
+                })  # fmt: skip
+                if len(out) >= MAX_HEALTH_INCIDENTS:
+                    return str(overall["value"]), out
+    return str(overall["value"]), out

@@ -4,7 +4,7 @@ A tenant's elastic pool: Slurm CLOUD nodes resumed into claims and suspended int
 (docs/elastic.md).
 
 Revision ID: 0038
-Revises: 0031
+Revises: 0036
 
 Expand-only: two new tables.
 """
@@ -14,7 +14,7 @@ import sqlmodel
 from alembic import op
 
 revision = "0038"
-down_revision = "0031"
+down_revision = "0036"
 branch_labels = None
 depends_on = None
 

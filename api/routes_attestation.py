@@ -1,0 +1,238 @@
+"""Measured-boot attestation (docs/attestation.md): the agent's key enrollment, nonce and
+quote (/api/v1/agent/attestation...), and a machine's attestation as staff see and act on it
+(/api/v1/machines/{id}/attestation...)."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from datetime import datetime
+from typing import Annotated, Any
+
+from pydantic import BaseModel, Field, StringConstraints
+
+from api import workflows
+from api.roles import AGENT
+from api.routing import STAFF, ApiRequest, Router
+from api.schemas import In, MachineOut, Version
+from metald.errors import Unprocessable
+from metald.usecases.attestation import Attestation
+
+router = Router()
+TAG = "attestation"
+
+#: Base64 of at most ~96 KiB (a real UEFI event log is a few KiB to a few tens of KiB).
+B64 = Annotated[
+    str, StringConstraints(min_length=4, max_length=131072, pattern=r"^[A-Za-z0-9+/=\s]+$")
+]
+B64_SMALL = Annotated[
+    str, StringConstraints(min_length=4, max_length=8192, pattern=r"^[A-Za-z0-9+/=\s]+$")
+]
+
+
+def _bytes(field: str, value: str) -> bytes:
+    try:
+        return base64.b64decode(value, validate=False)
+    except (binascii.Error, ValueError):
+        raise Unprocessable(
+            f"{field} is not base64; send the file's bytes base64-encoded"
+        ) from None
+
+
+class KeyIn(In):
+    ak_public: B64_SMALL = Field(
+        description="The AK's TPMT_PUBLIC (tpm2_createak -f tpmt), base64."
+    )
+    ek_public: Annotated[str, StringConstraints(min_length=1, max_length=4096)] | None = Field(
+        default=None, description="The EK's public key, PEM (tpm2_readpublic -f pem)."
+    )
+    ek_certificate: B64_SMALL | None = Field(
+        default=None,
+        description="The EK certificate from the TPM's NV index 0x01c00002, DER, base64.",
+    )
+
+
+class KeyOut(BaseModel):
+    machine_id: str
+    ak_name: str
+    ek_check: str
+
+
+class NonceOut(BaseModel):
+    #: Hex: pass it to tpm2_quote -q.
+    nonce: str
+    expires_at: datetime
+    #: The SHA-256 PCRs to quote (tpm2_quote -l sha256:...).
+    pcrs: list[int]
+
+
+class QuoteIn(In):
+    nonce: Annotated[str, StringConstraints(pattern=r"^([0-9a-fA-F]{2}){16,64}$")]
+    quote: B64_SMALL = Field(description="TPMS_ATTEST (tpm2_quote -m), base64.")
+    signature: B64_SMALL = Field(description="TPMT_SIGNATURE (tpm2_quote -s), base64.")
+    event_log: B64 = Field(
+        description="/sys/kernel/security/tpm0/binary_bios_measurements, base64."
+    )
+
+
+class VerdictOut(BaseModel):
+    machine_id: str
+    id: str
+    #: learned, passed, failed, refused.
+    status: str
+    reason: str | None
+    summary: str
+    changes: list[dict[str, Any]]
+    state: str
+
+
+class AttestationView(BaseModel):
+    machine_id: str
+    #: The machine's current boot passed its attestation (what a claim's attested: true asks).
+    attested: bool
+    key: dict[str, Any] | None
+    golden: dict[str, Any] | None
+    attestations: list[dict[str, Any]]
+
+
+class AcceptIn(In):
+    reason: Annotated[str, StringConstraints(min_length=1, max_length=500)]
+    version: Version = None
+
+
+class ReasonIn(In):
+    reason: Annotated[str, StringConstraints(min_length=1, max_length=500)]
+
+
+@router.route(
+    "POST",
+    "/api/v1/agent/attestation/key",
+    summary="Enroll the machine's attestation key",
+    roles=AGENT,
+    body=KeyIn,
+    response=KeyOut,
+    tag=TAG,
+    errors=(409, 422),
+    use_case=workflows.attestation,
+)
+async def enroll_key(req: ApiRequest, att: Attestation) -> KeyOut:
+    """In a discovery boot: the machine's AK (trust on first use) with its EK and EK
+    certificate. The same AK again is accepted; another AK for an enrolled machine is 409."""
+    b: KeyIn = req.body
+    out = await att.enroll_key(
+        req.require_principal(),
+        ak_public=_bytes("ak_public", b.ak_public),
+        ek_public=b.ek_public,
+        ek_certificate=None
+        if b.ek_certificate is None
+        else _bytes("ek_certificate", b.ek_certificate),
+        actor=req.actor,
+    )
+    return KeyOut.model_validate(out)
+
+
+@router.route(
+    "POST",
+    "/api/v1/agent/attestation/nonce",
+    summary="Get a nonce to quote over",
+    roles=AGENT,
+    response=NonceOut,
+    tag=TAG,
+    errors=(409,),
+    use_case=workflows.attestation,
+)
+async def issue_nonce(req: ApiRequest, att: Attestation) -> NonceOut:
+    """A fresh nonce for this boot's quote, usable once, for attestation.nonce_ttl_s."""
+    return NonceOut.model_validate(await att.nonce(req.require_principal()))
+
+
+@router.route(
+    "POST",
+    "/api/v1/agent/attestation",
+    summary="Submit a quote and the event log",
+    roles=AGENT,
+    body=QuoteIn,
+    response=VerdictOut,
+    tag=TAG,
+    errors=(409, 422),
+    use_case=workflows.attestation,
+)
+async def submit_quote(req: ApiRequest, att: Attestation) -> VerdictOut:
+    """The quote over the nonce, its signature and the UEFI event log. The answer is metald's
+    verdict: ``learned`` (first attestation: golden values), ``passed``, ``failed`` (a discovery
+    boot's machine is held in attestation-failed; a wipe boot's is held when its wipe ends),
+    or ``refused`` (the submission proved nothing: replayed nonce, another TPM's quote, an
+    altered log)."""
+    b: QuoteIn = req.body
+    out = await att.submit(
+        req.require_principal(),
+        nonce=b.nonce,
+        quote=_bytes("quote", b.quote),
+        signature=_bytes("signature", b.signature),
+        event_log=_bytes("event_log", b.event_log),
+        actor=req.actor,
+    )
+    return VerdictOut.model_validate(out)
+
+
+@router.route(
+    "GET",
+    "/api/v1/machines/{id}/attestation",
+    summary="Show a machine's attestation",
+    roles=STAFF,
+    response=AttestationView,
+    tag=TAG,
+    errors=(404,),
+    use_case=workflows.attestation,
+)
+async def show(req: ApiRequest, att: Attestation) -> AttestationView:
+    """Its attestation key (and how far the EK certificate was checked), golden values (whose,
+    set by whom and why) and last attestations with their changed PCRs and events."""
+    return AttestationView.model_validate(await att.show(req.require_principal(), req.params["id"]))
+
+
+@router.route(
+    "POST",
+    "/api/v1/machines/{id}/attestation/accept",
+    summary="Accept new golden values",
+    roles=STAFF,
+    body=AcceptIn,
+    response=MachineOut,
+    versioned=True,
+    tag=TAG,
+    errors=(404, 409, 422),
+    use_case=workflows.attestation,
+)
+async def accept(req: ApiRequest, att: Attestation) -> MachineOut:
+    """A machine held in attestation-failed: its last measured boot becomes its golden values
+    (e.g. after a firmware rollout) and it goes back to ready. The reason is required and
+    recorded with the technician's name (``machine.state`` event of ``accept-golden``)."""
+    b: AcceptIn = req.body
+    out = await att.accept(
+        req.require_principal(),
+        req.params["id"],
+        actor=req.actor,
+        reason=b.reason,
+        expected_version=req.expected_version(b.version),
+    )
+    return MachineOut.model_validate(out)
+
+
+@router.route(
+    "DELETE",
+    "/api/v1/machines/{id}/attestation/key",
+    summary="Forget a machine's attestation key",
+    roles=STAFF,
+    body=ReasonIn,
+    response=AttestationView,
+    tag=TAG,
+    errors=(404,),
+    use_case=workflows.attestation,
+)
+async def remove_key(req: ApiRequest, att: Attestation) -> AttestationView:
+    """Its TPM was cleared or replaced: the next discovery boot enrolls a new key. Golden values
+    stay. The reason is recorded (``attestation.key-removed`` event)."""
+    out = await att.remove_key(
+        req.require_principal(), req.params["id"], actor=req.actor, reason=req.body.reason
+    )
+    return AttestationView.model_validate(out)

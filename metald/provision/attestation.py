@@ -1,0 +1,430 @@
+"""Measured-boot attestation in the store: a machine's attestation key, the nonces metald
+issues for its boots, the agent's quotes and metald's verdicts on them, golden values, and
+what a verdict does to the machine (``docs/attestation.md``).
+
+The decisions are ``metald.attestation.verify``'s; this module keeps their inputs and results
+and applies the lifecycle: a failed attestation in a discovery boot holds the machine at once
+(``attest-fail``); in a wipe boot, the wipe's end does (the wipe finishes first, so the disks
+are clean whatever the verdict). A machine with an attestation key must pass in every wipe
+boot: no attestation there is a hold too.
+"""
+
+from __future__ import annotations
+
+import secrets
+from datetime import datetime, timedelta
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from sqlmodel import Session, col, select
+
+from metald import machines
+from metald.attestation.verify import (
+    AttestationRefused,
+    Golden,
+    load_attestation_key,
+    verify,
+)
+from metald.errors import Conflict, NotFound, Unprocessable
+from metald.lifecycle import ATTESTED_BOOTS, DISCOVERY_BOOT, State, Trigger
+from metald.store.models import (
+    Attestation,
+    AttestationGolden,
+    AttestationKey,
+    AttestationNonce,
+    Machine,
+    as_utc,
+    utcnow,
+)
+
+#: Where an agent may enroll its machine's attestation key: the discovery boot only (never a
+#: wipe or deploy boot, which run after a tenant had the machine).
+ENROLL_STATES = DISCOVERY_BOOT
+#: Where a failed attestation holds the machine at once (a discovery boot).
+HOLD_NOW = DISCOVERY_BOOT
+#: Where the agent may attest: discovery and wipe boots.
+ATTEST_STATES = ATTESTED_BOOTS
+PASSING = frozenset({"learned", "passed"})
+NONCE_BYTES = 32
+
+
+def _subject(machine_id: str) -> str:
+    return f"machine:{machine_id}"
+
+
+def check_ek(ek_public_pem: str | None, ek_cert_der: bytes | None, roots_pem: bytes) -> str:
+    """How far the EK certificate is checked: that it certifies the EK the agent sent, and
+    (with ``attestation.ek_ca_file``) that it chains to one of those CAs. A certificate that
+    fails either is refused (Unprocessable). The AK is not cryptographically bound to the EK
+    here (no credential activation): see docs/attestation.md."""
+    if ek_cert_der is None:
+        return "no EK certificate sent: not checked"
+    try:
+        cert = x509.load_der_x509_certificate(ek_cert_der)
+    except ValueError as e:
+        raise Unprocessable(f"ek_certificate is not a DER X.509 certificate: {e}") from None
+    if ek_public_pem is not None:
+        try:
+            ek = serialization.load_pem_public_key(ek_public_pem.encode())
+        except ValueError as e:
+            raise Unprocessable(f"ek_public is not a PEM public key: {e}") from None
+        if ek != cert.public_key():
+            raise Unprocessable("the EK certificate certifies another key than ek_public")
+    if not roots_pem:
+        return "EK certificate matches the EK; chain not checked (attestation.ek_ca_file unset)"
+    pool = x509.load_pem_x509_certificates(roots_pem)
+    here = cert
+    for _ in range(5):
+        issuer = next((c for c in pool if c.subject == here.issuer and _issued_by(here, c)), None)
+        if issuer is None:
+            break
+        if issuer.subject == issuer.issuer:
+            return f"EK certificate chains to {issuer.subject.rfc4514_string()}"
+        here = issuer
+    raise Unprocessable(
+        "the EK certificate does not chain to a CA in attestation.ek_ca_file: this TPM's "
+        "maker is not trusted here; add its EK CA to that file if it should be"
+    )
+
+
+def _issued_by(cert: x509.Certificate, issuer: x509.Certificate) -> bool:
+    try:
+        cert.verify_directly_issued_by(issuer)
+    except (ValueError, TypeError, Exception):  # InvalidSignature and unsupported algorithms
+        return False
+    return True
+
+
+def enroll_key(
+    s: Session,
+    machine_id: str,
+    *,
+    ak_public: bytes,
+    ek_public: str | None,
+    ek_certificate: bytes | None,
+    boot: str | None,
+    roots_pem: bytes,
+    actor: str,
+    instance: str | None,
+) -> AttestationKey:
+    """Enroll the machine's AK (trust on first use, in a discovery boot). The same AK again is
+    a no-op; another AK for an enrolled machine is refused (a TPM cleared by a tenant, or a
+    machine swapped): a technician removes the old key first."""
+    m = machines.get_machine(s, machine_id)
+    if State(m.state) not in ENROLL_STATES:
+        raise Conflict(
+            f"the machine is {m.state}; an attestation key is enrolled only in a discovery "
+            "boot (inspecting or commissioning)"
+        )
+    try:
+        key = load_attestation_key(ak_public)
+    except AttestationRefused as e:
+        raise Unprocessable(str(e)) from None
+    row = s.get(AttestationKey, machine_id)
+    if row is not None:
+        if row.ak_public == ak_public.hex():
+            return row
+        raise Conflict(
+            "this machine already has another attestation key; if its TPM was cleared or "
+            "replaced, a technician removes the old key (DELETE "
+            "/api/v1/machines/{id}/attestation-key) and the next discovery boot enrolls anew"
+        )
+    check = check_ek(ek_public, ek_certificate, roots_pem)
+    cert_pem = (
+        None
+        if ek_certificate is None
+        else x509.load_der_x509_certificate(ek_certificate)
+        .public_bytes(serialization.Encoding.PEM)
+        .decode()
+    )
+    row = AttestationKey(
+        machine_id=machine_id,
+        ak_public=ak_public.hex(),
+        ak_name=key.name.hex(),
+        ek_public=ek_public,
+        ek_certificate=cert_pem,
+        ek_check=check,
+        enrolled_boot=boot,
+    )
+    s.add(row)
+    machines.add_event(
+        s,
+        "attestation.key-enrolled",
+        actor,
+        machine_id=machine_id,
+        reason=check,
+        data={"ak_name": row.ak_name},
+        instance=instance,
+    )
+    return row
+
+
+def issue_nonce(
+    s: Session, machine_id: str, *, boot: str | None, ttl_s: float, now: datetime | None = None
+) -> AttestationNonce:
+    """A fresh nonce for this machine's boot; the machine's spent and expired ones go."""
+    now = now or utcnow()
+    m = machines.get_machine(s, machine_id)
+    if State(m.state) not in ATTEST_STATES:
+        raise Conflict(f"the machine is {m.state}; it attests only in discovery and wipe boots")
+    for old in s.exec(select(AttestationNonce).where(AttestationNonce.machine_id == machine_id)):
+        if old.used_at is not None or as_utc(old.expires_at) <= now:
+            s.delete(old)
+    row = AttestationNonce(
+        nonce=secrets.token_bytes(NONCE_BYTES).hex(),
+        machine_id=machine_id,
+        boot=boot,
+        issued_at=now,
+        expires_at=now + timedelta(seconds=ttl_s),
+    )
+    s.add(row)
+    return row
+
+
+def _take_nonce(
+    s: Session, machine_id: str, nonce_hex: str, boot: str | None, now: datetime
+) -> bytes:
+    """The issued nonce, spent now; refused when it is not this machine's, not this boot's,
+    already used or expired."""
+    row = s.get(AttestationNonce, nonce_hex.lower())
+    if row is None or row.machine_id != machine_id or (row.boot or None) != (boot or None):
+        raise AttestationRefused(
+            "stale-nonce", "metald did not issue this nonce for this machine's boot"
+        )
+    if row.used_at is not None:
+        raise AttestationRefused("stale-nonce", "this nonce was used already (a replay)")
+    row.used_at = now
+    if as_utc(row.expires_at) <= now:
+        raise AttestationRefused("stale-nonce", "this nonce expired; fetch a new one")
+    return bytes.fromhex(row.nonce)
+
+
+def golden_for(s: Session, m: Machine) -> AttestationGolden | None:
+    """The machine's own golden values, else its SKU's (given by an operator)."""
+    row = s.get(AttestationGolden, _subject(m.id))
+    if row is None and m.product:
+        row = s.get(AttestationGolden, f"sku:{m.product}")
+    return row
+
+
+def submit(
+    s: Session,
+    machine_id: str,
+    *,
+    nonce: str,
+    quote: bytes,
+    signature: bytes,
+    event_log: bytes,
+    boot: str | None,
+    pcrs: tuple[int, ...],
+    actor: str,
+    instance: str | None,
+    now: datetime | None = None,
+) -> Attestation:
+    """Verify one submission and record it with its verdict (see the module docstring)."""
+    now = now or utcnow()
+    m = machines.get_machine(s, machine_id)
+    state = State(m.state)
+    if state not in ATTEST_STATES:
+        raise Conflict(f"the machine is {m.state}; it attests only in discovery and wipe boots")
+    key = s.get(AttestationKey, machine_id)
+    if key is None:
+        raise Conflict(
+            "this machine has no attestation key: enroll it first (POST "
+            "/api/v1/agent/attestation/key, in a discovery boot)"
+        )
+    golden_row = golden_for(s, m)
+    row = Attestation(
+        machine_id=machine_id, at=now, boot=boot, machine_state=m.state, status="", summary=""
+    )
+    try:
+        issued = _take_nonce(s, machine_id, nonce, boot, now)
+        verdict = verify(
+            attestation_key=bytes.fromhex(key.ak_public),
+            quote=quote,
+            signature=signature,
+            event_log=event_log,
+            nonce=issued,
+            golden=None if golden_row is None else Golden.from_dict(golden_row.golden),
+            pcrs=pcrs,
+        )
+    except AttestationRefused as e:
+        row.status, row.reason, row.summary = "refused", e.reason, str(e)
+        s.add(row)
+        if m.attested_boot is not None:
+            m.attested_boot = None
+            s.add(m)
+        machines.add_event(
+            s, "attestation.refused", actor, machine_id=m.id, reason=str(e),
+            data={"reason": e.reason}, instance=instance,
+        )  # fmt: skip
+        return row
+    row.status, row.summary = verdict.status, verdict.summary()
+    row.verdict, row.measured = verdict.as_dict(), verdict.golden.as_dict()
+    s.add(row)
+    s.flush()
+    if verdict.status == "learned":
+        s.add(
+            AttestationGolden(
+                subject=_subject(m.id),
+                golden=verdict.golden.as_dict(),
+                source="first-use",
+                set_by=actor,
+                reason="learned from the machine's first attestation (trust on first use)",
+                set_at=now,
+                attestation_id=row.id,
+            )
+        )
+    machines.add_event(
+        s,
+        f"attestation.{verdict.status}",
+        actor,
+        machine_id=m.id,
+        reason=row.summary[:1000],
+        data={"attestation_id": row.id, "changes": verdict.as_dict()["changes"]},
+        instance=instance,
+    )
+    if verdict.status in PASSING:
+        m.attested_boot = boot
+        s.add(m)
+    else:
+        m.attested_boot = None
+        s.add(m)
+        if state in HOLD_NOW:
+            machines.transition(
+                s, m.id, Trigger.ATTEST_FAIL, actor=actor, reason=row.summary[:1000],
+                expected_version=m.version, instance=instance, machine=m, commit=False,
+            )  # fmt: skip
+    return row
+
+
+def wipe_hold(s: Session, m: Machine, boot: str | None) -> str | None:
+    """Pure read: why a wipe that just finished must hold the machine instead of returning it
+    to ready (its boot's attestation failed, or a machine with a key did not pass), or None."""
+    if s.get(AttestationKey, m.id) is None:
+        return None
+    last = s.exec(
+        select(Attestation)
+        .where(Attestation.machine_id == m.id, Attestation.boot == boot)
+        .order_by(col(Attestation.at).desc())
+        .limit(1)
+    ).first()
+    if last is None:
+        return "the wipe boot sent no attestation, and this machine has an attestation key"
+    if last.status in PASSING:
+        return None
+    return f"the wipe boot's attestation {last.status}: {last.summary}"
+
+
+def accept_golden(
+    s: Session,
+    machine_id: str,
+    *,
+    reason: str,
+    actor: str,
+    instance: str | None,
+    expected_version: int | None = None,
+) -> Machine:
+    """A technician accepts the held machine's last measured boot as its new golden values
+    (e.g. after a firmware rollout), with a reason; the machine goes back to ready."""
+    m = machines.get_machine(s, machine_id)
+    last = s.exec(
+        select(Attestation)
+        .where(Attestation.machine_id == m.id, col(Attestation.measured).is_not(None))
+        .order_by(col(Attestation.at).desc())
+        .limit(1)
+    ).first()
+    data: dict[str, Any] = {}
+    if State(m.state) is State.ATTESTATION_FAILED and last is not None:
+        now = utcnow()
+        golden = s.get(AttestationGolden, _subject(m.id))
+        if golden is None:
+            golden = AttestationGolden(subject=_subject(m.id), golden={}, source="", set_by="")
+        golden.golden, golden.source, golden.set_by = dict(last.measured or {}), "accepted", actor
+        golden.reason, golden.set_at, golden.attestation_id = reason, now, last.id
+        s.add(golden)
+        last.accepted_by, last.accepted_reason, last.accepted_at = actor, reason, now
+        s.add(last)
+        data = {"attestation_id": last.id, "changes": (last.verdict or {}).get("changes", [])}
+    out = machines.transition(
+        s,
+        m.id,
+        Trigger.ACCEPT_GOLDEN,
+        actor=actor,
+        reason=reason,
+        data=data,
+        expected_version=expected_version,
+        instance=instance,
+        machine=m,
+        commit=False,
+    )
+    if last is not None and data:
+        out.attested_boot = last.boot
+        s.add(out)
+    return out
+
+
+def remove_key(
+    s: Session, machine_id: str, *, reason: str, actor: str, instance: str | None
+) -> None:
+    """Forget the machine's AK (its TPM was cleared or replaced): the next discovery boot
+    enrolls a new one; golden values stay (the firmware did not change with the TPM)."""
+    machines.get_machine(s, machine_id)
+    row = s.get(AttestationKey, machine_id)
+    if row is None:
+        raise NotFound("this machine has no attestation key")
+    s.delete(row)
+    machines.add_event(
+        s, "attestation.key-removed", actor, machine_id=machine_id, reason=reason,
+        data={"ak_name": row.ak_name}, instance=instance,
+    )  # fmt: skip
+
+
+def view(s: Session, m: Machine, *, limit: int = 10) -> dict[str, Any]:
+    """The machine's attestation: its key, golden values and last attestations."""
+    key = s.get(AttestationKey, m.id)
+    golden = golden_for(s, m)
+    rows = s.exec(
+        select(Attestation)
+        .where(Attestation.machine_id == m.id)
+        .order_by(col(Attestation.at).desc())
+        .limit(limit)
+    ).all()
+    return {
+        "machine_id": m.id,
+        "attested": m.attested_boot is not None and m.attested_boot == m.boot_current,
+        "key": None
+        if key is None
+        else {
+            "ak_name": key.ak_name,
+            "ek_check": key.ek_check,
+            "enrolled_at": key.enrolled_at,
+            "ek_certificate": key.ek_certificate is not None,
+        },
+        "golden": None
+        if golden is None
+        else {
+            "subject": golden.subject,
+            "source": golden.source,
+            "set_by": golden.set_by,
+            "reason": golden.reason,
+            "set_at": golden.set_at,
+            "pcrs": golden.golden.get("pcrs", {}),
+        },
+        "attestations": [
+            {
+                "id": r.id,
+                "at": r.at,
+                "boot": r.boot,
+                "machine_state": r.machine_state,
+                "status": r.status,
+                "reason": r.reason,
+                "summary": r.summary,
+                "changes": (r.verdict or {}).get("changes", []),
+                "accepted_by": r.accepted_by,
+                "accepted_reason": r.accepted_reason,
+            }
+            for r in rows
+        ],
+    }

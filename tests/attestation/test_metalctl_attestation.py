@@ -1,0 +1,72 @@
+"""metalctl against a real metald: a machine held by a failed attestation shows the changed
+PCR and events, and ``accept-golden`` (reason required) puts it back in the pool."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from metald.lifecycle import State
+from metald.machines import get_machine
+from metald.metalctl.main import main
+from metald.provision import attestation as att
+from metald.store import Store
+from metald.store.models import AttestationNonce, Machine, utcnow
+from tests.api_helpers import LoopbackApi, Tokens
+from tests.attestation.test_verify import read
+
+
+def _held(_cfg: Any, store: Store, _tokens: Tokens) -> None:
+    """A machine that learned its golden values in one discovery boot and failed in the next
+    (its BootOrder changed): held, through the same functions the API calls."""
+    with store.session() as s:
+        m = Machine(name="held1", state=State.INSPECTING.value)
+        s.add(m)
+        s.commit()
+        att.enroll_key(
+            s, m.id, ak_public=read("a-ak.tpmt"), ek_public=None, ek_certificate=None,
+            boot="b1", roots_pem=b"", actor="test", instance=None,
+        )  # fmt: skip
+        for boot, fixture in (("b1", "boot1"), ("b2", "boot2")):
+            nonce = read(f"a-{fixture}.nonce").decode()
+            s.add(
+                AttestationNonce(
+                    nonce=nonce, machine_id=m.id, boot=boot,
+                    expires_at=utcnow() + timedelta(minutes=5),
+                )
+            )  # fmt: skip
+            att.submit(
+                s, m.id, nonce=nonce, quote=read(f"a-{fixture}.quote.msg"),
+                signature=read(f"a-{fixture}.quote.sig"), event_log=read(f"a-{fixture}.eventlog"),
+                boot=boot, pcrs=(0, 1, 2, 3, 5, 6, 7), actor="test", instance=None,
+            )  # fmt: skip
+            s.commit()
+        assert get_machine(s, m.id).state == State.ATTESTATION_FAILED.value
+
+
+@pytest.fixture
+def live(db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    with LoopbackApi(db_url, tmp_path, prepare=_held) as api:
+        assert api.tokens is not None
+        monkeypatch.setenv("METALD_URL", api.base)
+        monkeypatch.setenv("METALD_TOKEN", api.tokens.technician)
+        yield api
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # the CLI, not the store
+def test_show_then_accept_golden(live: LoopbackApi, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["machines", "attestation", "held1"]) == 0
+    out = capsys.readouterr().out
+    assert "failed" in out and "PCR 1" in out and "BootOrder" in out and "Boot0001" in out
+    assert main(["machines", "list"]) == 0
+    assert "attestation-failed" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # --reason is required
+        main(["machines", "accept-golden", "held1"])
+    capsys.readouterr()
+    assert main(["machines", "accept-golden", "held1", "--reason", "firmware 1.2 rollout"]) == 0
+    assert "held1: ready" in capsys.readouterr().out
+    assert main(["machines", "attestation", "held1"]) == 0
+    assert "accepted by" in capsys.readouterr().out
