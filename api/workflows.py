@@ -3,7 +3,7 @@ context (each route names its use case: ``Router.route(..., use_case=...)``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from api.context import AppContext
 from metald.bmc.media import boot_url_problem
@@ -18,6 +18,7 @@ from metald.usecases.attestation import Attestation
 from metald.usecases.bmcs import Bmcs
 from metald.usecases.claims import Claims
 from metald.usecases.commissioning import Commissioning
+from metald.usecases.elastic import ElasticPools
 from metald.usecases.events import Events
 from metald.usecases.firmware import Firmware, Rollouts
 from metald.usecases.images import Images
@@ -142,6 +143,30 @@ def commissioning(req: ApiRequest) -> Commissioning:
 
 def claims(req: ApiRequest) -> Claims:
     return Claims(req.ctx.store, claim_workflow(req.ctx))
+
+
+def elastic(req: ApiRequest) -> ElasticPools:
+    rt = tenant_runtime(req.ctx)
+    return ElasticPools(
+        req.ctx.store, claim_workflow(req.ctx), changed=rt.elastic_changed if rt else None
+    )
+
+
+def elastic_handler(ctx: AppContext) -> Any:
+    """What the tenant runtime calls with a control plane's spool request (docs/elastic.md)."""
+
+    async def handle(tenant_id: str, op: str, names: list[str]) -> dict[str, str]:
+        pools = ElasticPools(ctx.store, claim_workflow(ctx))
+        actor = f"slurmctld:{tenant_id}"
+        if op == "resume":
+            return await pools.resume(tenant_id, names, actor=actor)
+        if op == "suspend":
+            await pools.suspend(tenant_id, names, actor=actor)
+        # resume-fail: slurmctld already set the nodes down; their claims stay until the
+        # pool's suspend releases them (or an operator releases them).
+        return {}
+
+    return handle
 
 
 def instances(req: ApiRequest) -> Instances:

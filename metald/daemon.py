@@ -160,6 +160,11 @@ class Daemon:
             services=self.services,
             machines_ca=self.machines_tls.fingerprint if self.machines_tls else "",
         )
+        hubs = getattr(self.services, "tenant_hubs", None)
+        if hubs is not None and hasattr(hubs, "elastic_handler"):
+            from api.workflows import elastic_handler
+
+            hubs.elastic_handler = elastic_handler(self.ctx)
         self._started: list[Service] = []
         self._store_lock: Any = None
         self._runners: list[web.AppRunner] = []

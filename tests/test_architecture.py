@@ -153,6 +153,7 @@ PREFIX_MODULES = {
 SUBSYSTEM_PATHS = {
     "routes_commissioning": ("/api/v1/machines/{id}/commission", "/api/v1/agent/commissioning"),
     "routes_firmware": ("/api/v1/machines/{id}/firmware/",),
+    "routes_elastic": ("/api/v1/tenants/{id}/elastic-",),
     "routes_topology": ("/api/v1/machines/{id}/topology",),
     "routes_attestation": ("/api/v1/machines/{id}/attestation", "/api/v1/agent/attestation"),
 }

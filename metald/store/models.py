@@ -241,6 +241,47 @@ class Claim(SQLModel, table=True):
     )
 
 
+class ElasticPoolRow(SQLModel, table=True):
+    """A tenant's elastic pool (docs/elastic.md): CLOUD nodes ``<prefix>1..<prefix><max>`` in
+    its slurm.conf; slurmctld's power saving resumes them into claims (one per node name,
+    idempotency key ``elastic:<pool id>:<node>``) and suspends them into releases."""
+
+    __tablename__ = "elastic_pools"
+
+    id: str = Field(default_factory=new_id, primary_key=True)
+    tenant_id: str = Field(foreign_key="tenants.id", index=True)
+    name: str
+    prefix: str
+    min_nodes: int = 0
+    max_nodes: int
+    selector: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    image: str
+    suspend_time_s: int = 300
+    resume_timeout_s: int = 1800
+    version: int = 1
+    created_by: str | None = None
+    created_at: datetime = _ts()
+    updated_at: datetime = _ts()
+
+    __table_args__ = (
+        UniqueConstraint("tenant_id", "name", name="uq_elastic_pools_tenant_name"),
+        UniqueConstraint("tenant_id", "prefix", name="uq_elastic_pools_tenant_prefix"),
+    )
+
+
+class ElasticQuota(SQLModel, table=True):
+    """An admin's cap on what a tenant's elastic pools may hold at once (docs/elastic.md):
+    machines in all (null: no cap) and per GPU model (``{"NVIDIA H100 80GB HBM3": 8}``)."""
+
+    __tablename__ = "elastic_quotas"
+
+    tenant_id: str = Field(foreign_key="tenants.id", primary_key=True)
+    max_machines: int | None = None
+    per_sku: dict[str, int] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    updated_by: str | None = None
+    updated_at: datetime = _ts()
+
+
 class ClaimUserData(SQLModel, table=True):
     """A tenant's cloud-init user-data and meta-data for a claim (``machine_id`` None) or one
     machine of it. Kept apart from ``claims`` so no claim view can carry it by accident: only

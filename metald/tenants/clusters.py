@@ -21,7 +21,7 @@ from metald.errors import Conflict, NotFound, Unprocessable
 from metald.lifecycle import JOIN_STARTS, JOINABLE, State, Trigger
 from metald.provision.metadata import hostname
 from metald.secrets import SecretBox
-from metald.store.models import Machine, Tenant, WgHub, WgPeer
+from metald.store.models import Claim, Machine, Tenant, WgHub, WgPeer
 from metald.tenants import ipam, keys, kubernetes, mesh, slurm, tokens
 
 DEFAULT_LISTEN_PORT = 51820
@@ -256,11 +256,40 @@ def get_hub_or_conflict(session: Session, tenant_id: str) -> WgHub:
         raise Conflict("the machine's tenant has no WireGuard hub; create it first") from None
 
 
+def elastic_node(session: Session, m: Machine) -> str | None:
+    """The elastic pool node name a machine was claimed for (its claim's idempotency key is
+    ``elastic:<pool id>:<node>``, ``metald.usecases.elastic``), or None."""
+    if m.claim_id is None:
+        return None
+    c = session.get(Claim, m.claim_id)
+    parts = (c.idempotency_key or "").split(":") if c is not None else []
+    return parts[2] if len(parts) == 3 and parts[0] == "elastic" else None
+
+
+def node_name(session: Session, m: Machine) -> str:
+    """The Slurm/Kubernetes node name a machine joins as: its elastic pool name, or its
+    hostname."""
+    return elastic_node(session, m) or hostname(m.id, m.name)
+
+
 def _material(
-    box: SecretBox, tenant: Tenant, hub: WgHub, m: Machine, address: str
+    box: SecretBox,
+    tenant: Tenant,
+    hub: WgHub,
+    m: Machine,
+    address: str,
+    session: Session | None = None,
 ) -> dict[str, Any]:
     stored = load_secrets(box, tenant)
     name = hostname(m.id, m.name)
+    node = elastic_node(session, m) if session is not None else None
+    if tenant.cluster_kind == "slurm" and node is not None:
+        # An elastic pool's machine: the CLOUD node slurmctld resumed, under its name.
+        return slurm.cloud_join_material(
+            hub_address=hub.address,
+            munge_key=base64.b64decode(stored["munge_key"]),
+            node_name=node,
+        )
     if tenant.cluster_kind == "slurm":
         features = [m.gpu_model] if m.gpu_model else []
         features += [f"{k}_{v}" for k, v in sorted(m.labels.items())]
@@ -326,7 +355,7 @@ def join(
     node_token, token_hash = mesh.mint_node_token()
     peer = _add_peer(session, tenant, m.id, public_key, token_hash, registered_from)
     mesh.bump(session, tenant.id)
-    material = _material(box, tenant, hub, m, peer.address)
+    material = _material(box, tenant, hub, m, peer.address, session)
     if State(m.state) in JOIN_STARTS:
         machines.transition(
             session, m.id, Trigger.JOIN, actor=f"node:{m.id}", instance=instance, commit=False

@@ -19,10 +19,10 @@ import re
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from metald.tenants import slurm
+from metald.tenants import elastic, elasticspool, slurm
 from netconfig import netns
 
 #: Runs as the control plane's PID-holder: hostname, private /run and /var/spool, munged, then
@@ -109,6 +109,9 @@ class SlurmControlPlane:
     munge_key: bytes
     max_nodes: int = 1024
     proc: subprocess.Popen[bytes] | None = None
+    #: The tenant's elastic pools: CLOUD nodes whose Resume/SuspendProgram write into the
+    #: spool (``metald.tenants.elasticspool``).
+    pools: list[elastic.ElasticPool] = field(default_factory=list)
     #: topology.conf (``slurm.render_topology_tree``), used when ``topology_plugin`` is set:
     #: then always written, so a later change is a ``scontrol reconfigure`` and not a restart
     #: (the plugin cannot change while running).
@@ -122,6 +125,77 @@ class SlurmControlPlane:
     @property
     def conf(self) -> Path:
         return self.workdir / "slurm.conf"
+
+    def render(self) -> str:
+        extra: list[str] = (
+            [f"TopologyPlugin={self.topology_plugin}"] if self.topology_plugin else []
+        )
+        params: list[str] = []
+        if self.pools:
+            extra += elastic.slurm_conf_lines(self.pools, elasticspool.install(self.workdir))
+            params = list(elastic.CLOUD_PARAMETERS)
+        return slurm.render_slurm_conf(
+            slurm.ControlPlane(
+                cluster_name=re.sub(r"[^a-z0-9]", "", self.tenant_name.lower())[:40] or "t",
+                host_name=host_name(self.tenant_name),
+                address=self.hub_address,
+                # On disk, not the private tmpfs: a restarted control plane (metald
+                # restarted) keeps its dynamic nodes and jobs.
+                state_dir=str(self.workdir / "state"),
+                spool_dir="/var/spool/slurmd",
+                run_dir="/run/slurm",
+                log_dir="/var/spool/log",
+                max_nodes=self.max_nodes,
+                extra=extra,
+                slurmctld_parameters=params,
+            )
+        )
+
+    def write_conf(self) -> bool:
+        """Write slurm.conf; True if it changed."""
+        text = self.render()
+        try:
+            if self.conf.read_text() == text:
+                return False
+        except OSError:
+            pass
+        tmp = self.workdir / ".slurm.conf.tmp"
+        tmp.write_text(text)
+        tmp.replace(self.conf)
+        return True
+
+    def set_pools(self, pools: list[elastic.ElasticPool]) -> bool:
+        """The pools changed (API): rewrite slurm.conf and ``scontrol reconfigure`` a running
+        control plane. Node definitions are read at start only in 22.05 for some changes, so
+        a changed node list restarts slurmctld (its state is on disk: jobs survive)."""
+        self.pools = list(pools)
+        if not self.write_conf() or not self.alive():
+            return False
+        self.stop()
+        self.start()
+        return True
+
+    def elastic_requests(self) -> list[Path]:
+        return elasticspool.pending(self.workdir)
+
+    def keep_min(self) -> list[str]:
+        """Power up the pools' first ``min`` nodes that are powered down (``idle~``): slurmctld
+        runs ResumeProgram for them like for a job. The names asked for."""
+        nodes = self.nodes() or {}
+        want = [n for p in self.pools for n in p.kept() if nodes.get(n, "").rstrip("*") == "idle~"]
+        if want:
+            self.run("scontrol", "update", f"nodename={','.join(want)}", "state=power_up")
+        return want
+
+    def set_down(self, names: list[str], reason: str) -> bool:
+        """Mark pool nodes down with a reason (``sinfo -R`` shows it); the job stays queued."""
+        if not names:
+            return True
+        r = self.run(
+            "scontrol", "update", f"nodename={','.join(names)}", "state=down",
+            f"reason={reason}", timeout=10,
+        )  # fmt: skip
+        return r.returncode == 0
 
     @property
     def topology_conf(self) -> Path:
@@ -154,25 +228,7 @@ class SlurmControlPlane:
         host = host_name(self.tenant_name)
         self.workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
         (self.workdir / "state").mkdir(mode=0o700, exist_ok=True)
-        self.conf.write_text(
-            slurm.render_slurm_conf(
-                slurm.ControlPlane(
-                    cluster_name=re.sub(r"[^a-z0-9]", "", self.tenant_name.lower())[:40] or "t",
-                    host_name=host,
-                    address=self.hub_address,
-                    # On disk, not the private tmpfs: a restarted control plane (metald
-                    # restarted) keeps its dynamic nodes and jobs.
-                    state_dir=str(self.workdir / "state"),
-                    spool_dir="/var/spool/slurmd",
-                    run_dir="/run/slurm",
-                    log_dir="/var/spool/log",
-                    max_nodes=self.max_nodes,
-                    extra=[f"TopologyPlugin={self.topology_plugin}"]
-                    if self.topology_plugin
-                    else [],
-                )
-            )
-        )
+        self.write_conf()
         if self.topology_plugin:
             self._write_topology()
         self.proc = start_machine(

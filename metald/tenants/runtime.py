@@ -33,7 +33,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -44,12 +44,11 @@ from sqlmodel import Session, col, select
 from metald.config import TenantsConfig
 from metald.errors import Unprocessable
 from metald.lifecycle import State
-from metald.provision.metadata import hostname
 from metald.secrets import SecretBox
 from metald.service import TaskScope, cancel
 from metald.store import Store
-from metald.store.models import Machine, Tenant, WgHub, WgPeer, as_utc
-from metald.tenants import clusters, controlplane, ctlstate, mesh, slurm
+from metald.store.models import ElasticPoolRow, Machine, Tenant, WgHub, WgPeer, as_utc
+from metald.tenants import clusters, controlplane, ctlstate, elastic, elasticspool, mesh, slurm
 from metald.tenants.hubs import LocalHubs
 from netconfig import guard, links, netns
 from netconfig.uapi import PeerStatus
@@ -107,6 +106,8 @@ class HubSpec:
     peers: dict[str, tuple[str, str]] = field(default_factory=dict)
     #: public key -> where the hub last saw the node
     endpoints: dict[str, str] = field(default_factory=dict)
+    #: The tenant's elastic pools (CLOUD nodes in its slurm.conf).
+    pools: list[elastic.ElasticPool] = field(default_factory=list)
     #: The nodes' NVLink domains and leaves: the control plane's topology.conf.
     topology: list[slurm.TopoNode] = field(default_factory=list)
 
@@ -139,6 +140,14 @@ def load_specs(session: Session, box: SecretBox) -> list[HubSpec]:
                     for p in clusters.peers(session, tenant.id)
                     if p.last_endpoint
                 },
+                pools=[
+                    elastic.pool_of(r)
+                    for r in session.exec(
+                        select(ElasticPoolRow)
+                        .where(ElasticPoolRow.tenant_id == tenant.id)
+                        .order_by(col(ElasticPoolRow.name))
+                    )
+                ],
             )
         )
     return out
@@ -150,7 +159,7 @@ def _peers(session: Session, tenant_id: str) -> dict[str, tuple[str, str]]:
         .join(Machine, col(Machine.id) == col(WgPeer.machine_id))
         .where(WgPeer.tenant_id == tenant_id)
     ).all()
-    return {p.public_key: (p.address, hostname(m.id, m.name)) for p, m in rows}
+    return {p.public_key: (p.address, clusters.node_name(session, m)) for p, m in rows}
 
 
 def topology_nodes(session: Session, tenant_id: str) -> list[slurm.TopoNode]:
@@ -163,7 +172,7 @@ def topology_nodes(session: Session, tenant_id: str) -> list[slurm.TopoNode]:
     return sorted(
         (
             slurm.TopoNode(
-                name=hostname(m.id, m.name),
+                name=clusters.node_name(session, m),
                 nvlink_domain=m.nvlink_domain if m.nvlink_ready else None,
                 ib_leaf=m.ib_leaf,
                 address=addr,
@@ -209,7 +218,7 @@ def observe_tenant(
             mesh.bump(session, tenant_id)  # the other nodes dial it there from now on
         if not joining and not moved and (seen is None or seen == _aware(peer.last_handshake_at)):
             continue
-        name = hostname(m.id, m.name)
+        name = clusters.node_name(session, m)
         got = clusters.observe(
             session,
             m.id,
@@ -303,6 +312,7 @@ class RunningHub:
                     workdir=self.workdir / "slurm",
                     hub_address=s.address,
                     munge_key=s.munge_key,
+                    pools=list(s.pools),
                     topology=slurm.render_topology_tree(s.topology),
                 )
                 self.control.start()
@@ -362,6 +372,8 @@ class RunningHub:
             if nodes is not None:
                 wanted = {name for _a, name in spec.peers.values()}
                 gone = set(nodes) - wanted
+                # An elastic pool's CLOUD nodes are slurm.conf's, not dynamic: never deleted.
+                gone = {n for n in gone if not any(p.owns(n) for p in spec.pools)}
                 if gone:
                     gone -= {name for _a, name in current().values()}
                 for name in gone:
@@ -418,6 +430,11 @@ class TenantRuntime:
         #: The sync loop and the fencing take-down; stopped with the service.
         self.tasks = tasks if tasks is not None else TaskScope(self.name)
         self._fencing: asyncio.Task[None | None] | None = None
+        #: (tenant id, op, node names) -> names to set down with their reason: the elastic
+        #: pools' use case (set by the daemon; None: spool requests wait).
+        self.elastic_handler: Callable[[str, str, list[str]], Awaitable[dict[str, str]]] | None = (
+            None
+        )
 
     def owns(self, tenant_id: str) -> bool:
         return self.ownership is None or self.ownership.owns_hub(tenant_id)
@@ -518,7 +535,49 @@ class TenantRuntime:
             with self.store.session() as s:
                 return _peers(s, spec.tenant_id)
 
+        if hub.control is not None and hub.control.pools != spec.pools:
+            # A pool created, changed or deleted: slurm.conf rewritten, slurmctld restarted
+            # (its state is on disk: queued jobs survive).
+            hub.control.set_pools(spec.pools)
         return hub.reconcile(spec, current)
+
+    async def elastic_changed(self, tenant_id: str) -> None:
+        """A pool of the tenant changed: sync now (slurm.conf follows)."""
+        self.wake()
+
+    async def _drain_elastic(self) -> None:
+        """Act on what slurmctld's Resume/SuspendProgram left in each control plane's spool;
+        a request is removed once acted on (acting is idempotent, so a metald killed before
+        that repeats it without a second claim)."""
+        handler = self.elastic_handler
+        if handler is None:
+            return
+        for tid, hub in list(self.running.items()):
+            cp = hub.control
+            if cp is None:
+                continue
+            if any(p.min_nodes for p in cp.pools):
+                await asyncio.to_thread(cp.keep_min)
+            for path in cp.elastic_requests():
+                try:
+                    req = elasticspool.read(path)
+                except (OSError, elasticspool.RequestError) as e:
+                    log.error("tenant %s: elastic request %s dropped: %s",
+                              hub.spec.tenant_name, path.name, e)  # fmt: skip
+                    elasticspool.done(path)
+                    continue
+                try:
+                    down = await handler(tid, req.op, req.names)
+                except Exception:
+                    log.exception("tenant %s: elastic %s %s failed; retried next interval",
+                                  hub.spec.tenant_name, req.op, req.names)  # fmt: skip
+                    continue
+                by_reason: dict[str, list[str]] = {}
+                for n, why in down.items():
+                    by_reason.setdefault(why, []).append(n)
+                for why, names in by_reason.items():
+                    await asyncio.to_thread(cp.set_down, names, why)
+                elasticspool.done(path)
 
     async def _loop(self) -> None:
         while True:
@@ -527,6 +586,8 @@ class TenantRuntime:
             self._wake.clear()
             try:
                 await self.sync()
+                # Outside the sync's lock: a suspend's release syncs the hubs itself.
+                await self._drain_elastic()
             except Exception:
                 log.exception("tenant hub sync failed; trying again next interval")
 

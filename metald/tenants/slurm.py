@@ -41,6 +41,19 @@ def node_conf(*, gpu_count: int, features: list[str], gpu_type: str | None = Non
     return " ".join(parts)
 
 
+def cloud_join_material(*, hub_address: str, munge_key: bytes, node_name: str) -> dict[str, Any]:
+    """Join material of an elastic pool's node: a CLOUD node slurmctld already knows by name
+    (``slurmd -N name``, no ``-Z``); its Gres and features are the pool's, from slurm.conf."""
+    conf_server = f"{hub_address}:{SLURMCTLD_PORT}"
+    return {
+        "kind": "slurm",
+        "conf_server": conf_server,
+        "node_name": node_name,
+        "munge_key": base64.b64encode(munge_key).decode(),
+        "slurmd_args": ["-N", node_name, "--conf-server", conf_server],
+    }
+
+
 def join_material(
     *,
     hub_address: str,
@@ -76,6 +89,8 @@ class ControlPlane:
     max_nodes: int = 1024
     partition: str = "main"
     extra: list[str] = field(default_factory=list)
+    #: Added to ``enable_configless`` (elastic pools add cloud_reg_addrs ...).
+    slurmctld_parameters: list[str] = field(default_factory=list)
 
 
 def render_slurm_conf(cp: ControlPlane) -> str:
@@ -83,7 +98,7 @@ def render_slurm_conf(cp: ControlPlane) -> str:
     lines = [
         f"ClusterName={cp.cluster_name}",
         f"SlurmctldHost={cp.host_name}({cp.address})",
-        "SlurmctldParameters=enable_configless",
+        "SlurmctldParameters=" + ",".join(["enable_configless", *cp.slurmctld_parameters]),
         f"SlurmctldPort={SLURMCTLD_PORT}",
         "SlurmdPort=6818",
         "AuthType=auth/munge",

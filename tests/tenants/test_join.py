@@ -224,3 +224,24 @@ def test_secrets_encrypted_at_rest(env: Env) -> None:
         k8s["ca_key"].splitlines()[1].encode(),
     ):
         assert secret not in raw
+
+
+def test_elastic_pool_machine_joins_under_its_node_name(env: Env) -> None:
+    """A machine claimed for elastic node e2 joins as the CLOUD node e2 slurmctld resumed:
+    ``slurmd -N e2``, no -Z (a dynamic node would be a second, unknown node)."""
+    from metald.store.models import Claim
+
+    m = env.tokens.machine_a
+    with env.store.session() as s:
+        c = Claim(tenant_id=env.tokens.tenant_a, count=1, idempotency_key="elastic:p1:e2")
+        s.add(c)
+        s.commit()
+        machine = s.get(Machine, m)
+        assert machine is not None
+        machine.claim_id = c.id
+        s.add(machine)
+        s.commit()
+    res = _join(env, _token(env, m), _pub()).response()
+    args = res["cluster"]["slurmd_args"]
+    assert res["cluster"]["node_name"] == "e2"
+    assert args[:2] == ["-N", "e2"] and "-Z" not in args

@@ -1,0 +1,234 @@
+"""Elastic pools through the API and the spool handler, on both backends: CRUD and scoping,
+resume -> one claim per node name (a retried request claims nothing more), a pool of 3 never
+claims a 4th, suspend -> the claim released, a resumed-again name gets a fresh claim, no
+machine -> the node is named down with a reason and an event."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import shutil
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from sqlmodel import col, select
+
+from api.app import CTX_KEY
+from api.workflows import elastic_handler
+from metald.store.models import Claim, ElasticPoolRow, Event
+from metald.tenants import controlplane, elastic, slurm
+from metald.tenants.runtime import TenantRuntime
+from tests.api_helpers import drain_steps, use_services
+from tests.claims.fakes import FakeBmc
+from tests.claims.helpers import DISK_SPEC, add_ready
+from tests.tenants.nslab import wait_for
+from tests.tenants.test_elastic_lab import star
+
+
+def _elastic_claims(store, live: bool = True) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    with store.session() as s:
+        rows = s.exec(select(Claim).where(col(Claim.idempotency_key).startswith("elastic:"))).all()
+        return {
+            c.idempotency_key.split(":")[2]: c.state  # type: ignore[union-attr]
+            for c in rows
+            if (c.state != "released") == live and c.idempotency_key.count(":") == 2  # type: ignore[union-attr]
+        }
+
+
+async def test_pool_crud_resume_suspend(api) -> None:  # type: ignore[no-untyped-def]
+    client, tokens, store = api
+    ctx = client.server.app[CTX_KEY]
+    use_services(ctx, bmc=FakeBmc(power_state="off"))
+    r = await client.post(
+        "/api/v1/images",
+        json={"name": "node", "kind": "disk", **DISK_SPEC},
+        headers=tokens.header("admin"),
+    )
+    image_id = (await r.json())["id"]
+    add_ready(store, 4, labels={"pool": "elastic"})
+    base = f"/api/v1/tenants/{tokens.tenant_a}/elastic-pools"
+    body = {
+        "name": "gpu",
+        "prefix": "e",
+        "max_nodes": 3,
+        "selector": {"labels": {"pool": "elastic"}},
+        "image_id": image_id,
+    }
+    r = await client.post(base, json=body, headers=tokens.header("orchestrator"))
+    assert r.status == 201, await r.text()
+    pool = await r.json()
+    assert pool["hostlist"] == "e[1-3]" and pool["nodes"] == {}
+    # Another tenant's orchestrator sees nothing, creates nothing.
+    r = await client.get(base, headers=tokens.header("orchestrator_other"))
+    assert r.status == 404
+    r = await client.post(
+        base, json={**body, "name": "x"}, headers=tokens.header("orchestrator_other")
+    )
+    assert r.status == 404
+    # Same prefix twice: refused.
+    r = await client.post(
+        base, json={**body, "name": "other"}, headers=tokens.header("orchestrator")
+    )
+    assert r.status == 409
+
+    handle = elastic_handler(ctx)
+    # Two instances act on the same request at once (one was killed -9 after claiming and a
+    # survivor retries, or both drained it): one claim per name.
+    first = await asyncio.gather(
+        handle(tokens.tenant_a, "resume", ["e1", "e2"]),
+        elastic_handler(ctx)(tokens.tenant_a, "resume", ["e2", "e1"]),
+    )
+    assert first == [{}, {}]
+    assert _elastic_claims(store) == {"e1": "allocated", "e2": "allocated"}
+    # slurmctld (or a restarted metald) asks again: nothing more is claimed.
+    assert await handle(tokens.tenant_a, "resume", ["e1", "e2"]) == {}
+    assert len(_elastic_claims(store)) == 2
+    # max 3: e4 is no node of the pool; e3 takes the third machine.
+    down = await handle(tokens.tenant_a, "resume", ["e3", "e4"])
+    assert down == {"e4": elastic.REASON_NOT_POOL}
+    assert set(_elastic_claims(store)) == {"e1", "e2", "e3"}
+
+    assert await handle(tokens.tenant_a, "suspend", ["e1"]) == {}
+    assert set(_elastic_claims(store)) == {"e2", "e3"}
+    # The released claim keeps its key until the name is resumed again.
+    assert _elastic_claims(store, live=False) == {"e1": "released"}
+    r = await client.get(f"{base}/{pool['id']}", headers=tokens.header("orchestrator"))
+    assert set((await r.json())["nodes"]) == {"e2", "e3"}
+    r = await client.delete(f"{base}/{pool['id']}", headers=tokens.header("orchestrator"))
+    assert r.status == 409
+
+    # e1 back: a fresh claim. With no machine matching, a name waits down with a reason and
+    # an event.
+    await drain_steps(client)
+    assert await handle(tokens.tenant_a, "resume", ["e1"]) == {}
+    assert set(_elastic_claims(store)) == {"e1", "e2", "e3"}
+    assert _elastic_claims(store, live=False) == {}
+    assert await handle(tokens.tenant_a, "suspend", ["e3"]) == {}
+    r = await client.patch(
+        f"{base}/{pool['id']}",
+        json={"selector": {"labels": {"pool": "none-such"}}},
+        headers=tokens.header("orchestrator"),
+    )
+    assert r.status == 200, await r.text()
+    assert await handle(tokens.tenant_a, "resume", ["e3"]) == {"e3": elastic.REASON_NO_MACHINE}
+    with store.session() as s:
+        ev = s.exec(select(Event).where(Event.kind == "elastic.no-machine")).all()
+        assert len(ev) == 1 and "e3" in (ev[0].reason or "")
+    await drain_steps(client)
+
+
+async def test_admin_quota_caps_resumes(api) -> None:  # type: ignore[no-untyped-def]
+    """An admin caps the tenant at 2 machines at once (it holds 1 already): of e1, e2 only e1
+    gets one, e2 is set down with the quota's reason. A tenant's orchestrator cannot lift its
+    own cap."""
+    client, tokens, store = api
+    ctx = client.server.app[CTX_KEY]
+    use_services(ctx, bmc=FakeBmc(power_state="off"))
+    r = await client.post(
+        "/api/v1/images",
+        json={"name": "node", "kind": "disk", **DISK_SPEC},
+        headers=tokens.header("admin"),
+    )
+    add_ready(store, 3, labels={"pool": "elastic"})
+    r = await client.post(
+        f"/api/v1/tenants/{tokens.tenant_a}/elastic-pools",
+        json={"name": "gpu", "prefix": "e", "max_nodes": 3, "image_id": (await r.json())["id"],
+              "selector": {"labels": {"pool": "elastic"}}},
+        headers=tokens.header("orchestrator"),
+    )  # fmt: skip
+    assert r.status == 201, await r.text()
+    quota = f"/api/v1/tenants/{tokens.tenant_a}/elastic-quota"
+    r = await client.put(quota, json={"max_machines": 9}, headers=tokens.header("orchestrator"))
+    assert r.status == 403
+    r = await client.put(quota, json={"max_machines": 2}, headers=tokens.header("admin"))
+    assert r.status == 200, await r.text()
+    r = await client.get(quota, headers=tokens.header("orchestrator"))
+    assert (await r.json())["max_machines"] == 2
+    down = await elastic_handler(ctx)(tokens.tenant_a, "resume", ["e1", "e2"])
+    assert down == {"e2": elastic.REASON_QUOTA}
+    assert set(_elastic_claims(store)) == {"e1"}
+    await drain_steps(client)
+
+
+@pytest.mark.root
+@pytest.mark.lab
+@pytest.mark.skipif(
+    not all(shutil.which(x) for x in ("slurmctld", "sinfo", "munged")),
+    reason="needs slurmctld slurm-client munge",
+)
+async def test_real_slurmctld_resumes_into_claims_for_exactly_those_names(
+    api, db_url: str, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """A real slurmctld with the pool from the store: jobs for 2, 1 and 1 nodes make it run
+    ResumeProgram; the tenant runtime's drain hands the requests to the handler, which claims
+    exactly e1, e2, e3 and never a 4th (the last job stays pending). The SuspendProgram slurmctld
+    runs for idle nodes, run here by hand for e1 and e2 (no slurmd: they never get idle),
+    releases exactly those claims."""
+    if not db_url.startswith("sqlite"):
+        pytest.skip("the store side runs on both backends in test_pool_crud_resume_suspend")
+    client, tokens, store = api
+    ctx = client.server.app[CTX_KEY]
+    use_services(ctx, bmc=FakeBmc(power_state="off"))
+    r = await client.post(
+        "/api/v1/images",
+        json={"name": "node", "kind": "disk", **DISK_SPEC},
+        headers=tokens.header("admin"),
+    )
+    add_ready(store, 5, labels={"pool": "elastic"})
+    r = await client.post(
+        f"/api/v1/tenants/{tokens.tenant_a}/elastic-pools",
+        json={"name": "gpu", "prefix": "e", "max_nodes": 3, "image_id": (await r.json())["id"],
+              "selector": {"labels": {"pool": "elastic"}}},
+        headers=tokens.header("orchestrator"),
+    )  # fmt: skip
+    assert r.status == 201, await r.text()
+    with store.session() as s:
+        pools = [elastic.pool_of(p) for p in s.exec(select(ElasticPoolRow))]
+
+    runtime = TenantRuntime(store, ctx.secrets, ctx.cfg.tenants, str(tmp_path), "test")
+    runtime.elastic_handler = elastic_handler(ctx)
+    with star(1) as (hub, _nodes):
+        cp = controlplane.SlurmControlPlane(
+            tenant_id=tokens.tenant_a, tenant_name=f"el{secrets.token_hex(2)}", ns=hub,
+            workdir=tmp_path / "ctl", hub_address="10.97.1.1",
+            munge_key=slurm.generate_munge_key(), pools=pools,
+        )  # fmt: skip
+        runtime.running[tokens.tenant_a] = SimpleNamespace(  # type: ignore[assignment]
+            control=cp, spec=SimpleNamespace(tenant_name="acme")
+        )
+        try:
+            cp.start()
+            assert wait_for(lambda: set(cp.nodes() or {}) == {"e1", "e2", "e3"}, 15)
+
+            async def claims_become(want: set[str]) -> bool:
+                deadline = time.monotonic() + 20
+                while time.monotonic() < deadline:
+                    await runtime._drain_elastic()
+                    if set(_elastic_claims(store)) == want:
+                        return True
+                    await asyncio.sleep(0.2)
+                return False
+
+            jobs = [sbatch(cp, n) for n in ("-N2", "-N1", "-N1")]
+            assert await claims_become({"e1", "e2", "e3"}), _elastic_claims(store)
+            await runtime._drain_elastic()
+            assert set(_elastic_claims(store)) == {"e1", "e2", "e3"}
+            st = cp.run("squeue", "-h", "-j", jobs[2], "-o", "%T").stdout.strip()
+            assert st == "PENDING", st
+            assert cp.elastic_requests() == []
+
+            prog = str(tmp_path / "ctl" / "elastic" / "suspend.sh")
+            assert cp.run(prog, "e[1-2]").returncode == 0
+            assert await claims_become({"e3"}), _elastic_claims(store)
+            assert _elastic_claims(store, live=False) == {"e1": "released", "e2": "released"}
+        finally:
+            cp.stop()
+            await drain_steps(client)
+
+
+def sbatch(cp: controlplane.SlurmControlPlane, nodes: str) -> str:
+    r = cp.run("sbatch", "-p", "elastic_gpu", "--parsable", nodes, "--wrap", "true")
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
