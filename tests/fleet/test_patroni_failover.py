@@ -1,0 +1,46 @@
+"""PostgreSQL itself fails over (Patroni, a synchronous standby) while metald instances take
+claims and answer event reads and a DHCP server ACKs leases on the same multi-host URL: a
+standby is promoted, every instance follows without a restart, no acknowledged lease, claim or
+event is lost, and no instance fences itself (the fencing age, 8 s at metald's defaults, is
+longer than the failover). The scenario and what it measures: tests/fleet/pg_failover.py; the
+times (printed, never asserted) are in docs/fleet.md from bench/pg_failover.py.
+
+Under METALD_LAB_LONG=1 (``make test-long``): starting etcd, Patroni and two metald processes
+takes about a minute on this box.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from tests.fleet.patroni_lab import available
+from tests.fleet.pg_failover import failover_round
+from tests.fleet.test_dhcp_peers import relay  # noqa: F401 - a fixture
+
+pytestmark = [
+    pytest.mark.postgres,
+    pytest.mark.skipif(
+        os.environ.get("METALD_LAB_LONG") != "1",
+        reason="etcd, Patroni and two metald processes, > 20 s: METALD_LAB_LONG=1 (make test-long)",
+    ),
+    pytest.mark.skipif(available() is not None, reason=str(available())),
+]
+
+
+async def test_primary_killed_standby_promoted_nothing_acknowledged_lost(
+    tmp_path: Path,
+    relay: socket.socket,  # noqa: F811
+) -> None:
+    r = await failover_round(tmp_path, relay)
+    print("\n" + r.summary())
+    assert r.leader_after != r.leader_before
+    assert not r.bad, r.bad  # 2xx or 503 problem+json with Retry-After, never a 500
+    assert not r.lost_leases, r.lost_leases
+    assert not r.lost_claims, r.lost_claims
+    assert not r.lost_events, r.lost_events
+    # Not a timing: an instance that fenced itself would have lost what it owned.
+    assert not r.fenced, (r.fenced, r.summary())
