@@ -13,6 +13,7 @@ moment, so one Patroni restarted is killed too) and removes the folder.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
@@ -63,7 +64,9 @@ def available() -> str | None:
     """Why the lab cannot run here, or None."""
     for exe in ("etcd", "patroni"):
         if shutil.which(exe) is None:
-            return f"{exe} not installed (Debian packages etcd-server and patroni: scripts/bootstrap)"
+            return (
+                f"{exe} not installed (Debian packages etcd-server and patroni: scripts/bootstrap)"
+            )
     if pg_bindir() is None:
         return "PostgreSQL binaries not found"
     if os.geteuid() == 0:
@@ -128,7 +131,9 @@ class PatroniLab:
         return proc
 
     def start(self) -> PatroniLab:
-        cluster = ",".join(f"etcd{i + 1}=http://127.0.0.1:{p}" for i, (_, p) in enumerate(self.etcd_ports))
+        cluster = ",".join(
+            f"etcd{i + 1}=http://127.0.0.1:{p}" for i, (_, p) in enumerate(self.etcd_ports)
+        )
         for i, (client, peer) in enumerate(self.etcd_ports):
             name = f"etcd{i + 1}"
             self.etcd.append(
@@ -201,10 +206,8 @@ class PatroniLab:
         except subprocess.TimeoutExpired:
             self._watchdog.kill()
         for p in [*self.etcd, *(n.proc for n in self.nodes if n.proc)]:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
 
     def __enter__(self) -> PatroniLab:
         return self
@@ -281,9 +284,7 @@ class PatroniLab:
     def url(self, database: str) -> str:
         """metald's ``[store] url``: every node, and only the primary accepted."""
         hosts = "&".join(f"host=127.0.0.1:{n.pg_port}" for n in self.nodes)
-        return (
-            f"postgresql+psycopg://postgres@/{database}?{hosts}&target_session_attrs=read-write"
-        )
+        return f"postgresql+psycopg://postgres@/{database}?{hosts}&target_session_attrs=read-write"
 
     def kill_postmaster(self, node: Node) -> int:
         """``kill -9`` the node's postmaster (Patroni lives on); its pid."""
