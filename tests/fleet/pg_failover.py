@@ -151,9 +151,18 @@ async def until(cond: Any, timeout: float, what: str) -> None:
 
 
 async def failover_round(
-    tmp: Path, relay: socket.socket, *, instances: int = 2, machines: int = 300
+    tmp: Path,
+    relay: socket.socket,
+    *,
+    instances: int = 2,
+    machines: int = 300,
+    kill: str = "postmaster",
 ) -> Round:
-    """Start the lab and the instances, run the load, kill the primary, measure, check."""
+    """Start the lab and the instances, run the load, kill the primary, measure, check.
+
+    ``kill``: ``postmaster`` (``kill -9`` of the primary's postmaster; its Patroni fails over at
+    its next cycle) or ``node`` (``kill -9`` of that node's Patroni, then of its postmaster: the
+    host is gone, and the standby takes over once the leader key's ``ttl`` runs out)."""
     r = Round()
     lab = PatroniLab()
     procs: list[subprocess.Popen[bytes]] = []
@@ -277,6 +286,9 @@ async def failover_round(
             old = lab.leader()
             assert old is not None
             r.leader_before = old.name
+            if kill == "node":
+                assert old.proc is not None
+                old.proc.kill()
             lab.kill_postmaster(old)
             killed = time.monotonic()
 
