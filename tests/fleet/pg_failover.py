@@ -201,8 +201,10 @@ async def failover_round(
         orch = tok["token"]
         dhcp = await dhcp_node(store, relay)
 
-        claim_at: list[float] = []
-        ack_at: list[float] = []
+        # (sent, answered) of each acknowledged write: the first after the kill is the first
+        # *sent* after it (one in flight at the kill may have committed just before it).
+        claim_at: list[tuple[float, float]] = []
+        ack_at: list[tuple[float, float]] = []
         stop = asyncio.Event()
 
         def outcome(what: str, code: int, headers: Any, body: Any) -> bool:
@@ -220,6 +222,7 @@ async def failover_round(
 
         async def claim_load(port: int) -> None:
             while not stop.is_set():
+                sent = time.monotonic()
                 got = await asyncio.to_thread(
                     http,
                     port,
@@ -230,7 +233,7 @@ async def failover_round(
                 )
                 if outcome("claim", *got):
                     r.claims.append(got[2]["id"])
-                    claim_at.append(time.monotonic())
+                    claim_at.append((sent, time.monotonic()))
                 else:
                     await asyncio.sleep(0.05)
 
@@ -248,6 +251,7 @@ async def failover_round(
             i = 0
             while not stop.is_set():
                 m, xid = mac(i), 0x10000 + 2 * i
+                sent = time.monotonic()
                 offers = await send([dhcp], relay, discover(m, xid))
                 if offers:
                     off, src = offers[0]
@@ -257,7 +261,7 @@ async def failover_round(
                     for a, _ in acks:
                         if a.message_type is MessageType.ACK:
                             r.acked[m] = a.yiaddr
-                            ack_at.append(time.monotonic())
+                            ack_at.append((sent, time.monotonic()))
                         r.outcomes[f"dhcp {a.message_type.name}"] += 1  # type: ignore[union-attr]
                 else:
                     r.outcomes["dhcp silent"] += 1
@@ -305,12 +309,12 @@ async def failover_round(
             leader = lab.leader()
             r.leader_after = leader.name if leader else "?"
             await until(
-                lambda: claim_at and claim_at[-1] > killed and ack_at and ack_at[-1] > killed,
+                lambda: claim_at and claim_at[-1][0] > killed and ack_at and ack_at[-1][0] > killed,
                 120,
                 "a claim and an ACK after the kill",
             )
-            r.first_claim_s = min(t for t in claim_at if t > killed) - killed
-            r.first_ack_s = min(t for t in ack_at if t > killed) - killed
+            r.first_claim_s = min(done for sent, done in claim_at if sent > killed) - killed
+            r.first_ack_s = min(done for sent, done in ack_at if sent > killed) - killed
             n = len(r.claims)
             await until(lambda: len(r.claims) >= n + 3, 60, "claims go on")
         finally:
