@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -44,3 +47,42 @@ async def test_primary_killed_standby_promoted_nothing_acknowledged_lost(
     assert not r.lost_events, r.lost_events
     # Not a timing: an instance that fenced itself would have lost what it owned.
     assert not r.fenced, (r.fenced, r.summary())
+
+
+def test_lab_is_cleaned_up_when_its_caller_is_killed() -> None:
+    """kill -9 of the process that started the lab: its watchdog kills every etcd, Patroni
+    and postmaster and removes the folder."""
+    code = (
+        "import time\n"
+        "from tests.fleet.patroni_lab import PatroniLab\n"
+        "lab = PatroniLab().start(); lab.wait_ready(timeout=180)\n"
+        "pids = [p.pid for p in lab.etcd] + [n.proc.pid for n in lab.nodes]\n"
+        "pids += [n.postmaster_pid() for n in lab.nodes]\n"
+        "print(lab.root, *pids, flush=True); time.sleep(600)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{root}:{root / 'vm-lab'}"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env, cwd=root
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().split()
+        assert line, "the lab did not start"
+        folder, pids = Path(line[0]), [int(x) for x in line[1:]]
+        assert folder.is_dir() and len(pids) == 7
+    finally:
+        proc.kill()
+        proc.wait()
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    deadline = time.monotonic() + 60
+    while folder.exists() or any(alive(p) for p in pids):
+        assert time.monotonic() < deadline, (folder.exists(), [p for p in pids if alive(p)])
+        time.sleep(0.1)
