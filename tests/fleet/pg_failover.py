@@ -89,6 +89,23 @@ class Round:
     def fence_after_s(self) -> float:
         return DEAD_AFTER_S - HEARTBEAT_S
 
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "leader_before": self.leader_before,
+            "leader_after": self.leader_after,
+            "promoted_s": self.promoted_s,
+            "first_claim_s": self.first_claim_s,
+            "first_ack_s": self.first_ack_s,
+            "orphaned": self.orphaned,
+            "fenced": self.fenced,
+            "fence_after_s": self.fence_after_s,
+            "acked_leases": len(self.acked),
+            "claims": len(self.claims),
+            "event_ids": len(self.event_ids),
+            "lost": len(self.lost_leases) + len(self.lost_claims) + len(self.lost_events),
+            "outcomes": dict(self.outcomes),
+        }
+
     def summary(self) -> str:
         return (
             f"leader {self.leader_before} -> {self.leader_after}: promoted {self.promoted_s:.2f} s "
