@@ -269,10 +269,14 @@ async def failover_round(
                 await asyncio.sleep(0.1)
 
         async def dhcp_load() -> None:
+            # A client keeps its MAC until it is ACKed (as a real one retries), so the
+            # addresses offered during the outage are not a new client's each time: the pool
+            # (200) is not drained by an outage's retries.
             assert dhcp is not None
-            i = 0
+            i = tries = 0
             while not stop.is_set():
-                m, xid = mac(i), 0x10000 + 2 * i
+                m, xid = mac(i), 0x10000 + 2 * tries
+                tries += 1
                 sent = time.monotonic()
                 offers = await send([dhcp], relay, discover(m, xid))
                 if offers:
@@ -284,10 +288,10 @@ async def failover_round(
                         if a.message_type is MessageType.ACK:
                             r.acked[m] = a.yiaddr
                             ack_at.append((sent, time.monotonic()))
+                            i += 1
                         r.outcomes[f"dhcp {a.message_type.name}"] += 1  # type: ignore[union-attr]
                 else:
                     r.outcomes["dhcp silent"] += 1
-                i += 1
                 await asyncio.sleep(0.02)
 
         dhcp_fenced: list[float] = []
