@@ -55,7 +55,8 @@ def one_round(kill: str) -> dict | None:
             out = json.loads(line.split(" ", 1)[1])
             out["test_passed"] = r.returncode == 0
             return out
-    print(r.stdout[-3000:], r.stderr[-2000:], file=sys.stderr)
+    failed = [x for x in r.stdout.splitlines() if x.startswith(("E ", "FAILED"))]
+    print("\n".join(failed) or r.stdout[-3000:], r.stderr[-2000:], file=sys.stderr)
     return None
 
 
