@@ -1,5 +1,5 @@
 """Persistence: SQLModel tables, the engine (SQLite WAL or PostgreSQL) and Alembic migrations."""
 
-from metald.store.db import Store, make_engine
+from metald.store.db import Store, libpq_conninfo, make_engine
 
-__all__ = ["Store", "make_engine"]
+__all__ = ["Store", "libpq_conninfo", "make_engine"]

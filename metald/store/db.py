@@ -86,6 +86,17 @@ def make_engine(
     )
 
 
+def libpq_conninfo(engine: Engine) -> str:
+    """A libpq connection string for ``engine``'s PostgreSQL, for a connection of its own (the
+    lease feed's LISTEN). Built by the dialect, as the engine's own connections are, so a
+    multi-host URL (``?host=a:5432&host=b:5432&target_session_attrs=read-write``, Patroni's
+    primary and standby: docs/fleet.md) becomes libpq's ``host=a,b port=5432,5432`` and
+    reaches the same primary the engine does."""
+    _, kwargs = engine.dialect.create_connect_args(engine.url)
+    kwargs.pop("context", None)  # psycopg's adapters, not a libpq option
+    return psycopg.conninfo.make_conninfo(**{k: v for k, v in kwargs.items() if v is not None})
+
+
 #: PostgreSQL SQLSTATEs that mean "the server is going away or not there yet", not a
 #: statement's own error: admin_shutdown, crash_shutdown, cannot_connect_now (starting up).
 _UNAVAILABLE_SQLSTATES = frozenset({"57P01", "57P02", "57P03"})

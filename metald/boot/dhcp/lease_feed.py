@@ -27,6 +27,7 @@ import psycopg
 
 from metald.boot.dhcp.lease_store import NOTIFY_CHANNEL, LeaseStore, parse_notify, read_all
 from metald.service import cancel
+from metald.store import libpq_conninfo
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +52,7 @@ class LeaseFeed:
         self._conn: psycopg.AsyncConnection | None = None
 
     def _conninfo(self) -> str:
-        url = self.leases.store.engine.url.set(drivername="postgresql")
-        return url.render_as_string(hide_password=False)
+        return libpq_conninfo(self.leases.store.engine)
 
     async def start(self) -> None:
         self.connected.clear()
