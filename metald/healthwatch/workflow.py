@@ -180,6 +180,35 @@ def open_for(
     if health.severity is not Severity.FATAL and policy.degraded == "none":
         return None  # the claim's policy does nothing for degraded: no record to open and end
     ev = faults.evidence(health)
+    return _open(
+        s,
+        m,
+        severity=health.severity,
+        cause=core.Cause.HEALTH,
+        evidence=ev,
+        policy=policy,
+        reason=f"{m.id} is {health.severity}: {ev}",
+        actor=actor,
+        instance=instance,
+    )
+
+
+def _open(
+    s: Session,
+    m: Machine,
+    *,
+    severity: Severity,
+    cause: core.Cause,
+    evidence: str,
+    policy: PolicyConfig,
+    reason: str,
+    actor: str,
+    instance: str | None,
+) -> Remediation:
+    """The remediation row of a machine in use, added and flushed (not committed), with its
+    ``health.remediation.opened`` event."""
+    if not m.claim_id or not m.tenant_id:
+        raise ValueError(f"machine {m.id} is not in use by a claim: nothing to remediate")
     row = Remediation(
         machine_id=m.id,
         open_machine=m.id,
@@ -188,10 +217,11 @@ def open_for(
         rack=m.rack,
         node=hostname(m.id, m.name),
         step=core.Step.WAITING,
-        severity=health.severity,
-        evidence=ev,
+        severity=severity,
+        cause=cause,
+        evidence=evidence,
         policy=policy.model_dump(),
-        reason=f"{m.id} is {health.severity}: {ev}",
+        reason=reason,
         owner=instance,
     )
     s.add(row)
@@ -225,24 +255,17 @@ class FirmwareDrain:
             return None
         if s.exec(select(Remediation.id).where(Remediation.open_machine == m.id)).first():
             return None
-        row = Remediation(
-            machine_id=m.id,
-            open_machine=m.id,
-            claim_id=m.claim_id,
-            tenant_id=m.tenant_id,
-            rack=m.rack,
-            node=hostname(m.id, m.name),
-            step=core.Step.WAITING,
+        row = _open(
+            s,
+            m,
             severity=Severity.FATAL,
             cause=core.Cause.FIRMWARE,
             evidence=reason,
-            policy=policy_of(s, m, self.cfg).model_dump(),
+            policy=policy_of(s, m, self.cfg),
             reason=f"{m.id}: {reason}",
-            owner=instance,
+            actor=actor,
+            instance=instance,
         )
-        s.add(row)
-        s.flush()
-        _event(s, row, "health.remediation.opened", row.reason, actor=actor, instance=instance)
         return row.id
 
 
