@@ -50,12 +50,23 @@ class KeyIn(In):
         default=None,
         description="The EK certificate from the TPM's NV index 0x01c00002, DER, base64.",
     )
+    activation_secret: (
+        Annotated[str, StringConstraints(pattern=r"^([0-9a-fA-F]{2}){1,32}$")] | None
+    ) = Field(
+        default=None,
+        description="Hex: the secret tpm2_activatecredential recovered from the credential "
+        "the first call answered. Without it metald answers the challenge.",
+    )
 
 
 class KeyOut(BaseModel):
     machine_id: str
+    #: challenge (activate ``credential`` and send the secret back) or enrolled.
+    status: str
     ak_name: str
-    ek_check: str
+    ek_check: str | None
+    #: tpm2-tools' credential file for tpm2_activatecredential -i, base64 (a challenge).
+    credential: str | None
 
 
 class NonceOut(BaseModel):
@@ -64,6 +75,9 @@ class NonceOut(BaseModel):
     expires_at: datetime
     #: The SHA-256 PCRs to quote (tpm2_quote -l sha256:...).
     pcrs: list[int]
+    #: The name of the AK metald holds for this machine (hex), or null: the agent enrolls
+    #: only when its TPM's AK has another name.
+    ak_name: str | None
 
 
 class QuoteIn(In):
@@ -117,7 +131,11 @@ class ReasonIn(In):
 )
 async def enroll_key(req: ApiRequest, att: Attestation) -> KeyOut:
     """In a discovery boot: the machine's AK (trust on first use) with its EK and EK
-    certificate. The same AK again is accepted; another AK for an enrolled machine is 409."""
+    certificate, in two calls. The first answers ``challenge``: a credential made for the EK
+    over the AK's name (TPM2 MakeCredential); the second sends the secret
+    tpm2_activatecredential recovered, and the AK is enrolled only when it matches (422
+    otherwise: the AK is not in the TPM holding that EK). The same AK again is accepted at
+    once; another AK for an enrolled machine is 409."""
     b: KeyIn = req.body
     out = await att.enroll_key(
         req.require_principal(),
@@ -126,8 +144,13 @@ async def enroll_key(req: ApiRequest, att: Attestation) -> KeyOut:
         ek_certificate=None
         if b.ek_certificate is None
         else _bytes("ek_certificate", b.ek_certificate),
+        activation_secret=None
+        if b.activation_secret is None
+        else bytes.fromhex(b.activation_secret),
         actor=req.actor,
     )
+    if out["credential"] is not None:
+        out = {**out, "credential": base64.b64encode(out["credential"]).decode()}
     return KeyOut.model_validate(out)
 
 

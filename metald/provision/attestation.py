@@ -11,15 +11,19 @@ boot: no attestation there is a hold too.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
 from sqlmodel import Session, col, select
 
 from metald import machines
+from metald.attestation.credential import CredentialError, make_credential
 from metald.attestation.verify import (
     AttestationRefused,
     Golden,
@@ -47,6 +51,19 @@ HOLD_NOW = DISCOVERY_BOOT
 ATTEST_STATES = ATTESTED_BOOTS
 PASSING = frozenset({"learned", "passed"})
 NONCE_BYTES = 32
+#: An activation challenge's row in attestation_nonces: its boot is marked so that a quote can
+#: never spend it (``_take_nonce`` matches the boot exactly).
+ACTIVATE = "activate:"
+
+
+@dataclass(frozen=True)
+class Challenge:
+    """The credential the agent must activate in its TPM before metald accepts its AK."""
+
+    #: tpm2-tools' credential file (tpm2_activatecredential -i).
+    credential: bytes
+    ak_name: str
+    expires_at: datetime
 
 
 def _subject(machine_id: str) -> str:
@@ -56,8 +73,8 @@ def _subject(machine_id: str) -> str:
 def check_ek(ek_public_pem: str | None, ek_cert_der: bytes | None, roots_pem: bytes) -> str:
     """How far the EK certificate is checked: that it certifies the EK the agent sent, and
     (with ``attestation.ek_ca_file``) that it chains to one of those CAs. A certificate that
-    fails either is refused (Unprocessable). The AK is not cryptographically bound to the EK
-    here (no credential activation): see docs/attestation.md."""
+    fails either is refused (Unprocessable). The AK is bound to the EK by credential activation
+    (``enroll_key``)."""
     if ek_cert_der is None:
         return "no EK certificate sent: not checked"
     try:
@@ -96,6 +113,33 @@ def _issued_by(cert: x509.Certificate, issuer: x509.Certificate) -> bool:
     return True
 
 
+def _binding(secret: bytes, ak_name: bytes, ek: rsa.RSAPublicKey) -> str:
+    """The challenge row's key: the secret bound to the AK's name and the EK it was wrapped
+    for, so a secret recovered for one (AK, EK) pair enrolls no other."""
+    spki = ek.public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return hashlib.sha256(secret + ak_name + spki).hexdigest()
+
+
+def _load_ek(ek_public_pem: str | None) -> rsa.RSAPublicKey:
+    if ek_public_pem is None:
+        raise Unprocessable(
+            "send ek_public (tpm2_readpublic -f pem of the EK): metald binds the attestation "
+            "key to the EK by credential activation"
+        )
+    try:
+        ek = serialization.load_pem_public_key(ek_public_pem.encode())
+    except ValueError as e:
+        raise Unprocessable(f"ek_public is not a PEM public key: {e}") from None
+    if not isinstance(ek, rsa.RSAPublicKey) or ek.key_size < 2048:
+        raise Unprocessable(
+            "ek_public is not an RSA key of 2048 bits or more: metald activates credentials "
+            "only with an RSA EK (tpm2_createek -G rsa)"
+        )
+    return ek
+
+
 def enroll_key(
     s: Session,
     machine_id: str,
@@ -103,14 +147,22 @@ def enroll_key(
     ak_public: bytes,
     ek_public: str | None,
     ek_certificate: bytes | None,
+    activation_secret: bytes | None,
     boot: str | None,
     roots_pem: bytes,
+    ttl_s: float,
     actor: str,
     instance: str | None,
-) -> AttestationKey:
-    """Enroll the machine's AK (trust on first use, in a discovery boot). The same AK again is
-    a no-op; another AK for an enrolled machine is refused (a TPM cleared by a tenant, or a
-    machine swapped): a technician removes the old key first."""
+    now: datetime | None = None,
+) -> AttestationKey | Challenge:
+    """Enroll the machine's AK (trust on first use, in a discovery boot), in two calls: without
+    ``activation_secret`` metald answers a Challenge (a secret wrapped to the EK for the AK's
+    name: TPM2 MakeCredential); the agent's TPM recovers it (ActivateCredential) only if it
+    holds that EK and an object with that name, and the second call sends it back. The AK is
+    enrolled only when the secret matches. The same AK again is a no-op; another AK for an
+    enrolled machine is refused (a TPM cleared by a tenant, or a machine swapped): a technician
+    removes the old key first."""
+    now = now or utcnow()
     m = machines.get_machine(s, machine_id)
     if State(m.state) not in ENROLL_STATES:
         raise Conflict(
@@ -130,7 +182,45 @@ def enroll_key(
             "replaced, a technician removes the old key (DELETE "
             "/api/v1/machines/{id}/attestation-key) and the next discovery boot enrolls anew"
         )
+    ek = _load_ek(ek_public)
     check = check_ek(ek_public, ek_certificate, roots_pem)
+    marker = ACTIVATE + (boot or "")
+    if activation_secret is None:
+        secret = secrets.token_bytes(NONCE_BYTES)
+        try:
+            cred = make_credential(ek, key.name, secret)
+        except CredentialError as e:
+            raise Unprocessable(str(e)) from None
+        for old in s.exec(
+            select(AttestationNonce).where(AttestationNonce.machine_id == machine_id)
+        ):
+            if old.used_at is not None or as_utc(old.expires_at) <= now:
+                s.delete(old)
+        expires = now + timedelta(seconds=ttl_s)
+        s.add(
+            AttestationNonce(
+                nonce=_binding(secret, key.name, ek),
+                machine_id=machine_id,
+                boot=marker,
+                issued_at=now,
+                expires_at=expires,
+            )
+        )
+        return Challenge(cred.tpm2_tools_file(), key.name.hex(), expires)
+    pending = s.get(AttestationNonce, _binding(activation_secret, key.name, ek))
+    if (
+        pending is None
+        or pending.machine_id != machine_id
+        or pending.boot != marker
+        or pending.used_at is not None
+        or as_utc(pending.expires_at) <= now
+    ):
+        raise Unprocessable(
+            "the activated credential does not match: this attestation key is not in the TPM "
+            "that holds this EK (or the challenge expired or was used); enroll again from the "
+            "start"
+        )
+    s.delete(pending)
     cert_pem = (
         None
         if ek_certificate is None
@@ -138,6 +228,7 @@ def enroll_key(
         .public_bytes(serialization.Encoding.PEM)
         .decode()
     )
+    check += "; AK bound to the EK by credential activation"
     row = AttestationKey(
         machine_id=machine_id,
         ak_public=ak_public.hex(),
@@ -158,6 +249,13 @@ def enroll_key(
         instance=instance,
     )
     return row
+
+
+def held_ak_name(s: Session, machine_id: str) -> str | None:
+    """The name of the AK metald holds for this machine (hex), or None: the agent skips
+    enrollment when its TPM's persistent AK has this name."""
+    row = s.get(AttestationKey, machine_id)
+    return None if row is None else row.ak_name
 
 
 def issue_nonce(

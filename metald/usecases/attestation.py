@@ -43,18 +43,27 @@ class Attestation:
 
     async def enroll_key(
         self, p: Principal, *, ak_public: bytes, ek_public: str | None,
-        ek_certificate: bytes | None, actor: str,
+        ek_certificate: bytes | None, activation_secret: bytes | None, actor: str,
     ) -> dict[str, Any]:  # fmt: skip
-        mid, roots = _machine_id(p), self._roots()
+        mid, roots, ttl = _machine_id(p), self._roots(), self.cfg.nonce_ttl_s
 
         def run(s: Session) -> dict[str, Any]:
             require_agent_phase(p, machines.get_machine(s, mid).state, {"inspect"})
             row = att.enroll_key(
                 s, mid, ak_public=ak_public, ek_public=ek_public, ek_certificate=ek_certificate,
-                boot=p.boot, roots_pem=roots, actor=actor, instance=self.instance,
+                activation_secret=activation_secret, boot=p.boot, roots_pem=roots,
+                ttl_s=ttl, actor=actor, instance=self.instance,
             )  # fmt: skip
             s.commit()
-            return {"machine_id": mid, "ak_name": row.ak_name, "ek_check": row.ek_check}
+            if isinstance(row, att.Challenge):
+                return {
+                    "machine_id": mid, "status": "challenge", "ak_name": row.ak_name,
+                    "ek_check": None, "credential": row.credential,
+                }  # fmt: skip
+            return {
+                "machine_id": mid, "status": "enrolled", "ak_name": row.ak_name,
+                "ek_check": row.ek_check, "credential": None,
+            }  # fmt: skip
 
         try:
             return await self.tx.run(run)
@@ -67,8 +76,12 @@ class Attestation:
         def run(s: Session) -> dict[str, Any]:
             require_agent_phase(p, machines.get_machine(s, mid).state, PHASES)
             row = att.issue_nonce(s, mid, boot=p.boot, ttl_s=ttl)
+            held = att.held_ak_name(s, mid)
             s.commit()
-            return {"nonce": row.nonce, "expires_at": row.expires_at, "pcrs": self.cfg.pcrs}
+            return {
+                "nonce": row.nonce, "expires_at": row.expires_at, "pcrs": self.cfg.pcrs,
+                "ak_name": held,
+            }  # fmt: skip
 
         return await self.tx.run(run)
 

@@ -1,6 +1,7 @@
 """The real agent's ``attest`` (busybox sh, tpm2-tools) against a real metald and a real TPM
 (swtpm with an EK certificate from swtpm_setup): it makes and enrolls the AK, quotes over
-metald's nonce and sends the event log; the first verdict learns, the next boot passes, and a
+metald's nonce and sends the event log; enrollment activates metald's credential in the TPM and
+happens once; the first verdict learns, the next boot passes, and a
 PCR the log does not account for is refused.
 
 swtpm here has no firmware in front of it: nothing is measured, so its event log is the
@@ -161,14 +162,20 @@ def test_the_agent_enrolls_quotes_and_is_judged(
 
     out = _attest(live, tmp_path, _boot(live, mid, State.INSPECTING, "b1"), tpm, log, "discovery")
     assert "attestation: learned" in out, out
+    assert "measured boot: key enrolled" in out, out
     with live.store.session() as s:
         key = s.get(AttestationKey, mid)
         assert key is not None
         assert key.ek_check.startswith("EK certificate matches the EK"), key.ek_check
+        # Enrolled through credential activation in the swtpm (tpm2_activatecredential).
+        assert key.ek_check.endswith("AK bound to the EK by credential activation")
 
-    # The next discovery boot: the same AK (kept in the TPM), the same measurements.
+    # The next discovery boot: the same AK (kept in the TPM), the same measurements; metald
+    # holds the AK, so the agent neither re-reads nor re-sends key material (fails on the old
+    # agent, which enrolled in every discovery boot).
     out = _attest(live, tmp_path, _boot(live, mid, State.INSPECTING, "b2"), tpm, log, "discovery")
     assert "attestation: passed" in out, out
+    assert "key enrolled" not in out and "attestation key" not in out, out
 
     # The wipe boot, with a PCR the event log does not explain: refused, and the wipe's end
     # would hold the machine (no passing attestation in this boot).

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import base64
 from typing import Any
+from unittest.mock import patch
 
 from sqlmodel import select
 
 from metald.enrollment import mint_agent_token
 from metald.lifecycle import State
 from metald.machines import get_machine
+from metald.provision import attestation as provision_att
 from metald.store import Store
-from metald.store.models import AttestationNonce, Event, Machine
+from metald.store.models import AttestationKey, AttestationNonce, Event, Machine
 from tests.attestation.test_verify import read
 from tests.claims.helpers import inventory, wipe_evidence
 
@@ -76,6 +78,34 @@ def _issued(store: Store, mid: str, fixture_boot: str, boot: str) -> str:
     return nonce
 
 
+#: The secret metald wraps in the activation challenge, fixed for these tests: the fixtures'
+#: TPMs are not running here, so the test answers the challenge in their stead. The real TPM
+#: activating (and refusing) it is tests/attestation/test_agent_attest.py and test_credential.py.
+SECRET = bytes(range(32))
+
+
+async def _enroll(client: Any, headers: dict[str, str], machine: str = "a", **extra: str) -> Any:
+    """Both calls of the enrollment: the challenge, then the secret back."""
+    body = {
+        "ak_public": _b64(f"{machine}-ak.tpmt"),
+        "ek_public": read(f"{machine}-ek.pem").decode(),
+    }
+    body.update(extra)
+    with patch.object(provision_att.secrets, "token_bytes", lambda n: SECRET[:n]):
+        r = await client.post("/api/v1/agent/attestation/key", json=body, headers=headers)
+    assert r.status == 200, await r.text()
+    out = await r.json()
+    assert out["status"] == "challenge" and base64.b64decode(out["credential"])[:4] == (
+        b"\xba\xdc\xc0\xde"
+    )
+    r = await client.post(
+        "/api/v1/agent/attestation/key",
+        json={**body, "activation_secret": SECRET.hex()},
+        headers=headers,
+    )
+    return r
+
+
 def _quote(machine: str, boot: str, nonce: str) -> dict[str, str]:
     return {
         "nonce": nonce,
@@ -91,23 +121,18 @@ async def test_enroll_learn_then_a_changed_boot_order_holds_the_wiped_machine(ap
     agent = {"Authorization": f"Bearer {token}"}
 
     # First discovery boot: the AK enrolls, with its EK and EK certificate (swtpm's).
-    r = await client.post(
-        "/api/v1/agent/attestation/key",
-        json={
-            "ak_public": _b64("a-ak.tpmt"),
-            "ek_public": read("a-ek.pem").decode(),
-            "ek_certificate": _b64("a-ek-cert.der"),
-        },
-        headers=agent,
-    )
+    r = await _enroll(client, agent, ek_certificate=_b64("a-ek-cert.der"))
     assert r.status == 200, await r.text()
-    assert (await r.json())["ak_name"] == read("a-ak.name").hex()
+    out = await r.json()
+    assert (out["status"], out["ak_name"]) == ("enrolled", read("a-ak.name").hex())
+    assert out["ek_check"].endswith("AK bound to the EK by credential activation")
 
     # A nonce from metald: fresh, 32 bytes, with the PCRs to quote.
     r = await client.post("/api/v1/agent/attestation/nonce", headers=agent)
     assert r.status == 200, await r.text()
     body = await r.json()
     assert len(body["nonce"]) == 64 and body["pcrs"] == [0, 1, 2, 3, 5, 6, 7]
+    assert body["ak_name"] == read("a-ak.name").hex()  # the agent skips enrolling next boot
 
     # The first attestation teaches the golden values (trust on first use).
     nonce = _issued(store, mid, "boot1", "boot-1")
@@ -209,9 +234,7 @@ async def test_a_failed_discovery_attestation_holds_the_machine_at_once(api: Any
     client, _tokens, store = api
     mid, token = _machine(store, State.INSPECTING, "boot-1")
     agent = {"Authorization": f"Bearer {token}"}
-    r = await client.post(
-        "/api/v1/agent/attestation/key", json={"ak_public": _b64("a-ak.tpmt")}, headers=agent
-    )
+    r = await _enroll(client, agent)
     assert r.status == 200, await r.text()
     nonce = _issued(store, mid, "boot1", "boot-1")
     r = await client.post(
@@ -234,11 +257,7 @@ async def test_a_failed_discovery_attestation_holds_the_machine_at_once(api: Any
 async def test_a_wipe_without_attestation_holds_a_machine_with_a_key(api: Any) -> None:
     client, _tokens, store = api
     mid, token = _machine(store, State.INSPECTING, "boot-1")
-    r = await client.post(
-        "/api/v1/agent/attestation/key",
-        json={"ak_public": _b64("a-ak.tpmt")},
-        headers={"Authorization": f"Bearer {token}"},
-    )
+    r = await _enroll(client, {"Authorization": f"Bearer {token}"})
     assert r.status == 200
     token = _rearm(store, mid, State.WIPING, "boot-2", wipe_required=True)
     r = await client.post(
@@ -262,3 +281,35 @@ async def test_an_ek_certificate_for_another_key_is_refused(api: Any) -> None:
         headers={"Authorization": f"Bearer {token}"},
     )
     assert r.status == 422, await r.text()
+
+
+async def test_an_activation_secret_that_does_not_match_is_refused(api: Any) -> None:
+    """Credential activation: a wrong secret (the AK is not in the EK's TPM), or the right one
+    sent for another AK, enrolls nothing. Fails on the old code (no challenge at all)."""
+    client, _tokens, store = api
+    mid, token = _machine(store, State.INSPECTING, "boot-1")
+    agent = {"Authorization": f"Bearer {token}"}
+    body = {"ak_public": _b64("a-ak.tpmt"), "ek_public": read("a-ek.pem").decode()}
+    with patch.object(provision_att.secrets, "token_bytes", lambda n: SECRET[:n]):
+        r = await client.post("/api/v1/agent/attestation/key", json=body, headers=agent)
+    assert (await r.json())["status"] == "challenge"
+    r = await client.post(
+        "/api/v1/agent/attestation/key",
+        json={**body, "activation_secret": "00" * 32},
+        headers=agent,
+    )
+    assert r.status == 422, await r.text()
+    other = {"ak_public": _b64("b-ak.tpmt"), "ek_public": read("a-ek.pem").decode()}
+    r = await client.post(
+        "/api/v1/agent/attestation/key",
+        json={**other, "activation_secret": SECRET.hex()},
+        headers=agent,
+    )
+    assert r.status == 422, await r.text()
+    # Without an EK metald cannot challenge: refused.
+    r = await client.post(
+        "/api/v1/agent/attestation/key", json={"ak_public": _b64("a-ak.tpmt")}, headers=agent
+    )
+    assert r.status == 422, await r.text()
+    with store.session() as s:
+        assert s.get(AttestationKey, mid) is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import pytest
 
@@ -26,10 +27,15 @@ def _held(_cfg: Any, store: Store, _tokens: Tokens) -> None:
         m = Machine(name="held1", state=State.INSPECTING.value)
         s.add(m)
         s.commit()
-        att.enroll_key(
-            s, m.id, ak_public=read("a-ak.tpmt"), ek_public=None, ek_certificate=None,
-            boot="b1", roots_pem=b"", actor="test", instance=None,
-        )  # fmt: skip
+        # The credential activation answered in the fixture TPM's stead (it is not running
+        # here): the secret metald wraps is fixed, so the test knows it.
+        for answer in (None, bytes(32)):
+            with patch.object(att.secrets, "token_bytes", lambda n: bytes(n)):
+                att.enroll_key(
+                    s, m.id, ak_public=read("a-ak.tpmt"), ek_public=read("a-ek.pem").decode(),
+                    ek_certificate=None, activation_secret=answer, boot="b1", roots_pem=b"",
+                    ttl_s=60, actor="test", instance=None,
+                )  # fmt: skip
         for boot, fixture in (("b1", "boot1"), ("b2", "boot2")):
             nonce = read(f"a-{fixture}.nonce").decode()
             s.add(

@@ -28,6 +28,10 @@ class Receiver:
     headers: list[dict[str, str]] = field(default_factory=list)
     next_calls: int = 0
     out: Path | None = None
+    #: Credential activation, done for real (metald's MakeCredential): the pending secret and
+    #: the enrolled AK's name, which the nonce answer names on the next boot.
+    pending: bytes | None = None
+    ak_name: str | None = None
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=2 << 20)
@@ -46,12 +50,16 @@ class Receiver:
         kind = request.path.removeprefix("/api/v1/agent/")
         raw = await request.read()
         answer: dict[str, Any] = {"machine_id": "lab", "ak_name": "", "ek_check": "recorded"}
+        status = 200
         if kind.endswith("/nonce"):
             answer = {
                 "nonce": secrets.token_hex(32),
                 "expires_at": "2099-01-01T00:00:00Z",
                 "pcrs": [0, 1, 2, 3, 4, 5, 6, 7],
+                "ak_name": self.ak_name,
             }
+        elif kind.endswith("/key"):
+            answer, status = self._activation(json.loads(raw))
         elif kind == "attestation":
             answer = {"machine_id": "lab", "id": "x", "status": "recorded", "reason": None,
                       "summary": "recorded", "changes": [], "state": "inspecting"}  # fmt: skip
@@ -60,7 +68,30 @@ class Receiver:
         if self.out:
             with self.out.with_suffix(".attestation.jsonl").open("a") as f:
                 f.write(json.dumps(record) + "\n")
-        return web.json_response(answer)
+        return web.json_response(answer, status=status)
+
+    def _activation(self, body: dict[str, Any]) -> tuple[dict[str, Any], int]:
+        """metald's two enrollment calls: a real credential for the EK over the AK's name,
+        then the secret the guest's TPM recovered."""
+        import base64
+
+        from cryptography.hazmat.primitives import serialization
+
+        from metald.attestation.credential import make_credential
+        from metald.attestation.tpm import parse_public
+
+        name = parse_public(base64.b64decode(body["ak_public"])).name
+        base = {"machine_id": "lab", "ak_name": name.hex(), "ek_check": None}
+        if "activation_secret" not in body:
+            self.pending = secrets.token_bytes(32)
+            ek = serialization.load_pem_public_key(body["ek_public"].encode())
+            cred = make_credential(ek, name, self.pending).tpm2_tools_file()  # type: ignore[arg-type]
+            return {**base, "status": "challenge",
+                    "credential": base64.b64encode(cred).decode()}, 200  # fmt: skip
+        if self.pending is None or bytes.fromhex(body["activation_secret"]) != self.pending:
+            return {"title": "the activated credential does not match"}, 422
+        self.ak_name, self.pending = name.hex(), None
+        return {**base, "status": "enrolled", "ek_check": "activated", "credential": None}, 200
 
     def _authorised(self, request: web.Request) -> bool:
         return request.headers.get("Authorization") == f"Bearer {self.token}"

@@ -122,13 +122,19 @@ def test_discovery_boot_attests_under_ovmf_measured_boot(built_assets, netns, sw
         json.loads(line)
         for line in posts.with_suffix(".attestation.jsonl").read_text().splitlines()
     ]
-    assert [c["kind"] for c in calls] == ["attestation/key", "attestation/nonce", "attestation"] * 2
-    assert calls[3]["body"] == calls[0]["body"]  # the same AK and EK on the second boot
-    key = calls[0]["body"]
+    # The first boot enrolls (challenge, activated secret back); the second boot's TPM holds
+    # the AK metald names in the nonce's answer, so it only quotes.
+    assert [c["kind"] for c in calls] == [
+        "attestation/nonce", "attestation/key", "attestation/key", "attestation",
+        "attestation/nonce", "attestation",
+    ]  # fmt: skip
+    assert calls[2]["answer"]["status"] == "enrolled", calls[2]["answer"]
+    assert calls[4]["answer"]["ak_name"] == calls[2]["answer"]["ak_name"]
+    key = calls[1]["body"]
     assert key["ek_public"].startswith("-----BEGIN PUBLIC KEY-----")
     assert key.get("ek_certificate")  # swtpm_setup's EK certificate, read from NV
     golden = None
-    for nonce_call, quote_call in ((calls[1], calls[2]), (calls[4], calls[5])):
+    for nonce_call, quote_call in ((calls[0], calls[3]), (calls[4], calls[5])):
         quote = quote_call["body"]
         nonce = nonce_call["answer"]["nonce"]
         assert quote["nonce"] == nonce
