@@ -25,6 +25,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,8 +45,8 @@ def _readme_steps() -> str:
     return text[start : text.index("\n## ", start + 3)]
 
 
-def _run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, **kw)  # type: ignore[call-overload,no-any-return]
+def _run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, **kw)
 
 
 def _install_wheel(tmp_path: Path, steps: str) -> Path:
@@ -178,7 +179,7 @@ def test_readme_run_it_on_your_network(tmp_path: Path, procs: list[subprocess.Po
     # 3. The shipped unit: its commands are the venv's entry point on /etc/metald/metald.toml,
     # its state dir /var/lib/metald holds the admin token the README names. Run them as systemd
     # would, paths adapted.
-    assert "/var/lib/metald/admin.token" in steps
+    assert "/var/lib/metald/admin.token" in steps and "METALD_TOKEN" in steps
     unit = (share / "metald.service").read_text()
     directives = dict(
         ln.split("=", 1) for ln in unit.splitlines() if "=" in ln and not ln.startswith("#")
@@ -232,6 +233,10 @@ def test_readme_run_it_on_your_network(tmp_path: Path, procs: list[subprocess.Po
         return r.stdout + r.stderr
 
     assert "metalctl bmcs import rack07.csv" in steps
+    # The CSV's columns and where passwords come from, as the command's help tells them.
+    helptext = " ".join(ctl("bmcs", "import", "--help").split())
+    assert "columns: address,username,password-env and optionally protocol" in helptext
+    assert "METALD_BMC_PASSWORD_*" in helptext, helptext
     (tmp_path / "rack07.csv").write_text(
         "address,port,protocol,username,password-env\n"
         f"127.0.0.1,{sim.port},ipmi,{sim.username},METALD_BMC_PASSWORD_RACK07\n"
@@ -243,7 +248,7 @@ def test_readme_run_it_on_your_network(tmp_path: Path, procs: list[subprocess.Po
     assert sim.password not in out
 
     assert "metalctl bmcs power <id> on" in steps
-    out = ctl("bmcs", "power", bmc, "on", "--yes")
+    out = ctl("bmcs", "power", bmc, "on")
     assert f"bmc {bmc}: power on" in out, out
     assert "set power 1" in sim.calls()
 
