@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import urllib.request
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -212,10 +213,16 @@ def test_readme_run_it_on_your_network(tmp_path: Path, procs: list[subprocess.Po
     if PROMTOOL:
         r = _run([PROMTOOL, "check", "rules", str(share / "alerts.yml")])
         assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
+    else:
+        warnings.warn(
+            "promtool (Debian package prometheus) is not installed: the shipped alert rules "
+            "were not checked in the README walk",
+            stacklevel=1,
+        )
     dashboard = json.loads((share / "metald.json").read_text())
     assert dashboard["panels"] and dashboard["title"]
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
-    assert b"# TYPE" in metrics
+    assert b"# TYPE metald_" in metrics  # what the rules and the dashboard query
 
     # 5. A rack of one real BMC: import it, power it on, watch.
     sim, sim_proc = start_ipmi_sim(tmp_path / "bmc")
