@@ -100,6 +100,14 @@ def register(sub: Subparsers) -> None:
         "import",
         help="register a rack's BMCs from a CSV file (address,protocol,username,password-env,"
         "machine); every row is checked first and nothing is imported if one is bad",
+        # The command's own --help says how to write the file, not only the list of commands.
+        description="Register a rack's BMCs from a CSV file with a header line naming its "
+        "columns: address,username,password-env and optionally protocol (auto, ipmi, redfish), "
+        "port, machine (id, name or prefix) and insecure (true: skip TLS checks). password-env "
+        "names "
+        f"the variable holding that BMC's password (e.g. {bmcimport.PASSWORD_PREFIX}RACK07); "
+        "the file never holds passwords. Every row is checked first, and nothing is imported "
+        "if one is bad or a BMC does not answer (see --partial, --no-verify).",
     )
     bi.add_argument("file", help="the CSV file ('-': standard input)")
     bi.add_argument("--partial", action="store_true", help="import the good rows anyway")
