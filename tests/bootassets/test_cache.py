@@ -63,5 +63,7 @@ def test_the_discovery_init_puts_every_tool_it_carries_on_the_path() -> None:
     init = (build.HERE / "initramfs" / "init").read_text()
     (path,) = re.findall(r"^export PATH=(\S+)$", init, flags=re.M)
     dirs = set(path.split(":"))
-    for tool in build.TOOLS:
+    programs = [t for t in build.TOOLS if "/bin/" in "/" + t]  # not the libraries loaded by name
+    assert programs
+    for tool in programs:
         assert "/" + tool.rsplit("/", 1)[0] in dirs, (tool, path)
