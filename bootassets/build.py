@@ -436,6 +436,7 @@ def tool_entries(
     entries: list[cpio.Entry] = []
     libs: dict[str, Path] = {}
     for rel in tools:
+        rel = rel.replace(AMD64.triplet, arch.triplet)  # a library named by path (the TCTI)
         entries.append(cpio.file(rel, check_elf(tree / rel, arch), 0o755))
         try:
             libs.update(elf.library_closure(tree / rel, lib_dirs))
