@@ -565,6 +565,7 @@ def build_initramfs(
             f"lib/modules/{kernel_version}",
             "proc",
             "run",
+            "sbin",
             "sys",
             "tmp",
             "usr",
