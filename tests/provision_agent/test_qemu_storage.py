@@ -1,7 +1,7 @@
 """A claim's storage layout built by the real discovery image under Debian's kernel (which has
-md and dm, unlike this host's): QEMU (TCG) with three virtio disks gets a RAID1 root over vda
+md and dm, unlike this host's): QEMU (TCG) with four virtio disks gets a RAID1 root over vda
 and vdb (the image written onto the array, its seed on md0p1 with /etc/fstab and mdadm.conf)
-and LVM scratch on vdc; /proc/mdstat is read from inside the guest (the agent logs it on the
+and LVM on a RAID0 of vdc and vdd for scratch; /proc/mdstat is read from inside the guest (the agent logs it on the
 console). Then a wipe boot of the same disks leaves no md superblock and no LVM label on any.
 
 METALD_LAB_LONG=1 only (make test-long): two TCG boots, about 1-2 minutes."""
@@ -35,7 +35,7 @@ pytestmark = [
 ]
 
 MD_MAGIC = (0xA92B4EFC).to_bytes(4, "little")
-SIZES = {"vda": 32 * MIB, "vdb": 32 * MIB, "vdc": 64 * MIB}
+SIZES = {"vda": 32 * MIB, "vdb": 32 * MIB, "vdc": 48 * MIB, "vdd": 48 * MIB}
 
 
 def md_superblocks(data: bytes) -> list[int]:
@@ -54,7 +54,8 @@ def test_raid1_root_and_lvm_scratch_then_wipe(built_assets, netns, tmp_path):  #
         "volumes": [
             {
                 "name": "scratch",
-                "disks": [{"serial": "vdc"}],
+                "raid": 0,
+                "disks": "rest",
                 "mount": "/scratch",
                 "lvm": {"vg": "data", "lvs": [{"name": "scr"}]},
             }
@@ -91,7 +92,9 @@ def test_raid1_root_and_lvm_scratch_then_wipe(built_assets, netns, tmp_path):  #
     assert got[-1] == {"phase": "deploy", "done": True}, (got, log[-3000:])
     assert "reboot: Restarting system" in log
     # /proc/mdstat from inside the guest: the mirror over both disks
-    (arrays,) = [line for line in log.splitlines() if "metald-agent: arrays:" in line]
+    (arrays,) = [
+        line for line in log.splitlines() if "metald-agent:" in line and "] arrays: " in line
+    ]
     assert "md0 : active raid1" in arrays and "vda[0]" in arrays and "vdb[1]" in arrays, arrays
     assert "first-boot metadata written to /dev/md0p1" in log
     # metadata 1.0: the array's data starts at sector 0 of each member, as the firmware reads
@@ -109,17 +112,22 @@ def test_raid1_root_and_lvm_scratch_then_wipe(built_assets, netns, tmp_path):  #
         debugfs_cat(vda, MIB, 4 * MIB, "/var/lib/cloud/seed/nocloud/meta-data").decode()
         == (files["meta-data"])
     )
+    # the RAID0 (metadata 1.2: superblock 4 KiB in, data after an offset) holds the LVM PV:
+    # its label sits past the first MiB of vdc, where zeroing a disk's ends does not reach
+    assert "md1 : active raid0" in arrays, arrays
     vdc = (tmp_path / "vdc.img").read_bytes()
-    assert vdc[512 : 512 + 8] == b"LABELONE", "no LVM physical volume on vdc"
+    assert md_superblocks(vdc) == [4096]
+    label = vdc.find(b"LABELONE", 0, 16 * MIB)
+    assert label >= MIB, label
 
     # release: the wipe boot clears the array and the volume group from every disk
     for p in ("progress.jsonl", "console.log"):
         (tmp_path / p).unlink(missing_ok=True)
     got, log = boot(netns, tmp_path, built_assets, "wipe", drives)
     assert got[-1].get("done") is True, (got, log[-3000:])
-    assert len(got[-1]["disks"]) == 3
+    assert len(got[-1]["disks"]) == 4
     for name in SIZES:
         data = (tmp_path / f"{name}.img").read_bytes()
         assert md_superblocks(data) == [], name
-        assert b"LABELONE" not in data[:MIB], name
+        assert b"LABELONE" not in data[: 16 * MIB], name
         assert data[:MIB] == bytes(MIB) and data[-MIB:] == bytes(MIB), name
