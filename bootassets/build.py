@@ -153,7 +153,7 @@ TOOL_PACKAGES = (
     "libtss2-tctildr0",
     "libtss2-tcti-device0",
     # the claim's storage layout (docs/deploy-agent.md, "Storage"): mdadm (software RAID), lvm2
-    # (LVM), mke2fs (ext4 on the volumes), wipefs (signatures, at deploy and wipe)
+    # (LVM), mke2fs and mkfs.xfs (the volumes' file systems), wipefs (signatures, at deploy and wipe)
     "mdadm",
     "lvm2",
     "e2fsprogs",
@@ -173,6 +173,9 @@ TOOL_PACKAGES = (
     "libext2fs2",
     "libuuid1",
     "libsmartcols1",
+    "xfsprogs",
+    "libinih1",
+    "liburcu8",
 )
 TOOLS = (
     "usr/bin/ipmitool",
@@ -184,6 +187,7 @@ TOOLS = (
     "sbin/lvm",
     "sbin/mke2fs",
     "sbin/wipefs",
+    "sbin/mkfs.xfs",
 )
 MULTIARCH_LIB = "lib/x86_64-linux-gnu"
 #: The commissioning checks' tools (docs/commissioning.md), in a second initramfs that the agent

@@ -92,7 +92,7 @@ def test_single_root_and_plain_raid1_scratch(tmp_path, busybox_bin):
         "root": {"hints": {"serial": "r1"}},
         "volumes": [
             {"name": "fast", "raid": 1, "disks": [{"serial": "n1"}, {"serial": "n0"}]},
-            {"name": "spare", "disks": [{"serial": "r0"}], "mount": "/srv/spare"},
+            {"name": "spare", "disks": [{"serial": "r0"}], "mount": "/srv/spare", "fs": "xfs"},
         ],
     }
     storage = plan(layout, DISKS).to_dict()
@@ -106,8 +106,8 @@ def test_single_root_and_plain_raid1_scratch(tmp_path, busybox_bin):
         " --homehost=any /dev/nvme1n1 /dev/nvme0n1",
         "mkfs.ext4 -F -q -L fast /dev/md1",
         "wipefs -a /dev/vda",
-        "mkfs.ext4 -F -q -L spare /dev/vda",
-        "fstab LABEL=spare /srv/spare ext4",
+        "mkfs.xfs -f -q -L spare /dev/vda",
+        "fstab LABEL=spare /srv/spare xfs",
     ]
 
 
@@ -119,9 +119,9 @@ def test_single_root_and_plain_raid1_scratch(tmp_path, busybox_bin):
         ({"root": ["vda", "vda"], "root_raid": 1, "volumes": []}, "names /dev/vda twice"),
         (
             {"root": ["vda"], "root_raid": None, "volumes": [
-                {"name": "x", "raid": None, "devices": ["vdb"], "fs": "xfs", "mount": None,
+                {"name": "x", "raid": None, "devices": ["vdb"], "fs": "btrfs", "mount": None,
                  "lvm": None}]},
-            "ext4 only",
+            "file system btrfs",
         ),
         (
             {"root": ["vda"], "root_raid": None, "volumes": [
@@ -134,6 +134,12 @@ def test_single_root_and_plain_raid1_scratch(tmp_path, busybox_bin):
                 {"name": "x", "raid": 0, "devices": ["vdb", "vdc"], "fs": "ext4", "mount": None,
                  "lvm": {"vg": "v$(id)", "lvs": [{"name": "a"}]}}]},
             "volume group name v$(id)",
+        ),
+        (
+            {"root": ["vda"], "root_raid": None, "volumes": [
+                {"name": "longer_than_12", "raid": None, "devices": ["vdb"], "fs": "xfs",
+                 "mount": None, "lvm": None}]},
+            "longer than xfs's 12 characters",
         ),
     ],
 )  # fmt: skip
