@@ -53,8 +53,19 @@ SELECT_DRIVERS = HERE / "initramfs" / "select-drivers"
 #: cloud-init's NoCloud seed into the image it just wrote: its ext4 root (crc32c for metadata
 #: checksums is asked for through the crypto API, not a module dependency) or a vfat "cidata"
 #: partition (the default codepage and iocharset tables). Loading them on every discovery boot
-#: cost ~0.7 s under TCG.
-ON_DEMAND = ("ext4", "crc32c_generic", "vfat", "nls_cp437", "nls_utf8")
+#: cost ~0.7 s under TCG. md (RAID0/RAID1) and device-mapper (LVM) are loaded by deploy when the
+#: claim's storage layout asks for arrays or volumes, and by wipe to read md superblocks.
+ON_DEMAND = (
+    "ext4",
+    "crc32c_generic",
+    "vfat",
+    "nls_cp437",
+    "nls_utf8",
+    "md_mod",
+    "raid0",
+    "raid1",
+    "dm_mod",
+)
 #: Modules the image carries, loaded in this order after their dependencies (ON_DEMAND only when
 #: asked for). QEMU: virtio, e1000.
 #: Servers: Intel (e1000e, igb, ixgbe, i40e, ice), Broadcom (bnxt_en, tg3), NVIDIA/Mellanox
@@ -141,6 +152,30 @@ TOOL_PACKAGES = (
     "libtss2-sys1",
     "libtss2-tctildr0",
     "libtss2-tcti-device0",
+    # the claim's storage layout (docs/deploy-agent.md, "Storage"): mdadm (software RAID), lvm2
+    # (LVM), mke2fs and mkfs.xfs (the volumes' file systems), wipefs (signatures, at deploy and wipe)
+    "mdadm",
+    "lvm2",
+    "e2fsprogs",
+    "util-linux",
+    "libudev1",
+    "libdevmapper1.02.1",
+    "libdevmapper-event1.02.1",
+    "libedit2",
+    "libbsd0",
+    "libmd0",
+    "libsystemd0",
+    "libcap2",
+    "liblz4-1",
+    "liblzma5",
+    "libblkid1",
+    "libselinux1",
+    "libext2fs2",
+    "libuuid1",
+    "libsmartcols1",
+    "xfsprogs",
+    "libinih1",
+    "liburcu8",
 )
 TOOLS = (
     "usr/bin/ipmitool",
@@ -148,6 +183,11 @@ TOOLS = (
     "usr/bin/curl",
     "usr/bin/tpm2",
     "usr/lib/x86_64-linux-gnu/libtss2-tcti-device.so.0",
+    "sbin/mdadm",
+    "sbin/lvm",
+    "sbin/mke2fs",
+    "sbin/wipefs",
+    "sbin/mkfs.xfs",
 )
 MULTIARCH_LIB = "lib/x86_64-linux-gnu"
 #: The commissioning checks' tools (docs/commissioning.md), in a second initramfs that the agent
@@ -530,6 +570,7 @@ def build_initramfs(
             f"lib/modules/{kernel_version}",
             "proc",
             "run",
+            "sbin",
             "sys",
             "tmp",
             "usr",

@@ -27,6 +27,18 @@ GIB = 1 << 30
 HINT_KEYS = ("size", "model", "vendor", "serial", "wwn", "name", "by_path", "rotational")
 FILESYSTEMS = ("ext4", "xfs")
 _SIZE = re.compile(r"^\s*(>=|<=|==|>|<)?\s*(\d+)\s*$")
+#: What the deploy agent puts on a command line or in the OS's fstab (docs/deploy-agent.md):
+#: volume, volume group and logical volume names (also file system labels; xfs takes 12) and
+#: mount points.
+_NAME = re.compile(r"^[A-Za-z0-9_]{1,16}$")
+_MOUNT = re.compile(r"^/[A-Za-z0-9/_.-]+$")
+
+
+def _check_name(what: str, name: str, fs: str | None = None) -> None:
+    if not _NAME.match(name):
+        raise LayoutError(f"{what} {name!r}: use 1-16 letters, digits or _")
+    if fs == "xfs" and len(name) > 12:
+        raise LayoutError(f"{what} {name!r} labels an xfs file system: use 12 characters at most")
 
 
 class LayoutError(ValueError):
@@ -175,7 +187,20 @@ def plan(layout: Mapping[str, Any] | None, disks: list[DiskInfo]) -> Plan:
         else:
             size = sum(d.size_bytes for d in devs)
         lvm = v.get("lvm")
+        _check_name("volume name", name, None if lvm else fs)
+        mount = v.get("mount")
+        if mount is not None and (not _MOUNT.match(str(mount)) or ".." in str(mount)):
+            raise LayoutError(
+                f"volume {name}: mount point {mount!r}; use an absolute path below / of "
+                "letters, digits and /_.-"
+            )
         if lvm:
+            _check_name("volume group", str(lvm.get("vg") or ""))
+            lvs = lvm.get("lvs") or []
+            if not lvs:
+                raise LayoutError(f"volume {name}: volume group {lvm.get('vg')} has no lvs")
+            for lv in lvs:
+                _check_name("logical volume", str(lv.get("name") or ""), fs)
             want = sum(int(lv.get("size_gib") or 0) for lv in lvm.get("lvs") or [])
             if want * GIB > size:
                 raise LayoutError(

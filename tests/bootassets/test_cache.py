@@ -63,7 +63,7 @@ def test_the_discovery_init_puts_every_tool_it_carries_on_the_path() -> None:
     init = (build.HERE / "initramfs" / "init").read_text()
     (path,) = re.findall(r"^export PATH=(\S+)$", init, flags=re.M)
     dirs = set(path.split(":"))
-    programs = [t for t in build.TOOLS if "/bin/" in "/" + t]  # not the libraries loaded by name
-    assert programs
-    for tool in programs:
+    for tool in build.TOOLS:
+        if ".so" in tool.rsplit("/", 1)[1]:
+            continue  # a library the image carries (tpm2's TCTI), not a program
         assert "/" + tool.rsplit("/", 1)[0] in dirs, (tool, path)

@@ -3,6 +3,8 @@ RAID0/LVM scratch, and refusals that say why a layout does not fit."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from metald.provision.storage import GIB, DiskInfo, LayoutError, disks_from_inventory, plan
@@ -116,3 +118,30 @@ def test_inventory_disks_skip_removable() -> None:
     assert [d.name for d in disks_from_inventory(inv)] == ["vda"]
     with pytest.raises(LayoutError, match="no disks"):
         plan({}, [])
+
+
+@pytest.mark.parametrize(
+    ("volume", "why"),
+    [
+        ({"name": "a b", "disks": [{"name": "sdc"}]}, "volume name 'a b'"),
+        ({"name": "s", "disks": [{"name": "sdc"}], "mount": "/x/../etc"}, "mount point"),
+        ({"name": "s", "disks": [{"name": "sdc"}], "mount": "/"}, "mount point '/'"),
+        ({"name": "s", "disks": [{"name": "sdc"}], "mount": "/a;b"}, "mount point"),
+        (
+            {
+                "name": "s",
+                "disks": [{"name": "sdc"}],
+                "lvm": {"vg": "v$(id)", "lvs": [{"name": "a"}]},
+            },
+            "volume group 'v$(id)'",
+        ),
+        ({"name": "s", "disks": [{"name": "sdc"}], "lvm": {"vg": "v", "lvs": []}}, "has no lvs"),
+        ({"name": "thirteen_char", "disks": [{"name": "sdc"}], "fs": "xfs"}, "12 characters"),
+    ],
+)
+def test_names_the_deploy_agent_would_refuse_are_refused_at_claim_time(volume, why):
+    """The agent puts these on command lines and in the OS's fstab; a layout it would refuse
+    at deploy fails the claim instead (fails on the old code, which took any name)."""
+    disks = [DiskInfo("sda", 100 * GIB), DiskInfo("sdc", 100 * GIB)]
+    with pytest.raises(LayoutError, match=re.escape(why)):
+        plan({"volumes": [volume]}, disks)

@@ -414,11 +414,13 @@ async def test_deploy_to_the_layouts_root_disk_with_vendor_data(
     vendor = debugfs_cat(second, MIB, 4 * MIB, f"{SEED}/vendor-data").decode()
     assert vendor == files["vendor-data"] and "tok-9" in vendor
 
-    # A RAID root is refused before any disk is touched (no mdadm in the deploy image yet).
+    # A plan naming disks this machine does not have (another machine's, a stale inventory) is
+    # refused before any disk is touched: wipefs and mdadm never see them.
     api.progress.clear()
     api.provision["storage"] = {"root": ["sda", "sdb"], "root_raid": 1, "volumes": []}
     dev_a = loops.attach(first)
     rc, log = await run_agent(tmp_path, busybox_bin, server.port, "deploy", METALD_DISKS=dev_a)
-    assert any("cannot build yet" in (p.get("error") or "") for p in api.progress), api.progress
+    errors = [p.get("error") or "" for p in api.progress]
+    assert any("/dev/sda is not one of this machine's disks" in e for e in errors), api.progress
     loops.detach_all()
     assert first.read_bytes() == bytes(8 * MIB)
