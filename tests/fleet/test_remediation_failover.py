@@ -10,6 +10,7 @@ the remediation: every step once, one replacement, one repair."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -30,7 +31,15 @@ from tests.test_daemon import BIN, share_secrets_key, wait_http
 from tests.waiting import wait_for
 from vmlab.labnet import free_port
 
-pytestmark = pytest.mark.postgres
+pytestmark = [
+    pytest.mark.postgres,
+    # Two metald processes start and agree on owners (15 s quiet, 45 s on a busy 2-core
+    # machine); make test keeps the in-process kill -9 (tests/healthwatch/test_kill9.py).
+    pytest.mark.skipif(
+        os.environ.get("METALD_LAB_LONG") != "1",
+        reason="two metald processes, > 20 s: METALD_LAB_LONG=1 (make test-long)",
+    ),
+]
 
 HEARTBEAT_S, DEAD_AFTER_S = 0.5, 3.0
 

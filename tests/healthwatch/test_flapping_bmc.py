@@ -13,6 +13,7 @@ The node's word cannot save a machine its BMC condemns: ``tests/health/test_api_
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import time
 from pathlib import Path
@@ -40,10 +41,18 @@ from tests.healthwatch.helpers import (
 )
 from vmlab import faults as lab_faults
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("ipmi_sim") is None or shutil.which("ipmitool") is None,
-    reason="needs ipmi_sim and ipmitool (Debian packages openipmi, ipmitool)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        shutil.which("ipmi_sim") is None or shutil.which("ipmitool") is None,
+        reason="needs ipmi_sim and ipmitool (Debian packages openipmi, ipmitool)",
+    ),
+    # Five BMCs' SEL reads through pyghmi: 64 s on a busy 2-core machine. make test keeps the
+    # limit's in-process proof (tests/healthwatch/test_workflow.py).
+    pytest.mark.skipif(
+        os.environ.get("METALD_LAB_LONG") != "1",
+        reason="five ipmi_sim BMCs flapping, > 20 s: METALD_LAB_LONG=1 (make test-long)",
+    ),
+]
 
 N = 5
 PER_CLAIM = 2
