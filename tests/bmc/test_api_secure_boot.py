@@ -88,6 +88,14 @@ async def test_secure_boot_read_enabled_enrolled_and_shown(  # type: ignore[no-u
     shown = (await r.json())["secure_boot"]
     assert shown["enabled"] is True and shown["current_boot"] is True
     assert shown["certificates"]["db"] == [ours]
+    origin = str(client.make_url("/")).rstrip("/")
+    r = await client.post(
+        "/ui/login", data={"token": tokens.technician}, headers={"Origin": origin},
+        allow_redirects=False,
+    )  # fmt: skip
+    assert r.status == 303, await r.text()
+    page = await (await client.get(f"/ui/machines/{mid}")).text()
+    assert "<dt>Secure Boot</dt>" in page and "enforced, UserMode; db: 1 certificate(s)" in page
     changes = [e.data["after"] for e in await _events(store, "bmc.secure-boot")]
     assert changes[-1]["current_boot"] is True
 
