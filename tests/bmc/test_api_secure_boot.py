@@ -166,3 +166,38 @@ def test_secure_boot_claims_take_only_machines_it_is_enforced_on(store: Store) -
         )  # fmt: skip
         taken = s.exec(select(Machine.id).where(Machine.claim_id == claim.id)).all()
     assert taken == [on]
+
+
+async def test_lab_bmc_secure_boot_refusals_and_setup_mode(lab_redfish: LabRedfish) -> None:
+    """The lab BMC as a Redfish client sees it: a bad certificate or database is refused, and
+    without a PK (DeletePK: SetupMode) an enabled Secure Boot is not in force after a reset."""
+    import aiohttp
+
+    base = f"http://127.0.0.1:{lab_redfish.port}/redfish/v1/Systems/m0"
+    auth = aiohttp.encode_basic_auth(lab_redfish.username, lab_redfish.password)
+    async with aiohttp.ClientSession(headers={"Authorization": auth}) as http:
+        db = f"{base}/SecureBoot/SecureBootDatabases"
+        body = {"CertificateString": "not a certificate", "CertificateType": "PEM"}
+        async with http.post(f"{db}/db/Certificates", json=body) as r:
+            assert r.status == 400 and "PEM" in (await r.json())["error"]["message"]
+        async with http.get(f"{db}/nope/Certificates") as r:
+            assert r.status == 404 and "error" in await r.json()
+        async with http.patch(f"{base}/SecureBoot", json={"SecureBootMode": "UserMode"}) as r:
+            assert r.status == 400
+        reset = f"{base}/SecureBoot/Actions/SecureBoot.ResetKeys"
+        async with http.post(reset, json={"ResetKeysType": "DeletePK"}) as r:
+            assert r.status == 204
+        async with http.patch(f"{base}/SecureBoot", json={"SecureBootEnable": True}) as r:
+            assert (await r.json())["SecureBootMode"] == "SetupMode"
+        power = f"{base}/Actions/ComputerSystem.Reset"
+        async with http.post(power, json={"ResetType": "On"}) as r:
+            assert r.status == 204
+        async with http.get(f"{base}/SecureBoot") as r:
+            assert (await r.json())["SecureBootCurrentBoot"] == "Disabled"
+        async with http.post(reset, json={"ResetKeysType": "ResetAllKeysToDefault"}) as r:
+            assert r.status == 204
+        async with http.post(power, json={"ResetType": "ForceRestart"}) as r:
+            assert r.status == 204
+        async with http.get(f"{base}/SecureBoot") as r:
+            got = await r.json()
+        assert (got["SecureBootMode"], got["SecureBootCurrentBoot"]) == ("UserMode", "Enabled")

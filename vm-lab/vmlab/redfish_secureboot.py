@@ -27,6 +27,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from . import redfish_json
+
 DATABASES = ("PK", "KEK", "db", "dbx")
 RESET_KEYS = ["ResetAllKeysToDefault", "DeleteAllKeys", "DeletePK"]
 #: A hostile or careless client cannot grow the BMC's memory without bound.
@@ -119,15 +121,16 @@ def vendor_cert(common_name: str = "vm-lab platform key") -> str:
 SECURE_BOOT = web.AppKey("secure_boot", SecureBootState)
 
 
-def _json(body: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> Any:
-    return web.json_response(
-        body, status=status, headers={"OData-Version": "4.0", **(headers or {})}
-    )
+_json = redfish_json.json_response
+_error = redfish_json.error
 
 
-def _error(status: int, message_id: str, message: str) -> web.Response:
-    code = f"Base.1.8.{message_id}"
-    return _json({"error": {"code": code, "message": message}}, status)
+class _Missing(web.HTTPNotFound):
+    """A 404 with a Redfish error body."""
+
+    def __init__(self, what: str) -> None:
+        body = redfish_json.error(404, "ResourceMissingAtURI", f"no {what}")
+        super().__init__(text=body.text, content_type="application/json")
 
 
 def _sb_path(request: web.Request) -> str:
@@ -137,7 +140,7 @@ def _sb_path(request: web.Request) -> str:
 def _db(request: web.Request) -> str:
     db = request.match_info["db_id"]
     if db not in DATABASES:
-        raise web.HTTPNotFound(text=f"no Secure Boot database {db}")
+        raise _Missing(f"Secure Boot database {db}")
     return db
 
 
@@ -272,7 +275,7 @@ def _find(request: web.Request) -> Cert:
     for c in request.app[SECURE_BOOT].dbs[_db(request)]:
         if c.id == request.match_info["cert_id"]:
             return c
-    raise web.HTTPNotFound(text="no such certificate")
+    raise _Missing("such certificate")
 
 
 async def get_certificate(request: web.Request) -> web.Response:
