@@ -25,6 +25,7 @@ from pydantic import BaseModel, Field, SecretStr, StrictBool, StringConstraints
 from api import listing, workflows
 from api.paging import PageQuery
 from api.resolve import Ref
+from api.roles import ADMIN
 from api.routing import STAFF, ApiRequest, Owner, Router
 from api.schemas import In, ListPage
 from metald.bmc import targets
@@ -521,6 +522,69 @@ async def set_bios_settings(req: ApiRequest, bmcs: Bmcs) -> BiosOut:
     b: BiosIn = req.body
     out = await bmcs.set_bios(req.params["id"], dict(b.attributes), actor=req.actor)
     return BiosOut.model_validate(out)
+
+
+class SecureBootIn(In):
+    enable: StrictBool = Field(
+        description="Write SecureBootEnable: the firmware enforces it from its next boot."
+    )
+    enroll: StrictBool = Field(
+        default=False,
+        description="First enroll metald's signing certificate (bmc.secure_boot_cert) in db.",
+    )
+
+
+class SecureBootOut(BaseModel):
+    machine_id: str
+    enabled: bool | None = Field(description="SecureBootEnable as the BMC reports it.")
+    current_boot: bool | None = Field(
+        description="SecureBootCurrentBoot: the running boot was verified (true only after a "
+        "reboot with Secure Boot on)."
+    )
+    mode: str | None = Field(description="SetupMode (no PK), UserMode, AuditMode, DeployedMode.")
+    certificates: dict[str, list[str]] = Field(
+        description="Database (PK, KEK, db, dbx) -> SHA-256 fingerprints of its certificates."
+    )
+    read_at: str
+    enrolled: bool | None = Field(
+        default=None, description="POST: metald's certificate was added to db (false: present)."
+    )
+
+
+_SECURE_BOOT: dict[str, Any] = {**_ON_MACHINE, "errors": (404, 409, 422, 502, 503)}
+
+
+@router.route(
+    "GET",
+    "/api/v1/machines/{id}/secure-boot",
+    summary="Read a machine's UEFI Secure Boot state",
+    response=SecureBootOut,
+    **_SECURE_BOOT,
+)
+async def secure_boot(req: ApiRequest, bmcs: Bmcs) -> SecureBootOut:
+    """Read now through the machine's Redfish BMC and recorded on the machine (a change is a
+    bmc.secure-boot event); an IPMI BMC has no Secure Boot (409)."""
+    return SecureBootOut.model_validate(await bmcs.secure_boot(req.params["id"], actor=req.actor))
+
+
+@router.route(
+    "POST",
+    "/api/v1/machines/{id}/secure-boot",
+    summary="Enable (or disable) a machine's UEFI Secure Boot",
+    body=SecureBootIn,
+    response=SecureBootOut,
+    **{**_SECURE_BOOT, "roles": ADMIN},
+)
+async def set_secure_boot(req: ApiRequest, bmcs: Bmcs) -> SecureBootOut:
+    """Admins only. With enroll, metald's signing certificate is added to the firmware's db
+    first; then SecureBootEnable is written. The firmware applies both at its next boot, so
+    current_boot stays false until the machine reboots. A bmc.secure-boot-set event; an IPMI
+    BMC answers 409."""
+    b: SecureBootIn = req.body
+    out = await bmcs.set_secure_boot(
+        req.params["id"], enable=b.enable, enroll=b.enroll, actor=req.actor
+    )
+    return SecureBootOut.model_validate(out)
 
 
 @router.route(

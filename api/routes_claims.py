@@ -52,6 +52,11 @@ class SelectorIn(In):
         description="Only machines whose current boot passed measured-boot attestation "
         "(docs/attestation.md).",
     )
+    secure_boot: bool = Field(
+        default=False,
+        description="Only machines whose BMC reports UEFI Secure Boot enabled and the current "
+        "boot verified (POST /api/v1/machines/{id}/secure-boot turns it on; docs/bmc.md).",
+    )
     gpu_model: Text | None = Field(
         default=None, description="Exact GPU model, or a glob such as 'NVIDIA H100*'."
     )

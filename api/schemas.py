@@ -200,6 +200,11 @@ class MachineOut(BaseModel):
     bios: dict[str, Any] | None = Field(
         default=None, description="BIOS settings: current, pending, desired, drift, read_at."
     )
+    secure_boot: dict[str, Any] | None = Field(
+        default=None,
+        description="UEFI Secure Boot as the BMC last reported it: enabled, current_boot, "
+        "mode, certificates (database -> SHA-256 fingerprints), read_at.",
+    )
     tenant_id: str | None
     claim_id: str | None
     last_error: str | None

@@ -340,6 +340,11 @@ class BmcConfig(_Section):
     console_viewers_per_token: int = Field(default=8, ge=1)
     console_viewers_per_machine: int = Field(default=16, ge=1)
     console_viewers_max: int = Field(default=256, ge=1)
+    #: PEM certificate metald enrolls in a machine's Secure Boot ``db`` through Redfish
+    #: (``POST /api/v1/machines/{id}/secure-boot`` with enroll): the one whose key signs its
+    #: iPXE and kernels (``python -m bootassets sign --new-key DIR`` makes ``DIR/db.crt``).
+    #: Empty: enrolling is refused; enabling alone still works.
+    secure_boot_cert: str = ""
 
 
 class EnrollConfig(_Section):

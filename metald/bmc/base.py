@@ -114,6 +114,21 @@ class BiosSettings:
 
 
 @dataclass(frozen=True)
+class SecureBootState:
+    """A system's UEFI Secure Boot as its BMC reports it (Redfish ``SecureBoot``)."""
+
+    #: ``SecureBootEnable``: the firmware is told to enforce it (from its next boot).
+    enabled: bool | None
+    #: ``SecureBootCurrentBoot`` == Enabled: the running boot was verified.
+    current_boot: bool | None
+    #: ``SecureBootMode``: SetupMode (no PK), UserMode, AuditMode, DeployedMode.
+    mode: str | None
+    #: Database id (PK, KEK, db, dbx) -> SHA-256 fingerprints (upper-case hex) of its
+    #: certificates, where the BMC lists them.
+    certificates: dict[str, list[str]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class SystemIdentity:
     """What a BMC says about the system it manages: what registration links a machine by."""
 

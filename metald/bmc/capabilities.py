@@ -24,6 +24,7 @@ from metald.bmc.base import (
     LogEntry,
     PowerAction,
     PowerState,
+    SecureBootState,
     Sensor,
     UpdateTask,
 )
@@ -42,6 +43,8 @@ class Capability(StrEnum):
     FIRMWARE_UPDATE = "firmware-update"
     ACCOUNTS = "accounts"
     BIOS = "bios"
+    #: UEFI Secure Boot: read it, enable it, enroll a db certificate (Redfish ``SecureBoot``).
+    SECURE_BOOT = "secure-boot"
     VIRTUAL_MEDIA = "virtual-media"
     SERIAL_CONSOLE = "serial-console"
 
@@ -134,6 +137,17 @@ class Bios(Protocol):
 
 
 @runtime_checkable
+class SecureBoot(Protocol):
+    async def secure_boot(self) -> SecureBootState: ...
+
+    async def set_secure_boot(self, enable: bool) -> None:
+        """Write ``SecureBootEnable``; the firmware acts on it at its next boot."""
+
+    async def enroll_certificate(self, database: str, pem: str) -> bool:
+        """Add a PEM certificate to ``database`` (PK, KEK, db, dbx); False when it was there."""
+
+
+@runtime_checkable
 class VirtualMedia(Protocol):
     async def find_virtual_cd(self) -> tuple[str, dict[str, Any]]:
         """The device that takes a CD (its path and resource); BmcUnsupported when none."""
@@ -183,6 +197,7 @@ INTERFACES: dict[Capability, type] = {
     Capability.FIRMWARE_UPDATE: FirmwareUpdate,
     Capability.ACCOUNTS: Accounts,
     Capability.BIOS: Bios,
+    Capability.SECURE_BOOT: SecureBoot,
     Capability.VIRTUAL_MEDIA: VirtualMedia,
     Capability.SERIAL_CONSOLE: SerialConsole,
 }

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import hashlib
 import json
 import logging
 import ssl
@@ -30,6 +32,8 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+from cryptography import x509
+from cryptography.hazmat.primitives.serialization import Encoding
 from prometheus_client import Counter
 from yarl import URL
 
@@ -49,6 +53,7 @@ from metald.bmc.base import (
     LogEntry,
     PowerAction,
     PowerState,
+    SecureBootState,
     Sensor,
     SystemIdentity,
     UpdateTask,
@@ -106,6 +111,7 @@ class RedfishDriver(BmcDriver):
             Capability.FIRMWARE_UPDATE,
             Capability.ACCOUNTS,
             Capability.BIOS,
+            Capability.SECURE_BOOT,
             Capability.VIRTUAL_MEDIA,
         }
     )
@@ -609,6 +615,77 @@ class RedfishDriver(BmcDriver):
             raise BmcUnsupported(f"{self._where}: the Bios resource has no settings object")
         await self._act("PATCH", settings, {"Attributes": attributes})
 
+    # --- UEFI Secure Boot (SecureBoot, SecureBootDatabases) ---
+
+    async def _secure_boot_uri(self) -> str:
+        path = ((await self._system_resource()).get("SecureBoot") or {}).get("@odata.id")
+        if not isinstance(path, str) or not path:
+            raise BmcUnsupported(f"{self._where}: the system has no SecureBoot resource")
+        return path
+
+    async def _certificates_uri(self, sb: dict[str, Any], database: str) -> str:
+        coll = (sb.get("SecureBootDatabases") or {}).get("@odata.id")
+        if not isinstance(coll, str):
+            raise BmcUnsupported(f"{self._where}: SecureBoot lists no SecureBootDatabases")
+        for m in (await self._get(coll)).get("Members", [])[:MAX_SB_DATABASES]:
+            uri = m.get("@odata.id") if isinstance(m, dict) else None
+            if isinstance(uri, str) and uri.rstrip("/").rsplit("/", 1)[-1] == database:
+                certs = ((await self._get(uri)).get("Certificates") or {}).get("@odata.id")
+                if isinstance(certs, str):
+                    return certs
+                raise BmcUnsupported(f"{self._where}: Secure Boot {database} has no Certificates")
+        raise BmcUnsupported(f"{self._where}: no Secure Boot database {database}")
+
+    async def _fingerprints(self, certs_uri: str) -> list[str]:
+        out = []
+        for m in (await self._get(certs_uri)).get("Members", [])[:MAX_SB_CERTS]:
+            uri = m.get("@odata.id") if isinstance(m, dict) else None
+            if isinstance(uri, str):
+                fp = _cert_fingerprint(await self._get(uri))
+                if fp:
+                    out.append(fp)
+        return out
+
+    async def secure_boot(self) -> SecureBootState:
+        sb = await self._get(await self._secure_boot_uri())
+        enable, current, mode = (
+            sb.get("SecureBootEnable"),
+            sb.get("SecureBootCurrentBoot"),
+            sb.get("SecureBootMode"),
+        )
+        certificates: dict[str, list[str]] = {}
+        for db in ("PK", "KEK", "db", "dbx"):
+            with contextlib.suppress(BmcUnsupported):  # the switch without the databases
+                certificates[db] = await self._fingerprints(await self._certificates_uri(sb, db))
+        return SecureBootState(
+            enabled=enable if isinstance(enable, bool) else None,
+            current_boot={"Enabled": True, "Disabled": False}.get(str(current)),
+            mode=_text(mode, 32) or None,
+            certificates=certificates,
+        )
+
+    async def set_secure_boot(self, enable: bool) -> None:
+        await self._act("PATCH", await self._secure_boot_uri(), {"SecureBootEnable": enable})
+
+    async def enroll_certificate(self, database: str, pem: str) -> bool:
+        sb = await self._get(await self._secure_boot_uri())
+        certs = await self._certificates_uri(sb, database)
+        if pem_fingerprint(pem) in await self._fingerprints(certs):
+            return False
+        status, _, data = await self._req(
+            "POST", certs, {"CertificateString": pem, "CertificateType": "PEM"}
+        )
+        if status in (400, 405, 501):
+            raise BmcUnsupported(
+                f"{self._where}: enrolling a {database} certificate refused: "
+                f"HTTP {status}{_msg(data)}"
+            )
+        if status not in (200, 201, 204):
+            raise BmcProtocolError(
+                f"{self._where}: POST {certs} answered HTTP {status}{_msg(data)}"
+            )
+        return True
+
     async def sensors(self) -> list[Sensor]:
         s = await self._system_resource()
         out: list[Sensor] = []
@@ -800,6 +877,33 @@ class RedfishDriver(BmcDriver):
 MAX_FIRMWARE_ITEMS = 64
 MAX_TASKS = 32
 MAX_ACCOUNTS = 64
+MAX_SB_DATABASES = 16
+MAX_SB_CERTS = 64
+
+
+def pem_fingerprint(pem: str) -> str | None:
+    """SHA-256 of a PEM certificate's DER, upper-case hex; None when it is not one."""
+    try:
+        der = x509.load_pem_x509_certificate(pem.encode()).public_bytes(Encoding.DER)
+    except ValueError:
+        return None
+    return hashlib.sha256(der).hexdigest().upper()
+
+
+def _cert_fingerprint(c: dict[str, Any]) -> str | None:
+    """A Certificate resource's SHA-256 fingerprint: from its PEM where it carries one (the
+    BMC's own Fingerprint may use another hash), else its SHA-256 Fingerprint property."""
+    pem = c.get("CertificateString")
+    if isinstance(pem, str) and len(pem) < 64 * 1024:
+        fp = pem_fingerprint(pem)
+        if fp:
+            return fp
+    fp, alg = c.get("Fingerprint"), str(c.get("FingerprintHashAlgorithm") or "")
+    if isinstance(fp, str) and "SHA256" in alg.upper().replace("-", ""):
+        hexed = fp.replace(":", "").upper()
+        if len(hexed) == 64 and all(ch in "0123456789ABCDEF" for ch in hexed):
+            return hexed
+    return None
 
 
 def _update_task(uri: str, data: dict[str, Any]) -> UpdateTask:

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Concatenate, ParamSpec
 
-from metald.bmc import chassis, firmware, media
+from metald.bmc import chassis, firmware, media, secureboot
 from metald.bmc.base import BmcError, BootTarget, PowerAction
 from metald.bmc.capabilities import Capability
 from metald.bmc.control import BmcCommandFailed, BmcOwnership, NoBmc, NotOwner
@@ -276,6 +276,19 @@ class BmcService:
         out = await firmware.stage_bios(self.control, machine_id, attributes, actor)
         return {"machine_id": machine_id, **out}
 
+    async def secure_boot(self, machine_id: str, actor: str = "system") -> dict[str, Any]:
+        """Read the machine's Secure Boot state now and record it."""
+        return {"machine_id": machine_id, **await secureboot.read(self.control, machine_id, actor)}
+
+    async def set_secure_boot(
+        self, machine_id: str, *, enable: bool, enroll: bool, actor: str = "system"
+    ) -> dict[str, Any]:
+        """Enroll metald's certificate in db (``enroll``) and write SecureBootEnable."""
+        out = await secureboot.configure(
+            self.control, machine_id, enable, enroll, self.cfg.secure_boot_cert, actor
+        )
+        return {"machine_id": machine_id, **out}
+
     def after_inspection(self, machine_id: str) -> None:
         """A machine's inventory was just accepted: record its firmware versions and stage its
         BIOS profile in the background (its next reboot applies it). Best effort: a BMC that
@@ -299,11 +312,17 @@ class BmcService:
         if has_bmc:
             steps.append(lambda: firmware.refresh_firmware(self.control, machine_id, self.actor))
             steps.append(lambda: firmware.stage_bios(self.control, machine_id, None, self.actor))
+            steps.append(lambda: self._secure_boot_if_offered(machine_id))
         for step in steps:
             try:
                 await step()
             except (MetaldError, BmcError) as e:
                 log.info("machine %s: after inspection: %s", machine_id, e)
+
+    async def _secure_boot_if_offered(self, machine_id: str) -> None:
+        row = await self.control.row_for_machine(machine_id)
+        if Capability.SECURE_BOOT in capabilities_of(row.protocol):
+            await secureboot.read(self.control, machine_id, self.actor)
 
     async def sensors(self, machine_id: str) -> builtins.list[dict[str, Any]]:
         row = await self.control.row_for_machine(machine_id)

@@ -25,6 +25,7 @@ from sqlmodel import Session, col, select
 
 from metald import arch as arches
 from metald import machines
+from metald.bmc.secureboot import enforced as secure_boot_enforced
 from metald.claims import placement as placing
 from metald.claims import tenant_os
 from metald.claims.placement import Candidate, Placement, Unplaceable
@@ -66,6 +67,9 @@ class Selector:
     #: CPU architecture (amd64, arm64). A machine with none recorded counts as amd64. Unset,
     #: a claim takes its image's architecture (``for_image``).
     arch: str | None = None
+    #: Only machines whose BMC reports UEFI Secure Boot enabled and the current boot verified
+    #: (``SecureBootEnable`` and ``SecureBootCurrentBoot``; metald.bmc.secureboot).
+    secure_boot: bool = False
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> Selector:
@@ -81,6 +85,7 @@ class Selector:
             firmware={str(k): str(v) for k, v in (d.get("firmware") or {}).items()},
             attested=bool(d.get("attested", False)),
             arch=d.get("arch") or None,
+            secure_boot=bool(d.get("secure_boot", False)),
         )
 
     def check(self) -> Selector:
@@ -129,6 +134,8 @@ class Selector:
             return False
         if self.arch is not None and (m.arch or arches.DEFAULT) != self.arch:
             return False
+        if self.secure_boot and not secure_boot_enforced(m.secure_boot):
+            return False
         labels = m.labels or {}
         versions = m.firmware_versions or {}
         return all(labels.get(k) == v for k, v in self.labels.items()) and all(
@@ -161,6 +168,15 @@ class Selector:
         ``matches``. Returns (statement, exact): exact when SQL alone decides, so the database
         can order and limit the matches itself (no candidate list read into Python)."""
         stmt, exact = self.prefilter(stmt), not self.firmware  # firmware: checked by matches
+        if self.secure_boot:
+            if dialect in ("sqlite", "postgresql"):
+                sb = Machine.secure_boot
+                stmt = stmt.where(
+                    sb["enabled"].as_boolean().is_(True),  # type: ignore[index]
+                    sb["current_boot"].as_boolean().is_(True),  # type: ignore[index]
+                )
+            else:
+                exact = False
         if self._glob:
             assert self.gpu_model is not None
             pattern = self.gpu_model
@@ -198,6 +214,7 @@ _MATCH_COLUMNS = (
     Machine.attested_boot,
     Machine.boot_current,
     Machine.arch,
+    Machine.secure_boot,
 )
 
 
@@ -502,7 +519,8 @@ def _allocate_or_explain(
             )
             raise Unprocessable(
                 f"cannot claim {count} machine(s): {matched} match the selector and "
-                f"{available} of them are ready and unallocated{vouched}; ask for fewer, widen "
+                f"{available} of them are ready and unallocated{vouched}; "
+                f"{_secure_boot_shortfall(session, selector, strict)}ask for fewer, widen "
                 "the selector, or wait for machines to be released",
                 matched=matched,
                 available=available,
@@ -511,6 +529,22 @@ def _allocate_or_explain(
         # Some are locked by claims still in flight (PostgreSQL, SKIP LOCKED): they commit or
         # roll back within milliseconds, so look again shortly.
         time.sleep(random.uniform(0.005, 0.05))
+
+
+def _secure_boot_shortfall(session: Session, selector: Selector, strict: bool) -> str:
+    """Why ``secure_boot`` cost the claim machines, in words ("" when it did not)."""
+    if not selector.secure_boot:
+        return ""
+    _, without = count_matching(session, replace(selector, secure_boot=False), vouched_only=strict)
+    _, with_it = count_matching(session, selector, vouched_only=strict)
+    session.rollback()
+    if without <= with_it:
+        return ""
+    return (
+        f"{without - with_it} more ready machine(s) match all but secure_boot: their BMC does "
+        "not report Secure Boot enabled with the current boot verified (an admin enables it "
+        "with POST /api/v1/machines/{id}/secure-boot, and it holds from the next reboot); "
+    )
 
 
 def _same_domains(

@@ -82,6 +82,9 @@ class Machine(SQLModel, table=True):
     #: BIOS settings (metald.bmc.firmware): current, pending, desired (the enroll rules'
     #: profile), drift (desired attributes the firmware does not have), read_at.
     bios: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    #: UEFI Secure Boot as the BMC last reported it (metald.bmc.secureboot): enabled,
+    #: current_boot, mode, certificates (database -> SHA-256 fingerprints), read_at.
+    secure_boot: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
     #: What the next network boot should do (discovery, provision image, local disk, wipe).
     boot_intent: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
     tenant_id: str | None = Field(default=None, foreign_key="tenants.id", index=True)

@@ -147,6 +147,12 @@ class BmcCommands(Protocol):
         self, machine_id: str, attributes: dict[str, Any], actor: str = ...
     ) -> View: ...
 
+    async def secure_boot(self, machine_id: str, actor: str = ...) -> View: ...
+
+    async def set_secure_boot(
+        self, machine_id: str, *, enable: bool, enroll: bool, actor: str = ...
+    ) -> View: ...
+
     async def sensors(self, machine_id: str) -> builtins.list[View]: ...
 
     async def event_log(self, machine_id: str) -> builtins.list[View]: ...
@@ -265,6 +271,18 @@ class Bmcs:
         self, machine_id: str, attributes: dict[str, Any], *, actor: str
     ) -> dict[str, Any]:
         return await self._changing(self.service.set_bios(machine_id, attributes, actor=actor))
+
+    async def secure_boot(self, machine_id: str, *, actor: str) -> dict[str, Any]:
+        """Read the Secure Boot state now (recorded on the machine)."""
+        return await self._changing(self.service.secure_boot(machine_id, actor=actor))
+
+    async def set_secure_boot(
+        self, machine_id: str, *, enable: bool, enroll: bool, actor: str
+    ) -> dict[str, Any]:
+        """Enroll metald's certificate in db and turn Secure Boot on or off (next boot)."""
+        return await self._changing(
+            self.service.set_secure_boot(machine_id, enable=enable, enroll=enroll, actor=actor)
+        )
 
     async def sensors(self, machine_id: str) -> builtins.list[View]:
         return await self.service.sensors(machine_id)

@@ -147,10 +147,12 @@ async def test_inspection_records_firmware_and_stages_the_rules_profile(
     async with asyncio.timeout(30):
         while True:
             m = await store.run(lambda s: s.get(Machine, mid))
-            if m.firmware_versions and (m.bios or {}).get("pending"):
+            if m.firmware_versions and (m.bios or {}).get("pending") and m.secure_boot:
                 break
             await asyncio.sleep(0.05)
     assert m.firmware_versions["BIOS"] == "2022.11"
     assert m.bios["desired"] == {"SriovGlobalEnable": "Enabled"}
     assert bios.pending == {"SriovGlobalEnable": "Enabled"}
     assert m.bios["drift"] == {}  # staged: applied at the next reboot, not drift
+    # ... and its Secure Boot state read (the lab's UEFI BMC: off, vendor PK enrolled).
+    assert (m.secure_boot["enabled"], m.secure_boot["mode"]) == (False, "UserMode")

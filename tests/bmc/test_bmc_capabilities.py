@@ -48,6 +48,7 @@ def test_what_each_protocol_offers() -> None:
         Capability.FIRMWARE_UPDATE,
         Capability.ACCOUNTS,
         Capability.BIOS,
+        Capability.SECURE_BOOT,
         Capability.VIRTUAL_MEDIA,
     }
     assert capabilities_of("snmp") == frozenset()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from bootassets.secureboot import new_key
 from metald.bmc.base import BmcEndpoint
 from metald.bmc.redfish import RedfishDriver
 from tests.bmc.peers import LabRedfish
@@ -38,6 +39,9 @@ async def test_lab_bmc_passes_the_dmtf_validator(lab_redfish: LabRedfish, tmp_pa
             assert time.monotonic() < end
             await asyncio.sleep(0.1)
             task = await d.update_task(task.uri)
+        # metald's signing certificate in db, so that an enrolled one is walked too.
+        _key, cert = new_key(tmp_path / "sbkey")
+        assert await d.enroll_certificate("db", cert.read_text())
     finally:
         await d.close()
     # A log entry, so that the event log's entries are walked too.
@@ -71,5 +75,8 @@ async def test_lab_bmc_passes_the_dmtf_validator(lab_redfish: LabRedfish, tmp_pa
         "SessionService/Sessions",
         "EventService/Subscriptions",
         "Managers/BMC/LogServices/SEL/Entries/1",
+        "Systems/m0/SecureBoot",
+        "Systems/m0/SecureBoot/SecureBootDatabases/PK/Certificates/1",
+        "Systems/m0/SecureBoot/SecureBootDatabases/db/Certificates/2",
     ):
         assert f"Validating /redfish/v1/{path}..." in text, text[-4000:]

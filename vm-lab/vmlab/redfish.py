@@ -18,7 +18,14 @@ from typing import Any
 
 from aiohttp import web
 
-from . import redfish_accounts, redfish_bios, redfish_events, redfish_session, redfish_update
+from . import (
+    redfish_accounts,
+    redfish_bios,
+    redfish_events,
+    redfish_secureboot,
+    redfish_session,
+    redfish_update,
+)
 from .power import MachineControl
 from .vmedia import MediaError, VirtualCd
 
@@ -168,6 +175,11 @@ METADATA_REFERENCES = [
     ("Message", "Message_v1.xml"),
     ("Resource", "Resource_v1.xml"),
     ("Settings", "Settings_v1.xml"),
+    ("SecureBoot", "SecureBoot_v1.xml"),
+    ("SecureBootDatabaseCollection", "SecureBootDatabaseCollection_v1.xml"),
+    ("SecureBootDatabase", "SecureBootDatabase_v1.xml"),
+    ("CertificateCollection", "CertificateCollection_v1.xml"),
+    ("Certificate", "Certificate_v1.xml"),
 ]
 
 
@@ -251,6 +263,11 @@ async def get_system(request: web.Request) -> web.Response:
             },
             "EthernetInterfaces": {"@odata.id": f"{path}/EthernetInterfaces"},
             "Bios": {"@odata.id": f"{path}/Bios"},
+            **(
+                {"SecureBoot": {"@odata.id": f"{path}/SecureBoot"}}
+                if redfish_secureboot.SECURE_BOOT in request.app
+                else {}
+            ),
             "Actions": {
                 "#ComputerSystem.Reset": {
                     "target": f"{path}/Actions/ComputerSystem.Reset",
@@ -333,6 +350,8 @@ async def reset_action(request: web.Request) -> web.Response:
     if reset_type in ("On", "ForceRestart", "PowerCycle"):
         request.app[redfish_bios.BIOS].reboot()  # pending BIOS settings apply as it starts
         request.app[redfish_update.UPDATES].host_reset()  # so does firmware written meanwhile
+        if redfish_secureboot.SECURE_BOOT in request.app:  # and the Secure Boot variables
+            request.app[redfish_secureboot.SECURE_BOOT].reboot()
     return web.Response(status=204, headers={"OData-Version": ODATA_VERSION})
 
 
@@ -495,6 +514,7 @@ def make_app(control: MachineControl, info: SystemInfo) -> web.Application:
     app.router.add_get("/redfish/v1/Managers", managers)
     app.router.add_get("/redfish/v1/Managers/{manager_id}", manager)
     redfish_bios.install(app, system, info.firmware)
+    redfish_secureboot.install(app, system, info.firmware)
     redfish_update.install(app, info.firmware)
     redfish_events.install(app)
 
