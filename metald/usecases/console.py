@@ -625,9 +625,12 @@ def ref_names(s: Session, tenant_ids: list[str], image_ids: list[str]) -> dict[s
 
 def names_of(s: Session, p: Principal, ids: list[str]) -> dict[str, str]:
     """These machines' names, those the caller may see (id -> name)."""
+    # A NUL cannot be in an id (PostgreSQL text cannot even hold it): such an entry names no
+    # machine, and asking the database for it would fail the whole read.
+    ids = [i for i in ids[:500] if "\x00" not in i]
     if not ids:
         return {}
-    stmt = select(Machine.id, Machine.name).where(col(Machine.id).in_(ids[:500]), *scope(p))
+    stmt = select(Machine.id, Machine.name).where(col(Machine.id).in_(ids), *scope(p))
     return {i: n for i, n in s.exec(stmt).all() if n}
 
 
