@@ -39,6 +39,7 @@ BODIES: dict[str, Any] = {
     "PUT /api/v1/machines/{id}/locate": {"on": True},
     "PUT /api/v1/machines/{id}/bios": {"attributes": {"BootMode": "Uefi"}},
     "POST /api/v1/machines/{id}/boot": {"via": "network"},
+    "POST /api/v1/machines/{id}/secure-boot": {"enable": True},
 }
 
 
