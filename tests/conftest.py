@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,12 +29,31 @@ def pg_server() -> Iterator[PgServer]:
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SQLite database migrated to head, made once a session (WAL folded in at close)."""
+    path = tmp_path_factory.mktemp("db-template") / "metald.db"
+    s = Store(f"sqlite:///{path}")
+    try:
+        s.migrate()
+    finally:
+        s.close()
+    return path
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """A fresh, empty database on each backend."""
+    """A fresh database on each backend, already migrated to head: a copy of one migrated
+    database per session (running all migrations for every test cost more than most tests).
+    A test marked ``empty_db`` gets an empty one (tests of the migrations themselves)."""
+    empty = request.node.get_closest_marker("empty_db") is not None
     if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'metald.db'}"
-    return request.getfixturevalue("pg_server").new_database()
+        path = tmp_path / "metald.db"
+        if not empty:
+            shutil.copyfile(request.getfixturevalue("sqlite_template"), path)
+        return f"sqlite:///{path}"
+    server = request.getfixturevalue("pg_server")
+    return server.new_database(template=None if empty else server.migrated_template())
 
 
 @pytest.fixture

@@ -72,6 +72,7 @@ def test_duplicate_mac_refused_and_nothing_written(store: Store) -> None:
         assert len(s.exec(select(Machine)).all()) == n
 
 
+@pytest.mark.empty_db
 def test_upgrade_keeps_data(db_url: str) -> None:
     """A database created at revision 0001 and holding data upgrades to head intact."""
     store = Store(db_url)
@@ -130,6 +131,7 @@ def test_sqlite_is_wal(tmp_path) -> None:  # type: ignore[no-untyped-def]
     store.close()
 
 
+@pytest.mark.empty_db
 def test_upgrade_gives_agent_tokens_their_machine(db_url: str) -> None:
     """0011 fills api_tokens.machine_id from an agent token's scope; revocation then finds the
     tokens issued before the upgrade."""

@@ -39,6 +39,7 @@ class PgServer:
         self.dir = Path(tempfile.mkdtemp(prefix="metald-pg-"))
         self.data = self.dir / "data"
         self.listen, self.netns = listen, netns
+        self._migrated: str | None = None
         self.port = free_port() if netns is None else 5432
         self.user = "postgres" if os.geteuid() == 0 else pwd.getpwuid(os.geteuid()).pw_name
         if os.geteuid() == 0:
@@ -95,16 +96,34 @@ class PgServer:
     def admin_url(self) -> str:
         return f"postgresql+psycopg://metald@{self.listen}:{self.port}/postgres"
 
-    def new_database(self) -> str:
+    def new_database(self, template: str | None = None) -> str:
+        """A new database, empty, or a copy of the database ``template`` (which nobody may be
+        connected to: PostgreSQL copies its files)."""
         import psycopg
 
         name = "t_" + uuid.uuid4().hex[:12]
+        clause = f' TEMPLATE "{template}"' if template else ""
         # Over the Unix socket: it works from any network namespace.
         with psycopg.connect(
             f"host={self.dir} port={self.port} user=metald dbname=postgres", autocommit=True
         ) as c:
-            c.execute(f'CREATE DATABASE "{name}"')
+            c.execute(f'CREATE DATABASE "{name}"{clause}')
         return f"postgresql+psycopg://metald@{self.listen}:{self.port}/{name}"
+
+    def migrated_template(self) -> str:
+        """The name of a database migrated to head, made on first use: ``new_database(template=
+        ...)`` copies it in milliseconds where migrating a new one runs every migration."""
+        if self._migrated is None:
+            from metald.store import Store
+
+            url = self.new_database()
+            store = Store(url)
+            try:
+                store.migrate()
+            finally:
+                store.close()
+            self._migrated = url.rsplit("/", 1)[1]
+        return self._migrated
 
     def local_url(self, database: str) -> str:
         """A URL for this host's processes (the Unix socket), whatever namespace it is in."""
