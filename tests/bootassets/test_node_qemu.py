@@ -320,6 +320,10 @@ def test_srun_reaches_the_node_over_wireguard(node_image: Path, netns: str, tmp_
         assert secret not in log
 
 
+@pytest.mark.skipif(
+    os.environ.get("METALD_LAB_LONG") != "1",
+    reason="two TCG boots of a disk node (~1-2 min): METALD_LAB_LONG=1; make test keeps the stateless join",
+)
 @needs_cluster_tools
 @pytest.mark.skipif(shutil.which("debugfs") is None, reason="debugfs (e2fsprogs) is missing")
 def test_disk_node_comes_back_after_a_reboot_without_joining_again(
