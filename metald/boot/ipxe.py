@@ -61,7 +61,8 @@ def render_boot_script(
     carries (``metald.ca=sha256:<hex>``) for the agents to pin. ``signed``: load the kernel and
     initrd over plain HTTP and ``imgverify`` each against its signature from ``public_url``
     (an https URL) before booting; a failed check boots nothing, tells metald
-    (``/boot/image-refused/<mac>``: a ``boot.image_refused`` event) and retries a minute later."""
+    (``/boot/image-refused/<mac>``: a ``boot.image_refused`` event) and loads both again a
+    minute later."""
     base = public_url.rstrip("/")
     if signed is not None and not base.startswith("https://"):
         signed = None  # a signature over plain HTTP proves nothing against a replayed file
@@ -85,6 +86,8 @@ def render_boot_script(
         arm = IPXE_BUILDARCH[ARM64]
         lines += [f"iseq ${{buildarch}} {arm} && goto wrongarch || goto archok", ":archok"]
     checks: list[tuple[str, str]] = []
+    if signed is not None:
+        lines.append(":load")
     kernel = _load("kernel", target.kernel, base, signed, checks)
     lines.append(f"{kernel} initrd=initrd.img {cmdline} || goto failed")
     if target.initrd:
@@ -108,16 +111,19 @@ def render_boot_script(
             "goto retry",
         ]
     if signed is not None and checks:
+        # Loads again with this script (its token was not spent on the network: the script
+        # came over HTTPS); fetching the script again would get one without a token.
         lines += [
             ":refused",
             "set metald-errno ${errno}",
-            "imgfree",
+            "imgfree vmlinuz ||",
+            "imgfree initrd.img ||",
             "echo metald: ${metald-refused} failed its signature check (${metald-errno}): not "
-            "booting it; metald is told, retrying in 60 s",
+            "booting it; metald is told, loading again in 60 s",
             f"imgfetch --name report {base}{REFUSED}{mac}/${{metald-errno}}?file=${{metald-refused}} "
             "&& imgfree report ||",
-            "sleep 50",
-            "goto retry",
+            "sleep 60",
+            "goto load",
             ":untrusted",
             "imgtrust --allow",
             "goto failed",

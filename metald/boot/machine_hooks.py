@@ -39,8 +39,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: At most one ``boot.image_refused`` event per machine this often (a machine retries every
-#: minute while something on the network keeps changing its images).
+#: At most one ``boot.image_refused`` event per machine this often (a machine loads its images
+#: again every minute while something on the network keeps changing them).
 REFUSED_EVERY_S = 30.0
 #: Firmware names recorded on machines: the architectures DHCP can tell, not "unknown".
 FIRMWARE = frozenset(a.value for a in Arch if a is not Arch.UNKNOWN)

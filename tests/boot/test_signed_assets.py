@@ -114,6 +114,10 @@ def test_the_script_loads_from_the_plain_listener_and_verifies_before_booting() 
     refused = lines[lines.index(":refused") :]
     assert any(f"/boot/image-refused/{MAC}/" in ln for ln in refused)
     assert "boot" not in [ln.split()[0] for ln in refused if ln.strip()]  # never boots it
+    # ... and loads again with this script, whose token is unspent (a script fetched again
+    # would carry none: one token per boot)
+    assert refused[: refused.index(":untrusted")][-1] == "goto load"
+    assert lines.index(":load") == kernel - 1
     # the signatures come over HTTPS only: over plain HTTP they would not stop a replay
     plain = render_boot_script(TARGET, mac=MAC, public_url="http://10.0.0.1:8080", signed=SIGNED)
     assert "imgverify" not in plain and "8082" not in plain
