@@ -34,6 +34,26 @@ TARGET = BootTarget(
 )
 
 
+@pytest.fixture(scope="module")
+def cas(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Two boot CAs, made once for the module (an RSA 3072 key takes seconds on a busy box)."""
+    out = []
+    for name in ("ca1", "ca2"):
+        folder = tmp_path_factory.mktemp(name)
+        pki.ensure_ca(folder)
+        out.append(folder)
+    return out
+
+
+def _state(ca: Path, into: Path) -> Path:
+    """A state folder holding a copy of the boot CA in ``ca``."""
+    into.mkdir(mode=0o700, parents=True)
+    for name in (pki.CA_CERT, pki.CA_KEY):
+        (into / name).write_bytes((ca / name).read_bytes())
+    (into / pki.CA_KEY).chmod(0o600)
+    return into
+
+
 def _openssl_verify(sig: Path, content: Path, ca: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["openssl", "cms", "-verify", "-binary", "-inform", "DER", "-in", str(sig),
@@ -42,8 +62,10 @@ def _openssl_verify(sig: Path, content: Path, ca: Path) -> subprocess.CompletedP
     )  # fmt: skip
 
 
-def test_the_signing_certificate_is_code_signing_only_from_the_boot_ca(tmp_path: Path) -> None:
-    state = tmp_path / "state"
+def test_the_signing_certificate_is_code_signing_only_from_the_boot_ca(
+    tmp_path: Path, cas: list[Path]
+) -> None:
+    state = _state(cas[0], tmp_path / "state")
     s = signing.ensure_signer(state)
     ca = x509.load_pem_x509_certificate((state / pki.CA_CERT).read_bytes())
     s.cert.verify_directly_issued_by(ca)
@@ -64,9 +86,9 @@ def test_the_signing_certificate_is_code_signing_only_from_the_boot_ca(tmp_path:
 
 
 def test_a_signature_verifies_against_the_ca_and_fails_on_one_changed_byte(
-    tmp_path: Path,
+    tmp_path: Path, cas: list[Path]
 ) -> None:
-    state = tmp_path / "state"
+    state = _state(cas[0], tmp_path / "state")
     s = signing.ensure_signer(state)
     data = tmp_path / "vmlinuz"
     data.write_bytes(bytes(range(256)) * 4000)
@@ -85,7 +107,7 @@ def test_a_signature_verifies_against_the_ca_and_fails_on_one_changed_byte(
     data.write_bytes(bytes(raw))
     assert _openssl_verify(sig, data, state / pki.CA_CERT).returncode != 0
     # a CA that is not metald's does not vouch for it either
-    other = signing.ensure_signer(tmp_path / "other")
+    other = signing.ensure_signer(_state(cas[1], tmp_path / "other"))
     data.write_bytes(bytes(range(256)) * 4000)
     assert _openssl_verify(sig, data, tmp_path / "other" / pki.CA_CERT).returncode != 0
     assert other.cert != s.cert
@@ -129,13 +151,13 @@ def test_the_script_loads_from_the_plain_listener_and_verifies_before_booting() 
 
 
 async def test_signatures_follow_the_file_and_failures_are_recorded(  # type: ignore[no-untyped-def]
-    aiohttp_client, store, tmp_path: Path
+    aiohttp_client, store, tmp_path: Path, cas: list[Path]
 ) -> None:
     assets = tmp_path / "assets"
     (assets / "discovery").mkdir(parents=True)
     kernel = assets / "discovery" / "vmlinuz"
     kernel.write_bytes(b"kernel v1" * 5000)
-    state = tmp_path / "state"
+    state = _state(cas[0], tmp_path / "state")
     signer = signing.AssetSigner(signing.ensure_signer(state))
     hooks = enrollment_boot_hooks(store, "t", EnrollConfig(), leased_clients_only=True)
     await hooks.client_seen(MAC, arch="bios", network="prov", relay_agent=None)
@@ -195,7 +217,9 @@ async def test_the_plain_listener_serves_assets_and_nothing_else(  # type: ignor
         assert (await c.get(path)).status == 404
 
 
-def test_assets_http_listen_settings_that_cannot_work_are_refused(tmp_path: Path) -> None:
+def test_assets_http_listen_settings_that_cannot_work_are_refused(
+    tmp_path: Path, cas: list[Path]
+) -> None:
     from metald.config import ConfigError
     from metald.daemon import _signed_assets
 
@@ -208,6 +232,7 @@ def test_assets_http_listen_settings_that_cannot_work_are_refused(tmp_path: Path
     }
     with pytest.raises(ConfigError, match="must differ"):
         load_config(None, environ={**base, "METALD_BOOT__ASSETS_HTTP_LISTEN": "10.0.0.1:8443"})
+    _state(cas[0], tmp_path / "state")
     on = load_config(
         None,
         environ={
