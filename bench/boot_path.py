@@ -370,6 +370,7 @@ def one_run(
     ipxe: str = "debian",
     https: bool = False,
     https_assets: bool = False,
+    bios_file: str | None = None,
 ) -> Run:
     import bootassets.build
     from vmlab.rack import LabRack
@@ -394,6 +395,8 @@ def one_run(
             boot_config += 'assets_http_listen = "0.0.0.0:8082"\n'
     if uefi_file:
         boot_config += f'uefi_x64_file = "{uefi_file}"\n'
+    if bios_file:
+        boot_config += f'bios_file = "{bios_file}"\n'
 
     name = f"bp{os.getpid() % 100000}"
     rack = LabRack(
@@ -568,6 +571,11 @@ def main() -> None:
         "--uefi-file",
         help="[boot] uefi_x64_file for this run (default snponly.efi; ipxe.efi: native drivers)",
     )
+    ap.add_argument(
+        "--bios-file",
+        help="[boot] bios_file for this run (default undionly.kpxe: the NIC ROM's PXE stack;"
+        " ipxe.pxe: iPXE's own drivers, no real-mode call per packet)",
+    )
     args = ap.parse_args()
     if args.cmd == "sniff":
         sniff(args.iface, args.out)
@@ -591,6 +599,7 @@ def main() -> None:
                 ipxe=ipxe,
                 https=args.https,
                 https_assets=args.https_assets,
+                bios_file=args.bios_file,
             )
             if args.save:
                 dest = args.save / f"run{i + 1}"
