@@ -26,6 +26,7 @@ from metald.config import EnrollConfig, load_config
 from metald.enrollment import enrollment_boot_hooks
 from metald.store.models import Event
 from tests.dhcp_leases import add_lease
+from tests.test_listeners import running  # noqa: F401  (fixture)
 
 MAC = "52:54:00:aa:00:41"
 SIGNED = SignedAssets("http://10.0.0.1:8082", signing.SIGNER_NAME)
@@ -247,3 +248,52 @@ def test_assets_http_listen_settings_that_cannot_work_are_refused(
     # without metald's own CA there is no authenticated channel for the signatures: unused
     off = load_config(None, environ={**base, "METALD_BOOT__ASSETS_HTTP_LISTEN": ":8082"})
     assert _signed_assets(off) == (None, None)
+
+
+async def test_a_daemon_serves_images_plainly_and_their_signatures_pinned(  # type: ignore[no-untyped-def]
+    tmp_path: Path,
+    cas: list[Path],
+    running,  # noqa: F811
+) -> None:
+    """The whole daemon with tls_auto and assets_http_listen: the plain port serves the assets
+    folder and nothing else (no script, no signature, no API); the HTTPS script loads from it
+    and names signatures that the HTTPS listener serves and openssl verifies against the CA
+    the listener chains to."""
+    import ssl
+
+    import aiohttp
+
+    from tests.test_daemon import free_port
+    from tests.test_listeners import boot_config
+
+    assets = tmp_path / "assets"
+    (assets / "discovery").mkdir(parents=True)
+    (assets / "discovery" / "vmlinuz").write_bytes(b"kernel" * 1000)
+    (assets / "discovery" / "initrd.img").write_bytes(b"initrd" * 1000)
+    _state(cas[0], tmp_path / "state")
+    port, plain = free_port(), free_port()
+    cfg = load_config(
+        boot_config(
+            tmp_path,
+            f'http_listen = "127.0.0.1:{port}"\ntls_auto = true\n'
+            f'assets_http_listen = "127.0.0.1:{plain}"\nscript_clients = "any"\n',
+            assets=str(assets),
+        )
+    )
+    await running(cfg)
+    trust = ssl.create_default_context(cafile=str(tmp_path / "state" / pki.CA_CERT))
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"https://127.0.0.1:{port}/boot/{MAC}.ipxe", ssl=trust) as r:
+            script = await r.text()
+        assert f"http://127.0.0.1:{plain}/boot/assets/discovery/initrd.img" in script, script
+        assert f"https://127.0.0.1:{port}/boot/signatures/discovery/initrd.img" in script
+        async with http.get(f"http://127.0.0.1:{plain}/boot/assets/discovery/initrd.img") as r:
+            (tmp_path / "initrd").write_bytes(await r.read())
+        for path in (f"/boot/{MAC}.ipxe", "/boot/signatures/discovery/initrd.img", "/boot/ca.pem"):
+            async with http.get(f"http://127.0.0.1:{plain}{path}") as r:
+                assert r.status == 404, path
+        url = f"https://127.0.0.1:{port}/boot/signatures/discovery/initrd.img"
+        async with http.get(url, ssl=trust) as r:
+            (tmp_path / "sig").write_bytes(await r.read())
+    ok = _openssl_verify(tmp_path / "sig", tmp_path / "initrd", tmp_path / "state" / pki.CA_CERT)
+    assert ok.returncode == 0, ok.stderr
