@@ -33,7 +33,8 @@ from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
+from cryptography.hazmat.primitives.asymmetric import padding, rsa
+from cryptography.hazmat.primitives.asymmetric.utils import Prehashed
 from cryptography.hazmat.primitives.serialization import pkcs7
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
@@ -141,6 +142,25 @@ def sign(signer: Signer, data: bytes) -> bytes:
     )
 
 
+def sign_file(signer: Signer, path: Path) -> bytes:
+    """``sign`` of a file's content, read in chunks (an initrd can be large; never all in
+    memory). Without signed attributes the CMS structure does not depend on the content: only
+    its signature value does (RSA PKCS#1 v1.5 over the content's SHA-256, deterministic, 256
+    bytes for every content). So the structure is made once over no content and that value
+    replaced by the one over this file's digest."""
+    h = hashes.Hash(hashes.SHA256())
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    template = sign(signer, b"")
+    empty = signer.key.sign(b"", padding.PKCS1v15(), hashes.SHA256())
+    if template.count(empty) != 1:  # cannot happen for RSA: a signature is not a DER header
+        raise ValueError("the CMS template does not hold its signature exactly once")
+    value = signer.key.sign(h.finalize(), padding.PKCS1v15(), Prehashed(hashes.SHA256()))
+    assert len(value) == len(empty)
+    return template.replace(empty, value)
+
+
 class AssetSigner:
     """Signatures of files under the assets folder, made on first request and kept while a
     file's (inode, size, mtime) stays the same. A file replaced between signing and serving
@@ -157,7 +177,7 @@ class AssetSigner:
         hit = self._cache.get(path)
         if hit is not None and hit[0] == stamp:
             return hit[1]
-        async with self._lock:  # one 28 MB read and sign at a time, not one per machine
+        async with self._lock:  # one file hashed and signed at a time, not one per machine
             hit = self._cache.get(path)
             if hit is not None and hit[0] == stamp:
                 return hit[1]
@@ -168,4 +188,4 @@ class AssetSigner:
             return sig
 
     def _sign(self, path: Path) -> bytes:
-        return sign(self.signer, path.read_bytes())
+        return sign_file(self.signer, path)

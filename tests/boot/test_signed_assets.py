@@ -103,6 +103,8 @@ def test_a_signature_verifies_against_the_ca_and_fails_on_one_changed_byte(
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     assert "signedAttrs: <ABSENT>" in " ".join(dump.split()) and "eContent: <ABSENT>" in dump
+    # signed from the file in chunks: the same bytes as signing it from memory
+    assert signing.sign_file(s, data) == sig.read_bytes()
     raw = bytearray(data.read_bytes())
     raw[123456] ^= 1
     data.write_bytes(bytes(raw))
