@@ -1,7 +1,7 @@
 """Power-on to ``ready`` for one lab machine, broken down from real sources.
 
     sudo .venv/bin/python bench/boot_path.py [--runs 3] [--firmware bios|uefi-rom|uefi-pxe]
-        [--ipxe debian|built|both] [--https]
+        [--ipxe debian|built|both] [--https [--https-assets]]
 
 Brings up a vm-lab rack of one machine with metald inside (as ``make demo`` does, commissioning
 off), registers its BMC, powers it on through metald, and waits for ``ready``. Meanwhile:
@@ -18,8 +18,11 @@ All on the host's clock, printed as seconds after the power-on command. ``--firm
 boots an OVMF machine whose NIC has no iPXE ROM, so the firmware's own PXE loads snponly.efi;
 ``uefi-rom`` an OVMF machine with the NIC's (Debian's) iPXE ROM, ``bios`` SeaBIOS with it.
 ``--https``: metald's own iPXE behind a provisioning listener (``[boot] http_listen``) with
-the lab CA as metald's tls_auto CA, so its script, the discovery image and the agent go over
-HTTPS (tls_auto and require_https on by default); Debian's iPXE runs over plain HTTP.
+the lab CA as metald's tls_auto CA, so its script, the image signatures and the agent go over
+HTTPS (tls_auto and require_https on by default) and the kernel and initrd over the plain-HTTP
+asset listener (``[boot] assets_http_listen``), each checked by iPXE's ``imgverify`` before it
+boots (``--https-assets``: those over HTTPS too, as before that listener); Debian's iPXE runs
+over plain HTTP.
 ``--ipxe built`` hands out metald's own iPXE (bootassets/ipxe.py, built with the lab's CA on
 first use and cached; vmlab.labipxe) instead of Debian's; ``both`` alternates the two run by
 run and prints a median for each (it matters where the firmware loads iPXE: ``uefi-pxe``; BIOS
@@ -260,6 +263,9 @@ SERIAL_MARKS = [
     ("iPXE starts", ("iPXE initialising", "iPXE 1.")),
     ("iPXE configuring net0", ("Configuring (net0",)),
     ("iPXE fetches script", ("/boot/52", ".ipxe...")),
+    ("iPXE has the kernel", ("discovery/vmlinuz...",)),
+    ("iPXE has the initrd", ("discovery/initrd.img...",)),
+    ("iPXE has the signatures (HTTPS)", ("/boot/signatures/discovery/initrd.img...",)),
     ("kernel: Linux version", ("Linux version",)),
     ("kernel: unpacking initramfs", ("Unpacking initramfs", "Trying to unpack")),
     ("kernel: freeing initrd memory", ("Freeing initrd memory",)),
@@ -363,6 +369,8 @@ def one_run(
     boot_order: str = "disk-first",
     ipxe: str = "debian",
     https: bool = False,
+    https_assets: bool = False,
+    bios_file: str | None = None,
 ) -> Run:
     import bootassets.build
     from vmlab.rack import LabRack
@@ -383,8 +391,12 @@ def one_run(
 
         seed_state(workdir / "metald")  # metald's tls_auto CA: the one its iPXE trusts
         boot_config += 'http_listen = "0.0.0.0:8443"\n'
+        if not https_assets:  # kernel and initrd over plain HTTP, signatures over HTTPS
+            boot_config += 'assets_http_listen = "0.0.0.0:8082"\n'
     if uefi_file:
         boot_config += f'uefi_x64_file = "{uefi_file}"\n'
+    if bios_file:
+        boot_config += f'bios_file = "{bios_file}"\n'
 
     name = f"bp{os.getpid() % 100000}"
     rack = LabRack(
@@ -532,6 +544,12 @@ def main() -> None:
         action="store_true",
         help="metald's own iPXE over HTTPS (a provisioning listener with the lab CA)",
     )
+    ap.add_argument(
+        "--https-assets",
+        action="store_true",
+        help="with --https: kernel and initrd over HTTPS too (default: over the plain-HTTP asset"
+        " listener, boot.assets_http_listen, each checked by iPXE's imgverify)",
+    )
     ap.add_argument("--keep", action="store_true", help="leave the lab up (one run)")
     ap.add_argument(
         "--boot-order",
@@ -552,6 +570,11 @@ def main() -> None:
     ap.add_argument(
         "--uefi-file",
         help="[boot] uefi_x64_file for this run (default snponly.efi; ipxe.efi: native drivers)",
+    )
+    ap.add_argument(
+        "--bios-file",
+        help="[boot] bios_file for this run (default undionly.kpxe: the NIC ROM's PXE stack;"
+        " ipxe.pxe: iPXE's own drivers, no real-mode call per packet)",
     )
     args = ap.parse_args()
     if args.cmd == "sniff":
@@ -575,6 +598,8 @@ def main() -> None:
                 boot_order=order,
                 ipxe=ipxe,
                 https=args.https,
+                https_assets=args.https_assets,
+                bios_file=args.bios_file,
             )
             if args.save:
                 dest = args.save / f"run{i + 1}"

@@ -17,6 +17,7 @@ upstream repository) or any iPXE tree an operator points it at (an upstream clon
 Output goes to ``<cache>/ipxe/<inputs-hash>/``:
 
     undionly.kpxe ipxe.pxe          x86-64 BIOS (PXE stack kept / iPXE's own drivers)
+    ipxe.lkrn                       x86-64 BIOS, loaded as a Linux kernel (virtual media)
     snponly.efi ipxe.efi            x86-64 UEFI (firmware's network stack / iPXE's drivers)
     snponly-arm64.efi ipxe-arm64.efi   arm64 UEFI (cross-built with gcc-aarch64-linux-gnu)
     metald.ipxe ca.pem              the embedded script and the trusted CA, as built in
@@ -70,6 +71,7 @@ class Target:
 TARGETS = (
     Target("bin/undionly.kpxe", "undionly.kpxe"),
     Target("bin/ipxe.pxe", "ipxe.pxe"),
+    Target("bin/ipxe.lkrn", "ipxe.lkrn"),
     Target("bin-x86_64-efi/snponly.efi", "snponly.efi"),
     Target("bin-x86_64-efi/ipxe.efi", "ipxe.efi"),
     Target("bin-arm64-efi/snponly.efi", "snponly-arm64.efi", CROSS_ARM64),
@@ -133,6 +135,11 @@ def config_header() -> str:
 #: Where a per-boot virtual-media ISO (bootassets/iso.py) puts its script, on the EFI boot
 #: image this iPXE is loaded from; ``file:`` is the file system iPXE itself came from.
 MEDIA_SCRIPT = "metald.ipxe"
+#: The image iPXE makes of the initrd its boot loader handed it when it was started as a Linux
+#: kernel (``ipxe.lkrn``; iPXE's runtime.c): the per-boot ISO's script on BIOS virtual media.
+#: Looked up by ``imgstat`` first, which never downloads (``imgexec`` of a missing name would
+#: fetch it as a URL relative to where iPXE came from, the network for a PXE-started one).
+MEDIA_INITRD = "<INITRD>"
 #: The DHCP user class (option 77) metald's iPXE sends instead of ``iPXE``: metald's DHCP
 #: server hands the script URL to this iPXE only, and chainloads any other iPXE (a NIC's
 #: ROM, Debian's) into this one (metald.boot.dhcp.bootfile).
@@ -146,14 +153,21 @@ def embedded_script() -> str:
     media: the per-boot ISO's EFI image), it runs that file system's ``metald.ipxe`` first (a
     PXE-started iPXE has no such file system, and the ``file:`` scheme is never the network,
     unlike iPXE's own ``autoexec.ipxe``, which it also asks TFTP for and which this script
-    never runs). Failures retry (DHCP can be busy in a rack-wide power-on) instead of dropping
+    never runs); started as a Linux kernel from a boot loader with an initrd (BIOS virtual
+    media: ``ipxe.lkrn`` and the ISO's script), it runs that initrd (``MEDIA_INITRD``, an image
+    in memory only). Failures retry (DHCP can be busy in a rack-wide power-on) instead of dropping
     to a shell or the next boot device."""
     return (
         "#!ipxe\n"
         "# metald's embedded script (bootassets/ipxe.py)\n"
         f"set user-class {USER_CLASS}\n"
-        "iseq ${platform} efi || goto retry\n"
+        "iseq ${platform} efi && goto media_efi ||\n"
+        f"imgstat {MEDIA_INITRD} && goto media_bios ||\n"
+        "goto retry\n"
+        ":media_efi\n"
         f"chain --autofree --replace file:/{MEDIA_SCRIPT} || goto retry\n"
+        ":media_bios\n"
+        f"imgexec --autofree --replace {MEDIA_INITRD} || goto retry\n"
         ":retry\n"
         "dhcp || goto wait\n"
         "isset ${filename} || goto wait\n"

@@ -8,7 +8,9 @@ deployment: ``python -m bootassets iso --boot-url URL``). Its script takes an ad
 boot does (``/boot/<mac>.ipxe``), so the agent token rides on the first fetch of the boot metald
 armed, as for PXE. It carries no secret: one ISO serves every machine.
 
-BIOS: isolinux loads ``ipxe.krn`` with the script as its initrd, which iPXE executes. UEFI,
+BIOS: isolinux loads ``ipxe.krn`` with the script as its initrd, which iPXE executes; when
+metald's own iPXE is built (``bios=``, its ``ipxe.lkrn``), that instead, whose embedded script
+runs the initrd (HTTPS then trusts metald's CA only). UEFI,
 when metald's own iPXE is built (``efi=``, its ``ipxe.efi``) and mtools is installed: the ISO's
 EFI boot image is a new FAT image holding that ``ipxe.efi`` as ``/EFI/BOOT/BOOTX64.EFI`` and the
 same script as ``/metald.ipxe``, which metald's embedded script runs first when iPXE was
@@ -59,13 +61,20 @@ def boot_script(boot_url: str, script_path: str | None = None) -> str:
     )
 
 
-def isolinux_cfg() -> str:
+#: metald's own iPXE built as a Linux kernel (bootassets/ipxe.py), on the ISO's BIOS side.
+LKRN = "IPXE.LKRN"
+
+
+def isolinux_cfg(kernel: str = "ipxe.krn") -> str:
+    """isolinux loads ``kernel`` (Debian's ipxe.krn, or metald's ipxe.lkrn) with the script as
+    its initrd: Debian's iPXE runs it as its first image; metald's embedded script runs it
+    (``<INITRD>``) instead of DHCP's boot file."""
     return (
         "SAY metald boot ISO (iPXE)\n"
         "TIMEOUT 0\n"
         "DEFAULT metald\n"
         "LABEL metald\n"
-        " KERNEL ipxe.krn\n"
+        f" KERNEL {kernel}\n"
         f" INITRD {SCRIPT_NAME.lower()}\n"
     )
 
@@ -127,16 +136,22 @@ def efi_image(ipxe_efi: bytes, script_text: str) -> bytes:
 
 
 def write_iso(
-    f: BinaryIO, script_text: str, source: Path = IPXE_ISO, efi: Path | None = None
+    f: BinaryIO,
+    script_text: str,
+    source: Path = IPXE_ISO,
+    efi: Path | None = None,
+    bios: Path | None = None,
 ) -> None:
     """Write Debian's iPXE ISO, remastered to run ``script_text``, to the open file ``f``;
-    with ``efi`` (metald's ipxe.efi) its EFI boot image runs the script too."""
+    with ``efi`` (metald's ipxe.efi) its EFI boot image runs the script too, with ``bios``
+    (metald's ipxe.lkrn) its BIOS side boots metald's iPXE instead of Debian's ipxe.krn."""
     import pycdlib
 
     if not source.is_file():
         raise IsoError(f"{source} is missing: install Debian's ipxe package")
-    if efi is not None:
-        _write_fresh(f, script_text, source, efi_image(efi.read_bytes(), script_text))
+    if efi is not None or bios is not None:
+        efi_img = efi_image(efi.read_bytes(), script_text) if efi is not None else None
+        _write_fresh(f, script_text, source, efi_img, bios.read_bytes() if bios else None)
         return
     script = script_text.encode()
     cfg = isolinux_cfg().encode()
@@ -166,26 +181,34 @@ def write_iso(
         iso.close()
 
 
-def _write_fresh(f: BinaryIO, script_text: str, source: Path, efi_img: bytes) -> None:
-    """A new ISO from Debian's isolinux and ipxe.krn (BIOS, as ``write_iso``) and ``efi_img``
-    as its EFI boot image: El Torito cannot have its EFI image swapped in place."""
+def _write_fresh(
+    f: BinaryIO, script_text: str, source: Path, efi_img: bytes | None, lkrn: bytes | None
+) -> None:
+    """A new ISO from Debian's isolinux and ``lkrn`` (metald's ipxe.lkrn; else Debian's
+    ipxe.krn) for BIOS, and ``efi_img`` (else Debian's) as its EFI boot image: El Torito
+    cannot have its boot images swapped in place."""
     import pycdlib
 
+    names = ["LDLINUX.C32", "ISOLINUX.BIN"]
+    names += [] if lkrn is not None else ["IPXE.KRN"]
+    names += [] if efi_img is not None else ["EFI.IMG"]
     src = pycdlib.PyCdlib()
     src.open(str(source))
     try:
         keep = {}
-        for name in ("LDLINUX.C32", "ISOLINUX.BIN", "IPXE.KRN"):
+        for name in names:
             buf = io.BytesIO()
             src.get_file_from_iso_fp(buf, iso_path=f"/{name};1")
             keep[name] = buf.getvalue()
     finally:
         src.close()
+    kernel = "ipxe.krn" if lkrn is None else LKRN.lower()
     files = {
         **keep,
-        "ISOLINUX.CFG": isolinux_cfg().encode(),
+        **({LKRN: lkrn} if lkrn is not None else {}),
+        "ISOLINUX.CFG": isolinux_cfg(kernel).encode(),
         SCRIPT_NAME: script_text.encode(),
-        "EFI.IMG": efi_img,
+        "EFI.IMG": efi_img if efi_img is not None else keep["EFI.IMG"],
     }
     iso = pycdlib.PyCdlib()
     iso.new(interchange_level=3, rock_ridge="1.09", joliet=3, vol_ident="METALD")

@@ -226,6 +226,14 @@ class BootConfig(_Section):
     #: tls_auto, or api.tls_cert with one listener) and metald's own iPXE is installed for
     #: every architecture it builds (boot.ipxe). true needs that certificate.
     require_https: bool | None = None
+    #: host:port of a plain-HTTP listener that serves the boot assets (/boot/assets/) and
+    #: nothing else, for the kernel and initrd when the provisioning listener speaks HTTPS with
+    #: metald's own CA (tls_auto): scripts, still over HTTPS, load them from here and iPXE
+    #: checks each against metald's signature (imgverify, a key the boot CA certifies) before
+    #: booting. iPXE's software TLS makes the 28 MB of kernel and initrd slow over HTTPS under
+    #: emulation or old firmware (docs/boot.md). Empty: kernel and initrd over the provisioning
+    #: listener itself.
+    assets_http_listen: str = ""
     #: Base URL iPXE uses for scripts and assets. Empty: http(s)://<server_address>:<http_listen
     #: port> when http_listen is set (https with tls_cert), else api.public_url, else
     #: http://<server_address>:<api port>.
@@ -240,7 +248,7 @@ class BootConfig(_Section):
     networks: list[DhcpNetwork] = []
     dhcp_enroll_limit: DhcpEnrollLimit = DhcpEnrollLimit()
 
-    @field_validator("http_listen")
+    @field_validator("http_listen", "assets_http_listen")
     @classmethod
     def _http_listen(cls, v: str) -> str:
         if v:
@@ -268,6 +276,13 @@ class BootConfig(_Section):
                 "boot.tls_auto needs boot.http_listen (the provisioning listener its certificate "
                 "is for)"
             )
+        if self.assets_http_listen and self.tls_cert:
+            raise ValueError(
+                "boot.assets_http_listen needs metald's own CA (boot.tls_auto), not "
+                "boot.tls_cert: metald signs the kernel and initrd with a key that CA certifies"
+            )
+        if self.assets_http_listen and self.assets_http_listen == self.http_listen:
+            raise ValueError("boot.assets_http_listen and boot.http_listen must differ")
         if self.tls_ca and not self.tls_cert:
             raise ValueError("boot.tls_ca names the CA of boot.tls_cert: set tls_cert too")
         return self

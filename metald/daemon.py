@@ -19,7 +19,7 @@ from api.app import create_app, server_settings
 from api.context import AppContext, Services
 from metald import __version__
 from metald.auth import bootstrap_admin
-from metald.boot.http import require_https_middleware
+from metald.boot.http import asset_routes, require_https_middleware
 from metald.boot.pki import PRIVATE_FILES, PkiError, resolve_tls_auto
 from metald.boot.pki import machines_tls as load_machines_tls
 from metald.boot.plane import https_required
@@ -35,7 +35,9 @@ from metald.store import Store
 
 if TYPE_CHECKING:
     from metald.bmc.service import BmcService
+    from metald.boot.ipxe import SignedAssets
     from metald.boot.plane import BootPlane
+    from metald.boot.signing import AssetSigner
     from metald.firmware.service import FirmwareUpdates
     from metald.healthwatch.watch import HealthWatch
     from metald.nodeguard import TenantNodeGuard
@@ -139,6 +141,8 @@ class Daemon:
             raise ConfigError(f"boot TLS: {e}") from None
         #: Token paths refused over plain HTTP (boot.require_https, resolved).
         self.require_https = https_required(cfg, self.machines_tls is not None)
+        #: Kernel and initrd over the plain-HTTP asset listener, signed (boot.assets_http_listen).
+        self.signed_assets, self.asset_signer = _signed_assets(cfg)
         self.bus = EventBus()
         #: Every service's task group runs inside this one (``TaskScope.child``).
         self.tasks = TaskScope("metald")
@@ -214,6 +218,10 @@ class Daemon:
                 "and api.listen on the management network",
                 self.cfg.api.listen,
             )
+        if self.signed_assets is not None:
+            plain = web.Application(middlewares=[], client_max_size=1024)
+            plain.add_routes(asset_routes(Path(self.cfg.boot.assets_dir)))
+            await self._serve(plain, self.cfg.boot.assets_http_listen, None)
         await self._serve(staff, self.cfg.api.listen, staff_tls(self.cfg))
         for svc in self.services.hosted():
             self._started.append(svc)  # stopped at stop even if its start fails half-way
@@ -458,6 +466,32 @@ def _firmware(d: Daemon, bmc: BmcService) -> tuple[FirmwareUpdates, list[web.Rou
     return svc, images.routes() if boot else []
 
 
+def _signed_assets(cfg: Config) -> tuple[SignedAssets | None, AssetSigner | None]:
+    """The plain-HTTP asset listener's URL and the image signer (boot.assets_http_listen),
+    or (None, None): not set, boot off, or the machines' listener not on metald's own CA
+    (logged: scripts then load kernel and initrd over that listener)."""
+    b = cfg.boot
+    if not (b.assets_http_listen and b.enabled):
+        return None, None
+    if not (b.tls_auto and b.http_listen):
+        log.warning(
+            "boot: boot.assets_http_listen is not used: the provisioning listener does not "
+            "speak HTTPS with metald's own CA (boot.tls_auto is off), so there is no "
+            "authenticated channel for the images' signatures; kernel and initrd go over "
+            "boot.http_listen"
+        )
+        return None, None
+    from metald.boot.ipxe import SignedAssets
+    from metald.boot.signing import SIGNER_NAME, AssetSigner, ensure_signer
+
+    try:
+        signer = ensure_signer(Path(cfg.state_dir))
+    except (PkiError, OSError, ValueError) as e:
+        raise ConfigError(f"boot image signing: {e}") from None
+    _, port = split_hostport(b.assets_http_listen)
+    return SignedAssets(f"http://{b.server_address}:{port}", SIGNER_NAME), AssetSigner(signer)
+
+
 def _boot_plane(d: Daemon) -> tuple[BootPlane | None, list[web.RouteDef]]:
     """DHCP, TFTP and RA as a service; HTTP boot as routes on the API's port."""
     if not d.cfg.boot.enabled:
@@ -490,18 +524,28 @@ def _boot_plane(d: Daemon) -> tuple[BootPlane | None, list[web.RouteDef]]:
         http_base_url(d.cfg),
         require_https=d.require_https,
         ca_pem=tls.ca_pem if tls else None,
+        signed=d.signed_assets,
+        signer=d.asset_signer,
     )
-    from metald.provision.media_boot import MediaBootRoutes, media_efi  # virtual media
+    from metald.provision.media_boot import MediaBootRoutes, media_bios, media_efi  # virtual media
 
     efi, no_efi = media_efi(d.cfg.boot.assets_dir, d.cfg.boot.ipxe)
     if no_efi:
         log.warning("boot: virtual-media ISOs boot BIOS machines only: %s", no_efi)
+    bios, no_bios = media_bios(d.cfg.boot.assets_dir, d.cfg.boot.ipxe)
+    if no_bios:
+        log.warning(
+            "boot: virtual-media ISOs boot BIOS machines into Debian's iPXE (plain HTTP): %s",
+            no_bios,
+        )
     routes += MediaBootRoutes(
         hooks,
         http_base_url(d.cfg),
         ca_pem=tls.ca_pem if tls else None,
         require_https=d.require_https,
         efi=efi,
+        bios=bios,
+        signed=d.signed_assets,
     ).routes()
     return plane, routes
 

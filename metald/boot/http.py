@@ -12,15 +12,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from metald.boot import metrics
 from metald.boot.hooks import BootHooks, ScriptRefused
-from metald.boot.ipxe import render_boot_script
+from metald.boot.ipxe import REFUSED, SIGNATURES, SignedAssets, render_boot_script
 from metald.boot.paths import PathRefused, safe_path
 from metald.problem import problem
+
+if TYPE_CHECKING:
+    from metald.boot.signing import AssetSigner
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +78,14 @@ def boot_routes(
     *,
     require_https: bool = False,
     ca_pem: bytes | None = None,
+    signed: SignedAssets | None = None,
+    signer: AssetSigner | None = None,
 ) -> list[web.RouteDef]:
     """``ca_pem``: the CA machines pin, served at /boot/ca.pem (it is no secret; a machine
-    checks what it fetched against the fingerprint on its kernel command line)."""
+    checks what it fetched against the fingerprint on its kernel command line). ``signed`` and
+    ``signer``: scripts load the kernel and initrd from the plain-HTTP asset listener and
+    verify them against the signatures served here (/boot/signatures/<asset>;
+    metald.boot.signing); a machine reports a failed check to /boot/image-refused/<mac>/<errno>."""
     root = Path(assets_dir).resolve()
     base = public_url.rstrip("/")
 
@@ -97,32 +105,80 @@ def boot_routes(
             return plain_http_refused(request, f"the {target.action.value} script for {mac}")
         metrics.http_boot.labels(target.action.value).inc()
         log.info("iPXE script for %s: %s", mac, target.action.value)
-        body = render_boot_script(target, mac=mac, public_url=base, ca_pem=ca_pem)
+        body = render_boot_script(target, mac=mac, public_url=base, ca_pem=ca_pem, signed=signed)
         return web.Response(
             text=body, content_type="text/plain", headers={"Cache-Control": "no-store"}
         )
 
-    async def asset(request: web.Request) -> web.StreamResponse:
-        name = request.match_info["path"]
-        try:
-            path = safe_path(root, name)
-        except PathRefused as e:
-            if e.reason in ("not-found", "hidden"):
-                raise web.HTTPNotFound(text=f"no boot asset {name}") from None
-            raise web.HTTPForbidden(text=f"{name} is not served ({e.reason})") from None
-        return web.FileResponse(path)
+    async def signature(request: web.Request) -> web.Response:
+        if signer is None:
+            raise web.HTTPNotFound(text="boot images are not signed (no boot.assets_http_listen)\n")
+        path = _asset_path(root, request.match_info["path"])
+        body = await signer.signature(path)
+        return web.Response(
+            body=body,
+            content_type="application/pkcs7-signature",
+            headers={"Cache-Control": "no-store"},
+        )
 
+    async def refused(request: web.Request) -> web.Response:
+        mac = _mac_from(request.match_info["mac"])
+        if mac is None:
+            raise web.HTTPNotFound(text="not a MAC address\n")
+        report = getattr(hooks, "image_refused", None)
+        if report is None:
+            raise web.HTTPNotFound(text="no machine store\n")
+        what = request.query.get("file", "")[:200]
+        errno = request.match_info["errno"][:16]
+        try:
+            recorded = await report(mac, client=request.remote, file=what, errno=errno)
+        except ScriptRefused as e:
+            raise web.HTTPForbidden(text=f"refused: {e}\n") from None
+        metrics.http_boot.labels("image_refused").inc()
+        return web.Response(text="recorded\n" if recorded else "already recorded\n")
+
+    routes = [
+        web.get("/boot/ca.pem", _problems(ca_route(ca_pem))),
+        web.get("/boot/{mac}.ipxe", _problems(script)),
+        *asset_routes(root),
+    ]
+    if signer is not None:
+        routes += [
+            web.get(SIGNATURES + "{path:.+}", _problems(signature)),
+            web.get(REFUSED + "{mac}/{errno}", _problems(refused)),
+        ]
+    return routes
+
+
+def _asset_path(root: Path, name: str) -> Path:
+    try:
+        return safe_path(root, name)
+    except PathRefused as e:
+        if e.reason in ("not-found", "hidden"):
+            raise web.HTTPNotFound(text=f"no boot asset {name}") from None
+        raise web.HTTPForbidden(text=f"{name} is not served ({e.reason})") from None
+
+
+def asset_routes(assets_dir: Path) -> list[web.RouteDef]:
+    """``/boot/assets/<path>``: the read-only assets folder (HEAD, Range, ETag). Also all the
+    plain-HTTP asset listener (``[boot] assets_http_listen``) serves."""
+    root = Path(assets_dir).resolve()
+
+    async def asset(request: web.Request) -> web.StreamResponse:
+        return web.FileResponse(_asset_path(root, request.match_info["path"]))
+
+    # aiohttp answers HEAD for GET routes
+    return [web.get("/boot/assets/{path:.+}", _problems(asset))]
+
+
+def ca_route(ca_pem: bytes | None) -> Handler:
     async def ca(request: web.Request) -> web.Response:
+
         if ca_pem is None:
             raise web.HTTPNotFound(text="the provisioning listener has no certificate (HTTP)\n")
         return web.Response(body=ca_pem, content_type="application/x-pem-file")
 
-    return [
-        web.get("/boot/ca.pem", _problems(ca)),
-        web.get("/boot/{mac}.ipxe", _problems(script)),
-        # aiohttp answers HEAD for GET routes
-        web.get("/boot/assets/{path:.+}", _problems(asset)),
-    ]
+    return ca
 
 
 _TITLES = {403: "Forbidden", 404: "Not found"}

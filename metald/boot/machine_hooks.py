@@ -32,13 +32,16 @@ from metald.boot.hooks import (
 from metald.errors import Conflict, MetaldError
 from metald.macaddr import normalize_mac
 from metald.store.db import Store
-from metald.store.models import Lease, Machine, as_utc
+from metald.store.models import Event, Lease, Machine, as_utc, utcnow
 
 if TYPE_CHECKING:
     from metald.fleet.membership import Membership
 
 log = logging.getLogger(__name__)
 
+#: At most one ``boot.image_refused`` event per machine this often (a machine loads its images
+#: again every minute while something on the network keeps changing them).
+REFUSED_EVERY_S = 30.0
 #: Firmware names recorded on machines: the architectures DHCP can tell, not "unknown".
 FIRMWARE = frozenset(a.value for a in Arch if a is not Arch.UNKNOWN)
 
@@ -185,6 +188,47 @@ class StoreBootHooks:
             if token is not None:
                 t = with_peer_urls(with_agent_token(t, token), self.agent_peer_urls())
         return with_agent_console(t) if self.agent_console else t
+
+    async def image_refused(self, mac: str, *, client: str | None, file: str, errno: str) -> bool:
+        """A machine's iPXE says a boot image failed its signature check (metald.boot.signing):
+        record ``boot.image_refused`` on the machine (at most one per ``REFUSED_EVERY_S``).
+        Only from the address holding the MAC's lease when scripts go to leased clients only;
+        ScriptRefused otherwise. Returns whether an event was recorded."""
+        return await self.store.run(self._image_refused, mac, client, file, errno)
+
+    def _image_refused(
+        self, s: Session, mac: str, client: str | None, file: str, errno: str
+    ) -> bool:
+        m = machines.find_by_mac(s, mac)
+        if m is None or (self.leased_clients_only and not holds_lease(s, mac, client)):
+            raise ScriptRefused(
+                f"{client or 'an unknown address'} does not hold the lease of {mac}"
+            )
+        last = s.exec(
+            select(Event)
+            .where(Event.machine_id == m.id, Event.kind == "boot.image_refused")
+            .order_by(Event.id.desc())  # type: ignore[union-attr]
+            .limit(1)
+        ).first()
+        if last is not None and (utcnow() - as_utc(last.at)).total_seconds() < REFUSED_EVERY_S:
+            return False
+        reason = (
+            f"{file or 'a boot image'} failed iPXE's signature check (iPXE error {errno}): "
+            "not booted; it came over plain HTTP, so something on the provisioning network "
+            "changed it, or the file changed while being served"
+        )
+        log.warning("boot: %s (%s, from %s): %s", mac, m.id, client, reason)
+        machines.add_event(
+            s,
+            "boot.image_refused",
+            self.actor,
+            machine_id=m.id,
+            reason=reason,
+            data={"mac": mac, "file": file, "errno": errno, "client": client},
+            instance=self.instance,
+        )
+        s.commit()
+        return True
 
     def agent_peer_urls(self) -> list[str]:
         """The other live instances' boot URLs an agent may fail over to (``metald.urls=``)."""

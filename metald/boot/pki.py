@@ -36,7 +36,7 @@ CA_KEY = "boot-ca.key"
 TLS_CERT = "boot-tls.pem"
 TLS_KEY = "boot-tls.key"
 #: Private files among them (mode 0600; metald.daemon.STATE_FILES narrows them at start).
-PRIVATE_FILES = (CA_KEY, TLS_KEY)
+PRIVATE_FILES = (CA_KEY, TLS_KEY, "boot-sign.key")
 
 log = logging.getLogger(__name__)
 

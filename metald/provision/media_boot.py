@@ -44,7 +44,7 @@ from metald.boot.hooks import (
     with_peer_urls,
 )
 from metald.boot.http import plain_http_refused
-from metald.boot.ipxe import render_boot_script
+from metald.boot.ipxe import SignedAssets, render_boot_script
 from metald.lifecycle import NETWORK_BOOT, State
 from metald.provision.boots import MEDIA_PREFIX
 from metald.store.models import Machine, Nic
@@ -118,6 +118,29 @@ def media_efi(assets_dir: str, ipxe: str) -> tuple[Path | None, str | None]:
     return (None, why) if why else (built / "ipxe.efi", None)
 
 
+#: The line of metald's embedded iPXE script that runs the initrd its boot loader handed it
+#: (bootassets/ipxe.py MEDIA_INITRD): BIOS virtual media with ``ipxe.lkrn``.
+_RUNS_MEDIA_INITRD = "imgexec --autofree --replace <INITRD> || goto retry"
+
+
+def media_bios(assets_dir: str, ipxe: str) -> tuple[Path | None, str | None]:
+    """metald's ipxe.lkrn for the per-boot ISOs' BIOS side (``<assets_dir>/ipxe/``), or None
+    and why BIOS machines boot Debian's ipxe.krn from them instead (plain HTTP only: with
+    ``require_https`` they cannot fetch their nonce script)."""
+    if ipxe == "debian" or not assets_dir:
+        return None, 'boot.ipxe = "debian"' if ipxe == "debian" else "no boot.assets_dir"
+    built = Path(assets_dir) / "ipxe"
+    if not (built / "ipxe.lkrn").is_file():
+        return None, "metald's own iPXE has no ipxe.lkrn (python -m bootassets ipxe --install)"
+    try:
+        script = (built / "metald.ipxe").read_text()
+    except (OSError, UnicodeDecodeError):
+        script = ""
+    if _RUNS_MEDIA_INITRD not in script.splitlines():
+        return None, "the installed iPXE build predates BIOS virtual-media scripts: rebuild it"
+    return built / "ipxe.lkrn", None
+
+
 class MediaBootRoutes:
     """The two nonce routes on the boot HTTP listener; ``hooks`` is the boot plane's
     ``StoreBootHooks`` (its token minting, peer URLs and console arguments)."""
@@ -130,8 +153,15 @@ class MediaBootRoutes:
         ca_pem: bytes | None = None,
         require_https: bool = False,
         efi: Path | None = None,
+        bios: Path | None = None,
+        signed: SignedAssets | None = None,
     ) -> None:
         self.hooks = hooks
+        #: metald's own ipxe.lkrn: each ISO's BIOS side boots it with the boot's script
+        #: (HTTPS pinned to metald's CA); None: Debian's ipxe.krn (``media_bios`` says why).
+        self.bios = bios
+        #: Kernel and initrd over the plain asset listener, verified (metald.boot.signing).
+        self.signed = signed
         #: metald's own ipxe.efi: each ISO's EFI boot image runs the boot's script with it
         #: (UEFI machines); None: BIOS only (``media_efi`` says why).
         self.efi = efi
@@ -178,7 +208,7 @@ class MediaBootRoutes:
         def build() -> None:
             tmp = path.with_suffix(".part")
             with open(tmp, "wb") as f:
-                write_iso(f, text, efi=self.efi)
+                write_iso(f, text, efi=self.efi, bios=self.bios)
             tmp.replace(path)
 
         async with self._builds:
@@ -233,4 +263,6 @@ class MediaBootRoutes:
         t = with_peer_urls(with_agent_token(t, token), self.hooks.agent_peer_urls())
         if self.hooks.agent_console:
             t = with_agent_console(t)
-        return render_boot_script(t, mac=mac, public_url=self.base, ca_pem=self.ca_pem)
+        return render_boot_script(
+            t, mac=mac, public_url=self.base, ca_pem=self.ca_pem, signed=self.signed
+        )

@@ -130,3 +130,62 @@ def test_uefi_media_needs_metalds_ipxe_that_runs_the_script(tmp_path: Path) -> N
     (tmp_path / "ipxe" / "metald.ipxe").write_text(embedded_script())
     if shutil.which("mcopy"):
         assert media_efi(str(tmp_path), "auto") == (tmp_path / "ipxe" / "ipxe.efi", None)
+
+
+def test_with_metalds_lkrn_the_iso_boots_bios_machines_into_metalds_ipxe(tmp_path: Path) -> None:
+    """Given metald's ipxe.lkrn, the ISO's BIOS side (isolinux, its El Torito entry) loads it
+    instead of Debian's ipxe.krn, with the boot's script as its initrd: metald's embedded
+    script runs that initrd (``<INITRD>``), so the nonce URL is fetched over HTTPS pinned to
+    metald's CA. Debian's EFI image stays when there is no ipxe.efi. Fails on the old code
+    (always Debian's ipxe.krn, which trusts iPXE's own root CA)."""
+    import io
+
+    import pycdlib
+
+    lkrn = tmp_path / "ipxe.lkrn"
+    lkrn.write_bytes(b"\xeb\x3c" + b"metald's ipxe.lkrn" * 3000)
+    script = boot_iso.boot_script("https://10.0.0.1:8443", "/boot/n/m1/abc.ipxe")
+    out = tmp_path / "boot.iso"
+    with open(out, "wb") as f:
+        boot_iso.write_iso(f, script, bios=lkrn)
+    cfg = boot_iso.read_file(out, "isolinux.cfg").decode()
+    assert " KERNEL ipxe.lkrn\n" in cfg and " INITRD metald.ipxe\n" in cfg
+    assert boot_iso.read_file(out, "ipxe.lkrn") == lkrn.read_bytes()
+    assert boot_iso.read_file(out, "metald.ipxe").decode() == script
+    iso = pycdlib.PyCdlib()
+    iso.open(str(out))
+    try:
+        names = {c.file_identifier() for c in iso.list_children(iso_path="/")}
+        catalog = iso.eltorito_boot_catalog
+        assert catalog.validation_entry.platform_id == 0  # BIOS first: isolinux
+        (section,) = catalog.sections
+        assert section.platform_id == 0xEF
+        buf = io.BytesIO()
+        iso.get_file_from_iso_fp(buf, iso_path=boot_iso.EFI_IMG)
+    finally:
+        iso.close()
+    assert b"IPXE.KRN;1" not in names  # Debian's iPXE is not on it
+    src = pycdlib.PyCdlib()
+    src.open(str(boot_iso.IPXE_ISO))
+    try:
+        debian = io.BytesIO()
+        src.get_file_from_iso_fp(debian, iso_path=boot_iso.EFI_IMG)
+    finally:
+        src.close()
+    assert buf.getvalue() == debian.getvalue()
+
+
+def test_bios_media_needs_metalds_lkrn_that_runs_the_initrd(tmp_path: Path) -> None:
+    from bootassets.ipxe import embedded_script
+    from metald.provision.media_boot import media_bios
+
+    assert media_bios(str(tmp_path), "debian") == (None, 'boot.ipxe = "debian"')
+    path, why = media_bios(str(tmp_path), "auto")
+    assert path is None and why and "no ipxe.lkrn" in why
+    (tmp_path / "ipxe").mkdir()
+    (tmp_path / "ipxe" / "ipxe.lkrn").write_bytes(b"lkrn")
+    (tmp_path / "ipxe" / "metald.ipxe").write_text("#!ipxe\ndhcp\nchain ${filename}\n")
+    path, why = media_bios(str(tmp_path), "auto")
+    assert path is None and why and "predates" in why
+    (tmp_path / "ipxe" / "metald.ipxe").write_text(embedded_script())
+    assert media_bios(str(tmp_path), "auto") == (tmp_path / "ipxe" / "ipxe.lkrn", None)

@@ -70,6 +70,19 @@ def test_embedded_script_chains_to_what_metald_dhcp_hands_ipxe_and_retries() -> 
     assert "goto retry" in lines and "shell" not in s and "exit" not in s
 
 
+def test_embedded_script_runs_a_boot_loaders_initrd_without_ever_fetching_it() -> None:
+    """Started as a Linux kernel (ipxe.lkrn from the per-boot ISO), iPXE holds the ISO's
+    script as the image ``<INITRD>``; the embedded script runs it before DHCP. ``imgexec`` of
+    a name it does not hold would download it (relative to where a PXE-started iPXE came
+    from: the network), so the name is looked up first with ``imgstat``, which never does."""
+    lines = ipxe.embedded_script().splitlines()
+    stat = lines.index(f"imgstat {ipxe.MEDIA_INITRD} && goto media_bios ||")
+    run = lines.index(f"imgexec --autofree --replace {ipxe.MEDIA_INITRD} || goto retry")
+    assert lines[run - 1] == ":media_bios" and stat < lines.index(":media_bios")
+    assert lines.index("goto retry") == stat + 1 < lines.index("dhcp || goto wait")
+    assert ipxe.Target("bin/ipxe.lkrn", "ipxe.lkrn") in ipxe.TARGETS
+
+
 def test_inputs_hash_changes_with_the_source_config_ca_and_script(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -229,3 +229,84 @@ def test_a_uefi_vm_enrolls_through_virtual_media_with_metalds_ipxe(
         print(f"\nUEFI virtual media (metald's ipxe.efi from the ISO): boot -> ready {took:.1f} s")
     finally:
         rack.down()
+
+
+def test_a_bios_vm_enrolls_through_virtual_media_over_https_with_metalds_lkrn(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 28: BIOS virtual media over HTTPS. metald runs its own CA (tls_auto) with
+    require_https on, so the nonce script goes over HTTPS only; the per-boot ISO's BIOS side is
+    metald's ipxe.lkrn (isolinux loads it with the boot's script as its initrd), whose embedded
+    script runs that initrd, takes dnsmasq's address and fetches the nonce script pinned to
+    metald's CA. Debian's ipxe.krn (before) has no HTTPS and could never fetch it. The lab
+    BMC fetches the ISO over the same HTTPS (it trusts the lab CA, as an operator configures
+    a BMC's certificate store). METALD_LAB_LONG=1: a TCG boot and metald's iPXE build."""
+    if os.environ.get("METALD_LAB_LONG") != "1":
+        pytest.skip("a TCG boot and metald's iPXE build: METALD_LAB_LONG=1")
+    reason = lab_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    if shutil.which("dnsmasq") is None:
+        pytest.skip("needs dnsmasq (the network's own DHCP server)")
+    from bootassets.build import BuildError, ensure_built
+    from bootassets.ipxe import find_source
+    from vmlab.labipxe import assets_with_built_ipxe, lab_ca, seed_state
+    from vmlab.rack import LabRack
+
+    try:
+        find_source()
+    except BuildError as e:
+        pytest.skip(str(e))
+    work = tmp_path_factory.mktemp("vmedia-bios-https")
+    assets = assets_with_built_ipxe(ensure_built(), work / "assets")
+    seed_state(work / "metald")  # metald's tls_auto CA is the one its iPXE trusts
+    monkeypatch.setenv("SSL_CERT_FILE", str(lab_ca()))  # the lab BMC's certificate store
+    rack = LabRack(
+        f"vb{os.getpid() % 10000}",
+        work,
+        machines=1,
+        uefi=0,
+        rng=True,
+        assets=assets,
+        # metald answers no DHCP, so no PXE either; machines' listener HTTPS only
+        boot_config='dhcp_mode = "off"\nhttp_listen = "0.0.0.0:8443"\n',
+    )
+    try:
+        st, m = rack.state, rack.machines[0]
+        log = rack.log.read_text()
+        assert "tls_auto stays off" not in log, log[-3000:]
+        assert "boot BIOS machines into Debian's iPXE" not in log, log[-3000:]
+        lo, hi = st["dhcp_range"]
+        rack.lab.spawn(
+            ["dnsmasq", "--keep-in-foreground", "--conf-file=/dev/null", "--port=0",
+             f"--interface={st['bridge']}", "--bind-interfaces", f"--dhcp-range={lo},{hi},10m",
+             f"--dhcp-leasefile={work / 'dnsmasq.leases'}", "--pid-file=", "--user=root",
+             "--log-dhcp", "--log-facility=-"],
+            role="dnsmasq",
+            log=work / "dnsmasq.log",
+        )  # fmt: skip
+        code, machine = rack.api(
+            "POST",
+            "/api/v1/machines",
+            {"macs": [m["mac"]], "labels": {"boot-via": "virtual-media"}},
+        )
+        assert code == 201, machine
+        mid = machine["id"]
+        rack.register_bmcs(["redfish"])
+        code, body = rack.api("POST", f"/api/v1/machines/{mid}/actions", {"action": "inspect"})
+        assert code == 200, body
+        t0 = time.monotonic()
+        code, body = rack.api("POST", f"/api/v1/machines/{mid}/boot", {"via": "virtual-media"})
+        assert code == 202, body
+        rack.wait_state([m["mac"]], "ready", TIMEOUT_S)
+        took = time.monotonic() - t0
+        addr = st["boot_address"]
+        sent = _commands(m)
+        assert any(c.startswith(f"insert https://{addr}:8443/boot/n/{mid}/") for c in sent), sent
+        serial = Path(m["serial_log"]).read_text(errors="replace")
+        # metald's iPXE (Debian's 2019 build says 1.0.0+), the nonce script over HTTPS
+        assert f"https://{addr}:8443/boot/n/{mid}/" in serial, serial[-3000:]
+        assert "Could not boot" not in serial, serial[-3000:]
+        print(f"\nBIOS virtual media over HTTPS (metald's ipxe.lkrn): boot -> ready {took:.1f} s")
+    finally:
+        rack.down()
