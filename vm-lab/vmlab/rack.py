@@ -144,6 +144,7 @@ class LabRack:
         rng: bool = False,
         arm64: int = 0,
         assets: Path | None = None,
+        tpm: bool = False,
     ) -> None:
         """``extra_config``: TOML appended to metald's config, or a function of the lab's state
         (slot, bridge, subnet) returning it; ``boot_config``: lines added to its [boot] table;
@@ -163,7 +164,7 @@ class LabRack:
         self._boot_config = boot_config
         self.lab = Lab(
             name, machines=machines, uefi=uefi, workdir=self.workdir / "lab", nic_rom=nic_rom,
-            rng=rng, arm64=arm64,
+            rng=rng, arm64=arm64, tpm=tpm,
         )  # fmt: skip
         try:
             self.state: dict[str, Any] = self.lab.up()
