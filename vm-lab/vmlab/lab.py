@@ -132,13 +132,16 @@ class Lab:
         rng: bool = False,
         arm64: int = 0,
         tpm: bool = False,
+        secure_boot: bool = False,
     ) -> None:
         """``nic_rom=False``: the NIC has no option ROM (no iPXE), so the firmware network-boots
         with its own PXE (OVMF: DHCP, TFTP of ipxe.efi, then iPXE). ``rng``: each machine gets
         a virtio RNG (``vmlab.qemu.MachineSpec.rng``). ``arm64``: the last this many of the
         UEFI machines are arm64 (QEMU's virt board, AAVMF, TCG; ``vmlab.qemu``). ``tpm``: each
         amd64 UEFI machine gets a TPM 2.0 (swtpm, with an EK certificate) and OVMF's measured
-        boot (``vmlab.qemu.create_tpm``)."""
+        boot (``vmlab.qemu.create_tpm``). ``secure_boot``: each amd64 UEFI machine boots OVMF's
+        Secure Boot build, and its BMC's Secure Boot state is written into its variables at
+        each power-on through the BMC (``vmlab.secureboot_fw``)."""
         self.name = plan.check_name(name)
         self.machines = machines
         self.uefi = machines // 2 if uefi is None else uefi
@@ -155,6 +158,7 @@ class Lab:
             raise LabError(f"arm64 machines boot UEFI: arm64 must be 0..{self.uefi}, not {arm64}")
         self.arm64 = arm64
         self.tpm = tpm
+        self.secure_boot = secure_boot
         self.state: dict[str, Any] = {}
 
     @classmethod
@@ -195,7 +199,8 @@ class Lab:
         for m in plan.plan_machines(slot, self.machines, self.uefi):
             base = self.dir / m.name
             arch = "arm64" if m.index >= self.machines - self.arm64 else "amd64"
-            has_tpm = self.tpm and m.firmware == "uefi" and arch == "amd64"
+            uefi_amd64 = m.firmware == "uefi" and arch == "amd64"
+            has_tpm = self.tpm and uefi_amd64
             machines.append(
                 {
                     "name": m.name,
@@ -213,6 +218,7 @@ class Lab:
                     "tpm": {"state": f"{base}.tpm", "socket": f"{base}.tpm.sock"}
                     if has_tpm
                     else None,
+                    "secure_boot": self.secure_boot and uefi_amd64,
                     "disk": f"{base}.qcow2",
                     "uefi_vars": f"{base}.vars.fd" if m.firmware == "uefi" else None,
                     "serial_log": f"{base}.serial.log",
@@ -266,14 +272,16 @@ class Lab:
         for m in s["machines"]:
             qemu.create_disk(Path(m["disk"]), self.disk_size)
             if m["uefi_vars"]:
-                qemu.create_uefi_vars(
-                    Path(m["uefi_vars"]), m.get("arch", "amd64"), tpm=bool(m.get("tpm"))
-                )
+                big = bool(m.get("tpm") or m.get("secure_boot"))
+                qemu.create_uefi_vars(Path(m["uefi_vars"]), m.get("arch", "amd64"), tpm=big)
             if m.get("tpm"):
                 self._start_tpm(m)
             spec = self._spec(m)
             log = Path(m["qemu_log"])
-            proc = self.spawn(qemu.command_line(spec, s["accel"]), role="qemu", log=log, machine=m)
+            argv = qemu.command_line(spec, s["accel"])
+            if m.get("secure_boot"):
+                m["qemu_argv"] = argv  # its BMC restarts it on new variables (secureboot_fw)
+            proc = self.spawn(argv, role="qemu", log=log, machine=m)
             started.append((m, proc))
         for m, proc in started:
             qemu.wait_for_socket(Path(m["qmp_bmc"]), proc, Path(m["qemu_log"]))
@@ -320,6 +328,7 @@ class Lab:
             rng=m.get("rng", False),
             arch=m.get("arch", "amd64"),
             tpm_socket=Path(m["tpm"]["socket"]) if m.get("tpm") else None,
+            secure_boot=bool(m.get("secure_boot")),
         )
 
     # ---- processes in the namespace ------------------------------------------------------------

@@ -34,6 +34,9 @@ AAVMF_VARS = Path("/usr/share/AAVMF/AAVMF_VARS.fd")
 #: measurements and the TCG2 event log) that the attestation proofs use.
 OVMF_CODE_4M = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
 OVMF_VARS_4M = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")
+#: A Secure Boot machine boots OVMF's Secure Boot build (which needs SMM); its variables
+#: start without keys (setup mode) until its BMC enrolls some (vmlab.secureboot_fw).
+OVMF_CODE_SECBOOT = Path("/usr/share/OVMF/OVMF_CODE_4M.secboot.fd")
 SWTPM = "swtpm"
 ARM64_CPU = "cortex-a72"
 PROBE_KERNEL = Path("/usr/lib/ipxe/ipxe.lkrn")
@@ -76,6 +79,8 @@ class MachineSpec:
     #: swtpm's control socket: the machine has a TPM 2.0 (``tpm-tis``) and boots OVMF's 4 MB
     #: build, which measures the boot into it (UEFI amd64 machines only).
     tpm_socket: Path | None = None
+    #: OVMF's Secure Boot build (SMM, the variable store on a secure pflash; UEFI amd64).
+    secure_boot: bool = False
 
 
 # ---- accelerator -------------------------------------------------------------------------------
@@ -164,6 +169,7 @@ def create_disk(path: Path, size: str = "2G") -> None:
 
 
 def create_uefi_vars(path: Path, arch: str = "amd64", tpm: bool = False) -> None:
+    """``tpm``: the 4 MB store (OVMF's measured-boot and Secure Boot builds use it)."""
     """Each UEFI machine gets its own copy of the variable store, as a real board has."""
     vars_file = AAVMF_VARS if arch == "arm64" else OVMF_VARS_4M if tpm else OVMF_VARS
     if not vars_file.exists():
@@ -201,6 +207,8 @@ def command_line(spec: MachineSpec, accel: str) -> list[str]:
     if spec.arch == "arm64":
         return arm64_command_line(spec)
     machine_type = "q35" if spec.firmware == "uefi" else "pc"
+    if spec.secure_boot:
+        machine_type += ",smm=on"
     argv = [
         QEMU,
         "-name", f"{spec.name},process=vmlab-{spec.name}",
@@ -241,6 +249,9 @@ def command_line(spec: MachineSpec, accel: str) -> list[str]:
         if spec.uefi_vars is None:
             raise QemuError(f"{spec.name}: a UEFI machine needs its variable store")
         code = OVMF_CODE_4M if spec.tpm_socket else OVMF_CODE
+        if spec.secure_boot:  # only SMM code may write the variables (the guest OS cannot)
+            code = OVMF_CODE_SECBOOT
+            argv += ["-global", "driver=cfi.pflash01,property=secure,value=on"]
         argv += [
             "-drive", f"if=pflash,format=raw,unit=0,readonly=on,file={code}",
             "-drive", f"if=pflash,format=raw,unit=1,file={spec.uefi_vars}",

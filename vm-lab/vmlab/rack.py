@@ -145,6 +145,7 @@ class LabRack:
         arm64: int = 0,
         assets: Path | None = None,
         tpm: bool = False,
+        secure_boot: bool = False,
     ) -> None:
         """``extra_config``: TOML appended to metald's config, or a function of the lab's state
         (slot, bridge, subnet) returning it; ``boot_config``: lines added to its [boot] table;
@@ -164,7 +165,7 @@ class LabRack:
         self._boot_config = boot_config
         self.lab = Lab(
             name, machines=machines, uefi=uefi, workdir=self.workdir / "lab", nic_rom=nic_rom,
-            rng=rng, arm64=arm64, tpm=tpm,
+            rng=rng, arm64=arm64, tpm=tpm, secure_boot=secure_boot,
         )  # fmt: skip
         try:
             self.state: dict[str, Any] = self.lab.up()
