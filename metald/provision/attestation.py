@@ -20,7 +20,7 @@ from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from sqlmodel import Session, col, select
 
 from metald import machines
@@ -114,7 +114,10 @@ def _issued_by(cert: x509.Certificate, issuer: x509.Certificate) -> bool:
     return True
 
 
-def _binding(secret: bytes, ak_name: bytes, ek: rsa.RSAPublicKey) -> str:
+EkKey = rsa.RSAPublicKey | ec.EllipticCurvePublicKey
+
+
+def _binding(secret: bytes, ak_name: bytes, ek: EkKey) -> str:
     """The challenge row's key: the secret bound to the AK's name and the EK it was wrapped
     for, so a secret recovered for one (AK, EK) pair enrolls no other."""
     spki = ek.public_bytes(
@@ -123,7 +126,7 @@ def _binding(secret: bytes, ak_name: bytes, ek: rsa.RSAPublicKey) -> str:
     return hashlib.sha256(secret + ak_name + spki).hexdigest()
 
 
-def _load_ek(ek_public_pem: str | None) -> rsa.RSAPublicKey:
+def _load_ek(ek_public_pem: str | None) -> EkKey:
     if ek_public_pem is None:
         raise Unprocessable(
             "send ek_public (tpm2_readpublic -f pem of the EK): metald binds the attestation "
@@ -133,11 +136,15 @@ def _load_ek(ek_public_pem: str | None) -> rsa.RSAPublicKey:
         ek = serialization.load_pem_public_key(ek_public_pem.encode())
     except ValueError as e:
         raise Unprocessable(f"ek_public is not a PEM public key: {e}") from None
-    if not isinstance(ek, rsa.RSAPublicKey) or ek.key_size < 2048:
+    rsa_ok = isinstance(ek, rsa.RSAPublicKey) and ek.key_size >= 2048
+    ecc_ok = isinstance(ek, ec.EllipticCurvePublicKey) and isinstance(ek.curve, ec.SECP256R1)
+    if not (rsa_ok or ecc_ok):
         raise Unprocessable(
-            "ek_public is not an RSA key of 2048 bits or more: metald activates credentials "
-            "only with an RSA EK (tpm2_createek -G rsa)"
+            "ek_public is neither an RSA key of 2048 bits or more nor a NIST P-256 key: "
+            "metald activates credentials with the TCG default EKs (tpm2_createek -G rsa or "
+            "-G ecc)"
         )
+    assert isinstance(ek, rsa.RSAPublicKey | ec.EllipticCurvePublicKey)
     return ek
 
 
