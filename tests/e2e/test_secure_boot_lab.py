@@ -114,7 +114,8 @@ def test_secure_boot_required_unsigned_refused_signed_reaches_ready(sb: dict[str
     # The next boot (a re-inspection through the BMC): the firmware refuses the unsigned iPXE.
     mark = serial.stat().st_size
     t1 = time.monotonic()
-    rack.ctl("-y", "machines", "inspect", mid)
+    rack.ctl("-y", "machines", "inspect", mid)  # the discovery image at the next boot
+    rack.ctl("bmcs", "power", bmc["id"], "on")  # through the BMC: the firmware rereads its keys
 
     def after_mark() -> str:
         return serial.read_bytes()[mark:].decode(errors="replace")
