@@ -142,7 +142,8 @@ class MachineControl:
                 self._once_watch.cancel()
                 self._once_watch = None
             await restart()
-            self.qmp = QmpClient(self.qmp.path)
+            # The same client, reconnected: others hold it too (the virtual CD drive).
+            await self.qmp.close()
             await self.qmp.connect()
             self._generation += 1
             order = _first(self.override.target) if self.override.active else DEFAULT_ORDER
