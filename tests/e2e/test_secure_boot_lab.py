@@ -144,7 +144,7 @@ def test_secure_boot_required_unsigned_refused_signed_reaches_ready(sb: dict[str
         assert verify(f, sb["cert"])
     mark = serial.stat().st_size
     t2 = time.monotonic()
-    rack.ctl("bmcs", "power", bmc["id"], "cycle")
+    rack.ctl("-y", "bmcs", "power", bmc["id"], "cycle")
     times["power cycle to ready (signed chain, Secure Boot enforced)"] = _wait(
         "ready through the signed chain",
         lambda: rack.json("machines", "show", mid)["state"] == "ready",

@@ -65,6 +65,10 @@ def test_the_bmcs_secure_boot_state_reaches_the_firmware_at_power_on(tmp_path: P
         assert st == 201
         st, _ = redfish(state, m, "PATCH", sb, {"SecureBootEnable": True})
         assert st == 200
+        # As metald boots a machine: a one-time network boot, then power on.
+        st, _ = redfish(state, m, "PATCH", system_path(m), {"Boot": {
+            "BootSourceOverrideTarget": "Pxe", "BootSourceOverrideEnabled": "Once"}})  # fmt: skip
+        assert st == 200
         before = _qemu_pid(m)
         t0 = time.monotonic()
         st, _ = redfish(state, m, "POST", system_path(m) + "/Actions/ComputerSystem.Reset",
