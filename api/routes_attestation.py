@@ -12,9 +12,9 @@ from typing import Annotated, Any
 from pydantic import BaseModel, Field, StringConstraints
 
 from api import workflows
-from api.roles import AGENT
+from api.roles import ADMIN, AGENT
 from api.routing import STAFF, ApiRequest, Router
-from api.schemas import In, MachineOut, Version
+from api.schemas import In, MachineOut, MachineRef, Version
 from metald.errors import Unprocessable
 from metald.usecases.attestation import Attestation
 
@@ -259,3 +259,129 @@ async def remove_key(req: ApiRequest, att: Attestation) -> AttestationView:
         req.require_principal(), req.params["id"], actor=req.actor, reason=req.body.reason
     )
     return AttestationView.model_validate(out)
+
+
+HEX64 = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{64}$")]
+PCR_KEY = Annotated[str, StringConstraints(pattern=r"^(1?[0-9]|2[0-3])$")]
+
+
+class GoldenEventIn(In):
+    type: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    label: Annotated[str, StringConstraints(max_length=256)] = ""
+    digest: HEX64
+
+
+class GoldenIn(In):
+    #: PCR number -> SHA-256 value (hex), as ``GET .../attestation`` shows them.
+    pcrs: dict[PCR_KEY, HEX64] = Field(min_length=1, max_length=24)
+    #: PCR number -> its events in order (type, label, digest): lets a failure name the
+    #: changed events, not only the PCR. Optional.
+    events: dict[PCR_KEY, list[GoldenEventIn]] = Field(default_factory=dict, max_length=24)
+
+
+class SkuGoldenIn(In):
+    reason: Annotated[str, StringConstraints(min_length=1, max_length=500)]
+    #: The values themselves (e.g. from the vendor or a reference boot recorded elsewhere) ...
+    golden: GoldenIn | None = None
+    #: ... or a reference machine of this SKU: its last measured boot.
+    machine_id: MachineRef | None = None
+
+
+class SkuGoldenOut(BaseModel):
+    product: str
+    subject: str
+    source: str
+    set_by: str
+    reason: str | None
+    set_at: datetime
+    attestation_id: str | None
+    pcrs: dict[str, str]
+    #: Machines of this SKU held in attestation-failed whose last measured boot equals the
+    #: new values: back to ready (a PUT only).
+    released: list[str] = []
+
+
+class SkuGoldenList(BaseModel):
+    items: list[SkuGoldenOut]
+
+
+@router.route(
+    "GET",
+    "/api/v1/attestation/skus",
+    summary="List per-SKU golden values",
+    roles=STAFF,
+    response=SkuGoldenList,
+    tag=TAG,
+    use_case=workflows.attestation,
+)
+async def list_skus(req: ApiRequest, att: Attestation) -> SkuGoldenList:
+    """The golden values operators gave per SKU (the SMBIOS product), who set them and why."""
+    return SkuGoldenList.model_validate({"items": await att.skus()})
+
+
+@router.route(
+    "GET",
+    "/api/v1/attestation/skus/{product}",
+    summary="Show a SKU's golden values",
+    roles=STAFF,
+    response=SkuGoldenOut,
+    tag=TAG,
+    errors=(404,),
+    use_case=workflows.attestation,
+)
+async def show_sku(req: ApiRequest, att: Attestation) -> SkuGoldenOut:
+    """One SKU's golden values (``product`` as machines report it, URL-encoded)."""
+    return SkuGoldenOut.model_validate(await att.sku(req.params["product"]))
+
+
+@router.route(
+    "PUT",
+    "/api/v1/attestation/skus/{product}",
+    summary="Set a SKU's golden values",
+    roles=ADMIN,
+    body=SkuGoldenIn,
+    response=SkuGoldenOut,
+    tag=TAG,
+    errors=(404, 422),
+    use_case=workflows.attestation,
+)
+async def set_sku(req: ApiRequest, att: Attestation) -> SkuGoldenOut:
+    """Every machine of this SKU is checked against these values instead of trust on first
+    use. Give them (``golden``: PCR values, optionally their events) or name a reference
+    machine of the SKU (``machine_id``: its last measured boot, e.g. one booted after a
+    firmware rollout). The reason is required (``attestation.sku-golden-set`` event). Held
+    machines of the SKU whose last measured boot equals the new values go back to ready
+    (``released``): a rollout is accepted once, not machine by machine."""
+    b: SkuGoldenIn = req.body
+    golden = None
+    if b.golden is not None:  # stored as the verification core keeps golden values
+        golden = {
+            "alg": "sha256",
+            "pcrs": {k: v.lower() for k, v in b.golden.pcrs.items()},
+            "events": {
+                k: [{**e.model_dump(), "digest": e.digest.lower()} for e in v]
+                for k, v in b.golden.events.items()
+            },
+        }
+    out = await att.set_sku(
+        req.params["product"], reason=b.reason, actor=req.actor, golden=golden,
+        machine_id=b.machine_id,
+    )  # fmt: skip
+    return SkuGoldenOut.model_validate(out)
+
+
+@router.route(
+    "DELETE",
+    "/api/v1/attestation/skus/{product}",
+    summary="Forget a SKU's golden values",
+    roles=ADMIN,
+    body=ReasonIn,
+    status=204,
+    tag=TAG,
+    errors=(404,),
+    use_case=workflows.attestation,
+)
+async def remove_sku(req: ApiRequest, att: Attestation) -> None:
+    """Its machines are checked against their own golden values again (learned or
+    accepted). The reason is recorded (``attestation.sku-golden-removed`` event)."""
+    await att.remove_sku(req.params["product"], reason=req.body.reason, actor=req.actor)

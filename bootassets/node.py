@@ -66,6 +66,9 @@ PROGRAMS = {
     "usr/sbin/slurmstepd": "usr/sbin/slurmstepd-wlm",
     # HTTPS to metald pinned to its CA (metald.ca=), never following a redirect
     "usr/bin/curl": "usr/bin/curl",
+    # A tenant OS's own boot manager tool (the node is the tenant's machine): it changes the
+    # UEFI boot order through efivarfs, what attestation must catch at the next wipe boot.
+    "usr/bin/efibootmgr": "bin/efibootmgr",
 }
 #: The packages holding those programs; their library packages are found by apt.
 TOP_PACKAGES = (
@@ -77,6 +80,7 @@ TOP_PACKAGES = (
     "slurmd",
     "slurm-wlm-basic-plugins",
     "curl",
+    "efibootmgr",
 )
 #: Dependencies apt names that hold no library a program here loads (maintainer-script and
 #: debconf machinery); left out so the download stays small.
@@ -145,7 +149,7 @@ DISK_PACKAGES = ("extlinux", "syslinux-common")
 #: (nf_tables, nf_conntrack) asks the crypto API for crc32c, which no module dependency names:
 #: without crc32c_generic loaded first, nf_tables fails with "Unknown symbol crc32c".
 NODE_ON_DEMAND = ("ext4",)
-NODE_ALWAYS = ("crc32c_generic", "wireguard", "nf_tables", "nft_ct")
+NODE_ALWAYS = ("crc32c_generic", "wireguard", "nf_tables", "nft_ct", "efivarfs")
 NODE_MODULES = [
     *(m for m in build.MODULES if m not in build.ON_DEMAND and m not in build.ALWAYS_LOAD),
     *NODE_ON_DEMAND,

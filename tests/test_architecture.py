@@ -155,7 +155,11 @@ SUBSYSTEM_PATHS = {
     "routes_firmware": ("/api/v1/machines/{id}/firmware/",),
     "routes_elastic": ("/api/v1/tenants/{id}/elastic-",),
     "routes_topology": ("/api/v1/machines/{id}/topology",),
-    "routes_attestation": ("/api/v1/machines/{id}/attestation", "/api/v1/agent/attestation"),
+    "routes_attestation": (
+        "/api/v1/machines/{id}/attestation",
+        "/api/v1/agent/attestation",
+        "/api/v1/attestation/",
+    ),
 }
 
 

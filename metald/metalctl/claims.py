@@ -60,6 +60,16 @@ def register(sub: Subparsers) -> None:
     cc.add_argument(
         "--arch", choices=("amd64", "arm64"), help="CPU architecture (default: the image's)"
     )
+    cc.add_argument(
+        "--secure-boot",
+        action="store_true",
+        help="only machines whose firmware enforces UEFI Secure Boot (the BMC's word)",
+    )
+    cc.add_argument(
+        "--attested",
+        action="store_true",
+        help="only machines whose current boot passed measured-boot attestation",
+    )
     cc.add_argument("--ssh-key", action="append", default=[])
     cc.add_argument("--idempotency-key")
     cc.add_argument(
@@ -146,6 +156,10 @@ def create(args: argparse.Namespace, c: Client) -> None:
         selector["rack"] = args.rack
     if args.arch:
         selector["arch"] = args.arch
+    if args.secure_boot:
+        selector["secure_boot"] = True
+    if args.attested:
+        selector["attested"] = True
     # Names or id prefixes, as everywhere; the claim body takes ids.
     tenant = c.call("GET", f"/api/v1/tenants/{args.tenant}")["id"]
     image = c.call("GET", f"/api/v1/images/{args.image}")["id"]

@@ -12,6 +12,7 @@ import argcomplete
 from metald import __version__
 
 from . import (
+    attestation_skus,
     bmc,
     claims,
     events,
@@ -37,6 +38,7 @@ RESOURCES = (
     whoami,
     bmc,
     firmware,
+    attestation_skus,
     images,
     claims,
     instances,

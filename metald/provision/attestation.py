@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from sqlmodel import Session, col, select
 
 from metald import machines
@@ -113,7 +114,10 @@ def _issued_by(cert: x509.Certificate, issuer: x509.Certificate) -> bool:
     return True
 
 
-def _binding(secret: bytes, ak_name: bytes, ek: rsa.RSAPublicKey) -> str:
+EkKey = rsa.RSAPublicKey | ec.EllipticCurvePublicKey
+
+
+def _binding(secret: bytes, ak_name: bytes, ek: EkKey) -> str:
     """The challenge row's key: the secret bound to the AK's name and the EK it was wrapped
     for, so a secret recovered for one (AK, EK) pair enrolls no other."""
     spki = ek.public_bytes(
@@ -122,7 +126,7 @@ def _binding(secret: bytes, ak_name: bytes, ek: rsa.RSAPublicKey) -> str:
     return hashlib.sha256(secret + ak_name + spki).hexdigest()
 
 
-def _load_ek(ek_public_pem: str | None) -> rsa.RSAPublicKey:
+def _load_ek(ek_public_pem: str | None) -> EkKey:
     if ek_public_pem is None:
         raise Unprocessable(
             "send ek_public (tpm2_readpublic -f pem of the EK): metald binds the attestation "
@@ -132,11 +136,15 @@ def _load_ek(ek_public_pem: str | None) -> rsa.RSAPublicKey:
         ek = serialization.load_pem_public_key(ek_public_pem.encode())
     except ValueError as e:
         raise Unprocessable(f"ek_public is not a PEM public key: {e}") from None
-    if not isinstance(ek, rsa.RSAPublicKey) or ek.key_size < 2048:
+    rsa_ok = isinstance(ek, rsa.RSAPublicKey) and ek.key_size >= 2048
+    ecc_ok = isinstance(ek, ec.EllipticCurvePublicKey) and isinstance(ek.curve, ec.SECP256R1)
+    if not (rsa_ok or ecc_ok):
         raise Unprocessable(
-            "ek_public is not an RSA key of 2048 bits or more: metald activates credentials "
-            "only with an RSA EK (tpm2_createek -G rsa)"
+            "ek_public is neither an RSA key of 2048 bits or more nor a NIST P-256 key: "
+            "metald activates credentials with the TCG default EKs (tpm2_createek -G rsa or "
+            "-G ecc)"
         )
+    assert isinstance(ek, rsa.RSAPublicKey | ec.EllipticCurvePublicKey)
     return ek
 
 
@@ -298,12 +306,21 @@ def _take_nonce(
     return bytes.fromhex(row.nonce)
 
 
+def sku_subject(product: str) -> str:
+    return f"sku:{product}"
+
+
 def golden_for(s: Session, m: Machine) -> AttestationGolden | None:
-    """The machine's own golden values, else its SKU's (given by an operator)."""
-    row = s.get(AttestationGolden, _subject(m.id))
-    if row is None and m.product:
-        row = s.get(AttestationGolden, f"sku:{m.product}")
-    return row
+    """The golden values a machine is checked against. Its SKU's (given by an operator) beat
+    what the machine taught on first use; a technician's accept on this very machine made
+    after the SKU's values were set beats those (a later, narrower decision)."""
+    own = s.get(AttestationGolden, _subject(m.id))
+    sku = s.get(AttestationGolden, sku_subject(m.product)) if m.product else None
+    if sku is None:
+        return own
+    if own is not None and own.source == "accepted" and as_utc(own.set_at) > as_utc(sku.set_at):
+        return own
+    return sku
 
 
 def submit(
@@ -463,6 +480,145 @@ def accept_golden(
     return out
 
 
+def _golden_view(g: AttestationGolden) -> dict[str, Any]:
+    return {
+        "subject": g.subject,
+        "source": g.source,
+        "set_by": g.set_by,
+        "reason": g.reason,
+        "set_at": g.set_at,
+        "attestation_id": g.attestation_id,
+        "pcrs": g.golden.get("pcrs", {}),
+    }
+
+
+def sku_view(g: AttestationGolden) -> dict[str, Any]:
+    return {"product": g.subject.removeprefix("sku:"), **_golden_view(g)}
+
+
+def list_skus(s: Session) -> list[dict[str, Any]]:
+    rows = s.exec(
+        select(AttestationGolden)
+        .where(col(AttestationGolden.subject).startswith("sku:"))
+        .order_by(col(AttestationGolden.subject))
+    ).all()
+    return [sku_view(g) for g in rows]
+
+
+def get_sku(s: Session, product: str) -> AttestationGolden:
+    row = s.get(AttestationGolden, sku_subject(product))
+    if row is None:
+        raise NotFound(f"no golden values for the SKU {product!r}")
+    return row
+
+
+def _measured_of(s: Session, m: Machine) -> Attestation:
+    """The machine's last attestation that measured a boot (learned, passed or failed)."""
+    last = s.exec(
+        select(Attestation)
+        .where(Attestation.machine_id == m.id, col(Attestation.measured).is_not(None))
+        .order_by(col(Attestation.at).desc())
+        .limit(1)
+    ).first()
+    if last is None:
+        raise Unprocessable(
+            f"machine {m.id} has no measured boot yet: it attests in its next discovery boot"
+        )
+    return last
+
+
+def _same(measured: dict[str, Any] | None, golden: dict[str, Any]) -> bool:
+    """Whether a boot's measurements equal golden values on every PCR the golden values name."""
+    got, want = (measured or {}).get("pcrs", {}), golden.get("pcrs", {})
+    return bool(want) and all(got.get(k) == v for k, v in want.items())
+
+
+def set_sku_golden(
+    s: Session,
+    product: str,
+    *,
+    reason: str,
+    actor: str,
+    instance: str | None,
+    pcrs: tuple[int, ...],
+    golden: dict[str, Any] | None = None,
+    from_machine: str | None = None,
+    releasable: Callable[[str], bool] = lambda _mid: True,
+) -> tuple[AttestationGolden, list[str]]:
+    """An operator gives the golden values of every machine of ``product`` (the SMBIOS
+    product: a SKU), either as PCR values (and optionally their events) or as a reference
+    machine's last measured boot (for example one booted after a firmware rollout). Machines
+    of that SKU are checked against them instead of trust on first use. Machines of the SKU
+    held in attestation-failed whose last measured boot equals the new values go back to
+    ready (the rollout accepted once for all of them); their ids are returned."""
+    attestation_id = None
+    if (golden is None) == (from_machine is None):
+        raise Unprocessable("give either golden (PCR values) or machine_id (a reference machine)")
+    if from_machine is not None:
+        ref = machines.get_machine(s, from_machine)
+        if ref.product != product:
+            raise Unprocessable(
+                f"machine {ref.id} is a {ref.product!r}, not a {product!r}: its boot is "
+                "not this SKU's"
+            )
+        last = _measured_of(s, ref)
+        golden, attestation_id = dict(last.measured or {}), last.id
+    assert golden is not None
+    missing = sorted(set(pcrs) - {int(k) for k in golden.get("pcrs", {})})
+    if missing:
+        raise Unprocessable(
+            f"the golden values lack PCR {', '.join(map(str, missing))}: "
+            "attestation.pcrs compares them all"
+        )
+    now = utcnow()
+    row = s.get(AttestationGolden, sku_subject(product))
+    previous = None if row is None else row.golden.get("pcrs", {})
+    if row is None:
+        row = AttestationGolden(subject=sku_subject(product), golden={}, source="", set_by="")
+    row.golden, row.source, row.set_by, row.reason = golden, "operator", actor, reason
+    row.set_at, row.attestation_id = now, attestation_id
+    s.add(row)
+    machines.add_event(
+        s, "attestation.sku-golden-set", actor, reason=reason, instance=instance,
+        data={"product": product, "pcrs": golden.get("pcrs", {}), "previous": previous,
+              "from_machine": from_machine, "attestation_id": attestation_id},
+    )  # fmt: skip
+    released = []
+    held = s.exec(
+        select(Machine).where(
+            Machine.product == product, Machine.state == State.ATTESTATION_FAILED.value
+        )
+    ).all()
+    for m in held:
+        last = _measured_of(s, m)
+        if not _same(last.measured, golden) or not releasable(m.id):
+            continue
+        last.accepted_by, last.accepted_reason, last.accepted_at = actor, reason, now
+        s.add(last)
+        out = machines.transition(
+            s, m.id, Trigger.ACCEPT_GOLDEN, actor=actor,
+            reason=f"its SKU's new golden values: {reason}",
+            data={"attestation_id": last.id, "product": product},
+            instance=instance, machine=m, commit=False,
+        )  # fmt: skip
+        out.attested_boot = last.boot
+        s.add(out)
+        released.append(m.id)
+    return row, released
+
+
+def remove_sku_golden(
+    s: Session, product: str, *, reason: str, actor: str, instance: str | None
+) -> None:
+    """Forget a SKU's golden values: its machines go back to their own (learned or accepted)."""
+    row = get_sku(s, product)
+    s.delete(row)
+    machines.add_event(
+        s, "attestation.sku-golden-removed", actor, reason=reason, instance=instance,
+        data={"product": product, "pcrs": row.golden.get("pcrs", {})},
+    )  # fmt: skip
+
+
 def remove_key(
     s: Session, machine_id: str, *, reason: str, actor: str, instance: str | None
 ) -> None:
@@ -500,16 +656,7 @@ def view(s: Session, m: Machine, *, limit: int = 10) -> dict[str, Any]:
             "enrolled_at": key.enrolled_at,
             "ek_certificate": key.ek_certificate is not None,
         },
-        "golden": None
-        if golden is None
-        else {
-            "subject": golden.subject,
-            "source": golden.source,
-            "set_by": golden.set_by,
-            "reason": golden.reason,
-            "set_at": golden.set_at,
-            "pcrs": golden.golden.get("pcrs", {}),
-        },
+        "golden": None if golden is None else _golden_view(golden),
         "attestations": [
             {
                 "id": r.id,

@@ -14,7 +14,7 @@ from sqlmodel import Session
 from metald import machines
 from metald.auth import Principal, Role, require_agent_phase
 from metald.provision import attestation as att
-from metald.repairs import check_manual
+from metald.repairs import check_manual, open_of
 from metald.store.db import Store
 from metald.usecases import Writes
 from metald.usecases.machines import load_visible, view_of
@@ -149,5 +149,43 @@ class Attestation:
 
         try:
             return await self.store.run(run)
+        finally:
+            self.notify()
+
+    async def skus(self) -> list[dict[str, Any]]:
+        return await self.store.read(att.list_skus)
+
+    async def sku(self, product: str) -> dict[str, Any]:
+        return await self.store.read(lambda s: att.sku_view(att.get_sku(s, product)))
+
+    async def set_sku(
+        self, product: str, *, reason: str, actor: str, golden: dict[str, Any] | None,
+        machine_id: str | None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """An operator's golden values for a SKU (or a reference machine's boot); held
+        machines of that SKU measuring exactly them go back to ready."""
+        pcrs = tuple(self.cfg.pcrs)
+
+        def run(s: Session) -> dict[str, Any]:
+            row, released = att.set_sku_golden(
+                s, product, reason=reason, actor=actor, instance=self.instance, pcrs=pcrs,
+                golden=golden, from_machine=machine_id,
+                releasable=lambda mid: open_of(s, mid) is None,
+            )  # fmt: skip
+            s.commit()
+            return {**att.sku_view(row), "released": released}
+
+        try:
+            return await self.store.run(run)
+        finally:
+            self.notify()
+
+    async def remove_sku(self, product: str, *, reason: str, actor: str) -> None:
+        def run(s: Session) -> None:
+            att.remove_sku_golden(s, product, reason=reason, actor=actor, instance=self.instance)
+            s.commit()
+
+        try:
+            await self.store.run(run)
         finally:
             self.notify()

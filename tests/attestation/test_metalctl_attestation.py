@@ -24,7 +24,7 @@ def _held(_cfg: Any, store: Store, _tokens: Tokens) -> None:
     """A machine that learned its golden values in one discovery boot and failed in the next
     (its BootOrder changed): held, through the same functions the API calls."""
     with store.session() as s:
-        m = Machine(name="held1", state=State.INSPECTING.value)
+        m = Machine(name="held1", state=State.INSPECTING.value, product="lab board")
         s.add(m)
         s.commit()
         # The credential activation answered in the fixture TPM's stead (it is not running
@@ -76,3 +76,30 @@ def test_show_then_accept_golden(live: LoopbackApi, capsys: pytest.CaptureFixtur
     assert "held1: ready" in capsys.readouterr().out
     assert main(["machines", "attestation", "held1"]) == 0
     assert "accepted by" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_skus_golden_values_from_a_reference_machine(
+    live: LoopbackApi, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The firmware rollout accepted once for the SKU: held1's measured boot becomes the
+    "lab board" SKU's golden values, and held1 (measuring exactly them) is ready again."""
+    args = ["attestation", "set-sku", "lab board", "--from-machine", "held1"]
+    with pytest.raises(SystemExit):  # --reason is required
+        main(args)
+    capsys.readouterr()
+    assert main([*args, "--reason", "BIOS 1.1"]) != 0  # technicians may not: admins only
+    capsys.readouterr()
+    assert live.tokens is not None
+    monkeypatch.setenv("METALD_TOKEN", live.tokens.admin)
+    assert main([*args, "--reason", "BIOS 1.1 rolled out"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("lab board: operator by") and "PCR 1: " in out
+    assert "back to ready: " in out
+    assert main(["machines", "show", "held1"]) == 0
+    assert "ready" in capsys.readouterr().out
+    assert main(["attestation", "skus"]) == 0
+    assert "BIOS 1.1 rolled out" in capsys.readouterr().out
+    assert main(["attestation", "remove-sku", "lab board", "--reason", "gone"]) == 0
+    capsys.readouterr()
+    assert main(["attestation", "sku", "lab board"]) != 0

@@ -131,11 +131,17 @@ class Lab:
         nic_rom: bool = True,
         rng: bool = False,
         arm64: int = 0,
+        tpm: bool = False,
+        secure_boot: bool = False,
     ) -> None:
         """``nic_rom=False``: the NIC has no option ROM (no iPXE), so the firmware network-boots
         with its own PXE (OVMF: DHCP, TFTP of ipxe.efi, then iPXE). ``rng``: each machine gets
         a virtio RNG (``vmlab.qemu.MachineSpec.rng``). ``arm64``: the last this many of the
-        UEFI machines are arm64 (QEMU's virt board, AAVMF, TCG; ``vmlab.qemu``)."""
+        UEFI machines are arm64 (QEMU's virt board, AAVMF, TCG; ``vmlab.qemu``). ``tpm``: each
+        amd64 UEFI machine gets a TPM 2.0 (swtpm, with an EK certificate) and OVMF's measured
+        boot (``vmlab.qemu.create_tpm``). ``secure_boot``: each amd64 UEFI machine boots OVMF's
+        Secure Boot build, and its BMC's Secure Boot state is written into its variables at
+        each power-on through the BMC (``vmlab.secureboot_fw``)."""
         self.name = plan.check_name(name)
         self.machines = machines
         self.uefi = machines // 2 if uefi is None else uefi
@@ -151,6 +157,8 @@ class Lab:
         if not 0 <= arm64 <= self.uefi:
             raise LabError(f"arm64 machines boot UEFI: arm64 must be 0..{self.uefi}, not {arm64}")
         self.arm64 = arm64
+        self.tpm = tpm
+        self.secure_boot = secure_boot
         self.state: dict[str, Any] = {}
 
     @classmethod
@@ -190,6 +198,9 @@ class Lab:
         machines = []
         for m in plan.plan_machines(slot, self.machines, self.uefi):
             base = self.dir / m.name
+            arch = "arm64" if m.index >= self.machines - self.arm64 else "amd64"
+            uefi_amd64 = m.firmware == "uefi" and arch == "amd64"
+            has_tpm = self.tpm and uefi_amd64
             machines.append(
                 {
                     "name": m.name,
@@ -203,7 +214,11 @@ class Lab:
                     "cpus": self.cpus,
                     "nic_rom": self.nic_rom,
                     "rng": self.rng,
-                    "arch": "arm64" if m.index >= self.machines - self.arm64 else "amd64",
+                    "arch": arch,
+                    "tpm": {"state": f"{base}.tpm", "socket": f"{base}.tpm.sock"}
+                    if has_tpm
+                    else None,
+                    "secure_boot": self.secure_boot and uefi_amd64,
                     "disk": f"{base}.qcow2",
                     "uefi_vars": f"{base}.vars.fd" if m.firmware == "uefi" else None,
                     "serial_log": f"{base}.serial.log",
@@ -257,10 +272,16 @@ class Lab:
         for m in s["machines"]:
             qemu.create_disk(Path(m["disk"]), self.disk_size)
             if m["uefi_vars"]:
-                qemu.create_uefi_vars(Path(m["uefi_vars"]), m.get("arch", "amd64"))
+                big = bool(m.get("tpm") or m.get("secure_boot"))
+                qemu.create_uefi_vars(Path(m["uefi_vars"]), m.get("arch", "amd64"), tpm=big)
+            if m.get("tpm"):
+                self._start_tpm(m)
             spec = self._spec(m)
             log = Path(m["qemu_log"])
-            proc = self.spawn(qemu.command_line(spec, s["accel"]), role="qemu", log=log, machine=m)
+            argv = qemu.command_line(spec, s["accel"])
+            if m.get("secure_boot"):
+                m["qemu_argv"] = argv  # its BMC restarts it on new variables (secureboot_fw)
+            proc = self.spawn(argv, role="qemu", log=log, machine=m)
             started.append((m, proc))
         for m, proc in started:
             qemu.wait_for_socket(Path(m["qmp_bmc"]), proc, Path(m["qemu_log"]))
@@ -275,6 +296,18 @@ class Lab:
             _wait_ready(Path(m["bmc_ready"]), proc, Path(m["bmc_log"]))
         s["status"] = "up"
         self._save()
+
+    def _start_tpm(self, m: dict[str, Any]) -> None:
+        tpm = m["tpm"]
+        state, sock = Path(tpm["state"]), Path(tpm["socket"])
+        qemu.create_tpm(state)
+        log = Path(tpm["state"] + ".log")
+        proc = self.spawn(qemu.tpm_command_line(state, sock), role="swtpm", log=log, machine=m)
+        deadline = time.monotonic() + BMC_READY_TIMEOUT
+        while not sock.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise LabError(f"swtpm for {m['name']} did not start: {_tail(log)}")
+            time.sleep(0.05)
 
     def _spec(self, m: dict[str, Any]) -> qemu.MachineSpec:
         return qemu.MachineSpec(
@@ -294,6 +327,8 @@ class Lab:
             nic_rom=m.get("nic_rom", True),
             rng=m.get("rng", False),
             arch=m.get("arch", "amd64"),
+            tpm_socket=Path(m["tpm"]["socket"]) if m.get("tpm") else None,
+            secure_boot=bool(m.get("secure_boot")),
         )
 
     # ---- processes in the namespace ------------------------------------------------------------

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,6 +132,24 @@ class MachineControl:
             self._end_hang()
             await self.qmp.execute("stop")
         self._held = None
+
+    async def replace_qemu(self, restart: Callable[[], Awaitable[None]]) -> None:
+        """Run ``restart`` (which stops this machine's QEMU and starts a new one on the same
+        sockets), then reconnect and put the boot order (with any override) back: the new
+        QEMU starts with the command line's order, and a pending once-override still holds."""
+        async with self._lock:
+            if self._once_watch is not None:
+                self._once_watch.cancel()
+                self._once_watch = None
+            await restart()
+            # The same client, reconnected: others hold it too (the virtual CD drive).
+            await self.qmp.close()
+            await self.qmp.connect()
+            self._generation += 1
+            order = _first(self.override.target) if self.override.active else DEFAULT_ORDER
+            await self._set_order(order)
+            if self.override.active and self.override.mode == "once":
+                self._once_watch = asyncio.create_task(self._consume_once(self._generation))
 
     async def soft_off(self) -> None:
         async with self._lock:

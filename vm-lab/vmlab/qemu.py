@@ -30,6 +30,14 @@ OVMF_VARS = Path("/usr/share/OVMF/OVMF_VARS.fd")
 QEMU_ARM64 = "qemu-system-aarch64"
 AAVMF_CODE = Path("/usr/share/AAVMF/AAVMF_CODE.fd")
 AAVMF_VARS = Path("/usr/share/AAVMF/AAVMF_VARS.fd")
+#: A machine with a TPM boots the 4 MB build of OVMF: the one with measured boot (TPM 2.0
+#: measurements and the TCG2 event log) that the attestation proofs use.
+OVMF_CODE_4M = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
+OVMF_VARS_4M = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")
+#: A Secure Boot machine boots OVMF's Secure Boot build (which needs SMM); its variables
+#: start without keys (setup mode) until its BMC enrolls some (vmlab.secureboot_fw).
+OVMF_CODE_SECBOOT = Path("/usr/share/OVMF/OVMF_CODE_4M.secboot.fd")
+SWTPM = "swtpm"
 ARM64_CPU = "cortex-a72"
 PROBE_KERNEL = Path("/usr/lib/ipxe/ipxe.lkrn")
 NIC_ID = "nic0"
@@ -68,6 +76,11 @@ class MachineSpec:
     rng: bool = False
     #: "amd64" (q35/pc with OVMF/SeaBIOS) or "arm64" (virt with AAVMF, UEFI only, TCG).
     arch: str = "amd64"
+    #: swtpm's control socket: the machine has a TPM 2.0 (``tpm-tis``) and boots OVMF's 4 MB
+    #: build, which measures the boot into it (UEFI amd64 machines only).
+    tpm_socket: Path | None = None
+    #: OVMF's Secure Boot build (SMM, the variable store on a secure pflash; UEFI amd64).
+    secure_boot: bool = False
 
 
 # ---- accelerator -------------------------------------------------------------------------------
@@ -155,13 +168,34 @@ def create_disk(path: Path, size: str = "2G") -> None:
     )
 
 
-def create_uefi_vars(path: Path, arch: str = "amd64") -> None:
+def create_uefi_vars(path: Path, arch: str = "amd64", tpm: bool = False) -> None:
+    """``tpm``: the 4 MB store (OVMF's measured-boot and Secure Boot builds use it)."""
     """Each UEFI machine gets its own copy of the variable store, as a real board has."""
-    vars_file = AAVMF_VARS if arch == "arm64" else OVMF_VARS
+    vars_file = AAVMF_VARS if arch == "arm64" else OVMF_VARS_4M if tpm else OVMF_VARS
     if not vars_file.exists():
         pkg = "qemu-efi-aarch64" if arch == "arm64" else "ovmf"
         raise QemuError(f"{vars_file} is missing: install the Debian package {pkg}")
     shutil.copyfile(vars_file, path)
+
+
+def create_tpm(state_dir: Path) -> None:
+    """A machine's TPM 2.0, made once as at the factory: swtpm_setup with an EK and its
+    certificate (swtpm's local CA), SHA-256 PCR bank. It keeps its state for the lab's life."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(
+        ["swtpm_setup", "--tpm2", "--tpmstate", str(state_dir), "--create-ek-cert",
+         "--overwrite", "--pcr-banks", "sha256"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    if r.returncode != 0:
+        raise QemuError(f"swtpm_setup failed: {r.stderr.strip() or r.stdout.strip()}")
+
+
+def tpm_command_line(state_dir: Path, socket: Path) -> list[str]:
+    """swtpm serving one machine's TPM on ``socket`` for as long as the lab lives (QEMU resets
+    it at every machine reset, as a board resets its TPM)."""
+    return [SWTPM, "socket", "--tpm2", "--tpmstate", f"dir={state_dir}",
+            "--ctrl", f"type=unixio,path={socket}"]  # fmt: skip
 
 
 def serial_socket(serial_log: Path) -> Path:
@@ -173,6 +207,8 @@ def command_line(spec: MachineSpec, accel: str) -> list[str]:
     if spec.arch == "arm64":
         return arm64_command_line(spec)
     machine_type = "q35" if spec.firmware == "uefi" else "pc"
+    if spec.secure_boot:
+        machine_type += ",smm=on"
     argv = [
         QEMU,
         "-name", f"{spec.name},process=vmlab-{spec.name}",
@@ -212,10 +248,20 @@ def command_line(spec: MachineSpec, accel: str) -> list[str]:
     if spec.firmware == "uefi":
         if spec.uefi_vars is None:
             raise QemuError(f"{spec.name}: a UEFI machine needs its variable store")
+        code = OVMF_CODE_4M if spec.tpm_socket else OVMF_CODE
+        if spec.secure_boot:  # only SMM code may write the variables (the guest OS cannot)
+            code = OVMF_CODE_SECBOOT
+            argv += ["-global", "driver=cfi.pflash01,property=secure,value=on"]
         argv += [
-            "-drive", f"if=pflash,format=raw,unit=0,readonly=on,file={OVMF_CODE}",
+            "-drive", f"if=pflash,format=raw,unit=0,readonly=on,file={code}",
             "-drive", f"if=pflash,format=raw,unit=1,file={spec.uefi_vars}",
         ]  # fmt: skip
+        if spec.tpm_socket is not None:
+            argv += [
+                "-chardev", f"socket,id=chrtpm,path={spec.tpm_socket}",
+                "-tpmdev", "emulator,id=tpm0,chardev=chrtpm",
+                "-device", "tpm-tis,tpmdev=tpm0",
+            ]  # fmt: skip
     else:
         # SeaBIOS halts on "No bootable device"; retry like a server that loops on PXE.
         argv += ["-boot", "reboot-timeout=5000"]

@@ -144,9 +144,13 @@ class LabRack:
         rng: bool = False,
         arm64: int = 0,
         assets: Path | None = None,
+        tpm: bool = False,
+        secure_boot: bool = False,
+        bmc_config: str = "",
     ) -> None:
         """``extra_config``: TOML appended to metald's config, or a function of the lab's state
         (slot, bridge, subnet) returning it; ``boot_config``: lines added to its [boot] table;
+        ``bmc_config``: lines added to its [bmc] table (e.g. ``secure_boot_cert``);
         ``assets``: the boot assets folder (default: the discovery image's build, cached).
         ``arm64``: the last this many UEFI machines are arm64 (``vmlab.lab.Lab``); metald's
         assets folder then also holds the arm64 image (under arm64/) and the lab's own iPXE
@@ -161,9 +165,10 @@ class LabRack:
         if arm64:
             self.assets = arm64_assets(self.assets, self.workdir / "assets")
         self._boot_config = boot_config
+        self._bmc_config = bmc_config
         self.lab = Lab(
             name, machines=machines, uefi=uefi, workdir=self.workdir / "lab", nic_rom=nic_rom,
-            rng=rng, arm64=arm64,
+            rng=rng, arm64=arm64, tpm=tpm, secure_boot=secure_boot,
         )  # fmt: skip
         try:
             self.state: dict[str, Any] = self.lab.up()
@@ -192,6 +197,7 @@ class LabRack:
             f'[api]\nlisten = "{addr}:8080"\n'
             "[bmc]\npower_sync_interval_s = 0\nmin_interval_ms = 0\n"
             'networks = ["127.0.0.0/8", "0.0.0.0/0", "::/0"]\n'
+            f"{self._bmc_config}"
             f'[boot]\nenabled = true\ninterfaces = ["{bridge}"]\nserver_address = "{addr}"\n'
             f'assets_dir = "{self.assets}"\nrouter_advertisements = true\n{self._boot_config}'
             f'[[boot.networks]]\nname = "lab"\nsubnet = "{st["subnet"]}"\npool_start = "{lo}"\n'

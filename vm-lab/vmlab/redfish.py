@@ -346,6 +346,10 @@ async def reset_action(request: web.Request) -> web.Response:
         "Nmi": control.nmi,
     }[reset_type]
     control.record(request.remote or "", "redfish", f"power {REDFISH_POWER[reset_type]}")
+    apply = request.app.get(redfish_secureboot.APPLY)
+    if apply is not None and reset_type in ("On", "ForceRestart", "PowerCycle"):
+        # The firmware reads its Secure Boot variables as it starts: bring them in step first.
+        await apply(request.app[redfish_secureboot.SECURE_BOOT])
     await action()
     if reset_type in ("On", "ForceRestart", "PowerCycle"):
         request.app[redfish_bios.BIOS].reboot()  # pending BIOS settings apply as it starts

@@ -8,8 +8,10 @@ certificates enrolled in each UEFI variable; a client POSTs a PEM certificate (2
 ``Location``) or DELETEs one. Changes take effect at the machine's next reset through this BMC,
 as real firmware reads its variables as it starts.
 
-Only the state is kept: the lab machine's OVMF variable store is not rewritten from it (QEMU
-reads its pflash once, at start). The lab's default PK and KEK are one self-signed "vendor"
+A machine built with Secure Boot (``Lab(secure_boot=True)``) gets this state written into its
+OVMF variable store at that reset (``vmlab.secureboot_fw``: QEMU reads its pflash once, at
+start, so the BMC restarts it on the new variables); on other UEFI machines only the state is
+kept. The lab's default PK and KEK are one self-signed "vendor"
 certificate made when the BMC starts; ``db`` and ``dbx`` start empty. Only UEFI machines have
 these resources; a legacy-BIOS machine's BMC answers 404.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,6 +122,9 @@ def vendor_cert(common_name: str = "vm-lab platform key") -> str:
 
 
 SECURE_BOOT = web.AppKey("secure_boot", SecureBootState)
+#: Set on a Secure Boot machine's BMC: brings its firmware's variables in step with the state
+#: before a power-on (``vmlab.secureboot_fw.FirmwareVars.apply``).
+APPLY = web.AppKey("secure_boot_apply", Callable[[SecureBootState], Awaitable[bool]])
 
 
 _json = redfish_json.json_response

@@ -27,8 +27,9 @@ import pyghmi.ipmi.bmc as pyghmi_bmc
 import pyghmi.ipmi.private.serversession as serversession
 from aiohttp import web
 
-from . import qemu, redfish
+from . import qemu, redfish, redfish_secureboot
 from .power import MachineControl, hung_marker
+from .secureboot_fw import FirmwareVars
 from .vsel import SystemEventLog
 from .vsol import SolBridge
 
@@ -210,7 +211,10 @@ async def serve(state_path: Path, machine_name: str) -> None:
         password=bmc["password"],
         media_dir=Path(machine["disk"]).parent,
     )
-    runner = web.AppRunner(redfish.make_app(control, info), access_log=None)
+    app = redfish.make_app(control, info)
+    if machine.get("secure_boot") and redfish_secureboot.SECURE_BOOT in app:
+        app[redfish_secureboot.APPLY] = FirmwareVars(machine, state, control).apply
+    runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, bmc["address"], bmc["redfish_port"]).start()
 
