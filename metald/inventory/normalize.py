@@ -18,33 +18,10 @@ from pydantic import BaseModel, ConfigDict
 
 from metald.arch import from_uname
 from metald.inventory import pci_ids
+from metald.inventory.cpuname import cpu_model
+from metald.inventory.dmistrings import clean
 from metald.inventory.nvlink import NvlinkFacts, parse_fabric
 from metald.inventory.schema import SCHEMA_VERSION, InventoryPayload
-
-#: Strings firmware vendors leave in DMI fields that identify nothing.
-_PLACEHOLDERS = {
-    "",
-    "none",
-    "n/a",
-    "na",
-    "not specified",
-    "not applicable",
-    "not available",
-    "to be filled by o.e.m.",
-    "default string",
-    "system serial number",
-    "system product name",
-    "system manufacturer",
-    "chassis serial number",
-    "base board serial number",
-    "0",
-    "0123456789",
-    "1234567890",
-    "123456789",
-    "unknown",
-    "oem",
-    "o.e.m.",
-}
 
 
 class DiskFacts(BaseModel):
@@ -153,16 +130,6 @@ class NormalizedInventory(BaseModel):
             "nvlink_domain": self.nvlink.domain if self.nvlink else None,
             "nvlink_ready": bool(self.nvlink and self.nvlink.ready),
         }
-
-
-def clean(value: str | None) -> str | None:
-    """A DMI/tool string, or None when it is a placeholder that identifies nothing."""
-    if value is None:
-        return None
-    v = " ".join(value.split())
-    if v.lower() in _PLACEHOLDERS or set(v) <= {"0", "-", " "} or set(v.lower()) <= {"f", "-"}:
-        return None
-    return v
 
 
 def clean_uuid(value: str | None) -> str | None:
@@ -354,7 +321,7 @@ def normalize(payload: InventoryPayload) -> NormalizedInventory:
         product=clean(s.product),
         serial=clean(s.serial) or clean(s.chassis_serial),
         system_uuid=clean_uuid(s.uuid),
-        cpu_model=clean(payload.cpu.model),
+        cpu_model=cpu_model(payload.cpu),
         arch=from_uname(payload.cpu.arch),
         cpu_count=payload.cpu.logical or None,
         cpu_sockets=payload.cpu.sockets,
