@@ -155,6 +155,10 @@ class RawOutputs(_Strict):
 
     #: ``nvidia-smi -q -x``
     nvidia_smi_xml: Annotated[str, Field(max_length=768 * 1024)] | None = None
+    #: ``nvidia-smi nvlink -s``: each GPU's NVLink links, their speed or inactive
+    nvidia_smi_nvlink: Annotated[str, Field(max_length=256 * 1024)] | None = None
+    #: ``nvidia-smi topo -m``: the GPU/NIC connection matrix (NV#, PIX, SYS, ...)
+    nvidia_smi_topo: Annotated[str, Field(max_length=64 * 1024)] | None = None
     #: ``rocm-smi --showproductname --showbus --showserial --json`` (or a superset of it)
     rocm_smi_json: Annotated[str, Field(max_length=256 * 1024)] | None = None
     #: ``ipmitool lan print`` (BMC address, MAC, address source)
