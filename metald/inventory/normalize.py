@@ -21,6 +21,7 @@ from metald.inventory import pci_ids
 from metald.inventory.cpuname import cpu_model
 from metald.inventory.dmistrings import clean
 from metald.inventory.nvlink import NvlinkFacts, parse_fabric
+from metald.inventory.nvlinkmatrix import NvlinkLinks, links_facts
 from metald.inventory.schema import SCHEMA_VERSION, InventoryPayload
 
 
@@ -112,6 +113,8 @@ class NormalizedInventory(BaseModel):
     infiniband: list[IbPortFacts] = []
     #: The GPUs' NVLink fabric (multi-node NVLink systems); None without one.
     nvlink: NvlinkFacts | None = None
+    #: The NVLink link matrix (nvidia-smi nvlink -s and topo -m); None without either.
+    nvlink_links: NvlinkLinks | None = None
 
     def machine_fields(self) -> dict[str, Any]:
         """The ``Machine`` columns this inventory sets (arch only when it says: an older
@@ -316,6 +319,7 @@ def normalize(payload: InventoryPayload) -> NormalizedInventory:
             nvlink = parse_fabric(payload.raw.nvidia_smi_xml)
         except (ET.ParseError, ValueError):
             nvlink = None
+    links = links_facts(payload.raw.nvidia_smi_nvlink, payload.raw.nvidia_smi_topo)
     return NormalizedInventory(
         vendor=clean(s.vendor),
         product=clean(s.product),
@@ -368,6 +372,7 @@ def normalize(payload: InventoryPayload) -> NormalizedInventory:
             for p in payload.infiniband
         ],
         nvlink=nvlink,
+        nvlink_links=links,
     )
 
 
