@@ -243,12 +243,11 @@ def test_the_released_arm64_machine_is_wiped_back_to_ready(
     if "claim" not in arm64_rack.shared:
         pytest.skip("the claim test did not get the machine active")
     t, claim = arm64_rack.shared["tenant"], arm64_rack.shared["claim"]
-    # the node image's busybox: 64 KiB blocks of /dev/urandom at both ends of the disk
     write = (
-        "n=$(($(cat /sys/block/vda/size) / 128)) && "
-        "dd if=/dev/urandom of=/dev/vda bs=65536 count=16 conv=fsync 2>/dev/null && "
-        "dd if=/dev/urandom of=/dev/vda bs=65536 seek=$((n - 16)) count=16 conv=fsync "
-        "2>/dev/null && echo written"
+        "head -c 1048576 /dev/urandom > /tmp/junk && "
+        "dd if=/tmp/junk of=/dev/vda bs=1M count=1 conv=fsync status=none && "
+        "dd if=/tmp/junk of=/dev/vda bs=1M seek=$(($(blockdev --getsize64 /dev/vda) / 1048576 - 1)) "
+        "count=1 conv=fsync status=none && echo written"
     )
     r = controlplane.exec_in(rack.state_dir, t["id"], ["srun", "-N1", "sh", "-c", write], timeout=180)  # fmt: skip
     assert r.returncode == 0 and "written" in r.stdout, (r.stdout, r.stderr)
