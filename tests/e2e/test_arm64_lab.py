@@ -271,3 +271,70 @@ def test_the_released_arm64_machine_is_wiped_back_to_ready(
     print(
         f"\narm64 release to wiped and ready: {t_wipe:.1f} s ({_phases(times, 'active', 'ready')})"
     )
+
+
+def test_the_arm64_disk_form_is_deployed_and_boots_under_uefi(
+    arm64_rack: Arm64Rack, tmp_path: Path
+) -> None:
+    """The node image's arm64 disk form (GPT, an EFI system partition with systemd-boot at
+    EFI/BOOT/BOOTAA64.EFI, ext4 root) as a disk image: the deploy agent writes it and the NoCloud
+    seed, AAVMF boots it from the disk, the node reads its seed from the root partition, joins
+    the tenant's Slurm; the release wipes it back to ready."""
+    import json
+
+    from bootassets.node import ensure_node_built
+    from metald.tenants import controlplane
+
+    rack, m, item = arm64_rack.rack, arm64_rack.machine, arm64_rack.item
+    if "tenant" not in arm64_rack.shared:
+        pytest.skip("the claim test did not make the tenant")
+    if rack.json("machines", "show", item["id"])["state"] != "ready":
+        pytest.skip("the machine was not wiped back to ready")
+    t = arm64_rack.shared["tenant"]
+    node = ensure_node_built(arch="arm64")
+    manifest = json.loads((node / "manifest.json").read_text())
+    assert manifest["disk"]["table"] == "gpt", manifest.get("disk")
+    base = rack._serve(node, 8083, "node-disk-server-arm64")
+    img = rack.json(
+        "images", "create", "node-arm64-disk", "--kind", "disk", "--arch", "arm64",
+        "--url", f"{base}/disk.raw", "--sha256", manifest["files"]["disk.raw"]["sha256"],
+        "--size", str(manifest["files"]["disk.raw"]["size"]),
+    )  # fmt: skip
+    serial = Path(m["serial_log"])
+    before = len(serial.read_bytes())
+    t0 = time.monotonic()
+    claim = rack.json("claims", "create", "--tenant", t["id"], "--count", "1", "--image", img["id"])  # fmt: skip
+    assert [x["id"] for x in claim["machines"]] == [item["id"]]
+
+    def active() -> bool:
+        return bool(rack.json("machines", "show", item["id"])["state"] == "active")
+
+    waiting.wait_for("the arm64 disk node active", active, ACTIVE_TIMEOUT_S, every=3, explain=rack.diagnostics)  # fmt: skip
+    t_active = time.monotonic() - t0
+    log = serial.read_bytes()[before:].decode(errors="replace")
+    assert "metald-node: disk boot: reading the NoCloud seed" in log, log[-3000:]
+    assert "from the seed on /dev/vda2" in log, log[-3000:]  # the GPT's root partition
+
+    def idle() -> bool:
+        r = controlplane.exec_in(rack.state_dir, t["id"], ["sinfo", "-h", "-N", "-o", "%N %t"], timeout=60)  # fmt: skip
+        return "idle" in r.stdout.split()
+
+    waiting.wait_for("the arm64 disk node idle in sinfo", idle, 180, every=2, explain=rack.diagnostics)  # fmt: skip
+    r = controlplane.exec_in(rack.state_dir, t["id"], ["srun", "-N1", "uname", "-m"], timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["aarch64"], (r.stdout, r.stderr)
+    first, _ = disk_ends(m["disk"], tmp_path)
+    assert first[510:512] == b"\x55\xaa" and first[512:520] == b"EFI PART"  # a GPT on the disk
+    times = _state_times(rack, item["id"])
+    print(
+        f"\narm64 disk form: claim to active {t_active:.1f} s ({_phases(times, 'claimed', 'active')})"
+    )
+    t1 = time.monotonic()
+    rack.ctl("claims", "release", claim["id"], "--yes")
+
+    def ready() -> bool:
+        return bool(rack.json("machines", "show", item["id"])["state"] == "ready")
+
+    waiting.wait_for("the arm64 disk node wiped and ready", ready, WIPE_TIMEOUT_S, every=3, explain=rack.diagnostics)  # fmt: skip
+    first, last = disk_ends(m["disk"], tmp_path)
+    assert first == b"\0" * len(first) and last == b"\0" * len(last), "disk ends wiped"
+    print(f"arm64 disk form: release to wiped and ready {time.monotonic() - t1:.1f} s")
