@@ -142,3 +142,36 @@ async def test_the_machine_topology_shows_the_matrix(api) -> None:  # type: igno
     assert len(links["pairs"]) == 28
     assert links["matrix"]["cells"]["GPU0"]["NIC8"] == "PIX"
     assert links["gpus"][2]["all_inactive"] is True
+
+
+async def test_metalctl_machines_topology_prints_the_matrix(api, capsys) -> None:  # type: ignore[no-untyped-def]
+    import argparse
+
+    from metald.metalctl import topology as ctl
+
+    client, tokens, store = api
+    raw = {"nvidia_smi_nvlink": A6000_NVLINK.read_text(), "nvidia_smi_topo": A6000_TOPO.read_text()}
+    p = parse_payload(payload(raw=raw))
+    norm = normalize(p)
+    with store.session() as s:
+        m = Machine(name="a6000-box", state=State.READY.value, inventory=inventory_document(p, norm), **norm.machine_fields())  # fmt: skip
+        s.add(m)
+        s.commit()
+        mid = m.id
+    r = await client.get(f"/api/v1/machines/{mid}/topology", headers=tokens.header("technician"))
+    answer = await r.json()
+
+    class Client:  # metalctl's client is synchronous: answer from the app's reply
+        def call(self, method: str, path: str, body: object = None) -> object:
+            assert (method, path) == ("GET", f"/api/v1/machines/{mid}/topology")
+            return answer
+
+    ctl.machine_topology(argparse.Namespace(id=mid, output=None), Client())  # type: ignore[arg-type]
+    out = capsys.readouterr().out
+    assert f"machine {mid} (a6000-box)" in out
+    lines = out.splitlines()
+    assert "GPU0  X     NV4   NODE" in lines, out
+    assert any(ln.split()[:2] == ["2", "NVIDIA"] and "0/0" in ln and "all" in ln for ln in lines), (
+        out
+    )
+    assert any(ln.startswith("0 ") and "4/4" in ln and "56.248" in ln for ln in lines), out
