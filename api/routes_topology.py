@@ -89,6 +89,12 @@ class MachineTopology(BaseModel):
     nvlink: dict[str, Any] | None = Field(
         description="The NVLink facts of its inventory: domain, problems, per-GPU fabric."
     )
+    nvlink_links: dict[str, Any] | None = Field(
+        default=None,
+        description="The NVLink link matrix (nvidia-smi topo -m and nvlink -s): per GPU its "
+        "active and inactive links and bandwidth, the GPU pairs NVLink joins with their link "
+        "count, the whole GPU/NIC matrix with CPU and NUMA affinity, each GPU's nearest NICs.",
+    )
     ib_leaf: str | None
     infiniband: list[dict[str, Any]] = Field(
         description="RDMA ports with their GUIDs and the switch port each is cabled to."

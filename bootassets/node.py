@@ -9,13 +9,17 @@ build host's installed files. Output goes to ``<cache>/node-<inputs-hash>/``:
     vmlinuz         Debian's linux-image-amd64 kernel (the discovery image's)
     initrd.img      cpio.gz: busybox-static, drivers + wireguard + nf_tables, ip, wg, nft, jq,
                     munged, slurmd, slurmstepd, the Slurm plugins, their library closures
-    disk.raw        (built as root) BIOS-bootable raw disk: MBR + extlinux, one ext4 partition
-                    labelled "root" with /boot/{vmlinuz,initrd.img} and an empty /etc/cloud
+    disk.raw        amd64 (built as root): BIOS-bootable raw disk: MBR + extlinux, one ext4
+                    partition labelled "root" with /boot/{vmlinuz,initrd.img} and an empty
+                    /etc/cloud. arm64: UEFI-bootable raw disk (``build_efi_disk``): GPT, an EFI
+                    system partition with systemd-boot at the removable path
+                    (EFI/BOOT/BOOTAA64.EFI, Debian's systemd-boot-efi) and the kernel and
+                    initrd, and the ext4 partition labelled "root"
     manifest.json   inputs, their hash, sha256 and size of every file
 
 ``<cache>/node-current`` points at the latest build. ``arch="arm64"`` builds the same image
-from Debian's arm64 packages into ``<cache>/node-arm64-<inputs-hash>/`` (``node-arm64-current``),
-stateless only: extlinux boots x86 BIOS machines, and arm64 machines boot UEFI.
+from Debian's arm64 packages into ``<cache>/node-arm64-<inputs-hash>/`` (``node-arm64-current``);
+its disk form boots under UEFI (arm64 machines have no BIOS) and needs no root to build.
 """
 
 from __future__ import annotations
@@ -143,6 +147,23 @@ PLUGIN_PRUNE = (
     "slurmctld_nonstop",
 )
 DISK_PACKAGES = ("extlinux", "syslinux-common")
+#: The arm64 disk form's boot loader: systemd-boot's prebuilt UEFI binary (Debian builds it
+#: for arm64; the firmware runs it from the removable path, no NVRAM entry needed).
+EFI_DISK_PACKAGES = ("systemd-boot-efi",)
+SYSTEMD_BOOT_EFI = "usr/lib/systemd/boot/efi/systemd-bootaa64.efi"
+#: arm64 disk form: GPT, the EFI system partition (FAT32: the firmware reads only FAT; it
+#: holds the kernel and initrd, which systemd-boot loads only from there), then root.
+ESP_OFFSET = 1024 * 1024
+ESP_BYTES = 64 * 1024 * 1024
+EFI_ROOT_BYTES = 8 * 1024 * 1024
+EFI_DISK_BYTES = ESP_OFFSET + ESP_BYTES + EFI_ROOT_BYTES + 1024 * 1024  # + the backup GPT
+#: Fixed GUIDs: the same inputs build the same bytes.
+EFI_DISK_GUIDS = (
+    "6d657461-6c64-4e6f-8465-000000000000",
+    "6d657461-6c64-4e6f-8465-000000000001",
+    "6d657461-6c64-4e6f-8465-000000000002",
+)
+LOADER_CONF = "default node.conf\ntimeout 0\nconsole-mode keep\n"
 #: Modules: the discovery image's NIC and disk drivers (picked by PCI alias at boot), ext4 for
 #: the disk form (on demand), and, always loaded, kernel WireGuard and what nft needs for an
 #: inet table matching ct state (nft_ct pulls nf_conntrack and its defrag modules). libcrc32c
@@ -232,7 +253,7 @@ def resolve_node_inputs(
 ) -> dict[str, object]:
     """Package versions, our files' hashes and the module list: the build depends on these."""
     libs = [p for p in _library_packages(arch) if p != "gcc-12-base"]
-    disk_packages = DISK_PACKAGES if arch is build.AMD64 else ()
+    disk_packages = DISK_PACKAGES if arch is build.AMD64 else EFI_DISK_PACKAGES
     shown = build._apt_show(
         *map(arch.pkg, (arch.kernel_meta, build.BUSYBOX, *TOP_PACKAGES, *libs, *disk_packages))
     )
@@ -241,7 +262,7 @@ def resolve_node_inputs(
         return " ".join(f"{arch.pkg(p)}={shown[p]['Version']}" for p in names)
 
     if disk is None:
-        disk = can_build_disk() and arch is build.AMD64
+        disk = can_build_disk() if arch is build.AMD64 else can_build_efi_disk()
     packages = {
         "kernel": build.kernel_package(shown, arch),
         "busybox": pinned((build.BUSYBOX,)),
@@ -260,6 +281,12 @@ def resolve_node_inputs(
     if arch is not build.AMD64:
         inputs["arch"] = arch.name
     return inputs
+
+
+def can_build_efi_disk() -> bool:
+    """The arm64 disk form needs no root: sgdisk writes the GPT into a file, mtools the FAT
+    file system, mke2fs -d the ext4 one."""
+    return all(shutil.which(t) for t in ("sgdisk", "mformat", "mcopy", "mmd", "mkfs.ext4"))
 
 
 def can_build_disk() -> bool:
@@ -477,6 +504,88 @@ def build_disk(out: Path, vmlinuz: Path, initrd: Path, syslinux_tree: Path) -> d
     }
 
 
+def loader_entry(console: str) -> str:
+    """systemd-boot's entry for the node (loader/entries/node.conf on the ESP)."""
+    return (
+        "title metald node\nlinux /vmlinuz\ninitrd /initrd.img\n"
+        f"options metald.boot=disk console={console},115200 quiet\n"
+    )
+
+
+def build_efi_disk(
+    out: Path, vmlinuz: Path, initrd: Path, sdboot_tree: Path, console: str
+) -> dict[str, object]:
+    """disk.raw for UEFI machines (arm64): GPT; partition 1, the EFI system partition (FAT32,
+    labelled ESP) with systemd-boot at the removable path EFI/BOOT/BOOTAA64.EFI, its
+    loader.conf (no menu) and one entry booting /vmlinuz and /initrd.img beside it; partition
+    2, ext4 labelled root with an empty /etc/cloud, where metald's deploy agent writes the
+    NoCloud seed and the node keeps its joined state, as in the BIOS form. No root needed."""
+    efi = sdboot_tree / SYSTEMD_BOOT_EFI
+    if not efi.exists():
+        raise BuildError(f"{SYSTEMD_BOOT_EFI} is not in {EFI_DISK_PACKAGES}")
+    disk = out / "disk.raw"
+    with open(disk, "wb") as f:
+        f.truncate(EFI_DISK_BYTES)
+    esp_first = ESP_OFFSET // 512
+    esp_last = esp_first + ESP_BYTES // 512 - 1
+    root_offset = ESP_OFFSET + ESP_BYTES
+    root_first = root_offset // 512
+    root_last = root_first + EFI_ROOT_BYTES // 512 - 1
+    disk_guid, esp_guid, root_guid = EFI_DISK_GUIDS
+    _sh(
+        "sgdisk", "--clear", f"--disk-guid={disk_guid}",
+        f"--new=1:{esp_first}:{esp_last}", "--typecode=1:EF00", "--change-name=1:ESP",
+        f"--partition-guid=1:{esp_guid}",
+        f"--new=2:{root_first}:{root_last}", "--typecode=2:8300", "--change-name=2:root",
+        f"--partition-guid=2:{root_guid}",
+        str(disk),
+    )  # fmt: skip
+    esp = out.parent / "esp.img"
+    with open(esp, "wb") as f:
+        f.truncate(ESP_BYTES)
+    # FAT32 (what UEFI requires of an ESP); 512-byte clusters keep FAT32's cluster minimum
+    _sh("mformat", "-i", str(esp), "-F", "-c", "1", "-v", "ESP", "-N", "6d6c6464", "::")
+    for d in ("::/EFI", "::/EFI/BOOT", "::/loader", "::/loader/entries"):
+        _sh("mmd", "-i", str(esp), d)
+    conf = out.parent / "esp-files"
+    conf.mkdir()
+    (conf / "loader.conf").write_text(LOADER_CONF)
+    (conf / "node.conf").write_text(loader_entry(console))
+    for src, dest in (
+        (efi, "::/EFI/BOOT/BOOTAA64.EFI"),
+        (conf / "loader.conf", "::/loader/loader.conf"),
+        (conf / "node.conf", "::/loader/entries/node.conf"),
+        (vmlinuz, "::/vmlinuz"),
+        (initrd, "::/initrd.img"),
+    ):
+        _sh("mcopy", "-i", str(esp), "-m", str(src), dest)
+    staging = out.parent / "efi-root"
+    for d in ("etc/cloud", "etc/metald", "var/lib/cloud"):
+        (staging / d).mkdir(parents=True)
+    _sh(
+        "mkfs.ext4", "-q", "-F", "-L", "root", "-b", "4096",
+        "-O", "^metadata_csum_seed,^orphan_file",
+        "-E", f"offset={root_offset},root_owner=0:0", "-d", str(staging),
+        "-U", "7a3e2b1c-0d9f-4e5a-8b6c-4d2e1f0a9b8d", str(disk), f"{EFI_ROOT_BYTES // 1024}k",
+    )  # fmt: skip
+    with open(disk, "r+b") as f, open(esp, "rb") as src_f:
+        f.seek(ESP_OFFSET)
+        shutil.copyfileobj(src_f, f)
+    esp.unlink()
+    return {
+        "bytes": EFI_DISK_BYTES,
+        "table": "gpt",
+        "esp": {"offset": ESP_OFFSET, "bytes": ESP_BYTES, "fs": "vfat", "label": "ESP"},
+        "partition": {
+            "offset": root_offset,
+            "bytes": EFI_ROOT_BYTES,
+            "fs": "ext4",
+            "label": "root",
+        },  # fmt: skip
+        "bootloader": "systemd-boot (EFI/BOOT/BOOTAA64.EFI, loader/entries/node.conf)",
+    }
+
+
 def _build(
     target: Path, inputs: dict[str, object], digest: str, arch: build.Arch = build.AMD64
 ) -> None:
@@ -503,9 +612,14 @@ def _build(
         shutil.copyfile(vmlinuz[0], out / "vmlinuz")
         (out / "initrd.img").write_bytes(initrd)
         disk_info: dict[str, object] | None = None
-        if inputs.get("disk"):
+        if inputs.get("disk") and arch is build.AMD64:
             syslinux = build._download(packages["disk"], work / "syslinux")
             disk_info = build_disk(out, out / "vmlinuz", out / "initrd.img", syslinux)
+        elif inputs.get("disk"):
+            sdboot = build._download(packages["disk"], work / "systemd-boot")
+            disk_info = build_efi_disk(
+                out, out / "vmlinuz", out / "initrd.img", sdboot, arch.console
+            )
         build.publish(
             out,
             target,

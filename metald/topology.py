@@ -214,6 +214,8 @@ def machine_topology(session: Session, m: Machine) -> dict[str, Any]:
         "nvlink_domain": m.nvlink_domain,
         "nvlink_ready": m.nvlink_ready,
         "nvlink": nv if isinstance(nv, dict) else None,
+        # the link matrix: which GPUs NVLink joins and with how many links, each GPU's links
+        "nvlink_links": (normalized.get("nvlink_links") if isinstance(normalized, dict) else None),
         "ib_leaf": m.ib_leaf,
         "infiniband": ports,
     }

@@ -32,12 +32,29 @@ class CheckReport(BaseModel):
     raw_before: str | None = Field(default=None, max_length=RAW_LIMIT)
 
 
-def judge_check(report: CheckReport, profile: CommissioningProfile) -> Verdict:
+#: Checks whose tool has no build for an architecture: on such a machine the tool is absent
+#: by necessity, so its absence is a skip with this reason even where the profile requires the
+#: check (a profile is per kind of machine; one shared by amd64 and arm64 hosts asks for it).
+NO_BUILD: dict[str, dict[str, str]] = {
+    "arm64": {
+        "rocm-smi": "AMD publishes ROCm (rocm-smi) for x86-64 Linux only: no arm64 build to run",
+    },
+}
+
+
+def judge_check(
+    report: CheckReport, profile: CommissioningProfile, arch: str | None = None
+) -> Verdict:
+    """``arch``: the machine's architecture (``machines.arch``); a check whose tool has no
+    build for it (``NO_BUILD``) and was found absent is skipped with the reason."""
     spec = profile.check(report.name)
     if spec is None:
         return error(f"check {report.name} is not in profile {profile.name}")
     if report.outcome == "timeout":
         return failed([f"{report.name} did not finish within {spec.timeout_s} s"])
+    no_build = NO_BUILD.get(arch or "", {}).get(report.name)
+    if report.outcome == "missing" and no_build:
+        return skipped(f"{report.name}: {no_build}", arch=arch, no_build=True)
     if report.outcome == "missing":
         sentence = f"{report.name}: tool or device absent on this machine"
         return (

@@ -18,33 +18,11 @@ from pydantic import BaseModel, ConfigDict
 
 from metald.arch import from_uname
 from metald.inventory import pci_ids
+from metald.inventory.cpuname import cpu_model
+from metald.inventory.dmistrings import clean
 from metald.inventory.nvlink import NvlinkFacts, parse_fabric
+from metald.inventory.nvlinkmatrix import NvlinkLinks, links_facts
 from metald.inventory.schema import SCHEMA_VERSION, InventoryPayload
-
-#: Strings firmware vendors leave in DMI fields that identify nothing.
-_PLACEHOLDERS = {
-    "",
-    "none",
-    "n/a",
-    "na",
-    "not specified",
-    "not applicable",
-    "not available",
-    "to be filled by o.e.m.",
-    "default string",
-    "system serial number",
-    "system product name",
-    "system manufacturer",
-    "chassis serial number",
-    "base board serial number",
-    "0",
-    "0123456789",
-    "1234567890",
-    "123456789",
-    "unknown",
-    "oem",
-    "o.e.m.",
-}
 
 
 class DiskFacts(BaseModel):
@@ -135,6 +113,8 @@ class NormalizedInventory(BaseModel):
     infiniband: list[IbPortFacts] = []
     #: The GPUs' NVLink fabric (multi-node NVLink systems); None without one.
     nvlink: NvlinkFacts | None = None
+    #: The NVLink link matrix (nvidia-smi nvlink -s and topo -m); None without either.
+    nvlink_links: NvlinkLinks | None = None
 
     def machine_fields(self) -> dict[str, Any]:
         """The ``Machine`` columns this inventory sets (arch only when it says: an older
@@ -153,16 +133,6 @@ class NormalizedInventory(BaseModel):
             "nvlink_domain": self.nvlink.domain if self.nvlink else None,
             "nvlink_ready": bool(self.nvlink and self.nvlink.ready),
         }
-
-
-def clean(value: str | None) -> str | None:
-    """A DMI/tool string, or None when it is a placeholder that identifies nothing."""
-    if value is None:
-        return None
-    v = " ".join(value.split())
-    if v.lower() in _PLACEHOLDERS or set(v) <= {"0", "-", " "} or set(v.lower()) <= {"f", "-"}:
-        return None
-    return v
 
 
 def clean_uuid(value: str | None) -> str | None:
@@ -349,12 +319,13 @@ def normalize(payload: InventoryPayload) -> NormalizedInventory:
             nvlink = parse_fabric(payload.raw.nvidia_smi_xml)
         except (ET.ParseError, ValueError):
             nvlink = None
+    links = links_facts(payload.raw.nvidia_smi_nvlink, payload.raw.nvidia_smi_topo)
     return NormalizedInventory(
         vendor=clean(s.vendor),
         product=clean(s.product),
         serial=clean(s.serial) or clean(s.chassis_serial),
         system_uuid=clean_uuid(s.uuid),
-        cpu_model=clean(payload.cpu.model),
+        cpu_model=cpu_model(payload.cpu),
         arch=from_uname(payload.cpu.arch),
         cpu_count=payload.cpu.logical or None,
         cpu_sockets=payload.cpu.sockets,
@@ -401,6 +372,7 @@ def normalize(payload: InventoryPayload) -> NormalizedInventory:
             for p in payload.infiniband
         ],
         nvlink=nvlink,
+        nvlink_links=links,
     )
 
 

@@ -63,10 +63,28 @@ class SystemInfo(_Strict):
     bios_version: Text | None = None
 
 
+class Midr(_Strict):
+    """An arm64 CPU's identity (its MIDR_EL1 register), as /proc/cpuinfo's first CPU shows it
+    ("CPU implementer", "CPU variant", "CPU part", "CPU revision") and as sysfs gives the whole
+    register (``/sys/devices/system/cpu/cpu0/regs/identification/midr_el1``)."""
+
+    implementer: Annotated[str, Field(pattern=r"^0x[0-9a-fA-F]{1,2}$")] | None = None
+    variant: Annotated[str, Field(pattern=r"^0x[0-9a-fA-F]$")] | None = None
+    part: Annotated[str, Field(pattern=r"^0x[0-9a-fA-F]{1,3}$")] | None = None
+    revision: Annotated[str, Field(pattern=r"^[0-9]{1,2}$")] | None = None
+    midr_el1: Annotated[str, Field(pattern=r"^0x[0-9a-fA-F]{1,16}$")] | None = None
+
+
 class CpuInfo(_Strict):
+    #: /proc/cpuinfo's "model name" (x86; arm64 kernels print none).
     model: Text | None = None
     #: ``uname -m``: x86_64, aarch64 (agents before arm64 did not send it).
     arch: Text | None = None
+    #: arm64: the MIDR fields metald names the core from (``metald.inventory.cpuname``).
+    midr: Midr | None = None
+    #: The first SMBIOS processor structure (type 4), raw bytes in hex, as the kernel exposes
+    #: it (/sys/firmware/dmi/entries/4-0/raw): its processor version string names the CPU.
+    smbios_type4: Annotated[str, Field(max_length=2048, pattern=r"^([0-9a-f]{2})*$")] | None = None
     #: Logical CPUs (threads) the kernel sees.
     logical: Count
     #: Distinct "physical id" values in /proc/cpuinfo.
@@ -137,6 +155,10 @@ class RawOutputs(_Strict):
 
     #: ``nvidia-smi -q -x``
     nvidia_smi_xml: Annotated[str, Field(max_length=768 * 1024)] | None = None
+    #: ``nvidia-smi nvlink -s``: each GPU's NVLink links, their speed or inactive
+    nvidia_smi_nvlink: Annotated[str, Field(max_length=256 * 1024)] | None = None
+    #: ``nvidia-smi topo -m``: the GPU/NIC connection matrix (NV#, PIX, SYS, ...)
+    nvidia_smi_topo: Annotated[str, Field(max_length=64 * 1024)] | None = None
     #: ``rocm-smi --showproductname --showbus --showserial --json`` (or a superset of it)
     rocm_smi_json: Annotated[str, Field(max_length=256 * 1024)] | None = None
     #: ``ipmitool lan print`` (BMC address, MAC, address source)

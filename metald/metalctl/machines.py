@@ -10,7 +10,7 @@ from typing import Any
 from metald.lifecycle import HANDOFF, TIMEOUTS, State
 from metald.units import disk_size, mib
 
-from . import attestation, bmc, bulk, commissioning, console, repairs
+from . import attestation, bmc, bulk, commissioning, console, repairs, topology
 from .client import Client
 from .names import shown, tenant_names
 from .options import POWER_ACTIONS, Subparsers, UsageError, confirm, key_values, machine_ref
@@ -99,6 +99,11 @@ def register(sub: Subparsers) -> None:
     ms = msub.add_parser("show", help="one machine in detail")
     machine_ref(ms.add_argument("id", help="id, name or id prefix"))
     ms.set_defaults(func=show)
+    mt = msub.add_parser(
+        "topology", help="its NVLink domain, link matrix, InfiniBand ports, rack and power domain"
+    )
+    machine_ref(mt.add_argument("id", help="id, name or id prefix"))
+    mt.set_defaults(func=topology.machine_topology)
     mr = msub.add_parser("register", help="register a machine by its MAC(s) before it boots")
     mr.add_argument("--mac", action="append", required=True)
     mr.add_argument("--name")

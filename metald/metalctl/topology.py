@@ -110,3 +110,49 @@ def claim_topology(args: argparse.Namespace, c: Client) -> None:
         return str(t[key]).rstrip("\n")
 
     emit(args, t, human)
+
+
+def _matrix_text(t: dict[str, Any]) -> str:
+    """The machine's topology as text: its places, then the NVLink link matrix (topo -m's
+    cells, NIC legend names in place of NICn) and each GPU's links (nvlink -s)."""
+    lines = [
+        f"machine {t['machine_id']} ({t.get('name') or '-'}): rack {t.get('rack') or '-'}, "
+        f"power domain {t.get('power_domain') or '-'}, NVLink domain "
+        f"{t.get('nvlink_domain') or '-'} ({'ready' if t.get('nvlink_ready') else 'not ready'}), "
+        f"InfiniBand leaf {t.get('ib_leaf') or '-'}"
+    ]
+    nl = t.get("nvlink_links") or {}
+    matrix = nl.get("matrix") or {}
+    devices = matrix.get("devices") or []
+    if devices:
+        names = matrix.get("nic_names") or {}
+        cells = matrix.get("cells") or {}
+        rows = [
+            {"": names.get(r, r), **{names.get(d, d): cells[r].get(d, "") for d in devices}}
+            for r in devices
+            if r in cells
+        ]
+        cols = [("", "")] + [(names.get(d, d), names.get(d, d)) for d in devices]
+        lines += ["", "link matrix (NV# = # bonded NVLinks):", table(rows, cols)]
+    gpus = nl.get("gpus") or []
+    if gpus:
+        rows = [
+            {
+                **g,
+                "active_s": f"{g['active']}/{g['links']}",
+                "inactive_s": "all"
+                if g.get("all_inactive")
+                else ",".join(map(str, g["inactive"])) or "-",
+            }
+            for g in gpus
+        ]
+        cols = [("GPU", "index"), ("NAME", "name"), ("ACTIVE", "active_s"),
+                ("INACTIVE", "inactive_s"), ("GB/S/LINK", "gbps_per_link"), ("GB/S", "total_gbps")]  # fmt: skip
+        lines += ["", "NVLink links per GPU:", table(rows, cols)]
+    if not devices and not gpus:
+        lines.append("no NVLink link matrix in its inventory")
+    return "\n".join(lines)
+
+
+def machine_topology(args: argparse.Namespace, c: Client) -> None:
+    emit(args, c.call("GET", f"/api/v1/machines/{args.id}/topology"), _matrix_text)

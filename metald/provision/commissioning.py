@@ -366,7 +366,7 @@ def record_results(
         if rep.name in names:
             raise Conflict(f"check {rep.name} of run {run.id} was already reported")
         names.add(rep.name)  # the same check twice in one post is a second report
-    verdicts = [(rep, judge_check(rep, profile)) for rep in reports]
+    verdicts = [(rep, judge_check(rep, profile, m.arch)) for rep in reports]
     for rep, v in verdicts:
         _add_result(
             s,

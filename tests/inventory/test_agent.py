@@ -36,6 +36,7 @@ APPLETS = [
     "printf",
     "echo",
     "command",
+    "od",
 ]
 
 

@@ -54,3 +54,44 @@ def test_topology_page_and_machine_section(tmp_path: Path) -> None:
         assert "1820000000003 / 6" in page  # chassis serial and slot of the tray
         assert page.count("<td>Completed</td><td>Success</td>") == 4
         assert "leaf-b port 6" in page
+
+
+def _matrix_machine(_cfg: Any, store: Any, _tokens: Any) -> None:
+    from metald.inventory import normalize, parse_payload
+    from metald.inventory.normalize import inventory_document
+    from metald.lifecycle import State
+    from metald.store.models import Machine
+    from tests.inventory.conftest import FIXTURES, payload
+
+    raw = {
+        "nvidia_smi_nvlink": (FIXTURES / "nvidia-smi-nvlink-s_3x-rtx-a6000.txt").read_text(),
+        "nvidia_smi_topo": (FIXTURES / "nvidia-smi-topo-m_3x-rtx-a6000.txt").read_text(),
+    }
+    p = parse_payload(payload(raw=raw))
+    norm = normalize(p)
+    with store.session() as s:
+        m = Machine(name="a6000-box", state=State.READY.value, inventory=inventory_document(p, norm), **norm.machine_fields())  # fmt: skip
+        s.add(m)
+        s.commit()
+
+
+def test_a_machine_page_shows_its_nvlink_link_matrix(tmp_path: Path) -> None:
+    with serve(tmp_path, _matrix_machine) as app:
+        assert app.tokens is not None
+        http = requests.Session()
+        r = http.post(
+            app.base + "/ui/login", data={"token": app.tokens.admin}, allow_redirects=False
+        )
+        assert r.status_code == 303, r.text
+        items = http.get(
+            app.base + "/api/v1/machines",
+            headers={"Authorization": f"Bearer {app.tokens.admin}"},
+            timeout=30,
+        ).json()["items"]
+        mid = next(m["id"] for m in items if m["name"] == "a6000-box")
+        page = http.get(app.base + f"/ui/machines/{mid}", timeout=30).text
+        assert "GPU link matrix" in page
+        row = '<tr><th scope="row">GPU0</th><td>X</td><td>NV4</td><td>NODE</td><td>0-31,64-95</td><td>0</td></tr>'
+        assert row in page, page[page.find("GPU link matrix") :][:2000]
+        assert "<td>2</td><td>NVIDIA RTX A6000</td><td>0 of 0</td><td>all</td>" in page
+        assert "<td>4 of 4</td>" in page
