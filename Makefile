@@ -23,7 +23,8 @@ test: setup
 # kill -9 failovers (remediation, mid-flash firmware, Patroni's primary), the token capture with
 # a man in the middle, arm64 images and an arm64 machine to ready, attestation with swtpm and
 # OVMF, Secure Boot, RAID/LVM deploy and wipe, elastic Slurm with real slurmds, two tenants'
-# Slurm clusters in QEMU, a disk node's reboot, the fleet and commissioning benches. The first run
+# Slurm clusters in QEMU, a disk node's reboot, the fleet and commissioning benches, the QEMU
+# commissioning lab and the three-instance QEMU failover. The first run
 # builds metald's iPXE (needs its source: BOOTASSETS_IPXE_SOURCE or .cache/vendor/).
 test-long: setup
 	METALD_LAB_LONG=1 $(VENV)/bin/pytest -q -rs --durations=15 $(PYTEST_ARGS)
