@@ -45,7 +45,7 @@ CHECKS = [
 ]
 ROLES = ("admin", "technician", "orchestrator")
 #: Examples per operation, role and mode (positive and negative data) on SQLite; PostgreSQL
-#: gets half: the contract is the same code, the second backend is there for its own errors.
+#: gets a quarter: the contract is the same code, the second backend is there for its own errors.
 EXAMPLES = 8
 #: aiohttp's request-line limit (its HttpParser max_line_size): a generated query past it is
 #: answered 400 by the HTTP layer, before the router.
