@@ -181,6 +181,23 @@ def _leaf_ok(path: Path, ca: x509.Certificate, san: x509.GeneralName, now: dt.da
     return san in names
 
 
+def leaf_builder(
+    ca: x509.Certificate, common_name: str, key: rsa.RSAPrivateKey, now: dt.datetime
+) -> x509.CertificateBuilder:
+    """An end-entity certificate under the boot CA, before its purpose's extensions: named
+    ``common_name``, for ``key``, valid from an hour ago for the leaf lifetime, not a CA."""
+    return (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(hours=1))
+        .not_valid_after(now + dt.timedelta(days=_LEAF_DAYS))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+    )
+
+
 def ensure_boot_tls(
     state_dir: Path, server_address: str, *, now: dt.datetime | None = None
 ) -> BootTls:
@@ -198,14 +215,7 @@ def ensure_boot_tls(
         ca_key = _load_key(ca_key_path)
         key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
         cert = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, server_address)]))
-            .issuer_name(ca.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(hours=1))
-            .not_valid_after(now + dt.timedelta(days=_LEAF_DAYS))
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            leaf_builder(ca, server_address, key, now)
             .add_extension(x509.SubjectAlternativeName([san]), critical=False)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
             .add_extension(

@@ -36,7 +36,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from cryptography.hazmat.primitives.asymmetric.utils import Prehashed
 from cryptography.hazmat.primitives.serialization import pkcs7
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from metald.boot import pki
 
@@ -47,7 +47,6 @@ SIGN_KEY = "boot-sign.key"
 #: The signer's common name; iPXE's ``imgverify --signer`` requires it (no spaces: the script
 #: is split on them).
 SIGNER_NAME = "metald-boot-image-signer"
-_LEAF_DAYS = 397
 _RENEW_BEFORE = dt.timedelta(days=30)
 #: At most this many signatures are kept (kernel and initrd per architecture and image).
 _CACHE_MAX = 64
@@ -85,14 +84,7 @@ def ensure_signer(state_dir: Path, *, now: dt.datetime | None = None) -> Signer:
         ca_key = pki._load_key(ca_key_path)
         key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
         cert = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, SIGNER_NAME)]))
-            .issuer_name(ca.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(hours=1))
-            .not_valid_after(now + dt.timedelta(days=_LEAF_DAYS))
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            pki.leaf_builder(ca, SIGNER_NAME, key, now)
             .add_extension(
                 x509.KeyUsage(
                     digital_signature=True,
