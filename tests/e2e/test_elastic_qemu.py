@@ -1,0 +1,155 @@
+"""An elastic pool in the virtual rack, through the real boot path (docs/elastic.md).
+
+A Slurm tenant run by metald gets a pool of min 0, max 3 (any of the rack's machines, the
+tenant node image). Nothing is claimed until a job asks: ``sbatch -N4`` stays pending with
+its reason and resumes nothing (max 3); ``sbatch -N2`` makes slurmctld run ResumeProgram for
+e1, e2; metald claims one QEMU machine per name (keyed ``elastic:<pool>:<node>``), PXE-boots
+them into the node image, they join the tenant's hub over WireGuard as ``slurmd -N e1`` /
+``-N e2`` (the CLOUD names), and the job runs on them. Once the job ends and the pool's
+SuspendTime passes, slurmctld runs SuspendProgram; metald releases both claims, the machines
+are wiped and come back ready. Times are printed (job submitted -> running, idle -> back in
+the pool), never asserted.
+
+METALD_LAB_LONG=1 only: minutes of TCG boots (enrollment, two provisionings, two wipes).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+
+from metald.tenants import controlplane
+from tests import waiting
+
+pytestmark = [
+    pytest.mark.lab,
+    pytest.mark.root,
+    pytest.mark.skipif(
+        os.environ.get("METALD_LAB_LONG") != "1",
+        reason="minutes of TCG boots (two provisionings, two wipes): METALD_LAB_LONG=1",
+    ),
+]
+
+READY_TIMEOUT_S = 480
+RESUME_TIMEOUT_S = 900
+SUSPEND_TIME_S = 20
+
+
+def ctl(rack, tenant_id: str, *argv: str, timeout: float = 60):  # type: ignore[no-untyped-def]
+    return controlplane.exec_in(rack.state_dir, tenant_id, list(argv), timeout=timeout)
+
+
+def sinfo(rack, tenant_id: str) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    r = ctl(rack, tenant_id, "sinfo", "-h", "-N", "-o", "%N %t")
+    return dict(line.split() for line in r.stdout.splitlines() if len(line.split()) == 2)
+
+
+def job_field(rack, tenant_id: str, job: str, field: str) -> str:  # type: ignore[no-untyped-def]
+    out = ctl(rack, tenant_id, "scontrol", "show", "job", job).stdout
+    return next((w.split("=", 1)[1] for w in out.split() if w.startswith(field + "=")), "")
+
+
+def test_pool_grows_for_a_job_and_shrinks_when_idle(enrolled_rack) -> None:  # type: ignore[no-untyped-def]
+    rack = enrolled_rack.rack
+    macs = [m["mac"] for m in rack.machines]
+    rack.wait_state(macs, "ready", READY_TIMEOUT_S)  # earlier tests' wipes are done
+
+    def wait_for(what: str, fn, timeout: float, every: float = 2) -> Any:  # type: ignore[no-untyped-def]
+        return waiting.wait_for(what, fn, timeout, every=every, explain=rack.diagnostics)
+
+    st, t = rack.api("POST", "/api/v1/tenants", {"name": "elastic", "cluster_kind": "slurm"})
+    assert st == 201, t
+    tid = t["id"]
+    st, hub = rack.api("POST", f"/api/v1/tenants/{tid}/hub", {})
+    assert st == 201, hub
+    img = rack.json("images", "create", "tenant-node-elastic", *rack.publish_node_image(8083))
+    st, pool = rack.api(
+        "POST",
+        f"/api/v1/tenants/{tid}/elastic-pools",
+        {"name": "gpu", "prefix": "e", "min_nodes": 0, "max_nodes": 3, "image_id": img["id"],
+         "suspend_time_s": SUSPEND_TIME_S, "resume_timeout_s": RESUME_TIMEOUT_S},
+    )  # fmt: skip
+    assert st == 201, pool
+    part = pool["partition"]
+
+    def pool_nodes() -> dict[str, str]:
+        st, p = rack.api("GET", f"/api/v1/tenants/{tid}/elastic-pools/{pool['id']}")
+        assert st == 200, p
+        return p["nodes"]
+
+    # The control plane comes up with the CLOUD nodes, powered down: no machine claimed.
+    wait_for("e1-e3 powered down in the tenant's cluster",
+             lambda: sinfo(rack, tid) == {f"e{i}": "idle~" for i in (1, 2, 3)}, 120)  # fmt: skip
+    assert pool_nodes() == {}
+
+    # More nodes than the pool's max: pending with the reason, nothing resumed.
+    r = ctl(rack, tid, "sbatch", "--parsable", "-p", part, "-N4", "--wrap", "true")
+    assert r.returncode == 0, r.stderr
+    big = r.stdout.strip()
+    time.sleep(5)
+    st_r = ctl(rack, tid, "squeue", "-h", "-j", big, "-o", "%T %r").stdout.split()
+    assert st_r[0] == "PENDING" and st_r[1] in ("PartitionConfig", "PartitionNodeLimit"), st_r
+    print(f"\nsbatch -N4 (pool max 3): {st_r[0]} ({st_r[1]})")
+    assert pool_nodes() == {}
+    assert ctl(rack, tid, "scancel", big).returncode == 0
+
+    # Two nodes: claimed, provisioned, joined under the pool's names; the job runs on them.
+    t0 = time.monotonic()
+    r = ctl(rack, tid, "sbatch", "--parsable", "-p", part, "-N2", "--wrap", "srun hostname; sleep 15")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    job = r.stdout.strip()
+    claims = wait_for("claims for e1 and e2", lambda: (n := pool_nodes()) and len(n) == 2 and n, 60)  # fmt: skip
+    t_claimed = time.monotonic() - t0
+    assert sorted(claims) == ["e1", "e2"], claims
+    machines = {}
+    for node, cid in claims.items():
+        c = rack.json("claims", "show", cid)
+        assert c["idempotency_key"] == f"elastic:{pool['id']}:{node}", c
+        (m,) = c["machines"]
+        machines[node] = m["id"]
+    assert len(set(machines.values())) == 2
+
+    seen: dict[str, float] = {}
+
+    def running() -> bool:
+        state = job_field(rack, tid, job, "JobState")
+        if state and state not in seen:
+            seen[state] = time.monotonic() - t0
+            print(f"  job {job}: {state} at +{seen[state]:.1f} s; nodes {sinfo(rack, tid)}")
+        assert state not in ("FAILED", "CANCELLED", "NODE_FAIL", "TIMEOUT"), state
+        return state in ("RUNNING", "COMPLETING", "COMPLETED")
+
+    wait_for("the job running on the resumed nodes", running, RESUME_TIMEOUT_S, every=1)
+    t_running = time.monotonic() - t0
+    assert job_field(rack, tid, job, "NodeList") == "e[1-2]"
+    states = {n: rack.json("machines", "show", mid)["state"] for n, mid in machines.items()}
+    assert set(states.values()) == {"active"}, states
+    wait_for("the job completed", lambda: job_field(rack, tid, job, "JobState") == "COMPLETED", 120, every=1)  # fmt: skip
+    t_done = time.monotonic()
+    assert job_field(rack, tid, job, "ExitCode") == "0:0"
+    assert pool_nodes() == claims  # no second claim for a name while it ran
+
+    # Idle for SuspendTime: SuspendProgram -> claims released -> wiped -> ready.
+    wait_for("the pool's claims released", lambda: pool_nodes() == {}, SUSPEND_TIME_S + 120)
+    t_released = time.monotonic() - t_done
+    for cid in claims.values():
+        assert rack.json("claims", "show", cid)["state"] == "released"
+    wait_for(
+        "the released machines wiped and ready",
+        lambda: {rack.json("machines", "show", m)["state"] for m in machines.values()} == {"ready"},
+        READY_TIMEOUT_S,
+    )
+    t_ready = time.monotonic() - t_done
+    # The names are free again: the cluster keeps them as powered-down CLOUD nodes.
+    nodes = sinfo(rack, tid)
+    assert set(nodes) == {"e1", "e2", "e3"}, nodes
+    print(
+        f"\nelastic QEMU proof (SuspendTime {SUSPEND_TIME_S} s): sbatch -N2 -> 2 claims "
+        f"{t_claimed:.1f} s; submitted -> RUNNING {t_running:.1f} s "
+        f"(states: {', '.join(f'{k} +{v:.1f}s' for k, v in seen.items())}); "
+        f"COMPLETED -> claims released {t_released:.1f} s; COMPLETED -> both wiped and ready "
+        f"{t_ready:.1f} s; load {os.getloadavg()}"
+    )
