@@ -6,9 +6,12 @@ machine -> the node is named down with a reason and an event."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import os
 import secrets
 import shutil
+import subprocess
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -234,8 +237,8 @@ async def test_real_slurmctld_resumes_into_claims_for_exactly_those_names(
 
 @contextlib.asynccontextmanager
 async def _real_pool(
-    api, tmp_path: Path, machines: int
-) -> AsyncIterator[tuple[controlplane.SlurmControlPlane, TenantRuntime]]:  # type: ignore[no-untyped-def]
+    api, tmp_path: Path, machines: int, nodes: int = 1
+) -> AsyncIterator[tuple[controlplane.SlurmControlPlane, TenantRuntime, list[str]]]:  # type: ignore[no-untyped-def]
     """A pool e[1-3] over ``machines`` free machines, a real slurmctld with it, and the tenant
     runtime's drain wired to the handler and the retry as the daemon wires them."""
     client, tokens, store = api
@@ -259,7 +262,7 @@ async def _real_pool(
     runtime = TenantRuntime(store, ctx.secrets, ctx.cfg.tenants, str(tmp_path), "test")
     runtime.elastic_handler = elastic_handler(ctx)
     runtime.elastic_retry = elastic_retry(ctx)
-    with star(1) as (hub, _nodes):
+    with star(nodes) as (hub, node_ns):
         cp = controlplane.SlurmControlPlane(
             tenant_id=tokens.tenant_a, tenant_name=f"el{secrets.token_hex(2)}", ns=hub,
             workdir=tmp_path / "ctl", hub_address="10.97.1.1",
@@ -271,7 +274,7 @@ async def _real_pool(
         try:
             cp.start()
             assert wait_for(lambda: set(cp.nodes() or {}) == {"e1", "e2", "e3"}, 15)
-            yield cp, runtime
+            yield cp, runtime, node_ns
         finally:
             cp.stop()
             await drain_steps(client)
@@ -303,7 +306,7 @@ async def test_real_slurmctld_node_down_for_want_of_a_machine_is_retried_when_on
     if not db_url.startswith("sqlite"):
         pytest.skip("the store side runs on both backends in test_pool_crud_resume_suspend")
     _client, _tokens, store = api
-    async with _real_pool(api, tmp_path, machines=1) as (cp, runtime):
+    async with _real_pool(api, tmp_path, machines=1) as (cp, runtime, _ns):
         sbatch(cp, "-N2")
         states = cp.node_states
 
@@ -347,7 +350,7 @@ async def test_real_slurmctld_resume_whose_request_was_lost_is_claimed_from_node
     if not db_url.startswith("sqlite"):
         pytest.skip("the store side runs on both backends in test_pool_crud_resume_suspend")
     _client, _tokens, store = api
-    async with _real_pool(api, tmp_path, machines=3) as (cp, runtime):
+    async with _real_pool(api, tmp_path, machines=3) as (cp, runtime, _ns):
         sbatch(cp, "-N2")
         assert wait_for(lambda: bool(cp.elastic_requests()), 15)
         for path in cp.elastic_requests():
@@ -365,6 +368,76 @@ async def test_real_slurmctld_resume_whose_request_was_lost_is_claimed_from_node
                 )
                 == 2
             )
+
+
+@pytest.mark.root
+@pytest.mark.lab
+@pytest.mark.skipif(
+    not all(shutil.which(x) for x in ("slurmctld", "slurmd", "sinfo", "munged")),
+    reason="needs slurmctld slurmd slurm-client munge",
+)
+@pytest.mark.skipif(
+    os.environ.get("METALD_LAB_LONG") != "1",
+    reason="~3 min (slurmctld holds a requeued job back 2 minutes): METALD_LAB_LONG=1",
+)
+async def test_real_slurmctld_retried_node_joins_and_the_job_runs(
+    api, db_url: str, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """Long: the retry end to end with real slurmds (a namespace each, standing in for the
+    provisioned machines): one machine for a 2-node job, e2 set down; a machine frees, the
+    drain claims it for e2 and returns e2 to service; slurmds join as e1 and e2 and the job,
+    requeued when e2 went down, completes on e1 and e2."""
+    if not db_url.startswith("sqlite"):
+        pytest.skip("the store side runs on both backends in test_pool_crud_resume_suspend")
+    _client, _tokens, store = api
+    procs: list[subprocess.Popen[bytes]] = []
+    async with _real_pool(api, tmp_path, machines=1, nodes=2) as (cp, runtime, node_ns):
+        try:
+            t0 = time.monotonic()
+            job = sbatch(cp, "-N2")
+            states = cp.node_states
+            assert await _drain_until(
+                runtime, lambda: (states() or {}).get("e2", elastic.NodeState("")).base == "down"
+            )
+            add_ready(store, 1, labels={"pool": "elastic"}, prefix="freed")
+            assert await _drain_until(runtime, lambda: set(_elastic_claims(store)) == {"e1", "e2"})
+            t_retry = time.monotonic() - t0
+            for name, ns in zip(["e1", "e2"], node_ns, strict=True):
+                m = slurm.cloud_join_material(
+                    hub_address="10.97.1.1", munge_key=cp.munge_key, node_name=name
+                )
+                procs.append(
+                    controlplane.start_machine(
+                        ns,
+                        name,
+                        tmp_path / name,
+                        base64.b64decode(m["munge_key"]),
+                        "slurmd",
+                        "-D",
+                        "-b",
+                        *m["slurmd_args"],
+                    )  # fmt: skip
+                )
+
+            def done() -> bool:
+                out = cp.run("scontrol", "show", "job", job).stdout
+                return "JobState=COMPLETED" in out
+
+            assert await _drain_until(runtime, done, timeout=300), (
+                cp.run("scontrol", "show", "job", job).stdout,
+                cp.node_states(),
+            )
+            nodelist = cp.run("squeue", "-h", "-t", "all", "-j", job, "-o", "%N").stdout.strip()
+            assert nodelist == "e[1-2]", nodelist
+            assert set(_elastic_claims(store)) == {"e1", "e2"}
+            print(
+                f"\nelastic retry: sbatch -> e2 down and retried with a freed machine "
+                f"{t_retry:.1f} s; sbatch -> COMPLETED {time.monotonic() - t0:.1f} s "
+                f"(the requeued job waits slurmctld's 2 min); load {os.getloadavg()}"
+            )
+        finally:
+            for p in procs:
+                controlplane.stop_process(p)
 
 
 def sbatch(cp: controlplane.SlurmControlPlane, nodes: str) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -50,6 +51,29 @@ def sinfo(rack, tenant_id: str) -> dict[str, str]:  # type: ignore[no-untyped-de
 def job_field(rack, tenant_id: str, job: str, field: str) -> str:  # type: ignore[no-untyped-def]
     out = ctl(rack, tenant_id, "scontrol", "show", "job", job).stdout
     return next((w.split("=", 1)[1] for w in out.split() if w.startswith(field + "=")), "")
+
+
+def phases(rack, mid: str) -> str:  # type: ignore[no-untyped-def]
+    """Where a resumed machine's time went, from its events: claimed -> network boot (power-on,
+    POST, iPXE: what a pre-warmed machine would skip) -> provisioned -> active (joined)."""
+    items = sorted(rack.json("events", "--machine", mid, "--limit", "1000")["items"],
+                   key=lambda e: e["id"])  # fmt: skip
+    at = {}
+    for e in items:
+        step = (
+            "claimed" if e["to_state"] == "claimed"
+            else "network boot" if e["kind"] == "provision.network-boot"
+            else e["to_state"] if e["to_state"] in ("provisioned", "active")
+            else None
+        )  # fmt: skip
+        if step == "claimed":
+            at = {"claimed": datetime.fromisoformat(e["at"])}
+        elif step and at and step not in at:
+            at[step] = datetime.fromisoformat(e["at"])
+    if "claimed" not in at:
+        return "no claim event"
+    t0 = at["claimed"]
+    return ", ".join(f"{k} +{(v - t0).total_seconds():.1f}s" for k, v in at.items())
 
 
 def test_pool_grows_for_a_job_and_shrinks_when_idle(enrolled_rack) -> None:  # type: ignore[no-untyped-def]
@@ -127,6 +151,8 @@ def test_pool_grows_for_a_job_and_shrinks_when_idle(enrolled_rack) -> None:  # t
     assert job_field(rack, tid, job, "NodeList") == "e[1-2]"
     states = {n: rack.json("machines", "show", mid)["state"] for n, mid in machines.items()}
     assert set(states.values()) == {"active"}, states
+    for node, mid in sorted(machines.items()):
+        print(f"  {node} ({mid[:8]}): {phases(rack, mid)}")
     wait_for("the job completed", lambda: job_field(rack, tid, job, "JobState") == "COMPLETED", 120, every=1)  # fmt: skip
     t_done = time.monotonic()
     assert job_field(rack, tid, job, "ExitCode") == "0:0"
