@@ -53,6 +53,26 @@ def job_field(rack, tenant_id: str, job: str, field: str) -> str:  # type: ignor
     return next((w.split("=", 1)[1] for w in out.split() if w.startswith(field + "=")), "")
 
 
+_IMAGE: dict[str, Any] = {}
+
+
+def node_image(rack) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """The tenant node image, served and registered once for this module's tests."""
+    if "img" not in _IMAGE:
+        _IMAGE["img"] = rack.json(
+            "images", "create", "tenant-node-elastic", *rack.publish_node_image(8083)
+        )
+    return _IMAGE["img"]
+
+
+def slurm_tenant(rack, name: str) -> str:  # type: ignore[no-untyped-def]
+    st, t = rack.api("POST", "/api/v1/tenants", {"name": name, "cluster_kind": "slurm"})
+    assert st == 201, t
+    st, hub = rack.api("POST", f"/api/v1/tenants/{t['id']}/hub", {})
+    assert st == 201, hub
+    return str(t["id"])
+
+
 def phases(rack, mid: str) -> str:  # type: ignore[no-untyped-def]
     """Where a resumed machine's time went, from its events: claimed -> network boot (power-on,
     POST, iPXE: what a pre-warmed machine would skip) -> provisioned -> active (joined)."""
@@ -89,7 +109,7 @@ def test_pool_grows_for_a_job_and_shrinks_when_idle(enrolled_rack) -> None:  # t
     tid = t["id"]
     st, hub = rack.api("POST", f"/api/v1/tenants/{tid}/hub", {})
     assert st == 201, hub
-    img = rack.json("images", "create", "tenant-node-elastic", *rack.publish_node_image(8083))
+    img = node_image(rack)
     st, pool = rack.api(
         "POST",
         f"/api/v1/tenants/{tid}/elastic-pools",
@@ -178,4 +198,82 @@ def test_pool_grows_for_a_job_and_shrinks_when_idle(enrolled_rack) -> None:  # t
         f"(states: {', '.join(f'{k} +{v:.1f}s' for k, v in seen.items())}); "
         f"COMPLETED -> claims released {t_released:.1f} s; COMPLETED -> both wiped and ready "
         f"{t_ready:.1f} s; load {os.getloadavg()}"
+    )
+
+
+def test_node_down_for_want_of_a_machine_resumes_once_another_tenant_frees_one(
+    enrolled_rack,
+) -> None:  # type: ignore[no-untyped-def]
+    """Two tenants want the last machines: another tenant's claim holds 2 of the 3, so
+    ``sbatch -N2`` gets a machine for e1 and e2 is set down (``sinfo -R`` shows why, an
+    ``elastic.no-machine`` event). The other tenant releases its claim; once its machines are
+    wiped and ready, metald retries e2 (an ``elastic.retry`` event): claimed, provisioned,
+    joined, and the job (requeued by slurmctld when e2 went down) completes."""
+    rack = enrolled_rack.rack
+    macs = [m["mac"] for m in rack.machines]
+    rack.wait_state(macs, "ready", READY_TIMEOUT_S)
+
+    def wait_for(what: str, fn, timeout: float, every: float = 2) -> Any:  # type: ignore[no-untyped-def]
+        return waiting.wait_for(what, fn, timeout, every=every, explain=rack.diagnostics)
+
+    img = node_image(rack)
+    holder = slurm_tenant(rack, "holder")
+    held = rack.json("claims", "create", "--tenant", holder, "--count", "2", "--image", img["id"])
+    tid = slurm_tenant(rack, "elastic2")
+    st, pool = rack.api(
+        "POST",
+        f"/api/v1/tenants/{tid}/elastic-pools",
+        {"name": "gpu", "prefix": "e", "min_nodes": 0, "max_nodes": 3, "image_id": img["id"],
+         "suspend_time_s": SUSPEND_TIME_S, "resume_timeout_s": RESUME_TIMEOUT_S},
+    )  # fmt: skip
+    assert st == 201, pool
+    wait_for("e1-e3 in the tenant's cluster", lambda: set(sinfo(rack, tid)) == {"e1", "e2", "e3"}, 120)  # fmt: skip
+
+    def pool_nodes() -> dict[str, str]:
+        st, p = rack.api("GET", f"/api/v1/tenants/{tid}/elastic-pools/{pool['id']}")
+        assert st == 200, p
+        return dict(p["nodes"])
+
+    def reasons() -> dict[str, str]:
+        out = ctl(rack, tid, "sinfo", "-R", "-h", "-N", "-o", "%N|%E").stdout
+        return dict(line.split("|", 1) for line in out.splitlines() if "|" in line)
+
+    t0 = time.monotonic()
+    r = ctl(rack, tid, "sbatch", "--parsable", "-p", pool["partition"], "-N2", "--wrap", "srun hostname")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    job = r.stdout.strip()
+    wait_for("e2 set down for want of a machine",
+             lambda: reasons().get("e2", "").startswith("elastic: no free machine"), 60)  # fmt: skip
+    assert list(pool_nodes()) == ["e1"]
+    st, page = rack.api("GET", "/api/v1/events?kind=elastic.no-machine&limit=1000")
+    assert st == 200, page
+    assert any(e["tenant_id"] == tid and "e2" in (e["reason"] or "") for e in page["items"]), page
+    print(f"\nsinfo -R in the tenant's cluster: e2|{reasons()['e2']}")
+
+    # The other tenant lets its machines go: wiped, ready, and e2 is retried.
+    wait_for("the holder's machines provisioned",
+             lambda: {rack.json("machines", "show", m["id"])["state"] for m in held["machines"]}
+             <= {"active", "provisioned", "joining"}, READY_TIMEOUT_S)  # fmt: skip
+    rack.ctl("claims", "release", held["id"], "--yes")
+    t_freed = time.monotonic()
+    wait_for("e2 claimed once a machine is free", lambda: "e2" in pool_nodes(), READY_TIMEOUT_S)
+    t_retried = time.monotonic() - t_freed
+    st, page = rack.api("GET", "/api/v1/events?kind=elastic.retry&limit=1000")
+    assert st == 200, page
+    assert any(e["tenant_id"] == tid and "e2" in e["data"]["nodes"] for e in page["items"]), page
+
+    def state() -> str:
+        s = job_field(rack, tid, job, "JobState")
+        assert s not in ("FAILED", "CANCELLED", "NODE_FAIL", "TIMEOUT"), s
+        return s
+
+    wait_for("the job completed", lambda: state() == "COMPLETED", RESUME_TIMEOUT_S)
+    nodes = job_field(rack, tid, job, "NodeList")
+    claims = pool_nodes()
+    assert nodes in ("e[1-2]", "e[1,3]", "e[2-3]"), nodes
+    assert "e2" in claims and len(set(claims.values())) == len(claims)
+    print(
+        f"elastic retry on QEMU machines: release -> e2 claimed {t_retried:.1f} s (the wipe); "
+        f"sbatch -> COMPLETED on {nodes} {time.monotonic() - t0:.1f} s; claims {sorted(claims)}; "
+        f"load {os.getloadavg()}"
     )
