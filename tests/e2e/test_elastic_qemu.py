@@ -73,6 +73,21 @@ def slurm_tenant(rack, name: str) -> str:  # type: ignore[no-untyped-def]
     return str(t["id"])
 
 
+def why_failed(rack, tid: str, job: str) -> str:  # type: ignore[no-untyped-def]
+    """The job as slurmctld has it, its output and the slurmd logs of its nodes."""
+    out = [ctl(rack, tid, "scontrol", "show", "job", job).stdout]
+    nodes = job_field(rack, tid, job, "NodeList")
+    host = job_field(rack, tid, job, "BatchHost")
+    for argv in (
+        ["srun", "-w", host, "-N1", "cat", f"/slurm-{job}.out"],
+        ["srun", "-w", nodes, "-N2", "sh", "-c", "hostname; tail -n 25 /var/log/slurm/slurmd.log; wg show wg0 peers"],
+    ):  # fmt: skip
+        r = ctl(rack, tid, *argv, timeout=60)
+        out.append(f"$ {' '.join(argv)}\n{r.stdout}{r.stderr}")
+    out.append(str(sinfo(rack, tid)))
+    return "\n".join(out)
+
+
 def phases(rack, mid: str) -> str:  # type: ignore[no-untyped-def]
     """Where a resumed machine's time went, from its events: claimed -> network boot (power-on,
     POST, iPXE: what a pre-warmed machine would skip) -> provisioned -> active (joined)."""
@@ -264,7 +279,7 @@ def test_node_down_for_want_of_a_machine_resumes_once_another_tenant_frees_one(
 
     def state() -> str:
         s = job_field(rack, tid, job, "JobState")
-        assert s not in ("FAILED", "CANCELLED", "NODE_FAIL", "TIMEOUT"), s
+        assert s not in ("FAILED", "CANCELLED", "NODE_FAIL", "TIMEOUT"), why_failed(rack, tid, job)
         return s
 
     wait_for("the job completed", lambda: state() == "COMPLETED", RESUME_TIMEOUT_S)
