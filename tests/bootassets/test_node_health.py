@@ -347,16 +347,3 @@ async def test_the_lab_gpu_standin_through_the_agent(
     assert sig.unreadable == []
     faulty = {(s.kind, s.code) for s in sig.signals if s.code != "correctable-aggregate"}
     assert faulty == found
-
-
-def test_the_mesh_view_is_applied_before_slurmd_announces_the_node() -> None:
-    """A resumed elastic node ran a job step the moment it registered, while its peer
-    already dialled it directly and it did not know the peer's key yet: the step failed
-    (seen in tests/e2e/test_elastic_qemu.py). The mesh starts first, and start_mesh waits
-    for its first view."""
-    text = SCRIPT.read_text()
-    run = text[text.index("\nrun() {") :]
-    assert run.index("start_mesh") < run.index("start_slurm")
-    mesh = text[text.index("\nstart_mesh() {") :]
-    mesh = mesh[: mesh.index("\n}\n")]
-    assert '"$STATE/mesh/applied"' in mesh and "while [ ! -e" in mesh
