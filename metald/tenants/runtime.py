@@ -569,8 +569,17 @@ class TenantRuntime:
                               hub.spec.tenant_name, path.name, e)  # fmt: skip
                     elasticspool.done(path)
                     continue
+                names = req.names
+                if req.op == "resume":
+                    # The node-state reconcile may have seen these nodes powering up before
+                    # slurmctld's program wrote this request, and set some down for want of a
+                    # machine already: those wait for the retry, not a second attempt (and a
+                    # second event).
+                    states = await asyncio.to_thread(cp.node_states) or {}
+                    held_back = elastic.stuck(cp.pools, states)
+                    names = [n for n in names if n not in held_back]
                 try:
-                    down = await handler(tid, req.op, req.names)
+                    down = await handler(tid, req.op, names) if names else {}
                 except Exception:
                     log.exception("tenant %s: elastic %s %s failed; retried next interval",
                                   hub.spec.tenant_name, req.op, req.names)  # fmt: skip
