@@ -169,6 +169,16 @@ def elastic_handler(ctx: AppContext) -> Any:
     return handle
 
 
+def elastic_retry(ctx: AppContext) -> Any:
+    """What the tenant runtime calls with the pool nodes set down for want of a machine."""
+
+    async def retry(tenant_id: str, stuck: dict[str, bool]) -> list[str]:
+        pools = ElasticPools(ctx.store, claim_workflow(ctx))
+        return await pools.retry(tenant_id, stuck, actor=f"slurmctld:{tenant_id}")
+
+    return retry
+
+
 def instances(req: ApiRequest) -> Instances:
     ctx = req.ctx
     return Instances(ctx.store, ctx.cfg.fleet.dead_after_s, fleet=ctx.services.fleet)

@@ -166,9 +166,10 @@ class Daemon:
         )
         hubs = getattr(self.services, "tenant_hubs", None)
         if hubs is not None and hasattr(hubs, "elastic_handler"):
-            from api.workflows import elastic_handler
+            from api.workflows import elastic_handler, elastic_retry
 
             hubs.elastic_handler = elastic_handler(self.ctx)
+            hubs.elastic_retry = elastic_retry(self.ctx)
         self._started: list[Service] = []
         self._store_lock: Any = None
         self._runners: list[web.AppRunner] = []

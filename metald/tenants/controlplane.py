@@ -197,6 +197,36 @@ class SlurmControlPlane:
         )  # fmt: skip
         return r.returncode == 0
 
+    def node_states(self) -> dict[str, elastic.NodeState] | None:
+        """Node name -> compact state (``down#``, ``idle~``) and reason; None if slurmctld
+        cannot be asked."""
+        if not self.alive():
+            return None
+        try:
+            r = self.run("sinfo", "-h", "-N", "-o", "%N|%T|%E", timeout=10)
+        except subprocess.TimeoutExpired:
+            return None
+        if r.returncode != 0:
+            return None
+        out = {}
+        for line in r.stdout.splitlines():
+            parts = line.split("|", 2)
+            if len(parts) == 3:
+                reason = "" if parts[2] == "none" else parts[2]
+                out[parts[0]] = elastic.NodeState(state=parts[1], reason=reason)
+        return out
+
+    def return_to_service(self, names: list[str]) -> bool:
+        """Clear pool nodes metald set down (``state=resume``): one slurmctld still powers up
+        waits for its machine to register (``idle#``), one it gave up on is powered down and
+        available again (``idle~``: resumed through ResumeProgram for the queued job)."""
+        if not names:
+            return True
+        r = self.run(
+            "scontrol", "update", f"nodename={','.join(names)}", "state=resume", timeout=10
+        )
+        return r.returncode == 0
+
     @property
     def topology_conf(self) -> Path:
         # configless: slurmctld hands topology.conf (beside slurm.conf) to every slurmd

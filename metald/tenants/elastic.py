@@ -25,6 +25,10 @@ REASON_POOL_MAX = "elastic: the pool is at its max"
 REASON_QUOTA = "elastic: the tenant's quota is used up"
 REASON_NO_MACHINE = "elastic: no free machine matches the pool's selector"
 REASON_NOT_POOL = "elastic: not a node of an elastic pool"
+#: The reasons a freed machine or a raised quota can lift: nodes down with one are retried.
+RETRYABLE = (REASON_NO_MACHINE, REASON_QUOTA)
+#: The flags sinfo appends to a node's compact state (``down#``, ``idle~``, ``alloc*``).
+STATE_FLAGS = "*~#%!$@^-"
 
 
 class HostlistError(ValueError):
@@ -311,3 +315,46 @@ def decide_suspend(pool: ElasticPool, names: list[str], claimed: set[str]) -> li
     first ``min`` names (slurmctld does not suspend those; a hand-edited conf might)."""
     kept = set(pool.kept())
     return [n for n in dict.fromkeys(names) if pool.owns(n) and n in claimed and n not in kept]
+
+
+# ---- what slurmctld's node states say -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """A node as ``sinfo -N -o '%N|%T|%E'`` shows it: compact state and reason."""
+
+    state: str
+    reason: str = ""
+
+    @property
+    def base(self) -> str:
+        return self.state.rstrip(STATE_FLAGS)
+
+    @property
+    def powering_up(self) -> bool:
+        return "#" in self.state
+
+
+def powering_up(pools: list[ElasticPool], nodes: Mapping[str, NodeState]) -> list[str]:
+    """Pool nodes slurmctld is powering up (and that are not down): each must hold a claim.
+    One without is a resume metald never acted on (its request was lost with a killed
+    instance's host, or failed); handing these to the resume again is harmless (a name that
+    holds a claim is ``already``)."""
+    return sorted(
+        n
+        for n, st in nodes.items()
+        if st.powering_up and st.base != "down" and any(p.owns(n) for p in pools)
+    )
+
+
+def stuck(pools: list[ElasticPool], nodes: Mapping[str, NodeState]) -> dict[str, bool]:
+    """Pool nodes metald set down for want of a machine (or quota) -> whether slurmctld still
+    powers them up (``down#``: it waits for them until ResumeTimeout) rather than having given
+    up on them (``down~``). Nodes down for any other reason (an operator's, a failed machine)
+    are not metald's to bring back."""
+    return {
+        n: st.powering_up
+        for n, st in sorted(nodes.items())
+        if st.base == "down" and st.reason.startswith(RETRYABLE) and any(p.owns(n) for p in pools)
+    }

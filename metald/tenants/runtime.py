@@ -435,6 +435,9 @@ class TenantRuntime:
         self.elastic_handler: Callable[[str, str, list[str]], Awaitable[dict[str, str]]] | None = (
             None
         )
+        #: (tenant id, {node: still powering up}) -> the nodes set down for want of a machine
+        #: that can have one now (``ElasticPools.retry``; None: they wait for an operator).
+        self.elastic_retry: Callable[[str, dict[str, bool]], Awaitable[list[str]]] | None = None
 
     def owns(self, tenant_id: str) -> bool:
         return self.ownership is None or self.ownership.owns_hub(tenant_id)
@@ -566,18 +569,56 @@ class TenantRuntime:
                               hub.spec.tenant_name, path.name, e)  # fmt: skip
                     elasticspool.done(path)
                     continue
+                names = req.names
+                if req.op == "resume":
+                    # The node-state reconcile may have seen these nodes powering up before
+                    # slurmctld's program wrote this request, and set some down for want of a
+                    # machine already: those wait for the retry, not a second attempt (and a
+                    # second event).
+                    states = await asyncio.to_thread(cp.node_states) or {}
+                    held_back = elastic.stuck(cp.pools, states)
+                    names = [n for n in names if n not in held_back]
                 try:
-                    down = await handler(tid, req.op, req.names)
+                    down = await handler(tid, req.op, names) if names else {}
                 except Exception:
                     log.exception("tenant %s: elastic %s %s failed; retried next interval",
                                   hub.spec.tenant_name, req.op, req.names)  # fmt: skip
                     continue
-                by_reason: dict[str, list[str]] = {}
-                for n, why in down.items():
-                    by_reason.setdefault(why, []).append(n)
-                for why, names in by_reason.items():
-                    await asyncio.to_thread(cp.set_down, names, why)
+                await self._set_down(cp, down)
                 elasticspool.done(path)
+            try:
+                await self._reconcile_elastic(tid, cp)
+            except Exception:
+                log.exception("tenant %s: elastic reconcile failed; retried next interval",
+                              hub.spec.tenant_name)  # fmt: skip
+
+    async def _set_down(self, cp: controlplane.SlurmControlPlane, down: dict[str, str]) -> None:
+        by_reason: dict[str, list[str]] = {}
+        for n, why in down.items():
+            by_reason.setdefault(why, []).append(n)
+        for why, names in by_reason.items():
+            await asyncio.to_thread(cp.set_down, names, why)
+
+    async def _reconcile_elastic(self, tid: str, cp: controlplane.SlurmControlPlane) -> None:
+        """What slurmctld's node states say beside the spool: a node it powers up with no
+        claim (the request was lost: a killed instance's spool is on its own host) is
+        resumed; nodes set down for want of a machine come back once one is free."""
+        handler = self.elastic_handler
+        if not cp.pools or handler is None:
+            return
+        states = await asyncio.to_thread(cp.node_states)
+        if not states:
+            return
+        lost = elastic.powering_up(cp.pools, states)
+        if lost:
+            await self._set_down(cp, await handler(tid, "resume", lost))
+        stuck = elastic.stuck(cp.pools, states)
+        if stuck and self.elastic_retry is not None:
+            back = await self.elastic_retry(tid, stuck)
+            if back:
+                log.info("tenant %s: elastic nodes %s have machines now: back in service",
+                         tid, ",".join(back))  # fmt: skip
+                await asyncio.to_thread(cp.return_to_service, back)
 
     async def _loop(self) -> None:
         while True:

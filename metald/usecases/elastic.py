@@ -15,7 +15,7 @@ from typing import Any
 from sqlmodel import Session, col, func, select
 
 from metald.auth import Principal
-from metald.claims.allocation import Selector
+from metald.claims.allocation import Selector, bmc_required, count_matching, get_image
 from metald.claims.workflow import ClaimRequest, ClaimWorkflow
 from metald.errors import Conflict, NotFound, Unprocessable
 from metald.machines import ConcurrentUpdate, add_event
@@ -267,17 +267,7 @@ class ElasticPools:
                     if old is not None and old.state not in LIVE:
                         old.idempotency_key = f"{key(row.id, n)}:was:{old.id}"
                         s.add(old)
-                q = s.get(ElasticQuota, tenant_id)
-                quota = elastic.Quota(
-                    max_machines=q.max_machines if q else None,
-                    per_sku=dict(q.per_sku) if q else {},
-                )
-                sku = exact_sku(row.selector)
-                held = elastic.Holdings(
-                    pool_claimed=frozenset(claimed),
-                    tenant_machines=_count(s, tenant_id, None),
-                    tenant_by_sku={sku: _count(s, tenant_id, sku)} if sku else {},
-                )
+                quota, held, sku = _limits(s, tenant_id, row, claimed)
                 d = elastic.decide_resume(pool, mine, held, quota, sku=sku, free_machines=len(mine))
                 out.append((row, d))
             s.commit()
@@ -312,6 +302,46 @@ class ElasticPools:
                     await self.store.run(_no_machine, tenant_id, n, e, actor)
         return down
 
+    async def retry(self, tenant_id: str, stuck: dict[str, bool], *, actor: str) -> list[str]:
+        """Nodes set down for want of a machine (or quota), name -> still powering up: the
+        ones that can have a machine now, to return to service. One slurmctld still powers up
+        gets its claim here first (it then waits for the machine to register); one it gave up
+        on (powered down) is only returned: slurmctld resumes it through ResumeProgram for the
+        job still queued. Bounded by the free matching machines, the pool's max and the quota,
+        so no node comes back only to be set down again."""
+
+        def plan(s: Session) -> list[str]:
+            out: list[str] = []
+            rows = s.exec(select(ElasticPoolRow).where(ElasticPoolRow.tenant_id == tenant_id)).all()
+            for row in rows:
+                pool = pool_of(row)
+                mine = [n for n in stuck if pool.owns(n)]
+                if not mine:
+                    continue
+                claimed = _claimed(s, row.id)
+                quota, held, sku = _limits(s, tenant_id, row, claimed)
+                try:
+                    selector = Selector.from_dict(dict(row.selector)).for_image(
+                        get_image(s, row.image, tenant_id)
+                    )
+                except Unprocessable:
+                    continue  # the image is gone: the node stays down with its reason
+                strict = bmc_required(s, self.workflow.require_bmc)
+                _, free = count_matching(s, selector, vouched_only=strict)
+                d = elastic.decide_resume(pool, mine, held, quota, sku=sku, free_machines=free)
+                out += d.already + d.claim
+            return out
+
+        ready = await self.store.read(plan)
+        if not ready:
+            return []
+        up = [n for n in ready if stuck[n]]
+        down = await self.resume(tenant_id, up, actor=actor) if up else {}
+        back = [n for n in ready if n not in down]
+        if back:
+            await self.store.run(_retried, tenant_id, back, actor)
+        return back
+
     async def suspend(self, tenant_id: str, names: list[str], *, actor: str) -> list[str]:
         """Release the claims of suspended names (never below min); the names released."""
 
@@ -341,6 +371,34 @@ class ElasticPools:
             )
             released.append(name)
         return released
+
+
+def _limits(
+    s: Session, tenant_id: str, row: ElasticPoolRow, claimed: dict[str, Claim]
+) -> tuple[elastic.Quota, elastic.Holdings, str | None]:
+    """The tenant's quota, what it and the pool hold now, and the pool's exact SKU."""
+    q = s.get(ElasticQuota, tenant_id)
+    quota = elastic.Quota(
+        max_machines=q.max_machines if q else None,
+        per_sku=dict(q.per_sku) if q else {},
+    )
+    sku = exact_sku(row.selector)
+    held = elastic.Holdings(
+        pool_claimed=frozenset(claimed),
+        tenant_machines=_count(s, tenant_id, None),
+        tenant_by_sku={sku: _count(s, tenant_id, sku)} if sku else {},
+    )
+    return quota, held, sku
+
+
+def _retried(s: Session, tenant_id: str, nodes: list[str], actor: str) -> None:
+    add_event(
+        s, "elastic.retry", actor, tenant_id=tenant_id,
+        reason=f"elastic nodes {', '.join(nodes)}: set down for want of a machine, back in "
+        "service now that one is free",
+        data={"nodes": nodes},
+    )  # fmt: skip
+    s.commit()
 
 
 def exact_sku(selector: dict[str, Any]) -> str | None:

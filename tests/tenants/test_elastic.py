@@ -194,3 +194,22 @@ def test_programs_write_requests_atomically(tmp_path: Path) -> None:
     reqs = [elasticspool.read(p) for p in elasticspool.pending(tmp_path)]
     assert [(r.op, r.names) for r in reqs] == [("resume", ["e1", "e2"]), ("suspend", ["e2"])]
     assert (tmp_path / "elastic" / "spool").stat().st_mode & 0o077 == 0
+
+
+def test_node_states_pick_lost_resumes_and_nodes_down_for_want_of_a_machine() -> None:
+    pool = elastic.ElasticPool(
+        tenant_id="t", name="gpu", prefix="e", min_nodes=0, max_nodes=4, image_id="i"
+    )
+    ns = elastic.NodeState
+    nodes = {
+        "e1": ns("alloc#"),  # powering up: must hold a claim
+        "e2": ns("down#", elastic.REASON_NO_MACHINE),  # set down by metald, still powering up
+        "e3": ns("down~", elastic.REASON_QUOTA),  # slurmctld gave up on it
+        "e4": ns("down#", "operator: bad DIMM"),  # not metald's to bring back
+        "n7": ns("idle#"),  # a dynamic node, no pool's
+        "e9": ns("down#", elastic.REASON_NO_MACHINE),  # beyond the pool's max
+    }
+    assert elastic.powering_up([pool], nodes) == ["e1"]
+    assert elastic.stuck([pool], nodes) == {"e2": True, "e3": False}
+    assert elastic.powering_up([pool], {"e1": ns("idle~"), "e2": ns("mix")}) == []
+    assert ns("down*#").base == "down" and ns("idle%").base == "idle"
