@@ -163,6 +163,9 @@ async def test_admin_quota_caps_resumes(api) -> None:  # type: ignore[no-untyped
     not all(shutil.which(x) for x in ("slurmctld", "sinfo", "munged")),
     reason="needs slurmctld slurm-client munge",
 )
+@pytest.mark.parametrize(
+    "db_url", ["sqlite"], indirect=True
+)  # the store side: test_pool_crud_resume_suspend
 async def test_real_slurmctld_resumes_into_claims_for_exactly_those_names(
     api, db_url: str, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
@@ -171,8 +174,6 @@ async def test_real_slurmctld_resumes_into_claims_for_exactly_those_names(
     exactly e1, e2, e3 and never a 4th (the last job stays pending). The SuspendProgram slurmctld
     runs for idle nodes, here for e1 and e2 powered down by force (no slurmd: they never get
     idle), releases exactly those claims."""
-    if not db_url.startswith("sqlite"):
-        pytest.skip("the store side runs on both backends in test_pool_crud_resume_suspend")
     client, tokens, store = api
     ctx = client.server.app[CTX_KEY]
     use_services(ctx, bmc=FakeBmc(power_state="off"))
@@ -296,6 +297,9 @@ async def _drain_until(runtime: TenantRuntime, cond, timeout: float = 20) -> boo
     not all(shutil.which(x) for x in ("slurmctld", "sinfo", "munged")),
     reason="needs slurmctld slurm-client munge",
 )
+@pytest.mark.parametrize(
+    "db_url", ["sqlite"], indirect=True
+)  # the store side: test_pool_crud_resume_suspend
 async def test_real_slurmctld_node_down_for_want_of_a_machine_is_retried_when_one_frees(
     api, db_url: str, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
@@ -303,8 +307,6 @@ async def test_real_slurmctld_node_down_for_want_of_a_machine_is_retried_when_on
     machine is free the drain leaves e2 down (no claim, no second event); once one is, the
     drain claims it for e2 and returns e2 to service: slurmctld powers it up again (``idle#``,
     waiting for the machine to register), its reason gone, an ``elastic.retry`` event."""
-    if not db_url.startswith("sqlite"):
-        pytest.skip("the store side runs on both backends in test_pool_crud_resume_suspend")
     _client, _tokens, store = api
     async with _real_pool(api, tmp_path, machines=1) as (cp, runtime, _ns):
         sbatch(cp, "-N2")
@@ -340,6 +342,9 @@ async def test_real_slurmctld_node_down_for_want_of_a_machine_is_retried_when_on
     not all(shutil.which(x) for x in ("slurmctld", "sinfo", "munged")),
     reason="needs slurmctld slurm-client munge",
 )
+@pytest.mark.parametrize(
+    "db_url", ["sqlite"], indirect=True
+)  # the store side: test_pool_crud_resume_suspend
 async def test_real_slurmctld_resume_whose_request_was_lost_is_claimed_from_node_states(
     api, db_url: str, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
@@ -347,8 +352,6 @@ async def test_real_slurmctld_resume_whose_request_was_lost_is_claimed_from_node
     it acted: the request was in that host's spool, which the survivor does not have (here:
     removed). The drain still claims exactly e1 and e2, from slurmctld's node states (powering
     up, no claim); draining again claims nothing more."""
-    if not db_url.startswith("sqlite"):
-        pytest.skip("the store side runs on both backends in test_pool_crud_resume_suspend")
     _client, _tokens, store = api
     async with _real_pool(api, tmp_path, machines=3) as (cp, runtime, _ns):
         sbatch(cp, "-N2")
@@ -380,6 +383,9 @@ async def test_real_slurmctld_resume_whose_request_was_lost_is_claimed_from_node
     os.environ.get("METALD_LAB_LONG") != "1",
     reason="~3 min (slurmctld holds a requeued job back 2 minutes): METALD_LAB_LONG=1",
 )
+@pytest.mark.parametrize(
+    "db_url", ["sqlite"], indirect=True
+)  # the store side: test_pool_crud_resume_suspend
 async def test_real_slurmctld_retried_node_joins_and_the_job_runs(
     api, db_url: str, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
@@ -387,8 +393,6 @@ async def test_real_slurmctld_retried_node_joins_and_the_job_runs(
     provisioned machines): one machine for a 2-node job, e2 set down; a machine frees, the
     drain claims it for e2 and returns e2 to service; slurmds join as e1 and e2 and the job,
     requeued when e2 went down, completes on e1 and e2."""
-    if not db_url.startswith("sqlite"):
-        pytest.skip("the store side runs on both backends in test_pool_crud_resume_suspend")
     _client, _tokens, store = api
     procs: list[subprocess.Popen[bytes]] = []
     async with _real_pool(api, tmp_path, machines=1, nodes=2) as (cp, runtime, node_ns):
