@@ -32,7 +32,7 @@ from metald.lifecycle import (
     phase_of,
 )
 from metald.provision import boots, commissioning
-from metald.store.models import Event, Machine, as_utc, utcnow
+from metald.store.models import Event, Machine, as_utc, new_id, utcnow
 
 if TYPE_CHECKING:
     from metald.fleet.membership import Membership
@@ -53,7 +53,12 @@ def mint_agent_token(
     one and a ``boot.script_refetched`` event is recorded once per boot). A discovered machine
     about to boot the discovery image moves to ``inspecting`` in the same transaction, which
     arms its first boot."""
+    boot: str | None
     if m.state in (State.DISCOVERED.value, State.INSPECT_FAILED.value):
+        # Entering inspection arms a boot (``lifecycle.ARM_ON_ENTRY``) that this fetch takes at
+        # once: armed and taken in the transition's own compare-and-swap, as the two UPDATEs
+        # (arm, then ``take_armed_boot``) in this one transaction would leave it.
+        boot = new_id()
         machines.transition(
             s,
             m.id,
@@ -63,8 +68,10 @@ def mint_agent_token(
             instance=instance,
             commit=False,
             machine=m,
+            updates={"boot_armed": None, "boot_current": boot},
         )
-    boot = boots.take_armed_boot(s, m)
+    else:
+        boot = boots.take_armed_boot(s, m)
     if boot is None:
         boots.note_refetch(s, m, mac=mac, client=client, actor=actor, instance=instance)
         s.commit()
