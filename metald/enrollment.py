@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from sqlmodel import Session, select
 
 from metald import machines, topology
-from metald.auth import Role, issue_token, revoke_machine_tokens
+from metald.auth import issue_agent_token, revoke_machine_tokens
 from metald.boot.machine_hooks import StoreBootHooks
 from metald.config import EnrollConfig
 from metald.errors import Conflict, MetaldError
@@ -77,14 +77,12 @@ def mint_agent_token(
         s.commit()
         return None
     revoke_machine_tokens(s, m.id, commit=False)
-    _row, secret = issue_token(
+    secret = issue_agent_token(
         s,
+        m.id,
         name=f"agent-{m.id[:8]}",
-        role=Role.AGENT,
-        scope=[m.id],
         created_by=actor,
         ttl=timedelta(seconds=ttl_s),
-        commit=False,
         phase=phase_of(m.state),
         boot=boot,
     )
