@@ -168,7 +168,11 @@ def accept_inventory(
     the transition's compare-and-swap on its version still refuses it if it changed since."""
     try:
         m = machine if machine is not None else machines.get_machine(s, machine_id)
-        accepted = validate_inventory(data, token_machine_id=machine_id, stored=m.inventory)
+        # The stored document (deferred on the machine reads) is read only if there is one:
+        # ``inventory_at`` is written with it, so a first inventory (every machine of a storm)
+        # costs no read of a column that is empty.
+        stored = m.inventory if m.inventory_at is not None else None
+        accepted = validate_inventory(data, token_machine_id=machine_id, stored=stored)
         if State(m.state) not in INVENTORY_ACCEPTED:
             raise Conflict(
                 f"machine {machine_id} is {m.state}, not inspecting; run the 'inspect' action to re-inspect it"
