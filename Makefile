@@ -46,7 +46,7 @@ bench: setup
 		echo "== $$b"; $(PY) $$b || exit 1; done
 
 # The enrollment storm on STORM_BASE (a git rev, exported) and on this tree, interleaved
-# rounds; fails when this tree's metald CPU per machine is over 1.15x the base's (bench/STORM.md).
+# rounds; fails when this tree's metald CPU per machine is over the base's (1.00x, bench/STORM.md).
 STORM_BASE ?= 9bfe316
 STORM_ROUNDS ?= 3
 bench-storm-regress: setup

@@ -857,6 +857,11 @@ def main() -> int:
     ap.add_argument("--log-level", default="info")
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--json", help="also write the results as JSON to this file")
+    ap.add_argument(
+        "--fleet-only",
+        action="store_true",
+        help="skip the one-instance run: only the run with --instances (and its kill)",
+    )
     args = ap.parse_args()
     if args.quick:
         args.machines, args.interval, args.heartbeat, args.dead_after = 40, 2.0, 0.5, 3.0
@@ -873,7 +878,7 @@ def main() -> int:
     pg = PgServer()
     results: list[dict[str, Any]] = []
     try:
-        for k in sorted({1, args.instances}):
+        for k in [args.instances] if args.fleet_only else sorted({1, args.instances}):
             log(f"{k} instance(s) x {args.machines} machines")
             results.append(run_one(k, args, pg, key))
             if args.json:

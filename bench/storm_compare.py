@@ -18,7 +18,7 @@ sent per machine (``bench/sqlcount/sitecustomize.py``, loaded through ``PYTHONPA
 metald process only: every statement through SQLAlchemy, ``BEGIN`` included, less the ones sent
 before the first machine row), the scripts served without a token, DHCP retransmits, and the
 1-minute load average before and after. The verdict compares the medians of metald's CPU per
-machine: a regression is this tree above ``--threshold`` (1.15) times the previous tree's.
+machine: a regression is this tree above ``--threshold`` (1.00) times the previous tree's.
 Wall time is printed, never judged (it moves with the box's load). A bench, not a test: it
 needs root (network namespaces) and a few minutes.
 """
@@ -129,7 +129,7 @@ def main() -> int:
     ap.add_argument(
         "--threshold",
         type=float,
-        default=1.15,
+        default=1.0,
         help="fail when this tree's median CPU per machine exceeds the base's times this",
     )
     ap.add_argument("--timeout", type=float, default=600, help="seconds per storm run")

@@ -30,7 +30,7 @@ from sqlmodel import Session
 
 from metald.errors import Conflict, NotFound, Unprocessable
 from metald.lifecycle import phase_of
-from metald.store.models import ApiToken, Machine, Meta, as_utc, utcnow
+from metald.store.models import ApiToken, Machine, Meta, as_utc, new_id, utcnow
 
 TOKEN_PREFIX = "mtd_"
 
@@ -124,6 +124,39 @@ def issue_token(
     return row, secret
 
 
+def issue_agent_token(
+    session: Session,
+    machine_id: str,
+    *,
+    name: str,
+    phase: str | None,
+    boot: str | None,
+    created_by: str | None = None,
+    ttl: timedelta | None = None,
+) -> str:
+    """``issue_token`` for an agent token minted on a boot script's way out (every machine of a
+    power-on storm gets one): the same row by a Core INSERT, with no ``ApiToken`` object built
+    and flushed. Returns the secret (shown once); no commit."""
+    secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    session.connection().execute(
+        _TOKEN_INSERT,
+        {
+            "id": new_id(),
+            "name": name,
+            "role": Role.AGENT.value,
+            "scope": [machine_id],
+            "machine_id": machine_id,
+            "phase": phase,
+            "boot": boot,
+            "token_hash": hash_token(secret),
+            "created_by": created_by,
+            "created_at": utcnow(),
+            "expires_at": utcnow() + ttl if ttl else None,
+        },
+    )
+    return secret
+
+
 def authenticate(session: Session, secret: str) -> Principal | None:
     """The principal for a presented secret, or None if unknown, revoked or expired; an agent
     token's first use is recorded and committed here (``lookup`` leaves that to the caller)."""
@@ -209,6 +242,7 @@ _TOKEN_COLUMNS = (
     _TOKENS.c.boot,
     _TOKENS.c.last_used_at,
 )
+_TOKEN_INSERT = _TOKENS.insert()
 _BY_HASH = sa_select(*_TOKEN_COLUMNS).where(_TOKENS.c.token_hash == bindparam("h"))
 _BY_ID = sa_select(*_TOKEN_COLUMNS).where(_TOKENS.c.id == bindparam("i"))
 _FIRST_USE = (

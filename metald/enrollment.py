@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from sqlmodel import Session, select
 
 from metald import machines, topology
-from metald.auth import Role, issue_token, revoke_machine_tokens
+from metald.auth import issue_agent_token, revoke_machine_tokens
 from metald.boot.machine_hooks import StoreBootHooks
 from metald.config import EnrollConfig
 from metald.errors import Conflict, MetaldError
@@ -32,7 +32,7 @@ from metald.lifecycle import (
     phase_of,
 )
 from metald.provision import boots, commissioning
-from metald.store.models import Event, Machine, as_utc, utcnow
+from metald.store.models import Event, Machine, as_utc, new_id, utcnow
 
 if TYPE_CHECKING:
     from metald.fleet.membership import Membership
@@ -53,7 +53,12 @@ def mint_agent_token(
     one and a ``boot.script_refetched`` event is recorded once per boot). A discovered machine
     about to boot the discovery image moves to ``inspecting`` in the same transaction, which
     arms its first boot."""
+    boot: str | None
     if m.state in (State.DISCOVERED.value, State.INSPECT_FAILED.value):
+        # Entering inspection arms a boot (``lifecycle.ARM_ON_ENTRY``) that this fetch takes at
+        # once: armed and taken in the transition's own compare-and-swap, as the two UPDATEs
+        # (arm, then ``take_armed_boot``) in this one transaction would leave it.
+        boot = new_id()
         machines.transition(
             s,
             m.id,
@@ -63,21 +68,21 @@ def mint_agent_token(
             instance=instance,
             commit=False,
             machine=m,
+            updates={"boot_armed": None, "boot_current": boot},
         )
-    boot = boots.take_armed_boot(s, m)
+    else:
+        boot = boots.take_armed_boot(s, m)
     if boot is None:
         boots.note_refetch(s, m, mac=mac, client=client, actor=actor, instance=instance)
         s.commit()
         return None
     revoke_machine_tokens(s, m.id, commit=False)
-    _row, secret = issue_token(
+    secret = issue_agent_token(
         s,
+        m.id,
         name=f"agent-{m.id[:8]}",
-        role=Role.AGENT,
-        scope=[m.id],
         created_by=actor,
         ttl=timedelta(seconds=ttl_s),
-        commit=False,
         phase=phase_of(m.state),
         boot=boot,
     )
@@ -163,7 +168,11 @@ def accept_inventory(
     the transition's compare-and-swap on its version still refuses it if it changed since."""
     try:
         m = machine if machine is not None else machines.get_machine(s, machine_id)
-        accepted = validate_inventory(data, token_machine_id=machine_id, stored=m.inventory)
+        # The stored document (deferred on the machine reads) is read only if there is one:
+        # ``inventory_at`` is written with it, so a first inventory (every machine of a storm)
+        # costs no read of a column that is empty.
+        stored = m.inventory if m.inventory_at is not None else None
+        accepted = validate_inventory(data, token_machine_id=machine_id, stored=stored)
         if State(m.state) not in INVENTORY_ACCEPTED:
             raise Conflict(
                 f"machine {machine_id} is {m.state}, not inspecting; run the 'inspect' action to re-inspect it"

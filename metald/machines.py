@@ -194,37 +194,84 @@ def create_machine(
     commit: bool = True,
 ) -> Machine:
     """A new machine in ``discovered``, with its NICs. Refuses MACs or names already known."""
+    mid = insert_machine(
+        session,
+        macs=macs,
+        actor=actor,
+        name=name,
+        labels=labels,
+        rack=rack,
+        rack_position=rack_position,
+        firmware=firmware,
+        reason=reason,
+        instance=instance,
+    )
+    m = get_machine(session, mid)
+    if commit:
+        session.commit()
+    return m
+
+
+def insert_machine(
+    session: Session,
+    *,
+    macs: list[str],
+    actor: str,
+    name: str | None = None,
+    labels: dict[str, str] | None = None,
+    rack: str | None = None,
+    rack_position: str | None = None,
+    firmware: str | None = None,
+    reason: str = "registered",
+    instance: str | None = None,
+    macs_unknown: bool = False,
+) -> str:
+    """``create_machine`` without loading the new row (no commit): its id. Core INSERTs, not
+    the ORM's unit of work (a DHCP sighting in a power-on storm creates every machine here, and
+    building and flushing a 40-column ``Machine`` object was about half of that transaction's
+    cost). ``macs_unknown``: the caller just read, in this transaction, that no machine has
+    these MACs (``sighting_by_mac``), so they are not looked up again; the unique index on
+    ``nics.mac`` still refuses a MAC another writer added meanwhile."""
     norm = [normalize_mac(m) for m in macs]
     if len(set(norm)) != len(norm):
         raise Unprocessable("the same MAC address is listed twice")
-    if norm:
-        taken = session.connection().execute(_NICS_BY_MAC, {"macs": norm}).all()
+    conn = session.connection()
+    if norm and not macs_unknown:
+        taken = conn.execute(_NICS_BY_MAC, {"macs": norm}).all()
         if taken:
             raise Conflict(
                 f"MAC {taken[0].mac} already belongs to machine {taken[0].machine_id}",
                 machine_id=taken[0].machine_id,
             )
-    if name and session.exec(select(Machine).where(Machine.name == name)).first():
+    if name and conn.execute(_NAME_TAKEN, {"name": name}).first() is not None:
         raise Conflict(f"a machine named {name!r} already exists")
     default = default_name(rack, rack_position) if name is None else None
 
     mid = new_id()
-    generated = generated_name(mid) if name is None else None
-
-    def new(with_name: str | None) -> Machine:
-        m = Machine(
-            id=mid,
-            name=with_name or generated,
-            state=State.DISCOVERED.value,
-            labels=dict(labels or {}),
-            rack=rack,
-            rack_position=rack_position,
-            firmware=firmware,
-            arch=from_firmware(firmware),
-        )
-        session.add(m)
-        session.flush()
-        return m
+    now = utcnow()
+    row: dict[str, Any] = {
+        "id": mid,
+        "name": name if name is not None else generated_name(mid),
+        "state": State.DISCOVERED.value,
+        "version": 1,
+        "labels": dict(labels or {}),
+        "rack": rack,
+        "rack_position": rack_position,
+        "firmware": firmware,
+        "arch": from_firmware(firmware),
+        "gpu_count": 0,
+        # As the ORM writes them: JSON's null (not SQL NULL) in the JSON columns left empty.
+        "inventory": None,
+        "bios": None,
+        "secure_boot": None,
+        "boot_intent": None,
+        "firmware_versions": {},
+        "wipe_required": False,
+        "nvlink_ready": False,
+        "state_changed_at": now,
+        "created_at": now,
+        "updated_at": now,
+    }
 
     # Named after where it sits, unless a machine already carries that name (the unique
     # index says so: no SELECT first, which every enrollment of a storm paid for the rare
@@ -236,23 +283,24 @@ def create_machine(
         # SQLite: the store's write transactions begin IMMEDIATE (one writer at a time), so
         # nobody can take the name between this read and the insert; one indexed read is
         # cheaper than a savepoint (two statements and SQLAlchemy's nested-transaction work).
-        taken = session.connection().execute(_NAME_TAKEN, {"name": default}).first()
-        m = new(None if taken is not None else default)
+        if conn.execute(_NAME_TAKEN, {"name": default}).first() is None:
+            row["name"] = default
+        conn.execute(_MACHINE_INSERT, row)
     elif default:
         try:
-            with session.begin_nested():
-                m = new(default)
+            with session.begin_nested():  # its SAVEPOINT goes out with the next connection()
+                session.connection().execute(_MACHINE_INSERT, {**row, "name": default})
         except IntegrityError:
-            m = new(None)
+            conn.execute(_MACHINE_INSERT, row)
     else:
-        m = new(name)
+        conn.execute(_MACHINE_INSERT, row)
     if norm:
-        session.connection().execute(
+        conn.execute(
             _NIC_INSERT,
             [
                 {
                     "id": new_id(),
-                    "machine_id": m.id,
+                    "machine_id": mid,
                     "mac": mac,
                     "name": None,
                     "driver": None,
@@ -267,15 +315,38 @@ def create_machine(
         session,
         "machine.created",
         actor,
-        machine_id=m.id,
-        to_state=m.state,
+        machine_id=mid,
+        to_state=State.DISCOVERED.value,
         reason=reason,
         data={"macs": norm},
         instance=instance,
     )
-    if commit:
-        session.commit()
-    return m
+    return mid
+
+
+_MACHINE_INSERT = Machine.__table__.insert()  # type: ignore[attr-defined]
+
+#: What a DHCP sighting needs of the machine that has a MAC: a Core read of four columns.
+_SIGHTING = (
+    sa_select(
+        Machine.__table__.c.id,  # type: ignore[attr-defined]
+        Machine.__table__.c.rack_position,  # type: ignore[attr-defined]
+        Machine.__table__.c.firmware,  # type: ignore[attr-defined]
+        Machine.__table__.c.arch,  # type: ignore[attr-defined]
+    )
+    .join_from(
+        Machine.__table__,  # type: ignore[attr-defined]
+        _NICS,
+        _NICS.c.machine_id == Machine.__table__.c.id,  # type: ignore[attr-defined]
+    )
+    .where(_NICS.c.mac == bindparam("mac"))
+)
+
+
+def sighting_by_mac(session: Session, mac: str) -> Any:
+    """The id, rack position, firmware and arch of the machine with this MAC (a row), or
+    None: ``find_by_mac`` for the DHCP sighting, without loading a ``Machine``."""
+    return session.connection().execute(_SIGHTING, {"mac": normalize_mac(mac)}).first()
 
 
 def sync_nics(session: Session, machine_id: str, nics: list[Any]) -> None:

@@ -68,3 +68,51 @@ if _OUT and "serve" in sys.argv:
 
     event.listen(Engine, "before_cursor_execute", _on_statement)
     atexit.register(_dump)
+
+_THREADS = os.environ.get("STORM_THREADS")
+
+if _THREADS and "serve" in sys.argv:
+    # Where metald's CPU goes by thread, and the cyclic GC's share of it: a sampler thread
+    # writes, every half second, each live thread's utime + stime (``/proc/self/task``) under
+    # its Python name, and the GC's passes and seconds per generation. The last sample stands
+    # (threads that ended keep their last reading), and the series of samples (to cut out a
+    # phase: ``bench/threads_split.py``). For comparing trees, not for timing.
+    import gc as _gc
+    import json as _json
+    import threading as _threading
+    import time as _time
+
+    _tick = os.sysconf("SC_CLK_TCK")
+    _gcs = {"runs": [0, 0, 0], "seconds": [0.0, 0.0, 0.0], "collected": [0, 0, 0]}
+    _t0 = [0.0]
+
+    def _on_gc(phase, info):  # type: ignore[no-untyped-def]
+        if phase == "start":
+            _t0[0] = _time.thread_time()
+        else:
+            g = info["generation"]
+            _gcs["runs"][g] += 1
+            _gcs["seconds"][g] += _time.thread_time() - _t0[0]
+            _gcs["collected"][g] += info["collected"]
+
+    _gc.callbacks.append(_on_gc)
+    _seen: dict[str, float] = {}
+    _series: list[tuple[float, dict[str, float]]] = []
+
+    def _sample() -> None:
+        while True:
+            _time.sleep(0.5)
+            names = {t.native_id: t.name for t in _threading.enumerate()}
+            for tid in os.listdir("/proc/self/task"):
+                try:
+                    with open(f"/proc/self/task/{tid}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                cpu = (int(fields[11]) + int(fields[12])) / _tick
+                _seen[f"{names.get(int(tid), 'native')}:{tid}"] = cpu
+            _series.append((_time.monotonic(), dict(_seen)))
+            with open(_THREADS, "w") as f:
+                _json.dump({"threads": _seen, "gc": _gcs, "series": _series}, f)
+
+    _threading.Thread(target=_sample, name="storm-threads", daemon=True).start()

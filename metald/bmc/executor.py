@@ -98,6 +98,7 @@ class BmcExecutor:
         #: Power commands by id, and the tasks confirming them (``metald.bmc.power_confirm``).
         self.commands = CommandBook()
         self._background: set[asyncio.Task[None]] = set()
+        self._settling = asyncio.Lock()
 
     # --- ownership ------------------------------------------------------------------------
 
@@ -119,11 +120,22 @@ class BmcExecutor:
         if own.fenced:
             self.held.clear()
             return
-        rows = await self.store.run(ownership.rows)
-        mine = [r.id for r in rows if own.owns_bmc(r.id, r.address)]
-        self.held = await self.store.run(
-            ownership.acquire, own.instance, mine, own.dead_after_s, release_others=True
-        )
+        # On the ownership's own lane (thread and connection): a storm's request work queued
+        # on the store's pool must not hold up a dead instance's BMCs' takeover. One settle at
+        # a time (each acquisition raises a BMC's generation: two at once would leave
+        # ``held`` with the older one). Bounded by the age that makes an instance dead.
+        async with self._settling:
+            rows = await self.store.lane("own", ownership.rows, timeout_s=own.dead_after_s)
+            mine = [r.id for r in rows if own.owns_bmc(r.id, r.address)]
+            self.held = await self.store.lane(
+                "own",
+                ownership.acquire,
+                own.instance,
+                mine,
+                own.dead_after_s,
+                release_others=True,
+                timeout_s=own.dead_after_s,
+            )
 
     async def _generation(self, row: Bmc) -> int | None:
         """The generation to fence a command with; None without a fleet. Raises NotOwner."""

@@ -18,7 +18,7 @@ from metald.bmc.base import BmcError, PowerState, cause
 from metald.bmc.chassis import record_power
 from metald.bmc.executor import BmcExecutor
 from metald.bmc.scheduler import Health
-from metald.service import cancel
+from metald.service import TaskScope, cancel
 from metald.store.models import Bmc
 
 log = logging.getLogger(__name__)
@@ -31,8 +31,11 @@ class PowerSync:
         self.actor = actor
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self._settle: asyncio.Task[None | None] | None = None
+        self._scope = TaskScope("bmc-ownership")
 
     async def start(self) -> None:
+        await self._scope.open()
         # With a fleet the loop also settles ownership (acquire, release), so it runs even
         # with power sync turned off.
         if self.interval_s > 0 or self.control.ownership is not None:
@@ -41,10 +44,23 @@ class PowerSync:
     async def stop(self) -> None:
         await cancel(self._task)
         self._task = None
+        await self._scope.close()
+        self._settle = None
 
     def wake(self) -> None:
-        """Settle ownership now (the live set changed), not at the next interval."""
+        """Settle ownership now (the live set changed), not at the next interval, and not
+        after the power round in progress (over a thousand BMCs, seconds): a settle of its own
+        at once, beside that round, then the round again."""
         self._wake.set()
+        own = self.control.ownership is not None
+        if own and self._scope.is_open and (self._settle is None or self._settle.done()):
+            self._settle = self._scope.spawn(self._settle_now(), name="bmc-ownership-settle")
+
+    async def _settle_now(self) -> None:
+        try:
+            await self.control.sync_ownership()
+        except Exception:
+            log.exception("settling BMC ownership failed")
 
     async def _loop(self) -> None:
         while True:

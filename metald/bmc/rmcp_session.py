@@ -137,15 +137,21 @@ class RmcpSession:
     ) -> T:
         """Send, re-sending every ``resend_s``, until ``accept(packet)`` returns non-None."""
         assert self.transport is not None and self.datagrams is not None
+        datagrams = self.datagrams
         loop = asyncio.get_running_loop()
         while True:
             now = loop.time()
             if now >= deadline:
                 raise BmcTimeout(f"{self.where}: no reply within {self.timeout_s:g} s")
-            self.transport.sendto(packet_for_try())
+            transport = self.transport
+            if transport is None or self.datagrams is not datagrams:
+                # Dropped while this exchange waited (a fenced instance drops its sessions):
+                # this BMC's call fails, as a lost reply would, not the whole power round.
+                raise BmcUnreachable(f"{self.where}: the session was closed while waiting")
+            transport.sendto(packet_for_try())
             wait_until = min(deadline, now + self.resend_s)
             while (left := wait_until - loop.time()) > 0:
-                item = await self.datagrams.next(left)
+                item = await datagrams.next(left)
                 if item is None:
                     break
                 if isinstance(item, Exception):

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, select
 
 from metald import machines
@@ -104,10 +105,12 @@ class StoreBootHooks:
     ) -> None:
         position = rack_position(relay_agent)
         firmware = arch if arch in FIRMWARE else None
-        m = machines.find_by_mac(s, mac)
+        # Four columns, not a Machine: the sighting of a new MAC creates it (Core INSERTs,
+        # ``insert_machine``), that of a known one compares where and how it booted.
+        m = machines.sighting_by_mac(s, mac)
         if m is None:
             try:
-                m = machines.create_machine(
+                mid = machines.insert_machine(
                     s,
                     macs=[mac],
                     actor=self.actor,
@@ -115,11 +118,13 @@ class StoreBootHooks:
                     firmware=firmware,
                     reason=f"seen on DHCP ({arch}, network {network})",
                     instance=self.instance,
+                    macs_unknown=True,
                 )
-            except Conflict:
+                s.commit()
+            except (Conflict, IntegrityError):
                 s.rollback()  # another instance created it at the same moment
                 return
-            self._unbootable(s, m.id, mac, arch)
+            self._unbootable(s, mid, mac, arch)
             return
         self._unbootable(s, m.id, mac, arch)
         # What DHCP tells of a known machine that changed: each change is its own event kind.

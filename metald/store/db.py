@@ -124,8 +124,9 @@ def store_unavailable(e: BaseException) -> bool:
 
 
 class Store:
-    """Owns the engine and the thread pool that database calls run on, and the heartbeat's own
-    lane (``heartbeat``): one thread and one connection that request work cannot starve."""
+    """Owns the engine and the thread pool that database calls run on, and the lanes of their
+    own (``lane``: the heartbeat, the BMCs' ownership): one thread and one connection each,
+    that request work cannot starve."""
 
     def __init__(self, url: str, *, workers: int = 0) -> None:
         self.url = url
@@ -144,9 +145,9 @@ class Store:
         self._reader = self.engine.execution_options(
             **{READ_ONLY: True}, **({} if self.is_sqlite else {"postgresql_readonly": True})
         )
-        # The heartbeat's lane, opened at its first use (most Stores never heartbeat).
-        self._beat_pool: ThreadPoolExecutor | None = None
-        self._beat_engine: Engine | None = None
+        # Lanes of their own (``lane``: the heartbeat's, the BMCs' ownership), opened at
+        # their first use (most Stores never heartbeat).
+        self._lanes: dict[str, tuple[ThreadPoolExecutor, Engine]] = {}
 
     @contextmanager
     def session(self) -> Iterator[Session]:
@@ -195,15 +196,25 @@ class Store:
         ``statement_timeout`` and ``lock_timeout``): a heartbeat stuck behind a lock fails and
         the next one is tried, instead of holding the lane. SQLite (one instance, one writer)
         shares the main engine; only the thread is the heartbeat's."""
-        if self._beat_pool is None:
-            self._beat_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-beat")
-            self._beat_engine = (
+        return await self.lane("beat", fn, *args, timeout_s=timeout_s, **kwargs)
+
+    async def lane(
+        self, name: str, fn: Callable[..., T], *args: Any, timeout_s: float, **kwargs: Any
+    ) -> T:
+        """Like ``run``, on lane ``name``'s own thread and (PostgreSQL) its own connection,
+        opened at its first use: the fleet's heartbeat (``"beat"``) and the BMCs' ownership
+        (``"own"``: which instance holds which BMC after one dies) never wait in the queue of
+        request work, however deep a storm makes it. Statements bounded by ``timeout_s``, as
+        ``heartbeat``'s."""
+        got = self._lanes.get(name)
+        if got is None:
+            got = self._lanes[name] = (
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"store-{name}"),
                 self.engine
                 if self.is_sqlite
-                else make_engine(self.url, pool_size=1, max_overflow=0)
+                else make_engine(self.url, pool_size=1, max_overflow=0),
             )
-        engine = self._beat_engine
-        assert engine is not None
+        pool, engine = got
         ms = max(1, int(timeout_s * 1000))
 
         def call() -> T:
@@ -215,7 +226,7 @@ class Store:
                 return fn(s, *args, **kwargs)
 
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._beat_pool, functools.partial(call))
+        return await loop.run_in_executor(pool, functools.partial(call))
 
     def migrate(self, revision: str = "head") -> None:
         upgrade(self.engine, revision)
@@ -223,10 +234,10 @@ class Store:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self._read_pool.shutdown(wait=True)
-        if self._beat_pool is not None:
-            self._beat_pool.shutdown(wait=True)
-        if self._beat_engine is not None and self._beat_engine is not self.engine:
-            self._beat_engine.dispose()
+        for pool, engine in self._lanes.values():
+            pool.shutdown(wait=True)
+            if engine is not self.engine:
+                engine.dispose()
         self.engine.dispose()
 
 

@@ -1,19 +1,28 @@
-"""The heartbeat has its own thread and connection: request work that fills the store's pool
-(a storm, or statements stuck on a lock) cannot delay it into self-fencing. Real PostgreSQL."""
+"""The heartbeat and the BMCs' ownership have their own threads and connections: request
+work that fills the store's pool (a storm, or statements stuck on a lock) cannot delay the
+heartbeat into self-fencing, nor a dead instance's BMCs' takeover. Real PostgreSQL."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
 
 import psycopg
 import pytest
-from sqlalchemy import text
+from sqlalchemy import text, update
 from sqlmodel import Session
 
+from metald.bmc import ownership
+from metald.bmc.executor import BmcExecutor
+from metald.config import BmcConfig
 from metald.fleet import registry
 from metald.fleet.membership import Membership
+from metald.secrets import SecretBox
 from metald.store import Store
+from metald.store.models import Bmc, Instance, utcnow
+from tests.fleet.test_bmc_ownership import View
 
 pytestmark = pytest.mark.postgres
 
@@ -103,3 +112,54 @@ async def test_a_heartbeat_stuck_on_a_lock_fails_within_its_statement_timeout(
         holder.rollback()
         holder.close()
         await a.stop()
+
+
+async def test_a_saturated_store_pool_still_settles_bmc_ownership(
+    pg: tuple[Store, str], tmp_path: Path
+) -> None:
+    """A dead instance's BMCs are taken over on the ownership's own lane: with every pool
+    thread of the store held by request work (a storm's queue), a survivor still reads the
+    BMCs and acquires its share. The old settle ran on the pool, queued behind the storm, and
+    waited as long as it did (24 s of takeover in a storm: issue 33)."""
+    store, url = pg
+    for name in ("a", "b"):
+        with store.session() as s:
+            registry.register(
+                s,
+                name=name,
+                incarnation=name,
+                version="t",
+                api_url=None,
+                host=None,
+                serves={},
+                dead_after_s=10.0,
+            )
+    with store.session() as s:
+        bmc = Bmc(address="10.1.0.5", protocol="ipmi", username="u", password_enc=b"x")
+        s.add(bmc)
+        s.commit()
+        bid = bmc.id
+        assert ownership.acquire(s, "b", [bid], 10.0) == {bid: 1}
+        s.execute(
+            update(Instance)
+            .where(Instance.name == "b")  # type: ignore[arg-type]
+            .values(heartbeat_at=utcnow() - timedelta(seconds=60))
+        )
+        s.commit()  # b died holding it
+    control = BmcExecutor(store, SecretBox.from_file(tmp_path / "k"), BmcConfig(), "a")
+    control.ownership = View("a", owner="a", dead_after_s=10.0)
+    holder = psycopg.connect(url.replace("postgresql+psycopg", "postgresql"), autocommit=True)
+    storm: list[asyncio.Future[None]] = []
+    try:
+        holder.execute("SELECT pg_advisory_lock(%s)", (LOCK,))
+        storm = [asyncio.ensure_future(store.run(_blocked)) for _ in range(WORKERS * 3)]
+        while await asyncio.to_thread(_waiting, url) < WORKERS:
+            await asyncio.sleep(0.05)
+        await asyncio.wait_for(control.sync_ownership(), timeout=30)
+        assert control.held == {bid: 2}
+        assert not any(f.done() for f in storm)  # the storm still holds every worker
+    finally:
+        holder.execute("SELECT pg_advisory_unlock(%s)", (LOCK,))
+        holder.close()
+        await asyncio.gather(*storm, return_exceptions=True)
+        await control.close()
