@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +33,7 @@ from metald.provision.storage import DiskInfo, plan
 from metald.provision.userdata import check
 from tests.provision_agent.conftest import MIB, ROOT
 from tests.provision_agent.test_qemu_storage import md_superblocks
-from tests.qemu_netns import QEMU_IN_NETNS, bridge_netns, ip, metald_standin, run_guest, start, stop
+from tests.qemu_netns import QEMU_IN_NETNS, bridge_netns, metald_standin, run_guest, start, stop
 
 pytestmark = [
     *QEMU_IN_NETNS,
@@ -55,7 +56,7 @@ NICS = [
 TAPS = ("tap0", "tap1", "tap2")
 VLAN = 100
 POOL = Pool("tenant", "10.79.100.0/24", start="10.79.100.10", end="10.79.100.20", vlan=VLAN)
-HOST_ON_VLAN = "10.79.100.1"
+PEER_ON_VLAN = "10.79.100.1"
 MARK = "written by the tenant's user-data"
 USER_DATA = f"""#cloud-config
 write_files:
@@ -70,12 +71,26 @@ runcmd:
 @pytest.fixture
 def netns() -> Iterator[str]:
     with bridge_netns(f"mddeb{os.getpid()}", SERVER, TAPS) as name:
-        # the host's end of the tenant VLAN: tagged frames from the bond arrive on br0
-        ip("-n", name, "link", "add", "link", "br0", "name", f"br0.{VLAN}", "type", "vlan",
-           "id", str(VLAN))  # fmt: skip
-        ip("-n", name, "addr", "add", f"{HOST_ON_VLAN}/24", "dev", f"br0.{VLAN}")
-        ip("-n", name, "link", "set", f"br0.{VLAN}", "up")
         yield name
+
+
+#: Runs in the namespace: the frames on an interface for a few seconds, and which carried an 802.1Q
+#: tag with our VLAN id (this host's kernel has no 8021q, so the tag is read off the wire).
+CAPTURE = """
+import socket, sys, time
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(3))
+s.bind((sys.argv[1], 0))
+s.settimeout(0.5)
+end, seen = time.monotonic() + float(sys.argv[2]), set()
+while time.monotonic() < end:
+    try:
+        f = s.recv(2048)
+    except TimeoutError:
+        continue
+    if f[12:14] == b"\\x81\\x00":
+        seen.add((f[6:12].hex(":"), int.from_bytes(f[14:16], "big") & 0xFFF))
+print(sorted(seen))
+"""
 
 
 @pytest.fixture(scope="session")
@@ -104,11 +119,13 @@ def nic_args(mac_tap: list[tuple[str, str]]) -> list[str]:
     return args
 
 
-def ssh(key: Path, ns: str, command: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def ssh(
+    key: Path, ns: str, host: str, command: str, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["ip", "netns", "exec", ns, "ssh", "-i", str(key), "-o", "BatchMode=yes",
          "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
-         "-o", "ConnectTimeout=5", f"root@{ADDRESS}", command],
+         "-o", "ConnectTimeout=5", f"root@{host}", command],
         capture_output=True, text=True, timeout=timeout, check=False,
     )  # fmt: skip
 
@@ -137,7 +154,6 @@ def test_debian_with_bond_vlan_static_raid1_and_user_data(debian_image, discover
                                                                     {"role": "data:1"}]}
             ],
             "vlans": [{"link": "bond0", "network": "tenant"}],
-            "pxe_dhcp": False,
         },
         NICS,
         {"tenant": POOL},
@@ -205,51 +221,79 @@ def test_debian_with_bond_vlan_static_raid1_and_user_data(debian_image, discover
     assert rc == 0 and got and got[-1] == {"phase": "deploy", "done": True}, (got, log[-3000:])
     assert "first-boot metadata written to /dev/md0p1" in log, log[-3000:]
 
-    # 2. first boot of Debian from the mirror: systemd, cloud-init, netplan, sshd
+    # 2. first boot of Debian from the mirror: systemd, cloud-init, netplan, sshd. SSH comes
+    # in over the PXE NIC (DHCP from the namespace's udhcpd): this host's kernel has no 8021q
+    # to terminate the tenant VLAN, so the VLAN's tagged frames are read off the bond's wire.
     console = tmp_path / "debian.log"
     qemu = [
         "qemu-system-x86_64", "-accel", "tcg", "-m", "1024", "-smp", "2",
         "-display", "none", "-monitor", "none", "-serial", f"file:{console}", "-no-reboot",
         *nics, *drives,
     ]  # fmt: skip
-    t0 = time.monotonic()
-    vm = start(netns, qemu, tmp_path / "qemu-debian.log")
-    try:
-        deadline = t0 + 900
-        while True:
-            assert vm.poll() is None, console.read_text(errors="replace")[-4000:]
-            res = ssh(key, netns, "true", timeout=30)
-            if res.returncode == 0:
-                break
-            assert time.monotonic() < deadline, (
-                res.stderr,
-                console.read_text(errors="replace")[-6000:],
+    out: dict[str, subprocess.CompletedProcess[str]] = {}
+    with metald_standin(
+        netns, tmp_path, ROOT / "tests/provision_agent/server.py", SERVER, PORT,
+        tmp_path / "progress2.jsonl",
+    ):  # fmt: skip
+        t0 = time.monotonic()
+        vm = start(netns, qemu, tmp_path / "qemu-debian.log")
+        try:
+            deadline, host = t0 + 1200, ""
+            while not host:
+                assert vm.poll() is None, console.read_text(errors="replace")[-4000:]
+                for n in range(100, 108):
+                    if ssh(key, netns, f"{SERVER[:-1]}{n}", "true", timeout=30).returncode == 0:
+                        host = f"{SERVER[:-1]}{n}"
+                        break
+                else:
+                    assert time.monotonic() < deadline, console.read_text(errors="replace")[-6000:]
+                    time.sleep(5)
+            times["first boot to SSH with the claim's key"] = time.monotonic() - t0
+            out["cloud-init"] = ssh(key, netns, host, "cloud-init status --wait --long", 900)
+            times["first boot to cloud-init done"] = time.monotonic() - t0
+            out["links"] = ssh(
+                key, netns, host, "ip -d link show bond0; ip -d link show bond0.100; ip -br addr"
             )
-            time.sleep(5)
-        times["first boot to SSH on the VLAN's static address"] = time.monotonic() - t0
-        status = ssh(key, netns, "cloud-init status --wait --long", timeout=600)
-        times["first boot to cloud-init done"] = time.monotonic() - t0
-        links = ssh(key, netns, "ip -d link show bond0; ip -d link show bond0.100; ip -br addr")
-        mdstat = ssh(key, netns, "cat /proc/mdstat; findmnt -no SOURCE /")
-        tenant = ssh(key, netns, "cat /root/tenant-file.txt /root/runcmd.txt; hostname")
-        osrel = ssh(key, netns, ". /etc/os-release; echo $PRETTY_NAME; systemctl is-system-running")
-        for what, res in (("cloud-init", status), ("links", links), ("mdstat", mdstat),
-                          ("tenant", tenant), ("os", osrel)):  # fmt: skip
-            print(f"--- {what} (rc {res.returncode})\n{res.stdout}{res.stderr}")
-        ssh(key, netns, "systemctl poweroff", timeout=30)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            vm.wait(timeout=120)
-    finally:
-        stop(vm)
-    assert "status: done" in status.stdout, status.stdout + status.stderr
-    assert "bond mode active-backup" in links.stdout and "miimon 100" in links.stdout, links.stdout
-    assert f"vlan protocol 802.1Q id {VLAN}" in links.stdout, links.stdout
-    assert f"{ADDRESS}/24" in links.stdout, links.stdout
-    assert "active raid1" in mdstat.stdout and "[2/2]" in mdstat.stdout, mdstat.stdout
-    assert mdstat.stdout.strip().splitlines()[-1].startswith("/dev/md"), mdstat.stdout
-    assert MARK in tenant.stdout and "runcmd ran" in tenant.stdout, tenant.stdout
-    assert "tenant-node-1" in tenant.stdout, tenant.stdout
-    assert "Debian GNU/Linux 12" in osrel.stdout, osrel.stdout
+            out["mdstat"] = ssh(key, netns, host, "cat /proc/mdstat; findmnt -no SOURCE /")
+            out["tenant"] = ssh(
+                key, netns, host, "cat /root/tenant-file.txt /root/runcmd.txt; hostname"
+            )
+            out["os"] = ssh(
+                key, netns, host,
+                ". /etc/os-release; echo $PRETTY_NAME; systemctl is-system-running; uname -r",
+            )  # fmt: skip
+            # traffic to the VLAN's peer leaves the bond tagged with the pool's VLAN id
+            cap = subprocess.Popen(
+                ["ip", "netns", "exec", netns, sys.executable, "-c", CAPTURE, "br0", "8"],
+                stdout=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            time.sleep(2)
+            send = (
+                'python3 -c "import socket; s = socket.socket(socket.AF_INET, '
+                f"socket.SOCK_DGRAM); [s.sendto(b'x', ('{PEER_ON_VLAN}', 9)) for _ in range(3)]\""
+            )
+            out["send"] = ssh(key, netns, host, send)
+            out["wire"] = subprocess.CompletedProcess([], 0, cap.communicate(timeout=30)[0], "")
+            for what, res in out.items():
+                print(f"--- {what} (rc {res.returncode})\n{res.stdout}{res.stderr}")
+            ssh(key, netns, host, "systemctl poweroff", timeout=30)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                vm.wait(timeout=120)
+        finally:
+            stop(vm)
+    assert "status: done" in out["cloud-init"].stdout, out["cloud-init"]
+    links = out["links"].stdout
+    assert "bond mode active-backup" in links and "miimon 100" in links, links
+    assert f"vlan protocol 802.1Q id {VLAN}" in links, links
+    assert f"{ADDRESS}/24" in links, links
+    # the bond (and its VLAN) take one member's MAC; its broadcasts reach the bridge itself
+    assert any(f"('{n.mac}', {VLAN})" in out["wire"].stdout for n in NICS[1:]), out["wire"]
+    mdstat = out["mdstat"].stdout
+    assert "active raid1" in mdstat and "[2/2]" in mdstat, mdstat
+    assert mdstat.strip().splitlines()[-1].startswith("/dev/md"), mdstat
+    assert MARK in out["tenant"].stdout and "runcmd ran" in out["tenant"].stdout, out["tenant"]
+    assert "tenant-node-1" in out["tenant"].stdout, out["tenant"]
+    assert "Debian GNU/Linux 12" in out["os"].stdout, out["os"]
 
     # 3. release: the wipe boot clears both members of the array
     console = tmp_path / "wipe.log"
