@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -133,6 +134,19 @@ def ssh(
 ADDRESS = POOL.candidates()[0]
 
 
+def leased(tmp_path: Path, mac: str) -> list[str]:
+    """The addresses the namespace's udhcpd leased to ``mac`` (SIGUSR1 makes it write its
+    lease file now)."""
+    pid = int((tmp_path / "udhcpd.pid").read_text().split()[0])
+    os.kill(pid, signal.SIGUSR1)
+    time.sleep(0.5)
+    out = subprocess.run(
+        ["busybox", "dumpleases", "-f", str(tmp_path / "leases")],
+        capture_output=True, text=True, check=False,
+    ).stdout  # fmt: skip
+    return [line.split()[1] for line in out.splitlines() if line.lower().startswith(mac)]
+
+
 def test_debian_with_bond_vlan_static_raid1_and_user_data(debian_image, discovery, netns, tmp_path):
     load = os.getloadavg()
     image = debian_image / "disk.raw"
@@ -214,7 +228,7 @@ def test_debian_with_bond_vlan_static_raid1_and_user_data(debian_image, discover
             *nics, *drives,
         ]  # fmt: skip
         t0 = time.monotonic()
-        rc, log = run_guest(netns, qemu, tmp_path, console, timeout=900)
+        rc, log = run_guest(netns, qemu, tmp_path, console, timeout=1800)
         times["deploy boot (write + verify on the RAID1)"] = time.monotonic() - t0
         got = [json.loads(line) for line in reports.read_text().splitlines()]
     print("\n".join(line for line in log.splitlines() if "metald-agent:" in line))
@@ -238,12 +252,12 @@ def test_debian_with_bond_vlan_static_raid1_and_user_data(debian_image, discover
         t0 = time.monotonic()
         vm = start(netns, qemu, tmp_path / "qemu-debian.log")
         try:
-            deadline, host = t0 + 1200, ""
+            deadline, host = t0 + 1500, ""
             while not host:
                 assert vm.poll() is None, console.read_text(errors="replace")[-4000:]
-                for n in range(100, 108):
-                    if ssh(key, netns, f"{SERVER[:-1]}{n}", "true", timeout=30).returncode == 0:
-                        host = f"{SERVER[:-1]}{n}"
+                for addr in leased(tmp_path, NICS[0].mac):
+                    if ssh(key, netns, addr, "true", timeout=30).returncode == 0:
+                        host = addr
                         break
                 else:
                     assert time.monotonic() < deadline, console.read_text(errors="replace")[-6000:]
