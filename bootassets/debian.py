@@ -231,39 +231,64 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def mounts_under(path: Path) -> list[str]:
+    """Mount points at or below ``path`` (deepest first), from /proc/self/mounts."""
+    root = str(path.resolve())
+    found = []
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        point = line.split()[1].replace("\\040", " ")
+        if point == root or point.startswith(root + "/"):
+            found.append(point)
+    return sorted(found, key=len, reverse=True)
+
+
+def _unmount_all(path: Path) -> None:
+    """A killed mmdebstrap can leave its chroot's proc, sys and dev mounted: detach them
+    before the work folder is deleted, so the deletion never walks into them."""
+    for point in mounts_under(path):
+        subprocess.run(["umount", "--lazy", point], capture_output=True, check=False)
+    left = mounts_under(path)
+    if left:
+        raise BuildError(f"cannot unmount {', '.join(left)}; remove them, then {path}")
+
+
 def _build(target: Path, inputs: dict[str, Any], digest: str) -> None:
     with tempfile.TemporaryDirectory(prefix="metald-debian-", dir=target.parent) as tmp:
-        work = Path(tmp)
-        tree = work / "tree"
-        res = subprocess.run(
-            mmdebstrap_args(inputs, tree), capture_output=True, text=True, check=False
-        )
-        (work / "mmdebstrap.log").write_text(res.stdout + res.stderr)
-        if res.returncode != 0:
-            raise BuildError(f"mmdebstrap failed:\n{(res.stdout + res.stderr)[-4000:]}")
-        packages = installed_packages(tree)
-        syslinux = build._download(inputs["disk_packages"], work / "syslinux")
-        out = work / "out"
-        out.mkdir()
-        disk = build_disk(out, tree, syslinux)
-        size = (out / "disk.raw").stat().st_size
-        if size > SIZE_LIMIT:
-            raise BuildError(f"disk.raw is {size} bytes, over the {SIZE_LIMIT} byte budget")
-        manifest = {
-            "name": NAME,
-            "arch": "amd64",
-            "inputs_hash": digest,
-            "inputs": inputs,
-            "disk": disk,
-            "installed": packages,
-            "files": {"disk.raw": {"sha256": sha256_file(out / "disk.raw"), "size": size}},
-            "total_bytes": size,
-            "kernel_version": disk["kernel_version"],
-        }
-        (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        if target.exists():
-            shutil.rmtree(target)
-        shutil.move(str(out), target)
+        try:
+            _build_in(Path(tmp), target, inputs, digest)
+        finally:
+            _unmount_all(Path(tmp))
+
+
+def _build_in(work: Path, target: Path, inputs: dict[str, Any], digest: str) -> None:
+    tree = work / "tree"
+    res = subprocess.run(mmdebstrap_args(inputs, tree), capture_output=True, text=True, check=False)
+    (work / "mmdebstrap.log").write_text(res.stdout + res.stderr)
+    if res.returncode != 0:
+        raise BuildError(f"mmdebstrap failed:\n{(res.stdout + res.stderr)[-4000:]}")
+    packages = installed_packages(tree)
+    syslinux = build._download(inputs["disk_packages"], work / "syslinux")
+    out = work / "out"
+    out.mkdir()
+    disk = build_disk(out, tree, syslinux)
+    size = (out / "disk.raw").stat().st_size
+    if size > SIZE_LIMIT:
+        raise BuildError(f"disk.raw is {size} bytes, over the {SIZE_LIMIT} byte budget")
+    manifest = {
+        "name": NAME,
+        "arch": "amd64",
+        "inputs_hash": digest,
+        "inputs": inputs,
+        "disk": disk,
+        "installed": packages,
+        "files": {"disk.raw": {"sha256": sha256_file(out / "disk.raw"), "size": size}},
+        "total_bytes": size,
+        "kernel_version": disk["kernel_version"],
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.move(str(out), target)
 
 
 def verify(built: Path) -> dict[str, Any]:

@@ -6,8 +6,11 @@ build itself and a boot of it: tests/provision_agent/test_qemu_debian.py (METALD
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
+
+import pytest
 
 from bootassets import build, debian
 from metald.provision.images import normalize_spec
@@ -73,3 +76,19 @@ def test_the_discovery_builds_pruning_leaves_the_os_folder_alone(tmp_path):
     build.point_current(tmp_path, "current", "cccc")
     build.prune(tmp_path, "current", 1, build._is_discovery_build)
     assert osdir.is_dir() and not (tmp_path / "aaaa").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs")
+def test_a_killed_builds_mounts_are_detached_before_its_folder_is_deleted(tmp_path):
+    """mmdebstrap killed mid-build leaves proc, sys and dev mounted in its chroot; the build's
+    cleanup detaches them first instead of deleting through them."""
+    inner = tmp_path / "tree" / "proc"
+    inner.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "none", str(inner)], check=True)
+    try:
+        (inner / "kept").write_text("x")
+        assert debian.mounts_under(tmp_path) == [str(inner)]
+        debian._unmount_all(tmp_path)
+        assert debian.mounts_under(tmp_path) == [] and not (inner / "kept").exists()
+    finally:
+        subprocess.run(["umount", str(inner)], capture_output=True, check=False)
