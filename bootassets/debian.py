@@ -53,8 +53,13 @@ PACKAGES = (
     "initramfs-tools",
     "e2fsprogs",
 )
-#: Essential packages mmdebstrap installs whatever the list; their versions are inputs too.
-ESSENTIAL = ("base-files", "bash", "coreutils", "dpkg", "apt", "util-linux", "libc6")
+#: What minbase installs whatever the list (the Essential set, tzdata): their versions, and
+#: those of their dependencies, are inputs too (the manifest lists every installed version).
+ESSENTIAL = (
+    "base-files", "base-passwd", "bash", "bsdutils", "coreutils", "dash", "diffutils", "dpkg",
+    "findutils", "grep", "gzip", "hostname", "login", "ncurses-base", "ncurses-bin", "sed",
+    "tar", "util-linux", "apt", "libc6", "tzdata",
+)  # fmt: skip
 #: Documentation and translations are not installed (dpkg path filters).
 DPKG_OPTIONS = (
     "path-exclude=/usr/share/man/*",
