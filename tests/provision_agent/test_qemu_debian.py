@@ -138,7 +138,10 @@ ADDRESS = POOL.candidates()[0]
 def leased(tmp_path: Path, mac: str) -> list[str]:
     """The addresses the namespace's udhcpd leased to ``mac`` (SIGUSR1 makes it write its
     lease file now)."""
-    pid = int((tmp_path / "udhcpd.pid").read_text().split()[0])
+    try:  # a udhcpd just started has not written it yet (the last one removed its own)
+        pid = int((tmp_path / "udhcpd.pid").read_text().split()[0])
+    except (FileNotFoundError, ValueError, IndexError):
+        return []
     os.kill(pid, signal.SIGUSR1)
     time.sleep(0.5)
     out = subprocess.run(
