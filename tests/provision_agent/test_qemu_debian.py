@@ -76,8 +76,9 @@ def netns() -> Iterator[str]:
         yield name
 
 
-#: Runs in the namespace: the frames on an interface for a few seconds, and which carried an 802.1Q
-#: tag with our VLAN id (this host's kernel has no 8021q, so the tag is read off the wire).
+#: Runs in the namespace: the frames on an interface until one carries an 802.1Q tag (or the
+#: time is up): its source MAC and VLAN id (this host's kernel has no 8021q, so the tag is
+#: read off the wire).
 CAPTURE = """
 import socket, sys, time
 s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(3))
@@ -91,6 +92,7 @@ while time.monotonic() < end:
         continue
     if f[12:14] == b"\\x81\\x00":
         seen.add((f[6:12].hex(":"), int.from_bytes(f[14:16], "big") & 0xFFF))
+        break
 print(sorted(seen))
 """
 
@@ -282,7 +284,7 @@ def test_debian_with_bond_vlan_static_raid1_and_user_data(debian_image, discover
             )  # fmt: skip
             # traffic to the VLAN's peer leaves the bond tagged with the pool's VLAN id
             cap = subprocess.Popen(
-                ["ip", "netns", "exec", netns, sys.executable, "-c", CAPTURE, "br0", "8"],
+                ["ip", "netns", "exec", netns, sys.executable, "-c", CAPTURE, "br0", "90"],
                 stdout=subprocess.PIPE, text=True,
             )  # fmt: skip
             time.sleep(2)
@@ -291,7 +293,7 @@ def test_debian_with_bond_vlan_static_raid1_and_user_data(debian_image, discover
                 f"socket.SOCK_DGRAM); [s.sendto(b'x', ('{PEER_ON_VLAN}', 9)) for _ in range(3)]\""
             )
             out["send"] = ssh(key, netns, host, send)
-            out["wire"] = subprocess.CompletedProcess([], 0, cap.communicate(timeout=30)[0], "")
+            out["wire"] = subprocess.CompletedProcess([], 0, cap.communicate(timeout=120)[0], "")
             for what, res in out.items():
                 print(f"--- {what} (rc {res.returncode})\n{res.stdout}{res.stderr}")
             ssh(key, netns, host, "systemctl poweroff", timeout=30)
