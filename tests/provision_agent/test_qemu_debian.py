@@ -80,19 +80,23 @@ def netns() -> Iterator[str]:
 #: time is up): its source MAC and VLAN id (this host's kernel has no 8021q, so the tag is
 #: read off the wire).
 CAPTURE = """
-import socket, sys, time
+import socket, struct, sys, time
 s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(3))
+s.setsockopt(263, 8, 1)  # SOL_PACKET, PACKET_AUXDATA: the tag the kernel took off on receive
 s.bind((sys.argv[1], 0))
 s.settimeout(0.5)
 end, seen = time.monotonic() + float(sys.argv[2]), set()
-while time.monotonic() < end:
+while time.monotonic() < end and not seen:
     try:
-        f = s.recv(2048)
+        f, anc, _, _ = s.recvmsg(2048, socket.CMSG_SPACE(20))
     except TimeoutError:
         continue
     if f[12:14] == b"\\x81\\x00":
         seen.add((f[6:12].hex(":"), int.from_bytes(f[14:16], "big") & 0xFFF))
-        break
+    for level, kind, data in anc:
+        status, *_, tci, _tpid = struct.unpack("IIIHHHH", data[:20])
+        if level == 263 and kind == 8 and status & 0x10:  # TP_STATUS_VLAN_VALID
+            seen.add((f[6:12].hex(":"), tci & 0xFFF))
 print(sorted(seen))
 """
 
