@@ -321,6 +321,8 @@ def test_debian_with_bond_vlan_static_raid1_and_user_data(debian_image, discover
     assert MARK in out["tenant"].stdout and "runcmd ran" in out["tenant"].stdout, out["tenant"]
     assert "tenant-node-1" in out["tenant"].stdout, out["tenant"]
     assert "Debian GNU/Linux 12" in out["os"].stdout, out["os"]
+    # no failed unit (mdmonitor.service failed when the agent dropped the image's MAILADDR)
+    assert "\nrunning\n" in out["os"].stdout, out["os"]
 
     # 3. release: the wipe boot clears both members of the array
     console = tmp_path / "wipe.log"
