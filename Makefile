@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 MACHINES ?= 3
 LAB ?= lab
 
-.PHONY: all setup demo test test-long test-fast lint format bench bench-storm-regress bootassets ipxe nodeimage lab-up lab-down clean
+.PHONY: all setup demo test test-long test-fast lint format bench bench-storm-regress bootassets ipxe nodeimage debianimage lab-up lab-down clean
 
 all: test
 
@@ -62,6 +62,9 @@ ipxe: setup
 
 nodeimage: setup
 	$(PY) -m bootassets node
+
+debianimage: setup
+	$(PY) -m bootassets debian
 
 lab-up: setup
 	$(PY) -m vmlab up --machines $(MACHINES) --name $(LAB)

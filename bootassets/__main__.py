@@ -1,7 +1,7 @@
 """``python -m bootassets build|node [--cache DIR] [--force] [--arch amd64|arm64]``: build (or
 reuse) the boot assets (``build``: discovery image and Debian's iPXE binaries; ``--arch arm64
 --install ASSETS_DIR``: the arm64 image, copied into ASSETS_DIR/arm64/) or the tenant node image
-(``node``);
+(``node``); ``debian``: the Debian 12 tenant disk image (``bootassets.debian``);
 ``ipxe --ca PEM [--source TARBALL|TREE] [--install ASSETS_DIR]``: metald's own iPXE, built from
 source (``bootassets.ipxe``); ``iso --boot-url URL --out PATH``: the virtual-media boot ISO
 (``bootassets.iso``); ``sign --key K --cert C FILE...``: UEFI Secure Boot signatures
@@ -45,6 +45,13 @@ def main(argv: list[str] | None = None) -> int:
         default="amd64",
         choices=("amd64", "arm64"),
         help="build from Debian's packages of this architecture (arm64: stateless form only)",
+    )
+    debian = sub.add_parser(
+        "debian", help="build the Debian 12 tenant disk image (systemd, cloud-init; root)"
+    )
+    debian.add_argument("--cache", help="cache folder (default: <repo>/.cache/bootassets)")
+    debian.add_argument(
+        "--force", action="store_true", help="rebuild even if the inputs are unchanged"
     )
     ipxe = sub.add_parser(
         "ipxe", help="build iPXE from source with metald's CA, config and embedded script"
@@ -112,6 +119,20 @@ def main(argv: list[str] | None = None) -> int:
         except IsoError as e:
             print(f"bootassets: {e}", file=sys.stderr)
             return 1
+        return 0
+    if args.command == "debian":
+        from bootassets.debian import ensure_debian_built
+
+        try:
+            path = ensure_debian_built(args.cache, force=args.force)
+        except BuildError as e:
+            print(f"bootassets: {e}", file=sys.stderr)
+            return 1
+        manifest = json.loads((path / "manifest.json").read_text())
+        meta = manifest["files"]["disk.raw"]
+        print(f"{meta['size']:>10}  disk.raw  sha256 {meta['sha256']}")
+        print(f"{len(manifest['installed']):>10}  packages, kernel {manifest['kernel_version']}")
+        print(path)
         return 0
     try:
         if args.command == "node":

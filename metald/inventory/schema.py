@@ -106,6 +106,8 @@ class Disk(_Strict):
     model: Text | None = None
     serial: Text | None = None
     wwn: Text | None = None
+    #: /dev/disk/by-path name (``pci-0000:00:04.0``), where the agent can tell it exactly.
+    by_path: Text | None = None
     rotational: bool | None = None
     removable: bool | None = None
 

@@ -99,6 +99,11 @@ def _size_ok(hint: Any, size_bytes: int) -> bool:
     return {">=": gib >= n, "<=": gib <= n, "==": gib == n, ">": gib > n, "<": gib < n}[op]
 
 
+def _by_path(v: Any) -> str:
+    """``pci-0000:00:04.0``, with or without ``/dev/disk/by-path/`` before it."""
+    return str(v).removeprefix("/dev/disk/by-path/")
+
+
 def matches(hints: Mapping[str, Any], d: DiskInfo) -> bool:
     for k, v in hints.items():
         if k not in HINT_KEYS:
@@ -117,6 +122,9 @@ def matches(hints: Mapping[str, Any], d: DiskInfo) -> bool:
                 return False
         elif k == "wwn":
             if not d.wwn or str(v).lower().removeprefix("0x") != d.wwn.lower().removeprefix("0x"):
+                return False
+        elif k == "by_path":
+            if not d.by_path or _by_path(v) != _by_path(d.by_path):
                 return False
         elif str(getattr(d, k) or "") != str(v):
             return False

@@ -170,9 +170,25 @@ class FakeSys:
         self.write(f"sys/class/net/{name}/address", mac + "\n")
 
     def disk(
-        self, name: str, size_bytes: int, model: str, serial: str, rotational: int = 0
+        self,
+        name: str,
+        size_bytes: int,
+        model: str,
+        serial: str,
+        rotational: int = 0,
+        pci: str | None = None,
     ) -> None:
+        """A disk; with ``pci`` its ``device`` is a link into the PCI tree, as the kernel's
+        (virtio-blk: .../ADDR/virtio1; NVMe: .../ADDR/nvme/nvme0, namespace 1)."""
         b = f"sys/block/{name}"
+        if pci:
+            sub = "nvme/nvme0" if name.startswith("nvme") else "virtio1"
+            dev = self.root / "sys/devices/pci0000:00/0000:00:01.0" / pci / sub
+            dev.mkdir(parents=True)
+            (self.root / b).mkdir(parents=True)
+            (self.root / b / "device").symlink_to(dev)
+            if name.startswith("nvme"):
+                self.write(f"{b}/nsid", "1\n")
         self.write(f"{b}/size", f"{size_bytes // 512}\n")
         self.write(f"{b}/device/model", model + "\n")
         self.write(f"{b}/device/serial", serial + "\n")

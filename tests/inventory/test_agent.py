@@ -70,7 +70,10 @@ def xe9680(root: Path) -> FakeSys:
         "0000:0c:00.0",
         "mlx5_core",
     )
-    fs.disk("nvme0n1", 3_840_755_982_336, "Dell Ent NVMe CM6 RI 3.84TB", "S5Z1NA0R900123")
+    fs.disk(
+        "nvme0n1", 3_840_755_982_336, "Dell Ent NVMe CM6 RI 3.84TB", "S5Z1NA0R900123",
+        pci="0000:5e:00.0",
+    )  # fmt: skip
     fs.disk("sda", 480_103_981_056, "BOSS-N1", "PHYG1234", rotational=1)
     (root / "sys/block/loop0").mkdir()
     for addr, vendor, device, cls in parse_lspci_nn(
@@ -142,6 +145,11 @@ async def test_agent_posts_the_inventory_of_a_gpu_server(tmp_path, busybox_bin, 
     assert set(disks) == {"nvme0n1", "sda"}
     assert disks["nvme0n1"].size_bytes == 3_840_755_982_336 // 512 * 512
     assert (disks["sda"].rotational, disks["sda"].model) == (True, "BOSS-N1")
+    # /dev/disk/by-path as udev names an NVMe namespace; SATA's numbering is not in sysfs alone
+    assert {d.name: d.by_path for d in p.disks} == {
+        "nvme0n1": "pci-0000:5e:00.0-nvme-1",
+        "sda": None,
+    }
     assert inv.bmc is not None and inv.bmc.address == "10.20.30.41"
     assert body["raw"]["nvidia_smi_xml"] is None and body["raw"]["lldpctl"] is None
 

@@ -45,6 +45,14 @@ def test_root_hints_like_ironic() -> None:
     ]
     hint = {"by_path": "/dev/disk/by-path/pci-0000:00:17.0-ata-2"}
     assert plan({"root": {"hints": hint}}, DISKS).root == ["sdb"]
+    # the agent records udev's name without the folder (pci-...); either spelling matches
+    assert plan({"root": {"hints": {"by_path": "pci-0000:00:17.0-ata-2"}}}, DISKS).root == ["sdb"]
+    recorded = disks_from_inventory(
+        {"disks": [{"name": "vda", "size_bytes": 10 * GIB, "by_path": "pci-0000:00:04.0"},
+                   {"name": "vdb", "size_bytes": 10 * GIB, "by_path": "pci-0000:00:05.0"}]}
+    )  # fmt: skip
+    hint = {"by_path": "/dev/disk/by-path/pci-0000:00:05.0"}
+    assert plan({"root": {"hints": hint}}, recorded).root == ["vdb"]
     assert plan({"root": {"hints": {"name": "/dev/nvme1n1"}}}, DISKS).root == ["nvme1n1"]
 
 

@@ -24,6 +24,8 @@ class AgentApi:
     )
     #: Served at /image (and /image.gz): the disk image's bytes as they travel.
     image: bytes = b""
+    #: Served at /image instead of ``image``, streamed from the file (large images).
+    image_path: Path | None = None
     #: Stop sending the image after this many bytes (a broken download).
     cut_after: int | None = None
     progress: list[dict[str, Any]] = field(default_factory=list)
@@ -71,6 +73,8 @@ class AgentApi:
         return web.json_response({"action": "poweroff"})
 
     async def get_image(self, request: web.Request) -> web.StreamResponse:
+        if self.image_path is not None:
+            return web.FileResponse(self.image_path)
         resp = web.StreamResponse()
         if self.cut_after is None:
             resp.content_length = len(self.image)
@@ -91,7 +95,9 @@ if __name__ == "__main__":
     if len(sys.argv) > 5:
         cfg = json.loads(Path(sys.argv[5]).read_text())
         api.provision = cfg.get("provision", api.provision)
-        if cfg.get("image_file"):
+        if cfg.get("image_path"):
+            api.image_path = Path(cfg["image_path"])
+        elif cfg.get("image_file"):
             api.image = Path(cfg["image_file"]).read_bytes()
     app = api.app()
 

@@ -148,3 +148,54 @@ def test_refused_before_any_disk_is_touched(tmp_path, busybox_bin, storage, why)
     rc_vols, vols, err_vols = commands(tmp_path, busybox_bin, storage, "volumes")
     assert 1 in (rc_root, rc_vols)
     assert why in err_root + err_vols
+
+
+def test_the_os_keeps_its_mdadm_settings_and_gets_a_mailaddr(tmp_path, busybox_bin):
+    """The arrays go into the deployed OS's /etc/mdadm/mdadm.conf beside what the image had
+    (its HOMEHOST; an old ARRAY line is replaced); an image without MAILADDR or PROGRAM gets
+    ``MAILADDR root``: without one Debian's mdmonitor.service fails and the OS boots
+    degraded (seen in the Debian 12 lab boot). ``mdadm --detail --scan`` is a stand-in
+    printing an ARRAY line (this host's kernel has no md); /proc/mdstat is a file."""
+    sbin = tmp_path / "sbin"
+    sbin.mkdir()
+    (sbin / "mdadm").write_text(
+        "#!/bin/sh\necho 'ARRAY /dev/md0 metadata=1.0 name=any:root UUID=0a:0b:0c:0d'\n"
+    )
+    (sbin / "mdadm").chmod(0o755)
+    mdstat = tmp_path / "mdstat"
+    mdstat.write_text("Personalities : [raid1]\nmd0 : active raid1 vdb[1] vda[0]\n")
+    root = tmp_path / "root"
+    (root / "etc/mdadm").mkdir(parents=True)
+    conf = root / "etc/mdadm/mdadm.conf"
+    results = {}
+    for case, before in {
+        "debian": "HOMEHOST <system>\nMAILADDR ops@example.com\nARRAY /dev/md9 UUID=old\n",
+        "bare": "HOMEHOST <system>\n",
+    }.items():
+        conf.write_text(before)
+        (tmp_path / "state").mkdir(exist_ok=True)
+        out = subprocess.run(
+            [str(busybox_bin / "sh"), "-c", f'METALD_AGENT_LIB=1 . "{AGENT}"; storage_os_files "{root}"'],
+            env={
+                "PATH": str(busybox_bin),
+                "METALD_STATE_DIR": str(tmp_path / "state"),
+                "METALD_SBIN": str(sbin),
+                "METALD_MDSTAT": str(mdstat),
+            },
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        results[case] = conf.read_text().splitlines()
+    array = "ARRAY /dev/md0 metadata=1.0 name=any:root UUID=0a:0b:0c:0d"
+    assert results["debian"] == [
+        "HOMEHOST <system>",
+        "MAILADDR ops@example.com",
+        "# arrays of the claim's storage layout (metald)",
+        array,
+    ]
+    assert results["bare"] == [
+        "HOMEHOST <system>",
+        "MAILADDR root",
+        "# arrays of the claim's storage layout (metald)",
+        array,
+    ]

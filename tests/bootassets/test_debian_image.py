@@ -1,0 +1,94 @@
+"""The Debian 12 tenant image's build, without building it (no root, no apt): the mmdebstrap
+command pins what the inputs hash covers, the customize hook is valid sh, the image registers
+as a metald disk image, and the image's cache folder is out of the other builds' pruning. The
+build itself and a boot of it: tests/provision_agent/test_qemu_debian.py (METALD_LAB_LONG=1)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from bootassets import build, debian
+from metald.provision.images import normalize_spec
+
+INPUTS = {
+    "suite": "bookworm",
+    "packages": {p: f"1.{i}-1" for i, p in enumerate(debian.PACKAGES)} | {"libc6": "2.36"},
+    "include": list(debian.PACKAGES),
+    "dpkg_options": list(debian.DPKG_OPTIONS),
+}
+
+
+def test_mmdebstrap_installs_the_hashed_versions_from_apt_sources_only(tmp_path):
+    args = debian.mmdebstrap_args(INPUTS, tmp_path / "tree")
+    assert args[:4] == ["mmdebstrap", "--mode=root", "--variant=minbase", "--format=directory"]
+    (include,) = [a.removeprefix("--include=") for a in args if a.startswith("--include=")]
+    assert include.split(",") == [f"{p}={INPUTS['packages'][p]}" for p in debian.PACKAGES]
+    for needed in ("cloud-init", "systemd-sysv", "mdadm", "lvm2", "openssh-server", "netplan.io"):
+        assert needed in debian.PACKAGES
+    assert f'--customize-hook=sh {debian.CUSTOMIZE} "$1"' in args
+    assert "--dpkgopt=path-exclude=/usr/share/doc/*" in args
+    # the suite, the tree, then the apt sources file: the only mirror mmdebstrap uses
+    assert args[-3:-1] == ["bookworm", str(tmp_path / "tree")]
+    assert Path(args[-1]).is_file() and args[-1].startswith("/etc/apt/")
+
+
+def test_customize_hook_is_valid_sh_and_removes_the_builds_host_keys():
+    subprocess.run(["sh", "-n", str(debian.CUSTOMIZE)], check=True)
+    text = debian.CUSTOMIZE.read_text()
+    assert 'rm -f "$root"/etc/ssh/ssh_host_*' in text
+    assert "datasource_list: [NoCloud, None]" in text
+    assert "update-initramfs -u" in text
+
+
+def test_a_build_registers_as_a_disk_image(tmp_path):
+    manifest = {
+        "arch": "amd64",
+        "inputs_hash": "0123456789abcdef",
+        "files": {"disk.raw": {"sha256": "ab" * 32, "size": 900 * 1024 * 1024}},
+    }
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    spec = debian.image_spec(tmp_path, "https://metald.example:8443/assets/os/debian-12.raw")
+    assert spec["name"] == "debian-12-01234567" and spec["kind"] == "disk"
+    stored = normalize_spec(
+        spec["kind"], {k: v for k, v in spec.items() if k not in ("name", "kind")}
+    )
+    assert stored == {
+        "url": "https://metald.example:8443/assets/os/debian-12.raw",
+        "sha256": "ab" * 32,
+        "format": "raw",
+        "size_bytes": 900 * 1024 * 1024,
+        "arch": "amd64",
+    }
+
+
+def test_the_discovery_builds_pruning_leaves_the_os_folder_alone(tmp_path):
+    for name in ("aaaa", "bbbb", "cccc"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text("{}")
+    osdir = tmp_path / "os" / "debian-12-1111"
+    osdir.mkdir(parents=True)
+    (osdir / "manifest.json").write_text("{}")
+    build.point_current(tmp_path, "current", "cccc")
+    build.prune(tmp_path, "current", 1, build._is_discovery_build)
+    assert osdir.is_dir() and not (tmp_path / "aaaa").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs")
+def test_a_killed_builds_mounts_are_detached_before_its_folder_is_deleted(tmp_path):
+    """mmdebstrap killed mid-build leaves proc, sys and dev mounted in its chroot; the build's
+    cleanup detaches them first instead of deleting through them."""
+    inner = tmp_path / "tree" / "proc"
+    inner.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "none", str(inner)], check=True)
+    try:
+        (inner / "kept").write_text("x")
+        assert debian.mounts_under(tmp_path) == [str(inner)]
+        debian._unmount_all(tmp_path)
+        assert debian.mounts_under(tmp_path) == [] and not (inner / "kept").exists()
+    finally:
+        subprocess.run(["umount", str(inner)], capture_output=True, check=False)
