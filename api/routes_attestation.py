@@ -321,7 +321,7 @@ async def list_skus(req: ApiRequest, att: Attestation) -> SkuGoldenList:
 
 @router.route(
     "GET",
-    "/api/v1/attestation/skus/{product}",
+    "/api/v1/attestation/skus/{id}",
     summary="Show a SKU's golden values",
     roles=STAFF,
     response=SkuGoldenOut,
@@ -330,13 +330,13 @@ async def list_skus(req: ApiRequest, att: Attestation) -> SkuGoldenList:
     use_case=workflows.attestation,
 )
 async def show_sku(req: ApiRequest, att: Attestation) -> SkuGoldenOut:
-    """One SKU's golden values (``product`` as machines report it, URL-encoded)."""
-    return SkuGoldenOut.model_validate(await att.sku(req.params["product"]))
+    """One SKU's golden values (``id``: the SMBIOS product as machines report it, URL-encoded)."""
+    return SkuGoldenOut.model_validate(await att.sku(req.params["id"]))
 
 
 @router.route(
     "PUT",
-    "/api/v1/attestation/skus/{product}",
+    "/api/v1/attestation/skus/{id}",
     summary="Set a SKU's golden values",
     roles=ADMIN,
     body=SkuGoldenIn,
@@ -364,7 +364,7 @@ async def set_sku(req: ApiRequest, att: Attestation) -> SkuGoldenOut:
             },
         }
     out = await att.set_sku(
-        req.params["product"], reason=b.reason, actor=req.actor, golden=golden,
+        req.params["id"], reason=b.reason, actor=req.actor, golden=golden,
         machine_id=b.machine_id,
     )  # fmt: skip
     return SkuGoldenOut.model_validate(out)
@@ -372,7 +372,7 @@ async def set_sku(req: ApiRequest, att: Attestation) -> SkuGoldenOut:
 
 @router.route(
     "DELETE",
-    "/api/v1/attestation/skus/{product}",
+    "/api/v1/attestation/skus/{id}",
     summary="Forget a SKU's golden values",
     roles=ADMIN,
     body=ReasonIn,
@@ -384,4 +384,4 @@ async def set_sku(req: ApiRequest, att: Attestation) -> SkuGoldenOut:
 async def remove_sku(req: ApiRequest, att: Attestation) -> None:
     """Its machines are checked against their own golden values again (learned or
     accepted). The reason is recorded (``attestation.sku-golden-removed`` event)."""
-    await att.remove_sku(req.params["product"], reason=req.body.reason, actor=req.actor)
+    await att.remove_sku(req.params["id"], reason=req.body.reason, actor=req.actor)

@@ -1,4 +1,4 @@
-"""Per-SKU golden values given by an operator (``/api/v1/attestation/skus/{product}``), on both
+"""Per-SKU golden values given by an operator (``/api/v1/attestation/skus/{id}``), on both
 store backends, with the real swtpm/OVMF fixtures: a new machine of the SKU is checked against
 them instead of trust on first use (its first boot passes, learns nothing; a boot that differs
 holds it at once); a firmware rollout is accepted once for the SKU, from a reference machine's

@@ -142,6 +142,20 @@ class IpmiSim:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=True).stdout
 
 
+_PORTS_GIVEN: set[int] = set()
+
+
+def _udp_port() -> int:
+    """A UDP port (ipmi_sim listens on UDP) free now and never handed to another simulator of
+    this process: a port probed free over TCP and released at once could be given twice (a
+    test's six BMCs once got the same port, and registering the second answered 409)."""
+    while True:
+        port = free_port(socket.SOCK_DGRAM)
+        if port not in _PORTS_GIVEN:
+            _PORTS_GIVEN.add(port)
+            return port
+
+
 def start_ipmi_sim(
     tmp_path: Path, *, power_on: bool = False, addr: str = "127.0.0.1"
 ) -> tuple[IpmiSim, subprocess.Popen]:
@@ -149,7 +163,7 @@ def start_ipmi_sim(
     (``IpmiSim.calls``); while the file ``hold-off`` exists in ``tmp_path`` a power-off is
     logged but not applied (a machine slow to go off)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    port = _udp_port()
     calls, power = tmp_path / "calls.log", tmp_path / "power"
     if power_on:
         power.write_text("1\n")
