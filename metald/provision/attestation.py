@@ -444,12 +444,7 @@ def accept_golden(
     """A technician accepts the held machine's last measured boot as its new golden values
     (e.g. after a firmware rollout), with a reason; the machine goes back to ready."""
     m = machines.get_machine(s, machine_id)
-    last = s.exec(
-        select(Attestation)
-        .where(Attestation.machine_id == m.id, col(Attestation.measured).is_not(None))
-        .order_by(col(Attestation.at).desc())
-        .limit(1)
-    ).first()
+    last = _last_measured(s, m)
     data: dict[str, Any] = {}
     if State(m.state) is State.ATTESTATION_FAILED and last is not None:
         now = utcnow()
@@ -512,14 +507,19 @@ def get_sku(s: Session, product: str) -> AttestationGolden:
     return row
 
 
-def _measured_of(s: Session, m: Machine) -> Attestation:
+def _last_measured(s: Session, m: Machine) -> Attestation | None:
     """The machine's last attestation that measured a boot (learned, passed or failed)."""
-    last = s.exec(
+    return s.exec(
         select(Attestation)
         .where(Attestation.machine_id == m.id, col(Attestation.measured).is_not(None))
         .order_by(col(Attestation.at).desc())
         .limit(1)
     ).first()
+
+
+def _measured_of(s: Session, m: Machine) -> Attestation:
+    """The machine's last measured attestation, or a 422 saying it has none yet."""
+    last = _last_measured(s, m)
     if last is None:
         raise Unprocessable(
             f"machine {m.id} has no measured boot yet: it attests in its next discovery boot"
