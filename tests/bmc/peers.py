@@ -33,18 +33,41 @@ def free_port(kind: socket.SocketKind = socket.SOCK_DGRAM) -> int:
     return labnet.free_port(kind)
 
 
+def udp_bound(port: int, addr: str = "127.0.0.1", pid: int | None = None) -> bool:
+    """Whether a socket of this network namespace (of process ``pid``, when given) is bound to
+    UDP ``addr:port`` or to the wildcard on ``port``, read from ``/proc/net/udp``: looking
+    never takes the port itself."""
+    want = {socket.inet_aton(addr)[::-1].hex().upper(), "00000000"}
+    inodes = set()
+    for line in Path("/proc/net/udp").read_text().splitlines()[1:]:
+        fields = line.split()
+        ip, _, hexport = fields[1].partition(":")
+        if int(hexport, 16) == port and ip in want:
+            inodes.add(fields[9])
+    if pid is None or not inodes:
+        return bool(inodes)
+    fds = Path(f"/proc/{pid}/fd")
+    with contextlib.suppress(OSError):
+        for fd in fds.iterdir():
+            with contextlib.suppress(OSError):
+                link = os.readlink(fd)
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    return True
+    return False
+
+
 def _wait_udp_bound(
     port: int, proc: subprocess.Popen, timeout: float = 10.0, addr: str = "127.0.0.1"
 ) -> None:
+    """Wait until ``proc`` has bound its UDP port. The probe reads the socket table: it used to
+    bind the port itself to see whether it was taken, and a peer starting in that instant found
+    the port held by the probe and exited 1 (a CI run lost a test to it)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if proc.poll() is not None:
             raise RuntimeError(f"peer exited with {proc.returncode}")
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            try:
-                s.bind((addr, port))
-            except OSError:
-                return  # taken: the peer holds it
+        if udp_bound(port, addr, proc.pid):
+            return
         time.sleep(0.05)
     raise RuntimeError("peer did not bind its port")
 
@@ -163,7 +186,25 @@ def start_ipmi_sim(
     (``IpmiSim.calls``); while the file ``hold-off`` exists in ``tmp_path`` a power-off is
     logged but not applied (a machine slow to go off)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    port = _udp_port()
+    # The port is probed free, then released for ipmi_sim to bind: another process's socket can
+    # take it in between, and ipmi_sim then exits 1. So a sim that exits before it binds is
+    # started again on another port; its stderr says why.
+    for attempt in range(5):
+        try:
+            return _start_ipmi_sim_on(_udp_port(), tmp_path, power_on=power_on, addr=addr)
+        except _ExitedEarly:
+            if attempt == 4:
+                raise
+    raise AssertionError("unreachable")
+
+
+class _ExitedEarly(RuntimeError):
+    pass
+
+
+def _start_ipmi_sim_on(
+    port: int, tmp_path: Path, *, power_on: bool, addr: str
+) -> tuple[IpmiSim, subprocess.Popen]:
     calls, power = tmp_path / "calls.log", tmp_path / "power"
     if power_on:
         power.write_text("1\n")
@@ -208,23 +249,31 @@ def start_ipmi_sim(
     )
     (tmp_path / "bmc.emu").write_text(EMU)
     (tmp_path / "ipmi-sim-state").mkdir(exist_ok=True)
-    proc = subprocess.Popen(
-        [
-            "ipmi_sim",
-            "-n",
-            "-c",
-            str(tmp_path / "lan.conf"),
-            "-f",
-            str(tmp_path / "bmc.emu"),
-            "-s",
-            str(tmp_path / "ipmi-sim-state"),
-        ],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    log = tmp_path / "ipmi_sim.log"
+    with log.open("w") as err:
+        proc = subprocess.Popen(
+            [
+                "ipmi_sim",
+                "-n",
+                "-c",
+                str(tmp_path / "lan.conf"),
+                "-f",
+                str(tmp_path / "bmc.emu"),
+                "-s",
+                str(tmp_path / "ipmi-sim-state"),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
     try:
         _wait_udp_bound(port, proc, addr=addr)
+    except RuntimeError as e:
+        _stop(proc)
+        if proc.returncode is not None and "exited" in str(e):
+            tail = log.read_text(errors="replace")[-500:]
+            raise _ExitedEarly(f"ipmi_sim on port {port} exited {proc.returncode}: {tail}") from e
+        raise
     except BaseException:
         _stop(proc)
         raise
