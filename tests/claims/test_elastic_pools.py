@@ -42,6 +42,28 @@ def _elastic_claims(store, live: bool = True) -> dict[str, str]:  # type: ignore
         }
 
 
+async def _pool_over(api, machines: int):  # type: ignore[no-untyped-def]
+    """A disk image and a pool e[1-3] of tenant A over ``machines`` free machines labelled
+    ``pool=elastic``, BMCs faked off; returns the app's context."""
+    client, tokens, store = api
+    ctx = client.server.app[CTX_KEY]
+    use_services(ctx, bmc=FakeBmc(power_state="off"))
+    r = await client.post(
+        "/api/v1/images",
+        json={"name": "node", "kind": "disk", **DISK_SPEC},
+        headers=tokens.header("admin"),
+    )
+    add_ready(store, machines, labels={"pool": "elastic"})
+    r = await client.post(
+        f"/api/v1/tenants/{tokens.tenant_a}/elastic-pools",
+        json={"name": "gpu", "prefix": "e", "max_nodes": 3, "image_id": (await r.json())["id"],
+              "selector": {"labels": {"pool": "elastic"}}},
+        headers=tokens.header("orchestrator"),
+    )  # fmt: skip
+    assert r.status == 201, await r.text()
+    return ctx
+
+
 async def test_pool_crud_resume_suspend(api) -> None:  # type: ignore[no-untyped-def]
     client, tokens, store = api
     ctx = client.server.app[CTX_KEY]
@@ -129,21 +151,7 @@ async def test_admin_quota_caps_resumes(api) -> None:  # type: ignore[no-untyped
     gets one, e2 is set down with the quota's reason. A tenant's orchestrator cannot lift its
     own cap."""
     client, tokens, store = api
-    ctx = client.server.app[CTX_KEY]
-    use_services(ctx, bmc=FakeBmc(power_state="off"))
-    r = await client.post(
-        "/api/v1/images",
-        json={"name": "node", "kind": "disk", **DISK_SPEC},
-        headers=tokens.header("admin"),
-    )
-    add_ready(store, 3, labels={"pool": "elastic"})
-    r = await client.post(
-        f"/api/v1/tenants/{tokens.tenant_a}/elastic-pools",
-        json={"name": "gpu", "prefix": "e", "max_nodes": 3, "image_id": (await r.json())["id"],
-              "selector": {"labels": {"pool": "elastic"}}},
-        headers=tokens.header("orchestrator"),
-    )  # fmt: skip
-    assert r.status == 201, await r.text()
+    ctx = await _pool_over(api, 3)
     quota = f"/api/v1/tenants/{tokens.tenant_a}/elastic-quota"
     r = await client.put(quota, json={"max_machines": 9}, headers=tokens.header("orchestrator"))
     assert r.status == 403
@@ -175,65 +183,25 @@ async def test_real_slurmctld_resumes_into_claims_for_exactly_those_names(
     runs for idle nodes, here for e1 and e2 powered down by force (no slurmd: they never get
     idle), releases exactly those claims."""
     client, tokens, store = api
-    ctx = client.server.app[CTX_KEY]
-    use_services(ctx, bmc=FakeBmc(power_state="off"))
-    r = await client.post(
-        "/api/v1/images",
-        json={"name": "node", "kind": "disk", **DISK_SPEC},
-        headers=tokens.header("admin"),
-    )
-    add_ready(store, 5, labels={"pool": "elastic"})
-    r = await client.post(
-        f"/api/v1/tenants/{tokens.tenant_a}/elastic-pools",
-        json={"name": "gpu", "prefix": "e", "max_nodes": 3, "image_id": (await r.json())["id"],
-              "selector": {"labels": {"pool": "elastic"}}},
-        headers=tokens.header("orchestrator"),
-    )  # fmt: skip
-    assert r.status == 201, await r.text()
-    with store.session() as s:
-        pools = [elastic.pool_of(p) for p in s.exec(select(ElasticPoolRow))]
+    async with _real_pool(api, tmp_path, machines=5) as (cp, runtime, _nodes):
 
-    runtime = TenantRuntime(store, ctx.secrets, ctx.cfg.tenants, str(tmp_path), "test")
-    runtime.elastic_handler = elastic_handler(ctx)
-    with star(1) as (hub, _nodes):
-        cp = controlplane.SlurmControlPlane(
-            tenant_id=tokens.tenant_a, tenant_name=f"el{secrets.token_hex(2)}", ns=hub,
-            workdir=tmp_path / "ctl", hub_address="10.97.1.1",
-            munge_key=slurm.generate_munge_key(), pools=pools,
-        )  # fmt: skip
-        runtime.running[tokens.tenant_a] = SimpleNamespace(  # type: ignore[assignment]
-            control=cp, spec=SimpleNamespace(tenant_name="acme")
-        )
-        try:
-            cp.start()
-            assert wait_for(lambda: set(cp.nodes() or {}) == {"e1", "e2", "e3"}, 15)
+        def claims_are(want: set[str]):  # type: ignore[no-untyped-def]
+            return lambda: set(_elastic_claims(store)) == want
 
-            async def claims_become(want: set[str]) -> bool:
-                deadline = time.monotonic() + 20
-                while time.monotonic() < deadline:
-                    await runtime._drain_elastic()
-                    if set(_elastic_claims(store)) == want:
-                        return True
-                    await asyncio.sleep(0.2)
-                return False
+        jobs = [sbatch(cp, n) for n in ("-N2", "-N1", "-N1")]
+        assert await _drain_until(runtime, claims_are({"e1", "e2", "e3"})), _elastic_claims(store)
+        await runtime._drain_elastic()
+        assert set(_elastic_claims(store)) == {"e1", "e2", "e3"}
+        st = cp.run("squeue", "-h", "-j", jobs[2], "-o", "%T").stdout.strip()
+        assert st == "PENDING", st
+        assert cp.elastic_requests() == []
 
-            jobs = [sbatch(cp, n) for n in ("-N2", "-N1", "-N1")]
-            assert await claims_become({"e1", "e2", "e3"}), _elastic_claims(store)
-            await runtime._drain_elastic()
-            assert set(_elastic_claims(store)) == {"e1", "e2", "e3"}
-            st = cp.run("squeue", "-h", "-j", jobs[2], "-o", "%T").stdout.strip()
-            assert st == "PENDING", st
-            assert cp.elastic_requests() == []
-
-            # slurmctld runs SuspendProgram itself once the power-up is cancelled (a node it
-            # still powered up would be resumed again: it must hold a claim).
-            r = cp.run("scontrol", "update", "nodename=e1,e2", "state=power_down_force")
-            assert r.returncode == 0, r.stderr
-            assert await claims_become({"e3"}), _elastic_claims(store)
-            assert _elastic_claims(store, live=False) == {"e1": "released", "e2": "released"}
-        finally:
-            cp.stop()
-            await drain_steps(client)
+        # slurmctld runs SuspendProgram itself once the power-up is cancelled (a node it
+        # still powered up would be resumed again: it must hold a claim).
+        r = cp.run("scontrol", "update", "nodename=e1,e2", "state=power_down_force")
+        assert r.returncode == 0, r.stderr
+        assert await _drain_until(runtime, claims_are({"e3"})), _elastic_claims(store)
+        assert _elastic_claims(store, live=False) == {"e1": "released", "e2": "released"}
 
 
 @contextlib.asynccontextmanager
@@ -243,21 +211,7 @@ async def _real_pool(
     """A pool e[1-3] over ``machines`` free machines, a real slurmctld with it, and the tenant
     runtime's drain wired to the handler and the retry as the daemon wires them."""
     client, tokens, store = api
-    ctx = client.server.app[CTX_KEY]
-    use_services(ctx, bmc=FakeBmc(power_state="off"))
-    r = await client.post(
-        "/api/v1/images",
-        json={"name": "node", "kind": "disk", **DISK_SPEC},
-        headers=tokens.header("admin"),
-    )
-    add_ready(store, machines, labels={"pool": "elastic"})
-    r = await client.post(
-        f"/api/v1/tenants/{tokens.tenant_a}/elastic-pools",
-        json={"name": "gpu", "prefix": "e", "max_nodes": 3, "image_id": (await r.json())["id"],
-              "selector": {"labels": {"pool": "elastic"}}},
-        headers=tokens.header("orchestrator"),
-    )  # fmt: skip
-    assert r.status == 201, await r.text()
+    ctx = await _pool_over(api, machines)
     with store.session() as s:
         pools = [elastic.pool_of(p) for p in s.exec(select(ElasticPoolRow))]
     runtime = TenantRuntime(store, ctx.secrets, ctx.cfg.tenants, str(tmp_path), "test")
