@@ -41,6 +41,39 @@ def _wait(what: str, check, rack, timeout: float = TIMEOUT_S):  # type: ignore[n
     return wait_for(what, check, timeout, every=1, explain=rack.diagnostics)
 
 
+def _dnsmasq(rack, work: Path) -> None:  # type: ignore[no-untyped-def]
+    """The network's own DHCP server on the lab bridge: addresses, no boot options."""
+    st = rack.state
+    lo, hi = st["dhcp_range"]
+    rack.lab.spawn(
+        ["dnsmasq", "--keep-in-foreground", "--conf-file=/dev/null", "--port=0",
+         f"--interface={st['bridge']}", "--bind-interfaces", f"--dhcp-range={lo},{hi},10m",
+         f"--dhcp-leasefile={work / 'dnsmasq.leases'}", "--pid-file=", "--user=root",
+         "--log-dhcp", "--log-facility=-"],
+        role="dnsmasq",
+        log=work / "dnsmasq.log",
+    )  # fmt: skip
+
+
+def _enroll_by_virtual_media(rack, m: dict) -> tuple[str, float]:  # type: ignore[no-untyped-def,type-arg]
+    """Register the machine (labelled to boot from virtual media) and its Redfish BMC, start
+    its inspection, ask for a virtual-media boot and wait for ``ready``: its id and the
+    seconds from the boot request to ready."""
+    code, machine = rack.api(
+        "POST", "/api/v1/machines", {"macs": [m["mac"]], "labels": {"boot-via": "virtual-media"}}
+    )
+    assert code == 201, machine
+    mid = machine["id"]
+    rack.register_bmcs(["redfish"])
+    code, body = rack.api("POST", f"/api/v1/machines/{mid}/actions", {"action": "inspect"})
+    assert code == 200, body
+    t0 = time.monotonic()
+    code, body = rack.api("POST", f"/api/v1/machines/{mid}/boot", {"via": "virtual-media"})
+    assert code == 202, body
+    rack.wait_state([m["mac"]], "ready", TIMEOUT_S)
+    return mid, time.monotonic() - t0
+
+
 def test_a_vm_without_pxe_enrolls_is_provisioned_and_wiped_through_virtual_media(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
@@ -60,16 +93,8 @@ def test_a_vm_without_pxe_enrolls_is_provisioned_and_wiped_through_virtual_media
         boot_config='dhcp_mode = "off"\n',  # metald answers no DHCP, so no PXE either
     )
     try:
-        st, m = rack.state, rack.machines[0]
-        lo, hi = st["dhcp_range"]
-        rack.lab.spawn(
-            ["dnsmasq", "--keep-in-foreground", "--conf-file=/dev/null", "--port=0",
-             f"--interface={st['bridge']}", "--bind-interfaces", f"--dhcp-range={lo},{hi},10m",
-             f"--dhcp-leasefile={work / 'dnsmasq.leases'}", "--pid-file=", "--user=root",
-             "--log-dhcp", "--log-facility=-"],
-            role="dnsmasq",
-            log=work / "dnsmasq.log",
-        )  # fmt: skip
+        m = rack.machines[0]
+        _dnsmasq(rack, work)
 
         code, machine = rack.api(
             "POST",
@@ -194,33 +219,11 @@ def test_a_uefi_vm_enrolls_through_virtual_media_with_metalds_ipxe(
         boot_config='dhcp_mode = "off"\n',  # metald answers no DHCP, so no PXE either
     )
     try:
-        st, m = rack.state, rack.machines[0]
+        m = rack.machines[0]
         assert m["firmware"] == "uefi"
         assert "virtual-media ISOs boot BIOS machines only" not in rack.log.read_text()
-        lo, hi = st["dhcp_range"]
-        rack.lab.spawn(
-            ["dnsmasq", "--keep-in-foreground", "--conf-file=/dev/null", "--port=0",
-             f"--interface={st['bridge']}", "--bind-interfaces", f"--dhcp-range={lo},{hi},10m",
-             f"--dhcp-leasefile={work / 'dnsmasq.leases'}", "--pid-file=", "--user=root",
-             "--log-dhcp", "--log-facility=-"],
-            role="dnsmasq",
-            log=work / "dnsmasq.log",
-        )  # fmt: skip
-        code, machine = rack.api(
-            "POST",
-            "/api/v1/machines",
-            {"macs": [m["mac"]], "labels": {"boot-via": "virtual-media"}},
-        )
-        assert code == 201, machine
-        mid = machine["id"]
-        rack.register_bmcs(["redfish"])
-        code, body = rack.api("POST", f"/api/v1/machines/{mid}/actions", {"action": "inspect"})
-        assert code == 200, body
-        t0 = time.monotonic()
-        code, body = rack.api("POST", f"/api/v1/machines/{mid}/boot", {"via": "virtual-media"})
-        assert code == 202, body
-        rack.wait_state([m["mac"]], "ready", TIMEOUT_S)
-        took = time.monotonic() - t0
+        _dnsmasq(rack, work)
+        mid, took = _enroll_by_virtual_media(rack, m)
         sent = _commands(m)
         assert any(c.startswith(f"insert {rack.url}/boot/n/{mid}/") for c in sent), sent
         assert not any(c.startswith("boot pxe") for c in sent), sent
@@ -276,30 +279,8 @@ def test_a_bios_vm_enrolls_through_virtual_media_over_https_with_metalds_lkrn(
         log = rack.log.read_text()
         assert "tls_auto stays off" not in log, log[-3000:]
         assert "boot BIOS machines into Debian's iPXE" not in log, log[-3000:]
-        lo, hi = st["dhcp_range"]
-        rack.lab.spawn(
-            ["dnsmasq", "--keep-in-foreground", "--conf-file=/dev/null", "--port=0",
-             f"--interface={st['bridge']}", "--bind-interfaces", f"--dhcp-range={lo},{hi},10m",
-             f"--dhcp-leasefile={work / 'dnsmasq.leases'}", "--pid-file=", "--user=root",
-             "--log-dhcp", "--log-facility=-"],
-            role="dnsmasq",
-            log=work / "dnsmasq.log",
-        )  # fmt: skip
-        code, machine = rack.api(
-            "POST",
-            "/api/v1/machines",
-            {"macs": [m["mac"]], "labels": {"boot-via": "virtual-media"}},
-        )
-        assert code == 201, machine
-        mid = machine["id"]
-        rack.register_bmcs(["redfish"])
-        code, body = rack.api("POST", f"/api/v1/machines/{mid}/actions", {"action": "inspect"})
-        assert code == 200, body
-        t0 = time.monotonic()
-        code, body = rack.api("POST", f"/api/v1/machines/{mid}/boot", {"via": "virtual-media"})
-        assert code == 202, body
-        rack.wait_state([m["mac"]], "ready", TIMEOUT_S)
-        took = time.monotonic() - t0
+        _dnsmasq(rack, work)
+        mid, took = _enroll_by_virtual_media(rack, m)
         addr = st["boot_address"]
         sent = _commands(m)
         assert any(c.startswith(f"insert https://{addr}:8443/boot/n/{mid}/") for c in sent), sent
