@@ -20,7 +20,7 @@ from vmlab.labnet import free_port
 BIN = Path(sys.executable).parent
 
 
-def wait_http(port: int, proc: subprocess.Popen, timeout: float = 30) -> None:
+def wait_http(port: int, proc: subprocess.Popen, timeout: float = 90) -> None:
     import urllib.request
 
     deadline = time.monotonic() + timeout

@@ -114,6 +114,12 @@ def wait_for_text(path: str, needles: list[str], offset: int = 0, timeout: float
     raise AssertionError(f"{needles} not seen in {path} within {timeout} s; tail: {text[-800:]!r}")
 
 
+#: What a serial log shows once SeaBIOS has named the first device it boots from: the banner,
+#: then the whole "Booting from ..." line (waiting for its prefix alone once returned a line
+#: still being written, and an empty device name).
+SEABIOS_FIRST_BOOT = ["SeaBIOS (version", "Booting from ", "\n"]
+
+
 def first_seabios_boot_device(text: str) -> str:
     """The device SeaBIOS tried first in the first boot that ``text`` shows."""
     after_banner = text[text.index("SeaBIOS (version") :]

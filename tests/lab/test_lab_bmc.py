@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from .labtools import (
+    SEABIOS_FIRST_BOOT,
     first_seabios_boot_device,
     host_links,
     in_ns,
@@ -226,7 +227,7 @@ async def test_redfish_boot_override_changes_qemu_boot_order(
     # Disk first: SeaBIOS tries the (empty) disk before the NIC's iPXE.
     offset = log_size(bios["serial_log"])
     assert redfish(state, bios, "POST", reset, {"ResetType": "On"})[0] == 204
-    text = wait_for_text(bios["serial_log"], ["SeaBIOS (version", "Booting from "], offset)
+    text = wait_for_text(bios["serial_log"], SEABIOS_FIRST_BOOT, offset)
     assert first_seabios_boot_device(text) == "Hard Disk"
 
     # A one-time PXE override is in QEMU at once and used by the next reset, then gone.
@@ -236,7 +237,7 @@ async def test_redfish_boot_override_changes_qemu_boot_order(
 
     offset = log_size(bios["serial_log"])
     assert redfish_reset(state, bios, "PowerCycle") == 204
-    text = wait_for_text(bios["serial_log"], ["SeaBIOS (version", "Booting from "], offset)
+    text = wait_for_text(bios["serial_log"], SEABIOS_FIRST_BOOT, offset)
     assert first_seabios_boot_device(text) == "Hard Disk"
     assert redfish_reset(state, bios, "ForceOff") == 204
 
@@ -259,7 +260,7 @@ async def _pxe_once_then_reset(
     if inspect.isawaitable(result):
         result = await result
     assert result in (204, {})
-    text = wait_for_text(bios["serial_log"], ["SeaBIOS (version", "Booting from "], offset)
+    text = wait_for_text(bios["serial_log"], SEABIOS_FIRST_BOOT, offset)
     assert first_seabios_boot_device(text) == "ROM"  # the NIC's option ROM: iPXE
     boot = redfish(state, bios, "GET", path)[1]["Boot"]
     assert boot["BootSourceOverrideEnabled"] == "Disabled"

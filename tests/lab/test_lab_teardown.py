@@ -132,7 +132,7 @@ def test_foreground_lab_goes_down_on_sigterm(tmp_path: Path) -> None:
     name = f"t{os.getpid()}f"
     driver = _cli(tmp_path, "up", "--machines", "1", "--uefi", "0", "--name", name, "--foreground")
     try:
-        state = wait_state(tmp_path / name / "state.json", lambda s: s["status"] == "up")
+        state = wait_state(tmp_path / name / "state.json", lambda s: s["status"] == "up", 180)
         driver.send_signal(signal.SIGTERM)
         assert driver.wait(timeout=60) == 0
         assert_lab_gone(name, state, tmp_path / name)
