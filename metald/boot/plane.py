@@ -9,6 +9,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from metald.boot import sendfile
 from metald.boot.dhcp.bootfile import Arch, BootFiles
 from metald.boot.dhcp.common import NetworkPlan
 from metald.boot.dhcp.enroll_limit import EnrollLimits
@@ -222,6 +223,7 @@ class BootPlane:
         self.cfg = cfg
         self.store = store
         self.hooks = hooks
+        sendfile.configure(b.http_sendfile_threads)  # the asset routes' worker threads
         self.leases = LeaseStore(store)
         self.services: list[Any] = []
         #: The fleet membership: with it, on PostgreSQL, several instances share the leases and
