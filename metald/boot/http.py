@@ -222,7 +222,11 @@ class AssetResponse(web.FileResponse):
     async def _sendfile(self, request: web.BaseRequest, fobj: Any, offset: int, count: int) -> Any:
         transport = request.transport
         loop = asyncio.get_running_loop()
-        if self.compression or not sendfile.eligible(loop, transport, count):
+        if (
+            web_fileresponse.NOSENDFILE
+            or self.compression
+            or not sendfile.eligible(loop, transport, count)
+        ):
             return await super()._sendfile(request, fobj, offset, count)
         writer = await web.StreamResponse.prepare(self, request)
         assert writer is not None and transport is not None

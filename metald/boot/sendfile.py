@@ -96,8 +96,9 @@ def send_blocking(fd: int, fileno: int, offset: int, count: int) -> int:
     (returning what was sent) at a slice slower than SLICE_SECONDS or a send timeout.
     Connection errors raise."""
     sock = socket.socket(fileno=fd)  # closes fd when done, whatever happens
-    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    flags: int | None = None
     try:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
         fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_NONBLOCK)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(SLICE_SECONDS))
         sent = 0
@@ -115,11 +116,13 @@ def send_blocking(fd: int, fileno: int, offset: int, count: int) -> int:
                 break  # a slow client: the loop waits for it at no cost
         return sent
     finally:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(0))
+        if flags is not None:
             # Non-blocking again (the flag belongs to the socket, shared with the loop's
             # descriptor) before the loop uses it.
-            fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(0))
         sock.close()
         os.close(fileno)
 
