@@ -16,6 +16,7 @@ __all__ = [
     "set_loop",
     "start_http_metald",
     "tree_cpu_seconds",
+    "tree_cpu_times",
     "sh",
     "veth",
     "write_config",
@@ -76,7 +77,13 @@ def table(headers: list[str], rows: list[list[object]]) -> str:
 def tree_cpu_seconds(pid: int) -> float:
     """CPU seconds of a process and its descendants (nginx's workers), from /proc: a
     cost figure that load on a shared box distorts far less than wall time."""
-    total, todo = 0.0, [pid]
+    return sum(tree_cpu_times(pid))
+
+
+def tree_cpu_times(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process and its descendants, from /proc."""
+    user = system = 0.0
+    todo = [pid]
     while todo:
         p = todo.pop()
         try:
@@ -87,5 +94,7 @@ def tree_cpu_seconds(pid: int) -> float:
             continue
         # utime, stime, and cutime, cstime: children already reaped (tftpd-hpa forks per
         # transfer) are no longer in the tree, so nothing counts twice.
-        total += sum(int(x) for x in f[11:15]) / os.sysconf("SC_CLK_TCK")
-    return total
+        tck = os.sysconf("SC_CLK_TCK")
+        user += (int(f[11]) + int(f[13])) / tck
+        system += (int(f[12]) + int(f[14])) / tck
+    return user, system

@@ -7,12 +7,21 @@ Both servers run in one network namespace on its loopback and serve the same fol
 the box's cores). Each client is one curl fetching the kernel then the initrd, as iPXE does;
 the files are random bytes of Debian-like sizes (the stock initrd is ~31 MB). Wall time from
 the first start to the last exit; a failure is a non-200 or a short body.
+
+Server CPU is utime + stime of the server and its children (from /proc), split into user and
+system. **Client CPU** (the curls', from the bench's own child rusage) is printed beside it:
+on loopback the kernel's TCP work for a segment runs in whichever process's context pushes
+it (the sender's sendfile, or the receiver's ACK when it frees room in the send queue), so a
+server can move system time onto its clients without saving any; server + client CPU is the
+whole cost of a round. ``metald-loopsend`` is this tree's metald with every transfer on the
+event loop (``boot.http_sendfile_threads = 0``); the load average is printed per round.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -21,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _lab import namespaces, start_http_metald, table, tree_cpu_seconds
+from _lab import namespaces, start_http_metald, table, tree_cpu_times
 
 DRIVER = r"""
 import asyncio, sys, time
@@ -72,7 +81,8 @@ def main() -> int:
     ap.add_argument(
         "--servers",
         default="metald,nginx",
-        help="metald (its default loop), metald-asyncio, metald-uvloop, nginx",
+        help="metald (its default loop), metald-asyncio, metald-uvloop, metald-loopsend "
+        "(no sendfile threads), nginx",
     )
     args = ap.parse_args()
     names = args.servers.split(",")
@@ -81,6 +91,8 @@ def main() -> int:
         return 2
     res: dict[str, list[tuple[float, int]]] = {n: [] for n in names}
     cpus: dict[str, list[float]] = {}
+    splits: dict[str, list[tuple[float, float]]] = {}
+    clients: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
         root = tmp / "assets"
@@ -100,7 +112,15 @@ def main() -> int:
             procs = []
             pids: dict[str, int] = {}
             for n, name in enumerate(x for x in names if x.startswith("metald")):
-                bp, ports[name] = start_http_metald(lab, tmp, n, name, root)
+                os.environ.pop("METALD_BOOT__HTTP_SENDFILE_THREADS", None)
+                if name == "metald-loopsend":
+                    os.environ["METALD_BOOT__HTTP_SENDFILE_THREADS"] = "0"
+                try:
+                    bp, ports[name] = start_http_metald(
+                        lab, tmp, n, "metald" if name == "metald-loopsend" else name, root
+                    )
+                finally:
+                    os.environ.pop("METALD_BOOT__HTTP_SENDFILE_THREADS", None)
                 procs.append(bp)
                 pids[name] = bp.proc.pid  # type: ignore[union-attr]
             ng = lab.popen(
@@ -118,7 +138,8 @@ def main() -> int:
                 for rnd in range(args.rounds):
                     for name in names:
                         port = ports[name]
-                        cpu0 = tree_cpu_seconds(pids[name])
+                        cpu0 = tree_cpu_times(pids[name])
+                        ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
                         base = f"http://127.0.0.1:{port}/boot/assets"
                         r = lab.run(
                             sys.executable,
@@ -131,12 +152,22 @@ def main() -> int:
                             str(i.stat().st_size),
                             timeout=600,
                         )
-                        cpu = tree_cpu_seconds(pids[name]) - cpu0
+                        cpu1 = tree_cpu_times(pids[name])
+                        ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+                        user, sys_ = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
+                        cpu = user + sys_
+                        # The driver and its curls, reaped by the time lab.run returns.
+                        cli = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
                         wall, bad = r.stdout.split()
                         res[name].append((float(wall), int(bad)))
                         cpus.setdefault(name, []).append(cpu)
+                        splits.setdefault(name, []).append((user, sys_))
+                        clients.setdefault(name, []).append(cli)
+                        load = " ".join(f"{x:.1f}" for x in os.getloadavg())
                         print(
-                            f"round {rnd} {name}: {wall} s, server CPU {cpu:.2f} s, {bad} failed",
+                            f"round {rnd} {name}: {wall} s, server CPU {cpu:.2f} s (user "
+                            f"{user:.2f}, sys {sys_:.2f}), client CPU {cli:.2f} s, {bad} failed, "
+                            f"load {load}",
                             flush=True,
                         )
             finally:
@@ -160,6 +191,10 @@ def main() -> int:
                 f"{med / ref:.2f}",
                 f"{statistics.median(cpus[name]):.2f}",
                 f"{statistics.median(cpus[name]) / cref:.2f}" if cref else "-",
+                f"{statistics.median(u for u, _ in splits[name]):.2f}/"
+                f"{statistics.median(s for _, s in splits[name]):.2f}",
+                f"{statistics.median(clients[name]):.2f}",
+                f"{statistics.median(c + k for c, k in zip(cpus[name], clients[name], strict=True)):.2f}",
             ]
         )
     print(
@@ -168,7 +203,9 @@ def main() -> int:
     )
     headers = ["server", "wall s (median)", "wall s (best)", "MiB/s (median)"]
     headers += ["failed (all rounds)", "median time vs nginx", "server CPU s (median)"]
-    print(table(headers + ["CPU vs nginx"], rows))
+    headers += ["CPU vs nginx", "server user/sys s", "client CPU s", "server + client CPU s"]
+    print(table(headers, rows))
+    print(f"load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     return 0
 
 

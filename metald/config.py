@@ -174,6 +174,10 @@ class BootConfig(_Section):
     #: Answer lock-step TFTP ACKs in the C loop (metald/boot/tftp/_fastack.c) where it is
     #: built; false: the pure-Python path (for comparison; the same answers, more CPU).
     tftp_fast_ack: bool = True
+    #: Boot assets of 1 MiB or more are sent by the kernel from up to this many worker
+    #: threads (blocking sendfile, metald/boot/sendfile.py), so downloads use every core;
+    #: 0: all on the event loop.
+    http_sendfile_threads: int = Field(default=64, ge=0, le=1024)
     #: Folder with iPXE binaries and boot images, served by TFTP and HTTP (read-only) without a
     #: token. Required when enabled; must not be, contain or sit inside state_dir. Hidden
     #: (dot) files in it are not served.
