@@ -269,3 +269,33 @@ def test_one_hub_wake_up_serves_every_ready_transfer() -> None:
             sh.client.close()
         hub.close()
         loop.close()
+
+
+def test_a_send_the_hubs_c_loop_could_not_make_is_sent_again_from_python() -> None:
+    """When C reports a failed send (a queued ICMP error arriving between its recv and its
+    send fails that send once), the hub sends that block again from Python, then lets the
+    transfer's drain read on. ``ready`` is replaced here by one that reports exactly that
+    (the real one cannot be made to hit the race on demand); the socket and client are real."""
+    loop = asyncio.new_event_loop()
+    sh = Shell(loop, FAST_DRAIN)
+    try:
+        sh.t.start()
+        assert block(sh.client.recv(2048)) == 1
+        sh.client.send(ack(1))
+        sh.t._readable()  # confirms: the shared packets are in use from here
+        assert block(sh.client.recv(2048)) == 2
+        m = sh.machine
+        m.lockstep_advanced(2, 3)  # as C leaves it: ACK 2 handled, its DATA 3 not sent
+
+        def ready(*_args: object) -> list[tuple[_Transfer, bytes | None, bool]]:
+            return [(sh.t, None, True)]
+
+        hub = _Hub(loop, ready)
+        try:
+            hub._wake()
+        finally:
+            hub.close()
+        assert block(sh.client.recv(2048)) == 3 and nothing_queued(sh.client)
+    finally:
+        sh.close()
+        loop.close()
