@@ -3,6 +3,7 @@
     .venv/bin/python bench/tftp_ack_cost.py [--repeats 20] [--blksize 1428]
     .venv/bin/python bench/tftp_ack_cost.py --clients 200 [--uvloop]
     ... [--python]   (the TFTP C lock-step loop off: the pure-Python path)
+    ... --clients 200 [--no-hub]   (a reader per transfer socket, not the server's hub)
 
 In process (the default): a client socket and one transfer (``_Transfer`` around
 ``ReadTransfer``, the shell and core the server runs, its socket connected to the client as
@@ -104,7 +105,8 @@ import asyncio, sys
 from metald.boot.tftp.server import TftpServer
 async def main():
     s = TftpServer(sys.argv[1], host="127.0.0.1", port=0, max_transfers=2000,
-                   max_per_client=2000, fast_ack=sys.argv[3] == "c")
+                   max_per_client=2000, fast_ack=sys.argv[3] != "python",
+                   hub=sys.argv[3] != "nohub")
     await s.start()
     print(s.bound_port, flush=True)
     await asyncio.Event().wait()
@@ -178,7 +180,14 @@ def through_loop(args: argparse.Namespace) -> None:
         (Path(tmp) / "ipxe.efi").write_bytes(IPXE.read_bytes())
         loop_name = "uvloop" if args.uvloop else "asyncio"
         p = subprocess.Popen(
-            [sys.executable, "-c", SERVER, tmp, loop_name, "python" if args.python else "c"],
+            [
+                sys.executable,
+                "-c",
+                SERVER,
+                tmp,
+                loop_name,
+                "python" if args.python else "nohub" if args.no_hub else "c",
+            ],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -195,7 +204,8 @@ def through_loop(args: argparse.Namespace) -> None:
             p.wait()
     k = 1e6 / acks
     print(
-        f"{loop_name}, {args.clients} clients, {done} fetches, {acks} ACKs: server CPU per ACK "
+        f"{loop_name}{' no hub' if args.no_hub else ''}, "
+        f"{args.clients} clients, {done} fetches, {acks} ACKs: server CPU per ACK "
         f"{(u1 - u0 + s1 - s0) * k:.2f} us (user {(u1 - u0) * k:.2f}, system "
         f"{(s1 - s0) * k:.2f}); {z1 - z0} sleeps; wall {wall:.2f} s; "
         f"load {os.getloadavg()[0]:.1f}"
@@ -210,6 +220,7 @@ def main() -> int:
     ap.add_argument("--transfers", type=int, default=200)
     ap.add_argument("--uvloop", action="store_true")
     ap.add_argument("--python", action="store_true", help="the C lock-step loop off")
+    ap.add_argument("--no-hub", action="store_true", help="a reader per transfer socket")
     args = ap.parse_args()
     print(f"lock-step ACKs in {'C' if FAST_DRAIN is not None and not args.python else 'Python'}")
     if args.clients:

@@ -4,7 +4,9 @@ Two transfers of the same file, one drained by the C loop and one by the Python 
 its own real socket pair, get the same datagrams step by step (in-order ACKs and bursts of
 them, duplicates, out-of-order and far ACKs, ERRORs, garbage, short and long packets, the last
 ACK, timeouts); after every step what each client received, the transfer's state, its events
-and the drop counters must be equal. Then the C function alone against random datagrams and
+and the drop counters must be equal; the C side is drained either by the transfer's own call
+(``drain``) or by the server's hub (``ready``: every transfer socket in one epoll set). Then
+the C function alone against random datagrams and
 bad arguments: memory safety is checked by it never sending anything but the packet the state
 says, never reading past the list, and refusing inconsistent state.
 """
@@ -28,7 +30,7 @@ from hypothesis import strategies as st
 from metald.boot import metrics
 from metald.boot.tftp import server
 from metald.boot.tftp.packet import ErrorCode, Opcode, Request, error_packet, negotiate
-from metald.boot.tftp.server import _Transfer
+from metald.boot.tftp.server import _Hub, _Transfer
 from metald.boot.tftp.transfer import PacketCache, ReadTransfer
 from metald.config import load_config
 
@@ -43,9 +45,9 @@ def test_the_extension_is_built_where_it_can_be() -> None:
 
 
 try:
-    from metald.boot.tftp._fastack import drain
+    from metald.boot.tftp._fastack import drain, ready
 except ImportError:  # not built here: the test above says whether it should have been
-    drain = None
+    drain = ready = None
 
 #: The tests below need the built module (the test above fails where it should be built).
 needs_c = pytest.mark.skipif(drain is None, reason="metald.boot.tftp._fastack not built")
@@ -78,7 +80,10 @@ class Side:
         data: bytes,
         opts: dict[str, str],
         family: int = socket.AF_INET,
+        hub: bool = False,
     ) -> None:
+        #: The server's hub (C ``ready``) drains this transfer's socket; else its own reader.
+        self.hub = _Hub(loop, ready) if hub else None
         if family == socket.AF_INET:
             self.client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             self.client.bind(("127.0.0.1", 0))
@@ -100,7 +105,15 @@ class Side:
             Request(Opcode.RRQ, "f", "octet", opts),
             lambda _t, ev: self.events.append(ev),
             drain if fast else None,
+            self.hub,
         )
+
+    def readable(self) -> None:
+        """One wake-up of the event loop for this transfer: its own reader, or the hub's."""
+        if self.hub is not None:
+            self.hub._wake()
+        else:
+            self.t._readable()
 
     def received(self) -> list[bytes]:
         out = []
@@ -129,6 +142,8 @@ class Side:
     def close(self) -> None:
         self.t.close()
         self.client.close()
+        if self.hub is not None:
+            self.hub.close()
 
 
 @pytest.fixture
@@ -185,17 +200,20 @@ steps = st.lists(
         [{}, {"blksize": "8"}, {"blksize": "16", "tsize": "0"}, {"blksize": "8", "windowsize": "2"}]
     ),
     family=st.sampled_from([socket.AF_INET, socket.AF_UNIX]),
+    via_hub=st.booleans(),
     plan=steps,
 )
 def test_the_c_drain_answers_as_the_python_drain(
     size: int,
     opts: dict[str, str],
     family: int,
+    via_hub: bool,
     plan: list[tuple[str, int, bytes]],
 ) -> None:
     data = (bytes(range(256)) * 6)[:size]
     loop = asyncio.new_event_loop()
-    c, py = Side(loop, True, data, opts, family), Side(loop, False, data, opts, family)
+    c = Side(loop, True, data, opts, family, hub=via_hub)
+    py = Side(loop, False, data, opts, family)
     try:
         c.t.start()
         py.t.start()
@@ -215,7 +233,7 @@ def test_the_c_drain_answers_as_the_python_drain(
                     c.client.send(d)
                     py.client.send(d)
                 before = dropped()
-                c.t._readable()
+                c.readable()
                 c_drops = delta(before)
                 before = dropped()
                 py.t._readable()
@@ -229,7 +247,7 @@ def test_the_c_drain_answers_as_the_python_drain(
             a = ack(c.machine.sent)
             for side in (c, py):
                 side.client.send(a)
-                side.t._readable()
+                side.readable()
             assert c.received() == py.received()
             assert c.state() == py.state()
     finally:
@@ -239,44 +257,47 @@ def test_the_c_drain_answers_as_the_python_drain(
 
 
 @needs_c
-def test_the_c_drain_is_bounded_per_wake_up(loop: asyncio.AbstractEventLoop) -> None:
+@pytest.mark.parametrize("hub", [False, True])
+def test_the_c_drain_is_bounded_per_wake_up(loop: asyncio.AbstractEventLoop, hub: bool) -> None:
     """A client queueing 100 in-order ACKs gets 64 answered per wake-up, as in Python, so
     other transfers get their turn; the answers are the file's blocks in order."""
     data = bytes(range(256)) * 8  # 2,048 bytes: 256 blocks of 8
-    c = Side(loop, True, data, {"blksize": "8"})
+    c = Side(loop, True, data, {"blksize": "8"}, hub=hub)
     try:
         c.t.start()
         assert c.received()[0].startswith(b"\x00\x06")  # the OACK
         c.client.send(ack(0))
-        c.t._readable()
+        c.readable()
         assert c.received() == [c.machine._packets[0]]  # type: ignore[index]
         for n in range(1, 101):
             c.client.send(ack(n))
-        c.t._readable()
+        c.readable()
         got = c.received()
         assert got == c.machine._packets[1:65]  # type: ignore[index]
         assert (c.machine.acked, c.machine.sent) == (64, 65)
-        c.t._readable()
+        c.readable()
         assert c.received() == c.machine._packets[65:101]  # type: ignore[index]
         assert (c.machine.acked, c.machine.sent) == (100, 101)
     finally:
         c.close()
 
 
-@pytest.mark.parametrize("fast", [pytest.param(True, marks=needs_c), False])
+@pytest.mark.parametrize(
+    "fast", [pytest.param(True, marks=needs_c), pytest.param("hub", marks=needs_c), False]
+)
 def test_a_send_that_fails_is_retried_and_the_state_still_advances(
-    loop: asyncio.AbstractEventLoop, fast: bool
+    loop: asyncio.AbstractEventLoop, fast: bool | str
 ) -> None:
     """The client's queue full (a Unix datagram pair refuses with EAGAIN; loopback UDP never
     does): the ACK still counts, the packet is lost, and the silence timer resends it once
     the client reads again. The same with both paths."""
     data = bytes(range(256)) * 2
-    s = Side(loop, fast, data, {"blksize": "8"}, socket.AF_UNIX)
+    s = Side(loop, bool(fast), data, {"blksize": "8"}, socket.AF_UNIX, hub=fast == "hub")
     try:
         s.t.start()
         assert s.received()[0].startswith(b"\x00\x06")  # the OACK
         s.client.send(ack(0))
-        s.t._readable()
+        s.readable()
         assert s.received() == [s.machine._packets[0]]  # type: ignore[index]
         filler = 0
         while True:
@@ -286,7 +307,7 @@ def test_a_send_that_fails_is_retried_and_the_state_still_advances(
                 break
             filler += 1
         s.client.send(ack(1))
-        s.t._readable()
+        s.readable()
         assert (s.machine.acked, s.machine.sent) == (1, 2)
         assert s.received() == [b"filler"] * filler  # block 2 did not go
         s.t.last -= s.machine.interval

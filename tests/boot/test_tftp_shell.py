@@ -2,7 +2,8 @@
 datagrams per wake-up, the send path's recovery from a queued ICMP error, and the silence
 timer's retransmits and give-up. Real sockets on loopback, driven step by step (the shell's
 callbacks are called directly, so nothing waits on time). Each test runs with the C lock-step
-loop (``_fastack``, where it is built) and with the Python path."""
+loop (``_fastack``, where it is built), with the server's hub (every transfer socket in one
+epoll set served by ``_fastack.ready``, where it is built) and with the Python path."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 
 from metald.boot import metrics
 from metald.boot.tftp.packet import Opcode, Request, negotiate
-from metald.boot.tftp.server import FAST_DRAIN, TftpServer, _Transfer
+from metald.boot.tftp.server import FAST_DRAIN, FAST_READY, TftpServer, _Hub, _Transfer
 from metald.boot.tftp.transfer import MAX_RETRIES, ReadTransfer
 
 DATA = bytes(range(256)) * 20  # 5,120 bytes: 11 blocks of 512
@@ -47,7 +48,10 @@ class Shell:
     """One transfer of ``DATA`` (plain RFC 1350, blksize 512) set up as the server sets it up:
     its own socket bound on loopback and connected to the client's."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, fast_drain: object) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, fast_drain: object, hub: _Hub | None = None
+    ) -> None:
+        self.hub = hub
         self.client = udp()
         self.client.settimeout(5)  # only so that a failure cannot hang the suite
         self.sock = udp()
@@ -64,17 +68,28 @@ class Shell:
             req,
             lambda _t, ev: self.events.append(ev),
             fast_drain,  # type: ignore[arg-type]
+            hub,
         )
         self.client.connect(self.sock.getsockname())
+
+    def readable(self) -> None:
+        """One wake-up of the event loop for this transfer: its own reader, or the hub's."""
+        if self.hub is not None:
+            self.hub._wake()
+        else:
+            self.t._readable()
 
     def close(self) -> None:
         self.t.close()
         self.client.close()
+        if self.hub is not None:
+            self.hub.close()
 
 
 #: The C loop where it is built, and the Python path.
 PATHS = [
     pytest.param(FAST_DRAIN, id="c", marks=pytest.mark.skipif(FAST_DRAIN is None, reason="no C")),
+    pytest.param("hub", id="hub", marks=pytest.mark.skipif(FAST_READY is None, reason="no C")),
     pytest.param(None, id="python"),
 ]
 
@@ -82,7 +97,11 @@ PATHS = [
 @pytest.fixture(params=PATHS)
 def shell(request: pytest.FixtureRequest) -> Iterator[Shell]:
     loop = asyncio.new_event_loop()
-    sh = Shell(loop, request.param)
+    if request.param == "hub":
+        assert FAST_READY is not None
+        sh = Shell(loop, FAST_DRAIN, _Hub(loop, FAST_READY))
+    else:
+        sh = Shell(loop, request.param)
     try:
         yield sh
     finally:
@@ -100,12 +119,12 @@ def test_duplicate_acks_send_nothing_and_the_drain_reads_what_is_queued(shell: S
     # ACK 1 three times (a client repeating itself, or the sorcerer's apprentice): one DATA 2.
     for _ in range(3):
         shell.client.send(ack(1))
-    shell.t._readable()
+    shell.readable()
     assert block(shell.client.recv(2048)) == 2
     assert nothing_queued(shell.client)
     assert shell.events == ["confirmed"] and shell.machine.acked == 1
     # Nothing left to read: a wake-up with an empty socket (EAGAIN) changes nothing.
-    shell.t._readable()
+    shell.readable()
     assert nothing_queued(shell.client) and shell.machine.sent == 2
 
 
@@ -119,7 +138,7 @@ def test_a_whole_transfer_in_lock_step(shell: Shell) -> None:
         n = block(pkt)
         got.append(pkt[4:])
         shell.client.send(ack(n))
-        shell.t._readable()
+        shell.readable()
     assert b"".join(got) == DATA and n == shell.machine.nblocks
     assert shell.events == ["confirmed", "ok"] and nothing_queued(shell.client)
 
@@ -132,12 +151,12 @@ def test_the_drain_is_bounded_per_wake_up(shell: Shell) -> None:
     before = _dropped("truncated")
     for _ in range(100):
         shell.client.send(b"\x00")
-    shell.t._readable()
+    shell.readable()
     assert _dropped("truncated") - before == 64
-    shell.t._readable()
+    shell.readable()
     assert _dropped("truncated") - before == 100
     shell.client.send(ack(1))
-    shell.t._readable()
+    shell.readable()
     assert block(shell.client.recv(2048)) == 2
 
 
@@ -158,7 +177,7 @@ def test_silence_timer_resends_then_gives_up(shell: Shell) -> None:
     shell.t.start()
     shell.client.recv(2048)
     shell.client.send(ack(1))
-    shell.t._readable()
+    shell.readable()
     assert block(shell.client.recv(2048)) == 2
     timer = shell.t.timer
     # Not silent for the interval yet: nothing resent, the timer re-armed for the rest.
@@ -209,3 +228,74 @@ async def test_a_packet_from_another_tid_never_reaches_the_transfer(
         client.close()
         stranger.close()
         await server.stop()
+
+
+@pytest.mark.skipif(FAST_READY is None, reason="no C")
+def test_one_hub_wake_up_serves_every_ready_transfer() -> None:
+    """The server's hub: the transfer sockets are in its epoll set, not readers of their own
+    on the loop; one wake-up answers the ACKs waiting on several transfers; a closed transfer
+    leaves the set (its descriptor number can be reused by the next socket)."""
+    assert FAST_READY is not None
+    loop = asyncio.new_event_loop()
+    hub = _Hub(loop, FAST_READY)
+    shells = [Shell(loop, FAST_DRAIN, hub) for _ in range(3)]
+    try:
+        for sh in shells:
+            sh.t.start()
+            assert block(sh.client.recv(2048)) == 1
+            assert not loop.remove_reader(sh.sock.fileno())  # no reader of its own
+            sh.client.send(ack(1))
+        hub._wake()  # unconfirmed: served by Python, all three in this one wake-up
+        for sh in shells:
+            assert block(sh.client.recv(2048)) == 2 and sh.events == ["confirmed"]
+            sh.client.send(ack(2))
+        before = [sh.t.last for sh in shells]
+        python_calls: list[object] = []
+        for sh in shells:  # confirmed: the C loop answers all three, no Python drain runs
+            sh.t._readable = python_calls.append  # type: ignore[method-assign]
+        hub._wake()
+        assert python_calls == []
+        for sh, last in zip(shells, before, strict=True):
+            assert block(sh.client.recv(2048)) == 3
+            assert (sh.machine.acked, sh.machine.sent) == (2, 3) and sh.t.last >= last
+        assert set(hub.transfers) == {sh.sock.fileno() for sh in shells}
+        shells[0].t.close()
+        assert set(hub.transfers) == {sh.sock.fileno() for sh in shells[1:]}
+        hub._wake()  # nothing ready: nothing sent
+        assert all(nothing_queued(sh.client) for sh in shells[1:])
+    finally:
+        for sh in shells:
+            sh.t.close()
+            sh.client.close()
+        hub.close()
+        loop.close()
+
+
+def test_a_send_the_hubs_c_loop_could_not_make_is_sent_again_from_python() -> None:
+    """When C reports a failed send (a queued ICMP error arriving between its recv and its
+    send fails that send once), the hub sends that block again from Python, then lets the
+    transfer's drain read on. ``ready`` is replaced here by one that reports exactly that
+    (the real one cannot be made to hit the race on demand); the socket and client are real."""
+    loop = asyncio.new_event_loop()
+    sh = Shell(loop, FAST_DRAIN)
+    try:
+        sh.t.start()
+        assert block(sh.client.recv(2048)) == 1
+        sh.client.send(ack(1))
+        sh.t._readable()  # confirms: the shared packets are in use from here
+        assert block(sh.client.recv(2048)) == 2
+        m = sh.machine
+        m.lockstep_advanced(2, 3)  # as C leaves it: ACK 2 handled, its DATA 3 not sent
+
+        def ready(*_args: object) -> list[tuple[_Transfer, bytes | None, bool]]:
+            return [(sh.t, None, True)]
+
+        hub = _Hub(loop, ready)
+        try:
+            hub._wake()
+        finally:
+            hub.close()
+        assert block(sh.client.recv(2048)) == 3 and nothing_queued(sh.client)
+    finally:
+        sh.close()
+        loop.close()

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import resource
+import select
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -50,14 +51,76 @@ def _fast_drain() -> Callable[..., tuple[int, int, int, bytes | None, bool]] | N
     return drain
 
 
+def _fast_ready() -> Callable[..., list[tuple[_Transfer, bytes | None, bool]]] | None:
+    """The C hub loop (``_fastack.ready``) or None."""
+    try:
+        from metald.boot.tftp._fastack import ready
+    except ImportError:
+        return None
+    return ready
+
+
 #: Chosen at import; ``TftpServer(fast_ack=False)`` (config ``boot.tftp_fast_ack = false``,
 #: or ``METALD_BOOT__TFTP_FAST_ACK=false``) uses the Python path whatever this is.
 FAST_DRAIN = _fast_drain()
+FAST_READY = _fast_ready()
 
 IP_PKTINFO = getattr(socket, "IP_PKTINFO", 8)
 #: Descriptors left for everything else in the process (API, database, DHCP) when the
 #: transfer cap is fitted under RLIMIT_NOFILE: each transfer holds one socket.
 FD_RESERVE = 256
+
+
+class _Hub:
+    """All transfer sockets of a server in one epoll set, one reader on the event loop.
+
+    With one ``add_reader`` per transfer socket, each ready socket costs the loop a selector
+    key, a handle and a callback per wake-up: with 200 lock-step clients, what was left of
+    metald's user time against dnsmasq. Here the loop wakes for the hub's epoll descriptor and
+    the C loop (``_fastack.ready``) serves every ready socket at once: in-order lock-step ACKs
+    are answered there exactly as ``_Transfer._readable``'s C drain answers them; whatever it
+    may not answer (unconfirmed transfers, windowsize > 1, the last ACK, any other datagram, a
+    failed send) comes back and goes through ``_Transfer._readable`` as before. The epoll set
+    is level-triggered, as the loop's own selector: a socket left with datagrams (the
+    per-socket bound) is reported again on the next wake-up.
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        ready: Callable[..., list[tuple[_Transfer, bytes | None, bool]]],
+    ) -> None:
+        self.loop = loop
+        self.ready = ready
+        self.ep = select.epoll()
+        self.transfers: dict[int, _Transfer] = {}
+        loop.add_reader(self.ep.fileno(), self._wake)
+
+    def add(self, t: _Transfer) -> None:
+        fd = t.sock.fileno()
+        self.ep.register(fd, select.EPOLLIN)
+        self.transfers[fd] = t
+
+    def remove(self, t: _Transfer) -> None:
+        fd = t.sock.fileno()
+        if self.transfers.pop(fd, None) is not None:
+            self.ep.unregister(fd)
+
+    def _wake(self) -> None:
+        todo = self.ready(self.ep.fileno(), self.transfers, RUNNING, monotonic(), 64)
+        for t, data, failed in todo:
+            if t.closed:
+                continue
+            if failed:  # sent once in C; the Python path's retries, as for its own send
+                m = t.machine
+                if m._packets is not None:
+                    t._send([m._packets[m.sent - 1]])
+            t._readable(data)
+
+    def close(self) -> None:
+        self.loop.remove_reader(self.ep.fileno())
+        self.ep.close()
+        self.transfers.clear()
 
 
 class _Transfer:
@@ -84,8 +147,11 @@ class _Transfer:
         request: Request,
         on_event: Callable[[_Transfer, str], None],
         fast_drain: Callable[..., tuple[int, int, int, bytes | None, bool]] | None = FAST_DRAIN,
+        hub: _Hub | None = None,
     ) -> None:
         self.loop = loop
+        #: The server's lock-step hub this socket is watched by, or None: its own reader.
+        self.hub = hub
         self.fast_drain = fast_drain
         self.sock = sock  # bound, non-blocking, connected to ``peer``
         self.machine = machine
@@ -99,11 +165,14 @@ class _Transfer:
         self.timer: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
-        self.loop.add_reader(self.sock.fileno(), self._readable)
+        if self.hub is not None:
+            self.hub.add(self)
+        else:
+            self.loop.add_reader(self.sock.fileno(), self._readable)
         self._send(self.machine.start())
         self.timer = self.loop.call_later(self.machine.interval, self._check)
 
-    def _readable(self) -> None:
+    def _readable(self, first: bytes | None = None) -> None:
         # Drained until EAGAIN, 64 datagrams at most per wake-up. In lock-step the client
         # often answers while the server is still in send (it is woken and runs; 200 fetches
         # on loopback: 119,400 ACKs in 17,000-43,000 calls here), so those ACKs are read
@@ -112,7 +181,8 @@ class _Transfer:
         # With the C loop (FAST_DRAIN), a lock-step transfer's in-order ACKs are read and
         # answered there, the same way ``on_packet``'s inline path answers them; it returns
         # the first datagram it does not handle, which is handled here as before, and the
-        # 64-datagram bound counts both.
+        # 64-datagram bound counts both. ``first``: a datagram the hub's C loop read and did
+        # not handle, handled before anything else is read.
         if self.closed:
             return
         recv, send, machine, fast = self.sock.recv, self.sock.send, self.machine, self.fast_drain
@@ -120,7 +190,9 @@ class _Transfer:
         left = 64
         while left > 0:
             packets = machine.lockstep_packets() if fast is not None else None
-            if packets is not None:
+            if first is not None:
+                data, first = first, None
+            elif packets is not None:
                 handled, acked, last, data, failed = fast(  # type: ignore[misc]
                     self.sock.fileno(), packets, machine.acked, machine.sent, machine.nblocks, left
                 )
@@ -208,7 +280,10 @@ class _Transfer:
         self.closed = True
         if self.timer is not None:
             self.timer.cancel()
-            self.loop.remove_reader(self.sock.fileno())
+            if self.hub is not None:
+                self.hub.remove(self)
+            else:
+                self.loop.remove_reader(self.sock.fileno())
         self.sock.close()
         self.machine.close()
 
@@ -228,6 +303,7 @@ class TftpServer:
         timeout: float = 1.0,
         cache: FileCache | None = None,
         fast_ack: bool = True,
+        hub: bool = True,
     ) -> None:
         self.root = Path(root).resolve()
         self.interfaces = interfaces or []
@@ -244,6 +320,10 @@ class TftpServer:
         self._by_peer: dict[tuple[str, int], _Transfer] = {}
         self._socks: list[tuple[socket.socket, str]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: One epoll set for every transfer socket, served in C (_Hub); with the C loop only.
+        #: ``hub=False``: a reader per transfer socket (benches compare the two).
+        self.use_hub = hub
+        self._hub: _Hub | None = None
 
     @property
     def bound_port(self) -> int:
@@ -257,6 +337,8 @@ class TftpServer:
         self._loop = asyncio.get_running_loop()
         self._fit_fd_limit()
         try:
+            if self.use_hub and self.fast_drain is not None and FAST_READY is not None:
+                self._hub = _Hub(self._loop, FAST_READY)
             for iface in self.interfaces or [""]:
                 s = udp_socket(self.host, self.port, interface=iface)
                 s.setsockopt(socket.IPPROTO_IP, IP_PKTINFO, 1)
@@ -299,6 +381,9 @@ class TftpServer:
         self._socks.clear()
         for t in list(self.table):
             t.end("stopped")
+        if self._hub is not None:
+            self._hub.close()
+            self._hub = None
 
     def _readable(self, sock: socket.socket, iface: str) -> None:
         for _ in range(256):
@@ -377,7 +462,9 @@ class TftpServer:
             metrics.inc(metrics.tftp_transfers, "socket-error")
             return
         assert self._loop is not None
-        t = _Transfer(self._loop, s, machine, peer, req, self._transfer_event, self.fast_drain)
+        t = _Transfer(
+            self._loop, s, machine, peer, req, self._transfer_event, self.fast_drain, self._hub
+        )
         adm = self.table.admit(t, peer[0], self._loop.time())
         if not adm.admitted:
             t.close()
