@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from ipaddress import IPv4Address
+from pathlib import Path
 
 import pytest
 
@@ -119,3 +120,32 @@ def test_close_deletes_every_namespace_and_the_callers_leg() -> None:
     assert subprocess.run(["ip", "link", "show", leg], capture_output=True).returncode != 0
     routes = subprocess.run(["ip", "route", "show"], capture_output=True, text=True).stdout
     assert str(n.net) not in routes  # nothing of the /24 is left in the test's namespace
+
+
+def test_patroni_lab_namespaces_are_deleted_when_its_caller_is_killed() -> None:
+    """PatroniLab(netns=True) records each namespace before making it; kill -9 of the process
+    that made them: the lab's watchdog deletes them all (and its folder). No etcd or Patroni
+    is started: this is the cleanup the long test's lab relies on."""
+    code = (
+        "import time\n"
+        "from tests.fleet.patroni_lab import PatroniLab\n"
+        "lab = PatroniLab(netns=True)\n"
+        "print(lab.root, *lab.net.names, flush=True); time.sleep(600)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=root
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().split()
+        assert line, "the lab did not start"
+        folder, names = Path(line[0]), line[1:]
+        assert len(names) == 4 and all(netns.exists(n) for n in names)  # switch + 3 hosts
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 60
+    while folder.exists() or any(netns.exists(n) for n in names):
+        assert time.monotonic() < deadline, (folder.exists(), [n for n in names if netns.exists(n)])
+        time.sleep(0.1)
