@@ -122,7 +122,9 @@ def main() -> int:
             print(
                 f"old primary at the heal: {row['old_state']}; rows only on it: "
                 f"{row['only_on_old']} (acknowledged: {row['acked_only_on_old']}); packets the "
-                f"cut dropped: {row['cut_dropped']}; pg_rewind: {row['rewound']}; acknowledged "
+                f"cut dropped: {row['cut_dropped']}; pg_rewind: {row['rewound']} (commits that "
+                f"waited for the standby, cancelled on the old primary: "
+                f"{row['sync_waits_cancelled']}); acknowledged "
                 f"writes missing on it once rejoined: {row['replica_missing']}"
             )
     if args.storm:

@@ -487,7 +487,11 @@ class Storm:
 
     async def count(self, state: str) -> int:
         out = await self.http(
-            "GET", f"{self.api}/api/v1/machines?state={state}&limit=1", token=self.admin, api=True
+            "GET",
+            # count_filter: more query (a label), when other machines share the database
+            f"{self.api}/api/v1/machines?state={state}&limit=1{self.p.get('count_filter', '')}",
+            token=self.admin,
+            api=True,
         )
         return int(out["total"])
 

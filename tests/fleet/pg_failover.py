@@ -692,6 +692,7 @@ def start_storm(
         "metald_pid": metald_pid,
         "admin_token": str(tmp / "api0" / "admin.token"),
         "patient": True,
+        "count_filter": "&label=pool%3Dstorm",  # the load's machines are ready too
     }
     proc = subprocess.Popen(
         netns.exec_argv(
