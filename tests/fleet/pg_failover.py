@@ -371,6 +371,8 @@ async def failover_round(
         admin = (tmp / "api0" / "admin.token").read_text().strip()
         store = Store(url)
         # The load's claims take only these (the storm's machines are pool=storm).
+        if kill == "cut":  # a longer round (a ttl, then a heal): more for the claims to take
+            machines = max(machines, 1200)
         add_ready(store, machines, labels={"pool": "load"})
         tenant = add_tenant(store, "acme")
         image = add_image(store)
@@ -445,7 +447,9 @@ async def failover_round(
             assert dhcp is not None
             i = tries = 0
             while not stop.is_set():
-                m, xid = mac(i), 0x10000 + 2 * tries
+                # 150 clients over and over (the pool holds 200): a client that comes back gets
+                # its address again, ACKed only once the renewed lease committed, like a new one.
+                m, xid = mac(i % 150), 0x10000 + 2 * tries
                 tries += 1
                 sent = time.monotonic()
                 offers = await send([dhcp], relay, discover(m, xid))
