@@ -372,7 +372,7 @@ async def failover_round(
         store = Store(url)
         # The load's claims take only these (the storm's machines are pool=storm).
         if kill == "cut":  # a longer round (a ttl, then a heal): more for the claims to take
-            machines = max(machines, 1200)
+            machines = max(machines, 3000)
         add_ready(store, machines, labels={"pool": "load"})
         tenant = add_tenant(store, "acme")
         image = add_image(store)
