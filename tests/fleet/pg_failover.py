@@ -259,11 +259,12 @@ def rows(conninfo: str) -> tuple[dict[str, str], set[str], set[int]] | None:
     """Bound leases (mac -> ip), claim ids, event ids of one PostgreSQL node, or None."""
     try:
         with psycopg.connect(conninfo, connect_timeout=3) as c:
-            leases = dict(
-                c.execute(  # type: ignore[arg-type]
+            leases: dict[str, str] = {
+                m: ip
+                for m, ip in c.execute(
                     "SELECT mac, ip FROM leases WHERE network = 'prov' AND state = 'bound'"
                 ).fetchall()
-            )
+            }
             claims = {x for (x,) in c.execute("SELECT id FROM claims").fetchall()}
             events = {x for (x,) in c.execute("SELECT id FROM events").fetchall()}
             return leases, claims, events
@@ -642,7 +643,7 @@ async def cut_then_heal(r: Round, lab: PatroniLab, old: PgNode, cut_at: float) -
         c = await asyncio.to_thread(lab.cluster) or {}
         members = {m["name"]: m for m in c.get("members", [])}
         me = members.get(old.name, {})
-        lead = next((m for m in members.values() if m["role"] == "leader"), {})
+        lead: dict[str, Any] = next((m for m in members.values() if m["role"] == "leader"), {})
         # Patroni 3.0 says "running" for a replica that streams (later ones "streaming").
         if (
             me.get("role") in ("replica", "sync_standby")
@@ -752,6 +753,6 @@ async def storm_result(
     if "error" in res:
         raise AssertionError(f"storm: {res['error']}; {(tmp / 'storm.log').read_text()[-2000:]}")
     p1 = res["phase1"]
-    keep = ("wall_s", "ready", "dora", "dhcp_retransmits", "pxe_restarts", "http_retries")
-    keep += ("server_errors", "p50_s", "p99_s", "machines_held_up", "max_s")
+    keep = ("wall_s", "ready", "dora", "dhcp_retransmits", "pxe_restarts", "http_retries",
+            "server_errors", "p50_s", "p99_s", "machines_held_up", "max_s")  # fmt: skip
     return {"machines": res["machines"], **{k: p1.get(k) for k in keep}}

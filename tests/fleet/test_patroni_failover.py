@@ -5,8 +5,13 @@ event is lost, and no instance fences itself (the fencing age, 8 s at metald's d
 longer than the failover). The scenario and what it measures: tests/fleet/pg_failover.py; the
 times (printed, never asserted) are in docs/fleet.md from bench/pg_failover.py.
 
+``cut``: the same with every database host and metald instance in a network namespace of its
+own and the primary's host cut off by nftables, then healed (tests/fleet/netcut.py; its fast
+counterpart in ``make test``: tests/fleet/test_netcut.py). The storm test runs the kill -9 and
+the cut while bench/storm.py's simulated machines enroll.
+
 Under METALD_LAB_LONG=1 (``make test-long``): starting etcd, Patroni and two metald processes
-takes about a minute on this box.
+takes about a minute on this box; a cut round about two.
 """
 
 from __future__ import annotations
