@@ -116,15 +116,17 @@ def main() -> int:
             ("cut -> old primary not writable (s)", "demoted_s"),
             ("heal -> old primary streams (s)", "rejoined_s"),
         ):
-            xs = [row[k] for row in rows]
-            print(f"{name:36}{statistics.median(xs):8.2f}{max(xs):8.2f}")
+            xs = [row[k] for row in rows if row[k] is not None]
+            if xs:
+                print(f"{name:36}{statistics.median(xs):8.2f}{max(xs):8.2f}")
         for row in rows:
             print(
                 f"old primary at the heal: {row['old_state']}; rows only on it: "
                 f"{row['only_on_old']} (acknowledged: {row['acked_only_on_old']}); packets the "
                 f"cut dropped: {row['cut_dropped']}; pg_rewind: {row['rewound']} (commits that "
                 f"waited for the standby, cancelled on the old primary: "
-                f"{row['sync_waits_cancelled']}); acknowledged "
+                f"{row['sync_waits_cancelled']}); old primary took the leader key back after "
+                f"the heal: {row['failback']}; acknowledged "
                 f"writes missing on it once rejoined: {row['replica_missing']}"
             )
     if args.storm:
