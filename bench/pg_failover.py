@@ -24,7 +24,8 @@ new primary (and how many of them were acknowledged: must be 0), then, once the 
 long the old primary takes to stream again and whether pg_rewind ran. ``--storm N``: N
 simulated machines (bench/storm.py's simulation) enroll against the first instance's boot
 plane while the primary is killed or cut (when a third of them are ready): time to all ready,
-DHCP retransmits, PXE restarts, HTTP retries, machines held up.
+DHCP retransmits, PXE restarts, HTTP retries, machines held up. ``--etcd-apart``: the etcd
+members on three hosts of their own, so a cut database host takes no etcd member with it.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TEST = "tests/fleet/test_patroni_failover.py"
 
 
-def one_round(kill: str, storm: int = 0) -> dict | None:
+def one_round(kill: str, storm: int = 0, etcd_apart: bool = False) -> dict | None:
     test = f"failover_during_enrollment_storm and {kill}" if storm else None
     r = subprocess.run(
         [
@@ -57,7 +58,12 @@ def one_round(kill: str, storm: int = 0) -> dict | None:
             test or f"nothing_acknowledged_lost and {kill}",
         ],
         cwd=ROOT,
-        env={**os.environ, "METALD_LAB_LONG": "1", "METALD_PG_FAILOVER_STORM": str(storm)},
+        env={
+            **os.environ,
+            "METALD_LAB_LONG": "1",
+            "METALD_PG_FAILOVER_STORM": str(storm),
+            "METALD_PG_ETCD_APART": "1" if etcd_apart else "0",
+        },  # fmt: skip
         capture_output=True,
         text=True,
         timeout=900,
@@ -79,12 +85,17 @@ def main() -> int:
     ap.add_argument(
         "--storm", type=int, default=0, metavar="N", help="N simulated machines enroll meanwhile"
     )
+    ap.add_argument(
+        "--etcd-apart",
+        action="store_true",
+        help="etcd on three hosts of its own (not beside the PostgreSQL nodes): cut, storm",
+    )
     args = ap.parse_args()
     if args.storm and args.kill == "node":
         ap.error("--storm runs with --kill postmaster or cut")
     rows = []
     for i in range(args.rounds):
-        r = one_round(args.kill, args.storm)
+        r = one_round(args.kill, args.storm, args.etcd_apart)
         load = os.getloadavg()[0]
         if r is None:
             print(f"round {i + 1}: no result (the test's output is above)")

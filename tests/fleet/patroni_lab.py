@@ -13,7 +13,8 @@ moment, so one Patroni restarted is killed too) and removes the folder.
 ``PatroniLab(netns=True)``: every database host in a network namespace of its own on one bridge
 (tests/fleet/netcut.py's ``DbNet``), as ``deploy/patroni/`` lays them out: host 1 runs etcd1 and
 pg1, host 2 etcd2 and pg2, host 3 etcd3 alone (a witness), each on its own address with the
-shipped ports (2379/2380, 5432, 8008). The test process reaches them over a veth; a host can
+shipped ports (2379/2380, 5432, 8008); ``etcd_apart=True`` puts the three etcd members on three
+hosts of their own instead (a cut database host then takes no etcd member with it). The test process reaches them over a veth; a host can
 be cut off with nftables (``cut``/``heal``) instead of killed. The watchdog deletes the
 namespaces too.
 """
@@ -117,7 +118,9 @@ class Node:
 class PatroniLab:
     """``start()`` then ``wait_ready()``; ``stop()`` (or the watchdog) cleans everything."""
 
-    def __init__(self, nodes: int = 2, password: str = "lab", netns: bool = False) -> None:
+    def __init__(
+        self, nodes: int = 2, password: str = "lab", netns: bool = False, etcd_apart: bool = False
+    ) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="metald-patroni-"))
         os.chmod(self.root, 0o755)
         (self.root / "pids").mkdir()
@@ -132,8 +135,13 @@ class PatroniLab:
         self.etcd: list[subprocess.Popen[bytes]] = []
         if netns:
             self.net = DbNet(record=self.root / "netns")
-            hosts = [self.net.add(f"h{i + 1}", 11 + i) for i in range(max(3, nodes))]
-            self.etcd_hosts = [(ns, str(ip)) for ns, ip in hosts[:3]]
+            if etcd_apart:  # etcd on three hosts of its own (.21-.23), PostgreSQL on .11, .12
+                hosts = [self.net.add(f"h{i + 1}", 11 + i) for i in range(nodes)]
+                etcd = [self.net.add(f"e{i + 1}", 21 + i) for i in range(3)]
+            else:  # as deploy/patroni/: etcd1 beside pg1, etcd2 beside pg2, etcd3 alone
+                hosts = [self.net.add(f"h{i + 1}", 11 + i) for i in range(max(3, nodes))]
+                etcd = hosts[:3]
+            self.etcd_hosts = [(ns, str(ip)) for ns, ip in etcd]
             self.etcd_ports = [(2379, 2380)] * 3
             self.nodes = [
                 Node(f"pg{i + 1}", 5432, 8008, self.root / f"pg{i + 1}", None, str(ip), ns)

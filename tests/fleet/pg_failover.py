@@ -336,7 +336,10 @@ async def failover_round(
     docstring). ``storm``: that many simulated machines enroll meanwhile (netns mode)."""
     r = Round(kill=kill)
     in_ns = kill == "cut" or storm > 0
-    lab = PatroniLab(netns=in_ns)
+    # METALD_PG_ETCD_APART=1: etcd on hosts of its own (PatroniLab(etcd_apart=True)).
+    lab = PatroniLab(
+        netns=in_ns, etcd_apart=in_ns and os.environ.get("METALD_PG_ETCD_APART") == "1"
+    )
     procs: list[subprocess.Popen[bytes]] = []
     storm_proc: subprocess.Popen[str] | None = None
     dhcp: DhcpNode | None = None
