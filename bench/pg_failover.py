@@ -24,8 +24,10 @@ new primary (and how many of them were acknowledged: must be 0), then, once the 
 long the old primary takes to stream again and whether pg_rewind ran. ``--storm N``: N
 simulated machines (bench/storm.py's simulation) enroll against the first instance's boot
 plane while the primary is killed or cut (when a third of them are ready): time to all ready,
-DHCP retransmits, PXE restarts, HTTP retries, machines held up. ``--etcd-apart``: the etcd
-members on three hosts of their own, so a cut database host takes no etcd member with it.
+DHCP retransmits, PXE restarts, HTTP retries, machines held up. With ``--kill cut`` or ``--storm`` the etcd
+members run on three hosts of their own, as deploy/patroni/ ships them; ``--etcd-beside`` puts
+etcd1 and etcd2 on the PostgreSQL hosts, the layout in which a heal showed Patroni 3.0's split
+brain (docs/fleet.md).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TEST = "tests/fleet/test_patroni_failover.py"
 
 
-def one_round(kill: str, storm: int = 0, etcd_apart: bool = False) -> dict | None:
+def one_round(kill: str, storm: int = 0, etcd_apart: bool = True) -> dict | None:
     test = f"failover_during_enrollment_storm and {kill}" if storm else None
     r = subprocess.run(
         [
@@ -86,16 +88,16 @@ def main() -> int:
         "--storm", type=int, default=0, metavar="N", help="N simulated machines enroll meanwhile"
     )
     ap.add_argument(
-        "--etcd-apart",
+        "--etcd-beside",
         action="store_true",
-        help="etcd on three hosts of its own (not beside the PostgreSQL nodes): cut, storm",
+        help="etcd1 and etcd2 on the PostgreSQL hosts (as shipped before; shows the split brain)",
     )
     args = ap.parse_args()
     if args.storm and args.kill == "node":
         ap.error("--storm runs with --kill postmaster or cut")
     rows = []
     for i in range(args.rounds):
-        r = one_round(args.kill, args.storm, args.etcd_apart)
+        r = one_round(args.kill, args.storm, not args.etcd_beside)
         load = os.getloadavg()[0]
         if r is None:
             print(f"round {i + 1}: no result (the test's output is above)")

@@ -11,10 +11,12 @@ every etcd, every Patroni and every postmaster (read from each ``postmaster.pid`
 moment, so one Patroni restarted is killed too) and removes the folder.
 
 ``PatroniLab(netns=True)``: every database host in a network namespace of its own on one bridge
-(tests/fleet/netcut.py's ``DbNet``), as ``deploy/patroni/`` lays them out: host 1 runs etcd1 and
-pg1, host 2 etcd2 and pg2, host 3 etcd3 alone (a witness), each on its own address with the
+(tests/fleet/netcut.py's ``DbNet``): host 1 runs etcd1 and pg1, host 2 etcd2 and pg2, host 3
+etcd3 alone (a witness; the layout that shows Patroni 3.0's split brain at a heal:
+docs/fleet.md), each on its own address with the
 shipped ports (2379/2380, 5432, 8008); ``etcd_apart=True`` puts the three etcd members on three
-hosts of their own instead (a cut database host then takes no etcd member with it). The test process reaches them over a veth; a host can
+hosts of their own instead, as ``deploy/patroni/`` ships them (a cut database host then
+takes no etcd member with it). The test process reaches them over a veth; a host can
 be cut off with nftables (``cut``/``heal``) instead of killed. The watchdog deletes the
 namespaces too.
 """

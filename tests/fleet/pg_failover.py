@@ -336,9 +336,10 @@ async def failover_round(
     docstring). ``storm``: that many simulated machines enroll meanwhile (netns mode)."""
     r = Round(kill=kill)
     in_ns = kill == "cut" or storm > 0
-    # METALD_PG_ETCD_APART=1: etcd on hosts of its own (PatroniLab(etcd_apart=True)).
+    # etcd on hosts of its own, as deploy/patroni/ ships it; METALD_PG_ETCD_APART=0: etcd1 and
+    # etcd2 beside pg1 and pg2 (the layout that shows Patroni 3.0's split brain at a heal).
     lab = PatroniLab(
-        netns=in_ns, etcd_apart=in_ns and os.environ.get("METALD_PG_ETCD_APART") == "1"
+        netns=in_ns, etcd_apart=in_ns and os.environ.get("METALD_PG_ETCD_APART") != "0"
     )
     procs: list[subprocess.Popen[bytes]] = []
     storm_proc: subprocess.Popen[str] | None = None
