@@ -180,6 +180,8 @@ class Sim:
     machine_id: str | None = None
     token: str | None = None
     ip: str | None = None
+    #: DHCP retransmits, HTTP retries and PXE restarts this machine needed.
+    setbacks: int = 0
 
 
 class Relay(asyncio.DatagramProtocol):
@@ -254,6 +256,7 @@ class Storm:
                 # iPXE gave up ("No configuration methods succeeded"): the firmware moves on
                 # through its boot order and comes back to PXE; modelled as a retry after 5 s.
                 self.c.pxe_restarts += 1
+                sim.setbacks += 1
                 await asyncio.sleep(5)
             try:
                 return await self._dora(sim, opts, relay, base, timeouts)
@@ -278,7 +281,7 @@ class Storm:
             options={Opt.MESSAGE_TYPE: b"\x01", **opts, Opt.RELAY_AGENT: relay},
             **base,
         )
-        offer = await self._exchange(discover, {MessageType.OFFER}, timeouts)
+        offer = await self._exchange(discover, {MessageType.OFFER}, timeouts, sim)
         request = DhcpPacket(
             xid=xid,
             options={
@@ -290,14 +293,16 @@ class Storm:
             },
             **base,
         )
-        ack = await self._exchange(request, {MessageType.ACK, MessageType.NAK}, timeouts)
+        ack = await self._exchange(request, {MessageType.ACK, MessageType.NAK}, timeouts, sim)
         if ack.message_type is not MessageType.ACK:
             raise StormError(f"{sim.mac}: DHCP NAK for {offer.yiaddr}")
         self.c.dora += 1
         sim.ip = str(ack.yiaddr)
         return ack
 
-    async def _exchange(self, pkt: Any, want: set[int], timeouts: tuple[float, ...]) -> Any:
+    async def _exchange(
+        self, pkt: Any, want: set[int], timeouts: tuple[float, ...], sim: Sim | None = None
+    ) -> Any:
         from metald.boot.dhcp.packet import serialize
 
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -307,6 +312,8 @@ class Storm:
             for n, t in enumerate(timeouts):
                 if n:
                     self.c.dhcp_retransmits += 1
+                    if sim is not None:
+                        sim.setbacks += 1
                 assert self.relay.transport is not None
                 self.relay.transport.sendto(wire, (SRV, 67))
                 try:
@@ -330,8 +337,12 @@ class Storm:
         api: bool = False,
     ) -> Any:
         """One request, retried on connection errors and 5xx with 0.5, 1, 2 ... s backoff (the
-        agent retries forever; here a bounded number of times)."""
+        agent retries forever; here a bounded number of times: twice as many when the run is
+        ``patient``, through a database failover)."""
         import aiohttp
+
+        if tries > 1 and self.p.get("patient"):
+            tries *= 2
 
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         data = None
@@ -392,7 +403,10 @@ class Storm:
         await self.dhcp(sim, ipxe=False)  # the discovery kernel's udhcpc
         base = args["metald.url"]
         boot_id = str(uuid.UUID(int=self.rng.getrandbits(128), version=4))
-        for seq in range(1, 6):
+        # A patient run (a database failover under way) retries for a minute or two, as the
+        # real agent (which retries forever) would.
+        last = 30 if self.p.get("patient") else 5
+        for seq in range(1, last + 1):
             try:
                 out = await self.http(
                     "POST",
@@ -403,10 +417,11 @@ class Storm:
                 )
                 break
             except StormError:
-                if seq == 5:
+                if seq == last:
                     raise
                 self.c.http_retries += 1
-                await asyncio.sleep(seq)
+                sim.setbacks += 1
+                await asyncio.sleep(min(seq, 4))
         self.c.inventories += 1
         if self.p.get("commission_s") is not None:
             if out["state"] != "commissioning":
@@ -472,7 +487,11 @@ class Storm:
 
     async def count(self, state: str) -> int:
         out = await self.http(
-            "GET", f"{self.api}/api/v1/machines?state={state}&limit=1", token=self.admin, api=True
+            "GET",
+            # count_filter: more query (a label), when other machines share the database
+            f"{self.api}/api/v1/machines?state={state}&limit=1{self.p.get('count_filter', '')}",
+            token=self.admin,
+            api=True,
         )
         return int(out["total"])
 
@@ -607,6 +626,8 @@ class Storm:
             "client_cpu_s": self.self_cpu() - me0,
             "p50_s": lat[len(lat) // 2],
             "p99_s": lat[min(len(lat) - 1, int(len(lat) * 0.99))],
+            "max_s": lat[-1],
+            "machines_held_up": sum(1 for s in self.sims if s.setbacks),
         }
 
     async def _run(self) -> dict[str, Any]:

@@ -13,15 +13,31 @@ and, with ``primary_start_timeout: 0``, hands the leader key over instead of res
 place). Measured from the kill: when a standby is promoted (Patroni's ``/cluster`` names a new
 leader that accepts writes), the first 2xx claim, the first DHCP ACK; and, after the round,
 every acknowledged lease, claim and event id is read back from the new primary.
+
+``kill="cut"``: the lab runs in network namespaces (``PatroniLab(netns=True)``: each database
+host in its own, etcd1+pg1, etcd2+pg2, etcd3; each ``metald serve`` in its own) and the
+primary's host is cut off with nftables (every packet dropped, both ways, but loopback:
+tests/fleet/netcut.py), its processes alive. Measured besides: when the old primary stopped
+taking writes (Patroni demotes it once it cannot reach the etcd majority), the packets the cut
+dropped; then the cut heals: when the old primary is a streaming replica again, whether
+pg_rewind ran, and every acknowledged write read back from the rejoined replica too.
+
+``storm=N``: an enrollment storm of N simulated machines (bench/storm.py's simulation, run in a
+client namespace against the first instance's boot plane: DHCP through a relay, iPXE script,
+inventory) is under way when the primary is killed or cut; its result (time to all ready,
+DHCP retransmits, PXE restarts, HTTP retries, machines held up) comes back in ``Round.storm``
+and every machine it enrolled must be ready in the database afterwards.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -31,6 +47,7 @@ from ipaddress import IPv4Address
 from pathlib import Path
 from typing import Any
 
+import psycopg
 from sqlalchemy import text
 
 from metald.boot.dhcp.bootfile import BootFiles
@@ -40,20 +57,27 @@ from metald.boot.dhcp.server import DhcpServer
 from metald.boot.plane import join_fleet
 from metald.fleet.membership import Membership
 from metald.store import Store
+from netconfig import netns
 from tests.claims.helpers import add_image, add_ready, add_tenant
+from tests.fleet.netcut import dropped
+from tests.fleet.patroni_lab import Node as PgNode
 from tests.fleet.patroni_lab import PatroniLab
 from tests.fleet.test_dhcp_peers import SUBNET, discover, mac, plan, selecting, send
 from tests.fleet.test_dhcp_peers import Node as DhcpNode
-from tests.test_daemon import BIN, wait_http
+from tests.test_daemon import BIN
 from vmlab.labnet import free_port
 
 HEARTBEAT_S, DEAD_AFTER_S = 2.0, 10.0
 FENCED_LOG = "fenced: no heartbeat written"
+ROOT = Path(__file__).resolve().parents[2]
+#: bench/storm.py's addresses: its simulation talks to the boot plane at SRV from CLI.
+STORM_SRV, STORM_CLI = "10.77.0.1", "10.77.0.2"
 
 
-def http(port: int, method: str, path: str, token: str, body: Any = None) -> tuple[int, Any, Any]:
+def http(addr: str, method: str, path: str, token: str, body: Any = None) -> tuple[int, Any, Any]:
+    """``addr``: host:port of an instance's API."""
     req = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}",
+        f"http://{addr}{path}",
         method=method,
         data=None if body is None else json.dumps(body).encode(),
         headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
@@ -69,6 +93,7 @@ def http(port: int, method: str, path: str, token: str, body: Any = None) -> tup
 
 @dataclass
 class Round:
+    kill: str = "postmaster"
     leader_before: str = ""
     leader_after: str = ""
     promoted_s: float = 0.0
@@ -84,6 +109,28 @@ class Round:
     lost_leases: dict[str, Any] = field(default_factory=dict)
     lost_claims: set[str] = field(default_factory=set)
     lost_events: set[int] = field(default_factory=set)
+    # kill="cut" only:
+    #: Cut -> the old primary no longer a writable primary (demoted, stopped or in recovery).
+    demoted_s: float | None = None
+    #: What the old primary was when the cut healed: "stopped" or "read-only".
+    old_state: str = ""
+    #: Packets the cut dropped, in and out of the old primary's host.
+    cut_dropped: dict[str, int] = field(default_factory=dict)
+    #: Rows on the old primary (read over its Unix socket before the heal) not on the new one;
+    #: None when it was stopped. Acknowledged ones among them would be lost writes.
+    only_on_old: int | None = None
+    acked_only_on_old: int = 0
+    #: Heal -> the old primary streams from the new one; whether Patroni ran pg_rewind.
+    rejoined_s: float | None = None
+    rewound: bool = False
+    sync_waits_cancelled: int = 0
+    #: The old primary holds the leader key again after the heal (it did not rejoin), and
+    #: Patroni's /cluster then.
+    failback: bool = False
+    after_heal: dict[str, Any] | None = None
+    #: Acknowledged writes missing on the rejoined replica.
+    replica_missing: int = 0
+    storm: dict[str, Any] = field(default_factory=dict)
 
     @property
     def fence_after_s(self) -> float:
@@ -91,6 +138,19 @@ class Round:
 
     def as_json(self) -> dict[str, Any]:
         return {
+            "kill": self.kill,
+            "demoted_s": self.demoted_s,
+            "old_state": self.old_state,
+            "cut_dropped": self.cut_dropped,
+            "only_on_old": self.only_on_old,
+            "acked_only_on_old": self.acked_only_on_old,
+            "rejoined_s": self.rejoined_s,
+            "rewound": self.rewound,
+            "sync_waits_cancelled": self.sync_waits_cancelled,
+            "failback": self.failback,
+            "after_heal": self.after_heal,
+            "replica_missing": self.replica_missing,
+            "storm": self.storm,
             "leader_before": self.leader_before,
             "leader_after": self.leader_after,
             "promoted_s": self.promoted_s,
@@ -107,26 +167,115 @@ class Round:
         }
 
     def summary(self) -> str:
+        cut = ""
+        if self.kill == "cut":
+            cut = (
+                f"; cut: old primary no longer writable after {self.demoted_s} s "
+                f"({self.old_state} at the heal), dropped {self.cut_dropped}, rows only on the "
+                f"old primary {self.only_on_old} (acknowledged: {self.acked_only_on_old}); "
+                f"healed: rejoined as a replica after {self.rejoined_s} s, pg_rewind "
+                f"{'ran' if self.rewound else 'not needed'} ({self.sync_waits_cancelled} commits "
+                "waiting for the standby were cancelled on the old primary, none acknowledged), "
+                "acknowledged writes missing on it "
+                f"{self.replica_missing}"
+            )
+        if self.storm:
+            cut += f"; storm: {json.dumps(self.storm)}"
         return (
-            f"leader {self.leader_before} -> {self.leader_after}: promoted {self.promoted_s:.2f} s "
-            f"after the kill, first 2xx claim {self.first_claim_s:.2f} s, first DHCP ACK "
-            f"{self.first_ack_s:.2f} s; {self.orphaned} writes sent after the kill were "
-            f"acknowledged by the old primary's last backends; fencing age {self.fence_after_s:.0f} s, fenced: "
-            f"{self.fenced or 'none'}; {len(self.acked)} leases ACKed, {len(self.claims)} claims "
-            f"2xx, {len(self.event_ids)} event ids; lost: {len(self.lost_leases)} leases, "
-            f"{len(self.lost_claims)} claims, {len(self.lost_events)} events; "
-            f"outcomes {dict(self.outcomes)}"
+            cut.lstrip("; ")
+            + "\n"
+            + (
+                f"leader {self.leader_before} -> {self.leader_after}: promoted {self.promoted_s:.2f} s "
+                f"after the kill, first 2xx claim {self.first_claim_s:.2f} s, first DHCP ACK "
+                f"{self.first_ack_s:.2f} s; {self.orphaned} writes sent after the kill were "
+                f"acknowledged by the old primary's last backends; fencing age {self.fence_after_s:.0f} s, fenced: "
+                f"{self.fenced or 'none'}; {len(self.acked)} leases ACKed, {len(self.claims)} claims "
+                f"2xx, {len(self.event_ids)} event ids; lost: {len(self.lost_leases)} leases, "
+                f"{len(self.lost_claims)} claims, {len(self.lost_events)} events; "
+                f"outcomes {dict(self.outcomes)}"
+            )
         )
 
 
-def _conf(tmp: Path, name: str, port: int, url: str) -> Path:
+def _conf(tmp: Path, name: str, listen: str, url: str, extra: str = "") -> Path:
     conf = tmp / f"{name}.toml"
     conf.write_text(
         f'state_dir = "{tmp / name}"\ninstance = "{name}"\n[store]\nurl = "{url}"\n'
-        f'[api]\nlisten = "127.0.0.1:{port}"\n'
-        f"[fleet]\nheartbeat_s = {HEARTBEAT_S}\ndead_after_s = {DEAD_AFTER_S}\n"
+        f'[api]\nlisten = "{listen}"\n'
+        f"[fleet]\nheartbeat_s = {HEARTBEAT_S}\ndead_after_s = {DEAD_AFTER_S}\n" + extra
     )
     return conf
+
+
+def storm_boot(tmp: Path) -> str:
+    """The boot plane bench/storm.py's simulation expects (its metald_config's [boot],
+    [enroll] and [provision] tables), on the instance's ``vs`` leg."""
+    (tmp / "assets").mkdir(exist_ok=True)
+    return f"""[boot]
+enabled = true
+dhcp_mode = "full"
+interfaces = ["vs"]
+server_address = "{STORM_SRV}"
+router_advertisements = false
+assets_dir = "{tmp / "assets"}"
+script_clients = "any"
+[[boot.networks]]
+name = "storm"
+subnet = "10.77.0.0/16"
+pool_start = "10.77.1.0"
+pool_end = "10.77.250.255"
+lease_seconds = 3600
+interface = "vs"
+[enroll]
+after_inspection = "poweroff"
+[[enroll.rules]]
+match = {{ gpu_model = "NVIDIA H100*" }}
+labels = {{ pool = "storm" }}
+min_gpu_count = 8
+[provision]
+progress_event_interval_s = 0
+"""
+
+
+def wait_http(addr: str, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"metald exited with {proc.returncode}: {log.read_text()[-3000:]}")
+        try:
+            urllib.request.urlopen(f"http://{addr}/healthz", timeout=1).read()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError(f"metald did not come up at {addr}: {log.read_text()[-3000:]}")
+
+
+def old_primary_state(lab: PatroniLab, node: PgNode) -> str:
+    """``primary`` (takes writes), ``read-only`` (in recovery) or ``stopped``, asked over its
+    Unix socket (reachable while its host is cut)."""
+    try:
+        with psycopg.connect(lab.local_conninfo(node, "postgres"), connect_timeout=2) as c:
+            rec = c.execute("SELECT pg_is_in_recovery()").fetchone()
+            return "read-only" if rec and rec[0] else "primary"
+    except psycopg.Error:
+        return "stopped"
+
+
+def rows(conninfo: str) -> tuple[dict[str, str], set[str], set[int]] | None:
+    """Bound leases (mac -> ip), claim ids, event ids of one PostgreSQL node, or None."""
+    try:
+        with psycopg.connect(conninfo, connect_timeout=3) as c:
+            leases: dict[str, str] = {
+                m: ip
+                for m, ip in c.execute(
+                    "SELECT mac, ip FROM leases WHERE network = 'prov' AND state = 'bound'"
+                ).fetchall()
+            }
+            claims = {x for (x,) in c.execute("SELECT id FROM claims").fetchall()}
+            events = {x for (x,) in c.execute("SELECT id FROM events").fetchall()}
+            return leases, claims, events
+    except psycopg.Error:
+        return None
 
 
 async def dhcp_node(store: Store, relay: socket.socket) -> DhcpNode:
@@ -176,15 +325,24 @@ async def failover_round(
     instances: int = 2,
     machines: int = 300,
     kill: str = "postmaster",
+    storm: int = 0,
 ) -> Round:
     """Start the lab and the instances, run the load, kill the primary, measure, check.
 
     ``kill``: ``postmaster`` (``kill -9`` of the primary's postmaster; its Patroni fails over at
     its next cycle) or ``node`` (``kill -9`` of that node's Patroni, then of its postmaster: the
-    host is gone, and the standby takes over once the leader key's ``ttl`` runs out)."""
-    r = Round()
-    lab = PatroniLab()
+    host is gone, and the standby takes over once the leader key's ``ttl`` runs out) or
+    ``cut`` (the primary's host cut off with nftables, then healed: see the module's
+    docstring). ``storm``: that many simulated machines enroll meanwhile (netns mode)."""
+    r = Round(kill=kill)
+    in_ns = kill == "cut" or storm > 0
+    # etcd on hosts of its own, as deploy/patroni/ ships it; METALD_PG_ETCD_APART=0: etcd1 and
+    # etcd2 beside pg1 and pg2 (the layout that shows Patroni 3.0's split brain at a heal).
+    lab = PatroniLab(
+        netns=in_ns, etcd_apart=in_ns and os.environ.get("METALD_PG_ETCD_APART") != "0"
+    )
     procs: list[subprocess.Popen[bytes]] = []
+    storm_proc: subprocess.Popen[str] | None = None
     dhcp: DhcpNode | None = None
     store: Store | None = None
     try:
@@ -192,25 +350,45 @@ async def failover_round(
         lab.wait_ready(timeout=180)
         lab.create_database("metald")
         url = lab.url("metald")
-        ports = [free_port() for _ in range(instances)]
-        for i, port in enumerate(ports):
+        addrs: list[str] = []
+        cli_ns = None
+        for i in range(instances):
             name = f"api{i}"
             if i > 0:  # every instance on one database shares its secrets key
                 (tmp / name).mkdir(mode=0o700)
                 shutil.copy2(tmp / "api0" / "secrets.key", tmp / name / "secrets.key")
+            argv = [str(BIN / "metald"), "serve", "--config"]
+            extra, listen = "", f"127.0.0.1:{free_port()}"
+            addr = listen
+            if lab.net is not None:  # each instance on a host of its own on the bridge
+                ns, ip = lab.net.add(f"m{i}", 31 + i)
+                listen, addr = f"{ip}:8080", f"{ip}:8080"
+                if i == 0 and storm:  # the storm's boot plane: a leg to the machines' side
+                    cli_ns = lab.net.namespace("cli")
+                    netns.veth(ns, "vs", cli_ns, "vc")
+                    netns.address(ns, "vs", f"{STORM_SRV}/16")
+                    netns.address(cli_ns, "vc", f"{STORM_CLI}/16")
+                    extra, listen = storm_boot(tmp), "0.0.0.0:8080"
+                argv = netns.exec_argv(ns, argv)
+            log = tmp / f"{name}.log"
             proc = subprocess.Popen(
-                [BIN / "metald", "serve", "--config", _conf(tmp, name, port, url)],
-                stderr=open(tmp / f"{name}.log", "w"),  # noqa: SIM115 - closed with the process
+                [*argv, str(_conf(tmp, name, listen, url, extra))],
+                stderr=open(log, "w"),  # noqa: SIM115 - closed with the process
             )
+            lab.track(name, proc.pid)
             procs.append(proc)
-            wait_http(port, proc, timeout=120)  # the first migrates and writes the admin token
+            addrs.append(addr)
+            wait_http(addr, proc, log, timeout=120)  # the first migrates, writes the admin token
         admin = (tmp / "api0" / "admin.token").read_text().strip()
         store = Store(url)
-        add_ready(store, machines)
+        # The load's claims take only these (the storm's machines are pool=storm).
+        if kill == "cut":  # a longer round (a ttl, then a heal): more for the claims to take
+            machines = max(machines, 3000)
+        add_ready(store, machines, labels={"pool": "load"})
         tenant = add_tenant(store, "acme")
         image = add_image(store)
         code, _, tok = http(
-            ports[0],
+            addrs[0],
             "POST",
             "/api/v1/tokens",
             admin,
@@ -242,16 +420,21 @@ async def failover_round(
                 r.bad.append((what, code, dict(headers), body))
             return False
 
-        async def claim_load(port: int) -> None:
+        async def claim_load(addr: str) -> None:
             while not stop.is_set():
                 sent = time.monotonic()
                 got = await asyncio.to_thread(
                     http,
-                    port,
+                    addr,
                     "POST",
                     "/api/v1/claims",
                     orch,
-                    {"tenant_id": tenant, "count": 1, "image_id": image},
+                    {
+                        "tenant_id": tenant,
+                        "count": 1,
+                        "image_id": image,
+                        "selector": {"labels": {"pool": "load"}},
+                    },
                 )
                 if outcome("claim", *got):
                     r.claims.append(got[2]["id"])
@@ -259,10 +442,10 @@ async def failover_round(
                 else:
                     await asyncio.sleep(0.05)
 
-        async def event_load(port: int) -> None:
+        async def event_load(addr: str) -> None:
             while not stop.is_set():
                 got = await asyncio.to_thread(
-                    http, port, "GET", "/api/v1/events?limit=50&sort=-id", admin
+                    http, addr, "GET", "/api/v1/events?limit=50&sort=-id", admin
                 )
                 if outcome("events", *got):
                     r.event_ids.update(e["id"] for e in got[2]["items"])
@@ -275,7 +458,9 @@ async def failover_round(
             assert dhcp is not None
             i = tries = 0
             while not stop.is_set():
-                m, xid = mac(i), 0x10000 + 2 * tries
+                # 150 clients over and over (the pool holds 200): a client that comes back gets
+                # its address again, ACKed only once the renewed lease committed, like a new one.
+                m, xid = mac(i % 150), 0x10000 + 2 * tries
                 tries += 1
                 sent = time.monotonic()
                 offers = await send([dhcp], relay, discover(m, xid))
@@ -305,21 +490,30 @@ async def failover_round(
 
         load = [
             asyncio.create_task(watch_fence()),
-            *(asyncio.create_task(claim_load(p)) for p in ports),
-            *(asyncio.create_task(event_load(p)) for p in ports),
+            *(asyncio.create_task(claim_load(a)) for a in addrs),
+            *(asyncio.create_task(event_load(a)) for a in addrs),
             asyncio.create_task(dhcp_load()),
         ]
+        storm_out: asyncio.Task[str] | None = None
         try:
             await until(
                 lambda: len(r.claims) >= 5 and len(r.acked) >= 5 and r.event_ids, 120, "load"
             )
+            if storm:
+                assert cli_ns is not None
+                storm_proc, storm_out = start_storm(tmp, cli_ns, storm, procs[0].pid)
+                # Kill in the thick of it: a third of the machines ready.
+                await storm_progress(store, storm // 3, storm_proc, storm_out, tmp)
             old = lab.leader()
             assert old is not None
             r.leader_before = old.name
             if kill == "node":
                 assert old.proc is not None
                 old.proc.kill()
-            lab.kill_postmaster(old)
+            if kill == "cut":
+                lab.cut(old)
+            else:
+                lab.kill_postmaster(old)
             killed = time.monotonic()
 
             def promoted() -> bool:
@@ -330,6 +524,12 @@ async def failover_round(
             while not await asyncio.to_thread(promoted):
                 if time.monotonic() - killed > 120:
                     raise TimeoutError(f"no standby promoted in 120 s: {lab.cluster()}")
+                if (
+                    kill == "cut"
+                    and r.demoted_s is None
+                    and await asyncio.to_thread(old_primary_state, lab, old) != "primary"
+                ):
+                    r.demoted_s = time.monotonic() - killed
                 await asyncio.sleep(0.05)
             promoted_at = time.monotonic()
             r.promoted_s = promoted_at - killed
@@ -352,6 +552,13 @@ async def failover_round(
             )
             n = len(r.claims)
             await until(lambda: len(r.claims) >= n + 3, 60, "claims go on")
+            if kill == "cut":
+                await cut_then_heal(r, lab, old, killed)
+                n = len(r.claims)
+                await until(lambda: len(r.claims) >= n + 3, 60, "claims go on after the heal")
+            if storm_out is not None:
+                assert storm_proc is not None
+                r.storm = await storm_result(storm_proc, storm_out, tmp)
         finally:
             stop.set()
             await asyncio.gather(*load, return_exceptions=True)
@@ -376,8 +583,21 @@ async def failover_round(
             got_events = {x for (x,) in s.execute(text("SELECT id FROM events")).all()}
         r.lost_claims = set(r.claims) - got_claims
         r.lost_events = r.event_ids - got_events
+        if kill == "cut":  # and on the old primary, a replica again
+            r.replica_missing = await replica_missing(r, lab, old)
+        if storm:
+            with store.session() as s:
+                r.storm["ready_in_db"] = s.execute(
+                    text(
+                        "SELECT count(*) FROM machines WHERE state = 'ready' "
+                        "AND labels->>'pool' = 'storm'"
+                    )
+                ).scalar_one()
         return r
     finally:
+        if storm_proc is not None and storm_proc.poll() is None:
+            storm_proc.kill()
+            storm_proc.wait()
         if dhcp is not None:
             await dhcp.stop()
         for proc in procs:
@@ -390,4 +610,164 @@ async def failover_round(
                 proc.kill()
         if store is not None:
             store.close()
+        # Keep etcd's and Patroni's logs with the test's (the lab's folder goes with it).
+        (tmp / "lab").mkdir(exist_ok=True)
+        for f in lab.root.glob("*.log"):
+            shutil.copy2(f, tmp / "lab" / f.name)
         lab.stop()
+
+
+async def cut_then_heal(r: Round, lab: PatroniLab, old: PgNode, cut_at: float) -> None:
+    """The cut is on and a standby promoted: wait for the old primary to stop taking writes,
+    compare what it holds with the new primary, heal, wait for it to stream again."""
+    deadline = time.monotonic() + 90
+    while r.demoted_s is None:
+        if await asyncio.to_thread(old_primary_state, lab, old) != "primary":
+            r.demoted_s = time.monotonic() - cut_at
+        elif time.monotonic() > deadline:
+            raise AssertionError("the cut-off old primary still takes writes after 90 s")
+        else:
+            await asyncio.sleep(0.2)
+    r.old_state = await asyncio.to_thread(old_primary_state, lab, old)
+    assert old.ns is not None
+    r.cut_dropped = dropped(old.ns)
+    on_old = await asyncio.to_thread(rows, lab.local_conninfo(old, "metald"))
+    new = lab.leader()
+    assert new is not None
+    on_new = await asyncio.to_thread(rows, lab.conninfo(new, "metald"))
+    assert on_new is not None, "the new primary does not answer"
+    if on_old is not None:
+        only = (
+            {m for m, ip in on_old[0].items() if on_new[0].get(m) != ip},
+            on_old[1] - on_new[1],
+            on_old[2] - on_new[2],
+        )
+        r.only_on_old = sum(len(x) for x in only)
+        r.acked_only_on_old = (
+            len(only[0] & set(r.acked)) + len(only[1] & set(r.claims)) + len(only[2] & r.event_ids)
+        )
+    lab.heal(old)
+    healed = time.monotonic()
+    deadline = healed + 180
+    while True:
+        c = await asyncio.to_thread(lab.cluster) or {}
+        members = {m["name"]: m for m in c.get("members", [])}
+        me = members.get(old.name, {})
+        lead: dict[str, Any] = next((m for m in members.values() if m["role"] == "leader"), {})
+        # Patroni 3.0 says "running" for a replica that streams (later ones "streaming").
+        if (
+            me.get("role") in ("replica", "sync_standby")
+            and me.get("state") in ("running", "streaming")
+            and lead.get("name") != old.name
+            and me.get("timeline") == lead.get("timeline")
+            and await asyncio.to_thread(old_primary_state, lab, old) == "read-only"
+        ):
+            break
+        if time.monotonic() > deadline:
+            # Not a replica: record what Patroni made of it and go on to the checks of what
+            # was acknowledged (the caller asserts rejoined_s).
+            r.after_heal = c
+            r.failback = lead.get("name") == old.name
+            break
+        await asyncio.sleep(0.2)
+    if r.after_heal is None:
+        r.rejoined_s = time.monotonic() - healed
+    log = lab.log(old.name)
+    r.rewound = "running pg_rewind" in log
+    # Commits that reached the old primary alone and waited for the standby's flush: never
+    # acknowledged; PostgreSQL cancels the wait when Patroni demotes it, pg_rewind drops them.
+    r.sync_waits_cancelled = log.count("canceling the wait for synchronous replication")
+
+
+async def replica_missing(r: Round, lab: PatroniLab, old: PgNode) -> int:
+    """Acknowledged writes not (yet) on the rejoined old primary; waits up to 60 s for it to
+    replay what the new primary has."""
+    deadline = time.monotonic() + 60
+    while True:
+        got = await asyncio.to_thread(rows, lab.local_conninfo(old, "metald"))
+        missing = -1
+        if got is not None:
+            missing = (
+                sum(1 for m, ip in r.acked.items() if got[0].get(m) != str(ip))
+                + len(set(r.claims) - got[1])
+                + len(r.event_ids - got[2])
+            )
+            if missing == 0:
+                return 0
+        if time.monotonic() > deadline:
+            return missing
+        await asyncio.sleep(0.5)
+
+
+def start_storm(
+    tmp: Path, cli_ns: str, machines: int, metald_pid: int
+) -> tuple[subprocess.Popen[str], asyncio.Task[str]]:
+    """bench/storm.py's simulation in the client namespace, enrollment only, patient (its
+    agents retry through a failover, as the real agent does); its stdout is read by a task."""
+    params = {
+        "machines": machines,
+        "claim_size": 10,
+        "enroll_only": True,
+        "connections": 64,
+        "metald_pid": metald_pid,
+        "admin_token": str(tmp / "api0" / "admin.token"),
+        "patient": True,
+        "count_filter": "&label=pool%3Dstorm",  # the load's machines are ready too
+    }
+    proc = subprocess.Popen(
+        netns.exec_argv(
+            cli_ns,
+            [sys.executable, str(ROOT / "bench" / "storm.py"), "--_client", json.dumps(params)],
+        ),
+        stdout=subprocess.PIPE,
+        stderr=open(tmp / "storm.log", "w"),  # noqa: SIM115 - closed with the process
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'vm-lab'}"},
+    )
+    assert proc.stdout is not None
+    return proc, asyncio.create_task(asyncio.to_thread(proc.stdout.read))
+
+
+async def storm_progress(
+    store: Store, ready: int, proc: subprocess.Popen[str], out: asyncio.Task[str], tmp: Path
+) -> None:
+    """Wait for ``ready`` storm machines to be ready."""
+    deadline = time.monotonic() + 600
+
+    def count() -> int:
+        with store.session() as s:
+            return int(
+                s.execute(
+                    text(
+                        "SELECT count(*) FROM machines WHERE state = 'ready' "
+                        "AND labels->>'pool' = 'storm'"
+                    )
+                ).scalar_one()
+            )
+
+    while await asyncio.to_thread(count) < ready:
+        if out.done() or proc.poll() is not None:
+            raise AssertionError(
+                f"the storm ended early: {(tmp / 'storm.log').read_text()[-3000:]}"
+            )
+        if time.monotonic() > deadline:
+            raise AssertionError("the storm made no progress in 600 s")
+        await asyncio.sleep(0.2)
+
+
+async def storm_result(
+    proc: subprocess.Popen[str], out: asyncio.Task[str], tmp: Path
+) -> dict[str, Any]:
+    text_out = await asyncio.wait_for(out, 900)
+    proc.wait(timeout=30)
+    line = next((x for x in text_out.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise AssertionError(f"no storm result: {(tmp / 'storm.log').read_text()[-3000:]}")
+    res = json.loads(line[len("RESULT ") :])
+    if "error" in res:
+        raise AssertionError(f"storm: {res['error']}; {(tmp / 'storm.log').read_text()[-2000:]}")
+    p1 = res["phase1"]
+    keep = ("wall_s", "ready", "dora", "dhcp_retransmits", "pxe_restarts", "http_retries",
+            "server_errors", "p50_s", "p99_s", "machines_held_up", "max_s")  # fmt: skip
+    return {"machines": res["machines"], **{k: p1.get(k) for k in keep}}

@@ -5,8 +5,13 @@ event is lost, and no instance fences itself (the fencing age, 8 s at metald's d
 longer than the failover). The scenario and what it measures: tests/fleet/pg_failover.py; the
 times (printed, never asserted) are in docs/fleet.md from bench/pg_failover.py.
 
+``cut``: the same with every database host and metald instance in a network namespace of its
+own and the primary's host cut off by nftables, then healed (tests/fleet/netcut.py; its fast
+counterpart in ``make test``: tests/fleet/test_netcut.py). The storm test runs the kill -9 and
+the cut while bench/storm.py's simulated machines enroll.
+
 Under METALD_LAB_LONG=1 (``make test-long``): starting etcd, Patroni and two metald processes
-takes about a minute on this box.
+takes about a minute on this box; a cut round about two.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from tests.fleet.patroni_lab import available
-from tests.fleet.pg_failover import failover_round
+from tests.fleet.pg_failover import Round, failover_round
 from tests.fleet.test_dhcp_peers import relay  # noqa: F401 - a fixture
 
 pytestmark = [
@@ -35,7 +40,7 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("kill", ["postmaster", "node"])
+@pytest.mark.parametrize("kill", ["postmaster", "node", "cut"])
 async def test_primary_killed_standby_promoted_nothing_acknowledged_lost(
     tmp_path: Path,
     relay: socket.socket,  # noqa: F811
@@ -43,7 +48,10 @@ async def test_primary_killed_standby_promoted_nothing_acknowledged_lost(
 ) -> None:
     """``postmaster``: the primary's postmaster crashes (its Patroni fails over at once);
     ``node``: its Patroni dies too (the standby waits out the leader key's ``ttl``, 20 s,
-    longer than the fencing age: every instance fences itself meanwhile, as it should)."""
+    longer than the fencing age: every instance fences itself meanwhile, as it should);
+    ``cut``: nftables drops every packet to and from the primary's host (its etcd member
+    too), its processes alive; its Patroni demotes it, the standby is promoted after ``ttl``,
+    then the cut heals and the old primary rejoins as a replica (pg_rewind where needed)."""
     r = await failover_round(tmp_path, relay, kill=kill)
     print("\n" + r.summary())
     print("PG_FAILOVER_JSON " + json.dumps(r.as_json()))  # read by bench/pg_failover.py
@@ -52,10 +60,45 @@ async def test_primary_killed_standby_promoted_nothing_acknowledged_lost(
     assert not r.lost_leases, r.lost_leases
     assert not r.lost_claims, r.lost_claims
     assert not r.lost_events, r.lost_events
+    if kill == "cut":
+        _assert_cut(r)
     if kill == "postmaster":
         # Patroni's cycle (2 s) against the fencing age (8 s): an instance that fenced itself
         # here would have stopped DHCP and BMC work for a failover it could have ridden out.
         assert not r.fenced, (r.fenced, r.summary())
+
+
+def _assert_cut(r: Round) -> None:
+    # The cut-off primary stopped taking writes (Patroni demoted it: it lost the etcd
+    # majority) before the cut healed; no acknowledged write is on it alone (synchronous
+    # commit), and every one is on it again once it rejoined.
+    assert r.demoted_s is not None and r.old_state in ("stopped", "read-only"), r.summary()
+    assert r.cut_dropped.get("input", 0) > 0, r.cut_dropped  # the cut was real
+    assert r.acked_only_on_old == 0, r.summary()
+    assert r.rejoined_s is not None, r.summary()
+    assert r.replica_missing == 0, r.summary()
+
+
+@pytest.mark.parametrize("kill", ["postmaster", "cut"])
+async def test_failover_during_enrollment_storm(
+    tmp_path: Path,
+    relay: socket.socket,  # noqa: F811
+    kill: str,
+) -> None:
+    """The same failover while bench/storm.py's simulated machines (300, or
+    METALD_PG_FAILOVER_STORM) enroll against the first instance's boot plane: every machine
+    reaches ready (its agent retries, as the real one does) and is ready in the database, and
+    nothing the load was acknowledged is lost."""
+    n = int(os.environ.get("METALD_PG_FAILOVER_STORM", "300"))
+    r = await failover_round(tmp_path, relay, kill=kill, storm=n)
+    print("\n" + r.summary())
+    print("PG_FAILOVER_JSON " + json.dumps(r.as_json()))  # read by bench/pg_failover.py
+    assert r.leader_after != r.leader_before
+    assert not r.bad, r.bad
+    assert not (r.lost_leases or r.lost_claims or r.lost_events), r.summary()
+    assert r.storm["ready"] == n and r.storm["ready_in_db"] == n, r.storm
+    if kill == "cut":
+        _assert_cut(r)
 
 
 def test_lab_is_cleaned_up_when_its_caller_is_killed() -> None:
