@@ -187,8 +187,17 @@ def wait_until(what: str, cond: Any, timeout: float, log: Path) -> None:
         time.sleep(0.3)
 
 
-def test_the_unit_runs_the_join_after_cloud_init_and_the_network() -> None:
+def test_the_unit_runs_the_join_after_cloud_init_and_the_network(tmp_path: Path) -> None:
     unit = UNIT.read_text()
+    if shutil.which("systemd-analyze"):
+        # systemd's own reading of it (unknown keys, keys in the wrong section, bad values),
+        # with the agent where the image installs it replaced by this checkout's
+        copy = tmp_path / "metald-join.service"
+        copy.write_text(unit.replace("/usr/sbin/metald-node", str(SCRIPT)))
+        r = subprocess.run(
+            ["systemd-analyze", "verify", str(copy)], capture_output=True, text=True, check=False
+        )
+        assert r.returncode == 0 and not r.stderr.strip(), r.stderr
     assert "ExecStart=/usr/sbin/metald-node join\n" in unit
     assert "After=network-online.target cloud-init.service cloud-config.service\n" in unit
     assert "Wants=network-online.target\n" in unit
@@ -196,6 +205,7 @@ def test_the_unit_runs_the_join_after_cloud_init_and_the_network() -> None:
     assert "ConditionPathExists=|/etc/metald/join.json\n" in unit
     assert "ConditionPathExists=|/var/lib/metald-node/state.json\n" in unit
     assert "Restart=on-failure\n" in unit and "WantedBy=multi-user.target\n" in unit
+    assert "StandardOutput=journal+console\n" in unit  # the join's lines on the serial console
     assert "Environment=METALD_GUARD_TCP=22\n" in unit
 
 
