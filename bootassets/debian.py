@@ -48,7 +48,9 @@ LINK = f"{NAME}-current"
 #: root and volume groups at boot), sshd for the claim's keys, Debian's kernel; and what the
 #: join into the tenant's cluster runs (metald-node's join, metald-join.service): WireGuard's
 #: tools (the kernel has the module), nftables (the underlay guard), munge and slurmd (Debian
-#: 12's Slurm 22.05, the tenant control plane's own), jq and curl (the agent's JSON and HTTP).
+#: 12's Slurm 22.05, the tenant control plane's own), jq and curl (the agent's JSON and HTTP),
+#: dbus (slurmd's cgroup/v2 plugin asks systemd over D-Bus for slurmstepd's scope: without it
+#: slurmd exits with "cannot initialize cgroup directory for stepds").
 PACKAGES = (
     "systemd-sysv",
     "udev",
@@ -67,6 +69,7 @@ PACKAGES = (
     "slurmd",
     "jq",
     "curl",
+    "dbus",
 )
 #: What minbase installs whatever the list (the Essential set, tzdata): their versions, and
 #: those of their dependencies, are inputs too (the manifest lists every installed version).

@@ -111,7 +111,7 @@ def _join_tree(tree: Path) -> Path:
 
 
 def test_the_image_carries_the_join_and_only_the_agent_starts_munge_and_slurmd(tmp_path):
-    for needed in ("wireguard-tools", "nftables", "munge", "slurmd", "jq", "curl"):
+    for needed in ("wireguard-tools", "nftables", "munge", "slurmd", "jq", "curl", "dbus"):
         assert needed in debian.PACKAGES
     text = debian.CUSTOMIZE.read_text()
     assert 'install -m 0755 "$here/../node/metald-node" "$root/usr/sbin/metald-node"' in text

@@ -92,7 +92,7 @@ stop() {{
 }}
 trap stop TERM INT
 PATH=$T/bin:$PATH METALD_JOIN_INFO=$T/join.json METALD_NODE_PERSIST=$T/persist \\
-	METALD_GUARD_TCP=22 {script} join &
+	METALD_NODE_SEED=$T/seed METALD_GUARD_TCP=22 {script} join &
 wait
 """
 
@@ -204,6 +204,8 @@ def test_the_unit_runs_the_join_after_cloud_init_and_the_network(tmp_path: Path)
     # the first boot needs the join file; a later one the stored state (the file may be gone)
     assert "ConditionPathExists=|/etc/metald/join.json\n" in unit
     assert "ConditionPathExists=|/var/lib/metald-node/state.json\n" in unit
+    assert "ConditionPathExists=|/var/lib/cloud/seed/nocloud/vendor-data\n" in unit
+    assert "Delegate=yes\n" in unit  # slurmd's cgroup/v2 scope for slurmstepd
     assert "Restart=on-failure\n" in unit and "WantedBy=multi-user.target\n" in unit
     assert "StandardOutput=journal+console\n" in unit  # the join's lines on the serial console
     assert "Environment=METALD_GUARD_TCP=22\n" in unit
@@ -227,6 +229,52 @@ def test_the_guard_ports_are_checked(tmp_path: Path) -> None:
         "[-1] refused",
         "[22;ls] refused",
     ]
+
+
+@pytest.mark.parametrize("tenant_user_data", [False, True])
+def test_join_info_from_the_file_else_from_metalds_part_of_the_seed(
+    tmp_path: Path, tenant_user_data: bool
+) -> None:
+    """cloud-init writes /etc/metald/join.json from metald's cloud-config, unless the tenant's
+    user-data has its own write_files (it replaces vendor-data's): then the seed's
+    vendor-data is read. The file wins when both are there."""
+    from metald.provision.metadata import nocloud
+
+    join = {"url": "http://10.79.0.1:8080", "token": "tok-seed", "expires_at": "2030-01-01"}
+    files = nocloud(
+        machine_id="m1", name="n1", pxe_mac=None, ssh_authorized_keys=[], join=join,
+        user_data="#cloud-config\nwrite_files: [{path: /x, content: y}]\n" if tenant_user_data
+        else None,
+    )  # fmt: skip
+    seed = tmp_path / "seed"
+    seed.mkdir()
+    for name, text in files.items():
+        (seed / name).write_text(text)
+    state = tmp_path / "state"
+    body = (
+        f". {SCRIPT}\nos_join_info {tmp_path}/join.json {seed}; "
+        'echo "rc=$? src=$JOIN_SRC"; cat "$STATE/join-info.json" 2>/dev/null'
+    )
+    env = dict(os.environ, METALD_NODE_LIB="1", METALD_NODE_STATE=str(state))
+
+    def run() -> tuple[str, str]:
+        out = subprocess.run(["dash", "-c", body], env=env, capture_output=True, text=True)
+        first, _, rest = out.stdout.partition("\n")
+        return first, rest
+
+    part = "vendor-data" if tenant_user_data else "user-data"
+    first, info = run()
+    assert first == f"rc=0 src=the NoCloud seed's {part} ({seed})"
+    assert json.loads(info) == join
+    (tmp_path / "join.json").write_text(json.dumps(join | {"token": "tok-file"}))
+    first, info = run()
+    assert first == f"rc=0 src={tmp_path}/join.json"
+    assert json.loads(info)["token"] == "tok-file"
+    (tmp_path / "join.json").unlink()
+    for name in files:
+        (seed / name).unlink()
+    first, info = run()
+    assert first == "rc=1 src=" and info == ""
 
 
 def test_an_installed_os_joins_through_metald_and_comes_back_after_a_reboot(
