@@ -6,11 +6,14 @@
 # `srun hostname` on it, writes DIR/node.state, DIR/srun.out (and DIR/srun.rc). With ROUNDS > 1
 # (a node that reboots), round R waits for DIR/go.R, then for node-lab1 to register again (its
 # SlurmdStartTime changes) and be idle, and writes DIR/node.state.R, DIR/srun.R.out, .err, .rc.
-# Then stays up until killed. NODE names another node than node-lab1.
+# Then stays up until killed. NODE names another node than node-lab1, NODE_WAIT_S how long a
+# round waits for it (240 s).
 set -u
 D=$1
 ROUNDS=${2:-1}
 NODE=${NODE:-node-lab1}
+# How long each round waits for the node (seconds); a full OS booting under TCG takes longer.
+NODE_WAIT_S=${NODE_WAIT_S:-240}
 hostname hub
 for d in /etc/munge /run/munge /var/lib/munge /var/log/munge; do
 	mkdir -p "$d"
@@ -39,7 +42,7 @@ for r in $(seq 1 "$ROUNDS"); do
 		while [ ! -e "$D/go.$r" ]; do sleep 0.5; done
 		before=$(node_field SlurmdStartTime)
 	fi
-	for _ in $(seq 1 240); do
+	for _ in $(seq 1 "$NODE_WAIT_S"); do
 		state=$(sinfo -h -N -n "$NODE" -o %t 2>/dev/null)
 		started=$(node_field SlurmdStartTime)
 		case "$state" in idle*) [ "$r" = 1 ] || [ "$started" != "$before" ] && break ;; esac

@@ -116,9 +116,11 @@ def ssh(key: Path, ns: str, host: str, command: str) -> subprocess.CompletedProc
 
 
 def test_debian_joins_over_wireguard_runs_srun_and_comes_back_after_a_reboot(
-    debian_image: Path, tmp_path: Path
+    debian_image: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     load = os.getloadavg()
+    # the controller's rounds wait as long as a boot may take (a full OS under TCG)
+    monkeypatch.setenv("NODE_WAIT_S", str(BOOT_TIMEOUT_S))
     key = tmp_path / "claim_key"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
     disk = seeded(debian_image, tmp_path, (tmp_path / "claim_key.pub").read_text().strip())
