@@ -441,3 +441,36 @@ def test_an_installed_os_joins_through_metald_and_comes_back_after_a_reboot(
     for log in (log1, log2):
         for s in (secret, munge_key, key):
             assert s not in log
+
+
+def test_no_join_info_is_no_cluster_and_no_failure(tmp_path: Path) -> None:
+    """A claim without a cluster: metald's cloud-config has no join entry. The agent says so
+    and exits 0: the unit ends inactive instead of failing and restarting every 15 s."""
+    from metald.provision.metadata import nocloud
+
+    seed = tmp_path / "seed"
+    seed.mkdir()
+    files = nocloud(
+        machine_id="m1", name="n1", pxe_mac=None, ssh_authorized_keys=[],
+        user_data="#cloud-config\nwrite_files: [{path: /x, content: y}]\n",
+    )  # fmt: skip
+    for name, text in files.items():
+        (seed / name).write_text(text)
+    # it runs in this host's namespaces: should it go on, nothing here changes the host
+    fence = tmp_path / "bin"
+    fence.mkdir()
+    for tool in ("nft", "ip", "wg", "munged", "slurmd", "curl"):
+        (fence / tool).write_text("#!/bin/sh\necho fenced >&2\nexit 1\n")
+        (fence / tool).chmod(0o755)
+    env = dict(
+        os.environ,
+        PATH=f"{fence}:{os.environ['PATH']}",
+        METALD_NODE_STATE=str(tmp_path / "state"),
+        METALD_NODE_PERSIST=str(tmp_path / "persist"),
+        METALD_JOIN_INFO=str(tmp_path / "join.json"),
+        METALD_NODE_SEED=str(seed),
+    )
+    r = subprocess.run([str(SCRIPT), "join"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "this machine joins no cluster" in r.stdout
+    assert "joining" not in r.stdout and not (tmp_path / "persist").exists()
