@@ -9,7 +9,7 @@ the agent in a mount namespace of its own (its /run, /etc/munge, /var/spool, /va
 /etc/hosts; nothing of the host's changes), reading the join file cloud-init would have
 written from metald's vendor-data. The host has no kernel WireGuard: a wrapper in front of
 ``ip`` makes ``ip link add wg0 type wireguard`` start wireguard-go instead (the image's kernel
-has the module; tests/provision_agent/test_qemu_debian_join.py boots the image).
+has the module; tests/bootassets/test_debian_join_qemu.py boots the image).
 
 First run: one POST /api/v1/join with a fresh key, the hub peer stored by metald, the
 WireGuard handshake, the guard with SSH open, munged and slurmd with metald's munge key, the

@@ -148,7 +148,7 @@ def test_debian_joins_over_wireguard_runs_srun_and_comes_back_after_a_reboot(
                     r = ssh(
                         key, ns, addr,
                         "systemctl is-active metald-join; wg show wg0 peers; "
-                        "nft list table inet metald_guard; cat /root/tenant.txt; "
+                        "nft list table inet metald_guard; echo \"[$(cat /root/tenant.txt)]\"; "
                         "stat -c '%a %n' /var/lib/metald-node /var/lib/metald-node/*; "
                         "systemctl is-enabled munge slurmd; systemctl --failed --no-legend",
                     )  # fmt: skip
@@ -200,7 +200,7 @@ def test_debian_joins_over_wireguard_runs_srun_and_comes_back_after_a_reboot(
     out = inside["out"]
     assert out.startswith("active\n") and hub_pub in out, out
     assert "tcp dport 22 accept" in out and "udp dport 51820 ip saddr @wg_sources accept" in out
-    assert "tenant\n" in out
+    assert "[tenant]\n" in out  # the tenant's user-data ran too
     assert "700 /var/lib/metald-node\n" in out and "600 /var/lib/metald-node/wg.key" in out
     assert "disabled\ndisabled\n" in out  # munge and slurmd: the agent's, not boot's
     # second boot: back from the stored state, no join call
