@@ -33,13 +33,24 @@ from bootassets.node import DISK_PACKAGES, mbr_sector
 
 HERE = build.HERE
 CUSTOMIZE = HERE / "debian" / "customize.sh"
+#: Installed into the image as /usr/sbin/metald-node and its systemd unit: the node image's
+#: own join agent, so the two images join the same way.
+NODE_AGENT = HERE / "node" / "metald-node"
+JOIN_UNIT = HERE / "debian" / "metald-join.service"
+#: Our files in the image (or making it): their hashes are inputs.
+INPUT_FILES = (CUSTOMIZE, NODE_AGENT, JOIN_UNIT, HERE / "debian.py", HERE / "node.py")
 SUITE = "bookworm"
 NAME = "debian-12"
 LINK = f"{NAME}-current"
 #: What goes in besides mmdebstrap's minbase (Essential packages and apt): systemd as init,
 #: cloud-init with netplan.io (the renderer it picks first, which hands metald's network-config
 #: v2 to systemd-networkd unchanged), mdadm and lvm2 (their initramfs hooks assemble a RAID1
-#: root and volume groups at boot), sshd for the claim's keys, Debian's kernel.
+#: root and volume groups at boot), sshd for the claim's keys, Debian's kernel; and what the
+#: join into the tenant's cluster runs (metald-node's join, metald-join.service): WireGuard's
+#: tools (the kernel has the module), nftables (the underlay guard), munge and slurmd (Debian
+#: 12's Slurm 22.05, the tenant control plane's own), jq and curl (the agent's JSON and HTTP),
+#: dbus (slurmd's cgroup/v2 plugin asks systemd over D-Bus for slurmstepd's scope: without it
+#: slurmd exits with "cannot initialize cgroup directory for stepds").
 PACKAGES = (
     "systemd-sysv",
     "udev",
@@ -52,6 +63,13 @@ PACKAGES = (
     "linux-image-amd64",
     "initramfs-tools",
     "e2fsprogs",
+    "wireguard-tools",
+    "nftables",
+    "munge",
+    "slurmd",
+    "jq",
+    "curl",
+    "dbus",
 )
 #: What minbase installs whatever the list (the Essential set, tzdata): their versions, and
 #: those of their dependencies, are inputs too (the manifest lists every installed version).
@@ -118,8 +136,7 @@ def resolve_inputs() -> dict[str, object]:
     names = _closure((*PACKAGES, *ESSENTIAL))
     shown = build._apt_show(*names, *DISK_PACKAGES)
     files = {
-        str(p.relative_to(HERE)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in (CUSTOMIZE, HERE / "debian.py", HERE / "node.py")
+        str(p.relative_to(HERE)): hashlib.sha256(p.read_bytes()).hexdigest() for p in INPUT_FILES
     }
     return {
         "suite": SUITE,
@@ -165,6 +182,50 @@ def installed_packages(tree: Path) -> dict[str, str]:
         "dpkg-query", f"--admindir={tree / 'var/lib/dpkg'}", "-W", "-f", "${Package} ${Version}\n"
     )
     return dict(line.split(" ", 1) for line in out.splitlines() if line)
+
+
+#: What boots enabled (multi-user.target.wants) and what must not (the agent starts munged
+#: and slurmd itself, with the tenant's key and configless).
+JOIN_WANTS = "etc/systemd/system/multi-user.target.wants"
+
+
+def join_setup(tree: Path) -> dict[str, Any]:
+    """How the built tree joins the tenant's cluster (the manifest's ``join``): the agent's
+    sha256, the unit's, which of metald-join, munge and slurmd start at boot, and whether a
+    munge key is baked in. Raises when the tree would not join, or would join wrongly."""
+    agent = tree / "usr/sbin/metald-node"
+    unit = tree / "etc/systemd/system/metald-join.service"
+    wants = tree / JOIN_WANTS
+    found = {
+        "agent_sha256": sha256_file(agent) if agent.is_file() else None,
+        "unit_sha256": sha256_file(unit) if unit.is_file() else None,
+        "enabled": sorted(
+            n.removesuffix(".service")
+            for n in ("metald-join.service", "munge.service", "slurmd.service")
+            if (wants / n).is_symlink() or (wants / n).exists()
+        ),
+        "munge_key_baked": (tree / "etc/munge/munge.key").exists(),
+        "tools": sorted(
+            t
+            for t in ("wg", "nft", "munged", "slurmd", "jq", "curl", "ip")
+            if any((tree / d / t).exists() for d in ("usr/bin", "usr/sbin"))
+        ),
+    }
+    problems = []
+    if found["agent_sha256"] != sha256_file(NODE_AGENT):
+        problems.append("/usr/sbin/metald-node is not bootassets/node/metald-node")
+    if found["unit_sha256"] != sha256_file(JOIN_UNIT):
+        problems.append("metald-join.service is not bootassets/debian/metald-join.service")
+    if found["enabled"] != ["metald-join"]:
+        problems.append(f"units enabled at boot: {found['enabled']}, not only metald-join")
+    if found["munge_key_baked"]:
+        problems.append("the build's munge key is in the image")
+    missing = sorted({"wg", "nft", "munged", "slurmd", "jq", "curl", "ip"} - set(found["tools"]))
+    if missing:
+        problems.append(f"missing tools: {', '.join(missing)}")
+    if problems:
+        raise BuildError("the image would not join its tenant's cluster: " + "; ".join(problems))
+    return found
 
 
 def _du_bytes(tree: Path) -> int:
@@ -272,6 +333,7 @@ def _build_in(work: Path, target: Path, inputs: dict[str, Any], digest: str) -> 
     if res.returncode != 0:
         raise BuildError(f"mmdebstrap failed:\n{(res.stdout + res.stderr)[-4000:]}")
     packages = installed_packages(tree)
+    join = join_setup(tree)
     syslinux = build._download(inputs["disk_packages"], work / "syslinux")
     out = work / "out"
     out.mkdir()
@@ -286,6 +348,7 @@ def _build_in(work: Path, target: Path, inputs: dict[str, Any], digest: str) -> 
         "inputs": inputs,
         "disk": disk,
         "installed": packages,
+        "join": join,
         "files": {"disk.raw": {"sha256": sha256_file(out / "disk.raw"), "size": size}},
         "total_bytes": size,
         "kernel_version": disk["kernel_version"],

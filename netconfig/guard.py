@@ -24,21 +24,32 @@ SOURCES = "wg_sources"
 
 
 def render(
-    underlay: list[str], *, wireguard_port: int | None = None, mesh_port: int | None = None
+    underlay: list[str],
+    *,
+    wireguard_port: int | None = None,
+    mesh_port: int | None = None,
+    tcp_ports: list[int] | None = None,
 ) -> str:
     """A complete nft script replacing the guard table. ``wireguard_port`` for hubs (they
     accept handshakes from anyone); ``mesh_port`` for mesh nodes (their WireGuard port, from
-    the addresses in ``wg_sources`` only); neither for a node that only dials out."""
+    the addresses in ``wg_sources`` only); neither for a node that only dials out.
+    ``tcp_ports``: new connections accepted from anyone (an installed OS's SSH)."""
     if not underlay:
         raise ValueError("name at least one underlay interface")
     if wireguard_port and mesh_port:
         raise ValueError("a guard is a hub's (wireguard_port) or a mesh node's (mesh_port)")
+    for port in tcp_ports or ():
+        if not 1 <= port <= 65535:
+            raise ValueError(f"TCP port {port} is not 1-65535")
     ifs = "{ " + ", ".join(json.dumps(i) for i in underlay) + " }"
     accept_wg = f"    iifname {ifs} udp dport {wireguard_port} accept\n" if wireguard_port else ""
     sources = ""
     if mesh_port:
         sources = f"  set {SOURCES} {{\n    type ipv4_addr\n  }}\n"
         accept_wg = f"    iifname {ifs} udp dport {mesh_port} ip saddr @{SOURCES} accept\n"
+    if tcp_ports:
+        ports = ", ".join(str(p) for p in tcp_ports)
+        accept_wg += f"    iifname {ifs} tcp dport {{ {ports} }} accept\n"
     return (
         f"table inet {TABLE}\n"
         f"delete table inet {TABLE}\n"

@@ -5,6 +5,7 @@
 # Debian's packages.
 set -eu
 root=$1
+here=$(dirname "$0")
 
 # The root file system is found by its label, on a plain disk and on the RAID1 array the
 # deploy agent builds (docs/tenant-os.md): both hold the same ext4 labelled "root".
@@ -54,6 +55,20 @@ kver=$(ls /boot/vmlinuz-* | sed 's,^/boot/vmlinuz-,,' | sort -V | tail -n 1)
 sed -i -e "s,^\(  LINUX \).*,\1/boot/vmlinuz-$kver," -e "s,^\(  INITRD \).*,\1/boot/initrd.img-$kver," "$conf"
 EOF
 chmod 0755 "$root/etc/kernel/postinst.d/zz-metald-extlinux"
+
+# The join into the tenant's cluster: the node image's agent (bootassets/node/metald-node) in
+# its join form, run by metald-join.service once the network is online and cloud-init has
+# written /etc/metald/join.json. munged and slurmd are the agent's to start (with the tenant's
+# key and configless), not Debian's units'; the key munge's postinst made is the build's, not
+# a tenant's.
+install -m 0755 "$here/../node/metald-node" "$root/usr/sbin/metald-node"
+install -m 0644 "$here/metald-join.service" "$root/etc/systemd/system/metald-join.service"
+mkdir -p "$root/etc/systemd/system/multi-user.target.wants"
+ln -sf /etc/systemd/system/metald-join.service \
+	"$root/etc/systemd/system/multi-user.target.wants/metald-join.service"
+rm -f "$root/etc/systemd/system/multi-user.target.wants/munge.service" \
+	"$root/etc/systemd/system/multi-user.target.wants/slurmd.service"
+rm -f "$root/etc/munge/munge.key"
 
 chroot "$root" update-initramfs -u -k all
 # what apt fetched is not part of the image

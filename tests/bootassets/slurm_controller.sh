@@ -6,10 +6,14 @@
 # `srun hostname` on it, writes DIR/node.state, DIR/srun.out (and DIR/srun.rc). With ROUNDS > 1
 # (a node that reboots), round R waits for DIR/go.R, then for node-lab1 to register again (its
 # SlurmdStartTime changes) and be idle, and writes DIR/node.state.R, DIR/srun.R.out, .err, .rc.
-# Then stays up until killed.
+# Then stays up until killed. NODE names another node than node-lab1, NODE_WAIT_S how long a
+# round waits for it (240 s).
 set -u
 D=$1
 ROUNDS=${2:-1}
+NODE=${NODE:-node-lab1}
+# How long each round waits for the node (seconds); a full OS booting under TCG takes longer.
+NODE_WAIT_S=${NODE_WAIT_S:-240}
 hostname hub
 for d in /etc/munge /run/munge /var/lib/munge /var/log/munge; do
 	mkdir -p "$d"
@@ -26,8 +30,8 @@ for _ in $(seq 1 100); do [ -S /run/munge/munge.socket.2 ] && break; sleep 0.05;
 export SLURM_CONF=$D/slurm.conf
 slurmctld -D -f "$SLURM_CONF" >"$D/slurmctld.out" 2>&1 &
 
-node_field() { # node_field NAME: Name=VALUE of node-lab1 in scontrol show node
-	scontrol show node node-lab1 2>/dev/null | tr ' ' '\n' | sed -n "s/^$1=//p"
+node_field() { # node_field NAME: Name=VALUE of $NODE in scontrol show node
+	scontrol show node "$NODE" 2>/dev/null | tr ' ' '\n' | sed -n "s/^$1=//p"
 }
 
 for r in $(seq 1 "$ROUNDS"); do
@@ -38,8 +42,8 @@ for r in $(seq 1 "$ROUNDS"); do
 		while [ ! -e "$D/go.$r" ]; do sleep 0.5; done
 		before=$(node_field SlurmdStartTime)
 	fi
-	for _ in $(seq 1 240); do
-		state=$(sinfo -h -N -n node-lab1 -o %t 2>/dev/null)
+	for _ in $(seq 1 "$NODE_WAIT_S"); do
+		state=$(sinfo -h -N -n "$NODE" -o %t 2>/dev/null)
 		started=$(node_field SlurmdStartTime)
 		case "$state" in idle*) [ "$r" = 1 ] || [ "$started" != "$before" ] && break ;; esac
 		sleep 1
@@ -50,7 +54,7 @@ for r in $(seq 1 "$ROUNDS"); do
 		echo "SlurmdStartTime: ${started:-none}"
 		echo "BootTime: $(node_field BootTime)"
 	} >"$D/node.state$sfx"
-	timeout 60 srun -N1 -w node-lab1 hostname >"$D/srun$sfx.out" 2>"$D/srun$sfx.err"
+	timeout 60 srun -N1 -w "$NODE" hostname >"$D/srun$sfx.out" 2>"$D/srun$sfx.err"
 	echo $? >"$D/srun$sfx.rc"
 done
 sleep infinity

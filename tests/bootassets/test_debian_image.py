@@ -92,3 +92,52 @@ def test_a_killed_builds_mounts_are_detached_before_its_folder_is_deleted(tmp_pa
         assert debian.mounts_under(tmp_path) == [] and not (inner / "kept").exists()
     finally:
         subprocess.run(["umount", str(inner)], capture_output=True, check=False)
+
+
+def _join_tree(tree: Path) -> Path:
+    """A tree as customize.sh leaves it: the agent, the unit enabled, the tools."""
+    for d in ("usr/sbin", "usr/bin", debian.JOIN_WANTS, "etc/munge"):
+        (tree / d).mkdir(parents=True, exist_ok=True)
+    (tree / "usr/sbin/metald-node").write_bytes(debian.NODE_AGENT.read_bytes())
+    unit = tree / "etc/systemd/system/metald-join.service"
+    unit.write_bytes(debian.JOIN_UNIT.read_bytes())
+    (tree / debian.JOIN_WANTS / "metald-join.service").symlink_to(
+        "/etc/systemd/system/metald-join.service"
+    )
+    for t in ("usr/bin/wg", "usr/sbin/nft", "usr/sbin/munged", "usr/sbin/slurmd", "usr/bin/jq",
+              "usr/bin/curl", "usr/bin/ip"):  # fmt: skip
+        (tree / t).touch()
+    return tree
+
+
+def test_the_image_carries_the_join_and_only_the_agent_starts_munge_and_slurmd(tmp_path):
+    for needed in ("wireguard-tools", "nftables", "munge", "slurmd", "jq", "curl", "dbus"):
+        assert needed in debian.PACKAGES
+    text = debian.CUSTOMIZE.read_text()
+    assert 'install -m 0755 "$here/../node/metald-node" "$root/usr/sbin/metald-node"' in text
+    assert 'rm -f "$root/etc/munge/munge.key"' in text
+    tree = _join_tree(tmp_path / "tree")
+    found = debian.join_setup(tree)
+    assert found["enabled"] == ["metald-join"] and not found["munge_key_baked"]
+    assert found["agent_sha256"] == debian.sha256_file(debian.NODE_AGENT)
+    # what Debian's packages do on their own (enable munge and slurmd, make a munge key) and
+    # a stale agent are each refused
+    (tree / debian.JOIN_WANTS / "munge.service").symlink_to("/lib/systemd/system/munge.service")
+    (tree / "etc/munge/munge.key").write_bytes(b"k" * 1024)
+    (tree / "usr/sbin/metald-node").write_text("#!/bin/sh\n")
+    (tree / "usr/sbin/slurmd").unlink()
+    with pytest.raises(build.BuildError) as e:
+        debian.join_setup(tree)
+    for why in (
+        "/usr/sbin/metald-node is not bootassets/node/metald-node",
+        "units enabled at boot: ['metald-join', 'munge'], not only metald-join",
+        "the build's munge key is in the image",
+        "missing tools: slurmd",
+    ):
+        assert why in str(e.value)
+
+
+def test_the_inputs_hash_covers_the_agent_and_the_unit():
+    # a changed agent or unit is a new image (customize.sh copies them in)
+    assert {debian.NODE_AGENT, debian.JOIN_UNIT, debian.CUSTOMIZE} <= set(debian.INPUT_FILES)
+    assert all(p.is_file() for p in debian.INPUT_FILES)

@@ -35,6 +35,10 @@ def test_the_node_renders_metalds_guard(tmp_path: Path) -> None:
         literal = "{ " + ", ".join(f'"{i}"' for i in ifs) + " }"
         shell = node_sh(tmp_path, f"guard_rules '{literal}'")
         assert shell == guard.render(ifs, mesh_port=mesh.NODE_LISTEN_PORT)
+        # an installed OS's guard (metald-node join) leaves its SSH port open
+        shell = node_sh(tmp_path, f"guard_rules '{literal}' '22, 8443'")
+        assert shell == guard.render(ifs, mesh_port=mesh.NODE_LISTEN_PORT, tcp_ports=[22, 8443])
+        assert "tcp dport { 22, 8443 } accept" in shell
 
 
 def test_the_node_listens_where_metald_tells_peers_to_dial() -> None:

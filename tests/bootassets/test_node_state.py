@@ -222,3 +222,20 @@ def test_join_info_from_the_seed(tmp_path: Path, tenant_user_data: bool) -> None
     out, v = node_sh(tmp_path, f"SEED={seed}; disk_join_info; rc=$?; cat $STATE/join-info.json")
     assert v["rc"] == "0", out
     assert json.loads(out)["token"] == "tok-77"
+
+
+def test_a_seed_without_join_info_is_refused(tmp_path: Path) -> None:
+    """metald's cloud-config with no join entry (a machine claimed without a cluster): no
+    join info. jq 1.6's ``-e`` is true on empty input, so the empty extract is checked apart
+    (before, the node went on to join with an empty url and token)."""
+    from metald.provision.metadata import nocloud
+
+    files = nocloud(machine_id="m1", name="n1", pxe_mac=None, ssh_authorized_keys=[])
+    seed = tmp_path / "seed"
+    seed.mkdir()
+    for name, text in files.items():
+        (seed / name).write_text(text)
+    (tmp_path / "run").mkdir()
+    out, v = node_sh(tmp_path, f"SEED={seed}; disk_join_info; rc=$?")
+    assert v["rc"] == "1", out
+    assert "the seed's user-data has no /etc/metald/join.json with url and token" in out
