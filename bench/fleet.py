@@ -69,9 +69,6 @@ API_PORT = storm.API_PORT
 #: and PXE-boots again; and after this many reboots the bench fails.
 AGENT_TRIES = 3
 MAX_REBOOTS = 12
-#: Scripts without a token in a row (1, 2, 4, 8, 8 ... s apart) before a machine counts as
-#: stranded: a DHCP sighting still not committed is seconds; a boot taken for good is forever.
-TOKENLESS_GIVE_UP = 8
 
 
 def server_addr(i: int) -> str:
@@ -150,6 +147,9 @@ class AlreadyReady(Exception):
 
 
 class FleetStorm(storm.Storm):
+    #: One script per boot: a token-less one is handled in ``enroll`` (and counted there).
+    tokenless_tries = 1
+
     def __init__(self, p: dict[str, Any]) -> None:
         super().__init__(p)
         self.servers: list[str] = p["servers"]
@@ -159,6 +159,9 @@ class FleetStorm(storm.Storm):
         self.failovers = 0
         self.tokenless = 0
         self.stranded: list[str] = []
+        #: Machines whose scripts came without a token for over a minute, then with one.
+        self.recovered: list[str] = []
+        self.stranded_wait_s: float = p.get("stranded_wait_s", 420.0)
         self.reboot_reasons: set[str] = set()
         #: (monotonic time, machine index, answering server) per DHCP ACK.
         self.acks: list[tuple[float, int, str]] = []
@@ -215,15 +218,19 @@ class FleetStorm(storm.Storm):
     async def pxe_boot(self, sim: Any, expect: str) -> dict[str, str]:
         try:
             return await super().pxe_boot(sim, expect)
-        except KeyError as e:  # a script without an agent token
+        except storm.Tokenless:  # a script without an agent token: one try per boot here
             self.tokenless += 1
-            raise storm.StormError(f"{sim.mac}: {expect} script without {e}") from None
+            raise
 
     async def enroll(self, sim: Any, t0: float) -> None:
-        tokenless = 0
-        for _attempt in range(MAX_REBOOTS + 1):
+        reboots = 0
+        tokenless_since: float | None = None
+        while True:
             try:
-                return await super().enroll(sim, t0)
+                await super().enroll(sim, t0)
+                if tokenless_since is not None and time.monotonic() - tokenless_since > 60:
+                    self.recovered.append(sim.mac)  # a stranded boot armed again by metald
+                return None
             except (storm.StormError, AlreadyReady) as e:
                 self.reboot_reasons.add(str(e)[:200])
                 if sim.machine_id is not None:
@@ -235,15 +242,26 @@ class FleetStorm(storm.Storm):
                         self.found_ready += 1
                         self.c.latencies.append(time.monotonic() - t0)
                         return None
-                tokenless = tokenless + 1 if "without 'metald.token'" in str(e) else 0
-                if tokenless > TOKENLESS_GIVE_UP:
-                    # Its armed boot is gone (taken by a fetch whose answer never came): it
-                    # stays inspecting until inspecting_timeout_s. Counted, not waited for.
-                    self.stranded.append(sim.mac)
-                    return None
+                now = time.monotonic()
+                if isinstance(e, storm.Tokenless):
+                    tokenless_since = tokenless_since or now
+                    if now - tokenless_since > self.stranded_wait_s:
+                        # Its armed boot is gone (taken by a fetch whose answer never came)
+                        # and metald did not arm another: it stays inspecting until
+                        # inspecting_timeout_s. Counted, not waited for.
+                        self.stranded.append(sim.mac)
+                        return None
+                    wait = min(2.0 ** min(6, int(now - tokenless_since) // 8), 8.0)
+                else:
+                    tokenless_since = None
+                    reboots += 1
+                    if reboots > MAX_REBOOTS:
+                        raise storm.StormError(
+                            f"{sim.mac}: still not ready after {MAX_REBOOTS} reboots"
+                        ) from None
+                    wait = 1.0
                 self.reboots += 1
-                await asyncio.sleep(min(2.0 ** max(0, tokenless - 1), 8.0))  # PXE again
-        raise storm.StormError(f"{sim.mac}: still not ready after {MAX_REBOOTS} reboots")
+                await asyncio.sleep(wait)  # PXE again
 
     async def wait_count(self, state: str, want: int, timeout: float = 60) -> int:
         # Stranded machines are reported as such, not waited for (the store's count is the
@@ -258,6 +276,7 @@ class FleetStorm(storm.Storm):
         res["failovers"] = self.failovers
         res["tokenless"] = self.tokenless
         res["stranded"] = self.stranded
+        res["recovered"] = self.recovered
         res["reboot_reasons"] = sorted(self.reboot_reasons)[:5]
         res["acks"] = self.acks
         return res
@@ -346,6 +365,24 @@ class Pg:
             self.dbname,
         )
         return time.monotonic(), int(c) - self.own_xacts, int(w)
+
+    def store(self) -> dict[str, Any]:
+        """The database's size, its largest tables' live rows, and the boot events that say
+        whether a boot was stranded (``boot.stranded``) or armed again (``boot.rearmed``)."""
+        size = int(self.one("SELECT pg_database_size(current_database())")[0])
+        tables = self.all(
+            "SELECT relname, n_live_tup, pg_total_relation_size(relid) FROM pg_stat_user_tables "
+            "ORDER BY pg_total_relation_size(relid) DESC LIMIT 8"
+        )
+        kinds = self.all(
+            "SELECT kind, count(*) FROM events WHERE kind IN "
+            "('boot.stranded', 'boot.rearmed', 'boot.script_refetched') GROUP BY kind"
+        )
+        return {
+            "bytes": size,
+            "tables": {str(n): [int(r), int(b)] for n, r, b in tables},
+            "boot_events": {str(k): int(c) for k, c in kinds},
+        }
 
     def close(self) -> None:
         self.conn.close()
@@ -548,9 +585,11 @@ class Run:
         cpu_victim = 0.0
         took_over_at: float | None = None
         victim_bmcs = 0
+        load = [os.getloadavg()[0]]
         while client.poll() is None:
             time.sleep(args.sample)
             samples.append(db.stats())
+            load.append(os.getloadavg()[0])
             if victim and killed_at is None and db.ready() >= args.kill_at * self.n:
                 victim_bmcs = db.owners().get(victim, 0)
                 cpu_victim = cpu_of(self.procs[victim].pid) - cpu0[victim]
@@ -615,6 +654,14 @@ class Run:
             peak_commits_per_s=peak(samples, args.peak_window, 1),
             peak_rows_per_s=peak(samples, args.peak_window, 2),
             bmcs_held_after=db.owners(),
+            recovered=sim["recovered"],
+            load_avg={"start": load[0], "max": max(load), "end": load[-1]},
+            store=db.store(),
+        )
+        log(
+            f"storm: {res['ready_store']} ready, load average {load[0]:.1f} -> max "
+            f"{max(load):.1f} -> {load[-1]:.1f}, store {res['store']['bytes'] / 1e6:.1f} MB, "
+            f"boot events {res['store']['boot_events']}"
         )
         if killed_at is not None:
             by_server = {server_addr(i): n for i, n in enumerate(self.names)}
@@ -811,6 +858,17 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
                         len(r["stranded"]),
                     ],
                     [
+                        "token-less for over a minute, then armed again and ready",
+                        len(r["recovered"]),
+                    ],
+                    [
+                        "boot events in the store (stranded / rearmed / refetched)",
+                        " / ".join(
+                            str(r["store"]["boot_events"].get(f"boot.{k}", 0))
+                            for k in ("stranded", "rearmed", "script_refetched")
+                        ),
+                    ],
+                    [
                         "times each instance fenced itself and came back (its log)",
                         " ".join(f"{k}:{v}" for k, v in sorted(r["fenced_episodes"].items())),
                     ],
@@ -845,7 +903,10 @@ def main() -> int:
         "--quick", action="store_true",
         help="smoke: 40 machines per instance, heartbeat 0.5 s, dead after 3 s, short windows",
     )  # fmt: skip
-    ap.add_argument("--interval", type=float, default=10.0, help="[bmc] power_sync_interval_s")
+    ap.add_argument(
+        "--interval", type=float, default=60.0,
+        help="[bmc] power_sync_interval_s (production's default, 60)",
+    )  # fmt: skip
     ap.add_argument("--window", type=float, default=0.0, help="BMC count window (2.5 x interval)")
     ap.add_argument("--heartbeat", type=float, default=2.0, help="[fleet] heartbeat_s")
     ap.add_argument("--dead-after", type=float, default=10.0, help="[fleet] dead_after_s")

@@ -146,6 +146,10 @@ class StormError(Exception):
     pass
 
 
+class Tokenless(StormError):
+    """Every script of a boot came without an agent token (``Storm.tokenless_tries`` of them)."""
+
+
 @dataclass
 class Counters:
     dora: int = 0
@@ -205,6 +209,9 @@ class Relay(asyncio.DatagramProtocol):
 
 
 class Storm:
+    #: Scripts without a token (2 s apart) one boot tries before it gives up (``Tokenless``).
+    tokenless_tries = 60
+
     def __init__(self, p: dict[str, Any]) -> None:
         self.p = p
         self.n: int = p["machines"]
@@ -365,7 +372,7 @@ class Storm:
         network again (DORA and script) after 2 s, as a failed discovery boot would."""
         from metald.boot.dhcp.packet import Opt
 
-        for _attempt in range(60):
+        for _attempt in range(self.tokenless_tries):
             ack = await self.dhcp(sim, ipxe=True)
             url = ack.options.get(Opt.BOOTFILE, b"").decode()
             if not url.endswith(f"/boot/{sim.mac}.ipxe"):
@@ -381,8 +388,9 @@ class Storm:
                 sim.machine_id = args["metald.machine"]
                 return args
             self.c.tokenless_scripts += 1
-            await asyncio.sleep(2)
-        raise StormError(f"{sim.mac}: the {expect} script never carried an agent token:\n{script}")
+            if _attempt < self.tokenless_tries - 1:
+                await asyncio.sleep(2)
+        raise Tokenless(f"{sim.mac}: the {expect} script never carried an agent token:\n{script}")
 
     # ---- phase 1: power-on to ready ---------------------------------------------------
 
