@@ -32,6 +32,7 @@ from metald.config import ProvisionConfig
 from metald.lifecycle import AGENT_OPERATIONS as BOOTING_STATES
 from metald.lifecycle import COMMISSION_RUNNING, TIMEOUTS, UNINSPECTED, IllegalTransition, State
 from metald.provision import netboot, netboot_core
+from metald.provision.boots import arm_boot
 from metald.service import cancel
 from metald.store.db import Store
 from metald.store.models import ApiToken, Bmc, Event, Machine, as_utc, utcnow
@@ -253,16 +254,26 @@ def rearm_stranded(
     actor: str,
     instance: str | None,
     can_boot: bool = True,
-) -> bool:
+) -> str | None:
     """Hand a stranded boot back to the BMC: its unused token is revoked and the machine's
     network-boot step is marked to be done again (power off confirmed, one-time PXE, a new
-    armed boot, power on: ``netboot.boot_from_network``), with a ``boot.rearmed`` event. False
-    (nothing changed) when the boot moved on meanwhile, when the machine has no BMC or when
-    this operation was started again ``MAX_REARMS`` times already (or ``can_boot`` is False: no
-    BMC service here); a ``boot.stranded`` event then tells a technician, once per boot."""
+    armed boot, power on: ``netboot.boot_from_network``), with a ``boot.rearmed`` event:
+    returns ``"bmc"``.
+
+    A machine in its first inspection (``inspecting``, no inventory yet, so no BMC linked: the
+    inventory is what links it) has no BMC to boot it; its boot is armed again in the store
+    instead, as entering inspection armed the first one (``lifecycle.ARM_ON_ENTRY``), so the
+    machine's next network boot (its firmware retrying, a person powering it on) gets a token:
+    returns ``"armed"``. It was never inspected, so it holds nothing of a tenant's, and the new
+    boot is no more exposed than the first one was.
+
+    None (nothing changed) when the boot moved on meanwhile, when the machine has no BMC (and is
+    past its first inspection) or when this operation was started again ``MAX_REARMS`` times
+    already (or ``can_boot`` is False: no BMC service here); a ``boot.stranded`` event then
+    tells a technician, once per boot."""
     m = session.get(Machine, machine_id)
     if m is None or m.boot_current != boot or m.boot_armed is not None:
-        return False
+        return None
     entered = as_utc(m.state_changed_at)
     rearmed = [
         at
@@ -275,6 +286,28 @@ def rearm_stranded(
         can_boot
         and session.exec(select(Bmc.id).where(Bmc.machine_id == machine_id)).first() is not None
     )
+    first_inspection = (
+        m.state == State.INSPECTING.value
+        and m.inventory is None
+        and session.exec(select(Bmc.id).where(Bmc.machine_id == machine_id)).first() is None
+    )
+    if first_inspection and len(rearmed) < MAX_REARMS:
+        arm_boot(session, machine_id)  # the unused token is revoked with the old boot
+        machines.add_event(
+            session,
+            REARM_EVENT,
+            actor,
+            machine_id=machine_id,
+            reason=(
+                "the agent token of this boot was handed out but no agent ever used it (the "
+                "script's answer was lost); no BMC is known before the first inventory, so a "
+                "new boot is armed: the machine's next network boot gets a token"
+            ),
+            data={"boot": boot, "state": m.state, "attempt": len(rearmed) + 1, "bmc": False},
+            instance=instance,
+        )
+        session.commit()
+        return "armed"
     if has_bmc and len(rearmed) < MAX_REARMS:
         revoke_machine_tokens(session, machine_id, commit=False)
         # The step's journal says done (this boot's power-on was sent): mark it to do again.
@@ -297,12 +330,12 @@ def rearm_stranded(
             instance=instance,
         )
         session.commit()
-        return True
+        return "bmc"
     done = session.exec(
         select(Event.data).where(Event.machine_id == machine_id, Event.kind == STRANDED_EVENT)
     ).all()
     if any((d or {}).get("boot") == boot for d in done):
-        return False
+        return None
     why = (
         "it has no BMC metald can drive"
         if not has_bmc
@@ -323,7 +356,7 @@ def rearm_stranded(
         instance=instance,
     )
     session.commit()
-    return False
+    return None
 
 
 def unfinished_steps(session: Session, owns_bmc: Callable[[str, str], bool] | None) -> list[str]:
@@ -433,30 +466,44 @@ class Watchdog:
             for mid in cut_off:
                 log.warning("machine %s: resuming a network boot a restart cut off", mid)
             resumed += cut_off
+        armed: list[str] = []
         if self.cfg.stranded_boot_s > 0:
-            resumed += await self._rearm_stranded(owns, bmc, exclude=set(resumed))
+            by_bmc, armed = await self._rearm_stranded(owns, bmc, exclude=set(resumed))
+            resumed += by_bmc
         await netboot.reboot_all(self.store, bmc, resumed, actor=self.actor, instance=self.instance)
-        return moved + resumed + await self.resume_once()
+        return moved + resumed + armed + await self.resume_once()
 
-    async def _rearm_stranded(self, owns: Owns | None, bmc: Any, exclude: set[str]) -> list[str]:
-        """Stranded boots (``stranded_boots``) this instance sweeps, marked to boot again
-        through the BMC; without a BMC service (``use_bmc`` off) only a technician is told."""
+    async def _rearm_stranded(
+        self, owns: Owns | None, bmc: Any, exclude: set[str]
+    ) -> tuple[list[str], list[str]]:
+        """Stranded boots (``stranded_boots``) this instance sweeps: (those marked to boot
+        again through the BMC, those in their first inspection armed again in the store);
+        without a BMC service (``use_bmc`` off) only the latter, and a technician is told."""
         found = await self.store.run(stranded_boots, self.cfg.stranded_boot_s, None, owns)
-        out = []
+        by_bmc: list[str] = []
+        armed: list[str] = []
         for mid, boot in found:
             if mid in exclude:
                 continue
-            if await self.store.run(
+            how = await self.store.run(
                 rearm_stranded,
                 mid,
                 boot,
                 actor=self.actor,
                 instance=self.instance,
                 can_boot=bmc is not None,
-            ):
+            )
+            if how == "bmc":
                 log.warning("machine %s: its boot's token was never used; booting it again", mid)
-                out.append(mid)
-        return out
+                by_bmc.append(mid)
+            elif how == "armed":
+                log.warning(
+                    "machine %s: its first inspection's token was never used and no BMC is "
+                    "known yet; armed a new boot for its next network boot",
+                    mid,
+                )
+                armed.append(mid)
+        return by_bmc, armed
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
