@@ -409,6 +409,8 @@ class Watchdog:
         self.resume_interval_s = resume_interval_s or cfg.watchdog_interval_s
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        #: Machine id -> the step the loop started for it and that still runs.
+        self._steps: dict[str, asyncio.Task[None]] = {}
 
     def wake(self) -> None:
         self._wake.set()
@@ -422,6 +424,39 @@ class Watchdog:
         # belong to the Provisioner service, which stops them itself.
         await cancel(self._task)
         self._task = None
+        steps = list(self._steps.values())
+        for t in steps:
+            t.cancel()
+        await asyncio.gather(*steps, return_exceptions=True)
+        self._steps.clear()
+
+    async def _boot(self, bmc: Any, machine_ids: list[str], wait: bool) -> None:
+        """Run these machines' network-boot steps. ``wait`` False (the loop): each runs as a
+        task of its own and the loop goes on, so one step that waits (a BMC slow to report
+        off: up to ``netboot_core.POWER_OFF_WAIT_S``) never holds back the steps of every
+        other BMC this instance holds; a machine whose step still runs is not started again."""
+        if wait:
+            await netboot.reboot_all(
+                self.store, bmc, machine_ids, actor=self.actor, instance=self.instance
+            )
+            return
+        for mid in machine_ids:
+            if mid in self._steps or bmc is None:
+                continue
+            task = asyncio.create_task(
+                netboot.reboot_all(
+                    self.store, bmc, [mid], actor=self.actor, instance=self.instance
+                ),
+                name=f"netboot-{mid}",
+            )
+            self._steps[mid] = task
+            task.add_done_callback(lambda t, mid=mid: self._step_done(mid, t))
+
+    def _step_done(self, mid: str, task: asyncio.Task[None]) -> None:
+        if self._steps.get(mid) is task:
+            del self._steps[mid]
+        if not task.cancelled() and task.exception() is not None:
+            log.error("machine %s: network-boot step failed", mid, exc_info=task.exception())
 
     def _owns(self) -> Owns | None:
         own = self.ownership
@@ -430,22 +465,28 @@ class Watchdog:
     def _bmc(self) -> Any:
         return self.bmc if self.cfg.use_bmc else None
 
-    async def resume_once(self) -> list[str]:
-        """Resume the unfinished steps of the BMCs this instance holds."""
+    async def resume_once(self, wait: bool = True) -> list[str]:
+        """Resume the unfinished steps of the BMCs this instance holds (``wait``: until they
+        end; else each in a task of its own, ``_boot``)."""
         bmc = self._bmc()
         if bmc is None or (self.ownership is not None and self.ownership.fenced):
             return []
         control = netboot.control_of(bmc)
         busy = getattr(control, "in_flight", set())
         owns_bmc = None if self.ownership is None else self.ownership.owns_bmc
-        todo = [m for m in await self.store.run(unfinished_steps, owns_bmc) if m not in busy]
+        todo = [
+            m
+            for m in await self.store.run(unfinished_steps, owns_bmc)
+            if m not in busy and m not in self._steps
+        ]
         for mid in todo:
             log.warning("machine %s: resuming an unfinished network-boot step", mid)
-        await netboot.reboot_all(self.store, bmc, todo, actor=self.actor, instance=self.instance)
+        await self._boot(bmc, todo, wait)
         return todo
 
-    async def sweep_once(self) -> list[str]:
-        """One sweep: time out stuck machines, resume stalled claims. Returns ids touched."""
+    async def sweep_once(self, wait: bool = True) -> list[str]:
+        """One sweep: time out stuck machines, resume stalled claims. Returns ids touched.
+        ``wait``: until the network-boot steps it starts end (else ``_boot``'s tasks)."""
         if self.ownership is not None and self.ownership.fenced:
             return []
         owns = self._owns()
@@ -470,8 +511,8 @@ class Watchdog:
         if self.cfg.stranded_boot_s > 0:
             by_bmc, armed = await self._rearm_stranded(owns, bmc, exclude=set(resumed))
             resumed += by_bmc
-        await netboot.reboot_all(self.store, bmc, resumed, actor=self.actor, instance=self.instance)
-        return moved + resumed + armed + await self.resume_once()
+        await self._boot(bmc, resumed, wait)
+        return moved + resumed + armed + await self.resume_once(wait)
 
     async def _rearm_stranded(
         self, owns: Owns | None, bmc: Any, exclude: set[str]
@@ -514,9 +555,9 @@ class Watchdog:
             try:
                 if full:
                     next_full = loop.time() + self.cfg.watchdog_interval_s
-                    await self.sweep_once()
+                    await self.sweep_once(wait=False)
                 else:
-                    await self.resume_once()
+                    await self.resume_once(wait=False)
             except Exception:
                 log.exception("watchdog sweep failed; trying again next interval")
             wait = min(self.resume_interval_s, max(0.0, next_full - loop.time()))
