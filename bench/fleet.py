@@ -217,6 +217,8 @@ class FleetStorm(storm.Storm):
         self.reboot_reasons: set[str] = set()
         #: (monotonic time, machine index, answering server) per DHCP ACK.
         self.acks: list[tuple[float, int, str, str]] = []
+        #: Per DHCP transaction (xid): transmissions so far (``--ipxe-secs``).
+        self._tx: dict[int, int] = {}
         #: Per machine index: deploys and wipes its agent finished, boots the BMC started.
         self.deploys: dict[int, int] = {}
         self.wipes: dict[int, int] = {}
@@ -227,15 +229,24 @@ class FleetStorm(storm.Storm):
 
     async def _exchange(self, pkt: Any, want: set[int], timeouts: tuple[float, ...]) -> Any:
         """As storm.Storm._exchange, but every packet goes to every instance."""
-        from metald.boot.dhcp.packet import serialize
+        from metald.boot.dhcp.packet import Opt, serialize
 
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.relay.waiters[pkt.xid] = (fut, want)
         wire = serialize(pkt)
+        ipxe = self.p.get("ipxe_secs") and pkt.options.get(Opt.USER_CLASS) == b"iPXE"
         try:
             for n, t in enumerate(timeouts):
                 if n:
                     self.c.dhcp_retransmits += 1
+                if ipxe:
+                    # iPXE (src/net/udp/dhcp.c) puts its transmission count in ``secs``:
+                    # count << 2, | 0x02 once it holds an offer (its REQUESTs).
+                    count = self._tx.get(pkt.xid, 0) + 1
+                    self._tx[pkt.xid] = count
+                    request = pkt.options.get(Opt.MESSAGE_TYPE) == b"\x03"
+                    pkt.secs = min(0xFFFF, count << 2 | (0x02 if request else 0))
+                    wire = serialize(pkt)
                 assert self.relay.transport is not None
                 for srv in self.servers:
                     self.relay.transport.sendto(wire, (srv, 67))
@@ -1040,7 +1051,7 @@ class Run:
                 held.get(n) for n in self.names
             )
 
-        self._wait(settled, 120, "the instances never shared every BMC")
+        self._wait(settled, max(120, self.n / 20), "the instances never shared every BMC")
         res["bmcs_held_before"] = db.owners()
         res["window_before"] = self.window()
 
@@ -1050,6 +1061,7 @@ class Run:
             "claim_size": CLAIM_SIZE,
             "claims": self.claims,
             "phase_timeout": args.phase_timeout,
+            "ipxe_secs": args.ipxe_secs,
             "status": str(self.tmp / "status.json"),
             "enroll_only": True,
             "connections": args.connections,
@@ -1592,6 +1604,11 @@ def main() -> int:
         "(default: one per 10 machines; 0: enroll only)",
     )  # fmt: skip
     ap.add_argument("--phase-timeout", type=float, default=2400, help="claims / release, s")
+    ap.add_argument(
+        "--ipxe-secs", action="store_true",
+        help="the simulated iPXE fills DHCP secs as iPXE does (its transmission count << 2); "
+        "default 0, so only the fencing takeover counts",
+    )  # fmt: skip
     ap.add_argument("--restart-after", type=float, default=5.0,
                     help="a killed instance starts again this long after its BMCs moved")  # fmt: skip
     ap.add_argument("--flatness", nargs=2, metavar="JSON",
