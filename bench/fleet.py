@@ -873,16 +873,23 @@ class Run:
                 m["phase"], {}
             )
             bad = []
+            pxe_again = 0
             for idx in sorted(set(per) | {int(i) for i in done}):
                 c = per.get(idx, {})
+                # Power commands exactly once; the one-time PXE at least once, and again only
+                # where the BMC moved mid-step (a step resumed from a journaled boot device
+                # sets it again: it may not have been sent, and a one-time override cannot
+                # act twice).
                 if (
                     c.get("on", 0) != 1
-                    or c.get("boot:pxe", 0) != 1
+                    or c.get("boot:pxe", 0) < 1
+                    or (c.get("boot:pxe", 0) > 1 and len(senders.get(idx, ())) < 2)
                     or c.get("off", 0) > 1
                     or c.get("cycle", 0) + c.get("reset", 0) + c.get("boot:disk", 0)
                     or (done and done.get(str(idx), 0) != 1)
                 ):
                     bad.append({"machine": idx, "commands": c, "done": done.get(str(idx), 0)})
+                pxe_again += c.get("boot:pxe", 0) > 1
             out[m["phase"]] = {
                 "machines_commanded": len(per),
                 "commands": len(m["commands"]),
@@ -893,6 +900,7 @@ class Run:
                 "machines_done_once": sum(1 for v in done.values() if v == 1),
                 "machines_done_twice": sum(1 for v in done.values() if v > 1),
                 "bmcs_commanded_by_two_instances": sum(1 for v in senders.values() if len(v) > 1),
+                "pxe_set_again_after_a_move": pxe_again,
                 "not_once": len(bad),
                 "not_once_samples": bad[:5],
             }
@@ -909,8 +917,18 @@ class Run:
     def takeover(self, k: dict[str, Any], acks: list[list[Any]], t0: float) -> dict[str, Any]:
         """A kill's figures: the victim's BMCs held by the survivors (the store), the first and
         last DHCP answer by a survivor to a machine the victim had answered."""
+        from metald.boot.dhcp.balance import bucket_owners, rfc3074_hash
+        from metald.boot.dhcp.packet import mac_to_bytes
+
         addr, at = k["addr"], k["killed_at"]
-        theirs = {ix for t, ix, s, _ip in acks if s == addr and t < at}
+        # Its clients: the machines whose DHCP bucket it owned when it was killed (every
+        # instance alive then), which only a survivor can answer after the kill.
+        owners = bucket_owners("storm", self.names)
+        theirs = {
+            ix
+            for _t, ix, _s, _ip in acks
+            if owners[rfc3074_hash(mac_to_bytes(storm._mac(ix)))] == k["victim"]
+        }
         later = sorted(t for t, ix, s, _ip in acks if ix in theirs and t > at and s != addr)
         return {
             "phase": k["phase"],
@@ -1494,12 +1512,13 @@ def lifecycle_report(r: dict[str, Any]) -> None:
             ph, x["machines_commanded"],
             " ".join(f"{k}:{v}" for k, v in x["by_kind"].items() if v),
             x["machines_done_once"], x["machines_done_twice"], x["not_once"],
-            x["bmcs_commanded_by_two_instances"],
+            x["bmcs_commanded_by_two_instances"], x.get("pxe_set_again_after_a_move", "-"),
         ])  # fmt: skip
     if rows:
         print("\nNothing lost or doubled: BMC commands counted at the BMCs, deploys and wipes "
               "at the machines (a machine is 'not once' unless it got exactly one power-on, "
-              "one one-time PXE, at most one power-off, and its deploy or wipe once)")  # fmt: skip
+              "at most one power-off, its one-time PXE (again only if its BMC moved mid-step), "
+              "and its deploy or wipe once)")  # fmt: skip
         print(
             table(
                 [
@@ -1510,6 +1529,7 @@ def lifecycle_report(r: dict[str, Any]) -> None:
                     "twice",
                     "not once",
                     "BMCs commanded by two instances (moved mid-step)",
+                    "one-time PXE set again after a move",
                 ],
                 rows,
             )  # fmt: skip
