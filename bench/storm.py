@@ -51,6 +51,7 @@ import random
 import re
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -588,6 +589,19 @@ class Storm:
 
         loop = asyncio.get_running_loop()
         _t, self.relay = await loop.create_datagram_endpoint(Relay, local_addr=(CLI, 67))
+        # One socket carries every simulated machine's DHCP: with the default receive buffer
+        # (about 200 KB) a storm of 10,000 machines answered by four instances overflowed it,
+        # and half the answers were dropped before the simulation read them (RcvbufErrors),
+        # so every machine retransmitted and every instance parsed each retransmit.
+        sock = _t.get_extra_info("socket")
+        for opt in (getattr(socket, "SO_RCVBUFFORCE", None), socket.SO_RCVBUF):
+            if opt is None:
+                continue
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, opt, 32 << 20)
+                break
+            except OSError:
+                continue
         conn = aiohttp.TCPConnector(limit=self.p["connections"])
         timeout = aiohttp.ClientTimeout(total=900, sock_connect=60)
         # The machines share a pool of --connections; the admin and the orchestrator have their
