@@ -68,10 +68,9 @@ API_PORT = storm.API_PORT
 #: A simulated machine gives up on an instance after this many HTTP tries (0.5 + 1 s apart)
 #: and PXE-boots again; and after this many reboots the bench fails.
 AGENT_TRIES = 3
+#: Machines per claim (one HGX node group of 8 servers).
+CLAIM_SIZE = 8
 MAX_REBOOTS = 12
-#: Scripts without a token in a row (1, 2, 4, 8, 8 ... s apart) before a machine counts as
-#: stranded: a DHCP sighting still not committed is seconds; a boot taken for good is forever.
-TOKENLESS_GIVE_UP = 8
 
 
 def server_addr(i: int) -> str:
@@ -88,23 +87,67 @@ def system_uuid(i: int) -> str:
 # ======================================================================================
 
 
+#: Where the simulated machines listen for their BMC's power-on (the simulation's namespace).
+BOOT_PORT = 6999
+#: Chassis Control's byte -> the command's name in the BMC's log.
+CONTROL = {0x00: "off", 0x01: "on", 0x02: "cycle", 0x03: "reset", 0x05: "soft"}
+
+
 class _CountingBmc(sim_bmc._SimBmc):
-    """Remembers, per BMC, the source addresses (instances) that read its power state."""
+    """Remembers, per BMC, the source addresses (instances) that read its power state, and
+    every power and boot-device command it executed (a retransmission the session answers
+    from its cache is not executed again), with the instance that sent it. A power-on of a
+    machine that is off (or a cycle or reset) boots it: the simulated machines are told."""
 
     readers: dict[int, set[str]] = {}
+    #: (BMC index, command, instance address) in the order executed; drained by "commands".
+    commands: list[tuple[int, str, str]] = []
+    boot_to: Any = None
+
+    def __init__(self, fleet: Any, idx: int) -> None:
+        super().__init__(fleet, idx)
+        # Get System GUID answers the machine's system UUID (least significant byte first, as
+        # the IPMI spec orders it): the instance that verifies the BMC records it, and the
+        # machine's inventory (the same UUID) links the two. bmc_fanout's placeholder GUID
+        # would overwrite the seeded UUID with one no machine reports: nothing would link.
+        self.guid = uuid.UUID(system_uuid(idx)).bytes[::-1]
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
         self._peer = addr[0]
         super().datagram_received(data, addr)
 
     def _command(self, sid: int, sess: Any, req: Any) -> bytes:
+        f, i = self.fleet, self.idx
+        key = (req.rq_seq, req.netfn, req.cmd)
         if (req.netfn, req.cmd) == (0x00, 0x01):
-            self.readers.setdefault(self.idx, set()).add(self._peer)
+            self.readers.setdefault(i, set()).add(self._peer)
+        elif key not in sess.cache and (req.netfn, req.cmd) == (0x00, 0x02):
+            what = CONTROL.get(req.data[0] if req.data else -1, "?")
+            self.commands.append((i, what, self._peer))
+            now_on = f.pending[i][0] if i in f.pending else f.power[i]
+            if what in ("cycle", "reset") or (what == "on" and not now_on):
+                delay = f.rng.uniform(*f.settle)
+                asyncio.get_running_loop().call_later(delay, self._boot)
+        elif key not in sess.cache and (req.netfn, req.cmd) == (0x0A, 0x40):
+            # Get SEL Info (the health watch's look at the event log): empty, never erased.
+            data = bytes([0x51, 0, 0, 0xFF, 0xFF, 0, 0, 0, 0, 0, 0, 0, 0, 0x02])
+            sess.cache[key] = sim_bmc.rmcp.encode_response(req, 0, data)
+        elif key not in sess.cache and (req.netfn, req.cmd) == (0x00, 0x08):
+            # Set System Boot Options, parameter 5 (boot flags): device 0x04 is PXE.
+            dev = "pxe" if len(req.data) > 2 and req.data[0] == 5 and req.data[2] == 4 else "disk"
+            self.commands.append((i, f"boot:{dev}", self._peer))
+            msg = sim_bmc.rmcp.encode_response(req, 0, b"")
+            sess.cache[key] = msg
         return super()._command(sid, sess, req)
+
+    def _boot(self) -> None:
+        if self.boot_to is not None:
+            self.boot_to.sendto(str(self.idx).encode(), (RELAY, BOOT_PORT))
 
 
 def bmcs_main(params_json: str) -> int:
-    """Serve N simulated BMCs; commands on stdin (reset, counts, stop), answers on stdout."""
+    """Serve N simulated BMCs; commands on stdin (reset, counts, commands, stop), answers on
+    stdout."""
     p = json.loads(params_json)
     n, base = p["n"], p["base_port"]
 
@@ -119,6 +162,9 @@ def bmcs_main(params_json: str) -> int:
             )[0]
             for i in range(n)
         ]
+        _CountingBmc.boot_to = (
+            await loop.create_datagram_endpoint(asyncio.DatagramProtocol, local_addr=(RELAY, 0))
+        )[0]
         print("ready", flush=True)
         while True:
             cmd = (await loop.run_in_executor(None, sys.stdin.readline)).strip()
@@ -129,6 +175,9 @@ def bmcs_main(params_json: str) -> int:
             elif cmd == "counts":
                 readers = {i: sorted(s) for i, s in _CountingBmc.readers.items()}
                 print(json.dumps({"status": fleet.status, "readers": readers}), flush=True)
+            elif cmd == "commands":
+                print(json.dumps(_CountingBmc.commands), flush=True)
+                _CountingBmc.commands = []
             else:
                 break
         for t in ts:
@@ -150,6 +199,9 @@ class AlreadyReady(Exception):
 
 
 class FleetStorm(storm.Storm):
+    #: One script per boot: a token-less one is handled in ``enroll`` (and counted there).
+    tokenless_tries = 1
+
     def __init__(self, p: dict[str, Any]) -> None:
         super().__init__(p)
         self.servers: list[str] = p["servers"]
@@ -159,21 +211,42 @@ class FleetStorm(storm.Storm):
         self.failovers = 0
         self.tokenless = 0
         self.stranded: list[str] = []
+        #: Machines whose scripts came without a token for over a minute, then with one.
+        self.recovered: list[str] = []
+        self.stranded_wait_s: float = p.get("stranded_wait_s", 420.0)
         self.reboot_reasons: set[str] = set()
         #: (monotonic time, machine index, answering server) per DHCP ACK.
-        self.acks: list[tuple[float, int, str]] = []
+        self.acks: list[tuple[float, int, str, str]] = []
+        #: Per DHCP transaction (xid): transmissions so far (``--ipxe-secs``).
+        self._tx: dict[int, int] = {}
+        #: Per machine index: deploys and wipes its agent finished, boots the BMC started.
+        self.deploys: dict[int, int] = {}
+        self.wipes: dict[int, int] = {}
+        self.bmc_boots: dict[int, int] = {}
+        self.boot_tasks: dict[int, asyncio.Task[None]] = {}
+        self.boot_errors: list[str] = []
+        self.lifecycle_started = False
 
     async def _exchange(self, pkt: Any, want: set[int], timeouts: tuple[float, ...]) -> Any:
         """As storm.Storm._exchange, but every packet goes to every instance."""
-        from metald.boot.dhcp.packet import serialize
+        from metald.boot.dhcp.packet import Opt, serialize
 
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.relay.waiters[pkt.xid] = (fut, want)
         wire = serialize(pkt)
+        ipxe = self.p.get("ipxe_secs") and pkt.options.get(Opt.USER_CLASS) == b"iPXE"
         try:
             for n, t in enumerate(timeouts):
                 if n:
                     self.c.dhcp_retransmits += 1
+                if ipxe:
+                    # iPXE (src/net/udp/dhcp.c) puts its transmission count in ``secs``:
+                    # count << 2, | 0x02 once it holds an offer (its REQUESTs).
+                    count = self._tx.get(pkt.xid, 0) + 1
+                    self._tx[pkt.xid] = count
+                    request = pkt.options.get(Opt.MESSAGE_TYPE) == b"\x03"
+                    pkt.secs = min(0xFFFF, count << 2 | (0x02 if request else 0))
+                    wire = serialize(pkt)
                 assert self.relay.transport is not None
                 for srv in self.servers:
                     self.relay.transport.sendto(wire, (srv, 67))
@@ -187,7 +260,7 @@ class FleetStorm(storm.Storm):
 
     async def dhcp(self, sim: Any, *, ipxe: bool) -> Any:
         ack = await super().dhcp(sim, ipxe=ipxe)
-        self.acks.append((time.monotonic(), sim.idx, str(ack.server_id)))
+        self.acks.append((time.monotonic(), sim.idx, str(ack.server_id), str(ack.yiaddr)))
         return ack
 
     async def http(self, method: str, url: str, *, tries: int = 8, api: bool = False, **kw: Any) -> Any:  # fmt: skip
@@ -215,15 +288,19 @@ class FleetStorm(storm.Storm):
     async def pxe_boot(self, sim: Any, expect: str) -> dict[str, str]:
         try:
             return await super().pxe_boot(sim, expect)
-        except KeyError as e:  # a script without an agent token
+        except storm.Tokenless:  # a script without an agent token: one try per boot here
             self.tokenless += 1
-            raise storm.StormError(f"{sim.mac}: {expect} script without {e}") from None
+            raise
 
     async def enroll(self, sim: Any, t0: float) -> None:
-        tokenless = 0
-        for _attempt in range(MAX_REBOOTS + 1):
+        reboots = 0
+        tokenless_since: float | None = None
+        while True:
             try:
-                return await super().enroll(sim, t0)
+                await super().enroll(sim, t0)
+                if tokenless_since is not None and time.monotonic() - tokenless_since > 60:
+                    self.recovered.append(sim.mac)  # a stranded boot armed again by metald
+                return None
             except (storm.StormError, AlreadyReady) as e:
                 self.reboot_reasons.add(str(e)[:200])
                 if sim.machine_id is not None:
@@ -235,21 +312,328 @@ class FleetStorm(storm.Storm):
                         self.found_ready += 1
                         self.c.latencies.append(time.monotonic() - t0)
                         return None
-                tokenless = tokenless + 1 if "without 'metald.token'" in str(e) else 0
-                if tokenless > TOKENLESS_GIVE_UP:
-                    # Its armed boot is gone (taken by a fetch whose answer never came): it
-                    # stays inspecting until inspecting_timeout_s. Counted, not waited for.
-                    self.stranded.append(sim.mac)
-                    return None
+                now = time.monotonic()
+                if isinstance(e, storm.Tokenless):
+                    tokenless_since = tokenless_since or now
+                    if now - tokenless_since > self.stranded_wait_s:
+                        # Its armed boot is gone (taken by a fetch whose answer never came)
+                        # and metald did not arm another: it stays inspecting until
+                        # inspecting_timeout_s. Counted, not waited for.
+                        self.stranded.append(sim.mac)
+                        return None
+                    wait = min(2.0 ** min(6, int(now - tokenless_since) // 8), 8.0)
+                else:
+                    tokenless_since = None
+                    reboots += 1
+                    if reboots > MAX_REBOOTS:
+                        raise storm.StormError(
+                            f"{sim.mac}: still not ready after {MAX_REBOOTS} reboots"
+                        ) from None
+                    wait = 1.0
                 self.reboots += 1
-                await asyncio.sleep(min(2.0 ** max(0, tokenless - 1), 8.0))  # PXE again
-        raise storm.StormError(f"{sim.mac}: still not ready after {MAX_REBOOTS} reboots")
+                await asyncio.sleep(wait)  # PXE again
 
     async def wait_count(self, state: str, want: int, timeout: float = 60) -> int:
         # Stranded machines are reported as such, not waited for (the store's count is the
         # figure the bench prints).
         got = await super().wait_count(state, want - len(self.stranded), timeout)
         return got + len(self.stranded)
+
+    # ---- claims, deploys, releases, wipes across the instances -------------------------
+
+    def status(self, phase: str) -> None:
+        """Tell the outer process which phase runs (it kills an instance in each)."""
+        Path(self.p["status"]).write_text(json.dumps({"phase": phase}))
+        storm.log(f"phase {phase}")
+
+    async def api_call(self, method: str, path: str, k: int, **kw: Any) -> Any:
+        """An orchestrator's call to instance ``k`` (modulo), or the next one when that one
+        does not answer (connection refused, 5xx: a dead or fenced instance)."""
+        last: Exception | None = None
+        for hop in range(2 * len(self.servers)):
+            srv = self.servers[(k + hop) % len(self.servers)]
+            try:
+                return await super().http(
+                    method, f"http://{srv}:{API_PORT}{path}", api=True, tries=3, **kw
+                )
+            except storm.StormError as e:
+                if re.search(r": [1-4]\d\d ", str(e)):
+                    raise
+                last = e
+                self.failovers += 1
+                await asyncio.sleep(1)
+        raise storm.StormError(f"{method} {path}: no instance answered: {last}")
+
+    def on_power_on(self, idx: int) -> None:
+        """The machine's BMC powered it on (or cycled it): it boots from the network (its
+        one-time boot device), whatever it was doing."""
+        if not self.lifecycle_started:
+            return  # phase 1's machines boot by themselves
+        self.bmc_boots[idx] = self.bmc_boots.get(idx, 0) + 1
+        old = self.boot_tasks.get(idx)
+        if old is not None and not old.done():
+            old.cancel()
+        self.boot_tasks[idx] = asyncio.create_task(self.netboot(self.sims[idx]))
+
+    async def netboot(self, sim: Any) -> None:
+        """One boot: DORA, script, then what the script says (deploy or wipe), as the agent
+        does. A failure reboots (the agent's give-up) a few times; a boot without a token
+        waits for metald to start another (its next power-on cancels this one)."""
+        for attempt in range(8):
+            try:
+                args = await self.boot_script(sim)
+                mode = args.get("metald.mode")
+                if mode == "deploy":
+                    await self.deploy(sim, args)
+                elif mode == "wipe":
+                    await self.wipe(sim, args)
+                else:
+                    self.boot_errors.append(f"{sim.mac}: a BMC boot got {args}")
+                return
+            except storm.Tokenless:
+                await asyncio.sleep(8)
+            except storm.StormError as e:
+                self.boot_errors.append(f"{sim.mac} (try {attempt + 1}): {str(e)[:300]}")
+                await asyncio.sleep(2)
+        self.boot_errors.append(f"{sim.mac}: gave up after 8 boots")
+
+    async def boot_script(self, sim: Any) -> dict[str, str]:
+        from metald.boot.dhcp.packet import Opt
+
+        ack = await self.dhcp(sim, ipxe=True)
+        url = ack.options.get(Opt.BOOTFILE, b"").decode()
+        script = await self.http("GET", url, text=True)
+        self.c.scripts += 1
+        m = re.search(r"^kernel (\S+) (.*?) \|\| goto failed$", script, re.M)
+        if m is None:
+            raise storm.StormError(f"{sim.mac}: no kernel in its script:\n{script[:500]}")
+        args = dict(a.partition("=")[::2] for a in m.group(2).split())
+        if "metald.token" not in args:
+            self.tokenless += 1
+            self.c.tokenless_scripts += 1
+            raise storm.Tokenless(f"{sim.mac}: script without a token")
+        sim.token = args["metald.token"]
+        await self.dhcp(sim, ipxe=False)  # the agent image's udhcpc
+        return args
+
+    async def _report(self, sim: Any, base: str, reps: list[dict[str, Any]], end: str) -> None:
+        """Progress reports; the last one's answer may be lost with its instance: the retry
+        at a survivor then finds the machine already ``end`` (409), which is done."""
+        for rep in reps:
+            try:
+                out = await self.http(
+                    "POST", f"{base}/api/v1/agent/progress", token=sim.token, body=rep
+                )
+            except (storm.StormError, AlreadyReady):
+                if not rep.get("done"):
+                    raise
+                m = await self.api_call(
+                    "GET", f"/api/v1/machines/{sim.machine_id}", sim.idx, token=self.admin
+                )
+                if m["state"] == end:
+                    return
+                raise
+            self.c.progress += 1
+        if out["state"] != end:
+            raise storm.StormError(f"{sim.mac}: done reported, machine is {out['state']}")
+
+    async def deploy(self, sim: Any, args: dict[str, str]) -> None:
+        base = args["metald.url"]
+        ins = await self.http("GET", f"{base}/api/v1/agent/provision", token=sim.token)
+        self.c.instructions += 1
+        if ins["action"] != "provision" or ins["machine_id"] != sim.machine_id:
+            raise storm.StormError(f"{sim.mac}: provision instruction {ins}")
+        size = int(ins["image"].get("size_bytes") or 8 << 30)
+        reps: list[dict[str, Any]] = [
+            {"phase": "write", "percent": pct, "bytes": size * pct // 100, "rate_bps": 1.2e9}
+            for pct in (10, 50, 90)
+        ]
+        reps.append({"phase": "verify", "percent": 100, "bytes": size, "done": True})
+        await self._report(sim, base, reps, "provisioned")
+        self.deploys[sim.idx] = self.deploys.get(sim.idx, 0) + 1
+
+    async def wipe(self, sim: Any, args: dict[str, str]) -> None:
+        disks = storm.inventory(sim, "x", 1)["disks"]
+        mib = 1 << 20
+        evidence = [
+            {
+                "device": f"/dev/{d['name']}",
+                "size_bytes": d["size_bytes"],
+                "method": "discard+zero-ends",
+                "reads": [
+                    {"offset": 0, "length": mib, "zero": True},
+                    {"offset": d["size_bytes"] - mib, "length": mib, "zero": True},
+                ],
+            }
+            for d in disks
+        ]
+        reps: list[dict[str, Any]] = [
+            {"phase": "wipe", "percent": (j + 1) * 100 // len(disks), "bytes": d["size_bytes"]}
+            for j, d in enumerate(disks)
+        ]
+        reps.append({"phase": "wipe", "done": True, "disks": evidence})
+        await self._report(sim, args["metald.url"], reps, "ready")
+        self.wipes[sim.idx] = self.wipes.get(sim.idx, 0) + 1
+
+    async def count_any(self, state: str) -> int:
+        out = await self.api_call(
+            "GET", f"/api/v1/machines?state={state}&limit=1", 0, token=self.admin
+        )
+        return int(out["total"])
+
+    async def wait_any(self, state: str, want: int, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while True:
+            got = await self.count_any(state)
+            if got >= want or time.monotonic() > deadline:
+                return got
+            await asyncio.sleep(1)
+
+    async def claim8(self, k: int) -> dict[str, Any]:
+        body = {
+            "tenant_id": self.tenants[k % len(self.tenants)],
+            "count": self.p["claim_size"],
+            "selector": storm.GPU_SELECTOR,
+            "image_id": self.image,
+            "ssh_authorized_keys": ["ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIFleetBenchKey x@bench"],
+            "idempotency_key": f"fleet-{k}",
+        }
+        for attempt in range(30):
+            try:
+                c = await self.api_call("POST", "/api/v1/claims", k, token=self.orch, body=body)
+                break
+            except storm.StormError as e:
+                # 409: a concurrent claim took a machine first; the same key never claims twice.
+                if " 409 " not in str(e) or attempt == 29:
+                    raise
+                self.c.claim_retries += 1
+                await asyncio.sleep(0.2)
+        self.c.claims += 1
+        return c
+
+    async def release(self, k: int, claim_id: str) -> None:
+        try:
+            await self.api_call(
+                "POST", f"/api/v1/claims/{claim_id}/release", k, token=self.orch, ok=(200,)
+            )
+        except storm.StormError as e:
+            if " 409 " not in str(e):  # released already (an answer lost with its instance)
+                raise
+
+    async def lifecycle(self, res: dict[str, Any]) -> None:
+        """Claims of ``claim_size`` until ``claims`` are made, every claimed machine deployed
+        through its BMC's boot; then every claim released and its machines wiped (another BMC
+        boot) back to ready. The outer process kills an instance in the middle of each."""
+        loop = asyncio.get_running_loop()
+
+        class Boots(asyncio.DatagramProtocol):
+            def datagram_received(p, data: bytes, addr: Any) -> None:  # noqa: N805
+                self.on_power_on(int(data))
+
+        tr, _p = await loop.create_datagram_endpoint(Boots, local_addr=(RELAY, BOOT_PORT))
+        self.lifecycle_started = True
+        try:
+            await self._lifecycle(res)
+        finally:
+            tr.close()
+            for t in self.boot_tasks.values():
+                t.cancel()
+
+    async def _lifecycle(self, res: dict[str, Any]) -> None:
+        self.tenants = []
+        for t in range(storm.TENANTS):
+            out = await self.api_call(
+                "POST", "/api/v1/tenants", t, token=self.admin, body={"name": f"fleet-t{t}"}
+            )
+            self.tenants.append(out["id"])
+        tok = await self.api_call(
+            "POST", "/api/v1/tokens", 0, token=self.admin,
+            body={"name": "fleet-orchestrator", "role": "orchestrator", "scope": self.tenants},
+        )  # fmt: skip
+        self.orch = tok["token"]
+        img = await self.api_call(
+            "POST", "/api/v1/images", 0, token=self.admin,
+            body={
+                "name": "ubuntu-22.04-cuda", "kind": "disk", "format": "raw",
+                "url": f"http://{self.servers[0]}:{API_PORT}/boot/assets/images/u.raw.gz",
+                "sha256": "ab" * 32, "size_bytes": 8 << 30,
+            },
+        )  # fmt: skip
+        self.image = img["id"]
+        n_claims, size = self.p["claims"], self.p["claim_size"]
+        want = n_claims * size
+        stranded = len(self.stranded)
+
+        self.status("claims")
+        self.c = storm.Counters()
+        t0 = time.monotonic()
+        claims = await asyncio.gather(*(self.claim8(k) for k in range(n_claims)))
+        t_claimed = time.monotonic() - t0
+        got = await self.wait_any("provisioned", want, self.p["phase_timeout"])
+        wall = time.monotonic() - t0
+        res["claims"] = {
+            "claims": len(claims), "size": size, "claimed_s": t_claimed, "wall_s": wall,
+            "provisioned": got, "claim_retries": self.c.claim_retries,
+            "deploys": sum(self.deploys.values()), "dhcp_retransmits": self.c.dhcp_retransmits,
+            "tokenless": self.c.tokenless_scripts,
+        }  # fmt: skip
+        storm.log(f"claims: {got} of {want} provisioned in {wall:.1f} s")
+        res["claims_check"] = await self.check_claims([c["id"] for c in claims], want)
+        if got < want:
+            res["claims"]["error"] = f"only {got} of {want} provisioned"
+            return
+
+        self.status("release")
+        self.c = storm.Counters()
+        t0 = time.monotonic()
+        await asyncio.gather(*(self.release(k, c["id"]) for k, c in enumerate(claims)))
+        t_released = time.monotonic() - t0
+        got = await self.wait_any("ready", self.n - stranded, self.p["phase_timeout"])
+        wall = time.monotonic() - t0
+        res["release"] = {
+            "released_s": t_released, "wall_s": wall, "ready": got,
+            "wipes": sum(self.wipes.values()), "dhcp_retransmits": self.c.dhcp_retransmits,
+            "tokenless": self.c.tokenless_scripts,
+        }  # fmt: skip
+        storm.log(f"release: {got} ready in {wall:.1f} s")
+        self.status("done")
+
+    async def check_claims(self, claim_ids: list[str], want: int) -> dict[str, Any]:
+        """From the API: every claim allocated with its machines provisioned, no machine in
+        two claims; from the machines: each claimed one deployed once."""
+        claims: list[dict[str, Any]] = []
+        while True:
+            page = await self.api_call(
+                "GET", f"/api/v1/claims?limit=500&offset={len(claims)}", 0, token=self.orch
+            )
+            claims += page["items"]
+            if len(claims) >= page["total"] or not page["items"]:
+                break
+        seen: dict[str, str] = {}
+        dup = unfulfilled = not_provisioned = 0
+        for c in claims:
+            ms = c["machines"]
+            if c["state"] != "allocated" or len(ms) != c["count"]:
+                unfulfilled += 1
+            for m in ms:
+                dup += m["id"] in seen
+                seen[m["id"]] = c["id"]
+                not_provisioned += m["state"] != "provisioned"
+        return {
+            "claims_listed": len(claims),
+            "claims_made": len(set(claim_ids)),
+            "unfulfilled": unfulfilled,
+            "machines_in_two_claims": dup,
+            "claimed_not_provisioned": not_provisioned,
+            "distinct_claimed": len(seen),
+            "want": want,
+        }
+
+    async def _run(self) -> dict[str, Any]:
+        res = await super()._run()
+        if self.p.get("claims"):
+            await self.lifecycle(res)
+        return res
 
     async def run(self) -> dict[str, Any]:
         res = await super().run()
@@ -258,8 +642,15 @@ class FleetStorm(storm.Storm):
         res["failovers"] = self.failovers
         res["tokenless"] = self.tokenless
         res["stranded"] = self.stranded
+        res["recovered"] = self.recovered
         res["reboot_reasons"] = sorted(self.reboot_reasons)[:5]
         res["acks"] = self.acks
+        res["deploys"] = self.deploys
+        res["wipes"] = self.wipes
+        res["bmc_boots"] = self.bmc_boots
+        res["boot_errors"] = self.boot_errors[:20]
+        res["boot_error_count"] = len(self.boot_errors)
+        res["machine_ids"] = {s.idx: s.machine_id for s in self.sims}
         return res
 
 
@@ -332,7 +723,22 @@ class Pg:
         return self.conn.execute(sql, args).fetchall()
 
     def ready(self) -> int:
-        return int(self.one("SELECT count(*) FROM machines WHERE state = 'ready'")[0])
+        return self.count("ready")
+
+    def count(self, state: str) -> int:
+        return int(self.one("SELECT count(*) FROM machines WHERE state = %s", state)[0])
+
+    def lease_check(self) -> dict[str, int]:
+        """Bound leases in the store, and MACs or addresses holding more than one."""
+        bound, macs, ips = self.one(
+            "SELECT count(*), count(DISTINCT (network, mac)), count(DISTINCT (network, ip)) "
+            "FROM leases WHERE state = 'bound'"
+        )
+        return {
+            "bound_leases": int(bound),
+            "macs_with_two_bound_leases": int(bound) - int(macs),
+            "addresses_bound_twice": int(bound) - int(ips),
+        }
 
     def owners(self) -> dict[str, int]:
         rows = self.all("SELECT owner, count(*) FROM bmcs GROUP BY owner")
@@ -346,6 +752,24 @@ class Pg:
             self.dbname,
         )
         return time.monotonic(), int(c) - self.own_xacts, int(w)
+
+    def store(self) -> dict[str, Any]:
+        """The database's size, its largest tables' live rows, and the boot events that say
+        whether a boot was stranded (``boot.stranded``) or armed again (``boot.rearmed``)."""
+        size = int(self.one("SELECT pg_database_size(current_database())")[0])
+        tables = self.all(
+            "SELECT relname, n_live_tup, pg_total_relation_size(relid) FROM pg_stat_user_tables "
+            "ORDER BY pg_total_relation_size(relid) DESC LIMIT 8"
+        )
+        kinds = self.all(
+            "SELECT kind, count(*) FROM events WHERE kind IN "
+            "('boot.stranded', 'boot.rearmed', 'boot.script_refetched') GROUP BY kind"
+        )
+        return {
+            "bytes": size,
+            "tables": {str(n): [int(r), int(b)] for n, r, b in tables},
+            "boot_events": {str(k): int(c) for k, c in kinds},
+        }
 
     def close(self) -> None:
         self.conn.close()
@@ -366,7 +790,7 @@ def peak(samples: list[tuple[float, int, int]], window: float, col: int) -> floa
 
 def metald_config(tmp: Path, name: str, i: int, url: str, args: argparse.Namespace) -> Path:
     state = tmp / name
-    state.mkdir()
+    state.mkdir(exist_ok=True)
     text = storm.metald_config(state, url)
     text = text.replace('instance = "storm"', f'instance = "{name}"').replace(
         storm.SRV, server_addr(i)
@@ -387,10 +811,136 @@ class Run:
     def __init__(self, k: int, args: argparse.Namespace, pg: Any, key: bytes, tmp: Path) -> None:
         self.k, self.args, self.pg, self.key, self.tmp = k, args, pg, key, tmp
         self.n = k * args.machines
+        self.claims = args.claims if args.claims >= 0 else self.n // 10
         self.names = [f"rack{i}" for i in range(k)]
         self.procs: dict[str, subprocess.Popen[Any]] = {}
         self.bmcs: subprocess.Popen[str] | None = None
         self.res: dict[str, Any] = {"instances": k, "machines": self.n}
+        #: CPU seconds of each instance's earlier (killed) processes, and of the running one
+        #: at its start (0: a restarted process counts from its start).
+        self.cpu_acc: dict[str, float] = {n: 0.0 for n in self.names}
+        self.cpu_base: dict[str, float] = {n: 0.0 for n in self.names}
+
+    def cpu_now(self, name: str) -> float:
+        p = self.procs.get(name)
+        live = cpu_of(p.pid) - self.cpu_base[name] if p is not None and p.poll() is None else 0
+        return self.cpu_acc[name] + live
+
+    def mark(self, phase: str, pg: float, sample: tuple[float, int, int], load: float) -> dict:
+        return {
+            "phase": phase,
+            "t": time.monotonic(),
+            "cpu": {n: self.cpu_now(n) for n in self.names},
+            "pg": pg,
+            "commits": sample[1],
+            "rows": sample[2],
+            "load": load,
+        }
+
+    def phases(self, marks: list[dict], sim: dict[str, Any], want: int) -> list[dict[str, Any]]:
+        """Per phase (enroll, claims, release): wall time, metald and PostgreSQL CPU, commits
+        and rows written, and the machines it moved (per-machine figures divide by those)."""
+        out = []
+        for m0, m1 in zip(marks, marks[1:], strict=False):
+            if m0["phase"] not in ("enroll", "claims", "release"):
+                continue
+            moved = self.n if m0["phase"] == "enroll" else want
+            out.append({
+                "phase": m0["phase"], "machines": moved, "wall_s": m1["t"] - m0["t"],
+                "metald_cpu_s": {n: m1["cpu"][n] - m0["cpu"][n] for n in self.names},
+                "pg_cpu_s": m1["pg"] - m0["pg"], "commits": m1["commits"] - m0["commits"],
+                "rows_written": m1["rows"] - m0["rows"],
+                "load": [m0["load"], m1["load"]],
+            })  # fmt: skip
+        return out
+
+    def checks(self, marks: list[dict], sim: dict[str, Any], db: Pg) -> dict[str, Any]:
+        """Nothing lost or doubled: every BMC command of a phase once per machine (power on,
+        one-time PXE, power off at most once: counted at the BMCs), every claimed machine
+        deployed once and wiped once (counted at the machines), every address leased to one
+        machine (the machines' ACKs and the store's bound leases)."""
+        out: dict[str, Any] = {}
+        for m in marks:
+            if "commands" not in m:
+                continue
+            per: dict[int, dict[str, int]] = {}
+            senders: dict[int, set[str]] = {}
+            for idx, what, peer in m["commands"]:
+                c = per.setdefault(idx, {})
+                c[what] = c.get(what, 0) + 1
+                senders.setdefault(idx, set()).add(peer)
+            done = {"claims": sim.get("deploys", {}), "release": sim.get("wipes", {})}.get(
+                m["phase"], {}
+            )
+            bad = []
+            pxe_again = 0
+            for idx in sorted(set(per) | {int(i) for i in done}):
+                c = per.get(idx, {})
+                # Power commands exactly once; the one-time PXE at least once, and again only
+                # where the BMC moved mid-step (a step resumed from a journaled boot device
+                # sets it again: it may not have been sent, and a one-time override cannot
+                # act twice).
+                if (
+                    c.get("on", 0) != 1
+                    or c.get("boot:pxe", 0) < 1
+                    or (c.get("boot:pxe", 0) > 1 and len(senders.get(idx, ())) < 2)
+                    or c.get("off", 0) > 1
+                    or c.get("cycle", 0) + c.get("reset", 0) + c.get("boot:disk", 0)
+                    or (done and done.get(str(idx), 0) != 1)
+                ):
+                    bad.append({"machine": idx, "commands": c, "done": done.get(str(idx), 0)})
+                pxe_again += c.get("boot:pxe", 0) > 1
+            out[m["phase"]] = {
+                "machines_commanded": len(per),
+                "commands": len(m["commands"]),
+                "by_kind": {
+                    k: sum(c.get(k, 0) for c in per.values())
+                    for k in ("off", "on", "boot:pxe", "cycle", "reset", "soft", "boot:disk")
+                },
+                "machines_done_once": sum(1 for v in done.values() if v == 1),
+                "machines_done_twice": sum(1 for v in done.values() if v > 1),
+                "bmcs_commanded_by_two_instances": sum(1 for v in senders.values() if len(v) > 1),
+                "pxe_set_again_after_a_move": pxe_again,
+                "not_once": len(bad),
+                "not_once_samples": bad[:5],
+            }
+        by_ip: dict[str, set[int]] = {}
+        for _t, ix, _srv, ip in sim["acks"]:
+            by_ip.setdefault(ip, set()).add(ix)
+        out["leases"] = {
+            "addresses_acked": len(by_ip),
+            "addresses_acked_to_two_machines": sum(1 for v in by_ip.values() if len(v) > 1),
+            **db.lease_check(),
+        }
+        return out
+
+    def takeover(self, k: dict[str, Any], acks: list[list[Any]], t0: float) -> dict[str, Any]:
+        """A kill's figures: the victim's BMCs held by the survivors (the store), the first and
+        last DHCP answer by a survivor to a machine the victim had answered."""
+        from metald.boot.dhcp.balance import bucket_owners, rfc3074_hash
+        from metald.boot.dhcp.packet import mac_to_bytes
+
+        addr, at = k["addr"], k["killed_at"]
+        # Its clients: the machines whose DHCP bucket it owned when it was killed (every
+        # instance alive then), which only a survivor can answer after the kill.
+        owners = bucket_owners("storm", self.names)
+        theirs = {
+            ix
+            for _t, ix, _s, _ip in acks
+            if owners[rfc3074_hash(mac_to_bytes(storm._mac(ix)))] == k["victim"]
+        }
+        later = sorted(t for t, ix, s, _ip in acks if ix in theirs and t > at and s != addr)
+        return {
+            "phase": k["phase"],
+            "victim": k["victim"],
+            "killed_after_s": at - t0,
+            "victim_bmcs": k["victim_bmcs"],
+            "bmcs_s": k["took_over_at"] - at,
+            "victim_clients": len(theirs),
+            "first_dhcp_s": later[0] - at if later else None,
+            "last_dhcp_s": later[-1] - at if later else None,
+            "restarted_after_s": k["restarted_at"] - at if "restarted_at" in k else None,
+        }
 
     def seed(self, url: str) -> None:
         from metald.secrets import SecretBox
@@ -421,7 +971,7 @@ class Run:
         self.bmcs.stdin.write(cmd + "\n")
         self.bmcs.stdin.flush()
         line = self.bmcs.stdout.readline()
-        return json.loads(line) if cmd == "counts" else line.strip()
+        return json.loads(line) if cmd in ("counts", "commands") else line.strip()
 
     def window(self) -> dict[str, Any]:
         """Count which instances read each BMC's power state over one window, once every BMC
@@ -477,7 +1027,7 @@ class Run:
         key = self.tmp / name / "secrets.key"
         key.write_bytes(self.key)
         key.chmod(0o600)
-        log = open(self.tmp / f"{name}.log", "w")  # noqa: SIM115 - lives as long as metald
+        log = open(self.tmp / f"{name}.log", "a")  # noqa: SIM115 - lives as long as metald
         self.procs[name] = ns[f"s{i}"].popen(
             sys.executable, "-m", "metald", "serve", "--config", str(conf),
             stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT), preexec_fn=storm._child_setup,
@@ -519,14 +1069,18 @@ class Run:
                 held.get(n) for n in self.names
             )
 
-        self._wait(settled, 120, "the instances never shared every BMC")
+        self._wait(settled, max(120, self.n / 20), "the instances never shared every BMC")
         res["bmcs_held_before"] = db.owners()
         res["window_before"] = self.window()
 
         # The storm.
         params = {
             "machines": self.n,
-            "claim_size": 10,
+            "claim_size": CLAIM_SIZE,
+            "claims": self.claims,
+            "phase_timeout": args.phase_timeout,
+            "ipxe_secs": args.ipxe_secs,
+            "status": str(self.tmp / "status.json"),
             "enroll_only": True,
             "connections": args.connections,
             "metald_pid": self.procs["rack0"].pid,
@@ -534,8 +1088,6 @@ class Run:
             "servers": [server_addr(i) for i in range(self.k)],
             "result": str(self.tmp / "storm.json"),
         }
-        cpu0 = {n: cpu_of(p.pid) for n, p in self.procs.items()}
-        pg0 = pg_cpu(postmaster)
         samples = [db.stats()]
         t0 = time.monotonic()
         client = ns["cli"].popen(
@@ -543,32 +1095,71 @@ class Run:
             cwd=str(ROOT), preexec_fn=storm._child_setup,
         )  # fmt: skip
         self.client = client
-        victim = self.names[1] if self.k > 1 else None
-        killed_at: float | None = None
-        cpu_victim = 0.0
-        took_over_at: float | None = None
-        victim_bmcs = 0
+        want = self.claims * CLAIM_SIZE
+        # (phase, victim, when): one kill -9 in the middle of each phase, each instance but
+        # the first in turn; the victim is started again (as its supervisor would) once the
+        # survivors hold its BMCs.
+        plan: dict[str, tuple[int, Any]] = {}
+        if self.k > 1:
+            plan["enroll"] = (1, lambda: db.ready() >= args.kill_at * self.n)
+            plan["claims"] = (
+                2 % self.k or 1,
+                lambda: db.count("provisioned") >= want // 2,
+            )
+            plan["release"] = (
+                3 % self.k or 1,
+                lambda: db.ready() >= self.n - want // 2,
+            )
+        kills: list[dict[str, Any]] = []
+        phase = "enroll"
+        load = [os.getloadavg()[0]]
+        marks = [self.mark("enroll", pg_cpu(postmaster), samples[-1], load[-1])]
+        status = self.tmp / "status.json"
         while client.poll() is None:
             time.sleep(args.sample)
             samples.append(db.stats())
-            if victim and killed_at is None and db.ready() >= args.kill_at * self.n:
-                victim_bmcs = db.owners().get(victim, 0)
-                cpu_victim = cpu_of(self.procs[victim].pid) - cpu0[victim]
+            load.append(os.getloadavg()[0])
+            try:
+                now_phase = json.loads(status.read_text())["phase"]
+            except (OSError, ValueError):
+                now_phase = phase
+            if now_phase != phase:
+                marks.append(self.mark(now_phase, pg_cpu(postmaster), samples[-1], load[-1]))
+                marks[-2]["commands"] = self.bmc("commands")
+                phase = now_phase
+            k = kills[-1] if kills else None
+            if phase in plan and (k is None or k["phase"] != phase) and plan[phase][1]():
+                victim = self.names[plan[phase][0]]
+                k = {"phase": phase, "victim": victim, "addr": server_addr(plan[phase][0])}
+                k["victim_bmcs"] = db.owners().get(victim, 0)
+                self.cpu_acc[victim] = self.cpu_now(victim)
                 os.kill(self.procs[victim].pid, signal.SIGKILL)
-                killed_at = time.monotonic()
+                k["killed_at"] = time.monotonic()
                 self.procs[victim].wait()
-                log(f"kill -9 {victim} at {killed_at - t0:.1f} s ({victim_bmcs} BMCs held)")
-            if killed_at is not None and took_over_at is None and not db.owners().get(victim):
-                took_over_at = time.monotonic()
-                log(f"{victim}'s BMCs held by the survivors {took_over_at - killed_at:.1f} s on")
+                self.cpu_base[victim] = 0.0
+                kills.append(k)
+                log(
+                    f"{phase}: kill -9 {victim} at {k['killed_at'] - t0:.1f} s "
+                    f"({k['victim_bmcs']} BMCs held)"
+                )
+            if k is not None and "took_over_at" not in k and not db.owners().get(k["victim"]):
+                k["took_over_at"] = time.monotonic()
+                log(
+                    f"{k['victim']}'s BMCs held by the survivors "
+                    f"{k['took_over_at'] - k['killed_at']:.1f} s on"
+                )
+            if (
+                k is not None
+                and "took_over_at" in k
+                and "restarted_at" not in k
+                and time.monotonic() - k["took_over_at"] > args.restart_after
+            ):
+                self._start(ns, self.names.index(k["victim"]), url)
+                k["restarted_at"] = time.monotonic()
+                log(f"{k['victim']} started again")
             if time.monotonic() - t0 > args.timeout:
-                raise RuntimeError(f"the storm took longer than {args.timeout} s")
+                raise RuntimeError(f"the run took longer than {args.timeout} s")
         t_end = time.monotonic()
-        cpu1 = {
-            n: (cpu_of(p.pid) - cpu0[n]) if p.poll() is None else cpu_victim
-            for n, p in self.procs.items()
-        }
-        pg1 = pg_cpu(postmaster) - pg0
         result = self.tmp / "storm.json"
         if not result.exists():
             raise RuntimeError(f"the simulation gave no result (exit {client.returncode})")
@@ -581,14 +1172,20 @@ class Run:
         # Statistics are flushed by each backend at most once a second: let them land.
         time.sleep(max(1.5, args.sample))
         samples.append(db.stats())
-        while killed_at is not None and took_over_at is None:
-            if not db.owners().get(victim):
-                took_over_at = time.monotonic()
-            elif time.monotonic() - killed_at > 120:
-                raise RuntimeError(f"{victim}'s BMCs were never taken over: {db.owners()}")
-            time.sleep(0.05)
+        marks.append(self.mark("end", pg_cpu(postmaster), samples[-1], load[-1]))
+        marks[-2]["commands"] = self.bmc("commands")
+        for k in kills:
+            while "took_over_at" not in k:
+                if not db.owners().get(k["victim"]):
+                    k["took_over_at"] = time.monotonic()
+                elif time.monotonic() - k["killed_at"] > 120:
+                    raise RuntimeError(f"{k['victim']}'s BMCs were never taken over")
+                time.sleep(0.05)
         p1 = sim["phase1"]
         served = self.served(sim["acks"])
+        # Phase 1's figures (the storm) run to the first mark after it.
+        m0, m1 = marks[0], marks[1]
+        phase1_samples = [x for x in samples if x[0] <= m1["t"]]
         res.update(
             ready_api=p1["ready"] - len(sim["stranded"]),
             fenced_episodes=self.fenced_episodes(),
@@ -607,41 +1204,42 @@ class Run:
             found_ready=sim["found_ready"],
             reboot_reasons=sim["reboot_reasons"],
             client_wall_s=t_end - t0,
-            metald_cpu_s=cpu1,
+            metald_cpu_s={n: m1["cpu"][n] - m0["cpu"][n] for n in self.names},
             served=served,
-            pg_cpu_s=pg1,
-            commits=samples[-1][1] - samples[0][1],
-            rows_written=samples[-1][2] - samples[0][2],
-            peak_commits_per_s=peak(samples, args.peak_window, 1),
-            peak_rows_per_s=peak(samples, args.peak_window, 2),
+            pg_cpu_s=m1["pg"] - m0["pg"],
+            commits=m1["commits"] - m0["commits"],
+            rows_written=m1["rows"] - m0["rows"],
+            peak_commits_per_s=peak(phase1_samples, args.peak_window, 1),
+            peak_rows_per_s=peak(phase1_samples, args.peak_window, 2),
             bmcs_held_after=db.owners(),
+            recovered=sim["recovered"],
+            load_avg={"start": load[0], "max": max(load), "end": load[-1]},
+            store=db.store(),
+            phases=self.phases(marks, sim, want),
+            checks=self.checks(marks, sim, db),
+            claims=sim.get("claims"),
+            release=sim.get("release"),
+            claims_check=sim.get("claims_check"),
+            boot_errors=sim.get("boot_errors"),
+            boot_error_count=sim.get("boot_error_count", 0),
         )
-        if killed_at is not None:
-            by_server = {server_addr(i): n for i, n in enumerate(self.names)}
-            vip = server_addr(1)
-            theirs = {ix for t, ix, s in sim["acks"] if s == vip and t < killed_at}
-            later = sorted(
-                t for t, ix, s in sim["acks"] if ix in theirs and t > killed_at and s != vip
-            )
-            res["takeover"] = {
-                "victim": victim,
-                "killed_after_s": killed_at - t0,
-                "ready_at_kill": int(args.kill_at * self.n),
-                "victim_bmcs": victim_bmcs,
-                "bmcs_s": (took_over_at or killed_at) - killed_at,
-                "victim_clients": len(theirs),
-                "first_dhcp_s": later[0] - killed_at if later else None,
-                "last_dhcp_s": later[-1] - killed_at if later else None,
-                "kill_to_all_ready_s": t0 + p1["wall_s"] - killed_at,
-                "servers": by_server,
-            }
+        log(
+            f"run: {res['ready_store']} ready, load average {load[0]:.1f} -> max "
+            f"{max(load):.1f} -> {load[-1]:.1f}, store {res['store']['bytes'] / 1e6:.1f} MB, "
+            f"boot events {res['store']['boot_events']}"
+        )
+        res["kills"] = [self.takeover(k, sim["acks"], t0) for k in kills]
+        if kills and kills[0]["phase"] == "enroll":
+            t = res["takeover"] = res["kills"][0]
+            t["ready_at_kill"] = int(args.kill_at * self.n)
+            t["kill_to_all_ready_s"] = t0 + p1["wall_s"] - kills[0]["killed_at"]
         res["window_after"] = self.window()
         return res
 
     def served(self, acks: list[list[Any]]) -> dict[str, int]:
         """Machines per instance by the server of each machine's last DHCP answer."""
         last: dict[int, str] = {}
-        for _t, ix, s in acks:
+        for _t, ix, s, _ip in acks:
             last[ix] = s
         names = {server_addr(i): n for i, n in enumerate(self.names)}
         out: dict[str, int] = {}
@@ -811,12 +1409,25 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
                         len(r["stranded"]),
                     ],
                     [
+                        "token-less for over a minute, then armed again and ready",
+                        len(r["recovered"]),
+                    ],
+                    [
+                        "boot events in the store (stranded / rearmed / refetched)",
+                        " / ".join(
+                            str(r["store"]["boot_events"].get(f"boot.{k}", 0))
+                            for k in ("stranded", "rearmed", "script_refetched")
+                        ),
+                    ],
+                    [
                         "times each instance fenced itself and came back (its log)",
                         " ".join(f"{k}:{v}" for k, v in sorted(r["fenced_episodes"].items())),
                     ],
                 ],
             )  # fmt: skip
         )
+    for r in results:
+        lifecycle_report(r)
     if len(results) > 1:
         a, b = results[0], results[-1]
         ca = sum(a["metald_cpu_s"].values()) / a["machines"]
@@ -827,6 +1438,153 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
             f"storm time {b['storm_s'] / a['storm_s']:.2f}x for {b['machines'] / a['machines']:.0f}x "
             f"the machines on {os.cpu_count()} CPUs"
         )
+
+
+def lifecycle_report(r: dict[str, Any]) -> None:
+    """Per phase: time, CPU, writes per machine moved; each kill's takeover; the checks."""
+    n = r["machines"]
+    rows = []
+    for ph in r.get("phases", []):
+        m = ph["machines"]
+        cpu = sum(ph["metald_cpu_s"].values())
+        rows.append([
+            ph["phase"], m, f"{ph['wall_s']:.1f}", f"{1000 * cpu / m:.1f}",
+            f"{1000 * ph['pg_cpu_s'] / m:.1f}", f"{ph['commits'] / m:.1f}",
+            f"{ph['rows_written'] / m:.1f}", f"{ph['load'][0]:.1f} -> {ph['load'][1]:.1f}",
+        ])  # fmt: skip
+    st = r.get("store") or {}
+    print(
+        f"\nPhases of {n} machines on {r['instances']} instances (claims of {CLAIM_SIZE}; "
+        f"per machine: the machines the phase moved); store {st.get('bytes', 0) / 1e6:.1f} MB "
+        f"({st.get('bytes', 0) / n / 1e3:.1f} kB a machine)"
+    )
+    print(
+        table(
+            [
+                "phase",
+                "machines",
+                "wall s",
+                "metald CPU ms/machine",
+                "PostgreSQL CPU ms/machine",
+                "commits/machine",
+                "rows written/machine",
+                "load average (1 min) start -> end",
+            ],
+            rows,
+        )  # fmt: skip
+    )
+    if r.get("kills"):
+        print("\nkill -9 in each phase (the victim started again once its BMCs had moved):")
+        print(
+            table(
+                [
+                    "phase",
+                    "victim",
+                    "at s",
+                    "its BMCs",
+                    "BMCs held by survivors s",
+                    "first / last DHCP answer by a survivor s",
+                    "its clients",
+                    "restarted s",
+                ],
+                [
+                    [
+                        k["phase"],
+                        k["victim"],
+                        f"{k['killed_after_s']:.1f}",
+                        k["victim_bmcs"],
+                        f"{k['bmcs_s']:.1f}",
+                        f"{_s(k['first_dhcp_s'])} / {_s(k['last_dhcp_s'])}",
+                        k["victim_clients"],
+                        _s(k["restarted_after_s"]),
+                    ]
+                    for k in r["kills"]
+                ],
+            )  # fmt: skip
+        )
+    c = r.get("checks") or {}
+    rows = []
+    for ph in ("enroll", "claims", "release"):
+        x = c.get(ph)
+        if x is None:
+            continue
+        rows.append([
+            ph, x["machines_commanded"],
+            " ".join(f"{k}:{v}" for k, v in x["by_kind"].items() if v),
+            x["machines_done_once"], x["machines_done_twice"], x["not_once"],
+            x["bmcs_commanded_by_two_instances"], x.get("pxe_set_again_after_a_move", "-"),
+        ])  # fmt: skip
+    if rows:
+        print("\nNothing lost or doubled: BMC commands counted at the BMCs, deploys and wipes "
+              "at the machines (a machine is 'not once' unless it got exactly one power-on, "
+              "at most one power-off, its one-time PXE (again only if its BMC moved mid-step), "
+              "and its deploy or wipe once)")  # fmt: skip
+        print(
+            table(
+                [
+                    "phase",
+                    "BMCs commanded",
+                    "commands",
+                    "machines done once",
+                    "twice",
+                    "not once",
+                    "BMCs commanded by two instances (moved mid-step)",
+                    "one-time PXE set again after a move",
+                ],
+                rows,
+            )  # fmt: skip
+        )
+        for ph in ("claims", "release"):
+            for b in (c.get(ph) or {}).get("not_once_samples", []):
+                print(f"  {ph} not once: {b}")
+    cc = r.get("claims_check")
+    if cc:
+        print(
+            f"claims: {cc['claims_made']} made, {cc['claims_listed']} listed, "
+            f"{cc['unfulfilled']} unfulfilled, {cc['machines_in_two_claims']} machines in two "
+            f"claims, {cc['distinct_claimed']} distinct machines claimed (want {cc['want']}), "
+            f"{cc['claimed_not_provisioned']} claimed but not provisioned"
+        )
+    le = c.get("leases")
+    if le:
+        print(
+            f"leases: {le['addresses_acked']} addresses ACKed, "
+            f"{le['addresses_acked_to_two_machines']} to two machines; store: "
+            f"{le['bound_leases']} bound, {le['macs_with_two_bound_leases']} MACs with two, "
+            f"{le['addresses_bound_twice']} addresses bound twice"
+        )
+    if r.get("boot_error_count"):
+        print(f"boot errors at the machines: {r['boot_error_count']}: {r['boot_errors'][:3]}")
+
+
+def flatness(paths: list[str]) -> None:
+    """Side by side: the same phases at two sizes (each file: a --json result), per machine."""
+    runs = [json.loads(Path(p).read_text())[-1] for p in paths]
+    hdr = ["per machine moved"] + [
+        f"{r['instances']} x {r['machines'] // r['instances']} = {r['machines']:,}" for r in runs
+    ]
+    rows: list[list[Any]] = []
+    for ph in ("enroll", "claims", "release"):
+        got = [next((x for x in r.get("phases", []) if x["phase"] == ph), None) for r in runs]
+        if not any(got):
+            continue
+        for label, f in (
+            ("metald CPU ms", lambda x: 1000 * sum(x["metald_cpu_s"].values()) / x["machines"]),
+            ("PostgreSQL CPU ms", lambda x: 1000 * x["pg_cpu_s"] / x["machines"]),
+            ("commits", lambda x: x["commits"] / x["machines"]),
+            ("rows written", lambda x: x["rows_written"] / x["machines"]),
+            ("wall s (whole phase)", lambda x: x["wall_s"]),
+        ):
+            rows.append([f"{ph}: {label}"] + [("-" if g is None else f"{f(g):.1f}") for g in got])
+        rows.append(
+            [f"{ph}: load average start -> end"]
+            + ["-" if g is None else f"{g['load'][0]:.1f} -> {g['load'][1]:.1f}" for g in got]
+        )
+    rows.append(
+        ["store kB per machine"]
+        + [f"{(r.get('store') or {}).get('bytes', 0) / r['machines'] / 1e3:.1f}" for r in runs]
+    )
+    print(table(hdr, rows))
 
 
 def _s(x: float | None) -> str:
@@ -845,7 +1603,10 @@ def main() -> int:
         "--quick", action="store_true",
         help="smoke: 40 machines per instance, heartbeat 0.5 s, dead after 3 s, short windows",
     )  # fmt: skip
-    ap.add_argument("--interval", type=float, default=10.0, help="[bmc] power_sync_interval_s")
+    ap.add_argument(
+        "--interval", type=float, default=60.0,
+        help="[bmc] power_sync_interval_s (production's default, 60)",
+    )  # fmt: skip
     ap.add_argument("--window", type=float, default=0.0, help="BMC count window (2.5 x interval)")
     ap.add_argument("--heartbeat", type=float, default=2.0, help="[fleet] heartbeat_s")
     ap.add_argument("--dead-after", type=float, default=10.0, help="[fleet] dead_after_s")
@@ -858,6 +1619,21 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--json", help="also write the results as JSON to this file")
     ap.add_argument(
+        "--claims", type=int, default=-1,
+        help=f"claims of {CLAIM_SIZE} after the storm, then all released and wiped "
+        "(default: one per 10 machines; 0: enroll only)",
+    )  # fmt: skip
+    ap.add_argument("--phase-timeout", type=float, default=2400, help="claims / release, s")
+    ap.add_argument(
+        "--ipxe-secs", action="store_true",
+        help="the simulated iPXE fills DHCP secs as iPXE does (its transmission count << 2); "
+        "default 0, so only the fencing takeover counts",
+    )  # fmt: skip
+    ap.add_argument("--restart-after", type=float, default=5.0,
+                    help="a killed instance starts again this long after its BMCs moved")  # fmt: skip
+    ap.add_argument("--flatness", nargs=2, metavar="JSON",
+                    help="print the side-by-side table of two --json results, run nothing")  # fmt: skip
+    ap.add_argument(
         "--fleet-only",
         action="store_true",
         help="skip the one-instance run: only the run with --instances (and its kill)",
@@ -865,6 +1641,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.machines, args.interval, args.heartbeat, args.dead_after = 40, 2.0, 0.5, 3.0
+    if args.flatness:
+        flatness(args.flatness)
+        return 0
     args.window = args.window or 2.5 * args.interval
     if os.geteuid() != 0:
         print("fleet.py needs root (it creates network namespaces)", file=sys.stderr)

@@ -51,6 +51,7 @@ import random
 import re
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -146,6 +147,10 @@ class StormError(Exception):
     pass
 
 
+class Tokenless(StormError):
+    """Every script of a boot came without an agent token (``Storm.tokenless_tries`` of them)."""
+
+
 @dataclass
 class Counters:
     dora: int = 0
@@ -207,6 +212,9 @@ class Relay(asyncio.DatagramProtocol):
 
 
 class Storm:
+    #: Scripts without a token (2 s apart) one boot tries before it gives up (``Tokenless``).
+    tokenless_tries = 60
+
     def __init__(self, p: dict[str, Any]) -> None:
         self.p = p
         self.n: int = p["machines"]
@@ -376,7 +384,7 @@ class Storm:
         network again (DORA and script) after 2 s, as a failed discovery boot would."""
         from metald.boot.dhcp.packet import Opt
 
-        for _attempt in range(60):
+        for _attempt in range(self.tokenless_tries):
             ack = await self.dhcp(sim, ipxe=True)
             url = ack.options.get(Opt.BOOTFILE, b"").decode()
             if not url.endswith(f"/boot/{sim.mac}.ipxe"):
@@ -392,8 +400,9 @@ class Storm:
                 sim.machine_id = args["metald.machine"]
                 return args
             self.c.tokenless_scripts += 1
-            await asyncio.sleep(2)
-        raise StormError(f"{sim.mac}: the {expect} script never carried an agent token:\n{script}")
+            if _attempt < self.tokenless_tries - 1:
+                await asyncio.sleep(2)
+        raise Tokenless(f"{sim.mac}: the {expect} script never carried an agent token:\n{script}")
 
     # ---- phase 1: power-on to ready ---------------------------------------------------
 
@@ -599,6 +608,19 @@ class Storm:
 
         loop = asyncio.get_running_loop()
         _t, self.relay = await loop.create_datagram_endpoint(Relay, local_addr=(CLI, 67))
+        # One socket carries every simulated machine's DHCP: with the default receive buffer
+        # (about 200 KB) a storm of 10,000 machines answered by four instances overflowed it,
+        # and half the answers were dropped before the simulation read them (RcvbufErrors),
+        # so every machine retransmitted and every instance parsed each retransmit.
+        sock = _t.get_extra_info("socket")
+        for opt in (getattr(socket, "SO_RCVBUFFORCE", None), socket.SO_RCVBUF):
+            if opt is None:
+                continue
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, opt, 32 << 20)
+                break
+            except OSError:
+                continue
         conn = aiohttp.TCPConnector(limit=self.p["connections"])
         timeout = aiohttp.ClientTimeout(total=900, sock_connect=60)
         # The machines share a pool of --connections; the admin and the orchestrator have their

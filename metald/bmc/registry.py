@@ -362,13 +362,22 @@ class BmcRegistry:
                 return None
             macs = list(s.exec(select(Nic.mac).where(Nic.machine_id == machine_id)).all())
             # Only the rows that can match are read (not every unlinked BMC per inventory:
-            # quadratic in an enrollment storm); identity_match still decides.
-            could = [func.lower(Bmc.system_uuid).in_(sorted(uuid_sources(m.system_uuid)))]
+            # quadratic in an enrollment storm), in identity_match's order: the system UUID and
+            # the serial through their indexes (0040), the MACs (a scan of the unlinked rows'
+            # JSON) only when neither found one. One OR of the three scanned every unlinked row
+            # per inventory: at 10,000 BMCs registered ahead, PostgreSQL's CPU per machine grew
+            # with the fleet. identity_match still decides.
+            tries = [func.lower(Bmc.system_uuid).in_(sorted(uuid_sources(m.system_uuid)))]
             if m.serial:
-                could.append(Bmc.serial == m.serial)
-            could += [cast(Bmc.macs, String).contains(mac) for mac in macs]
-            unlinked = select(Bmc).where(Bmc.machine_id.is_(None), or_(*could))  # type: ignore[union-attr]
-            for row in s.exec(unlinked).all():
+                tries.append(Bmc.serial == m.serial)
+            if macs:
+                tries.append(or_(*(cast(Bmc.macs, String).contains(mac) for mac in macs)))
+            rows: list[Bmc] = []
+            for could in tries:
+                rows = list(s.exec(select(Bmc).where(Bmc.machine_id.is_(None), could)).all())  # type: ignore[union-attr]
+                if rows:
+                    break
+            for row in rows:
                 if identity_match(BmcIdentity.of(row), m.system_uuid, m.serial, macs) is None:
                     continue
                 row.machine_id = machine_id

@@ -9,9 +9,11 @@ step is a table (``TABLE``) that tests can walk.
 
 Resumable by construction: every BMC command of a step is journaled on the BMC's row before
 it is sent (``metald.bmc.ownership``), and a step always starts from that journal
-(``StepLoaded``). A power-off once journaled is never sent again (only waited for); a power-on
+(``StepLoaded``). A power-off once journaled is waited for, not sent again at once; a power-on
 once journaled is sent again only when the machine reads off (powering on what is off cannot
-act twice). The watchdog resumes a step by feeding the stored journal to ``begin``.
+act twice). A resumed power-off is sent once more only when the machine still reads on
+``POWER_OFF_RESEND_S`` after the resume (it never reached the BMC). The watchdog resumes a
+step by feeding the stored journal to ``begin``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ from typing import Any
 #: reads in the meantime.
 POWER_OFF_WAIT_S = 60.0
 POWER_OFF_POLL_S = 1.0
+#: A step resumed from a journaled power-off whose machine still reads on this long after the
+#: first read sends the power-off once more: the journal is written before the command, so an
+#: instance killed between the two left an off that never reached the BMC (seen at 10,000
+#: machines with an instance killed mid-wipe: the survivor waited the full minute and failed
+#: the wipe). A hard power-off cannot act twice: a second one on a machine going off does
+#: nothing more. Real BMCs report a hard off within seconds.
+POWER_OFF_RESEND_S = 15.0
 
 # Journal entries (``StepJournal.command``), as the BMC control records them before sending.
 REQUESTED = "requested"
@@ -284,6 +293,9 @@ class Step:
     media: bool = False
     #: When the wait for the machine to read off began (monotonic seconds).
     off_since: float | None = None
+    #: The power-off being waited for was journaled by an earlier run (a restart, another
+    #: instance): it may never have been sent (``POWER_OFF_RESEND_S``).
+    resumed_off: bool = False
 
 
 Decision = tuple[Step, Command | Outcome]
@@ -343,8 +355,8 @@ def _media_armed(step: Step, e: MediaArmed) -> Decision:
 def _from_journal(step: Step) -> Decision:
     if step.sent in (None, REQUESTED):
         return replace(step, phase=Phase.CHECK_OFF), ReadPower()
-    if step.sent == POWER_OFF:  # sent before a restart or failover: wait for it, never again
-        return replace(step, phase=Phase.WAIT_OFF), ReadPower()
+    if step.sent == POWER_OFF:  # journaled before a restart or failover: wait for it first
+        return replace(step, phase=Phase.WAIT_OFF, resumed_off=True), ReadPower()
     return _after_off(step)
 
 
@@ -383,6 +395,9 @@ def _wait_read(step: Step, e: PowerRead) -> Decision:
         return _after_off(replace(step, sent=POWER_OFF))
     since = e.now if step.off_since is None else step.off_since
     step = replace(step, off_since=since)  # resumed: the wait starts with its first read
+    if step.resumed_off and e.now - since > POWER_OFF_RESEND_S:
+        # Still on: the journaled power-off never reached the BMC. Sent now, once.
+        return replace(step, phase=Phase.POWERING_OFF, resumed_off=False), PowerOff()
     if e.now - since > POWER_OFF_WAIT_S:
         return advance(step, TimedOut())
     return step, ReadPower(delay_s=POWER_OFF_POLL_S)

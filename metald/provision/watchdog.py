@@ -32,6 +32,7 @@ from metald.config import ProvisionConfig
 from metald.lifecycle import AGENT_OPERATIONS as BOOTING_STATES
 from metald.lifecycle import COMMISSION_RUNNING, TIMEOUTS, UNINSPECTED, IllegalTransition, State
 from metald.provision import netboot, netboot_core
+from metald.provision.boots import arm_boot
 from metald.service import cancel
 from metald.store.db import Store
 from metald.store.models import ApiToken, Bmc, Event, Machine, as_utc, utcnow
@@ -253,16 +254,26 @@ def rearm_stranded(
     actor: str,
     instance: str | None,
     can_boot: bool = True,
-) -> bool:
+) -> str | None:
     """Hand a stranded boot back to the BMC: its unused token is revoked and the machine's
     network-boot step is marked to be done again (power off confirmed, one-time PXE, a new
-    armed boot, power on: ``netboot.boot_from_network``), with a ``boot.rearmed`` event. False
-    (nothing changed) when the boot moved on meanwhile, when the machine has no BMC or when
-    this operation was started again ``MAX_REARMS`` times already (or ``can_boot`` is False: no
-    BMC service here); a ``boot.stranded`` event then tells a technician, once per boot."""
+    armed boot, power on: ``netboot.boot_from_network``), with a ``boot.rearmed`` event:
+    returns ``"bmc"``.
+
+    A machine in its first inspection (``inspecting``, no inventory yet, so no BMC linked: the
+    inventory is what links it) has no BMC to boot it; its boot is armed again in the store
+    instead, as entering inspection armed the first one (``lifecycle.ARM_ON_ENTRY``), so the
+    machine's next network boot (its firmware retrying, a person powering it on) gets a token:
+    returns ``"armed"``. It was never inspected, so it holds nothing of a tenant's, and the new
+    boot is no more exposed than the first one was.
+
+    None (nothing changed) when the boot moved on meanwhile, when the machine has no BMC (and is
+    past its first inspection) or when this operation was started again ``MAX_REARMS`` times
+    already (or ``can_boot`` is False: no BMC service here); a ``boot.stranded`` event then
+    tells a technician, once per boot."""
     m = session.get(Machine, machine_id)
     if m is None or m.boot_current != boot or m.boot_armed is not None:
-        return False
+        return None
     entered = as_utc(m.state_changed_at)
     rearmed = [
         at
@@ -275,6 +286,28 @@ def rearm_stranded(
         can_boot
         and session.exec(select(Bmc.id).where(Bmc.machine_id == machine_id)).first() is not None
     )
+    first_inspection = (
+        m.state == State.INSPECTING.value
+        and m.inventory is None
+        and session.exec(select(Bmc.id).where(Bmc.machine_id == machine_id)).first() is None
+    )
+    if first_inspection and len(rearmed) < MAX_REARMS:
+        arm_boot(session, machine_id)  # the unused token is revoked with the old boot
+        machines.add_event(
+            session,
+            REARM_EVENT,
+            actor,
+            machine_id=machine_id,
+            reason=(
+                "the agent token of this boot was handed out but no agent ever used it (the "
+                "script's answer was lost); no BMC is known before the first inventory, so a "
+                "new boot is armed: the machine's next network boot gets a token"
+            ),
+            data={"boot": boot, "state": m.state, "attempt": len(rearmed) + 1, "bmc": False},
+            instance=instance,
+        )
+        session.commit()
+        return "armed"
     if has_bmc and len(rearmed) < MAX_REARMS:
         revoke_machine_tokens(session, machine_id, commit=False)
         # The step's journal says done (this boot's power-on was sent): mark it to do again.
@@ -297,12 +330,12 @@ def rearm_stranded(
             instance=instance,
         )
         session.commit()
-        return True
+        return "bmc"
     done = session.exec(
         select(Event.data).where(Event.machine_id == machine_id, Event.kind == STRANDED_EVENT)
     ).all()
     if any((d or {}).get("boot") == boot for d in done):
-        return False
+        return None
     why = (
         "it has no BMC metald can drive"
         if not has_bmc
@@ -323,7 +356,7 @@ def rearm_stranded(
         instance=instance,
     )
     session.commit()
-    return False
+    return None
 
 
 def unfinished_steps(session: Session, owns_bmc: Callable[[str, str], bool] | None) -> list[str]:
@@ -376,6 +409,8 @@ class Watchdog:
         self.resume_interval_s = resume_interval_s or cfg.watchdog_interval_s
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        #: Machine id -> the step the loop started for it and that still runs.
+        self._steps: dict[str, asyncio.Task[None]] = {}
 
     def wake(self) -> None:
         self._wake.set()
@@ -389,6 +424,39 @@ class Watchdog:
         # belong to the Provisioner service, which stops them itself.
         await cancel(self._task)
         self._task = None
+        steps = list(self._steps.values())
+        for t in steps:
+            t.cancel()
+        await asyncio.gather(*steps, return_exceptions=True)
+        self._steps.clear()
+
+    async def _boot(self, bmc: Any, machine_ids: list[str], wait: bool) -> None:
+        """Run these machines' network-boot steps. ``wait`` False (the loop): each runs as a
+        task of its own and the loop goes on, so one step that waits (a BMC slow to report
+        off: up to ``netboot_core.POWER_OFF_WAIT_S``) never holds back the steps of every
+        other BMC this instance holds; a machine whose step still runs is not started again."""
+        if wait:
+            await netboot.reboot_all(
+                self.store, bmc, machine_ids, actor=self.actor, instance=self.instance
+            )
+            return
+        for mid in machine_ids:
+            if mid in self._steps or bmc is None:
+                continue
+            task = asyncio.create_task(
+                netboot.reboot_all(
+                    self.store, bmc, [mid], actor=self.actor, instance=self.instance
+                ),
+                name=f"netboot-{mid}",
+            )
+            self._steps[mid] = task
+            task.add_done_callback(lambda t, mid=mid: self._step_done(mid, t))
+
+    def _step_done(self, mid: str, task: asyncio.Task[None]) -> None:
+        if self._steps.get(mid) is task:
+            del self._steps[mid]
+        if not task.cancelled() and task.exception() is not None:
+            log.error("machine %s: network-boot step failed", mid, exc_info=task.exception())
 
     def _owns(self) -> Owns | None:
         own = self.ownership
@@ -397,22 +465,28 @@ class Watchdog:
     def _bmc(self) -> Any:
         return self.bmc if self.cfg.use_bmc else None
 
-    async def resume_once(self) -> list[str]:
-        """Resume the unfinished steps of the BMCs this instance holds."""
+    async def resume_once(self, wait: bool = True) -> list[str]:
+        """Resume the unfinished steps of the BMCs this instance holds (``wait``: until they
+        end; else each in a task of its own, ``_boot``)."""
         bmc = self._bmc()
         if bmc is None or (self.ownership is not None and self.ownership.fenced):
             return []
         control = netboot.control_of(bmc)
         busy = getattr(control, "in_flight", set())
         owns_bmc = None if self.ownership is None else self.ownership.owns_bmc
-        todo = [m for m in await self.store.run(unfinished_steps, owns_bmc) if m not in busy]
+        todo = [
+            m
+            for m in await self.store.run(unfinished_steps, owns_bmc)
+            if m not in busy and m not in self._steps
+        ]
         for mid in todo:
             log.warning("machine %s: resuming an unfinished network-boot step", mid)
-        await netboot.reboot_all(self.store, bmc, todo, actor=self.actor, instance=self.instance)
+        await self._boot(bmc, todo, wait)
         return todo
 
-    async def sweep_once(self) -> list[str]:
-        """One sweep: time out stuck machines, resume stalled claims. Returns ids touched."""
+    async def sweep_once(self, wait: bool = True) -> list[str]:
+        """One sweep: time out stuck machines, resume stalled claims. Returns ids touched.
+        ``wait``: until the network-boot steps it starts end (else ``_boot``'s tasks)."""
         if self.ownership is not None and self.ownership.fenced:
             return []
         owns = self._owns()
@@ -433,30 +507,44 @@ class Watchdog:
             for mid in cut_off:
                 log.warning("machine %s: resuming a network boot a restart cut off", mid)
             resumed += cut_off
+        armed: list[str] = []
         if self.cfg.stranded_boot_s > 0:
-            resumed += await self._rearm_stranded(owns, bmc, exclude=set(resumed))
-        await netboot.reboot_all(self.store, bmc, resumed, actor=self.actor, instance=self.instance)
-        return moved + resumed + await self.resume_once()
+            by_bmc, armed = await self._rearm_stranded(owns, bmc, exclude=set(resumed))
+            resumed += by_bmc
+        await self._boot(bmc, resumed, wait)
+        return moved + resumed + armed + await self.resume_once(wait)
 
-    async def _rearm_stranded(self, owns: Owns | None, bmc: Any, exclude: set[str]) -> list[str]:
-        """Stranded boots (``stranded_boots``) this instance sweeps, marked to boot again
-        through the BMC; without a BMC service (``use_bmc`` off) only a technician is told."""
+    async def _rearm_stranded(
+        self, owns: Owns | None, bmc: Any, exclude: set[str]
+    ) -> tuple[list[str], list[str]]:
+        """Stranded boots (``stranded_boots``) this instance sweeps: (those marked to boot
+        again through the BMC, those in their first inspection armed again in the store);
+        without a BMC service (``use_bmc`` off) only the latter, and a technician is told."""
         found = await self.store.run(stranded_boots, self.cfg.stranded_boot_s, None, owns)
-        out = []
+        by_bmc: list[str] = []
+        armed: list[str] = []
         for mid, boot in found:
             if mid in exclude:
                 continue
-            if await self.store.run(
+            how = await self.store.run(
                 rearm_stranded,
                 mid,
                 boot,
                 actor=self.actor,
                 instance=self.instance,
                 can_boot=bmc is not None,
-            ):
+            )
+            if how == "bmc":
                 log.warning("machine %s: its boot's token was never used; booting it again", mid)
-                out.append(mid)
-        return out
+                by_bmc.append(mid)
+            elif how == "armed":
+                log.warning(
+                    "machine %s: its first inspection's token was never used and no BMC is "
+                    "known yet; armed a new boot for its next network boot",
+                    mid,
+                )
+                armed.append(mid)
+        return by_bmc, armed
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -467,9 +555,9 @@ class Watchdog:
             try:
                 if full:
                     next_full = loop.time() + self.cfg.watchdog_interval_s
-                    await self.sweep_once()
+                    await self.sweep_once(wait=False)
                 else:
-                    await self.resume_once()
+                    await self.resume_once(wait=False)
             except Exception:
                 log.exception("watchdog sweep failed; trying again next interval")
             wait = min(self.resume_interval_s, max(0.0, next_full - loop.time()))

@@ -21,6 +21,8 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     false,
+    func,
+    text,
 )
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.expression import FunctionElement
@@ -153,7 +155,9 @@ class Bmc(SQLModel, table=True):
     health_detail: str | None = None
     power_state: str | None = None
     system_uuid: str | None = None
-    serial: str | None = None
+    #: Indexed (with lower(system_uuid), below): a machine's first inventory finds its BMC by
+    #: them (``BmcRegistry.link_by_identity``), among every BMC registered ahead of it.
+    serial: str | None = Field(default=None, index=True)
     macs: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
     last_seen_at: datetime | None = Field(default=None, sa_type=DateTime(timezone=True))
     created_at: datetime = _ts()
@@ -167,7 +171,10 @@ class Bmc(SQLModel, table=True):
     step_command: str | None = None
     step_done: bool = False
 
-    __table_args__ = (UniqueConstraint("address", "port", name="uq_bmcs_address_port"),)
+    __table_args__ = (
+        UniqueConstraint("address", "port", name="uq_bmcs_address_port"),
+        Index("ix_bmcs_system_uuid_lower", func.lower(text("system_uuid"))),
+    )
 
 
 class Lease(SQLModel, table=True):

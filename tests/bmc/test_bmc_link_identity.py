@@ -117,3 +117,30 @@ async def test_no_match_links_nothing(svc: BmcService, store: Store) -> None:
     _bmcs(store, svc.box, _others())
     mid = _machine(store, "b0:7b:25:00:00:09", system_uuid=str(uuid.uuid4()), serial="NONE")
     assert await svc.link_by_identity(mid) is None
+
+
+def test_the_identity_lookups_have_indexes(store: Store) -> None:
+    """Every first inventory looks its BMC up by lower(system_uuid), then by serial (0040):
+    without these indexes each lookup scanned every unlinked BMC row, so at 10,000 BMCs
+    registered ahead of their machines (bench/fleet.py) PostgreSQL's CPU per machine grew with
+    the fleet."""
+    from sqlalchemy import text
+
+    with store.engine.connect() as c:
+        if c.dialect.name == "postgresql":
+            q = "SELECT indexname FROM pg_indexes WHERE tablename = 'bmcs'"
+        else:
+            q = "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'bmcs'"
+        names = {r[0] for r in c.execute(text(q))}
+    assert {"ix_bmcs_system_uuid_lower", "ix_bmcs_serial"} <= names, names
+
+
+async def test_a_uuid_match_wins_over_a_mac_match(svc: BmcService, store: Store) -> None:
+    """identity_match prefers the system UUID to a MAC: the lookups run in that order, so a
+    BMC that merely lists one of the machine's MACs never takes the link from the BMC that
+    reports the machine's own UUID (one OR of the three returned both, in table order)."""
+    sys_uuid = str(uuid.uuid4())
+    ids = _bmcs(store, svc.box, [{"macs": ["b0:7b:25:00:00:0a"]}, {"system_uuid": sys_uuid}])
+    mid = _machine(store, "b0:7b:25:00:00:0a", system_uuid=sys_uuid)
+    linked = await svc.link_by_identity(mid)
+    assert linked is not None and linked["id"] == ids[1]

@@ -115,3 +115,69 @@ async def test_without_a_bmc_or_after_the_last_try_a_technician_is_told_once(
     assert _kinds(store, tried).count(STRANDED_EVENT) == 1
     assert sum(1 for c in bmc.calls if c == (tried, "power", "on")) == MAX_REARMS
     assert not any(c[0] == bare for c in bmc.calls)
+
+
+def _sighted(store: Store, mac: str) -> str:
+    """A machine enrolled by its DHCP sighting: discovered (its first script fetch moves it to
+    inspecting and takes its first boot), no inventory and so no BMC linked yet (the inventory
+    links it)."""
+    from metald import machines
+
+    with store.session() as s:
+        mid = machines.insert_machine(s, macs=[mac], actor="t", reason="seen on DHCP")
+        s.commit()
+        m = s.get(Machine, mid)
+        assert m is not None and m.state == "discovered" and m.inventory is None
+        return mid
+
+
+async def test_a_first_inspection_without_a_bmc_is_armed_again_in_the_store(
+    store: Store,
+) -> None:
+    """The 10,000-machine fleet run: a script fetch took a new machine's first boot and its
+    instance was killed before answering; no BMC is linked before the inventory, so the old
+    watchdog only told a technician and the machine sat in ``inspecting`` until its timeout."""
+    mid = _sighted(store, "b0:7b:25:00:05:47")
+    bmc = FakeBmc()
+    dog = Watchdog(store, CFG, "owner", bmc=bmc)
+    for attempt in range(MAX_REARMS):
+        lost = boot_token(store, mid)  # the fetch took the boot; its answer never arrived
+        assert lost is not None, attempt
+        assert boot_token(store, mid) is None  # every later fetch: no token
+        assert await dog.sweep_once() == []  # too young: its agent may still be booting
+        _minted_ago(store, mid, 181)
+        assert await dog.sweep_once() == [mid], attempt
+        with store.session() as s:
+            assert authenticate(s, lost) is None  # the lost token acts for nothing
+            m = s.get(Machine, mid)
+            assert m is not None and m.boot_armed is not None and m.state == "inspecting"
+    assert bmc.calls == []  # nothing to power-cycle: only the store changed
+    assert _kinds(store, mid).count(REARM_EVENT) == MAX_REARMS
+    # After the last try a technician is told, once, and nothing is armed again.
+    assert boot_token(store, mid) is not None
+    _minted_ago(store, mid, 181)
+    assert await dog.sweep_once() == []
+    assert await dog.sweep_once() == []
+    assert _kinds(store, mid).count(STRANDED_EVENT) == 1
+    with store.session() as s:
+        m = s.get(Machine, mid)
+        assert m is not None and m.boot_armed is None
+
+
+async def test_an_inspected_machine_without_a_bmc_is_not_armed_again(store: Store) -> None:
+    """Past its first inventory a machine may have been a tenant's: a new token without a
+    power cycle metald started is never handed out then (a technician is told)."""
+    mid = _sighted(store, "b0:7b:25:00:05:48")
+    with store.session() as s:
+        s.execute(
+            update(Machine)
+            .where(Machine.id == mid)  # type: ignore[arg-type]
+            .values(inventory={"schema_version": 1})
+        )
+        s.commit()
+    dog = Watchdog(store, CFG, "owner", bmc=FakeBmc())
+    assert boot_token(store, mid) is not None
+    _minted_ago(store, mid, 181)
+    assert await dog.sweep_once() == []
+    assert _kinds(store, mid).count(REARM_EVENT) == 0
+    assert _kinds(store, mid).count(STRANDED_EVENT) == 1

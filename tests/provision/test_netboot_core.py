@@ -135,12 +135,11 @@ def test_a_crash_anywhere_never_repeats_a_power_command(
         assert boot in world.sent[:on], world.sent
         assert "off" in world.sent[:on] or power == "off"
         assert world.media_armed == media
-    else:
-        # The one way a step fails here: the process died between journaling the power-off
-        # and sending it; the machine never goes off, and the step is not sent it again.
-        assert outcome is core.Outcome.FAILED and world.failed and world.done
-        assert world.journal == core.POWER_OFF and "off" not in world.sent and power == "on"
-        assert "on" not in world.sent
+    else:  # pragma: no cover - the assertion below says why there is no other way
+        # It used to fail one way: the process died between journaling the power-off and
+        # sending it, the machine never went off, and the resumed step never sent it (a lost
+        # command: the 10,000-machine run's failed wipes). Now it is sent once, late.
+        raise AssertionError(f"the step failed: {world.sent}, journal {world.journal}")
 
 
 def walk(
@@ -194,10 +193,25 @@ def test_a_machine_already_off_is_not_sent_a_power_off() -> None:
     assert "PowerOff" not in names(seen) and out is core.Outcome.DONE
 
 
-def test_a_journaled_power_off_is_waited_for_never_sent_again() -> None:
+def test_a_journaled_power_off_is_waited_for_not_sent_again() -> None:
     seen, out = walk(core.StepLoaded(True, core.POWER_OFF), {core.ReadPower: [ON, OFF]})
     assert names(seen)[:3] == ["LoadVia", "ReadPower", "ReadPower"]
     assert "PowerOff" not in names(seen) and out is core.Outcome.DONE
+
+
+def test_a_journaled_power_off_that_never_took_effect_is_sent_once_more() -> None:
+    """Journaled, then the instance was killed before sending it: the machine still reads on
+    ``POWER_OFF_RESEND_S`` after the resume, so the off never reached the BMC."""
+    reads = [core.PowerRead("on", float(t)) for t in range(0, 17)] + [OFF]
+    seen, out = walk(core.StepLoaded(True, core.POWER_OFF), {core.ReadPower: reads})
+    assert names(seen).count("PowerOff") == 1 and out is core.Outcome.DONE
+    assert names(seen)[-4:] == ["SetBootPxe", "Arm", "PowerOn", "MarkDone"]
+
+
+def test_a_resent_power_off_is_sent_once_then_the_wait_times_out() -> None:
+    reads = [core.PowerRead("on", float(t)) for t in range(0, 100)]
+    seen, out = walk(core.StepLoaded(True, core.POWER_OFF), {core.ReadPower: reads})
+    assert names(seen).count("PowerOff") == 1 and out is core.Outcome.FAILED
 
 
 @pytest.mark.parametrize(("reads", "sends_on"), [(ON, False), (OFF, True)])
