@@ -723,7 +723,6 @@ def start_storm(
         stderr=open(tmp / "storm.log", "w"),  # noqa: SIM115 - closed with the process
         text=True,
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'vm-lab'}"},
     )
     assert proc.stdout is not None
     return proc, asyncio.create_task(asyncio.to_thread(proc.stdout.read))
