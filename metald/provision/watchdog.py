@@ -33,7 +33,7 @@ from metald.lifecycle import AGENT_OPERATIONS as BOOTING_STATES
 from metald.lifecycle import COMMISSION_RUNNING, TIMEOUTS, UNINSPECTED, IllegalTransition, State
 from metald.provision import netboot, netboot_core
 from metald.provision.boots import arm_boot
-from metald.service import cancel
+from metald.service import TaskScope, cancel
 from metald.store.db import Store
 from metald.store.models import ApiToken, Bmc, Event, Machine, as_utc, utcnow
 
@@ -411,6 +411,8 @@ class Watchdog:
         self._wake = asyncio.Event()
         #: Machine id -> the step the loop started for it and that still runs.
         self._steps: dict[str, asyncio.Task[None]] = {}
+        #: The task group those steps run in (opened by the first one, closed by ``stop``).
+        self._scope = TaskScope("provision-watchdog-steps")
 
     def wake(self) -> None:
         self._wake.set()
@@ -429,6 +431,7 @@ class Watchdog:
             t.cancel()
         await asyncio.gather(*steps, return_exceptions=True)
         self._steps.clear()
+        await self._scope.close()
 
     async def _boot(self, bmc: Any, machine_ids: list[str], wait: bool) -> None:
         """Run these machines' network-boot steps. ``wait`` False (the loop): each runs as a
@@ -443,7 +446,9 @@ class Watchdog:
         for mid in machine_ids:
             if mid in self._steps or bmc is None:
                 continue
-            task = asyncio.create_task(
+            if not self._scope.is_open:
+                await self._scope.open()
+            task = self._scope.spawn(
                 netboot.reboot_all(
                     self.store, bmc, [mid], actor=self.actor, instance=self.instance
                 ),
