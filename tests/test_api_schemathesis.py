@@ -136,5 +136,4 @@ def test_live_openapi_holds_for_generated_requests(loopback_api: LoopbackApi, db
                     examples,
                 )
     distinct = sorted(set(failures))
-    Path("/tmp/sec-api-st-distinct.txt").write_text("\n".join(distinct))
     assert not distinct, "\n\n".join(distinct[:20]) + f"\n\n({len(distinct)} distinct failures)"

@@ -22,6 +22,9 @@ async def bmc_api(cfg: Config, store: Store, aiohttp_client):  # type: ignore[no
     cfg.bmc.min_interval_ms = 0
     cfg.bmc.timeout_s = 3
     cfg.bmc.retries = 1
+    # A refused registration answers at verify_s whatever failed (no timing oracle): short
+    # here, where ipmi_sim answers on loopback in milliseconds.
+    cfg.bmc.verify_s = 2.5
     svc = BmcService(store, secrets, cfg.bmc, cfg.instance)
     ctx = AppContext(
         cfg=cfg, store=store, secrets=secrets, bus=EventBus(), services=Services(bmc=svc)

@@ -34,7 +34,7 @@ async def svc(store: Store, tmp_path: Path):
         retries=1,
         backoff_base_ms=20,
         power_sync_interval_s=0,
-        verify_s=3,
+        verify_s=2,
     )
     service = BmcService(store, box, cfg, instance="test")
     yield service

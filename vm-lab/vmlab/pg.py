@@ -16,6 +16,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 from .labnet import free_port
 
@@ -99,16 +100,32 @@ class PgServer:
     def new_database(self, template: str | None = None) -> str:
         """A new database, empty, or a copy of the database ``template`` (which nobody may be
         connected to: PostgreSQL copies its files)."""
-        import psycopg
-
         name = "t_" + uuid.uuid4().hex[:12]
         clause = f' TEMPLATE "{template}"' if template else ""
-        # Over the Unix socket: it works from any network namespace.
-        with psycopg.connect(
-            f"host={self.dir} port={self.port} user=metald dbname=postgres", autocommit=True
-        ) as c:
+        with self._admin() as c:
+            if template and c.info.server_version >= 150000:
+                # PostgreSQL 15's default copies a template block by block through the WAL:
+                # 0.26 s for the migrated ~10 MB one, against 0.08 s for a file copy (fsync is
+                # off here, so the copy's checkpoints cost little), on every test's setup.
+                clause += " STRATEGY FILE_COPY"
             c.execute(f'CREATE DATABASE "{name}"{clause}')
         return f"postgresql+psycopg://metald@{self.listen}:{self.port}/{name}"
+
+    def drop_database(self, url: str) -> None:
+        """Drop a database ``new_database`` made, closing whatever is still connected to it
+        (a test's leftover pool): its ~10 MB would otherwise stay until ``stop``."""
+        name = url.rsplit("/", 1)[1].split("?", 1)[0]
+        with self._admin() as c:
+            c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    def _admin(self) -> Any:
+        """An autocommit connection to the ``postgres`` database over the Unix socket (it
+        works from any network namespace)."""
+        import psycopg
+
+        return psycopg.connect(
+            f"host={self.dir} port={self.port} user=metald dbname=postgres", autocommit=True
+        )
 
     def migrated_template(self) -> str:
         """The name of a database migrated to head, made on first use: ``new_database(template=
