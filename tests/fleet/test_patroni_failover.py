@@ -40,7 +40,7 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("kill", ["postmaster", "node", "cut"])
+@pytest.mark.parametrize("kill", ["postmaster", "node", "cut", "partition"])
 async def test_primary_killed_standby_promoted_nothing_acknowledged_lost(
     tmp_path: Path,
     relay: socket.socket,  # noqa: F811
@@ -51,7 +51,11 @@ async def test_primary_killed_standby_promoted_nothing_acknowledged_lost(
     longer than the fencing age: every instance fences itself meanwhile, as it should);
     ``cut``: nftables drops every packet to and from the primary's host (its etcd member
     too), its processes alive; its Patroni demotes it, the standby is promoted after ``ttl``,
-    then the cut heals and the old primary rejoins as a replica (pg_rewind where needed)."""
+    then the cut heals and the old primary rejoins as a replica (pg_rewind where needed);
+    ``partition``: the same cut, but the primary's host still reaches the standby's (its
+    replication goes on): cut from etcd and from metald, it must demote itself, and the
+    standby, which sees it alive all along, must be promoted only once it no longer takes
+    writes."""
     r = await failover_round(tmp_path, relay, kill=kill)
     print("\n" + r.summary())
     print("PG_FAILOVER_JSON " + json.dumps(r.as_json()))  # read by bench/pg_failover.py
@@ -60,7 +64,7 @@ async def test_primary_killed_standby_promoted_nothing_acknowledged_lost(
     assert not r.lost_leases, r.lost_leases
     assert not r.lost_claims, r.lost_claims
     assert not r.lost_events, r.lost_events
-    if kill == "cut":
+    if kill in ("cut", "partition"):
         _assert_cut(r)
     if kill == "postmaster":
         # Patroni's cycle (2 s) against the fencing age (8 s): an instance that fenced itself
@@ -73,13 +77,14 @@ def _assert_cut(r: Round) -> None:
     # majority) before the cut healed; no acknowledged write is on it alone (synchronous
     # commit), and every one is on it again once it rejoined.
     assert r.demoted_s is not None and r.old_state in ("stopped", "read-only"), r.summary()
+    assert not r.both_primary, r.summary()  # never two primaries at once
     assert r.cut_dropped.get("input", 0) > 0, r.cut_dropped  # the cut was real
     assert r.acked_only_on_old == 0, r.summary()
     assert r.rejoined_s is not None, r.summary()
     assert r.replica_missing == 0, r.summary()
 
 
-@pytest.mark.parametrize("kill", ["postmaster", "cut"])
+@pytest.mark.parametrize("kill", ["postmaster", "cut", "none"])
 async def test_failover_during_enrollment_storm(
     tmp_path: Path,
     relay: socket.socket,  # noqa: F811
@@ -88,12 +93,17 @@ async def test_failover_during_enrollment_storm(
     """The same failover while bench/storm.py's simulated machines (300, or
     METALD_PG_FAILOVER_STORM) enroll against the first instance's boot plane: every machine
     reaches ready (its agent retries, as the real one does) and is ready in the database, and
-    nothing the load was acknowledged is lost."""
+    nothing the load was acknowledged is lost. ``none``: the storm's baseline, no failover
+    (bench/pg_failover.py --kill none --storm N), so that the failover's cost is a difference:
+    the leader stays, nothing fences."""
     n = int(os.environ.get("METALD_PG_FAILOVER_STORM", "300"))
     r = await failover_round(tmp_path, relay, kill=kill, storm=n)
     print("\n" + r.summary())
     print("PG_FAILOVER_JSON " + json.dumps(r.as_json()))  # read by bench/pg_failover.py
-    assert r.leader_after != r.leader_before
+    if kill == "none":
+        assert r.leader_after == r.leader_before and not r.fenced, r.summary()
+    else:
+        assert r.leader_after != r.leader_before
     assert not r.bad, r.bad
     assert not (r.lost_leases or r.lost_claims or r.lost_events), r.summary()
     assert r.storm["ready"] == n and r.storm["ready_in_db"] == n, r.storm
