@@ -52,7 +52,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TEST = "tests/fleet/test_patroni_failover.py"
 
 
-def one_round(kill: str, storm: int = 0, etcd_apart: bool = True) -> dict[str, Any] | None:
+def one_round(
+    kill: str, storm: int = 0, etcd_apart: bool = True, dcs: str = ""
+) -> dict[str, Any] | None:
     test = f"failover_during_enrollment_storm and {kill}]" if storm else None
     r = subprocess.run(
         [
@@ -73,6 +75,7 @@ def one_round(kill: str, storm: int = 0, etcd_apart: bool = True) -> dict[str, A
             "METALD_LAB_LONG": "1",
             "METALD_PG_FAILOVER_STORM": str(storm),
             "METALD_PG_ETCD_APART": "1" if etcd_apart else "0",
+            "METALD_PG_DCS": dcs,
         },  # fmt: skip
         capture_output=True,
         text=True,
@@ -108,7 +111,15 @@ def main() -> int:
         action="store_true",
         help="etcd1 and etcd2 on the PostgreSQL hosts (as shipped before; shows the split brain)",
     )
+    ap.add_argument(
+        "--dcs",
+        default="",
+        metavar="JSON",
+        help="laid over the shipped bootstrap.dcs, e.g. '{\"failsafe_mode\": true}'",
+    )
     args = ap.parse_args()
+    if args.dcs:
+        json.loads(args.dcs)
     kinds = args.kill.split(",")
     if any(k not in KINDS for k in kinds):
         ap.error(f"--kill takes {', '.join(KINDS)}")
@@ -119,7 +130,7 @@ def main() -> int:
     rows: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
     for i in range(args.rounds):
         for kill in kinds:  # interleaved: each kind meets the box's load in turn
-            r = one_round(kill, args.storm, not args.etcd_beside)
+            r = one_round(kill, args.storm, not args.etcd_beside, args.dcs)
             load = os.getloadavg()
             if r is None:
                 print(f"round {i + 1}, kill {kill}: no result (the test's output is above)")

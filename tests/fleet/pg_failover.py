@@ -356,8 +356,11 @@ async def failover_round(
     in_ns = cuts or storm > 0
     # etcd on hosts of its own, as deploy/patroni/ ships it; METALD_PG_ETCD_APART=0: etcd1 and
     # etcd2 beside pg1 and pg2 (the layout that shows Patroni 3.0's split brain at a heal).
+    # METALD_PG_DCS: JSON laid over the shipped bootstrap.dcs (bench/pg_failover.py --dcs).
     lab = PatroniLab(
-        netns=in_ns, etcd_apart=in_ns and os.environ.get("METALD_PG_ETCD_APART") != "0"
+        netns=in_ns,
+        etcd_apart=in_ns and os.environ.get("METALD_PG_ETCD_APART") != "0",
+        dcs=json.loads(os.environ.get("METALD_PG_DCS") or "{}"),
     )
     procs: list[subprocess.Popen[bytes]] = []
     storm_proc: subprocess.Popen[str] | None = None
