@@ -153,7 +153,16 @@ def main() -> int:
         for kill in kinds:
             if kill != "none":
                 med = statistics.median(r["storm"]["wall_s"] for r in rows[kill])
-                print(f"  {kill:12} {med:8.2f} s  ({med - base:+.2f} s)")
+                # Paired: each round's failover against the baseline run right after it.
+                diffs = [
+                    f["storm"]["wall_s"] - n["storm"]["wall_s"]
+                    for f, n in zip(rows[kill], rows["none"], strict=True)
+                ]
+                print(
+                    f"  {kill:12} {med:8.2f} s  ({med - base:+.2f} s); per round, against that "
+                    f"round's baseline: {', '.join(f'{d:+.2f}' for d in diffs)} s (median "
+                    f"{statistics.median(diffs):+.2f} s)"
+                )
     return 0 if ok else 1
 
 
