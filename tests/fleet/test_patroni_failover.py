@@ -7,8 +7,13 @@ times (printed, never asserted) are in docs/fleet.md from bench/pg_failover.py.
 
 ``cut``: the same with every database host and metald instance in a network namespace of its
 own and the primary's host cut off by nftables, then healed (tests/fleet/netcut.py; its fast
-counterpart in ``make test``: tests/fleet/test_netcut.py). The storm test runs the kill -9 and
-the cut while bench/storm.py's simulated machines enroll.
+counterpart in ``make test``: tests/fleet/test_netcut.py). ``partition``: the primary's host
+cut from everything but the standby's host (etcd and metald lost, replication kept): never two
+primaries, the same checks as the cut (its fast counterparts: the partition rule in
+tests/fleet/test_netcut.py, the settings that order demotion before promotion in
+tests/fleet/test_patroni_config.py). The storm test runs the kill -9 and the cut while
+bench/storm.py's simulated machines enroll, and ``none``, the same storm without a failover
+(the baseline its cost is measured against).
 
 Under METALD_LAB_LONG=1 (``make test-long``): starting etcd, Patroni and two metald processes
 takes about a minute on this box; a cut round about two.
