@@ -34,7 +34,8 @@ each per round, so that each kind's cost is a difference against the baseline un
 load on the box. With ``--kill cut`` or ``--storm`` the etcd
 members run on three hosts of their own, as deploy/patroni/ ships them; ``--etcd-beside`` puts
 etcd1 and etcd2 on the PostgreSQL hosts, the layout in which a heal showed Patroni 3.0's split
-brain (docs/fleet.md).
+brain (docs/fleet.md). ``--dcs JSON`` lays Patroni settings over the shipped ``bootstrap.dcs``
+(``--kill partition --dcs '{"failsafe_mode": true}'``: no failover at all, docs/fleet.md).
 """
 
 from __future__ import annotations
