@@ -805,5 +805,6 @@ async def storm_result(
         raise AssertionError(f"storm: {res['error']}; {(tmp / 'storm.log').read_text()[-2000:]}")
     p1 = res["phase1"]
     keep = ("wall_s", "ready", "dora", "dhcp_retransmits", "pxe_restarts", "http_retries",
-            "server_errors", "p50_s", "p99_s", "machines_held_up", "max_s")  # fmt: skip
+            "server_errors", "p50_s", "p99_s", "machines_held_up", "max_s",
+            "inventory_answers_lost")  # fmt: skip
     return {"machines": res["machines"], **{k: p1.get(k) for k in keep}}
