@@ -171,6 +171,10 @@ class Counters:
     check_sleep_s: float = 0.0
     #: Scripts served without an agent token (no boot armed yet): the machine PXE boots again.
     tokenless_scripts: int = 0
+    #: Inventories whose acceptance answer was lost (a 5xx or a dropped connection while the
+    #: COMMIT went through, as in a database failover): the retry is refused with 409 "is
+    #: ready", and the agent goes on to ``next``, as the real agent does.
+    inventory_answers_lost: int = 0
     #: Per machine: inventory accepted -> ready, less the time its checks "ran".
     commission_overhead: list[float] = field(default_factory=list)
     #: Per request kind of the commissioning (next, plan, post, done): seconds each took.
@@ -415,6 +419,7 @@ class Storm:
         # A patient run (a database failover under way) retries for a minute or two, as the
         # real agent (which retries forever) would.
         last = 30 if self.p.get("patient") else 5
+        out: dict[str, Any] | None = None
         for seq in range(1, last + 1):
             try:
                 out = await self.http(
@@ -425,14 +430,20 @@ class Storm:
                     tries=1,
                 )
                 break
-            except StormError:
+            except StormError as e:
+                if seq > 1 and " 409 " in str(e) and "is ready, not inspecting" in str(e):
+                    # An earlier try committed but its answer was lost: already ready.
+                    self.c.inventory_answers_lost += 1
+                    break
                 if seq == last:
                     raise
                 self.c.http_retries += 1
                 sim.setbacks += 1
                 await asyncio.sleep(min(seq, 4))
         self.c.inventories += 1
-        if self.p.get("commission_s") is not None:
+        if out is None:  # accepted by an earlier try whose answer was lost: ready already
+            pass
+        elif self.p.get("commission_s") is not None:
             if out["state"] != "commissioning":
                 raise StormError(f"{sim.mac}: inventory accepted, machine is {out['state']}")
             t_inv = time.monotonic()
@@ -698,6 +709,7 @@ class Storm:
             "commission_s": self.p.get("commission_s"),
             "check_posts": self.c.check_posts,
             "tokenless_scripts": self.c.tokenless_scripts,
+            "inventory_answers_lost": self.c.inventory_answers_lost,
             "api_load": self.p.get("api_load") or 0,
             "api_load_requests": len(api_lat),
             "api_load_latency_s": _percentiles(api_lat),

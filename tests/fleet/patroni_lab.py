@@ -19,6 +19,9 @@ hosts of their own instead, as ``deploy/patroni/`` ships them (a cut database ho
 takes no etcd member with it). The test process reaches them over a veth; a host can
 be cut off with nftables (``cut``/``heal``) instead of killed. The watchdog deletes the
 namespaces too.
+
+``dcs``: settings laid over the shipped ``bootstrap.dcs`` (say ``{"failsafe_mode": true}``, to
+show what a setting the shipped file leaves out does to a partition).
 """
 
 from __future__ import annotations
@@ -121,8 +124,14 @@ class PatroniLab:
     """``start()`` then ``wait_ready()``; ``stop()`` (or the watchdog) cleans everything."""
 
     def __init__(
-        self, nodes: int = 2, password: str = "lab", netns: bool = False, etcd_apart: bool = False
+        self,
+        nodes: int = 2,
+        password: str = "lab",
+        netns: bool = False,
+        etcd_apart: bool = False,
+        dcs: dict[str, Any] | None = None,
     ) -> None:
+        self.dcs = dict(dcs or {})
         self.root = Path(tempfile.mkdtemp(prefix="metald-patroni-"))
         os.chmod(self.root, 0o755)
         (self.root / "pids").mkdir()
@@ -227,6 +236,7 @@ class PatroniLab:
             )
         }
         boot = conf["bootstrap"]
+        boot["dcs"].update(self.dcs)
         subnet = "127.0.0.1/32" if self.net is None else str(self.net.net)
         boot["pg_hba"] = [
             "local all all trust",

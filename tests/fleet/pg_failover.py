@@ -22,6 +22,16 @@ taking writes (Patroni demotes it once it cannot reach the etcd majority), the p
 dropped; then the cut heals: when the old primary is a streaming replica again, whether
 pg_rewind ran, and every acknowledged write read back from the rejoined replica too.
 
+``kill="partition"``: the same, but the cut lets the primary's host still reach the standby's
+host (and the standby it), and nothing else: the primary loses etcd and metald, not its
+replication. Patroni must not promote beside a primary that still runs, and the primary must
+demote itself on its own (it cannot reach the etcd majority to renew the leader key); the
+standby, which sees the old primary's REST API all along, is promoted once the key expires.
+Measured and checked as for ``cut``.
+
+``kill="none"``: no failover at all (the storm's baseline, ``storm`` > 0): the same lab, the
+same load and storm, so that a failover's cost is a difference between two runs of one setup.
+
 ``storm=N``: an enrollment storm of N simulated machines (bench/storm.py's simulation, run in a
 client namespace against the first instance's boot plane: DHCP through a relay, iPXE script,
 inventory) is under way when the primary is killed or cut; its result (time to all ready,
@@ -130,6 +140,11 @@ class Round:
     after_heal: dict[str, Any] | None = None
     #: Acknowledged writes missing on the rejoined replica.
     replica_missing: int = 0
+    #: The old primary still took writes when the standby's promotion was seen.
+    both_primary: bool = False
+    #: Lines of the new leader's Patroni log that say why it waited (partition: it sees the
+    #: old primary's REST API), counted: {"still alive": n, "ahead": n}.
+    waited: dict[str, int] = field(default_factory=dict)
     storm: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -150,6 +165,8 @@ class Round:
             "failback": self.failback,
             "after_heal": self.after_heal,
             "replica_missing": self.replica_missing,
+            "both_primary": self.both_primary,
+            "waited": self.waited,
             "storm": self.storm,
             "leader_before": self.leader_before,
             "leader_after": self.leader_after,
@@ -168,7 +185,7 @@ class Round:
 
     def summary(self) -> str:
         cut = ""
-        if self.kill == "cut":
+        if self.kill in ("cut", "partition"):
             cut = (
                 f"; cut: old primary no longer writable after {self.demoted_s} s "
                 f"({self.old_state} at the heal), dropped {self.cut_dropped}, rows only on the "
@@ -335,11 +352,15 @@ async def failover_round(
     ``cut`` (the primary's host cut off with nftables, then healed: see the module's
     docstring). ``storm``: that many simulated machines enroll meanwhile (netns mode)."""
     r = Round(kill=kill)
-    in_ns = kill == "cut" or storm > 0
+    cuts = kill in ("cut", "partition")
+    in_ns = cuts or storm > 0
     # etcd on hosts of its own, as deploy/patroni/ ships it; METALD_PG_ETCD_APART=0: etcd1 and
     # etcd2 beside pg1 and pg2 (the layout that shows Patroni 3.0's split brain at a heal).
+    # METALD_PG_DCS: JSON laid over the shipped bootstrap.dcs (bench/pg_failover.py --dcs).
     lab = PatroniLab(
-        netns=in_ns, etcd_apart=in_ns and os.environ.get("METALD_PG_ETCD_APART") != "0"
+        netns=in_ns,
+        etcd_apart=in_ns and os.environ.get("METALD_PG_ETCD_APART") != "0",
+        dcs=json.loads(os.environ.get("METALD_PG_DCS") or "{}"),
     )
     procs: list[subprocess.Popen[bytes]] = []
     storm_proc: subprocess.Popen[str] | None = None
@@ -382,7 +403,7 @@ async def failover_round(
         admin = (tmp / "api0" / "admin.token").read_text().strip()
         store = Store(url)
         # The load's claims take only these (the storm's machines are pool=storm).
-        if kill == "cut":  # a longer round (a ttl, then a heal): more for the claims to take
+        if cuts:  # a longer round (a ttl, then a heal): more for the claims to take
             machines = max(machines, 3000)
         add_ready(store, machines, labels={"pool": "load"})
         tenant = add_tenant(store, "acme")
@@ -512,50 +533,61 @@ async def failover_round(
                 old.proc.kill()
             if kill == "cut":
                 lab.cut(old)
-            else:
+            elif kill == "partition":  # its replication alone goes on
+                standby = next(n for n in lab.nodes if n.name != old.name)
+                lab.cut(old, allow=[standby.host])
+            elif kill != "none":
                 lab.kill_postmaster(old)
             killed = time.monotonic()
-
-            def promoted() -> bool:
-                new = lab.leader()
-                return new is not None and new.name != old.name and lab._writable(new)
-
-            # Polled in a thread: Patroni's REST calls block.
-            while not await asyncio.to_thread(promoted):
-                if time.monotonic() - killed > 120:
-                    raise TimeoutError(f"no standby promoted in 120 s: {lab.cluster()}")
-                if (
-                    kill == "cut"
-                    and r.demoted_s is None
-                    and await asyncio.to_thread(old_primary_state, lab, old) != "primary"
-                ):
-                    r.demoted_s = time.monotonic() - killed
-                await asyncio.sleep(0.05)
-            promoted_at = time.monotonic()
-            r.promoted_s = promoted_at - killed
-            leader = lab.leader()
-            r.leader_after = leader.name if leader else "?"
-            await until(
-                lambda: (
-                    claim_at
-                    and claim_at[-1][1] > promoted_at
-                    and ack_at
-                    and ack_at[-1][1] > promoted_at
-                ),
-                120,
-                "a claim and an ACK after the kill",
-            )
-            r.first_claim_s = min(d for _, d in claim_at if d > promoted_at) - killed
-            r.first_ack_s = min(d for _, d in ack_at if d > promoted_at) - killed
-            r.orphaned = sum(
-                1 for sent, done in (*claim_at, *ack_at) if sent > killed and done < promoted_at
-            )
-            n = len(r.claims)
-            await until(lambda: len(r.claims) >= n + 3, 60, "claims go on")
-            if kill == "cut":
-                await cut_then_heal(r, lab, old, killed)
+            if kill == "none":  # the baseline: no failover; the load goes on through the storm
+                r.leader_after = old.name
                 n = len(r.claims)
-                await until(lambda: len(r.claims) >= n + 3, 60, "claims go on after the heal")
+                await until(lambda: len(r.claims) >= n + 3, 60, "claims go on")
+            else:
+
+                def promoted() -> bool:
+                    new = lab.leader()
+                    return new is not None and new.name != old.name and lab._writable(new)
+
+                # Polled in a thread: Patroni's REST calls block.
+                while not await asyncio.to_thread(promoted):
+                    if time.monotonic() - killed > 120:
+                        raise TimeoutError(f"no standby promoted in 120 s: {lab.cluster()}")
+                    if (
+                        cuts
+                        and r.demoted_s is None
+                        and await asyncio.to_thread(old_primary_state, lab, old) != "primary"
+                    ):
+                        r.demoted_s = time.monotonic() - killed
+                    await asyncio.sleep(0.05)
+                promoted_at = time.monotonic()
+                r.promoted_s = promoted_at - killed
+                if cuts:  # two primaries at once: the split brain a partition invites
+                    state = await asyncio.to_thread(old_primary_state, lab, old)
+                    r.both_primary = state == "primary"
+                leader = lab.leader()
+                r.leader_after = leader.name if leader else "?"
+                await until(
+                    lambda: (
+                        claim_at
+                        and claim_at[-1][1] > promoted_at
+                        and ack_at
+                        and ack_at[-1][1] > promoted_at
+                    ),
+                    120,
+                    "a claim and an ACK after the kill",
+                )
+                r.first_claim_s = min(d for _, d in claim_at if d > promoted_at) - killed
+                r.first_ack_s = min(d for _, d in ack_at if d > promoted_at) - killed
+                r.orphaned = sum(
+                    1 for sent, done in (*claim_at, *ack_at) if sent > killed and done < promoted_at
+                )
+                n = len(r.claims)
+                await until(lambda: len(r.claims) >= n + 3, 60, "claims go on")
+                if cuts:
+                    await cut_then_heal(r, lab, old, killed)
+                    n = len(r.claims)
+                    await until(lambda: len(r.claims) >= n + 3, 60, "claims go on after the heal")
             if storm_out is not None:
                 assert storm_proc is not None
                 r.storm = await storm_result(storm_proc, storm_out, tmp)
@@ -583,7 +615,7 @@ async def failover_round(
             got_events = {x for (x,) in s.execute(text("SELECT id FROM events")).all()}
         r.lost_claims = set(r.claims) - got_claims
         r.lost_events = r.event_ids - got_events
-        if kill == "cut":  # and on the old primary, a replica again
+        if cuts:  # and on the old primary, a replica again
             r.replica_missing = await replica_missing(r, lab, old)
         if storm:
             with store.session() as s:
@@ -677,6 +709,11 @@ async def cut_then_heal(r: Round, lab: PatroniLab, old: PgNode, cut_at: float) -
     # Commits that reached the old primary alone and waited for the standby's flush: never
     # acknowledged; PostgreSQL cancels the wait when Patroni demotes it, pg_rewind drops them.
     r.sync_waits_cancelled = log.count("canceling the wait for synchronous replication")
+    new_log = lab.log(new.name)
+    r.waited = {
+        "still alive": new_log.count("is still alive"),
+        "ahead": new_log.count("is ahead of my wal position"),
+    }
 
 
 async def replica_missing(r: Round, lab: PatroniLab, old: PgNode) -> int:
@@ -768,5 +805,6 @@ async def storm_result(
         raise AssertionError(f"storm: {res['error']}; {(tmp / 'storm.log').read_text()[-2000:]}")
     p1 = res["phase1"]
     keep = ("wall_s", "ready", "dora", "dhcp_retransmits", "pxe_restarts", "http_retries",
-            "server_errors", "p50_s", "p99_s", "machines_held_up", "max_s")  # fmt: skip
+            "server_errors", "p50_s", "p99_s", "machines_held_up", "max_s",
+            "inventory_answers_lost")  # fmt: skip
     return {"machines": res["machines"], **{k: p1.get(k) for k in keep}}
