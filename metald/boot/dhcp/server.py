@@ -291,6 +291,7 @@ class DhcpServer:
             if self.leases is not None:
                 await self.leases.drain()
             if self._lookup_task is None or self._lookup_task.done():
+                self._flush_out()  # replies queued outside a drain or a commit
                 return
 
     # -- receive path -------------------------------------------------------------------
@@ -448,10 +449,12 @@ class DhcpServer:
                 child.inc(n)
 
     def handle_datagram(self, data: bytes, src: tuple[str, int], lst: _Listener) -> None:
-        """Handle one datagram; counters are updated before it returns."""
+        """Handle one datagram; its reply (if not waiting for a commit) is sent and counters
+        are updated before it returns."""
         try:
             self._handle(data, src, lst)
         finally:
+            self._flush_out()
             self._flush_counts()
 
     def _handle(self, data: bytes, src: tuple[str, int], lst: _Listener) -> None:
