@@ -104,9 +104,12 @@ class Metald(Server):
         self.tree = name.partition("@")[2] or None
 
     def start(self, ns: Netns, state: Path) -> None:
-        set_loop(self.name.partition("@")[0])
+        base = self.name.partition("@")[0]
+        single = base == "metald-single"  # this tree, one recvfrom/sendto per datagram
+        set_loop("metald" if single else base)
+        boot = METALD.replace("[boot]\n", "[boot]\ndhcp_batch_io = false\n") if single else METALD
         cfg = write_config(
-            state / "m.toml", state_dir=state / "st", boot=METALD, listen=f"{SRV}:8080"
+            state / "m.toml", state_dir=state / "st", boot=boot, listen=f"{SRV}:8080"
         )
         root = labnet.REPO_ROOT
         if self.tree:  # `python -m metald.boot` imports metald from its working directory
@@ -239,7 +242,8 @@ def main() -> int:
     ap.add_argument(
         "--servers",
         default="metald,kea,dnsmasq",
-        help="metald (its default event loop), metald-asyncio, metald-uvloop, kea, dnsmasq",
+        help="metald (its default event loop), metald-asyncio, metald-uvloop, metald-single "
+        "(boot.dhcp_batch_io = false), kea, dnsmasq",
     )
     ap.add_argument(
         "--repeat", type=int, default=1, help="run the whole ladder this many times, interleaved"

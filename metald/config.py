@@ -174,6 +174,9 @@ class BootConfig(_Section):
     #: Answer lock-step TFTP ACKs in the C loop (metald/boot/tftp/_fastack.c) where it is
     #: built; false: the pure-Python path (for comparison; the same answers, more CPU).
     tftp_fast_ack: bool = True
+    #: Read and send DHCP datagrams in batches (recvmmsg/sendmmsg, metald/boot/dhcp/_batchio.c)
+    #: where built; false: one recvfrom/sendto per datagram (for comparison; the same answers).
+    dhcp_batch_io: bool = True
     #: Boot assets of 1 MiB or more are sent by the kernel from up to this many worker
     #: threads (blocking sendfile, metald/boot/sendfile.py), so downloads use every core;
     #: 0: all on the event loop.

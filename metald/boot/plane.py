@@ -247,6 +247,7 @@ class BootPlane:
                 port=b.dhcp_port,
                 proxy_port=b.proxy_port,
                 enroll_limits=EnrollLimits.from_config(b.dhcp_enroll_limit),
+                batch_io=b.dhcp_batch_io,
             )
             self.services.append(self.dhcp)
         if b.assets_dir and b.interfaces:

@@ -99,7 +99,7 @@ def shell(request: pytest.FixtureRequest) -> Iterator[Shell]:
     loop = asyncio.new_event_loop()
     if request.param == "hub":
         assert FAST_READY is not None
-        sh = Shell(loop, FAST_DRAIN, _Hub(loop, FAST_READY))
+        sh = Shell(loop, FAST_DRAIN, _Hub(loop, *FAST_READY))
     else:
         sh = Shell(loop, request.param)
     try:
@@ -237,7 +237,7 @@ def test_one_hub_wake_up_serves_every_ready_transfer() -> None:
     leaves the set (its descriptor number can be reused by the next socket)."""
     assert FAST_READY is not None
     loop = asyncio.new_event_loop()
-    hub = _Hub(loop, FAST_READY)
+    hub = _Hub(loop, *FAST_READY)
     shells = [Shell(loop, FAST_DRAIN, hub) for _ in range(3)]
     try:
         for sh in shells:
@@ -257,10 +257,12 @@ def test_one_hub_wake_up_serves_every_ready_transfer() -> None:
         assert python_calls == []
         for sh, last in zip(shells, before, strict=True):
             assert block(sh.client.recv(2048)) == 3
+            assert (sh.machine.acked, sh.machine.sent) == (1, 2)  # in the lane until taken
+            sh.t._sync()
             assert (sh.machine.acked, sh.machine.sent) == (2, 3) and sh.t.last >= last
-        assert set(hub.transfers) == {sh.sock.fileno() for sh in shells}
+        assert set(hub.lanes) == {sh.sock.fileno() for sh in shells}
         shells[0].t.close()
-        assert set(hub.transfers) == {sh.sock.fileno() for sh in shells[1:]}
+        assert set(hub.lanes) == {sh.sock.fileno() for sh in shells[1:]}
         hub._wake()  # nothing ready: nothing sent
         assert all(nothing_queued(sh.client) for sh in shells[1:])
     finally:

@@ -101,6 +101,9 @@ class LeaseStore:
         #: This instance's name when others share the table (PostgreSQL): each commit then
         #: announces its rows on NOTIFY_CHANNEL, so theirs learn them at once.
         self.notify_as: str | None = None
+        #: Called after a batch's callbacks have run (the DHCP server sends the replies they
+        #: queued then, in one sendmmsg).
+        self.after_batch: Callable[[], None] | None = None
 
     async def load(self) -> int:
         # Oldest write first, so a MAC's current record is its last one, as before the restart
@@ -176,6 +179,11 @@ class LeaseStore:
                 done(res)
             except Exception:
                 log.exception("lease write callback failed")
+        if self.after_batch is not None:
+            try:
+                self.after_batch()
+            except Exception:
+                log.exception("lease write batch callback failed")
 
     async def drain(self) -> None:
         while self._inline_scheduled or (self._flusher is not None and not self._flusher.done()):

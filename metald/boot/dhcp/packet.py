@@ -9,6 +9,7 @@ RFC 3396 says to concatenate.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 from ipaddress import IPv4Address
@@ -387,9 +388,33 @@ def _options_block(opts: dict[int, bytes], pad_to: int = _BLOCK_PAD_TO) -> bytes
     return block if len(block) >= pad_to else block + bytes(pad_to - len(block))
 
 
+def _fast_serialize() -> Callable[[DhcpPacket, type], bytes | None] | None:
+    """The C encoder (``_codec.c``, built by setup.py where a compiler is there) or None."""
+    try:
+        from metald.boot.dhcp._codec import serialize300  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    fn: Callable[[DhcpPacket, type], bytes | None] = serialize300
+    return fn
+
+
+#: ``serialize`` in C for the well-typed packets the server builds (the same bytes; anything
+#: else, and every error, is Python's below). None where the extension is not built.
+FAST_SERIALIZE = _fast_serialize()
+
+
 def serialize(pkt: DhcpPacket, *, min_size: int = 300) -> bytes:
     """Encode a packet. Message type goes first (some ROMs expect it there); the result is
     padded to ``min_size`` because old BOOTP relays and clients drop shorter datagrams."""
+    if min_size == 300 and FAST_SERIALIZE is not None:
+        out = FAST_SERIALIZE(pkt, IPv4Address)
+        if out is not None:
+            return out
+    return serialize_py(pkt, min_size=min_size)
+
+
+def serialize_py(pkt: DhcpPacket, *, min_size: int = 300) -> bytes:
+    """``serialize`` in Python: the reference, and the path for what C leaves to it."""
     sname, file, chaddr, opts = pkt.sname, pkt.file, pkt.chaddr, pkt.options
     if len(sname) > 63 or len(file) > 127:
         raise ValueError("sname or file too long for the fixed fields")

@@ -16,10 +16,13 @@ split, fencing), and reads a client this table does not know from the store befo
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import logging
+import os
 import socket
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from ipaddress import IPv4Address
@@ -32,6 +35,7 @@ from metald.boot.dhcp.enroll_limit import EnrollLimiter, EnrollLimits, keys_for
 from metald.boot.dhcp.full import FullHandler
 from metald.boot.dhcp.lease_store import COMMIT_INTERVAL, LeaseStore, WriteResult
 from metald.boot.dhcp.packet import (
+    MAX_PACKET,
     ZERO,
     DhcpPacket,
     MalformedPacket,
@@ -107,6 +111,26 @@ POLL_INTERVAL = COMMIT_INTERVAL
 #: each such machine was then served its script without a token: a wasted discovery boot.
 MAX_HOOK_CALLS = 2048
 
+
+def _batch_io() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """``recv_batch`` and ``send_batch`` of the C extension (``_batchio.c``: recvmmsg and
+    sendmmsg, several datagrams per system call), or None where it is not built: then one
+    recvfrom or sendto per datagram."""
+    try:
+        from metald.boot.dhcp._batchio import recv_batch, send_batch
+    except ImportError:
+        return None
+    return recv_batch, send_batch
+
+
+#: Chosen at import; ``DhcpServer(batch_io=False)`` reads and sends one datagram per call
+#: whatever this is.
+BATCH_IO = _batch_io()
+#: What recv_batch keeps of a datagram: one byte more than ``parse`` accepts, so a longer
+#: one is still refused as oversized, as the whole datagram from recvfrom is.
+_RECV_SIZE = MAX_PACKET + 1
+_SEND_AGAIN = (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR)
+
 #: Metric labels, computed once instead of ``mtype.name.lower()`` per packet.
 _TYPE_LABELS = {t: t.name.lower() for t in MessageType}
 _REPLY_LABELS = {bytes((t,)): t.name.lower() for t in MessageType}
@@ -122,6 +146,8 @@ class _Listener:
     proxy_port: bool
     #: The next poll while the socket is polled rather than waited on (see ``_drain``).
     poll: asyncio.Handle | None = None
+    #: Read and answered in batches (``BATCH_IO``); else one datagram per call.
+    batch: bool = False
 
 
 def relay_agent_view(pkt: DhcpPacket) -> dict[str, str] | None:
@@ -155,6 +181,7 @@ class DhcpServer:
         clock: Callable[[], float] = time.time,
         relay_port: int = SERVER_PORT,
         enroll_limits: EnrollLimits | None = None,
+        batch_io: bool = True,
     ) -> None:
         if mode not in ("full", "proxy"):
             raise ValueError(f"DHCP mode {mode!r}")
@@ -189,6 +216,19 @@ class DhcpServer:
         self._looked_up: dict[str, float] = {}
         self._lookups: list[tuple[DhcpPacket, NetworkPlan, tuple[str, int], _Listener]] = []
         self._lookup_task: asyncio.Task[None] | None = None
+        #: recvmmsg/sendmmsg (``BATCH_IO``), unless not built or turned off (tests, benches).
+        self.batch_io = BATCH_IO if batch_io else None
+        #: Replies waiting to go out in one sendmmsg per socket, as parallel lists (socket,
+        #: bytes, host, port, message type): sent at the end of the wake-up that made them
+        #: (``_flush_out``).
+        self._out_socks: list[socket.socket] = []
+        self._out_data: list[bytes] = []
+        self._out_hosts: list[str] = []
+        self._out_ports: list[int] = []
+        self._out_types: list[bytes | None] = []
+        self._out_flush_scheduled = False
+        #: The listeners' sockets that send in batches.
+        self._batch_socks: set[socket.socket] = set()
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -209,11 +249,18 @@ class DhcpServer:
     def _listen(self, iface: str, port: int, *, proxy_port: bool) -> None:
         assert self._loop is not None
         sock = udp_socket(self.bind_host, port, interface=iface, broadcast=True)
-        lst = _Listener(sock, iface, proxy_port)
+        batch = self.batch_io is not None and sock.family == socket.AF_INET
+        lst = _Listener(sock, iface, proxy_port, batch=batch)
+        if batch:
+            self._batch_socks.add(sock)
+            if self.leases is not None:
+                # The ACKs of one commit leave in one sendmmsg, right after it.
+                self.leases.after_batch = self._flush_out
         self._listeners.append(lst)
         self._loop.add_reader(sock.fileno(), self._readable, lst)
 
     async def stop(self) -> None:
+        self._flush_out()
         self._flush_counts()
         for lst in self._listeners:
             if lst.poll is not None:
@@ -223,6 +270,7 @@ class DhcpServer:
                 self._loop.remove_reader(lst.sock.fileno())
             lst.sock.close()
         self._listeners.clear()
+        self._batch_socks.clear()
         if self._lookup_task is not None:
             self._lookup_task.cancel()
             await asyncio.gather(self._lookup_task, return_exceptions=True)
@@ -243,6 +291,7 @@ class DhcpServer:
             if self.leases is not None:
                 await self.leases.drain()
             if self._lookup_task is None or self._lookup_task.done():
+                self._flush_out()  # replies queued outside a drain or a commit
                 return
 
     # -- receive path -------------------------------------------------------------------
@@ -279,6 +328,8 @@ class DhcpServer:
         polled every ``poll_interval`` and each poll handles what arrived since: one pass
         per poll, not per packet. An idle socket is waited on as before (no added latency
         for the first packet of a burst)."""
+        if lst.batch:
+            return self._drain_batch(lst)
         recvfrom, handle = lst.sock.recvfrom, self._handle
         self._counts_flush_scheduled = True  # flushed below, at the end of this wake-up
         n = 0
@@ -296,6 +347,84 @@ class DhcpServer:
         finally:
             self._flush_counts()
         return n
+
+    def _drain_batch(self, lst: _Listener) -> int:
+        """``_drain`` with recvmmsg: what the socket holds (at most MAX_DRAIN) read in a few
+        system calls, each datagram handled exactly as there, in order; the replies made meanwhile
+        leave together at the end (sendmmsg)."""
+        assert self.batch_io is not None
+        handle = self._handle
+        self._counts_flush_scheduled = True  # flushed below, at the end of this wake-up
+        self._out_flush_scheduled = True  # the same for the replies
+        n = 0
+        try:
+            got, err = self.batch_io[0](lst.sock.fileno(), MAX_DRAIN, _RECV_SIZE)
+            for data, src in got:
+                n += 1
+                handle(data, src, lst)
+            if err and err not in _SEND_AGAIN:
+                log.warning("DHCP receive on %s: %s", lst.interface, os.strerror(err))
+        finally:
+            self._flush_out()
+            self._flush_counts()
+        return n
+
+    def _flush_out(self) -> None:
+        """Send the replies queued by ``_send``, in order, one sendmmsg per socket (a run of
+        replies for one socket), each counted as ``_send`` counts it."""
+        self._out_flush_scheduled = False
+        socks = self._out_socks
+        if not socks:
+            return
+        data, hosts, ports, types = (
+            self._out_data,
+            self._out_hosts,
+            self._out_ports,
+            self._out_types,
+        )
+        self._out_socks, self._out_data, self._out_hosts = [], [], []
+        self._out_ports, self._out_types = [], []
+        if socks.count(socks[0]) == len(socks):  # one listener: the usual case
+            self._send_run(socks[0], data, hosts, ports, types)
+            return
+        i = 0
+        while i < len(socks):
+            j = i + 1
+            while j < len(socks) and socks[j] is socks[i]:
+                j += 1
+            self._send_run(socks[i], data[i:j], hosts[i:j], ports[i:j], types[i:j])
+            i = j
+
+    def _send_run(
+        self,
+        sock: socket.socket,
+        data: list[bytes],
+        hosts: list[str],
+        ports: list[int],
+        types: list[bytes | None],
+    ) -> None:
+        if sock.fileno() < 0:  # closed meanwhile (stop): as _send, nothing to send on
+            return
+        assert self.batch_io is not None
+        failed = self.batch_io[1](sock.fileno(), data, hosts, ports)
+        if failed:
+            types = types[:]
+            for k, err in reversed(failed):
+                del types[k]
+                if err in _SEND_AGAIN:
+                    self._count(metrics.dhcp_dropped, "send-queue-full")
+                else:
+                    log.warning(
+                        "DHCP send to %s failed: %s", (hosts[k], ports[k]), os.strerror(err)
+                    )
+                    self._count(metrics.dhcp_dropped, "send-failed")
+        counts = self._counts
+        for mt, n in Counter(types).items():
+            key = (metrics.dhcp_replies, _REPLY_LABELS.get(mt, "bootp") if mt else "bootp")
+            counts[key] = counts.get(key, 0) + n
+        if not self._counts_flush_scheduled and self._loop is not None:
+            self._counts_flush_scheduled = True
+            self._loop.call_soon(self._flush_counts)
 
     # -- counters -----------------------------------------------------------------------
     # Counted in a plain dict per wake-up and added to the Prometheus counters once at its
@@ -320,10 +449,12 @@ class DhcpServer:
                 child.inc(n)
 
     def handle_datagram(self, data: bytes, src: tuple[str, int], lst: _Listener) -> None:
-        """Handle one datagram; counters are updated before it returns."""
+        """Handle one datagram; its reply (if not waiting for a commit) is sent and counters
+        are updated before it returns."""
         try:
             self._handle(data, src, lst)
         finally:
+            self._flush_out()
             self._flush_counts()
 
     def _handle(self, data: bytes, src: tuple[str, int], lst: _Listener) -> None:
@@ -498,6 +629,18 @@ class DhcpServer:
             return
         if dest[1] == SERVER_PORT and self.relay_port != SERVER_PORT:
             dest = (dest[0], self.relay_port)
+        if sock in self._batch_socks:
+            # Queued: sent with the wake-up's other replies (_flush_out), counted there.
+            self._out_socks.append(sock)
+            self._out_data.append(serialize(reply))
+            self._out_hosts.append(dest[0])
+            self._out_ports.append(dest[1])
+            self._out_types.append(reply.options.get(Opt.MESSAGE_TYPE))
+            if not self._out_flush_scheduled and self._loop is not None:
+                # Queued outside a drain or a commit (a read-through): sent on the next pass.
+                self._out_flush_scheduled = True
+                self._loop.call_soon(self._flush_out)
+            return
         try:
             sock.sendto(serialize(reply), dest)
         except (BlockingIOError, InterruptedError):

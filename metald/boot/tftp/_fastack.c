@@ -14,7 +14,8 @@
  * event-loop callback), ready() serves every ready socket of the server's lock-step hub, an
  * epoll set of all transfer sockets that is one reader on the event loop: one loop callback
  * per wake-up instead of one per ready socket (the dispatch that was what was left of
- * metald's user time against dnsmasq, bench/BOOT.md).
+ * metald's user time against dnsmasq, bench/BOOT.md). ready() answers from each transfer's
+ * Lane, the lock-step state Python arms it with, not from the transfer's attributes.
  *
  * Why hand-written C and not a library: Python's socket module has no recvmmsg/sendmmsg, and
  * batching would not help here anyway (in lock-step each transfer socket holds one ACK at a
@@ -153,102 +154,188 @@ drain(PyObject *self, PyObject *args)
                          send_failed ? Py_True : Py_False);
 }
 
-/* Attribute names read by ready(), interned once at import. */
-static PyObject *s_confirmed, *s_machine, *s_window, *s_result, *s_packets, *s_acked, *s_sent,
-    *s_nblocks, *s_last;
+/* A Lane: one hub transfer's lock-step state as C holds it while it may answer in Python's
+ * place (server.py, _Transfer's lane). Python arms it with the transfer's state when the
+ * transfer is confirmed, running, windowsize 1 with shared packets, and disarms it otherwise;
+ * ready() then answers in-order ACKs from it with no Python attribute read or call (what was
+ * left of metald's user time per ACK in the hub: nine attribute reads, a method call and an
+ * attribute write per ready socket). What C advanced, Python takes back (take()) before it
+ * touches the transfer in any other way (a datagram C did not handle, the silence timer),
+ * so the transfer's own state is the truth whenever Python reads it. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *transfer; /* handed back to Python with what it must handle */
+    PyObject *packets;  /* the shared DATA packets while armed, else NULL */
+    Py_ssize_t acked, sent, nblocks;
+    double last; /* when C last sent (the `now` of that ready() call) */
+    char armed, advanced;
+} Lane;
 
-/* An attribute as a Py_ssize_t; -1 (and no exception) when it is missing or not an int. */
-static Py_ssize_t
-int_attr(PyObject *o, PyObject *name)
+static PyTypeObject LaneType;
+
+static int
+Lane_init(Lane *self, PyObject *args, PyObject *kwds)
 {
-    PyObject *v = PyObject_GetAttr(o, name);
-    if (v == NULL) {
-        PyErr_Clear();
+    PyObject *transfer;
+    static char *kwlist[] = {"transfer", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O", kwlist, &transfer))
         return -1;
-    }
-    Py_ssize_t r = PyLong_Check(v) ? PyLong_AsSsize_t(v) : -1;
-    Py_DECREF(v);
-    if (r == -1 && PyErr_Occurred())
-        PyErr_Clear();
-    return r;
+    Py_INCREF(transfer);
+    Py_XSETREF(self->transfer, transfer);
+    Py_CLEAR(self->packets);
+    self->acked = self->sent = self->nblocks = 0;
+    self->last = 0.0;
+    self->armed = self->advanced = 0;
+    return 0;
 }
 
-/* One ready transfer socket: the lock-step loop when the transfer is confirmed, running with
- * windowsize 1 and shared packets (exactly ReadTransfer.lockstep_packets' condition plus the
- * shell's own `confirmed`, so its "confirmed" event has gone out); 1 = Python must look at it
- * (*datagram, *send_failed say why; neither: the transfer is not one the loop may answer),
- * 0 = done here, -1 = a Python error. */
 static int
-serve_one(PyObject *t, int fd, PyObject *running, PyObject *now, Py_ssize_t limit,
-          PyObject **datagram, int *send_failed)
+Lane_traverse(Lane *self, visitproc visit, void *arg)
 {
+    Py_VISIT(self->transfer);
+    Py_VISIT(self->packets);
+    return 0;
+}
+
+static int
+Lane_clear(Lane *self)
+{
+    Py_CLEAR(self->transfer);
+    Py_CLEAR(self->packets);
+    self->armed = 0;
+    return 0;
+}
+
+static void
+Lane_dealloc(Lane *self)
+{
+    PyObject_GC_UnTrack(self);
+    Lane_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* arm(packets, acked, sent, nblocks): C may answer in-order ACKs from this state. Refused
+ * (ValueError) when inconsistent, as drain() refuses it; anything C advanced and Python has
+ * not taken is dropped (Python passes its current state, having taken it first). */
+static PyObject *
+Lane_arm(Lane *self, PyObject *args)
+{
+    PyObject *packets;
+    Py_ssize_t acked, sent, nblocks;
+    if (!PyArg_ParseTuple(args, "O!nnn", &PyList_Type, &packets, &acked, &sent, &nblocks))
+        return NULL;
+    if (!consistent(acked, sent, nblocks, packets)) {
+        PyErr_SetString(PyExc_ValueError, "arm: inconsistent transfer state");
+        return NULL;
+    }
+    Py_INCREF(packets);
+    Py_XSETREF(self->packets, packets);
+    self->acked = acked;
+    self->sent = sent;
+    self->nblocks = nblocks;
+    self->armed = 1;
+    self->advanced = 0;
+    Py_RETURN_NONE;
+}
+
+/* disarm(): C answers nothing more; ready() hands every readiness to Python. */
+static PyObject *
+Lane_disarm(Lane *self, PyObject *Py_UNUSED(ignored))
+{
+    self->armed = 0;
+    Py_CLEAR(self->packets);
+    Py_RETURN_NONE;
+}
+
+/* take() -> (acked, sent, last) when C answered ACKs since the last take() or arm(), else
+ * None. */
+static PyObject *
+Lane_take(Lane *self, PyObject *Py_UNUSED(ignored))
+{
+    if (!self->advanced)
+        Py_RETURN_NONE;
+    self->advanced = 0;
+    return Py_BuildValue("nnd", self->acked, self->sent, self->last);
+}
+
+static PyObject *
+Lane_get_armed(Lane *self, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(self->armed);
+}
+
+static PyObject *
+Lane_get_transfer(Lane *self, void *Py_UNUSED(closure))
+{
+    return Py_NewRef(self->transfer ? self->transfer : Py_None);
+}
+
+static PyMethodDef Lane_methods[] = {
+    {"arm", (PyCFunction)Lane_arm, METH_VARARGS,
+     "arm(packets, acked, sent, nblocks): C may answer in-order ACKs from this state."},
+    {"disarm", (PyCFunction)Lane_disarm, METH_NOARGS, "disarm(): C answers nothing more."},
+    {"take", (PyCFunction)Lane_take, METH_NOARGS,
+     "take() -> (acked, sent, last) | None: what C advanced since the last take or arm."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Lane_getset[] = {
+    {"armed", (getter)Lane_get_armed, NULL, "whether C may answer ACKs", NULL},
+    {"transfer", (getter)Lane_get_transfer, NULL, "the transfer", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject LaneType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "metald.boot.tftp._fastack.Lane",
+    .tp_basicsize = sizeof(Lane),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "One hub transfer's lock-step state while C may answer its ACKs.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Lane_init,
+    .tp_dealloc = (destructor)Lane_dealloc,
+    .tp_traverse = (traverseproc)Lane_traverse,
+    .tp_clear = (inquiry)Lane_clear,
+    .tp_methods = Lane_methods,
+    .tp_getset = Lane_getset,
+};
+
+/* One ready socket of an armed lane: the lock-step loop on the lane's state. 1 = Python must
+ * look at it (*datagram, *send_failed say why), 0 = done here, -1 = a Python error. */
+static int
+serve_lane(Lane *lane, int fd, double now, Py_ssize_t limit, PyObject **datagram,
+           int *send_failed)
+{
+    Py_ssize_t acked = lane->acked, sent = lane->sent, handled;
     *datagram = NULL;
     *send_failed = 0;
-    PyObject *confirmed = PyObject_GetAttr(t, s_confirmed);
-    if (confirmed == NULL)
+    if (!consistent(acked, sent, lane->nblocks, lane->packets))
+        return 1; /* cannot happen (arm checked it and the list is Python's shared one) */
+    if (drain_fd(fd, lane->packets, &acked, &sent, lane->nblocks, limit, &handled, datagram,
+                 send_failed))
         return -1;
-    int ok = confirmed == Py_True;
-    Py_DECREF(confirmed);
-    if (!ok)
-        return 1;
-    PyObject *m = PyObject_GetAttr(t, s_machine);
-    if (m == NULL)
-        return -1;
-    int rc = 1;
-    PyObject *result = NULL, *packets = NULL;
-    if (int_attr(m, s_window) != 1)
-        goto out;
-    result = PyObject_GetAttr(m, s_result);
-    if (result == NULL) {
-        rc = -1;
-        goto out;
-    }
-    if (result != running)
-        goto out;
-    packets = PyObject_GetAttr(m, s_packets);
-    if (packets == NULL) {
-        rc = -1;
-        goto out;
-    }
-    if (!PyList_CheckExact(packets))
-        goto out;
-    Py_ssize_t acked = int_attr(m, s_acked), sent = int_attr(m, s_sent),
-               nblocks = int_attr(m, s_nblocks), handled;
-    if (!consistent(acked, sent, nblocks, packets))
-        goto out;
-    if (drain_fd(fd, packets, &acked, &sent, nblocks, limit, &handled, datagram, send_failed)) {
-        rc = -1;
-        goto out;
-    }
     if (handled) {
-        PyObject *r = PyObject_CallMethod(m, "lockstep_advanced", "nn", acked, sent);
-        if (r == NULL || PyObject_SetAttr(t, s_last, now) < 0) {
-            Py_XDECREF(r);
-            Py_CLEAR(*datagram);
-            rc = -1;
-            goto out;
-        }
-        Py_DECREF(r);
+        lane->acked = acked;
+        lane->sent = sent;
+        lane->last = now;
+        lane->advanced = 1;
     }
-    rc = (*datagram != NULL || *send_failed) ? 1 : 0;
-out:
-    Py_XDECREF(packets);
-    Py_XDECREF(result);
-    Py_DECREF(m);
-    return rc;
+    return (*datagram != NULL || *send_failed) ? 1 : 0;
 }
 
 #define READY_MAX 256
 
-/* ready(epfd, transfers, running, now, limit) -> [(transfer, datagram | None, send_failed)]
+/* ready(epfd, lanes, now, limit) -> [(transfer, datagram | None, send_failed)]
  *
  * One wake-up of the server's lock-step hub (server.py, _Hub): the transfer sockets ready in
- * the epoll set `epfd` (at most READY_MAX, no wait), each looked up in `transfers` (fd ->
- * _Transfer) and served by the loop above, at most `limit` datagrams each; `now` is stored
- * as the transfer's `last` when it sent. What Python must do is returned: a transfer the loop
- * may not answer (unconfirmed, windowsize > 1, finished: Python's drain reads it), the first
- * datagram the loop did not handle (Python handles it, then drains on), or a failed send
- * (Python retries it). A ready descriptor not in `transfers` is skipped.
+ * the epoll set `epfd` (at most READY_MAX, no wait), each looked up in `lanes` (fd -> Lane).
+ * An armed lane's socket is served by the loop above from the lane's state, at most `limit`
+ * datagrams (`now` is stored as the lane's `last` when it sent). What Python must do comes
+ * back: a disarmed lane's transfer (unconfirmed, windowsize > 1, finished: Python's drain
+ * reads it), the first datagram the loop did not handle (Python handles it, then drains on),
+ * or a failed send (Python retries it). A ready descriptor not in `lanes` is skipped.
+ * The epoll set is level-triggered: a socket left with datagrams is reported again by the
+ * next call, so the hub reads one datagram per socket per wake-up (server.py, HUB_READS):
+ * in lock-step a socket holds one ACK at a time and a second recv would find it empty.
  * (Looking at the set again in the same call while all was served here, up to 4 or 16 times,
  * measured no difference: bench/BOOT.md.)
  */
@@ -256,12 +343,12 @@ static PyObject *
 ready(PyObject *self, PyObject *args)
 {
     int epfd;
-    PyObject *transfers, *running, *now;
+    PyObject *lanes;
+    double now;
     Py_ssize_t limit;
     (void)self;
 
-    if (!PyArg_ParseTuple(args, "iO!OOn", &epfd, &PyDict_Type, &transfers, &running, &now,
-                          &limit))
+    if (!PyArg_ParseTuple(args, "iO!dn", &epfd, &PyDict_Type, &lanes, &now, &limit))
         return NULL;
     if (epfd < 0 || limit < 0) {
         PyErr_SetString(PyExc_ValueError, "ready: bad arguments");
@@ -284,33 +371,39 @@ ready(PyObject *self, PyObject *args)
         PyObject *key = PyLong_FromLong(fd);
         if (key == NULL)
             goto fail;
-        PyObject *t = PyDict_GetItemWithError(transfers, key); /* borrowed */
+        PyObject *o = PyDict_GetItemWithError(lanes, key); /* borrowed */
         Py_DECREF(key);
-        if (t == NULL) {
+        if (o == NULL) {
             if (PyErr_Occurred())
                 goto fail;
             continue;
         }
-        Py_INCREF(t);
-        PyObject *datagram;
-        int send_failed;
-        int rc = serve_one(t, fd, running, now, limit, &datagram, &send_failed);
-        if (rc < 0) {
-            Py_DECREF(t);
+        if (!PyObject_TypeCheck(o, &LaneType)) {
+            PyErr_SetString(PyExc_TypeError, "ready: lanes must map descriptors to Lanes");
             goto fail;
         }
+        Lane *lane = (Lane *)o;
+        if (lane->transfer == NULL)
+            continue;
+        PyObject *datagram = NULL;
+        int send_failed = 0, rc = 1;
+        if (lane->armed) {
+            Py_INCREF(lane);
+            rc = serve_lane(lane, fd, now, limit, &datagram, &send_failed);
+            Py_DECREF(lane);
+            if (rc < 0)
+                goto fail;
+        }
         if (rc == 1) {
-            PyObject *item = Py_BuildValue(
-                "(NNO)", t, datagram ? datagram : Py_NewRef(Py_None),
-                send_failed ? Py_True : Py_False);
+            PyObject *item =
+                Py_BuildValue("(ONO)", lane->transfer, datagram ? datagram : Py_NewRef(Py_None),
+                              send_failed ? Py_True : Py_False);
             if (item == NULL)
                 goto fail;
             int a = PyList_Append(todo, item);
             Py_DECREF(item);
             if (a < 0)
                 goto fail;
-        } else {
-            Py_DECREF(t);
         }
     }
     return todo;
@@ -325,9 +418,9 @@ static PyMethodDef methods[] = {
      "send_failed): answer in-order lock-step ACKs with prebuilt DATA packets until the "
      "first datagram Python must handle, EAGAIN, or limit datagrams."},
     {"ready", ready, METH_VARARGS,
-     "ready(epfd, transfers, running, now, limit) -> [(transfer, datagram, send_failed)]: "
-     "serve the lock-step transfer sockets ready in an epoll set; return what Python must "
-     "handle."},
+     "ready(epfd, lanes, now, limit) -> [(transfer, datagram, send_failed)]: serve the "
+     "lock-step transfer sockets ready in an epoll set from their armed lanes; return what "
+     "Python must handle."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -342,18 +435,14 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__fastack(void)
 {
-#define INTERN(var, text)                                                                      \
-    if ((var = PyUnicode_InternFromString(text)) == NULL)                                      \
+    if (PyType_Ready(&LaneType) < 0)
         return NULL;
-    INTERN(s_confirmed, "confirmed")
-    INTERN(s_machine, "machine")
-    INTERN(s_window, "window")
-    INTERN(s_result, "result")
-    INTERN(s_packets, "_packets")
-    INTERN(s_acked, "acked")
-    INTERN(s_sent, "sent")
-    INTERN(s_nblocks, "nblocks")
-    INTERN(s_last, "last")
-#undef INTERN
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(m, "Lane", (PyObject *)&LaneType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

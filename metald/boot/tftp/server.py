@@ -21,6 +21,7 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 from time import monotonic
+from typing import Any
 
 from metald.boot import metrics
 from metald.boot.netutil import SO_BINDTODEVICE, udp_socket
@@ -51,13 +52,14 @@ def _fast_drain() -> Callable[..., tuple[int, int, int, bytes | None, bool]] | N
     return drain
 
 
-def _fast_ready() -> Callable[..., list[tuple[_Transfer, bytes | None, bool]]] | None:
-    """The C hub loop (``_fastack.ready``) or None."""
+def _fast_ready() -> tuple[Callable[..., list[tuple[_Transfer, bytes | None, bool]]], type] | None:
+    """The C hub loop (``_fastack.ready``) and its per-transfer state (``_fastack.Lane``),
+    or None."""
     try:
-        from metald.boot.tftp._fastack import ready
+        from metald.boot.tftp._fastack import Lane, ready
     except ImportError:
         return None
-    return ready
+    return ready, Lane
 
 
 #: Chosen at import; ``TftpServer(fast_ack=False)`` (config ``boot.tftp_fast_ack = false``,
@@ -66,6 +68,11 @@ FAST_DRAIN = _fast_drain()
 FAST_READY = _fast_ready()
 
 IP_PKTINFO = getattr(socket, "IP_PKTINFO", 8)
+#: Datagrams the hub's C loop reads per ready socket per wake-up. One: in lock-step a socket
+#: holds one ACK at a time, so a second recv would fail with EAGAIN (a syscall per ACK for
+#: nothing); the epoll set is level-triggered, so anything still queued is reported again by
+#: the next wake-up. (bench/BOOT.md: 64 against 1.)
+HUB_READS = 1
 #: Descriptors left for everything else in the process (API, database, DHCP) when the
 #: transfer cap is fitted under RLIMIT_NOFILE: each transfer holds one socket.
 FD_RESERVE = 256
@@ -77,40 +84,54 @@ class _Hub:
     With one ``add_reader`` per transfer socket, each ready socket costs the loop a selector
     key, a handle and a callback per wake-up: with 200 lock-step clients, what was left of
     metald's user time against dnsmasq. Here the loop wakes for the hub's epoll descriptor and
-    the C loop (``_fastack.ready``) serves every ready socket at once: in-order lock-step ACKs
-    are answered there exactly as ``_Transfer._readable``'s C drain answers them; whatever it
-    may not answer (unconfirmed transfers, windowsize > 1, the last ACK, any other datagram, a
-    failed send) comes back and goes through ``_Transfer._readable`` as before. The epoll set
-    is level-triggered, as the loop's own selector: a socket left with datagrams (the
-    per-socket bound) is reported again on the next wake-up.
+    the C loop (``_fastack.ready``) serves every ready socket at once. Each transfer has a
+    ``Lane`` (C): while the transfer is confirmed, running, windowsize 1 with shared packets,
+    its lane is armed with the transfer's state and C answers in-order ACKs from it, exactly
+    as ``_Transfer._readable``'s C drain answers them, without reading a Python attribute;
+    the transfer takes back what C advanced (``_Transfer._sync``) before Python touches it.
+    Whatever C may not answer (a disarmed lane, the last ACK, any other datagram, a failed
+    send) comes back and goes through ``_Transfer._readable`` as before. The epoll set is
+    level-triggered, as the loop's own selector: a socket left with datagrams (``HUB_READS``
+    per wake-up) is reported again on the next wake-up.
     """
 
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
         ready: Callable[..., list[tuple[_Transfer, bytes | None, bool]]],
+        lane: type | None = None,
     ) -> None:
         self.loop = loop
         self.ready = ready
+        #: The lane type; a test's stand-in ``ready`` may run without one.
+        self.lane = lane
         self.ep = select.epoll()
-        self.transfers: dict[int, _Transfer] = {}
+        #: Transfer socket descriptor -> its lane (the C loop looks them up here).
+        self.lanes: dict[int, Any] = {}
         loop.add_reader(self.ep.fileno(), self._wake)
 
-    def add(self, t: _Transfer) -> None:
+    def add(self, t: _Transfer) -> Any:
+        """Watch ``t``'s socket; its lane (disarmed until the transfer arms it)."""
         fd = t.sock.fileno()
+        lane = self.lane(t) if self.lane is not None else None
         self.ep.register(fd, select.EPOLLIN)
-        self.transfers[fd] = t
+        self.lanes[fd] = lane
+        return lane
 
     def remove(self, t: _Transfer) -> None:
         fd = t.sock.fileno()
-        if self.transfers.pop(fd, None) is not None:
+        if fd in self.lanes:
+            lane = self.lanes.pop(fd)
+            if lane is not None:
+                lane.disarm()
             self.ep.unregister(fd)
 
     def _wake(self) -> None:
-        todo = self.ready(self.ep.fileno(), self.transfers, RUNNING, monotonic(), 64)
+        todo = self.ready(self.ep.fileno(), self.lanes, monotonic(), HUB_READS)
         for t, data, failed in todo:
             if t.closed:
                 continue
+            t._sync()
             if failed:  # sent once in C; the Python path's retries, as for its own send
                 m = t.machine
                 if m._packets is not None:
@@ -120,7 +141,10 @@ class _Hub:
     def close(self) -> None:
         self.loop.remove_reader(self.ep.fileno())
         self.ep.close()
-        self.transfers.clear()
+        for lane in self.lanes.values():
+            if lane is not None:
+                lane.disarm()
+        self.lanes.clear()
 
 
 class _Transfer:
@@ -163,10 +187,12 @@ class _Transfer:
         #: When the transfer last sent (time.monotonic, the clock asyncio's loop uses).
         self.last = monotonic()
         self.timer: asyncio.TimerHandle | None = None
+        #: This transfer's state in the hub's C loop (``_fastack.Lane``), or None.
+        self.lane: Any = None
 
     def start(self) -> None:
         if self.hub is not None:
-            self.hub.add(self)
+            self.lane = self.hub.add(self)
         else:
             self.loop.add_reader(self.sock.fileno(), self._readable)
         self._send(self.machine.start())
@@ -185,6 +211,7 @@ class _Transfer:
         # not handle, handled before anything else is read.
         if self.closed:
             return
+        self._sync()
         recv, send, machine, fast = self.sock.recv, self.sock.send, self.machine, self.fast_drain
         sent = False
         left = 64
@@ -231,8 +258,35 @@ class _Transfer:
         if machine.confirmed and not self.confirmed:
             self.confirmed = True
             self.on_event(self, "confirmed")
+        if self.lane is not None and not self.closed:
+            self._arm()
+
+    def _sync(self) -> None:
+        """Take back what the hub's C loop advanced (in-order ACKs it answered): the same
+        state change as ``on_packet``'s inline path, and when it last sent."""
+        lane = self.lane
+        if lane is not None:
+            got = lane.take()
+            if got is not None:
+                acked, sent, last = got
+                self.machine.lockstep_advanced(acked, sent)
+                if last > self.last:
+                    self.last = last
+
+    def _arm(self) -> None:
+        """Let the hub's C loop answer this transfer's ACKs from its current state while it
+        is confirmed (its "confirmed" event has gone out) and running in lock-step with
+        shared packets (``ReadTransfer.lockstep_packets``); else Python reads every
+        datagram."""
+        m = self.machine
+        packets = m.lockstep_packets() if self.confirmed else None
+        if packets is not None:
+            self.lane.arm(packets, m.acked, m.sent, m.nblocks)
+        else:
+            self.lane.disarm()
 
     def repeated_request(self) -> None:
+        self._sync()
         out = self.machine.on_repeated_request()
         if out:
             self.last = monotonic()
@@ -241,6 +295,7 @@ class _Transfer:
     def _check(self) -> None:
         if self.closed:
             return
+        self._sync()
         interval = self.machine.interval
         idle = monotonic() - self.last
         if idle >= interval:
@@ -249,6 +304,8 @@ class _Transfer:
             if self.machine.done:
                 self.end(self.machine.result.value)
                 return
+            if self.lane is not None:
+                self._arm()
             idle = 0.0
         self.timer = self.loop.call_later(interval - idle, self._check)
 
@@ -282,6 +339,7 @@ class _Transfer:
             self.timer.cancel()
             if self.hub is not None:
                 self.hub.remove(self)
+                self.lane = None  # it refers to this transfer: no cycle left behind
             else:
                 self.loop.remove_reader(self.sock.fileno())
         self.sock.close()
@@ -338,7 +396,7 @@ class TftpServer:
         self._fit_fd_limit()
         try:
             if self.use_hub and self.fast_drain is not None and FAST_READY is not None:
-                self._hub = _Hub(self._loop, FAST_READY)
+                self._hub = _Hub(self._loop, *FAST_READY)
             for iface in self.interfaces or [""]:
                 s = udp_socket(self.host, self.port, interface=iface)
                 s.setsockopt(socket.IPPROTO_IP, IP_PKTINFO, 1)
