@@ -147,8 +147,10 @@ class LabRack:
         tpm: bool = False,
         secure_boot: bool = False,
         bmc_config: str = "",
+        nics: int = 1,
+        disks: int = 1,
     ) -> None:
-        """``extra_config``: TOML appended to metald's config, or a function of the lab's state
+        """``nics``, ``disks``: per machine (``vmlab.lab.Lab``); ``extra_config``: TOML appended to metald's config, or a function of the lab's state
         (slot, bridge, subnet) returning it; ``boot_config``: lines added to its [boot] table;
         ``bmc_config``: lines added to its [bmc] table (e.g. ``secure_boot_cert``);
         ``assets``: the boot assets folder (default: the discovery image's build, cached).
@@ -168,7 +170,7 @@ class LabRack:
         self._bmc_config = bmc_config
         self.lab = Lab(
             name, machines=machines, uefi=uefi, workdir=self.workdir / "lab", nic_rom=nic_rom,
-            rng=rng, arm64=arm64, tpm=tpm, secure_boot=secure_boot,
+            rng=rng, arm64=arm64, tpm=tpm, secure_boot=secure_boot, nics=nics, disks=disks,
         )  # fmt: skip
         try:
             self.state: dict[str, Any] = self.lab.up()
