@@ -330,6 +330,15 @@ class LabRack:
             f"{base}/initrd.img",
         ]
 
+    def publish_debian_image(self, port: int = 8083) -> dict[str, Any]:
+        """Build (or reuse) the Debian 12 image (systemd, cloud-init; ``bootassets.debian``),
+        serve its folder on the lab network, and return the ``POST /api/v1/images`` body."""
+        from bootassets.debian import ensure_debian_built, image_spec
+
+        built = ensure_debian_built()
+        base = self._serve(built, port, "debian-image-server")
+        return image_spec(built, f"{base}/disk.raw")
+
     def machine_by_mac(self, mac: str) -> dict[str, Any] | None:
         for item in self.json("machines", "list", "--limit", "1000")["items"]:
             if any(n["mac"] == mac for n in item["nics"]):
