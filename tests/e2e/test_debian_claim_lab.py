@@ -263,6 +263,8 @@ def test_claim_deploys_debian_with_bond_vlan_static_raid1_user_data_and_joins(
         ". /etc/os-release; echo $PRETTY_NAME; systemctl is-system-running --wait;"
         " systemctl --failed --no-legend --plain",
     )  # fmt: skip
+    # the merged cloud-config (image, vendor-data, user-data) passes cloud-init's own schema
+    out["schema"] = _ssh(rack, key, host, "grep -c 'Invalid cloud-config' /var/log/cloud-init.log || true")  # fmt: skip
     out["join"] = _ssh(rack, key, host, "journalctl -b -u metald-join --no-pager | tail -n 20")
     # traffic to a peer on the VLAN leaves the bond tagged with the pool's VLAN id
     cap = subprocess.Popen(
@@ -293,6 +295,7 @@ def test_claim_deploys_debian_with_bond_vlan_static_raid1_user_data_and_joins(
     assert mdstat.strip().splitlines()[-1].startswith("/dev/md"), mdstat
     assert MARK in out["tenant"] and "runcmd ran" in out["tenant"], out["tenant"]
     assert "Debian GNU/Linux 12" in out["os"], out["os"]
+    assert out["schema"].split() == ["0"], out["schema"]
     assert out["os"].splitlines()[1:] == ["running"], out["os"]  # and no failed unit listed
     assert "joined state stored in" in out["join"] and "slurmd started as" in out["join"], out[
         "join"
