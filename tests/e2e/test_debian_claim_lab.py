@@ -186,6 +186,7 @@ def test_enrolled_with_three_nics_and_two_disks_and_commissioned(debian_rack: De
 def test_claim_deploys_debian_with_bond_vlan_static_raid1_user_data_and_joins(
     debian_rack: DebianRack, tmp_path: Path
 ) -> None:
+    from metald.provision.metadata import hostname
     from metald.tenants import controlplane
 
     rack, m, item = debian_rack.rack, debian_rack.machine, debian_rack.item
@@ -294,6 +295,10 @@ def test_claim_deploys_debian_with_bond_vlan_static_raid1_user_data_and_joins(
     assert "active raid1" in mdstat and "[2/2]" in mdstat, mdstat
     assert mdstat.strip().splitlines()[-1].startswith("/dev/md"), mdstat
     assert MARK in out["tenant"] and "runcmd ran" in out["tenant"], out["tenant"]
+    # the hostname is metald's name for the machine (its meta-data), and so is the Slurm node's
+    name = hostname(item["id"], full.get("name"))
+    assert out["tenant"].split()[-1] == name, (out["tenant"], name)
+    assert job.stdout.strip() == name, (job.stdout, name)
     assert "Debian GNU/Linux 12" in out["os"], out["os"]
     assert out["schema"].split() == ["0"], out["schema"]
     assert out["os"].splitlines()[1:] == ["running"], out["os"]  # and no failed unit listed
@@ -322,7 +327,7 @@ def test_claim_deploys_debian_with_bond_vlan_static_raid1_user_data_and_joins(
     st, after = rack.api("GET", f"/api/v1/claims/{claim['id']}")
     assert st == 200 and not after["addresses"].get(item["id"]), after["addresses"]
     # the disks are read once the machine is off (its BMC, through metald)
-    rack.ctl("bmcs", "power", debian_rack.bmc["id"], "off")
+    rack.ctl("bmcs", "power", debian_rack.bmc["id"], "off", "--yes")
     for disk in [m["disk"], *m["extra_disks"]]:
         first, last = disk_ends(disk, tmp_path)
         assert first == bytes(len(first)) and last == bytes(len(last)), disk
