@@ -14,11 +14,13 @@ echo localhost >"$root/etc/hostname"
 
 # cloud-init reads only NoCloud: the seed the deploy agent writes into
 # /var/lib/cloud/seed/nocloud, or metald's metadata URL that seed points at (seedfrom).
-# No locale module (minbase carries no locales package).
+# No locale module (minbase carries no locales package, so no locale-gen or update-locale):
+# the string "false", which cc_locale reads as off; a YAML boolean works the same but fails
+# cloud-init's own schema, and every boot then logged "Invalid cloud-config provided".
 cat >"$root/etc/cloud/cloud.cfg.d/90-metald.cfg" <<'EOF'
 # metald's Debian 12 image: NoCloud only (the deploy agent's seed, or metald's URL)
 datasource_list: [NoCloud, None]
-locale: false
+locale: "false"
 EOF
 
 # The build's SSH host keys would be every machine's: cloud-init makes each machine its own.

@@ -45,6 +45,24 @@ def test_customize_hook_is_valid_sh_and_removes_the_builds_host_keys():
     assert "update-initramfs -u" in text
 
 
+def test_the_images_own_cloud_config_passes_cloud_inits_schema():
+    """Every cloud.cfg.d file the hook writes is merged into each boot's config, which
+    cloud-init checks against its schema: ``locale: false`` (a YAML boolean) failed it and
+    every boot logged "Invalid cloud-config provided" (seen on the lab's console)."""
+    import re
+
+    from metald.provision.userdata import check
+
+    text = debian.CUSTOMIZE.read_text()
+    found = re.findall(
+        r'cat >"\$root/etc/cloud/cloud\.cfg\.d/[^"]+" <<\'EOF\'\n(.*?)\nEOF\n', text, re.S
+    )
+    assert found, "the hook writes cloud.cfg.d"
+    for body in found:
+        assert check("#cloud-config\n" + body).form == "cloud-config"
+    assert 'locale: "false"' in text  # cc_locale reads the string as off: no locales package
+
+
 def test_a_build_registers_as_a_disk_image(tmp_path):
     manifest = {
         "arch": "amd64",

@@ -153,6 +153,49 @@ def test_a_lab_makes_its_last_uefi_machines_arm64(tmp_path: Path) -> None:
         Lab("arm", machines=2, uefi=1, arm64=2, workdir=tmp_path)
 
 
+def test_a_lab_gives_machines_further_nics_on_a_data_network_and_further_disks(
+    tmp_path: Path,
+) -> None:
+    from vmlab.lab import Lab, LabError
+
+    state = Lab("multi", machines=2, uefi=0, nics=3, disks=2, workdir=tmp_path)._planned_state(
+        7, "tcg"
+    )
+    assert state["data_bridge"] == "mlab7db" != state["bridge"]
+    macs, taps = set(), set()
+    for m in state["machines"]:
+        assert len(m["extra_nics"]) == 2 and len(m["extra_disks"]) == 1
+        macs |= {m["mac"]} | {n["mac"] for n in m["extra_nics"]}
+        taps |= {m["tap"]} | {n["tap"] for n in m["extra_nics"]}
+        assert m["extra_disks"][0] != m["disk"]
+    assert len(macs) == len(taps) == 6  # every NIC of the lab its own MAC and tap
+    assert all(len(t) <= 15 for t in taps | {plan.nic_tap_name(250, 97, 9)})
+    # one NIC: no data network, as before
+    plain = Lab("one", machines=1, uefi=0, workdir=tmp_path)._planned_state(7, "tcg")
+    assert plain["data_bridge"] is None and plain["machines"][0]["extra_nics"] == []
+    with pytest.raises(LabError, match="nics must be"):
+        Lab("bad", machines=1, nics=0, workdir=tmp_path)
+
+    spec = dataclasses.replace(
+        _spec("bios", tmp_path),
+        serial_number="VMLAB-A-LONG-LAB-NAME-M0",
+        extra_nics=(("52:54:00:6d:01:00", "mlab1t0n1"), ("52:54:00:6e:01:00", "mlab1t0n2")),
+        extra_disks=(tmp_path / "m0.d1.qcow2",),
+    )
+    joined = " ".join(qemu.command_line(spec, "tcg"))
+    # the data NICs: no option ROM and no boot index (the machine PXE-boots its first NIC)
+    assert "virtio-net-pci,id=nic1,netdev=net1,mac=52:54:00:6d:01:00,romfile=" in joined
+    assert "virtio-net-pci,id=nic2,netdev=net2,mac=52:54:00:6e:01:00,romfile=" in joined
+    assert "tap,id=net2,ifname=mlab1t0n2," in joined
+    assert joined.count("bootindex=") == 2
+    # serial numbers tell the disks apart within virtio-blk's 20 bytes
+    serials = [qemu.disk_serial(spec, i) for i in (0, 1)]
+    assert serials == ["LONG-LAB-NAME-M0-D0", "LONG-LAB-NAME-M0-D1"]
+    assert f"virtio-blk-pci,id=disk0,drive=drive0,bootindex=1,serial={serials[0]}" in joined
+    assert f"virtio-blk-pci,id=disk1,drive=drive1,serial={serials[1]}" in joined
+    assert f"file={tmp_path / 'm0.d1.qcow2'},if=none,id=drive1,format=qcow2" in joined
+
+
 @pytest.mark.skipif(shutil.which(qemu.QEMU) is None, reason="needs qemu-system-x86")
 def test_accelerator_override_and_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VMLAB_ACCEL", "kvm")

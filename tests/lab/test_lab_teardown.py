@@ -26,6 +26,7 @@ from .labtools import (
     netns,
     plan,
     procs,
+    qmp,
     redfish,
     system_path,
     vlab,
@@ -234,3 +235,36 @@ def test_attached_namespace_reaches_the_bmcs_and_goes_with_the_lab(tmp_path: Pat
     assert not netns.exists(hub["netns"])
     assert hub["veth"] not in host_links() and hub["peer"] not in host_links()
     assert_lab_gone(rack.name, state, tmp_path / rack.name)
+
+
+def test_a_machine_with_three_nics_and_two_disks(tmp_path: Path) -> None:
+    """The data NICs sit on the lab's second bridge, the boot NIC alone on the boot bridge; QEMU
+    has every NIC with its MAC and every disk with its serial; down removes all of it."""
+    import asyncio
+
+    rack = vlab.Lab(f"t{os.getpid()}d", machines=1, uefi=0, workdir=tmp_path, cpus=1, nics=3, disks=2)  # fmt: skip
+    state = rack.up()
+    try:
+        (m,) = state["machines"]
+        boot_br, data_br = state["bridge"], state["data_bridge"]
+        out = in_ns(rack.netns, ["ip", "-o", "link", "show", "master", data_br]).stdout
+        assert sorted(n["tap"] for n in m["extra_nics"]) == sorted(
+            line.split(":")[1].strip() for line in out.splitlines()
+        ), out
+        out = in_ns(rack.netns, ["ip", "-o", "link", "show", "master", boot_br]).stdout
+        assert m["tap"] in out and not any(n["tap"] in out for n in m["extra_nics"]), out
+        assert not in_ns(rack.netns, ["ip", "-o", "addr", "show", "dev", data_br]).stdout.count(
+            "inet "
+        )
+        tree = asyncio.run(qmp(m, "human-monitor-command", {"command-line": "info qtree"}))
+        for mac in [m["mac"], *(n["mac"] for n in m["extra_nics"])]:
+            assert f'mac = "{mac}"' in tree, mac
+        assert tree.count("dev: virtio-blk-pci") == 2, tree
+        assert [Path(d).exists() for d in m["extra_disks"]] == [True]
+        blocks = asyncio.run(qmp(m, "query-block"))
+        files = {b["inserted"]["file"] for b in blocks if b.get("inserted")}
+        assert {m["disk"], *m["extra_disks"]} <= files, files
+    finally:
+        rack.down()
+    assert_lab_gone(rack.name, state, tmp_path / rack.name)
+    assert data_br not in host_links()

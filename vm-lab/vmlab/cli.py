@@ -18,7 +18,7 @@ from .qmp import QmpClient, QmpError
 
 def _up(args: argparse.Namespace) -> int:
     lab = Lab(args.name, machines=args.machines, uefi=args.uefi, workdir=args.home,
-              memory_mb=args.memory, cpus=args.cpus)  # fmt: skip
+              memory_mb=args.memory, cpus=args.cpus, nics=args.nics, disks=args.disks)  # fmt: skip
     if not args.foreground:
         _print_lab(lab.up(), power=False)
         return 0
@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--name", default="lab")
     up.add_argument("--uefi", type=int, default=None, help="how many boot UEFI (default half)")
     up.add_argument("--memory", type=int, default=1024, help="MiB per machine")
+    up.add_argument("--nics", type=int, default=1, help="NICs per machine (2+: a data network)")
+    up.add_argument("--disks", type=int, default=1, help="disks per machine")
     up.add_argument("--cpus", type=int, default=2)
     up.add_argument("--foreground", action="store_true", help="stay; Ctrl-C takes the lab down")
     up.add_argument("--keep-logs", action="store_true", help="with --foreground: keep *.log")

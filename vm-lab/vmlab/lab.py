@@ -133,8 +133,13 @@ class Lab:
         arm64: int = 0,
         tpm: bool = False,
         secure_boot: bool = False,
+        nics: int = 1,
+        disks: int = 1,
     ) -> None:
-        """``nic_rom=False``: the NIC has no option ROM (no iPXE), so the firmware network-boots
+        """``nics``: NICs per machine: the first on the boot network, the others on the lab's
+        data network (a second bridge, ``plan.data_bridge_name``), without option ROMs and
+        outside the boot order. ``disks``: disks per machine (each ``disk_size``; with more
+        than one, each has a serial number, ``vmlab.qemu.disk_serial``). ``nic_rom=False``: the NIC has no option ROM (no iPXE), so the firmware network-boots
         with its own PXE (OVMF: DHCP, TFTP of ipxe.efi, then iPXE). ``rng``: each machine gets
         a virtio RNG (``vmlab.qemu.MachineSpec.rng``). ``arm64``: the last this many of the
         UEFI machines are arm64 (QEMU's virt board, AAVMF, TCG; ``vmlab.qemu``). ``tpm``: each
@@ -159,6 +164,14 @@ class Lab:
         self.arm64 = arm64
         self.tpm = tpm
         self.secure_boot = secure_boot
+        if not 1 <= nics <= plan.MAX_EXTRA_NICS + 1:
+            raise LabError(f"nics must be 1..{plan.MAX_EXTRA_NICS + 1}, not {nics}")
+        if not 1 <= disks <= 8:
+            raise LabError(f"disks must be 1..8, not {disks}")
+        if (nics > 1 or disks > 1) and arm64:
+            raise LabError("further NICs and disks are for amd64 machines only")
+        self.nics = nics
+        self.disks = disks
         self.state: dict[str, Any] = {}
 
     @classmethod
@@ -220,6 +233,14 @@ class Lab:
                     else None,
                     "secure_boot": self.secure_boot and uefi_amd64,
                     "disk": f"{base}.qcow2",
+                    "extra_nics": [
+                        {
+                            "mac": plan.nic_mac(slot, m.index, j),
+                            "tap": plan.nic_tap_name(slot, m.index, j),
+                        }
+                        for j in range(1, self.nics)
+                    ],
+                    "extra_disks": [f"{base}.d{j}.qcow2" for j in range(1, self.disks)],
                     "uefi_vars": f"{base}.vars.fd" if m.firmware == "uefi" else None,
                     "serial_log": f"{base}.serial.log",
                     "qemu_log": f"{base}.qemu.log",
@@ -250,6 +271,7 @@ class Lab:
             "slot": slot,
             "netns": self.netns,
             "bridge": plan.bridge_name(slot),
+            "data_bridge": plan.data_bridge_name(slot) if self.nics > 1 else None,
             "subnet": str(plan.subnet(slot)),
             "lab_supernet": str(plan.lab_supernet(slot)),
             "boot_address": str(plan.boot_address(slot)),
@@ -267,10 +289,15 @@ class Lab:
         addresses = [s["boot_address"]] + [m["bmc"]["address"] for m in s["machines"]]
         netns.add_bridge(self.netns, s["bridge"], addresses, prefix)
         netns.add_taps(self.netns, s["bridge"], [m["tap"] for m in s["machines"]])
+        if s.get("data_bridge"):
+            netns.add_bridge(self.netns, s["data_bridge"], [], prefix)
+            taps = [n["tap"] for m in s["machines"] for n in m["extra_nics"]]
+            netns.add_taps(self.netns, s["data_bridge"], taps)
 
         started = []
         for m in s["machines"]:
-            qemu.create_disk(Path(m["disk"]), self.disk_size)
+            for disk in [m["disk"], *m.get("extra_disks", [])]:
+                qemu.create_disk(Path(disk), self.disk_size)
             if m["uefi_vars"]:
                 big = bool(m.get("tpm") or m.get("secure_boot"))
                 qemu.create_uefi_vars(Path(m["uefi_vars"]), m.get("arch", "amd64"), tpm=big)
@@ -329,6 +356,8 @@ class Lab:
             arch=m.get("arch", "amd64"),
             tpm_socket=Path(m["tpm"]["socket"]) if m.get("tpm") else None,
             secure_boot=bool(m.get("secure_boot")),
+            extra_nics=tuple((n["mac"], n["tap"]) for n in m.get("extra_nics", [])),
+            extra_disks=tuple(Path(d) for d in m.get("extra_disks", [])),
         )
 
     # ---- processes in the namespace ------------------------------------------------------------

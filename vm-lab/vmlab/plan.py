@@ -10,6 +10,9 @@ Address plan of slot k (one /16 per lab, of which the first /24 is the boot netw
   10.k.0.100-239  left to metald's DHCP for the machines
   10.k.0.240-254  namespaces attached to the lab (tenant control planes, WireGuard hubs, ...)
   10.k.1.0/24 ... free for later networks of the lab (tenant control planes, ...)
+
+Machines with more than one NIC have the others on a second bridge, the lab's data network
+(``data_bridge_name``), which holds no address of the lab's.
 """
 
 from __future__ import annotations
@@ -50,6 +53,30 @@ def bridge_name(slot: int) -> str:
 
 def tap_name(slot: int, index: int) -> str:
     return f"mlab{slot}t{index}"  # at most "mlab250t97" (10 characters)
+
+
+#: NICs a machine may have beyond its boot NIC (``nic_tap_name``'s last digit).
+MAX_EXTRA_NICS = 9
+
+
+def data_bridge_name(slot: int) -> str:
+    """The lab's data network: a second bridge, with no address of the lab's, that the
+    machines' further NICs sit on (a tenant's bond, VLANs and static addresses live there)."""
+    return f"mlab{slot}db"  # at most "mlab250db" (9 characters)
+
+
+def nic_tap_name(slot: int, index: int, nic: int) -> str:
+    """Machine ``index``'s NIC number ``nic`` (1..9; 0 is the boot NIC, ``tap_name``)."""
+    if not 1 <= nic <= MAX_EXTRA_NICS:
+        raise PlanError(f"NIC {nic} outside 1..{MAX_EXTRA_NICS}")
+    return f"mlab{slot}t{index}n{nic}"  # at most "mlab250t97n9" (12 characters)
+
+
+def nic_mac(slot: int, index: int, nic: int) -> str:
+    """The MAC of machine ``index``'s NIC ``nic`` (0: the boot NIC, ``machine_mac``)."""
+    if not 0 <= nic <= MAX_EXTRA_NICS:
+        raise PlanError(f"NIC {nic} outside 0..{MAX_EXTRA_NICS}")
+    return f"52:54:00:{0x6C + nic:02x}:{slot:02x}:{index:02x}"
 
 
 def subnet(slot: int) -> ipaddress.IPv4Network:
@@ -107,7 +134,7 @@ def attached_address(slot: int, index: int) -> ipaddress.IPv4Address:
 
 def machine_mac(slot: int, index: int) -> str:
     # 52:54:00 is QEMU's prefix; slot and index make it unique across labs on the host.
-    return f"52:54:00:6c:{slot:02x}:{index:02x}"
+    return nic_mac(slot, index, 0)
 
 
 def machine_name(index: int) -> str:

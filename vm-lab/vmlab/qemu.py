@@ -81,6 +81,34 @@ class MachineSpec:
     tpm_socket: Path | None = None
     #: OVMF's Secure Boot build (SMM, the variable store on a secure pflash; UEFI amd64).
     secure_boot: bool = False
+    #: Further NICs, (MAC, tap) each: virtio-net without an option ROM and outside the boot
+    #: order (the machine network-boots from its first NIC only), as a server's data ports.
+    extra_nics: tuple[tuple[str, str], ...] = ()
+    #: Further disks (qcow2), outside the boot order. With any, every disk has a serial
+    #: number (``disk_serial``), which root device hints can name.
+    extra_disks: tuple[Path, ...] = ()
+
+
+def disk_serial(spec: MachineSpec, index: int) -> str:
+    """The serial number of a machine's disk ``index`` (0: the boot disk): ``<machine
+    serial>-D<index>``, cut to virtio-blk's 20 bytes from the left (the end tells disks apart)."""
+    return f"{spec.serial_number or spec.name}-D{index}"[-20:].lstrip("-")
+
+
+def extra_device_args(spec: MachineSpec) -> list[str]:
+    """The command line of ``spec``'s further NICs and disks."""
+    argv: list[str] = []
+    for j, (mac, tap) in enumerate(spec.extra_nics, start=1):
+        argv += [
+            "-netdev", f"tap,id=net{j},ifname={tap},script=no,downscript=no",
+            "-device", f"virtio-net-pci,id=nic{j},netdev=net{j},mac={mac},romfile=",
+        ]  # fmt: skip
+    for j, disk in enumerate(spec.extra_disks, start=1):
+        argv += [
+            "-drive", f"file={disk},if=none,id=drive{j},format=qcow2,cache=unsafe",
+            "-device", f"virtio-blk-pci,id=disk{j},drive=drive{j},serial={disk_serial(spec, j)}",
+        ]  # fmt: skip
+    return argv
 
 
 # ---- accelerator -------------------------------------------------------------------------------
@@ -235,10 +263,12 @@ def command_line(spec: MachineSpec, accel: str) -> list[str]:
         "-device", f"virtio-net-pci,id={NIC_ID},netdev=net0,mac={spec.mac},bootindex=2"
                    + ("" if spec.nic_rom else ",romfile="),
         "-drive", f"file={spec.disk},if=none,id=drive0,format=qcow2,cache=unsafe",
-        "-device", f"virtio-blk-pci,id={DISK_ID},drive=drive0,bootindex=1",
+        "-device", f"virtio-blk-pci,id={DISK_ID},drive=drive0,bootindex=1"
+                   + (f",serial={disk_serial(spec, 0)}" if spec.extra_disks else ""),
         # An empty CD drive on the board's IDE (pc) or AHCI (q35) bus.
         "-drive", "if=none,id=cddrive,media=cdrom,readonly=on",
         "-device", f"ide-cd,id={CD_ID},drive=cddrive",
+        *extra_device_args(spec),
     ]  # fmt: skip
     if spec.rng:
         # A hardware RNG, as servers have (RDRAND, a TPM): metald's iPXE seeds TLS from the

@@ -147,8 +147,10 @@ class LabRack:
         tpm: bool = False,
         secure_boot: bool = False,
         bmc_config: str = "",
+        nics: int = 1,
+        disks: int = 1,
     ) -> None:
-        """``extra_config``: TOML appended to metald's config, or a function of the lab's state
+        """``nics``, ``disks``: per machine (``vmlab.lab.Lab``); ``extra_config``: TOML appended to metald's config, or a function of the lab's state
         (slot, bridge, subnet) returning it; ``boot_config``: lines added to its [boot] table;
         ``bmc_config``: lines added to its [bmc] table (e.g. ``secure_boot_cert``);
         ``assets``: the boot assets folder (default: the discovery image's build, cached).
@@ -168,7 +170,7 @@ class LabRack:
         self._bmc_config = bmc_config
         self.lab = Lab(
             name, machines=machines, uefi=uefi, workdir=self.workdir / "lab", nic_rom=nic_rom,
-            rng=rng, arm64=arm64, tpm=tpm, secure_boot=secure_boot,
+            rng=rng, arm64=arm64, tpm=tpm, secure_boot=secure_boot, nics=nics, disks=disks,
         )  # fmt: skip
         try:
             self.state: dict[str, Any] = self.lab.up()
@@ -327,6 +329,15 @@ class LabRack:
             "--initrd",
             f"{base}/initrd.img",
         ]
+
+    def publish_debian_image(self, port: int = 8083) -> dict[str, Any]:
+        """Build (or reuse) the Debian 12 image (systemd, cloud-init; ``bootassets.debian``),
+        serve its folder on the lab network, and return the ``POST /api/v1/images`` body."""
+        from bootassets.debian import ensure_debian_built, image_spec
+
+        built = ensure_debian_built()
+        base = self._serve(built, port, "debian-image-server")
+        return image_spec(built, f"{base}/disk.raw")
 
     def machine_by_mac(self, mac: str) -> dict[str, Any] | None:
         for item in self.json("machines", "list", "--limit", "1000")["items"]:
