@@ -485,6 +485,18 @@ class FleetStorm(storm.Storm):
         )
         return int(out["total"])
 
+    async def by_state(self) -> dict[str, int]:
+        """Machines per state and the claims (a refused claim's evidence: where they were)."""
+        out: dict[str, int] = {}
+        for st in ("ready", "claimed", "provisioning", "provisioned", "inspecting",
+                   "discovered", "releasing", "wiping", "wipe-failed", "provision-failed"):  # fmt: skip
+            n = await self.count_any(st)
+            if n:
+                out[st] = n
+        page = await self.api_call("GET", "/api/v1/claims?limit=1", 0, token=self.orch)
+        out["claims"] = int(page["total"])
+        return out
+
     async def wait_any(self, state: str, want: int, timeout: float) -> int:
         deadline = time.monotonic() + timeout
         while True:
@@ -509,7 +521,9 @@ class FleetStorm(storm.Storm):
             except storm.StormError as e:
                 # 409: a concurrent claim took a machine first; the same key never claims twice.
                 if " 409 " not in str(e) or attempt == 29:
-                    raise
+                    raise storm.StormError(
+                        f"{e}; machines by state: {await self.by_state()}"
+                    ) from e
                 self.c.claim_retries += 1
                 await asyncio.sleep(0.2)
         self.c.claims += 1
