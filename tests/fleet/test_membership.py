@@ -4,15 +4,18 @@ on both backends (ownership across several instances on PostgreSQL)."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
+import tomllib
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from sqlmodel import Session, select
 
 from metald.bmc.base import BmcError
 from metald.bmc.service import BmcService
-from metald.config import BmcConfig
+from metald.config import BmcConfig, FleetConfig
 from metald.fleet import registry
 from metald.fleet.membership import Membership
 from metald.fleet.registry import InstanceNameInUse
@@ -460,3 +463,27 @@ async def test_a_hung_event_loop_stops_the_heartbeats_and_is_taken_over(store: S
         await wait_for(lambda: not a.fenced)
     finally:
         await a.stop()
+
+
+#: The worst event-loop lag any instance logged in bench/fleet.py's 10,000-machine run (4
+#: instances, PostgreSQL and the simulation on two shared cores, load average up to 32):
+#: bench/FLEET.md, "DHCP split changes / worst event-loop lag".
+WORST_LOOP_LAG_AT_10K_S = 3.9
+
+
+def test_the_loop_stall_default_sits_between_a_starved_loop_and_a_slow_takeover() -> None:
+    """``[fleet] loop_stall_s`` trades two failures: too short, a loop merely starved by a storm
+    is taken for a hung one (the instance fences itself and its share moves, as every instance
+    did 5-13 times in the 10,000 run before the heartbeat had its own thread); too long, a
+    truly hung instance keeps its DHCP share and BMCs for that long (the heartbeat on the loop
+    gave them up after dead_after_s, 10 s). The default is a few times the worst lag measured
+    under the 10,000-machine storm, and a hung instance is taken over within 30 s (its last
+    heartbeat at most loop_stall_s after the loop stopped, dead dead_after_s after that).
+    Fails on the old default (60 s: taken over after up to 70 s)."""
+    cfg = FleetConfig()
+    assert cfg.loop_stall_s >= 3 * WORST_LOOP_LAG_AT_10K_S
+    assert cfg.loop_stall_s + cfg.heartbeat_s + cfg.dead_after_s <= 30
+    # One default: the daemon's, Membership's own and the example's.
+    assert inspect.signature(Membership).parameters["loop_stall_s"].default == cfg.loop_stall_s
+    example = tomllib.loads((Path(__file__).parents[2] / "examples" / "metald.toml").read_text())
+    assert example["fleet"]["loop_stall_s"] == cfg.loop_stall_s
