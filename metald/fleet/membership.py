@@ -94,7 +94,7 @@ class Membership:
         api_url: str | None = None,
         serves: dict[str, Any] | None = None,
         tasks: TaskScope | None = None,
-        loop_stall_s: float = 15.0,
+        loop_stall_s: float = 20.0,
     ) -> None:
         if dead_after_s <= heartbeat_s:
             raise ValueError("fleet.dead_after_s must be longer than fleet.heartbeat_s")

@@ -465,10 +465,10 @@ async def test_a_hung_event_loop_stops_the_heartbeats_and_is_taken_over(store: S
         await a.stop()
 
 
-#: The worst event-loop lag any instance logged in bench/fleet.py's 10,000-machine run (4
+#: The worst event-loop lag any instance logged in bench/fleet.py's 10,000-machine runs (4
 #: instances, PostgreSQL and the simulation on two shared cores, load average up to 32):
-#: bench/FLEET.md, "DHCP split changes / worst event-loop lag".
-WORST_LOOP_LAG_AT_10K_S = 3.9
+#: bench/FLEET.md, "DHCP split changes / worst event-loop lag" (3.9 s in run A, 5.3 s in B).
+WORST_LOOP_LAG_AT_10K_S = 5.3
 
 
 def test_the_loop_stall_default_sits_between_a_starved_loop_and_a_slow_takeover() -> None:
@@ -479,10 +479,10 @@ def test_the_loop_stall_default_sits_between_a_starved_loop_and_a_slow_takeover(
     gave them up after dead_after_s, 10 s). The default is a few times the worst lag measured
     under the 10,000-machine storm, and a hung instance is taken over within 30 s (its last
     heartbeat at most loop_stall_s after the loop stopped, dead dead_after_s after that).
-    Fails on the old default (60 s: taken over after up to 70 s)."""
+    Fails on the first default (60 s: taken over after up to 70 s)."""
     cfg = FleetConfig()
     assert cfg.loop_stall_s >= 3 * WORST_LOOP_LAG_AT_10K_S
-    assert cfg.loop_stall_s + cfg.heartbeat_s + cfg.dead_after_s <= 30
+    assert cfg.loop_stall_s + cfg.dead_after_s <= 30
     # One default: the daemon's, Membership's own and the example's.
     assert inspect.signature(Membership).parameters["loop_stall_s"].default == cfg.loop_stall_s
     example = tomllib.loads((Path(__file__).parents[2] / "examples" / "metald.toml").read_text())
