@@ -227,7 +227,9 @@ class FleetStorm(storm.Storm):
         self.boot_errors: list[str] = []
         self.lifecycle_started = False
 
-    async def _exchange(self, pkt: Any, want: set[int], timeouts: tuple[float, ...]) -> Any:
+    async def _exchange(
+        self, pkt: Any, want: set[int], timeouts: tuple[float, ...], sim: Any = None
+    ) -> Any:
         """As storm.Storm._exchange, but every packet goes to every instance."""
         from metald.boot.dhcp.packet import Opt, serialize
 
@@ -239,6 +241,8 @@ class FleetStorm(storm.Storm):
             for n, t in enumerate(timeouts):
                 if n:
                     self.c.dhcp_retransmits += 1
+                    if sim is not None:
+                        sim.setbacks += 1
                 if ipxe:
                     # iPXE (src/net/udp/dhcp.c) puts its transmission count in ``secs``:
                     # count << 2, | 0x02 once it holds an offer (its REQUESTs).
@@ -481,6 +485,18 @@ class FleetStorm(storm.Storm):
         )
         return int(out["total"])
 
+    async def by_state(self) -> dict[str, int]:
+        """Machines per state and the claims (a refused claim's evidence: where they were)."""
+        out: dict[str, int] = {}
+        for st in ("ready", "claimed", "provisioning", "provisioned", "inspecting",
+                   "discovered", "releasing", "wiping", "wipe-failed", "provision-failed"):  # fmt: skip
+            n = await self.count_any(st)
+            if n:
+                out[st] = n
+        page = await self.api_call("GET", "/api/v1/claims?limit=1", 0, token=self.orch)
+        out["claims"] = int(page["total"])
+        return out
+
     async def wait_any(self, state: str, want: int, timeout: float) -> int:
         deadline = time.monotonic() + timeout
         while True:
@@ -505,7 +521,9 @@ class FleetStorm(storm.Storm):
             except storm.StormError as e:
                 # 409: a concurrent claim took a machine first; the same key never claims twice.
                 if " 409 " not in str(e) or attempt == 29:
-                    raise
+                    raise storm.StormError(
+                        f"{e}; machines by state: {await self.by_state()}"
+                    ) from e
                 self.c.claim_retries += 1
                 await asyncio.sleep(0.2)
         self.c.claims += 1
@@ -826,11 +844,21 @@ class Run:
         live = cpu_of(p.pid) - self.cpu_base[name] if p is not None and p.poll() is None else 0
         return self.cpu_acc[name] + live
 
+    def sim_cpu(self) -> float:
+        """CPU seconds of the simulation (its machines' process and its BMCs' process): it
+        shares the cores with metald and PostgreSQL, so its cost is part of the picture."""
+        return sum(
+            cpu_of(p.pid)
+            for p in (getattr(self, "client", None), self.bmcs)
+            if p is not None and p.poll() is None
+        )
+
     def mark(self, phase: str, pg: float, sample: tuple[float, int, int], load: float) -> dict:
         return {
             "phase": phase,
             "t": time.monotonic(),
             "cpu": {n: self.cpu_now(n) for n in self.names},
+            "sim": self.sim_cpu(),
             "pg": pg,
             "commits": sample[1],
             "rows": sample[2],
@@ -849,6 +877,7 @@ class Run:
                 "phase": m0["phase"], "machines": moved, "wall_s": m1["t"] - m0["t"],
                 "metald_cpu_s": {n: m1["cpu"][n] - m0["cpu"][n] for n in self.names},
                 "pg_cpu_s": m1["pg"] - m0["pg"], "commits": m1["commits"] - m0["commits"],
+                "sim_cpu_s": m1.get("sim", 0.0) - m0.get("sim", 0.0),
                 "rows_written": m1["rows"] - m0["rows"],
                 "load": [m0["load"], m1["load"]],
             })  # fmt: skip
@@ -1042,6 +1071,20 @@ class Run:
             for n in self.names
         }
 
+    def liveness(self) -> dict[str, dict[str, float]]:
+        """Per instance, from its log: the DHCP split changes, and the worst event-loop lag it
+        reported (metald warns at most every 10 s with the worst lag past 1 s)."""
+        out = {}
+        for n in self.names:
+            text = (self.tmp / f"{n}.log").read_text()
+            lags = [float(x) for x in re.findall(r"event loop ran ([0-9.]+) s late", text)]
+            out[n] = {
+                "dhcp_split_changes": text.count("DHCP split:"),
+                "loop_lag_warnings": len(lags),
+                "worst_loop_lag_s": max(lags, default=0.0),
+            }
+        return out
+
     def log_tail(self, name: str) -> str:
         return (self.tmp / f"{name}.log").read_text()[-3000:]
 
@@ -1189,6 +1232,7 @@ class Run:
         res.update(
             ready_api=p1["ready"] - len(sim["stranded"]),
             fenced_episodes=self.fenced_episodes(),
+            liveness=self.liveness(),
             ready_store=db.ready(),
             storm_s=p1["wall_s"],
             p50_s=p1["p50_s"],
@@ -1423,6 +1467,13 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
                         "times each instance fenced itself and came back (its log)",
                         " ".join(f"{k}:{v}" for k, v in sorted(r["fenced_episodes"].items())),
                     ],
+                    [
+                        "DHCP split changes / worst event-loop lag, per instance (its log)",
+                        " ".join(
+                            f"{k}:{v['dhcp_split_changes']}/{v['worst_loop_lag_s']:.1f}s"
+                            for k, v in sorted((r.get("liveness") or {}).items())
+                        ),
+                    ],
                 ],
             )  # fmt: skip
         )
@@ -1449,7 +1500,8 @@ def lifecycle_report(r: dict[str, Any]) -> None:
         cpu = sum(ph["metald_cpu_s"].values())
         rows.append([
             ph["phase"], m, f"{ph['wall_s']:.1f}", f"{1000 * cpu / m:.1f}",
-            f"{1000 * ph['pg_cpu_s'] / m:.1f}", f"{ph['commits'] / m:.1f}",
+            f"{1000 * ph['pg_cpu_s'] / m:.1f}", f"{1000 * ph.get('sim_cpu_s', 0) / m:.1f}",
+            f"{ph['commits'] / m:.1f}",
             f"{ph['rows_written'] / m:.1f}", f"{ph['load'][0]:.1f} -> {ph['load'][1]:.1f}",
         ])  # fmt: skip
     st = r.get("store") or {}
@@ -1466,6 +1518,7 @@ def lifecycle_report(r: dict[str, Any]) -> None:
                 "wall s",
                 "metald CPU ms/machine",
                 "PostgreSQL CPU ms/machine",
+                "simulation CPU ms/machine",
                 "commits/machine",
                 "rows written/machine",
                 "load average (1 min) start -> end",
@@ -1571,6 +1624,7 @@ def flatness(paths: list[str]) -> None:
         for label, f in (
             ("metald CPU ms", lambda x: 1000 * sum(x["metald_cpu_s"].values()) / x["machines"]),
             ("PostgreSQL CPU ms", lambda x: 1000 * x["pg_cpu_s"] / x["machines"]),
+            ("simulation CPU ms", lambda x: 1000 * x.get("sim_cpu_s", 0) / x["machines"]),
             ("commits", lambda x: x["commits"] / x["machines"]),
             ("rows written", lambda x: x["rows_written"] / x["machines"]),
             ("wall s (whole phase)", lambda x: x["wall_s"]),

@@ -151,6 +151,7 @@ class Daemon:
             cfg.instance,
             heartbeat_s=cfg.fleet.heartbeat_s,
             dead_after_s=cfg.fleet.dead_after_s,
+            loop_stall_s=cfg.fleet.loop_stall_s,
             api_url=cfg.api.public_url or f"http://{cfg.api.listen}",
             serves=_serves(cfg),
             tasks=self.tasks.child("fleet"),

@@ -30,6 +30,11 @@ HOLDERS_ALLOWED: dict[tuple[str, str], str] = {}
 SPAWNS_ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
     # The helper itself: the root of a tree of task groups (the daemon's own group).
     ("metald/service.py", "TaskScope._start_host"): (1, "the task-group helper's root"),
+    # The heartbeat's loop on its own thread (a slow daemon loop must not fence the instance):
+    # its root task and the one heartbeat in flight; stop_beats cancels the root, which
+    # cancels the heartbeat, and joins the thread.
+    ("metald/fleet/membership.py", "Membership.start_beats"): (1, "the heartbeat thread's root"),
+    ("metald/fleet/membership.py", "Membership._beats"): (1, "cancelled by its root task"),
     # Request-scoped: the handler awaits (or cancels) these before it answers.
     ("api/routes_console.py", "_pump"): (1, "request-scoped, cancelled by the handler"),
     ("api/forwarding.py", "proxy_websocket"): (2, "request-scoped, cancelled by the handler"),

@@ -132,6 +132,7 @@ class IpmiDriver(BmcDriver):
         async with self._lock:
             if self._idle is not None:
                 self._idle.cancel()
+                self._idle = None  # the session is in use: an idle close already due stands down
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self.request_timeout_s
             try:
@@ -155,7 +156,9 @@ class IpmiDriver(BmcDriver):
                 # sessions by the client's address and port and trip over a second login.
                 self._drop_session()
                 raise
-            self._idle = loop.call_later(self.idle_s, self._expire)
+            finally:
+                if self.session.keys is not None:  # still logged in (an error code too)
+                    self._idle = loop.call_later(self.idle_s, self._expire)
             return rsp
 
     async def _call(self, netfn: int, cmd: int, data: bytes, deadline: float) -> bytes:
@@ -187,8 +190,20 @@ class IpmiDriver(BmcDriver):
     def _expire(self) -> None:
         if self._lock.locked():
             return
-        task = asyncio.get_running_loop().create_task(self.close())
-        task.add_done_callback(lambda t: t.exception())
+        timer = self._idle
+        task = asyncio.get_running_loop().create_task(self._close_idle(timer))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def _close_idle(self, timer: asyncio.TimerHandle | None) -> None:
+        """The idle timer's close, under the command lock, and only if no command used the
+        session since the timer fired. The close runs as a task of its own, a loop iteration
+        (or, on a starved loop, a long queue of callbacks) after the timer: a command that took
+        the lock in between had sent its request on the session, and closing it under that
+        command failed the command after the BMC had acted on it, so the scheduler sent it
+        again (bench/fleet.py at 10,000 machines: 14 power-ons executed twice)."""
+        async with self._lock:
+            if self._idle is timer:
+                await self.close()
 
     async def close(self) -> None:
         if self._idle is not None:

@@ -11,22 +11,33 @@ dead and take its share, so one object never has two owners acting at once. The 
 on its own thread and connection (``Store.heartbeat``) so request work cannot delay it into
 fencing; work bound to the lease (BMC commands) ends at ``lease_until()`` and does not survive a
 lapse (``lease_epoch``).
+
+The heartbeat is also *driven* from a thread of its own (with a small event loop of its own),
+not from the daemon's loop: under CPU starvation the daemon's loop lags by seconds behind its
+queue of DHCP packets and HTTP requests, and a heartbeat scheduled on it, and whose answer is
+handled on it, came late enough to fence an instance whose peers were just as starved (every
+instance of a 10,000-machine storm fenced itself 5-13 times, issue 33). The daemon's loop still
+vouches for itself: it ticks a clock the heartbeat thread reads, and a loop that has not ticked
+for ``loop_stall_s`` (a deadlock, a callback that never returns) gets no more heartbeats, so the
+instance fences itself and is taken over as if it had died.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable
 from ipaddress import ip_address, ip_network
 from typing import Any
 
-from prometheus_client import Gauge
+from prometheus_client import Gauge, Histogram
 
 from metald import __version__
 from metald.fleet import registry
@@ -41,6 +52,12 @@ log = logging.getLogger("metald.fleet")
 fenced_gauge = Gauge(
     "metald_fleet_fenced",
     "1 while this instance is fenced (no heartbeat confirmed within its lease): it owns nothing",
+    registry=REGISTRY,
+)
+loop_lag = Histogram(
+    "metald_event_loop_lag_seconds",
+    "How late the daemon's event loop ran a timer (the fleet's loop watch, every ~0.25 s)",
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64),
     registry=REGISTRY,
 )
 
@@ -77,6 +94,7 @@ class Membership:
         api_url: str | None = None,
         serves: dict[str, Any] | None = None,
         tasks: TaskScope | None = None,
+        loop_stall_s: float = 20.0,
     ) -> None:
         if dead_after_s <= heartbeat_s:
             raise ValueError("fleet.dead_after_s must be longer than fleet.heartbeat_s")
@@ -84,13 +102,17 @@ class Membership:
         self.instance = instance
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
+        #: The daemon's loop not seen running for this long: no more heartbeats (it is hung).
+        self.loop_stall_s = loop_stall_s
         self.api_url = api_url
         self.serves = serves or {}
         #: This process holds the store alone (SQLite's lock): a name still marked alive in it
         #: belongs to a process that is gone.
         self.sole_user = False
         self.incarnation = str(uuid.uuid4())
-        self.members: list[Member] = []
+        self._members: list[Member] = []
+        #: Monotonic time the member list (and its heartbeat ages) was read.
+        self.members_at = time.monotonic()
         self._last_ok: float | None = None
         #: Bumped whenever a heartbeat lands after the lease it renews had already ended: work
         #: started under an older epoch was interrupted by a fenced moment and must not go on
@@ -98,20 +120,38 @@ class Membership:
         self.lease_epoch = 0
         self._taken_over = False
         self._said_fenced = False
-        #: The heartbeat's tasks; the daemon's scope holds it (``tasks=``).
+        self._said_stalled = False
+        #: The daemon's loop watch's tasks; the daemon's scope holds it (``tasks=``).
         self.tasks = tasks if tasks is not None else TaskScope(self.name)
         self._task: asyncio.Task[None | None] | None = None
         self._listeners: list[Callable[[], None]] = []
+        #: The daemon's loop (listeners run there) and the last time it ran the watch.
+        self._main: asyncio.AbstractEventLoop | None = None
+        self.loop_tick = time.monotonic()
+        self._seen = self._view()
+        #: The heartbeat's thread and its own loop (``_beats``).
+        self._thread: threading.Thread | None = None
+        self._beat_loop: asyncio.AbstractEventLoop | None = None
+        self._beat_task: asyncio.Task[None] | None = None
+
+    @property
+    def members(self) -> list[Member]:
+        return self._members
+
+    @members.setter
+    def members(self, members: list[Member]) -> None:
+        self._members, self.members_at = members, time.monotonic()
 
     def on_change(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` (on the loop) whenever the live set or this instance's fencing
-        changes, so owners act at once instead of at their next interval."""
+        """Call ``callback`` (on the daemon's loop) whenever the live set or this instance's
+        fencing changes, so owners act at once instead of at their next interval."""
         self._listeners.append(callback)
 
     def _view(self) -> tuple[frozenset[str], bool]:
         return frozenset(m.name for m in self.live()), self.fenced
 
-    def _changed(self, before: tuple[frozenset[str], bool]) -> None:
+    def _check(self) -> None:
+        """On the daemon's loop: tell the listeners if the view changed since they last heard."""
         fenced, said, self._said_fenced = self.fenced, self._said_fenced, self.fenced
         if fenced and not said:
             # Said once, at the fencing deadline, not when the hung store call finally fails.
@@ -120,9 +160,24 @@ class Membership:
                 "no DHCP answers, no hubs) until the store answers again",
                 self.fence_after_s,
             )
-        if self._view() != before:
+        view = self._view()
+        if view != self._seen:
+            self._seen = view
             for cb in self._listeners:
                 cb()
+
+    def _changed(self) -> None:
+        """Have ``_check`` run on the daemon's loop: now when called there, else soon."""
+        main = self._main
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if main is None or running is main:
+            self._check()
+        elif not main.is_closed():
+            with contextlib.suppress(RuntimeError):  # the daemon's loop closed meanwhile
+                main.call_soon_threadsafe(self._check)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -142,12 +197,49 @@ class Membership:
         )
         self._last_ok = started
         await self.refresh()
+        self._main = asyncio.get_running_loop()
+        self.loop_tick = time.monotonic()
+        self._seen = self._view()
         # Read when scraped: one Membership per process (the last started, in tests).
         fenced_gauge.set_function(lambda: 1.0 if self.fenced else 0.0)
         await self.tasks.open()
-        self._task = self.tasks.spawn(self._loop(), name="fleet-heartbeat")
+        self._task = self.tasks.spawn(self._watch(), name="fleet-loop-watch")
+        self.start_beats()
+
+    def start_beats(self) -> None:
+        """Start the heartbeat's thread (``start`` does; tests that drive beats by hand don't
+        call it again after ``stop_beats``)."""
+        ready = threading.Event()
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._beat_loop = loop
+            self._beat_task = loop.create_task(self._beats())
+            ready.set()
+            try:
+                loop.run_until_complete(self._beat_task)
+            except asyncio.CancelledError:
+                pass
+            finally:
+                loop.run_until_complete(loop.shutdown_asyncgens())
+                loop.close()
+
+        self._thread = threading.Thread(target=run, name="fleet-heartbeat", daemon=True)
+        self._thread.start()
+        ready.wait()
+
+    async def stop_beats(self) -> None:
+        thread, loop, task = self._thread, self._beat_loop, self._beat_task
+        self._thread = self._beat_loop = self._beat_task = None
+        if thread is None or loop is None or task is None:
+            return
+        with contextlib.suppress(RuntimeError):  # its loop already ended
+            loop.call_soon_threadsafe(task.cancel)
+        # A heartbeat stuck in the store's lane is abandoned (its thread is the store's).
+        await asyncio.to_thread(thread.join, 10)
 
     async def stop(self) -> None:
+        await self.stop_beats()
         await cancel(self._task)
         self._task = None
         await self.tasks.close()
@@ -162,35 +254,64 @@ class Membership:
             return "taken over by another process"
         return "fenced (store unreachable)" if self.fenced else "running"
 
-    async def _loop(self) -> None:
-        # A heartbeat that hangs on an unreachable store must not stop the clock: fencing is
-        # judged by time here, and listeners hear of it, whatever the store call is doing.
-        beat: asyncio.Task[None | None] | None = None
+    async def _watch(self) -> None:
+        """On the daemon's loop: tick the clock the heartbeat thread reads (this loop runs),
+        measure how late it runs, and tell listeners at the fencing deadline itself (BMC
+        sessions end, hubs go down), not up to a heartbeat later."""
+        tick = min(0.25, self.heartbeat_s / 2)
+        said_at = 0.0
+        worst = 0.0
+        while True:
+            planned = time.monotonic() + tick
+            until = self.lease_until()
+            wake = until + 0.001 if planned - tick < until < planned else planned
+            await asyncio.sleep(max(0.0, wake - time.monotonic()))
+            now = time.monotonic()
+            lag = max(0.0, now - wake)
+            self.loop_tick = now
+            loop_lag.observe(lag)
+            worst = max(worst, lag)
+            if worst >= 1.0 and now - said_at >= 10.0:
+                log.warning("event loop ran %.1f s late (worst in the last 10 s)", worst)
+                said_at, worst = now, 0.0
+            self._check()
+
+    async def _beats(self) -> None:
+        """On the heartbeat's thread: a heartbeat every ``heartbeat_s``, whatever the daemon's
+        loop is doing. A heartbeat that hangs on an unreachable store must not stop the clock:
+        fencing is judged by time (``lease_until``), and the daemon's loop watch tells the
+        listeners when it passes."""
+        beat: asyncio.Task[None] | None = None
         try:
             while True:
-                before = self._view()
                 if beat is None or beat.done():
-                    beat = self.tasks.spawn(self.beat_once(), name="fleet-beat")
-                due = time.monotonic() + self.heartbeat_s
-                while (now := time.monotonic()) < due:
-                    # Wake at the fencing deadline too: listeners act when it passes (BMC
-                    # sessions end, hubs go down), not up to a heartbeat later.
-                    until = self.lease_until()
-                    wake = until + 0.001 if now < until < due else due
-                    await asyncio.sleep(wake - now)
-                    self._changed(before)
-                    before = self._view()
+                    beat = asyncio.ensure_future(self.beat_once())
+                await asyncio.sleep(self.heartbeat_s)
         finally:
             await cancel(beat)
 
     async def beat_once(self) -> None:
-        before = self._view()
         try:
             await self._beat()
         finally:
-            self._changed(before)
+            self._changed()
 
     async def _beat(self, *, again: bool = True) -> None:
+        stalled = time.monotonic() - self.loop_tick
+        if self._main is not None and stalled > self.loop_stall_s:
+            # The daemon's loop has not run for this long (hung, not just slow): its work
+            # must stop and be taken over, as if it had died. No heartbeat, so it fences.
+            if not self._said_stalled:
+                log.error(
+                    "the event loop has not run for %.0f s: no heartbeat, this instance fences "
+                    "itself and the others take over its share",
+                    stalled,
+                )
+            self._said_stalled = True
+            return
+        if self._said_stalled:
+            log.warning("the event loop runs again: heartbeats resume")
+            self._said_stalled = False
         was_fenced = self.fenced
         started = time.monotonic()  # the store's heartbeat time is at or after this moment
         try:

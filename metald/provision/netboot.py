@@ -283,6 +283,12 @@ def _load_step(session: Session, machine_id: str) -> tuple[str | None, core.Step
     journal = ownership.read_step(session, machine_id, step)
     if journal is None:
         return step, core.StepLoaded(booting=True)
+    if journal.command is None and not journal.done:
+        # A new step is journaled ``requested`` before its first command, in this transaction:
+        # an instance killed before that command leaves it for the BMC's next holder, who
+        # resumes it at takeover (the watchdog's unfinished steps), not after the cut-off-boot
+        # sweep's claimed_resume_s. Never over a step already under way (``mark_step``).
+        ownership.mark_step(session, machine_id, step, command=core.REQUESTED, done=False)
     return step, core.StepLoaded(booting=True, command=journal.command, done=journal.done)
 
 

@@ -80,6 +80,35 @@ async def test_session_is_reused_across_commands(ipmi_sim: IpmiSim) -> None:
     assert d.session.keys is None
 
 
+async def test_an_idle_close_due_does_not_close_the_session_under_a_new_command(
+    ipmi_sim: IpmiSim,
+) -> None:
+    """The idle timer fires in the loop iteration that also wakes a command (a starved loop
+    runs long batches of callbacks: bench/fleet.py at 10,000 machines). The command takes the
+    lock and sends first; the idle close must then stand down. The old close ran under the
+    command: the BMC powered on, the command failed ('the session was closed while waiting'),
+    and the scheduler sent the power-on again, executed twice (14 times in the 10,000 run).
+    Fails on the old code: BmcUnreachable."""
+    d = _driver(ipmi_sim)
+    try:
+        await d.set_power(PowerAction.OFF)  # logged in, with the admin privilege
+        keys = d.session.keys
+        before = ipmi_sim.calls().count("set power 1")
+        command = asyncio.ensure_future(d.set_power(PowerAction.ON))
+        d._expire()  # the idle timer, due in the same iteration, after the command's wake-up
+        await command
+        assert await d.get_power() is PowerState.ON
+        assert d.session.keys is keys, "the session was closed under the command"
+        assert ipmi_sim.calls().count("set power 1") == before + 1
+        # Idle for real, the close still happens (nothing used the session since the timer).
+        d._expire()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert d.session.keys is None
+    finally:
+        await d.close()
+
+
 async def test_wrong_password_is_an_auth_error_with_a_clear_message(ipmi_sim: IpmiSim) -> None:
     d = _driver(ipmi_sim, password="not-the-password")
     with pytest.raises(BmcAuthError, match="different password") as ei:

@@ -15,7 +15,7 @@ from metald.config import ProvisionConfig
 from metald.provision import netboot
 from metald.provision.watchdog import MAX_REARMS, REARM_EVENT, STRANDED_EVENT, Watchdog
 from metald.store import Store
-from metald.store.models import ApiToken, Bmc, Event, Machine, utcnow
+from metald.store.models import ApiToken, Bmc, Event, Lease, Machine, utcnow
 from tests.claims.fakes import FakeBmc
 from tests.claims.helpers import boot_token, claimed
 
@@ -181,3 +181,40 @@ async def test_an_inspected_machine_without_a_bmc_is_not_armed_again(store: Stor
     assert await dog.sweep_once() == []
     assert _kinds(store, mid).count(REARM_EVENT) == 0
     assert _kinds(store, mid).count(STRANDED_EVENT) == 1
+
+
+async def test_a_slow_agent_whose_machine_runs_its_boot_is_not_stranded(store: Store) -> None:
+    """The 10,000-machine fleet run (issue 33): under a storm on a starved box an agent's first
+    call came minutes after its script, and the old sweep, going by the token's age alone,
+    revoked 1,898 live tokens and booted those machines again (1,080 re-armed boots in one
+    minute against 210 state changes): enrollment stalled. A machine whose NIC did a DHCP
+    exchange after its token was handed out (what its script booted, asking for an address) is
+    running that boot: it is left alone until it asks for its script again."""
+    mac = "b0:7b:25:00:05:49"
+    mid = _sighted(store, mac)
+    dog = Watchdog(store, CFG, "owner", bmc=FakeBmc())
+    token = boot_token(store, mid)
+    assert token is not None
+    with store.session() as s:  # the discovery kernel's DHCP, after the script
+        s.add(
+            Lease(
+                network="prov",
+                ip="10.0.0.9",
+                mac=mac,
+                state="bound",
+                expires_at=utcnow() + timedelta(hours=1),
+                updated_at=utcnow(),
+            )
+        )
+        s.commit()
+    _minted_ago(store, mid, 181)
+    assert await dog.sweep_once() == []  # the old sweep re-armed it here
+    with store.session() as s:  # its agent may still report (read without using the token)
+        live = s.exec(select(ApiToken).where(ApiToken.machine_id == mid)).all()
+        assert [t.revoked_at for t in live] == [None]
+    # It asks for its script again in this boot: that answer was lost after all.
+    assert boot_token(store, mid) is None
+    assert await dog.sweep_once() == [mid]
+    with store.session() as s:
+        assert authenticate(s, token) is None
+    assert _kinds(store, mid).count(REARM_EVENT) == 1

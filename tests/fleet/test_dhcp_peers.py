@@ -32,7 +32,6 @@ from metald.boot.dhcp.peers import DhcpPeers
 from metald.boot.dhcp.server import DhcpServer
 from metald.boot.plane import join_fleet
 from metald.fleet.membership import Membership
-from metald.service import cancel
 from metald.store import Store
 from tests.boot.dhcp_helpers import client_packet
 from tests.fleet.test_membership import wait_for
@@ -276,7 +275,7 @@ async def test_survivor_takes_over_a_dead_instances_clients_and_keeps_their_addr
         # i1 stops heartbeating (killed, or cut off from the store) while its server still
         # runs: it answers its clients until it fences itself, then nothing, and i0 takes
         # them once it judges i1 dead. At no moment do both answer.
-        await cancel(b.fleet._task)
+        await b.fleet.stop_beats()
         killed = time.monotonic()
         newcomer = next(mac(i) for i in range(200, 400) if owner_of(nodes, mac(i)) == "i1")
         xid, phases = 9000, []
@@ -356,7 +355,7 @@ async def test_a_fenced_instance_answers_nothing(pg_store: Store, relay: socket.
     try:
         ip, _ = await dora(nodes, relay, mac(1), 10)
         # Cut off from the store: no heartbeat is written any more.
-        await cancel(a.fleet._task)
+        await a.fleet.stop_beats()
         await wait_for(lambda: a.fleet.fenced)
         before = ignored("fenced")
         for k, pkt in enumerate(

@@ -4,12 +4,12 @@ store or ownership, without asking a store it cannot reach; health and metrics s
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Any
 
 from api.app import CTX_KEY
 from metald.fleet.membership import Membership
-from metald.service import cancel
 from metald.store import Store
 from tests.api_helpers import use_services
 from tests.fleet.test_membership import wait_for
@@ -21,7 +21,8 @@ class Cut:
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self.healed = asyncio.Event()
+        # A thread's event: the heartbeat runs on a loop of its own (its own thread).
+        self.healed = threading.Event()
         self.healed.set()
         self.asked_while_cut = 0
 
@@ -31,7 +32,8 @@ class Cut:
     async def _wait(self) -> None:
         if not self.healed.is_set():
             self.asked_while_cut += 1
-            await self.healed.wait()
+            while not self.healed.is_set():
+                await asyncio.sleep(0.01)
 
     async def run(self, fn, *a, **kw):  # type: ignore[no-untyped-def]
         await self._wait()
@@ -109,7 +111,7 @@ async def test_a_heartbeat_that_hung_across_a_cut_does_not_lift_the_fence_for_a_
     link = Cut(store)
     fleet = Membership(link, "rack2", heartbeat_s=0.5, dead_after_s=1.5)  # type: ignore[arg-type]
     await fleet.start()
-    await cancel(fleet._task)  # beats are driven by hand below
+    await fleet.stop_beats()  # beats are driven by hand below
     try:
         link.healed.clear()
         beat = asyncio.create_task(fleet.beat_once())

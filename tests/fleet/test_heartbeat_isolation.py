@@ -100,6 +100,9 @@ async def test_a_heartbeat_stuck_on_a_lock_fails_within_its_statement_timeout(
     store, url = pg
     a = Membership(store, "rack1", heartbeat_s=0.2, dead_after_s=600.0)
     await a.start()
+    # Its own heartbeats (bounded at half of a 592 s fencing age) would hold the lane ahead of
+    # the one this test sends: only this one is sent.
+    await a.stop_beats()
     holder = psycopg.connect(url.replace("postgresql+psycopg", "postgresql"))
     try:
         holder.execute("SELECT 1 FROM instances WHERE name = 'rack1' FOR UPDATE")

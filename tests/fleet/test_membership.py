@@ -4,20 +4,22 @@ on both backends (ownership across several instances on PostgreSQL)."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
+import tomllib
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from sqlmodel import Session, select
 
 from metald.bmc.base import BmcError
 from metald.bmc.service import BmcService
-from metald.config import BmcConfig
+from metald.config import BmcConfig, FleetConfig
 from metald.fleet import registry
 from metald.fleet.membership import Membership
 from metald.fleet.registry import InstanceNameInUse
 from metald.secrets import SecretBox
-from metald.service import cancel
 from metald.store import Store
 from metald.store.models import Bmc
 from tests.waiting import eventually
@@ -58,7 +60,7 @@ async def test_a_live_name_is_refused_and_a_dead_one_taken_over(store: Store) ->
             await fleet(store, "rack1").start()
         # The process stops heartbeating (as if killed): after dead_after_s the name is free and
         # the old process, if it comes back, learns it was taken over and owns nothing.
-        await cancel(a2._task)
+        await a2.stop_beats()
         b = fleet(store, "rack1")
         await wait_for_start(b)
         try:
@@ -199,7 +201,7 @@ async def test_each_bmc_is_polled_by_exactly_one_instance_and_a_survivor_takes_o
 
         # rack1 dies (no clean stop): within dead_after_s + a heartbeat the others own it all.
         dead = fleets[1]
-        await cancel(dead._task)
+        await dead.stop_beats()
         survivors = [fleets[0], fleets[2]]
         await wait_for(
             lambda: all(
@@ -392,3 +394,96 @@ async def test_the_token_purge_runs_on_one_instance_of_the_fleet(pg_server) -> N
     finally:
         for f in fleets:
             await f.stop()
+
+
+def _heartbeat_age(store: Store, name: str) -> float:
+    """This instance's heartbeat age by the database's clock, read from this thread (the
+    test's loop is blocked: it cannot await)."""
+    with store.session() as s:
+        ages = {m.name: m.heartbeat_age_s for m in registry.members(s, 3600.0)}
+        s.rollback()
+    return ages[name]
+
+
+def _block_the_loop_until(cond: Callable[[], bool], limit_s: float = 30.0) -> bool:
+    """Hold the event loop's thread (a storm's CPU starvation, at its worst) until ``cond``
+    holds, at most ``limit_s``; whether it held."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)  # the GIL is free meanwhile, as under a loop busy in C or I/O
+    return False
+
+
+async def test_a_starved_event_loop_still_heartbeats_and_does_not_fence(store: Store) -> None:
+    """The heartbeat runs on a thread of its own: while the daemon's loop does not run for
+    twice the fencing age (a storm's queue on a starved CPU, issue 33: every instance of the
+    10,000-machine run fenced itself 5-13 times), heartbeats still land every heartbeat_s and
+    the instance never fences. The old heartbeat was scheduled and answered on that loop: no
+    heartbeat was written while it was blocked, and the instance fenced after 2.8 s."""
+    a = Membership(store, "rack1", heartbeat_s=0.2, dead_after_s=3.0)
+    await a.start()
+    try:
+        heard: list[bool] = []
+        a.on_change(lambda: heard.append(a.fenced))
+        fenced_while_blocked: list[bool] = []
+        blocked_at = time.monotonic()
+
+        def fresh_for_twice_the_fencing_age() -> bool:
+            fenced_while_blocked.append(a.fenced)
+            return (
+                time.monotonic() - blocked_at > 2 * a.fence_after_s
+                and _heartbeat_age(store, "rack1") < a.fence_after_s / 2
+            )
+
+        assert _block_the_loop_until(fresh_for_twice_the_fencing_age), (
+            "no heartbeat landed while the loop was blocked"
+        )
+        assert not any(fenced_while_blocked)
+        await asyncio.sleep(0)
+        assert not a.fenced and a.owns_bmc("b1", "10.0.0.1")
+        assert True not in heard
+    finally:
+        await a.stop()
+
+
+async def test_a_hung_event_loop_stops_the_heartbeats_and_is_taken_over(store: Store) -> None:
+    """The safety side: a loop that does not run at all for ``loop_stall_s`` (a deadlock, a
+    callback that never returns) gets no more heartbeats from the thread, so the instance
+    fences itself and the others judge it dead, as if it had been killed."""
+    a = Membership(store, "rack1", heartbeat_s=0.2, dead_after_s=1.5, loop_stall_s=1.0)
+    await a.start()
+    try:
+        assert _block_the_loop_until(lambda: _heartbeat_age(store, "rack1") > a.dead_after_s)
+        assert a.fenced and not a.owns_bmc("b1", "10.0.0.1")
+        with store.session() as s:
+            assert [m.alive for m in registry.members(s, a.dead_after_s)] == [False]
+        # Once the loop runs again, so do the heartbeats.
+        await wait_for(lambda: not a.fenced)
+    finally:
+        await a.stop()
+
+
+#: The worst event-loop lag any instance logged in bench/fleet.py's 10,000-machine runs (4
+#: instances, PostgreSQL and the simulation on two shared cores, load average up to 32):
+#: bench/FLEET.md, "DHCP split changes / worst event-loop lag" (3.9 s in run A, 5.3 s in B).
+WORST_LOOP_LAG_AT_10K_S = 5.3
+
+
+def test_the_loop_stall_default_sits_between_a_starved_loop_and_a_slow_takeover() -> None:
+    """``[fleet] loop_stall_s`` trades two failures: too short, a loop merely starved by a storm
+    is taken for a hung one (the instance fences itself and its share moves, as every instance
+    did 5-13 times in the 10,000 run before the heartbeat had its own thread); too long, a
+    truly hung instance keeps its DHCP share and BMCs for that long (the heartbeat on the loop
+    gave them up after dead_after_s, 10 s). The default is a few times the worst lag measured
+    under the 10,000-machine storm, and a hung instance is taken over within 30 s (its last
+    heartbeat at most loop_stall_s after the loop stopped, dead dead_after_s after that).
+    Fails on the first default (60 s: taken over after up to 70 s)."""
+    cfg = FleetConfig()
+    assert cfg.loop_stall_s >= 3 * WORST_LOOP_LAG_AT_10K_S
+    assert cfg.loop_stall_s + cfg.dead_after_s <= 30
+    # One default: the daemon's, Membership's own and the example's.
+    assert inspect.signature(Membership).parameters["loop_stall_s"].default == cfg.loop_stall_s
+    example = tomllib.loads((Path(__file__).parents[2] / "examples" / "metald.toml").read_text())
+    assert example["fleet"]["loop_stall_s"] == cfg.loop_stall_s

@@ -192,3 +192,32 @@ async def test_a_step_killed_anywhere_resumes_without_a_second_power_command(
             assert (journal.command, power, bmc.sent) == ("power:off", "on", [])
             # (a journal left open by a death after the move is closed by the watchdog)
             assert m.state == State.PROVISION_FAILED.value
+
+
+async def test_a_step_killed_before_its_first_command_is_left_for_the_takeover(
+    store: Store,
+) -> None:
+    """The step journals ``requested`` when it starts, in the transaction that loads it: an
+    instance killed after that and before its first BMC command (the holder of the BMC running
+    a release sent to its own API) leaves an unfinished step that the BMC's next holder
+    resumes at takeover (``watchdog.unfinished_steps``). On the old code nothing was
+    journaled before the first command: the step waited for the cut-off-boot sweep
+    (``claimed_resume_s``, 120 s; bench/fleet.py's release phase, 2-6 wipes a run)."""
+    from metald.provision import watchdog
+
+    mid, bid = _machine_with_bmc(store)
+    step = _fresh_step(store, mid, bid)
+    dying = Deaths(frozenset({2}))  # after the step's first transaction (loading it)
+    bmc = JournalingBmc(store, bid, "on", dying)
+    with pytest.raises(Killed):
+        await netboot.boot_from_network(DyingStore(store, dying), bmc, mid, actor="t")  # type: ignore[arg-type]
+    assert bmc.sent == []
+    with store.session() as s:
+        journal = ownership.read_step(s, mid, step)
+        assert journal is not None and journal.command == netboot_core.REQUESTED
+        assert not journal.done
+        assert watchdog.unfinished_steps(s, None) == [mid]
+    # The survivor's resume runs the whole step, once.
+    bmc.deaths = Deaths(frozenset())
+    assert await netboot.boot_from_network(store, bmc, mid, actor="t")
+    assert bmc.sent == ["off", "pxe", "on"]

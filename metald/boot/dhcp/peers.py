@@ -38,6 +38,8 @@ class FleetView(Protocol):
 
     instance: str
     members: list[Member]
+    #: Monotonic time ``members`` was read (its heartbeat ages are as of then).
+    members_at: float
     heartbeat_s: float
 
     @property
@@ -105,7 +107,10 @@ class DhcpPeers:
         """Recompute the buckets from the answering members (cheap when nothing changed)."""
         fleet = self.fleet
         if fleet.members is not self._members:  # Membership replaced the list: a refresh
-            self._members, self._refreshed = fleet.members, time.monotonic()
+            # Aged from when it was read (the heartbeat's thread), not from when this loop got
+            # round to it: a lagging loop would think its peers' heartbeats younger.
+            self._members = fleet.members
+            self._refreshed = fleet.members_at
         live = answering(
             fleet.members, fleet.instance, time.monotonic() - self._refreshed, fleet.fence_after_s
         )
