@@ -32,6 +32,8 @@ class PowerSync:
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._settle: asyncio.Task[None | None] | None = None
+        #: A wake came while a settle ran: that settle may have read the older live set.
+        self._settle_again = False
         self._scope = TaskScope("bmc-ownership")
 
     async def start(self) -> None:
@@ -52,15 +54,26 @@ class PowerSync:
         after the power round in progress (over a thousand BMCs, seconds): a settle of its own
         at once, beside that round, then the round again."""
         self._wake.set()
-        own = self.control.ownership is not None
-        if own and self._scope.is_open and (self._settle is None or self._settle.done()):
+        if self.control.ownership is None or not self._scope.is_open:
+            return
+        if self._settle is None or self._settle.done():
             self._settle = self._scope.spawn(self._settle_now(), name="bmc-ownership-settle")
+        else:
+            # The settle in progress may have computed its BMCs from the live set before this
+            # change: it runs again when it ends. (Left to the loop, the next settle could
+            # wait out a whole power round, minutes under load, with a BMC held by an instance
+            # whose own hash gives it to another: its commands wait that long.)
+            self._settle_again = True
 
     async def _settle_now(self) -> None:
-        try:
-            await self.control.sync_ownership()
-        except Exception:
-            log.exception("settling BMC ownership failed")
+        while True:
+            self._settle_again = False
+            try:
+                await self.control.sync_ownership()
+            except Exception:
+                log.exception("settling BMC ownership failed")
+            if not self._settle_again:
+                return
 
     async def _loop(self) -> None:
         while True:
