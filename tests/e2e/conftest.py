@@ -9,6 +9,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,6 +28,20 @@ def lab_skip_reason() -> str | None:
     if shutil.which("qemu-system-x86_64") is None:
         return "qemu-system-x86 is not installed"
     return None
+
+
+def lab_ipxe_assets(into: Path) -> Path:
+    """A copy of the built boot assets with metald's own iPXE build in it (``into``), or a
+    skip when iPXE's source is not on this machine."""
+    from bootassets.build import BuildError, ensure_built
+    from bootassets.ipxe import find_source
+    from vmlab.labipxe import assets_with_built_ipxe
+
+    try:
+        find_source()
+    except BuildError as e:
+        pytest.skip(str(e))
+    return assets_with_built_ipxe(ensure_built(), into)
 
 
 @dataclass

@@ -37,10 +37,11 @@ from typing import Any
 import pytest
 
 from tests import waiting
-from tests.e2e.conftest import RULES, lab_skip_reason
+from tests.e2e.conftest import RULES, lab_ipxe_assets, lab_skip_reason
 from tests.e2e.test_arm64_lab import _phases, _state_times
 from tests.e2e.test_claim_provision_release import disk_ends
-from tests.provision_agent.test_qemu_debian import CAPTURE
+from tests.provision_agent.test_qemu_debian import CAPTURE, MARK
+from tests.provision_agent.test_qemu_debian import USER_DATA as QEMU_DEBIAN_USER_DATA
 from tests.provision_agent.test_qemu_storage import md_superblocks
 
 pytestmark = [pytest.mark.lab, pytest.mark.root]
@@ -49,18 +50,13 @@ READY_TIMEOUT_S = 1800
 ACTIVE_TIMEOUT_S = 3600
 WIPE_TIMEOUT_S = 1800
 VLAN = 100
-MARK = "written by the tenant's user-data"
-USER_DATA = f"""#cloud-config
-write_files:
-  - path: /root/tenant-file.txt
-    content: "{MARK}\\n"
-    permissions: "0640"
-runcmd:
-  - [sh, -c, "echo runcmd ran > /root/runcmd.txt"]
-# a package the image already has: cloud-init's package module runs (apt-get update, which
+USER_DATA = (
+    QEMU_DEBIAN_USER_DATA
+    + """# a package the image already has: cloud-init's package module runs (apt-get update, which
 # finds no mirror from the lab and goes on, then install) and needs nothing new
 packages: [jq]
 """
+)
 #: Commissioning on a profile this machine meets only with both its disks (the SKU check);
 #: no tool checks (their image and runs cost minutes under TCG and prove nothing new here).
 COMMISSIONING = (
@@ -108,17 +104,10 @@ def debian_rack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DebianRack
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    from bootassets.build import BuildError, ensure_built
-    from bootassets.ipxe import find_source
-    from vmlab.labipxe import assets_with_built_ipxe
     from vmlab.rack import LabRack
 
-    try:
-        find_source()
-    except BuildError as e:
-        pytest.skip(str(e))
     work = Path(tmp_path_factory.mktemp("debian-claim"))
-    assets = assets_with_built_ipxe(ensure_built(), work / "assets")
+    assets = lab_ipxe_assets(work / "assets")
     rack = LabRack(
         f"deb{os.getpid() % 10000}",
         work / "rack",

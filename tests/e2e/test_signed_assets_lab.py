@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests import waiting
-from tests.e2e.conftest import lab_skip_reason
+from tests.e2e.conftest import lab_ipxe_assets, lab_skip_reason
 
 pytestmark = [pytest.mark.lab, pytest.mark.root]
 
@@ -35,16 +35,10 @@ def test_a_changed_initrd_on_the_plain_path_stops_the_boot_with_an_event(tmp_pat
     reason = lab_skip_reason()
     if reason:
         pytest.skip(reason)
-    from bootassets.build import BuildError, ensure_built
-    from bootassets.ipxe import find_source
-    from vmlab.labipxe import assets_with_built_ipxe, seed_state
+    from vmlab.labipxe import seed_state
     from vmlab.rack import LabRack
 
-    try:
-        find_source()
-    except BuildError as e:
-        pytest.skip(str(e))
-    assets = assets_with_built_ipxe(ensure_built(), tmp_path / "assets")
+    assets = lab_ipxe_assets(tmp_path / "assets")
     # The man in the middle's copy: the real kernel, the initrd with one byte changed (in the
     # middle of the compressed cpio: still a plausible file of the same size).
     fake = tmp_path / "mitm" / "boot" / "assets" / "discovery"

@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 
 from tests import waiting
-from tests.e2e.conftest import lab_skip_reason
+from tests.e2e.conftest import lab_ipxe_assets, lab_skip_reason
 
 pytestmark = [pytest.mark.lab, pytest.mark.root]
 
@@ -63,17 +63,11 @@ def test_no_token_in_clear_and_a_man_in_the_middle_gets_nothing(tmp_path: Path) 
     reason = lab_skip_reason()
     if reason:
         pytest.skip(reason)
-    from bootassets.build import BuildError, ensure_built
-    from bootassets.ipxe import find_source
     from vmlab.capture import secrets_in
-    from vmlab.labipxe import assets_with_built_ipxe, seed_state, server_cert
+    from vmlab.labipxe import seed_state, server_cert
     from vmlab.rack import LabRack
 
-    try:
-        find_source()
-    except BuildError as e:
-        pytest.skip(str(e))
-    assets = assets_with_built_ipxe(ensure_built(), tmp_path / "assets")
+    assets = lab_ipxe_assets(tmp_path / "assets")
     seed_state(tmp_path / "rack" / "metald")  # metald's tls_auto CA is the one iPXE trusts
     rack = LabRack(
         f"cap{os.getpid() % 10000}",

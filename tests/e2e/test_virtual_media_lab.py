@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import lab_skip_reason
+from tests.e2e.conftest import lab_ipxe_assets, lab_skip_reason
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.lab, pytest.mark.root]
@@ -198,17 +198,10 @@ def test_a_uefi_vm_enrolls_through_virtual_media_with_metalds_ipxe(
         pytest.skip(reason)
     if shutil.which("dnsmasq") is None or shutil.which("mcopy") is None:
         pytest.skip("needs dnsmasq (the network's own DHCP server) and mtools")
-    from bootassets.build import BuildError, ensure_built
-    from bootassets.ipxe import find_source
-    from vmlab.labipxe import assets_with_built_ipxe
     from vmlab.rack import LabRack
 
-    try:
-        find_source()
-    except BuildError as e:
-        pytest.skip(str(e))
     work = tmp_path_factory.mktemp("vmedia-uefi")
-    assets = assets_with_built_ipxe(ensure_built(), work / "assets")
+    assets = lab_ipxe_assets(work / "assets")
     rack = LabRack(
         f"vu{os.getpid() % 10000}",
         work,
@@ -251,17 +244,11 @@ def test_a_bios_vm_enrolls_through_virtual_media_over_https_with_metalds_lkrn(
         pytest.skip(reason)
     if shutil.which("dnsmasq") is None:
         pytest.skip("needs dnsmasq (the network's own DHCP server)")
-    from bootassets.build import BuildError, ensure_built
-    from bootassets.ipxe import find_source
-    from vmlab.labipxe import assets_with_built_ipxe, lab_ca, seed_state
+    from vmlab.labipxe import lab_ca, seed_state
     from vmlab.rack import LabRack
 
-    try:
-        find_source()
-    except BuildError as e:
-        pytest.skip(str(e))
     work = tmp_path_factory.mktemp("vmedia-bios-https")
-    assets = assets_with_built_ipxe(ensure_built(), work / "assets")
+    assets = lab_ipxe_assets(work / "assets")
     seed_state(work / "metald")  # metald's tls_auto CA is the one its iPXE trusts
     monkeypatch.setenv("SSL_CERT_FILE", str(lab_ca()))  # the lab BMC's certificate store
     rack = LabRack(
