@@ -45,6 +45,7 @@ from sqlalchemy import BigInteger, Text, func, tuple_
 from sqlmodel import Session, col, select
 
 from metald.limits import Hold, Limiter, TooMany
+from metald.service import wait_event
 from metald.store.models import ApiToken, Event, utcnow
 
 if TYPE_CHECKING:
@@ -111,8 +112,7 @@ class Subscription:
         """The next batch, or None after ``timeout`` seconds or when the subscription closed."""
         if not self._batches and self.closed is None:
             self._ready.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._ready.wait(), timeout)
+            await wait_event(self._ready, timeout)
         return self._batches.popleft() if self._batches and self.closed is None else None
 
 
@@ -365,10 +365,7 @@ class EventBus:
                 if not self._subs:
                     break
                 # Sleep until a write wakes us, the next poll, or the next token re-check.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(
-                        wake.wait(), max(0.0, min(next_poll, next_check) - loop.time())
-                    )
+                await wait_event(wake, min(next_poll, next_check) - loop.time())
         except asyncio.CancelledError:
             raise
         except Exception:

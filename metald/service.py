@@ -37,6 +37,24 @@ async def cancel(task: asyncio.Future[Any] | None) -> None:
         await task
 
 
+async def wait_event(event: asyncio.Event, timeout: float) -> bool:
+    """Wait until ``event`` is set or ``timeout`` seconds pass; True if it is set.
+
+    What a service's loop sleeps on between rounds, instead of ``asyncio.wait_for(event.wait(),
+    timeout)``: on Python 3.11 that returns the inner result when a cancel comes in the same
+    loop pass as the event's wake-up, so the cancel is lost, the loop goes round again and its
+    task group's ``close`` waits for it for ever (seen as a hung ``HealthWatch.stop``).
+    ``asyncio.timeout`` keeps such a cancel."""
+    if event.is_set():
+        return True
+    try:
+        async with asyncio.timeout(max(timeout, 0.0)):
+            await event.wait()
+    except TimeoutError:
+        return False
+    return True
+
+
 async def _logged(coro: Coroutine[Any, Any, T], scope: str, name: str | None) -> T | None:
     """A task of a scope: its failure is logged here and ends only itself, never its siblings
     (an ``asyncio.TaskGroup`` would otherwise cancel the whole group on one error)."""

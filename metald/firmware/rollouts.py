@@ -18,7 +18,6 @@ before stays there; a failed one stays there for a person to look at).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from datetime import timedelta
 from typing import Any, Protocol
@@ -42,7 +41,7 @@ from metald.firmware.waves import (
 )
 from metald.lifecycle import ALLOCATED, ROLLOUT_FREE, ROLLOUT_GONE, State, Trigger
 from metald.machines import add_event, transition
-from metald.service import TaskScope
+from metald.service import TaskScope, wait_event
 from metald.store.db import Store
 from metald.store.models import (
     Claim,
@@ -227,8 +226,7 @@ class FirmwareRollouts:
             except Exception:
                 log.exception("firmware rollouts: a step failed; trying again")
             self._kick.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._kick.wait(), self.tick_s)
+            await wait_event(self._kick, self.tick_s)
 
     # --- driving ---
 

@@ -49,7 +49,7 @@ from metald.healthwatch import faults, reports
 from metald.healthwatch.workflow import Remediations, SchedulerFor, open_for
 from metald.lifecycle import IN_USE, State
 from metald.provision.metadata import hostname
-from metald.service import TaskScope
+from metald.service import TaskScope, wait_event
 from metald.store.db import Store
 from metald.store.models import (
     Bmc,
@@ -503,8 +503,7 @@ class HealthWatch:
                 await self.round()
             except Exception:
                 log.exception("health round failed; trying again next interval")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.cfg.watch_interval_s)
+            await wait_event(self._wake, self.cfg.watch_interval_s)
 
     async def round(self, *, reads: bool | None = None) -> None:
         """One round (see the module docstring). ``reads``: force (or skip) the BMC and

@@ -25,7 +25,6 @@ local long-polls and waiters) and ``await_acks``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import ipaddress
 import secrets
@@ -38,6 +37,7 @@ from sqlmodel import Session, col, select
 
 from metald import machines
 from metald.errors import Unauthorized
+from metald.service import wait_event
 from metald.store import Store
 from metald.store.models import Tenant, WgHub, WgPeer
 
@@ -273,8 +273,7 @@ class MeshWatch:
 
 
 async def _wait(ev: asyncio.Event, timeout: float) -> None:
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(ev.wait(), max(timeout, 0.0))
+    await wait_event(ev, timeout)
 
 
 @dataclass

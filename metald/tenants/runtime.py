@@ -45,7 +45,7 @@ from metald.config import TenantsConfig
 from metald.errors import Unprocessable
 from metald.lifecycle import State
 from metald.secrets import SecretBox
-from metald.service import TaskScope, cancel
+from metald.service import TaskScope, cancel, wait_event
 from metald.store import Store
 from metald.store.models import ElasticPoolRow, Machine, Tenant, WgHub, WgPeer, as_utc
 from metald.tenants import clusters, controlplane, ctlstate, elastic, elasticspool, mesh, slurm
@@ -622,8 +622,7 @@ class TenantRuntime:
 
     async def _loop(self) -> None:
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.cfg.observe_interval_s)
+            await wait_event(self._wake, self.cfg.observe_interval_s)
             self._wake.clear()
             try:
                 await self.sync()
