@@ -245,7 +245,16 @@ class Membership:
         await self.tasks.close()
         if not self._taken_over:
             try:
-                await self.store.run(registry.mark_stopped, self.instance, self.incarnation)
+                # On the heartbeat's lane (one thread, first in first out): after a heartbeat
+                # still in flight there, whose commit would otherwise land after this one and,
+                # clearing ``stopped_at``, show a stopped instance alive until dead_after_s
+                # (its share not taken over meanwhile; a restart refused under its name).
+                await self.store.heartbeat(
+                    registry.mark_stopped,
+                    self.instance,
+                    self.incarnation,
+                    timeout_s=self.beat_timeout_s,
+                )
             except Exception:  # noqa: BLE001 - the others then wait out dead_after_s
                 log.warning("could not record this instance as stopped", exc_info=True)
 

@@ -487,3 +487,45 @@ def test_the_loop_stall_default_sits_between_a_starved_loop_and_a_slow_takeover(
     assert inspect.signature(Membership).parameters["loop_stall_s"].default == cfg.loop_stall_s
     example = tomllib.loads((Path(__file__).parents[2] / "examples" / "metald.toml").read_text())
     assert example["fleet"]["loop_stall_s"] == cfg.loop_stall_s
+
+
+async def test_a_heartbeat_in_flight_at_stop_does_not_show_the_stopped_instance_alive(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A heartbeat clears ``stopped_at``: one still running in the store when the instance
+    stops must commit before the stop's mark, not after (the test above failed 2 runs in 8
+    so, the instance shown alive by its own late heartbeat). Deterministic: the heartbeat in
+    flight waits until the stop's mark is either written (the old order, on the shared pool:
+    the late heartbeat then undoes it) or queued behind it on the heartbeat's lane."""
+    import threading
+
+    m = Membership(store, "rack1", heartbeat_s=60, dead_after_s=600)
+    await m.start()
+    gate, entered = threading.Event(), threading.Event()
+
+    def late_beat(s: Session, name: str, incarnation: str) -> bool:
+        entered.set()
+        assert gate.wait(30), "the stop neither wrote its mark nor queued it"
+        return registry.beat(s, name, incarnation)
+
+    real_mark, real_lane = registry.mark_stopped, store.lane
+
+    def mark_then_open(s: Session, name: str, incarnation: str) -> None:
+        real_mark(s, name, incarnation)
+        gate.set()
+
+    async def lane(name: str, fn: Callable[..., object], *args: object, **kw: object) -> object:
+        if fn is not late_beat:
+            gate.set()  # queued behind the heartbeat in flight: let it finish first
+        return await real_lane(name, fn, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(registry, "mark_stopped", mark_then_open)
+    monkeypatch.setattr(store, "lane", lane)
+    inflight = asyncio.ensure_future(
+        store.heartbeat(late_beat, "rack1", m.incarnation, timeout_s=30)
+    )
+    await asyncio.to_thread(entered.wait, 30)
+    await m.stop()
+    assert await inflight  # the heartbeat did land (its row was still this process's)
+    (row,) = [x for x in await store.run(registry.members, 600) if x.name == "rack1"]
+    assert not row.alive, "a heartbeat that landed after the stop shows the instance alive"
