@@ -1,7 +1,8 @@
 """Chassis commands of a machine's BMC: power (with its confirmation), the boot device and the
 locate light; each through the fenced executor (``metald.bmc.control.Executor``) and the
 capability it needs (``Power``, ``BootDeviceControl``, ``Indicator``), each recorded as an event.
-Also the store's side of power readings (``record_power``), which power sync shares.
+Also the store's side of power readings (``record_power``, and ``record_powers`` for power
+sync's rounds).
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 
 from sqlalchemy import update
-from sqlmodel import Session
+from sqlmodel import Session, col, select
 
 from metald.bmc.base import BmcError, BootDevice, BootTarget, PowerAction, PowerState, cause
 from metald.bmc.capabilities import Capability, CapabilityMissing
@@ -267,25 +269,49 @@ def record_power(
 ) -> bool:
     """Store an observed power state; with ``drift_actor``, a change nobody asked for becomes a
     ``bmc.power-drift`` event. Returns whether it drifted."""
-    current = s.get(Bmc, bmc_id)
-    if current is None:
-        return False
-    before = current.power_state
-    if before == observed.value:
-        return False
-    drift = drift_actor is not None and before is not None
-    if drift:
-        add_event(
-            s,
-            "bmc.power-drift",
-            drift_actor or "",
-            machine_id=current.machine_id,
-            from_state=before,
-            to_state=observed.value,
-            instance=instance,
-            reason="power state changed without a metald command",
-            data={"bmc_id": bmc_id},
+    return record_powers(s, [(bmc_id, observed, drift_actor)], instance) == 1
+
+
+def record_powers(
+    s: Session, readings: Sequence[tuple[str, PowerState, str | None]], instance: str
+) -> int:
+    """Store many observed power states in one transaction (power sync's round): each is
+    ``record_power``'s ``(bmc_id, observed, drift_actor)``. One read of the BMCs' current
+    states, and a write (and commit) only for those that changed: a round over thousands of
+    BMCs whose power did not move costs a read, not a transaction a BMC. Returns how many
+    drifted."""
+    if not readings:
+        return 0
+    ids = [r[0] for r in readings]
+    current = {
+        row[0]: (row[1], row[2])
+        for row in s.execute(
+            select(Bmc.id, Bmc.power_state, Bmc.machine_id).where(col(Bmc.id).in_(ids))
         )
-    set_power(s, bmc_id, current.machine_id, observed)
-    s.commit()
-    return drift
+    }
+    drifted = changed = 0
+    for bmc_id, observed, drift_actor in readings:
+        if bmc_id not in current:
+            continue
+        before, machine_id = current[bmc_id]
+        if before == observed.value:
+            continue
+        if drift_actor is not None and before is not None:
+            drifted += 1
+            add_event(
+                s,
+                "bmc.power-drift",
+                drift_actor,
+                machine_id=machine_id,
+                from_state=before,
+                to_state=observed.value,
+                instance=instance,
+                reason="power state changed without a metald command",
+                data={"bmc_id": bmc_id},
+            )
+        set_power(s, bmc_id, machine_id, observed)
+        current[bmc_id] = (observed.value, machine_id)
+        changed += 1
+    if changed:
+        s.commit()
+    return drifted
