@@ -188,7 +188,8 @@ def main() -> int:
                         if name in trees:
                             labnet.REPO_ROOT = trees[name].resolve()
                         try:
-                            bp = BootProcess(lab, cfg, Path(tmp) / "metald.log").start()
+                            # a loaded box can take more than the default 30 s to start it
+                            bp = BootProcess(lab, cfg, Path(tmp) / "metald.log").start(120)
                         finally:
                             labnet.REPO_ROOT = repo
                             os.environ.pop("METALD_BOOT__TFTP_FAST_ACK", None)
