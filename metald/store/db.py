@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -69,12 +70,11 @@ def make_engine(
         u = u.set(drivername="postgresql+psycopg")
     # A cut link must fail calls in seconds, not after TCP's minutes: instances fence themselves
     # when their heartbeat cannot be written (metald.fleet.membership).
-    return create_engine(
+    engine = create_engine(
         u,
         echo=echo,
         pool_size=pool_size,
         max_overflow=max_overflow,
-        pool_pre_ping=True,
         connect_args={
             "connect_timeout": 5,
             "keepalives": 1,
@@ -84,6 +84,40 @@ def make_engine(
             "tcp_user_timeout": 10000,
         },
     )
+    ping_when_idle(engine)
+    return engine
+
+
+#: A pooled connection unused for this long is tested (a round-trip) before it is handed out;
+#: one checked in more recently is not. SQLAlchemy's ``pool_pre_ping`` tests every checkout:
+#: under a storm every transaction paid a round-trip first (17 % of the store threads'
+#: samples at 3,000 machines; bench/store_ping_cost.py, bench/FLEET.md), though its connection had answered moments
+#: before. A connection that broke since its last use (PostgreSQL restarted or failed over
+#: within this time) fails its statement as a disconnect instead: SQLAlchemy then invalidates
+#: the pool, the call is "store unavailable" (503 with Retry-After, a loop's next round), and
+#: the next call opens fresh connections. HikariCP skips its test likewise for a connection
+#: used within 500 ms (``aliveBypassWindowMs``).
+PING_IDLE_S = 0.5
+
+
+def ping_when_idle(engine: Engine) -> None:
+    """Test a pooled connection before use only when it sat idle for ``PING_IDLE_S``
+    (SQLAlchemy's pessimistic disconnect handling, its ``checkout`` recipe): a failed test
+    raises ``DisconnectionError``, and the pool replaces the connection and tries again."""
+
+    @event.listens_for(engine, "checkin")
+    def _checkin(dbapi_conn: Any, record: Any) -> None:
+        record.info["metald_idle_since"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _checkout(dbapi_conn: Any, record: Any, proxy: Any) -> None:
+        since = record.info.get("metald_idle_since")
+        if since is not None and time.monotonic() - since < PING_IDLE_S:
+            return
+        try:
+            engine.dialect.do_ping(dbapi_conn)
+        except Exception as e:
+            raise sa_exc.DisconnectionError(f"a pooled connection failed its test: {e}") from e
 
 
 def libpq_conninfo(engine: Engine) -> str:
@@ -108,8 +142,8 @@ def store_unavailable(e: BaseException) -> bool:
     retried once the database is back: the API answers 503 with Retry-After for it.
 
     A failed connection is invalidated by SQLAlchemy (and every pooled connection older than
-    it), and ``pool_pre_ping`` tests a pooled connection before use, so the next call after
-    PostgreSQL comes back opens fresh connections: no restart of metald is needed."""
+    it), and a pooled connection idle for ``PING_IDLE_S`` is tested before use, so the next
+    call after PostgreSQL comes back opens fresh connections: no restart of metald is needed."""
     if isinstance(e, (sa_exc.DisconnectionError, sa_exc.TimeoutError)):
         return True  # DisconnectionError: pre-ping failed; TimeoutError: the pool's wait
     if isinstance(e, sa_exc.DBAPIError):

@@ -23,6 +23,7 @@ from sqlalchemy import text
 from metald.boot.dhcp.lease_feed import LeaseFeed
 from metald.boot.dhcp.lease_store import LeaseStore
 from metald.store import Store, libpq_conninfo
+from metald.store import db as store_db
 from tests.fleet.test_membership import wait_for
 from vmlab.labnet import free_port
 from vmlab.pg import PgServer, pg_bindir
@@ -110,7 +111,9 @@ async def test_store_and_lease_feed_reach_the_writable_host_and_follow_it(
             f"postgresql+psycopg://metald@127.0.0.1:{standby.port}/{DB}"
         ).migrate()  # what replication would have carried over
         # The same Store, no restart: pooled connections to the dead server are dropped
-        # (pre-ping) and a new one goes to the host that accepts writes now.
+        # (tested before use once idle for PING_IDLE_S; a failover takes longer than that,
+        # here it is instant) and a new one goes to the host that accepts writes now.
+        await asyncio.sleep(store_db.PING_IDLE_S + 0.1)
         assert _port(store) == standby.port
         await wait_for(
             lambda: (
