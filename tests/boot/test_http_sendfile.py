@@ -247,3 +247,72 @@ async def test_the_boot_plane_freezes_its_heap_and_sets_the_threads_without_dhcp
         await plane.stop()
         store.close()
         sendfile.configure(old)
+
+
+def _send_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int, rate: float
+) -> tuple[list[int], bytes, bytes]:
+    """send_blocking of a ``size``-byte file over a socket pair whose reader drains at once,
+    on a clock where the client takes ``rate`` bytes a second; returns the byte count each
+    sendfile call was asked for, the file and what arrived."""
+    data = os.urandom(size)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    now = [0.0]
+    calls: list[int] = []
+    real_sendfile = os.sendfile
+
+    def counted(out_fd: int, in_fd: int, offset: int | None, count: int) -> int:
+        calls.append(count)
+        n = real_sendfile(out_fd, in_fd, offset, count)
+        now[0] += n / rate
+        return n
+
+    monkeypatch.setattr(sendfile, "_clock", lambda: now[0])
+    monkeypatch.setattr(sendfile.os, "sendfile", counted)
+    a, b = socket.socketpair()
+    got = bytearray()
+
+    def drain() -> None:
+        while chunk := b.recv(1 << 20):
+            got.extend(chunk)
+
+    import threading
+
+    t = threading.Thread(target=drain)
+    t.start()
+    try:
+        with open(path, "rb") as f:
+            sent = sendfile.send_blocking(os.dup(a.fileno()), os.dup(f.fileno()), 0, size)
+        assert sent == size
+    finally:
+        a.close()
+        t.join(10)
+        b.close()
+    return calls, data, bytes(got)
+
+
+def test_a_fast_client_gets_a_big_asset_in_few_slices(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every slice ends with the thread taking the GIL back: a client that takes the first
+    SLICE quickly gets the rest in slices sized by its rate (at most MAX_SLICE), not in
+    SLICE-byte steps (fails on the old code: 8 calls of 4 MiB for 32 MiB)."""
+    size = 32 << 20
+    calls, data, got = _send_counted(tmp_path, monkeypatch, size, 400 << 20)
+    assert got == data
+    assert calls == [sendfile.SLICE, size - sendfile.SLICE]
+    assert sendfile.next_slice(sendfile.SLICE, 0.0) == sendfile.MAX_SLICE
+
+
+def test_a_slower_client_gets_slices_it_takes_in_half_the_slice_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client at 10 MiB/s (4 MiB in 0.4 s) gets 5 MiB slices (0.5 s each at its rate), never
+    more than it takes in SLICE_SECONDS / 2, never less than SLICE."""
+    size = 20 << 20
+    calls, data, got = _send_counted(tmp_path, monkeypatch, size, 10 << 20)
+    assert got == data
+    assert calls[0] == sendfile.SLICE
+    assert calls[1:] == [5 << 20, 5 << 20, 5 << 20, 1 << 20]
+    assert sendfile.next_slice(1 << 20, 1.0) == sendfile.SLICE  # slow: never below SLICE
