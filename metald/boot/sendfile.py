@@ -6,18 +6,13 @@ non-blocking ``sendfile`` per writable wake-up, with the loop's Python (selector
 re-registering the writer) in between. On a 2-core machine that puts all of the kernel's TCP
 work for every download on one core, and the loop's Python per chunk on top (bench/BOOT.md,
 HTTP boot). Here a transfer of at least ``MIN_BYTES`` is handed to one of ``THREADS`` worker
-threads, which sends it in slices, one blocking ``sendfile`` each (the GIL released
-throughout), as nginx's workers do. The first slice is ``SLICE`` bytes; each next one is what
-the client took in ``SLICE_SECONDS / 2`` at the last slice's rate (at most ``MAX_SLICE``), so a
-fast client gets its file in a few calls: every slice ends with the thread taking the GIL
-back, and with 64 threads those hand-offs were a large part of the server's user time
-(bench/BOOT.md, HTTP boot CPU).
+threads, which sends it in ``SLICE`` bytes per blocking ``sendfile`` (the GIL released
+throughout), as nginx's workers do.
 
 Guards:
 - A thread is never held by a slow or stalled client: the socket's send timeout is
   ``SLICE_SECONDS`` while a thread sends (a slice that makes no progress for that long
-  returns), a slice is sized to take ``SLICE_SECONDS / 2`` at the client's last rate, and a
-  slice slower than ``SLICE_SECONDS`` hands the rest back to the event loop,
+  returns), and a slice slower than ``SLICE_SECONDS`` hands the rest back to the event loop,
   whose non-blocking sendfile waits for such a client at no cost. So is any error but a closed
   connection.
 - No queue: when every thread is busy, the transfer runs on the loop as before.
@@ -48,14 +43,10 @@ THREADS = 64
 #: Smaller transfers (iPXE scripts, signatures, small binaries) stay on the loop: a hand-off
 #: costs more than sending them.
 MIN_BYTES = 1 << 20
-#: Bytes of the first blocking sendfile call, and the most time one may take before the rest
-#: goes back to the loop (a client slower than SLICE / SLICE_SECONDS). Later calls send what
-#: the client took in SLICE_SECONDS / 2 at the last call's rate, SLICE to MAX_SLICE bytes.
+#: Bytes per blocking sendfile call, and the most time one may take before the rest goes back
+#: to the loop (a client slower than SLICE / SLICE_SECONDS).
 SLICE = 4 << 20
-MAX_SLICE = 64 << 20
 SLICE_SECONDS = 1.0
-#: The clock slices are timed with (a test sets its own).
-_clock = time.monotonic
 
 _pool: ThreadPoolExecutor | None = None
 _busy = 0
@@ -99,19 +90,11 @@ def _timeval(seconds: float) -> bytes:
     return struct.pack("@ll", int(seconds), int((seconds % 1) * 1e6))
 
 
-def next_slice(sent: int, took: float) -> int:
-    """Bytes of the next slice after one that sent ``sent`` in ``took`` seconds: what the
-    client takes in SLICE_SECONDS / 2 at that rate, SLICE to MAX_SLICE."""
-    if took <= 0:
-        return MAX_SLICE
-    return max(SLICE, min(MAX_SLICE, int(sent * (SLICE_SECONDS / 2) / took)))
-
-
 def send_blocking(fd: int, fileno: int, offset: int, count: int) -> int:
     """In a worker thread: send ``count`` bytes of the file ``fileno`` from ``offset`` on the
-    socket ``fd`` (duplicates this call owns and closes), blocking, slice by slice (each sized
-    by the client's rate in the last one); stop early (returning what was sent) at a slice
-    slower than SLICE_SECONDS or a send timeout. Connection errors raise."""
+    socket ``fd`` (duplicates this call owns and closes), blocking, slice by slice; stop early
+    (returning what was sent) at a slice slower than SLICE_SECONDS or a send timeout.
+    Connection errors raise."""
     sock = socket.socket(fileno=fd)  # closes fd when done, whatever happens
     flags: int | None = None
     try:
@@ -119,10 +102,9 @@ def send_blocking(fd: int, fileno: int, offset: int, count: int) -> int:
         fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_NONBLOCK)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(SLICE_SECONDS))
         sent = 0
-        size = SLICE
         while sent < count:
-            want = min(size, count - sent)
-            t0 = _clock()
+            want = min(SLICE, count - sent)
+            t0 = time.monotonic()
             try:
                 n = os.sendfile(fd, fileno, offset + sent, want)
             except (BlockingIOError, InterruptedError):
@@ -130,10 +112,8 @@ def send_blocking(fd: int, fileno: int, offset: int, count: int) -> int:
             if n <= 0:
                 break  # the file is shorter than promised: the loop's sendfile says so
             sent += n
-            took = _clock() - t0
-            if n < want or took > SLICE_SECONDS:
+            if n < want or time.monotonic() - t0 > SLICE_SECONDS:
                 break  # a slow client: the loop waits for it at no cost
-            size = next_slice(n, took)
         return sent
     finally:
         if flags is not None:
