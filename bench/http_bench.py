@@ -15,6 +15,8 @@ it (the sender's sendfile, or the receiver's ACK when it frees room in the send 
 server can move system time onto its clients without saving any; server + client CPU is the
 whole cost of a round. ``metald-loopsend`` is this tree's metald with every transfer on the
 event loop (``boot.http_sendfile_threads = 0``); the load average is printed per round.
+``--tree NAME=PATH`` adds a server NAME: the metald of another source tree (``git archive`` of
+an older commit), run the same way, for before/after figures in one interleaved run.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import time
 from pathlib import Path
 
 from _lab import namespaces, start_http_metald, table, tree_cpu_times
+
+from vmlab import labnet
 
 DRIVER = r"""
 import asyncio, sys, time
@@ -84,8 +88,17 @@ def main() -> int:
         help="metald (its default loop), metald-asyncio, metald-uvloop, metald-loopsend "
         "(no sendfile threads), nginx",
     )
+    ap.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="also run the metald of another source tree (e.g. git archive of an older "
+        "commit) as server NAME; repeatable",
+    )
     args = ap.parse_args()
-    names = args.servers.split(",")
+    trees = {k: Path(v).resolve() for k, _, v in (t.partition("=") for t in args.tree)}
+    names = args.servers.split(",") + list(trees)
     if shutil.which("nginx") is None:
         print("nginx is not installed (Debian package nginx-light)", file=sys.stderr)
         return 2
@@ -111,15 +124,25 @@ def main() -> int:
             ports = {"nginx": 8081}
             procs = []
             pids: dict[str, int] = {}
-            for n, name in enumerate(x for x in names if x.startswith("metald")):
+            for n, name in enumerate(x for x in names if x.startswith("metald") or x in trees):
                 os.environ.pop("METALD_BOOT__HTTP_SENDFILE_THREADS", None)
                 if name == "metald-loopsend":
                     os.environ["METALD_BOOT__HTTP_SENDFILE_THREADS"] = "0"
+                # `python -m metald.boot` imports metald from its working directory: another
+                # tree runs from there.
+                repo = labnet.REPO_ROOT
+                if name in trees:
+                    labnet.REPO_ROOT = trees[name]
                 try:
                     bp, ports[name] = start_http_metald(
-                        lab, tmp, n, "metald" if name == "metald-loopsend" else name, root
+                        lab,
+                        tmp,
+                        n,
+                        "metald" if name == "metald-loopsend" or name in trees else name,
+                        root,
                     )
                 finally:
+                    labnet.REPO_ROOT = repo
                     os.environ.pop("METALD_BOOT__HTTP_SENDFILE_THREADS", None)
                 procs.append(bp)
                 pids[name] = bp.proc.pid  # type: ignore[union-attr]
