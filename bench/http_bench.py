@@ -14,7 +14,8 @@ on loopback the kernel's TCP work for a segment runs in whichever process's cont
 it (the sender's sendfile, or the receiver's ACK when it frees room in the send queue), so a
 server can move system time onto its clients without saving any; server + client CPU is the
 whole cost of a round. ``metald-loopsend`` is this tree's metald with every transfer on the
-event loop (``boot.http_sendfile_threads = 0``); the load average is printed per round.
+event loop (``boot.http_sendfile_threads = 0``), ``metald-threadsN`` with N sendfile threads;
+the load average is printed per round.
 ``--tree NAME=PATH`` adds a server NAME: the metald of another source tree (``git archive`` of
 an older commit), run the same way, for before/after figures in one interleaved run.
 """
@@ -86,7 +87,7 @@ def main() -> int:
         "--servers",
         default="metald,nginx",
         help="metald (its default loop), metald-asyncio, metald-uvloop, metald-loopsend "
-        "(no sendfile threads), nginx",
+        "(no sendfile threads), metald-threadsN (N sendfile threads), nginx",
     )
     ap.add_argument(
         "--tree",
@@ -128,6 +129,10 @@ def main() -> int:
                 os.environ.pop("METALD_BOOT__HTTP_SENDFILE_THREADS", None)
                 if name == "metald-loopsend":
                     os.environ["METALD_BOOT__HTTP_SENDFILE_THREADS"] = "0"
+                elif name.startswith("metald-threads"):
+                    os.environ["METALD_BOOT__HTTP_SENDFILE_THREADS"] = name.removeprefix(
+                        "metald-threads"
+                    )
                 # `python -m metald.boot` imports metald from its working directory: another
                 # tree runs from there.
                 repo = labnet.REPO_ROOT
@@ -138,7 +143,11 @@ def main() -> int:
                         lab,
                         tmp,
                         n,
-                        "metald" if name == "metald-loopsend" or name in trees else name,
+                        "metald"
+                        if name == "metald-loopsend"
+                        or name.startswith("metald-threads")
+                        or name in trees
+                        else name,
                         root,
                     )
                 finally:
