@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from metald.bmc.base import BootTarget, PowerAction, PowerState
@@ -146,4 +147,9 @@ class Executor(Protocol):
 
 def step_key(m: Machine) -> str:
     """One entry of a machine into a state: what a provisioning step's journal is keyed by."""
-    return f"{m.state}@{as_utc(m.state_changed_at).isoformat()}"
+    return step_key_of(m.state, m.state_changed_at)
+
+
+def step_key_of(state: str, state_changed_at: datetime) -> str:
+    """``step_key`` from the two columns it is made of (for scans that read only those)."""
+    return f"{state}@{as_utc(state_changed_at).isoformat()}"

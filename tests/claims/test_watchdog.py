@@ -200,6 +200,39 @@ async def test_resume_skips_recent_and_handled_provisioning(store: Store) -> Non
         assert interrupted_boots(s, 120) == [cut]
 
 
+def test_a_boot_whose_step_is_journaled_is_not_counted_as_cut_off(store: Store) -> None:
+    """A step journaled on the machine's BMC (``requested`` by an instance that does not hold
+    the BMC, or a command under way) is the BMC holder's to run or resume (unfinished steps),
+    however long its queue: the cut-off sweep leaves it alone. At 10,000 machines with 8,000
+    claimed it resumed thousands of such boots every sweep (bench/FLEET.md). A journal of an
+    older step (an earlier state entry) is no sign for this one. Fails on the old code, which
+    did not read the journal."""
+    from metald.bmc import ownership
+    from metald.bmc.control import step_key
+    from metald.store.models import Bmc
+
+    queued, older, bare = claimed(store, 3)
+    _age(store, [queued, older, bare], 300)
+    with store.session() as s:
+        for i, mid in enumerate((queued, older)):
+            s.add(
+                Bmc(
+                    address=f"10.0.9.{i + 1}",
+                    protocol="ipmi",
+                    username="admin",
+                    password_enc=b"x",
+                    machine_id=mid,
+                )
+            )
+        s.commit()
+        m = s.get(Machine, queued)
+        assert m is not None
+        ownership.mark_step(s, queued, step_key(m), command="requested", done=False)
+        ownership.mark_step(s, older, "ready@2020-01-01T00:00:00+00:00", command=None, done=True)
+    with store.session() as s:
+        assert interrupted_boots(s, 120) == sorted([older, bare])
+
+
 def test_daemon_mounts_the_watchdog(cfg) -> None:  # type: ignore[no-untyped-def]
     from metald.daemon import Daemon
 
