@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 
@@ -20,6 +21,8 @@ __all__ = [
     "sh",
     "veth",
     "write_config",
+    "add_tree_option",
+    "trees_of",
     "table",
 ]
 
@@ -98,3 +101,20 @@ def tree_cpu_times(pid: int) -> tuple[float, float]:
         user += (int(f[11]) + int(f[13])) / tck
         system += (int(f[12]) + int(f[14])) / tck
     return user, system
+
+
+def add_tree_option(ap: argparse.ArgumentParser) -> None:
+    """``--tree NAME=PATH``: another source tree's metald as server NAME, in the same run."""
+    ap.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="also run the metald of another source tree (e.g. git archive of an older "
+        "commit) as server NAME; repeatable",
+    )
+
+
+def trees_of(args: argparse.Namespace) -> dict[str, Path]:
+    """The ``--tree`` options: server name -> its source tree."""
+    return {k: Path(v).resolve() for k, _, v in (t.partition("=") for t in args.tree)}

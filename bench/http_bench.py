@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _lab import namespaces, start_http_metald, table, tree_cpu_times
+from _lab import add_tree_option, namespaces, start_http_metald, table, tree_cpu_times, trees_of
 
 from vmlab import labnet
 
@@ -89,16 +89,9 @@ def main() -> int:
         help="metald (its default loop), metald-asyncio, metald-uvloop, metald-loopsend "
         "(no sendfile threads), metald-threadsN (N sendfile threads), nginx",
     )
-    ap.add_argument(
-        "--tree",
-        action="append",
-        default=[],
-        metavar="NAME=PATH",
-        help="also run the metald of another source tree (e.g. git archive of an older "
-        "commit) as server NAME; repeatable",
-    )
+    add_tree_option(ap)
     args = ap.parse_args()
-    trees = {k: Path(v).resolve() for k, _, v in (t.partition("=") for t in args.tree)}
+    trees = trees_of(args)
     names = args.servers.split(",") + list(trees)
     if shutil.which("nginx") is None:
         print("nginx is not installed (Debian package nginx-light)", file=sys.stderr)

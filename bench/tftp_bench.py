@@ -32,7 +32,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from _lab import namespaces, set_loop, table, tree_cpu_seconds, write_config
+from _lab import (
+    add_tree_option,
+    namespaces,
+    set_loop,
+    table,
+    tree_cpu_seconds,
+    trees_of,
+    write_config,
+)
 
 from vmlab import labnet
 
@@ -137,16 +145,9 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--servers", default="metald,tftpd-hpa,dnsmasq")
-    ap.add_argument(
-        "--tree",
-        action="append",
-        default=[],
-        metavar="NAME=PATH",
-        help="also run the metald of another source tree (e.g. git archive of an older "
-        "commit) as server NAME; repeatable",
-    )
+    add_tree_option(ap)
     args = ap.parse_args()
-    trees = {k: Path(v).resolve() for k, _, v in (t.partition("=") for t in args.tree)}
+    trees = trees_of(args)
     servers = args.servers.split(",") + list(trees)
     load0 = loadavg()
     want = hashlib.sha256(IPXE.read_bytes()).hexdigest()
