@@ -28,10 +28,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "vm-lab")]
 
+from _lab import table  # noqa: E402
 from sqlalchemy import event  # noqa: E402
 from sqlmodel import Session, select  # noqa: E402
 
-from bench._lab import table  # noqa: E402
 from metald.bmc.base import PowerState  # noqa: E402
 from metald.bmc.chassis import record_power  # noqa: E402
 from metald.bmc.control import Expected  # noqa: E402

@@ -25,10 +25,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "vm-lab")]
 
+from _lab import table  # noqa: E402
 from sqlalchemy import create_engine, update  # noqa: E402
 from sqlmodel import Session  # noqa: E402
 
-from bench._lab import table  # noqa: E402
 from metald.machines import create_machine  # noqa: E402
 from metald.store.db import Store  # noqa: E402
 from metald.store.models import Machine  # noqa: E402
