@@ -28,7 +28,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "vm-lab")]
 
-from _lab import table  # noqa: E402
+from _lab import table, tree_cpu_seconds  # noqa: E402
 from sqlalchemy import event  # noqa: E402
 from sqlmodel import Session, select  # noqa: E402
 
@@ -111,48 +111,15 @@ class _Transactions:
         self.committed += 1
 
 
-def _tree_cpu(pids: list[int]) -> float:
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in pids:
-        try:
-            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(f[11]) + int(f[12])) / tick
-    return total
-
-
-def _pg_pids(data: Path) -> list[int]:
-    """The postmaster (its ``postmaster.pid``) and its children (the backends, the pool's
-    connections kept across rounds)."""
-    pid = int((data / "postmaster.pid").read_text().split()[0])
-    return [pid, *_children(pid)]
-
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == pid:
-                out.append(int(p.name))
-    return out
-
-
-async def _round(sync: PowerSync, tx: _Transactions, pg_data: Path | None) -> dict[str, float]:
-    pg_pids = _pg_pids(pg_data) if pg_data is not None else []
+async def _round(sync: PowerSync, tx: _Transactions, postmaster: int | None) -> dict[str, float]:
     before = (tx.begun, tx.committed)
-    pg_cpu = _tree_cpu(pg_pids)
+    pg_cpu = tree_cpu_seconds(postmaster) if postmaster else 0.0
     cpu = time.process_time()
     t = time.perf_counter()
     await sync.sync_power_once()
     wall = time.perf_counter() - t
     cpu = time.process_time() - cpu
-    pg_cpu = _tree_cpu(pg_pids) - pg_cpu
+    pg_cpu = (tree_cpu_seconds(postmaster) if postmaster else 0.0) - pg_cpu
     return {
         "wall": wall,
         "cpu": cpu,
@@ -176,7 +143,11 @@ async def main_async(args: argparse.Namespace) -> None:
         try:
             store.migrate()
             await store.run(_seed, args.bmcs)
-            pg_data = pg_server.data if pg_server is not None else None
+            postmaster = (
+                int((pg_server.data / "postmaster.pid").read_text().split()[0])
+                if pg_server is not None
+                else None
+            )
             ctl = _Control(store)
             tx = _Transactions(store)
             modes = {
@@ -185,10 +156,10 @@ async def main_async(args: argparse.Namespace) -> None:
             }
             results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
             for sync in modes.values():  # a warm-up round each
-                await _round(sync, tx, pg_data)
+                await _round(sync, tx, postmaster)
             for _ in range(args.rounds):
                 for name, sync in modes.items():
-                    results[name].append(await _round(sync, tx, pg_data))
+                    results[name].append(await _round(sync, tx, postmaster))
             load = os.getloadavg()[0]
         finally:
             store.close()

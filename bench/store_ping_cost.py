@@ -7,7 +7,7 @@ small update, as most of the enrollment's are).
     .venv/bin/python bench/store_ping_cost.py --transactions 4000 --rounds 5
 
 Rounds alternate the two engines on one database; medians: wall time, metald's CPU (this
-process) and PostgreSQL's (the postmaster's children: the backends) per transaction, and the
+process) and PostgreSQL's (the postmaster and its backends) per transaction, and the
 round-trips the pool's tests made. Prints the 1-minute load average.
 """
 
@@ -25,28 +25,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "vm-lab")]
 
-from _lab import table  # noqa: E402
+from _lab import table, tree_cpu_seconds  # noqa: E402
 from sqlalchemy import create_engine, update  # noqa: E402
 from sqlmodel import Session  # noqa: E402
 
 from metald.machines import create_machine  # noqa: E402
 from metald.store.db import Store  # noqa: E402
 from metald.store.models import Machine  # noqa: E402
-
-
-def _children_cpu(pid: int) -> float:
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit():
-            continue
-        try:
-            f = (p / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(f[1]) == pid:
-            total += (int(f[11]) + int(f[12])) / tick
-    return total
 
 
 def _work(s: Session, mid: str, k: int) -> None:
@@ -65,7 +50,7 @@ async def _round(store: Store, ids: list[str], n: int, postmaster: int) -> dict[
         return real(c)
 
     store.engine.dialect.do_ping = counted  # type: ignore[method-assign]
-    pg0, cpu0, t0 = _children_cpu(postmaster), time.process_time(), time.perf_counter()
+    pg0, cpu0, t0 = tree_cpu_seconds(postmaster), time.process_time(), time.perf_counter()
     sem = asyncio.Semaphore(64)
 
     async def one(k: int) -> None:
@@ -77,7 +62,7 @@ async def _round(store: Store, ids: list[str], n: int, postmaster: int) -> dict[
     out = {
         "wall": wall,
         "cpu": (time.process_time() - cpu0) / n * 1e6,
-        "pg": (_children_cpu(postmaster) - pg0) / n * 1e6,
+        "pg": (tree_cpu_seconds(postmaster) - pg0) / n * 1e6,
         "pings": pings[0],
     }
     store.engine.dialect.do_ping = real  # type: ignore[method-assign]
