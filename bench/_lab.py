@@ -53,7 +53,8 @@ def start_http_metald(
         listen=f"127.0.0.1:{port}",
     )
     set_loop(server)
-    return BootProcess(lab, cfg, tmp / f"metald{n}.log").start(), port
+    # No access log, as nginx in these benches (access_log off) and the daemon's listeners.
+    return BootProcess(lab, cfg, tmp / f"metald{n}.log", access_log=False).start(), port
 
 
 def set_loop(server: str) -> None:

@@ -28,7 +28,7 @@ from metald.store.db import Store
 log = logging.getLogger(__name__)
 
 
-async def run(cfg: Config) -> None:
+async def run(cfg: Config, *, access_log: bool = True) -> None:
     store = Store(cfg.store_url)
     store.migrate()
     hooks = StoreBootHooks(store, cfg.instance)
@@ -36,7 +36,10 @@ async def run(cfg: Config) -> None:
     app = web.Application()
     if cfg.boot.assets_dir:
         app.add_routes(boot_routes(hooks, Path(cfg.boot.assets_dir), http_base_url(cfg)))
-    runner = web.AppRunner(app, access_log=logging.getLogger("metald.boot.http.access"))
+    # The daemon's listeners keep no access log; this entry point keeps one (at info) for the
+    # labs' logs unless told not to, as the HTTP benches do (their nginx runs access_log off).
+    access = logging.getLogger("metald.boot.http.access") if access_log else None
+    runner = web.AppRunner(app, access_log=access)
     await runner.setup()
     host, port = split_hostport(cfg.api.listen)
     tls = None
@@ -65,12 +68,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m metald.boot")
     ap.add_argument("--config", required=True)
     ap.add_argument("--log-level", default="warning")
+    ap.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="log each HTTP request at info (default on; the daemon's listeners keep none)",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     cfg = load_config(args.config)
-    eventloop.run(run(cfg), cfg.event_loop)
+    eventloop.run(run(cfg, access_log=args.access_log), cfg.event_loop)
     return 0
 
 

@@ -152,6 +152,12 @@ def test_path_safety(tmp_path: Path) -> None:
     (root / "out").symlink_to(tmp_path / "secret")
     (root / "in").symlink_to(root / "ok.bin")
     (root / "loop").symlink_to(root / "loop")
+    # A sibling whose name starts with the root's: outside, though its path string starts
+    # with the root's (a prefix check without the separator would serve it).
+    (tmp_path / "rootx").mkdir()
+    (tmp_path / "rootx" / "secret").write_text("no")
+    (root / "sibling").symlink_to(tmp_path / "rootx" / "secret")
+    os.mkfifo(root / "fifo")
     r = root.resolve()
     assert safe_path(r, "ok.bin") == r / "ok.bin"
     assert safe_path(r, "sub/f") == r / "sub" / "f"
@@ -163,7 +169,11 @@ def test_path_safety(tmp_path: Path) -> None:
         ("/etc/passwd", "absolute-path"),
         ("\\etc\\passwd", "absolute-path"),
         ("out", "outside-root"),
+        ("sibling", "outside-root"),
         ("sub", "not-a-file"),
+        ("sub/", "not-a-file"),
+        ("fifo", "not-a-file"),
+        ("ok.bin/x", "not-found"),
         ("nope", "not-found"),
         ("loop", "unreadable"),
         ("a\x00b", "bad-name"),

@@ -100,11 +100,19 @@ def write_config(
 class BootProcess:
     """``python -m metald.boot`` inside a namespace; waits for READY."""
 
-    def __init__(self, ns: Netns, config: Path, log: Path) -> None:
+    def __init__(self, ns: Netns, config: Path, log: Path, *, access_log: bool = True) -> None:
         self.ns = ns
         self.config = config
         self.log = log
+        self.access_log = access_log
         self.proc: subprocess.Popen[str] | None = None
+
+    def _access_flag(self) -> list[str]:
+        # A bench may run an older tree's metald.boot (--tree), which has no such flag.
+        if self.access_log:
+            return []
+        main = (REPO_ROOT / "metald" / "boot" / "__main__.py").read_text()
+        return ["--no-access-log"] if "--access-log" in main else []
 
     def start(self, timeout: float = 30) -> BootProcess:
         self._logf = open(self.log, "a")  # noqa: SIM115 - lives as long as the process
@@ -116,6 +124,7 @@ class BootProcess:
             str(self.config),
             "--log-level",
             "info",
+            *self._access_flag(),
             stdout=subprocess.PIPE,
             stderr=self._logf,
             cwd=str(REPO_ROOT),
