@@ -142,6 +142,54 @@ def match_machine(s: Session, row: Bmc, uuid_candidates: list[str]) -> tuple[str
     return (best[1], best[2]) if best else (None, "")
 
 
+def link_by_identity_in(s: Session, machine_id: str, actor: str, instance: str) -> Bmc | None:
+    """In the caller's transaction (it commits): link an unlinked BMC whose identity matches
+    this machine's (inventory that arrives after the BMC was registered). Returns the BMC, or
+    None. The inventory's use case calls it in the transaction that accepts the inventory, so
+    an instance killed between the two cannot leave a ready machine without its BMC."""
+    # One Core probe first: the machine exists (else NotFound, below), has no BMC yet,
+    # and some BMC is unlinked at all. In a power-on storm no BMC is unlinked, and the
+    # probe is all a machine's inventory costs here (not four ORM reads).
+    probe = s.connection().execute(LINK_PROBE, {"m": machine_id}).first()
+    if probe is not None and (probe.linked or not probe.unlinked):
+        return None
+    m = get_machine(s, machine_id)
+    if s.exec(select(Bmc).where(Bmc.machine_id == machine_id)).first():
+        return None
+    macs = list(s.exec(select(Nic.mac).where(Nic.machine_id == machine_id)).all())
+    # Only the rows that can match are read (not every unlinked BMC per inventory:
+    # quadratic in an enrollment storm), in identity_match's order: the system UUID and
+    # the serial through their indexes (0040), the MACs (a scan of the unlinked rows'
+    # JSON) only when neither found one. One OR of the three scanned every unlinked row
+    # per inventory: at 10,000 BMCs registered ahead, PostgreSQL's CPU per machine grew
+    # with the fleet. identity_match still decides.
+    tries = [func.lower(Bmc.system_uuid).in_(sorted(uuid_sources(m.system_uuid)))]
+    if m.serial:
+        tries.append(Bmc.serial == m.serial)
+    if macs:
+        tries.append(or_(*(cast(Bmc.macs, String).contains(mac) for mac in macs)))
+    rows: list[Bmc] = []
+    for could in tries:
+        rows = list(s.exec(select(Bmc).where(Bmc.machine_id.is_(None), could)).all())  # type: ignore[union-attr]
+        if rows:
+            break
+    for row in rows:
+        if identity_match(BmcIdentity.of(row), m.system_uuid, m.serial, macs) is None:
+            continue
+        row.machine_id = machine_id
+        s.add(row)
+        add_event(
+            s,
+            "bmc.linked",
+            actor,
+            machine_id=machine_id,
+            instance=instance,
+            data={"bmc_id": row.id, "by": "identity"},
+        )
+        return row
+    return None
+
+
 # --- the registry ---------------------------------------------------------------------------
 
 
@@ -347,52 +395,14 @@ class BmcRegistry:
         return await self.store.run(do)
 
     async def link_by_identity(self, machine_id: str, actor: str = "system") -> Bmc | None:
-        """Link an unlinked BMC whose identity matches this machine's (called when inventory
-        arrives after the BMC was registered). Returns the BMC, or None."""
+        """Link an unlinked BMC whose identity matches this machine's, in a transaction of its
+        own (``link_by_identity_in``). Returns the BMC, or None."""
 
         def do(s: Session) -> Bmc | None:
-            # One Core probe first: the machine exists (else NotFound, below), has no BMC yet,
-            # and some BMC is unlinked at all. In a power-on storm no BMC is unlinked, and the
-            # probe is all a machine's inventory costs here (not four ORM reads).
-            probe = s.connection().execute(LINK_PROBE, {"m": machine_id}).first()
-            if probe is not None and (probe.linked or not probe.unlinked):
-                return None
-            m = get_machine(s, machine_id)
-            if s.exec(select(Bmc).where(Bmc.machine_id == machine_id)).first():
-                return None
-            macs = list(s.exec(select(Nic.mac).where(Nic.machine_id == machine_id)).all())
-            # Only the rows that can match are read (not every unlinked BMC per inventory:
-            # quadratic in an enrollment storm), in identity_match's order: the system UUID and
-            # the serial through their indexes (0040), the MACs (a scan of the unlinked rows'
-            # JSON) only when neither found one. One OR of the three scanned every unlinked row
-            # per inventory: at 10,000 BMCs registered ahead, PostgreSQL's CPU per machine grew
-            # with the fleet. identity_match still decides.
-            tries = [func.lower(Bmc.system_uuid).in_(sorted(uuid_sources(m.system_uuid)))]
-            if m.serial:
-                tries.append(Bmc.serial == m.serial)
-            if macs:
-                tries.append(or_(*(cast(Bmc.macs, String).contains(mac) for mac in macs)))
-            rows: list[Bmc] = []
-            for could in tries:
-                rows = list(s.exec(select(Bmc).where(Bmc.machine_id.is_(None), could)).all())  # type: ignore[union-attr]
-                if rows:
-                    break
-            for row in rows:
-                if identity_match(BmcIdentity.of(row), m.system_uuid, m.serial, macs) is None:
-                    continue
-                row.machine_id = machine_id
-                s.add(row)
-                add_event(
-                    s,
-                    "bmc.linked",
-                    actor,
-                    machine_id=machine_id,
-                    instance=self.instance,
-                    data={"bmc_id": row.id, "by": "identity"},
-                )
+            row = link_by_identity_in(s, machine_id, actor, self.instance)
+            if row is not None:
                 s.commit()
-                return row
-            return None
+            return row
 
         return await self.store.run(do)
 

@@ -17,13 +17,15 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Concatenate, ParamSpec
 
+from sqlmodel import Session
+
 from metald.bmc import chassis, firmware, media, secureboot
 from metald.bmc.base import BmcError, BootTarget, PowerAction
 from metald.bmc.capabilities import Capability
 from metald.bmc.control import BmcCommandFailed, BmcOwnership, NoBmc, NotOwner
 from metald.bmc.executor import BmcExecutor, capabilities_of
 from metald.bmc.power_sync import PowerSync
-from metald.bmc.registry import PROTOCOLS, BmcRegistry, public
+from metald.bmc.registry import PROTOCOLS, BmcRegistry, link_by_identity_in, public
 from metald.config import BmcConfig
 from metald.errors import MetaldError, NotFound, Unprocessable
 from metald.secrets import SecretBox
@@ -130,6 +132,11 @@ class BmcService:
     ) -> dict[str, Any] | None:
         row = await self.registry.link_by_identity(machine_id, actor)
         return _shown(row) if row else None
+
+    def link_by_identity_in(self, s: Session, machine_id: str, *, actor: str) -> bool:
+        """``registry.link_by_identity_in`` in the caller's transaction (it commits): whether
+        a BMC was linked."""
+        return link_by_identity_in(s, machine_id, actor, self.instance) is not None
 
     async def remove(self, bmc_id: str, actor: str = "system") -> None:
         await self.registry.remove(bmc_id, actor)

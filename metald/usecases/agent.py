@@ -29,7 +29,7 @@ from metald.usecases import Writes
 class AgentBmc(Protocol):
     """The BMC service as the agent's reports reach it (``metald.bmc``)."""
 
-    async def link_by_identity(self, machine_id: str, *, actor: str) -> object: ...
+    def link_by_identity_in(self, s: Session, machine_id: str, *, actor: str) -> bool: ...
 
     def after_inspection(self, machine_id: str) -> object: ...
 
@@ -68,12 +68,14 @@ class Agent:
 
     async def post_inventory(self, p: Principal, payload: Any, *, actor: str) -> dict[str, Any]:
         """Accept the inspecting machine's inventory (``enrollment.accept_inventory``) and
-        answer what it does next; then link a BMC registered before the machine was known
-        and read its firmware (in the background)."""
+        answer what it does next, and link a BMC registered before the machine was known, in
+        one transaction (an instance killed between the two left ready machines without their
+        BMC: unclaimable under ``enroll.require_bmc``, unpowerable); then read its firmware
+        (in the background)."""
         mid = _machine_id(p)
         cfg = self.enroll
 
-        def run(s: Session) -> tuple[dict[str, Any], tuple[bool, bool]]:
+        def run(s: Session) -> tuple[dict[str, Any], bool]:
             # A provisioning or wipe token of this machine cannot rewrite its inventory.
             m = machines.get_machine(s, mid)
             require_agent_phase(p, m.state, {"inspect"})
@@ -88,9 +90,12 @@ class Agent:
                 machine=m,
             )
             nxt = instruction(s, m, cfg)  # in the same transaction: the run it just started
-            # What the BMC work after commit needs, read here (one Core read) rather than in
-            # transactions of its own: a storm's machines have no BMC and none is unlinked.
-            bmc_state = link_probe(s, mid) if self.bmc is not None else (False, False)
+            # One Core read says whether there is BMC work at all: a storm's machines have no
+            # BMC and none is unlinked.
+            linked, unlinked = link_probe(s, mid) if self.bmc is not None else (False, False)
+            if not linked and unlinked:
+                # A BMC registered before its machine was known: linked by UUID, serial or MAC.
+                linked = self.bmc.link_by_identity_in(s, mid, actor=f"metald:{self.instance}")
             s.commit()
             return {
                 "machine_id": m.id,
@@ -98,21 +103,16 @@ class Agent:
                 "gpu_model": m.gpu_model,
                 "gpu_count": m.gpu_count,
                 "next": nxt,
-            }, bmc_state
+            }, linked
 
         try:
-            out, (linked, unlinked) = await self.tx.run(run)
+            out, linked = await self.tx.run(run)
         finally:
             self.notify()
-        if self.bmc is not None:
-            if not linked and unlinked:
-                # A BMC registered before its machine was known is linked by UUID, serial or MAC.
-                row = await self.bmc.link_by_identity(mid, actor=f"metald:{self.instance}")
-                linked = row is not None
-            if linked:
-                # Firmware versions, BIOS profile, a virtual-media ISO to eject (background).
-                # Without a BMC there is none of these to read, stage or eject.
-                self.bmc.after_inspection(mid)
+        if self.bmc is not None and linked:
+            # Firmware versions, BIOS profile, a virtual-media ISO to eject (background).
+            # Without a BMC there is none of these to read, stage or eject.
+            self.bmc.after_inspection(mid)
         return out
 
     async def next_instruction(self, p: Principal) -> dict[str, Any]:

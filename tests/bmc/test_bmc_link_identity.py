@@ -21,7 +21,7 @@ from metald.config import BmcConfig
 from metald.machines import create_machine
 from metald.secrets import SecretBox
 from metald.store.db import Store
-from metald.store.models import Bmc
+from metald.store.models import Bmc, Machine
 from tests.conftest import LAB_BMC_NETWORKS
 
 OTHERS = 150
@@ -144,3 +144,57 @@ async def test_a_uuid_match_wins_over_a_mac_match(svc: BmcService, store: Store)
     mid = _machine(store, "b0:7b:25:00:00:0a", system_uuid=sys_uuid)
     linked = await svc.link_by_identity(mid)
     assert linked is not None and linked["id"] == ids[1]
+
+
+class Killed(BaseException):
+    """The instance died (kill -9) right after a commit: nothing after it runs."""
+
+
+async def test_an_instance_killed_after_accepting_the_inventory_leaves_it_linked(
+    svc: BmcService, store: Store
+) -> None:
+    """The inventory is accepted and the BMC registered ahead of its machine is linked in one
+    transaction. They were two: an instance killed between them (bench/fleet.py kills one in
+    the middle of the enrollment) left ~3 % of its machines ready without their BMC, which
+    ``enroll.require_bmc`` never hands to a tenant and nothing can power; the agent's retry is
+    refused (the machine is no longer inspecting). Fails on the old code."""
+    from metald.auth import Principal, Role, lookup
+    from metald.claims.workflow import ClaimWorkflow
+    from metald.config import EnrollConfig
+    from metald.usecases.agent import Agent
+    from tests.test_enrollment import enrolled_via_hooks, payload
+
+    *_, bmc_id = _bmcs(
+        store, svc.box, [*_others(), {"system_uuid": "4c4c4544-0042-4310-8033-b4c04f303934"}]
+    )
+    _hooks, target = await enrolled_via_hooks(store)
+    mid = target.machine_id
+    with store.session() as s:
+        p = lookup(s, target.kernel_args["metald.token"])
+    assert p is not None and p.role is Role.AGENT and p.phase == "inspect"
+
+    class DiesAfterCommit:
+        async def run(self, fn, *args):  # type: ignore[no-untyped-def]
+            await store.run(fn, *args)
+            raise Killed
+
+    agent = Agent(
+        store,
+        DiesAfterCommit(),
+        "test",
+        lambda: None,
+        enroll=EnrollConfig(),
+        progress_interval_s=5.0,
+        join_token_ttl_s=600,
+        bmc=svc,
+        workflow=ClaimWorkflow.__new__(ClaimWorkflow),  # not reached by an inventory
+    )
+    with pytest.raises(Killed):
+        await agent.post_inventory(
+            Principal(p.token_id, p.name, p.role, p.scope, p.phase, p.boot),
+            payload(mid, boot_id=str(uuid.uuid4())),
+            actor="agent:test",
+        )
+    with store.session() as s:
+        assert s.get(Machine, mid).state != "inspecting"  # type: ignore[union-attr]
+        assert s.get(Bmc, bmc_id).machine_id == mid  # type: ignore[union-attr]
