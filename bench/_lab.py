@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from vmlab.lab import REPO_ROOT as ROOT
-from vmlab.labnet import BootProcess, Netns, namespaces, sh, veth, write_config
+from vmlab.labnet import HTTP_BOOT, BootProcess, Netns, namespaces, sh, veth, write_config
 
 __all__ = [
     "ROOT",
@@ -25,19 +25,6 @@ __all__ = [
     "trees_of",
     "table",
 ]
-
-
-#: metald as a plain HTTP (and TFTP) boot server on loopback, no DHCP: the HTTP benches.
-HTTP_BOOT = """
-[boot]
-enabled = true
-dhcp_mode = "off"
-interfaces = ["lo"]
-server_address = "127.0.0.1"
-tftp_port = {tftp_port}
-assets_dir = "{root}"
-router_advertisements = false
-"""
 
 
 def start_http_metald(

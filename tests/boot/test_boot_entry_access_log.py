@@ -8,18 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vmlab.labnet import NEED_ROOT, ROOT, BootProcess, namespaces, write_config
-
-BOOT = """
-[boot]
-enabled = true
-dhcp_mode = "off"
-interfaces = ["lo"]
-server_address = "127.0.0.1"
-tftp_port = {tftp_port}
-assets_dir = "{root}"
-router_advertisements = false
-"""
+from vmlab.labnet import HTTP_BOOT, NEED_ROOT, ROOT, BootProcess, namespaces, write_config
 
 GET = """
 import sys, urllib.request
@@ -40,7 +29,7 @@ def test_access_log_is_kept_unless_turned_off(tmp_path: Path) -> None:
             cfg = write_config(
                 tmp_path / f"m{n}.toml",
                 state_dir=tmp_path / f"st{n}",
-                boot=BOOT.format(root=root, tftp_port=6970 + n),
+                boot=HTTP_BOOT.format(root=root, tftp_port=6970 + n),
                 listen=f"127.0.0.1:{port}",
             )
             log = tmp_path / f"m{n}.log"

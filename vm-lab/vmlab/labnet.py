@@ -97,6 +97,20 @@ def write_config(
     return path
 
 
+#: metald as a plain HTTP (and TFTP) boot server on loopback, no DHCP: the HTTP benches and
+#: the entry point's tests (``root``, ``tftp_port`` to fill in).
+HTTP_BOOT = """
+[boot]
+enabled = true
+dhcp_mode = "off"
+interfaces = ["lo"]
+server_address = "127.0.0.1"
+tftp_port = {tftp_port}
+assets_dir = "{root}"
+router_advertisements = false
+"""
+
+
 class BootProcess:
     """``python -m metald.boot`` inside a namespace; waits for READY."""
 
