@@ -142,17 +142,21 @@ def match_machine(s: Session, row: Bmc, uuid_candidates: list[str]) -> tuple[str
     return (best[1], best[2]) if best else (None, "")
 
 
-def link_by_identity_in(s: Session, machine_id: str, actor: str, instance: str) -> Bmc | None:
+def link_by_identity_in(
+    s: Session, machine_id: str, actor: str, instance: str, *, probed: bool = False
+) -> Bmc | None:
     """In the caller's transaction (it commits): link an unlinked BMC whose identity matches
     this machine's (inventory that arrives after the BMC was registered). Returns the BMC, or
     None. The inventory's use case calls it in the transaction that accepts the inventory, so
-    an instance killed between the two cannot leave a ready machine without its BMC."""
-    # One Core probe first: the machine exists (else NotFound, below), has no BMC yet,
+    an instance killed between the two cannot leave a ready machine without its BMC.
+    ``probed``: the caller's own ``link_probe`` already found it unlinked, with a BMC free."""
+    # Unless the caller probed, one Core probe first: the machine exists (else NotFound, below), has no BMC yet,
     # and some BMC is unlinked at all. In a power-on storm no BMC is unlinked, and the
     # probe is all a machine's inventory costs here (not four ORM reads).
-    probe = s.connection().execute(LINK_PROBE, {"m": machine_id}).first()
-    if probe is not None and (probe.linked or not probe.unlinked):
-        return None
+    if not probed:
+        probe = s.connection().execute(LINK_PROBE, {"m": machine_id}).first()
+        if probe is not None and (probe.linked or not probe.unlinked):
+            return None
     m = get_machine(s, machine_id)
     if s.exec(select(Bmc).where(Bmc.machine_id == machine_id)).first():
         return None

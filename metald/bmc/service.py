@@ -134,9 +134,10 @@ class BmcService:
         return _shown(row) if row else None
 
     def link_by_identity_in(self, s: Session, machine_id: str, *, actor: str) -> bool:
-        """``registry.link_by_identity_in`` in the caller's transaction (it commits): whether
-        a BMC was linked."""
-        return link_by_identity_in(s, machine_id, actor, self.instance) is not None
+        """``registry.link_by_identity_in`` in the caller's transaction (it commits), after the
+        caller's ``link_probe`` found the machine unlinked and a BMC free: whether one was
+        linked."""
+        return link_by_identity_in(s, machine_id, actor, self.instance, probed=True) is not None
 
     async def remove(self, bmc_id: str, actor: str = "system") -> None:
         await self.registry.remove(bmc_id, actor)
